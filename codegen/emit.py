@@ -1,0 +1,222 @@
+"""Step 4, emit: write the output folder that torchrun runs.
+
+``manifest.json`` (the plan and all metadata: the single source of truth), ``rank{R}.py`` per rank (the
+stage code from fx plus that rank's action list), ``run.py`` (the torchrun entry point), ``weights/``
+(each stage's initial parameters and buffers), ``model_file.py`` (a copy of the model file, for
+``loss_fn``/``batch``/``optimizer``) and ``tracepp_runtime/`` (a copy of the runtime, so the folder runs
+where only torch is installed).
+"""
+from __future__ import annotations
+
+import base64
+import json
+import os
+import pickle
+import shutil
+import textwrap
+
+import torch
+import torch.utils._pytree as pytree
+
+import tracepp
+from tracepp.codegen.stage_code import globals_prelude, stage_source
+
+RUNTIME_PACKAGE = "tracepp_runtime"
+
+
+def _spec_text(spec):
+    try:
+        return {"json": pytree.treespec_dumps(spec)}
+    except Exception:  # e.g. a model-output class without a registered serializer: pickle it instead
+        return {"pickle": base64.b64encode(pickle.dumps(spec)).decode()}
+
+
+def build_manifest(model_file, traced, graph, plan, launch_command: str) -> dict:
+    model = traced.model
+    stage_to_rank = plan["stage_to_rank"]
+    named_params = dict(model.named_parameters(remove_duplicate=False))
+    stages = []
+    for stage in graph.stages:
+        state = []
+        for name in stage.state:
+            ref = graph.state[name]
+            tensor = named_params.get(ref.fqn)
+            state.append({"placeholder": name, "fqn": ref.fqn, "aliases": ref.aliases, "kind": ref.kind,
+                          "persistent": ref.persistent, "shared": len(ref.stages) > 1,
+                          "requires_grad": bool(tensor.requires_grad) if tensor is not None else False,
+                          "shape": list(_state_tensor(traced, ref).shape),
+                          "numel": _state_tensor(traced, ref).numel()})
+        received = [dict(producer=p, name=n, **graph.values[n].meta.to_json()) for p, n in stage.received]
+        if stage.index == graph.num_stages - 1:
+            output_requires_grad = [False] * len(stage.outputs)
+        else:
+            output_requires_grad = [graph.values[n].meta.requires_grad for n in stage.outputs]
+        stages.append({
+            "index": stage.index, "rank": stage_to_rank[stage.index], "function": f"stage{stage.index}_forward",
+            "weights": f"weights/stage{stage.index}.pt", "state": state,
+            "root_inputs": stage.root_inputs,
+            "root_leaf_indices": [graph.root_inputs[name].leaf_index for name in stage.root_inputs],
+            "received": received, "outputs": stage.outputs, "output_requires_grad": output_requires_grad,
+            "module_fqns": stage.module_fqns,
+            "num_params": sum(s["numel"] for s in state if s["kind"] == "parameter"),
+        })
+    root_inputs = []
+    for ref in graph.root_inputs.values():
+        entry = {"placeholder": ref.placeholder, "leaf_index": ref.leaf_index, "path": ref.path,
+                 "batched": ref.batched, "stages": ref.stages, "shape": None, "dtype": None}
+        if ref.meta is not None:
+            entry.update(shape=ref.meta.to_json()["shape"], dtype=ref.meta.dtype)
+        root_inputs.append(entry)
+    in_spec, out_spec = _spec_text(graph.in_spec), _spec_text(graph.out_spec)
+    return {
+        "format": 1,
+        "tracepp_version": tracepp.__version__,
+        "torch_version": torch.__version__,
+        "model_file": os.path.basename(model_file.path),
+        "model_sha256": model_file.sha256,
+        "launch_command": launch_command,
+        "launch_script": "run.py",
+        "training": model_file.training,
+        "batch_size": traced.batch_size,
+        "num_leaves": graph.num_leaves,
+        "batched_leaves": traced.batched_leaves,
+        "in_spec": in_spec.get("json"), "in_spec_pickle": in_spec.get("pickle"),
+        "out_spec": out_spec.get("json"), "out_spec_pickle": out_spec.get("pickle"),
+        "output_leaves": [[kind, value] for kind, value in graph.output_leaves],
+        "root_inputs": root_inputs,
+        "values": {name: {"producer": v.producer, "consumers": v.consumers, **v.meta.to_json()}
+                   for name, v in graph.values.items()},
+        "stages": stages,
+        "shared": [{"fqn": ref.fqn, "aliases": ref.aliases, "stages": ref.stages} for ref in graph.shared_state()],
+        "state_dict_keys": list(model.state_dict().keys()),
+        "symbols": graph.symbols,
+        "batch_symbol": getattr(graph, "batch_symbol", None),
+        "plan": plan,
+    }
+
+
+def _state_tensor(traced, ref) -> torch.Tensor:
+    program = traced.program
+    if ref.kind == "constant":
+        return program.constants[ref.fqn]
+    return program.state_dict[ref.fqn]
+
+
+def _header(manifest: dict, rank: int, rank_stages: list) -> str:
+    plan = manifest["plan"]
+    lines = [
+        f"tracepp pipeline, rank {rank} of {plan['num_ranks']}: stage(s) {', '.join(str(s['index']) for s in rank_stages)} "
+        f"of {plan['num_stages']}.",
+        "",
+        f"Generated by tracepp {manifest['tracepp_version']} (torch {manifest['torch_version']}) from "
+        f"{manifest['model_file']} (sha256 {manifest['model_sha256'][:16]}).",
+        f"World size: {plan['num_ranks']} | schedule: {plan['schedule']} | microbatches: {plan['num_microbatches']} "
+        f"| mode: {'training' if manifest['training'] else 'forward only'}",
+        f"Launch (all ranks): {manifest['launch_command']}",
+        "",
+    ]
+    for stage in rank_stages:
+        modules = ", ".join(stage["module_fqns"]) or "-"
+        lines.append(f"Stage {stage['index']}: {stage['num_params']:,} parameters; modules: {modules}")
+        for item in stage["received"]:
+            lines.append(f"  receives {item['name']} {item['dtype']}{item['shape']} from stage {item['producer']}")
+        for name in stage["outputs"]:
+            value = manifest["values"].get(name)
+            if value is not None:
+                lines.append(f"  sends {name} {value['dtype']}{value['shape']} to stage(s) "
+                             f"{', '.join(map(str, value['consumers']))}")
+    lines += ["", "Do not edit: re-run `tracepp split` instead. manifest.json holds the plan and the metadata."]
+    return '"""' + "\n".join(lines) + '\n"""'
+
+
+def _actions_literal(actions: list) -> str:
+    body = ", ".join(f'"{a}"' for a in actions)
+    wrapped = textwrap.fill(body, width=108, initial_indent="    ", subsequent_indent="    ",
+                            break_long_words=False, break_on_hyphens=False)
+    return "ACTIONS = [\n" + wrapped + ",\n]" if actions else "ACTIONS = []"
+
+
+def rank_script(manifest: dict, rank: int, graph, model_path: str) -> str:
+    rank_stages = [s for s in manifest["stages"] if s["rank"] == rank]
+    sources, needed = [], set()
+    for stage in rank_stages:
+        source, names = stage_source(graph.stages[stage["index"]], stage["function"], model_path)
+        needed |= names
+        modules = ", ".join(stage["module_fqns"]) or "-"
+        sources.append(f"# ---- stage {stage['index']} ({modules})\n{source}")
+    prelude = globals_prelude(needed)
+    functions = ", ".join(f"{s['index']}: {s['function']}" for s in rank_stages)
+    return "\n".join([
+        _header(manifest, rank, rank_stages),
+        "import os",
+        "",
+        "import torch",
+        prelude,
+        f"from {RUNTIME_PACKAGE}.launch import main",
+        "",
+        "",
+        "\n\n\n".join(sources),
+        "",
+        "",
+        f"STAGE_FUNCTIONS = {{{functions}}}",
+        "",
+        "# This rank's actions for one step, in order: F forward, B backward (I input-grad, W weight-grad),",
+        "# SEND/RECV of activations (_F) or gradients (_B) with the peer stage after '>' or '<'.",
+        _actions_literal(manifest["plan"]["actions"][str(rank)]),
+        "",
+        'if __name__ == "__main__":',
+        f"    main({rank}, STAGE_FUNCTIONS, ACTIONS, os.path.dirname(os.path.abspath(__file__)))",
+        "",
+    ]).replace("\n\n\n\n", "\n\n\n")
+
+
+RUN_PY = '''"""Entry point of this tracepp pipeline: {launch_command}
+
+torchrun starts one process per rank; each runs rank<RANK>.py. Options (the same for every rank):
+  --steps K        training steps (default 3)        --lr LR        SGD learning rate (default 0.01)
+  --save PATH      write the trained state_dict       --metrics PATH one JSON line per step
+  --timeout S      fail instead of waiting longer than S seconds for a peer (default 120)
+"""
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from {runtime}.launch import launch  # noqa: E402
+
+if __name__ == "__main__":
+    launch(HERE)
+'''
+
+
+def emit(out_dir: str, model_file, traced, graph, plan: dict, launch_command: str) -> dict:
+    manifest = build_manifest(model_file, traced, graph, plan, launch_command)
+    if os.path.exists(os.path.join(out_dir, "manifest.json")):
+        shutil.rmtree(out_dir)  # a folder we wrote before: replace it whole, never mix two plans
+    elif os.path.isdir(out_dir) and os.listdir(out_dir):
+        raise FileExistsError(f"output folder {out_dir!r} exists and is not a tracepp output; choose another -o")
+    os.makedirs(os.path.join(out_dir, "weights"), exist_ok=True)
+    state_dict = traced.program.state_dict
+    for stage in manifest["stages"]:
+        tensors = {}
+        for ref in stage["state"]:
+            source = traced.program.constants[ref["fqn"]] if ref["kind"] == "constant" else state_dict[ref["fqn"]]
+            tensors[ref["fqn"]] = source.detach().clone().contiguous()
+        torch.save(tensors, os.path.join(out_dir, stage["weights"]))
+    torch.save(graph.unused_state, os.path.join(out_dir, "weights", "unused.pt"))
+    for rank in range(plan["num_ranks"]):
+        with open(os.path.join(out_dir, f"rank{rank}.py"), "w") as handle:
+            handle.write(rank_script(manifest, rank, graph, model_file.path))
+    with open(os.path.join(out_dir, "run.py"), "w") as handle:
+        handle.write(RUN_PY.format(launch_command=launch_command, runtime=RUNTIME_PACKAGE))
+    shutil.copyfile(model_file.path, os.path.join(out_dir, "model_file.py"))
+    runtime_src = os.path.dirname(os.path.abspath(__import__("tracepp.runtime", fromlist=["x"]).__file__))
+    runtime_dst = os.path.join(out_dir, RUNTIME_PACKAGE)
+    os.makedirs(runtime_dst, exist_ok=True)
+    for name in sorted(os.listdir(runtime_src)):
+        if name.endswith(".py"):
+            shutil.copyfile(os.path.join(runtime_src, name), os.path.join(runtime_dst, name))
+    with open(os.path.join(out_dir, "manifest.json"), "w") as handle:
+        json.dump(manifest, handle, indent=1)
+    return manifest

@@ -1,0 +1,35 @@
+"""Step 3, plan: stages to ranks, the schedule's per-rank action lists, comms inserted, validated.
+
+Takes the PipelineGraph's data-flow between stages (which stage feeds which, and which of those edges carry
+gradients back) and returns the plan as plain JSON-able data for the manifest.
+"""
+from __future__ import annotations
+
+from tracepp.codegen.actions import Topology
+
+
+def topology_of(graph) -> Topology:
+    fwd, grad = set(), set()
+    for value in graph.values.values():
+        for consumer in value.consumers:
+            fwd.add((value.producer, consumer))
+            if value.meta.requires_grad:
+                grad.add((value.producer, consumer))
+    return Topology(graph.num_stages, tuple(sorted(fwd)), tuple(sorted(grad)))
+
+
+def stages_per_rank(schedule: str) -> int:
+    """Stages each rank holds by default: two for the multi-stage schedules, one otherwise (and for CSVs)."""
+    return 2 if schedule in ("interleaved-1f1b", "looped-bfs", "interleaved-zb", "zbv", "dualpipev") else 1
+
+
+def plan(graph, schedule: str, num_ranks: int, num_microbatches: int, training: bool) -> dict:
+    from tracepp.codegen.planning import build_plan
+
+    if graph.num_stages % num_ranks:
+        raise ValueError(f"{graph.num_stages} stages cannot be spread evenly over {num_ranks} ranks: "
+                         f"use --stages a multiple of --ranks {num_ranks}")
+    built = build_plan(schedule, num_ranks, graph.num_stages, num_microbatches, topology_of(graph), training)
+    result = built.to_json()
+    result.update(num_ranks=num_ranks, num_stages=graph.num_stages)
+    return result

@@ -1,0 +1,67 @@
+"""Python source of one stage's forward, from torch.fx's own code generator.
+
+The function takes the stage's parameters/buffers, its root inputs and its received values (in the
+manifest's order) and returns the values it sends on (the last stage: the model's output leaves). fx writes
+shape annotations (``"f32[4, 16, 64]"``) and a ``# File: model.py:42 in forward`` comment per source line;
+we trim each node's stack trace to the user's own frames so those comments point at the model file, not at
+torch internals.
+"""
+from __future__ import annotations
+
+import os
+import re
+
+import torch
+import torch.fx as fx
+
+from tracepp.split.pipeline_graph import Stage
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+
+
+def _user_stack(trace: str) -> str:
+    """Keep the stack trace up to the last frame outside torch (the user's line that called into torch)."""
+    lines = trace.rstrip().splitlines()
+    keep_until = None
+    for i, line in enumerate(lines):
+        if line.strip().startswith('File "') and _TORCH_DIR not in line and "site-packages/torch/" not in line:
+            keep_until = i
+    if keep_until is None:
+        return trace
+    end = keep_until + 1
+    while end < len(lines) and not lines[end].strip().startswith('File "'):
+        end += 1
+    return "\n".join(lines[:end])
+
+
+def stage_source(stage: Stage, function_name: str, model_path: str = "") -> tuple:
+    """Return (source, names of globals it needs) for ``def function_name(...)``."""
+    graph = fx.Graph()
+    env: dict = {}
+    for node in stage.graph.nodes:  # a copy, so trimming stack traces leaves the split result untouched
+        env[node] = graph.node_copy(node, lambda n: env[n])
+        if node.meta.get("stack_trace"):
+            env[node].meta["stack_trace"] = _user_stack(node.meta["stack_trace"])
+    code = graph.python_code(root_module="self", verbose=True)
+    source = code.src.strip("\n")
+    source = re.sub(r"^def forward\(self,?\s*", f"def {function_name}(", source, count=1)
+    if model_path:  # "# File: /home/me/proj/model.py:42" -> "# File: model.py:42"
+        source = source.replace(f"# File: {model_path}:", f"# File: {os.path.basename(model_path)}:")
+    used = {name for name in code.globals if re.search(rf"\b{re.escape(name)}\b", source.split(":", 1)[-1])}
+    return source, used
+
+
+def globals_prelude(names: set) -> str:
+    """Imports for the names fx's generated code refers to."""
+    lines = []
+    if "inf" in names or "nan" in names:
+        lines.append("from math import inf, nan")
+    if "device" in names:
+        lines.append("from torch import device")
+    if "NoneType" in names:
+        lines.append("NoneType = type(None)")
+    if "fx_pytree" in names:
+        lines.append("import torch.fx._pytree as fx_pytree")
+    if "pytree" in names:
+        lines.append("import torch.utils._pytree as pytree")
+    return "\n".join(lines)

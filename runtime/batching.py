@@ -1,0 +1,134 @@
+"""Check a training batch against the traced signature and cut it into microbatches.
+
+Every rank runs this on its own copy of the batch, so a bad batch fails on every rank at once, before any
+communication. Root symbols (dynamic dims) are bound here from the batch's own sizes, per microbatch.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.utils._pytree as pytree
+
+from .failure import PipelineError
+from .shapes import compile_shape
+
+_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z_0-9]*$")
+
+
+@dataclass
+class Microbatches:
+    leaves: list  # per microbatch: the flattened (args, kwargs) leaves, on the device
+    targets: list  # per microbatch: the target pytree
+    scales: list  # per microbatch: its share of the full batch (sums to 1)
+    symbols: list  # per microbatch: root symbol -> int
+    batch_size: int
+
+
+class BatchChecker:
+    def __init__(self, manifest: dict):
+        self.num_microbatches = manifest["plan"]["num_microbatches"]
+        self.traced_batch_size = manifest["batch_size"]
+        self.roots = manifest["root_inputs"]
+        self.num_leaves = manifest["num_leaves"]
+        from .launch import load_spec
+
+        self.in_spec = load_spec(manifest, "in_spec")
+        self.symbols = manifest.get("symbols", {})
+        self.batched = manifest["batched_leaves"]
+        self.batch_symbol = manifest.get("batch_symbol")
+        self.checks = [(root, [compile_shape([d]) if not isinstance(d, int) and not _IDENTIFIER.match(d) else None
+                               for d in root["shape"]]) for root in self.roots if root.get("shape") is not None]
+
+    def microbatches(self, step: int, args: tuple, kwargs: dict, target, device) -> Microbatches:
+        leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs or {})))
+        if self.in_spec is not None and spec != self.in_spec:
+            raise PipelineError(
+                f"batch for step {step}: its inputs have structure {spec} but the model was traced with "
+                f"{self.in_spec}; batch(step) must return the same args/kwargs as example_inputs()/example_kwargs()"
+            )
+        batch_size = next((leaf.shape[0] for leaf, b in zip(leaves, self.batched) if b), None)
+        if batch_size is None:
+            raise PipelineError(f"batch for step {step}: no input has a batch dimension")
+        count = self.num_microbatches
+        if batch_size < count:
+            raise PipelineError(f"batch for step {step} has {batch_size} samples, fewer than the "
+                                f"{count} microbatches of this pipeline")
+        sizes = [len(chunk) for chunk in torch.arange(batch_size).tensor_split(count)]
+        if self.batch_symbol is None and batch_size != self.traced_batch_size:
+            raise PipelineError(
+                f"batch for step {step} has {batch_size} samples but the pipeline was traced with "
+                f"{self.traced_batch_size}; use the traced batch size or declare the batch dim dynamic "
+                f"(tracepp split --dynamic)")
+        symbols = [dict() for _ in range(count)]
+        for root, checks in self.checks:
+            leaf = leaves[root["leaf_index"]]
+            name = root["path"]
+            if not isinstance(leaf, torch.Tensor):
+                raise PipelineError(f"batch for step {step}: input {name} is {type(leaf).__name__}, expected a tensor")
+            if str(leaf.dtype).replace("torch.", "") != root["dtype"]:
+                raise PipelineError(f"batch for step {step}: input {name} has dtype {leaf.dtype} but the pipeline "
+                                    f"was traced with torch.{root['dtype']}")
+            traced = root["shape"]
+            if leaf.dim() != len(traced):
+                raise PipelineError(f"batch for step {step}: input {name} has {leaf.dim()} dims (shape "
+                                    f"{tuple(leaf.shape)}) but the pipeline was traced with {len(traced)} "
+                                    f"(shape {tuple(traced)})")
+            for dim, (expected, check) in enumerate(zip(traced, checks)):
+                per_microbatch = root["batched"] and dim == 0
+                actuals = sizes if per_microbatch else [leaf.shape[dim]] * count
+                if isinstance(expected, int):
+                    if not per_microbatch and actuals[0] != expected:
+                        raise PipelineError(self._mismatch(step, name, leaf, traced))
+                elif check is None:  # a root symbol: bind it, or check it against an earlier binding
+                    for index in range(count):
+                        bound = symbols[index].setdefault(expected, actuals[index])
+                        if bound != actuals[index]:
+                            raise PipelineError(
+                                f"batch for step {step}: input {name} dim {dim} is {actuals[index]} but "
+                                f"{expected} is {bound} from another input; the traced model requires them equal")
+        for index in range(count):
+            for symbol, value in symbols[index].items():
+                info = self.symbols.get(symbol, {})
+                low, high = info.get("min", 0), info.get("max")
+                if value < low or (high is not None and value > high):
+                    where = info.get("source", symbol)
+                    raise PipelineError(
+                        f"batch for step {step}: {where} = {value} is outside the declared range "
+                        f"[{low}, {high if high is not None else 'inf'}] of dynamic dim '{symbol}'")
+        for root, checks in self.checks:  # derived dims (e.g. s_seq*2) must agree with the bound symbols
+            for dim, check in enumerate(checks):
+                if check is None:
+                    continue
+                leaf = leaves[root["leaf_index"]]
+                for index in range(count):
+                    expected = check(symbols[index])[0]
+                    actual = sizes[index] if (root["batched"] and dim == 0) else leaf.shape[dim]
+                    if actual != expected:
+                        raise PipelineError(
+                            f"batch for step {step}: input {root['path']} dim {dim} is {actual} but the traced "
+                            f"model requires {root['shape'][dim]} = {expected}")
+        chunks = []
+        for leaf, batched in zip(leaves, self.batched):
+            if isinstance(leaf, torch.Tensor):
+                leaf = leaf.to(device, non_blocking=True)
+                chunks.append(leaf.tensor_split(count) if batched else [leaf] * count)
+            else:
+                chunks.append([leaf] * count)
+        mb_leaves = [[chunk[i] for chunk in chunks] for i in range(count)]
+        targets = [None] * count
+        if target is not None:
+            t_leaves, t_spec = pytree.tree_flatten(target)
+            t_chunks = [leaf.to(device).tensor_split(count) if isinstance(leaf, torch.Tensor) and leaf.dim() > 0
+                        and leaf.shape[0] == batch_size else [leaf] * count for leaf in t_leaves]
+            targets = [pytree.tree_unflatten([c[i] for c in t_chunks], t_spec) for i in range(count)]
+        scales = [size / batch_size for size in sizes]
+        return Microbatches(mb_leaves, targets, scales, symbols, batch_size)
+
+    def _mismatch(self, step, name, leaf, traced) -> str:
+        full = list(traced)
+        return (f"batch for step {step}: input {name} has shape {tuple(leaf.shape)} but the pipeline was traced "
+                f"with {tuple(full)} per microbatch ({self.num_microbatches} microbatches of a "
+                f"{self.traced_batch_size}-sample batch); use that shape, or re-split with the changing dims "
+                f"declared dynamic (dynamic_shapes in the model file, or tracepp split --dynamic)")

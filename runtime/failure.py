@@ -1,0 +1,69 @@
+"""Never a hang: a failing rank tells every other rank, and every rank exits non-zero naming it.
+
+Each rank runs a watchdog thread polling a key in the torchrun rendezvous store. A rank that fails writes
+its message there and exits 1; the others see it within a fraction of a second, print who failed and why,
+and exit 1 too, even if they are blocked in a receive.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+EXIT_FAILED = 1
+_POLL_S = 0.2
+
+
+class PipelineError(RuntimeError):
+    """An error the user can act on; printed without a traceback."""
+
+
+class FailureChannel:
+    def __init__(self, rank: int, world_size: int, timeout_s: float):
+        self.rank = rank
+        self.world_size = world_size
+        self.store = None
+        run_id = os.environ.get("TORCHELASTIC_RUN_ID", "local")
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        self.key = f"tracepp/{run_id}/{restart}/failure"
+        self.done_key = f"tracepp/{run_id}/{restart}/done{rank}"
+        host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+        if host and port and world_size > 1:
+            self.store = dist.TCPStore(host, int(port), world_size, is_master=False,
+                                       timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+        self._stop = threading.Event()
+
+    def start_watchdog(self) -> None:
+        if self.store is None:
+            return
+        thread = threading.Thread(target=self._watch, name="tracepp-watchdog", daemon=True)
+        thread.start()
+
+    def _watch(self) -> None:
+        while not self._stop.is_set():
+            try:
+                if self.store.check([self.key]):
+                    message = self.store.get(self.key).decode()
+                    if not message.startswith(f"rank {self.rank} "):
+                        print(f"[tracepp rank {self.rank}] stopping because {message}", file=sys.stderr, flush=True)
+                        os._exit(EXIT_FAILED)
+            except Exception:  # the store went away: torchrun is tearing the job down
+                pass
+            time.sleep(_POLL_S)
+
+    def report(self, message: str) -> None:
+        """Tell every rank that this one failed (first failure wins), then the caller exits."""
+        text = f"rank {self.rank} failed: {message}"
+        if self.store is not None:
+            try:
+                self.store.compare_set(self.key, "", text)
+            except Exception:
+                pass
+        print(f"[tracepp rank {self.rank}] error: {message}", file=sys.stderr, flush=True)
+
+    def stop(self) -> None:
+        self._stop.set()

@@ -1,0 +1,33 @@
+"""Receive-buffer shapes from static metadata: ints, or Python expressions over the root symbols.
+
+The manifest stores each boundary tensor's shape as a list whose entries are ints or Python expressions
+(printed from sympy at codegen time), e.g. ``["s_batch", "s_seq", 64]``. Each step, every rank binds the root
+symbols from its own copy of the batch and evaluates the shapes: no shape is ever exchanged.
+"""
+from __future__ import annotations
+
+import math
+
+_SAFE = {"__builtins__": {}, "floor": math.floor, "ceil": math.ceil, "max": max, "min": min, "abs": abs,
+         "math": math}
+
+
+def compile_shape(shape: list):
+    """Return ``fn(symbols) -> tuple[int, ...]`` for a manifest shape list."""
+    if all(isinstance(dim, int) for dim in shape):
+        fixed = tuple(shape)
+        return lambda symbols: fixed
+    source = "lambda s: (" + "".join(f"int({_as_expr(d)})," for d in shape) + ")"
+    fn = eval(compile(source, "<tracepp shape>", "eval"), dict(_SAFE))
+    return fn
+
+
+def _as_expr(dim) -> str:
+    if isinstance(dim, int):
+        return str(dim)
+    # symbol names are plain identifiers; look them up in the bound dict
+    import re
+
+    return re.sub(r"\b([A-Za-z_][A-Za-z_0-9]*)\b",
+                  lambda m: m.group(1) if m.group(1) in _SAFE or m.group(1) == "int" else f"s[{m.group(1)!r}]",
+                  dim)

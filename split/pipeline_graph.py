@@ -1,0 +1,97 @@
+"""The split step's result, as plain data: what each stage computes, owns, receives and sends."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+
+@dataclass
+class TensorMeta:
+    """Static metadata of one value that crosses a stage boundary (or enters from the batch)."""
+
+    shape: list  # ints, or strings of sympy expressions over the root symbols (e.g. "s_seq*s_batch")
+    dtype: str  # torch dtype name without the "torch." prefix, e.g. "float32", "int64", "bool"
+    requires_grad: bool  # carries a gradient back in training (never for integer/bool tensors)
+
+    def to_json(self) -> dict:
+        return {"shape": [d if isinstance(d, int) else str(d) for d in self.shape], "dtype": self.dtype,
+                "requires_grad": self.requires_grad}
+
+
+@dataclass
+class BoundaryValue:
+    """A value produced on one stage and used on later ones (skip connections reach several)."""
+
+    name: str  # the traced node's name, unique in the program
+    producer: int
+    consumers: list  # stage indices, ascending
+    meta: TensorMeta
+
+
+@dataclass
+class StateRef:
+    """A parameter, buffer or constant a stage reads, with every FQN that names the same tensor."""
+
+    placeholder: str  # the traced placeholder's name (also the stage function's argument name)
+    fqn: str  # the FQN export recorded
+    aliases: list  # all FQNs of this tensor in the original model (tied weights have several)
+    kind: str  # "parameter" | "buffer" | "constant"
+    persistent: bool = True
+    stages: list = field(default_factory=list)  # every stage that reads it (shared when more than one)
+
+
+@dataclass
+class RootInput:
+    """One flattened leaf of the model's (args, kwargs) that the graph reads as a placeholder."""
+
+    placeholder: str
+    leaf_index: int  # position among pytree.tree_flatten((args, kwargs)) leaves
+    path: str  # human-readable: "args[0]", "kwargs['attention_mask']"
+    batched: bool  # chunked along dim 0 into microbatches
+    meta: Optional[TensorMeta]  # None for non-tensor leaves (constants baked into the trace)
+    stages: list = field(default_factory=list)
+
+
+@dataclass
+class Stage:
+    index: int
+    graph: torch.fx.Graph  # placeholders: state refs, then root inputs, then received values
+    state: list  # placeholder names of StateRefs, in argument order
+    root_inputs: list  # placeholder names of RootInputs, in argument order
+    received: list  # (producer stage, value name), in argument order
+    outputs: list  # value names this stage returns, in order (last stage: the model's output leaves)
+    module_fqns: list  # modules whose code runs in this stage (from nn_module_stack), in first-seen order
+
+    def consumers_of(self, graph: "PipelineGraph") -> dict:
+        return {name: graph.values[name].consumers for name in self.outputs if name in graph.values}
+
+
+@dataclass
+class PipelineGraph:
+    stages: list  # list[Stage]
+    values: dict  # name -> BoundaryValue
+    state: dict  # placeholder name -> StateRef
+    root_inputs: dict  # placeholder name -> RootInput
+    num_leaves: int  # flattened (args, kwargs) leaves of one batch
+    in_spec: Any  # pytree spec of (args, kwargs)
+    out_spec: Any  # pytree spec of the model's output
+    output_leaves: list  # per output leaf: ("value", name) | ("const", python value)
+    unused_state: dict  # FQN -> tensor for parameters/buffers no stage reads (kept for --save)
+    symbols: dict = field(default_factory=dict)  # root symbol name -> {"min": int, "max": int, "source": [...]}
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    def edges(self) -> list:
+        """(producer, consumer, [value names]) per stage pair that exchanges data, in a fixed order."""
+        pairs: dict = {}
+        for value in self.values.values():
+            for consumer in value.consumers:
+                pairs.setdefault((value.producer, consumer), []).append(value.name)
+        return [(p, c, names) for (p, c), names in sorted(pairs.items())]
+
+    def shared_state(self) -> list:
+        return [ref for ref in self.state.values() if len(ref.stages) > 1]

@@ -1,0 +1,2 @@
+"""tracepp: pipeline-parallel training from one traced PyTorch model."""
+__version__ = "0.1.0"
