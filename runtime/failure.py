@@ -55,6 +55,22 @@ class FailureChannel:
                 pass
             time.sleep(_POLL_S)
 
+    def peer_failure(self, wait_s: float = 2.0):
+        """The failure another rank reported, waiting briefly for it (our error may be its echo), else None."""
+        if self.store is None:
+            return None
+        deadline = time.time() + wait_s
+        while True:
+            try:
+                if self.store.check([self.key]):
+                    message = self.store.get(self.key).decode()
+                    return None if message.startswith(f"rank {self.rank} ") else message
+            except Exception:
+                return None
+            if time.time() >= deadline:
+                return None
+            time.sleep(0.05)
+
     def report(self, message: str) -> None:
         """Tell every rank that this one failed (first failure wins), then the caller exits."""
         text = f"rank {self.rank} failed: {message}"

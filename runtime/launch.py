@@ -221,6 +221,10 @@ def main(rank_script_rank: int, stage_functions: dict, actions: list, folder: st
         channel.report(str(error))
         _exit(EXIT_FAILED)
     except Exception as error:  # an unexpected failure: keep the traceback, and tell every rank
+        cause = channel.peer_failure()
+        if cause is not None:  # our error is the echo of a peer's crash (e.g. "connection closed by peer")
+            print(f"[tracepp rank {rank}] stopping because {cause}", file=sys.stderr, flush=True)
+            _exit(EXIT_FAILED)
         traceback.print_exc()
         channel.report(f"{type(error).__name__}: {error}")
         _exit(EXIT_FAILED)
