@@ -33,6 +33,19 @@ def _dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
 
 
+def _shapes_from_manifest(manifest: dict):
+    """The rank script's ``boundary_shapes`` rebuilt from the manifest (for callers without a rank script)."""
+    fns = {name: compile_shape(v["shape"]) for name, v in manifest["values"].items()}
+    sizes = {item["name"]: compile_shape([item["expr"]])
+             for stage in manifest["stages"] for item in stage.get("sym_inputs", [])}
+
+    def shapes(**symbols):
+        result = {name: fn(symbols) for name, fn in fns.items()}
+        result.update({name: fn(symbols)[0] for name, fn in sizes.items()})
+        return result
+    return shapes
+
+
 class StageRunner:
     """One stage on this rank: its function, its state tensors, and per-microbatch activations."""
 
@@ -46,6 +59,7 @@ class StageRunner:
         self.received_index = {(r["producer"], r["name"]): i for i, r in enumerate(self.received)}
         self.outputs = spec["outputs"]
         self.output_requires_grad = spec["output_requires_grad"]
+        self.sym_names = [item["name"] for item in spec.get("sym_inputs", [])]
         self.is_last = is_last
         self.reset(0)
 
@@ -63,7 +77,7 @@ class StageRunner:
 
 class RankExecutor:
     def __init__(self, manifest: dict, rank: int, stage_functions: dict, actions: list, state_by_fqn: dict,
-                 device: torch.device, loss_fn, timeout_s: float, out_spec, training: bool):
+                 device: torch.device, loss_fn, timeout_s: float, out_spec, training: bool, shapes=None):
         import torch.utils._pytree as pytree
 
         self.pytree = pytree
@@ -94,7 +108,7 @@ class RankExecutor:
                     continue
                 for consumer in value["consumers"]:
                     self.edge_values.setdefault((spec["index"], consumer), []).append((position, name, value))
-        self.shape_fns = {name: compile_shape(v["shape"]) for name, v in manifest["values"].items()}
+        self.shapes = shapes if shapes is not None else _shapes_from_manifest(manifest)
         self.program = self._compile(actions)
 
     # -- compile ---------------------------------------------------------------------------------------
@@ -143,8 +157,7 @@ class RankExecutor:
             def ops():
                 result = []
                 for i, ((_pos, name, value), slot) in enumerate(zip(items, slots)):
-                    buffer = torch.empty(self.shape_fns[name](self.symbols[mb]), dtype=_dtype(value["dtype"]),
-                                         device=self.device)
+                    buffer = torch.empty(self.mb_shapes[mb][name], dtype=_dtype(value["dtype"]), device=self.device)
                     runner.inputs[mb][slot] = buffer
                     result.append((False, buffer, peer_rank, self._tag("F", peer, stage, i), runner.recv_works[mb]))
                 return result
@@ -208,6 +221,8 @@ class RankExecutor:
                 tensor.requires_grad_(True)
             inputs[slot] = tensor
         args = runner.state + [leaves[i] for i in runner.root_leaf_indices] + inputs
+        if runner.sym_names:
+            args += [self.mb_shapes[mb][name] for name in runner.sym_names]
         with torch.set_grad_enabled(self.training):
             out = runner.fn(*args)
         runner.out[mb] = out
@@ -284,6 +299,7 @@ class RankExecutor:
         """Run every action once; returns the full-batch loss (a tensor) on the last stage's rank, else None."""
         num_microbatches = len(mb_leaves)
         self.mb_leaves, self.targets, self.scales, self.symbols = mb_leaves, targets, scales, symbols
+        self.mb_shapes = [self.shapes(**bound) for bound in symbols]
         self.send_works = []
         self.step_loss = torch.zeros((), device=self.device)
         self.outputs = [None] * num_microbatches

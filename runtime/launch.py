@@ -206,7 +206,7 @@ def _format_table(rows: list, headers: list) -> str:
     return "\n".join([line, rule] + ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells])
 
 
-def main(rank_script_rank: int, stage_functions: dict, actions: list, folder: str, argv=None) -> None:
+def main(rank_script_rank: int, stage_functions: dict, actions: list, folder: str, shapes=None, argv=None) -> None:
     args = parse_args(argv)
     with open(os.path.join(folder, "manifest.json")) as handle:
         manifest = json.load(handle)
@@ -216,7 +216,7 @@ def main(rank_script_rank: int, stage_functions: dict, actions: list, folder: st
     channel.start_watchdog()
     try:
         check_world_size(manifest)
-        _train(args, manifest, folder, rank, world, stage_functions, actions)
+        _train(args, manifest, folder, rank, world, stage_functions, actions, shapes)
     except PipelineError as error:
         channel.report(str(error))
         _exit(EXIT_FAILED)
@@ -237,7 +237,7 @@ def _exit(code: int) -> None:
     os._exit(code)  # do not wait on peers that may be blocked: the watchdog tells them
 
 
-def _train(args, manifest, folder, rank, world, stage_functions, actions) -> None:
+def _train(args, manifest, folder, rank, world, stage_functions, actions, shapes=None) -> None:
     device, backend = _init_process_group(rank, world, args.timeout)
     user = load_user_module(folder)
     training = manifest["training"]
@@ -245,7 +245,7 @@ def _train(args, manifest, folder, rank, world, stage_functions, actions) -> Non
     state = _load_state(folder, manifest, rank, device)
     loss_fn = getattr(user, "loss_fn", None) if training else None
     executor = RankExecutor(manifest, rank, stage_functions, actions, state, device, loss_fn, args.timeout,
-                            out_spec, training)
+                            out_spec, training, shapes)
     checker = BatchChecker(manifest)
     groups = _shared_groups(manifest, rank, state) if world > 1 else []
     params = [t for t in state.values() if isinstance(t, torch.nn.Parameter) and t.requires_grad]
@@ -296,7 +296,7 @@ def _train(args, manifest, folder, rank, world, stage_functions, actions) -> Non
         rows = [["steps", len(history)], ["first loss", f"{history[0][1]:.6f}" if training else "-"],
                 ["last loss", f"{history[-1][1]:.6f}" if training else "-"],
                 ["median step time (ms)", f"{times[len(times) // 2] * 1000:.1f}"],
-                ["samples/s (median step)", f"{history[0][3] if len(history) == 1 else mb.batch_size / times[len(times) // 2]:.1f}"],
+                ["samples/s (median)", f"{sorted(h[3] for h in history)[len(history) // 2]:.1f}"],
                 ["ranks / stages", f"{world} / {len(manifest['stages'])}"],
                 ["schedule", manifest["plan"]["schedule"]], ["microbatches", manifest["plan"]["num_microbatches"]],
                 ["backend", backend]]

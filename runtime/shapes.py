@@ -7,8 +7,11 @@ symbols from its own copy of the batch and evaluates the shapes: no shape is eve
 from __future__ import annotations
 
 import math
+import re
 
-_SAFE = {"__builtins__": {}, "floor": math.floor, "ceil": math.ceil, "max": max, "min": min, "abs": abs,
+_IDENTIFIER = re.compile(r"\b([A-Za-z_][A-Za-z_0-9]*)\b")
+
+_SAFE = {"__builtins__": {}, "int": int, "floor": math.floor, "ceil": math.ceil, "max": max, "min": min, "abs": abs,
          "math": math}
 
 
@@ -25,9 +28,5 @@ def compile_shape(shape: list):
 def _as_expr(dim) -> str:
     if isinstance(dim, int):
         return str(dim)
-    # symbol names are plain identifiers; look them up in the bound dict
-    import re
-
-    return re.sub(r"\b([A-Za-z_][A-Za-z_0-9]*)\b",
-                  lambda m: m.group(1) if m.group(1) in _SAFE or m.group(1) == "int" else f"s[{m.group(1)!r}]",
-                  dim)
+    # symbol names are plain identifiers: look them up in the dict of bound symbols
+    return _IDENTIFIER.sub(lambda m: m.group(1) if m.group(1) in _SAFE else f"s[{m.group(1)!r}]", dim)

@@ -42,18 +42,67 @@ def node_modules(node: fx.Node) -> list:
     return [module_path(path) for path, _type in stack.values()]
 
 
-def dim_text(dim) -> object:
+def expr_text(expr, names: dict) -> object:
+    """A sympy expression as Python source over the friendly root symbols ("s_batch*s_seq", "(s_seq//2)")."""
+    from torch.utils._sympy.printers import PythonPrinter
+
+    if expr.is_number:
+        return int(expr)
+    return PythonPrinter().doprint(expr.xreplace(names))
+
+
+def dim_text(dim, names: dict) -> object:
     if isinstance(dim, int):
         return dim
     if isinstance(dim, torch.SymInt):
-        expr = dim.node.expr
-        return int(expr) if expr.is_number else str(expr)
+        return expr_text(dim.node.expr, names)
     return str(dim)
 
 
-def tensor_meta(val, requires_grad: bool) -> TensorMeta:
+def tensor_meta(val, requires_grad: bool, names: dict) -> TensorMeta:
     dtype = str(val.dtype).replace("torch.", "")
-    return TensorMeta([dim_text(d) for d in val.shape], dtype, requires_grad and val.dtype.is_floating_point)
+    return TensorMeta([dim_text(d, names) for d in val.shape], dtype,
+                      requires_grad and val.dtype.is_floating_point)
+
+
+def _finite(bound):
+    """An int for a finite range bound, None for +-infinity (sympy's oo or torch's int_oo)."""
+    import sympy
+
+    if bound is None or bound in (sympy.oo, -sympy.oo) or "Infinity" in type(bound).__name__:
+        return None
+    return int(bound)
+
+
+def _root_symbols(program, root_nodes: list, dim_names: dict) -> tuple:
+    """Name every symbol of the inputs' shapes after its dynamic dim: {sympy symbol: sympy symbol 's_seq'}.
+
+    Returns (renaming, table) where table maps each friendly name to its declared range and where it is read.
+    """
+    import sympy
+
+    renaming, table = {}, {}
+    for node, root in root_nodes:
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            continue
+        for dim, size in enumerate(val.shape):
+            if not isinstance(size, torch.SymInt) or not isinstance(size.node.expr, sympy.Symbol):
+                continue
+            symbol = size.node.expr
+            if symbol in renaming:
+                continue
+            base = dim_names.get((root.leaf_index, dim)) or f"{root.placeholder}_{dim}"
+            name = f"s_{base}"
+            while name in table:
+                name += "_"
+            renaming[symbol] = sympy.Symbol(name, integer=True, positive=True)
+            bounds = program.range_constraints.get(symbol)
+            low = _finite(bounds.lower) if bounds is not None else None
+            high = _finite(bounds.upper) if bounds is not None else None
+            low = 0 if low is None else low
+            table[name] = {"min": low, "max": high, "source": f"{root.path} dim {dim}"}
+    return renaming, table
 
 
 def _leaf_paths(in_spec) -> list:
@@ -171,14 +220,21 @@ def split(traced, split_points: Optional[list] = None, num_stages: Optional[int]
             state[node.name] = StateRef(node.name, fqn, sorted(names), _STATE_KINDS[spec.kind],
                                         persistent=spec.persistent is not False)
         elif spec.kind == InputKind.USER_INPUT:
-            val = node.meta.get("val")
-            meta = tensor_meta(val, False) if isinstance(val, torch.Tensor) else None
             root_inputs[node.name] = RootInput(node.name, user_index, leaf_paths[user_index],
-                                               traced.batched_leaves[user_index], meta)
+                                               traced.batched_leaves[user_index], None)
             user_index += 1
         else:
             raise SplitError(f"unsupported program input '{node.name}' of kind {spec.kind.name}")
     program._state_placeholders = set(state)
+    by_placeholder = {n.name: n for n in placeholders}
+    names, symbols = _root_symbols(program, [(by_placeholder[r.placeholder], r) for r in root_inputs.values()],
+                                   getattr(traced, "dim_names", {}))
+    for root in root_inputs.values():
+        val = by_placeholder[root.placeholder].meta.get("val")
+        if isinstance(val, torch.Tensor):
+            root.meta = tensor_meta(val, False, names)
+    batch_symbol = next((r.meta.shape[0] for r in root_inputs.values()
+                         if r.batched and r.meta is not None and isinstance(r.meta.shape[0], str)), None)
 
     # -- stage of every compute node, from the split points
     compute = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
@@ -240,6 +296,7 @@ def split(traced, split_points: Optional[list] = None, num_stages: Optional[int]
             output_leaves.append(("const", leaf))
 
     values: dict = {}
+    sym_values: dict = {}  # name -> (producer, consumers, python expression)
     for node, stages in used_on.items():
         if node.op == "placeholder":
             ref = state.get(node.name) or root_inputs.get(node.name)
@@ -249,13 +306,18 @@ def split(traced, split_points: Optional[list] = None, num_stages: Optional[int]
         if not later:
             continue
         val = node.meta.get("val")
+        if isinstance(val, (torch.SymInt, int)) and not isinstance(val, bool):
+            # a size (e.g. `T = idx.shape[1]` used by every layer): each consumer evaluates it from the
+            # step's root symbols instead of receiving it
+            sym_values[node.name] = (stage_of[node], later, dim_text(val, names))
+            continue
         if not isinstance(val, torch.Tensor):
             raise SplitError(
                 f"value '{node.name}' ({type(val).__name__}) made on stage {stage_of[node]} is used on stage(s) "
                 f"{later}; only tensors may cross a stage boundary: move the split point so that "
                 f"{_describe(node)} and its users fall on one stage"
             )
-        values[node.name] = BoundaryValue(node.name, stage_of[node], later, tensor_meta(val, needs_grad[node]))
+        values[node.name] = BoundaryValue(node.name, stage_of[node], later, tensor_meta(val, needs_grad[node], names))
 
     # -- build each stage's graph
     stages = []
@@ -275,6 +337,13 @@ def split(traced, split_points: Optional[list] = None, num_stages: Optional[int]
             original = next(n for n in compute if n.name == name)
             env[original] = stage_graph.placeholder(f"{name}_from_stage{producer}")
             env[original].meta = {"val": original.meta.get("val")}
+        stage_sym_inputs = []
+        for name, (producer, consumers, expr) in sym_values.items():
+            if index in consumers:
+                original = next(n for n in compute if n.name == name)
+                env[original] = stage_graph.placeholder(name)
+                env[original].meta = {"val": original.meta.get("val")}
+                stage_sym_inputs.append((name, expr))
         modules_seen: list = []
         for node in compute[edges[index]:edges[index + 1]]:
             env[node] = stage_graph.node_copy(node, lambda n: env[n])
@@ -290,7 +359,8 @@ def split(traced, split_points: Optional[list] = None, num_stages: Optional[int]
             result = tuple(env[next(n for n in compute if n.name == name)] for name in outputs)
         stage_graph.output(result)
         stage_graph.lint()
-        stages.append(Stage(index, stage_graph, stage_state, stage_roots, received, outputs, modules_seen))
+        stages.append(Stage(index, stage_graph, stage_state, stage_roots, received, outputs, modules_seen,
+                            stage_sym_inputs))
 
     used_ids = {id(fqn_to_tensor.get(ref.fqn)) for ref in state.values() if ref.stages}
     unused_state = {}
@@ -302,7 +372,7 @@ def split(traced, split_points: Optional[list] = None, num_stages: Optional[int]
             del state[name]
     return PipelineGraph(stages, values, state, root_inputs, len(traced.batched_leaves),
                          traced.program.call_spec.in_spec, traced.program.call_spec.out_spec, output_leaves,
-                         unused_state)
+                         unused_state, symbols, batch_symbol, {str(k): str(v) for k, v in names.items()})
 
 
 def _describe(node: fx.Node) -> str:

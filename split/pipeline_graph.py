@@ -63,6 +63,7 @@ class Stage:
     received: list  # (producer stage, value name), in argument order
     outputs: list  # value names this stage returns, in order (last stage: the model's output leaves)
     module_fqns: list  # modules whose code runs in this stage (from nn_module_stack), in first-seen order
+    sym_inputs: list = field(default_factory=list)  # (name, python expression over root symbols), after received
 
     def consumers_of(self, graph: "PipelineGraph") -> dict:
         return {name: graph.values[name].consumers for name in self.outputs if name in graph.values}
@@ -79,7 +80,9 @@ class PipelineGraph:
     out_spec: Any  # pytree spec of the model's output
     output_leaves: list  # per output leaf: ("value", name) | ("const", python value)
     unused_state: dict  # FQN -> tensor for parameters/buffers no stage reads (kept for --save)
-    symbols: dict = field(default_factory=dict)  # root symbol name -> {"min": int, "max": int, "source": [...]}
+    symbols: dict = field(default_factory=dict)  # root symbol name -> {"min": int, "max": int|None, "source": str}
+    batch_symbol: Optional[str] = None  # the symbol of dim 0 of batched inputs, when the batch size is dynamic
+    symbol_aliases: dict = field(default_factory=dict)  # export's symbol name ("s95") -> ours ("s_batch")
 
     @property
     def num_stages(self) -> int:

@@ -6,6 +6,7 @@ user's terms: the module and source line that broke the graph, and what to try.
 """
 from __future__ import annotations
 
+import operator
 import os
 import traceback
 from dataclasses import dataclass, field
@@ -14,6 +15,7 @@ from typing import Any, Optional
 import torch
 import torch.utils._pytree as pytree
 
+from tracepp.dynamic import DynamicFlags, export_dynamic_shapes, names_from_model_spec
 from tracepp.modelfile import ModelFile, ModelFileError
 
 
@@ -30,6 +32,8 @@ class Traced:
     batch_size: int  # of the full example batch
     batched_leaves: list  # per flattened (args, kwargs) leaf: is it chunked along dim 0?
     example_leaves: list = field(default_factory=list)  # flattened full example batch
+    dim_names: dict = field(default_factory=dict)  # (leaf index, dim) -> name of a dynamic dim ("seq")
+    notes: list = field(default_factory=list)  # things the user should know (printed by the CLI)
 
 
 def batch_size_of(leaves: list, where: str) -> int:
@@ -55,20 +59,141 @@ def trace(model_file: ModelFile, num_microbatches: int, dynamic_shapes: Any = No
             f"--microbatches {num_microbatches} does not fit the example batch of {batch_size} samples: "
             f"choose 1..{batch_size}"
         )
-    if dynamic_shapes is None and batch_size % num_microbatches:
-        raise ValueError(
-            f"the example batch has {batch_size} samples, which {num_microbatches} microbatches do not divide: "
-            f"choose a divisor of {batch_size} or declare a dynamic batch dimension"
-        )
     batched = [isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape[0] == batch_size for leaf in leaves]
     mb_args, mb_kwargs = pytree.tree_unflatten(first_microbatch(leaves, batched, batch_size, num_microbatches), spec)
-    if dynamic_shapes is None:
-        dynamic_shapes = model_file.dynamic_shapes
+    mb_args, mb_kwargs = tuple(mb_args), dict(mb_kwargs)
+    notes = []
+    if dynamic_shapes is None and model_file.dynamic_shapes is None and batch_size % num_microbatches:
+        # unequal microbatches need a symbolic batch dim; declaring it is what the user would do anyway
+        dynamic_shapes = DynamicFlags(batch=True)
+        notes.append(f"{num_microbatches} microbatches do not divide the {batch_size}-sample batch: the batch "
+                     f"dim is traced as dynamic ('batch') so microbatches may differ in size")
+    leaf_of_arg = _leaf_index_of_args(model, mb_args, mb_kwargs)
+    if isinstance(dynamic_shapes, DynamicFlags):
+        batched_args = {name: batched[index] for name, index in leaf_of_arg.items()}
+        export_shapes, arg_dim_names = export_dynamic_shapes(dynamic_shapes, model, mb_args, mb_kwargs, batched_args)
+    else:
+        export_shapes = dynamic_shapes if dynamic_shapes is not None else model_file.dynamic_shapes
+        arg_dim_names = names_from_model_spec(export_shapes, model, mb_args, mb_kwargs)
+    if export_shapes is None and batch_size % num_microbatches:
+        raise ValueError(
+            f"the example batch has {batch_size} samples, which {num_microbatches} microbatches do not divide: "
+            f"choose a divisor of {batch_size}, or declare the batch dim dynamic (--dynamic batch)")
     try:
-        program = torch.export.export(model, tuple(mb_args), dict(mb_kwargs), dynamic_shapes=dynamic_shapes)
+        program = torch.export.export(model, mb_args, mb_kwargs, dynamic_shapes=export_shapes)
     except Exception as error:
         raise TraceError(explain_export_failure(error, model, model_file.path)) from error
-    return Traced(program, model, model_file, num_microbatches, batch_size, batched, leaves)
+    inline_grad_mode_regions(program, model_file.path)
+    dim_names = {(leaf_of_arg[arg], dim): name for (arg, dim), name in arg_dim_names.items() if arg in leaf_of_arg}
+    return Traced(program, model, model_file, num_microbatches, batch_size, batched, leaves, dim_names, notes)
+
+
+def _leaf_index_of_args(model: torch.nn.Module, args: tuple, kwargs: dict) -> dict:
+    """forward() argument name -> index of its leaf in the flattened (args, kwargs), for tensor arguments."""
+    import inspect
+
+    try:
+        positional = list(inspect.signature(model.forward).bind(*args, **kwargs).arguments)[:len(args)]
+    except TypeError:
+        return {}
+    result, offset = {}, 0
+    for name, value in zip(positional + list(kwargs), list(args) + list(kwargs.values())):
+        if isinstance(value, torch.Tensor):
+            result[name] = offset
+        offset += len(pytree.tree_leaves(value))
+    return result
+
+
+def _hop_name(node: torch.fx.Node) -> str:
+    return getattr(node.target, "_name", "") if node.op == "call_function" else ""
+
+
+def inline_grad_mode_regions(program: torch.export.ExportedProgram, model_path: str = "") -> None:
+    """Copy the bodies of export's grad-mode regions into the top-level graph, in place.
+
+    Export wraps code run under ``torch.no_grad()`` (e.g. Hugging Face's rotary embedding) in a
+    ``wrap_with_set_grad_enabled`` higher-order op whose body is a submodule, and ``autocast(enabled=False)``
+    in ``wrap_with_autocast``. A stage is one flat generated function with no submodules, so the body is
+    inlined; outputs of a grad-disabled region are detached, which is exactly what running it under no_grad
+    gives. The runtime never enables autocast, so a disabled-autocast region is the plain body. Any other
+    higher-order op (torch.cond, an enabled autocast region) is reported, since its body cannot be split.
+    """
+    graph_module = program.graph_module
+    graph = graph_module.graph
+    inlined = []
+    for node in list(graph.nodes):
+        name = _hop_name(node)
+        if name == "wrap_with_set_grad_enabled":
+            grad_enabled, body_node, operands = node.args[0], node.args[1], node.args[2:]
+        elif name == "wrap_with_autocast" and node.args[2] is False:
+            grad_enabled, body_node, operands = True, node.args[4], node.args[5:]
+        else:
+            continue
+        body = getattr(graph_module, body_node.target)
+        env: dict = {}
+        outer_stack = node.meta.get("nn_module_stack") or {}
+        with graph.inserting_before(node):
+            body_placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
+            for placeholder, operand in zip(body_placeholders, operands):
+                env[placeholder] = operand
+            results = None
+            for inner in body.graph.nodes:
+                if inner.op == "placeholder":
+                    continue
+                if inner.op == "output":
+                    results = inner.args[0]
+                    break
+                if inner.op == "get_attr":
+                    raise TraceError(_nested_region_message(node, model_path))
+                copied = graph.node_copy(inner, lambda n: env[n])
+                # keep the enclosing modules, so split points and stage balancing see the full module path
+                copied.meta["nn_module_stack"] = {**outer_stack, **(inner.meta.get("nn_module_stack") or {})}
+                if not copied.meta.get("stack_trace"):
+                    copied.meta["stack_trace"] = node.meta.get("stack_trace")
+                env[inner] = copied
+            outputs = list(results) if isinstance(results, (tuple, list)) else [results]
+            mapped = []
+            for value in outputs:
+                value = env.get(value, value) if isinstance(value, torch.fx.Node) else value
+                if not grad_enabled and isinstance(value, torch.fx.Node):
+                    detached = graph.call_function(torch.ops.aten.detach.default, (value,))
+                    detached.meta = {key: value.meta[key] for key in ("val", "nn_module_stack", "stack_trace")
+                                     if key in value.meta}
+                    value = detached
+                mapped.append(value)
+        users = list(node.users)
+        if isinstance(results, (tuple, list)):
+            for user in users:
+                if not (user.op == "call_function" and user.target is operator.getitem):
+                    raise TraceError(_nested_region_message(node, model_path))
+                user.replace_all_uses_with(mapped[user.args[1]])
+                graph.erase_node(user)
+        else:
+            node.replace_all_uses_with(mapped[0])
+        graph.erase_node(node)
+        if not body_node.users:
+            graph.erase_node(body_node)
+            inlined.append(body_node.target)
+    for target in set(inlined):
+        if not any(n.op == "get_attr" and n.target == target for n in graph.nodes):
+            graph_module.delete_submodule(target)
+    for node in graph.nodes:
+        if node.op == "get_attr" and isinstance(getattr(graph_module, node.target, None), torch.fx.GraphModule):
+            user = next(iter(node.users), node)
+            raise TraceError(_nested_region_message(user, model_path))
+    graph.lint()
+    graph_module.recompile()
+
+
+def _nested_region_message(node: torch.fx.Node, model_path: str) -> str:
+    trace_lines = (node.meta.get("stack_trace") or "").strip().splitlines()
+    user_lines = [line.strip() for line in trace_lines if line.strip().startswith('File "')
+                  and "site-packages/torch" not in line]
+    where = f" ({user_lines[-1]})" if user_lines else ""
+    op = _hop_name(node) or str(node.target)
+    return (f"the traced graph of {model_path or 'the model'} holds a higher-order op '{op}'{where} whose body is "
+            f"a nested graph; tracepp splits flat graphs only: replace torch.cond/control-flow ops with "
+            f"torch.where, and remove enabled torch.autocast regions from forward()")
 
 
 def _failure_site(error: BaseException, model: torch.nn.Module, model_path: str):
