@@ -74,3 +74,15 @@ def test_runs_without_tracepp_installed(tmp_path):
     result = torchrun(out, 2, "--steps", "2", "--save", ckpt, env_extra=env)
     assert result.returncode == 0, result.stderr[-4000:]
     assert_state_close(torch.load(ckpt), eager_train(path, 2))
+
+
+def test_single_process_two_stages_without_torchrun(tmp_path):
+    """One rank holding both stages runs with plain `python run.py` (the single-GPU path), values passed locally."""
+    path = model_path("residual_mlp_lm")
+    out = str(tmp_path / "out")
+    split_model(path, out, num_ranks=1, num_stages=2, schedule="looped-bfs", num_microbatches=2)
+    ckpt = str(tmp_path / "ckpt.pt")
+    result = subprocess.run([sys.executable, os.path.join(out, "run.py"), "--steps", "3", "--save", ckpt],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_state_close(torch.load(ckpt), eager_train(path, 3))
