@@ -27,8 +27,10 @@ def plan(graph, schedule: str, num_ranks: int, num_microbatches: int, training: 
     from tracepp.codegen.planning import build_plan
 
     if graph.num_stages % num_ranks:
-        raise ValueError(f"{graph.num_stages} stages cannot be spread evenly over {num_ranks} ranks: "
-                         f"use --stages a multiple of --ranks {num_ranks}")
+        lo = max(num_ranks, graph.num_stages // num_ranks * num_ranks)
+        raise ValueError(f"{graph.num_stages} stages cannot be spread evenly over {num_ranks} ranks: use --stages "
+                         f"a multiple of --ranks {num_ranks} (e.g. --stages {lo} or {lo + num_ranks}), or split "
+                         f"points that make such a number of stages")
     built = build_plan(schedule, num_ranks, graph.num_stages, num_microbatches, topology_of(graph), training)
     result = built.to_json()
     result.update(num_ranks=num_ranks, num_stages=graph.num_stages)

@@ -7,7 +7,7 @@ from .actions import Action, Topology
 from .csvio import load_csv, resolve_peers
 from .lower import lower
 from .schedules import SCHEDULES, generate, placement, placement_style
-from .simulate import ScheduleError, validate
+from .simulate import ScheduleError, check_compute, validate
 
 
 @dataclass
@@ -99,6 +99,8 @@ def build_plan(schedule: str, num_ranks: int, num_stages: int, num_microbatches:
             raw = resolve_peers(raw, topology)
         actions = {r: raw.get(r, []) for r in range(num_ranks)}
         try:
+            if not any(a.is_comm for acts in actions.values() for a in acts):  # compute-only: check first
+                check_compute(actions, stage_to_rank, topology, num_microbatches, training)
             lowered = lower(actions, stage_to_rank, topology, training)
             validate(lowered, stage_to_rank, topology, num_microbatches, training)
         except ScheduleError as err:

@@ -384,6 +384,75 @@ def _execute(lowered, stage_to_rank, topology, costs):
 # ----------------------------------------------------------------------------------------------------
 # public API
 
+def check_compute(compute: dict, stage_to_rank: list, topology: Topology, num_microbatches: int,
+                  training: bool = True) -> None:
+    """Static checks of *compute-only* per-rank lists (a user's CSV) before they are lowered.
+
+    Catches what would otherwise surface only as a deadlock of the lowering: a duplicated action, a W or
+    backward before what it needs on the same rank, a stage/microbatch without its F, backward or W.
+    Per-rank checks run rank by rank, position by position, so the message names the first bad action.
+    """
+    num_stages = len(stage_to_rank)
+    seen: dict[tuple, tuple] = {}  # (stage, 'F'|'G'|'W', mb) -> (rank, pos)
+    for rank in sorted(compute):
+        done: set = set()
+        for pos, a in enumerate(compute[rank]):
+            where = _where(rank, pos, a)
+            if a.is_comm:
+                raise ScheduleError(f"{where}: a compute-only list cannot hold comm actions; give every comm "
+                                    f"action (a lowered plan) or none")
+            if not 0 <= a.stage < num_stages or stage_to_rank[a.stage] != rank:
+                home = f"rank {stage_to_rank[a.stage]}" if 0 <= a.stage < num_stages else "no rank"
+                raise ScheduleError(f"{where}: stage {a.stage} lives on {home}, not rank {rank}")
+            if not 0 <= a.mb < num_microbatches:
+                raise ScheduleError(f"{where}: microbatch {a.mb} out of range ({num_microbatches} microbatches: "
+                                    f"0..{num_microbatches - 1}); check --microbatches")
+            if not training and a.kind != "F":
+                raise ScheduleError(f"{where}: the model has no loss_fn (forward only), so the plan may hold "
+                                    f"only F actions")
+            key = produced_key(a)
+            if key in seen:
+                r0, p0 = seen[key]
+                name = "backward (B or I)" if key[1] == "G" else a.kind
+                raise ScheduleError(f"{where}: duplicate {name} of stage {a.stage} microbatch {a.mb} (first at "
+                                    f"rank {r0}, action {p0} '{compute[r0][p0]}'); remove one of them")
+            if a.kind == "W":
+                g = seen.get((a.stage, "G", a.mb))
+                if g is None or g[0] != rank:
+                    raise ScheduleError(f"{where}: weight-grad W before the input-grad '{a.stage}I{a.mb}'; "
+                                        f"put '{a.stage}I{a.mb}' earlier on rank {rank}")
+                if compute[g[0]][g[1]].kind == "B":
+                    raise ScheduleError(f"{where}: stage {a.stage} microbatch {a.mb} already has a full backward "
+                                        f"'{compute[g[0]][g[1]]}' (rank {g[0]}, action {g[1]}); use I + W or B")
+            for dep in compute_deps(a, topology):
+                if stage_to_rank[dep[0]] == rank and dep not in done:
+                    kinds = ("F",) if dep[1] == "F" else ("B", "I")
+                    later = next((p for p in range(pos + 1, len(compute[rank]))
+                                  if compute[rank][p] in [Action(dep[0], k, dep[2]) for k in kinds]), None)
+                    if later is not None:
+                        raise ScheduleError(f"{where}: needs '{compute[rank][later]}' (action {later}) to run "
+                                            f"first; move it before action {pos}")
+                    need = " or ".join(f"'{dep[0]}{k}{dep[2]}'" for k in kinds)
+                    raise ScheduleError(f"{where}: needs {need} first, which rank {rank} never runs; add it "
+                                        f"before action {pos}")
+            seen[key] = (rank, pos)
+            done.add(key)
+    for s in range(num_stages):
+        r = stage_to_rank[s]
+        for m in range(num_microbatches):
+            if (s, "F", m) not in seen:
+                raise ScheduleError(f"stage {s} microbatch {m} has no forward: add '{s}F{m}' to rank {r}")
+            if not training:
+                continue
+            g = seen.get((s, "G", m))
+            if g is None:
+                raise ScheduleError(f"stage {s} microbatch {m} has no backward: add '{s}B{m}' (or '{s}I{m}' and "
+                                    f"'{s}W{m}') to rank {r}")
+            if compute[g[0]][g[1]].kind == "I" and (s, "W", m) not in seen:
+                raise ScheduleError(f"rank {g[0]}, action {g[1]} '{compute[g[0]][g[1]]}': input-grad without "
+                                    f"its weight-grad: add '{s}W{m}' after it")
+
+
 def validate(lowered: dict, stage_to_rank: list, topology: Topology, num_microbatches: int,
              training: bool = True) -> None:
     """Raise :class:`ScheduleError` unless ``lowered`` is a complete, deadlock-free plan (see module doc)."""

@@ -48,7 +48,21 @@ def stage_source(stage: Stage, function_name: str, model_path: str = "") -> tupl
     if model_path:  # "# File: /home/me/proj/model.py:42" -> "# File: model.py:42"
         source = source.replace(f"# File: {model_path}:", f"# File: {os.path.basename(model_path)}:")
     used = {name for name in code.globals if re.search(rf"\b{re.escape(name)}\b", source.split(":", 1)[-1])}
-    return source, used
+    source = "\n".join(line.rstrip() for line in source.splitlines())  # fx leaves indented blank lines
+    return _one_parameter_per_line(source), used
+
+
+def _one_parameter_per_line(source: str) -> str:
+    """``def f(a: "f32[2]", b: "i64[2, 3]"):`` on one long line -> one parameter per line when it is long."""
+    first, _, rest = source.partition("\n")
+    match = re.fullmatch(r"def (\w+)\((.*)\):", first)
+    if match is None or len(first) <= 110:
+        return source
+    params = re.findall(r'\w+(?:: "[^"]*")?', match.group(2))
+    if ", ".join(params) != match.group(2):  # something fancier than `name: "annotation"`: leave it alone
+        return source
+    lines = [f"def {match.group(1)}("] + [f"    {param}," for param in params] + ["):"]
+    return "\n".join(lines) + ("\n" + rest if rest else "")
 
 
 def globals_prelude(names: set) -> str:

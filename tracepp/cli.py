@@ -3,7 +3,7 @@
     tracepp split model.py -o out/ [--ranks R] [--stages N] [--schedule NAME|file.csv] [--microbatches M]
                                    [--split-points a,b] [--dynamic NAME:DIM=SYMBOL ...]
     tracepp inspect out/
-    tracepp plan out/ [--svg plan.svg] [--trace plan.json]
+    tracepp plan out/ [--svg plan.svg] [--trace plan.json] [--costs measured.json]
 """
 from __future__ import annotations
 
@@ -14,17 +14,41 @@ import sys
 def _split(args) -> int:
     from tracepp.driver import split_model
 
+    _check_layout(args)
     points = [p.strip() for p in args.split_points.split(",") if p.strip()] if args.split_points else None
     manifest = split_model(args.model, args.out, num_ranks=args.ranks, num_stages=args.stages,
                            schedule=args.schedule, num_microbatches=args.microbatches, split_points=points,
                            dynamic_shapes=_dynamic(args.dynamic, args.model) if args.dynamic else None)
     from tracepp.inspect import stage_table
 
+    for note in manifest.get("notes", []):
+        print(f"note: {note}")
     print(stage_table(manifest))
     print(f"\nwrote {args.out}: manifest.json, run.py, "
           f"{', '.join(f'rank{r}.py' for r in range(manifest['plan']['num_ranks']))}, weights/, tracepp_runtime/")
     print(f"run it: {manifest['launch_command']} --steps 3")
     return 0
+
+
+def _check_layout(args) -> None:
+    """Reject impossible rank/stage/schedule combinations before tracing (which takes a while)."""
+    if args.ranks < 1:
+        raise ValueError(f"--ranks {args.ranks}: need at least 1 rank")
+    if args.microbatches < 1:
+        raise ValueError(f"--microbatches {args.microbatches}: need at least 1 microbatch")
+    if args.stages is None:
+        return
+    if args.stages < 1:
+        raise ValueError(f"--stages {args.stages}: need at least 1 stage")
+    if str(args.schedule).lower().endswith(".csv"):
+        if args.stages % args.ranks:
+            raise ValueError(f"--stages {args.stages} is not a multiple of --ranks {args.ranks}: every rank must "
+                             f"hold the same number of stages")
+        return
+    from tracepp.codegen.schedules import SCHEDULES, placement
+
+    if args.schedule in SCHEDULES:  # an unknown name is reported by the planner with the list of valid ones
+        placement(args.schedule, args.ranks, args.stages)
 
 
 def _dynamic(specs: list, model_path: str):
@@ -44,11 +68,12 @@ def _inspect(args) -> int:
 
 
 def _plan(args) -> int:
-    from tracepp.inspect import load_manifest, plan_report, write_plan_pictures
+    from tracepp.inspect import load_costs, load_manifest, plan_report, write_plan_pictures
 
     manifest = load_manifest(args.out)
-    print(plan_report(manifest, grid=True))
-    for path in write_plan_pictures(manifest, args.svg, args.trace):
+    costs = load_costs(args.costs, len(manifest["stages"])) if args.costs else None
+    print(plan_report(manifest, grid=True, costs=costs))
+    for path in write_plan_pictures(manifest, args.svg, args.trace, costs=costs):
         print(f"wrote {path}")
     return 0
 
@@ -78,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("out")
     plan.add_argument("--svg", default=None, help="timeline picture path (default: OUT/plan.svg)")
     plan.add_argument("--trace", default=None, help="Chrome-trace JSON path (default: OUT/plan_trace.json)")
+    plan.add_argument("--costs", default=None, metavar="COSTS.json",
+                      help='measured compute times per action kind, e.g. {"F": 1.0, "B": 2.0}, or per stage, '
+                           'e.g. {"0F": 1.2, "1B": 2.5} (default: F=1, B=2, I=W=1)')
     plan.set_defaults(run=_plan)
     return parser
 

@@ -68,18 +68,70 @@ def _simulate(manifest: dict, costs=None):
                     costs=costs, training=manifest["training"])
 
 
-def plan_report(manifest: dict, grid: bool = True) -> str:
+def load_costs(path: str, num_stages: int) -> dict:
+    """Read measured compute times for ``tracepp plan --costs``: ``{"F": 1.0, "B": 2.0}`` per action kind,
+    ``{"0F": 1.2, "1B": 2.5}`` per stage, or both (a stage's own entry wins).
+
+    Returns the mapping :func:`tracepp.codegen.simulate.cost_of` reads (kind or (stage, kind) -> time).
+    A ``B`` given without ``I`` and ``W`` at the same level also prices the split backward: I = W = B / 2.
+    """
+    import re
+
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"--costs {path}: no such file")
+    with open(path) as handle:
+        try:
+            raw = json.load(handle)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"--costs {path}: not valid JSON ({error}); expected e.g. "
+                             f'{{"F": 1.0, "B": 2.0}} or {{"0F": 1.2, "1B": 2.5}}') from None
+    if not isinstance(raw, dict) or not raw:
+        raise ValueError(f"--costs {path}: expected a non-empty JSON object such as "
+                         f'{{"F": 1.0, "B": 2.0}} or {{"0F": 1.2, "1B": 2.5}}, got {type(raw).__name__}')
+    costs: dict = {}
+    for key, value in raw.items():
+        match = re.fullmatch(r"(\d+)?([FBIW])", str(key).strip())
+        if not match:
+            raise ValueError(f"--costs {path}: key {key!r} is not an action kind (F, B, I, W) or a stage "
+                             f"followed by one (e.g. '0F', '3B')")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"--costs {path}: {key!r} is {value!r}; times must be positive numbers")
+        stage, kind = match.groups()
+        if stage is None:
+            costs[kind] = float(value)
+        else:
+            if int(stage) >= num_stages:
+                raise ValueError(f"--costs {path}: key {key!r} names stage {stage}, but the plan has stages "
+                                 f"0..{num_stages - 1}")
+            costs[(int(stage), kind)] = float(value)
+    for scope in [None] + list(range(num_stages)):
+        name = (lambda kind: kind) if scope is None else (lambda kind, s=scope: (s, kind))
+        if name("B") in costs and name("I") not in costs and name("W") not in costs:
+            costs[name("I")] = costs[name("W")] = costs[name("B")] / 2
+    return costs
+
+
+def _describe_costs(costs) -> str:
+    if not costs:
+        return "unit costs (F=1, B=2, I=W=1, comms free)"
+    parts = [f"{key}={value:g}" for key, value in costs.items() if isinstance(key, str)]
+    parts += [f"{s}{k}={value:g}" for (s, k), value in sorted((k, v) for k, v in costs.items()
+                                                              if isinstance(k, tuple))]
+    return f"measured costs ({', '.join(parts)}; unlisted: F=1, B=2, I=W=1; comms free)"
+
+
+def plan_report(manifest: dict, grid: bool = True, costs=None) -> str:
     from tracepp.codegen.visualize import format_grid
 
     plan = manifest["plan"]
-    sim = _simulate(manifest)
+    sim = _simulate(manifest, costs)
     lines = [f"schedule {plan['schedule']} ({plan.get('placement', '?')} placement): {plan['num_ranks']} ranks, "
              f"{plan['num_stages']} stages, {plan['num_microbatches']} microbatches"]
     rows = [[rank, ", ".join(str(s) for s, r in enumerate(plan["stage_to_rank"]) if r == rank),
              len(plan["actions"][str(rank)]), f"{sim.bubble[rank]:.1%}", sim.peak_inflight[rank]]
             for rank in sorted(sim.timeline)]
     lines.append(tabulate(rows, headers=["rank", "stages", "actions", "bubble", "peak in-flight"], tablefmt="simple"))
-    lines.append(f"simulated with unit costs (F=1, B=2, I=W=1, comms free): makespan {sim.makespan:g}, "
+    lines.append(f"simulated with {_describe_costs(costs)}: makespan {sim.makespan:g}, "
                  f"bubble {sim.bubble_overall:.1%}")
     if grid:
         actions = {int(rank): [Action.parse(a) for a in acts] for rank, acts in plan["actions"].items()}
@@ -88,11 +140,11 @@ def plan_report(manifest: dict, grid: bool = True) -> str:
     return "\n".join(lines)
 
 
-def write_plan_pictures(manifest: dict, svg_path=None, trace_path=None) -> list:
+def write_plan_pictures(manifest: dict, svg_path=None, trace_path=None, costs=None) -> list:
     from tracepp.codegen.visualize import write_chrome_trace, write_svg
 
     folder = manifest.get("_folder", ".")
-    sim = _simulate(manifest)
+    sim = _simulate(manifest, costs)
     svg_path = svg_path or os.path.join(folder, "plan.svg")
     trace_path = trace_path or os.path.join(folder, "plan_trace.json")
     write_svg(sim, svg_path)

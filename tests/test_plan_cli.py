@@ -1,0 +1,254 @@
+"""`tracepp plan` / `tracepp inspect` on a split folder, `--costs`, broken CSV plans and impossible
+rank/stage/schedule combinations on the command line. No torchrun: these only trace, plan and print."""
+import json
+import os
+import re
+import xml.etree.ElementTree as ET
+
+import pytest
+
+from tracepp.cli import main as cli_main
+from tracepp.codegen.actions import Action, Topology
+from tracepp.codegen.csvio import dump_csv
+from tracepp.codegen.planning import build_plan
+from tracepp.codegen.simulate import simulate
+from tracepp.driver import split_model
+from tracepp.inspect import load_manifest, topology_from_manifest
+from util import model_path
+
+FOUR_STAGES = "layers.1,layers.2,layers.3"
+# "  0  0, 3  40  4.0%  4": rank, stages, actions, bubble, peak in-flight
+ROW = re.compile(r"^\s*(\d+)\s+(\d+(?:, \d+)*)\s+(\d+)\s+([\d.]+)%\s+(\d+)\s*$", re.M)
+
+
+@pytest.fixture(scope="module")
+def zbv_out(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("plan") / "out")
+    split_model(model_path("tied_lm_v"), out, num_ranks=2, schedule="zbv", num_microbatches=4)
+    return out
+
+
+def _plan_parts(out):
+    manifest = load_manifest(out)
+    plan = manifest["plan"]
+    actions = {int(r): [Action.parse(a) for a in acts] for r, acts in plan["actions"].items()}
+    return manifest, plan, actions
+
+
+def _simulated(out, costs=None):
+    manifest, plan, actions = _plan_parts(out)
+    return simulate(actions, plan["stage_to_rank"], topology_from_manifest(manifest), plan["num_microbatches"],
+                    costs=costs)
+
+
+def _check_table(text, sim, stage_to_rank, actions):
+    rows = {int(m.group(1)): m.groups()[1:] for m in ROW.finditer(text)}
+    assert sorted(rows) == [0, 1], text
+    for rank, (stages, count, bubble, peak) in rows.items():
+        assert stages == ", ".join(str(s) for s, r in enumerate(stage_to_rank) if r == rank)
+        assert int(count) == len(actions[rank])
+        assert bubble == f"{sim.bubble[rank] * 100:.1f}"
+        assert int(peak) == sim.peak_inflight[rank]
+
+
+def _grid_columns(text):
+    """rank -> the actions in its grid column, top to bottom (cells sliced at the header's column offsets)."""
+    lines = text.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.lstrip().startswith("step") and "rank 0 (stages" in line)
+    left, right = lines[head].index("rank 0"), lines[head].index("rank 1")
+    columns = {0: [], 1: []}
+    for line in lines[head + 2:]:
+        if not line.strip() or not line.split()[0].isdigit():
+            break
+        for rank, cell in ((0, line[left:right]), (1, line[right:])):
+            if cell.strip():
+                columns[rank].append(cell.strip())
+    return columns
+
+
+def test_plan_prints_grid_bubble_peak_and_writes_pictures(zbv_out, capsys):
+    manifest, plan, actions = _plan_parts(zbv_out)
+    assert cli_main(["plan", zbv_out]) == 0
+    text = capsys.readouterr().out
+    sim = _simulated(zbv_out)
+    assert "schedule zbv (v placement): 2 ranks, 4 stages, 4 microbatches" in text
+    _check_table(text, sim, plan["stage_to_rank"], actions)
+    assert "rank 0 (stages 0,3)" in text and "rank 1 (stages 1,2)" in text
+    columns = _grid_columns(text)
+    for rank in (0, 1):
+        assert columns[rank] == [str(a) for a in actions[rank] if not a.is_comm], f"rank {rank} grid"
+    assert f"makespan {sim.makespan:g}" in text and "unit costs" in text
+    compute = [a for r in actions for a in actions[r] if not a.is_comm]
+    # the SVG: valid XML, one titled box per compute action
+    svg = ET.parse(os.path.join(zbv_out, "plan.svg")).getroot()
+    assert svg.tag.endswith("svg")
+    titles = [t.text for t in svg.iter() if t.tag.endswith("title")]
+    assert sorted(t.split(" ")[0] for t in titles) == sorted(map(str, compute))
+    # the Chrome trace: one X event per compute action, on its rank's pid
+    trace = json.load(open(os.path.join(zbv_out, "plan_trace.json")))
+    events = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert sorted((e["pid"], e["name"]) for e in events) == sorted(
+        (r, str(a)) for r in actions for a in actions[r] if not a.is_comm)
+    assert f"wrote {os.path.join(zbv_out, 'plan.svg')}" in text
+
+
+def test_plan_costs_drive_the_picture(zbv_out, tmp_path, capsys):
+    costs_path = tmp_path / "measured.json"
+    costs_path.write_text(json.dumps({"F": 1.5, "B": 4.0, "3F": 5.0}))
+    svg, trace_path = str(tmp_path / "p.svg"), str(tmp_path / "p.json")
+    assert cli_main(["plan", zbv_out, "--costs", str(costs_path), "--svg", svg, "--trace", trace_path]) == 0
+    text = capsys.readouterr().out
+    expected = {"F": 1.5, "B": 4.0, "I": 2.0, "W": 2.0, (3, "F"): 5.0}  # B without I/W: each half B/2
+    sim = _simulated(zbv_out, expected)
+    assert sim.makespan != _simulated(zbv_out).makespan
+    assert f"makespan {sim.makespan:g}" in text and "measured costs" in text
+    _, plan, actions = _plan_parts(zbv_out)
+    _check_table(text, sim, plan["stage_to_rank"], actions)
+    events = [e for e in json.load(open(trace_path))["traceEvents"] if e["ph"] == "X"]
+    durations = {(e["args"]["stage"], e["args"]["kind"]): e["dur"] for e in events}
+    assert durations[(0, "F")] == 1500 and durations[(3, "F")] == 5000
+    assert durations[(1, "I")] == 2000 and durations[(1, "W")] == 2000
+    ET.parse(svg)
+
+
+@pytest.mark.parametrize("content,needle", [
+    ('{"X": 1}', "key 'X' is not an action kind"),
+    ('{"7F": 1}', "names stage 7, but the plan has stages 0..3"),
+    ('{"F": -1}', "times must be positive numbers"),
+    ("[1, 2]", "expected a non-empty JSON object"),
+    ("{F: 1}", "not valid JSON"),
+])
+def test_plan_bad_costs_exit_2(zbv_out, tmp_path, capsys, content, needle):
+    costs_path = tmp_path / "bad.json"
+    costs_path.write_text(content)
+    assert cli_main(["plan", zbv_out, "--costs", str(costs_path)]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "tracepp plan: error: --costs" in err
+
+
+def test_inspect_prints_stages_bubble_peak_and_grid(zbv_out, capsys):
+    _, plan, actions = _plan_parts(zbv_out)
+    sim = _simulated(zbv_out)
+    assert cli_main(["inspect", zbv_out]) == 0
+    text = capsys.readouterr().out
+    assert "embed.weight, head.weight" in text  # the shared-parameter table
+    _check_table(text, sim, plan["stage_to_rank"], actions)
+    assert "rank 0 (stages 0,3)" not in text  # the grid only with --grid
+    assert cli_main(["inspect", zbv_out, "--grid"]) == 0
+    text = capsys.readouterr().out
+    _check_table(text, sim, plan["stage_to_rank"], actions)
+    columns = _grid_columns(text)
+    assert columns[1] == [str(a) for a in actions[1] if not a.is_comm]
+
+
+def test_rank_script_of_a_v_plan_is_readable(zbv_out):
+    source = open(os.path.join(zbv_out, "rank0.py")).read()
+    compile(source, "rank0.py", "exec")
+    assert "stage(s) 0, 3 of 4" in source and "zbv (v placement)" in source
+    assert "Shared parameter embed.weight = head.weight: stages 0, 3 use one tensor on this rank" in source
+    assert "def stage0_forward(\n    " in source and "def stage3_forward(\n    " in source
+    assert not [line for line in source.splitlines() if line != line.rstrip()], "trailing whitespace"
+    body = source.split("ACTIONS = [\n", 1)[1].split("\n]", 1)[0]
+    for line in body.splitlines():  # one compute action per line, with its receives before and sends after
+        cells = [Action.parse(c.strip().strip('"')) for c in line.strip().rstrip(",").split(",")]
+        assert sum(not a.is_comm for a in cells) == 1, line
+        compute = next(i for i, a in enumerate(cells) if not a.is_comm)
+        assert all(a.kind.startswith("RECV") for a in cells[:compute]), line
+        assert all(a.kind.startswith("SEND") for a in cells[compute + 1:]), line
+
+
+# ------------------------------------------------------------------------------------------ broken CSVs
+
+def _zbv_compute(training=True):
+    plan = build_plan("zbv", 2, 4, 4, Topology.chain(4), training)
+    return {r: [a for a in acts if not a.is_comm] for r, acts in plan.actions.items()}
+
+
+def _split_csv(tmp_path, compute, capsys, microbatches=4):
+    csv_path = str(tmp_path / "plan.csv")
+    dump_csv(compute, csv_path)
+    out = str(tmp_path / "out")
+    code = cli_main(["split", model_path("residual_mlp_lm"), "-o", out, "--ranks", "2", "--schedule", csv_path,
+                     "--microbatches", str(microbatches), "--split-points", FOUR_STAGES])
+    err = capsys.readouterr().err
+    assert not os.path.exists(os.path.join(out, "manifest.json")), "a bad plan must write nothing"
+    return code, err
+
+
+def test_csv_missing_input_grad_names_its_weight_grad(tmp_path, capsys):
+    compute = _zbv_compute()
+    compute[1].remove(Action(1, "I", 0))
+    w_pos = compute[1].index(Action(1, "W", 0))
+    code, err = _split_csv(tmp_path, compute, capsys)
+    assert code == 2, err
+    assert f"plan.csv: rank 1, action {w_pos} '1W0': weight-grad W before the input-grad '1I0'; put '1I0' " \
+           f"earlier on rank 1" in err
+
+
+def test_csv_missing_backward_another_stage_of_the_rank_needs(tmp_path, capsys):
+    """Rank 1 holds stages 1 and 2 (V): 1I0 needs 2's gradient in memory, and 2I0 is gone."""
+    compute = _zbv_compute()
+    compute[1].remove(Action(2, "I", 0))
+    pos = compute[1].index(Action(1, "I", 0))
+    code, err = _split_csv(tmp_path, compute, capsys)
+    assert code == 2, err
+    assert f"rank 1, action {pos} '1I0': needs '2B0' or '2I0' first, which rank 1 never runs" in err
+
+
+def test_csv_backward_before_its_local_input(tmp_path, capsys):
+    compute = _zbv_compute()
+    late = compute[1].index(Action(2, "I", 0))
+    early = compute[1].index(Action(1, "I", 0))
+    compute[1][late], compute[1][early] = compute[1][early], compute[1][late]
+    early, late = sorted((early, late))
+    code, err = _split_csv(tmp_path, compute, capsys)
+    assert code == 2, err
+    assert f"rank 1, action {early} '1I0': needs '2I0' (action {late}) to run first; move it before action " \
+           f"{early}" in err
+
+
+def test_csv_missing_full_backward(tmp_path, capsys):
+    plan = build_plan("interleaved-1f1b", 2, 4, 4, Topology.chain(4))
+    compute = {r: [a for a in acts if not a.is_comm and str(a) != "2B1"] for r, acts in plan.actions.items()}
+    code, err = _split_csv(tmp_path, compute, capsys)
+    assert code == 2, err
+    assert "stage 2 microbatch 1 has no backward: add '2B1' (or '2I1' and '2W1') to rank 0" in err
+
+
+def test_csv_duplicated_forward(tmp_path, capsys):
+    compute = _zbv_compute()
+    compute[1].insert(5, compute[1][0])
+    code, err = _split_csv(tmp_path, compute, capsys)
+    assert code == 2, err
+    assert f"rank 1, action 5 '{compute[1][0]}': duplicate F of stage {compute[1][0].stage} microbatch " \
+           f"{compute[1][0].mb} (first at rank 1, action 0" in err
+
+
+def test_csv_wrong_microbatch_count(tmp_path, capsys):
+    code, err = _split_csv(tmp_path, _zbv_compute(), capsys, microbatches=2)
+    assert code == 2, err
+    assert "microbatch 2 out of range (2 microbatches: 0..1); check --microbatches" in err
+
+
+# ------------------------------------------------------------------------------------------ bad combos
+
+@pytest.mark.parametrize("flags,message", [
+    (["--stages", "4", "--schedule", "1f1b"],
+     "schedule '1f1b' runs one stage per rank; got 4 stages on 2 ranks: use --schedule interleaved-1f1b or "
+     "--stages 2"),
+    (["--stages", "3", "--schedule", "interleaved-1f1b"],
+     "needs the number of stages to be a multiple of the number of ranks; got 3 stages on 2 ranks: "
+     "use --stages 2 or --stages 4"),
+    (["--stages", "6", "--schedule", "zbv"],
+     "schedule 'zbv' runs exactly 2 stages per rank (a V); got 6 stages on 2 ranks: use --stages 4"),
+    (["--stages", "3", "--schedule", "plan.csv"],
+     "--stages 3 is not a multiple of --ranks 2"),
+    (["--split-points", "layers.1,layers.2", "--schedule", "interleaved-1f1b"],
+     "3 stages cannot be spread evenly over 2 ranks: use --stages a multiple of --ranks 2 (e.g. --stages 2 or 4)"),
+])
+def test_impossible_layouts_exit_2(tmp_path, capsys, flags, message):
+    out = str(tmp_path / "out")
+    code = cli_main(["split", model_path("residual_mlp_lm"), "-o", out, "--ranks", "2", *flags])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err, err
+    assert err.startswith("tracepp split: error: ") and not os.path.exists(out)
