@@ -48,6 +48,9 @@ def build_manifest(model_file, traced, graph, plan, launch_command: str) -> dict
                           "shape": list(_state_tensor(traced, ref).shape),
                           "numel": _state_tensor(traced, ref).numel()})
         received = [dict(producer=p, name=n, **graph.values[n].meta.to_json()) for p, n in stage.received]
+        output_node = next(n for n in stage.graph.nodes if n.op == "output")
+        returned_only = [isinstance(n, torch.fx.Node) and len(n.users) == 1 and n.op != "placeholder"
+                         for n in output_node.args[0]]
         if stage.index == graph.num_stages - 1:
             output_requires_grad = [False] * len(stage.outputs)
         else:
@@ -58,6 +61,7 @@ def build_manifest(model_file, traced, graph, plan, launch_command: str) -> dict
             "root_inputs": stage.root_inputs,
             "root_leaf_indices": [graph.root_inputs[name].leaf_index for name in stage.root_inputs],
             "received": received, "outputs": stage.outputs, "output_requires_grad": output_requires_grad,
+            "outputs_returned_only": returned_only[:len(stage.outputs)],
             "module_fqns": stage.module_fqns,
             "sym_inputs": [{"name": name, "expr": expr} for name, expr in stage.sym_inputs],
             "num_params": sum(s["numel"] for s in state if s["kind"] == "parameter"),
@@ -68,6 +72,10 @@ def build_manifest(model_file, traced, graph, plan, launch_command: str) -> dict
                  "batched": ref.batched, "stages": ref.stages, "shape": None, "dtype": None}
         if ref.meta is not None:
             entry.update(shape=ref.meta.to_json()["shape"], dtype=ref.meta.dtype)
+        else:  # a Python scalar: export baked its value into the graph, so every batch must repeat it
+            leaf = traced.example_leaves[ref.leaf_index]
+            if isinstance(leaf, (bool, int, float, str)):
+                entry["constant"] = leaf
         root_inputs.append(entry)
     in_spec, out_spec = _spec_text(graph.in_spec), _spec_text(graph.out_spec)
     return {
@@ -233,10 +241,18 @@ def _shapes_function(manifest: dict, rank_stages: list) -> str:
                 continue  # handed over in memory, never received
             dims = ", ".join(str(d) for d in item["shape"])
             entries.append(f'        "{item["name"]}": ({dims}{"," if len(item["shape"]) == 1 else ""}),')
+        for name in stage["outputs"]:  # gradients coming back for what this rank sends
+            value = manifest["values"].get(name)
+            if value is None or not value["requires_grad"]:
+                continue
+            if all(manifest["plan"]["stage_to_rank"][c] == stage["rank"] for c in value["consumers"]):
+                continue
+            dims = ", ".join(str(d) for d in value["shape"])
+            entries.append(f'        "{name}": ({dims}{"," if len(value["shape"]) == 1 else ""}),')
         for item in stage.get("sym_inputs", []):
             entries.append(f'        "{item["name"]}": {item["expr"]},')
-    doc = ("    \"\"\"Shapes of the tensors this rank receives (and sizes it reads), from the step's root symbols: "
-           "no shape\n    is ever exchanged at run time.\"\"\"")
+    doc = ("    \"\"\"Shapes of the tensors this rank receives (activations in, gradients back) and the sizes its\n"
+           "    stages read, from the step's root symbols: no shape is ever exchanged at run time.\"\"\"")
     lines = [f"def boundary_shapes({params}):" if not symbols else f"def boundary_shapes(*, {params}):", doc,
              "    return {"] + entries + ["    }"]
     return "\n".join(lines)

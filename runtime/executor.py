@@ -59,7 +59,15 @@ class StageRunner:
         self.received_index = {(r["producer"], r["name"]): i for i, r in enumerate(self.received)}
         self.outputs = spec["outputs"]
         self.output_requires_grad = spec["output_requires_grad"]
+        # outputs nothing in this stage reads again: their memory may go once sent (see _deallocate)
+        self.returned_only = spec.get("outputs_returned_only", [False] * len(self.outputs))
         self.sym_names = [item["name"] for item in spec.get("sym_inputs", [])]
+        self.grad_slots = [slot for slot, r in enumerate(self.received) if r["requires_grad"]]
+        self.local_inputs = []  # (slot, producer runner, output position): values handed over in memory
+        self.local_grad_targets = []  # per grad slot: (producer runner, output position) or None
+        self.deallocatable = []  # output positions freed right after they are sent (decided at the first F)
+        self.sends_b_per_mb = 0  # SEND_B actions per microbatch: in_grads are dropped after the last one
+        self.sends_f_per_mb = 0  # SEND_F actions per microbatch: outputs may be freed after the last one
         self.is_last = is_last
         self.reset(0)
 
@@ -69,10 +77,23 @@ class StageRunner:
         self.loss = [None] * num_microbatches
         self.out_grads = [[None] * len(self.outputs) for _ in range(num_microbatches)]
         self.in_grads = [None] * num_microbatches
+        self.sends_b_left = [self.sends_b_per_mb] * num_microbatches
+        self.sends_f_left = [self.sends_f_per_mb] * num_microbatches
         self.recv_works = [[] for _ in range(num_microbatches)]
         self.grad_works = [[] for _ in range(num_microbatches)]
         self.grad_buffers = [[] for _ in range(num_microbatches)]  # (output position, received gradient)
+        self.pooled = [[] for _ in range(num_microbatches)]  # receive buffers to give back after backward
         self.pending_weight = {}  # mb -> (tensors, grads) kept from I for W
+
+
+_ENGINE = getattr(torch.autograd.Variable, "_execution_engine", None)
+
+
+def _run_backward(tensors: list, grads: list, keep_graph: bool, inputs: tuple, accumulate: bool):
+    """autograd's engine without the Python-side shape check, so an output whose memory was freed after
+    sending (its autograd metadata still holds the true shape) can start a backward."""
+    grads = [torch.ones_like(t) if g is None else g for t, g in zip(tensors, grads)]
+    return _ENGINE.run_backward(tuple(tensors), tuple(grads), keep_graph, False, inputs, True, accumulate)
 
 
 class RankExecutor:
@@ -92,6 +113,9 @@ class RankExecutor:
         self.last_stage = self.num_stages - 1
         self.use_batch_p2p = device.type == "cuda"
         self.output_leaves = manifest["output_leaves"]
+        self.deallocate_outputs = training and _ENGINE is not None
+        self.free_buffers: dict = {}  # (shape, dtype) -> [tensor]: receive buffers reused across microbatches
+        self.send_works: list = []
         self.stages = {}
         for spec in manifest["stages"]:
             if self.stage_to_rank[spec["index"]] != rank:
@@ -108,6 +132,18 @@ class RankExecutor:
                     continue
                 for consumer in value["consumers"]:
                     self.edge_values.setdefault((spec["index"], consumer), []).append((position, name, value))
+        self.locally_consumed = set()  # (stage, output position) read by another stage on this rank
+        for runner in self.stages.values():
+            for slot, item in enumerate(runner.received):
+                producer = self.stages.get(item["producer"])
+                if producer is not None:
+                    position = producer.outputs.index(item["name"])
+                    runner.local_inputs.append((slot, producer, position))
+                    self.locally_consumed.add((producer.index, position))
+            for slot in runner.grad_slots:
+                producer = self.stages.get(runner.received[slot]["producer"])
+                runner.local_grad_targets.append(
+                    (producer, producer.outputs.index(runner.received[slot]["name"])) if producer else None)
         self.shapes = shapes if shapes is not None else _shapes_from_manifest(manifest)
         self.program = self._compile(actions)
 
@@ -118,6 +154,10 @@ class RankExecutor:
             stage, kind, mb, peer = parse_action(text)
             if kind.startswith(("SEND", "RECV")):
                 batch.append(self._comm_op(stage, kind, mb, peer))
+                if kind == "SEND_B" and mb == 0:
+                    self.stages[stage].sends_b_per_mb += 1
+                if kind == "SEND_F" and mb == 0:
+                    self.stages[stage].sends_f_per_mb += 1
                 continue
             if batch:
                 program.append(self._comm_batch(batch))
@@ -138,49 +178,65 @@ class RankExecutor:
     def _tag(self, direction: str, producer: int, consumer: int, index: int) -> int:
         return ((_DIRECTION_TAG[direction] * self.num_stages + producer) * self.num_stages + consumer) * 512 + index
 
+    def _acquire(self, shape, dtype) -> torch.Tensor:
+        free = self.free_buffers.get((shape, dtype))
+        if free:
+            return free.pop()
+        return torch.empty(shape, dtype=dtype, device=self.device)
+
     def _comm_op(self, stage: int, kind: str, mb: int, peer: int):
-        """A function returning [(is_send, tensor, peer_rank, tag, on_done)] for one comm action."""
+        """A function returning [(is_send, tensor, peer_rank, tag, waitlist)] for one comm action."""
         if peer is None:
             raise ValueError(f"action {stage}{kind}{mb} has no peer stage; the plan must be lowered by tracepp")
         peer_rank = self.stage_to_rank[peer]
+        runner = self.stages[stage]
         if kind == "SEND_F":
-            runner, items = self.stages[stage], self.edge_values[(stage, peer)]
+            items = [(pos, self._tag("F", stage, peer, i)) for i, (pos, _n, _v) in
+                     enumerate(self.edge_values[(stage, peer)])]
 
             def ops():
                 out = runner.out[mb]
-                return [(True, out[pos].detach().contiguous(), peer_rank, self._tag("F", stage, peer, i), None)
-                        for i, (pos, _name, _v) in enumerate(items)]
+                result = [(True, out[pos].detach().contiguous(), peer_rank, tag, None) for pos, tag in items]
+                runner.sends_f_left[mb] -= 1
+                if runner.sends_f_left[mb] == 0 and runner.deallocatable:
+                    self._deallocate(runner, mb)  # every consumer's send holds the data it needs
+                return result
         elif kind == "RECV_F":
-            runner, items = self.stages[stage], self.edge_values[(peer, stage)]
-            slots = [runner.received_index[(peer, name)] for _pos, name, _v in items]
+            items = [(runner.received_index[(peer, name)], name, _dtype(value["dtype"]), self._tag("F", peer, stage, i))
+                     for i, (_pos, name, value) in enumerate(self.edge_values[(peer, stage)])]
 
             def ops():
                 result = []
-                for i, ((_pos, name, value), slot) in enumerate(zip(items, slots)):
-                    buffer = torch.empty(self.mb_shapes[mb][name], dtype=_dtype(value["dtype"]), device=self.device)
+                shapes = self.mb_shapes[mb]
+                for slot, name, dtype, tag in items:
+                    buffer = self._acquire(shapes[name], dtype)
                     runner.inputs[mb][slot] = buffer
-                    result.append((False, buffer, peer_rank, self._tag("F", peer, stage, i), runner.recv_works[mb]))
+                    runner.pooled[mb].append(buffer)
+                    result.append((False, buffer, peer_rank, tag, runner.recv_works[mb]))
                 return result
         elif kind == "SEND_B":
-            runner = self.stages[stage]
-            items = [(i, runner.received_index[(peer, name)]) for i, (_p, name, v) in
+            items = [(runner.received_index[(peer, name)], self._tag("B", peer, stage, i)) for i, (_p, name, v) in
                      enumerate(self.edge_values[(peer, stage)]) if v["requires_grad"]]
 
             def ops():
                 grads = runner.in_grads[mb]
-                return [(True, grads[slot], peer_rank, self._tag("B", peer, stage, i), None) for i, slot in items]
+                result = [(True, grads[slot], peer_rank, tag, None) for slot, tag in items]
+                runner.sends_b_left[mb] -= 1
+                if runner.sends_b_left[mb] == 0:
+                    runner.in_grads[mb] = None  # the sends hold what they need
+                return result
         else:  # RECV_B
-            runner = self.stages[stage]
-            items = [(i, pos, name) for i, (pos, name, v) in enumerate(self.edge_values[(stage, peer)])
-                     if v["requires_grad"]]
+            items = [(pos, name, _dtype(v["dtype"]), self._tag("B", stage, peer, i)) for i, (pos, name, v) in
+                     enumerate(self.edge_values[(stage, peer)]) if v["requires_grad"]]
 
             def ops():
                 result = []
-                for i, pos, name in items:
-                    value = runner.out[mb][pos]
-                    buffer = torch.empty(value.shape, dtype=value.dtype, device=self.device)
+                shapes = self.mb_shapes[mb]
+                for pos, name, dtype, tag in items:
+                    buffer = self._acquire(shapes[name], dtype)
                     runner.grad_buffers[mb].append((pos, buffer))
-                    result.append((False, buffer, peer_rank, self._tag("B", stage, peer, i), runner.grad_works[mb]))
+                    runner.pooled[mb].append(buffer)
+                    result.append((False, buffer, peer_rank, tag, runner.grad_works[mb]))
                 return result
         return ops
 
@@ -202,6 +258,35 @@ class RankExecutor:
                     waitlist.append(work)
         return run
 
+    # -- memory ----------------------------------------------------------------------------------------
+    def _choose_deallocatable(self, runner: StageRunner, out) -> None:
+        """Outputs whose values autograd will never read again: returned only (no later op in the stage
+        reads them), not read by a stage on this rank, not views, and made by an op that does not save its
+        own result (an add does; a tanh does not). Sending keeps a reference to the data until the send
+        completes; after that the memory goes back, so in-flight activation memory follows the schedule."""
+        chosen = []
+        for pos, tensor in enumerate(out[:len(runner.outputs)]):
+            if not (isinstance(tensor, torch.Tensor) and runner.returned_only[pos] and tensor.requires_grad):
+                continue
+            if (runner.index, pos) in self.locally_consumed or tensor._base is not None:
+                continue
+            grad_fn = tensor.grad_fn
+            if grad_fn is None or hasattr(grad_fn, "_saved_result"):
+                continue
+            chosen.append(pos)
+        runner.deallocatable = chosen
+        runner.dealloc_checked = True
+
+    def _deallocate(self, runner: StageRunner, mb: int) -> None:
+        out = runner.out[mb]
+        for pos in runner.deallocatable:
+            tensor = out[pos]
+            tensor.data = torch.empty((0,), dtype=tensor.dtype, device=tensor.device)
+
+    def _prune_sends(self) -> None:
+        if self.send_works:
+            self.send_works = [work for work in self.send_works if not work.is_completed()]
+
     # -- compute ---------------------------------------------------------------------------------------
     def _wait(self, works: list) -> None:
         for work in works:
@@ -209,23 +294,24 @@ class RankExecutor:
         works.clear()
 
     def _forward(self, runner: StageRunner, mb: int) -> None:
-        self._wait(runner.recv_works[mb])
-        leaves = self.mb_leaves[mb]
+        if runner.recv_works[mb]:
+            self._wait(runner.recv_works[mb])
         inputs = runner.inputs[mb]
-        for slot, spec in enumerate(runner.received):
-            tensor = inputs[slot]
-            if tensor is None:  # produced by a stage on this rank
-                producer = self.stages[spec["producer"]]
-                tensor = producer.out[mb][producer.outputs.index(spec["name"])].detach()
-            if self.training and spec["requires_grad"]:
-                tensor.requires_grad_(True)
-            inputs[slot] = tensor
+        for slot, producer, pos in runner.local_inputs:
+            inputs[slot] = producer.out[mb][pos].detach()
+        if self.training:
+            for slot in runner.grad_slots:  # a fresh leaf over the (pooled) buffer: autograd state stays per use
+                inputs[slot] = inputs[slot].detach().requires_grad_(True)
+        leaves = self.mb_leaves[mb]
         args = runner.state + [leaves[i] for i in runner.root_leaf_indices] + inputs
         if runner.sym_names:
-            args += [self.mb_shapes[mb][name] for name in runner.sym_names]
+            shapes = self.mb_shapes[mb]
+            args += [shapes[name] for name in runner.sym_names]
         with torch.set_grad_enabled(self.training):
             out = runner.fn(*args)
         runner.out[mb] = out
+        if self.deallocate_outputs and not runner.is_last and not getattr(runner, "dealloc_checked", False):
+            self._choose_deallocatable(runner, out)
         if runner.is_last:
             leaves_out = [out[i] if kind == "value" else const for i, (kind, const) in enumerate(self.output_leaves)]
             output = self.pytree.tree_unflatten(leaves_out, self.out_spec)
@@ -235,64 +321,70 @@ class RankExecutor:
                 self.step_loss = self.step_loss + loss.detach()
             else:
                 self.outputs[mb] = output
+        self._prune_sends()
 
     def _backward(self, runner: StageRunner, mb: int, part: str) -> None:
         if part == "weight":  # the second half of a split backward: weight gradients only
             tensors, grads = runner.pending_weight.pop(mb)
             if tensors and runner.params:
-                torch.autograd.backward(tensors, grads, inputs=runner.params)
+                _run_backward(tensors, grads, False, tuple(runner.params), True)
             self._release(runner, mb)
             return
         if runner.is_last:
             tensors, grads = [runner.loss[mb]], [None]
         else:
             tensors, grads = self._output_grads(runner, mb)
-        wanted = [t for t, s in zip(runner.inputs[mb], runner.received) if s["requires_grad"]]
+        wanted = [runner.inputs[mb][slot] for slot in runner.grad_slots]
         if part == "full":
             if tensors:
-                torch.autograd.backward(tensors, grads)
+                _run_backward(tensors, grads, False, (), True)
             runner.in_grads[mb] = self._input_grads(runner, mb, [t.grad for t in wanted])
             self._release(runner, mb)
         else:  # "input": gradients for received activations now, weights later (zero-bubble schedules)
-            found = (torch.autograd.grad(tensors, wanted, grads, retain_graph=True, allow_unused=True)
+            found = (_run_backward(tensors, grads, True, tuple(wanted), False)
                      if tensors and wanted else [None] * len(wanted))
             runner.in_grads[mb] = self._input_grads(runner, mb, list(found))
             runner.pending_weight[mb] = (tensors, grads)
+        self._prune_sends()
 
     def _output_grads(self, runner: StageRunner, mb: int):
         """Outputs that carry a gradient, with the sum of the gradients every consumer sent back."""
-        self._wait(runner.grad_works[mb])
+        if runner.grad_works[mb]:
+            self._wait(runner.grad_works[mb])
         sums = runner.out_grads[mb]
         for pos, buffer in runner.grad_buffers[mb]:
             sums[pos] = buffer if sums[pos] is None else sums[pos] + buffer
-        runner.grad_works[mb], runner.grad_buffers[mb] = [], []
+        runner.grad_buffers[mb] = []
         tensors, grads = [], []
+        out = runner.out[mb]
         for pos, grad in enumerate(sums):
-            if grad is not None and runner.out[mb][pos].requires_grad:
-                tensors.append(runner.out[mb][pos])
+            if grad is not None and out[pos].requires_grad:
+                tensors.append(out[pos])
                 grads.append(grad)
         return tensors, grads
 
     def _input_grads(self, runner: StageRunner, mb: int, found: list) -> list:
         """Gradients for this stage's received inputs, indexed by received slot; local producers get theirs now."""
         grads = [None] * len(runner.received)
-        wanted_slots = [slot for slot, s in enumerate(runner.received) if s["requires_grad"]]
-        for slot, grad in zip(wanted_slots, found):
-            tensor = runner.inputs[mb][slot]
+        for slot, grad, target in zip(runner.grad_slots, found, runner.local_grad_targets):
             if grad is None:
-                grad = torch.zeros_like(tensor)
+                grad = torch.zeros_like(runner.inputs[mb][slot])
             grads[slot] = grad
-            producer = self.stages.get(runner.received[slot]["producer"])
-            if producer is not None:  # same rank: hand the gradient over in memory
-                pos = producer.outputs.index(runner.received[slot]["name"])
+            if target is not None:  # same rank: hand the gradient over in memory
+                producer, pos = target
                 sums = producer.out_grads[mb]
                 sums[pos] = grad if sums[pos] is None else sums[pos] + grad
         return grads
 
     def _release(self, runner: StageRunner, mb: int) -> None:
+        """Backward of ``mb`` is done on this stage: drop its activations, give its receive buffers back."""
         runner.out[mb] = None
         runner.loss[mb] = None
         runner.out_grads[mb] = [None] * len(runner.outputs)
+        runner.inputs[mb] = [None] * len(runner.received)
+        for buffer in runner.pooled[mb]:
+            self.free_buffers.setdefault((tuple(buffer.shape), buffer.dtype), []).append(buffer)
+        runner.pooled[mb] = []
 
     # -- a step ----------------------------------------------------------------------------------------
     def run_step(self, mb_leaves: list, targets: list, scales: list, symbols: list):
@@ -300,10 +392,13 @@ class RankExecutor:
         num_microbatches = len(mb_leaves)
         self.mb_leaves, self.targets, self.scales, self.symbols = mb_leaves, targets, scales, symbols
         self.mb_shapes = [self.shapes(**bound) for bound in symbols]
-        self.send_works = []
         self.step_loss = torch.zeros((), device=self.device)
         self.outputs = [None] * num_microbatches
         for runner in self.stages.values():
+            if not self.training:  # forward-only: outputs may alias receive buffers until the step ends
+                for buffers in runner.pooled:
+                    for buffer in buffers:
+                        self.free_buffers.setdefault((tuple(buffer.shape), buffer.dtype), []).append(buffer)
             runner.reset(num_microbatches)
         for instruction in self.program:
             instruction()
