@@ -115,3 +115,14 @@ def test_bad_dynamic_batch_fails_on_every_rank(tmp_path, bad_step, message):
     assert result.returncode != 0
     for rank in range(2):
         assert f"[tracepp rank {rank}] error: {message}" in result.stderr, result.stderr[-3000:]
+
+
+def test_one_sample_microbatches_with_dynamic_batch(tmp_path):
+    """8 samples in 8 microbatches: export would pin a size-1 batch dim to 1, so tracepp traces 2 samples."""
+    path = model_path("dynamic_seq_lm")
+    out = str(tmp_path / "out")
+    manifest = split_model(path, out, num_ranks=2, schedule="1f1b", num_microbatches=8)
+    assert manifest["batch_symbol"] == "s_batch"
+    ckpt = str(tmp_path / "ckpt.pt")
+    run_ok(out, 2, "--steps", "2", "--save", ckpt)
+    assert_state_close(torch.load(ckpt), eager_train(path, 2))

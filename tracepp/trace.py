@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import operator
 import os
+import re
 import traceback
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -75,6 +76,12 @@ def trace(model_file: ModelFile, num_microbatches: int, dynamic_shapes: Any = No
     else:
         export_shapes = dynamic_shapes if dynamic_shapes is not None else model_file.dynamic_shapes
         arg_dim_names = names_from_model_spec(export_shapes, model, mb_args, mb_kwargs)
+    dynamic_batch = any(dim == 0 and arg in leaf_of_arg and batched[leaf_of_arg[arg]] for arg, dim in arg_dim_names)
+    if dynamic_batch and -(-batch_size // num_microbatches) == 1 and batch_size >= 2:
+        # export specialises a size-1 dim to the constant 1; the trace is symbolic in the batch anyway,
+        # so trace two samples
+        mb_args, mb_kwargs = pytree.tree_unflatten(first_microbatch(leaves, batched, batch_size, batch_size // 2), spec)
+        mb_args, mb_kwargs = tuple(mb_args), dict(mb_kwargs)
     if export_shapes is None and batch_size % num_microbatches:
         raise ValueError(
             f"the example batch has {batch_size} samples, which {num_microbatches} microbatches do not divide: "
@@ -188,7 +195,7 @@ def inline_grad_mode_regions(program: torch.export.ExportedProgram, model_path: 
 def _nested_region_message(node: torch.fx.Node, model_path: str) -> str:
     trace_lines = (node.meta.get("stack_trace") or "").strip().splitlines()
     user_lines = [line.strip() for line in trace_lines if line.strip().startswith('File "')
-                  and "site-packages/torch" not in line]
+                  and "site-packages/torch" not in line and not line.strip().startswith('File "<')]
     where = f" ({user_lines[-1]})" if user_lines else ""
     op = _hop_name(node) or str(node.target)
     return (f"the traced graph of {model_path or 'the model'} holds a higher-order op '{op}'{where} whose body is "
@@ -208,7 +215,9 @@ def _failure_site(error: BaseException, model: torch.nn.Module, model_path: str)
         owner = frame.f_locals.get("self")
         if isinstance(owner, torch.nn.Module) and id(owner) in names:
             module_name = names[id(owner)]
-        if not filename.startswith(torch_dir) and "site-packages/torch" not in filename and filename != __file__:
+        # "<string>"/"<eval_with_key>" frames are code torch generated while tracing, not the user's
+        if (not filename.startswith(torch_dir) and "site-packages/torch" not in filename and filename != __file__
+                and not filename.startswith("<")):
             site = (filename, tb.tb_lineno, frame.f_code.co_name)
         tb = tb.tb_next
     text = str(error)
@@ -236,12 +245,27 @@ def explain_export_failure(error: BaseException, model: torch.nn.Module, model_p
     if module_name:
         where += f" (module '{module_name}')"
     lowered = message.lower()
-    if "cache" in lowered and ("dynamiccache" in lowered or "cache" in type(error).__name__.lower() or "pytree" in lowered):
+    # torch's wording when forward returns an object pytree cannot flatten (a class, not a tuple/dict/tensor)
+    unknown = re.search(r"Found <class '([\w.]+)'> in output, which is not a known type", message)
+    if unknown:
+        where = " (in the output of forward())"
+        first_line = f"its output holds a {unknown.group(1)}, which torch.export cannot flatten"
+    if "cache" in lowered and (unknown or "dynamiccache" in lowered or "cache" in type(error).__name__.lower()
+                               or "pytree" in lowered):
         advice = ("the model's output holds a cache object (e.g. transformers' DynamicCache), which torch.export "
-                  "cannot return: pass use_cache=False, e.g. example_kwargs() returning {'use_cache': False}")
+                  "cannot return: pass use_cache=False, i.e. example_kwargs() returning {'use_cache': False} "
+                  "and the same in the kwargs batch(step) returns")
+    elif unknown:
+        advice = ("return tensors in a tuple, list or dict, or register the class as a pytree node "
+                  "(torch.utils._pytree.register_dataclass or register_pytree_node) before tracing")
+    elif "constraints violated" in lowered or "specialized" in lowered:
+        detail = " ".join(line.strip(" -") for line in message.splitlines()[1:4] if line.strip())
+        advice = (f"a declared dynamic dim does not hold for the model's code ({detail}); narrow the dim's "
+                  f"range (e.g. min=2, or the max the model supports), or leave that dim static")
     elif "data-dependent" in lowered or "data dependent" in lowered or "guardondatadependent" in lowered:
+        # not torch.cond: it exports, but its branches are nested graphs that tracepp cannot split
         advice = ("control flow depends on a tensor's values: replace the Python `if`/`.item()` on a tensor with "
-                  "torch.where or torch.cond, or compute the condition from shapes or constants")
+                  "torch.where (compute both branches), or compute the condition from shapes or constants")
     elif "unsupported" in lowered or "not supported" in lowered:
         advice = "this Python construct cannot be traced: rewrite it with torch ops, or move it out of forward()"
     else:
