@@ -48,6 +48,14 @@ class BatchChecker:
                 f"batch for step {step}: its inputs have structure {spec} but the model was traced with "
                 f"{self.in_spec}; batch(step) must return the same args/kwargs as example_inputs()/example_kwargs()"
             )
+        for root in self.roots:  # Python scalars were baked into the trace: a new value would be ignored silently
+            if "constant" in root:
+                leaf, traced = leaves[root["leaf_index"]], root["constant"]
+                if type(leaf) is not type(traced) or leaf != traced:
+                    raise PipelineError(
+                        f"batch for step {step}: input {root['path']} is {leaf!r} but the pipeline was traced with "
+                        f"{traced!r}; torch.export fixes Python scalars at trace time: keep it {traced!r} in "
+                        f"batch(step), or pass it as a tensor to vary it")
         batch_size = next((leaf.shape[0] for leaf, b in zip(leaves, self.batched) if b), None)
         if batch_size is None:
             raise PipelineError(f"batch for step {step}: no input has a batch dimension")

@@ -30,10 +30,14 @@ _STATE_KINDS = {InputKind.PARAMETER: "parameter", InputKind.BUFFER: "buffer",
 
 
 def module_path(raw: str) -> str:
-    """Normalise an nn_module_stack path ("L['self'].layers.0", "L__self___layers_0") to "layers.0"."""
-    raw = re.sub(r"^L\['self'\]\.?", "", raw)
-    raw = re.sub(r"\._modules\['([^']+)'\]", r".\1", raw)
-    raw = re.sub(r"\[(\d+)\]", r".\1", raw)
+    """Normalise an nn_module_stack path to the FQN ``named_modules()`` uses.
+
+    torch 2.13's export (strict or not) already records "model.layers.1"; dynamo-style spellings
+    ("L['self'].model.layers[1]", "L['self']._modules['model']._modules['layers']['1']") are mapped too.
+    """
+    raw = re.sub(r"^L\['self'\]", "", raw)
+    raw = re.sub(r"\.?_modules\['([^']+)'\]", r".\1", raw)
+    raw = re.sub(r"\[['\"]?(\w+)['\"]?\]", r".\1", raw)
     return raw.strip(".")
 
 
@@ -273,6 +277,8 @@ def split(traced, split_points: Optional[list] = None, num_stages: Optional[int]
     for node in graph.nodes:
         if node.op == "placeholder":
             needs_grad[node] = node.name in trainable
+        elif node.target is torch.ops.aten.detach.default:  # e.g. the outputs of an inlined no_grad block
+            needs_grad[node] = False
         elif node.op != "output":
             needs_grad[node] = any(needs_grad.get(arg, False) for arg in node.all_input_nodes)
 

@@ -70,3 +70,88 @@ def assert_trained(actual: dict, path: str) -> None:
     initial = initial_state(path)
     moved = max((actual[k].float() - initial[k].float()).abs().max().item() for k in initial)
     assert moved > 1e-4, "parameters did not change: the comparison would prove nothing"
+
+
+# -- tier 2: the stage graphs run one after another in this process -------------------------------------------
+
+def trace_and_split(path: str, split_points=None, num_stages=None):
+    """(model file, traced, PipelineGraph) for a model file traced as one microbatch (the whole example batch)."""
+    from tracepp.split.partition import split
+    from tracepp.trace import trace
+
+    model_file = load_model_file(path)
+    traced = trace(model_file, 1)
+    graph = split(traced, split_points or model_file.split_points, num_stages)
+    return model_file, traced, graph
+
+
+def run_stages_sequentially(traced, graph, model, args, kwargs, target=None, loss_fn=None):
+    """Run each stage's graph in order, the way the pipeline runtime does, and backward stage by stage.
+
+    Each stage gets its own leaf copy of every state tensor it reads (a tied weight gets one copy per stage),
+    taken from ``model`` by the FQN export recorded; its arguments are those copies, then its root-input leaves
+    of ``(args, kwargs)``, then the values it receives, detached and made leaves as after a transfer (so the
+    boundary metadata's ``requires_grad`` is exercised). Backward runs from the last stage to the first; a
+    value read by several stages gets the sum of their gradients. Returns ``(output, loss, grads)`` where
+    ``output`` has the structure the unsplit forward returns and ``grads`` maps each parameter FQN to the sum
+    of its copies' gradients (what the runtime all-reduces for shared weights).
+    """
+    import torch.fx as fx
+    import torch.utils._pytree as pytree
+
+    tensors = dict(model.named_parameters(remove_duplicate=False))
+    tensors.update(model.named_buffers(remove_duplicate=False))
+    leaves, _spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+    copies, received_inputs, produced = [], [], {}
+    output = None
+    for stage in graph.stages:
+        state = {}
+        for name in stage.state:
+            ref = graph.state[name]
+            source = traced.program.constants[ref.fqn] if ref.kind == "constant" else tensors[ref.fqn]
+            copy = source.detach().clone()
+            if ref.kind == "parameter" and source.requires_grad:
+                copy.requires_grad_(True)
+            state[name] = copy
+        copies.append(state)
+        inputs = []
+        for producer, name in stage.received:
+            meta = graph.values[name].meta
+            value = produced[name]
+            static = [(dim, size) for dim, size in enumerate(meta.shape) if isinstance(size, int)]
+            assert value.dim() == len(meta.shape) and all(value.shape[d] == s for d, s in static), \
+                f"{name}: shape {list(value.shape)} but the boundary metadata says {meta.shape}"
+            assert str(value.dtype) == f"torch.{meta.dtype}", f"{name}: dtype {value.dtype} but metadata {meta.dtype}"
+            inputs.append(value.detach().requires_grad_(meta.requires_grad))
+        received_inputs.append(inputs)
+        roots = [leaves[graph.root_inputs[name].leaf_index] for name in stage.root_inputs]
+        module = fx.GraphModule(torch.nn.Module(), stage.graph)
+        result = module(*[state[name] for name in stage.state], *roots, *inputs)
+        if stage.index == graph.num_stages - 1:
+            out_leaves = [result[i] if kind == "value" else value
+                          for i, (kind, value) in enumerate(graph.output_leaves)]
+            output = pytree.tree_unflatten(out_leaves, graph.out_spec)
+        else:
+            produced.update(zip(stage.outputs, result))
+    loss = loss_fn(output, target) if loss_fn is not None else None
+    if loss is not None:
+        grad_sums: dict = {}  # value name -> sum of the gradients its consumers sent back
+        for stage in reversed(graph.stages):
+            if stage.index == graph.num_stages - 1:
+                loss.backward()
+            else:
+                pairs = [(produced[name], grad_sums[name]) for name in stage.outputs
+                         if grad_sums.get(name) is not None and produced[name].requires_grad]
+                if pairs:
+                    torch.autograd.backward([p[0] for p in pairs], [p[1] for p in pairs])
+            for (producer, name), value in zip(stage.received, received_inputs[stage.index]):
+                if value.requires_grad:
+                    grad = value.grad if value.grad is not None else torch.zeros_like(value)
+                    grad_sums[name] = grad if name not in grad_sums else grad_sums[name] + grad
+    grads: dict = {}
+    for state in copies:
+        for name, copy in state.items():
+            if copy.grad is not None:
+                fqn = graph.state[name].fqn
+                grads[fqn] = copy.grad if fqn not in grads else grads[fqn] + copy.grad
+    return output, loss, grads

@@ -1,0 +1,463 @@
+"""Benchmark suite: is tracepp faster than torch.distributed.pipelining, and how close to its schedule's best?
+
+    python -m benchmarks.run [--quick] [--device cpu|cuda] [--out benchmarks/results]
+
+Run from the repository root. For every case (GPT size x ranks x schedule x microbatch count) the same model
+file (benchmarks/gpt_model.py, untied head), split at the same block FQNs, is trained by
+
+* ``tracepp``: ``split_model`` then ``torchrun`` on the generated ``run.py`` (its own ``--metrics`` step time,
+  on the last stage's rank);
+* ``torch``: ``torch.distributed.pipelining`` (``pipeline`` + ``SplitPoint.BEGINNING`` + ``build_stage`` +
+  the matching ``Schedule*``), ``benchmarks/torch_worker.py``, timed the same way;
+* ``eager``: the unsplit model in one process, full batch (``benchmarks/eager_worker.py``);
+* ``ideal``: ``codegen.simulate`` of tracepp's own plan with per-(stage, kind) compute times measured in one
+  process in this run, comms free, plus the SGD step (``benchmarks/stage_times.py``).
+
+Runs of the systems alternate (tracepp, torch, eager, then torch, tracepp, eager, ...), each run drops its
+warm-up steps, and the step time reported is the median of all measured steps. Every process runs with
+``--threads`` intra-op threads (default 1, which is what torchrun sets for several processes per node).
+Peak memory per rank: see benchmarks/memory.py (CPU: peak RSS growth over the training steps; CUDA: max
+allocated). Results: a table on stdout, ``OUT/<date>_<device>.json``, and ``OUT/<date>_<device>.png`` (the
+ratios; needs matplotlib: ``pip install -e ".[bench]"``).
+
+``--device cuda`` runs the single-GPU variants instead: bf16 weights, one rank holding every stage
+(interleaved schedules), tracepp vs eager on the GPU, plus the simulator's prediction for an R-GPU pipeline
+from stage times measured on this GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+from benchmarks.gpt_model import GPTConfig, write_model_file
+
+SYSTEMS = ("tracepp", "torch", "eager")
+STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2, "interleaved-zb": 2}
+
+
+@dataclass(frozen=True)
+class Case:
+    config: GPTConfig
+    ranks: int
+    schedule: str
+    microbatches: int
+    stages: int  # total stages of the split
+    run_ranks: int  # processes actually launched (1 for the single-GPU variants)
+
+    @property
+    def key(self) -> str:
+        return f"{self.config.name}_r{self.ranks}_{self.schedule}_m{self.microbatches}"
+
+
+@dataclass
+class Settings:
+    rounds: int
+    warmup: int
+    measured: int
+    timeout: float
+
+
+# ----------------------------------------------------------------------------------------------------
+# the suites
+
+def cpu_cases(quick: bool) -> list:
+    if quick:
+        config = GPTConfig(d_model=128, n_layer=8, batch=32, seq=32)
+        plan = [("gpipe", 4), ("1f1b", 32), ("interleaved-1f1b", 8), ("interleaved-zb", 8)]
+        return [Case(config, 2, s, m, 2 * STAGES_PER_RANK[s], 2) for s, m in plan]
+    cases = []
+    for d_model in (128, 256, 512):
+        config = GPTConfig(d_model=d_model, n_layer=8, n_head=max(4, d_model // 64), batch=32, seq=32)
+        for ranks in (2, 4):
+            for schedule in STAGES_PER_RANK:
+                for microbatches in (4, 8, 32):  # 8 samples per microbatch (compute) .. 1 sample (overhead)
+                    cases.append(Case(config, ranks, schedule, microbatches,
+                                      ranks * STAGES_PER_RANK[schedule], ranks))
+    return cases
+
+
+def cuda_cases(quick: bool) -> list:
+    """One GPU: one rank holds every stage; the plan is an interleaved schedule over 1 rank."""
+    sizes = (512,) if quick else (512, 1024, 2048)
+    cases = []
+    for d_model in sizes:
+        config = GPTConfig(d_model=d_model, n_layer=8, n_head=d_model // 64, vocab=8192, seq=256, batch=32,
+                           dtype="bfloat16")
+        for schedule in ("interleaved-1f1b", "interleaved-zb"):
+            for microbatches in ((4, 32) if quick else (2, 4, 8, 32)):
+                # predicted for ranks=4 (the R-GPU pipeline); run on 1 GPU holding all 4 stages
+                cases.append(Case(config, 4, schedule, microbatches, 4, 1))
+    return cases
+
+
+# ----------------------------------------------------------------------------------------------------
+# running the systems
+
+def _env(threads: int) -> dict:
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = str(threads)
+    env["PYTHONWARNINGS"] = "ignore"
+    root = os.getcwd()
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def _torchrun(nproc: int) -> list:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+
+
+def _run(cmd: list, log_path: str, env: dict, timeout: float) -> tuple:
+    start = time.perf_counter()
+    with open(log_path, "w") as log:
+        try:
+            proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=timeout)
+            code = proc.returncode
+        except subprocess.TimeoutExpired:
+            code = "timeout"
+    wall = time.perf_counter() - start
+    if code != 0:
+        with open(log_path) as log:
+            tail = log.read()[-1500:]
+        return False, f"exit {code} after {wall:.0f}s: {tail.strip().splitlines()[-1] if tail.strip() else ''}", wall
+    return True, "", wall
+
+
+_HICCUPS = ("EADDRINUSE", "address already in use", "RendezvousConnectionError", "DistNetworkError")
+
+
+def _launcher_hiccup(log_path: str) -> bool:
+    with open(log_path, errors="replace") as handle:
+        text = handle.read()
+    return any(marker in text for marker in _HICCUPS)
+
+
+def _read_steps(path: str) -> list:
+    if not os.path.exists(path):
+        return []
+    with open(path) as handle:
+        return [json.loads(line) for line in handle if line.strip()]
+
+
+def run_system(system: str, case: Case, model_path: str, out_dir: str, work: str, round_index: int,
+               settings: Settings, device: str, threads: int) -> dict:
+    tag = f"{system}_{case.key}_round{round_index}"
+    metrics = os.path.join(work, tag + ".jsonl")
+    memory_dir = os.path.join(work, tag + "_mem")
+    log = os.path.join(work, tag + ".log")
+    steps = settings.warmup + settings.measured
+    if system == "tracepp":
+        cmd = _torchrun(case.run_ranks) + ["-m", "benchmarks.tracepp_worker", out_dir, "--memory-dir", memory_dir,
+                                           "--", "--steps", str(steps), "--metrics", metrics, "--quiet",
+                                           "--timeout", str(settings.timeout)]
+    elif system == "torch":
+        cmd = _torchrun(case.run_ranks) + ["-m", "benchmarks.torch_worker", "--model-file", model_path,
+                                           "--schedule", case.schedule, "--microbatches", str(case.microbatches),
+                                           "--steps", str(steps), "--metrics", metrics, "--memory-dir", memory_dir,
+                                           "--device", device]
+    else:
+        cmd = [sys.executable, "-m", "benchmarks.eager_worker", "--model-file", model_path, "--steps", str(steps),
+               "--metrics", metrics, "--memory-dir", memory_dir, "--device", device]
+    ok, error, wall = _run(cmd, log, _env(threads), settings.timeout)
+    retried = False
+    if not ok and _launcher_hiccup(log):  # a port taken by another job on the machine: launch once more
+        shutil.rmtree(memory_dir, ignore_errors=True)
+        if os.path.exists(metrics):
+            os.remove(metrics)
+        ok, error, wall = _run(cmd, log, _env(threads), settings.timeout)
+        retried = True
+    lines = _read_steps(metrics)
+    from benchmarks.memory import read_memory
+
+    result = {"ok": ok and len(lines) == steps, "error": error, "wall_s": wall, "log": log, "retried": retried,
+              "step_times": [line["step_time_s"] for line in lines[settings.warmup:]],
+              "losses": [line["loss"] for line in lines], "memory": read_memory(memory_dir)}
+    if ok and len(lines) != steps:
+        result["error"] = f"wrote {len(lines)} metric lines, expected {steps}"
+    return result
+
+
+def _merge(runs: list, tokens: int) -> dict:
+    good = [r for r in runs if r["ok"]]
+    if not good:
+        return {"status": "failed", "error": runs[0]["error"] if runs else "not run", "log": runs[0]["log"] if runs else None}
+    times = [t for r in good for t in r["step_times"]]
+    step = statistics.median(times)
+    per_rank: dict = {}
+    method = None
+    for r in good:
+        for m in r["memory"]:
+            per_rank[m["rank"]] = max(per_rank.get(m["rank"], 0.0), m["peak_mb"])
+            method = m["method"]
+    return {"status": "ok", "step_time_s": step, "tokens_per_s": tokens / step, "measured_steps": len(times),
+            "runs": len(good), "step_times_s": times, "min_step_time_s": min(times),
+            "peak_mem_mb_per_rank": [per_rank[k] for k in sorted(per_rank)],
+            "peak_mem_mb": max(per_rank.values()) if per_rank else None, "memory_method": method,
+            "losses_first_run": good[0]["losses"]}
+
+
+# ----------------------------------------------------------------------------------------------------
+# the suite
+
+def run_suite(cases: list, settings: Settings, device: str, threads: int, work: str,
+              log=print) -> dict:
+    from tracepp.driver import split_model
+
+    started = time.perf_counter()
+    results, eager_runs, folders = [], {}, {}
+    for number, case in enumerate(cases, 1):
+        config = case.config
+        tokens = config.tokens_per_step
+        case_dir = os.path.join(work, case.key)
+        model_path = write_model_file(os.path.join(case_dir, "model.py"), config, case.stages)
+        out_dir = os.path.join(case_dir, "tracepp_out")
+        entry = {"case": case.key, "model": config.to_json(), "ranks": case.ranks, "run_ranks": case.run_ranks,
+                 "schedule": case.schedule, "microbatches": case.microbatches, "stages": case.stages,
+                 "microbatch_size": config.batch // case.microbatches, "tokens_per_step": tokens,
+                 "split_points": config.split_points(case.stages)}
+        log(f"[{number}/{len(cases)}] {case.key} ({time.perf_counter() - started:.0f}s)")
+        try:
+            split_model(model_path, out_dir, num_ranks=case.run_ranks, num_stages=case.stages,
+                        schedule=case.schedule, num_microbatches=case.microbatches,
+                        split_points=config.split_points(case.stages))
+            split_error = None
+        except Exception as error:  # a case tracepp cannot plan is reported, not fatal
+            split_error = f"{type(error).__name__}: {error}"
+        systems = ["tracepp", "torch", "eager"] if device == "cpu" else ["tracepp", "eager"]
+        runs = {s: [] for s in systems}
+        for round_index in range(settings.rounds):
+            order = systems[:2][::-1 if round_index % 2 else 1] + systems[2:]
+            for system in order:
+                if system == "tracepp" and split_error:
+                    continue
+                if system == "eager" and len(eager_runs.get(config, [])) >= settings.rounds:
+                    continue  # eager does not depend on the schedule: measured with the config's first case
+                result = run_system(system, case, model_path, out_dir, case_dir, round_index, settings, device,
+                                    threads)
+                (eager_runs.setdefault(config, []) if system == "eager" else runs[system]).append(result)
+        entry["tracepp"] = (_merge(runs["tracepp"], tokens) if not split_error
+                            else {"status": "unsupported", "error": split_error})
+        if "torch" in runs:
+            entry["torch"] = _merge(runs["torch"], tokens)
+        entry["eager"] = _merge(eager_runs.get(config, []), tokens)
+        if not split_error:
+            folders[out_dir] = entry
+        results.append(entry)
+    # ideal: stage times of every tracepp plan, one process for all of them
+    if folders:
+        times_json = os.path.join(work, "stage_times.json")
+        log(f"stage times of {len(folders)} plans ({time.perf_counter() - started:.0f}s)")
+        cmd = [sys.executable, "-m", "benchmarks.stage_times", *folders, "--json", times_json, "--device", device,
+               "--rounds", str(max(3, settings.rounds + 1))]
+        if device == "cuda":
+            cmd += ["--predict-ranks", str(cases[0].ranks)]
+        ok, error, _ = _run(cmd, os.path.join(work, "stage_times.log"), _env(threads), settings.timeout * 4)
+        measured = json.load(open(times_json)) if ok else {}
+        for out_dir, entry in folders.items():
+            if out_dir in measured:
+                entry["ideal"] = dict(measured[out_dir], status="ok", step_time_s=measured[out_dir]["ideal_step_s"],
+                                      tokens_per_s=entry["tokens_per_step"] / measured[out_dir]["ideal_step_s"])
+            else:
+                entry["ideal"] = {"status": "failed", "error": error}
+    for entry in results:
+        entry.setdefault("ideal", {"status": "unsupported", "error": entry["tracepp"].get("error")})
+        _derive(entry)
+    return {"results": results, "elapsed_s": time.perf_counter() - started}
+
+
+def _time(entry: dict, system: str):
+    part = entry.get(system) or {}
+    return part.get("step_time_s") if part.get("status") == "ok" else None
+
+
+def _derive(entry: dict) -> None:
+    tp, th, ideal, eager = (_time(entry, s) for s in ("tracepp", "torch", "ideal", "eager"))
+    entry["ratio_tracepp_over_torch"] = tp / th if tp and th else None
+    entry["efficiency"] = ideal / tp if tp and ideal else None  # ideal/tracepp: 1.0 = the schedule's best
+    entry["speedup_over_eager"] = eager / tp if tp and eager else None
+    if entry["tracepp"].get("status") == "ok" and entry.get("torch", {}).get("status") == "ok":
+        a, b = entry["tracepp"]["losses_first_run"], entry["torch"]["losses_first_run"]
+        entry["same_losses"] = bool(a and b and len(a) == len(b) and
+                                    all(abs(x - y) <= 1e-3 * max(1.0, abs(y)) for x, y in zip(a, b)))
+
+
+# ----------------------------------------------------------------------------------------------------
+# output
+
+def _ms(value):
+    return f"{value * 1000:.1f}" if value else "-"
+
+
+def _fmt(value, spec):
+    return format(value, spec) if value is not None else "-"
+
+
+def format_table(report: dict) -> str:
+    from tabulate import tabulate
+
+    cuda = report["device"] == "cuda"
+    rows = []
+    for e in report["results"]:
+        if cuda:
+            rows.append([e["model"]["name"], f"1 (plan {e['ranks']})", e["schedule"], e["microbatches"],
+                         _ms(_time(e, "tracepp")), _ms(_time(e, "eager")), _ms(_time(e, "ideal")),
+                         _ms((e.get("prediction") or {}).get("step_time_s")),
+                         _fmt(e["tracepp"].get("tokens_per_s"), ",.0f"), _fmt(e["efficiency"], ".2f"),
+                         _fmt(e["tracepp"].get("peak_mem_mb"), ".0f"), _fmt(e["eager"].get("peak_mem_mb"), ".0f")])
+        else:
+            rows.append([e["model"]["name"], e["ranks"], e["schedule"], e["microbatches"], e["microbatch_size"],
+                         _ms(_time(e, "tracepp")), _ms(_time(e, "torch")), _ms(_time(e, "eager")),
+                         _ms(_time(e, "ideal")), _fmt(e["tracepp"].get("tokens_per_s"), ",.0f"),
+                         _fmt(e["torch"].get("tokens_per_s"), ",.0f"), _fmt(e["ratio_tracepp_over_torch"], ".2f"),
+                         _fmt(e["efficiency"], ".2f"), _fmt(e["tracepp"].get("peak_mem_mb"), ".0f"),
+                         _fmt(e["torch"].get("peak_mem_mb"), ".0f"), _fmt(e["eager"].get("peak_mem_mb"), ".0f")])
+    if cuda:
+        headers = ["model", "GPUs", "schedule", "M", "tracepp ms", "eager ms", "ideal ms", "predicted R-GPU ms",
+                   "tracepp tok/s", "ideal/tracepp", "mem tracepp MB", "mem eager MB"]
+    else:
+        headers = ["model", "R", "schedule", "M", "mb size", "tracepp ms", "torch ms", "eager ms", "ideal ms",
+                   "tracepp tok/s", "torch tok/s", "tracepp/torch", "ideal/tracepp", "mem tracepp MB",
+                   "mem torch MB", "mem eager MB"]
+    text = tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True)
+    notes = [f"step time: median of measured steps (warm-up dropped) over alternating runs; tokens/s = "
+             f"batch*seq / step time; ideal = simulated plan with measured stage times, comms free, + SGD step",
+             f"memory: max over ranks of {report.get('memory_method') or 'n/a'}"]
+    problems = [f"{e['case']} {s}: {e[s].get('status')}: {e[s].get('error')}"
+                for e in report["results"] for s in ("tracepp", "torch", "eager", "ideal")
+                if s in e and e[s].get("status") not in ("ok", None)]
+    mismatched = [e["case"] for e in report["results"] if e.get("same_losses") is False]
+    if mismatched:
+        problems.append("tracepp and torch losses differ in: " + ", ".join(mismatched))
+    return "\n".join([text, ""] + notes + (["", "problems:"] + problems if problems else []))
+
+
+def write_chart(report: dict, path: str):
+    try:
+        import matplotlib
+    except ImportError:
+        print("chart skipped: matplotlib is not installed (pip install -e \".[bench]\")")
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    entries = report["results"]
+    labels = [f"{e['model']['name'].split('_b')[0]} R{e['ranks']}\n{e['schedule']} M{e['microbatches']}"
+              for e in entries]
+    series = [("tracepp / torch (step time; <1: tracepp faster)", "ratio_tracepp_over_torch"),
+              ("ideal / tracepp (1: the schedule's best)", "efficiency")]
+    if report["device"] == "cuda":
+        series = series[1:]
+    fig, axes = plt.subplots(len(series), 1, figsize=(max(6, 0.7 * len(entries) + 2), 3.2 * len(series)),
+                             squeeze=False)
+    for axis, (title, key) in zip(axes[:, 0], series):
+        values = [e.get(key) or 0.0 for e in entries]
+        axis.bar(range(len(values)), values, color="tab:blue")
+        axis.axhline(1.0, color="black", linewidth=0.8)
+        axis.set_title(title, fontsize=10)
+        axis.set_xticks(range(len(values)))
+        axis.set_xticklabels(labels, fontsize=7, rotation=60, ha="right")
+    fig.suptitle(f"tracepp benchmarks ({report['device']}, {report['started']})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+# ----------------------------------------------------------------------------------------------------
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a small suite, under 5 minutes on 2 CPU cores")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--out", default=os.path.join("benchmarks", "results"), help="where the JSON and PNG go")
+    parser.add_argument("--threads", type=int, default=1, help="intra-op threads of every process (default 1)")
+    parser.add_argument("--rounds", type=int, default=None, help="runs per system per case (quick 2, else 3)")
+    parser.add_argument("--warmup", type=int, default=None, help="warm-up steps dropped per run (quick 2, else 3)")
+    parser.add_argument("--steps", type=int, default=None, help="measured steps per run (quick 5, else 10)")
+    parser.add_argument("--filter", default=None, help="only cases whose name contains this text")
+    parser.add_argument("--keep", action="store_true", help="keep the work folder (model files, outputs, logs)")
+    parser.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # the CI harness test
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            print("error: --device cuda but CUDA is not available (torch.cuda.is_available() is False, torch "
+                  f"{torch.__version__}); run on a GPU machine or use --device cpu", file=sys.stderr)
+            return 2
+        cases = cuda_cases(args.quick)
+    else:
+        cases = cpu_cases(args.quick)
+    if args.tiny:
+        config = GPTConfig(d_model=32, n_layer=2, n_head=2, vocab=64, seq=8, batch=4)
+        cases = [Case(config, 2, "1f1b", 2, 2, 2)]
+    if args.filter:
+        cases = [c for c in cases if args.filter in c.key]
+        if not cases:
+            print(f"error: no case matches --filter {args.filter!r}", file=sys.stderr)
+            return 2
+    quick = args.quick or args.tiny
+    settings = Settings(rounds=args.rounds or (2 if quick else 3), warmup=args.warmup or (2 if quick else 3),
+                        measured=args.steps or (5 if quick else 10), timeout=300.0 if quick else 900.0)
+    if settings.rounds * settings.measured < 10:
+        print(f"note: {settings.rounds} rounds x {settings.measured} steps = fewer than 10 measured steps per system")
+    started = datetime.datetime.now()
+    work = tempfile.mkdtemp(prefix="tracepp_bench_")
+    print(f"{len(cases)} cases, {settings.rounds} rounds x ({settings.warmup} warm-up + {settings.measured} "
+          f"measured) steps per system, device {args.device}, work folder {work}", flush=True)
+    try:
+        suite = run_suite(cases, settings, args.device, args.threads, work,
+                          log=lambda text: print(text, flush=True))
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    if args.device == "cuda":
+        _add_predictions(suite["results"])
+    import torch
+
+    methods = {e[s].get("memory_method") for e in suite["results"] for s in SYSTEMS
+               if s in e and e[s].get("memory_method")}
+    report = {"started": started.strftime("%Y-%m-%d %H:%M:%S"), "device": args.device, "quick": args.quick,
+              "elapsed_s": suite["elapsed_s"], "settings": vars(settings), "threads_per_process": args.threads,
+              "memory_method": "; ".join(sorted(methods)) or None,
+              "environment": {"torch": torch.__version__, "python": platform.python_version(),
+                              "platform": platform.platform(), "cpu_count": os.cpu_count(),
+                              "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None},
+              "results": suite["results"]}
+    table = format_table(report)
+    print(table)
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, f"{started.strftime('%Y%m%d-%H%M%S')}_{args.device}{'_quick' if args.quick else ''}")
+    with open(stem + ".json", "w") as handle:
+        json.dump(report, handle, indent=1)
+    print(f"wrote {stem}.json")
+    chart = write_chart(report, stem + ".png")
+    if chart:
+        print(f"wrote {chart}")
+    print(f"suite took {suite['elapsed_s']:.0f}s")
+    return 0
+
+
+def _add_predictions(results: list) -> None:
+    """CUDA: the simulated step time of the same plan on ``ranks`` GPUs, from this GPU's stage times."""
+    for entry in results:
+        ideal = entry.get("ideal", {})
+        entry["prediction"] = {"status": ideal.get("status"), "gpus": entry["ranks"],
+                               "step_time_s": ideal.get("predicted_step_s")}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""Run a tracepp output folder's ``run.py`` under torchrun, adding the benchmark's peak-memory measurement.
+
+    torchrun --nproc-per-node R -m benchmarks.tracepp_worker OUT_DIR --memory-dir DIR -- --steps K --metrics m.jsonl --quiet
+
+Everything after ``--`` goes to the generated ``run.py`` unchanged; the step time is the runtime's own
+``--metrics`` line (``step_time_s``: ``run_step`` plus shared-gradient sync and the optimizer step, on the
+last stage's rank). The only addition is a wrapper around the runtime's ``RankExecutor.run_step`` (the copy
+inside OUT_DIR/tracepp_runtime) that starts the memory window at the first step and reads it after the
+last one; it costs one Python call per step and does not touch the timed code.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import runpy
+import sys
+
+from benchmarks.memory import PeakMemory, write_memory
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    rest = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, rest = argv[:cut], argv[cut + 1:]
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir")
+    parser.add_argument("--memory-dir", default=None)
+    args = parser.parse_args(argv)
+    out_dir = os.path.abspath(args.out_dir)
+    sys.path.insert(0, out_dir)
+    from tracepp_runtime import executor  # the runtime copy that run.py imports
+
+    state = {"memory": None, "result": None}
+    original = executor.RankExecutor.run_step
+
+    def run_step(self, *a, **k):
+        if state["memory"] is None:
+            state["memory"] = PeakMemory(self.device)
+            state["memory"].start()
+        return original(self, *a, **k)
+
+    executor.RankExecutor.run_step = run_step
+    sys.argv = [os.path.join(out_dir, "run.py")] + rest
+    runpy.run_path(os.path.join(out_dir, "run.py"), run_name="__main__")
+    if state["memory"] is not None:
+        write_memory(args.memory_dir, int(os.environ.get("RANK", "0")), state["memory"].stop())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""The benchmark harness end to end on one tiny case (harness correctness only: no time is ever asserted)."""
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_tiny_suite_writes_every_system_and_field(tmp_path):
+    out = str(tmp_path / "results")
+    command = [sys.executable, "-m", "benchmarks.run", "--tiny", "--rounds", "1", "--warmup", "1", "--steps", "10",
+               "--out", out]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=240, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    # the table printed, with its headers and the case's row
+    for header in ("tracepp ms", "torch ms", "eager ms", "ideal ms", "tracepp/torch", "ideal/tracepp",
+                   "mem tracepp MB"):
+        assert header in result.stdout
+    assert "1f1b" in result.stdout and "problems:" not in result.stdout, result.stdout
+    files = glob.glob(os.path.join(out, "*_cpu.json"))
+    assert len(files) == 1, os.listdir(out)
+    report = json.load(open(files[0]))
+    assert report["device"] == "cpu" and "peak RSS growth" in report["memory_method"]
+    (entry,) = report["results"]
+    for system in ("tracepp", "torch", "eager"):
+        part = entry[system]
+        assert part["status"] == "ok", part
+        assert part["measured_steps"] >= 10
+        assert part["step_time_s"] > 0 and part["tokens_per_s"] > 0
+        assert len(part["peak_mem_mb_per_rank"]) == (1 if system == "eager" else 2)
+        assert all(m >= 0 for m in part["peak_mem_mb_per_rank"])
+    ideal = entry["ideal"]
+    assert ideal["status"] == "ok" and ideal["step_time_s"] > 0
+    assert {"0,F", "0,B", "1,F", "1,B", "0,I", "0,W"} <= set(ideal["costs"])
+    for key in ("ratio_tracepp_over_torch", "efficiency", "speedup_over_eager"):
+        assert isinstance(entry[key], float) and entry[key] > 0
+    assert entry["same_losses"] is True  # same model, split, schedule, loss and SGD in both frontends
+    assert entry["split_points"] == ["blocks.1"]
+    # the chart: written when matplotlib is there, else skipped with a note
+    try:
+        import matplotlib  # noqa: F401
+        assert os.path.exists(files[0][:-len(".json")] + ".png")
+    except ImportError:
+        assert "chart skipped" in result.stdout
+
+
+def test_cuda_without_a_gpu_fails_clearly(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    result = subprocess.run([sys.executable, "-m", "benchmarks.run", "--device", "cuda", "--out", str(tmp_path)],
+                            cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "CUDA is not available" in result.stderr
+    assert not os.listdir(tmp_path)

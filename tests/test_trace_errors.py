@@ -1,0 +1,117 @@
+"""Export failures on known patterns say what to change, through the CLI, without a raw traceback."""
+import pytest
+
+from tracepp.cli import main as cli_main
+from util import model_path
+
+
+def run_cli(capsys, *argv):
+    code = cli_main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out + captured.err
+
+
+def test_hf_model_without_use_cache_false_names_the_fix(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    source = open(model_path("hf_llama")).read()
+    assert source.count('{"use_cache": False}') == 2
+    path = tmp_path / "llama_with_cache.py"
+    path.write_text(source.replace('{"use_cache": False}', "{}"))  # the HF default: use_cache=True
+    code, text = run_cli(capsys, "split", str(path), "-o", str(tmp_path / "out"), "--ranks", "2")
+    assert code == 2, text
+    assert "DynamicCache" in text and "use_cache=False" in text and "example_kwargs()" in text, text
+    assert "Traceback" not in text and "<string>" not in text, text
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+UNREGISTERED_OUTPUT = """
+import torch
+import torch.nn as nn
+
+
+class Result:
+    def __init__(self, value):
+        self.value = value
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return Result(self.a(x))
+
+
+def model():
+    return Net()
+
+
+def example_inputs():
+    return (torch.randn(4, 4),)
+"""
+
+
+def test_output_class_that_is_not_a_pytree_names_the_fix(tmp_path, capsys):
+    path = tmp_path / "custom_output.py"
+    path.write_text(UNREGISTERED_OUTPUT)
+    code, text = run_cli(capsys, "split", str(path), "-o", str(tmp_path / "out"), "--ranks", "2")
+    assert code == 2, text
+    assert "Result" in text and "output" in text and "register_dataclass" in text, text
+    assert "use_cache" not in text and "Traceback" not in text, text
+
+
+def test_python_scalar_input_must_keep_its_traced_value(tmp_path):
+    """export bakes a Python scalar kwarg (mask_kwargs' ``scale``) into the graph: a new value fails, never ignored."""
+    import torch
+
+    from tracepp.driver import split_model
+    from tracepp.modelfile import load_model_file
+    from tracepp.runtime.batching import BatchChecker
+    from tracepp.runtime.failure import PipelineError
+
+    path = model_path("mask_kwargs")
+    manifest = split_model(path, str(tmp_path / "out"), num_ranks=2, schedule="gpipe", num_microbatches=2)
+    scale = next(r for r in manifest["root_inputs"] if r["path"] == "kwargs['scale']")
+    assert scale["constant"] == 0.5 and scale["dtype"] is None
+    module = load_model_file(path).module
+    checker = BatchChecker(manifest)
+    args, kwargs, target = module.batch(1)
+    checker.microbatches(1, args, kwargs, target, torch.device("cpu"))  # the traced value passes
+    with pytest.raises(PipelineError, match=r"kwargs\['scale'\] is 0\.7 but the pipeline was traced with 0\.5"):
+        checker.microbatches(1, args, dict(kwargs, scale=0.7), target, torch.device("cpu"))
+
+
+COND_MODEL = """
+import torch
+import torch.nn as nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.b(torch.cond(h.sum() > 0, lambda t: t.sin(), lambda t: t.cos(), (h,)))
+
+
+def model():
+    return Net()
+
+
+def example_inputs():
+    return (torch.randn(4, 4),)
+"""
+
+
+def test_nested_graph_op_names_the_line_and_the_fix(tmp_path, capsys):
+    """torch.cond exports, but its branches are nested graphs a flat stage function cannot hold."""
+    path = tmp_path / "cond_model.py"
+    path.write_text(COND_MODEL)
+    code, text = run_cli(capsys, "split", str(path), "-o", str(tmp_path / "out"), "--ranks", "2")
+    assert code == 2, text
+    assert "'cond'" in text and "cond_model.py" in text and "line 14" in text and "torch.where" in text, text
+    assert "Traceback" not in text and "<eval_with_key>" not in text, text
