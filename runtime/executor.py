@@ -13,6 +13,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from torch.autograd.graph import GradientEdge
+
 from .shapes import compile_shape
 
 _DIRECTION_TAG = {"F": 0, "B": 1}
@@ -94,6 +96,39 @@ def _run_backward(tensors: list, grads: list, keep_graph: bool, inputs: tuple, a
     sending (its autograd metadata still holds the true shape) can start a backward."""
     grads = [torch.ones_like(t) if g is None else g for t, g in zip(tensors, grads)]
     return _ENGINE.run_backward(tuple(tensors), tuple(grads), keep_graph, False, inputs, True, accumulate)
+
+
+def _grad_accumulator(param: torch.Tensor):
+    return param.view_as(param).grad_fn.next_functions[0][0]
+
+
+def _param_consumers(tensors: list, params: list) -> list:
+    """Autograd nodes (reachable from ``tensors``) that read a parameter directly, with those parameters."""
+    accumulators = {_grad_accumulator(p): p for p in params}
+    consumers, seen = [], set()
+    stack = [t.grad_fn for t in tensors if t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        direct = []
+        for child, _index in node.next_functions:
+            if child is None:
+                continue
+            if child in accumulators:
+                direct.append(accumulators[child])
+            elif child not in seen:
+                stack.append(child)
+        if direct:
+            consumers.append((node, list(dict.fromkeys(direct))))
+    return consumers
+
+
+def _capture(store: dict, node):
+    def hook(grad_outputs):
+        store[node] = grad_outputs
+    return hook
 
 
 class RankExecutor:
@@ -325,9 +360,7 @@ class RankExecutor:
 
     def _backward(self, runner: StageRunner, mb: int, part: str) -> None:
         if part == "weight":  # the second half of a split backward: weight gradients only
-            tensors, grads = runner.pending_weight.pop(mb)
-            if tensors and runner.params:
-                _run_backward(tensors, grads, False, tuple(runner.params), True)
+            self._weight_backward(runner, *runner.pending_weight.pop(mb))
             self._release(runner, mb)
             return
         if runner.is_last:
@@ -341,11 +374,44 @@ class RankExecutor:
             runner.in_grads[mb] = self._input_grads(runner, mb, [t.grad for t in wanted])
             self._release(runner, mb)
         else:  # "input": gradients for received activations now, weights later (zero-bubble schedules)
-            found = (_run_backward(tensors, grads, True, tuple(wanted), False)
-                     if tensors and wanted else [None] * len(wanted))
+            captured: dict = {}
+            consumers = _param_consumers(tensors, runner.params) if tensors and wanted and runner.params else []
+            handles = [node.register_prehook(_capture(captured, node)) for node, _params in consumers]
+            try:
+                found = (_run_backward(tensors, grads, True, tuple(wanted), False)
+                         if tensors and wanted else [None] * len(wanted))
+            finally:
+                for handle in handles:
+                    handle.remove()
             runner.in_grads[mb] = self._input_grads(runner, mb, list(found))
-            runner.pending_weight[mb] = (tensors, grads)
+            runner.pending_weight[mb] = (tensors, grads, consumers if wanted else None, captured)
         self._prune_sends()
+
+    @staticmethod
+    def _weight_backward(runner: StageRunner, tensors: list, grads: list, consumers, captured: dict) -> None:
+        """dW from the gradients captured at the parameters' consuming nodes during I: each such node runs
+        once more for its weight edge only, so I + W costs what one full backward does."""
+        if not tensors or not runner.params:
+            return
+        if consumers is None:  # nothing was split off (no input needed a gradient): one plain backward
+            _run_backward(tensors, grads, False, tuple(runner.params), True)
+            return
+        missing = []
+        for node, params in consumers:
+            grad_outputs = captured.get(node)
+            if grad_outputs is None:  # this node did not run for dI (a weight-only branch): redo from outputs
+                missing.extend(params)
+                continue
+            edges = [GradientEdge(node, i) for i, g in enumerate(grad_outputs) if g is not None]
+            if not edges:
+                continue
+            found = torch.autograd.grad(edges, params, [g for g in grad_outputs if g is not None],
+                                        retain_graph=True, allow_unused=True)
+            for param, grad in zip(params, found):
+                if grad is not None:
+                    param.grad = grad if param.grad is None else param.grad + grad
+        if missing:
+            _run_backward(tensors, grads, True, tuple(dict.fromkeys(missing)), True)
 
     def _output_grads(self, runner: StageRunner, mb: int):
         """Outputs that carry a gradient, with the sum of the gradients every consumer sent back."""
