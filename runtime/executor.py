@@ -85,7 +85,7 @@ class StageRunner:
         self.grad_works = [[] for _ in range(num_microbatches)]
         self.grad_buffers = [[] for _ in range(num_microbatches)]  # (output position, received gradient)
         self.pooled = [[] for _ in range(num_microbatches)]  # receive buffers to give back after backward
-        self.pending_weight = {}  # mb -> (tensors, grads) kept from I for W
+        self.pending_weight = {}  # mb -> (consumers, captured grads, tensors, grads) kept from I for W
 
 
 _ENGINE = getattr(torch.autograd.Variable, "_execution_engine", None)
@@ -123,6 +123,18 @@ def _param_consumers(tensors: list, params: list) -> list:
         if direct:
             consumers.append((node, list(dict.fromkeys(direct))))
     return consumers
+
+
+def _weights_needing_full_backward(consumers: list, captured: dict) -> list:
+    """Parameters whose W cannot start from their one consuming node: read by several nodes (a weight used
+    twice in a stage, where one consumer's backward reaches the other's), or read by a node that did not run
+    for dI (a weight-only branch such as ``w.sum()``). These get their whole gradient from the outputs
+    instead, so nothing is counted twice or missed."""
+    count: dict = {}
+    for node, params in consumers:
+        for param in params:
+            count[param] = count.get(param, 0) + (1 if node in captured else 2)
+    return [param for param, n in count.items() if n > 1]
 
 
 def _capture(store: dict, node):
@@ -384,23 +396,31 @@ class RankExecutor:
                 for handle in handles:
                     handle.remove()
             runner.in_grads[mb] = self._input_grads(runner, mb, list(found))
-            runner.pending_weight[mb] = (tensors, grads, consumers if wanted else None, captured)
+            if not wanted:  # nothing to split off: W is the whole backward
+                runner.pending_weight[mb] = (None, None, tensors, grads)
+            elif not _weights_needing_full_backward(consumers, captured):
+                # W needs only the consuming nodes and their captured gradients: let the rest of the graph go
+                runner.pending_weight[mb] = (consumers, captured, None, None)
+                runner.out[mb], runner.loss[mb] = None, None
+            else:  # some weight-only branch did not run for dI: W reruns it from the outputs
+                runner.pending_weight[mb] = (consumers, captured, tensors, grads)
         self._prune_sends()
 
     @staticmethod
-    def _weight_backward(runner: StageRunner, tensors: list, grads: list, consumers, captured: dict) -> None:
+    def _weight_backward(runner: StageRunner, consumers, captured, tensors, grads) -> None:
         """dW from the gradients captured at the parameters' consuming nodes during I: each such node runs
         once more for its weight edge only, so I + W costs what one full backward does."""
-        if not tensors or not runner.params:
+        if not runner.params:
             return
-        if consumers is None:  # nothing was split off (no input needed a gradient): one plain backward
-            _run_backward(tensors, grads, False, tuple(runner.params), True)
+        if consumers is None:
+            if tensors:
+                _run_backward(tensors, grads, False, tuple(runner.params), True)
             return
-        missing = []
+        missing = _weights_needing_full_backward(consumers, captured)
         for node, params in consumers:
             grad_outputs = captured.get(node)
-            if grad_outputs is None:  # this node did not run for dI (a weight-only branch): redo from outputs
-                missing.extend(params)
+            params = [p for p in params if all(p is not m for m in missing)]
+            if grad_outputs is None or not params:
                 continue
             edges = [GradientEdge(node, i) for i, g in enumerate(grad_outputs) if g is not None]
             if not edges:
@@ -411,7 +431,7 @@ class RankExecutor:
                 if grad is not None:
                     param.grad = grad if param.grad is None else param.grad + grad
         if missing:
-            _run_backward(tensors, grads, True, tuple(dict.fromkeys(missing)), True)
+            _run_backward(tensors, grads, True, tuple(missing), True)
 
     def _output_grads(self, runner: StageRunner, mb: int):
         """Outputs that carry a gradient, with the sum of the gradients every consumer sent back."""

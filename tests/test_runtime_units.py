@@ -1,0 +1,79 @@
+"""Tier 1/2: the runtime's split backward (I then W) equals one full backward, in one process."""
+from types import SimpleNamespace
+
+import torch
+
+from tracepp.runtime.executor import RankExecutor, _capture, _param_consumers, _run_backward
+
+
+def _graph(x, w1, w2, b):
+    h = torch.tanh(x @ w1 + b)
+    # w2 reaches the output only through a weight-only branch (w2.sum()), which dI never runs
+    return h * w2.sum() + x
+
+
+def test_input_then_weight_equals_full_backward():
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(4, 4)), torch.nn.Parameter(torch.randn(4, 4)),
+              torch.nn.Parameter(torch.randn(4))]
+    x = torch.randn(3, 4, requires_grad=True)
+    grad_out = torch.randn(3, 4)
+
+    out = _graph(x, *params)
+    out.backward(grad_out)
+    expected_x, expected_p = x.grad.clone(), [p.grad.clone() for p in params]
+    x.grad = None
+    for p in params:
+        p.grad = None
+
+    out = _graph(x, *params)
+    consumers = _param_consumers([out], params)
+    captured = {}
+    handles = [node.register_prehook(_capture(captured, node)) for node, _ in consumers]
+    (dx,) = _run_backward([out], [grad_out], True, (x,), False)
+    for handle in handles:
+        handle.remove()
+    assert all(p.grad is None for p in params), "I must not touch weight gradients"
+    torch.testing.assert_close(dx, expected_x)
+    runner = SimpleNamespace(params=params)
+    RankExecutor._weight_backward(runner, consumers, captured, [out], [grad_out])
+    for p, expected in zip(params, expected_p):
+        torch.testing.assert_close(p.grad, expected)
+
+
+def test_tied_weight_used_twice_in_one_stage():
+    torch.manual_seed(1)
+    w = torch.nn.Parameter(torch.randn(4, 4))
+    x = torch.randn(2, 4, requires_grad=True)
+    grad_out = torch.randn(2, 4)
+    (torch.relu(x @ w) @ w.t()).backward(grad_out)
+    expected = w.grad.clone()
+    w.grad = None
+    out = torch.relu(x @ w) @ w.t()
+    consumers = _param_consumers([out], [w])
+    captured = {}
+    handles = [node.register_prehook(_capture(captured, node)) for node, _ in consumers]
+    _run_backward([out], [grad_out], True, (x,), False)
+    for handle in handles:
+        handle.remove()
+    RankExecutor._weight_backward(SimpleNamespace(params=[w]), consumers, captured, [out], [grad_out])
+    torch.testing.assert_close(w.grad, expected)
+
+
+def test_weight_read_twice_on_one_path():
+    """(x * w) * w: the second product's backward reaches w through the first one too."""
+    w = torch.nn.Parameter(torch.randn(4))
+    x = torch.randn(3, 4, requires_grad=True)
+    grad_out = torch.randn(3, 4)
+    ((x * w) * w).backward(grad_out)
+    expected = w.grad.clone()
+    w.grad = None
+    out = (x * w) * w
+    consumers = _param_consumers([out], [w])
+    captured = {}
+    handles = [node.register_prehook(_capture(captured, node)) for node, _ in consumers]
+    _run_backward([out], [grad_out], True, (x,), False)
+    for handle in handles:
+        handle.remove()
+    RankExecutor._weight_backward(SimpleNamespace(params=[w]), consumers, captured, [out], [grad_out])
+    torch.testing.assert_close(w.grad, expected)
