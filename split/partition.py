@@ -52,7 +52,15 @@ def expr_text(expr, names: dict) -> object:
 
     if expr.is_number:
         return int(expr)
-    return PythonPrinter().doprint(expr.xreplace(names))
+    renamed = expr.xreplace(names)
+    unknown = renamed.free_symbols - set(names.values())
+    if unknown:
+        raise SplitError(
+            f"a size {expr} depends on {', '.join(sorted(map(str, unknown)))}, which no input's shape determines "
+            f"(a data-dependent size, e.g. from nonzero() or .item()); every rank must be able to compute "
+            f"boundary shapes from the batch alone: move the split point so that the value stays inside one "
+            f"stage, or make the size a function of input shapes")
+    return PythonPrinter().doprint(renamed)
 
 
 def dim_text(dim, names: dict) -> object:

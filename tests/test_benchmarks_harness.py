@@ -25,7 +25,8 @@ def test_tiny_suite_writes_every_system_and_field(tmp_path):
     files = glob.glob(os.path.join(out, "*_cpu.json"))
     assert len(files) == 1, os.listdir(out)
     report = json.load(open(files[0]))
-    assert report["device"] == "cpu" and "peak RSS growth" in report["memory_method"]
+    assert report["device"] == "cpu" and "CPU allocator" in report["memory_method"]
+    assert "CPU allocator" in result.stdout  # the table's footnote states the method
     (entry,) = report["results"]
     for system in ("tracepp", "torch", "eager"):
         part = entry[system]
@@ -33,7 +34,8 @@ def test_tiny_suite_writes_every_system_and_field(tmp_path):
         assert part["measured_steps"] >= 10
         assert part["step_time_s"] > 0 and part["tokens_per_s"] > 0
         assert len(part["peak_mem_mb_per_rank"]) == (1 if system == "eager" else 2)
-        assert all(m >= 0 for m in part["peak_mem_mb_per_rank"])
+        assert all(m > 0 for m in part["peak_mem_mb_per_rank"])  # a training step allocates activations
+        assert len(part["rss_growth_mb_per_rank"]) == len(part["peak_mem_mb_per_rank"])
     ideal = entry["ideal"]
     assert ideal["status"] == "ok" and ideal["step_time_s"] > 0
     assert {"0,F", "0,B", "1,F", "1,B", "0,I", "0,W"} <= set(ideal["costs"])
@@ -47,6 +49,37 @@ def test_tiny_suite_writes_every_system_and_field(tmp_path):
         assert os.path.exists(files[0][:-len(".json")] + ".png")
     except ImportError:
         assert "chart skipped" in result.stdout
+
+
+def test_cpu_allocator_peak_on_known_sizes():
+    """The CPU memory measure on cases whose answer is known: a 10 MB temporary; 20 MB replaced each step."""
+    import torch
+
+    from benchmarks.memory import PeakMemory, peak_growth_bytes
+
+    mb = 2**20
+
+    def measure(step_fn, steps=4):
+        memory, state = PeakMemory("cpu"), {}
+        for step in range(steps):
+            memory.at_step(step, steps)
+            step_fn(state)
+        return memory.stop()
+
+    result = measure(lambda state: torch.empty(10 * mb, dtype=torch.uint8).fill_(1))
+    assert result["peak_mb"] == 10.0 and "CPU allocator" in result["method"]
+
+    def replace(state):  # the new 20 MB is allocated before the previous step's 20 MB is freed
+        new = torch.ones(20 * mb, dtype=torch.uint8)
+        state.pop("x", None)
+        state["x"] = new
+
+    result = measure(replace)
+    assert result["peak_mb"] == 20.0 and result["profiled_live_mb_at_start"] == 20.0
+    # the running sum: only events from the window's start count, relative to the sum there
+    assert peak_growth_bytes([(1, 5), (2, 7), (3, -7), (4, 10), (5, -8)], start_ns=3) == (3, 12)
+    assert peak_growth_bytes([(1, 5), (2, 7), (3, -7), (4, 3)], start_ns=3) == (0, 12)
+    assert peak_growth_bytes([(1, 4), (2, -4)]) == (4, 0)
 
 
 def test_cuda_without_a_gpu_fails_clearly(tmp_path):

@@ -112,3 +112,9 @@ def test_crashed_rank_stops_the_others(tmp_path):
     assert "[tracepp rank 0] stopping because rank 1 failed: RuntimeError: simulated failure" in result.stderr
     assert elapsed < 40, f"took {elapsed:.1f}s to fail"
     assert not ckpt.exists() and not list(tmp_path.glob("ckpt.pt.tmp*"))
+
+
+def test_data_dependent_size_across_a_boundary(tmp_path, capsys):
+    code, text = run_cli(capsys, "split", model_path("data_dependent_size"), "-o", str(tmp_path / "out"),
+                         "--microbatches", "1")
+    assert code == 2 and "data-dependent size" in text and "move the split point" in text
