@@ -63,6 +63,17 @@ def expr_text(expr, names: dict) -> object:
     return PythonPrinter().doprint(renamed)
 
 
+def listed_module(node: fx.Node) -> str:
+    """The module a node is listed under in stage tables: the first repeated block on its module path
+    ("model.layers.3", "blocks.0"), else a child of a top-level container ("model.embed_tokens"), else the
+    top-level module itself ("lm_head")."""
+    paths = [path for path in node_modules(node) if path]
+    for path in paths:
+        if any(part.isdigit() for part in path.split(".")):
+            return path
+    return paths[1] if len(paths) > 1 else (paths[0] if paths else "")
+
+
 def dim_text(dim, names: dict) -> object:
     if isinstance(dim, int):
         return dim
@@ -361,9 +372,9 @@ def split(traced, split_points: Optional[list] = None, num_stages: Optional[int]
         modules_seen: list = []
         for node in compute[edges[index]:edges[index + 1]]:
             env[node] = stage_graph.node_copy(node, lambda n: env[n])
-            for fqn in node_modules(node)[1:2] or node_modules(node)[:1]:
-                if fqn and fqn not in modules_seen:
-                    modules_seen.append(fqn)
+            fqn = listed_module(node)
+            if fqn and fqn not in modules_seen:
+                modules_seen.append(fqn)
         if index == last:
             outputs = [name for kind, name in output_leaves if kind == "value"]
             by_node = {n.name: n for n in graph.nodes}
