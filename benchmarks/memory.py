@@ -1,14 +1,28 @@
-"""Peak memory of one training window, measured the same way in every benchmark worker.
+"""Peak memory of one training step, measured the same way in every benchmark worker, on every rank.
 
-* CUDA: ``torch.cuda.max_memory_allocated`` over the window (peak stats reset at its start), absolute:
-  weights, gradients, optimizer state and activations held by the caching allocator's live tensors.
-* CPU: growth of the resident set over the window: the kernel's high-water mark ``VmHWM`` is reset to the
-  current RSS at the start (``echo 5 > /proc/self/clear_refs``, Linux >= 4.0), and the result is
-  ``VmHWM(end) - VmRSS(start)``. Weights already loaded are in the baseline, so what is counted is what
-  training adds: activations kept for backward, gradients, received/sent buffers, optimizer state, and the
-  allocator's retained free memory. Where clear_refs is not writable the fallback is
-  ``ru_maxrss(end) - RSS(start)``, which is a lower bound whenever set-up peaked above training (the method
-  is recorded with every number).
+Every run ends with ``MEMORY_STEPS`` (2) untimed steps after its timed ones: a lead-in step and the measured
+step. The harness drops their step times (``benchmarks/run.py``), so no profiling overhead ever reaches a
+reported step time. A worker calls :meth:`PeakMemory.at_step` at the start of every step (before the step's
+first op: tracepp's ``RankExecutor.run_step``, torch's ``schedule.step``, eager's forward) and
+:meth:`PeakMemory.stop` after the last step's optimizer step.
+
+* CPU (primary, ``peak_mb``): the analog of ``torch.cuda.max_memory_allocated`` for torch's CPU allocator.
+  ``torch.profiler.profile(activities=[CPU], profile_memory=True)`` runs over the lead-in and the measured
+  step; its ``[memory]`` events (bytes allocated > 0 / freed < 0, with timestamps) are sorted by time and
+  summed; the result is the running sum's maximum inside the measured step minus its value at the measured
+  step's start (a ``record_function`` marker), i.e. the peak of live bytes the step adds on top of what was
+  live when it began. The profiler only knows the size of blocks allocated while it is on, so frees of
+  older blocks are invisible; the lead-in step is profiled so that everything the previous step leaves for
+  the measured one to free is known. Only allocations through torch's CPU allocator on threads that carry
+  the profiler state (the main thread and autograd's) are seen; allocations by gloo's or MKL's own code
+  are not.
+* CPU (secondary, ``rss_growth_mb``): growth of the resident set over the timed steps (the kernel's
+  high-water mark ``VmHWM`` reset to the current RSS at the first step via ``echo 5 > /proc/self/clear_refs``,
+  read before the profiler starts, minus ``VmRSS`` at the first step). It mixes in glibc's retained free
+  memory and one-off allocations, so differences of a few MB are noise. Where clear_refs is not writable it
+  is ``ru_maxrss`` growth, a lower bound.
+* CUDA: ``torch.cuda.max_memory_allocated`` over the measured step (peak stats reset at its start),
+  absolute: weights, gradients, optimizer state and activations held by the caching allocator.
 """
 from __future__ import annotations
 
@@ -18,9 +32,14 @@ import resource
 
 import torch
 
-CPU_METHOD = "cpu: peak RSS growth over the training steps (VmHWM reset via /proc/self/clear_refs)"
-CPU_FALLBACK = "cpu: ru_maxrss growth over the training steps (lower bound)"
-CUDA_METHOD = "cuda: torch.cuda.max_memory_allocated during the training steps"
+MEMORY_STEPS = 2  # untimed steps at the end of every run: lead-in + measured memory step
+MARKER = "benchmarks::memory_window"
+CPU_METHOD = ("cpu: peak live bytes of torch's CPU allocator during one whole untimed training step after the "
+              "timed ones, relative to the live bytes at its start (torch.profiler profile_memory [memory] "
+              "events, running sum's max; the previous step is profiled too so its frees are known)")
+CUDA_METHOD = "cuda: torch.cuda.max_memory_allocated during one untimed training step after the timed ones"
+RSS_METHOD = "cpu rss: peak RSS growth over the timed steps (VmHWM reset via /proc/self/clear_refs)"
+RSS_FALLBACK = "cpu rss: ru_maxrss growth over the timed steps (lower bound)"
 
 
 def _status_kb(field: str):
@@ -34,35 +53,107 @@ def _status_kb(field: str):
     return None
 
 
+def memory_events(kineto_results) -> list:
+    """``(time_ns, bytes)`` of the CPU allocator's ``[memory]`` events (allocations > 0, frees < 0), by time."""
+    found = []
+    for event in kineto_results.events():
+        if event.name() == "[memory]" and str(event.device_type()).endswith("CPU"):
+            found.append((event.start_ns(), int(event.nbytes())))
+    found.sort(key=lambda item: item[0])  # stable: same-time events keep the order they were recorded in
+    return found
+
+
+def marker_ns(kineto_results, name: str = MARKER):
+    times = [event.start_ns() for event in kineto_results.events() if event.name() == name]
+    return min(times) if times else None
+
+
+def peak_growth_bytes(events: list, start_ns=None) -> tuple:
+    """Running sum of ``events`` (``(time_ns, bytes)``, sorted): ``(max inside [start_ns, end] minus the
+    sum at start_ns, floored at 0; the sum at start_ns)``. ``start_ns=None``: from the first event."""
+    running, base, peak = 0, 0, 0
+    for time_ns, nbytes in events:
+        if start_ns is not None and time_ns < start_ns:
+            running += nbytes
+            base = peak = running
+            continue
+        running += nbytes
+        peak = max(peak, running)
+    return max(0, peak - base), base
+
+
 class PeakMemory:
+    """See the module docstring. ``at_step(step, steps)`` at the start of every step, ``stop()`` after the last."""
+
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
-        self.method = None
-        self.base_kb = 0
+        self.method = CUDA_METHOD if self.device.type == "cuda" else CPU_METHOD
+        self.rss_method = None
+        self.rss_base_kb = None
+        self.rss_growth_mb = None
+        self.profiler = None
+        self.marked = False
 
-    def start(self) -> None:
+    def at_step(self, step: int, steps: int) -> None:
+        if step == 0:
+            self._rss_start()
+        if step == max(0, steps - MEMORY_STEPS):
+            self._rss_read()
+            self._profile_start()
+        if step == steps - 1:
+            self._mark()
+
+    def _rss_start(self) -> None:
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self.method = CUDA_METHOD
             return
         try:
             with open("/proc/self/clear_refs", "w") as handle:
                 handle.write("5")
-            self.method = CPU_METHOD
+            self.rss_method = RSS_METHOD
         except OSError:
-            self.method = CPU_FALLBACK
-        self.base_kb = _status_kb("VmRSS") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            self.rss_method = RSS_FALLBACK
+        self.rss_base_kb = _status_kb("VmRSS") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+    def _rss_read(self) -> None:
+        if self.rss_base_kb is None:
+            return
+        peak_kb = _status_kb("VmHWM") if self.rss_method == RSS_METHOD else None
+        if peak_kb is None:
+            peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        self.rss_growth_mb = max(0, peak_kb - self.rss_base_kb) / 1024
+
+    def _profile_start(self) -> None:
+        if self.device.type == "cuda":
+            return
+        from torch.profiler import ProfilerActivity, profile
+
+        self.profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self.profiler.start()
+
+    def _mark(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            with torch.profiler.record_function(MARKER):
+                pass
+        self.marked = True
 
     def stop(self) -> dict:
+        if not self.marked:
+            return {"peak_mb": None, "method": self.method}
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             return {"peak_mb": torch.cuda.max_memory_allocated(self.device) / 2**20, "method": self.method}
-        if self.method == CPU_METHOD:
-            peak_kb = _status_kb("VmHWM")
-        else:
-            peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return {"peak_mb": max(0, peak_kb - self.base_kb) / 1024, "method": self.method}
+        self.profiler.stop()
+        results = self.profiler.profiler.kineto_results
+        events = memory_events(results)
+        start = marker_ns(results)
+        if start is None:
+            raise RuntimeError(f"memory window marker {MARKER!r} missing from the profile")
+        peak, base = peak_growth_bytes(events, start)
+        return {"peak_mb": peak / 2**20, "method": self.method, "profiled_live_mb_at_start": base / 2**20,
+                "memory_events": len(events), "rss_growth_mb": self.rss_growth_mb, "rss_method": self.rss_method}
 
 
 def write_memory(directory: str, rank: int, result: dict) -> None:

@@ -16,8 +16,9 @@ file (benchmarks/gpt_model.py, untied head), split at the same block FQNs, is tr
 Runs of the systems alternate (tracepp, torch, eager, then torch, tracepp, eager, ...), each run drops its
 warm-up steps, and the step time reported is the median of all measured steps. Every process runs with
 ``--threads`` intra-op threads (default 1, which is what torchrun sets for several processes per node).
-Peak memory per rank: see benchmarks/memory.py (CPU: peak RSS growth over the training steps; CUDA: max
-allocated). Results: a table on stdout, ``OUT/<date>_<device>.json``, and ``OUT/<date>_<device>.png`` (the
+Peak memory per rank: see benchmarks/memory.py (CPU: peak live bytes of torch's CPU allocator during one
+untimed step after the timed ones, relative to the live bytes at its start, from torch.profiler's memory
+events; CUDA: max allocated over that step). Every run ends with those ``MEMORY_STEPS`` untimed steps. Results: a table on stdout, ``OUT/<date>_<device>.json``, and ``OUT/<date>_<device>.png`` (the
 ratios; needs matplotlib: ``pip install -e ".[bench]"``).
 
 ``--device cuda`` runs the single-GPU variants instead: bf16 weights, one rank holding every stage
@@ -40,6 +41,7 @@ import time
 from dataclasses import dataclass
 
 from benchmarks.gpt_model import GPTConfig, write_model_file
+from benchmarks.memory import MEMORY_STEPS, read_memory
 
 SYSTEMS = ("tracepp", "torch", "eager")
 STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2, "interleaved-zb": 2}
@@ -154,7 +156,7 @@ def run_system(system: str, case: Case, model_path: str, out_dir: str, work: str
     metrics = os.path.join(work, tag + ".jsonl")
     memory_dir = os.path.join(work, tag + "_mem")
     log = os.path.join(work, tag + ".log")
-    steps = settings.warmup + settings.measured
+    steps = settings.warmup + settings.measured + MEMORY_STEPS  # the last ones: memory window, never timed
     if system == "tracepp":
         cmd = _torchrun(case.run_ranks) + ["-m", "benchmarks.tracepp_worker", out_dir, "--memory-dir", memory_dir,
                                            "--", "--steps", str(steps), "--metrics", metrics, "--quiet",
@@ -176,10 +178,8 @@ def run_system(system: str, case: Case, model_path: str, out_dir: str, work: str
         ok, error, wall = _run(cmd, log, _env(threads), settings.timeout)
         retried = True
     lines = _read_steps(metrics)
-    from benchmarks.memory import read_memory
-
     result = {"ok": ok and len(lines) == steps, "error": error, "wall_s": wall, "log": log, "retried": retried,
-              "step_times": [line["step_time_s"] for line in lines[settings.warmup:]],
+              "step_times": [line["step_time_s"] for line in lines[settings.warmup:settings.warmup + settings.measured]],
               "losses": [line["loss"] for line in lines], "memory": read_memory(memory_dir)}
     if ok and len(lines) != steps:
         result["error"] = f"wrote {len(lines)} metric lines, expected {steps}"
@@ -193,15 +193,22 @@ def _merge(runs: list, tokens: int) -> dict:
     times = [t for r in good for t in r["step_times"]]
     step = statistics.median(times)
     per_rank: dict = {}
-    method = None
+    rss_per_rank: dict = {}
+    method = rss_method = None
     for r in good:
         for m in r["memory"]:
-            per_rank[m["rank"]] = max(per_rank.get(m["rank"], 0.0), m["peak_mb"])
+            if m.get("peak_mb") is not None:
+                per_rank[m["rank"]] = max(per_rank.get(m["rank"], 0.0), m["peak_mb"])
+            if m.get("rss_growth_mb") is not None:
+                rss_per_rank[m["rank"]] = max(rss_per_rank.get(m["rank"], 0.0), m["rss_growth_mb"])
             method = m["method"]
+            rss_method = m.get("rss_method") or rss_method
     return {"status": "ok", "step_time_s": step, "tokens_per_s": tokens / step, "measured_steps": len(times),
             "runs": len(good), "step_times_s": times, "min_step_time_s": min(times),
             "peak_mem_mb_per_rank": [per_rank[k] for k in sorted(per_rank)],
             "peak_mem_mb": max(per_rank.values()) if per_rank else None, "memory_method": method,
+            "rss_growth_mb_per_rank": [rss_per_rank[k] for k in sorted(rss_per_rank)],
+            "rss_growth_mb": max(rss_per_rank.values()) if rss_per_rank else None, "rss_method": rss_method,
             "losses_first_run": good[0]["losses"]}
 
 
@@ -417,7 +424,7 @@ def main(argv=None) -> int:
     started = datetime.datetime.now()
     work = tempfile.mkdtemp(prefix="tracepp_bench_")
     print(f"{len(cases)} cases, {settings.rounds} rounds x ({settings.warmup} warm-up + {settings.measured} "
-          f"measured) steps per system, device {args.device}, work folder {work}", flush=True)
+          f"measured + {MEMORY_STEPS} untimed memory) steps per system, device {args.device}, work folder {work}", flush=True)
     try:
         suite = run_suite(cases, settings, args.device, args.threads, work,
                           log=lambda text: print(text, flush=True))

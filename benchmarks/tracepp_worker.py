@@ -5,8 +5,10 @@
 Everything after ``--`` goes to the generated ``run.py`` unchanged; the step time is the runtime's own
 ``--metrics`` line (``step_time_s``: ``run_step`` plus shared-gradient sync and the optimizer step, on the
 last stage's rank). The only addition is a wrapper around the runtime's ``RankExecutor.run_step`` (the copy
-inside OUT_DIR/tracepp_runtime) that starts the memory window at the first step and reads it after the
-last one; it costs one Python call per step and does not touch the timed code.
+inside OUT_DIR/tracepp_runtime) that calls ``PeakMemory.at_step`` before every step's ``run_step`` (the
+memory window is the last step, untimed by the harness: its ``run_step``, shared-gradient sync and
+optimizer step, then the run's closing barrier; see benchmarks/memory.py); it costs one Python call per
+step and does not touch the timed code.
 """
 from __future__ import annotations
 
@@ -32,13 +34,18 @@ def main() -> None:
     sys.path.insert(0, out_dir)
     from tracepp_runtime import executor  # the runtime copy that run.py imports
 
-    state = {"memory": None, "result": None}
+    steps_parser = argparse.ArgumentParser(add_help=False)
+    steps_parser.add_argument("--steps", type=int, default=3)  # run.py's own default
+    steps = steps_parser.parse_known_args(rest)[0].steps
+    state = {"memory": None, "step": 0}
     original = executor.RankExecutor.run_step
 
     def run_step(self, *a, **k):
-        if state["memory"] is None:
-            state["memory"] = PeakMemory(self.device)
-            state["memory"].start()
+        if args.memory_dir:
+            if state["memory"] is None:
+                state["memory"] = PeakMemory(self.device)
+            state["memory"].at_step(state["step"], steps)
+        state["step"] += 1
         return original(self, *a, **k)
 
     executor.RankExecutor.run_step = run_step
