@@ -98,6 +98,69 @@ def _run_backward(tensors: list, grads: list, keep_graph: bool, inputs: tuple, a
     return _ENGINE.run_backward(tuple(tensors), tuple(grads), keep_graph, False, inputs, True, accumulate)
 
 
+def _message_key(stage: int, kind: str, mb: int, peer: int):
+    """The same key for a send and the receive that matches it: (direction, producer, consumer, mb)."""
+    if kind in ("SEND_F", "RECV_F"):
+        return ("F", stage, peer, mb) if kind == "SEND_F" else ("F", peer, stage, mb)
+    return ("B", stage, peer, mb) if kind == "SEND_B" else ("B", peer, stage, mb)
+
+
+def _send_release_points(plan: dict, stage_to_rank: list, rank: int) -> dict:
+    """{position p on this rank: [positions of this rank's sends that are safe to wait on after p]}.
+
+    Vector clocks over the whole plan: a send is safe to wait on once this rank has received a message that
+    its peer posted after posting the matching receive. Gloo reports a send complete only when it is waited
+    on, so without this every sent tensor would live until the end of the step.
+    """
+    parsed = {r: [parse_action(a) for a in acts] for r, acts in plan.items()}
+    recv_at, send_clock = {}, {}
+    for r, acts in parsed.items():
+        for position, (stage, kind, mb, peer) in enumerate(acts):
+            if kind.startswith("RECV"):
+                recv_at[_message_key(stage, kind, mb, peer)] = (r, position)
+    ranks = sorted(parsed)
+    clock = {r: {q: 0 for q in ranks} for r in ranks}  # clock[r][q]: actions of q known executed by r
+    pointer = {r: 0 for r in ranks}
+    pending = {r: {} for r in ranks}  # receives posted but not yet waited on: (stage, F|B, mb) -> [keys]
+    my_clocks = []  # after each of my actions: my clock
+    progress = True
+    while progress:
+        progress = False
+        for r in ranks:
+            acts = parsed[r]
+            while pointer[r] < len(acts):
+                stage, kind, mb, peer = acts[pointer[r]]
+                if kind.startswith("RECV"):  # posting never blocks; its data is known when a compute waits
+                    pending[r].setdefault((stage, kind[-1], mb), []).append(_message_key(stage, kind, mb, peer))
+                elif kind in ("F", "B", "I"):
+                    keys = pending[r].get((stage, "F" if kind == "F" else "B", mb), [])
+                    if any(key not in send_clock for key in keys):
+                        break  # waits for a message whose send is not posted yet
+                    for key in keys:
+                        for q, value in send_clock[key].items():
+                            clock[r][q] = max(clock[r][q], value)
+                clock[r][r] = pointer[r] + 1
+                if kind.startswith("SEND"):
+                    send_clock[_message_key(stage, kind, mb, peer)] = dict(clock[r])
+                if r == rank:
+                    my_clocks.append(dict(clock[r]))
+                pointer[r] += 1
+                progress = True
+    release: dict = {}
+    for position, (stage, kind, mb, peer) in enumerate(parsed.get(rank, [])):
+        if not kind.startswith("SEND"):
+            continue
+        target = recv_at.get(_message_key(stage, kind, mb, peer))
+        if target is None:
+            continue
+        peer_rank, recv_position = target
+        for later in range(position + 1, len(my_clocks)):
+            if my_clocks[later][peer_rank] > recv_position:
+                release.setdefault(later, []).append(position)
+                break
+    return release
+
+
 def _grad_accumulator(param: torch.Tensor):
     return param.view_as(param).grad_fn.next_functions[0][0]
 
@@ -162,7 +225,7 @@ class RankExecutor:
         self.output_leaves = manifest["output_leaves"]
         self.deallocate_outputs = training and _ENGINE is not None
         self.free_buffers: dict = {}  # (shape, dtype) -> [tensor]: receive buffers reused across microbatches
-        self.send_works: list = []
+        self.send_works: dict = {}  # action position -> works of that send, until released
         self.stages = {}
         for spec in manifest["stages"]:
             if self.stage_to_rank[spec["index"]] != rank:
@@ -192,34 +255,44 @@ class RankExecutor:
                 runner.local_grad_targets.append(
                     (producer, producer.outputs.index(runner.received[slot]["name"])) if producer else None)
         self.shapes = shapes if shapes is not None else _shapes_from_manifest(manifest)
+        self.plan_actions = {int(r): list(a) for r, a in manifest["plan"]["actions"].items()}
+        self.plan_actions[rank] = list(actions)
         self.program = self._compile(actions)
 
     # -- compile ---------------------------------------------------------------------------------------
     def _compile(self, actions: list) -> list:
-        program, batch = [], []
-        for text in actions:
+        """Closures in action order; each carries the positions of earlier sends it may release after it."""
+        release_at = _send_release_points(self.plan_actions, self.stage_to_rank, self.rank)
+        program, batch, positions = [], [], []
+
+        def emit(fn, covered):
+            program.append((fn, [p for q in covered for p in release_at.get(q, ())]))
+
+        for position, text in enumerate(actions):
             stage, kind, mb, peer = parse_action(text)
             if kind.startswith(("SEND", "RECV")):
-                batch.append(self._comm_op(stage, kind, mb, peer))
+                batch.append((position, self._comm_op(stage, kind, mb, peer)))
+                positions.append(position)
                 if kind == "SEND_B" and mb == 0:
                     self.stages[stage].sends_b_per_mb += 1
                 if kind == "SEND_F" and mb == 0:
                     self.stages[stage].sends_f_per_mb += 1
                 continue
             if batch:
-                program.append(self._comm_batch(batch))
-                batch = []
+                emit(self._comm_batch(batch), positions)
+                batch, positions = [], []
             runner = self.stages[stage]
             if kind == "F":
-                program.append(lambda r=runner, m=mb: self._forward(r, m))
+                fn = lambda r=runner, m=mb: self._forward(r, m)  # noqa: E731
             elif kind == "B":
-                program.append(lambda r=runner, m=mb: self._backward(r, m, "full"))
+                fn = lambda r=runner, m=mb: self._backward(r, m, "full")  # noqa: E731
             elif kind == "I":
-                program.append(lambda r=runner, m=mb: self._backward(r, m, "input"))
-            elif kind == "W":
-                program.append(lambda r=runner, m=mb: self._backward(r, m, "weight"))
+                fn = lambda r=runner, m=mb: self._backward(r, m, "input")  # noqa: E731
+            else:
+                fn = lambda r=runner, m=mb: self._backward(r, m, "weight")  # noqa: E731
+            emit(fn, [position])
         if batch:
-            program.append(self._comm_batch(batch))
+            emit(self._comm_batch(batch), positions)
         return program
 
     def _tag(self, direction: str, producer: int, consumer: int, index: int) -> int:
@@ -289,7 +362,11 @@ class RankExecutor:
 
     def _comm_batch(self, op_builders: list):
         def run():
-            ops = [op for build in op_builders for op in build()]
+            ops, owners = [], []
+            for position, build in op_builders:
+                built = build()
+                ops += built
+                owners += [position] * len(built)
             if not ops:
                 return
             if self.use_batch_p2p:
@@ -298,12 +375,19 @@ class RankExecutor:
             else:
                 works = [(dist.isend if send else dist.irecv)(tensor, peer, tag=tag)
                          for send, tensor, peer, tag, _ in ops]
-            for work, (send, _tensor, _peer, _tag, waitlist) in zip(works, ops):
+            for work, position, (send, _tensor, _peer, _tag, waitlist) in zip(works, owners, ops):
                 if send:
-                    self.send_works.append(work)
+                    self.send_works.setdefault(position, []).append(work)
                 elif waitlist is not None:
                     waitlist.append(work)
         return run
+
+    def _release_sends(self, positions: list) -> None:
+        """Wait on sends whose receive the peer has provably posted (it has since sent us something it could
+        only send after posting it): the wait returns at once, and the sent tensor's memory can go."""
+        for position in positions:
+            for work in self.send_works.pop(position, ()):
+                work.wait(self.timeout)
 
     # -- memory ----------------------------------------------------------------------------------------
     def _choose_deallocatable(self, runner: StageRunner, out) -> None:
@@ -329,10 +413,6 @@ class RankExecutor:
         for pos in runner.deallocatable:
             tensor = out[pos]
             tensor.data = torch.empty((0,), dtype=tensor.dtype, device=tensor.device)
-
-    def _prune_sends(self) -> None:
-        if self.send_works:
-            self.send_works = [work for work in self.send_works if not work.is_completed()]
 
     # -- compute ---------------------------------------------------------------------------------------
     def _wait(self, works: list) -> None:
@@ -368,7 +448,6 @@ class RankExecutor:
                 self.step_loss = self.step_loss + loss.detach()
             else:
                 self.outputs[mb] = output
-        self._prune_sends()
 
     def _backward(self, runner: StageRunner, mb: int, part: str) -> None:
         if part == "weight":  # the second half of a split backward: weight gradients only
@@ -404,7 +483,6 @@ class RankExecutor:
                 runner.out[mb], runner.loss[mb] = None, None
             else:  # some weight-only branch did not run for dI: W reruns it from the outputs
                 runner.pending_weight[mb] = (consumers, captured, tensors, grads)
-        self._prune_sends()
 
     @staticmethod
     def _weight_backward(runner: StageRunner, consumers, captured, tensors, grads) -> None:
@@ -486,11 +564,14 @@ class RankExecutor:
                     for buffer in buffers:
                         self.free_buffers.setdefault((tuple(buffer.shape), buffer.dtype), []).append(buffer)
             runner.reset(num_microbatches)
-        for instruction in self.program:
+        for instruction, releases in self.program:
             instruction()
-        for work in self.send_works:
-            work.wait(self.timeout)
-        self.send_works = []
+            if releases:
+                self._release_sends(releases)
+        for works in self.send_works.values():
+            for work in works:
+                work.wait(self.timeout)
+        self.send_works = {}
         if self.last_stage in self.stages:
             return self.step_loss if self.training and self.loss_fn is not None else self.outputs
         return None
