@@ -85,7 +85,7 @@ class StageRunner:
         self.grad_works = [[] for _ in range(num_microbatches)]
         self.grad_buffers = [[] for _ in range(num_microbatches)]  # (output position, received gradient)
         self.pooled = [[] for _ in range(num_microbatches)]  # receive buffers to give back after backward
-        self.pending_weight = {}  # mb -> (consumers, captured grads, tensors, grads) kept from I for W
+        self.pending_weight = {}  # mb -> what W needs, kept from I (see _weight_backward)
 
 
 _ENGINE = getattr(torch.autograd.Variable, "_execution_engine", None)
@@ -165,39 +165,58 @@ def _grad_accumulator(param: torch.Tensor):
     return param.view_as(param).grad_fn.next_functions[0][0]
 
 
-def _param_consumers(tensors: list, params: list) -> list:
-    """Autograd nodes (reachable from ``tensors``) that read a parameter directly, with those parameters."""
+def _weight_entries(tensors: list, inputs: list, params: list) -> tuple:
+    """Where dW branches off dI in the autograd graph of ``tensors``: ([(entry node, [params])], [params]).
+
+    The nodes that lead to an input run during I; an *entry* is such a node with a child that leads only to
+    parameters (a matmul's weight edge, a transpose of the weight, a layer norm's affine edge). Capturing
+    each entry's incoming gradient during I lets W run just the weight side of the entry. A parameter
+    reached from exactly one entry is computed that way; any other (a weight used in two places, where one
+    route's backward also reaches the other, or one reachable from no entry) is returned second, for a
+    backward from the outputs instead, so nothing is counted twice or missed.
+    """
     accumulators = {_grad_accumulator(p): p for p in params}
-    consumers, seen = [], set()
-    stack = [t.grad_fn for t in tensors if t.grad_fn is not None]
+    input_nodes = {_grad_accumulator(t) for t in inputs}
+    postorder, seen = [], set()
+    stack = [(t.grad_fn, False) for t in tensors if t.grad_fn is not None]
     while stack:
-        node = stack.pop()
+        node, expanded = stack.pop()
+        if expanded:
+            postorder.append(node)
+            continue
         if node in seen:
             continue
         seen.add(node)
-        direct = []
-        for child, _index in node.next_functions:
-            if child is None:
+        stack.append((node, True))
+        stack.extend((child, False) for child, _ in node.next_functions if child is not None and child not in seen)
+    leads_to_input, param_side = {}, {}  # node -> bool; node (not leading to inputs) -> params below it
+    for node in postorder:
+        children = [child for child, _ in node.next_functions if child is not None]
+        leads_to_input[node] = node in input_nodes or any(leads_to_input.get(c, c in input_nodes) for c in children)
+        if not leads_to_input[node]:
+            below = {accumulators[node]} if node in accumulators else set()
+            for child in children:
+                if child in accumulators:
+                    below.add(accumulators[child])
+                elif not leads_to_input.get(child, False):
+                    below |= param_side.get(child, set())
+            param_side[node] = below
+    entries, reached_from = [], {}
+    for node in postorder:
+        if not leads_to_input[node]:
+            continue
+        found = set()
+        for child, _ in node.next_functions:
+            if child is None or leads_to_input.get(child, child in input_nodes):
                 continue
-            if child in accumulators:
-                direct.append(accumulators[child])
-            elif child not in seen:
-                stack.append(child)
-        if direct:
-            consumers.append((node, list(dict.fromkeys(direct))))
-    return consumers
-
-
-def _weights_needing_full_backward(consumers: list, captured: dict) -> list:
-    """Parameters whose W cannot start from their one consuming node: read by several nodes (a weight used
-    twice in a stage, where one consumer's backward reaches the other's), or read by a node that did not run
-    for dI (a weight-only branch such as ``w.sum()``). These get their whole gradient from the outputs
-    instead, so nothing is counted twice or missed."""
-    count: dict = {}
-    for node, params in consumers:
-        for param in params:
-            count[param] = count.get(param, 0) + (1 if node in captured else 2)
-    return [param for param, n in count.items() if n > 1]
+            found |= {accumulators[child]} if child in accumulators else param_side.get(child, set())
+        if found:
+            entries.append((node, found))
+            for param in found:
+                reached_from[param] = reached_from.get(param, 0) + 1
+    full = [p for p in params if _grad_accumulator(p) in seen and reached_from.get(p, 0) != 1]
+    entries = [(node, [p for p in params if p in found and reached_from[p] == 1]) for node, found in entries]
+    return [(node, found) for node, found in entries if found], full
 
 
 def _capture(store: dict, node):
@@ -466,8 +485,9 @@ class RankExecutor:
             self._release(runner, mb)
         else:  # "input": gradients for received activations now, weights later (zero-bubble schedules)
             captured: dict = {}
-            consumers = _param_consumers(tensors, runner.params) if tensors and wanted and runner.params else []
-            handles = [node.register_prehook(_capture(captured, node)) for node, _params in consumers]
+            entries, full = (_weight_entries(tensors, wanted, runner.params) if tensors and wanted and runner.params
+                             else ([], list(runner.params)))
+            handles = [node.register_prehook(_capture(captured, node)) for node, _params in entries]
             try:
                 found = (_run_backward(tensors, grads, True, tuple(wanted), False)
                          if tensors and wanted else [None] * len(wanted))
@@ -476,29 +496,23 @@ class RankExecutor:
                     handle.remove()
             runner.in_grads[mb] = self._input_grads(runner, mb, list(found))
             if not wanted:  # nothing to split off: W is the whole backward
-                runner.pending_weight[mb] = (None, None, tensors, grads)
-            elif not _weights_needing_full_backward(consumers, captured):
-                # W needs only the consuming nodes and their captured gradients: let the rest of the graph go
-                runner.pending_weight[mb] = (consumers, captured, None, None)
+                runner.pending_weight[mb] = ([], list(runner.params), captured, tensors, grads)
+            elif not full and all(node in captured for node, _params in entries):
+                # W needs only the entry nodes and their captured gradients: let the rest of the graph go
+                runner.pending_weight[mb] = (entries, [], captured, None, None)
                 runner.out[mb], runner.loss[mb] = None, None
-            else:  # some weight-only branch did not run for dI: W reruns it from the outputs
-                runner.pending_weight[mb] = (consumers, captured, tensors, grads)
+            else:  # some weights need a backward from the outputs: keep them
+                runner.pending_weight[mb] = (entries, full, captured, tensors, grads)
 
     @staticmethod
-    def _weight_backward(runner: StageRunner, consumers, captured, tensors, grads) -> None:
-        """dW from the gradients captured at the parameters' consuming nodes during I: each such node runs
-        once more for its weight edge only, so I + W costs what one full backward does."""
-        if not runner.params:
-            return
-        if consumers is None:
-            if tensors:
-                _run_backward(tensors, grads, False, tuple(runner.params), True)
-            return
-        missing = _weights_needing_full_backward(consumers, captured)
-        for node, params in consumers:
+    def _weight_backward(runner: StageRunner, entries: list, full: list, captured: dict, tensors, grads) -> None:
+        """dW: each entry node runs once more, for its weight side only, from the gradient captured during I
+        (so I + W costs what one full backward does); weights listed in ``full`` take a backward from the
+        outputs."""
+        for node, params in entries:
             grad_outputs = captured.get(node)
-            params = [p for p in params if all(p is not m for m in missing)]
-            if grad_outputs is None or not params:
+            if grad_outputs is None:  # the entry did not run for dI after all: take those from the outputs
+                full = full + params
                 continue
             edges = [GradientEdge(node, i) for i, g in enumerate(grad_outputs) if g is not None]
             if not edges:
@@ -508,8 +522,8 @@ class RankExecutor:
             for param, grad in zip(params, found):
                 if grad is not None:
                     param.grad = grad if param.grad is None else param.grad + grad
-        if missing:
-            _run_backward(tensors, grads, True, tuple(missing), True)
+        if full and tensors:
+            _run_backward(tensors, grads, False, tuple(full), True)
 
     def _output_grads(self, runner: StageRunner, mb: int):
         """Outputs that carry a gradient, with the sum of the gradients every consumer sent back."""

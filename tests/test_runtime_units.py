@@ -3,7 +3,7 @@ from types import SimpleNamespace
 
 import torch
 
-from tracepp.runtime.executor import RankExecutor, _capture, _param_consumers, _run_backward
+from tracepp.runtime.executor import RankExecutor, _capture, _run_backward, _weight_entries
 
 
 def _graph(x, w1, w2, b):
@@ -27,7 +27,7 @@ def test_input_then_weight_equals_full_backward():
         p.grad = None
 
     out = _graph(x, *params)
-    consumers = _param_consumers([out], params)
+    consumers, full = _weight_entries([out], [x], params)
     captured = {}
     handles = [node.register_prehook(_capture(captured, node)) for node, _ in consumers]
     (dx,) = _run_backward([out], [grad_out], True, (x,), False)
@@ -36,7 +36,7 @@ def test_input_then_weight_equals_full_backward():
     assert all(p.grad is None for p in params), "I must not touch weight gradients"
     torch.testing.assert_close(dx, expected_x)
     runner = SimpleNamespace(params=params)
-    RankExecutor._weight_backward(runner, consumers, captured, [out], [grad_out])
+    RankExecutor._weight_backward(runner, consumers, full, captured, [out], [grad_out])
     for p, expected in zip(params, expected_p):
         torch.testing.assert_close(p.grad, expected)
 
@@ -50,13 +50,13 @@ def test_tied_weight_used_twice_in_one_stage():
     expected = w.grad.clone()
     w.grad = None
     out = torch.relu(x @ w) @ w.t()
-    consumers = _param_consumers([out], [w])
+    consumers, full = _weight_entries([out], [x], [w])
     captured = {}
     handles = [node.register_prehook(_capture(captured, node)) for node, _ in consumers]
     _run_backward([out], [grad_out], True, (x,), False)
     for handle in handles:
         handle.remove()
-    RankExecutor._weight_backward(SimpleNamespace(params=[w]), consumers, captured, [out], [grad_out])
+    RankExecutor._weight_backward(SimpleNamespace(params=[w]), consumers, full, captured, [out], [grad_out])
     torch.testing.assert_close(w.grad, expected)
 
 
@@ -69,13 +69,13 @@ def test_weight_read_twice_on_one_path():
     expected = w.grad.clone()
     w.grad = None
     out = (x * w) * w
-    consumers = _param_consumers([out], [w])
+    consumers, full = _weight_entries([out], [x], [w])
     captured = {}
     handles = [node.register_prehook(_capture(captured, node)) for node, _ in consumers]
     _run_backward([out], [grad_out], True, (x,), False)
     for handle in handles:
         handle.remove()
-    RankExecutor._weight_backward(SimpleNamespace(params=[w]), consumers, captured, [out], [grad_out])
+    RankExecutor._weight_backward(SimpleNamespace(params=[w]), consumers, full, captured, [out], [grad_out])
     torch.testing.assert_close(w.grad, expected)
 
 
@@ -98,3 +98,30 @@ def test_sends_are_released_once_causality_proves_their_receive_posted():
     for rank in (0, 1):
         for at, sends in _send_release_points(actions, plan["stage_to_rank"], rank).items():
             assert "RECV" not in actions[rank][at] and all(p < at for p in sends)
+
+
+def test_linear_weights_split_off_at_their_matmul():
+    """A linear layer's weight reaches its matmul through a transpose that dI never runs: the matmul is the
+    entry, so W reruns only its weight side instead of a whole backward."""
+    lin, norm = torch.nn.Linear(4, 4), torch.nn.LayerNorm(4)
+    params = [lin.weight, lin.bias, norm.weight, norm.bias]
+    x = torch.randn(2, 3, 4, requires_grad=True)
+    out = torch.ops.aten.linear.default(torch.ops.aten.layer_norm.default(x, [4], norm.weight, norm.bias, 1e-5,
+                                                                          False), lin.weight, lin.bias)
+    grad_out = torch.randn_like(out)
+    entries, full = _weight_entries([out], [x], params)
+    assert full == [] and sorted(type(node).__name__ for node, _ in entries) == [
+        "AddmmBackward0", "NativeLayerNormBackward0"]
+    captured = {}
+    handles = [node.register_prehook(_capture(captured, node)) for node, _ in entries]
+    _run_backward([out], [grad_out], True, (x,), False)
+    for handle in handles:
+        handle.remove()
+    RankExecutor._weight_backward(SimpleNamespace(params=params), entries, full, captured, None, None)
+    got = [p.grad.clone() for p in params]
+    for p in params:
+        p.grad = None
+    torch.ops.aten.linear.default(torch.ops.aten.layer_norm.default(x, [4], norm.weight, norm.bias, 1e-5, False),
+                                  lin.weight, lin.bias).backward(grad_out)
+    for p, g in zip(params, got):
+        torch.testing.assert_close(g, p.grad)
