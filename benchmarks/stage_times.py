@@ -84,12 +84,13 @@ def measure(out_dir: str, device: torch.device, rounds: int = 5, max_microbatche
         ex = executor_module.RankExecutor(single, 0, functions, actions, state, device, user.loss_fn, 600.0,
                                           out_spec, True)
         ex.mb_leaves, ex.targets, ex.scales, ex.symbols = mb.leaves, mb.targets, mb.scales, mb.symbols
-        ex.send_works, ex.outputs = [], [None] * len(mb.leaves)
+        ex.send_works, ex.outputs = {}, [None] * len(mb.leaves)
+        ex.mb_shapes = [ex.shapes(**bound) for bound in mb.symbols]
         ex.step_loss = torch.zeros((), device=device)
         for runner in ex.stages.values():
             runner.reset(len(mb.leaves))
         assert len(ex.program) == len(labels)
-        for instruction, label in zip(ex.program, labels):
+        for (instruction, _releases), label in zip(ex.program, labels):
             _sync(device)
             start = time.perf_counter()
             instruction()
