@@ -21,6 +21,7 @@ import torch.utils._pytree as pytree
 
 import tracepp
 from tracepp.codegen.stage_code import globals_prelude, stage_source
+from tracepp.split.cost import forward_flops
 
 RUNTIME_PACKAGE = "tracepp_runtime"
 
@@ -65,6 +66,7 @@ def build_manifest(model_file, traced, graph, plan, launch_command: str) -> dict
             "module_fqns": stage.module_fqns,
             "sym_inputs": [{"name": name, "expr": expr} for name, expr in stage.sym_inputs],
             "num_params": sum(s["numel"] for s in state if s["kind"] == "parameter"),
+            "forward_flops": forward_flops(stage),
         })
     root_inputs = []
     for ref in graph.root_inputs.values():

@@ -252,3 +252,21 @@ def test_impossible_layouts_exit_2(tmp_path, capsys, flags, message):
     err = capsys.readouterr().err
     assert code == 2 and message in err, err
     assert err.startswith("tracepp split: error: ") and not os.path.exists(out)
+
+
+def test_inspect_shows_flop_estimates(tmp_path, capsys):
+    """Per-stage forward FLOPs (counted on fake tensors at split time) appear in the stage table and feed a
+    second bubble estimate."""
+    from tracepp.cli import main as cli_main
+    from tracepp.driver import split_model
+    from util import REPO
+
+    out = str(tmp_path / "out")
+    manifest = split_model(os.path.join(REPO, "examples", "gpt.py"), out, num_ranks=2, num_microbatches=4)
+    flops = [stage["forward_flops"] for stage in manifest["stages"]]
+    # two transformer blocks per stage, batch 2 x seq 32 x d 64: the matmuls alone are over 10 MFLOP
+    assert all(f and f > 10e6 for f in flops)
+    assert cli_main(["inspect", out]) == 0
+    text = capsys.readouterr().out
+    assert "fwd MFLOP/mb" in text and f"{flops[0] / 1e6:,.1f}" in text
+    assert "with FLOP-estimated costs" in text

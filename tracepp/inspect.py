@@ -38,9 +38,12 @@ def stage_table(manifest: dict) -> str:
                 outputs.append(f"{name} (model output)")
         modules = stage["module_fqns"]
         module_text = ", ".join(modules) if len(modules) <= 4 else f"{', '.join(modules[:2])} … {modules[-1]} ({len(modules)})"
-        rows.append([stage["index"], stage["rank"], f"{stage['num_params']:,}", module_text,
+        flops = stage.get("forward_flops")
+        rows.append([stage["index"], stage["rank"], f"{stage['num_params']:,}",
+                     f"{flops / 1e6:,.1f}" if flops else "-", module_text,
                      "\n".join(inputs) or "-", "\n".join(outputs) or "-"])
-    table = tabulate(rows, headers=["stage", "rank", "params", "modules", "inputs", "outputs"], tablefmt="simple")
+    table = tabulate(rows, headers=["stage", "rank", "params", "fwd MFLOP/mb", "modules", "inputs", "outputs"],
+                     tablefmt="simple")
     shared = manifest.get("shared") or []
     if shared:
         table += "\n\nshared parameters (gradients summed across the stages that hold a copy):\n"
@@ -120,6 +123,19 @@ def _describe_costs(costs) -> str:
     return f"measured costs ({', '.join(parts)}; unlisted: F=1, B=2, I=W=1; comms free)"
 
 
+def flop_costs(manifest: dict):
+    """Per-stage action costs from the stages' forward FLOPs (scaled so the mean F is 1), or None."""
+    flops = [stage.get("forward_flops") for stage in manifest["stages"]]
+    if not flops or not all(flops):
+        return None
+    mean = sum(flops) / len(flops)
+    costs = {}
+    for index, value in enumerate(flops):
+        f = value / mean
+        costs.update({(index, "F"): f, (index, "B"): 2 * f, (index, "I"): f, (index, "W"): f})
+    return costs
+
+
 def plan_report(manifest: dict, grid: bool = True, costs=None) -> str:
     from tracepp.codegen.visualize import format_grid
 
@@ -133,6 +149,12 @@ def plan_report(manifest: dict, grid: bool = True, costs=None) -> str:
     lines.append(tabulate(rows, headers=["rank", "stages", "actions", "bubble", "peak in-flight"], tablefmt="simple"))
     lines.append(f"simulated with {_describe_costs(costs)}: makespan {sim.makespan:g}, "
                  f"bubble {sim.bubble_overall:.1%}")
+    estimated = flop_costs(manifest)
+    if costs is None and estimated:
+        flop_sim = _simulate(manifest, estimated)
+        lines.append(f"with FLOP-estimated costs (F per stage from its forward FLOPs, B=2F, I=W=F): bubble "
+                     f"{flop_sim.bubble_overall:.1%}, per rank "
+                     + ", ".join(f"{flop_sim.bubble[r]:.1%}" for r in sorted(flop_sim.timeline)))
     if grid:
         actions = {int(rank): [Action.parse(a) for a in acts] for rank, acts in plan["actions"].items()}
         lines.append("")
