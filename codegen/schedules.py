@@ -12,7 +12,8 @@ Names (``SCHEDULES``):
 * ``looped-bfs`` — several stages per rank in loop placement; breadth first: every microbatch through the
   rank's first stage, then its next stage...; backwards in reverse.
 * ``interleaved-zb`` — the interleaved-1f1b order with each backward split into I (input grad) and W
-  (weight grad); W's are deferred to fill the idle slots that the I's critical path leaves (ZB-H1 idea).
+  (weight grad); a W fills only a slot where the next action would wait, so peak activations equal
+  interleaved-1f1b's (ZB-H1).
 * ``zbv`` — two stages per rank in V placement; a greedy list schedule (priority: input-grad I, then
   forward of the rank's deeper stage, then forward of its first stage while fewer than ``2p`` (stage,
   microbatch) activations are live), with W's filling idle slots (the ZB-V idea).
@@ -384,8 +385,10 @@ def generate(schedule: str, num_ranks: int, num_stages: int, num_microbatches: i
         if not training:
             out = _interleaved(num_ranks, num_stages, m)
         else:
+            # ZB-H1: a W fills only a slot where the next action would wait (w_limit=0), so no more
+            # activations are alive at once than in interleaved 1F1B, while the bubble still shrinks
             out = _fill_weights(_interleaved(num_ranks, num_stages, m, bwd="I"), stage_to_rank, topology,
-                                w_limit=num_ranks)
+                                w_limit=0)
     elif schedule == "dualpipev" and m >= 2 * num_ranks:
         out = _dualpipev(num_ranks, m)
     else:  # zbv; dualpipev with fewer than 2p microbatches
