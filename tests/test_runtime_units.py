@@ -6,6 +6,19 @@ import torch
 from tracepp.runtime.executor import RankExecutor, _capture, _run_backward, _weight_entries
 
 
+def split_backward(out, x, params, grad_out):
+    """The runtime's I then W on ``out``: returns dx; the weight gradients land in ``param.grad``."""
+    entries, full = _weight_entries([out], [x], params)
+    captured = {}
+    handles = [node.register_prehook(_capture(captured, node)) for node, _ in entries]
+    (dx,) = _run_backward([out], [grad_out], True, (x,), False)
+    for handle in handles:
+        handle.remove()
+    assert all(p.grad is None for p in params), "I must not touch weight gradients"
+    RankExecutor._weight_backward(SimpleNamespace(params=params), entries, full, captured, [out], [grad_out])
+    return dx
+
+
 def _graph(x, w1, w2, b):
     h = torch.tanh(x @ w1 + b)
     # w2 reaches the output only through a weight-only branch (w2.sum()), which dI never runs
@@ -26,17 +39,8 @@ def test_input_then_weight_equals_full_backward():
     for p in params:
         p.grad = None
 
-    out = _graph(x, *params)
-    consumers, full = _weight_entries([out], [x], params)
-    captured = {}
-    handles = [node.register_prehook(_capture(captured, node)) for node, _ in consumers]
-    (dx,) = _run_backward([out], [grad_out], True, (x,), False)
-    for handle in handles:
-        handle.remove()
-    assert all(p.grad is None for p in params), "I must not touch weight gradients"
+    dx = split_backward(_graph(x, *params), x, params, grad_out)
     torch.testing.assert_close(dx, expected_x)
-    runner = SimpleNamespace(params=params)
-    RankExecutor._weight_backward(runner, consumers, full, captured, [out], [grad_out])
     for p, expected in zip(params, expected_p):
         torch.testing.assert_close(p.grad, expected)
 
@@ -49,14 +53,7 @@ def test_tied_weight_used_twice_in_one_stage():
     (torch.relu(x @ w) @ w.t()).backward(grad_out)
     expected = w.grad.clone()
     w.grad = None
-    out = torch.relu(x @ w) @ w.t()
-    consumers, full = _weight_entries([out], [x], [w])
-    captured = {}
-    handles = [node.register_prehook(_capture(captured, node)) for node, _ in consumers]
-    _run_backward([out], [grad_out], True, (x,), False)
-    for handle in handles:
-        handle.remove()
-    RankExecutor._weight_backward(SimpleNamespace(params=[w]), consumers, full, captured, [out], [grad_out])
+    split_backward(torch.relu(x @ w) @ w.t(), x, [w], grad_out)
     torch.testing.assert_close(w.grad, expected)
 
 
@@ -68,14 +65,7 @@ def test_weight_read_twice_on_one_path():
     ((x * w) * w).backward(grad_out)
     expected = w.grad.clone()
     w.grad = None
-    out = (x * w) * w
-    consumers, full = _weight_entries([out], [x], [w])
-    captured = {}
-    handles = [node.register_prehook(_capture(captured, node)) for node, _ in consumers]
-    _run_backward([out], [grad_out], True, (x,), False)
-    for handle in handles:
-        handle.remove()
-    RankExecutor._weight_backward(SimpleNamespace(params=[w]), consumers, full, captured, [out], [grad_out])
+    split_backward((x * w) * w, x, [w], grad_out)
     torch.testing.assert_close(w.grad, expected)
 
 
