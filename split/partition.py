@@ -175,7 +175,7 @@ def _span(names: list) -> str:
     return ", ".join(names)
 
 
-def _balanced_boundaries(nodes: list, num_stages: int, program) -> list:
+def _balanced_boundaries(nodes: list, num_stages: int, state_placeholders: set) -> list:
     """Cuts at module boundaries that balance parameter count (plus a little per op) across stages."""
     seen, costs, candidates = set(), [], []
     previous_key = None
@@ -184,7 +184,7 @@ def _balanced_boundaries(nodes: list, num_stages: int, program) -> list:
         for arg in node.all_input_nodes:
             if arg.op == "placeholder" and arg.name not in seen and isinstance(arg.meta.get("val"), torch.Tensor):
                 seen.add(arg.name)
-                if arg.name in program._state_placeholders:
+                if arg.name in state_placeholders:
                     cost += arg.meta["val"].numel()
         costs.append(cost)
         modules = node_modules(node)
@@ -248,12 +248,11 @@ def split(traced, split_points: Optional[list] = None, num_stages: Optional[int]
             user_index += 1
         else:
             raise SplitError(f"unsupported program input '{node.name}' of kind {spec.kind.name}")
-    program._state_placeholders = set(state)
-    by_placeholder = {n.name: n for n in placeholders}
-    names, symbols = _root_symbols(program, [(by_placeholder[r.placeholder], r) for r in root_inputs.values()],
+    node_by_name = {n.name: n for n in graph.nodes}
+    names, symbols = _root_symbols(program, [(node_by_name[r.placeholder], r) for r in root_inputs.values()],
                                    getattr(traced, "dim_names", {}))
     for root in root_inputs.values():
-        val = by_placeholder[root.placeholder].meta.get("val")
+        val = node_by_name[root.placeholder].meta.get("val")
         if isinstance(val, torch.Tensor):
             root.meta = tensor_meta(val, False, names)
     batch_symbol = next((r.meta.shape[0] for r in root_inputs.values()
@@ -277,7 +276,7 @@ def split(traced, split_points: Optional[list] = None, num_stages: Optional[int]
                              f"but --stages {num_stages} was given")
     else:
         wanted = num_stages or default_stages
-        boundaries = _balanced_boundaries(compute, wanted, program) if wanted > 1 else []
+        boundaries = _balanced_boundaries(compute, wanted, set(state)) if wanted > 1 else []
     count = len(boundaries) + 1
     edges = [0] + boundaries + [len(compute)]
     for index in range(count):
@@ -353,19 +352,18 @@ def split(traced, split_points: Optional[list] = None, num_stages: Optional[int]
         stage_roots = [name for name, ref in root_inputs.items() if index in ref.stages]
         received = [(value.producer, name) for name, value in values.items() if index in value.consumers]
         received.sort()
-        by_name = {n.name: n for n in placeholders}
         for name in stage_state + stage_roots:
-            original = by_name[name]
+            original = node_by_name[name]
             env[original] = stage_graph.placeholder(name)
             env[original].meta = dict(original.meta)
         for producer, name in received:
-            original = next(n for n in compute if n.name == name)
+            original = node_by_name[name]
             env[original] = stage_graph.placeholder(f"{name}_from_stage{producer}")
             env[original].meta = {"val": original.meta.get("val")}
         stage_sym_inputs = []
         for name, (producer, consumers, expr) in sym_values.items():
             if index in consumers:
-                original = next(n for n in compute if n.name == name)
+                original = node_by_name[name]
                 env[original] = stage_graph.placeholder(name)
                 env[original].meta = {"val": original.meta.get("val")}
                 stage_sym_inputs.append((name, expr))
@@ -377,11 +375,10 @@ def split(traced, split_points: Optional[list] = None, num_stages: Optional[int]
                 modules_seen.append(fqn)
         if index == last:
             outputs = [name for kind, name in output_leaves if kind == "value"]
-            by_node = {n.name: n for n in graph.nodes}
-            result = tuple(env[by_node[leaf]] if kind == "value" else leaf for kind, leaf in output_leaves)
+            result = tuple(env[node_by_name[leaf]] if kind == "value" else leaf for kind, leaf in output_leaves)
         else:
             outputs = [name for name, value in values.items() if value.producer == index]
-            result = tuple(env[next(n for n in compute if n.name == name)] for name in outputs)
+            result = tuple(env[node_by_name[name]] for name in outputs)
         stage_graph.output(result)
         stage_graph.lint()
         stages.append(Stage(index, stage_graph, stage_state, stage_roots, received, outputs, modules_seen,
