@@ -83,7 +83,7 @@ def measure(out_dir: str, device: torch.device, rounds: int = 5, max_microbatche
                 labels.append((s, kind))
         ex = executor_module.RankExecutor(single, 0, functions, actions, state, device, user.loss_fn, 600.0,
                                           out_spec, True)
-        ex.mb_leaves, ex.targets, ex.scales, ex.symbols = mb.leaves, mb.targets, mb.scales, mb.symbols
+        ex.mb_leaves, ex.targets, ex.scales = mb.leaves, mb.targets, mb.scales
         ex.send_works, ex.outputs = {}, [None] * len(mb.leaves)
         ex.mb_shapes = [ex.shapes(**bound) for bound in mb.symbols]
         ex.step_loss = torch.zeros((), device=device)

@@ -70,6 +70,17 @@ class Topology(NamedTuple):
     grad_edges: tuple  # tuple[tuple[int, int], ...]
 
     @classmethod
+    def from_values(cls, num_stages: int, values) -> "Topology":
+        """From boundary values given as (producer, consumer stages, carries a gradient) triples."""
+        fwd, grad = set(), set()
+        for producer, consumers, requires_grad in values:
+            for consumer in consumers:
+                fwd.add((producer, consumer))
+                if requires_grad:
+                    grad.add((producer, consumer))
+        return cls(num_stages, tuple(sorted(fwd)), tuple(sorted(grad)))
+
+    @classmethod
     def chain(cls, num_stages: int) -> "Topology":
         edges = tuple((s, s + 1) for s in range(num_stages - 1))
         return cls(num_stages, edges, edges)

@@ -42,12 +42,12 @@ def build_manifest(model_file, traced, graph, plan, launch_command: str) -> dict
         state = []
         for name in stage.state:
             ref = graph.state[name]
-            tensor = named_params.get(ref.fqn)
+            param = named_params.get(ref.fqn)
+            value = _program_tensor(traced.program, ref.fqn, ref.kind)
             state.append({"placeholder": name, "fqn": ref.fqn, "aliases": ref.aliases, "kind": ref.kind,
                           "persistent": ref.persistent, "shared": len(ref.stages) > 1,
-                          "requires_grad": bool(tensor.requires_grad) if tensor is not None else False,
-                          "shape": list(_state_tensor(traced, ref).shape),
-                          "numel": _state_tensor(traced, ref).numel()})
+                          "requires_grad": bool(param.requires_grad) if param is not None else False,
+                          "shape": list(value.shape), "numel": value.numel()})
         received = [dict(producer=p, name=n, **graph.values[n].meta.to_json()) for p, n in stage.received]
         output_node = next(n for n in stage.graph.nodes if n.op == "output")
         returned_only = [isinstance(n, torch.fx.Node) and len(n.users) == 1 and n.op != "placeholder"
@@ -105,10 +105,6 @@ def build_manifest(model_file, traced, graph, plan, launch_command: str) -> dict
         "batch_symbol": graph.batch_symbol,
         "plan": plan,
     }
-
-
-def _state_tensor(traced, ref) -> torch.Tensor:
-    return _program_tensor(traced.program, ref.fqn, ref.kind)
 
 
 def _program_tensor(program, fqn: str, kind: str) -> torch.Tensor:

@@ -9,13 +9,8 @@ from tracepp.codegen.actions import Topology
 
 
 def topology_of(graph) -> Topology:
-    fwd, grad = set(), set()
-    for value in graph.values.values():
-        for consumer in value.consumers:
-            fwd.add((value.producer, consumer))
-            if value.meta.requires_grad:
-                grad.add((value.producer, consumer))
-    return Topology(graph.num_stages, tuple(sorted(fwd)), tuple(sorted(grad)))
+    return Topology.from_values(graph.num_stages, ((v.producer, v.consumers, v.meta.requires_grad)
+                                                   for v in graph.values.values()))
 
 
 def stages_per_rank(schedule: str) -> int:

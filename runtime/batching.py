@@ -31,7 +31,6 @@ class BatchChecker:
         self.num_microbatches = manifest["plan"]["num_microbatches"]
         self.traced_batch_size = manifest["batch_size"]
         self.roots = manifest["root_inputs"]
-        self.num_leaves = manifest["num_leaves"]
         from .launch import load_spec
 
         self.in_spec = load_spec(manifest, "in_spec")

@@ -3,8 +3,9 @@
 The action list is compiled once, at start-up, into a list of closures: each closure already holds the
 stage, the peer rank, the value names and the shape functions it needs, so a step is a plain loop with no
 lookups by string and no metadata exchange. Runs of consecutive communication actions are posted together
-(``batch_isend_irecv`` on NCCL) and waited on only right before the compute that needs them; sends are
-waited on at the end of the step.
+(``batch_isend_irecv`` on NCCL) and waited on only right before the compute that needs them; a send is
+waited on (and its tensor dropped) as soon as the plan proves its receive was posted, the rest at the end
+of the step.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from torch.autograd.graph import GradientEdge
 from .shapes import compile_shape
 
 _DIRECTION_TAG = {"F": 0, "B": 1}
+_BACKWARD_PART = {"B": "full", "I": "input", "W": "weight"}
 
 
 def parse_action(text: str):
@@ -60,14 +62,13 @@ class StageRunner:
         self.received = spec["received"]  # [{producer, name, shape, dtype, requires_grad}]
         self.received_index = {(r["producer"], r["name"]): i for i, r in enumerate(self.received)}
         self.outputs = spec["outputs"]
-        self.output_requires_grad = spec["output_requires_grad"]
         # outputs nothing in this stage reads again: their memory may go once sent (see _deallocate)
         self.returned_only = spec.get("outputs_returned_only", [False] * len(self.outputs))
         self.sym_names = [item["name"] for item in spec.get("sym_inputs", [])]
         self.grad_slots = [slot for slot, r in enumerate(self.received) if r["requires_grad"]]
         self.local_inputs = []  # (slot, producer runner, output position): values handed over in memory
         self.local_grad_targets = []  # per grad slot: (producer runner, output position) or None
-        self.deallocatable = []  # output positions freed right after they are sent (decided at the first F)
+        self.deallocatable = None  # output positions freed right after they are sent (decided at the first F)
         self.sends_b_per_mb = 0  # SEND_B actions per microbatch: in_grads are dropped after the last one
         self.sends_f_per_mb = 0  # SEND_F actions per microbatch: outputs may be freed after the last one
         self.is_last = is_last
@@ -105,7 +106,7 @@ def _message_key(stage: int, kind: str, mb: int, peer: int):
     return ("B", stage, peer, mb) if kind == "SEND_B" else ("B", peer, stage, mb)
 
 
-def _send_release_points(plan: dict, stage_to_rank: list, rank: int) -> dict:
+def _send_release_points(plan: dict, rank: int) -> dict:
     """{position p on this rank: [positions of this rank's sends that are safe to wait on after p]}.
 
     Vector clocks over the whole plan: a send is safe to wait on once this rank has received a message that
@@ -281,8 +282,8 @@ class RankExecutor:
     # -- compile ---------------------------------------------------------------------------------------
     def _compile(self, actions: list) -> list:
         """Closures in action order; each carries the positions of earlier sends it may release after it."""
-        release_at = _send_release_points(self.plan_actions, self.stage_to_rank, self.rank)
-        program, batch, positions = [], [], []
+        release_at = _send_release_points(self.plan_actions, self.rank)
+        program, batch = [], []
 
         def emit(fn, covered):
             program.append((fn, [p for q in covered for p in release_at.get(q, ())]))
@@ -291,31 +292,31 @@ class RankExecutor:
             stage, kind, mb, peer = parse_action(text)
             if kind.startswith(("SEND", "RECV")):
                 batch.append((position, self._comm_op(stage, kind, mb, peer)))
-                positions.append(position)
                 if kind == "SEND_B" and mb == 0:
                     self.stages[stage].sends_b_per_mb += 1
                 if kind == "SEND_F" and mb == 0:
                     self.stages[stage].sends_f_per_mb += 1
                 continue
             if batch:
-                emit(self._comm_batch(batch), positions)
-                batch, positions = [], []
+                emit(self._comm_batch(batch), [p for p, _build in batch])
+                batch = []
             runner = self.stages[stage]
             if kind == "F":
                 fn = lambda r=runner, m=mb: self._forward(r, m)  # noqa: E731
-            elif kind == "B":
-                fn = lambda r=runner, m=mb: self._backward(r, m, "full")  # noqa: E731
-            elif kind == "I":
-                fn = lambda r=runner, m=mb: self._backward(r, m, "input")  # noqa: E731
             else:
-                fn = lambda r=runner, m=mb: self._backward(r, m, "weight")  # noqa: E731
+                part = _BACKWARD_PART[kind]
+                fn = lambda r=runner, m=mb, part=part: self._backward(r, m, part)  # noqa: E731
             emit(fn, [position])
         if batch:
-            emit(self._comm_batch(batch), positions)
+            emit(self._comm_batch(batch), [p for p, _build in batch])
         return program
 
     def _tag(self, direction: str, producer: int, consumer: int, index: int) -> int:
         return ((_DIRECTION_TAG[direction] * self.num_stages + producer) * self.num_stages + consumer) * 512 + index
+
+    def _give_back(self, buffers: list) -> None:
+        for buffer in buffers:
+            self.free_buffers.setdefault((tuple(buffer.shape), buffer.dtype), []).append(buffer)
 
     def _acquire(self, shape, dtype) -> torch.Tensor:
         free = self.free_buffers.get((shape, dtype))
@@ -425,7 +426,6 @@ class RankExecutor:
                 continue
             chosen.append(pos)
         runner.deallocatable = chosen
-        runner.dealloc_checked = True
 
     def _deallocate(self, runner: StageRunner, mb: int) -> None:
         out = runner.out[mb]
@@ -456,7 +456,7 @@ class RankExecutor:
         with torch.set_grad_enabled(self.training):
             out = runner.fn(*args)
         runner.out[mb] = out
-        if self.deallocate_outputs and not runner.is_last and not getattr(runner, "dealloc_checked", False):
+        if self.deallocate_outputs and not runner.is_last and runner.deallocatable is None:
             self._choose_deallocatable(runner, out)
         if runner.is_last:
             leaves_out = [out[i] if kind == "value" else const for i, (kind, const) in enumerate(self.output_leaves)]
@@ -560,23 +560,21 @@ class RankExecutor:
         runner.loss[mb] = None
         runner.out_grads[mb] = [None] * len(runner.outputs)
         runner.inputs[mb] = [None] * len(runner.received)
-        for buffer in runner.pooled[mb]:
-            self.free_buffers.setdefault((tuple(buffer.shape), buffer.dtype), []).append(buffer)
+        self._give_back(runner.pooled[mb])
         runner.pooled[mb] = []
 
     # -- a step ----------------------------------------------------------------------------------------
     def run_step(self, mb_leaves: list, targets: list, scales: list, symbols: list):
         """Run every action once; returns the full-batch loss (a tensor) on the last stage's rank, else None."""
         num_microbatches = len(mb_leaves)
-        self.mb_leaves, self.targets, self.scales, self.symbols = mb_leaves, targets, scales, symbols
+        self.mb_leaves, self.targets, self.scales = mb_leaves, targets, scales
         self.mb_shapes = [self.shapes(**bound) for bound in symbols]
         self.step_loss = torch.zeros((), device=self.device)
         self.outputs = [None] * num_microbatches
         for runner in self.stages.values():
             if not self.training:  # forward-only: outputs may alias receive buffers until the step ends
                 for buffers in runner.pooled:
-                    for buffer in buffers:
-                        self.free_buffers.setdefault((tuple(buffer.shape), buffer.dtype), []).append(buffer)
+                    self._give_back(buffers)
             runner.reset(num_microbatches)
         for instruction, releases in self.program:
             instruction()

@@ -78,7 +78,7 @@ def test_sends_are_released_once_causality_proves_their_receive_posted():
     actions = {int(rank): acts for rank, acts in plan["actions"].items()}
     named = {}
     for rank in (0, 1):
-        release = _send_release_points(actions, plan["stage_to_rank"], rank)
+        release = _send_release_points(actions, rank)
         named[rank] = {actions[rank][at]: [actions[rank][p] for p in sends] for at, sends in release.items()}
     # rank 0 may drop activation 0 and 1 once gradient 0 is back: rank 1 sent it after posting both receives
     assert named[0]["0B0"] == ["0SEND_F0>1", "0SEND_F1>1"]
@@ -86,7 +86,7 @@ def test_sends_are_released_once_causality_proves_their_receive_posted():
     assert named[1]["1F2"] == ["1SEND_B0>0"]
     # never released before the compute that waits on a message the peer sent after its receive
     for rank in (0, 1):
-        for at, sends in _send_release_points(actions, plan["stage_to_rank"], rank).items():
+        for at, sends in _send_release_points(actions, rank).items():
             assert "RECV" not in actions[rank][at] and all(p < at for p in sends)
 
 

@@ -13,12 +13,13 @@ import sys
 
 def _split(args) -> int:
     from tracepp.driver import split_model
+    from tracepp.dynamic import parse_flags
 
     _check_layout(args)
     points = [p.strip() for p in args.split_points.split(",") if p.strip()] if args.split_points else None
     manifest = split_model(args.model, args.out, num_ranks=args.ranks, num_stages=args.stages,
                            schedule=args.schedule, num_microbatches=args.microbatches, split_points=points,
-                           dynamic_shapes=_dynamic(args.dynamic, args.model) if args.dynamic else None)
+                           dynamic_shapes=parse_flags(args.dynamic) if args.dynamic else None)
     from tracepp.inspect import stage_table
 
     for note in manifest.get("notes", []):
@@ -49,12 +50,6 @@ def _check_layout(args) -> None:
 
     if args.schedule in SCHEDULES:  # an unknown name is reported by the planner with the list of valid ones
         placement(args.schedule, args.ranks, args.stages)
-
-
-def _dynamic(specs: list, model_path: str):
-    from tracepp.dynamic import dynamic_shapes_from_flags
-
-    return dynamic_shapes_from_flags(specs, model_path)
 
 
 def _inspect(args) -> int:

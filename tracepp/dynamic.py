@@ -22,9 +22,6 @@ class DynamicFlags:
     dims: list = field(default_factory=list)  # (input name, dim, dim name, min or None, max or None)
     batch: bool = False
 
-    def names(self) -> set:
-        return {name for _i, _d, name, _lo, _hi in self.dims} | ({"batch"} if self.batch else set())
-
 
 def parse_flags(specs: list) -> DynamicFlags:
     flags = DynamicFlags()
@@ -43,10 +40,6 @@ def parse_flags(specs: list) -> DynamicFlags:
             high = int(match["max"]) if match["max"] else None
             flags.dims.append((match["input"], int(match["dim"]), match["name"], low, high))
     return flags
-
-
-def dynamic_shapes_from_flags(specs: list, model_path: str = "") -> DynamicFlags:
-    return parse_flags(specs)
 
 
 def _make_dims(flags: DynamicFlags) -> dict:

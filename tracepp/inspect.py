@@ -53,13 +53,8 @@ def stage_table(manifest: dict) -> str:
 
 
 def topology_from_manifest(manifest: dict) -> Topology:
-    fwd, grad = set(), set()
-    for value in manifest["values"].values():
-        for consumer in value["consumers"]:
-            fwd.add((value["producer"], consumer))
-            if value["requires_grad"]:
-                grad.add((value["producer"], consumer))
-    return Topology(len(manifest["stages"]), tuple(sorted(fwd)), tuple(sorted(grad)))
+    return Topology.from_values(len(manifest["stages"]), ((v["producer"], v["consumers"], v["requires_grad"])
+                                                          for v in manifest["values"].values()))
 
 
 def _simulate(manifest: dict, costs=None):
