@@ -18,6 +18,24 @@ from tracepp.split.pipeline_graph import Stage
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 
+RUN_DEVICE = "RUN_DEVICE"  # the rank script's global naming this rank's device; the runtime sets it
+
+
+class _RunDevice:
+    """Stands in for the device export baked into factory calls (``torch.arange(n, device=idx.device)``
+    traced on CPU becomes ``device=cpu``): fx prints it as ``RUN_DEVICE``, so the same stage code runs on
+    whatever device the rank gets (``cuda:LOCAL_RANK`` under NCCL, CPU under gloo)."""
+
+    def __repr__(self) -> str:
+        return RUN_DEVICE
+
+
+def _follow_run_device(graph: fx.Graph) -> None:
+    for node in graph.nodes:
+        device = node.kwargs.get("device") if node.op == "call_function" else None
+        if isinstance(device, torch.device) and device.type == "cpu":
+            node.update_kwarg("device", _RunDevice())
+
 
 def _user_stack(trace: str) -> str:
     """Keep the stack trace up to the last frame outside torch (the user's line that called into torch)."""
@@ -42,12 +60,15 @@ def stage_source(stage: Stage, function_name: str, model_path: str = "") -> tupl
         env[node] = graph.node_copy(node, lambda n: env[n])
         if node.meta.get("stack_trace"):
             env[node].meta["stack_trace"] = _user_stack(node.meta["stack_trace"])
+    _follow_run_device(graph)
     code = graph.python_code(root_module="self", verbose=True)
     source = code.src.strip("\n")
     source = re.sub(r"^def forward\(self,?\s*", f"def {function_name}(", source, count=1)
     if model_path:  # "# File: /home/me/proj/model.py:42" -> "# File: model.py:42"
         source = source.replace(f"# File: {model_path}:", f"# File: {os.path.basename(model_path)}:")
     used = {name for name in code.globals if re.search(rf"\b{re.escape(name)}\b", source.split(":", 1)[-1])}
+    if re.search(rf"\b{RUN_DEVICE}\b", source):
+        used.add(RUN_DEVICE)
     source = "\n".join(line.rstrip() for line in source.splitlines())  # fx leaves indented blank lines
     return _one_parameter_per_line(source), used
 
@@ -72,6 +93,8 @@ def globals_prelude(names: set) -> str:
         lines.append("from math import inf, nan")
     if "device" in names:
         lines.append("from torch import device")
+    if RUN_DEVICE in names:
+        lines.append(f"{RUN_DEVICE} = torch.device(\"cpu\")  # factory ops' device: the runtime sets this rank's device")
     if "NoneType" in names:
         lines.append("NoneType = type(None)")
     if "fx_pytree" in names:

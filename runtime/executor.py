@@ -246,6 +246,9 @@ class RankExecutor:
         self.deallocate_outputs = training and _ENGINE is not None
         self.free_buffers: dict = {}  # (shape, dtype) -> [tensor]: receive buffers reused across microbatches
         self.send_works: dict = {}  # action position -> works of that send, until released
+        for fn in stage_functions.values():  # factory ops in the stage code (torch.arange) follow the rank's device
+            if "RUN_DEVICE" in getattr(fn, "__globals__", {}):
+                fn.__globals__["RUN_DEVICE"] = device
         self.stages = {}
         for spec in manifest["stages"]:
             if self.stage_to_rank[spec["index"]] != rank:
