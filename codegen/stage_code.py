@@ -30,11 +30,21 @@ class _RunDevice:
         return RUN_DEVICE
 
 
+def _is_trace_device(value) -> bool:
+    return isinstance(value, torch.device) and value.type == "cpu"
+
+
 def _follow_run_device(graph: fx.Graph) -> None:
+    """Every ``device`` the trace recorded, keyword (``arange(..., device=cpu)``) or positional
+    (``aten.to.device(x, cpu, float32)`` from ``x.to(other.device)``), becomes ``RUN_DEVICE``."""
     for node in graph.nodes:
-        device = node.kwargs.get("device") if node.op == "call_function" else None
-        if isinstance(device, torch.device) and device.type == "cpu":
+        if node.op != "call_function":
+            continue
+        if _is_trace_device(node.kwargs.get("device")):
             node.update_kwarg("device", _RunDevice())
+        for position, value in enumerate(node.args):
+            if _is_trace_device(value):
+                node.update_arg(position, _RunDevice())
 
 
 def _user_stack(trace: str) -> str:

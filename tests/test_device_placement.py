@@ -42,6 +42,18 @@ def test_factory_ops_read_the_run_device(gpt_folder):
     assert "device(type='cpu')" not in source
 
 
+def test_positional_devices_follow_too(tmp_path):
+    """HF's rotary embedding does ``inv_freq.to(x.device)``: export records ``aten.to.device(x, cpu, ...)``."""
+    out = str(tmp_path / "out")
+    models = os.path.join(os.path.dirname(os.path.abspath(__file__)), "models")
+    split_model(os.path.join(models, "hf_llama.py"), out, num_ranks=2, schedule="1f1b", num_microbatches=2)
+    for rank in range(2):
+        source = open(os.path.join(out, f"rank{rank}.py")).read()
+        code = "\n".join(line for line in source.splitlines() if not line.strip().startswith("#"))
+        assert "device(type='cpu')" not in code, f"rank{rank}.py still names the trace's device"
+    assert "aten.to.device(" in open(os.path.join(out, "rank0.py")).read()
+
+
 def test_stage_runs_on_the_device_the_runtime_sets(gpt_folder):
     from tracepp.runtime.executor import RankExecutor
 
