@@ -30,6 +30,16 @@ class _RunDevice:
         return RUN_DEVICE
 
 
+def _drop_metadata_asserts(graph: fx.Graph) -> None:
+    """Export records each ``x.to(dtype)`` with an ``_assert_tensor_metadata`` check of the traced dtype and
+    device. A stage runs on another device, and under ``--precision bf16`` its autocast regions produce bf16
+    where the trace saw fp32, so those checks would fail on correct values; they compute nothing, so they go."""
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is torch.ops.aten._assert_tensor_metadata.default \
+                and not node.users:
+            graph.erase_node(node)
+
+
 def _is_trace_device(value) -> bool:
     return isinstance(value, torch.device) and value.type == "cpu"
 
@@ -71,6 +81,7 @@ def stage_source(stage: Stage, function_name: str, model_path: str = "") -> tupl
         if node.meta.get("stack_trace"):
             env[node].meta["stack_trace"] = _user_stack(node.meta["stack_trace"])
     _follow_run_device(graph)
+    _drop_metadata_asserts(graph)
     code = graph.python_code(root_module="self", verbose=True)
     source = code.src.strip("\n")
     source = re.sub(r"^def forward\(self,?\s*", f"def {function_name}(", source, count=1)
