@@ -136,7 +136,7 @@ def main(rank_script_rank: int, stage_functions: dict, actions: list, folder: st
                         check_finite=args.on_nonfinite != "continue")
         train(pipe, args)
     except PipelineError as error:
-        channel.report(str(error))
+        channel.report(str(error), echo=not getattr(error, "printed_on_every_rank", False))
         _exit(EXIT_FAILED)
     except Exception as error:  # an unexpected failure: keep the traceback, and tell every rank
         cause = channel.peer_failure()
@@ -281,8 +281,13 @@ def _on_nonfinite(pipe: Pipeline, args, step: int, loss, scaler) -> tuple:
     if scaler is not None and args.on_nonfinite != "continue":
         return True, f" | skipped (fp16 overflow, loss scale {scaler.scale:g} -> {scaler.scale / 2:g}; {where})"
     if args.on_nonfinite == "stop":
-        raise PipelineError(f"{text}. Nothing was saved. Look for the NaN/inf there (inputs, weights, a "
-                            f"learning rate too high), or pass --on-nonfinite skip|continue")
+        error = PipelineError(f"{text}. Nothing was saved. Look for the NaN/inf there (inputs, weights, a "
+                              f"learning rate too high), or pass --on-nonfinite skip|continue")
+        print(f"[tracepp rank {pipe.rank}] error: {error}", file=sys.stderr, flush=True)
+        if pipe.world_size > 1:  # every rank saw it: let each print before any exits (torchrun kills the rest)
+            dist.barrier(group=_control_group())
+        error.printed_on_every_rank = True
+        raise error
     if args.on_nonfinite == "skip":
         print(f"[tracepp rank {pipe.rank}] {text}: optimizer step skipped on every rank", file=sys.stderr,
               flush=True)

@@ -150,8 +150,12 @@ class Pipeline:
         cache = cache or os.path.join(self.folder, "compile_cache")
         os.makedirs(cache, exist_ok=True)
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(cache)  # inductor reads it when it compiles
-        for stage in self.stages.values():
-            stage.compile()
+        for index, stage in self.stages.items():
+            # sizes passed as ints (sym_inputs) are symbolic in the manifest: compile them symbolic from the
+            # start (dynamo would specialise an int on first sight); tensors get their symbolic dims marked
+            # by the executor before each call
+            sizes = bool(self.manifest["stages"][index].get("sym_inputs"))
+            stage.compile(dynamic=True if sizes else None)
 
     def _executor(self, actions, releases, training: bool) -> RankExecutor:
         return RankExecutor(self._plan_manifest, self.rank, self.stages, actions, self.device, self.loss_fn,
