@@ -57,20 +57,15 @@ def test_positional_devices_follow_too(tmp_path):
 
 
 def test_stage_runs_on_the_device_the_runtime_sets(gpt_folder):
-    from tracepp.runtime.executor import RankExecutor
+    from tracepp.runtime import Pipeline
 
     with open(os.path.join(gpt_folder, "manifest.json")) as handle:
         manifest = json.load(handle)
-    module = _rank_module(gpt_folder, 0)
-    stage = manifest["stages"][0]
     device = torch.device("meta")
-    state = {}
-    for ref in stage["state"]:
-        state[ref["fqn"]] = torch.nn.Parameter(torch.empty(ref["shape"], device=device))
-    RankExecutor(manifest, 0, module.STAGE_FUNCTIONS, module.ACTIONS, state, device, None, 10.0, None, True,
-                 module.boundary_shapes)
-    assert module.RUN_DEVICE == device
-    fn = module.STAGE_FUNCTIONS[0]
+    pipe = Pipeline(gpt_folder, rank=0, device=device)
+    stage = pipe.stages[0]
+    assert stage.function.__globals__["RUN_DEVICE"] == device
+    assert all(p.device.type == "meta" for p in stage.parameters())
     idx = torch.zeros(manifest["root_inputs"][0]["shape"], dtype=torch.int64, device=device)
-    (out,) = fn(*[state[ref["fqn"]] for ref in stage["state"]], idx)
+    (out,) = stage(idx)
     assert out.device.type == "meta"
