@@ -273,6 +273,11 @@ class RankExecutor:
         self.check_finite = check_finite
         self.split_weight_backward = split_weight_backward
         self.action_hook = None
+        # data parallel (mesh.py): pipeline rank -> global rank of this replica's peer, the pp group for P2P,
+        # and a callback before each backward (FSDP's per-step gradient sync)
+        self.global_ranks = None
+        self.pp_group = None
+        self.before_backward = None
         self.stages = {}
         for spec in manifest["stages"]:
             if self.stage_to_rank[spec["index"]] != rank:
@@ -445,11 +450,15 @@ class RankExecutor:
                 owners += [position] * len(built)
             if not ops:
                 return
+            ranks, group = self.global_ranks, self.pp_group
+            if ranks is not None:  # pipeline ranks -> this replica's global ranks
+                ops = [(send, tensor, ranks[peer], tag, waitlist) for send, tensor, peer, tag, waitlist in ops]
             if self.use_batch_p2p:
-                works = dist.batch_isend_irecv([dist.P2POp(dist.isend if send else dist.irecv, tensor, peer, tag=tag)
+                works = dist.batch_isend_irecv([dist.P2POp(dist.isend if send else dist.irecv, tensor, peer,
+                                                           group=group, tag=tag)
                                                 for send, tensor, peer, tag, _ in ops])
             else:
-                works = [(dist.isend if send else dist.irecv)(tensor, peer, tag=tag)
+                works = [(dist.isend if send else dist.irecv)(tensor, peer, group=group, tag=tag)
                          for send, tensor, peer, tag, _ in ops]
             for work, position, (send, _tensor, _peer, _tag, waitlist) in zip(works, owners, ops):
                 if send:
@@ -545,6 +554,8 @@ class RankExecutor:
             self._weight_backward(runner, *runner.pending_weight.pop(mb))
             self._release(runner, mb)
             return
+        if self.before_backward is not None:
+            self.before_backward(runner.index, mb)
         if runner.is_last:
             tensors, grads = [runner.loss[mb]], [None]
         else:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from .failure import EXIT_FAILED, FailureChannel, PipelineError
 from .loading import load_manifest
+from .mesh import coordinates, mesh_layout
 from .pipeline import Pipeline, check_precision
 
 
@@ -62,24 +63,29 @@ def launch(folder: str) -> None:
     except PipelineError as error:
         print(f"[tracepp rank {rank}] error: {error}", file=sys.stderr, flush=True)
         sys.exit(EXIT_FAILED)
-    runpy.run_path(os.path.join(folder, f"rank{rank}.py"), run_name="__main__")
+    _dp_index, pp_rank = coordinates(mesh_layout(manifest["plan"]), rank)  # replicas run their pipeline rank's script
+    runpy.run_path(os.path.join(folder, f"rank{pp_rank}.py"), run_name="__main__")
 
 
 def check_world_size(manifest: dict) -> None:
-    expected = manifest["plan"]["num_ranks"]
+    layout = mesh_layout(manifest["plan"])
+    expected = layout["pp"] * layout["dp"]
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != expected:
+        planned = (f"{expected} ranks" if layout["dp"] == 1 else
+                   f"{expected} processes ({layout['pp']} pipeline ranks x {layout['dp']} data-parallel replicas)")
+        fix = (f"re-split with `tracepp split ... --ranks {world}`" if layout["dp"] == 1 else
+               f"re-split with --ranks R --dp N where R x N = {world}")
         raise PipelineError(
-            f"this pipeline was planned for {expected} ranks but torchrun started {world}: "
-            f"run `{manifest['launch_command']}`, "
-            f"or re-split with `tracepp split ... --ranks {world}`"
+            f"this pipeline was planned for {planned} but torchrun started {world}: "
+            f"run `{manifest['launch_command']}`, or {fix}"
         )
 
 
-def _save(path: str, manifest: dict, folder: str, rank: int, state: dict, world: int) -> None:
+def _save(path: str, manifest: dict, folder: str, rank: int, state: dict, world: int, include: bool = True) -> None:
     """Gather every rank's state (``Pipeline.state_dict``) and write one state_dict keyed by every original
-    FQN atomically from rank 0."""
-    mine = {name: tensor.detach().cpu() for name, tensor in state.items()}
+    FQN atomically from rank 0. ``include``: False on data-parallel replicas other than the first (same tensors)."""
+    mine = {name: tensor.detach().cpu() for name, tensor in state.items()} if include else {}
     parts = [None] * world if rank == 0 else None
     if world > 1:
         dist.gather_object(mine, parts, dst=0, group=_control_group())
@@ -212,7 +218,7 @@ def train(pipe: Pipeline, args) -> None:
     scaler = DynamicLossScale() if pipe.precision == "fp16" else None
     needs_norm = training and (args.clip_grad_norm is not None or args.on_nonfinite != "continue"
                                or scaler is not None)
-    reports = pipe.is_last_rank
+    reports = pipe.is_last_rank and pipe.dp_index == 0  # one replica prints (its loss is the global batch's)
     if reports and not args.quiet:
         print(_banner(pipe, args), flush=True)
     history = []
@@ -264,7 +270,7 @@ def train(pipe: Pipeline, args) -> None:
                 with open(args.metrics, "a") as handle:
                     handle.write(json.dumps(record) + "\n")
     if args.save:
-        _save(args.save, manifest, pipe.folder, rank, pipe.state_dict(), world)
+        _save(args.save, manifest, pipe.folder, rank, pipe.state_dict(), world, include=pipe.dp_index == 0)
     if world > 1:
         dist.barrier(group=_control_group())
     if reports and history and not args.quiet:

@@ -28,7 +28,9 @@ import torch.distributed as dist
 from .batching import MicrobatchSplitter
 from .distributed import init_distributed
 from .executor import RankExecutor, _shapes_from_manifest, parse_action
+from .failure import PipelineError
 from .loading import load_manifest, load_rank_script, load_spec, load_user_module
+from . import mesh as dp_mesh
 from .stages import StageModule, load_state
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -72,11 +74,19 @@ class Pipeline:
         self.manifest = manifest = load_manifest(self.folder)
         self.world_size = 1 if all_stages else int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = 0 if all_stages else int(os.environ.get("RANK", "0") if rank is None else rank)
+        # data parallel: self.rank is the global rank, self.pp_rank this process's place in its pipeline
+        self.layout = dp_mesh.mesh_layout(manifest["plan"])
+        if all_stages:
+            self.layout["dp"] = 1
+        self.dp_index, self.pp_rank = dp_mesh.coordinates(self.layout, self.rank)
+        self.mesh = None
         if all_stages:
             self.device = torch.device(device) if device is not None else torch.device("cpu")
             self.backend = None
         else:
             self.device, self.backend = init_distributed(self.rank, self.world_size, timeout_s, device)
+            if self.layout["dp"] > 1:
+                self.mesh = dp_mesh.build_mesh(self.layout, self.device)
         check_precision(precision, self.device)
         self.precision = precision
         self.compute_dtype = PRECISIONS[precision]
@@ -95,14 +105,14 @@ class Pipeline:
             if actions is None:
                 actions = self._single_process_actions()
         elif stage_functions is None:
-            script = load_rank_script(self.folder, self.rank)
+            script = load_rank_script(self.folder, self.pp_rank)
             stage_functions, shapes = script.STAGE_FUNCTIONS, getattr(script, "boundary_shapes", None)
             actions = script.ACTIONS if actions is None else actions
             releases = getattr(script, "RELEASES", None) if releases is None else releases
         self._plan_manifest = plan_manifest
         stage_to_rank = plan_manifest["plan"]["stage_to_rank"]
-        self.stage_indices = [s for s, r in enumerate(stage_to_rank) if r == self.rank]
-        self.is_last_rank = stage_to_rank[-1] == self.rank
+        self.stage_indices = [s for s, r in enumerate(stage_to_rank) if r == self.pp_rank]
+        self.is_last_rank = stage_to_rank[-1] == self.pp_rank
         for fn in stage_functions.values():  # factory ops in the stage code (torch.arange) follow the rank's device
             if "RUN_DEVICE" in getattr(fn, "__globals__", {}):
                 fn.__globals__["RUN_DEVICE"] = self.device
@@ -113,6 +123,9 @@ class Pipeline:
                 stage = StageModule(spec, stage_functions[spec["index"]], state)
                 stage.autocast_dtype = self.compute_dtype
                 self.stages[spec["index"]] = stage
+        if self.mesh is not None:
+            for stage in self.stages.values():
+                dp_mesh.wrap_stage(stage, self.mesh, self.layout)
         self.compiled = compile
         if compile:
             self._compile_stages(compile_cache)
@@ -122,6 +135,9 @@ class Pipeline:
         self._check_finite = check_finite
         self.loss_scale = None  # fp16: set by the training loop's scaler (the loss is multiplied before backward)
         self.executor = self._executor(actions, releases, self.training)
+        if self.mesh is not None and self.training:
+            self._last_backward = self._last_backward_microbatch(self.executor.actions)
+            self.executor.before_backward = self._before_backward
         self._eval_executor = None
         self.splitter = MicrobatchSplitter(manifest, load_spec(manifest, "in_spec"))
         self._shared = self._shared_groups() if self.world_size > 1 else []
@@ -158,10 +174,29 @@ class Pipeline:
             stage.compile(dynamic=True if sizes else None)
 
     def _executor(self, actions, releases, training: bool) -> RankExecutor:
-        return RankExecutor(self._plan_manifest, self.rank, self.stages, actions, self.device, self.loss_fn,
-                            self._timeout_s, self._out_spec, training, self._shapes, releases=releases,
-                            wire_dtype=self.compute_dtype, check_finite=self._check_finite,
-                            split_weight_backward=not self.compiled, mark_dynamic=self.compiled)
+        executor = RankExecutor(self._plan_manifest, self.pp_rank, self.stages, actions, self.device, self.loss_fn,
+                                self._timeout_s, self._out_spec, training, self._shapes, releases=releases,
+                                wire_dtype=self.compute_dtype, check_finite=self._check_finite,
+                                split_weight_backward=not self.compiled and self.mesh is None,
+                                mark_dynamic=self.compiled)
+        if self.mesh is not None:
+            executor.global_ranks = [dp_mesh.global_rank(self.layout, self.dp_index, pp)
+                                     for pp in range(self.layout["pp"])]
+            executor.pp_group = self.mesh["pp"].get_group()
+        return executor
+
+    @staticmethod
+    def _last_backward_microbatch(actions) -> dict:
+        """stage -> the microbatch of its last backward (B or I) in this rank's action list."""
+        last = {}
+        for text in actions:
+            stage, kind, mb, _peer = parse_action(text)
+            if kind in ("B", "I"):
+                last[stage] = mb
+        return last
+
+    def _before_backward(self, stage_index: int, mb: int) -> None:
+        dp_mesh.set_last_backward(self.stages[stage_index], mb == self._last_backward[stage_index])
 
     def _shared_groups(self) -> list:
         """One process group per set of ranks holding copies of shared parameters, created in the same order on
@@ -175,16 +210,18 @@ class Pipeline:
         groups = []
         params = dict(self.named_parameters())
         for ranks, fqns in sorted(by_ranks.items()):
-            group = dist.new_group(list(ranks))  # every rank calls new_group for every set, in sorted order
-            if self.rank in ranks:
-                groups.append((group, [params[f] for f in fqns if f in params]))
+            for dp_index in range(self.layout["dp"]):  # one group per replica: its pipeline ranks holding a copy
+                members = [dp_mesh.global_rank(self.layout, dp_index, r) for r in ranks]
+                group = dist.new_group(members)  # every rank calls new_group for every set, in sorted order
+                if self.rank in members:
+                    groups.append((group, [params[f] for f in fqns if f in params]))
         return groups
 
     def _counted_once(self) -> list:
         """This rank's parameters, less shared copies whose lowest holding rank is another: each weight once."""
         stage_to_rank = self.manifest["plan"]["stage_to_rank"]
         owner = {shared["fqn"]: min(stage_to_rank[s] for s in shared["stages"]) for shared in self.manifest["shared"]}
-        return [p for name, p in self.named_parameters() if owner.get(name, self.rank) == self.rank]
+        return [p for name, p in self.named_parameters() if owner.get(name, self.pp_rank) == self.pp_rank]
 
     # -- the step API ---------------------------------------------------------------------------------------
     def register_step_hook(self, hook):
@@ -226,11 +263,44 @@ class Pipeline:
     def _run(self, executor, args, kwargs, target):
         if not isinstance(args, tuple):
             args = tuple(args) if isinstance(args, list) else (args,)
+        if self.layout["dp"] > 1:
+            args, kwargs, target = self._replica_slice(args, kwargs or {}, target)
         batches = self.splitter.split(self.steps_run, args, kwargs or {}, target, self.device)
         executor.loss_scale = self.loss_scale
-        self.last_batch_size = batches.batch_size
+        self.last_batch_size = batches.batch_size * self.layout["dp"]
         result = executor.run_step(batches.leaves, batches.targets, batches.scales, batches.symbols)
-        return result if self.is_last_rank else None
+        if not self.is_last_rank:
+            return None
+        if self.mesh is not None and isinstance(result, torch.Tensor):  # the global batch's loss: replicas' mean
+            result = result / self.layout["dp"]
+            dist.all_reduce(result, group=self.mesh["dp"].get_group())
+        return result
+
+    def _replica_slice(self, args, kwargs, target):
+        """This replica's contiguous slice (dp_index-th of N) of every batched input and of the target."""
+        import torch.utils._pytree as pytree
+
+        dp = self.layout["dp"]
+        leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+        batched = self.splitter.batched
+        if len(batched) != len(leaves):  # a batch of another structure: the splitter names what differs
+            return args, kwargs, target
+        size = next((leaf.shape[0] for leaf, b in zip(leaves, batched) if b and isinstance(leaf, torch.Tensor)), None)
+        if size is None or size % dp:
+            works = f"a multiple of {dp}" if size is None else (
+                f"{size - size % dp} or {size - size % dp + dp}" if size >= dp else f"{dp} or a multiple of it")
+            raise PipelineError(f"batch for step {self.steps_run} has {size} samples, which the {dp} data-parallel "
+                                f"replicas cannot share equally: use a global batch of {works}")
+        per = size // dp
+        begin = self.dp_index * per
+
+        def cut(leaf, is_batched=True):
+            if is_batched and isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape[0] == size:
+                return leaf[begin:begin + per]
+            return leaf
+        leaves = [cut(leaf, b) for leaf, b in zip(leaves, batched)]
+        args, kwargs = pytree.tree_unflatten(leaves, spec)
+        return args, kwargs, pytree.tree_map(cut, target)
 
     # -- gradients ------------------------------------------------------------------------------------------
     def sync_shared_grads(self) -> None:
@@ -241,7 +311,7 @@ class Pipeline:
             for param in params:
                 if param.grad is None:
                     param.grad = torch.zeros_like(param)
-                grads.append(param.grad)
+                grads.append(dp_mesh.local(param.grad))  # with FSDP: this replica's shard, the same on each copy
             flat = torch.cat([g.reshape(-1).float() for g in grads])
             dist.all_reduce(flat, group=group)
             offset = 0
@@ -253,10 +323,11 @@ class Pipeline:
         """The global L2 norm of the gradients of every stage on every rank, a shared weight counted once: one
         all-reduce of two numbers; the same fp32 value on every rank. Call after :meth:`sync_shared_grads`.
         ``nonfinite_loss=True`` (on the rank whose loss was NaN/inf) makes it NaN on every rank."""
-        grads = [p.grad for p in self._counted_once() if p.grad is not None]
+        grads = [dp_mesh.local(p.grad) for p in self._counted_once() if p.grad is not None]
         sums = torch.zeros(2, device=self.device, dtype=torch.float32)
-        if grads:
+        if grads:  # with DP: local shards, each shard counted once over the mesh (replicas divide it out)
             sums[0] = torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum()
+            sums[0] /= dp_mesh.replication_factor(self.layout) if self.mesh is not None else 1
         sums[1] = float(nonfinite_loss)
         if self.world_size > 1:
             dist.all_reduce(sums)
@@ -316,11 +387,13 @@ class Pipeline:
         return [param for _name, param in self.named_parameters()]
 
     def state_dict(self) -> dict:
-        """This rank's parameters and persistent buffers under the original FQNs (detached)."""
+        """This rank's parameters and persistent buffers under the original FQNs (detached); with data
+        parallelism the whole tensors (a collective over the dp dim: call it on every rank)."""
         state = {}
         for stage in self.stages.values():
             for name, tensor in stage.state_dict().items():
-                state.setdefault(name, tensor)
+                if name not in state:
+                    state[name] = dp_mesh.full(tensor)
         return state
 
     def train(self, mode: bool = True):

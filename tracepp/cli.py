@@ -2,6 +2,7 @@
 
     tracepp split model.py -o out/ [--ranks R] [--stages N] [--schedule NAME|file.csv] [--microbatches M]
                                    [--split-points a,b] [--dynamic NAME:DIM=SYMBOL ...]
+                                   [--dp N] [--dp-mode fsdp|ddp|hsdp] [--dp-shard K] [--dp-order pp-inner|dp-inner]
     tracepp inspect out/
     tracepp plan out/ [--svg plan.svg] [--trace plan.json] [--costs measured.json]
 """
@@ -19,7 +20,8 @@ def _split(args) -> int:
     points = [p.strip() for p in args.split_points.split(",") if p.strip()] if args.split_points else None
     manifest = split_model(args.model, args.out, num_ranks=args.ranks, num_stages=args.stages,
                            schedule=args.schedule, num_microbatches=args.microbatches, split_points=points,
-                           dynamic_shapes=parse_flags(args.dynamic) if args.dynamic else None)
+                           dynamic_shapes=parse_flags(args.dynamic) if args.dynamic else None,
+                           dp=args.dp, dp_mode=args.dp_mode, dp_shard=args.dp_shard, dp_order=args.dp_order)
     from tracepp.inspect import stage_table
 
     for note in manifest.get("notes", []):
@@ -89,6 +91,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="comma-separated module FQNs where a new stage begins (overrides the model file's)")
     split.add_argument("--dynamic", action="append", default=None, metavar="INPUT:DIM=SYMBOL",
                        help="mark a dim of a named input dynamic, e.g. idx:1=seq (repeatable)")
+    split.add_argument("--dp", type=int, default=1,
+                       help="data-parallel replicas of the pipeline: the job runs ranks x dp processes (default 1)")
+    split.add_argument("--dp-mode", default="fsdp", choices=["fsdp", "ddp", "hsdp"],
+                       help="fully_shard each stage over dp (default), replicate it (DDP), or HSDP with --dp-shard")
+    split.add_argument("--dp-shard", type=int, default=None, metavar="K",
+                       help="hsdp: shard over K ranks, replicate over dp / K")
+    split.add_argument("--dp-order", default="pp-inner", choices=["pp-inner", "dp-inner"],
+                       help="pp-inner (default): consecutive global ranks form one pipeline; dp-inner: "
+                            "consecutive ranks are replicas of one pipeline rank")
     split.set_defaults(run=_split)
     inspect = sub.add_parser("inspect", help="print the stage table and the plan of an output folder")
     inspect.add_argument("out")

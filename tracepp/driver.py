@@ -16,13 +16,51 @@ from tracepp.trace import trace
 
 def split_model(model_path: str, out_dir: str, num_ranks: int = 2, num_stages: Optional[int] = None,
                 schedule: str = "1f1b", num_microbatches: int = 4, split_points: Optional[list] = None,
-                dynamic_shapes=None) -> dict:
+                dynamic_shapes=None, dp: int = 1, dp_mode: str = "fsdp", dp_shard: Optional[int] = None,
+                dp_order: str = "pp-inner") -> dict:
     model_file = load_model_file(model_path)                                          # the user's contract
-    traced = trace(model_file, num_microbatches, dynamic_shapes)                      # 1. torch.export
+    if dp > 1:  # each replica runs the pipeline on its slice: trace a microbatch of the replica's batch
+        traced = _trace_replica(model_file, num_microbatches, dynamic_shapes, dp, dp_mode, dp_shard)
+    else:
+        traced = trace(model_file, num_microbatches, dynamic_shapes)                  # 1. torch.export
     graph = split(traced, split_points or model_file.split_points, num_stages,          # 2. stage graphs
                   default_stages=num_ranks * stages_per_rank(schedule))
     the_plan = plan(graph, schedule, num_ranks, num_microbatches, model_file.training)  # 3. schedule
-    launch = f"torchrun --nproc-per-node {num_ranks} {shlex.quote(out_dir.rstrip('/') + '/run.py')}"
+    if dp > 1:
+        _check_full_backward(the_plan, dp_mode)
+        the_plan["mesh"] = {"dp": dp, "pp": num_ranks, "mode": dp_mode, "shard": dp_shard, "order": dp_order}
+    launch = f"torchrun --nproc-per-node {num_ranks * dp} {shlex.quote(out_dir.rstrip('/') + '/run.py')}"
     manifest = emit(out_dir, model_file, traced, graph, the_plan, launch)             # 4. output folder
     manifest["notes"] = traced.notes
     return manifest
+
+
+def _trace_replica(model_file, num_microbatches: int, dynamic_shapes, dp: int, dp_mode: str, dp_shard):
+    """Trace with the microbatch a replica runs (global batch / dp / microbatches); the manifest's batch size
+    is then the replica's."""
+    import dataclasses
+
+    import torch.utils._pytree as pytree
+
+    from tracepp.runtime.mesh import check_layout
+    from tracepp.trace import batch_size_of
+
+    leaves, _spec = pytree.tree_flatten((tuple(model_file.example_inputs()), dict(model_file.example_kwargs())))
+    global_batch = batch_size_of(leaves, f"{model_file.path}: example_inputs()")
+    check_layout(dp, dp_mode, dp_shard, global_batch)
+    per_replica = global_batch // dp
+    if num_microbatches > per_replica:
+        raise ValueError(f"--microbatches {num_microbatches} does not fit a replica's {per_replica} samples "
+                         f"(global batch {global_batch} / --dp {dp}): choose 1..{per_replica}")
+    traced = trace(model_file, num_microbatches * dp, dynamic_shapes)
+    return dataclasses.replace(traced, num_microbatches=num_microbatches, batch_size=per_replica)
+
+
+def _check_full_backward(the_plan: dict, dp_mode: str) -> None:
+    """FSDP and DDP reduce gradients at a stage's backward; a split backward (I then W) would reduce before W."""
+    from tracepp.runtime.executor import parse_action
+
+    if any(parse_action(action)[1] in ("I", "W") for actions in the_plan["actions"].values() for action in actions):
+        raise ValueError(f"schedule {the_plan['schedule']!r} splits the backward into I and W, which --dp-mode "
+                         f"{dp_mode} cannot reduce gradients around: with --dp use gpipe, 1f1b, interleaved-1f1b "
+                         f"or looped-bfs")
