@@ -1,0 +1,104 @@
+"""Data parallel x pipeline parallel (issue 11): 2 pipeline ranks x 2 replicas on gloo, and bad layouts.
+
+Tier 3: the tied-embedding LM trained with AdamW and global-norm clipping on a (dp, pp) mesh of 4 processes,
+with FSDP2 (``fully_shard``) and with DDP (``replicate``), equals eager AdamW on the global batch (fp32, 2e-5):
+each replica takes half of the batch, tied copies stay identical across pipeline ranks and replicas, and the
+clipping norm is the whole mesh's. Plain-data tests: layouts refused before tracing, with the fix named.
+"""
+import json
+
+import pytest
+import torch
+
+from tracepp.driver import split_model
+from tracepp.modelfile import load_model_file
+from tracepp.runtime.mesh import coordinates, global_rank, mesh_layout, replicas_text
+from util import assert_state_close, assert_trained, model_path, run_ok, torchrun
+
+STEPS = 3
+CLIP = 1.0
+
+
+def _eager_adamw(path: str, steps: int, clip: float):
+    """The unsplit model, full global batch, clip_grad_norm_, the model file's AdamW; (state, norms, losses)."""
+    model_file = load_model_file(path)
+    module = model_file.module
+    model = model_file.model()
+    optimizer = module.optimizer(list(model.parameters()))
+    norms, losses = [], []
+    for step in range(steps):
+        args, kwargs, target = module.batch(step)
+        loss = module.loss_fn(model(*args, **kwargs), target)
+        loss.backward()
+        losses.append(float(loss.detach()))
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, norms, losses
+
+
+@pytest.mark.parametrize("mode,order", [("fsdp", "pp-inner"), ("ddp", "dp-inner")])
+def test_dp_pp_matches_eager_on_the_global_batch(tmp_path, mode, order):
+    path = model_path("tied_lm_adamw")
+    out = str(tmp_path / "out")
+    manifest = split_model(path, out, num_ranks=2, schedule="1f1b", num_microbatches=2, dp=2, dp_mode=mode,
+                           dp_order=order)
+    assert manifest["launch_command"].startswith("torchrun --nproc-per-node 4 ")
+    assert manifest["batch_size"] == 4  # a replica's half of the 8-sample global batch
+    ckpt, metrics = str(tmp_path / "ckpt.pt"), str(tmp_path / "m.jsonl")
+    result = run_ok(out, 4, "--steps", str(STEPS), "--clip-grad-norm", str(CLIP), "--save", ckpt,
+                    "--metrics", metrics)
+    expected, norms, losses = _eager_adamw(path, STEPS, CLIP)
+    assert min(norms) > CLIP, "the norm must exceed MAX or clipping is not exercised"
+    saved = torch.load(ckpt)
+    assert_trained(saved, path)
+    assert_state_close(saved, expected)
+    assert torch.equal(saved["embed.weight"], saved["head.weight"])
+    records = [json.loads(line) for line in open(metrics)]
+    assert len(records) == STEPS  # one replica reports
+    torch.testing.assert_close(torch.tensor([r["grad_norm"] for r in records]), torch.tensor(norms),
+                               rtol=1e-5, atol=0)
+    torch.testing.assert_close(torch.tensor([r["loss"] for r in records]), torch.tensor(losses),
+                               rtol=1e-5, atol=0)
+    assert all(r["batch_size"] == 8 for r in records)
+    load_model_file(path).model().load_state_dict(saved)  # a DP checkpoint loads into the plain model
+
+
+def test_wrong_process_count_fails_on_every_rank(tmp_path):
+    out = str(tmp_path / "out")
+    split_model(model_path("tied_lm_adamw"), out, num_ranks=2, schedule="1f1b", num_microbatches=2, dp=2)
+    result = torchrun(out, 2, "--steps", "1")
+    assert result.returncode != 0
+    text = result.stderr
+    assert text.count("planned for 4 processes (2 pipeline ranks x 2 data-parallel replicas) but torchrun "
+                      "started 2") == 2, text[-3000:]
+    assert "--nproc-per-node 4" in text
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(dp=3), "--dp 3 does not divide the global batch of 8 samples: each replica takes an equal contiguous "
+                 "slice; use --dp in [1, 2, 4, 8]"),
+    (dict(dp=2, num_microbatches=8), "--microbatches 8 does not fit a replica's 4 samples"),
+    (dict(dp=4, dp_mode="hsdp", dp_shard=3), "--dp-mode hsdp needs --dp-shard K with K dividing --dp 4 (K = 1, 2, 4)"),
+    (dict(dp=2, dp_mode="zero"), "--dp-mode 'zero' is not one of fsdp, ddp, hsdp"),
+    (dict(dp=2, schedule="zbv", split_points=["layers.1", "layers.2", "layers.3"]), "schedule 'zbv' splits the backward into I and W"),
+])
+def test_bad_layouts_are_refused_with_the_fix(tmp_path, kwargs, message):
+    options = dict(num_ranks=2, schedule="1f1b", num_microbatches=2)
+    options.update(kwargs)
+    with pytest.raises(ValueError) as error:
+        split_model(model_path("tied_lm_adamw"), str(tmp_path / "out"), **options)
+    assert message in str(error.value)
+
+
+@pytest.mark.parametrize("order,expected", [
+    ("pp-inner", ["pipeline rank 0: global ranks 0, 3", "pipeline rank 1: global ranks 1, 4",
+                  "pipeline rank 2: global ranks 2, 5"]),
+    ("dp-inner", ["pipeline rank 0: global ranks 0, 1", "pipeline rank 1: global ranks 2, 3",
+                  "pipeline rank 2: global ranks 4, 5"]),
+])
+def test_rank_order_of_the_mesh(order, expected):
+    layout = mesh_layout({"num_ranks": 3, "mesh": {"dp": 2, "mode": "fsdp", "order": order}})
+    assert replicas_text(layout) == expected
+    for rank in range(6):
+        assert global_rank(layout, *coordinates(layout, rank)) == rank
