@@ -46,6 +46,20 @@ def replicas_text(layout: dict) -> list:
             for pp in range(layout["pp"])]
 
 
+def describe(plan: dict) -> list:
+    """What ``tracepp inspect`` and the rank-script headers show about the mesh (nothing without --dp)."""
+    layout = mesh_layout(plan)
+    dp, pp = layout["dp"], layout["pp"]
+    if dp == 1:
+        return []
+    how = {"fsdp": "fully_shard of each stage over dp", "ddp": "replicate (DDP) of each stage over dp",
+           "hsdp": f"fully_shard over dp_shard ({layout['shard']} ranks), replicated over dp_replicate "
+                   f"({dp // (layout['shard'] or 1)})"}[layout["mode"]]
+    formula = "pp_rank * dp + dp_index" if layout["order"] == "dp-inner" else "dp_index * pp + pp_rank"
+    return [f"Mesh (dp={dp}, pp={pp}): {dp * pp} processes; {layout['mode']}: {how}; order {layout['order']} "
+            f"(global rank = {formula})"] + replicas_text(layout)
+
+
 def check_layout(dp: int, mode: str, shard, batch_size: int) -> None:
     """Refuse a layout before anything is traced: the error names the numbers and the fix."""
     if dp < 1:
@@ -65,7 +79,8 @@ def check_layout(dp: int, mode: str, shard, batch_size: int) -> None:
 
 
 def build_mesh(layout: dict, device: torch.device):
-    """The job's DeviceMesh, dims ("dp", "pp") (HSDP: ("dp_replicate", "dp_shard", "pp")), on every rank."""
+    """(the job's DeviceMesh, dims ("dp", "pp") (HSDP: ("dp_replicate", "dp_shard", "pp")), the 1-D mesh of
+    this rank's replicas, for the loss and anything else averaged over dp); call it on every rank."""
     from torch.distributed.device_mesh import DeviceMesh
 
     dp, pp = layout["dp"], layout["pp"]
@@ -75,9 +90,9 @@ def build_mesh(layout: dict, device: torch.device):
         shard = layout["shard"]
         grid = grid.reshape(dp // shard, shard, pp)
         mesh = DeviceMesh(device.type, grid, mesh_dim_names=("dp_replicate", "dp_shard", "pp"))
-        mesh["dp_replicate", "dp_shard"]._flatten("dp")
-        return mesh
-    return DeviceMesh(device.type, grid, mesh_dim_names=("dp", "pp"))
+        return mesh, mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    mesh = DeviceMesh(device.type, grid, mesh_dim_names=("dp", "pp"))
+    return mesh, mesh["dp"]
 
 
 def dp_mesh(mesh, layout: dict):

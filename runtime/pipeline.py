@@ -79,14 +79,14 @@ class Pipeline:
         if all_stages:
             self.layout["dp"] = 1
         self.dp_index, self.pp_rank = dp_mesh.coordinates(self.layout, self.rank)
-        self.mesh = None
+        self.mesh = self.replicas = None  # the (dp, pp) DeviceMesh and its 1-D dp mesh, with --dp
         if all_stages:
             self.device = torch.device(device) if device is not None else torch.device("cpu")
             self.backend = None
         else:
             self.device, self.backend = init_distributed(self.rank, self.world_size, timeout_s, device)
             if self.layout["dp"] > 1:
-                self.mesh = dp_mesh.build_mesh(self.layout, self.device)
+                self.mesh, self.replicas = dp_mesh.build_mesh(self.layout, self.device)
         check_precision(precision, self.device)
         self.precision = precision
         self.compute_dtype = PRECISIONS[precision]
@@ -273,7 +273,7 @@ class Pipeline:
             return None
         if self.mesh is not None and isinstance(result, torch.Tensor):  # the global batch's loss: replicas' mean
             result = result / self.layout["dp"]
-            dist.all_reduce(result, group=self.mesh["dp"].get_group())
+            dist.all_reduce(result, group=self.replicas.get_group())
         return result
 
     def _replica_slice(self, args, kwargs, target):

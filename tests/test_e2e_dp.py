@@ -45,6 +45,8 @@ def test_dp_pp_matches_eager_on_the_global_batch(tmp_path, mode, order):
                            dp_order=order)
     assert manifest["launch_command"].startswith("torchrun --nproc-per-node 4 ")
     assert manifest["batch_size"] == 4  # a replica's half of the 8-sample global batch
+    replicas = "pipeline rank 1: global ranks 1, 3" if order == "pp-inner" else "pipeline rank 1: global ranks 2, 3"
+    assert replicas in open(f"{out}/rank1.py").read().split('"""')[1]  # the header shows the mesh
     ckpt, metrics = str(tmp_path / "ckpt.pt"), str(tmp_path / "m.jsonl")
     result = run_ok(out, 4, "--steps", str(STEPS), "--clip-grad-norm", str(CLIP), "--save", ckpt,
                     "--metrics", metrics)

@@ -23,10 +23,13 @@ def _split(args) -> int:
                            dynamic_shapes=parse_flags(args.dynamic) if args.dynamic else None,
                            dp=args.dp, dp_mode=args.dp_mode, dp_shard=args.dp_shard, dp_order=args.dp_order)
     from tracepp.inspect import stage_table
+    from tracepp.runtime.mesh import describe
 
     for note in manifest.get("notes", []):
         print(f"note: {note}")
     print(stage_table(manifest))
+    for line in describe(manifest["plan"]):
+        print(line)
     print(f"\nwrote {args.out}: manifest.json, run.py, "
           f"{', '.join(f'rank{r}.py' for r in range(manifest['plan']['num_ranks']))}, weights/, tracepp_runtime/")
     print(f"run it: {manifest['launch_command']} --steps 3")
@@ -57,10 +60,14 @@ def _check_layout(args) -> None:
 def _inspect(args) -> int:
     from tracepp.inspect import load_manifest, plan_report, stage_table
 
+    from tracepp.runtime.mesh import describe
+
     manifest = load_manifest(args.out)
     print(stage_table(manifest))
     print()
     print(plan_report(manifest, grid=args.grid))
+    for line in describe(manifest["plan"]):  # data parallel: which global ranks replicate which pipeline rank
+        print(line)
     return 0
 
 
