@@ -65,9 +65,6 @@ class Stage:
     module_fqns: list  # modules whose code runs in this stage (from nn_module_stack), in first-seen order
     sym_inputs: list = field(default_factory=list)  # (name, python expression over root symbols), after received
 
-    def consumers_of(self, graph: "PipelineGraph") -> dict:
-        return {name: graph.values[name].consumers for name in self.outputs if name in graph.values}
-
 
 @dataclass
 class PipelineGraph:

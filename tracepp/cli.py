@@ -20,7 +20,7 @@ def _split(args) -> int:
     manifest = split_model(args.model, args.out, num_ranks=args.ranks, num_stages=args.stages,
                            schedule=args.schedule, num_microbatches=args.microbatches, split_points=points,
                            dynamic_shapes=parse_flags(args.dynamic) if args.dynamic else None)
-    from tracepp.inspect import stage_table
+    from tracepp.stage_report import stage_table
 
     for note in manifest.get("notes", []):
         print(f"note: {note}")
@@ -53,7 +53,9 @@ def _check_layout(args) -> None:
 
 
 def _inspect(args) -> int:
-    from tracepp.inspect import load_manifest, plan_report, stage_table
+    from tracepp.manifest_file import load_manifest
+    from tracepp.plan_report import plan_report
+    from tracepp.stage_report import stage_table
 
     manifest = load_manifest(args.out)
     print(stage_table(manifest))
@@ -63,7 +65,9 @@ def _inspect(args) -> int:
 
 
 def _plan(args) -> int:
-    from tracepp.inspect import load_costs, load_manifest, plan_report, write_plan_pictures
+    from tracepp.costs_file import load_costs
+    from tracepp.manifest_file import load_manifest
+    from tracepp.plan_report import plan_report, write_plan_pictures
 
     manifest = load_manifest(args.out)
     costs = load_costs(args.costs, len(manifest["stages"])) if args.costs else None
