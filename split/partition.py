@@ -514,7 +514,8 @@ def split(traced, split_points: Optional[list] = None, num_stages: Optional[int]
     trainable = {name for name, ref in inputs.state.items() if ref.kind == "parameter"
                  and getattr(inputs.fqn_to_tensor.get(ref.fqn), "requires_grad", True)}
     needs_grad = _gradient_flags(graph, trainable)
-    flops = cost.node_flops(graph) or {}
+    counted_flops = cost.node_flops(graph)
+    flops = counted_flops or {}
     parameters = {name for name, ref in inputs.state.items() if ref.kind == "parameter"}
 
     def balance(nodes: list, count: int) -> list:
@@ -540,6 +541,8 @@ def split(traced, split_points: Optional[list] = None, num_stages: Optional[int]
         stage_cost = _node_costs(stage_nodes[index], flops, needs_grad, parameters)
         inflight = cost.inflight_microbatches(schedule, index, count, num_microbatches, training)
         stage.estimate = cost.stage_estimate(stage_cost, inflight, training)
+        if counted_flops is None:  # an op the fake run cannot take: say "unknown", not 0
+            stage.estimate.update(forward_flops=None, step_flops_per_microbatch=None)
         stage.estimate["recomputed"] = sorted(name for name, where in recomputed.items() if index in where)
         stages.append(stage)
     unused_state = _unused_state(traced, inputs)
@@ -547,7 +550,8 @@ def split(traced, split_points: Optional[list] = None, num_stages: Optional[int]
                          program.call_spec.in_spec, program.call_spec.out_spec, output_leaves,
                          unused_state, inputs.symbols, inputs.batch_symbol,
                          {str(k): str(v) for k, v in inputs.symbol_names.items()},
-                         {name: {"producer": stage_of[node_by_name[name]], "stages": where}
+                         {name: {"producer": stage_of[node_by_name[name]], "stages": where,
+                                 **tensor_meta(node_by_name[name].meta["val"], False, inputs.symbol_names).to_json()}
                           for name, where in recomputed.items()})
 
 

@@ -55,10 +55,14 @@ def _check_layout(args) -> None:
 def _inspect(args) -> int:
     from tracepp.manifest_file import load_manifest
     from tracepp.plan_report import plan_report
-    from tracepp.stage_report import stage_table
+    from tracepp.stage_report import boundary_table, estimate_table, stage_table
 
     manifest = load_manifest(args.out)
     print(stage_table(manifest))
+    for section in (estimate_table(manifest), boundary_table(manifest)):
+        if section:
+            print()
+            print(section)
     print()
     print(plan_report(manifest, grid=args.grid))
     return 0
