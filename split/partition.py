@@ -196,7 +196,7 @@ def repeated_blocks(model: torch.nn.Module) -> set:
     blocks = set()
     for fqn, module in model.named_modules():
         names = [name for name, _child in module.named_children()]
-        if len(names) > 1 and all(name.isdigit() for name in names):
+        if names and all(name.isdigit() for name in names):
             blocks.update(f"{fqn}.{name}" if fqn else name for name in names)
     return blocks
 

@@ -34,5 +34,11 @@ def example_target():
     return _data(0)[1]
 
 
+def batch(step):
+    idx, target = _data(step)
+    return (idx,), {"use_cache": False}, target
+
+
 def loss_fn(output, target):
     return F.cross_entropy(output.logits.reshape(-1, VOCAB), target.reshape(-1))
+
