@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
-from torch.export.graph_signature import InputKind, OutputKind
+from torch.export.graph_signature import InputKind
 
 from tracepp.runtime.markers import PIPE_SPLIT_OP
 from tracepp.split import cost
@@ -538,12 +538,11 @@ def split(traced, split_points: Optional[list] = None, num_stages: Optional[int]
     for index in range(count):
         stage = _build_stage(index, stage_nodes[index], compute[edges[index]:edges[index + 1]], inputs, values,
                              sym_values, output_leaves, node_by_name, index == count - 1)
-        stage_cost = _node_costs(stage_nodes[index], flops, needs_grad, parameters)
         inflight = cost.inflight_microbatches(schedule, index, count, num_microbatches, training)
-        stage.estimate = cost.stage_estimate(stage_cost, inflight, training)
+        stage.estimate = cost.stage_estimate(_node_costs(stage_nodes[index], flops, needs_grad, parameters),
+                                             inflight, training)
         if counted_flops is None:  # an op the fake run cannot take: say "unknown", not 0
             stage.estimate.update(forward_flops=None, step_flops_per_microbatch=None)
-        stage.estimate["recomputed"] = sorted(name for name, where in recomputed.items() if index in where)
         stages.append(stage)
     unused_state = _unused_state(traced, inputs)
     return PipelineGraph(stages, values, inputs.state, inputs.root_inputs, len(traced.batched_leaves),
