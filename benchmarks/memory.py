@@ -3,7 +3,7 @@
 Every run ends with ``MEMORY_STEPS`` (2) untimed steps after its timed ones: a lead-in step and the measured
 step. The harness drops their step times (``benchmarks/run.py``), so no profiling overhead ever reaches a
 reported step time. A worker calls :meth:`PeakMemory.at_step` at the start of every step (before the step's
-first op: tracepp's ``RankExecutor.run_step``, torch's ``schedule.step``, eager's forward) and
+first op: tracepp's ``Pipeline.step``, torch's ``schedule.step``, eager's forward) and
 :meth:`PeakMemory.stop` after the last step's optimizer step.
 
 * CPU (primary, ``peak_mb``): the analog of ``torch.cuda.max_memory_allocated`` for torch's CPU allocator.

@@ -2,11 +2,12 @@
 
     python -m benchmarks.stage_times OUT_DIR [OUT_DIR ...] --json times.json [--device cpu] [--rounds 5]
 
-For each folder, in this one process: every stage of the plan is loaded onto one device (weights from
-``weights/``, stage code from the generated ``rank*.py``) and driven by the runtime's own ``RankExecutor``
-with a single-rank action list (``F`` of every stage, then ``B`` of every stage in reverse; then the same with
-``I``/``W`` for the zero-bubble split), on the real microbatches of step 0. Each action is timed on its own
-(CUDA synchronised around it); the cost of a (stage, kind) is the median over ``rounds`` x microbatches.
+For each folder, in this one process: every stage of the plan is loaded onto one device by the runtime's
+public ``Pipeline(out_dir, all_stages=True, actions=...)`` (weights from ``weights/``, stage code from the
+generated ``rank*.py``), with a single-rank action list (``F`` of every stage, then ``B`` of every stage in
+reverse; then the same with ``I``/``W`` for the zero-bubble split), on the real microbatches of step 0. Each
+action is timed on its own through ``Pipeline.set_action_hook`` (CUDA synchronised around it); the cost of a
+(stage, kind) is the median over ``rounds`` x microbatches.
 The SGD step over each stage's parameters is timed the same way (a rank's is the sum over its stages).
 
 The ideal step time is ``codegen.simulate`` of the folder's own lowered plan with those costs and comms
@@ -15,8 +16,6 @@ free, plus each rank's optimizer step after its last action: ``max over ranks (e
 from __future__ import annotations
 
 import argparse
-import copy
-import importlib.util
 import json
 import os
 import statistics
@@ -30,22 +29,9 @@ def _runtime(out_dir: str):
     """The tracepp_runtime package copied into an output folder (importable once per process)."""
     if "tracepp_runtime" not in sys.modules:
         sys.path.insert(0, os.path.abspath(out_dir))
-    import tracepp_runtime.batching as batching
-    import tracepp_runtime.executor as executor
-    import tracepp_runtime.launch as launch
+    import tracepp_runtime
 
-    return batching, executor, launch
-
-
-def _stage_functions(out_dir: str, manifest: dict) -> dict:
-    functions = {}
-    for rank in sorted(set(manifest["plan"]["stage_to_rank"])):
-        path = os.path.join(out_dir, f"rank{rank}.py")
-        spec = importlib.util.spec_from_file_location(f"bench_rank{rank}_{abs(hash(out_dir))}", path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        functions.update(module.STAGE_FUNCTIONS)
-    return functions
+    return tracepp_runtime
 
 
 def _sync(device):
@@ -54,48 +40,43 @@ def _sync(device):
 
 
 def measure(out_dir: str, device: torch.device, rounds: int = 5, max_microbatches: int = 4) -> dict:
-    """{"costs": {"stage,kind": seconds}, "optimizer_stage_s": {stage: seconds}} for one output folder."""
-    batching, executor_module, launch = _runtime(out_dir)
+    """{"costs": {"stage,kind": seconds}, "optimizer_stage_s": {stage: seconds}} for one output folder.
+
+    Uses the runtime's public API only: ``Pipeline(out_dir, all_stages=True, actions=...)`` (every stage in
+    this process, no communication) and ``Pipeline.set_action_hook`` to time each action."""
+    runtime = _runtime(out_dir)
     with open(os.path.join(out_dir, "manifest.json")) as handle:
         manifest = json.load(handle)
     num_stages = len(manifest["stages"])
-    single = copy.deepcopy(manifest)  # every stage on rank 0 of a one-rank "pipeline": no comms at all
-    single["plan"]["stage_to_rank"] = [0] * num_stages
-    for stage in single["stages"]:
-        stage["rank"] = 0
-    user = launch.load_user_module(out_dir)
-    state = launch._load_state(out_dir, single, 0, device)
-    functions = _stage_functions(out_dir, manifest)
-    out_spec = launch.load_spec(manifest, "out_spec")
-    inputs, kwargs, target = user.batch(0)
-    mb = batching.BatchChecker(manifest).microbatches(0, tuple(inputs), kwargs, target, device)
-    count = min(max_microbatches, len(mb.leaves))
+    count = min(max_microbatches, manifest["plan"]["num_microbatches"])
     samples: dict = {}
 
-    def run(kinds: tuple) -> None:
-        actions, labels = [], []
+    def actions_for(kinds: tuple) -> list:
+        actions = []
         for m in range(count):
             order = [(s, "F") for s in range(num_stages)]
             for kind in kinds:
                 order += [(s, kind) for s in reversed(range(num_stages))]
-            for s, kind in order:
-                actions.append(f"{s}{kind}{m}")
-                labels.append((s, kind))
-        ex = executor_module.RankExecutor(single, 0, functions, actions, state, device, user.loss_fn, 600.0,
-                                          out_spec, True)
-        ex.mb_leaves, ex.targets, ex.scales = mb.leaves, mb.targets, mb.scales
-        ex.send_works, ex.outputs = {}, [None] * len(mb.leaves)
-        ex.mb_shapes = [ex.shapes(**bound) for bound in mb.symbols]
-        ex.step_loss = torch.zeros((), device=device)
-        for runner in ex.stages.values():
-            runner.reset(len(mb.leaves))
-        assert len(ex.program) == len(labels)
-        for (instruction, _releases), label in zip(ex.program, labels):
-            _sync(device)
-            start = time.perf_counter()
-            instruction()
-            _sync(device)
-            samples.setdefault(label, []).append(time.perf_counter() - start)
+            actions += [f"{s}{kind}{m}" for s, kind in order]
+        return actions
+
+    pipes = {kinds: runtime.Pipeline(out_dir, all_stages=True, device=device, actions=actions_for(kinds))
+             for kinds in (("B",), ("I", "W"))}
+    inputs, kwargs, target = pipes[("B",)].user.batch(0)
+
+    def timed(text: str, run) -> None:
+        _sync(device)
+        start = time.perf_counter()
+        run()
+        _sync(device)
+        kind = _compute_kind(text)
+        samples.setdefault((int(text.split(kind)[0]), kind), []).append(time.perf_counter() - start)
+
+    for pipe in pipes.values():
+        pipe.set_action_hook(timed)
+
+    def run(kinds: tuple) -> None:
+        pipes[kinds].step(tuple(inputs), kwargs, target)
 
     run(("B",))  # warm-up (allocator, lazy init), discarded
     run(("I", "W"))
@@ -106,9 +87,9 @@ def measure(out_dir: str, device: torch.device, rounds: int = 5, max_microbatche
     costs = {f"{s},{kind}": statistics.median(v) for (s, kind), v in sorted(samples.items())}
     # the SGD step over each stage's parameters (gradients are left over from the runs above)
     optimizer_stage_s = {}
-    for spec in manifest["stages"]:
-        params = [state[ref["fqn"]] for ref in spec["state"] if ref["kind"] == "parameter"]
-        params = [p for p in params if isinstance(p, torch.nn.Parameter) and p.requires_grad]
+    pipe = pipes[("B",)]
+    for stage_index, stage in sorted(pipe.stages.items()):
+        params = [p for p in stage.parameters() if p.requires_grad]
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -120,8 +101,13 @@ def measure(out_dir: str, device: torch.device, rounds: int = 5, max_microbatche
             optimizer.step()
             _sync(device)
             times.append(time.perf_counter() - start)
-        optimizer_stage_s[str(spec["index"])] = statistics.median(times[1:])
+        optimizer_stage_s[str(stage_index)] = statistics.median(times[1:])
     return {"costs": costs, "optimizer_stage_s": optimizer_stage_s, "microbatches_timed": count, "rounds": rounds}
+
+
+def _compute_kind(action: str) -> str:
+    """The compute kind of an action text such as '3W1'."""
+    return next(kind for kind in "FBIW" if kind in action)
 
 
 def ideal_step(manifest: dict, costs: dict, optimizer_stage_s: dict, plan: dict = None) -> dict:

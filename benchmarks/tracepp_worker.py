@@ -3,12 +3,12 @@
     torchrun --nproc-per-node R -m benchmarks.tracepp_worker OUT_DIR --memory-dir DIR -- --steps K --metrics m.jsonl --quiet
 
 Everything after ``--`` goes to the generated ``run.py`` unchanged; the step time is the runtime's own
-``--metrics`` line (``step_time_s``: ``run_step`` plus shared-gradient sync and the optimizer step, on the
-last stage's rank). The only addition is a wrapper around the runtime's ``RankExecutor.run_step`` (the copy
-inside OUT_DIR/tracepp_runtime) that calls ``PeakMemory.at_step`` before every step's ``run_step`` (the
-memory window is the last step, untimed by the harness: its ``run_step``, shared-gradient sync and
-optimizer step, then the run's closing barrier; see benchmarks/memory.py); it costs one Python call per
-step and does not touch the timed code.
+``--metrics`` line (``step_time_s``: ``Pipeline.step`` plus shared-gradient sync and the optimizer step, on the
+last stage's rank). The only addition is a step hook registered through the runtime's public
+``tracepp_runtime.register_step_hook`` (the copy inside OUT_DIR that run.py imports): it calls
+``PeakMemory.at_step`` before every step (the memory window is the last step, untimed by the harness: its
+``Pipeline.step``, shared-gradient sync and optimizer step, then the run's closing barrier; see
+benchmarks/memory.py); it costs one Python call per step and does not touch the timed code.
 """
 from __future__ import annotations
 
@@ -32,23 +32,20 @@ def main() -> None:
     args = parser.parse_args(argv)
     out_dir = os.path.abspath(args.out_dir)
     sys.path.insert(0, out_dir)
-    from tracepp_runtime import executor  # the runtime copy that run.py imports
+    import tracepp_runtime  # the runtime copy that run.py imports
 
     steps_parser = argparse.ArgumentParser(add_help=False)
     steps_parser.add_argument("--steps", type=int, default=3)  # run.py's own default
     steps = steps_parser.parse_known_args(rest)[0].steps
-    state = {"memory": None, "step": 0}
-    original = executor.RankExecutor.run_step
+    state = {"memory": None}
 
-    def run_step(self, *a, **k):
-        if args.memory_dir:
-            if state["memory"] is None:
-                state["memory"] = PeakMemory(self.device)
-            state["memory"].at_step(state["step"], steps)
-        state["step"] += 1
-        return original(self, *a, **k)
+    def at_step(pipeline, step: int) -> None:
+        if state["memory"] is None:
+            state["memory"] = PeakMemory(pipeline.device)
+        state["memory"].at_step(step, steps)
 
-    executor.RankExecutor.run_step = run_step
+    if args.memory_dir:
+        tracepp_runtime.register_step_hook(at_step)
     sys.argv = [os.path.join(out_dir, "run.py")] + rest
     runpy.run_path(os.path.join(out_dir, "run.py"), run_name="__main__")
     if state["memory"] is not None:

@@ -264,6 +264,10 @@ torchrun starts one process per rank; each runs rank<RANK>.py. Options (the same
   --steps K        training steps (default 3)        --lr LR        SGD learning rate (default 0.01)
   --save PATH      write the trained state_dict       --metrics PATH one JSON line per step
   --timeout S      fail instead of waiting longer than S seconds for a peer (default 120)
+  --precision fp32|bf16|fp16   compute dtype (fp32 master weights; fp16 on GPU only)
+  --clip-grad-norm MAX         clip the global gradient norm    --on-nonfinite stop|skip|continue
+  --compile        torch.compile each stage (cache in compile_cache/, or --compile-cache DIR)
+Your own loop: tracepp_runtime.Pipeline(this folder); see the README ("Your own training loop").
 """
 import os
 import sys

@@ -1,8 +1,11 @@
 """tracepp's runtime: what generated rank scripts import. Depends on torch and the standard library only.
 
 The emit step copies this package into every output folder as ``tracepp_runtime``, so a pipeline runs on a
-machine that has torch but not tracepp.
+machine that has torch but not tracepp. Layers, each usable alone: ``executor`` runs one step of a rank's
+action list; ``pipeline.Pipeline`` owns this rank's stages as modules and exposes ``step``; ``launch`` is
+the training loop of ``run.py``, built on ``Pipeline``.
 """
 from .markers import pipe_split
+from .pipeline import Pipeline, register_step_hook
 
-__all__ = ["pipe_split"]
+__all__ = ["Pipeline", "pipe_split", "register_step_hook"]

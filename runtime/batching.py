@@ -26,21 +26,22 @@ class Microbatches:
     batch_size: int
 
 
-class BatchChecker:
-    def __init__(self, manifest: dict):
+class MicrobatchSplitter:
+    """Checks each step's batch against the traced signature, binds the dynamic dims, and cuts it into the
+    planned microbatches (see the module docstring)."""
+
+    def __init__(self, manifest: dict, in_spec=None):
         self.num_microbatches = manifest["plan"]["num_microbatches"]
         self.traced_batch_size = manifest["batch_size"]
         self.roots = manifest["root_inputs"]
-        from .launch import load_spec
-
-        self.in_spec = load_spec(manifest, "in_spec")
+        self.in_spec = in_spec  # the traced (args, kwargs) pytree spec; None skips the structure check
         self.symbols = manifest.get("symbols", {})
         self.batched = manifest["batched_leaves"]
         self.batch_symbol = manifest.get("batch_symbol")
         self.checks = [(root, [compile_shape([d]) if not isinstance(d, int) and not _IDENTIFIER.match(d) else None
                                for d in root["shape"]]) for root in self.roots if root.get("shape") is not None]
 
-    def microbatches(self, step: int, args: tuple, kwargs: dict, target, device) -> Microbatches:
+    def split(self, step: int, args: tuple, kwargs: dict, target, device) -> Microbatches:
         leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs or {})))
         if self.in_spec is not None and spec != self.in_spec:
             raise PipelineError(

@@ -1,4 +1,4 @@
-"""Run one rank's action list for a training (or forward-only) step.
+"""Run one rank's action list for one training (or forward-only) step: no optimizer, no files, no argparse.
 
 The action list is compiled once, at start-up, into a list of closures: each closure already holds the
 stage, the peer rank, the value names and the shape functions it needs, so a step is a plain loop with no
@@ -6,6 +6,9 @@ lookups by string and no metadata exchange. Runs of consecutive communication ac
 (``batch_isend_irecv`` on NCCL) and waited on only right before the compute that needs them; a send is
 waited on (and its tensor dropped) as soon as the plan proves its receive was posted, the rest at the end
 of the step.
+
+The stages come in as modules (see ``stages.StageModule``); what to do with the gradients they accumulate is
+the caller's business (``pipeline.Pipeline``, then the training loop in ``launch``).
 """
 from __future__ import annotations
 
@@ -19,6 +22,9 @@ from torch.autograd.graph import GradientEdge
 from .shapes import compile_shape
 
 _DIRECTION_TAG = {"F": 0, "B": 1}
+# tags are (direction, producer, consumer, value index along that edge): a stage sends at most this many
+# tensors to one consumer per microbatch (checked when the edges are built)
+MAX_VALUES_PER_EDGE = 512
 _BACKWARD_PART = {"B": "full", "I": "input", "W": "weight"}
 
 
@@ -50,15 +56,15 @@ def _shapes_from_manifest(manifest: dict):
     return shapes
 
 
-class StageRunner:
-    """One stage on this rank: its function, its state tensors, and per-microbatch activations."""
+class StageActivations:
+    """What one step keeps for one stage of this rank: its wiring and, per microbatch, inputs, outputs,
+    gradients and receive buffers. The stage's computation is its module (``stages.StageModule``)."""
 
-    def __init__(self, spec: dict, fn, state_tensors: list, root_leaf_indices: list, is_last: bool):
+    def __init__(self, spec: dict, module, is_last: bool):
         self.index = spec["index"]
-        self.fn = fn
-        self.state = state_tensors
-        self.params = [t for t in state_tensors if isinstance(t, torch.nn.Parameter) and t.requires_grad]
-        self.root_leaf_indices = root_leaf_indices
+        self.fn = module
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.root_leaf_indices = spec["root_leaf_indices"]
         self.received = spec["received"]  # [{producer, name, shape, dtype, requires_grad}]
         self.received_index = {(r["producer"], r["name"]): i for i, r in enumerate(self.received)}
         self.outputs = spec["outputs"]
@@ -87,6 +93,7 @@ class StageRunner:
         self.grad_buffers = [[] for _ in range(num_microbatches)]  # (output position, received gradient)
         self.pooled = [[] for _ in range(num_microbatches)]  # receive buffers to give back after backward
         self.pending_weight = {}  # mb -> what W needs, kept from I (see _weight_backward)
+        self.finite = [None] * num_microbatches  # mb -> bool tensor: were all floating outputs finite
 
 
 _ENGINE = getattr(torch.autograd.Variable, "_execution_engine", None)
@@ -227,8 +234,23 @@ def _capture(store: dict, node):
 
 
 class RankExecutor:
-    def __init__(self, manifest: dict, rank: int, stage_functions: dict, actions: list, state_by_fqn: dict,
-                 device: torch.device, loss_fn, timeout_s: float, out_spec, training: bool, shapes=None):
+    """This rank's action list compiled into closures; :meth:`run_step` runs it once.
+
+    ``stage_modules``: stage index -> module called as ``module(*root_inputs, *received, *sizes)``.
+    ``releases``: {action position: [send positions safe to wait on after it]}, computed at plan time; when
+    None it is derived from the manifest's plan here. ``wire_dtype``: floating boundary tensors are sent and
+    received in this dtype (mixed precision) instead of the traced one. ``loss_scale``: the loss is multiplied
+    by it before backward (fp16); the returned loss is not. ``check_finite``: record, per stage and
+    microbatch, whether its floating outputs were finite (read by :meth:`nonfinite_outputs`).
+    ``split_weight_backward``: False runs W as a backward from the outputs (for compiled stages, whose
+    autograd graph is one node). ``action_hook(text, run)``: if set, called for every action instead of
+    ``run()`` (measurement), e.g. to time it.
+    """
+
+    def __init__(self, manifest: dict, rank: int, stage_modules: dict, actions: list, device: torch.device,
+                 loss_fn, timeout_s: float, out_spec, training: bool, shapes=None, releases=None,
+                 wire_dtype=None, loss_scale=None, check_finite=False, split_weight_backward=True,
+                 mark_dynamic=False):
         import torch.utils._pytree as pytree
 
         self.pytree = pytree
@@ -246,16 +268,20 @@ class RankExecutor:
         self.deallocate_outputs = training and _ENGINE is not None
         self.free_buffers: dict = {}  # (shape, dtype) -> [tensor]: receive buffers reused across microbatches
         self.send_works: dict = {}  # action position -> works of that send, until released
-        for fn in stage_functions.values():  # factory ops in the stage code (torch.arange) follow the rank's device
-            if "RUN_DEVICE" in getattr(fn, "__globals__", {}):
-                fn.__globals__["RUN_DEVICE"] = device
+        self.wire_dtype = wire_dtype
+        self.loss_scale = loss_scale
+        self.check_finite = check_finite
+        self.split_weight_backward = split_weight_backward
+        self.action_hook = None
         self.stages = {}
         for spec in manifest["stages"]:
             if self.stage_to_rank[spec["index"]] != rank:
                 continue
-            tensors = [state_by_fqn[ref["fqn"]] for ref in spec["state"]]
-            self.stages[spec["index"]] = StageRunner(spec, stage_functions[spec["index"]], tensors,
-                                                     spec["root_leaf_indices"], spec["index"] == self.last_stage)
+            self.stages[spec["index"]] = StageActivations(spec, stage_modules[spec["index"]],
+                                                          spec["index"] == self.last_stage)
+        self.dynamic_dims = {}  # stage -> [(argument position, [dims])] marked dynamic for torch.compile
+        if mark_dynamic:
+            self._find_dynamic_dims(manifest)
         # which outputs of a stage go to which consumer, in the order they travel
         self.edge_values = {}  # (producer, consumer) -> [(output position, name, meta)]
         for spec in manifest["stages"]:
@@ -265,6 +291,10 @@ class RankExecutor:
                     continue
                 for consumer in value["consumers"]:
                     self.edge_values.setdefault((spec["index"], consumer), []).append((position, name, value))
+        for (producer, consumer), values in self.edge_values.items():
+            if len(values) > MAX_VALUES_PER_EDGE:
+                raise ValueError(f"stage {producer} sends {len(values)} tensors to stage {consumer}; message tags "
+                                 f"allow at most {MAX_VALUES_PER_EDGE} per microbatch: split at another point")
         self.locally_consumed = set()  # (stage, output position) read by another stage on this rank
         for runner in self.stages.values():
             for slot, item in enumerate(runner.received):
@@ -280,16 +310,30 @@ class RankExecutor:
         self.shapes = shapes if shapes is not None else _shapes_from_manifest(manifest)
         self.plan_actions = {int(r): list(a) for r, a in manifest["plan"]["actions"].items()}
         self.plan_actions[rank] = list(actions)
-        self.program = self._compile(actions)
+        self.actions = list(actions)
+        self.program = self._compile(actions, releases)
+
+    def _find_dynamic_dims(self, manifest: dict) -> None:
+        roots = {root["leaf_index"]: root for root in manifest["root_inputs"]}
+        for runner in self.stages.values():
+            marks = []
+            shapes = [roots[i].get("shape") for i in runner.root_leaf_indices] + [r["shape"] for r in runner.received]
+            for position, shape in enumerate(shapes):
+                dims = [d for d, size in enumerate(shape or []) if not isinstance(size, int)]
+                if dims:
+                    marks.append((position, dims))
+            self.dynamic_dims[runner.index] = marks
 
     # -- compile ---------------------------------------------------------------------------------------
-    def _compile(self, actions: list) -> list:
+    def _compile(self, actions: list, releases=None) -> list:
         """Closures in action order; each carries the positions of earlier sends it may release after it."""
-        release_at = _send_release_points(self.plan_actions, self.rank)
+        release_at = releases if releases is not None else _send_release_points(self.plan_actions, self.rank)
+        release_at = {int(k): list(v) for k, v in release_at.items()}
         program, batch = [], []
 
         def emit(fn, covered):
-            program.append((fn, [p for q in covered for p in release_at.get(q, ())]))
+            label = " ".join(actions[q] for q in covered)
+            program.append((fn, [p for q in covered for p in release_at.get(q, ())], label))
 
         for position, text in enumerate(actions):
             stage, kind, mb, peer = parse_action(text)
@@ -315,7 +359,8 @@ class RankExecutor:
         return program
 
     def _tag(self, direction: str, producer: int, consumer: int, index: int) -> int:
-        return ((_DIRECTION_TAG[direction] * self.num_stages + producer) * self.num_stages + consumer) * 512 + index
+        edge = (_DIRECTION_TAG[direction] * self.num_stages + producer) * self.num_stages + consumer
+        return edge * MAX_VALUES_PER_EDGE + index
 
     def _give_back(self, buffers: list) -> None:
         for buffer in buffers:
@@ -326,6 +371,10 @@ class RankExecutor:
         if free:
             return free.pop()
         return torch.empty(shape, dtype=dtype, device=self.device)
+
+    def _on_wire(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype a boundary tensor travels in: the compute dtype for floating tensors under mixed precision."""
+        return self.wire_dtype if self.wire_dtype is not None and dtype.is_floating_point else dtype
 
     def _comm_op(self, stage: int, kind: str, mb: int, peer: int):
         """A function returning [(is_send, tensor, peer_rank, tag, waitlist)] for one comm action."""
@@ -339,13 +388,14 @@ class RankExecutor:
 
             def ops():
                 out = runner.out[mb]
-                result = [(True, out[pos].detach().contiguous(), peer_rank, tag, None) for pos, tag in items]
+                result = [(True, self._wire(out[pos].detach()), peer_rank, tag, None) for pos, tag in items]
                 runner.sends_f_left[mb] -= 1
                 if runner.sends_f_left[mb] == 0 and runner.deallocatable:
                     self._deallocate(runner, mb)  # every consumer's send holds the data it needs
                 return result
         elif kind == "RECV_F":
-            items = [(runner.received_index[(peer, name)], name, _dtype(value["dtype"]), self._tag("F", peer, stage, i))
+            items = [(runner.received_index[(peer, name)], name, self._on_wire(_dtype(value["dtype"])),
+                      self._tag("F", peer, stage, i))
                      for i, (_pos, name, value) in enumerate(self.edge_values[(peer, stage)])]
 
             def ops():
@@ -363,13 +413,13 @@ class RankExecutor:
 
             def ops():
                 grads = runner.in_grads[mb]
-                result = [(True, grads[slot], peer_rank, tag, None) for slot, tag in items]
+                result = [(True, self._wire(grads[slot]), peer_rank, tag, None) for slot, tag in items]
                 runner.sends_b_left[mb] -= 1
                 if runner.sends_b_left[mb] == 0:
                     runner.in_grads[mb] = None  # the sends hold what they need
                 return result
         else:  # RECV_B
-            items = [(pos, name, _dtype(v["dtype"]), self._tag("B", stage, peer, i)) for i, (pos, name, v) in
+            items = [(pos, name, self._on_wire(_dtype(v["dtype"])), self._tag("B", stage, peer, i)) for i, (pos, name, v) in
                      enumerate(self.edge_values[(stage, peer)]) if v["requires_grad"]]
 
             def ops():
@@ -382,6 +432,9 @@ class RankExecutor:
                     result.append((False, buffer, peer_rank, tag, runner.grad_works[mb]))
                 return result
         return ops
+
+    def _wire(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(self._on_wire(tensor.dtype)).contiguous()
 
     def _comm_batch(self, op_builders: list):
         def run():
@@ -413,7 +466,7 @@ class RankExecutor:
                 work.wait(self.timeout)
 
     # -- memory ----------------------------------------------------------------------------------------
-    def _choose_deallocatable(self, runner: StageRunner, out) -> None:
+    def _choose_deallocatable(self, runner: StageActivations, out) -> None:
         """Outputs whose values autograd will never read again: returned only (no later op in the stage
         reads them), not read by a stage on this rank, not views, and made by an op that does not save its
         own result (an add does; a tanh does not). Sending keeps a reference to the data until the send
@@ -430,7 +483,7 @@ class RankExecutor:
             chosen.append(pos)
         runner.deallocatable = chosen
 
-    def _deallocate(self, runner: StageRunner, mb: int) -> None:
+    def _deallocate(self, runner: StageActivations, mb: int) -> None:
         out = runner.out[mb]
         for pos in runner.deallocatable:
             tensor = out[pos]
@@ -442,7 +495,7 @@ class RankExecutor:
             work.wait(self.timeout)
         works.clear()
 
-    def _forward(self, runner: StageRunner, mb: int) -> None:
+    def _forward(self, runner: StageActivations, mb: int) -> None:
         if runner.recv_works[mb]:
             self._wait(runner.recv_works[mb])
         inputs = runner.inputs[mb]
@@ -452,26 +505,42 @@ class RankExecutor:
             for slot in runner.grad_slots:  # a fresh leaf over the (pooled) buffer: autograd state stays per use
                 inputs[slot] = inputs[slot].detach().requires_grad_(True)
         leaves = self.mb_leaves[mb]
-        args = runner.state + [leaves[i] for i in runner.root_leaf_indices] + inputs
+        received = inputs
+        if self.wire_dtype is not None:  # the stage code sees the traced dtypes; autograd casts gradients back
+            received = [value.to(_dtype(item["dtype"])) if isinstance(value, torch.Tensor) else value
+                        for value, item in zip(inputs, runner.received)]
+        args = [leaves[i] for i in runner.root_leaf_indices] + received
+        for position, dims in self.dynamic_dims.get(runner.index, ()):
+            for dim in dims:
+                torch._dynamo.maybe_mark_dynamic(args[position], dim)
         if runner.sym_names:
             shapes = self.mb_shapes[mb]
             args += [shapes[name] for name in runner.sym_names]
         with torch.set_grad_enabled(self.training):
             out = runner.fn(*args)
         runner.out[mb] = out
+        if self.check_finite:  # one small reduction per output, read only once something went non-finite
+            floats = [t for t in out if isinstance(t, torch.Tensor) and t.is_floating_point()]
+            runner.finite[mb] = (torch.stack([t.detach().isfinite().all() for t in floats]).all() if floats
+                                 else None)
         if self.deallocate_outputs and not runner.is_last and runner.deallocatable is None:
             self._choose_deallocatable(runner, out)
         if runner.is_last:
             leaves_out = [out[i] if kind == "value" else const for i, (kind, const) in enumerate(self.output_leaves)]
+            if self.wire_dtype is not None:  # the loss is computed in fp32
+                leaves_out = [t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+                              for t in leaves_out]
             output = self.pytree.tree_unflatten(leaves_out, self.out_spec)
-            if self.loss_fn is not None and self.training:
-                loss = self.loss_fn(output, self.targets[mb]) * self.scales[mb]
-                runner.loss[mb] = loss
+            if self.loss_fn is not None and self.targets[mb] is not None:
+                with torch.set_grad_enabled(self.training):
+                    loss = self.loss_fn(output, self.targets[mb]).float() * self.scales[mb]
+                runner.loss[mb] = loss if self.loss_scale is None else loss * self.loss_scale
                 self.step_loss = self.step_loss + loss.detach()
+                self.has_loss = True
             else:
                 self.outputs[mb] = output
 
-    def _backward(self, runner: StageRunner, mb: int, part: str) -> None:
+    def _backward(self, runner: StageActivations, mb: int, part: str) -> None:
         if part == "weight":  # the second half of a split backward: weight gradients only
             self._weight_backward(runner, *runner.pending_weight.pop(mb))
             self._release(runner, mb)
@@ -488,7 +557,8 @@ class RankExecutor:
             self._release(runner, mb)
         else:  # "input": gradients for received activations now, weights later (zero-bubble schedules)
             captured: dict = {}
-            entries, full = (_weight_entries(tensors, wanted, runner.params) if tensors and wanted and runner.params
+            entries, full = (_weight_entries(tensors, wanted, runner.params)
+                             if tensors and wanted and runner.params and self.split_weight_backward
                              else ([], list(runner.params)))
             handles = [node.register_prehook(_capture(captured, node)) for node, _params in entries]
             try:
@@ -508,7 +578,7 @@ class RankExecutor:
                 runner.pending_weight[mb] = (entries, full, captured, tensors, grads)
 
     @staticmethod
-    def _weight_backward(runner: StageRunner, entries: list, full: list, captured: dict, tensors, grads) -> None:
+    def _weight_backward(runner: StageActivations, entries: list, full: list, captured: dict, tensors, grads) -> None:
         """dW: each entry node runs once more, for its weight side only, from the gradient captured during I
         (so I + W costs what one full backward does); weights listed in ``full`` take a backward from the
         outputs."""
@@ -528,7 +598,7 @@ class RankExecutor:
         if full and tensors:
             _run_backward(tensors, grads, False, tuple(full), True)
 
-    def _output_grads(self, runner: StageRunner, mb: int):
+    def _output_grads(self, runner: StageActivations, mb: int):
         """Outputs that carry a gradient, with the sum of the gradients every consumer sent back."""
         if runner.grad_works[mb]:
             self._wait(runner.grad_works[mb])
@@ -541,10 +611,10 @@ class RankExecutor:
         for pos, grad in enumerate(sums):
             if grad is not None and out[pos].requires_grad:
                 tensors.append(out[pos])
-                grads.append(grad)
+                grads.append(grad.to(out[pos].dtype))
         return tensors, grads
 
-    def _input_grads(self, runner: StageRunner, mb: int, found: list) -> list:
+    def _input_grads(self, runner: StageActivations, mb: int, found: list) -> list:
         """Gradients for this stage's received inputs, indexed by received slot; local producers get theirs now."""
         grads = [None] * len(runner.received)
         for slot, grad, target in zip(runner.grad_slots, found, runner.local_grad_targets):
@@ -557,7 +627,7 @@ class RankExecutor:
                 sums[pos] = grad if sums[pos] is None else sums[pos] + grad
         return grads
 
-    def _release(self, runner: StageRunner, mb: int) -> None:
+    def _release(self, runner: StageActivations, mb: int) -> None:
         """Backward of ``mb`` is done on this stage: drop its activations, give its receive buffers back."""
         runner.out[mb] = None
         runner.loss[mb] = None
@@ -568,19 +638,25 @@ class RankExecutor:
 
     # -- a step ----------------------------------------------------------------------------------------
     def run_step(self, mb_leaves: list, targets: list, scales: list, symbols: list):
-        """Run every action once; returns the full-batch loss (a tensor) on the last stage's rank, else None."""
+        """Run every action once. On the last stage's rank returns the full-batch loss (a tensor) when targets
+        and a loss function are given, else the list of per-microbatch outputs; None on other ranks."""
         num_microbatches = len(mb_leaves)
         self.mb_leaves, self.targets, self.scales = mb_leaves, targets, scales
         self.mb_shapes = [self.shapes(**bound) for bound in symbols]
         self.step_loss = torch.zeros((), device=self.device)
+        self.has_loss = False
         self.outputs = [None] * num_microbatches
         for runner in self.stages.values():
             if not self.training:  # forward-only: outputs may alias receive buffers until the step ends
                 for buffers in runner.pooled:
                     self._give_back(buffers)
             runner.reset(num_microbatches)
-        for instruction, releases in self.program:
-            instruction()
+        hook = self.action_hook
+        for instruction, releases, label in self.program:
+            if hook is None:
+                instruction()
+            else:
+                hook(label, instruction)
             if releases:
                 self._release_sends(releases)
         for works in self.send_works.values():
@@ -588,5 +664,14 @@ class RankExecutor:
                 work.wait(self.timeout)
         self.send_works = {}
         if self.last_stage in self.stages:
-            return self.step_loss if self.training and self.loss_fn is not None else self.outputs
+            return self.step_loss if self.has_loss else self.outputs
         return None
+
+    def nonfinite_outputs(self) -> list:
+        """[(stage, microbatch)] whose floating outputs held a NaN or inf in the last step (``check_finite``)."""
+        found = []
+        for runner in self.stages.values():
+            for mb, flag in enumerate(runner.finite):
+                if flag is not None and not bool(flag):
+                    found.append((runner.index, mb))
+        return sorted(found)

@@ -71,15 +71,17 @@ class FailureChannel:
                 return None
             time.sleep(0.05)
 
-    def report(self, message: str) -> None:
-        """Tell every rank that this one failed (first failure wins), then the caller exits."""
+    def report(self, message: str, echo: bool = True) -> None:
+        """Tell every rank that this one failed (first failure wins), then the caller exits. ``echo=False``:
+        the message was printed already."""
         text = f"rank {self.rank} failed: {message}"
         if self.store is not None:
             try:
                 self.store.compare_set(self.key, "", text)
             except Exception:
                 pass
-        print(f"[tracepp rank {self.rank}] error: {message}", file=sys.stderr, flush=True)
+        if echo:
+            print(f"[tracepp rank {self.rank}] error: {message}", file=sys.stderr, flush=True)
 
     def stop(self) -> None:
         self._stop.set()

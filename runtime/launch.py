@@ -1,29 +1,30 @@
-"""The generated rank scripts call :func:`main`: set up the process group, load this rank's stages, train.
+"""The training loop of the generated ``run.py``, built on the public step API (:class:`pipeline.Pipeline`).
+
+The rank scripts call :func:`main`: parse the flags, build this rank's Pipeline, then per step call
+``batch(step)``, ``Pipeline.step``, sync shared gradients, check the global gradient norm (clipping and
+non-finite handling), scale for fp16, step the optimizer, print and write metrics; ``--save`` at the end.
 
 Command line (the same on every rank, as torchrun passes it)::
 
     torchrun --nproc-per-node R out/run.py [--steps K] [--lr LR] [--save ckpt.pt] [--metrics m.jsonl]
-                                           [--timeout SECONDS]
+        [--timeout SECONDS] [--precision fp32|bf16|fp16] [--clip-grad-norm MAX]
+        [--on-nonfinite stop|skip|continue] [--compile] [--compile-cache DIR]
 """
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
 import time
 import traceback
-import types
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.utils._pytree as pytree
 
-from .executor import RankExecutor
 from .failure import EXIT_FAILED, FailureChannel, PipelineError
-from .batching import BatchChecker
+from .loading import load_manifest
+from .pipeline import Pipeline, check_precision
 
 
 def parse_args(argv=None):
@@ -35,48 +36,26 @@ def parse_args(argv=None):
     parser.add_argument("--timeout", type=float, default=120.0,
                         help="seconds any communication may wait before the job fails (default 120)")
     parser.add_argument("--quiet", action="store_true", help="no per-step progress lines")
+    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
+                        help="compute dtype: fp32 weights always; bf16/fp16 autocast compute and boundary tensors "
+                             "(fp16: GPU only, with a dynamic loss scale)")
+    parser.add_argument("--clip-grad-norm", type=float, default=None, metavar="MAX",
+                        help="clip the global L2 gradient norm (all stages, tied weights once) to MAX")
+    parser.add_argument("--on-nonfinite", default="stop", choices=["stop", "skip", "continue"],
+                        help="a NaN/inf loss or gradient norm: stop the job (default), skip the optimizer step "
+                             "on every rank, or apply it anyway")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile each stage (dynamic dims from the manifest marked dynamic)")
+    parser.add_argument("--compile-cache", default=None, metavar="DIR",
+                        help="inductor cache folder for --compile (default OUT/compile_cache)")
     return parser.parse_args(argv)
-
-
-def load_user_module(folder: str):
-    """Import the model file copied into the output folder (it defines loss_fn, batch, optimizer)."""
-    try:
-        import tracepp  # noqa: F401  the model file may call tracepp.pipe_split()
-    except ImportError:  # tracepp is not installed here: its marker lives in this runtime
-        from . import markers
-
-        shim = types.ModuleType("tracepp")
-        shim.pipe_split = markers.pipe_split
-        sys.modules["tracepp"] = shim
-    path = os.path.join(folder, "model_file.py")
-    spec = importlib.util.spec_from_file_location("tracepp_model_file", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, folder)
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.pop(0)
-    return module
-
-
-def load_spec(manifest: dict, key: str):
-    """A pytree spec from the manifest: JSON where torch can serialise it, else a pickle (model-output classes)."""
-    if manifest.get(key):
-        return pytree.treespec_loads(manifest[key])
-    if manifest.get(key + "_pickle"):
-        import base64
-        import pickle
-
-        return pickle.loads(base64.b64decode(manifest[key + "_pickle"]))
-    return None
 
 
 def launch(folder: str) -> None:
     """run.py's body: check the world size on every rank, then run this rank's script."""
     import runpy
 
-    with open(os.path.join(folder, "manifest.json")) as handle:
-        manifest = json.load(handle)
+    manifest = load_manifest(folder)
     rank = int(os.environ.get("RANK", "0"))
     try:
         check_world_size(manifest)
@@ -97,76 +76,10 @@ def check_world_size(manifest: dict) -> None:
         )
 
 
-def _init_process_group(rank: int, world: int, timeout_s: float):
-    if torch.cuda.is_available():
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        backend = "nccl"
-    else:
-        device, backend = torch.device("cpu"), "gloo"
-    if world > 1 or "MASTER_ADDR" in os.environ:
-        kwargs = {"device_id": device} if backend == "nccl" else {}
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s), **kwargs)
-    return device, backend
-
-
-def _load_state(folder: str, manifest: dict, rank: int, device: torch.device) -> dict:
-    """FQN -> tensor for every parameter/buffer this rank's stages read; one object per FQN on a rank."""
-    state: dict = {}
-    for spec in manifest["stages"]:
-        if manifest["plan"]["stage_to_rank"][spec["index"]] != rank:
-            continue
-        saved = torch.load(os.path.join(folder, spec["weights"]), map_location="cpu", weights_only=True)
-        for ref in spec["state"]:
-            if ref["fqn"] in state:
-                continue
-            tensor = saved[ref["fqn"]].to(device)
-            if ref["kind"] == "parameter":
-                tensor = torch.nn.Parameter(tensor, requires_grad=ref.get("requires_grad", True))
-            state[ref["fqn"]] = tensor
-    return state
-
-
-def _shared_groups(manifest: dict, rank: int, state: dict):
-    """One process group per set of ranks that hold copies of a shared parameter, in the same order everywhere."""
-    by_ranks: dict = {}
-    for shared in manifest["shared"]:
-        ranks = sorted({manifest["plan"]["stage_to_rank"][s] for s in shared["stages"]})
-        if len(ranks) > 1:
-            by_ranks.setdefault(tuple(ranks), []).append(shared["fqn"])
-    groups = []
-    for ranks, fqns in sorted(by_ranks.items()):
-        group = dist.new_group(list(ranks))  # every rank calls new_group for every set, in sorted order
-        if rank in ranks:
-            groups.append((group, [state[f] for f in fqns if f in state and isinstance(state[f], torch.nn.Parameter)]))
-    return groups
-
-
-def _sync_shared_grads(groups: list) -> None:
-    for group, params in groups:
-        grads = []
-        for param in params:
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-            grads.append(param.grad)
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=group)
-        offset = 0
-        for grad in grads:
-            grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
-            offset += grad.numel()
-
-
 def _save(path: str, manifest: dict, folder: str, rank: int, state: dict, world: int) -> None:
-    """Gather every rank's state and write one state_dict (original FQNs) atomically from rank 0."""
-    mine = {}
-    for spec in manifest["stages"]:
-        if manifest["plan"]["stage_to_rank"][spec["index"]] != rank:
-            continue
-        for ref in spec["state"]:
-            if ref["kind"] != "constant" and ref.get("persistent", True):
-                mine[ref["fqn"]] = state[ref["fqn"]].detach().cpu()
+    """Gather every rank's state (``Pipeline.state_dict``) and write one state_dict keyed by every original
+    FQN atomically from rank 0."""
+    mine = {name: tensor.detach().cpu() for name, tensor in state.items()}
     parts = [None] * world if rank == 0 else None
     if world > 1:
         dist.gather_object(mine, parts, dst=0, group=_control_group())
@@ -206,19 +119,24 @@ def _format_table(rows: list, headers: list) -> str:
     return "\n".join([line, rule] + ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells])
 
 
-def main(rank_script_rank: int, stage_functions: dict, actions: list, folder: str, shapes=None, argv=None) -> None:
+def main(rank_script_rank: int, stage_functions: dict, actions: list, folder: str, shapes=None, argv=None,
+         releases=None) -> None:
     args = parse_args(argv)
-    with open(os.path.join(folder, "manifest.json")) as handle:
-        manifest = json.load(handle)
+    manifest = load_manifest(folder)
     rank = int(os.environ.get("RANK", str(rank_script_rank)))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     channel = FailureChannel(rank, world, args.timeout)
     channel.start_watchdog()
     try:
         check_world_size(manifest)
-        _train(args, manifest, folder, rank, world, stage_functions, actions, shapes)
+        check_precision(args.precision, _planned_device())
+        pipe = Pipeline(folder, rank=rank, timeout_s=args.timeout, precision=args.precision,
+                        compile=args.compile, compile_cache=args.compile_cache, stage_functions=stage_functions,
+                        actions=actions, shapes=shapes, releases=releases,
+                        check_finite=args.on_nonfinite != "continue")
+        train(pipe, args)
     except PipelineError as error:
-        channel.report(str(error))
+        channel.report(str(error), echo=not getattr(error, "printed_on_every_rank", False))
         _exit(EXIT_FAILED)
     except Exception as error:  # an unexpected failure: keep the traceback, and tell every rank
         cause = channel.peer_failure()
@@ -237,71 +155,157 @@ def _exit(code: int) -> None:
     os._exit(code)  # do not wait on peers that may be blocked: the watchdog tells them
 
 
-def _train(args, manifest, folder, rank, world, stage_functions, actions, shapes=None) -> None:
-    device, backend = _init_process_group(rank, world, args.timeout)
-    user = load_user_module(folder)
-    training = manifest["training"]
-    out_spec = load_spec(manifest, "out_spec")
-    state = _load_state(folder, manifest, rank, device)
-    loss_fn = getattr(user, "loss_fn", None) if training else None
-    executor = RankExecutor(manifest, rank, stage_functions, actions, state, device, loss_fn, args.timeout,
-                            out_spec, training, shapes)
-    checker = BatchChecker(manifest)
-    groups = _shared_groups(manifest, rank, state) if world > 1 else []
-    params = [t for t in state.values() if isinstance(t, torch.nn.Parameter) and t.requires_grad]
+
+
+def _planned_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+class DynamicLossScale:
+    """fp16's loss scale, the same on every rank: halved (and the step skipped) when the gradient norm is not
+    finite, doubled after ``growth_interval`` finite steps in a row (torch.amp.GradScaler's defaults)."""
+
+    def __init__(self, scale: float = 2.0 ** 16, growth_interval: int = 2000):
+        self.scale = scale
+        self.growth_interval = growth_interval
+        self.finite_steps = 0
+
+    def update(self, finite: bool) -> None:
+        if not finite:
+            self.scale, self.finite_steps = self.scale / 2, 0
+            return
+        self.finite_steps += 1
+        if self.finite_steps == self.growth_interval:
+            self.scale, self.finite_steps = self.scale * 2, 0
+
+
+def _banner(pipe: Pipeline, args) -> str:
+    if pipe.precision == "fp32":
+        return "precision fp32: parameters, compute, boundary tensors, loss and gradients fp32"
+    half = pipe.precision
+    text = (f"precision {half}: parameters fp32 (master weights), compute {half} (autocast per stage), "
+            f"boundary tensors sent as {half}, loss fp32, shared-weight gradients reduced in fp32")
+    return text + (", dynamic loss scale" if half == "fp16" else "")
+
+
+def user_batch(user, step: int, training: bool):
+    """``batch(step)`` of the model file, or its example batch: (args tuple, kwargs, target)."""
+    batch = user.batch(step) if hasattr(user, "batch") else (
+        user.example_inputs(), user.example_kwargs() if hasattr(user, "example_kwargs") else {},
+        user.example_target() if training else None)
+    inputs, kwargs, target = batch if len(batch) == 3 else (*batch, None)
+    if not isinstance(inputs, tuple):
+        inputs = (inputs,)
+    return inputs, kwargs, target
+
+
+def train(pipe: Pipeline, args) -> None:
+    """The loop of run.py around ``Pipeline.step``: precision, norm check and clipping, optimizer, metrics, save."""
+    manifest, user, device = pipe.manifest, pipe.user, pipe.device
+    training = pipe.training
+    rank, world = pipe.rank, pipe.world_size
+    params = [p for p in pipe.parameters() if p.requires_grad]
     optimizer = None
     if training and params:
         make = getattr(user, "optimizer", None)
         optimizer = make(params) if make is not None else torch.optim.SGD(params, lr=args.lr)
-    reports_loss = manifest["plan"]["stage_to_rank"][-1] == rank
+    scaler = DynamicLossScale() if pipe.precision == "fp16" else None
+    needs_norm = training and (args.clip_grad_norm is not None or args.on_nonfinite != "continue"
+                               or scaler is not None)
+    reports = pipe.is_last_rank
+    if reports and not args.quiet:
+        print(_banner(pipe, args), flush=True)
     history = []
     for step in range(args.steps):
-        batch = user.batch(step) if hasattr(user, "batch") else (
-            user.example_inputs(), user.example_kwargs() if hasattr(user, "example_kwargs") else {},
-            user.example_target() if training else None)
-        inputs, kwargs, target = batch if len(batch) == 3 else (*batch, None)
-        if not isinstance(inputs, tuple):
-            inputs = (inputs,)
-        mb = checker.microbatches(step, inputs, kwargs, target, device)
+        inputs, kwargs, target = user_batch(user, step, training)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
-        result = executor.run_step(mb.leaves, mb.targets, mb.scales, mb.symbols)
+        pipe.loss_scale = scaler.scale if scaler is not None else None
+        result = pipe.step(inputs, kwargs, target)
+        norm, skipped, note = None, False, ""
         if training:
-            _sync_shared_grads(groups)
-            if optimizer is not None:
+            loss = result if reports else None
+            pipe.sync_shared_grads()
+            if scaler is not None:
+                pipe.scale_grads(1.0 / scaler.scale)
+            if needs_norm:
+                loss_bad = loss is not None and not bool(torch.isfinite(loss))
+                norm_t = pipe.grad_norm(nonfinite_loss=loss_bad)
+                norm = float(norm_t)
+                if not torch.isfinite(norm_t):
+                    skipped, note = _on_nonfinite(pipe, args, step, loss, scaler)
+                elif args.clip_grad_norm is not None:
+                    pipe.clip_grad_norm_(args.clip_grad_norm, norm=norm_t)
+                if scaler is not None:
+                    scaler.update(not skipped)
+            if optimizer is not None and not skipped:
                 optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+            pipe.zero_grad(set_to_none=True)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - start
-        if reports_loss:
-            loss = float(result) if training else None
-            samples = mb.batch_size
-            history.append((step, loss, elapsed, samples / elapsed))
+        if reports:
+            loss_value = float(result) if training and result is not None and not isinstance(result, list) else None
+            samples = pipe.last_batch_size
+            history.append((step, loss_value, elapsed, samples / elapsed))
             if not args.quiet:
-                text = f"loss {loss:.6f} | " if loss is not None else ""
+                text = f"loss {loss_value:.6f} | " if loss_value is not None else ""
+                text += f"grad norm {norm:.4f} | " if norm is not None else ""
                 print(f"step {step + 1}/{args.steps} | {text}{elapsed * 1000:.1f} ms | "
-                      f"{samples / elapsed:.1f} samples/s", flush=True)
+                      f"{samples / elapsed:.1f} samples/s{note}", flush=True)
             if args.metrics:
+                record = {"step": step, "loss": loss_value, "step_time_s": elapsed,
+                          "samples_per_s": samples / elapsed, "batch_size": samples}
+                if norm is not None:
+                    record["grad_norm"] = norm
+                if skipped:
+                    record["skipped"] = True
                 with open(args.metrics, "a") as handle:
-                    handle.write(json.dumps({"step": step, "loss": loss, "step_time_s": elapsed,
-                                             "samples_per_s": samples / elapsed, "batch_size": samples}) + "\n")
+                    handle.write(json.dumps(record) + "\n")
     if args.save:
-        _save(args.save, manifest, folder, rank, state, world)
+        _save(args.save, manifest, pipe.folder, rank, pipe.state_dict(), world)
     if world > 1:
         dist.barrier(group=_control_group())
-    if reports_loss and history and not args.quiet:
-        times = sorted(h[2] for h in history)
-        rows = [["steps", len(history)], ["first loss", f"{history[0][1]:.6f}" if training else "-"],
-                ["last loss", f"{history[-1][1]:.6f}" if training else "-"],
-                ["median step time (ms)", f"{times[len(times) // 2] * 1000:.1f}"],
-                ["samples/s (median)", f"{sorted(h[3] for h in history)[len(history) // 2]:.1f}"],
-                ["ranks / stages", f"{world} / {len(manifest['stages'])}"],
-                ["schedule", manifest["plan"]["schedule"]], ["microbatches", manifest["plan"]["num_microbatches"]],
-                ["backend", backend]]
-        print(_format_table(rows, ["summary", "value"]), flush=True)
-        if args.save:
-            print(f"saved {args.save}", flush=True)
+    if reports and history and not args.quiet:
+        _summary(pipe, args, history)
     if world > 1:
         dist.destroy_process_group()
+
+
+def _on_nonfinite(pipe: Pipeline, args, step: int, loss, scaler) -> tuple:
+    """A NaN/inf loss or gradient norm, seen on every rank at once: (skip the step?, note for the step line).
+    ``stop`` raises on every rank (the job exits non-zero before --save); fp16 overflow skips the step."""
+    where = pipe.nonfinite_report(loss=None if loss is None else float(loss))
+    text = f"step {step + 1}: non-finite loss or gradient norm; {where}"
+    if scaler is not None and args.on_nonfinite != "continue":
+        return True, f" | skipped (fp16 overflow, loss scale {scaler.scale:g} -> {scaler.scale / 2:g}; {where})"
+    if args.on_nonfinite == "stop":
+        error = PipelineError(f"{text}. Nothing was saved. Look for the NaN/inf there (inputs, weights, a "
+                              f"learning rate too high), or pass --on-nonfinite skip|continue")
+        print(f"[tracepp rank {pipe.rank}] error: {error}", file=sys.stderr, flush=True)
+        if pipe.world_size > 1:  # every rank saw it: let each print before any exits (torchrun kills the rest)
+            dist.barrier(group=_control_group())
+        error.printed_on_every_rank = True
+        raise error
+    if args.on_nonfinite == "skip":
+        print(f"[tracepp rank {pipe.rank}] {text}: optimizer step skipped on every rank", file=sys.stderr,
+              flush=True)
+        return True, " | skipped (non-finite)"
+    return False, " | non-finite"
+
+
+def _summary(pipe: Pipeline, args, history: list) -> None:
+    manifest = pipe.manifest
+    training = pipe.training
+    times = sorted(h[2] for h in history)
+    rows = [["steps", len(history)], ["first loss", f"{history[0][1]:.6f}" if training else "-"],
+            ["last loss", f"{history[-1][1]:.6f}" if training else "-"],
+            ["median step time (ms)", f"{times[len(times) // 2] * 1000:.1f}"],
+            ["samples/s (median)", f"{sorted(h[3] for h in history)[len(history) // 2]:.1f}"],
+            ["ranks / stages", f"{pipe.world_size} / {len(manifest['stages'])}"],
+            ["schedule", manifest["plan"]["schedule"]], ["microbatches", manifest["plan"]["num_microbatches"]],
+            ["precision", pipe.precision], ["backend", pipe.backend]]
+    print(_format_table(rows, ["summary", "value"]), flush=True)
+    if args.save:
+        print(f"saved {args.save}", flush=True)

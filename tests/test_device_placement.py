@@ -5,10 +5,8 @@ routes them through its ``RUN_DEVICE`` global, which the runtime sets to the ran
 NCCL). CI has no GPU, so the check runs the stage on the ``meta`` device: a factory op that still said
 ``cpu`` would mix devices and fail exactly as it did on a GPU.
 """
-import importlib.util
 import json
 import os
-import sys
 
 import pytest
 import torch
@@ -23,17 +21,6 @@ def gpt_folder(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("gpt") / "out")
     split_model(os.path.join(EXAMPLES, "gpt.py"), out, num_ranks=2, schedule="1f1b", num_microbatches=4)
     return out
-
-
-def _rank_module(folder: str, rank: int):
-    spec = importlib.util.spec_from_file_location(f"device_rank{rank}", os.path.join(folder, f"rank{rank}.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, folder)  # the rank script imports the folder's tracepp_runtime
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(folder)
-    return module
 
 
 def test_factory_ops_read_the_run_device(gpt_folder):
@@ -57,20 +44,15 @@ def test_positional_devices_follow_too(tmp_path):
 
 
 def test_stage_runs_on_the_device_the_runtime_sets(gpt_folder):
-    from tracepp.runtime.executor import RankExecutor
+    from tracepp.runtime import Pipeline
 
     with open(os.path.join(gpt_folder, "manifest.json")) as handle:
         manifest = json.load(handle)
-    module = _rank_module(gpt_folder, 0)
-    stage = manifest["stages"][0]
     device = torch.device("meta")
-    state = {}
-    for ref in stage["state"]:
-        state[ref["fqn"]] = torch.nn.Parameter(torch.empty(ref["shape"], device=device))
-    RankExecutor(manifest, 0, module.STAGE_FUNCTIONS, module.ACTIONS, state, device, None, 10.0, None, True,
-                 module.boundary_shapes)
-    assert module.RUN_DEVICE == device
-    fn = module.STAGE_FUNCTIONS[0]
+    pipe = Pipeline(gpt_folder, rank=0, device=device)
+    stage = pipe.stages[0]
+    assert stage.function.__globals__["RUN_DEVICE"] == device
+    assert all(p.device.type == "meta" for p in stage.parameters())
     idx = torch.zeros(manifest["root_inputs"][0]["shape"], dtype=torch.int64, device=device)
-    (out,) = fn(*[state[ref["fqn"]] for ref in stage["state"]], idx)
+    (out,) = stage(idx)
     assert out.device.type == "meta"

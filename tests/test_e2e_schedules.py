@@ -68,14 +68,11 @@ def test_multi_stage_schedule_matches_eager(tmp_path, schedule, microbatches):
     _train_and_compare(out, path, tmp_path)
 
 
-def _executor_for_rank0(out: str, manifest: dict):
-    """The runtime's own view of rank 0 (the state loading and stage wiring torchrun would do), without running."""
-    from tracepp.runtime.executor import RankExecutor
-    from tracepp.runtime.launch import _load_state
+def _rank0_pipeline(out: str):
+    """The public view of rank 0 (its stages as modules, weights loaded), without a process group."""
+    from tracepp.runtime import Pipeline
 
-    state = _load_state(out, manifest, 0, torch.device("cpu"))
-    stages = {s: None for s, r in enumerate(manifest["plan"]["stage_to_rank"]) if r == 0}
-    return RankExecutor(manifest, 0, stages, [], state, torch.device("cpu"), None, 30.0, None, True)
+    return Pipeline(out, rank=0, device="cpu")
 
 
 @pytest.mark.parametrize("schedule,microbatches", [("zbv", 4), ("dualpipev", 6)])
@@ -88,9 +85,10 @@ def test_tied_embedding_on_one_rank_of_a_v(tmp_path, schedule, microbatches):
     _check_plan(manifest, schedule, microbatches, "v")
     [shared] = manifest["shared"]
     assert sorted(shared["aliases"]) == ["embed.weight", "head.weight"] and shared["stages"] == [0, 3]
-    executor = _executor_for_rank0(out, manifest)
-    assert sorted(executor.stages) == [0, 3]
-    tied = [p for p in executor.stages[0].params if any(p is q for q in executor.stages[3].params)]
+    pipe = _rank0_pipeline(out)
+    assert sorted(pipe.stages) == [0, 3]
+    tied = [p for p in pipe.stages[0].parameters() if any(p is q for q in pipe.stages[3].parameters())]
+    assert [name for name, p in pipe.named_parameters() if p is tied[0]] == [shared["fqn"]]
     assert len(tied) == 1 and tuple(tied[0].shape) == (24, 12), "stages 0 and 3 must share one tensor"
     assert "use one tensor on this rank" in open(os.path.join(out, "rank0.py")).read()
     saved = _train_and_compare(out, path, tmp_path)

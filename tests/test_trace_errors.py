@@ -67,7 +67,8 @@ def test_python_scalar_input_must_keep_its_traced_value(tmp_path):
 
     from tracepp.driver import split_model
     from tracepp.modelfile import load_model_file
-    from tracepp.runtime.batching import BatchChecker
+    from tracepp.runtime.batching import MicrobatchSplitter
+    from tracepp.runtime.loading import load_spec
     from tracepp.runtime.failure import PipelineError
 
     path = model_path("mask_kwargs")
@@ -75,11 +76,11 @@ def test_python_scalar_input_must_keep_its_traced_value(tmp_path):
     scale = next(r for r in manifest["root_inputs"] if r["path"] == "kwargs['scale']")
     assert scale["constant"] == 0.5 and scale["dtype"] is None
     module = load_model_file(path).module
-    checker = BatchChecker(manifest)
+    checker = MicrobatchSplitter(manifest, load_spec(manifest, "in_spec"))
     args, kwargs, target = module.batch(1)
-    checker.microbatches(1, args, kwargs, target, torch.device("cpu"))  # the traced value passes
+    checker.split(1, args, kwargs, target, torch.device("cpu"))  # the traced value passes
     with pytest.raises(PipelineError, match=r"kwargs\['scale'\] is 0\.7 but the pipeline was traced with 0\.5"):
-        checker.microbatches(1, args, dict(kwargs, scale=0.7), target, torch.device("cpu"))
+        checker.split(1, args, dict(kwargs, scale=0.7), target, torch.device("cpu"))
 
 
 COND_MODEL = """

@@ -1,0 +1,332 @@
+"""The public step API: a :class:`Pipeline` owns this rank's stages and runs one pipelined step at a time.
+
+Run under torchrun, one process per rank, from a script of your own::
+
+    import sys; sys.path.insert(0, "out")          # the output folder holds tracepp_runtime
+    import tracepp_runtime
+    pipe = tracepp_runtime.Pipeline("out")         # this rank's stages, weights from out/weights/
+    optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
+    for step in range(steps):
+        loss = pipe.step(args, kwargs, target)     # a tensor on the last stage's rank, None elsewhere
+        pipe.sync_shared_grads()                    # tied weights: sum the copies' gradients across ranks
+        norm = pipe.clip_grad_norm_(1.0)            # optional: global norm, the same on every rank
+        optimizer.step(); pipe.zero_grad()
+
+Each stage is an ``nn.Module`` (``pipe.stages[stage_index]``) whose parameters carry the original model's
+FQNs. ``step`` splits the batch into the planned microbatches and runs this rank's action list once
+(``executor.RankExecutor``); gradients accumulate in the stages' ``.grad`` until ``zero_grad``. The training
+loop of ``run.py`` (``launch``) is built on this API and nothing else.
+"""
+from __future__ import annotations
+
+import copy
+import os
+
+import torch
+import torch.distributed as dist
+
+from .batching import MicrobatchSplitter
+from .distributed import init_distributed
+from .executor import RankExecutor, _shapes_from_manifest, parse_action
+from .loading import load_manifest, load_rank_script, load_spec, load_user_module
+from .stages import StageModule, load_state
+
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+_STEP_HOOKS: list = []
+
+
+def register_step_hook(hook):
+    """Call ``hook(pipeline, step_index)`` before every :meth:`Pipeline.step` of every Pipeline in this process
+    (step_index counts that pipeline's steps from 0). Returns a function that removes the hook. For tools
+    that wrap a generated ``run.py`` they do not construct the Pipeline of (e.g. a memory profiler)."""
+    _STEP_HOOKS.append(hook)
+    return lambda: _STEP_HOOKS.remove(hook)
+
+
+def check_precision(precision: str, device: torch.device) -> None:
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
+    if precision == "fp16" and device.type != "cuda":
+        raise ValueError("--precision fp16 needs a GPU (it trains with a loss scaler for CUDA's fp16); "
+                         "on CPU use --precision bf16 or fp32")
+
+
+class Pipeline:
+    """This rank's part of a tracepp pipeline (see the module docstring for a loop).
+
+    ``folder``: the output folder of ``tracepp split``. ``rank``: default ``$RANK``. ``device``: default
+    ``cuda:$LOCAL_RANK`` where CUDA is available, else CPU. ``precision``: ``fp32``, ``bf16`` or ``fp16``:
+    parameters stay fp32; each stage's forward runs under ``torch.autocast`` in that dtype, floating boundary
+    tensors travel in it, the loss is computed in fp32. ``compile``: ``torch.compile`` each stage module
+    (dynamic dims from the manifest marked dynamic); ``compile_cache``: inductor's cache folder. ``all_stages``:
+    every stage in this one process, no communication (for measurement and debugging); ``actions`` overrides
+    the action list (``"0F0"``, ``"0B0"``, ...). ``stage_functions``, ``actions``, ``shapes`` and ``releases``
+    are what a rank script passes; left out, they are read from ``rank{rank}.py``.
+    """
+
+    def __init__(self, folder: str, *, rank=None, device=None, timeout_s: float = 120.0, precision: str = "fp32",
+                 compile: bool = False, compile_cache=None, all_stages: bool = False, stage_functions=None,
+                 actions=None, shapes=None, releases=None, loss_fn=None, check_finite: bool = True):
+        self.folder = os.path.abspath(folder)
+        self.manifest = manifest = load_manifest(self.folder)
+        self.world_size = 1 if all_stages else int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = 0 if all_stages else int(os.environ.get("RANK", "0") if rank is None else rank)
+        if all_stages:
+            self.device = torch.device(device) if device is not None else torch.device("cpu")
+            self.backend = None
+        else:
+            self.device, self.backend = init_distributed(self.rank, self.world_size, timeout_s, device)
+        check_precision(precision, self.device)
+        self.precision = precision
+        self.compute_dtype = PRECISIONS[precision]
+        self.training = manifest["training"]
+        self.user = load_user_module(self.folder)
+        if loss_fn is None and self.training:
+            loss_fn = getattr(self.user, "loss_fn", None)
+        self.loss_fn = loss_fn
+        plan_manifest = manifest
+        if all_stages:
+            plan_manifest = copy.deepcopy(manifest)
+            plan_manifest["plan"]["stage_to_rank"] = [0] * len(manifest["stages"])
+            plan_manifest["plan"]["actions"] = {"0": []}
+            stage_functions = stage_functions or self._all_stage_functions()
+            shapes = shapes or _shapes_from_manifest(manifest)
+            if actions is None:
+                actions = self._single_process_actions()
+        elif stage_functions is None:
+            script = load_rank_script(self.folder, self.rank)
+            stage_functions, shapes = script.STAGE_FUNCTIONS, getattr(script, "boundary_shapes", None)
+            actions = script.ACTIONS if actions is None else actions
+            releases = getattr(script, "RELEASES", None) if releases is None else releases
+        self._plan_manifest = plan_manifest
+        stage_to_rank = plan_manifest["plan"]["stage_to_rank"]
+        self.stage_indices = [s for s, r in enumerate(stage_to_rank) if r == self.rank]
+        self.is_last_rank = stage_to_rank[-1] == self.rank
+        for fn in stage_functions.values():  # factory ops in the stage code (torch.arange) follow the rank's device
+            if "RUN_DEVICE" in getattr(fn, "__globals__", {}):
+                fn.__globals__["RUN_DEVICE"] = self.device
+        state = load_state(self.folder, manifest, self.stage_indices, self.device)
+        self.stages = {}
+        for spec in manifest["stages"]:
+            if spec["index"] in self.stage_indices:
+                stage = StageModule(spec, stage_functions[spec["index"]], state)
+                stage.autocast_dtype = self.compute_dtype
+                self.stages[spec["index"]] = stage
+        self.compiled = compile
+        if compile:
+            self._compile_stages(compile_cache)
+        self._out_spec = load_spec(manifest, "out_spec")
+        self._shapes = shapes
+        self._timeout_s = timeout_s
+        self._check_finite = check_finite
+        self.loss_scale = None  # fp16: set by the training loop's scaler (the loss is multiplied before backward)
+        self.executor = self._executor(actions, releases, self.training)
+        self._eval_executor = None
+        self.splitter = MicrobatchSplitter(manifest, load_spec(manifest, "in_spec"))
+        self._shared = self._shared_groups() if self.world_size > 1 else []
+        self._hooks: list = []
+        self.steps_run = 0
+        self.last_batch_size = None
+
+    # -- building -------------------------------------------------------------------------------------------
+    def _all_stage_functions(self) -> dict:
+        functions = {}
+        for rank in sorted(set(self.manifest["plan"]["stage_to_rank"])):
+            functions.update(load_rank_script(self.folder, rank).STAGE_FUNCTIONS)
+        return functions
+
+    def _single_process_actions(self) -> list:
+        count = self.manifest["plan"]["num_microbatches"]
+        stages = range(len(self.manifest["stages"]))
+        actions = []
+        for mb in range(count):
+            actions += [f"{s}F{mb}" for s in stages]
+            if self.manifest["training"]:
+                actions += [f"{s}B{mb}" for s in reversed(stages)]
+        return actions
+
+    def _compile_stages(self, cache) -> None:
+        cache = cache or os.path.join(self.folder, "compile_cache")
+        os.makedirs(cache, exist_ok=True)
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(cache)  # inductor reads it when it compiles
+        for index, stage in self.stages.items():
+            # sizes passed as ints (sym_inputs) are symbolic in the manifest: compile them symbolic from the
+            # start (dynamo would specialise an int on first sight); tensors get their symbolic dims marked
+            # by the executor before each call
+            sizes = bool(self.manifest["stages"][index].get("sym_inputs"))
+            stage.compile(dynamic=True if sizes else None)
+
+    def _executor(self, actions, releases, training: bool) -> RankExecutor:
+        return RankExecutor(self._plan_manifest, self.rank, self.stages, actions, self.device, self.loss_fn,
+                            self._timeout_s, self._out_spec, training, self._shapes, releases=releases,
+                            wire_dtype=self.compute_dtype, check_finite=self._check_finite,
+                            split_weight_backward=not self.compiled, mark_dynamic=self.compiled)
+
+    def _shared_groups(self) -> list:
+        """One process group per set of ranks holding copies of shared parameters, created in the same order on
+        every rank; with it, this rank's copies and whether this rank counts them in the global norm."""
+        stage_to_rank = self.manifest["plan"]["stage_to_rank"]
+        by_ranks: dict = {}
+        for shared in self.manifest["shared"]:
+            ranks = sorted({stage_to_rank[s] for s in shared["stages"]})
+            if len(ranks) > 1:
+                by_ranks.setdefault(tuple(ranks), []).append(shared["fqn"])
+        groups = []
+        params = dict(self.named_parameters())
+        for ranks, fqns in sorted(by_ranks.items()):
+            group = dist.new_group(list(ranks))  # every rank calls new_group for every set, in sorted order
+            if self.rank in ranks:
+                groups.append((group, [params[f] for f in fqns if f in params]))
+        return groups
+
+    def _counted_once(self) -> list:
+        """This rank's parameters, less shared copies whose lowest holding rank is another: each weight once."""
+        stage_to_rank = self.manifest["plan"]["stage_to_rank"]
+        owner = {shared["fqn"]: min(stage_to_rank[s] for s in shared["stages"]) for shared in self.manifest["shared"]}
+        return [p for name, p in self.named_parameters() if owner.get(name, self.rank) == self.rank]
+
+    # -- the step API ---------------------------------------------------------------------------------------
+    def register_step_hook(self, hook):
+        """Call ``hook(pipeline, step_index)`` before each :meth:`step` of this pipeline; returns a remover."""
+        self._hooks.append(hook)
+        return lambda: self._hooks.remove(hook)
+
+    def set_action_hook(self, hook) -> None:
+        """``hook(action_text, run)`` is called for every action of a step instead of ``run()`` (e.g. to time
+        each action); None restores plain execution."""
+        self.executor.action_hook = hook
+
+    def step(self, args, kwargs=None, target=None):
+        """One pipelined forward and backward of the full batch ``(args, kwargs)``: gradients accumulate in this
+        rank's stages. Returns the full-batch loss (a detached fp32 tensor) on the last stage's rank, None
+        elsewhere. Every rank must call it with the same batch (each keeps only what its stages read)."""
+        for hook in _STEP_HOOKS + self._hooks:
+            hook(self, self.steps_run)
+        result = self._run(self.executor, args, kwargs, target)
+        self.steps_run += 1
+        return result
+
+    def eval_step(self, args, kwargs=None, target=None):
+        """Forward only, no gradients: the plan's forward actions. On the last stage's rank returns the loss
+        (with ``target`` and a loss function) or the list of per-microbatch outputs; None elsewhere."""
+        if self._eval_executor is None:
+            def forward_only(actions):
+                return [a for a in actions if parse_action(a)[1] in ("F", "SEND_F", "RECV_F")]
+            manifest = copy.deepcopy(self._plan_manifest)
+            manifest["plan"]["actions"] = {r: forward_only(acts) for r, acts in manifest["plan"]["actions"].items()}
+            saved, self._plan_manifest = self._plan_manifest, manifest
+            try:
+                self._eval_executor = self._executor(forward_only(self.executor.actions), {}, False)
+            finally:
+                self._plan_manifest = saved
+        with torch.no_grad():
+            return self._run(self._eval_executor, args, kwargs, target)
+
+    def _run(self, executor, args, kwargs, target):
+        if not isinstance(args, tuple):
+            args = tuple(args) if isinstance(args, list) else (args,)
+        batches = self.splitter.split(self.steps_run, args, kwargs or {}, target, self.device)
+        executor.loss_scale = self.loss_scale
+        self.last_batch_size = batches.batch_size
+        result = executor.run_step(batches.leaves, batches.targets, batches.scales, batches.symbols)
+        return result if self.is_last_rank else None
+
+    # -- gradients ------------------------------------------------------------------------------------------
+    def sync_shared_grads(self) -> None:
+        """Sum the gradients of weights held on several ranks (a tied embedding and head) across those ranks,
+        so every copy takes the same optimizer step. Call once after the last ``step`` before the optimizer."""
+        for group, params in self._shared:
+            grads = []
+            for param in params:
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+                grads.append(param.grad)
+            flat = torch.cat([g.reshape(-1).float() for g in grads])
+            dist.all_reduce(flat, group=group)
+            offset = 0
+            for grad in grads:
+                grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+                offset += grad.numel()
+
+    def grad_norm(self, *, nonfinite_loss: bool = False) -> torch.Tensor:
+        """The global L2 norm of the gradients of every stage on every rank, a shared weight counted once: one
+        all-reduce of two numbers; the same fp32 value on every rank. Call after :meth:`sync_shared_grads`.
+        ``nonfinite_loss=True`` (on the rank whose loss was NaN/inf) makes it NaN on every rank."""
+        grads = [p.grad for p in self._counted_once() if p.grad is not None]
+        sums = torch.zeros(2, device=self.device, dtype=torch.float32)
+        if grads:
+            sums[0] = torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum()
+        sums[1] = float(nonfinite_loss)
+        if self.world_size > 1:
+            dist.all_reduce(sums)
+        norm = sums[0].sqrt()
+        return torch.full_like(norm, float("nan")) if sums[1] > 0 else norm
+
+    def scale_grads(self, factor) -> None:
+        for param in self.parameters():
+            if param.grad is not None:
+                param.grad.mul_(factor)
+
+    def clip_grad_norm_(self, max_norm: float, norm=None) -> torch.Tensor:
+        """Scale every gradient by ``max_norm / (norm + 1e-6)`` when that is below 1, as
+        ``torch.nn.utils.clip_grad_norm_`` does for one model; ``norm`` defaults to :meth:`grad_norm`.
+        Returns the norm before clipping (the same on every rank)."""
+        norm = self.grad_norm() if norm is None else norm
+        coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        self.scale_grads(coefficient)
+        return norm
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for stage in self.stages.values():
+            stage.zero_grad(set_to_none=set_to_none)
+
+    def nonfinite_report(self, loss=None) -> str:
+        """Where the last step first went non-finite, the same text on every rank (a collective; call it on
+        every rank): the loss (pass it on the last stage's rank), then the lowest stage whose output held a
+        NaN/inf and its first such microbatch, else that every output was finite. Needs ``check_finite``."""
+        mine = (self.executor.nonfinite_outputs(), loss)
+        if self.world_size > 1:
+            gathered = [None] * self.world_size
+            dist.all_gather_object(gathered, mine)
+        else:
+            gathered = [mine]
+        found = sorted(item for part, _loss in gathered for item in part)
+        losses = [value for _part, value in gathered if value is not None]
+        text = f"loss {losses[0]}; " if losses else ""
+        if not found:
+            return text + "every stage's outputs were finite (the loss function or the backward produced it)"
+        stage, microbatch = found[0]
+        rank = self.manifest["plan"]["stage_to_rank"][stage]
+        modules = ", ".join(self.manifest["stages"][stage]["module_fqns"]) or "-"
+        return text + (f"the output of stage {stage} (rank {rank}; modules {modules}) went non-finite first, "
+                       f"at microbatch {microbatch}")
+
+    # -- parameters and state -------------------------------------------------------------------------------
+    def named_parameters(self):
+        """(original FQN, parameter) for this rank's stages; a weight two local stages share appears once."""
+        seen = set()
+        for stage in self.stages.values():
+            for name, param in stage.named_parameters():
+                if id(param) not in seen:
+                    seen.add(id(param))
+                    yield name, param
+
+    def parameters(self):
+        return [param for _name, param in self.named_parameters()]
+
+    def state_dict(self) -> dict:
+        """This rank's parameters and persistent buffers under the original FQNs (detached)."""
+        state = {}
+        for stage in self.stages.values():
+            for name, tensor in stage.state_dict().items():
+                state.setdefault(name, tensor)
+        return state
+
+    def train(self, mode: bool = True):
+        for stage in self.stages.values():
+            stage.train(mode)
+        return self
+
+    def eval(self):
+        return self.train(False)

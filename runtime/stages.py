@@ -1,0 +1,79 @@
+"""This rank's stages as ``nn.Module``s: parameters and buffers registered under the original model's FQNs.
+
+A :class:`StageModule` holds the tensors one stage reads (``embed.weight`` is the parameter ``weight`` of the
+child module ``embed``) and calls the generated stage function with them, so ``named_parameters()`` gives the
+original FQNs and ``fully_shard``, DDP, activation checkpointing and ``torch.compile`` apply to a stage as to
+any module. Stages on one rank that read the same weight (a tied embedding and head) hold one ``Parameter``.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+import torch.nn as nn
+
+
+def load_state(folder: str, manifest: dict, stage_indices, device: torch.device) -> dict:
+    """FQN -> tensor for every parameter/buffer the given stages read; one object per FQN."""
+    state: dict = {}
+    for spec in manifest["stages"]:
+        if spec["index"] not in stage_indices:
+            continue
+        saved = torch.load(os.path.join(folder, spec["weights"]), map_location="cpu", weights_only=True)
+        for ref in spec["state"]:
+            if ref["fqn"] in state:
+                continue
+            tensor = saved[ref["fqn"]].to(device)
+            if ref["kind"] == "parameter":
+                tensor = nn.Parameter(tensor, requires_grad=ref.get("requires_grad", True))
+            state[ref["fqn"]] = tensor
+    return state
+
+
+def _owner(root: nn.Module, fqn: str):
+    """The child module of ``root`` that holds ``fqn`` (created on the way), and the attribute name."""
+    *path, name = fqn.split(".")
+    module = root
+    for part in path:
+        child = module._modules.get(part)
+        if child is None:
+            child = nn.Module()
+            module.add_module(part, child)
+        module = child
+    return module, name
+
+
+class StageModule(nn.Module):
+    """One pipeline stage: ``forward(*root_inputs, *received, *sizes)`` runs the generated stage function with
+    this module's own parameters and buffers (read at call time, so wrappers that swap them still apply)."""
+
+    def __init__(self, spec: dict, function, state_by_fqn: dict):
+        super().__init__()
+        self.stage_index = spec["index"]
+        self.function = function
+        self.autocast_dtype = None  # set by the Pipeline for mixed precision
+        self.device_type = next((t.device.type for t in state_by_fqn.values()), "cpu")
+        self._state_paths = []
+        for ref in spec["state"]:
+            owner, name = _owner(self, ref["fqn"])
+            tensor = state_by_fqn[ref["fqn"]]
+            if name not in owner._parameters and name not in owner._buffers:
+                if isinstance(tensor, nn.Parameter):
+                    owner.register_parameter(name, tensor)
+                else:
+                    persistent = ref["kind"] == "buffer" and ref.get("persistent", True)
+                    owner.register_buffer(name, tensor, persistent=persistent)
+            self._state_paths.append((owner, name))
+
+    def state_tensors(self) -> list:
+        """The tensors the stage function takes first, in the order of its parameters."""
+        return [getattr(owner, name) for owner, name in self._state_paths]
+
+    def forward(self, *inputs):
+        if self.autocast_dtype is None:
+            context = contextlib.nullcontext()
+        else:
+            context = torch.autocast(self.device_type, dtype=self.autocast_dtype)
+        with context:
+            return self.function(*self.state_tensors(), *inputs)

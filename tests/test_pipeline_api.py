@@ -1,0 +1,87 @@
+"""Tier 2: the public Pipeline API in one process (every stage here, no communication) against the unsplit model."""
+import pytest
+import torch
+
+from tracepp.driver import split_model
+from tracepp.modelfile import load_model_file
+from tracepp.runtime import Pipeline, register_step_hook
+from tracepp.runtime.pipeline import check_precision
+from util import model_path
+
+
+@pytest.fixture(scope="module")
+def tied_folder(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("pipe") / "out")
+    split_model(model_path("tied_lm"), out, num_ranks=2, schedule="1f1b", num_microbatches=4)
+    return out
+
+
+def _eager_grads(path: str, step: int):
+    module = load_model_file(path).module
+    model = module.model()
+    args, kwargs, target = module.batch(step)
+    loss = module.loss_fn(model(*args, **kwargs), target)
+    loss.backward()
+    return model, loss.detach()
+
+
+def test_step_accumulates_the_unsplit_models_gradients(tied_folder):
+    path = model_path("tied_lm")
+    pipe = Pipeline(tied_folder, all_stages=True)
+    model, expected_loss = _eager_grads(path, 0)
+    args, kwargs, target = pipe.user.batch(0)
+    loss = pipe.step(args, kwargs, target)
+    torch.testing.assert_close(loss, expected_loss, rtol=0, atol=2e-6)
+    eager = dict(model.named_parameters())  # the tied weight once, as eager names it
+    names = [name for name, _ in pipe.named_parameters()]
+    assert len(names) == len(set(names)) == len(eager) and set(names) <= set(dict(
+        model.named_parameters(remove_duplicate=False)))
+    aliases = {"head.weight": "embed.weight", "embed.weight": "head.weight"}
+    for name, param in pipe.named_parameters():
+        expected = eager.get(name, eager.get(aliases.get(name)))
+        torch.testing.assert_close(param.grad, expected.grad, rtol=0, atol=2e-6)
+    # the global norm counts the tied weight once, as clip_grad_norm_ over model.parameters() does
+    eager_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+    torch.testing.assert_close(pipe.clip_grad_norm_(0.1), eager_norm, rtol=1e-6, atol=0)
+    for name, param in pipe.named_parameters():
+        expected = eager.get(name, eager.get(aliases.get(name)))
+        torch.testing.assert_close(param.grad, expected.grad, rtol=0, atol=2e-6)
+    assert set(pipe.state_dict()) == set(names) | {n for n, _ in model.named_buffers()}
+    pipe.zero_grad()
+    assert all(p.grad is None for p in pipe.parameters())
+
+
+def test_eval_step_is_forward_only(tied_folder):
+    pipe = Pipeline(tied_folder, all_stages=True)
+    module = pipe.user
+    args, kwargs, target = module.batch(1)
+    loss = pipe.eval_step(args, kwargs, target)
+    with torch.no_grad():
+        expected = module.loss_fn(module.model()(*args, **kwargs), target)
+    torch.testing.assert_close(loss, expected, rtol=0, atol=2e-6)
+    assert all(p.grad is None for p in pipe.parameters())
+    outputs = pipe.eval_step(args, kwargs)  # no target: the per-microbatch outputs
+    assert len(outputs) == 4 and torch.cat(outputs).shape[0] == args[0].shape[0]
+
+
+def test_step_and_action_hooks(tied_folder):
+    pipe = Pipeline(tied_folder, all_stages=True)
+    seen, actions = [], []
+    remove = register_step_hook(lambda p, step: seen.append((p is pipe, step)))
+    pipe.set_action_hook(lambda text, run: (actions.append(text), run()))
+    try:
+        for step in range(2):
+            args, kwargs, target = pipe.user.batch(step)
+            pipe.step(args, kwargs, target)
+    finally:
+        remove()
+    assert seen == [(True, 0), (True, 1)]
+    per_step = [f"{s}F{m}" for m in range(4) for s in (0, 1)]  # F then B of every stage, per microbatch
+    assert [a for a in actions if "F" in a] == per_step * 2 and len(actions) == 2 * 2 * len(per_step)
+
+
+def test_fp16_refused_on_cpu_and_unknown_precision():
+    with pytest.raises(ValueError, match="fp16 needs a GPU .* use --precision bf16 or fp32"):
+        check_precision("fp16", torch.device("cpu"))
+    with pytest.raises(ValueError, match="precision 'fp8' is not one of fp32, bf16, fp16"):
+        check_precision("fp8", torch.device("cpu"))
