@@ -8,7 +8,7 @@ compute, fp32 master weights and AdamW (lr 1e-4), and the weights are initialise
 as part of a whole 7B model:
 
 * ``tracepp``: ``tracepp split --ranks 1 --stages 1 --schedule gpipe`` and ``torchrun --nproc-per-node 1 run.py
-  --precision bf16 --optimizer adamw``; the step time is the runtime's own ``--metrics`` ``step_time_s``;
+  --precision bf16`` (the model file's ``optimizer()`` is AdamW); the step time is the runtime's own ``--metrics`` ``step_time_s``;
 * ``tracepp --compile``: the same with ``--compile``;
 * ``plain``: the module itself in this process, ``torch.autocast(bfloat16)`` forward, backward per microbatch
   (gradient accumulation), ``torch.optim.AdamW`` step; ``plain compiled`` wraps it in ``torch.compile``.
@@ -99,8 +99,8 @@ def tracepp_run(work: str, steps: int, microbatches: int, compiled: bool, lr: fl
         print(f"split in {time.perf_counter() - started:.1f} s", flush=True)
     metrics = os.path.join(work, f"metrics_{'compile' if compiled else 'eager'}.jsonl")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-               os.path.join(out, "run.py"), "--steps", str(steps), "--precision", "bf16", "--optimizer", "adamw",
-               "--lr", str(lr), "--metrics", metrics, "--timeout", "900", *extra]
+               os.path.join(out, "run.py"), "--steps", str(steps), "--precision", "bf16",
+               "--metrics", metrics, "--timeout", "900", *extra]
     if compiled:
         command.append("--compile")
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=1500)

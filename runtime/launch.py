@@ -259,6 +259,8 @@ def train(pipe: Pipeline, args) -> None:
                           "samples_per_s": samples / elapsed, "batch_size": samples}
                 if norm is not None:
                     record["grad_norm"] = norm
+                if device.type == "cuda":
+                    record["max_memory_allocated"] = torch.cuda.max_memory_allocated(device)
                 if skipped:
                     record["skipped"] = True
                 with open(args.metrics, "a") as handle:
