@@ -7,7 +7,7 @@ intermediate 11008; 1.6B parameters), one sample of 4096 tokens per microbatch. 
 compute, fp32 master weights and AdamW (lr 1e-4), and the weights are initialised on the GPU's host process, never
 as part of a whole 7B model:
 
-* ``tracepp``: ``tracepp split --ranks 1 --stages 1 --schedule gpipe`` and ``torchrun --nproc-per-node 1 run.py
+* ``tracepp``: ``tracepp split --ranks 1 --stages 1 --schedule 1f1b`` (one stage: F and B alternate per microbatch, as gradient accumulation does) and ``torchrun --nproc-per-node 1 run.py
   --precision bf16`` (the model file's ``optimizer()`` is AdamW); the step time is the runtime's own ``--metrics`` ``step_time_s``;
 * ``tracepp --compile``: the same with ``--compile``;
 * ``plain``: the module itself in this process, ``torch.autocast(bfloat16)`` forward, backward per microbatch
@@ -91,7 +91,7 @@ def tracepp_run(work: str, steps: int, microbatches: int, compiled: bool, lr: fl
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if not os.path.isdir(out):
         split = [sys.executable, "-m", "tracepp", "split", MODEL_FILE, "-o", out, "--ranks", "1", "--stages", "1",
-                 "--schedule", "gpipe", "--microbatches", str(microbatches)]
+                 "--schedule", "1f1b", "--microbatches", str(microbatches)]
         started = time.perf_counter()
         done = subprocess.run(split, capture_output=True, text=True, env=env)
         if done.returncode:
