@@ -119,6 +119,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the GPU (H100 SXM: 989)")
     parser.add_argument("--systems", default="plain,tracepp,plain-compiled,tracepp-compiled")
+    parser.add_argument("--tracepp-args", default="", help="extra run.py flags for the tracepp systems")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     stage = _stage_module()
@@ -137,7 +138,7 @@ def main() -> None:
                     times, peak = plain_loop(args.steps, args.microbatches, name.endswith("compiled"), args.lr)
                 else:
                     times, peak = tracepp_run(work, args.steps, args.microbatches, name.endswith("compiled"),
-                                              args.lr, [])
+                                              args.lr, args.tracepp_args.split())
                 row = _summary(name, times, peak, tokens, flops, args.peak_tflops)
             except Exception as error:  # keep the other systems' numbers
                 row = {"system": name, "error": str(error)[-4000:]}
