@@ -25,6 +25,7 @@ import torch.distributed as dist
 from .failure import EXIT_FAILED, FailureChannel, PipelineError
 from .loading import load_manifest
 from .pipeline import Pipeline, check_precision
+from .prefetch import BatchPrefetcher
 
 
 def parse_args(argv=None):
@@ -216,10 +217,11 @@ def train(pipe: Pipeline, args) -> None:
     if reports and not args.quiet:
         print(_banner(pipe, args), flush=True)
     history = []
+    batches = BatchPrefetcher(lambda index: user_batch(user, index, training), device, args.steps)
     for step in range(args.steps):
-        inputs, kwargs, target = user_batch(user, step, training)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        # on GPUs produced and copied while the last step ran; the step's stream waits for the copy, so any
+        # part of the copy that did not overlap is counted in the step time below
+        inputs, kwargs, target = batches.get(step)
         start = time.perf_counter()
         pipe.loss_scale = scaler.scale if scaler is not None else None
         result = pipe.step(inputs, kwargs, target)
@@ -239,6 +241,7 @@ def train(pipe: Pipeline, args) -> None:
                     pipe.clip_grad_norm_(args.clip_grad_norm, norm=norm_t)
                 if scaler is not None:
                     scaler.update(not skipped)
+            batches.start_copy(step + 1)  # overlaps the optimizer step
             if optimizer is not None and not skipped:
                 optimizer.step()
             pipe.zero_grad(set_to_none=True)
