@@ -217,10 +217,10 @@ def train(pipe: Pipeline, args) -> None:
     if reports and not args.quiet:
         print(_banner(pipe, args), flush=True)
     history = []
-    batches = BatchPrefetcher(lambda index: user_batch(user, index, training), device, args.steps)
+    batches = BatchPrefetcher(lambda index: user_batch(user, index, training), device)
     for step in range(args.steps):
-        # on GPUs produced and copied while the last step ran; the step's stream waits for the copy, so any
-        # part of the copy that did not overlap is counted in the step time below
+        # on GPUs pinned and copied on a side stream; the step waits for the copy, so what of it is not done
+        # by then is counted in the step time below
         inputs, kwargs, target = batches.get(step)
         start = time.perf_counter()
         pipe.loss_scale = scaler.scale if scaler is not None else None
@@ -241,7 +241,6 @@ def train(pipe: Pipeline, args) -> None:
                     pipe.clip_grad_norm_(args.clip_grad_norm, norm=norm_t)
                 if scaler is not None:
                     scaler.update(not skipped)
-            batches.start_copy(step + 1)  # overlaps the optimizer step
             if optimizer is not None and not skipped:
                 optimizer.step()
             pipe.zero_grad(set_to_none=True)
