@@ -15,7 +15,7 @@ A stage of ``k`` layers costs ``k`` times the layer (plus the embedding or head 
 pipelines (4 and 8 GPUs; ``1f1b`` one stage per GPU, ``interleaved-1f1b``, ``zbv`` and ``dualpipev`` two per GPU)
 are planned by tracepp's own planner and timed by its simulator with those costs and a communication model:
 every boundary message (activation or gradient: ``seq * hidden * 2`` bytes in bf16) takes ``latency + bytes /
-bandwidth`` (defaults: NVLink 4 on H100 SXM, 450 GB/s per direction, 10 us; ``--bandwidth-gbs``,
+bandwidth``, added to the compute that produces it (defaults: NVLink 4 on H100 SXM, 450 GB/s per direction, 10 us; ``--bandwidth-gbs``,
 ``--latency-us``). The optimizer step is not included. These are predictions, not measurements of a multi-GPU
 run (one GPU cannot host one).
 """
@@ -140,6 +140,9 @@ def stage_costs(layer: dict, ends: dict, num_stages: int, layers_total: int = 32
 
 
 def predict(costs_for, num_gpus: int, microbatches: int, message_s: float) -> list:
+    """Plan each schedule with tracepp's planner and time it with its simulator. The simulator's comm is free,
+    so each message's time is added to the compute that produces it (F for an activation, B or I for a
+    gradient): on the critical path, as on a link that carries one message at a time."""
     from tracepp.codegen.actions import Topology
     from tracepp.codegen.planning import build_plan
     from tracepp.codegen.simulate import simulate
@@ -149,11 +152,16 @@ def predict(costs_for, num_gpus: int, microbatches: int, message_s: float) -> li
         num_stages = num_gpus * per_gpu
         topology = Topology.chain(num_stages)
         plan = build_plan(schedule, num_gpus, num_stages, microbatches, topology, True)
-        costs = costs_for(num_stages)
-        sim = simulate(plan.actions, plan.stage_to_rank, topology, microbatches, costs=costs,
-                       comm_time=lambda action: message_s)
+        costs = dict(costs_for(num_stages))
+        for (stage, kind), value in list(costs.items()):
+            sends = (kind == "F" and stage < num_stages - 1) or (kind in ("B", "I") and stage > 0)
+            if sends and plan.stage_to_rank[stage] != plan.stage_to_rank[stage + (1 if kind == "F" else -1)]:
+                costs[(stage, kind)] = value + message_s
+        sim = simulate(plan.actions, plan.stage_to_rank, topology, microbatches, costs=costs)
+        compute = sum(costs_for(num_stages)[(stage, kind)] for stage in range(num_stages) for kind in ("F", "B"))
         rows.append({"gpus": num_gpus, "schedule": schedule, "stages": num_stages, "microbatches": microbatches,
-                     "predicted_step_s": round(sim.makespan, 4), "bubble": round(sim.bubble_overall, 4)})
+                     "predicted_step_s": round(sim.makespan, 4), "bubble": round(sim.bubble_overall, 4),
+                     "ideal_step_s": round(compute * microbatches / num_gpus, 4)})
     return rows
 
 

@@ -7,8 +7,8 @@ intermediate 11008; 1.6B parameters), one sample of 4096 tokens per microbatch. 
 compute, fp32 master weights and AdamW (lr 1e-4), and the weights are initialised on the GPU's host process, never
 as part of a whole 7B model:
 
-* ``tracepp``: ``tracepp split --ranks 1 --stages 1 --schedule gpipe`` and ``torchrun --nproc-per-node 1 run.py
-  --precision bf16 --optimizer adamw``; the step time is the runtime's own ``--metrics`` ``step_time_s``;
+* ``tracepp``: ``tracepp split --ranks 1 --stages 1 --schedule 1f1b`` (one stage: F and B alternate per microbatch, as gradient accumulation does) and ``torchrun --nproc-per-node 1 run.py
+  --precision bf16`` (the model file's ``optimizer()`` is AdamW); the step time is the runtime's own ``--metrics`` ``step_time_s``;
 * ``tracepp --compile``: the same with ``--compile``;
 * ``plain``: the module itself in this process, ``torch.autocast(bfloat16)`` forward, backward per microbatch
   (gradient accumulation), ``torch.optim.AdamW`` step; ``plain compiled`` wraps it in ``torch.compile``.
@@ -91,7 +91,7 @@ def tracepp_run(work: str, steps: int, microbatches: int, compiled: bool, lr: fl
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if not os.path.isdir(out):
         split = [sys.executable, "-m", "tracepp", "split", MODEL_FILE, "-o", out, "--ranks", "1", "--stages", "1",
-                 "--schedule", "gpipe", "--microbatches", str(microbatches)]
+                 "--schedule", "1f1b", "--microbatches", str(microbatches)]
         started = time.perf_counter()
         done = subprocess.run(split, capture_output=True, text=True, env=env)
         if done.returncode:
@@ -99,8 +99,8 @@ def tracepp_run(work: str, steps: int, microbatches: int, compiled: bool, lr: fl
         print(f"split in {time.perf_counter() - started:.1f} s", flush=True)
     metrics = os.path.join(work, f"metrics_{'compile' if compiled else 'eager'}.jsonl")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-               os.path.join(out, "run.py"), "--steps", str(steps), "--precision", "bf16", "--optimizer", "adamw",
-               "--lr", str(lr), "--metrics", metrics, "--timeout", "900", *extra]
+               os.path.join(out, "run.py"), "--steps", str(steps), "--precision", "bf16",
+               "--metrics", metrics, "--timeout", "900", *extra]
     if compiled:
         command.append("--compile")
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=1500)
@@ -119,6 +119,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the GPU (H100 SXM: 989)")
     parser.add_argument("--systems", default="plain,tracepp,plain-compiled,tracepp-compiled")
+    parser.add_argument("--tracepp-args", default="", help="extra run.py flags for the tracepp systems")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     stage = _stage_module()
@@ -137,7 +138,7 @@ def main() -> None:
                     times, peak = plain_loop(args.steps, args.microbatches, name.endswith("compiled"), args.lr)
                 else:
                     times, peak = tracepp_run(work, args.steps, args.microbatches, name.endswith("compiled"),
-                                              args.lr, [])
+                                              args.lr, args.tracepp_args.split())
                 row = _summary(name, times, peak, tokens, flops, args.peak_tflops)
             except Exception as error:  # keep the other systems' numbers
                 row = {"system": name, "error": str(error)[-4000:]}

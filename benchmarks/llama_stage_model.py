@@ -73,6 +73,10 @@ def loss_fn(output, target):
     return output.float().pow(2).mean() + 0.0 * target.sum()
 
 
+def optimizer(params):
+    return torch.optim.AdamW(params, lr=1e-4)
+
+
 def num_params() -> int:
     h, i, kv = HIDDEN, INTERMEDIATE, KV_HEADS * (HIDDEN // HEADS)
     per_layer = h * h + 2 * h * kv + h * h + 3 * h * i + 2 * h

@@ -114,7 +114,7 @@ def ideal_step(manifest: dict, costs: dict, optimizer_stage_s: dict, plan: dict 
     """Simulate the folder's lowered plan (or ``plan``) with measured costs, comms free; see the module doc."""
     from tracepp.codegen.actions import Action
     from tracepp.codegen.simulate import simulate
-    from tracepp.inspect import topology_from_manifest
+    from tracepp.manifest_file import topology_from_manifest
 
     plan = plan or manifest["plan"]
     actions = {int(rank): [Action.parse(a) for a in acts] for rank, acts in plan["actions"].items()}
@@ -130,7 +130,7 @@ def ideal_step(manifest: dict, costs: dict, optimizer_stage_s: dict, plan: dict 
 def predict(manifest: dict, measured: dict, num_ranks: int) -> dict:
     """The ideal step time of the folder's schedule re-planned over ``num_ranks`` ranks (same stages)."""
     from tracepp.codegen.planning import build_plan
-    from tracepp.inspect import topology_from_manifest
+    from tracepp.manifest_file import topology_from_manifest
 
     plan = manifest["plan"]
     built = build_plan(plan["schedule"], num_ranks, len(manifest["stages"]), plan["num_microbatches"],

@@ -68,6 +68,7 @@ def build_manifest(model_file, traced, graph, plan, launch_command: str) -> dict
             "sym_inputs": [{"name": name, "expr": expr} for name, expr in stage.sym_inputs],
             "num_params": sum(s["numel"] for s in state if s["kind"] == "parameter"),
             "forward_flops": forward_flops(stage),
+            "estimate": stage.estimate,
         })
     root_inputs = []
     for ref in graph.root_inputs.values():
@@ -100,6 +101,7 @@ def build_manifest(model_file, traced, graph, plan, launch_command: str) -> dict
         "values": {name: {"producer": v.producer, "consumers": v.consumers, **v.meta.to_json()}
                    for name, v in graph.values.items()},
         "stages": stages,
+        "recomputed": graph.recomputed,
         "shared": [{"fqn": ref.fqn, "aliases": ref.aliases, "stages": ref.stages} for ref in graph.shared_state()],
         "state_dict_keys": list(model.state_dict().keys()),
         "symbols": graph.symbols,

@@ -26,6 +26,7 @@ from .failure import EXIT_FAILED, FailureChannel, PipelineError
 from .loading import load_manifest
 from .mesh import coordinates, mesh_layout
 from .pipeline import Pipeline, check_precision
+from .prefetch import BatchPrefetcher
 
 
 def parse_args(argv=None):
@@ -222,10 +223,11 @@ def train(pipe: Pipeline, args) -> None:
     if reports and not args.quiet:
         print(_banner(pipe, args), flush=True)
     history = []
+    batches = BatchPrefetcher(lambda index: user_batch(user, index, training), device)
     for step in range(args.steps):
-        inputs, kwargs, target = user_batch(user, step, training)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        # on GPUs pinned and copied on a side stream; the step waits for the copy, so what of it is not done
+        # by then is counted in the step time below
+        inputs, kwargs, target = batches.get(step)
         start = time.perf_counter()
         pipe.loss_scale = scaler.scale if scaler is not None else None
         result = pipe.step(inputs, kwargs, target)
@@ -265,6 +267,8 @@ def train(pipe: Pipeline, args) -> None:
                           "samples_per_s": samples / elapsed, "batch_size": samples}
                 if norm is not None:
                     record["grad_norm"] = norm
+                if device.type == "cuda":
+                    record["max_memory_allocated"] = torch.cuda.max_memory_allocated(device)
                 if skipped:
                     record["skipped"] = True
                 with open(args.metrics, "a") as handle:

@@ -1,28 +1,42 @@
 """Step 2, split: cut the traced graph into stage graphs at split points.
 
 Split points are ``pipe_split()`` markers in the graph, module FQNs (a stage begins at the first node that
-runs inside that module), or, with neither, ``num_stages`` cuts balanced by parameter count. Every node
-then belongs to the stage of its position; a value used on a later stage becomes a boundary value with its
-metadata taken from the traced node's ``meta["val"]``.
+runs inside that module), or, with neither, ``num_stages`` cuts between repeated blocks (the children of a
+container whose children are named by integers: ``model.layers.N``, ``transformer.h.N``) and top-level
+modules, balanced by the cost model of ``split.cost``. Every node then belongs to the stage of its position; a
+value computable from the root inputs and buffers alone (rotary tables, masks, position ids) is made again by
+each later stage that reads it when that is cheap; any other value used on a later stage becomes a boundary
+value with its metadata taken from the traced node's ``meta["val"]``.
+
+``split`` runs these phases in order: program inputs, gradient flags, stage boundaries, recomputation,
+boundary values, stage graphs, unused state.
 """
 from __future__ import annotations
 
 import difflib
 import re
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
-from torch.export.graph_signature import InputKind, OutputKind
+from torch.export.graph_signature import InputKind
 
 from tracepp.runtime.markers import PIPE_SPLIT_OP
+from tracepp.split import cost
 from tracepp.split.pipeline_graph import (BoundaryValue, PipelineGraph, RootInput, Stage, StateRef,
                                           TensorMeta)
 
 
 class SplitError(ValueError):
     """The requested split cannot be made."""
+
+
+# A value computable from the roots is made again by a stage that reads it when that costs at most this many
+# FLOPs per byte it would otherwise receive: a device computes thousands of FLOPs in the time a link moves a
+# byte, and a recomputed value also needs no buffer, tag or wait.
+RECOMPUTE_FLOPS_PER_BYTE = 100
 
 
 _STATE_KINDS = {InputKind.PARAMETER: "parameter", InputKind.BUFFER: "buffer",
@@ -175,54 +189,90 @@ def _span(names: list) -> str:
     return ", ".join(names)
 
 
-def _balanced_boundaries(nodes: list, num_stages: int, state_placeholders: set) -> list:
-    """Cuts at module boundaries that balance parameter count (plus a little per op) across stages."""
-    seen, costs, candidates = set(), [], []
-    previous_key = None
-    for i, node in enumerate(nodes):
-        cost = 1.0
+def repeated_blocks(model: torch.nn.Module) -> set:
+    """FQNs of the children of every repeated-block container: a module whose children are all named by
+    integers ("model.layers" -> "model.layers.0", "model.layers.1", ...; also "transformer.h.N", "blocks.N",
+    "encoder.layer.N")."""
+    blocks = set()
+    for fqn, module in model.named_modules():
+        names = [name for name, _child in module.named_children()]
+        if names and all(name.isdigit() for name in names):
+            blocks.update(f"{fqn}.{name}" if fqn else name for name in names)
+    return blocks
+
+
+def segment_key(modules: list, blocks: set) -> str:
+    """The segment a node belongs to for automatic cuts: the outermost repeated block on its module path
+    ("model.layers.3"), else the top-level child it runs in ("model" for a wrapper, "lm_head")."""
+    for path in modules:
+        if path in blocks:
+            return path
+    return modules[1] if len(modules) > 1 else (modules[0] if modules else "")
+
+
+def segment_starts(keys: list) -> list:
+    """Positions where the segment key changes (a possible cut before each)."""
+    return [position for position in range(1, len(keys)) if keys[position] != keys[position - 1]]
+
+
+def _node_costs(nodes: list, flops: dict, needs_grad: dict, counted_state: set) -> cost.SegmentCost:
+    """The summed cost of nodes: their FLOPs, the parameters they read (each once), the activations they make."""
+    total = cost.SegmentCost()
+    seen = set()
+    for node in nodes:
+        total.forward_flops += flops.get(node.name, 0)
         for arg in node.all_input_nodes:
-            if arg.op == "placeholder" and arg.name not in seen and isinstance(arg.meta.get("val"), torch.Tensor):
+            if arg.name in counted_state and arg.name not in seen:
                 seen.add(arg.name)
-                if arg.name in state_placeholders:
-                    cost += arg.meta["val"].numel()
-        costs.append(cost)
-        modules = node_modules(node)
-        key = modules[1] if len(modules) > 1 else (modules[0] if modules else "")
-        if i > 0 and key != previous_key:
-            candidates.append(i)
-        previous_key = key
-    if len(candidates) < num_stages - 1:
+                val = arg.meta.get("val")
+                total.num_params += val.numel() if isinstance(val, torch.Tensor) else 0
+                total.param_bytes += cost.tensor_bytes(val)
+        val = node.meta.get("val")
+        if needs_grad.get(node) and isinstance(val, torch.Tensor) and val.dtype.is_floating_point:
+            total.activation_bytes += cost.tensor_bytes(val)
+    return total
+
+
+def _balanced_boundaries(nodes: list, num_stages: int, model: torch.nn.Module, flops: dict, needs_grad: dict,
+                         parameters: set, memory_of) -> list:
+    """Cuts between segments (repeated blocks, else top-level modules) that balance FLOPs, then memory."""
+    blocks = repeated_blocks(model)
+    keys = [segment_key(node_modules(node), blocks) for node in nodes]
+    starts = segment_starts(keys)
+    if len(starts) < num_stages - 1:
         raise SplitError(
-            f"cannot make {num_stages} stages: the model has only {len(candidates) + 1} module-level segments; "
-            f"use fewer stages or mark cuts with pipe_split()"
+            f"cannot make {num_stages} stages: the model has only {len(starts) + 1} segments (repeated blocks "
+            f"and top-level modules); use fewer stages or mark cuts with pipe_split()"
         )
-    prefix = [0.0]
-    for cost in costs:
-        prefix.append(prefix[-1] + cost)
-    total, chosen, start = prefix[-1], [], 0
-    for k in range(1, num_stages):
-        target = total * k / num_stages
-        usable = [c for c in candidates if c > start and len([x for x in candidates if x > c]) >= num_stages - 1 - k]
-        best = min(usable, key=lambda c: abs(prefix[c] - target))
-        chosen.append(best)
-        start = best
-    return chosen
+    edges = [0] + starts + [len(nodes)]
+    segments = [_node_costs(nodes[a:b], flops, needs_grad, parameters) for a, b in zip(edges, edges[1:])]
+    cuts = cost.choose_cuts(segments, num_stages, memory_of)
+    return [edges[segment] for segment in cuts]
 
 
-def split(traced, split_points: Optional[list] = None, num_stages: Optional[int] = None,
-          default_stages: int = 1) -> PipelineGraph:
-    """Cut at markers, else at ``split_points``, else into ``num_stages or default_stages`` balanced stages."""
-    program = traced.program
-    signature = program.graph_signature
-    graph = program.graph
+# -- the phases of split() ----------------------------------------------------------------------------------
+
+def _check_no_buffer_mutation(signature) -> None:
     if signature.buffers_to_mutate:
         names = ", ".join(sorted(signature.buffers_to_mutate.values()))
         raise SplitError(f"the model mutates buffers in forward ({names}), e.g. BatchNorm running statistics; "
                          "tracepp does not pipeline buffer mutation yet: use LayerNorm/GroupNorm or eval-mode "
                          "statistics")
 
-    # -- the program's inputs: state (params, buffers, constants) and the batch's leaves
+
+@dataclass
+class _ProgramInputs:
+    state: dict  # placeholder name -> StateRef
+    root_inputs: dict  # placeholder name -> RootInput
+    fqn_to_tensor: dict
+    symbol_names: dict  # export's sympy symbol -> ours
+    symbols: dict  # our symbol name -> range and source
+    batch_symbol: Optional[str]
+
+
+def _program_inputs(traced, node_by_name: dict) -> _ProgramInputs:
+    """The program's inputs: state (params, buffers, constants, with every alias FQN) and the batch's leaves."""
+    program = traced.program
     aliases: dict = {}
     for fqn, tensor in list(traced.model.named_parameters(remove_duplicate=False)) + list(
             traced.model.named_buffers(remove_duplicate=False)):
@@ -230,12 +280,12 @@ def split(traced, split_points: Optional[list] = None, num_stages: Optional[int]
     fqn_to_tensor = dict(traced.model.named_parameters(remove_duplicate=False))
     fqn_to_tensor.update(traced.model.named_buffers(remove_duplicate=False))
 
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    placeholders = [n for n in program.graph.nodes if n.op == "placeholder"]
     state: dict = {}
     root_inputs: dict = {}
-    leaf_paths = _leaf_paths(traced.program.call_spec.in_spec)
+    leaf_paths = _leaf_paths(program.call_spec.in_spec)
     user_index = 0
-    for node, spec in zip(placeholders, signature.input_specs):
+    for node, spec in zip(placeholders, program.graph_signature.input_specs):
         if spec.kind in _STATE_KINDS:
             fqn = spec.target
             tensor = fqn_to_tensor.get(fqn)
@@ -248,7 +298,6 @@ def split(traced, split_points: Optional[list] = None, num_stages: Optional[int]
             user_index += 1
         else:
             raise SplitError(f"unsupported program input '{node.name}' of kind {spec.kind.name}")
-    node_by_name = {n.name: n for n in graph.nodes}
     names, symbols = _root_symbols(program, [(node_by_name[r.placeholder], r) for r in root_inputs.values()],
                                    getattr(traced, "dim_names", {}))
     for root in root_inputs.values():
@@ -257,9 +306,26 @@ def split(traced, split_points: Optional[list] = None, num_stages: Optional[int]
             root.meta = tensor_meta(val, False, names)
     batch_symbol = next((r.meta.shape[0] for r in root_inputs.values()
                          if r.batched and r.meta is not None and isinstance(r.meta.shape[0], str)), None)
+    return _ProgramInputs(state, root_inputs, fqn_to_tensor, names, symbols, batch_symbol)
 
-    # -- stage of every compute node, from the split points
-    compute = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
+
+def _gradient_flags(graph: fx.Graph, trainable: set) -> dict:
+    """Which values need a gradient: floating point and downstream of a trainable parameter."""
+    needs_grad: dict = {}
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            needs_grad[node] = node.name in trainable
+        elif node.target is torch.ops.aten.detach.default:  # e.g. the outputs of an inlined no_grad block
+            needs_grad[node] = False
+        elif node.op != "output":
+            needs_grad[node] = any(needs_grad.get(arg, False) for arg in node.all_input_nodes)
+    return needs_grad
+
+
+def _stage_boundaries(traced, compute: list, split_points: Optional[list], num_stages: Optional[int],
+                      default_stages: int, balance) -> tuple:
+    """(compute nodes without markers, positions where stages 1.. begin): from pipe_split() markers, else
+    split points, else ``balance(nodes, count)``."""
     markers = [i for i, n in enumerate(compute) if n.target is PIPE_SPLIT_OP]
     if markers and split_points:
         raise SplitError("the model calls pipe_split() and split points were also given; use one or the other")
@@ -276,45 +342,81 @@ def split(traced, split_points: Optional[list] = None, num_stages: Optional[int]
                              f"but --stages {num_stages} was given")
     else:
         wanted = num_stages or default_stages
-        boundaries = _balanced_boundaries(compute, wanted, set(state)) if wanted > 1 else []
-    count = len(boundaries) + 1
+        boundaries = balance(compute, wanted) if wanted > 1 else []
     edges = [0] + boundaries + [len(compute)]
-    for index in range(count):
+    for index in range(len(boundaries) + 1):
         if edges[index + 1] <= edges[index]:
             raise SplitError(f"stage {index} would be empty: two split points fall at the same place in the graph")
-    stage_of: dict = {}
-    for index in range(count):
-        for node in compute[edges[index]:edges[index + 1]]:
-            stage_of[node] = index
-    last = count - 1
+    return compute, boundaries
 
-    # -- which values need a gradient (floating point and downstream of a trainable parameter)
-    trainable = {name for name, ref in state.items() if ref.kind == "parameter"
-                 and getattr(fqn_to_tensor.get(ref.fqn), "requires_grad", True)}
-    needs_grad: dict = {}
-    for node in graph.nodes:
-        if node.op == "placeholder":
-            needs_grad[node] = node.name in trainable
-        elif node.target is torch.ops.aten.detach.default:  # e.g. the outputs of an inlined no_grad block
-            needs_grad[node] = False
-        elif node.op != "output":
-            needs_grad[node] = any(needs_grad.get(arg, False) for arg in node.all_input_nodes)
 
-    # -- outputs of the model: all consumed on the last stage (the loss runs there)
-    output_node = next(n for n in graph.nodes if n.op == "output")
-    out_leaves = list(output_node.args[0])
-    output_leaves = []
-    used_on: dict = {}  # node -> set of stages that read it
-
-    def use(node: fx.Node, stage_index: int):
-        used_on.setdefault(node, set()).add(stage_index)
-
+def _computable_from_roots(compute: list, state: dict, needs_grad: dict) -> set:
+    """Nodes whose value follows from root inputs, buffers and constants alone, deterministically and without
+    a gradient (rotary tables, masks, position ids): a stage can make them itself instead of receiving them."""
+    computable = set()
     for node in compute:
-        for arg in node.all_input_nodes:
-            use(arg, stage_of[node])
-    for leaf in out_leaves:
+        if node.op != "call_function" or needs_grad.get(node):
+            continue
+        if torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()):
+            continue
+        if all(arg in computable or (arg.op == "placeholder" and
+                                     (arg.name not in state or state[arg.name].kind != "parameter"))
+               for arg in node.all_input_nodes):
+            computable.add(node)
+    return computable
+
+
+def _ancestors_within(node: fx.Node, allowed: set, local: set) -> list:
+    """The nodes of ``allowed`` not in ``local`` that ``node`` depends on (itself included)."""
+    found, stack = set(), [node]
+    while stack:
+        current = stack.pop()
+        if current in found or current in local or current not in allowed:
+            continue
+        found.add(current)
+        stack.extend(current.all_input_nodes)
+    return list(found)
+
+
+def _place_recomputation(compute: list, edges: list, computable: set, flops: dict) -> tuple:
+    """Each stage's node list (its own nodes, plus copies of earlier values it makes again rather than receive)
+    and {value name: [stages that recompute it]}. A value is recomputed when it is computable from the roots and
+    its missing sub-graph costs at most RECOMPUTE_FLOPS_PER_BYTE FLOPs per byte it would otherwise send."""
+    position = {node: index for index, node in enumerate(compute)}
+    stage_nodes, recomputed = [], {}
+    for index in range(len(edges) - 1):
+        own = set(compute[edges[index]:edges[index + 1]])
+        local = set(own)
+        for node in compute[edges[index]:edges[index + 1]]:
+            for arg in node.all_input_nodes:
+                if arg in local or arg not in computable or not isinstance(arg.meta.get("val"), torch.Tensor):
+                    continue
+                missing = _ancestors_within(arg, computable, local)
+                work = sum(flops.get(n.name, 0) for n in missing)
+                if work <= RECOMPUTE_FLOPS_PER_BYTE * cost.tensor_bytes(arg.meta["val"]):
+                    local.update(missing)
+                    recomputed.setdefault(arg.name, []).append(index)
+        stage_nodes.append(sorted(local, key=position.__getitem__))
+    return stage_nodes, recomputed
+
+
+def _boundary_values(stage_nodes: list, stage_of: dict, output_node: fx.Node, inputs: _ProgramInputs,
+                     needs_grad: dict) -> tuple:
+    """Values that cross stages: (tensor values, size values, output leaves). Sets each input's ``stages``."""
+    last = len(stage_nodes) - 1
+    used_on: dict = {}  # node -> stages that read it without making it
+    for index, nodes in enumerate(stage_nodes):
+        local = set(nodes)
+        for node in nodes:
+            for arg in node.all_input_nodes:
+                if arg not in local:
+                    used_on.setdefault(arg, set()).add(index)
+    output_leaves = []
+    last_local = set(stage_nodes[last])
+    for leaf in output_node.args[0]:
         if isinstance(leaf, fx.Node):
-            use(leaf, last)
+            if leaf not in last_local:
+                used_on.setdefault(leaf, set()).add(last)
             output_leaves.append(("value", leaf.name))
         else:
             output_leaves.append(("const", leaf))
@@ -323,17 +425,15 @@ def split(traced, split_points: Optional[list] = None, num_stages: Optional[int]
     sym_values: dict = {}  # name -> (producer, consumers, python expression)
     for node, stages in used_on.items():
         if node.op == "placeholder":
-            ref = state.get(node.name) or root_inputs.get(node.name)
+            ref = inputs.state.get(node.name) or inputs.root_inputs.get(node.name)
             ref.stages = sorted(stages)
             continue
-        later = sorted(s for s in stages if s != stage_of[node])
-        if not later:
-            continue
+        later = sorted(stages)
         val = node.meta.get("val")
         if isinstance(val, (torch.SymInt, int)) and not isinstance(val, bool):
             # a size (e.g. `T = idx.shape[1]` used by every layer): each consumer evaluates it from the
             # step's root symbols instead of receiving it
-            sym_values[node.name] = (stage_of[node], later, dim_text(val, names))
+            sym_values[node.name] = (stage_of[node], later, dim_text(val, inputs.symbol_names))
             continue
         if not isinstance(val, torch.Tensor):
             raise SplitError(
@@ -341,60 +441,117 @@ def split(traced, split_points: Optional[list] = None, num_stages: Optional[int]
                 f"{later}; only tensors may cross a stage boundary: move the split point so that "
                 f"{_describe(node)} and its users fall on one stage"
             )
-        values[node.name] = BoundaryValue(node.name, stage_of[node], later, tensor_meta(val, needs_grad[node], names))
+        values[node.name] = BoundaryValue(node.name, stage_of[node], later,
+                                          tensor_meta(val, needs_grad[node], inputs.symbol_names))
+    return values, sym_values, output_leaves
 
-    # -- build each stage's graph
-    stages = []
-    for index in range(count):
-        stage_graph = fx.Graph()
-        env: dict = {}
-        stage_state = [name for name, ref in state.items() if index in ref.stages]
-        stage_roots = [name for name, ref in root_inputs.items() if index in ref.stages]
-        received = [(value.producer, name) for name, value in values.items() if index in value.consumers]
-        received.sort()
-        for name in stage_state + stage_roots:
+
+def _build_stage(index: int, nodes: list, own: list, inputs: _ProgramInputs, values: dict, sym_values: dict,
+                 output_leaves: list, node_by_name: dict, is_last: bool) -> Stage:
+    """One stage's fx graph: placeholders for its state, root inputs, received values and sizes; its nodes."""
+    stage_graph = fx.Graph()
+    env: dict = {}
+    stage_state = [name for name, ref in inputs.state.items() if index in ref.stages]
+    stage_roots = [name for name, ref in inputs.root_inputs.items() if index in ref.stages]
+    received = sorted((value.producer, name) for name, value in values.items() if index in value.consumers)
+    for name in stage_state + stage_roots:
+        original = node_by_name[name]
+        env[original] = stage_graph.placeholder(name)
+        env[original].meta = dict(original.meta)
+    for producer, name in received:
+        original = node_by_name[name]
+        env[original] = stage_graph.placeholder(f"{name}_from_stage{producer}")
+        env[original].meta = {"val": original.meta.get("val")}
+    stage_sym_inputs = []
+    for name, (_producer, consumers, expr) in sym_values.items():
+        if index in consumers:
             original = node_by_name[name]
             env[original] = stage_graph.placeholder(name)
-            env[original].meta = dict(original.meta)
-        for producer, name in received:
-            original = node_by_name[name]
-            env[original] = stage_graph.placeholder(f"{name}_from_stage{producer}")
             env[original].meta = {"val": original.meta.get("val")}
-        stage_sym_inputs = []
-        for name, (producer, consumers, expr) in sym_values.items():
-            if index in consumers:
-                original = node_by_name[name]
-                env[original] = stage_graph.placeholder(name)
-                env[original].meta = {"val": original.meta.get("val")}
-                stage_sym_inputs.append((name, expr))
-        modules_seen: list = []
-        for node in compute[edges[index]:edges[index + 1]]:
-            env[node] = stage_graph.node_copy(node, lambda n: env[n])
-            fqn = listed_module(node)
-            if fqn and fqn not in modules_seen:
-                modules_seen.append(fqn)
-        if index == last:
-            outputs = [name for kind, name in output_leaves if kind == "value"]
-            result = tuple(env[node_by_name[leaf]] if kind == "value" else leaf for kind, leaf in output_leaves)
-        else:
-            outputs = [name for name, value in values.items() if value.producer == index]
-            result = tuple(env[node_by_name[name]] for name in outputs)
-        stage_graph.output(result)
-        stage_graph.lint()
-        stages.append(Stage(index, stage_graph, stage_state, stage_roots, received, outputs, modules_seen,
-                            stage_sym_inputs))
+            stage_sym_inputs.append((name, expr))
+    for node in nodes:
+        env[node] = stage_graph.node_copy(node, lambda n: env[n])
+    modules_seen: list = []
+    for node in own:
+        fqn = listed_module(node)
+        if fqn and fqn not in modules_seen:
+            modules_seen.append(fqn)
+    if is_last:
+        outputs = [name for kind, name in output_leaves if kind == "value"]
+        result = tuple(env[node_by_name[leaf]] if kind == "value" else leaf for kind, leaf in output_leaves)
+    else:
+        outputs = [name for name, value in values.items() if value.producer == index]
+        result = tuple(env[node_by_name[name]] for name in outputs)
+    stage_graph.output(result)
+    stage_graph.lint()
+    return Stage(index, stage_graph, stage_state, stage_roots, received, outputs, modules_seen, stage_sym_inputs)
 
-    used_ids = {id(fqn_to_tensor.get(ref.fqn)) for ref in state.values() if ref.stages}
-    unused_state = {}
+
+def _unused_state(traced, inputs: _ProgramInputs) -> dict:
+    """FQN -> tensor of the state no stage reads (kept for --save); drops unused alias placeholders (the tied
+    copy export left behind) from ``inputs.state``."""
+    used_ids = {id(inputs.fqn_to_tensor.get(ref.fqn)) for ref in inputs.state.values() if ref.stages}
+    unused = {}
     for fqn, tensor in traced.model.state_dict(keep_vars=True).items():
         if id(tensor) not in used_ids:
-            unused_state[fqn] = tensor.detach().clone()
-    for name, ref in list(state.items()):  # drop unused alias placeholders (the tied copy export left behind)
+            unused[fqn] = tensor.detach().clone()
+    for name, ref in list(inputs.state.items()):
         if not ref.stages:
-            del state[name]
-    return PipelineGraph(stages, values, state, root_inputs, len(traced.batched_leaves),
-                         traced.program.call_spec.in_spec, traced.program.call_spec.out_spec, output_leaves,
-                         unused_state, symbols, batch_symbol, {str(k): str(v) for k, v in names.items()})
+            del inputs.state[name]
+    return unused
+
+
+def split(traced, split_points: Optional[list] = None, num_stages: Optional[int] = None,
+          default_stages: int = 1, schedule: Optional[str] = None, num_microbatches: int = 1,
+          training: bool = True) -> PipelineGraph:
+    """Cut at markers, else at ``split_points``, else into ``num_stages or default_stages`` stages balanced by
+    the cost model (FLOPs, then memory under ``schedule`` with ``num_microbatches`` in flight)."""
+    program = traced.program
+    graph = program.graph
+    _check_no_buffer_mutation(program.graph_signature)
+    node_by_name = {n.name: n for n in graph.nodes}
+    inputs = _program_inputs(traced, node_by_name)
+    trainable = {name for name, ref in inputs.state.items() if ref.kind == "parameter"
+                 and getattr(inputs.fqn_to_tensor.get(ref.fqn), "requires_grad", True)}
+    needs_grad = _gradient_flags(graph, trainable)
+    counted_flops = cost.node_flops(graph)
+    flops = counted_flops or {}
+    parameters = {name for name, ref in inputs.state.items() if ref.kind == "parameter"}
+
+    def balance(nodes: list, count: int) -> list:
+        def memory_of(stage_index: int, stage_cost: cost.SegmentCost) -> int:
+            inflight = cost.inflight_microbatches(schedule, stage_index, count, num_microbatches, training)
+            return cost.stage_estimate(stage_cost, inflight, training)["memory_bytes"]
+        return _balanced_boundaries(nodes, count, traced.model, flops, needs_grad, parameters, memory_of)
+
+    compute = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
+    compute, boundaries = _stage_boundaries(traced, compute, split_points, num_stages, default_stages, balance)
+    edges = [0] + boundaries + [len(compute)]
+    count = len(edges) - 1
+    stage_of = {node: index for index in range(count) for node in compute[edges[index]:edges[index + 1]]}
+    computable = _computable_from_roots(compute, inputs.state, needs_grad)
+    stage_nodes, recomputed = _place_recomputation(compute, edges, computable, flops)
+    output_node = next(n for n in graph.nodes if n.op == "output")
+    values, sym_values, output_leaves = _boundary_values(stage_nodes, stage_of, output_node, inputs, needs_grad)
+
+    stages = []
+    for index in range(count):
+        stage = _build_stage(index, stage_nodes[index], compute[edges[index]:edges[index + 1]], inputs, values,
+                             sym_values, output_leaves, node_by_name, index == count - 1)
+        inflight = cost.inflight_microbatches(schedule, index, count, num_microbatches, training)
+        stage.estimate = cost.stage_estimate(_node_costs(stage_nodes[index], flops, needs_grad, parameters),
+                                             inflight, training)
+        if counted_flops is None:  # an op the fake run cannot take: say "unknown", not 0
+            stage.estimate.update(forward_flops=None, step_flops_per_microbatch=None)
+        stages.append(stage)
+    unused_state = _unused_state(traced, inputs)
+    return PipelineGraph(stages, values, inputs.state, inputs.root_inputs, len(traced.batched_leaves),
+                         program.call_spec.in_spec, program.call_spec.out_spec, output_leaves,
+                         unused_state, inputs.symbols, inputs.batch_symbol,
+                         {str(k): str(v) for k, v in inputs.symbol_names.items()},
+                         {name: {"producer": stage_of[node_by_name[name]], "stages": where,
+                                 **tensor_meta(node_by_name[name].meta["val"], False, inputs.symbol_names).to_json()}
+                          for name, where in recomputed.items()})
 
 
 def _describe(node: fx.Node) -> str:

@@ -64,9 +64,7 @@ class Stage:
     outputs: list  # value names this stage returns, in order (last stage: the model's output leaves)
     module_fqns: list  # modules whose code runs in this stage (from nn_module_stack), in first-seen order
     sym_inputs: list = field(default_factory=list)  # (name, python expression over root symbols), after received
-
-    def consumers_of(self, graph: "PipelineGraph") -> dict:
-        return {name: graph.values[name].consumers for name in self.outputs if name in graph.values}
+    estimate: dict = field(default_factory=dict)  # split.cost.stage_estimate: FLOPs, bytes held, recomputed values
 
 
 @dataclass
@@ -83,6 +81,8 @@ class PipelineGraph:
     symbols: dict = field(default_factory=dict)  # root symbol name -> {"min": int, "max": int|None, "source": str}
     batch_symbol: Optional[str] = None  # the symbol of dim 0 of batched inputs, when the batch size is dynamic
     symbol_aliases: dict = field(default_factory=dict)  # export's symbol name ("s95") -> ours ("s_batch")
+    recomputed: dict = field(default_factory=dict)  # value name -> {"producer": stage, "stages": [stages that
+    #                                                 make it again from root inputs and buffers instead of receiving it]}
 
     @property
     def num_stages(self) -> int:
@@ -97,4 +97,5 @@ class PipelineGraph:
         return [(p, c, names) for (p, c), names in sorted(pairs.items())]
 
     def shared_state(self) -> list:
-        return [ref for ref in self.state.values() if len(ref.stages) > 1]
+        """Parameters held by several stages (their gradients are summed); buffers are read-only copies."""
+        return [ref for ref in self.state.values() if len(ref.stages) > 1 and ref.kind == "parameter"]

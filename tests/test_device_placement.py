@@ -5,10 +5,8 @@ routes them through its ``RUN_DEVICE`` global, which the runtime sets to the ran
 NCCL). CI has no GPU, so the check runs the stage on the ``meta`` device: a factory op that still said
 ``cpu`` would mix devices and fail exactly as it did on a GPU.
 """
-import importlib.util
 import json
 import os
-import sys
 
 import pytest
 import torch
@@ -23,17 +21,6 @@ def gpt_folder(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("gpt") / "out")
     split_model(os.path.join(EXAMPLES, "gpt.py"), out, num_ranks=2, schedule="1f1b", num_microbatches=4)
     return out
-
-
-def _rank_module(folder: str, rank: int):
-    spec = importlib.util.spec_from_file_location(f"device_rank{rank}", os.path.join(folder, f"rank{rank}.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, folder)  # the rank script imports the folder's tracepp_runtime
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(folder)
-    return module
 
 
 def test_factory_ops_read_the_run_device(gpt_folder):

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from tracepp.driver import split_model
-from tracepp.inspect import load_manifest, stage_table
+from tracepp.manifest_file import load_manifest
+from tracepp.stage_report import stage_table
 from tracepp.modelfile import load_model_file
 from util import assert_state_close, assert_trained, eager_train, model_path, run_ok
 

@@ -13,7 +13,7 @@ from tracepp.codegen.csvio import dump_csv
 from tracepp.codegen.planning import build_plan
 from tracepp.codegen.simulate import simulate
 from tracepp.driver import split_model
-from tracepp.inspect import load_manifest, topology_from_manifest
+from tracepp.manifest_file import load_manifest, topology_from_manifest
 from util import model_path
 
 FOUR_STAGES = "layers.1,layers.2,layers.3"
@@ -270,3 +270,18 @@ def test_inspect_shows_flop_estimates(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "fwd MFLOP/mb" in text and f"{flops[0] / 1e6:,.1f}" in text
     assert "with FLOP-estimated costs" in text
+    # the split-time estimates: time from FLOPs, memory held under 1F1B (stage 0 keeps 2 microbatches in flight)
+    estimates = [stage["estimate"] for stage in manifest["stages"]]
+    assert [e["inflight_microbatches"] for e in estimates] == [2, 1]
+    for e in estimates:
+        assert e["optimizer_bytes"] == 2 * e["param_bytes"] > 0  # Adam's two fp32 states of fp32 parameters
+        assert e["memory_bytes"] == (e["param_bytes"] + e["grad_bytes"] + e["optimizer_bytes"]
+                                     + e["activation_bytes_per_microbatch"] * e["inflight_microbatches"])
+    step_flops = [e["step_flops_per_microbatch"] for e in estimates]
+    memory = [e["memory_bytes"] for e in estimates]
+    time_imbalance = max(step_flops) / (sum(step_flops) / 2)
+    memory_imbalance = max(memory) / (sum(memory) / 2)
+    assert f"imbalance (max/mean): time {time_imbalance:.2f}, memory {memory_imbalance:.2f}" in text
+    # every boundary value is listed as sent, every recomputed one as recomputed
+    sent = [line.split()[0] for line in text.splitlines() if line.endswith(" sent")]
+    assert sent == list(manifest["values"])

@@ -28,6 +28,11 @@ def test_split_matches_unsplit(name):
         pytest.importorskip("transformers")
     model_file, traced, graph = trace_and_split(model_path(name))
     assert graph.num_stages == MODELS[name]
+    _assert_matches_eager(model_file, traced, graph)
+
+
+def _assert_matches_eager(model_file, traced, graph):
+    """The stage graphs run in sequence give the unsplit model's output, loss and every parameter's gradient."""
     module = model_file.module
     args, kwargs, target = _batch(module, 0)
     args = args if isinstance(args, tuple) else (args,)
@@ -101,7 +106,7 @@ def test_hf_module_split_points_and_buffers(name, layer):
     if name == "hf_llama":
         inv_freq = next(ref for ref in graph.state.values() if ref.fqn == "model.rotary_emb.inv_freq")
         assert inv_freq.kind == "buffer" and not inv_freq.persistent
-        # the rotary table is computed once and sent on; each stage that reads the buffer holds it
+        # each stage that reads the buffer holds it (stage 1 makes the rotary table again from it)
         for index in inv_freq.stages:
             assert inv_freq.placeholder in graph.stages[index].state
 
@@ -140,3 +145,40 @@ def test_hf_module_stack_paths_are_module_fqns(name):
     known = {fqn for fqn, _ in traced.model.named_modules()}
     seen = {path for node in traced.program.graph.nodes for path in node_modules(node)}
     assert seen - {""} and seen <= known, f"not module FQNs: {sorted(seen - known)[:5]}"
+
+
+@pytest.fixture(scope="module")
+def deep_llama():
+    """A 22-layer tiny HF Llama with no split points, traced once for the automatic-split tests."""
+    pytest.importorskip("transformers")
+    from tracepp.modelfile import load_model_file
+    from tracepp.trace import trace
+
+    model_file = load_model_file(model_path("hf_llama_deep"))
+    return model_file, trace(model_file, 1)
+
+
+@pytest.mark.parametrize("num_stages", [2, 4, 8])
+def test_automatic_split_cuts_between_layers_and_sends_only_the_hidden_state(deep_llama, num_stages):
+    """With no split points, ``--stages N`` alone cuts the Llama between ``model.layers.N`` (embedding on the
+    first stage, norm and head on the last), every layer whole on one stage; only the hidden state crosses a
+    boundary (the rotary tables and the causal mask are made again by each stage from the root inputs and the
+    inv_freq buffer), and the stages together equal the unsplit model."""
+    from tracepp.split.partition import split
+
+    model_file, traced = deep_llama
+    graph = split(traced, None, num_stages, schedule="1f1b", num_microbatches=4)
+    assert graph.num_stages == num_stages
+    layers = [[int(fqn.split(".")[2]) for fqn in stage.module_fqns if fqn.startswith("model.layers.")]
+              for stage in graph.stages]
+    assert [layer for stage_layers in layers for layer in stage_layers] == list(range(22))
+    assert all(stage_layers for stage_layers in layers)
+    assert "model.embed_tokens" in graph.stages[0].module_fqns and "lm_head" in graph.stages[-1].module_fqns
+    hidden = [4, 8, 16]  # batch, sequence, hidden size of hf_llama_deep
+    assert [(v.producer, v.consumers, v.meta.shape) for v in graph.values.values()] == [
+        (index, [index + 1], hidden) for index in range(num_stages - 1)]
+    assert graph.recomputed and all(where["stages"] == list(range(1, num_stages))
+                                    for where in graph.recomputed.values())
+    inv_freq = next(ref for ref in graph.state.values() if ref.fqn == "model.rotary_emb.inv_freq")
+    assert inv_freq.stages == list(range(num_stages))
+    _assert_matches_eager(model_file, traced, graph)

@@ -22,8 +22,8 @@ def _split(args) -> int:
                            schedule=args.schedule, num_microbatches=args.microbatches, split_points=points,
                            dynamic_shapes=parse_flags(args.dynamic) if args.dynamic else None,
                            dp=args.dp, dp_mode=args.dp_mode, dp_shard=args.dp_shard, dp_order=args.dp_order)
-    from tracepp.inspect import stage_table
     from tracepp.runtime.mesh import describe
+    from tracepp.stage_report import stage_table
 
     for note in manifest.get("notes", []):
         print(f"note: {note}")
@@ -58,12 +58,17 @@ def _check_layout(args) -> None:
 
 
 def _inspect(args) -> int:
-    from tracepp.inspect import load_manifest, plan_report, stage_table
-
+    from tracepp.manifest_file import load_manifest
+    from tracepp.plan_report import plan_report
     from tracepp.runtime.mesh import describe
+    from tracepp.stage_report import boundary_table, estimate_table, stage_table
 
     manifest = load_manifest(args.out)
     print(stage_table(manifest))
+    for section in (estimate_table(manifest), boundary_table(manifest)):
+        if section:
+            print()
+            print(section)
     print()
     print(plan_report(manifest, grid=args.grid))
     for line in describe(manifest["plan"]):  # data parallel: which global ranks replicate which pipeline rank
@@ -72,7 +77,9 @@ def _inspect(args) -> int:
 
 
 def _plan(args) -> int:
-    from tracepp.inspect import load_costs, load_manifest, plan_report, write_plan_pictures
+    from tracepp.costs_file import load_costs
+    from tracepp.manifest_file import load_manifest
+    from tracepp.plan_report import plan_report, write_plan_pictures
 
     manifest = load_manifest(args.out)
     costs = load_costs(args.costs, len(manifest["stages"])) if args.costs else None

@@ -24,7 +24,8 @@ def split_model(model_path: str, out_dir: str, num_ranks: int = 2, num_stages: O
     else:
         traced = trace(model_file, num_microbatches, dynamic_shapes)                  # 1. torch.export
     graph = split(traced, split_points or model_file.split_points, num_stages,          # 2. stage graphs
-                  default_stages=num_ranks * stages_per_rank(schedule))
+                  default_stages=num_ranks * stages_per_rank(schedule), schedule=schedule,
+                  num_microbatches=num_microbatches, training=model_file.training)
     the_plan = plan(graph, schedule, num_ranks, num_microbatches, model_file.training)  # 3. schedule
     if dp > 1:
         _check_full_backward(the_plan, dp_mode)

@@ -1,0 +1,91 @@
+"""Tier 1: the split step's cost model and its choice of cuts, on plain data (no tracing)."""
+import pytest
+import torch
+
+from tracepp.split import cost
+from tracepp.split.cost import SegmentCost
+from tracepp.split.partition import repeated_blocks, segment_key, segment_starts
+
+
+def test_inflight_microbatches_follows_the_schedule():
+    assert [cost.inflight_microbatches("1f1b", stage, 4, 8) for stage in range(4)] == [4, 3, 2, 1]
+    assert [cost.inflight_microbatches("1f1b", stage, 4, 2) for stage in range(4)] == [2, 2, 2, 1]
+    assert [cost.inflight_microbatches("gpipe", stage, 4, 8) for stage in range(4)] == [8, 8, 8, 8]
+    assert cost.inflight_microbatches("1f1b", 0, 4, 8, training=False) == 1
+
+
+def test_stage_estimate_counts_params_grads_adam_and_inflight_activations():
+    segment = SegmentCost(forward_flops=1000, num_params=10, param_bytes=40, activation_bytes=100)
+    estimate = cost.stage_estimate(segment, inflight=3)
+    assert estimate["grad_bytes"] == 40 and estimate["optimizer_bytes"] == 80  # two fp32 states per parameter
+    assert estimate["activation_bytes"] == 300 and estimate["memory_bytes"] == 40 + 40 + 80 + 300
+    assert estimate["step_flops_per_microbatch"] == 3000  # forward + backward (2x)
+    forward_only = cost.stage_estimate(segment, inflight=1, training=False)
+    assert forward_only["memory_bytes"] == 140 and forward_only["step_flops_per_microbatch"] == 1000
+
+
+def test_imbalance_is_max_over_mean():
+    assert cost.imbalance([1, 2, 3]) == pytest.approx(1.5)
+    assert cost.imbalance([0, 0]) is None
+
+
+def _flops_only(stage_index, stage_cost):
+    return 0
+
+
+def test_cuts_balance_flops():
+    equal = [SegmentCost(forward_flops=1) for _ in range(8)]
+    assert cost.choose_cuts(equal, 2, _flops_only) == [4]
+    assert cost.choose_cuts(equal, 4, _flops_only) == [2, 4, 6]
+    # a heavy first segment gets a stage of its own
+    assert cost.choose_cuts([SegmentCost(forward_flops=f) for f in (4, 1, 1, 1, 1)], 2, _flops_only) == [1]
+    # every stage gets at least one segment, even when the FLOPs would rather merge them
+    assert cost.choose_cuts([SegmentCost(forward_flops=f) for f in (0, 0, 9)], 3, _flops_only) == [1, 2]
+
+
+def test_equal_flops_are_broken_by_memory_under_the_schedule():
+    """Two cuts give the same FLOPs; the parameter-heavy middle segment (an embedding: no counted FLOPs) goes to
+    the stage that keeps fewer microbatches' activations in flight."""
+    segments = [SegmentCost(forward_flops=2, activation_bytes=5), SegmentCost(param_bytes=10),
+                SegmentCost(forward_flops=2, activation_bytes=5)]
+
+    def memory_of(stage_index, stage_cost):  # stage 0 keeps two microbatches in flight, stage 1 one
+        return stage_cost.param_bytes + stage_cost.activation_bytes * (2 - stage_index)
+
+    # cut at 1: memories 10 and 15; cut at 2: 20 and 5
+    assert cost.choose_cuts(segments, 2, memory_of) == [1]
+
+
+def test_more_stages_than_segments_is_refused():
+    with pytest.raises(ValueError, match="cannot cut 2 segments into 3 stages"):
+        cost.choose_cuts([SegmentCost(), SegmentCost()], 3, _flops_only)
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
+
+
+class _Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(4, 2)
+        self.encoder = torch.nn.Module()
+        self.encoder.layer = torch.nn.ModuleList([_Block() for _ in range(3)])
+        self.head = torch.nn.Linear(2, 4)
+
+
+def test_repeated_blocks_are_the_children_of_integer_named_containers():
+    blocks = repeated_blocks(_Model())
+    assert {"encoder.layer.0", "encoder.layer.1", "encoder.layer.2"} <= blocks
+    assert "encoder.layer.0.mlp.0" in blocks  # a Sequential's children too, but the outermost block wins:
+    assert segment_key(["", "encoder", "encoder.layer.1", "encoder.layer.1.mlp", "encoder.layer.1.mlp.0"],
+                       blocks) == "encoder.layer.1"
+    assert segment_key(["", "head"], blocks) == "head"  # not in a block: the top-level child
+    assert segment_key([""], blocks) == ""
+
+
+def test_segment_starts_are_where_the_key_changes():
+    keys = ["embed", "encoder.layer.0", "encoder.layer.0", "encoder.layer.1", "head", "head"]
+    assert segment_starts(keys) == [1, 3, 4]

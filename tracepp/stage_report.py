@@ -1,0 +1,95 @@
+"""``tracepp inspect``'s stage tables: per stage its rank, parameters, modules, inputs and outputs; the cost
+estimates made at split time (FLOP-based time, memory held under the schedule, imbalance); and which values
+cross stage boundaries and which each reading stage recomputes instead."""
+from __future__ import annotations
+
+from tabulate import tabulate
+
+
+def _shape(item: dict) -> str:
+    return f"{item['dtype']}[{', '.join(str(d) for d in item['shape'])}]"
+
+
+def stage_table(manifest: dict) -> str:
+    rows = []
+    for stage in manifest["stages"]:
+        inputs = [f"{r['path']} {r['dtype']}" for r in manifest["root_inputs"]
+                  if stage["index"] in r["stages"] and r["dtype"]]
+        inputs += [f"{item['name']} {_shape(item)} <- stage {item['producer']}" for item in stage["received"]]
+        outputs = []
+        for name in stage["outputs"]:
+            value = manifest["values"].get(name)
+            if value is not None:
+                outputs.append(f"{name} {_shape(value)} -> stage {','.join(map(str, value['consumers']))}")
+            else:
+                outputs.append(f"{name} (model output)")
+        modules = stage["module_fqns"]
+        module_text = ", ".join(modules) if len(modules) <= 4 else f"{', '.join(modules[:2])} … {modules[-1]} ({len(modules)})"
+        flops = stage.get("forward_flops")
+        rows.append([stage["index"], stage["rank"], f"{stage['num_params']:,}",
+                     f"{flops / 1e6:,.1f}" if flops else "-", module_text,
+                     "\n".join(inputs) or "-", "\n".join(outputs) or "-"])
+    table = tabulate(rows, headers=["stage", "rank", "params", "fwd MFLOP/mb", "modules", "inputs", "outputs"],
+                     tablefmt="simple")
+    shared = manifest.get("shared") or []
+    if shared:
+        table += "\n\nshared parameters (gradients summed across the stages that hold a copy):\n"
+        table += tabulate([[", ".join(s["aliases"]), ", ".join(map(str, s["stages"]))] for s in shared],
+                          headers=["parameter (all names)", "stages"], tablefmt="simple")
+    return table
+
+
+def _bytes(amount) -> str:
+    if amount is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(amount) < 1024 or unit == "GiB":
+            return f"{amount:,.0f} {unit}" if unit == "B" else f"{amount:,.1f} {unit}"
+        amount /= 1024
+
+
+def _imbalance(amounts: list):
+    if not amounts or any(a is None for a in amounts) or not any(amounts):
+        return None
+    return max(amounts) / (sum(amounts) / len(amounts))
+
+
+def estimate_table(manifest: dict) -> str:
+    """Per stage: forward+backward FLOPs of one microbatch, time relative to the mean stage (from FLOPs), and
+    the bytes held (parameters, gradients, optimizer state, activations x microbatches in flight); then the
+    imbalance (max / mean) of time and memory. Empty when the manifest has no estimates."""
+    estimates = [stage.get("estimate") or {} for stage in manifest["stages"]]
+    if not all(estimates):
+        return ""
+    flops = [e.get("step_flops_per_microbatch") for e in estimates]
+    known = all(f is not None for f in flops) and any(flops)
+    mean_flops = sum(flops) / len(flops) if known else None
+    memory = [e["memory_bytes"] for e in estimates]
+    rows = []
+    for stage, e, f in zip(manifest["stages"], estimates, flops):
+        rows.append([stage["index"], stage["rank"], f"{f / 1e6:,.1f}" if f is not None else "-",
+                     f"{f / mean_flops:.2f}" if known else "-", _bytes(e["param_bytes"]), _bytes(e["grad_bytes"]),
+                     _bytes(e["optimizer_bytes"]),
+                     f"{_bytes(e['activation_bytes_per_microbatch'])} x {e['inflight_microbatches']}",
+                     _bytes(e["memory_bytes"])])
+    text = tabulate(rows, headers=["stage", "rank", "fwd+bwd MFLOP/mb", "time (mean=1)", "params", "grads",
+                                   "optimizer", "activations x in-flight", "memory"], tablefmt="simple")
+    time_imbalance, memory_imbalance = _imbalance(flops if known else []), _imbalance(memory)
+    text += ("\nimbalance (max/mean): time "
+             + (f"{time_imbalance:.2f}" if time_imbalance is not None else "unknown (FLOPs not counted)")
+             + (f", memory {memory_imbalance:.2f}" if memory_imbalance is not None else ""))
+    text += ("\n(time from forward FLOPs on fake tensors, backward = 2x forward, elementwise ops not counted; "
+             "memory assumes Adam (two fp32 states per parameter) and counts every value that carries a "
+             "gradient as kept for backward)")
+    return text
+
+
+def boundary_table(manifest: dict) -> str:
+    """Which values cross stage boundaries (sent every microbatch) and which the reading stages recompute."""
+    rows = [[name, _shape(value), value["producer"], ",".join(map(str, value["consumers"])), "sent"]
+            for name, value in manifest["values"].items()]
+    rows += [[name, _shape(where), where["producer"], ",".join(map(str, where["stages"])), "recomputed"]
+             for name, where in (manifest.get("recomputed") or {}).items()]
+    if not rows:
+        return ""
+    return tabulate(rows, headers=["value", "shape", "made on stage", "read on stages", "how"], tablefmt="simple")
