@@ -314,6 +314,8 @@ def _summary(pipe: Pipeline, args, history: list) -> None:
             ["median step time (ms)", f"{times[len(times) // 2] * 1000:.1f}"],
             ["samples/s (median)", f"{sorted(h[3] for h in history)[len(history) // 2]:.1f}"],
             ["ranks / stages", f"{pipe.world_size} / {len(manifest['stages'])}"],
+            *([["data parallel", f"{pipe.layout['dp']} replicas x {pipe.layout['pp']} pipeline ranks, "
+                                 f"{pipe.layout['mode']}"]] if pipe.layout["dp"] > 1 else []),
             ["schedule", manifest["plan"]["schedule"]], ["microbatches", manifest["plan"]["num_microbatches"]],
             ["precision", pipe.precision], ["backend", pipe.backend]]
     print(_format_table(rows, ["summary", "value"]), flush=True)

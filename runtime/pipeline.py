@@ -16,6 +16,10 @@ Each stage is an ``nn.Module`` (``pipe.stages[stage_index]``) whose parameters c
 FQNs. ``step`` splits the batch into the planned microbatches and runs this rank's action list once
 (``executor.RankExecutor``); gradients accumulate in the stages' ``.grad`` until ``zero_grad``. The training
 loop of ``run.py`` (``launch``) is built on this API and nothing else.
+
+A folder split with ``--dp N`` runs the same loop on ``R x N`` processes: the Pipeline builds the ``(dp, pp)``
+DeviceMesh (``pipe.mesh``), wraps its stages over dp (``mesh.py``), takes replica ``pipe.dp_index``'s slice of
+the global batch passed to ``step``, and returns the global batch's loss.
 """
 from __future__ import annotations
 

@@ -104,3 +104,20 @@ def test_rank_order_of_the_mesh(order, expected):
     assert replicas_text(layout) == expected
     for rank in range(6):
         assert global_rank(layout, *coordinates(layout, rank)) == rank
+
+
+def test_a_batch_the_replicas_cannot_share_is_refused():
+    """At run time (a dynamic batch dim): every rank computes the same refusal from its own copy of the batch."""
+    from tracepp.runtime.failure import PipelineError
+    from tracepp.runtime.pipeline import Pipeline
+
+    pipe = object.__new__(Pipeline)  # only what _replica_slice reads: no process group needed
+    pipe.layout = mesh_layout({"num_ranks": 2, "mesh": {"dp": 4}})
+    pipe.dp_index, pipe.steps_run = 1, 5
+    pipe.splitter = type("Splitter", (), {"batched": [True, False]})()
+    args, kwargs, target = pipe._replica_slice((torch.arange(8), 3), {}, torch.arange(8) * 10)
+    assert args[0].tolist() == [2, 3] and args[1] == 3 and target.tolist() == [20, 30]
+    with pytest.raises(PipelineError) as error:
+        pipe._replica_slice((torch.arange(10), 3), {}, None)
+    assert str(error.value) == ("batch for step 5 has 10 samples, which the 4 data-parallel replicas cannot "
+                                "share equally: use a global batch of 8 or 12")
