@@ -136,7 +136,9 @@ def test_compiled_stages_match_eager_with_changing_shapes(tmp_path):
     out = str(tmp_path / "out")
     split_model(path, out, num_ranks=2, schedule="1f1b", num_microbatches=4)
     ckpt = str(tmp_path / "ckpt.pt")
-    result = torchrun(out, 2, "--steps", "4", "--compile", "--save", ckpt, env_extra={"TORCH_LOGS": "recompiles"},
+    # a peer waits while the other compiles its first step: on a loaded CI machine that exceeds PEER_TIMEOUT_S
+    result = torchrun(out, 2, "--steps", "4", "--compile", "--save", ckpt, "--timeout", "280",
+                      env_extra={"TORCH_LOGS": "recompiles"},
                       timeout=TORCHRUN_TIMEOUT_S * 2)
     assert result.returncode == 0, result.stderr[-4000:]
     assert_state_close(torch.load(ckpt), eager_train(path, 4))
