@@ -164,8 +164,9 @@ def check_compatible(path: str, saved: dict, current: dict) -> None:
             f"run that wrote it, or start without --resume")
 
 
-def load(path: str, named_state: dict, optimizer, fqns: list, rank: int, same_world: bool) -> None:
-    """Load this rank's parameters (in place) and optimizer state from checkpoint ``path``."""
+def prepare_load(path: str, named_state: dict, optimizer, fqns: list, rank: int, same_world: bool) -> dict:
+    """Check this rank's parameters and optimizer against checkpoint ``path`` (no communication) and return
+    what :func:`load` reads: destination tensors keyed as in the checkpoint. Raises CheckpointError."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -196,16 +197,29 @@ def load(path: str, named_state: dict, optimizer, fqns: list, rank: int, same_wo
                         f"the parameters; resume from a checkpoint of this model")
                 flat[key] = torch.empty(tuple(entry.size), dtype=entry.properties.dtype, device=param.device)
             else:
-                flat[key] = None
+                flat[key] = b""
             optimizer_keys.setdefault(fqn, []).append(state_key)
+        missing = [fqn for fqn in fqns if fqn not in optimizer_keys]
+        if missing and len(missing) < len(fqns):
+            raise CheckpointError(f"checkpoint {path}: no optimizer state for {missing[:8]} while other parameters "
+                                  f"have some: the optimizer state does not match the parameters")
     rng_key = f"rng.rank{rank}"
     if same_world and rng_key in metadata:
         flat[rng_key] = b""
-    dcp.load(flat, checkpoint_id=path)
-    if optimizer is not None:
-        _load_optimizer(path, optimizer, fqns, flat, optimizer_keys)
-    if same_world and flat.get(rng_key):
-        _set_rng_state(pickle.loads(flat[rng_key]))
+    return {"path": path, "flat": flat, "optimizer_keys": optimizer_keys, "rng_key": rng_key}
+
+
+def load(prepared: dict, optimizer, fqns: list) -> None:
+    """Read a :func:`prepare_load` result (a collective: every rank calls it): parameters in place, then the
+    optimizer state and this rank's RNG state."""
+    import torch.distributed.checkpoint as dcp
+
+    flat = prepared["flat"]
+    dcp.load(flat, checkpoint_id=prepared["path"])
+    if optimizer is not None and prepared["optimizer_keys"]:
+        _load_optimizer(prepared["path"], optimizer, fqns, flat, prepared["optimizer_keys"])
+    if flat.get(prepared["rng_key"]):
+        _set_rng_state(pickle.loads(flat[prepared["rng_key"]]))
 
 
 def _split_state_key(text: str, by_fqn: dict):
@@ -218,21 +232,12 @@ def _load_optimizer(path: str, optimizer, fqns: list, flat: dict, optimizer_keys
     current = optimizer.state_dict()
     state = {}
     index = 0
-    missing = []
     for group in current["param_groups"]:
         for param_id in group["params"]:
             fqn = fqns[index]
             index += 1
-            keys = optimizer_keys.get(fqn)
-            if not keys:
-                missing.append(fqn)
-                continue
+            keys = optimizer_keys.get(fqn, [])
             state[param_id] = {key: flat[f"optim.{fqn}.{key}"] for key in keys}
-    if missing and len(missing) < len(fqns):
-        raise CheckpointError(f"checkpoint {path}: no optimizer state for {missing[:8]} while other parameters "
-                              f"have some: the optimizer state does not match the parameters")
-    if not state:
-        return
     try:
         optimizer.load_state_dict({"state": state, "param_groups": current["param_groups"]})
     except (ValueError, KeyError, RuntimeError) as error:

@@ -317,8 +317,28 @@ def _checkpoint_info(pipe: Pipeline, optimizer) -> dict:
 
 
 def _resume(pipe: Pipeline, args, optimizer, scheduler, fqns: list) -> int:
-    """Load the latest complete checkpoint of ``--resume``; returns the step to continue from. Every check runs
-    on every rank from the same files, so a bad checkpoint stops every rank before anything is written."""
+    """Load the latest complete checkpoint of ``--resume``; returns the step to continue from. Every rank checks
+    the checkpoint against its own stages, then the ranks agree (one small gather) before anything is loaded:
+    a bad checkpoint stops every rank with the message, before anything is trained or written."""
+    try:
+        step, path, prepared = _check_resume(pipe, args, optimizer, scheduler, fqns)
+        problem = None
+    except PipelineError as error:
+        step, path, prepared, problem = None, None, None, str(error)
+    problems = [problem]
+    if pipe.world_size > 1:
+        problems = [None] * pipe.world_size
+        dist.all_gather_object(problems, problem, group=_control_group())
+    if any(problems):
+        first = next((rank, text) for rank, text in enumerate(problems) if text)
+        raise PipelineError(problem or f"rank {first[0]}: {first[1]}")
+    checkpoint.load(prepared, optimizer, fqns)
+    if pipe.is_last_rank and not args.quiet:
+        print(f"resumed from {path} (step {step}); training steps {step + 1} to {args.steps}", flush=True)
+    return step
+
+
+def _check_resume(pipe: Pipeline, args, optimizer, scheduler, fqns: list) -> tuple:
     step, path, skipped = checkpoint.latest_checkpoint(args.resume)
     for incomplete in skipped:
         print(f"[tracepp rank {pipe.rank}] ignoring incomplete checkpoint {incomplete} (no {checkpoint.MARKER} "
@@ -333,19 +353,17 @@ def _resume(pipe: Pipeline, args, optimizer, scheduler, fqns: list) -> int:
             for done in range(step):
                 step_scheduler(scheduler, done)
     if optimizer is not None:
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                fqn = fqns[[id(p) for g in optimizer.param_groups for p in g["params"]].index(id(param))]
-                saved = info["param_groups"].get(fqn, {}).get("lr")
-                if saved is not None and abs(saved - group["lr"]) > 1e-12 * max(1.0, abs(saved)):
-                    raise PipelineError(
-                        f"checkpoint {path}: the learning rate of {fqn} was {saved} at step {step} but this run's "
-                        f"LR schedule gives {group['lr']}: use the same --lr/--warmup/--steps or lr_scheduler(...) "
-                        f"as the run that wrote it")
-    checkpoint.load(path, pipe.state_dict(), optimizer, fqns, pipe.rank, info["world_size"] == pipe.world_size)
-    if pipe.is_last_rank and not args.quiet:
-        print(f"resumed from {path} (step {step}); training steps {step + 1} to {args.steps}", flush=True)
-    return step
+        group_of = [group for group in optimizer.param_groups for _param in group["params"]]
+        for fqn, group in zip(fqns, group_of):
+            saved = info["param_groups"].get(fqn, {}).get("lr")
+            if saved is not None and abs(saved - group["lr"]) > 1e-12 * max(1.0, abs(saved)):
+                raise PipelineError(
+                    f"checkpoint {path}: the learning rate of {fqn} was {saved} at step {step} but this run's "
+                    f"LR schedule gives {group['lr']}: use the same --lr/--warmup/--steps or lr_scheduler(...) "
+                    f"as the run that wrote it")
+    prepared = checkpoint.prepare_load(path, pipe.state_dict(), optimizer, fqns, pipe.rank,
+                                       info["world_size"] == pipe.world_size)
+    return step, path, prepared
 
 
 def _save_safetensors(path: str, manifest: dict, folder: str, rank: int, state: dict, world: int) -> None:
