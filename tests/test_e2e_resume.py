@@ -5,6 +5,8 @@ AdamW groups and LambdaLR: 6 uninterrupted steps equal eager training; 3 steps +
 cut-off save) give exactly the same parameters; bad resumes fail on every rank and write nothing.
 """
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -60,6 +62,17 @@ def test_adamw_groups_resume_and_activation_checkpointing_match_eager(split_out,
     whole_state, resumed_state = torch.load(whole), torch.load(resumed)
     differ = [k for k in whole_state if not torch.equal(whole_state[k], resumed_state[k])]
     assert not differ, f"3 + 3 resumed steps differ from 6 uninterrupted ones in {differ}"
+
+    # the same checkpoint resumed by another split: 3 stages on 1 rank (plain python, no torchrun)
+    one_rank = str(tmp_path / "one_rank")
+    split_model(MODEL, one_rank, num_ranks=1, schedule="interleaved-1f1b", num_microbatches=4,
+                split_points=["layers.1", "layers.3"])
+    other_split = str(tmp_path / "other_split.pt")
+    result = subprocess.run([sys.executable, os.path.join(one_rank, "run.py"), "--steps", "6", "--resume",
+                             str(checkpoints), "--save", other_split], capture_output=True, text=True, timeout=120,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_state_close(torch.load(other_split), expected)
 
 
 def _listing(folder) -> dict:
