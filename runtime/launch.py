@@ -45,7 +45,7 @@ def parse_args(argv=None):
     parser.add_argument("--checkpoint-dir", default=None, metavar="D",
                         help="write resumable checkpoints (torch.distributed.checkpoint) to D/step_N")
     parser.add_argument("--save-every", type=int, default=0, metavar="N",
-                        help="with --checkpoint-dir: save after every N steps (and after the last step)")
+                        help="with --checkpoint-dir: save after every N steps (always after the last step)")
     parser.add_argument("--resume", default=None, metavar="D",
                         help="continue from the latest complete checkpoint in D up to --steps")
     parser.add_argument("--save-safetensors", default=None, metavar="PATH",
@@ -226,6 +226,8 @@ def train(pipe: Pipeline, args) -> None:
     manifest, user, device = pipe.manifest, pipe.user, pipe.device
     training = pipe.training
     rank, world = pipe.rank, pipe.world_size
+    if args.save_every and not args.checkpoint_dir:
+        raise PipelineError(f"--save-every {args.save_every} needs --checkpoint-dir D (the folder for D/step_N)")
     named = [(name, p) for name, p in pipe.named_parameters() if p.requires_grad]
     optimizer, scheduler, fqns = None, None, []
     if training and named:
@@ -292,7 +294,8 @@ def train(pipe: Pipeline, args) -> None:
                     record["skipped"] = True
                 with open(args.metrics, "a") as handle:
                     handle.write(json.dumps(record) + "\n")
-        if args.checkpoint_dir and args.save_every and ((step + 1) % args.save_every == 0 or step + 1 == args.steps):
+        periodic = args.save_every > 0 and (step + 1) % args.save_every == 0
+        if args.checkpoint_dir and (periodic or step + 1 == args.steps):
             path = checkpoint.save(args.checkpoint_dir, step + 1, pipe.state_dict(), optimizer, fqns,
                                    _checkpoint_info(pipe, optimizer), rank)
             if reports and not args.quiet:

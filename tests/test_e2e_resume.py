@@ -106,3 +106,22 @@ def test_bad_resume_fails_every_rank_and_writes_nothing(split_out, tmp_path):
         assert not os.path.exists(saved)
         assert _listing(checkpoints) == before
         assert os.listdir(empty) == []
+
+
+def test_scheduler_that_raises_stops_every_rank_and_keeps_earlier_checkpoints(tmp_path):
+    source = open(MODEL).read().replace("lambda step: min(1.0, (step + 1) / 2) * 0.9 ** step",
+                                        "lambda step: 1.0 / (2 - step)")  # ZeroDivisionError at the 2nd step
+    path = tmp_path / "raising_scheduler.py"
+    path.write_text(source)
+    out = str(tmp_path / "out")
+    split_model(str(path), out, num_ranks=2, schedule="1f1b", num_microbatches=4)
+    checkpoints = tmp_path / "ckpt"
+    saved = str(tmp_path / "never.pt")
+    result = torchrun(out, 2, "--steps", "4", "--checkpoint-dir", str(checkpoints), "--save-every", "1",
+                      "--save", saved)
+    assert result.returncode != 0, result.stdout
+    message = "the LR scheduler LambdaLR raised ZeroDivisionError at step 2"
+    for rank in (0, 1):
+        assert f"[tracepp rank {rank}] error: {message}" in result.stderr, result.stderr[-3000:]
+    assert sorted(os.listdir(checkpoints)) == ["step_1"] and (checkpoints / "step_1" / "COMPLETE").is_file()
+    assert not os.path.exists(saved)
