@@ -5,6 +5,7 @@ AdamW groups and LambdaLR: 6 uninterrupted steps equal eager training; 3 steps +
 cut-off save) give exactly the same parameters; bad resumes fail on every rank and write nothing.
 """
 import os
+import shutil
 import subprocess
 import sys
 
@@ -42,7 +43,16 @@ def split_out(tmp_path_factory):
     return out
 
 
-def test_adamw_groups_resume_and_activation_checkpointing_match_eager(split_out, tmp_path):
+@pytest.fixture(scope="module")
+def three_step_checkpoint(split_out, tmp_path_factory):
+    """A --checkpoint-dir after 3 steps of the 2-rank run (copy it before changing it)."""
+    checkpoints = tmp_path_factory.mktemp("three_steps") / "ckpt"
+    first = run_ok(split_out, 2, "--steps", "3", "--checkpoint-dir", str(checkpoints), "--save-every", "3")
+    assert (checkpoints / "step_3" / "COMPLETE").is_file(), first.stdout
+    return checkpoints
+
+
+def test_adamw_groups_resume_and_activation_checkpointing_match_eager(split_out, three_step_checkpoint, tmp_path):
     expected = eager_adamw(MODEL, 6)
     whole = str(tmp_path / "whole.pt")
     run_ok(split_out, 2, "--steps", "6", "--save", whole, "--activation-checkpointing", "selective")
@@ -50,8 +60,7 @@ def test_adamw_groups_resume_and_activation_checkpointing_match_eager(split_out,
     assert_state_close(torch.load(whole), expected)
 
     checkpoints = tmp_path / "ckpt"
-    first = run_ok(split_out, 2, "--steps", "3", "--checkpoint-dir", str(checkpoints), "--save-every", "3")
-    assert (checkpoints / "step_3" / "COMPLETE").is_file(), first.stdout
+    shutil.copytree(three_step_checkpoint, checkpoints)
     (checkpoints / "step_5.tmp").mkdir()  # a save killed before its rename
     (checkpoints / "step_4").mkdir()  # a folder without the completion marker
     resumed = str(tmp_path / "resumed.pt")
@@ -80,9 +89,9 @@ def _listing(folder) -> dict:
             for root, _dirs, files in os.walk(folder) for name in files}
 
 
-def test_bad_resume_fails_every_rank_and_writes_nothing(split_out, tmp_path):
+def test_bad_resume_fails_every_rank_and_writes_nothing(split_out, three_step_checkpoint, tmp_path):
     checkpoints = tmp_path / "ckpt"
-    run_ok(split_out, 2, "--steps", "2", "--checkpoint-dir", str(checkpoints), "--save-every", "2", "--quiet")
+    shutil.copytree(three_step_checkpoint, checkpoints)
     before = _listing(checkpoints)
     empty = tmp_path / "empty"
     empty.mkdir()
