@@ -30,6 +30,31 @@ class _RunDevice:
         return RUN_DEVICE
 
 
+class _RunDeviceType:
+    """Prints as ``RUN_DEVICE.type``: the autocast device type of the rank's device ("cuda", "cpu")."""
+
+    def __repr__(self) -> str:
+        return f"{RUN_DEVICE}.type"
+
+
+def _autocast_off_regions(graph: fx.Graph) -> None:
+    """Nodes traced inside ``torch.autocast(enabled=False)`` (marked by the trace step) run with autocast off
+    again: ``torch.amp._enter_autocast`` before each run of them and ``_exit_autocast`` after, as export's own
+    pre-dispatch graphs do. Without it, ``--precision bf16`` would compute HF's rotary tables in bf16."""
+    from tracepp.trace import AUTOCAST_OFF
+
+    region = None
+    for node in list(graph.nodes):
+        marked = bool(node.meta.get(AUTOCAST_OFF))
+        if marked and region is None:
+            with graph.inserting_before(node):
+                region = graph.call_function(torch.amp._enter_autocast, (_RunDeviceType(), None, False, None))
+        elif not marked and region is not None:
+            with graph.inserting_before(node):
+                graph.call_function(torch.amp._exit_autocast, (region,))
+            region = None
+
+
 def _drop_metadata_asserts(graph: fx.Graph) -> None:
     """Export records each ``x.to(dtype)`` with an ``_assert_tensor_metadata`` check of the traced dtype and
     device. A stage runs on another device, and under ``--precision bf16`` its autocast regions produce bf16
@@ -82,6 +107,7 @@ def stage_source(stage: Stage, function_name: str, model_path: str = "") -> tupl
             env[node].meta["stack_trace"] = _user_stack(node.meta["stack_trace"])
     _follow_run_device(graph)
     _drop_metadata_asserts(graph)
+    _autocast_off_regions(graph)
     code = graph.python_code(root_module="self", verbose=True)
     source = code.src.strip("\n")
     source = re.sub(r"^def forward\(self,?\s*", f"def {function_name}(", source, count=1)

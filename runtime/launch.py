@@ -9,6 +9,8 @@ Command line (the same on every rank, as torchrun passes it)::
     torchrun --nproc-per-node R out/run.py [--steps K] [--lr LR] [--save ckpt.pt] [--metrics m.jsonl]
         [--timeout SECONDS] [--precision fp32|bf16|fp16] [--clip-grad-norm MAX]
         [--on-nonfinite stop|skip|continue] [--compile] [--compile-cache DIR]
+        [--optimizer sgd|adamw] [--weight-decay WD] [--warmup N] [--checkpoint-dir D --save-every N]
+        [--resume D] [--save-safetensors PATH] [--activation-checkpointing none|full|selective]
 """
 from __future__ import annotations
 
@@ -24,7 +26,9 @@ import torch.distributed as dist
 
 from .failure import EXIT_FAILED, FailureChannel, PipelineError
 from .loading import load_manifest
+from . import checkpoint, recompute
 from .mesh import coordinates, mesh_layout
+from .optim import OPTIMIZERS, build_optimizer, build_scheduler, parameter_fqns, step_scheduler
 from .pipeline import Pipeline, check_precision
 from .prefetch import BatchPrefetcher
 
@@ -32,7 +36,24 @@ from .prefetch import BatchPrefetcher
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description="Train this pipeline (run under torchrun).")
     parser.add_argument("--steps", type=int, default=3, help="training steps (default 3)")
-    parser.add_argument("--lr", type=float, default=0.01, help="learning rate of the default SGD optimizer")
+    parser.add_argument("--lr", type=float, default=0.01, help="learning rate of the --optimizer (default 0.01)")
+    parser.add_argument("--optimizer", default="sgd", choices=list(OPTIMIZERS),
+                        help="optimizer when the model file has no optimizer(...) (default sgd)")
+    parser.add_argument("--weight-decay", type=float, default=0.0,
+                        help="weight decay of --optimizer on parameters with 2+ dims (not biases/norms)")
+    parser.add_argument("--warmup", type=int, default=0, metavar="N",
+                        help="linear LR warm-up over N steps, then cosine decay to 0 at --steps (default: constant)")
+    parser.add_argument("--checkpoint-dir", default=None, metavar="D",
+                        help="write resumable checkpoints (torch.distributed.checkpoint) to D/step_N")
+    parser.add_argument("--save-every", type=int, default=0, metavar="N",
+                        help="with --checkpoint-dir: save after every N steps (always after the last step)")
+    parser.add_argument("--resume", default=None, metavar="D",
+                        help="continue from the latest complete checkpoint in D up to --steps")
+    parser.add_argument("--save-safetensors", default=None, metavar="PATH",
+                        help="write the trained weights as one safetensors file (tied weights once, HF layout)")
+    parser.add_argument("--activation-checkpointing", default="none", choices=list(recompute.MODES),
+                        help="recompute stage forwards during backward: none, full (every stage), selective "
+                             "(stages holding several microbatches' activations at once)")
     parser.add_argument("--save", default=None, help="write the trained state_dict (original FQNs) here")
     parser.add_argument("--metrics", default=None, help="append one JSON line per step here")
     parser.add_argument("--timeout", type=float, default=120.0,
@@ -211,11 +232,16 @@ def train(pipe: Pipeline, args) -> None:
     manifest, user, device = pipe.manifest, pipe.user, pipe.device
     training = pipe.training
     rank, world = pipe.rank, pipe.world_size
-    params = [p for p in pipe.parameters() if p.requires_grad]
-    optimizer = None
-    if training and params:
-        make = getattr(user, "optimizer", None)
-        optimizer = make(params) if make is not None else torch.optim.SGD(params, lr=args.lr)
+    if args.save_every and not args.checkpoint_dir:
+        raise PipelineError(f"--save-every {args.save_every} needs --checkpoint-dir D (the folder for D/step_N)")
+    named = [(name, p) for name, p in pipe.named_parameters() if p.requires_grad]
+    optimizer, scheduler, fqns = None, None, []
+    if training and named:
+        optimizer = build_optimizer(user, named, name=args.optimizer, lr=args.lr, weight_decay=args.weight_decay)
+        fqns = parameter_fqns(optimizer, named)
+        scheduler = build_scheduler(user, optimizer, warmup=args.warmup, total_steps=args.steps)
+    recompute.apply(pipe, args.activation_checkpointing)
+    first_step = _resume(pipe, args, optimizer, scheduler, fqns) if args.resume else 0
     scaler = DynamicLossScale() if pipe.precision == "fp16" else None
     needs_norm = training and (args.clip_grad_norm is not None or args.on_nonfinite != "continue"
                                or scaler is not None)
@@ -224,7 +250,7 @@ def train(pipe: Pipeline, args) -> None:
         print(_banner(pipe, args), flush=True)
     history = []
     batches = BatchPrefetcher(lambda index: user_batch(user, index, training), device)
-    for step in range(args.steps):
+    for step in range(first_step, args.steps):
         # on GPUs pinned and copied on a side stream; the step waits for the copy, so what of it is not done
         # by then is counted in the step time below
         inputs, kwargs, target = batches.get(step)
@@ -249,6 +275,7 @@ def train(pipe: Pipeline, args) -> None:
                     scaler.update(not skipped)
             if optimizer is not None and not skipped:
                 optimizer.step()
+            step_scheduler(scheduler, step)
             pipe.zero_grad(set_to_none=True)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -273,6 +300,14 @@ def train(pipe: Pipeline, args) -> None:
                     record["skipped"] = True
                 with open(args.metrics, "a") as handle:
                     handle.write(json.dumps(record) + "\n")
+        periodic = args.save_every > 0 and (step + 1) % args.save_every == 0
+        if args.checkpoint_dir and (periodic or step + 1 == args.steps):
+            path = checkpoint.save(args.checkpoint_dir, step + 1, pipe.state_dict(), optimizer, fqns,
+                                   _checkpoint_info(pipe, optimizer), rank)
+            if reports and not args.quiet:
+                print(f"checkpoint {path}", flush=True)
+    if args.save_safetensors:
+        _save_safetensors(args.save_safetensors, manifest, pipe.folder, rank, pipe.state_dict(), world)
     if args.save:
         _save(args.save, manifest, pipe.folder, rank, pipe.state_dict(), world, include=pipe.dp_index == 0)
     if world > 1:
@@ -281,6 +316,91 @@ def train(pipe: Pipeline, args) -> None:
         _summary(pipe, args, history)
     if world > 1:
         dist.destroy_process_group()
+
+
+def _checkpoint_info(pipe: Pipeline, optimizer) -> dict:
+    manifest = pipe.manifest
+    return {"model_sha256": manifest["model_sha256"], "fqns": sorted(manifest["state_dict_keys"]),
+            "optimizer": type(optimizer).__name__ if optimizer is not None else None,
+            "world_size": pipe.world_size, "stage_to_rank": manifest["plan"]["stage_to_rank"]}
+
+
+def _resume(pipe: Pipeline, args, optimizer, scheduler, fqns: list) -> int:
+    """Load the latest complete checkpoint of ``--resume``; returns the step to continue from. Every rank checks
+    the checkpoint against its own stages, then the ranks agree (one small gather) before anything is loaded:
+    a bad checkpoint stops every rank with the message, before anything is trained or written."""
+    try:
+        step, path, prepared = _check_resume(pipe, args, optimizer, scheduler, fqns)
+        problem = None
+    except PipelineError as error:
+        step, path, prepared, problem = None, None, None, str(error)
+    problems = [problem]
+    if pipe.world_size > 1:
+        problems = [None] * pipe.world_size
+        dist.all_gather_object(problems, problem, group=_control_group())
+    if any(problems):
+        first = next((rank, text) for rank, text in enumerate(problems) if text)
+        raise PipelineError(problem or f"rank {first[0]}: {first[1]}")
+    checkpoint.load(prepared, optimizer, fqns)
+    if pipe.is_last_rank and not args.quiet:
+        print(f"resumed from {path} (step {step}); training steps {step + 1} to {args.steps}", flush=True)
+    return step
+
+
+def _check_resume(pipe: Pipeline, args, optimizer, scheduler, fqns: list) -> tuple:
+    step, path, skipped = checkpoint.latest_checkpoint(args.resume)
+    for incomplete in skipped:
+        print(f"[tracepp rank {pipe.rank}] ignoring incomplete checkpoint {incomplete} (no {checkpoint.MARKER} "
+              f"marker: its save was cut off)", file=sys.stderr, flush=True)
+    info = checkpoint.read_info(path)
+    checkpoint.check_compatible(path, info, _checkpoint_info(pipe, optimizer))
+    if scheduler is not None:  # a schedule is a function of the step count: step a fresh one to `step`
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for done in range(step):
+                step_scheduler(scheduler, done)
+    if optimizer is not None:
+        group_of = [group for group in optimizer.param_groups for _param in group["params"]]
+        for fqn, group in zip(fqns, group_of):
+            saved = info["param_groups"].get(fqn, {}).get("lr")
+            if saved is not None and abs(saved - group["lr"]) > 1e-12 * max(1.0, abs(saved)):
+                raise PipelineError(
+                    f"checkpoint {path}: the learning rate of {fqn} was {saved} at step {step} but this run's "
+                    f"LR schedule gives {group['lr']}: use the same --lr/--warmup/--steps or lr_scheduler(...) "
+                    f"as the run that wrote it")
+    prepared = checkpoint.prepare_load(path, pipe.state_dict(), optimizer, fqns, pipe.rank,
+                                       info["world_size"] == pipe.world_size)
+    return step, path, prepared
+
+
+def _save_safetensors(path: str, manifest: dict, folder: str, rank: int, state: dict, world: int) -> None:
+    """Like ``--save`` but one safetensors file; a tied weight is written once, under its first FQN in the
+    model's state_dict order (``model.embed_tokens.weight``, not ``lm_head.weight``), as Hugging Face does."""
+    if rank == 0:
+        try:
+            import safetensors.torch  # noqa: F401
+        except ImportError as error:
+            raise PipelineError("--save-safetensors needs the safetensors package: pip install safetensors") from error
+    plain = f"{path}.state.tmp{os.getpid()}"
+    _save(plain, manifest, folder, rank, state, world)
+    if rank != 0:
+        return
+    import safetensors.torch
+
+    full = torch.load(plain, map_location="cpu", weights_only=True)
+    os.remove(plain)
+    tensors, seen = {}, set()
+    for fqn, tensor in full.items():
+        key = tensor.untyped_storage().data_ptr()
+        if tensor.numel() and key in seen:
+            continue
+        seen.add(key)
+        tensors[fqn] = tensor.contiguous()
+    temporary = f"{path}.tmp{os.getpid()}"
+    safetensors.torch.save_file(tensors, temporary, metadata={"format": "pt"})
+    os.replace(temporary, path)
 
 
 def _on_nonfinite(pipe: Pipeline, args, step: int, loss, scaler) -> tuple:

@@ -12,6 +12,7 @@ import os
 
 import torch
 import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
 
 
 def load_state(folder: str, manifest: dict, stage_indices, device: torch.device) -> dict:
@@ -53,6 +54,7 @@ class StageModule(nn.Module):
         self.stage_index = spec["index"]
         self.function = function
         self.autocast_dtype = None  # set by the Pipeline for mixed precision
+        self.recompute = False  # activation checkpointing (recompute.apply): keep inputs, recompute in backward
         self.device_type = next((t.device.type for t in state_by_fqn.values()), "cpu")
         self._state_paths = []
         for ref in spec["state"]:
@@ -76,4 +78,6 @@ class StageModule(nn.Module):
         else:
             context = torch.autocast(self.device_type, dtype=self.autocast_dtype)
         with context:
+            if self.recompute and torch.is_grad_enabled():
+                return checkpoint(self.function, *self.state_tensors(), *inputs, use_reentrant=False)
             return self.function(*self.state_tensors(), *inputs)

@@ -39,7 +39,7 @@ def _eager_adamw(path: str, steps: int, clip: float):
 
 @pytest.mark.parametrize("mode,order", [("fsdp", "pp-inner"), ("ddp", "dp-inner")])
 def test_dp_pp_matches_eager_on_the_global_batch(tmp_path, mode, order):
-    path = model_path("tied_lm_adamw")
+    path = model_path("tied_lm_dp")
     out = str(tmp_path / "out")
     manifest = split_model(path, out, num_ranks=2, schedule="1f1b", num_microbatches=2, dp=2, dp_mode=mode,
                            dp_order=order)
@@ -68,7 +68,7 @@ def test_dp_pp_matches_eager_on_the_global_batch(tmp_path, mode, order):
 
 def test_wrong_process_count_fails_on_every_rank(tmp_path):
     out = str(tmp_path / "out")
-    split_model(model_path("tied_lm_adamw"), out, num_ranks=2, schedule="1f1b", num_microbatches=2, dp=2)
+    split_model(model_path("tied_lm_dp"), out, num_ranks=2, schedule="1f1b", num_microbatches=2, dp=2)
     result = torchrun(out, 2, "--steps", "1")
     assert result.returncode != 0
     text = result.stderr
@@ -89,7 +89,7 @@ def test_bad_layouts_are_refused_with_the_fix(tmp_path, kwargs, message):
     options = dict(num_ranks=2, schedule="1f1b", num_microbatches=2)
     options.update(kwargs)
     with pytest.raises(ValueError) as error:
-        split_model(model_path("tied_lm_adamw"), str(tmp_path / "out"), **options)
+        split_model(model_path("tied_lm_dp"), str(tmp_path / "out"), **options)
     assert message in str(error.value)
 
 

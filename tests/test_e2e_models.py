@@ -31,7 +31,9 @@ def test_matches_eager(tmp_path, name, schedule):
     manifest = split_model(path, out, num_ranks=ranks, schedule=schedule, num_microbatches=microbatches)
     assert len(manifest["stages"]) == ranks
     ckpt = str(tmp_path / "ckpt.pt")
-    result = run_ok(out, ranks, "--steps", str(STEPS), "--save", ckpt)
+    hf_folder = tmp_path / "hf"
+    extra = ["--save-safetensors", str(hf_folder / "model.safetensors")] if needs_hf else []
+    result = run_ok(out, ranks, "--steps", str(STEPS), "--save", ckpt, *extra)
     assert f"step {STEPS}/{STEPS}" in result.stdout
     saved = torch.load(ckpt)
     assert_trained(saved, path)
@@ -42,6 +44,14 @@ def test_matches_eager(tmp_path, name, schedule):
         first = saved[shared["aliases"][0]]
         for alias in shared["aliases"]:
             assert alias in saved and torch.equal(saved[alias], first), alias
+    if needs_hf:  # --save-safetensors: from_pretrained reads it; a tied weight is stored once, as HF does
+        from safetensors.torch import load_file
+
+        stored = load_file(str(hf_folder / "model.safetensors"))
+        assert not any(alias in stored for alias in ("lm_head.weight",)), sorted(stored)
+        model.config.save_pretrained(str(hf_folder))
+        loaded = type(model).from_pretrained(str(hf_folder))
+        assert_state_close({k: v for k, v in loaded.state_dict().items() if k in saved}, saved, atol=0)
 
 
 TIED = {"tied_lm": ["embed.weight", "head.weight"],

@@ -119,3 +119,20 @@ def test_batch_prefetcher_on_cpu_hands_batches_over_in_order():
         (tensor,), _, _ = batches.get(step)
         assert tensor.tolist() == [float(step)] * 2
     assert calls == [0, 1, 2]  # produced in the loop's thread, in order, never ahead
+
+
+def test_bf16_keeps_autocast_disabled_regions_in_fp32(tmp_path):
+    """A ``torch.autocast(enabled=False)`` block (older HF rotary tables) runs in fp32 under --precision bf16,
+    as in eager autocast: with it computed in bf16, cos(37 * x @ freq) would be off by far more than 1e-3."""
+    out = str(tmp_path / "out")
+    path = model_path("autocast_off_region")
+    split_model(path, out, num_ranks=2, schedule="1f1b", num_microbatches=2)
+    source = open(f"{out}/rank1.py").read()
+    assert "_enter_autocast(RUN_DEVICE.type, None, False, None)" in source
+    pipe = Pipeline(out, all_stages=True, precision="bf16")
+    module = pipe.user
+    args, kwargs, target = module.batch(0)
+    loss = pipe.step(args, kwargs, target)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = module.loss_fn(module.model()(*args, **kwargs), target)
+    torch.testing.assert_close(loss.float(), expected.float(), rtol=1e-3, atol=0)

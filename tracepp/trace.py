@@ -20,6 +20,9 @@ from tracepp.dynamic import DynamicFlags, export_dynamic_shapes, names_from_mode
 from tracepp.modelfile import ModelFile, ModelFileError
 
 
+AUTOCAST_OFF = "tracepp_autocast_off"  # node meta: inlined from a torch.autocast(enabled=False) region
+
+
 class TraceError(ValueError):
     """torch.export could not capture the model."""
 
@@ -122,7 +125,8 @@ def inline_grad_mode_regions(program: torch.export.ExportedProgram, model_path: 
     ``wrap_with_set_grad_enabled`` higher-order op whose body is a submodule, and ``autocast(enabled=False)``
     in ``wrap_with_autocast``. A stage is one flat generated function with no submodules, so the body is
     inlined; outputs of a grad-disabled region are detached, which is exactly what running it under no_grad
-    gives. The runtime never enables autocast, so a disabled-autocast region is the plain body. Any other
+    gives. A disabled-autocast region's nodes are marked ``AUTOCAST_OFF``: the stage code generator turns
+    autocast off around them, so under ``--precision bf16`` they still run in fp32 (HF's rotary tables). Any other
     higher-order op (torch.cond, an enabled autocast region) is reported, since its body cannot be split.
     """
     graph_module = program.graph_module
@@ -136,6 +140,7 @@ def inline_grad_mode_regions(program: torch.export.ExportedProgram, model_path: 
             grad_enabled, body_node, operands = True, node.args[4], node.args[5:]
         else:
             continue
+        autocast_off = name == "wrap_with_autocast"
         body = getattr(graph_module, body_node.target)
         env: dict = {}
         outer_stack = node.meta.get("nn_module_stack") or {}
@@ -155,6 +160,8 @@ def inline_grad_mode_regions(program: torch.export.ExportedProgram, model_path: 
                 copied = graph.node_copy(inner, lambda n: env[n])
                 # keep the enclosing modules, so split points and stage balancing see the full module path
                 copied.meta["nn_module_stack"] = {**outer_stack, **(inner.meta.get("nn_module_stack") or {})}
+                if autocast_off:  # stage code runs it with autocast off, as eager does (--precision bf16)
+                    copied.meta[AUTOCAST_OFF] = True
                 if not copied.meta.get("stack_trace"):
                     copied.meta["stack_trace"] = node.meta.get("stack_trace")
                 env[inner] = copied

@@ -1,5 +1,7 @@
-"""The tied-embedding LM of tied_lm.py trained with AdamW: the data-parallel tests (issue 11) run it on a
-2 pipeline ranks x 2 replicas mesh and compare with eager AdamW on the global batch.
+"""tied_lm.py's model trained with AdamW, parameter groups chosen by FQN and an LR schedule from the model file.
+
+The tied embedding/head weight lives on both stages of a 2-way split: both ranks must apply the same AdamW
+update to it. Norm weights and biases get no weight decay (chosen by name, through ``named_params``).
 """
 import torch
 import torch.nn as nn
@@ -61,8 +63,19 @@ def loss_fn(logits, target):
     return F.cross_entropy(logits.reshape(-1, VOCAB), target.reshape(-1))
 
 
-def optimizer(params):
-    return torch.optim.AdamW(params, lr=0.01)
+def _no_decay(name):
+    return name.endswith(".bias") or name.startswith("norm.") or ".norm." in name
+
+
+def optimizer(named_params):
+    decay = [p for name, p in named_params if not _no_decay(name)]
+    no_decay = [p for name, p in named_params if _no_decay(name)]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                             lr=0.02, betas=(0.9, 0.95))
+
+
+def lr_scheduler(optimizer):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 2) * 0.9 ** step)
 
 
 split_points = ["layers.2"]
