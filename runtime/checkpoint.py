@@ -195,7 +195,13 @@ def prepare_load(path: str, named_state: dict, optimizer, fqns: list, rank: int,
                         f"checkpoint {path}: optimizer state {state_key!r} of {fqn} has shape {list(entry.size)} "
                         f"but the parameter has shape {list(param.shape)}: the optimizer state does not match "
                         f"the parameters; resume from a checkpoint of this model")
-                flat[key] = torch.empty(tuple(entry.size), dtype=entry.properties.dtype, device=param.device)
+                if hasattr(param, "device_mesh") and tuple(entry.size) == tuple(param.shape):
+                    # data parallel (FSDP/DDP DTensor parameters): DCP loads each rank's shard of the state
+                    from torch.distributed.tensor import empty as dtensor_empty
+                    flat[key] = dtensor_empty(*entry.size, dtype=entry.properties.dtype,
+                                              device_mesh=param.device_mesh, placements=param.placements)
+                else:
+                    flat[key] = torch.empty(tuple(entry.size), dtype=entry.properties.dtype, device=param.device)
             else:
                 flat[key] = b""
             optimizer_keys.setdefault(fqn, []).append(state_key)

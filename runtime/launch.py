@@ -27,7 +27,7 @@ import torch.distributed as dist
 from .failure import EXIT_FAILED, FailureChannel, PipelineError
 from .loading import load_manifest
 from . import checkpoint, recompute
-from .mesh import coordinates, mesh_layout
+from .mesh import coordinates, full, mesh_layout
 from .optim import OPTIMIZERS, build_optimizer, build_scheduler, parameter_fqns, step_scheduler
 from .pipeline import Pipeline, check_precision
 from .prefetch import BatchPrefetcher
@@ -107,7 +107,9 @@ def check_world_size(manifest: dict) -> None:
 def _save(path: str, manifest: dict, folder: str, rank: int, state: dict, world: int, include: bool = True) -> None:
     """Gather every rank's state (``Pipeline.state_dict``) and write one state_dict keyed by every original
     FQN atomically from rank 0. ``include``: False on data-parallel replicas other than the first (same tensors)."""
-    mine = {name: tensor.detach().cpu() for name, tensor in state.items()} if include else {}
+    mine = {name: full(tensor).detach().cpu() for name, tensor in state.items()}  # full: collective over dp
+    if not include:
+        mine = {}
     parts = [None] * world if rank == 0 else None
     if world > 1:
         dist.gather_object(mine, parts, dst=0, group=_control_group())

@@ -391,13 +391,12 @@ class Pipeline:
         return [param for _name, param in self.named_parameters()]
 
     def state_dict(self) -> dict:
-        """This rank's parameters and persistent buffers under the original FQNs (detached); with data
-        parallelism the whole tensors (a collective over the dp dim: call it on every rank)."""
+        """This rank's parameters and persistent buffers under the original FQNs (detached, sharing storage, so
+        loading into them loads the model); with FSDP they are DTensors (``mesh.full`` gathers one whole)."""
         state = {}
         for stage in self.stages.values():
             for name, tensor in stage.state_dict().items():
-                if name not in state:
-                    state[name] = dp_mesh.full(tensor)
+                state.setdefault(name, tensor)
         return state
 
     def train(self, mode: bool = True):

@@ -121,3 +121,16 @@ def test_a_batch_the_replicas_cannot_share_is_refused():
         pipe._replica_slice((torch.arange(10), 3), {}, None)
     assert str(error.value) == ("batch for step 5 has 10 samples, which the 4 data-parallel replicas cannot "
                                 "share equally: use a global batch of 8 or 12")
+
+
+def test_dp_checkpoint_resume_matches_eager(tmp_path):
+    """DCP checkpoints of FSDP stages (DTensor parameters and AdamW state): 2 steps, save, resume to step 3."""
+    path = model_path("tied_lm_dp")
+    out = str(tmp_path / "out")
+    split_model(path, out, num_ranks=2, schedule="1f1b", num_microbatches=2, dp=2)
+    checkpoints, ckpt = str(tmp_path / "ck"), str(tmp_path / "ckpt.pt")
+    run_ok(out, 4, "--steps", "2", "--checkpoint-dir", checkpoints)
+    result = run_ok(out, 4, "--steps", "3", "--resume", checkpoints, "--save", ckpt)
+    assert "resumed from" in result.stdout
+    expected, _norms, _losses = _eager_adamw(path, 3, clip=float("inf"))
+    assert_state_close(torch.load(ckpt), expected)
