@@ -3,7 +3,7 @@
     python -m benchmarks.stage_times OUT_DIR [OUT_DIR ...] --json times.json [--device cpu] [--rounds 5]
 
 For each folder, in this one process: every stage of the plan is loaded onto one device (weights from
-``weights/``, stage code from the generated ``rank*.py``) and driven by the runtime's own ``RankExecutor``
+``model()``, stage code from the generated ``rank*.py``) and driven by the runtime's own ``RankExecutor``
 with a single-rank action list (``F`` of every stage, then ``B`` of every stage in reverse; then the same with
 ``I``/``W`` for the zero-bubble split), on the real microbatches of step 0. Each action is timed on its own
 (CUDA synchronised around it); the cost of a (stage, kind) is the median over ``rounds`` x microbatches.
@@ -64,7 +64,9 @@ def measure(out_dir: str, device: torch.device, rounds: int = 5, max_microbatche
     for stage in single["stages"]:
         stage["rank"] = 0
     user = launch.load_user_module(out_dir)
-    state = launch._load_state(out_dir, single, 0, device)
+    import tracepp_runtime.weights as weights
+
+    state = weights.load_rank_state(out_dir, single, 0, device, user)
     functions = _stage_functions(out_dir, manifest)
     out_spec = launch.load_spec(manifest, "out_spec")
     inputs, kwargs, target = user.batch(0)

@@ -3,7 +3,7 @@
 Command line (the same on every rank, as torchrun passes it)::
 
     torchrun --nproc-per-node R out/run.py [--steps K] [--lr LR] [--save ckpt.pt] [--metrics m.jsonl]
-                                           [--timeout SECONDS]
+                                           [--timeout SECONDS] [--load CKPT | --init model|per-module]
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ import torch.utils._pytree as pytree
 from .executor import RankExecutor
 from .failure import EXIT_FAILED, FailureChannel, PipelineError
 from .batching import BatchChecker
+from .weights import INIT_MODES, load_rank_state
 
 
 def parse_args(argv=None):
@@ -32,6 +33,12 @@ def parse_args(argv=None):
     parser.add_argument("--lr", type=float, default=0.01, help="learning rate of the default SGD optimizer")
     parser.add_argument("--save", default=None, help="write the trained state_dict (original FQNs) here")
     parser.add_argument("--metrics", default=None, help="append one JSON line per step here")
+    parser.add_argument("--load", default=None,
+                        help="initial weights: a .safetensors or torch state_dict file, a Hugging Face folder, or a "
+                             "torch.distributed.checkpoint folder, keyed by the model's FQNs; each rank reads its own")
+    parser.add_argument("--init", default="model", choices=INIT_MODES,
+                        help="without --load: 'model' builds model() and keeps this rank's tensors (equals eager); "
+                             "'per-module' initialises only this rank's modules, seeded by FQN (large models)")
     parser.add_argument("--timeout", type=float, default=120.0,
                         help="seconds any communication may wait before the job fails (default 120)")
     parser.add_argument("--quiet", action="store_true", help="no per-step progress lines")
@@ -111,23 +118,6 @@ def _init_process_group(rank: int, world: int, timeout_s: float):
     return device, backend
 
 
-def _load_state(folder: str, manifest: dict, rank: int, device: torch.device) -> dict:
-    """FQN -> tensor for every parameter/buffer this rank's stages read; one object per FQN on a rank."""
-    state: dict = {}
-    for spec in manifest["stages"]:
-        if manifest["plan"]["stage_to_rank"][spec["index"]] != rank:
-            continue
-        saved = torch.load(os.path.join(folder, spec["weights"]), map_location="cpu", weights_only=True)
-        for ref in spec["state"]:
-            if ref["fqn"] in state:
-                continue
-            tensor = saved[ref["fqn"]].to(device)
-            if ref["kind"] == "parameter":
-                tensor = torch.nn.Parameter(tensor, requires_grad=ref.get("requires_grad", True))
-            state[ref["fqn"]] = tensor
-    return state
-
-
 def _shared_groups(manifest: dict, rank: int, state: dict):
     """One process group per set of ranks that hold copies of a shared parameter, in the same order everywhere."""
     by_ranks: dict = {}
@@ -174,7 +164,8 @@ def _save(path: str, manifest: dict, folder: str, rank: int, state: dict, world:
         parts = [mine]
     if rank != 0:
         return
-    merged = torch.load(os.path.join(folder, "weights", "unused.pt"), map_location="cpu", weights_only=True)
+    # state no stage reads never changes: rank 0 materialised it at start-up (runtime/weights.py)
+    merged = {item["fqn"]: state[item["fqn"]].detach().cpu() for item in manifest.get("unused_state", [])}
     for part in parts:
         merged.update(part)
     aliases = {ref["fqn"]: ref["aliases"] for spec in manifest["stages"] for ref in spec["state"]}
@@ -242,7 +233,7 @@ def _train(args, manifest, folder, rank, world, stage_functions, actions, shapes
     user = load_user_module(folder)
     training = manifest["training"]
     out_spec = load_spec(manifest, "out_spec")
-    state = _load_state(folder, manifest, rank, device)
+    state = load_rank_state(folder, manifest, rank, device, user, load=args.load, init=args.init)
     loss_fn = getattr(user, "loss_fn", None) if training else None
     executor = RankExecutor(manifest, rank, stage_functions, actions, state, device, loss_fn, args.timeout,
                             out_spec, training, shapes)
