@@ -69,6 +69,26 @@ def build_model(model_file: ModelFile, on_meta: bool) -> tuple:
         return model_file.model(), [note]
 
 
+def _input_device(leaves: list) -> torch.device:
+    return next((leaf.device for leaf in leaves if isinstance(leaf, torch.Tensor)), torch.device("cpu"))
+
+
+def _replace_meta_device(program: torch.export.ExportedProgram, device: torch.device) -> None:
+    """Weights on meta leave ``device='meta'`` in ops that name a device (``.to``, ``arange``, dtype/device
+    assertions); the program runs where the inputs are, so name their device, as a real trace would."""
+    meta = torch.device("meta")
+
+    def fix(value):
+        if isinstance(value, torch.device) and value == meta:
+            return device
+        return value
+
+    for node in program.graph.nodes:
+        node.args = torch.fx.node.map_aggregate(node.args, fix)
+        node.kwargs = torch.fx.node.map_aggregate(node.kwargs, fix)
+    program.graph_module.recompile()
+
+
 def _is_on_meta(model: torch.nn.Module) -> bool:
     return any(tensor.is_meta for tensor in list(model.parameters()) + list(model.buffers()))
 
@@ -118,6 +138,8 @@ def trace(model_file: ModelFile, num_microbatches: int, dynamic_shapes: Any = No
         notes.append(f"the model does not trace with meta weights ({type(error).__name__}: "
                      f"{str(error).splitlines()[0] if str(error) else ''}); traced with real weights instead")
     inline_grad_mode_regions(program, model_file.path)
+    if _is_on_meta(model):
+        _replace_meta_device(program, _input_device(leaves))
     dim_names = {(leaf_of_arg[arg], dim): name for (arg, dim), name in arg_dim_names.items() if arg in leaf_of_arg}
     return Traced(program, model, model_file, num_microbatches, batch_size, batched, leaves, dim_names, notes)
 
