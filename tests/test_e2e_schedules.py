@@ -71,9 +71,11 @@ def test_multi_stage_schedule_matches_eager(tmp_path, schedule, microbatches):
 def _executor_for_rank0(out: str, manifest: dict):
     """The runtime's own view of rank 0 (the state loading and stage wiring torchrun would do), without running."""
     from tracepp.runtime.executor import RankExecutor
-    from tracepp.runtime.launch import _load_state
+    from tracepp.modelfile import load_model_file
+    from tracepp.runtime.weights import load_rank_state
 
-    state = _load_state(out, manifest, 0, torch.device("cpu"))
+    user = load_model_file(os.path.join(out, "model_file.py")).module
+    state = load_rank_state(out, manifest, 0, torch.device("cpu"), user)
     stages = {s: None for s, r in enumerate(manifest["plan"]["stage_to_rank"]) if r == 0}
     return RankExecutor(manifest, 0, stages, [], state, torch.device("cpu"), None, 30.0, None, True)
 
