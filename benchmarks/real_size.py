@@ -9,7 +9,8 @@ from a config; 7B into 4 stages, 70B-shaped into 16) with explicit ``--split-poi
 and reads the child's peak RSS from ``os.wait4`` (``ru_maxrss``). ``load`` writes the 551M model's
 ``state_dict`` to a ``.safetensors`` file under ``/tmp``, splits it into 4 stages, runs one training step with
 ``--load`` under torchrun on gloo, and samples every rank's ``VmHWM`` (peak RSS) from ``/proc`` every 50 ms;
-the baseline is the same sampling over an idle torchrun job that only initialises gloo and imports torch.
+a run with ``--steps 0`` gives the peak of loading alone; the baseline is the same sampling over an idle torchrun job that imports torch and the model file (so
+transformers) and initialises gloo.
 A rank's budget is its stages' parameters x (weights + gradients + optimizer state; SGD keeps none) in fp32
 plus that baseline. Files under ``/tmp`` are deleted afterwards. Results go to ``benchmarks/results/``.
 """
@@ -104,13 +105,13 @@ class RankPeaks:
     def _sample(self) -> None:
         for pid in self._children():
             try:
-                if pid not in self.ranks:
+                if pid not in self.ranks:  # read until RANK shows: a just-forked child has its parent's environ
                     with open(f"/proc/{pid}/environ", "rb") as handle:
                         env = dict(item.split(b"=", 1) for item in handle.read().split(b"\0") if b"=" in item)
-                    self.ranks[pid] = int(env[b"RANK"]) if b"RANK" in env else None
+                    if b"RANK" not in env:
+                        continue
+                    self.ranks[pid] = int(env[b"RANK"])
                 rank = self.ranks[pid]
-                if rank is None:
-                    continue
                 with open(f"/proc/{pid}/status") as handle:
                     hwm = next(int(line.split()[1]) for line in handle if line.startswith("VmHWM"))
                 self.peaks[rank] = max(self.peaks.get(rank, 0), hwm * 1024)
@@ -129,7 +130,9 @@ class RankPeaks:
 
 
 BASELINE = """
-import os, time, torch, torch.distributed as dist
+import importlib.util, os, sys, time, torch, torch.distributed as dist
+spec = importlib.util.spec_from_file_location("model_file", sys.argv[1])  # its imports (transformers) count
+spec.loader.exec_module(importlib.util.module_from_spec(spec))
 dist.init_process_group("gloo")
 dist.barrier()
 time.sleep(1.0)
@@ -150,7 +153,7 @@ def torchrun_peaks(nproc: int, args: list, env: dict) -> tuple:
     return result, round(time.perf_counter() - start, 1), output
 
 
-def load(ranks: int, root: str) -> dict:
+def load(ranks: int, root: str, allocator_threshold: int = 0) -> dict:
     case = "500m"
     env = _env(case)
     checkpoint = os.path.join(root, "llama500m.safetensors")
@@ -163,7 +166,13 @@ def load(ranks: int, root: str) -> dict:
     baseline_script = os.path.join(root, "baseline.py")
     with open(baseline_script, "w") as handle:
         handle.write(BASELINE)
-    baseline, _, _ = torchrun_peaks(ranks, [baseline_script], env)
+    if allocator_threshold:
+        # glibc raises its mmap threshold after large frees, so freed blocks stay in the heap and in RSS;
+        # a fixed threshold returns them at once, so RSS follows live memory more closely
+        env = dict(env, MALLOC_MMAP_THRESHOLD_=str(allocator_threshold))
+    baseline, _, _ = torchrun_peaks(ranks, [baseline_script, MODEL], env)
+    loaded, _, _ = torchrun_peaks(ranks, [os.path.join(out, "run.py"), "--steps", "0", "--load", checkpoint,
+                                          "--timeout", "600"], env)
     peaks, wall, output = torchrun_peaks(ranks, [os.path.join(out, "run.py"), "--steps", "1", "--load", checkpoint,
                                                  "--timeout", "600"], env)
     with open(os.path.join(out, "manifest.json")) as handle:
@@ -179,11 +188,12 @@ def load(ranks: int, root: str) -> dict:
     for rank in range(ranks):
         budget = 2 * share[rank] + baseline[rank]  # weights + grads (SGD: no optimizer state) + torch baseline
         rows.append({"rank": rank, "weights_gb": round(share[rank], 3), "baseline_gb": baseline[rank],
-                     "budget_gb": round(budget, 3), "peak_rss_gb": peaks[rank],
+                     "budget_gb": round(budget, 3), "peak_rss_loading_only_gb": loaded[rank],
+                     "peak_rss_gb": peaks[rank],
                      "below_budget": peaks[rank] < budget})
         print(json.dumps(rows[-1]), flush=True)
     total = sum(s["num_params"] for s in manifest["stages"])
-    return {"parameters": total, "checkpoint_gb": round(os.path.getsize(checkpoint) / 1e9, 3), "wall_s": wall,
+    return {"parameters": total, "malloc_mmap_threshold": allocator_threshold or "glibc default (dynamic)", "checkpoint_gb": round(os.path.getsize(checkpoint) / 1e9, 3), "wall_s": wall,
             "ranks": rows, "loss_line": [line for line in output.splitlines() if "loss" in line][:1]}
 
 
@@ -192,6 +202,8 @@ def main(argv=None) -> int:
     parser.add_argument("what", choices=["plan", "load"])
     parser.add_argument("--cases", default="7b,70b")
     parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--malloc-mmap-threshold", type=int, default=0,
+                        help="load: set MALLOC_MMAP_THRESHOLD_ for the ranks (bytes; 0: glibc's default)")
     parser.add_argument("--results", default=os.path.join(HERE, "results"))
     args = parser.parse_args(argv)
     root = tempfile.mkdtemp(prefix="tracepp_real_size_", dir="/tmp")
@@ -199,7 +211,7 @@ def main(argv=None) -> int:
         if args.what == "plan":
             result = {"plan": plan(args.cases.split(","), root)}
         else:
-            result = {"load": load(args.ranks, root)}
+            result = {"load": load(args.ranks, root, args.malloc_mmap_threshold)}
     finally:
         shutil.rmtree(root, ignore_errors=True)
     result["load_average"] = os.getloadavg()
