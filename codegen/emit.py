@@ -1,10 +1,11 @@
 """Step 4, emit: write the output folder that torchrun runs.
 
 ``manifest.json`` (the plan and all metadata: the single source of truth), ``rank{R}.py`` per rank (the
-stage code from fx plus that rank's action list), ``run.py`` (the torchrun entry point), ``weights/``
-(each stage's initial parameters and buffers), ``model_file.py`` (a copy of the model file, for
+stage code from fx plus that rank's action list), ``run.py`` (the torchrun entry point), ``model_file.py`` (a copy of the model file, for
 ``loss_fn``/``batch``/``optimizer``) and ``tracepp_runtime/`` (a copy of the runtime, so the folder runs
-where only torch is installed).
+where only torch is installed). No parameter data is written: each rank materialises its own stages at run
+time (``runtime/weights.py``); only constants that export created while tracing (not the model's attributes)
+go to ``constants.pt``.
 """
 from __future__ import annotations
 
@@ -47,7 +48,8 @@ def build_manifest(model_file, traced, graph, plan, launch_command: str) -> dict
             state.append({"placeholder": name, "fqn": ref.fqn, "aliases": ref.aliases, "kind": ref.kind,
                           "persistent": ref.persistent, "shared": len(ref.stages) > 1,
                           "requires_grad": bool(param.requires_grad) if param is not None else False,
-                          "shape": list(value.shape), "numel": value.numel()})
+                          "shape": list(value.shape), "dtype": str(value.dtype).replace("torch.", ""),
+                          "numel": value.numel()})
         received = [dict(producer=p, name=n, **graph.values[n].meta.to_json()) for p, n in stage.received]
         output_node = next(n for n in stage.graph.nodes if n.op == "output")
         returned_only = [isinstance(n, torch.fx.Node) and len(n.users) == 1 and n.op != "placeholder"
@@ -58,7 +60,7 @@ def build_manifest(model_file, traced, graph, plan, launch_command: str) -> dict
             output_requires_grad = [graph.values[n].meta.requires_grad for n in stage.outputs]
         stages.append({
             "index": stage.index, "rank": stage_to_rank[stage.index], "function": f"stage{stage.index}_forward",
-            "weights": f"weights/stage{stage.index}.pt", "state": state,
+            "state": state,
             "root_inputs": stage.root_inputs,
             "root_leaf_indices": [graph.root_inputs[name].leaf_index for name in stage.root_inputs],
             "received": received, "outputs": stage.outputs, "output_requires_grad": output_requires_grad,
@@ -103,6 +105,9 @@ def build_manifest(model_file, traced, graph, plan, launch_command: str) -> dict
         "recomputed": graph.recomputed,
         "shared": [{"fqn": ref.fqn, "aliases": ref.aliases, "stages": ref.stages} for ref in graph.shared_state()],
         "state_dict_keys": list(model.state_dict().keys()),
+        # read by no stage: rank 0 materialises them only to write them back with --save
+        "unused_state": [{"fqn": fqn, "shape": list(tensor.shape), "dtype": str(tensor.dtype).replace("torch.", "")}
+                         for fqn, tensor in graph.unused_state.items()],
         "symbols": graph.symbols,
         "batch_symbol": graph.batch_symbol,
         "plan": plan,
@@ -114,6 +119,29 @@ def _program_tensor(program, fqn: str, kind: str) -> torch.Tensor:
     if kind == "constant" or fqn not in program.state_dict:
         return program.constants[fqn]
     return program.state_dict[fqn]
+
+
+def _traced_constants(traced, manifest: dict) -> dict:
+    """Constants the stages read that are not attributes of the model (tensors export created in forward):
+    the runtime cannot rebuild them from ``model()``, so their (small, real) values are written out."""
+    created = {}
+    for stage in manifest["stages"]:
+        for ref in stage["state"]:
+            if ref["kind"] != "constant" or _has_attribute(traced.model, ref["fqn"]):
+                continue
+            value = _program_tensor(traced.program, ref["fqn"], ref["kind"])
+            if not value.is_meta:
+                created[ref["fqn"]] = value.detach().clone().contiguous()
+    return created
+
+
+def _has_attribute(model, fqn: str) -> bool:
+    owner = model
+    for part in fqn.split("."):
+        if not hasattr(owner, part):
+            return False
+        owner = getattr(owner, part)
+    return isinstance(owner, torch.Tensor)
 
 
 def _header(manifest: dict, rank: int, rank_stages: list) -> str:
@@ -288,14 +316,10 @@ def emit(out_dir: str, model_file, traced, graph, plan: dict, launch_command: st
         shutil.rmtree(out_dir)  # a folder we wrote before: replace it whole, never mix two plans
     elif os.path.isdir(out_dir) and os.listdir(out_dir):
         raise FileExistsError(f"output folder {out_dir!r} exists and is not a tracepp output; choose another -o")
-    os.makedirs(os.path.join(out_dir, "weights"), exist_ok=True)
-    for stage in manifest["stages"]:
-        tensors = {}
-        for ref in stage["state"]:
-            source = _program_tensor(traced.program, ref["fqn"], ref["kind"])
-            tensors[ref["fqn"]] = source.detach().clone().contiguous()
-        torch.save(tensors, os.path.join(out_dir, stage["weights"]))
-    torch.save(graph.unused_state, os.path.join(out_dir, "weights", "unused.pt"))
+    os.makedirs(out_dir, exist_ok=True)
+    created = _traced_constants(traced, manifest)
+    if created:
+        torch.save(created, os.path.join(out_dir, "constants.pt"))
     for rank in range(plan["num_ranks"]):
         with open(os.path.join(out_dir, f"rank{rank}.py"), "w") as handle:
             handle.write(rank_script(manifest, rank, graph, model_file.path))

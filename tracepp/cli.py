@@ -26,7 +26,8 @@ def _split(args) -> int:
         print(f"note: {note}")
     print(stage_table(manifest))
     print(f"\nwrote {args.out}: manifest.json, run.py, "
-          f"{', '.join(f'rank{r}.py' for r in range(manifest['plan']['num_ranks']))}, weights/, tracepp_runtime/")
+          f"{', '.join(f'rank{r}.py' for r in range(manifest['plan']['num_ranks']))}, tracepp_runtime/ (no weights: "
+          f"each rank loads its own with --load CKPT or builds them from model())")
     print(f"run it: {manifest['launch_command']} --steps 3")
     return 0
 

@@ -18,7 +18,7 @@ def split_model(model_path: str, out_dir: str, num_ranks: int = 2, num_stages: O
                 schedule: str = "1f1b", num_microbatches: int = 4, split_points: Optional[list] = None,
                 dynamic_shapes=None) -> dict:
     model_file = load_model_file(model_path)                                          # the user's contract
-    traced = trace(model_file, num_microbatches, dynamic_shapes)                      # 1. torch.export
+    traced = trace(model_file, num_microbatches, dynamic_shapes, on_meta=True)        # 1. torch.export, meta
     graph = split(traced, split_points or model_file.split_points, num_stages,          # 2. stage graphs
                   default_stages=num_ranks * stages_per_rank(schedule), schedule=schedule,
                   num_microbatches=num_microbatches, training=model_file.training)
