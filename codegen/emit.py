@@ -34,6 +34,28 @@ def _spec_text(spec):
         return {"pickle": base64.b64encode(pickle.dumps(spec)).decode()}
 
 
+def _spec_types(*specs) -> list:
+    """``module:qualname`` of every non-builtin node type in the specs (the runtime imports them first)."""
+    found, todo = set(), [spec for spec in specs if spec is not None]
+    while todo:
+        spec = todo.pop()
+        kind = spec.type
+        # the model file's own classes come back with it (it is imported first), under another module name
+        if kind is not None and kind.__module__ not in ("builtins", "collections") \
+                and not kind.__module__.startswith("tracepp_user_model_"):
+            found.add(f"{kind.__module__}:{kind.__qualname__}")
+        todo.extend(spec.children())
+    return sorted(found)
+
+
+def _import_paths(model_path: str) -> list:
+    """The model file's folder, and the working directory where it differs: where its own imports live."""
+    paths = [os.path.dirname(os.path.abspath(model_path))]
+    if os.getcwd() not in paths:
+        paths.append(os.getcwd())
+    return paths
+
+
 def build_manifest(model_file, traced, graph, plan, launch_command: str) -> dict:
     model = traced.model
     stage_to_rank = plan["stage_to_rank"]
@@ -97,6 +119,8 @@ def build_manifest(model_file, traced, graph, plan, launch_command: str) -> dict
         "batched_leaves": traced.batched_leaves,
         "in_spec": in_spec.get("json"), "in_spec_pickle": in_spec.get("pickle"),
         "out_spec": out_spec.get("json"), "out_spec_pickle": out_spec.get("pickle"),
+        "spec_types": _spec_types(graph.in_spec, graph.out_spec),
+        "import_paths": _import_paths(model_file.path),
         "output_leaves": [[kind, value] for kind, value in graph.output_leaves],
         "root_inputs": root_inputs,
         "values": {name: {"producer": v.producer, "consumers": v.consumers, **v.meta.to_json()}

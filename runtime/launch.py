@@ -25,7 +25,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from .failure import EXIT_FAILED, FailureChannel, PipelineError
+from .failure import EXIT_FAILED, FailureChannel, PipelineError, stall_message
 from .loading import load_manifest
 from . import checkpoint, recompute
 from .optim import OPTIMIZERS, build_optimizer, build_scheduler, parameter_fqns, step_scheduler
@@ -263,7 +263,14 @@ def train(pipe: Pipeline, args) -> None:
         norm, skipped, note = None, False, ""
         if training:
             loss = result if reports else None
-            pipe.sync_shared_grads()
+            try:
+                pipe.sync_shared_grads()
+            except RuntimeError as error:  # a peer stalled: name the collective, not gloo's recv
+                if "timed out" not in str(error).lower():
+                    raise
+                raise PipelineError(stall_message(
+                    rank, args.timeout, f"the tied-weight gradient sync (all-reduce) of step {step} with the "
+                    f"other ranks that hold a shared weight")) from error
             if scaler is not None:
                 pipe.scale_grads(1.0 / scaler.scale)
             if needs_norm:

@@ -28,8 +28,9 @@ import torch.distributed as dist
 from .batching import MicrobatchSplitter
 from .distributed import init_distributed
 from .executor import RankExecutor, _shapes_from_manifest, parse_action
-from .loading import load_manifest, load_rank_script, load_spec, load_user_module
+from .loading import load_manifest, load_rank_script
 from .stages import StageModule
+from .usercode import load_spec, load_user_module
 from .weights import load_rank_state
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -87,7 +88,7 @@ class Pipeline:
         self.precision = precision
         self.compute_dtype = PRECISIONS[precision]
         self.training = manifest["training"]
-        self.user = load_user_module(self.folder)
+        self.user = load_user_module(self.folder, manifest)
         if loss_fn is None and self.training:
             loss_fn = getattr(self.user, "loss_fn", None)
         self.loss_fn = loss_fn

@@ -7,7 +7,7 @@ from __future__ import annotations
 import shlex
 from typing import Optional
 
-from tracepp.codegen.emit import emit
+from tracepp.codegen.emit import build_manifest, emit
 from tracepp.codegen.plan import plan, stages_per_rank
 from tracepp.modelfile import load_model_file
 from tracepp.split.partition import split
@@ -25,5 +25,18 @@ def split_model(model_path: str, out_dir: str, num_ranks: int = 2, num_stages: O
     the_plan = plan(graph, schedule, num_ranks, num_microbatches, model_file.training)  # 3. schedule
     launch = f"torchrun --nproc-per-node {num_ranks} {shlex.quote(out_dir.rstrip('/') + '/run.py')}"
     manifest = emit(out_dir, model_file, traced, graph, the_plan, launch)             # 4. output folder
+    manifest["notes"] = traced.notes
+    return manifest
+
+
+def check_model(model_path: str, num_ranks: int = 2, num_stages: Optional[int] = None, schedule: str = "1f1b",
+                num_microbatches: int = 4, split_points: Optional[list] = None, dynamic_shapes=None) -> dict:
+    """``tracepp check``: trace, split and plan as :func:`split_model` does, and return the manifest unwritten."""
+    model_file = load_model_file(model_path)
+    traced = trace(model_file, num_microbatches, dynamic_shapes)
+    graph = split(traced, split_points or model_file.split_points, num_stages,
+                  default_stages=num_ranks * stages_per_rank(schedule))
+    the_plan = plan(graph, schedule, num_ranks, num_microbatches, model_file.training)
+    manifest = build_manifest(model_file, traced, graph, the_plan, f"torchrun --nproc-per-node {num_ranks} out/run.py")
     manifest["notes"] = traced.notes
     return manifest
