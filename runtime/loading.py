@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import sys
 
 from .usercode import load_spec, load_user_module  # noqa: F401  (the folder's user code)
 

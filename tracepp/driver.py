@@ -14,15 +14,23 @@ from tracepp.split.partition import split
 from tracepp.trace import trace
 
 
-def split_model(model_path: str, out_dir: str, num_ranks: int = 2, num_stages: Optional[int] = None,
-                schedule: str = "1f1b", num_microbatches: int = 4, split_points: Optional[list] = None,
-                dynamic_shapes=None) -> dict:
+def _plan(model_path: str, num_ranks: int, num_stages: Optional[int], schedule: str, num_microbatches: int,
+          split_points: Optional[list], dynamic_shapes):
+    """Steps 1-3, shared by ``split`` and ``check``: (model file, traced program, stage graphs, plan)."""
     model_file = load_model_file(model_path)                                          # the user's contract
     traced = trace(model_file, num_microbatches, dynamic_shapes, on_meta=True)        # 1. torch.export, meta
     graph = split(traced, split_points or model_file.split_points, num_stages,          # 2. stage graphs
                   default_stages=num_ranks * stages_per_rank(schedule), schedule=schedule,
                   num_microbatches=num_microbatches, training=model_file.training)
     the_plan = plan(graph, schedule, num_ranks, num_microbatches, model_file.training)  # 3. schedule
+    return model_file, traced, graph, the_plan
+
+
+def split_model(model_path: str, out_dir: str, num_ranks: int = 2, num_stages: Optional[int] = None,
+                schedule: str = "1f1b", num_microbatches: int = 4, split_points: Optional[list] = None,
+                dynamic_shapes=None) -> dict:
+    model_file, traced, graph, the_plan = _plan(model_path, num_ranks, num_stages, schedule, num_microbatches,
+                                                split_points, dynamic_shapes)
     launch = f"torchrun --nproc-per-node {num_ranks} {shlex.quote(out_dir.rstrip('/') + '/run.py')}"
     manifest = emit(out_dir, model_file, traced, graph, the_plan, launch)             # 4. output folder
     manifest["notes"] = traced.notes
@@ -32,11 +40,8 @@ def split_model(model_path: str, out_dir: str, num_ranks: int = 2, num_stages: O
 def check_model(model_path: str, num_ranks: int = 2, num_stages: Optional[int] = None, schedule: str = "1f1b",
                 num_microbatches: int = 4, split_points: Optional[list] = None, dynamic_shapes=None) -> dict:
     """``tracepp check``: trace, split and plan as :func:`split_model` does, and return the manifest unwritten."""
-    model_file = load_model_file(model_path)
-    traced = trace(model_file, num_microbatches, dynamic_shapes)
-    graph = split(traced, split_points or model_file.split_points, num_stages,
-                  default_stages=num_ranks * stages_per_rank(schedule))
-    the_plan = plan(graph, schedule, num_ranks, num_microbatches, model_file.training)
+    model_file, traced, graph, the_plan = _plan(model_path, num_ranks, num_stages, schedule, num_microbatches,
+                                                split_points, dynamic_shapes)
     manifest = build_manifest(model_file, traced, graph, the_plan, f"torchrun --nproc-per-node {num_ranks} out/run.py")
     manifest["notes"] = traced.notes
     return manifest
