@@ -25,5 +25,4 @@ def split_model(model_path: str, out_dir: str, num_ranks: int = 2, num_stages: O
     the_plan = plan(graph, schedule, num_ranks, num_microbatches, model_file.training)  # 3. schedule
     launch = f"torchrun --nproc-per-node {num_ranks} {shlex.quote(out_dir.rstrip('/') + '/run.py')}"
     manifest = emit(out_dir, model_file, traced, graph, the_plan, launch)             # 4. output folder
-    manifest["notes"] = traced.notes
     return manifest
