@@ -242,7 +242,7 @@ def test_csv_wrong_microbatch_count(tmp_path, capsys):
     (["--stages", "6", "--schedule", "zbv"],
      "schedule 'zbv' runs exactly 2 stages per rank (a V); got 6 stages on 2 ranks: use --stages 4"),
     (["--stages", "3", "--schedule", "plan.csv"],
-     "--stages 3 is not a multiple of --ranks 2"),
+     "3 stages cannot be spread evenly over 2 ranks: use --stages a multiple of --ranks 2 (e.g. --stages 2 or 4)"),
     (["--split-points", "layers.1,layers.2", "--schedule", "interleaved-1f1b"],
      "3 stages cannot be spread evenly over 2 ranks: use --stages a multiple of --ranks 2 (e.g. --stages 2 or 4)"),
 ])
