@@ -135,6 +135,7 @@ def build_manifest(model_file, traced, graph, plan, launch_command: str) -> dict
         "symbols": graph.symbols,
         "batch_symbol": graph.batch_symbol,
         "plan": plan,
+        "notes": list(traced.notes),  # what tracing noticed (e.g. a size baked in), printed by the CLI
     }
 
 
@@ -334,28 +335,75 @@ if __name__ == "__main__":
 '''
 
 
+def _previous_files(out_dir: str) -> list:
+    """The files an earlier ``tracepp split`` wrote into ``out_dir`` (listed in its manifest), or None when the
+    folder is not a tracepp output. Anything else in the folder (e.g. ``trained.pt``) is the user's."""
+    path = os.path.join(out_dir, "manifest.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as handle:
+        old = json.load(handle)
+    if "files" in old:
+        return list(old["files"]) + ["manifest.json"]
+    # a manifest from before the file list: the same names this emit writes, derived from its plan
+    files = ["run.py", "model_file.py", "manifest.json", os.path.join("weights", "unused.pt")]
+    files += [f"rank{rank}.py" for rank in range(old["plan"]["num_ranks"])]
+    files += [stage["weights"] for stage in old["stages"] if "weights" in stage]
+    runtime_dir = os.path.join(out_dir, RUNTIME_PACKAGE)
+    if os.path.isdir(runtime_dir):
+        files += [os.path.join(RUNTIME_PACKAGE, name) for name in os.listdir(runtime_dir) if name.endswith(".py")]
+    return files
+
+
+def _remove_previous(out_dir: str, files: list) -> None:
+    """Delete only the files an earlier run of ours wrote (so no stale rank3.py outlives a 2-rank re-plan),
+    then the folders they leave empty; never anything else."""
+    for name in files:
+        path = os.path.join(out_dir, name)
+        if os.path.isfile(path):
+            os.remove(path)
+    for folder in ("weights", RUNTIME_PACKAGE):
+        path = os.path.join(out_dir, folder)
+        cache = os.path.join(path, "__pycache__")
+        if os.path.isdir(cache) and all(n.endswith(".pyc") for n in os.listdir(cache)):
+            shutil.rmtree(cache)  # byte code Python made from our own runtime copy
+        if os.path.isdir(path) and not os.listdir(path):
+            os.rmdir(path)
+
+
 def emit(out_dir: str, model_file, traced, graph, plan: dict, launch_command: str) -> dict:
+    """Write the folder. A folder an earlier split wrote is refreshed file by file (only the files its
+    manifest lists are replaced or removed; e.g. ``trained.pt`` saved there stays); any other non-empty
+    folder is refused."""
     manifest = build_manifest(model_file, traced, graph, plan, launch_command)
-    if os.path.exists(os.path.join(out_dir, "manifest.json")):
-        shutil.rmtree(out_dir)  # a folder we wrote before: replace it whole, never mix two plans
-    elif os.path.isdir(out_dir) and os.listdir(out_dir):
-        raise FileExistsError(f"output folder {out_dir!r} exists and is not a tracepp output; choose another -o")
+    previous = _previous_files(out_dir)
+    if previous is None and os.path.isdir(out_dir) and os.listdir(out_dir):
+        raise FileExistsError(f"output folder {out_dir!r} exists, is not empty and has no tracepp manifest.json; "
+                              f"choose another -o (tracepp only replaces folders it wrote itself)")
+    if previous is not None:
+        _remove_previous(out_dir, previous)
+    written = []
+
+    def target(name: str) -> str:
+        written.append(name)
+        return os.path.join(out_dir, name)
+
     os.makedirs(out_dir, exist_ok=True)
     created = _traced_constants(traced, manifest)
     if created:
-        torch.save(created, os.path.join(out_dir, "constants.pt"))
+        torch.save(created, target("constants.pt"))
     for rank in range(plan["num_ranks"]):
-        with open(os.path.join(out_dir, f"rank{rank}.py"), "w") as handle:
+        with open(target(f"rank{rank}.py"), "w") as handle:
             handle.write(rank_script(manifest, rank, graph, model_file.path))
-    with open(os.path.join(out_dir, "run.py"), "w") as handle:
+    with open(target("run.py"), "w") as handle:
         handle.write(RUN_PY.format(launch_command=launch_command, runtime=RUNTIME_PACKAGE))
-    shutil.copyfile(model_file.path, os.path.join(out_dir, "model_file.py"))
+    shutil.copyfile(model_file.path, target("model_file.py"))
     runtime_src = os.path.dirname(os.path.abspath(__import__("tracepp.runtime", fromlist=["x"]).__file__))
-    runtime_dst = os.path.join(out_dir, RUNTIME_PACKAGE)
-    os.makedirs(runtime_dst, exist_ok=True)
+    os.makedirs(os.path.join(out_dir, RUNTIME_PACKAGE), exist_ok=True)
     for name in sorted(os.listdir(runtime_src)):
         if name.endswith(".py"):
-            shutil.copyfile(os.path.join(runtime_src, name), os.path.join(runtime_dst, name))
+            shutil.copyfile(os.path.join(runtime_src, name), target(os.path.join(RUNTIME_PACKAGE, name)))
+    manifest["files"] = written  # what a later split into this folder may replace; manifest.json itself too
     with open(os.path.join(out_dir, "manifest.json"), "w") as handle:
         json.dump(manifest, handle, indent=1)
     return manifest

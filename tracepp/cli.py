@@ -73,9 +73,9 @@ def _check_layout(args) -> None:
     if args.stages < 1:
         raise ValueError(f"--stages {args.stages}: need at least 1 stage")
     if str(args.schedule).lower().endswith(".csv"):
-        if args.stages % args.ranks:
-            raise ValueError(f"--stages {args.stages} is not a multiple of --ranks {args.ranks}: every rank must "
-                             f"hold the same number of stages")
+        from tracepp.codegen.plan import check_stages_divide
+
+        check_stages_divide(args.stages, args.ranks)
         return
     from tracepp.codegen.schedules import SCHEDULES, placement
 

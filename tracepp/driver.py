@@ -33,7 +33,6 @@ def split_model(model_path: str, out_dir: str, num_ranks: int = 2, num_stages: O
                                                 split_points, dynamic_shapes)
     launch = f"torchrun --nproc-per-node {num_ranks} {shlex.quote(out_dir.rstrip('/') + '/run.py')}"
     manifest = emit(out_dir, model_file, traced, graph, the_plan, launch)             # 4. output folder
-    manifest["notes"] = traced.notes
     return manifest
 
 
