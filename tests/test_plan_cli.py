@@ -300,7 +300,7 @@ def test_resplit_keeps_user_files_and_drops_stale_ranks(tmp_path, capsys):
     assert os.path.exists(os.path.join(out, "rank1.py")) and not os.path.exists(os.path.join(out, "rank2.py"))
     manifest = load_manifest(out)
     assert "trained.pt" not in manifest["files"] and "rank0.py" in manifest["files"]
-    assert sorted(os.listdir(os.path.join(out, "weights"))) == ["stage0.pt", "stage1.pt", "unused.pt"]
+    assert "rank3.py" not in manifest["files"] and not os.path.exists(os.path.join(out, "weights"))
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("keep me")

@@ -41,6 +41,4 @@ def check_model(model_path: str, num_ranks: int = 2, num_stages: Optional[int] =
     """``tracepp check``: trace, split and plan as :func:`split_model` does, and return the manifest unwritten."""
     model_file, traced, graph, the_plan = _plan(model_path, num_ranks, num_stages, schedule, num_microbatches,
                                                 split_points, dynamic_shapes)
-    manifest = build_manifest(model_file, traced, graph, the_plan, f"torchrun --nproc-per-node {num_ranks} out/run.py")
-    manifest["notes"] = traced.notes
-    return manifest
+    return build_manifest(model_file, traced, graph, the_plan, f"torchrun --nproc-per-node {num_ranks} out/run.py")
