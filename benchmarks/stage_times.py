@@ -3,7 +3,7 @@
     python -m benchmarks.stage_times OUT_DIR [OUT_DIR ...] --json times.json [--device cpu] [--rounds 5]
 
 For each folder, in this one process: every stage of the plan is loaded onto one device by the runtime's
-public ``Pipeline(out_dir, all_stages=True, actions=...)`` (weights from ``weights/``, stage code from the
+public ``Pipeline(out_dir, all_stages=True, actions=...)`` (weights from ``model()``, stage code from the
 generated ``rank*.py``), with a single-rank action list (``F`` of every stage, then ``B`` of every stage in
 reverse; then the same with ``I``/``W`` for the zero-bubble split), on the real microbatches of step 0. Each
 action is timed on its own through ``Pipeline.set_action_hook`` (CUDA synchronised around it); the cost of a

@@ -1,10 +1,11 @@
 """Step 4, emit: write the output folder that torchrun runs.
 
 ``manifest.json`` (the plan and all metadata: the single source of truth), ``rank{R}.py`` per rank (the
-stage code from fx plus that rank's action list), ``run.py`` (the torchrun entry point), ``weights/``
-(each stage's initial parameters and buffers), ``model_file.py`` (a copy of the model file, for
+stage code from fx plus that rank's action list), ``run.py`` (the torchrun entry point), ``model_file.py`` (a copy of the model file, for
 ``loss_fn``/``batch``/``optimizer``) and ``tracepp_runtime/`` (a copy of the runtime, so the folder runs
-where only torch is installed).
+where only torch is installed). No parameter data is written: each rank materialises its own stages at run
+time (``runtime/weights.py``); only constants that export created while tracing (not the model's attributes)
+go to ``constants.pt``.
 """
 from __future__ import annotations
 
@@ -34,6 +35,28 @@ def _spec_text(spec):
         return {"pickle": base64.b64encode(pickle.dumps(spec)).decode()}
 
 
+def _spec_types(*specs) -> list:
+    """``module:qualname`` of every non-builtin node type in the specs (the runtime imports them first)."""
+    found, todo = set(), [spec for spec in specs if spec is not None]
+    while todo:
+        spec = todo.pop()
+        kind = spec.type
+        # the model file's own classes come back with it (it is imported first), under another module name
+        if kind is not None and kind.__module__ not in ("builtins", "collections") \
+                and not kind.__module__.startswith("tracepp_user_model_"):
+            found.add(f"{kind.__module__}:{kind.__qualname__}")
+        todo.extend(spec.children())
+    return sorted(found)
+
+
+def _import_paths(model_path: str) -> list:
+    """The model file's folder, and the working directory where it differs: where its own imports live."""
+    paths = [os.path.dirname(os.path.abspath(model_path))]
+    if os.getcwd() not in paths:
+        paths.append(os.getcwd())
+    return paths
+
+
 def build_manifest(model_file, traced, graph, plan, launch_command: str) -> dict:
     model = traced.model
     stage_to_rank = plan["stage_to_rank"]
@@ -48,7 +71,8 @@ def build_manifest(model_file, traced, graph, plan, launch_command: str) -> dict
             state.append({"placeholder": name, "fqn": ref.fqn, "aliases": ref.aliases, "kind": ref.kind,
                           "persistent": ref.persistent, "shared": len(ref.stages) > 1,
                           "requires_grad": bool(param.requires_grad) if param is not None else False,
-                          "shape": list(value.shape), "numel": value.numel()})
+                          "shape": list(value.shape), "dtype": str(value.dtype).replace("torch.", ""),
+                          "numel": value.numel()})
         received = [dict(producer=p, name=n, **graph.values[n].meta.to_json()) for p, n in stage.received]
         output_node = next(n for n in stage.graph.nodes if n.op == "output")
         returned_only = [isinstance(n, torch.fx.Node) and len(n.users) == 1 and n.op != "placeholder"
@@ -59,7 +83,7 @@ def build_manifest(model_file, traced, graph, plan, launch_command: str) -> dict
             output_requires_grad = [graph.values[n].meta.requires_grad for n in stage.outputs]
         stages.append({
             "index": stage.index, "rank": stage_to_rank[stage.index], "function": f"stage{stage.index}_forward",
-            "weights": f"weights/stage{stage.index}.pt", "state": state,
+            "state": state,
             "root_inputs": stage.root_inputs,
             "root_leaf_indices": [graph.root_inputs[name].leaf_index for name in stage.root_inputs],
             "received": received, "outputs": stage.outputs, "output_requires_grad": output_requires_grad,
@@ -96,6 +120,8 @@ def build_manifest(model_file, traced, graph, plan, launch_command: str) -> dict
         "batched_leaves": traced.batched_leaves,
         "in_spec": in_spec.get("json"), "in_spec_pickle": in_spec.get("pickle"),
         "out_spec": out_spec.get("json"), "out_spec_pickle": out_spec.get("pickle"),
+        "spec_types": _spec_types(graph.in_spec, graph.out_spec),
+        "import_paths": _import_paths(model_file.path),
         "output_leaves": [[kind, value] for kind, value in graph.output_leaves],
         "root_inputs": root_inputs,
         "values": {name: {"producer": v.producer, "consumers": v.consumers, **v.meta.to_json()}
@@ -104,9 +130,13 @@ def build_manifest(model_file, traced, graph, plan, launch_command: str) -> dict
         "recomputed": graph.recomputed,
         "shared": [{"fqn": ref.fqn, "aliases": ref.aliases, "stages": ref.stages} for ref in graph.shared_state()],
         "state_dict_keys": list(model.state_dict().keys()),
+        # read by no stage: rank 0 materialises them only to write them back with --save
+        "unused_state": [{"fqn": fqn, "shape": list(tensor.shape), "dtype": str(tensor.dtype).replace("torch.", "")}
+                         for fqn, tensor in graph.unused_state.items()],
         "symbols": graph.symbols,
         "batch_symbol": graph.batch_symbol,
         "plan": plan,
+        "notes": list(traced.notes),  # what tracing noticed (e.g. a size baked in), printed by the CLI
     }
 
 
@@ -115,6 +145,29 @@ def _program_tensor(program, fqn: str, kind: str) -> torch.Tensor:
     if kind == "constant" or fqn not in program.state_dict:
         return program.constants[fqn]
     return program.state_dict[fqn]
+
+
+def _traced_constants(traced, manifest: dict) -> dict:
+    """Constants the stages read that are not attributes of the model (tensors export created in forward):
+    the runtime cannot rebuild them from ``model()``, so their (small, real) values are written out."""
+    created = {}
+    for stage in manifest["stages"]:
+        for ref in stage["state"]:
+            if ref["kind"] != "constant" or _has_attribute(traced.model, ref["fqn"]):
+                continue
+            value = _program_tensor(traced.program, ref["fqn"], ref["kind"])
+            if not value.is_meta:
+                created[ref["fqn"]] = value.detach().clone().contiguous()
+    return created
+
+
+def _has_attribute(model, fqn: str) -> bool:
+    owner = model
+    for part in fqn.split("."):
+        if not hasattr(owner, part):
+            return False
+        owner = getattr(owner, part)
+    return isinstance(owner, torch.Tensor)
 
 
 def _header(manifest: dict, rank: int, rank_stages: list) -> str:
@@ -284,32 +337,75 @@ if __name__ == "__main__":
 '''
 
 
+def _previous_files(out_dir: str) -> list:
+    """The files an earlier ``tracepp split`` wrote into ``out_dir`` (listed in its manifest), or None when the
+    folder is not a tracepp output. Anything else in the folder (e.g. ``trained.pt``) is the user's."""
+    path = os.path.join(out_dir, "manifest.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as handle:
+        old = json.load(handle)
+    if "files" in old:
+        return list(old["files"]) + ["manifest.json"]
+    # a manifest from before the file list: the same names this emit writes, derived from its plan
+    files = ["run.py", "model_file.py", "manifest.json", os.path.join("weights", "unused.pt")]
+    files += [f"rank{rank}.py" for rank in range(old["plan"]["num_ranks"])]
+    files += [stage["weights"] for stage in old["stages"] if "weights" in stage]
+    runtime_dir = os.path.join(out_dir, RUNTIME_PACKAGE)
+    if os.path.isdir(runtime_dir):
+        files += [os.path.join(RUNTIME_PACKAGE, name) for name in os.listdir(runtime_dir) if name.endswith(".py")]
+    return files
+
+
+def _remove_previous(out_dir: str, files: list) -> None:
+    """Delete only the files an earlier run of ours wrote (so no stale rank3.py outlives a 2-rank re-plan),
+    then the folders they leave empty; never anything else."""
+    for name in files:
+        path = os.path.join(out_dir, name)
+        if os.path.isfile(path):
+            os.remove(path)
+    for folder in ("weights", RUNTIME_PACKAGE):
+        path = os.path.join(out_dir, folder)
+        cache = os.path.join(path, "__pycache__")
+        if os.path.isdir(cache) and all(n.endswith(".pyc") for n in os.listdir(cache)):
+            shutil.rmtree(cache)  # byte code Python made from our own runtime copy
+        if os.path.isdir(path) and not os.listdir(path):
+            os.rmdir(path)
+
+
 def emit(out_dir: str, model_file, traced, graph, plan: dict, launch_command: str) -> dict:
+    """Write the folder. A folder an earlier split wrote is refreshed file by file (only the files its
+    manifest lists are replaced or removed; e.g. ``trained.pt`` saved there stays); any other non-empty
+    folder is refused."""
     manifest = build_manifest(model_file, traced, graph, plan, launch_command)
-    if os.path.exists(os.path.join(out_dir, "manifest.json")):
-        shutil.rmtree(out_dir)  # a folder we wrote before: replace it whole, never mix two plans
-    elif os.path.isdir(out_dir) and os.listdir(out_dir):
-        raise FileExistsError(f"output folder {out_dir!r} exists and is not a tracepp output; choose another -o")
-    os.makedirs(os.path.join(out_dir, "weights"), exist_ok=True)
-    for stage in manifest["stages"]:
-        tensors = {}
-        for ref in stage["state"]:
-            source = _program_tensor(traced.program, ref["fqn"], ref["kind"])
-            tensors[ref["fqn"]] = source.detach().clone().contiguous()
-        torch.save(tensors, os.path.join(out_dir, stage["weights"]))
-    torch.save(graph.unused_state, os.path.join(out_dir, "weights", "unused.pt"))
+    previous = _previous_files(out_dir)
+    if previous is None and os.path.isdir(out_dir) and os.listdir(out_dir):
+        raise FileExistsError(f"output folder {out_dir!r} exists, is not empty and has no tracepp manifest.json; "
+                              f"choose another -o (tracepp only replaces folders it wrote itself)")
+    if previous is not None:
+        _remove_previous(out_dir, previous)
+    written = []
+
+    def target(name: str) -> str:
+        written.append(name)
+        return os.path.join(out_dir, name)
+
+    os.makedirs(out_dir, exist_ok=True)
+    created = _traced_constants(traced, manifest)
+    if created:
+        torch.save(created, target("constants.pt"))
     for rank in range(plan["num_ranks"]):
-        with open(os.path.join(out_dir, f"rank{rank}.py"), "w") as handle:
+        with open(target(f"rank{rank}.py"), "w") as handle:
             handle.write(rank_script(manifest, rank, graph, model_file.path))
-    with open(os.path.join(out_dir, "run.py"), "w") as handle:
+    with open(target("run.py"), "w") as handle:
         handle.write(RUN_PY.format(launch_command=launch_command, runtime=RUNTIME_PACKAGE))
-    shutil.copyfile(model_file.path, os.path.join(out_dir, "model_file.py"))
+    shutil.copyfile(model_file.path, target("model_file.py"))
     runtime_src = os.path.dirname(os.path.abspath(__import__("tracepp.runtime", fromlist=["x"]).__file__))
-    runtime_dst = os.path.join(out_dir, RUNTIME_PACKAGE)
-    os.makedirs(runtime_dst, exist_ok=True)
+    os.makedirs(os.path.join(out_dir, RUNTIME_PACKAGE), exist_ok=True)
     for name in sorted(os.listdir(runtime_src)):
         if name.endswith(".py"):
-            shutil.copyfile(os.path.join(runtime_src, name), os.path.join(runtime_dst, name))
+            shutil.copyfile(os.path.join(runtime_src, name), target(os.path.join(RUNTIME_PACKAGE, name)))
+    manifest["files"] = written  # what a later split into this folder may replace; manifest.json itself too
     with open(os.path.join(out_dir, "manifest.json"), "w") as handle:
         json.dump(manifest, handle, indent=1)
     return manifest

@@ -18,14 +18,20 @@ def stages_per_rank(schedule: str) -> int:
     return 2 if schedule in ("interleaved-1f1b", "looped-bfs", "interleaved-zb", "zbv", "dualpipev") else 1
 
 
+def check_stages_divide(num_stages: int, num_ranks: int) -> None:
+    """The one check (and message) that every rank holds the same number of stages; the CLI calls it before
+    tracing when --stages is given, :func:`plan` after splitting when split points chose the count."""
+    if num_stages % num_ranks:
+        lo = max(num_ranks, num_stages // num_ranks * num_ranks)
+        raise ValueError(f"{num_stages} stages cannot be spread evenly over {num_ranks} ranks: use --stages "
+                         f"a multiple of --ranks {num_ranks} (e.g. --stages {lo} or {lo + num_ranks}), or split "
+                         f"points that make such a number of stages")
+
+
 def plan(graph, schedule: str, num_ranks: int, num_microbatches: int, training: bool) -> dict:
     from tracepp.codegen.planning import build_plan
 
-    if graph.num_stages % num_ranks:
-        lo = max(num_ranks, graph.num_stages // num_ranks * num_ranks)
-        raise ValueError(f"{graph.num_stages} stages cannot be spread evenly over {num_ranks} ranks: use --stages "
-                         f"a multiple of --ranks {num_ranks} (e.g. --stages {lo} or {lo + num_ranks}), or split "
-                         f"points that make such a number of stages")
+    check_stages_divide(graph.num_stages, num_ranks)
     built = build_plan(schedule, num_ranks, graph.num_stages, num_microbatches, topology_of(graph), training)
     result = built.to_json()
     result.update(num_ranks=num_ranks, num_stages=graph.num_stages)

@@ -32,9 +32,6 @@ class SchedulePlan:
     def num_stages(self) -> int:
         return len(self.stage_to_rank)
 
-    def stages_of(self, rank: int) -> list[int]:
-        return [s for s, r in enumerate(self.stage_to_rank) if r == rank]
-
     def to_json(self) -> dict:
         return {
             "schedule": self.schedule,

@@ -305,7 +305,7 @@ def _dualpipev(num_ranks, num_microbatches):
     out = {}
     for r in range(p):
         a, b = r, 2 * p - 1 - r
-        nxt = {(a, "F"): 0, (b, "F"): 0, (a, "G"): 0, (b, "G"): 0}
+        nxt = {(a, "F"): 0, (b, "F"): 0, (a, "backward"): 0, (b, "backward"): 0}
         acts: list[Action] = []
         weights: list[Action] = []
 
@@ -314,8 +314,8 @@ def _dualpipev(num_ranks, num_microbatches):
             nxt[(s, "F")] += 1
 
         def bwd(s, split):
-            mb = nxt[(s, "G")]
-            nxt[(s, "G")] += 1
+            mb = nxt[(s, "backward")]
+            nxt[(s, "backward")] += 1
             acts.append(Action(s, "I" if split else "B", mb))
             if split:
                 weights.append(Action(s, "W", mb))

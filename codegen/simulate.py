@@ -25,6 +25,9 @@ from typing import Optional
 from .actions import Action, Topology
 
 DEFAULT_COSTS = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
+# The dependency key "this stage's input gradient for a microbatch is done": made by a full backward B or by
+# an input-grad backward I, needed by the W of the same stage and by the backward of the stage before.
+INPUT_GRAD = "input-grad"
 
 
 class ScheduleError(ValueError):
@@ -55,23 +58,23 @@ def grad_producers(topology: Topology, stage: int) -> list[int]:
 
 
 def compute_deps(action: Action, topology: Topology) -> list[tuple]:
-    """Keys a compute action needs: ``(stage, 'F', mb)`` forward done, ``(stage, 'G', mb)`` input grad done.
+    """Keys a compute action needs: ``(stage, 'F', mb)`` forward done, ``(stage, INPUT_GRAD, mb)`` input grad done.
 
-    ``'G'`` is produced by either a full backward ``B`` or an input-grad backward ``I``.
+    ``INPUT_GRAD`` is produced by either a full backward ``B`` or an input-grad backward ``I``.
     """
     s, kind, m = action.stage, action.kind, action.mb
     if kind == "F":
         return [(i, "F", m) for i in producers(topology, s)]
     if kind in ("B", "I"):
-        return [(s, "F", m)] + [(j, "G", m) for j in grad_consumers(topology, s)]
+        return [(s, "F", m)] + [(j, INPUT_GRAD, m) for j in grad_consumers(topology, s)]
     if kind == "W":
-        return [(s, "G", m)]
+        return [(s, INPUT_GRAD, m)]
     raise ValueError(f"not a compute action: {action}")
 
 
 def produced_key(action: Action) -> tuple:
     """The dependency key a compute action produces (W produces nothing others wait on)."""
-    return (action.stage, "F" if action.kind == "F" else "G" if action.kind in ("B", "I") else "W", action.mb)
+    return (action.stage, "F" if action.kind == "F" else INPUT_GRAD if action.kind in ("B", "I") else "W", action.mb)
 
 
 def recv_for(dep_key: tuple, consumer_stage: int) -> Action:
@@ -148,23 +151,23 @@ def _static_checks(lowered, stage_to_rank, topology, num_microbatches, training)
                 comm_seen[a] = (rank, pos)
                 if a.kind == "SEND_F" and (a.stage, "F", a.mb) not in done:
                     raise ScheduleError(f"{where}: sends activations before '{a.stage}F{a.mb}' has run")
-                if a.kind == "SEND_B" and (a.stage, "G", a.mb) not in done:
+                if a.kind == "SEND_B" and (a.stage, INPUT_GRAD, a.mb) not in done:
                     raise ScheduleError(
                         f"{where}: sends a gradient before the backward (B or I) of stage {a.stage} "
                         f"microbatch {a.mb} has run")
                 done.add(a)
                 continue
             # compute action
-            key = (a.stage, "G" if a.kind in ("B", "I") else a.kind, a.mb)
+            key = (a.stage, INPUT_GRAD if a.kind in ("B", "I") else a.kind, a.mb)
             if key in seen:
                 r0, p0 = seen[key]
-                name = "backward (B or I)" if key[1] == "G" else a.kind
+                name = "backward (B or I)" if key[1] == INPUT_GRAD else a.kind
                 raise ScheduleError(
                     f"{where}: duplicate {name} of stage {a.stage} microbatch {a.mb} "
                     f"(first at rank {r0}, action {p0})")
             seen[key] = (rank, pos)
             if a.kind == "W":
-                i_pos = seen.get((a.stage, "G", a.mb))
+                i_pos = seen.get((a.stage, INPUT_GRAD, a.mb))
                 if i_pos is None or lowered[rank][i_pos[1]].kind != "I":
                     raise ScheduleError(
                         f"{where}: weight-grad W runs before the input-grad '{a.stage}I{a.mb}'")
@@ -187,7 +190,7 @@ def _static_checks(lowered, stage_to_rank, topology, num_microbatches, training)
             if (s, "F", m) not in seen:
                 raise ScheduleError(f"stage {s} microbatch {m} has no F (expected on rank {r})")
             if training:
-                g = seen.get((s, "G", m))
+                g = seen.get((s, INPUT_GRAD, m))
                 if g is None:
                     raise ScheduleError(f"stage {s} microbatch {m} has no backward (B or I) (expected on rank {r})")
                 is_i = lowered[g[0]][g[1]].kind == "I"
@@ -393,7 +396,7 @@ def check_compute(compute: dict, stage_to_rank: list, topology: Topology, num_mi
     Per-rank checks run rank by rank, position by position, so the message names the first bad action.
     """
     num_stages = len(stage_to_rank)
-    seen: dict[tuple, tuple] = {}  # (stage, 'F'|'G'|'W', mb) -> (rank, pos)
+    seen: dict[tuple, tuple] = {}  # (stage, 'F'|INPUT_GRAD|'W', mb) -> (rank, pos)
     for rank in sorted(compute):
         done: set = set()
         for pos, a in enumerate(compute[rank]):
@@ -413,11 +416,11 @@ def check_compute(compute: dict, stage_to_rank: list, topology: Topology, num_mi
             key = produced_key(a)
             if key in seen:
                 r0, p0 = seen[key]
-                name = "backward (B or I)" if key[1] == "G" else a.kind
+                name = "backward (B or I)" if key[1] == INPUT_GRAD else a.kind
                 raise ScheduleError(f"{where}: duplicate {name} of stage {a.stage} microbatch {a.mb} (first at "
                                     f"rank {r0}, action {p0} '{compute[r0][p0]}'); remove one of them")
             if a.kind == "W":
-                g = seen.get((a.stage, "G", a.mb))
+                g = seen.get((a.stage, INPUT_GRAD, a.mb))
                 if g is None or g[0] != rank:
                     raise ScheduleError(f"{where}: weight-grad W before the input-grad '{a.stage}I{a.mb}'; "
                                         f"put '{a.stage}I{a.mb}' earlier on rank {rank}")
@@ -444,7 +447,7 @@ def check_compute(compute: dict, stage_to_rank: list, topology: Topology, num_mi
                 raise ScheduleError(f"stage {s} microbatch {m} has no forward: add '{s}F{m}' to rank {r}")
             if not training:
                 continue
-            g = seen.get((s, "G", m))
+            g = seen.get((s, INPUT_GRAD, m))
             if g is None:
                 raise ScheduleError(f"stage {s} microbatch {m} has no backward: add '{s}B{m}' (or '{s}I{m}' and "
                                     f"'{s}W{m}') to rank {r}")
@@ -470,8 +473,7 @@ class SimResult:
     ``timeline[rank]`` lists ``(action, start, end)`` for compute actions in execution order;
     ``comm[rank]`` lists ``(actions, posted, completed)`` per comm batch. ``bubble[rank]`` is
     idle/makespan; ``bubble_overall`` is total idle over ``num_ranks * makespan``. ``peak_inflight[rank]``
-    counts (stage, microbatch) pairs whose F has run and whose backward (B or I) has not;
-    ``peak_inflight_mbs[rank]`` counts distinct microbatches among them.
+    counts (stage, microbatch) pairs whose F has run and whose backward (B or I) has not.
     """
 
     stage_to_rank: list
@@ -483,19 +485,11 @@ class SimResult:
     bubble: dict
     bubble_overall: float
     peak_inflight: dict
-    peak_inflight_mbs: dict
     costs: dict = field(default_factory=dict)
 
     @property
     def num_ranks(self) -> int:
         return len(self.timeline)
-
-    def summary(self) -> str:
-        lines = [f"makespan {self.makespan:g}, bubble {self.bubble_overall:.1%}"]
-        for r in sorted(self.timeline):
-            lines.append(f"  rank {r}: busy {self.busy[r]:g}, bubble {self.bubble[r]:.1%}, "
-                         f"peak in-flight {self.peak_inflight[r]} (stage,mb) / {self.peak_inflight_mbs[r]} mb")
-        return "\n".join(lines)
 
 
 def simulate(lowered: dict, stage_to_rank: list, topology: Topology, num_microbatches: int,
@@ -515,20 +509,19 @@ def simulate(lowered: dict, stage_to_rank: list, topology: Topology, num_microba
     bubble = {r: (1.0 - busy[r] / makespan) if makespan > 0 else 0.0 for r in timeline}
     total = makespan * len(timeline)
     bubble_overall = (1.0 - sum(busy.values()) / total) if total > 0 else 0.0
-    peak, peak_mbs = {}, {}
+    peak = {}
     for r, tl in timeline.items():
         live: set = set()
-        best = best_mbs = 0
+        best = 0
         for a, _, _ in tl:
             if a.kind == "F":
                 live.add((a.stage, a.mb))
             elif a.kind in ("B", "I"):
                 live.discard((a.stage, a.mb))
             best = max(best, len(live))
-            best_mbs = max(best_mbs, len({m for _, m in live}))
-        peak[r], peak_mbs[r] = best, best_mbs
+        peak[r] = best
     used = dict(DEFAULT_COSTS)
     if costs:
         used.update(costs)
     return SimResult(list(stage_to_rank), num_microbatches, timeline, comm, makespan, busy, bubble,
-                     bubble_overall, peak, peak_mbs, used)
+                     bubble_overall, peak, used)

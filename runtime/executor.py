@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from torch.autograd.graph import GradientEdge
 
+from .failure import PipelineError, stall_message
 from .shapes import compile_shape
 
 _DIRECTION_TAG = {"F": 0, "B": 1}
@@ -382,7 +383,8 @@ class RankExecutor:
         return self.wire_dtype if self.wire_dtype is not None and dtype.is_floating_point else dtype
 
     def _comm_op(self, stage: int, kind: str, mb: int, peer: int):
-        """A function returning [(is_send, tensor, peer_rank, tag, waitlist)] for one comm action."""
+        """A function returning [(is_send, tensor, peer_rank, tag, waitlist, awaited)] for one comm action;
+        ``awaited`` says in words what a wait on it waits for (the stall message)."""
         if peer is None:
             raise ValueError(f"action {stage}{kind}{mb} has no peer stage; the plan must be lowered by tracepp")
         peer_rank = self.stage_to_rank[peer]
@@ -393,7 +395,8 @@ class RankExecutor:
 
             def ops():
                 out = runner.out[mb]
-                result = [(True, self._wire(out[pos].detach()), peer_rank, tag, None) for pos, tag in items]
+                awaited = f"rank {peer_rank} (stage {peer}) to receive the activation of microbatch {mb}"
+                result = [(True, self._wire(out[pos].detach()), peer_rank, tag, None, awaited) for pos, tag in items]
                 runner.sends_f_left[mb] -= 1
                 if runner.sends_f_left[mb] == 0 and runner.deallocatable:
                     self._deallocate(runner, mb)  # every consumer's send holds the data it needs
@@ -410,7 +413,8 @@ class RankExecutor:
                     buffer = self._acquire(shapes[name], dtype)
                     runner.inputs[mb][slot] = buffer
                     runner.pooled[mb].append(buffer)
-                    result.append((False, buffer, peer_rank, tag, runner.recv_works[mb]))
+                    result.append((False, buffer, peer_rank, tag, runner.recv_works[mb],
+                                   f"the activation of microbatch {mb} from rank {peer_rank} (stage {peer})"))
                 return result
         elif kind == "SEND_B":
             items = [(runner.received_index[(peer, name)], self._tag("B", peer, stage, i)) for i, (_p, name, v) in
@@ -418,7 +422,8 @@ class RankExecutor:
 
             def ops():
                 grads = runner.in_grads[mb]
-                result = [(True, self._wire(grads[slot]), peer_rank, tag, None) for slot, tag in items]
+                awaited = f"rank {peer_rank} (stage {peer}) to receive the gradient of microbatch {mb}"
+                result = [(True, self._wire(grads[slot]), peer_rank, tag, None, awaited) for slot, tag in items]
                 runner.sends_b_left[mb] -= 1
                 if runner.sends_b_left[mb] == 0:
                     runner.in_grads[mb] = None  # the sends hold what they need
@@ -434,7 +439,8 @@ class RankExecutor:
                     buffer = self._acquire(shapes[name], dtype)
                     runner.grad_buffers[mb].append((pos, buffer))
                     runner.pooled[mb].append(buffer)
-                    result.append((False, buffer, peer_rank, tag, runner.grad_works[mb]))
+                    result.append((False, buffer, peer_rank, tag, runner.grad_works[mb],
+                                   f"the gradient of microbatch {mb} from rank {peer_rank} (stage {peer})"))
                 return result
         return ops
 
@@ -452,27 +458,27 @@ class RankExecutor:
                 return
             ranks, group = self.global_ranks, self.pp_group
             if ranks is not None:  # pipeline ranks -> this replica's global ranks
-                ops = [(send, tensor, ranks[peer], tag, waitlist) for send, tensor, peer, tag, waitlist in ops]
+                ops = [(send, tensor, ranks[peer], tag, waitlist, awaited)
+                       for send, tensor, peer, tag, waitlist, awaited in ops]
             if self.use_batch_p2p:
                 works = dist.batch_isend_irecv([dist.P2POp(dist.isend if send else dist.irecv, tensor, peer,
                                                            group=group, tag=tag)
-                                                for send, tensor, peer, tag, _ in ops])
+                                                for send, tensor, peer, tag, _, _ in ops])
             else:
                 works = [(dist.isend if send else dist.irecv)(tensor, peer, group=group, tag=tag)
-                         for send, tensor, peer, tag, _ in ops]
-            for work, position, (send, _tensor, _peer, _tag, waitlist) in zip(works, owners, ops):
+                         for send, tensor, peer, tag, _, _ in ops]
+            for work, position, (send, _tensor, _peer, _tag, waitlist, awaited) in zip(works, owners, ops):
                 if send:
-                    self.send_works.setdefault(position, []).append(work)
+                    self.send_works.setdefault(position, []).append((work, awaited))
                 elif waitlist is not None:
-                    waitlist.append(work)
+                    waitlist.append((work, awaited))
         return run
 
     def _release_sends(self, positions: list) -> None:
         """Wait on sends whose receive the peer has provably posted (it has since sent us something it could
         only send after posting it): the wait returns at once, and the sent tensor's memory can go."""
         for position in positions:
-            for work in self.send_works.pop(position, ()):
-                work.wait(self.timeout)
+            self._wait(self.send_works.pop(position, []))
 
     # -- memory ----------------------------------------------------------------------------------------
     def _choose_deallocatable(self, runner: StageActivations, out) -> None:
@@ -500,8 +506,16 @@ class RankExecutor:
 
     # -- compute ---------------------------------------------------------------------------------------
     def _wait(self, works: list) -> None:
-        for work in works:
-            work.wait(self.timeout)
+        """Wait on ``[(work, awaited)]``; a timeout names what was awaited (the failure channel tells the rest)."""
+        for work, awaited in works:
+            try:
+                completed = work.wait(self.timeout)
+            except RuntimeError as error:
+                if "timed out" not in str(error).lower():
+                    raise
+                completed = False
+            if completed is False:
+                raise PipelineError(stall_message(self.rank, self.timeout.total_seconds(), awaited))
         works.clear()
 
     def _forward(self, runner: StageActivations, mb: int) -> None:
@@ -671,8 +685,7 @@ class RankExecutor:
             if releases:
                 self._release_sends(releases)
         for works in self.send_works.values():
-            for work in works:
-                work.wait(self.timeout)
+            self._wait(works)
         self.send_works = {}
         if self.last_stage in self.stages:
             return self.step_loss if self.has_loss else self.outputs

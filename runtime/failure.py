@@ -2,7 +2,9 @@
 
 Each rank runs a watchdog thread polling a key in the torchrun rendezvous store. A rank that fails writes
 its message there and exits 1; the others see it within a fraction of a second, print who failed and why,
-and exit 1 too, even if they are blocked in a receive.
+and exit 1 too, even if they are blocked in a receive. A rank whose wait on a stalled peer times out reports
+it the same way, naming what it waited for (:func:`stall_message`), so every live rank stops within about
+``--timeout``.
 """
 from __future__ import annotations
 
@@ -20,6 +22,12 @@ _POLL_S = 0.2
 
 class PipelineError(RuntimeError):
     """An error the user can act on; printed without a traceback."""
+
+
+def stall_message(rank: int, timeout_s: float, awaited: str) -> str:
+    """What a rank says when a wait on a peer runs out: "rank 0 waited 10 s for the activation of ..."."""
+    return (f"rank {rank} waited {timeout_s:g} s for {awaited}: that rank stalled (stopped, hung in "
+            f"batch(step) or the data loader, or far slower than the rest); if it is only slow, raise --timeout")
 
 
 class FailureChannel:
@@ -82,6 +90,8 @@ class FailureChannel:
                 pass
         if echo:
             print(f"[tracepp rank {self.rank}] error: {message}", file=sys.stderr, flush=True)
+        if self.store is not None:  # let the others' watchdogs read it before torchrun tears the job down
+            time.sleep(2 * _POLL_S)
 
     def stop(self) -> None:
         self._stop.set()

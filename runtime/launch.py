@@ -11,6 +11,7 @@ Command line (the same on every rank, as torchrun passes it)::
         [--on-nonfinite stop|skip|continue] [--compile] [--compile-cache DIR]
         [--optimizer sgd|adamw] [--weight-decay WD] [--warmup N] [--checkpoint-dir D --save-every N]
         [--resume D] [--save-safetensors PATH] [--activation-checkpointing none|full|selective]
+        [--load CKPT | --init model|per-module]
 """
 from __future__ import annotations
 
@@ -24,13 +25,14 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from .failure import EXIT_FAILED, FailureChannel, PipelineError
+from .failure import EXIT_FAILED, FailureChannel, PipelineError, stall_message
 from .loading import load_manifest
 from . import checkpoint, recompute
 from .mesh import coordinates, full, mesh_layout
 from .optim import OPTIMIZERS, build_optimizer, build_scheduler, parameter_fqns, step_scheduler
 from .pipeline import Pipeline, check_precision
 from .prefetch import BatchPrefetcher
+from .weights import INIT_MODES
 
 
 def parse_args(argv=None):
@@ -56,6 +58,12 @@ def parse_args(argv=None):
                              "(stages holding several microbatches' activations at once)")
     parser.add_argument("--save", default=None, help="write the trained state_dict (original FQNs) here")
     parser.add_argument("--metrics", default=None, help="append one JSON line per step here")
+    parser.add_argument("--load", default=None,
+                        help="initial weights: a .safetensors or torch state_dict file, a Hugging Face folder, or a "
+                             "torch.distributed.checkpoint folder, keyed by the model's FQNs; each rank reads its own")
+    parser.add_argument("--init", default="model", choices=INIT_MODES,
+                        help="without --load: 'model' builds model() and keeps this rank's tensors (equals eager); "
+                             "'per-module' initialises only this rank's modules, seeded by FQN (large models)")
     parser.add_argument("--timeout", type=float, default=120.0,
                         help="seconds any communication may wait before the job fails (default 120)")
     parser.add_argument("--quiet", action="store_true", help="no per-step progress lines")
@@ -104,7 +112,8 @@ def check_world_size(manifest: dict) -> None:
         )
 
 
-def _save(path: str, manifest: dict, folder: str, rank: int, state: dict, world: int, include: bool = True) -> None:
+def _save(path: str, manifest: dict, folder: str, rank: int, state: dict, world: int, unused=None,
+          include: bool = True) -> None:
     """Gather every rank's state (``Pipeline.state_dict``) and write one state_dict keyed by every original
     FQN atomically from rank 0. ``include``: False on data-parallel replicas other than the first (same tensors)."""
     mine = {name: full(tensor).detach().cpu() for name, tensor in state.items()}  # full: collective over dp
@@ -117,7 +126,8 @@ def _save(path: str, manifest: dict, folder: str, rank: int, state: dict, world:
         parts = [mine]
     if rank != 0:
         return
-    merged = torch.load(os.path.join(folder, "weights", "unused.pt"), map_location="cpu", weights_only=True)
+    # state no stage reads never changes: rank 0 materialised it at start-up (runtime/weights.py)
+    merged = {fqn: tensor.detach().cpu() for fqn, tensor in (unused or {}).items()}
     for part in parts:
         merged.update(part)
     aliases = {ref["fqn"]: ref["aliases"] for spec in manifest["stages"] for ref in spec["state"]}
@@ -163,7 +173,7 @@ def main(rank_script_rank: int, stage_functions: dict, actions: list, folder: st
         pipe = Pipeline(folder, rank=rank, timeout_s=args.timeout, precision=args.precision,
                         compile=args.compile, compile_cache=args.compile_cache, stage_functions=stage_functions,
                         actions=actions, shapes=shapes, releases=releases,
-                        check_finite=args.on_nonfinite != "continue")
+                        check_finite=args.on_nonfinite != "continue", load=args.load, init=args.init)
         train(pipe, args)
     except PipelineError as error:
         channel.report(str(error), echo=not getattr(error, "printed_on_every_rank", False))
@@ -262,7 +272,14 @@ def train(pipe: Pipeline, args) -> None:
         norm, skipped, note = None, False, ""
         if training:
             loss = result if reports else None
-            pipe.sync_shared_grads()
+            try:
+                pipe.sync_shared_grads()
+            except RuntimeError as error:  # a peer stalled: name the collective, not gloo's recv
+                if "timed out" not in str(error).lower():
+                    raise
+                raise PipelineError(stall_message(
+                    rank, args.timeout, f"the tied-weight gradient sync (all-reduce) of step {step} with the "
+                    f"other ranks that hold a shared weight")) from error
             if scaler is not None:
                 pipe.scale_grads(1.0 / scaler.scale)
             if needs_norm:
@@ -309,9 +326,11 @@ def train(pipe: Pipeline, args) -> None:
             if reports and not args.quiet:
                 print(f"checkpoint {path}", flush=True)
     if args.save_safetensors:
-        _save_safetensors(args.save_safetensors, manifest, pipe.folder, rank, pipe.state_dict(), world)
+        _save_safetensors(args.save_safetensors, manifest, pipe.folder, rank, pipe.state_dict(), world,
+                          pipe.unused_state)
     if args.save:
-        _save(args.save, manifest, pipe.folder, rank, pipe.state_dict(), world, include=pipe.dp_index == 0)
+        _save(args.save, manifest, pipe.folder, rank, pipe.state_dict(), world, pipe.unused_state,
+              include=pipe.dp_index == 0)
     if world > 1:
         dist.barrier(group=_control_group())
     if reports and history and not args.quiet:
@@ -377,7 +396,8 @@ def _check_resume(pipe: Pipeline, args, optimizer, scheduler, fqns: list) -> tup
     return step, path, prepared
 
 
-def _save_safetensors(path: str, manifest: dict, folder: str, rank: int, state: dict, world: int) -> None:
+def _save_safetensors(path: str, manifest: dict, folder: str, rank: int, state: dict, world: int,
+                      unused=None) -> None:
     """Like ``--save`` but one safetensors file; a tied weight is written once, under its first FQN in the
     model's state_dict order (``model.embed_tokens.weight``, not ``lm_head.weight``), as Hugging Face does."""
     if rank == 0:
@@ -386,7 +406,7 @@ def _save_safetensors(path: str, manifest: dict, folder: str, rank: int, state: 
         except ImportError as error:
             raise PipelineError("--save-safetensors needs the safetensors package: pip install safetensors") from error
     plain = f"{path}.state.tmp{os.getpid()}"
-    _save(plain, manifest, folder, rank, state, world)
+    _save(plain, manifest, folder, rank, state, world, unused)
     if rank != 0:
         return
     import safetensors.torch

@@ -4,7 +4,7 @@ Run under torchrun, one process per rank, from a script of your own::
 
     import sys; sys.path.insert(0, "out")          # the output folder holds tracepp_runtime
     import tracepp_runtime
-    pipe = tracepp_runtime.Pipeline("out")         # this rank's stages, weights from out/weights/
+    pipe = tracepp_runtime.Pipeline("out")         # this rank's stages, weights from model() or --load
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
     for step in range(steps):
         loss = pipe.step(args, kwargs, target)     # a tensor on the last stage's rank, None elsewhere
@@ -33,9 +33,11 @@ from .batching import MicrobatchSplitter
 from .distributed import init_distributed
 from .executor import RankExecutor, _shapes_from_manifest, parse_action
 from .failure import PipelineError
-from .loading import load_manifest, load_rank_script, load_spec, load_user_module
+from .loading import load_manifest, load_rank_script
 from . import mesh as dp_mesh
-from .stages import StageModule, load_state
+from .stages import StageModule
+from .usercode import load_spec, load_user_module
+from .weights import load_rank_state
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -68,12 +70,17 @@ class Pipeline:
     (dynamic dims from the manifest marked dynamic); ``compile_cache``: inductor's cache folder. ``all_stages``:
     every stage in this one process, no communication (for measurement and debugging); ``actions`` overrides
     the action list (``"0F0"``, ``"0B0"``, ...). ``stage_functions``, ``actions``, ``shapes`` and ``releases``
-    are what a rank script passes; left out, they are read from ``rank{rank}.py``.
+    are what a rank script passes; left out, they are read from ``rank{rank}.py``. ``load``: a checkpoint
+    (``.safetensors``, a Hugging Face folder, a ``torch.distributed.checkpoint`` folder or a torch state_dict
+    file) keyed by the model's FQNs, of which this rank reads only its own tensors; without it ``init`` says how
+    the model file initialises them: ``"model"`` (build ``model()``, keep this rank's tensors: equal to eager)
+    or ``"per-module"`` (only this rank's modules, seeded by FQN: for models too big for one process).
     """
 
     def __init__(self, folder: str, *, rank=None, device=None, timeout_s: float = 120.0, precision: str = "fp32",
                  compile: bool = False, compile_cache=None, all_stages: bool = False, stage_functions=None,
-                 actions=None, shapes=None, releases=None, loss_fn=None, check_finite: bool = True):
+                 actions=None, shapes=None, releases=None, loss_fn=None, check_finite: bool = True,
+                 load=None, init: str = "model"):
         self.folder = os.path.abspath(folder)
         self.manifest = manifest = load_manifest(self.folder)
         self.world_size = 1 if all_stages else int(os.environ.get("WORLD_SIZE", "1"))
@@ -95,7 +102,7 @@ class Pipeline:
         self.precision = precision
         self.compute_dtype = PRECISIONS[precision]
         self.training = manifest["training"]
-        self.user = load_user_module(self.folder)
+        self.user = load_user_module(self.folder, manifest)
         if loss_fn is None and self.training:
             loss_fn = getattr(self.user, "loss_fn", None)
         self.loss_fn = loss_fn
@@ -120,7 +127,10 @@ class Pipeline:
         for fn in stage_functions.values():  # factory ops in the stage code (torch.arange) follow the rank's device
             if "RUN_DEVICE" in getattr(fn, "__globals__", {}):
                 fn.__globals__["RUN_DEVICE"] = self.device
-        state = load_state(self.folder, manifest, self.stage_indices, self.device)
+        # this rank's tensors only: from --load's checkpoint, or the model file's own initialisation
+        state = load_rank_state(self.folder, plan_manifest, self.pp_rank, self.device, self.user, load=load, init=init)
+        unused = {item["fqn"] for item in manifest.get("unused_state", [])}
+        self.unused_state = {fqn: tensor for fqn, tensor in state.items() if fqn in unused}  # for --save
         self.stages = {}
         for spec in manifest["stages"]:
             if spec["index"] in self.stage_indices:

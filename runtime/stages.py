@@ -8,28 +8,10 @@ any module. Stages on one rank that read the same weight (a tied embedding and h
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
-
-
-def load_state(folder: str, manifest: dict, stage_indices, device: torch.device) -> dict:
-    """FQN -> tensor for every parameter/buffer the given stages read; one object per FQN."""
-    state: dict = {}
-    for spec in manifest["stages"]:
-        if spec["index"] not in stage_indices:
-            continue
-        saved = torch.load(os.path.join(folder, spec["weights"]), map_location="cpu", weights_only=True)
-        for ref in spec["state"]:
-            if ref["fqn"] in state:
-                continue
-            tensor = saved[ref["fqn"]].to(device)
-            if ref["kind"] == "parameter":
-                tensor = nn.Parameter(tensor, requires_grad=ref.get("requires_grad", True))
-            state[ref["fqn"]] = tensor
-    return state
 
 
 def _owner(root: nn.Module, fqn: str):

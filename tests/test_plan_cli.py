@@ -242,7 +242,7 @@ def test_csv_wrong_microbatch_count(tmp_path, capsys):
     (["--stages", "6", "--schedule", "zbv"],
      "schedule 'zbv' runs exactly 2 stages per rank (a V); got 6 stages on 2 ranks: use --stages 4"),
     (["--stages", "3", "--schedule", "plan.csv"],
-     "--stages 3 is not a multiple of --ranks 2"),
+     "3 stages cannot be spread evenly over 2 ranks: use --stages a multiple of --ranks 2 (e.g. --stages 2 or 4)"),
     (["--split-points", "layers.1,layers.2", "--schedule", "interleaved-1f1b"],
      "3 stages cannot be spread evenly over 2 ranks: use --stages a multiple of --ranks 2 (e.g. --stages 2 or 4)"),
 ])
@@ -285,3 +285,26 @@ def test_inspect_shows_flop_estimates(tmp_path, capsys):
     # every boundary value is listed as sent, every recomputed one as recomputed
     sent = [line.split()[0] for line in text.splitlines() if line.endswith(" sent")]
     assert sent == list(manifest["values"])
+
+
+def test_resplit_keeps_user_files_and_drops_stale_ranks(tmp_path, capsys):
+    """Re-running `tracepp split -o out` replaces only what the earlier split wrote: the README's
+    `out/trained.pt` survives, a rank script the new plan no longer has is gone, a foreign folder is refused."""
+    out = str(tmp_path / "out")
+    model = model_path("residual_mlp_lm")
+    assert cli_main(["split", model, "-o", out, "--ranks", "4", "--split-points", FOUR_STAGES]) == 0
+    with open(os.path.join(out, "trained.pt"), "w") as handle:
+        handle.write("the user's checkpoint")
+    assert cli_main(["split", model, "-o", out, "--ranks", "2"]) == 0
+    assert open(os.path.join(out, "trained.pt")).read() == "the user's checkpoint"
+    assert os.path.exists(os.path.join(out, "rank1.py")) and not os.path.exists(os.path.join(out, "rank2.py"))
+    manifest = load_manifest(out)
+    assert "trained.pt" not in manifest["files"] and "rank0.py" in manifest["files"]
+    assert "rank3.py" not in manifest["files"] and not os.path.exists(os.path.join(out, "weights"))
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("keep me")
+    capsys.readouterr()
+    assert cli_main(["split", model, "-o", str(foreign), "--ranks", "2"]) == 2
+    assert "has no tracepp manifest.json; choose another -o" in capsys.readouterr().err
+    assert os.listdir(foreign) == ["notes.txt"]

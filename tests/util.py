@@ -35,11 +35,14 @@ def run_ok(out_dir: str, nproc: int, *args: str):
     return result
 
 
-def eager_train(path: str, steps: int, lr: float = 0.01) -> dict:
-    """Train the unsplit model on the same batches the pipeline sees; return its state_dict."""
+def eager_train(path: str, steps: int, lr: float = 0.01, initial=None) -> dict:
+    """Train the unsplit model on the same batches the pipeline sees (from the state_dict ``initial`` if
+    given); return its state_dict."""
     model_file = load_model_file(path)
     module = model_file.module
     model = model_file.model()
+    if initial is not None:
+        model.load_state_dict(initial)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = module.optimizer(params) if hasattr(module, "optimizer") else torch.optim.SGD(params, lr=lr)
     for step in range(steps):

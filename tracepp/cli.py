@@ -1,14 +1,16 @@
 """The ``tracepp`` command line: ``split`` a model file into a runnable pipeline, ``inspect`` or ``plan`` it.
 
     tracepp split model.py -o out/ [--ranks R] [--stages N] [--schedule NAME|file.csv] [--microbatches M]
-                                   [--split-points a,b] [--dynamic NAME:DIM=SYMBOL ...]
+                                   [--split-points a,b] [--dynamic NAME:DIM=SYMBOL ...] [--bundle PKG ...]
                                    [--dp N] [--dp-mode fsdp|ddp|hsdp] [--dp-shard K] [--dp-order pp-inner|dp-inner]
+    tracepp check model.py [split options]      # trace, split, plan; print the stage table and warnings
     tracepp inspect out/
     tracepp plan out/ [--svg plan.svg] [--trace plan.json] [--costs measured.json]
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -16,23 +18,52 @@ def _split(args) -> int:
     from tracepp.driver import split_model
     from tracepp.dynamic import parse_flags
 
+    if args.dry_run:
+        return _check(args)
     _check_layout(args)
     points = [p.strip() for p in args.split_points.split(",") if p.strip()] if args.split_points else None
     manifest = split_model(args.model, args.out, num_ranks=args.ranks, num_stages=args.stages,
                            schedule=args.schedule, num_microbatches=args.microbatches, split_points=points,
                            dynamic_shapes=parse_flags(args.dynamic) if args.dynamic else None,
                            dp=args.dp, dp_mode=args.dp_mode, dp_shard=args.dp_shard, dp_order=args.dp_order)
+    from tracepp.modelfile import bundle_packages
     from tracepp.runtime.mesh import describe
     from tracepp.stage_report import stage_table
 
+    bundled = bundle_packages(args.out, args.bundle, manifest["import_paths"]) if args.bundle else []
     for note in manifest.get("notes", []):
         print(f"note: {note}")
     print(stage_table(manifest))
     for line in describe(manifest["plan"]):
         print(line)
     print(f"\nwrote {args.out}: manifest.json, run.py, "
-          f"{', '.join(f'rank{r}.py' for r in range(manifest['plan']['num_ranks']))}, weights/, tracepp_runtime/")
+          f"{', '.join(f'rank{r}.py' for r in range(manifest['plan']['num_ranks']))}, tracepp_runtime/"
+          + "".join(f", {os.path.basename(path)}" for path in bundled)
+          + " (no weights: each rank loads its own with --load CKPT or builds them from model())")
     print(f"run it: {manifest['launch_command']} --steps 3")
+    return 0
+
+
+def _check(args) -> int:
+    """Trace, split and plan; print the stage table and the warnings; write nothing."""
+    from tracepp.check import stage_warnings
+    from tracepp.driver import check_model
+    from tracepp.dynamic import parse_flags
+    from tracepp.stage_report import stage_table
+
+    _check_layout(args)
+    points = [p.strip() for p in args.split_points.split(",") if p.strip()] if args.split_points else None
+    manifest = check_model(args.model, num_ranks=args.ranks, num_stages=args.stages, schedule=args.schedule,
+                           num_microbatches=args.microbatches, split_points=points,
+                           dynamic_shapes=parse_flags(args.dynamic) if args.dynamic else None)
+    for note in manifest.get("notes", []):
+        print(f"note: {note}")
+    print(stage_table(manifest))
+    warnings = stage_warnings(manifest)
+    print()
+    for warning in warnings:
+        print(f"warning: {warning}")
+    print(f"{len(warnings)} warning(s); nothing written. `tracepp split` with the same options writes the folder.")
     return 0
 
 
@@ -47,9 +78,9 @@ def _check_layout(args) -> None:
     if args.stages < 1:
         raise ValueError(f"--stages {args.stages}: need at least 1 stage")
     if str(args.schedule).lower().endswith(".csv"):
-        if args.stages % args.ranks:
-            raise ValueError(f"--stages {args.stages} is not a multiple of --ranks {args.ranks}: every rank must "
-                             f"hold the same number of stages")
+        from tracepp.codegen.plan import check_stages_divide
+
+        check_stages_divide(args.stages, args.ranks)
         return
     from tracepp.codegen.schedules import SCHEDULES, placement
 
@@ -89,22 +120,32 @@ def _plan(args) -> int:
     return 0
 
 
+def _add_split_options(parser) -> None:
+    parser.add_argument("model", help="model file defining model() and example_inputs() (see README)")
+    parser.add_argument("--ranks", type=int, default=2, help="pipeline ranks, i.e. torchrun processes (default 2)")
+    parser.add_argument("--stages", type=int, default=None,
+                        help="number of stages (default: from split points, else ranks x stages per rank)")
+    parser.add_argument("--schedule", default="1f1b",
+                        help="gpipe, 1f1b, interleaved-1f1b, looped-bfs, interleaved-zb, zbv, dualpipev, or a .csv")
+    parser.add_argument("--microbatches", type=int, default=4, help="microbatches per batch (default 4)")
+    parser.add_argument("--split-points", default=None,
+                        help="comma-separated module FQNs where a new stage begins (overrides the model file's)")
+    parser.add_argument("--dynamic", action="append", default=None, metavar="INPUT:DIM=SYMBOL",
+                        help="mark a dim of a named input dynamic, e.g. idx:1=seq (repeatable)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tracepp", description="Pipeline-parallel training from one traced model.")
     sub = parser.add_subparsers(dest="command", required=True)
     split = sub.add_parser("split", help="trace a model file and write a runnable pipeline folder")
-    split.add_argument("model", help="model file defining model() and example_inputs() (see README)")
+    check = sub.add_parser("check", help="trace, split and plan; print the stage table and warnings; write nothing")
     split.add_argument("-o", "--out", default="out", help="output folder (default: out)")
-    split.add_argument("--ranks", type=int, default=2, help="pipeline ranks, i.e. torchrun processes (default 2)")
-    split.add_argument("--stages", type=int, default=None,
-                       help="number of stages (default: from split points, else ranks x stages per rank)")
-    split.add_argument("--schedule", default="1f1b",
-                       help="gpipe, 1f1b, interleaved-1f1b, looped-bfs, interleaved-zb, zbv, dualpipev, or a .csv")
-    split.add_argument("--microbatches", type=int, default=4, help="microbatches per batch (default 4)")
-    split.add_argument("--split-points", default=None,
-                       help="comma-separated module FQNs where a new stage begins (overrides the model file's)")
-    split.add_argument("--dynamic", action="append", default=None, metavar="INPUT:DIM=SYMBOL",
-                       help="mark a dim of a named input dynamic, e.g. idx:1=seq (repeatable)")
+    split.add_argument("--dry-run", action="store_true", help="do what `tracepp check` does: write nothing")
+    split.add_argument("--bundle", action="append", default=None, metavar="PKG",
+                       help="copy this local package or module the model file imports into the output folder, "
+                            "so it runs where the model's source tree is absent (repeatable)")
+    for command in (split, check):
+        _add_split_options(command)
     split.add_argument("--dp", type=int, default=1,
                        help="data-parallel replicas of the pipeline: the job runs ranks x dp processes (default 1)")
     split.add_argument("--dp-mode", default="fsdp", choices=["fsdp", "ddp", "hsdp"],
@@ -115,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="pp-inner (default): consecutive global ranks form one pipeline; dp-inner: "
                             "consecutive ranks are replicas of one pipeline rank")
     split.set_defaults(run=_split)
+    check.set_defaults(run=_check)
     inspect = sub.add_parser("inspect", help="print the stage table and the plan of an output folder")
     inspect.add_argument("out")
     inspect.add_argument("--grid", action="store_true", help="also print every rank's action grid")

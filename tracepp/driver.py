@@ -7,22 +7,22 @@ from __future__ import annotations
 import shlex
 from typing import Optional
 
-from tracepp.codegen.emit import emit
+from tracepp.codegen.emit import build_manifest, emit
 from tracepp.codegen.plan import plan, stages_per_rank
 from tracepp.modelfile import load_model_file
 from tracepp.split.partition import split
 from tracepp.trace import trace
 
 
-def split_model(model_path: str, out_dir: str, num_ranks: int = 2, num_stages: Optional[int] = None,
-                schedule: str = "1f1b", num_microbatches: int = 4, split_points: Optional[list] = None,
-                dynamic_shapes=None, dp: int = 1, dp_mode: str = "fsdp", dp_shard: Optional[int] = None,
-                dp_order: str = "pp-inner") -> dict:
+def _plan(model_path: str, num_ranks: int, num_stages: Optional[int], schedule: str, num_microbatches: int,
+          split_points: Optional[list], dynamic_shapes, dp: int = 1, dp_mode: str = "fsdp",
+          dp_shard: Optional[int] = None, dp_order: str = "pp-inner"):
+    """Steps 1-3, shared by ``split`` and ``check``: (model file, traced program, stage graphs, plan)."""
     model_file = load_model_file(model_path)                                          # the user's contract
     if dp > 1:  # each replica runs the pipeline on its slice: trace a microbatch of the replica's batch
         traced = _trace_replica(model_file, num_microbatches, dynamic_shapes, dp, dp_mode, dp_shard)
     else:
-        traced = trace(model_file, num_microbatches, dynamic_shapes)                  # 1. torch.export
+        traced = trace(model_file, num_microbatches, dynamic_shapes, on_meta=True)    # 1. torch.export, meta
     graph = split(traced, split_points or model_file.split_points, num_stages,          # 2. stage graphs
                   default_stages=num_ranks * stages_per_rank(schedule), schedule=schedule,
                   num_microbatches=num_microbatches, training=model_file.training)
@@ -30,10 +30,26 @@ def split_model(model_path: str, out_dir: str, num_ranks: int = 2, num_stages: O
     if dp > 1:
         _check_full_backward(the_plan, dp_mode)
         the_plan["mesh"] = {"dp": dp, "pp": num_ranks, "mode": dp_mode, "shard": dp_shard, "order": dp_order}
+    return model_file, traced, graph, the_plan
+
+
+def split_model(model_path: str, out_dir: str, num_ranks: int = 2, num_stages: Optional[int] = None,
+                schedule: str = "1f1b", num_microbatches: int = 4, split_points: Optional[list] = None,
+                dynamic_shapes=None, dp: int = 1, dp_mode: str = "fsdp", dp_shard: Optional[int] = None,
+                dp_order: str = "pp-inner") -> dict:
+    model_file, traced, graph, the_plan = _plan(model_path, num_ranks, num_stages, schedule, num_microbatches,
+                                                split_points, dynamic_shapes, dp, dp_mode, dp_shard, dp_order)
     launch = f"torchrun --nproc-per-node {num_ranks * dp} {shlex.quote(out_dir.rstrip('/') + '/run.py')}"
     manifest = emit(out_dir, model_file, traced, graph, the_plan, launch)             # 4. output folder
-    manifest["notes"] = traced.notes
     return manifest
+
+
+def check_model(model_path: str, num_ranks: int = 2, num_stages: Optional[int] = None, schedule: str = "1f1b",
+                num_microbatches: int = 4, split_points: Optional[list] = None, dynamic_shapes=None) -> dict:
+    """``tracepp check``: trace, split and plan as :func:`split_model` does, and return the manifest unwritten."""
+    model_file, traced, graph, the_plan = _plan(model_path, num_ranks, num_stages, schedule, num_microbatches,
+                                                split_points, dynamic_shapes)
+    return build_manifest(model_file, traced, graph, the_plan, f"torchrun --nproc-per-node {num_ranks} out/run.py")
 
 
 def _trace_replica(model_file, num_microbatches: int, dynamic_shapes, dp: int, dp_mode: str, dp_shard):
@@ -53,7 +69,7 @@ def _trace_replica(model_file, num_microbatches: int, dynamic_shapes, dp: int, d
     if num_microbatches > per_replica:
         raise ValueError(f"--microbatches {num_microbatches} does not fit a replica's {per_replica} samples "
                          f"(global batch {global_batch} / --dp {dp}): choose 1..{per_replica}")
-    traced = trace(model_file, num_microbatches * dp, dynamic_shapes)
+    traced = trace(model_file, num_microbatches * dp, dynamic_shapes, on_meta=True)
     return dataclasses.replace(traced, num_microbatches=num_microbatches, batch_size=per_replica)
 
 

@@ -73,13 +73,16 @@ def load_model_file(path: str) -> ModelFile:
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
-    sys.path.insert(0, os.path.dirname(path))
+    # its own code (a module or package beside it, or in the working directory) stays importable while
+    # tracing; the run time puts the same folders on its path (manifest "import_paths")
+    for folder in (os.getcwd(), os.path.dirname(path)):
+        if folder in sys.path:
+            sys.path.remove(folder)
+        sys.path.insert(0, folder)
     try:
         spec.loader.exec_module(module)
     except Exception as error:  # the user's code failed: say where, keep the cause
         raise ModelFileError(f"importing model file {path!r} failed: {type(error).__name__}: {error}") from error
-    finally:
-        sys.path.pop(0)
     missing = [fn for fn in ("model", "example_inputs") if not callable(getattr(module, fn, None))]
     if missing:
         raise ModelFileError(
@@ -92,3 +95,35 @@ def load_model_file(path: str) -> ModelFile:
             "target of the example batch, or remove loss_fn for a forward-only pipeline"
         )
     return ModelFile(path=path, module=module, sha256=digest)
+
+
+def bundle_packages(out_dir: str, names: list, search_paths: list) -> list:
+    """Copy the named local packages or modules (found in ``search_paths``) into ``out_dir``; return the copies.
+
+    ``tracepp split --bundle PKG`` uses it so the output folder runs on a node without the model's source tree.
+    """
+    import shutil
+
+    copied = []
+    for name in names:
+        top = name.split(".")[0]
+        for folder in search_paths:
+            package, module = os.path.join(folder, top), os.path.join(folder, top + ".py")
+            if os.path.isfile(os.path.join(package, "__init__.py")) or (
+                    os.path.isdir(package) and not os.path.isfile(module)):
+                target = os.path.join(out_dir, top)
+                shutil.copytree(package, target, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"),
+                                dirs_exist_ok=True)
+                copied.append(target)
+                break
+            if os.path.isfile(module):
+                target = os.path.join(out_dir, top + ".py")
+                shutil.copyfile(module, target)
+                copied.append(target)
+                break
+        else:
+            raise ModelFileError(
+                f"--bundle {name}: no package or module {top!r} in {', '.join(search_paths)}; --bundle takes "
+                f"the import name of local code the model file imports (e.g. --bundle mypkg for `from mypkg.model "
+                f"import Net`, --bundle nanogpt_model for `from nanogpt_model import GPT`)")
+    return copied

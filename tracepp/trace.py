@@ -1,7 +1,11 @@
 """Step 1, trace: run ``torch.export`` on the whole model with one microbatch of the example batch.
 
 Returns a :class:`Traced` record: the ExportedProgram, the model (for parameter aliases), and how the
-example batch maps onto the program's inputs. Export failures are re-raised as :class:`TraceError` in the
+example batch maps onto the program's inputs. With ``on_meta`` (what ``tracepp split`` uses) the user's plain
+``model()`` runs under ``torch.device("meta")``: parameters and buffers get shapes and dtypes but no storage,
+so planning a 70B model needs no more memory than its graph; real values enter only at run time
+(``runtime/weights.py``). A model whose ``model()`` cannot run on meta (its init reads values) is built for
+real instead, with a note saying so. Export failures are re-raised as :class:`TraceError` in the
 user's terms: the module and source line that broke the graph, and what to try.
 """
 from __future__ import annotations
@@ -53,8 +57,47 @@ def first_microbatch(leaves: list, batched: list, batch_size: int, num_microbatc
     return [leaf[:size] if is_batched else leaf for leaf, is_batched in zip(leaves, batched)]
 
 
-def trace(model_file: ModelFile, num_microbatches: int, dynamic_shapes: Any = None) -> Traced:
-    model = model_file.model()
+def build_model(model_file: ModelFile, on_meta: bool) -> tuple:
+    """``(model, notes)``: ``model()`` without storage when ``on_meta`` and it builds there, else for real."""
+    if not on_meta:
+        return model_file.model(), []
+    try:
+        with torch.device("meta"):
+            return model_file.model(), []
+    except ModelFileError:
+        raise
+    except Exception as error:  # e.g. an init that reads a value (.item(), a data-dependent branch)
+        note = (f"model() cannot be built on the meta device ({type(error).__name__}: {str(error).splitlines()[0]}); "
+                f"built with real weights for tracing instead (planning then needs the whole model in memory)")
+        return model_file.model(), [note]
+
+
+def _input_device(leaves: list) -> torch.device:
+    return next((leaf.device for leaf in leaves if isinstance(leaf, torch.Tensor)), torch.device("cpu"))
+
+
+def _replace_meta_device(program: torch.export.ExportedProgram, device: torch.device) -> None:
+    """Weights on meta leave ``device='meta'`` in ops that name a device (``.to``, ``arange``, dtype/device
+    assertions); the program runs where the inputs are, so name their device, as a real trace would."""
+    meta = torch.device("meta")
+
+    def fix(value):
+        if isinstance(value, torch.device) and value == meta:
+            return device
+        return value
+
+    for node in program.graph.nodes:
+        node.args = torch.fx.node.map_aggregate(node.args, fix)
+        node.kwargs = torch.fx.node.map_aggregate(node.kwargs, fix)
+    program.graph_module.recompile()
+
+
+def _is_on_meta(model: torch.nn.Module) -> bool:
+    return any(tensor.is_meta for tensor in list(model.parameters()) + list(model.buffers()))
+
+
+def trace(model_file: ModelFile, num_microbatches: int, dynamic_shapes: Any = None, on_meta: bool = False) -> Traced:
+    model, notes = build_model(model_file, on_meta)
     args, kwargs = model_file.example_inputs(), model_file.example_kwargs()
     leaves, spec = pytree.tree_flatten((args, kwargs))
     batch_size = batch_size_of(leaves, f"{model_file.path}: example_inputs()")
@@ -66,7 +109,6 @@ def trace(model_file: ModelFile, num_microbatches: int, dynamic_shapes: Any = No
     batched = [isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape[0] == batch_size for leaf in leaves]
     mb_args, mb_kwargs = pytree.tree_unflatten(first_microbatch(leaves, batched, batch_size, num_microbatches), spec)
     mb_args, mb_kwargs = tuple(mb_args), dict(mb_kwargs)
-    notes = []
     if dynamic_shapes is None and model_file.dynamic_shapes is None and batch_size % num_microbatches:
         # unequal microbatches need a symbolic batch dim; declaring it is what the user would do anyway
         dynamic_shapes = DynamicFlags(batch=True)
@@ -85,15 +127,22 @@ def trace(model_file: ModelFile, num_microbatches: int, dynamic_shapes: Any = No
         # so trace two samples
         mb_args, mb_kwargs = pytree.tree_unflatten(first_microbatch(leaves, batched, batch_size, batch_size // 2), spec)
         mb_args, mb_kwargs = tuple(mb_args), dict(mb_kwargs)
-    if export_shapes is None and batch_size % num_microbatches:
-        raise ValueError(
-            f"the example batch has {batch_size} samples, which {num_microbatches} microbatches do not divide: "
-            f"choose a divisor of {batch_size}, or declare the batch dim dynamic (--dynamic batch)")
     try:
         program = torch.export.export(model, mb_args, mb_kwargs, dynamic_shapes=export_shapes)
     except Exception as error:
-        raise TraceError(explain_export_failure(error, model, model_file.path)) from error
+        if not _is_on_meta(model):
+            raise TraceError(explain_export_failure(error, model, model_file.path)) from error
+        # forward may read a parameter's or buffer's value; try once with real weights before giving up
+        model = model_file.model()
+        try:
+            program = torch.export.export(model, mb_args, mb_kwargs, dynamic_shapes=export_shapes)
+        except Exception as real_error:
+            raise TraceError(explain_export_failure(real_error, model, model_file.path)) from real_error
+        notes.append(f"the model does not trace with meta weights ({type(error).__name__}: "
+                     f"{str(error).splitlines()[0] if str(error) else ''}); traced with real weights instead")
     inline_grad_mode_regions(program, model_file.path)
+    if _is_on_meta(model):
+        _replace_meta_device(program, _input_device(leaves))
     dim_names = {(leaf_of_arg[arg], dim): name for (arg, dim), name in arg_dim_names.items() if arg in leaf_of_arg}
     return Traced(program, model, model_file, num_microbatches, batch_size, batched, leaves, dim_names, notes)
 
