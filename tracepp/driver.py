@@ -18,8 +18,9 @@ def _plan(model_path: str, num_ranks: int, num_stages: Optional[int], schedule: 
           split_points: Optional[list], dynamic_shapes):
     """Steps 1-3, shared by ``split`` and ``check``: (model file, traced program, stage graphs, plan)."""
     model_file = load_model_file(model_path)                                          # the user's contract
-    traced = trace(model_file, num_microbatches, dynamic_shapes, on_meta=True)        # 1. torch.export, meta
-    graph = split(traced, split_points or model_file.split_points, num_stages,          # 2. stage graphs
+    traced = trace(model_file, num_microbatches, dynamic_shapes, on_meta="auto")      # 1. torch.export (meta if big)
+    points = None if split_points == "auto" else (split_points or model_file.split_points)
+    graph = split(traced, points, num_stages,                                         # 2. stage graphs
                   default_stages=num_ranks * stages_per_rank(schedule), schedule=schedule,
                   num_microbatches=num_microbatches, training=model_file.training)
     the_plan = plan(graph, schedule, num_ranks, num_microbatches, model_file.training)  # 3. schedule
