@@ -47,6 +47,15 @@ def test_zoo_matches_eager(tmp_path, name):
     _train_and_compare(tmp_path, path, out)
 
 
+@pytest.mark.parametrize("name", ["mistral", "mixtral", "gpt2_tf", "bert", "nanogpt"])
+def test_zoo_automatic_split_matches_eager(tmp_path, name):
+    """No split points at all (--split-points auto): cuts between the repeated blocks by the cost model."""
+    path, out = zoo_path(name), str(tmp_path / "out")
+    manifest = split_model(path, out, num_ranks=2, schedule="1f1b", num_microbatches=2, split_points="auto")
+    assert len(manifest["stages"]) == 2 and all(stage["num_params"] > 0 for stage in manifest["stages"])
+    _train_and_compare(tmp_path, path, out)
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "interleaved-1f1b", "zbv"])
 @pytest.mark.parametrize("name", list(FOUR_STAGES))
 def test_zoo_schedule_grid(tmp_path, name, schedule):

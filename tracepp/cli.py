@@ -21,7 +21,7 @@ def _split(args) -> int:
     if args.dry_run:
         return _check(args)
     _check_layout(args)
-    points = [p.strip() for p in args.split_points.split(",") if p.strip()] if args.split_points else None
+    points = _split_points(args.split_points)
     manifest = split_model(args.model, args.out, num_ranks=args.ranks, num_stages=args.stages,
                            schedule=args.schedule, num_microbatches=args.microbatches, split_points=points,
                            dynamic_shapes=parse_flags(args.dynamic) if args.dynamic else None,
@@ -52,7 +52,7 @@ def _check(args) -> int:
     from tracepp.stage_report import stage_table
 
     _check_layout(args)
-    points = [p.strip() for p in args.split_points.split(",") if p.strip()] if args.split_points else None
+    points = _split_points(args.split_points)
     manifest = check_model(args.model, num_ranks=args.ranks, num_stages=args.stages, schedule=args.schedule,
                            num_microbatches=args.microbatches, split_points=points,
                            dynamic_shapes=parse_flags(args.dynamic) if args.dynamic else None)
@@ -129,9 +129,20 @@ def _add_split_options(parser) -> None:
                         help="gpipe, 1f1b, interleaved-1f1b, looped-bfs, interleaved-zb, zbv, dualpipev, or a .csv")
     parser.add_argument("--microbatches", type=int, default=4, help="microbatches per batch (default 4)")
     parser.add_argument("--split-points", default=None,
-                        help="comma-separated module FQNs where a new stage begins (overrides the model file's)")
+                        help="comma-separated module FQNs where a new stage begins (overrides the model file's); "
+                             "'auto' cuts between repeated blocks by the cost model even if the file lists points")
     parser.add_argument("--dynamic", action="append", default=None, metavar="INPUT:DIM=SYMBOL",
                         help="mark a dim of a named input dynamic, e.g. idx:1=seq (repeatable)")
+
+
+def _split_points(text):
+    """``--split-points a,b`` -> ["a", "b"]; ``auto`` -> "auto" (cut automatically even where the model file
+    lists split points); absent -> None (the model file's, else automatic)."""
+    if not text:
+        return None
+    if text.strip() == "auto":
+        return "auto"
+    return [point.strip() for point in text.split(",") if point.strip()]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -22,8 +22,9 @@ def _plan(model_path: str, num_ranks: int, num_stages: Optional[int], schedule: 
     if dp > 1:  # each replica runs the pipeline on its slice: trace a microbatch of the replica's batch
         traced = _trace_replica(model_file, num_microbatches, dynamic_shapes, dp, dp_mode, dp_shard)
     else:
-        traced = trace(model_file, num_microbatches, dynamic_shapes, on_meta=True)    # 1. torch.export, meta
-    graph = split(traced, split_points or model_file.split_points, num_stages,          # 2. stage graphs
+        traced = trace(model_file, num_microbatches, dynamic_shapes, on_meta="auto")  # 1. torch.export (meta if big)
+    points = None if split_points == "auto" else (split_points or model_file.split_points)
+    graph = split(traced, points, num_stages,                                         # 2. stage graphs
                   default_stages=num_ranks * stages_per_rank(schedule), schedule=schedule,
                   num_microbatches=num_microbatches, training=model_file.training)
     the_plan = plan(graph, schedule, num_ranks, num_microbatches, model_file.training)  # 3. schedule
@@ -69,7 +70,7 @@ def _trace_replica(model_file, num_microbatches: int, dynamic_shapes, dp: int, d
     if num_microbatches > per_replica:
         raise ValueError(f"--microbatches {num_microbatches} does not fit a replica's {per_replica} samples "
                          f"(global batch {global_batch} / --dp {dp}): choose 1..{per_replica}")
-    traced = trace(model_file, num_microbatches * dp, dynamic_shapes, on_meta=True)
+    traced = trace(model_file, num_microbatches * dp, dynamic_shapes, on_meta="auto")
     return dataclasses.replace(traced, num_microbatches=num_microbatches, batch_size=per_replica)
 
 

@@ -57,13 +57,29 @@ def first_microbatch(leaves: list, batched: list, batch_size: int, num_microbatc
     return [leaf[:size] if is_batched else leaf for leaf, is_batched in zip(leaves, batched)]
 
 
-def build_model(model_file: ModelFile, on_meta: bool) -> tuple:
-    """``(model, notes)``: ``model()`` without storage when ``on_meta`` and it builds there, else for real."""
+REAL_TRACE_LIMIT_BYTES = 1 << 30  # on_meta="auto": models up to this size are traced with real weights
+
+
+def _state_bytes(model: torch.nn.Module) -> int:
+    tensors = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def build_model(model_file: ModelFile, on_meta) -> tuple:
+    """``(model, notes)``: ``model()`` without storage when ``on_meta`` and it builds there, else for real.
+
+    ``on_meta="auto"`` (what ``tracepp split`` uses) builds on meta first and, when the weights are small
+    (``REAL_TRACE_LIMIT_BYTES``), builds the model again for real: code that branches on the device type
+    (Hugging Face Mixtral counts experts with ``histc`` on float32 on CPU, int32 elsewhere) is then traced as
+    the CPU ranks run it. Larger models stay on meta: their trace follows the accelerator's branch."""
     if not on_meta:
         return model_file.model(), []
     try:
         with torch.device("meta"):
+            built = model_file.model()
+        if on_meta == "auto" and _state_bytes(built) <= REAL_TRACE_LIMIT_BYTES:
             return model_file.model(), []
+        return built, []
     except ModelFileError:
         raise
     except Exception as error:  # e.g. an init that reads a value (.item(), a data-dependent branch)
@@ -96,7 +112,7 @@ def _is_on_meta(model: torch.nn.Module) -> bool:
     return any(tensor.is_meta for tensor in list(model.parameters()) + list(model.buffers()))
 
 
-def trace(model_file: ModelFile, num_microbatches: int, dynamic_shapes: Any = None, on_meta: bool = False) -> Traced:
+def trace(model_file: ModelFile, num_microbatches: int, dynamic_shapes: Any = None, on_meta=False) -> Traced:
     model, notes = build_model(model_file, on_meta)
     args, kwargs = model_file.example_inputs(), model_file.example_kwargs()
     leaves, spec = pytree.tree_flatten((args, kwargs))

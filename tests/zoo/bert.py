@@ -2,7 +2,7 @@
 import torch
 import torch.nn.functional as F
 from transformers import BertConfig, BertForSequenceClassification
-from zoo_common import sgd, token_batch
+from zoo_common import examples_of, sgd, token_batch
 
 VOCAB, CLASSES = 64, 3
 
@@ -21,16 +21,7 @@ def batch(step):
     return (ids,), {"attention_mask": torch.ones_like(ids)}, labels
 
 
-def example_inputs():
-    return batch(0)[0]
-
-
-def example_kwargs():
-    return batch(0)[1]
-
-
-def example_target():
-    return batch(0)[2]
+example_inputs, example_kwargs, example_target = examples_of(batch)
 
 
 def loss_fn(output, target):

@@ -4,7 +4,7 @@ Tiny config, random weights, nothing downloaded.
 """
 import torch
 import transformers as tf
-from zoo_common import causal_lm_batch, causal_lm_loss, sgd
+from zoo_common import causal_lm_batch, causal_lm_loss, examples_of, sgd
 
 VOCAB = 64
 
@@ -21,16 +21,7 @@ def batch(step):
     return causal_lm_batch(step, VOCAB)
 
 
-def example_inputs():
-    return batch(0)[0]
-
-
-def example_kwargs():
-    return batch(0)[1]
-
-
-def example_target():
-    return batch(0)[2]
+example_inputs, example_kwargs, example_target = examples_of(batch)
 
 
 loss_fn = causal_lm_loss

@@ -1,7 +1,7 @@
 """Mixtral mixture-of-experts causal LM (tiny config, random weights, nothing downloaded)."""
 import torch
 from transformers import MixtralConfig, MixtralForCausalLM
-from zoo_common import causal_lm_batch, causal_lm_loss, sgd
+from zoo_common import causal_lm_batch, causal_lm_loss, examples_of, sgd
 
 VOCAB = 64
 
@@ -18,16 +18,7 @@ def batch(step):
     return causal_lm_batch(step, VOCAB)
 
 
-def example_inputs():
-    return batch(0)[0]
-
-
-def example_kwargs():
-    return batch(0)[1]
-
-
-def example_target():
-    return batch(0)[2]
+example_inputs, example_kwargs, example_target = examples_of(batch)
 
 
 loss_fn = causal_lm_loss

@@ -1,6 +1,6 @@
 """nanoGPT-style plain PyTorch: the model lives in the package ``zoo_nanogpt`` beside this file."""
 import torch
-from zoo_common import causal_lm_loss, sgd, token_batch
+from zoo_common import causal_lm_loss, examples_of, sgd, token_batch
 from zoo_nanogpt.model import GPT, GPTConfig
 
 VOCAB = 64
@@ -16,12 +16,7 @@ def batch(step):
     return (ids,), {}, target
 
 
-def example_inputs():
-    return batch(0)[0]
-
-
-def example_target():
-    return batch(0)[2]
+example_inputs, example_kwargs, example_target = examples_of(batch)
 
 
 loss_fn = causal_lm_loss

@@ -1,7 +1,7 @@
 """T5 encoder-decoder (tiny config, random weights, nothing downloaded); the split falls between them."""
 import torch
 from transformers import T5Config, T5ForConditionalGeneration
-from zoo_common import causal_lm_loss, sgd, token_batch
+from zoo_common import causal_lm_loss, examples_of, sgd, token_batch
 
 VOCAB = 64
 
@@ -19,16 +19,7 @@ def batch(step):
     return (source,), {"decoder_input_ids": decoder_ids, "use_cache": False}, target
 
 
-def example_inputs():
-    return batch(0)[0]
-
-
-def example_kwargs():
-    return batch(0)[1]
-
-
-def example_target():
-    return batch(0)[2]
+example_inputs, example_kwargs, example_target = examples_of(batch)
 
 
 loss_fn = causal_lm_loss

@@ -2,7 +2,7 @@
 import torch
 import torch.nn.functional as F
 from transformers import ViTConfig, ViTForImageClassification
-from zoo_common import sgd
+from zoo_common import examples_of, sgd
 
 CLASSES = 3
 
@@ -20,12 +20,7 @@ def batch(step):
     return (torch.randn(4, 3, 16, 16, generator=g),), {}, torch.randint(0, CLASSES, (4,), generator=g)
 
 
-def example_inputs():
-    return batch(0)[0]
-
-
-def example_target():
-    return batch(0)[2]
+example_inputs, example_kwargs, example_target = examples_of(batch)
 
 
 def loss_fn(output, target):

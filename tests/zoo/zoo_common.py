@@ -29,3 +29,8 @@ def causal_lm_loss(output, target):
 
 def sgd(params):
     return torch.optim.SGD(params, lr=0.1)
+
+
+def examples_of(batch):
+    """A model file's ``example_inputs``, ``example_kwargs`` and ``example_target``: the parts of ``batch(0)``."""
+    return (lambda: batch(0)[0]), (lambda: batch(0)[1]), (lambda: batch(0)[2])
