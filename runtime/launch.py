@@ -112,10 +112,10 @@ def check_world_size(manifest: dict) -> None:
         )
 
 
-def _save(path: str, manifest: dict, folder: str, rank: int, state: dict, world: int, unused=None,
-          include: bool = True) -> None:
-    """Gather every rank's state (``Pipeline.state_dict``) and write one state_dict keyed by every original
-    FQN atomically from rank 0. ``include``: False on data-parallel replicas other than the first (same tensors)."""
+def _gather_state_dict(manifest: dict, rank: int, state: dict, world: int, unused=None, include: bool = True):
+    """Every rank's state (``Pipeline.state_dict``) gathered on rank 0 and keyed by every original FQN (a tied
+    weight's aliases name one tensor); None on the other ranks. ``include``: False on data-parallel replicas
+    other than the first (same tensors)."""
     mine = {name: full(tensor).detach().cpu() for name, tensor in state.items()}  # full: collective over dp
     if not include:
         mine = {}
@@ -125,7 +125,7 @@ def _save(path: str, manifest: dict, folder: str, rank: int, state: dict, world:
     else:
         parts = [mine]
     if rank != 0:
-        return
+        return None
     # state no stage reads never changes: rank 0 materialised it at start-up (runtime/weights.py)
     merged = {fqn: tensor.detach().cpu() for fqn, tensor in (unused or {}).items()}
     for part in parts:
@@ -135,10 +135,22 @@ def _save(path: str, manifest: dict, folder: str, rank: int, state: dict, world:
     for fqn in manifest["state_dict_keys"]:
         canonical = next((c for c, names in aliases.items() if fqn in names and c in merged), fqn)
         result[fqn] = merged[canonical]
+    return result
+
+
+def _write_atomically(path: str, write) -> None:
+    """``write(temporary)``, then rename: never leave a half-written file at ``path``."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     temporary = f"{path}.tmp{os.getpid()}"
-    torch.save(result, temporary)
-    os.replace(temporary, path)  # never leave a half-written checkpoint at `path`
+    write(temporary)
+    os.replace(temporary, path)
+
+
+def _save(path: str, manifest: dict, rank: int, state: dict, world: int, unused=None, include: bool = True) -> None:
+    """``--save``: one state_dict keyed by every original FQN, written by rank 0."""
+    result = _gather_state_dict(manifest, rank, state, world, unused, include)
+    if result is not None:
+        _write_atomically(path, lambda temporary: torch.save(result, temporary))
 
 
 _CONTROL = None
@@ -326,11 +338,10 @@ def train(pipe: Pipeline, args) -> None:
             if reports and not args.quiet:
                 print(f"checkpoint {path}", flush=True)
     if args.save_safetensors:
-        _save_safetensors(args.save_safetensors, manifest, pipe.folder, rank, pipe.state_dict(), world,
-                          pipe.unused_state)
+        _save_safetensors(args.save_safetensors, manifest, rank, pipe.state_dict(), world, pipe.unused_state,
+                          include=pipe.dp_index == 0)
     if args.save:
-        _save(args.save, manifest, pipe.folder, rank, pipe.state_dict(), world, pipe.unused_state,
-              include=pipe.dp_index == 0)
+        _save(args.save, manifest, rank, pipe.state_dict(), world, pipe.unused_state, include=pipe.dp_index == 0)
     if world > 1:
         dist.barrier(group=_control_group())
     if reports and history and not args.quiet:
@@ -396,8 +407,8 @@ def _check_resume(pipe: Pipeline, args, optimizer, scheduler, fqns: list) -> tup
     return step, path, prepared
 
 
-def _save_safetensors(path: str, manifest: dict, folder: str, rank: int, state: dict, world: int,
-                      unused=None) -> None:
+def _save_safetensors(path: str, manifest: dict, rank: int, state: dict, world: int, unused=None,
+                      include: bool = True) -> None:
     """Like ``--save`` but one safetensors file; a tied weight is written once, under its first FQN in the
     model's state_dict order (``model.embed_tokens.weight``, not ``lm_head.weight``), as Hugging Face does."""
     if rank == 0:
@@ -405,24 +416,20 @@ def _save_safetensors(path: str, manifest: dict, folder: str, rank: int, state: 
             import safetensors.torch  # noqa: F401
         except ImportError as error:
             raise PipelineError("--save-safetensors needs the safetensors package: pip install safetensors") from error
-    plain = f"{path}.state.tmp{os.getpid()}"
-    _save(plain, manifest, folder, rank, state, world, unused)
-    if rank != 0:
+    full_state = _gather_state_dict(manifest, rank, state, world, unused, include)
+    if full_state is None:
         return
     import safetensors.torch
 
-    full = torch.load(plain, map_location="cpu", weights_only=True)
-    os.remove(plain)
     tensors, seen = {}, set()
-    for fqn, tensor in full.items():
+    for fqn, tensor in full_state.items():
         key = tensor.untyped_storage().data_ptr()
         if tensor.numel() and key in seen:
             continue
         seen.add(key)
         tensors[fqn] = tensor.contiguous()
-    temporary = f"{path}.tmp{os.getpid()}"
-    safetensors.torch.save_file(tensors, temporary, metadata={"format": "pt"})
-    os.replace(temporary, path)
+    _write_atomically(path, lambda temporary: safetensors.torch.save_file(tensors, temporary,
+                                                                           metadata={"format": "pt"}))
 
 
 def _on_nonfinite(pipe: Pipeline, args, step: int, loss, scaler) -> tuple:

@@ -262,15 +262,9 @@ class Pipeline:
         """Forward only, no gradients: the plan's forward actions. On the last stage's rank returns the loss
         (with ``target`` and a loss function) or the list of per-microbatch outputs; None elsewhere."""
         if self._eval_executor is None:
-            def forward_only(actions):
-                return [a for a in actions if parse_action(a)[1] in ("F", "SEND_F", "RECV_F")]
-            manifest = copy.deepcopy(self._plan_manifest)
-            manifest["plan"]["actions"] = {r: forward_only(acts) for r, acts in manifest["plan"]["actions"].items()}
-            saved, self._plan_manifest = self._plan_manifest, manifest
-            try:
-                self._eval_executor = self._executor(forward_only(self.executor.actions), {}, False)
-            finally:
-                self._plan_manifest = saved
+            forward_only = [a for a in self.executor.actions if parse_action(a)[1] in ("F", "SEND_F", "RECV_F")]
+            # no send-release points ({}): a forward-only step waits on its sends at the end of the step
+            self._eval_executor = self._executor(forward_only, {}, False)
         with torch.no_grad():
             return self._run(self._eval_executor, args, kwargs, target)
 
