@@ -23,7 +23,8 @@ Runs alternate (the systems' order rotates every round), each run drops its warm
 is the median of every measured step of every round; the range is the spread of the per-round medians.
 Peak memory per rank: ``benchmarks/memory.py`` (CPU: peak live bytes of torch's CPU allocator during one
 untimed step after the timed ones, relative to those live at its start), the same measure for every system.
-Round 0 of every case also saves the trained parameters (after the timed steps, untimed) and the report gives
+The same profile counts the ``c10d::`` ops (collectives, sends, receives) every rank issues in that step
+(``comm_ops_per_rank`` in the JSON). Round 0 of every case also saves the trained parameters (after the timed steps, untimed) and the report gives
 the max difference from tracepp's, and whether the per-step losses agree. Every process runs with
 ``--threads`` intra-op threads (default 1); every collective and P2P op has a timeout (``--timeout``), and
 every run a wall-clock limit (``--run-timeout``) after which its whole process tree is stopped.
@@ -138,6 +139,9 @@ def _summary(runs: list, tokens: int) -> dict:
     merged["round_medians_s"] = medians
     merged["range_s"] = [min(medians), max(medians)]
     merged["mean_peak_mem_mb"] = statistics.mean(merged["peak_mem_mb_per_rank"]) if merged["peak_mem_mb_per_rank"] else None
+    # the c10d ops each rank issued in its measured memory step (same profile as the memory; a count per op)
+    first = next(r for r in runs if r["ok"])
+    merged["comm_ops_per_rank"] = [m.get("comm_ops") for m in first["memory"]]
     return merged
 
 
@@ -260,6 +264,16 @@ def format_table(report: dict) -> str:
              "rank of replica 0; round medians: the spread of the per-round medians",
              f"memory: {report.get('memory_method') or 'n/a'}; ranks 0/1: replica 0's pipeline ranks 0/1, 2/3: replica 1's",
              "max |param diff|: trained parameters after round 0 against tracepp's (same seed and batches)"]
+    comms = []
+    for e in report["results"]:
+        for system in systems:
+            ops = (e.get(system) or {}).get("comm_ops_per_rank")
+            if ops:
+                text_ops = " | ".join(", ".join(f"{k.replace('c10d::', '')} {v}" for k, v in (rank_ops or {}).items())
+                                      for rank_ops in ops)
+                comms.append(f"  {e['schedule']} M{e['microbatches_per_replica']} {system}: {text_ops}")
+    if comms:
+        notes += ["c10d ops issued per step, ranks 0 | 1 | 2 | 3 (one measured step):"] + comms
     problems = [f"{e['case']} {s}: {e[s].get('status')}: {e[s].get('error')}"
                 for e in report["results"] for s in systems if e.get(s, {}).get("status") not in ("ok", None)]
     return "\n".join([text, ""] + notes + (["", "problems:"] + problems if problems else []))

@@ -21,6 +21,8 @@ first op: tracepp's ``Pipeline.step``, torch's ``schedule.step``, eager's forwar
   read before the profiler starts, minus ``VmRSS`` at the first step). It mixes in glibc's retained free
   memory and one-off allocations, so differences of a few MB are noise. Where clear_refs is not writable it
   is ``ru_maxrss`` growth, a lower bound.
+* CPU, alongside: ``comm_ops``, how many of each ``c10d::`` op (collective or point-to-point) the measured step
+  issued, from the same profile (a count, not a time).
 * CUDA: ``torch.cuda.max_memory_allocated`` over the measured step (peak stats reset at its start),
   absolute: weights, gradients, optimizer state and activations held by the caching allocator.
 """
@@ -66,6 +68,16 @@ def memory_events(kineto_results) -> list:
 def marker_ns(kineto_results, name: str = MARKER):
     times = [event.start_ns() for event in kineto_results.events() if event.name() == name]
     return min(times) if times else None
+
+
+def comm_ops(kineto_results, start_ns) -> dict:
+    """How many times each ``c10d::`` op (collectives and point-to-point, as the dispatcher names them:
+    ``c10d::allreduce_``, ``c10d::send``, ...) was issued from ``start_ns`` on: a count per op, not a time."""
+    counts: dict = {}
+    for event in kineto_results.events():
+        if event.name().startswith("c10d::") and event.start_ns() >= start_ns:
+            counts[event.name()] = counts.get(event.name(), 0) + 1
+    return dict(sorted(counts.items()))
 
 
 def peak_growth_bytes(events: list, start_ns=None) -> tuple:
@@ -153,7 +165,8 @@ class PeakMemory:
             raise RuntimeError(f"memory window marker {MARKER!r} missing from the profile")
         peak, base = peak_growth_bytes(events, start)
         return {"peak_mb": peak / 2**20, "method": self.method, "profiled_live_mb_at_start": base / 2**20,
-                "memory_events": len(events), "rss_growth_mb": self.rss_growth_mb, "rss_method": self.rss_method}
+                "memory_events": len(events), "rss_growth_mb": self.rss_growth_mb, "rss_method": self.rss_method,
+                "comm_ops": comm_ops(results, start)}
 
 
 def write_memory(directory: str, rank: int, result: dict) -> None:

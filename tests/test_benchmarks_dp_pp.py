@@ -37,6 +37,10 @@ def test_tiny_dp_pp_writes_both_systems(tmp_path):
         assert len(part["peak_mem_mb_per_rank"]) == 4  # every rank of the mesh measured
         assert all(m > 0 for m in part["peak_mem_mb_per_rank"])
         assert len(part["range_s"]) == 2
+        # both reduce gradients once per step: one reduce-scatter and one all-gather per rank (counted, not timed)
+        for ops in part["comm_ops_per_rank"]:
+            assert [v for k, v in ops.items() if "reduce_scatter" in k] == [1], ops
+            assert [v for k, v in ops.items() if "allgather" in k] == [1], ops
     assert isinstance(entry["ratio_tracepp_over_torch"], float) and entry["ratio_tracepp_over_torch"] > 0
     check = entry["validation"]["torch"]
     assert check["same_losses"] is True, check  # same model, split, schedule, slices, loss and SGD
