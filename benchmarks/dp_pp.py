@@ -113,6 +113,7 @@ def run_system(system: str, case: Case, model_path: str, out_dir: str, work: str
     save_path = os.path.join(work, tag + "_params.pt") if save else None
     steps = settings.warmup + settings.measured + MEMORY_STEPS  # the last ones: memory window, never timed
     cmd = _command(system, case, model_path, out_dir, steps, metrics, memory_dir, peer_timeout, save_path)
+    load_before = _loadavg()
     ok, error, wall = _run(cmd, log, _env(threads), settings.timeout)
     retried = False
     if not ok and _launcher_hiccup(log):  # a port taken by another job on the machine: launch once more
@@ -123,6 +124,7 @@ def run_system(system: str, case: Case, model_path: str, out_dir: str, work: str
         retried = True
     lines = _read_steps(metrics)
     result = {"ok": ok and len(lines) == steps, "error": error, "wall_s": wall, "log": log, "retried": retried,
+              "loadavg_before": load_before, "loadavg_after": _loadavg(),
               "step_times": [line["step_time_s"] for line in lines[settings.warmup:settings.warmup + settings.measured]],
               "losses": [line["loss"] for line in lines], "memory": read_memory(memory_dir),
               "params": save_path if ok and save_path and os.path.exists(save_path) else None}
@@ -211,6 +213,8 @@ def run_suite(cases: list, systems: list, settings: Settings, threads: int, peer
                 _param_diff(first[reference]["params"], first[system]["params"]) or {"error": "no saved parameters"},
                 same_losses=_same_losses(first[reference]["losses"], first[system]["losses"]), against=reference)
         _derive(entry, systems)
+        entry["loadavg_1min_seen"] = sorted(float(r[key].split()[0]) for s in systems for r in runs[s]
+                                            for key in ("loadavg_before", "loadavg_after") if r[key] != "n/a")
         results.append(entry)
     return {"results": results, "elapsed_s": time.perf_counter() - started}
 
@@ -259,7 +263,8 @@ def format_table(report: dict) -> str:
     text = tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True)
     notes = [f"pp {PP} x dp {DP} ({report['dp_mode']}), 4 processes, gloo, {report['threads_per_process']} intra-op "
              f"thread(s) each; {report['environment']['cpu_count']} CPU cores; load average "
-             f"{report['loadavg_start']} at the start, {report['loadavg_end']} at the end",
+             f"{report['loadavg_start']} at the start, {report['loadavg_end']} at the end, 1-minute load "
+             f"{_load_span(report)} before/after the runs",
              "step time: median of all measured steps over alternating rounds (warm-up dropped), on the last stage's "
              "rank of replica 0; round medians: the spread of the per-round medians",
              f"memory: {report.get('memory_method') or 'n/a'}; ranks 0/1: replica 0's pipeline ranks 0/1, 2/3: replica 1's",
@@ -277,6 +282,11 @@ def format_table(report: dict) -> str:
     problems = [f"{e['case']} {s}: {e[s].get('status')}: {e[s].get('error')}"
                 for e in report["results"] for s in systems if e.get(s, {}).get("status") not in ("ok", None)]
     return "\n".join([text, ""] + notes + (["", "problems:"] + problems if problems else []))
+
+
+def _load_span(report: dict) -> str:
+    seen = [v for e in report["results"] for v in e.get("loadavg_1min_seen", [])]
+    return f"{min(seen):.1f} - {max(seen):.1f} (median {statistics.median(seen):.1f})" if seen else "n/a"
 
 
 def write_chart(report: dict, path: str):
