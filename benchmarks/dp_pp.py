@@ -29,6 +29,10 @@ the max difference from tracepp's, and whether the per-step losses agree. Every 
 ``--threads`` intra-op threads (default 1); every collective and P2P op has a timeout (``--timeout``), and
 every run a wall-clock limit (``--run-timeout``) after which its whole process tree is stopped.
 
+Each process also reads its own CPU time (``time.process_time``, every thread) over the timed steps; the table
+gives its sum over the 4 processes per step: on a machine shared with other jobs, wall time measures the
+machine's load as much as the systems, CPU time mostly the work each system does.
+
 Results: a table on stdout, ``OUT/<date>_cpu_dp_pp.json`` and, with matplotlib, ``OUT/<date>_cpu_dp_pp.png``.
 """
 from __future__ import annotations
@@ -85,10 +89,10 @@ def tiny_cases(mode: str) -> list:
 # ----------------------------------------------------------------------------------------------------
 
 def _command(system: str, case: Case, model_path: str, out_dir: str, steps: int, metrics: str, memory_dir: str,
-             timeout: float, save) -> list:
+             timeout: float, save, warmup: int) -> list:
     if system.startswith("tracepp"):
         cmd = _torchrun(case.processes) + ["-m", "benchmarks.tracepp_worker", out_dir, "--memory-dir", memory_dir,
-                                           "--", "--steps", str(steps), "--metrics", metrics, "--quiet",
+                                           "--cpu-from-step", str(warmup), "--", "--steps", str(steps), "--metrics", metrics, "--quiet",
                                            "--timeout", str(timeout)]
         if system == "tracepp-nocheck":
             cmd += ["--on-nonfinite", "continue"]
@@ -97,7 +101,7 @@ def _command(system: str, case: Case, model_path: str, out_dir: str, steps: int,
                                            "--dp", str(case.dp), "--dp-mode", case.mode,
                                            "--schedule", case.schedule, "--microbatches", str(case.microbatches),
                                            "--steps", str(steps), "--metrics", metrics, "--memory-dir", memory_dir,
-                                           "--timeout", str(timeout),
+                                           "--timeout", str(timeout), "--cpu-from-step", str(warmup),
                                            "--fsdp-units", "block" if system == "torch-blocks" else "stage"]
     if save:
         cmd += ["--save", save]
@@ -112,7 +116,8 @@ def run_system(system: str, case: Case, model_path: str, out_dir: str, work: str
     log = os.path.join(work, tag + ".log")
     save_path = os.path.join(work, tag + "_params.pt") if save else None
     steps = settings.warmup + settings.measured + MEMORY_STEPS  # the last ones: memory window, never timed
-    cmd = _command(system, case, model_path, out_dir, steps, metrics, memory_dir, peer_timeout, save_path)
+    cmd = _command(system, case, model_path, out_dir, steps, metrics, memory_dir, peer_timeout, save_path,
+                   settings.warmup)
     load_before = _loadavg()
     ok, error, wall = _run(cmd, log, _env(threads), settings.timeout)
     retried = False
@@ -141,6 +146,15 @@ def _summary(runs: list, tokens: int) -> dict:
     merged["round_medians_s"] = medians
     merged["range_s"] = [min(medians), max(medians)]
     merged["mean_peak_mem_mb"] = statistics.mean(merged["peak_mem_mb_per_rank"]) if merged["peak_mem_mb_per_rank"] else None
+    # CPU time per step (all threads of a process) over the timed steps: per rank (median over the rounds), and
+    # the sum over the ranks (median and range over the rounds)
+    cpu_runs = [[m.get("cpu_s_per_step") for m in r["memory"]] for r in runs if r["ok"]]
+    cpu_runs = [c for c in cpu_runs if c and all(v is not None for v in c)]
+    if cpu_runs:
+        merged["cpu_s_per_step_per_rank"] = [statistics.median(c[k] for c in cpu_runs) for k in range(len(cpu_runs[0]))]
+        sums = [sum(c) for c in cpu_runs]
+        merged["cpu_s_per_step"] = statistics.median(sums)
+        merged["cpu_s_per_step_range"] = [min(sums), max(sums)]
     # the c10d ops each rank issued in its measured memory step (same profile as the memory; a count per op)
     first = next(r for r in runs if r["ok"])
     merged["comm_ops_per_rank"] = [m.get("comm_ops") for m in first["memory"]]
@@ -236,6 +250,11 @@ def _derive(entry: dict, systems: list) -> None:
 
 # ----------------------------------------------------------------------------------------------------
 
+def _cpu_ratio(entry: dict, system: str):
+    mine, base = ((entry.get(s) or {}).get("cpu_s_per_step") for s in (system, "torch"))
+    return mine / base if mine and base else None
+
+
 def _mem(part: dict) -> str:
     values = part.get("peak_mem_mb_per_rank") or []
     return " / ".join(f"{v:.1f}" for v in values) if values else "-"
@@ -257,9 +276,10 @@ def format_table(report: dict) -> str:
                           if check and "max_abs_diff" in check else (check or {}).get("error", "-"))
             rows.append([e["model"]["name"], e["schedule"], e["microbatches_per_replica"], system,
                          _ms(_time(e, system)), f"{_ms(rng[0])} - {_ms(rng[1])}" if rng else "-",
-                         _fmt(part.get("tokens_per_s"), ",.0f"), _fmt(ratio, ".2f"), _mem(part), check_text])
+                         _fmt(part.get("tokens_per_s"), ",.0f"), _fmt(ratio, ".2f"),
+                         _ms(part.get("cpu_s_per_step")), _fmt(_cpu_ratio(e, system), ".2f"), _mem(part), check_text])
     headers = ["model", "schedule", "M/replica", "system", "step ms", "round medians ms", "tokens/s", "vs torch",
-               "peak MB rank 0/1/2/3", "max |param diff|"]
+               "CPU ms/step (4 ranks)", "CPU vs torch", "peak MB rank 0/1/2/3", "max |param diff|"]
     text = tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True)
     notes = [f"pp {PP} x dp {DP} ({report['dp_mode']}), 4 processes, gloo, {report['threads_per_process']} intra-op "
              f"thread(s) each; {report['environment']['cpu_count']} CPU cores; load average "
@@ -268,6 +288,8 @@ def format_table(report: dict) -> str:
              "step time: median of all measured steps over alternating rounds (warm-up dropped), on the last stage's "
              "rank of replica 0; round medians: the spread of the per-round medians",
              f"memory: {report.get('memory_method') or 'n/a'}; ranks 0/1: replica 0's pipeline ranks 0/1, 2/3: replica 1's",
+             "CPU ms/step: CPU time (every thread) per timed step summed over the 4 processes, median over rounds: "
+             "the work done, less sensitive than wall time to other jobs on the machine",
              "max |param diff|: trained parameters after round 0 against tracepp's (same seed and batches)"]
     comms = []
     for e in report["results"]:

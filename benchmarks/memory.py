@@ -23,6 +23,11 @@ first op: tracepp's ``Pipeline.step``, torch's ``schedule.step``, eager's forwar
   is ``ru_maxrss`` growth, a lower bound.
 * CPU, alongside: ``comm_ops``, how many of each ``c10d::`` op (collective or point-to-point) the measured step
   issued, from the same profile (a count, not a time).
+* With ``cpu_from_step=K`` (the first timed step): ``cpu_s_per_step``, this process's CPU time (all its threads:
+  ``time.process_time``) per step from step K's start to the memory window's, and ``wall_s_per_step`` over the
+  same steps. On a machine shared with other jobs the CPU time is the steadier measure of the work a rank does;
+  gloo's waits do not spin (a rank blocked 3 s in recv or all_reduce used under 10 ms of CPU), so it is the
+  work done, not the waiting.
 * CUDA: ``torch.cuda.max_memory_allocated`` over the measured step (peak stats reset at its start),
   absolute: weights, gradients, optimizer state and activations held by the caching allocator.
 """
@@ -31,6 +36,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import time
 
 import torch
 
@@ -97,8 +103,10 @@ def peak_growth_bytes(events: list, start_ns=None) -> tuple:
 class PeakMemory:
     """See the module docstring. ``at_step(step, steps)`` at the start of every step, ``stop()`` after the last."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, cpu_from_step=None):
         self.device = torch.device(device)
+        self.cpu_from_step = cpu_from_step  # the timed steps' first; None: no CPU-time reading
+        self.cpu_start = self.cpu_s_per_step = self.wall_s_per_step = None
         self.method = CUDA_METHOD if self.device.type == "cuda" else CPU_METHOD
         self.rss_method = None
         self.rss_base_kb = None
@@ -109,7 +117,13 @@ class PeakMemory:
     def at_step(self, step: int, steps: int) -> None:
         if step == 0:
             self._rss_start()
+        if step == self.cpu_from_step:
+            self.cpu_start = (time.process_time(), time.perf_counter(), step)
         if step == max(0, steps - MEMORY_STEPS):
+            if self.cpu_start is not None and step > self.cpu_start[2]:
+                cpu, wall, first = self.cpu_start
+                self.cpu_s_per_step = (time.process_time() - cpu) / (step - first)
+                self.wall_s_per_step = (time.perf_counter() - wall) / (step - first)
             self._rss_read()
             self._profile_start()
         if step == steps - 1:
@@ -152,11 +166,13 @@ class PeakMemory:
         self.marked = True
 
     def stop(self) -> dict:
+        cpu = {} if self.cpu_s_per_step is None else {"cpu_s_per_step": self.cpu_s_per_step,
+                                                      "wall_s_per_step": self.wall_s_per_step}
         if not self.marked:
-            return {"peak_mb": None, "method": self.method}
+            return {"peak_mb": None, "method": self.method, **cpu}
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            return {"peak_mb": torch.cuda.max_memory_allocated(self.device) / 2**20, "method": self.method}
+            return {"peak_mb": torch.cuda.max_memory_allocated(self.device) / 2**20, "method": self.method, **cpu}
         self.profiler.stop()
         results = self.profiler.profiler.kineto_results
         events = memory_events(results)
@@ -166,7 +182,7 @@ class PeakMemory:
         peak, base = peak_growth_bytes(events, start)
         return {"peak_mb": peak / 2**20, "method": self.method, "profiled_live_mb_at_start": base / 2**20,
                 "memory_events": len(events), "rss_growth_mb": self.rss_growth_mb, "rss_method": self.rss_method,
-                "comm_ops": comm_ops(results, start)}
+                "comm_ops": comm_ops(results, start), **cpu}
 
 
 def write_memory(directory: str, rank: int, result: dict) -> None:

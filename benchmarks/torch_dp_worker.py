@@ -62,6 +62,8 @@ def parse_args(argv=None):
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--metrics", required=True)
     parser.add_argument("--memory-dir", default=None)
+    parser.add_argument("--cpu-from-step", type=int, default=None,
+                        help="also record CPU time per step from this step to the memory window (memory.py)")
     parser.add_argument("--save", default=None)
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds for every collective and P2P op")
     return parser.parse_args(argv)
@@ -134,7 +136,7 @@ def main(argv=None) -> None:
     has_first, has_last = pp_rank == 0, pp_rank == num_stages - 1
     reports = has_last and dp_index == 0
     dp_group = mesh["dp"].get_group()
-    memory = PeakMemory(device) if args.memory_dir else None  # the last MEMORY_STEPS steps: untimed by the harness
+    memory = PeakMemory(device, cpu_from_step=args.cpu_from_step) if args.memory_dir else None  # the last MEMORY_STEPS steps: untimed by the harness
     for step in range(args.steps):
         inputs, kwargs, target = user.batch(step)
         inputs = tuple(replica_slice(t, args.dp, dp_index) for t in inputs)

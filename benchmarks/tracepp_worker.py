@@ -31,6 +31,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir")
     parser.add_argument("--memory-dir", default=None)
+    parser.add_argument("--cpu-from-step", type=int, default=None,
+                        help="also record CPU time per step from this step to the memory window (memory.py)")
     args = parser.parse_args(argv)
     out_dir = os.path.abspath(args.out_dir)
     sys.path.insert(0, out_dir)
@@ -43,7 +45,7 @@ def main() -> None:
 
     def at_step(pipeline, step: int) -> None:
         if state["memory"] is None:
-            state["memory"] = PeakMemory(pipeline.device)
+            state["memory"] = PeakMemory(pipeline.device, cpu_from_step=args.cpu_from_step)
         state["memory"].at_step(step, steps)
 
     def end_window() -> None:
