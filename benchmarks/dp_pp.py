@@ -17,7 +17,10 @@ global batch. The systems:
   ``SplitPoint.BEGINNING``, each stage module one ``fully_shard`` unit over dp (``reshard_after_forward=False``,
   as tracepp), ``build_stage`` on the pp group, ``ScheduleGPipe``/``Schedule1F1B``; timed the same way;
 * ``torch-blocks``: the same with torchtitan's FSDP units (one per block, the embeddings, ``ln_f`` + head,
-  and the stage as root); FSDP only.
+  and the stage as root); FSDP only;
+* ``torch-manual``: stages built by hand as eager modules, as torchtitan does (``--split manual`` of
+  torch_dp_worker.py: no fx interpreter), ``PipelineStage``, one FSDP unit per stage;
+* ``torchtitan``: torchtitan's recipe whole: hand-built stages and its per-block FSDP units; FSDP only.
 
 Runs alternate (the systems' order rotates every round), each run drops its warm-up steps, and the step time
 is the median of every measured step of every round; the range is the spread of the per-round medians.
@@ -53,7 +56,9 @@ from benchmarks.gpt_model import GPTConfig, write_model_file
 from benchmarks.memory import MEMORY_STEPS, read_memory
 from benchmarks.run import Settings, _env, _fmt, _launcher_hiccup, _merge, _ms, _read_steps, _run, _torchrun
 
-SYSTEMS = ("tracepp", "tracepp-nocheck", "torch", "torch-blocks")
+SYSTEMS = ("tracepp", "tracepp-nocheck", "torch", "torch-blocks", "torch-manual", "torchtitan")
+TORCH_LAYOUT = {"torch": ("tracer", "stage"), "torch-blocks": ("tracer", "block"),  # (--split, --fsdp-units)
+                "torch-manual": ("manual", "stage"), "torchtitan": ("manual", "block")}
 DEFAULT_SYSTEMS = ("tracepp", "torch")
 PP, DP = 2, 2
 
@@ -102,7 +107,7 @@ def _command(system: str, case: Case, model_path: str, out_dir: str, steps: int,
                                            "--schedule", case.schedule, "--microbatches", str(case.microbatches),
                                            "--steps", str(steps), "--metrics", metrics, "--memory-dir", memory_dir,
                                            "--timeout", str(timeout), "--cpu-from-step", str(warmup),
-                                           "--fsdp-units", "block" if system == "torch-blocks" else "stage"]
+                                           "--split", TORCH_LAYOUT[system][0], "--fsdp-units", TORCH_LAYOUT[system][1]]
     if save:
         cmd += ["--save", save]
     return cmd
@@ -380,8 +385,9 @@ def main(argv=None) -> int:
     if unknown or not systems:
         print(f"error: --systems {args.systems!r}: pick from {', '.join(SYSTEMS)}", file=sys.stderr)
         return 2
-    if args.dp_mode == "ddp" and "torch-blocks" in systems:
-        print("error: torch-blocks is FSDP's per-block layout; drop it with --dp-mode ddp", file=sys.stderr)
+    if args.dp_mode == "ddp" and {"torch-blocks", "torchtitan"} & set(systems):
+        print("error: torch-blocks and torchtitan use FSDP's per-block units; drop them with --dp-mode ddp",
+              file=sys.stderr)
         return 2
     cases = tiny_cases(args.dp_mode) if args.tiny else default_cases(args.dp_mode)
     if args.filter:

@@ -1,22 +1,26 @@
 """Train a benchmark model data parallel x pipeline parallel with torch's own pieces (the DP x PP baseline).
 
     torchrun --nproc-per-node DP*PP -m benchmarks.torch_dp_worker --model-file m.py --dp 2 --schedule 1f1b \\
-        --microbatches 4 --steps 12 --metrics m.jsonl [--memory-dir DIR] [--save final.pt] [--fsdp-units stage]
+        --microbatches 4 --steps 12 --metrics m.jsonl [--memory-dir DIR] [--save final.pt] [--split tracer|manual] \\
+        [--fsdp-units stage|block] [--dp-mode fsdp|ddp]
 
 What tracepp's ``--dp N --dp-mode fsdp`` is compared against, built by hand the way torchtitan builds PP+FSDP:
 
 * a 2-D ``init_device_mesh("cpu", (dp, pp), mesh_dim_names=("dp", "pp"))`` on gloo (global rank =
   dp_index * pp + pp_rank, the layout of tracepp's default ``--dp-order pp-inner``);
-* the split: ``torch.distributed.pipelining.pipeline`` with ``SplitPoint.BEGINNING`` at the model file's
-  ``split_points`` (the block FQNs tracepp splits at), traced on one microbatch of a replica's slice; pipeline
-  rank ``pp_rank`` takes stage ``pp_rank`` (one stage per rank: GPipe and 1F1B). torchtitan builds its stages
-  by hand instead (deepcopy of the model, modules of other stages deleted); the traced stage modules here keep
-  the blocks as submodules with their original FQNs, so the FSDP wrapping below is the same either way;
+* the split at the model file's ``split_points`` (the block FQNs tracepp splits at); pipeline rank ``pp_rank``
+  takes stage ``pp_rank`` (one stage per rank: GPipe and 1F1B). ``--split tracer`` (default):
+  ``torch.distributed.pipelining.pipeline`` with ``SplitPoint.BEGINNING``, traced on one microbatch of a
+  replica's slice, and ``build_stage``; its stage modules run the traced graph through ``torch.fx``'s
+  interpreter (``torch.export.unflatten``), node by node in Python. ``--split manual``: torchtitan's way, the
+  stage built by hand as an eager ``nn.Module`` holding only its own modules (:class:`ManualStage`, which knows
+  ``benchmarks/gpt_model.py``'s GPT) and ``PipelineStage`` (shapes inferred at the first step). Both keep the
+  model's FQNs, so the FSDP wrapping below is the same;
 * ``fully_shard`` over ``mesh["dp"]`` with ``reshard_after_forward=False`` (torchtitan's default when PP is
   on: no per-microbatch all-gather). ``--fsdp-units stage`` (default): the stage module is one FSDP unit, as in
   tracepp; ``block``: torchtitan's layout, one unit per transformer block, one for the embeddings (first
   stage), one for ``ln_f`` + ``head`` (last stage), and the stage module as the root unit;
-* ``build_stage(..., group=mesh["pp"].get_group())`` and the matching ``Schedule*`` with ``scale_grads=True``
+* the stage on the pp group (``group=mesh["pp"].get_group()``) and the matching ``Schedule*`` with ``scale_grads=True``
   and the mean cross-entropy per microbatch; torch's schedule defers FSDP's gradient reduction to one
   reduce-scatter per stage after the step's last backward (``perform_reduce_grad``), and FSDP averages over dp,
   so the gradient is the global batch's mean, as in tracepp;
@@ -57,6 +61,8 @@ def parse_args(argv=None):
     parser.add_argument("--microbatches", type=int, required=True, help="microbatches per replica")
     parser.add_argument("--dp-mode", default="fsdp", choices=["fsdp", "ddp"],
                         help="fsdp: fully_shard; ddp: replicate (DDP semantics on FSDP2's machinery, as tracepp)")
+    parser.add_argument("--split", default="tracer", choices=["tracer", "manual"],
+                        help="tracer: pipeline() + SplitPoint.BEGINNING; manual: torchtitan's hand-built stages")
     parser.add_argument("--fsdp-units", default="stage", choices=["stage", "block"])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--lr", type=float, default=0.01)
@@ -74,6 +80,31 @@ def replica_slice(tensor: torch.Tensor, dp: int, dp_index: int) -> torch.Tensor:
         raise SystemExit(f"--dp {dp} does not divide the global batch of {tensor.shape[0]} samples")
     per = tensor.shape[0] // dp
     return tensor[dp_index * per:(dp_index + 1) * per]
+
+
+class ManualStage(torch.nn.Module):
+    """One pipeline stage of ``benchmarks/gpt_model.py``'s GPT built by hand, as torchtitan's ``_split_module``
+    does (keep this stage's modules, drop the others; the forward tolerates the missing ones): the embeddings
+    on the first stage, ``ln_f`` + ``head`` on the last, the blocks between the split points in a ``ModuleDict``
+    keyed by their original index, so every parameter keeps the model's FQN (``blocks.4.attn.qkv.weight``)."""
+
+    def __init__(self, model: torch.nn.Module, split_points: list, stage_index: int):
+        super().__init__()
+        bounds = [0] + [int(fqn.split(".")[1]) for fqn in split_points] + [len(model.blocks)]
+        first, last = stage_index == 0, stage_index == len(bounds) - 2
+        self.tok = model.tok if first else None
+        self.pos = model.pos if first else None
+        self.blocks = torch.nn.ModuleDict({str(k): model.blocks[k]
+                                           for k in range(bounds[stage_index], bounds[stage_index + 1])})
+        self.ln_f = model.ln_f if last else None
+        self.head = model.head if last else None
+
+    def forward(self, x):
+        if self.tok is not None:  # the model's own forward, less what other stages hold
+            x = self.tok(x) + self.pos(torch.arange(x.shape[1], device=x.device))
+        for block in self.blocks.values():
+            x = block(x)
+        return self.head(self.ln_f(x)) if self.head is not None else x
 
 
 def shard_stage(stage_module: torch.nn.Module, dp_mesh, units: str, mode: str = "fsdp") -> None:
@@ -120,16 +151,22 @@ def main(argv=None) -> None:
         raise SystemExit(f"the model file has {len(split_points) + 1} stages; {world} processes with --dp "
                          f"{args.dp} need {num_stages}")
     model = user.model()
-    inputs, kwargs, target = user.batch(0)
-    mb_args = tuple(replica_slice(t, args.dp, dp_index).tensor_split(args.microbatches)[0] for t in inputs)
-    pipe = pp.pipeline(model, mb_args=mb_args, mb_kwargs=kwargs or None,
-                       split_spec={fqn: pp.SplitPoint.BEGINNING for fqn in split_points})
-    if pipe.num_stages != num_stages:
-        raise SystemExit(f"torch split the model into {pipe.num_stages} stages, expected {num_stages}")
-    stage_module = pipe.get_stage_module(pp_rank)
-    shard_stage(stage_module, mesh["dp"], args.fsdp_units, args.dp_mode)
-    stage = pp.build_stage(stage_module, pp_rank, pipe.info(), device, group=mesh["pp"].get_group())
-    del model, pipe
+    if args.split == "manual":  # torchtitan's way: the stage is an eager nn.Module holding this stage's modules
+        stage_module = ManualStage(model, split_points, pp_rank)
+        del model
+        shard_stage(stage_module, mesh["dp"], args.fsdp_units, args.dp_mode)
+        stage = pp.PipelineStage(stage_module, pp_rank, num_stages, device, group=mesh["pp"].get_group())
+    else:
+        inputs, kwargs, target = user.batch(0)
+        mb_args = tuple(replica_slice(t, args.dp, dp_index).tensor_split(args.microbatches)[0] for t in inputs)
+        pipe = pp.pipeline(model, mb_args=mb_args, mb_kwargs=kwargs or None,
+                           split_spec={fqn: pp.SplitPoint.BEGINNING for fqn in split_points})
+        if pipe.num_stages != num_stages:
+            raise SystemExit(f"torch split the model into {pipe.num_stages} stages, expected {num_stages}")
+        stage_module = pipe.get_stage_module(pp_rank)
+        shard_stage(stage_module, mesh["dp"], args.fsdp_units, args.dp_mode)
+        stage = pp.build_stage(stage_module, pp_rank, pipe.info(), device, group=mesh["pp"].get_group())
+        del model, pipe
     schedule = getattr(pp, SCHEDULES[args.schedule])(stage, args.microbatches, loss_fn=user.loss_fn,
                                                       scale_grads=True)
     optimizer = torch.optim.SGD([p for p in stage_module.parameters() if p.requires_grad], lr=args.lr)
