@@ -327,7 +327,7 @@ def write_chart(report: dict, path: str):
 
     entries, systems = report["results"], report["systems"]
     labels = [f"{e['schedule']} M{e['microbatches_per_replica']}" for e in entries]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(max(8, 2.2 * len(entries) + 4), 3.8))
+    fig, (left, middle, right) = plt.subplots(1, 3, figsize=(max(12, 3.3 * len(entries) + 4), 3.8))
     width = 0.8 / len(systems)
     for k, system in enumerate(systems):
         xs = [i + (k - (len(systems) - 1) / 2) * width for i in range(len(entries))]
@@ -335,9 +335,16 @@ def write_chart(report: dict, path: str):
         low = [t - (e.get(system, {}).get("range_s") or [0, 0])[0] * 1000 if t else 0 for t, e in zip(times, entries)]
         high = [(e.get(system, {}).get("range_s") or [0, 0])[1] * 1000 - t if t else 0 for t, e in zip(times, entries)]
         left.bar(xs, times, width, yerr=[[max(0, v) for v in low], [max(0, v) for v in high]], label=system, capsize=2)
+        cpus = [(e.get(system, {}).get("cpu_s_per_step") or 0) * 1000 for e in entries]
+        spans = [e.get(system, {}).get("cpu_s_per_step_range") or [0, 0] for e in entries]
+        middle.bar(xs, cpus, width, label=system, capsize=2,
+                   yerr=[[max(0, c - r[0] * 1000) if c else 0 for c, r in zip(cpus, spans)],
+                         [max(0, r[1] * 1000 - c) if c else 0 for c, r in zip(cpus, spans)]])
         mems = [e.get(system, {}).get("peak_mem_mb") or 0 for e in entries]
         right.bar(xs, mems, width, label=system)
-    for axis, title in ((left, "step time (ms; median, bars: round medians)"), (right, "peak memory, max over ranks (MB)")):
+    for axis, title in ((left, "wall step time (ms; median, bars: round medians)"),
+                        (middle, "CPU time per step, 4 processes (ms; bars: rounds)"),
+                        (right, "peak memory, max over ranks (MB)")):
         axis.set_title(title, fontsize=9)
         axis.set_xticks(range(len(entries)))
         axis.set_xticklabels(labels, fontsize=8)
