@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from .failure import EXIT_FAILED, FailureChannel, PipelineError, stall_message
 from .loading import load_manifest
-from . import checkpoint, recompute
+from . import checkpoint, host_memory, recompute
 from .mesh import coordinates, full, mesh_layout
 from .optim import OPTIMIZERS, build_optimizer, build_scheduler, parameter_fqns, step_scheduler
 from .pipeline import Pipeline, check_precision
@@ -279,6 +279,7 @@ def train(pipe: Pipeline, args) -> None:
     if reports and not args.quiet:
         print(_banner(pipe, args), flush=True)
     history, outputs = [], []
+    host_memory.configure(device)  # CPU ranks: freed tensors go back to the OS (see host_memory.py)
     batches = BatchPrefetcher(lambda index: user_batch(user, index, training), device)
     for step in range(first_step, args.steps):
         # on GPUs pinned and copied on a side stream; the step waits for the copy, so what of it is not done
@@ -287,6 +288,7 @@ def train(pipe: Pipeline, args) -> None:
         start = time.perf_counter()
         pipe.loss_scale = scaler.scale if scaler is not None else None
         result = pipe.step(inputs, kwargs, target)
+        host_memory.release(device)  # before the optimizer allocates its state or updates anything
         norm, skipped, note = None, False, ""
         if training:
             loss = result if reports else None
