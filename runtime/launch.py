@@ -25,7 +25,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from .failure import EXIT_FAILED, FailureChannel, PipelineError, stall_message
+from .failure import EXIT_FAILED, FailureChannel, PipelineError, agree, stall_message
 from .loading import load_manifest
 from . import checkpoint, host_memory, recompute
 from .mesh import coordinates, full, mesh_layout
@@ -407,13 +407,7 @@ def _resume(pipe: Pipeline, args, optimizer, scheduler, fqns: list) -> int:
         problem = None
     except PipelineError as error:
         step, path, prepared, problem = None, None, None, str(error)
-    problems = [problem]
-    if pipe.world_size > 1:
-        problems = [None] * pipe.world_size
-        dist.all_gather_object(problems, problem, group=_control_group())
-    if any(problems):
-        first = next((rank, text) for rank, text in enumerate(problems) if text)
-        raise PipelineError(problem or f"rank {first[0]}: {first[1]}")
+    agree(problem, group=_control_group() if pipe.world_size > 1 else None)
     checkpoint.load(prepared, optimizer, fqns)
     if pipe.is_last_rank and not args.quiet:
         print(f"resumed from {path} (step {step}); training steps {step + 1} to {args.steps}", flush=True)
