@@ -181,7 +181,7 @@ def load(ranks: int, root: str, allocator_threshold: int = 0) -> dict:
     for rank in range(ranks):
         fqns = {}
         for stage in manifest["stages"]:
-            if stage["rank"] == rank:
+            if manifest["plan"]["stage_to_rank"][stage["index"]] == rank:
                 fqns.update({ref["fqn"]: ref["numel"] for ref in stage["state"] if ref["kind"] == "parameter"})
         share[rank] = sum(fqns.values()) * 4 / 1e9
     rows = []
