@@ -6,8 +6,11 @@ import os
 
 from tabulate import tabulate
 
-from tracepp.runtime.actions import Action
 from tracepp.manifest_file import topology_from_manifest
+from tracepp.runtime.actions import Action
+from tracepp.runtime.replay import UNIT_COSTS
+
+UNIT_TEXT = ", ".join(f"{kind}={cost:g}" for kind, cost in UNIT_COSTS.items())
 
 
 def _simulate(manifest: dict, costs=None):
