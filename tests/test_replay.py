@@ -204,3 +204,12 @@ def test_stale_releases_are_refused(tmp_path):
                                             r"after action 2 '0F1', but rank 1 has provably posted its receive only "
                                             r"after action 5 '0B0': the wait could hang"):
         check_programs(_programs(tmp_path, plan.actions, early, plan), _manifest(plan))
+
+
+def test_manifest_of_an_older_format_is_refused():
+    from tracepp.runtime.loading import MANIFEST_FORMAT, check_format
+
+    check_format({"format": MANIFEST_FORMAT}, "out/manifest.json")
+    with pytest.raises(PipelineError, match=r"out/manifest.json has manifest format 1, but this tracepp reads format "
+                                            rf"{MANIFEST_FORMAT}: re-run `tracepp split`"):
+        check_format({"format": 1}, "out/manifest.json")
