@@ -191,6 +191,10 @@ def main(rank_script_rank: int, stage_functions: dict, actions: list, folder: st
                         check_finite=args.on_nonfinite != "continue", load=args.load, init=args.init)
         train(pipe, args)
     except PipelineError as error:
+        if getattr(error, "every_rank_agrees", False):  # each rank decided the same from the same data
+            if rank == 0:
+                print(f"[tracepp] error: {error}", file=sys.stderr, flush=True)
+            _exit(EXIT_FAILED)
         channel.report(str(error), echo=not getattr(error, "printed_on_every_rank", False))
         _exit(EXIT_FAILED)
     except Exception as error:  # an unexpected failure: keep the traceback, and tell every rank
