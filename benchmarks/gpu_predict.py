@@ -143,8 +143,8 @@ def predict(costs_for, num_gpus: int, microbatches: int, message_s: float) -> li
     """Plan each schedule with tracepp's planner and time it with its simulator. The simulator's comm is free,
     so each message's time is added to the compute that produces it (F for an activation, B or I for a
     gradient): on the critical path, as on a link that carries one message at a time."""
-    from tracepp.codegen.actions import Topology
-    from tracepp.codegen.planning import build_plan
+    from tracepp.runtime.actions import Topology
+    from tracepp.codegen.plan import build_plan
     from tracepp.codegen.simulate import simulate
 
     rows = []

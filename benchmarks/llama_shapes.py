@@ -3,7 +3,8 @@
 The size comes from the environment, so one file serves every case of ``benchmarks/real_size.py``:
 ``TRACEPP_LLAMA=7b`` (hidden 4096, 32 layers, 32 heads, intermediate 11008, vocab 32000), ``70b`` (hidden
 8192, 80 layers, 64 heads, 8 kv heads, intermediate 28672, vocab 32000) or ``500m`` (hidden 1536, 16 layers,
-12 heads, intermediate 4096, vocab 32000: 551M parameters, small enough to train on a CPU machine).
+12 heads, intermediate 4096, vocab 32000: 551M parameters, small enough to train on a CPU machine), or ``tiny``
+(hidden 64, 4 layers: the same architecture with negligible tensors, for the memory baseline of a training rank).
 """
 import os
 
@@ -18,6 +19,9 @@ SHAPES = {
                 intermediate_size=28672),
     "500m": dict(hidden_size=1536, num_hidden_layers=16, num_attention_heads=12, num_key_value_heads=12,
                  intermediate_size=4096),
+    # the same architecture with negligible tensors: what a training rank holds besides them (torch's baseline)
+    "tiny": dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+                 intermediate_size=128),
 }
 SHAPE = os.environ.get("TRACEPP_LLAMA", "7b")
 VOCAB = 32000

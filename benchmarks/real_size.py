@@ -9,10 +9,13 @@ from a config; 7B into 4 stages, 70B-shaped into 16) with explicit ``--split-poi
 and reads the child's peak RSS from ``os.wait4`` (``ru_maxrss``). ``load`` writes the 551M model's
 ``state_dict`` to a ``.safetensors`` file under ``/tmp``, splits it into 4 stages, runs one training step with
 ``--load`` under torchrun on gloo, and samples every rank's ``VmHWM`` (peak RSS) from ``/proc`` every 50 ms;
-a run with ``--steps 0`` gives the peak of loading alone; the baseline is the same sampling over an idle torchrun job that imports torch and the model file (so
-transformers) and initialises gloo.
-A rank's budget is its stages' parameters x (weights + gradients + optimizer state; SGD keeps none) in fp32
-plus that baseline. Files under ``/tmp`` are deleted afterwards. Results go to ``benchmarks/results/``.
+a run with ``--steps 0`` gives the peak of loading alone. Two baselines: the same sampling over an idle torchrun
+job that imports torch and the model file (so transformers) and initialises gloo; and a training rank's own
+fixed memory, the peak of the same job (same flags, 4 ranks, one step from a checkpoint) on the ``tiny`` shape
+(hidden 64) minus that model's own weights, gradients and optimizer state: code pages of the kernels a step
+runs, allocator arenas, gloo's buffers, Python objects, which a process that runs no step does not have.
+A rank's budget is its stages' parameters x (weights + gradients + optimizer state: SGD keeps none, AdamW two
+moments; ``--optimizer``) in fp32 plus that baseline. Files under ``/tmp`` are deleted afterwards. Results go to ``benchmarks/results/``.
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODEL = os.path.join(HERE, "llama_shapes.py")
-LAYERS = {"7b": (32, 4), "70b": (80, 16), "500m": (16, 4)}
+LAYERS = {"7b": (32, 4), "70b": (80, 16), "500m": (16, 4), "tiny": (4, 4)}
 
 
 def split_points(case: str) -> list:
@@ -153,48 +156,80 @@ def torchrun_peaks(nproc: int, args: list, env: dict) -> tuple:
     return result, round(time.perf_counter() - start, 1), output
 
 
-def load(ranks: int, root: str, allocator_threshold: int = 0) -> dict:
-    case = "500m"
-    env = _env(case)
-    checkpoint = os.path.join(root, "llama500m.safetensors")
-    write = ("import benchmarks.llama_shapes as m\nfrom safetensors.torch import save_file\n"
-             f"save_file({{k: v.contiguous() for k, v in m.model().state_dict().items()}}, {checkpoint!r})\n")
-    run_measured([sys.executable, "-c", write], dict(env, PYTHONPATH=os.path.dirname(HERE)))
-    out = os.path.join(root, "out_500m")
-    run_measured([sys.executable, "-m", "tracepp", "split", MODEL, "-o", out, "--ranks", str(ranks), "--schedule",
-                  "1f1b", "--microbatches", "4", "--split-points", ",".join(split_points(case))], env)
-    baseline_script = os.path.join(root, "baseline.py")
-    with open(baseline_script, "w") as handle:
-        handle.write(BASELINE)
-    if allocator_threshold:
-        # glibc raises its mmap threshold after large frees, so freed blocks stay in the heap and in RSS;
-        # a fixed threshold returns them at once, so RSS follows live memory more closely
-        env = dict(env, MALLOC_MMAP_THRESHOLD_=str(allocator_threshold))
-    baseline, _, _ = torchrun_peaks(ranks, [baseline_script, MODEL], env)
-    loaded, _, _ = torchrun_peaks(ranks, [os.path.join(out, "run.py"), "--steps", "0", "--load", checkpoint,
-                                          "--timeout", "600"], env)
-    peaks, wall, output = torchrun_peaks(ranks, [os.path.join(out, "run.py"), "--steps", "1", "--load", checkpoint,
-                                                 "--timeout", "600"], env)
-    with open(os.path.join(out, "manifest.json")) as handle:
-        manifest = json.load(handle)
-    share = {}
+OPTIMIZER_STATE = {"sgd": 0, "adamw": 2}  # fp32 tensors of optimizer state per parameter (AdamW: two moments)
+
+
+def _rank_shares(manifest: dict, ranks: int) -> dict:
+    """rank -> bytes (GB) of its stages' parameters in fp32, a tensor two local stages share counted once."""
+    share, stage_to_rank = {}, manifest["plan"]["stage_to_rank"]
     for rank in range(ranks):
         fqns = {}
         for stage in manifest["stages"]:
-            if stage["rank"] == rank:
+            if stage_to_rank[stage["index"]] == rank:
                 fqns.update({ref["fqn"]: ref["numel"] for ref in stage["state"] if ref["kind"] == "parameter"})
         share[rank] = sum(fqns.values()) * 4 / 1e9
+    return share
+
+
+def _train_job(case: str, ranks: int, root: str, env: dict, step_args: list, loading_only: bool) -> dict:
+    """Write ``case``'s state_dict as .safetensors, split it, train one step with --load: peaks per rank."""
+    env = dict(env, TRACEPP_LLAMA=case)
+    checkpoint = os.path.join(root, f"llama{case}.safetensors")
+    write = ("import benchmarks.llama_shapes as m\nfrom safetensors.torch import save_file\n"
+             f"save_file({{k: v.contiguous() for k, v in m.model().state_dict().items()}}, {checkpoint!r})\n")
+    run_measured([sys.executable, "-c", write], dict(env, PYTHONPATH=os.path.dirname(HERE)))
+    out = os.path.join(root, f"out_{case}")
+    run_measured([sys.executable, "-m", "tracepp", "split", MODEL, "-o", out, "--ranks", str(ranks), "--schedule",
+                  "1f1b", "--microbatches", "4", "--split-points", ",".join(split_points(case))], env)
+    run = [os.path.join(out, "run.py"), "--load", checkpoint, "--timeout", "600"]
+    loaded = torchrun_peaks(ranks, run + ["--steps", "0"], env)[0] if loading_only else None
+    peaks, wall, output = torchrun_peaks(ranks, run + step_args, env)
+    with open(os.path.join(out, "manifest.json")) as handle:
+        manifest = json.load(handle)
+    return {"share": _rank_shares(manifest, ranks), "loaded": loaded, "peaks": peaks, "wall": wall,
+            "output": output, "parameters": sum(s["num_params"] for s in manifest["stages"]),
+            "checkpoint_gb": round(os.path.getsize(checkpoint) / 1e9, 3)}
+
+
+def load(ranks: int, root: str, allocator_threshold: int = 0, optimizer: str = "sgd",
+         activation_checkpointing: str = "none", steps: int = 1) -> dict:
+    """Peak RSS per rank of one step of the 551M Llama from a .safetensors file, against two budgets: the rank's
+    weights + gradients + optimizer state plus (a) an idle process's RSS, (b) the RSS a training rank of the
+    same architecture holds besides its tensors (the ``tiny`` shape's peak minus its own tensors)."""
+    env = _env("500m")
+    if allocator_threshold:
+        # glibc raises its mmap threshold after large frees, so freed blocks stay in the heap and in RSS;
+        # a fixed threshold returns them at once (run.py does so itself on CPU ranks: runtime/host_memory.py)
+        env = dict(env, MALLOC_MMAP_THRESHOLD_=str(allocator_threshold))
+    baseline_script = os.path.join(root, "baseline.py")
+    with open(baseline_script, "w") as handle:
+        handle.write(BASELINE)
+    idle, _, _ = torchrun_peaks(ranks, [baseline_script, MODEL], env)
+    # steps: 1 sees a stateful optimizer's state only at its end (created lazily at the first optimizer step);
+    # from step 2 on, the state is held through forward and backward too (the steady state)
+    step_args = ["--steps", str(steps), "--optimizer", optimizer, "--activation-checkpointing",
+                 activation_checkpointing]
+    state = 2 + OPTIMIZER_STATE[optimizer]  # weights, gradients and the optimizer's tensors per parameter
+    tiny = _train_job("tiny", ranks, root, env, step_args, loading_only=False)
+    training = {rank: round(tiny["peaks"][rank] - state * tiny["share"][rank], 3) for rank in range(ranks)}
+    big = _train_job("500m", ranks, root, env, step_args, loading_only=True)
     rows = []
     for rank in range(ranks):
-        budget = 2 * share[rank] + baseline[rank]  # weights + grads (SGD: no optimizer state) + torch baseline
-        rows.append({"rank": rank, "weights_gb": round(share[rank], 3), "baseline_gb": baseline[rank],
-                     "budget_gb": round(budget, 3), "peak_rss_loading_only_gb": loaded[rank],
-                     "peak_rss_gb": peaks[rank],
-                     "below_budget": peaks[rank] < budget})
+        tensors = state * big["share"][rank]
+        rows.append({"rank": rank, "weights_gb": round(big["share"][rank], 3),
+                     "tensors_gb": round(tensors, 3),  # weights + gradients + optimizer state
+                     "baseline_idle_gb": idle[rank], "baseline_training_gb": training[rank],
+                     "budget_idle_gb": round(tensors + idle[rank], 3),
+                     "budget_training_gb": round(tensors + training[rank], 3),
+                     "peak_rss_loading_only_gb": big["loaded"][rank], "peak_rss_gb": big["peaks"][rank],
+                     "below_budget_idle": big["peaks"][rank] < tensors + idle[rank],
+                     "below_budget_training": big["peaks"][rank] < tensors + training[rank]})
         print(json.dumps(rows[-1]), flush=True)
-    total = sum(s["num_params"] for s in manifest["stages"])
-    return {"parameters": total, "malloc_mmap_threshold": allocator_threshold or "glibc default (dynamic)", "checkpoint_gb": round(os.path.getsize(checkpoint) / 1e9, 3), "wall_s": wall,
-            "ranks": rows, "loss_line": [line for line in output.splitlines() if "loss" in line][:1]}
+    return {"parameters": big["parameters"], "optimizer": optimizer, "steps": steps,
+            "activation_checkpointing": activation_checkpointing,
+            "malloc_mmap_threshold": allocator_threshold or "glibc default (dynamic)",
+            "checkpoint_gb": big["checkpoint_gb"], "wall_s": big["wall"], "ranks": rows,
+            "loss_line": [line for line in big["output"].splitlines() if "loss" in line][:1]}
 
 
 def main(argv=None) -> int:
@@ -204,6 +239,11 @@ def main(argv=None) -> int:
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--malloc-mmap-threshold", type=int, default=0,
                         help="load: set MALLOC_MMAP_THRESHOLD_ for the ranks (bytes; 0: glibc's default)")
+    parser.add_argument("--optimizer", default="sgd", choices=sorted(OPTIMIZER_STATE),
+                        help="load: run.py's --optimizer for the step; the budget counts its state")
+    parser.add_argument("--steps", type=int, default=1, help="load: training steps (2+: the steady state)")
+    parser.add_argument("--activation-checkpointing", default="none", choices=["none", "full", "selective"],
+                        help="load: run.py's --activation-checkpointing")
     parser.add_argument("--results", default=os.path.join(HERE, "results"))
     args = parser.parse_args(argv)
     root = tempfile.mkdtemp(prefix="tracepp_real_size_", dir="/tmp")
@@ -211,7 +251,8 @@ def main(argv=None) -> int:
         if args.what == "plan":
             result = {"plan": plan(args.cases.split(","), root)}
         else:
-            result = {"load": load(args.ranks, root, args.malloc_mmap_threshold)}
+            result = {"load": load(args.ranks, root, args.malloc_mmap_threshold, args.optimizer,
+                                   args.activation_checkpointing, args.steps)}
     finally:
         shutil.rmtree(root, ignore_errors=True)
     result["load_average"] = os.getloadavg()

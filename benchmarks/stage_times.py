@@ -112,7 +112,7 @@ def _compute_kind(action: str) -> str:
 
 def ideal_step(manifest: dict, costs: dict, optimizer_stage_s: dict, plan: dict = None) -> dict:
     """Simulate the folder's lowered plan (or ``plan``) with measured costs, comms free; see the module doc."""
-    from tracepp.codegen.actions import Action
+    from tracepp.runtime.actions import Action
     from tracepp.codegen.simulate import simulate
     from tracepp.manifest_file import topology_from_manifest
 
@@ -129,7 +129,7 @@ def ideal_step(manifest: dict, costs: dict, optimizer_stage_s: dict, plan: dict 
 
 def predict(manifest: dict, measured: dict, num_ranks: int) -> dict:
     """The ideal step time of the folder's schedule re-planned over ``num_ranks`` ranks (same stages)."""
-    from tracepp.codegen.planning import build_plan
+    from tracepp.codegen.plan import build_plan
     from tracepp.manifest_file import topology_from_manifest
 
     plan = manifest["plan"]

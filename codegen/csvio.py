@@ -10,7 +10,7 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
-from .actions import Action, Topology
+from tracepp.runtime.actions import Action, Topology
 
 
 def dump_csv(actions: dict, path) -> None:

@@ -1,7 +1,8 @@
 """Step 4, emit: write the output folder that torchrun runs.
 
-``manifest.json`` (the plan and all metadata: the single source of truth), ``rank{R}.py`` per rank (the
-stage code from fx plus that rank's action list), ``run.py`` (the torchrun entry point), ``model_file.py`` (a copy of the model file, for
+``manifest.json`` (the plan's record for tools and the metadata), ``rank{R}.py`` per rank (the program of that
+rank: the stage code from fx, its ``ACTIONS`` and its send-release points ``RELEASES``, with a header saying how
+the plan was made), ``run.py`` (the torchrun entry point), ``model_file.py`` (a copy of the model file, for
 ``loss_fn``/``batch``/``optimizer``) and ``tracepp_runtime/`` (a copy of the runtime, so the folder runs
 where only torch is installed). No parameter data is written: each rank materialises its own stages at run
 time (``runtime/weights.py``); only constants that export created while tracing (not the model's attributes)
@@ -22,7 +23,9 @@ import torch.utils._pytree as pytree
 
 import tracepp
 from tracepp.codegen.stage_code import globals_prelude, stage_source
+from tracepp.runtime.loading import MANIFEST_FORMAT
 from tracepp.runtime.mesh import describe
+from tracepp.runtime.script_check import program_digest
 from tracepp.split.cost import forward_flops
 
 RUNTIME_PACKAGE = "tracepp_runtime"
@@ -57,9 +60,19 @@ def _import_paths(model_path: str) -> list:
     return paths
 
 
+def _plan_record(plan: dict) -> dict:
+    """The plan as the manifest records it: with each rank's program digest (ACTIONS and RELEASES, which the
+    runtime compares at start-up, see ``runtime/script_check``). The release points themselves are the rank
+    scripts' data; the in-memory plan keeps them for :func:`rank_script` and ``emit`` drops them from the file."""
+    record = dict(plan)
+    releases = plan.get("releases", {})
+    record["digests"] = {rank: program_digest(actions, releases.get(rank, {}))
+                         for rank, actions in sorted(plan["actions"].items())}
+    return record
+
+
 def build_manifest(model_file, traced, graph, plan, launch_command: str) -> dict:
     model = traced.model
-    stage_to_rank = plan["stage_to_rank"]
     named_params = dict(model.named_parameters(remove_duplicate=False))
     stages = []
     for stage in graph.stages:
@@ -69,7 +82,7 @@ def build_manifest(model_file, traced, graph, plan, launch_command: str) -> dict
             param = named_params.get(ref.fqn)
             value = _program_tensor(traced.program, ref.fqn, ref.kind)
             state.append({"placeholder": name, "fqn": ref.fqn, "aliases": ref.aliases, "kind": ref.kind,
-                          "persistent": ref.persistent, "shared": len(ref.stages) > 1,
+                          "persistent": ref.persistent,
                           "requires_grad": bool(param.requires_grad) if param is not None else False,
                           "shape": list(value.shape), "dtype": str(value.dtype).replace("torch.", ""),
                           "numel": value.numel()})
@@ -77,16 +90,12 @@ def build_manifest(model_file, traced, graph, plan, launch_command: str) -> dict
         output_node = next(n for n in stage.graph.nodes if n.op == "output")
         returned_only = [isinstance(n, torch.fx.Node) and len(n.users) == 1 and n.op != "placeholder"
                          for n in output_node.args[0]]
-        if stage.index == graph.num_stages - 1:
-            output_requires_grad = [False] * len(stage.outputs)
-        else:
-            output_requires_grad = [graph.values[n].meta.requires_grad for n in stage.outputs]
         stages.append({
-            "index": stage.index, "rank": stage_to_rank[stage.index], "function": f"stage{stage.index}_forward",
+            "index": stage.index, "function": f"stage{stage.index}_forward",
             "state": state,
             "root_inputs": stage.root_inputs,
             "root_leaf_indices": [graph.root_inputs[name].leaf_index for name in stage.root_inputs],
-            "received": received, "outputs": stage.outputs, "output_requires_grad": output_requires_grad,
+            "received": received, "outputs": stage.outputs,
             "outputs_returned_only": returned_only[:len(stage.outputs)],
             "module_fqns": stage.module_fqns,
             "sym_inputs": [{"name": name, "expr": expr} for name, expr in stage.sym_inputs],
@@ -105,21 +114,17 @@ def build_manifest(model_file, traced, graph, plan, launch_command: str) -> dict
             if isinstance(leaf, (bool, int, float, str)):
                 entry["constant"] = leaf
         root_inputs.append(entry)
-    in_spec, out_spec = _spec_text(graph.in_spec), _spec_text(graph.out_spec)
     return {
-        "format": 1,
+        "format": MANIFEST_FORMAT,
         "tracepp_version": tracepp.__version__,
         "torch_version": torch.__version__,
         "model_file": os.path.basename(model_file.path),
         "model_sha256": model_file.sha256,
         "launch_command": launch_command,
-        "launch_script": "run.py",
         "training": model_file.training,
         "batch_size": traced.batch_size,
-        "num_leaves": graph.num_leaves,
         "batched_leaves": traced.batched_leaves,
-        "in_spec": in_spec.get("json"), "in_spec_pickle": in_spec.get("pickle"),
-        "out_spec": out_spec.get("json"), "out_spec_pickle": out_spec.get("pickle"),
+        "in_spec": _spec_text(graph.in_spec), "out_spec": _spec_text(graph.out_spec),
         "spec_types": _spec_types(graph.in_spec, graph.out_spec),
         "import_paths": _import_paths(model_file.path),
         "output_leaves": [[kind, value] for kind, value in graph.output_leaves],
@@ -135,7 +140,7 @@ def build_manifest(model_file, traced, graph, plan, launch_command: str) -> dict
                          for fqn, tensor in graph.unused_state.items()],
         "symbols": graph.symbols,
         "batch_symbol": graph.batch_symbol,
-        "plan": plan,
+        "plan": _plan_record(plan),
         "notes": list(traced.notes),  # what tracing noticed (e.g. a size baked in), printed by the CLI
     }
 
@@ -181,6 +186,7 @@ def _header(manifest: dict, rank: int, rank_stages: list) -> str:
         f"World size: {plan['num_ranks'] * (plan.get('mesh') or {}).get('dp', 1)} | schedule: {plan['schedule']} ({plan.get('placement', '?')} placement) "
         f"| microbatches: {plan['num_microbatches']} | mode: {'training' if manifest['training'] else 'forward only'}",
         f"Launch (all ranks): {manifest['launch_command']}",
+        *_provenance(manifest, rank),
         *describe(plan),
         "",
     ]
@@ -206,8 +212,33 @@ def _header(manifest: dict, rank: int, rank_stages: list) -> str:
         if elsewhere:
             where += f"; gradients summed with stage(s) {', '.join(map(str, elsewhere))} on other ranks"
         lines.append(f"Shared parameter {names}: {where}")
-    lines += ["", "Do not edit: re-run `tracepp split` instead. manifest.json holds the plan and the metadata."]
+    lines += ["", "ACTIONS and RELEASES below are this rank's program and may be edited: at start-up every rank gathers",
+              "all ranks' programs, and where one differs from its digest the whole plan is validated again: it runs",
+              "as edited, or every rank stops naming the line and the rule it breaks. For anything else re-run",
+              "`tracepp split`. manifest.json holds the plan and the metadata."]
     return '"""' + "\n".join(lines) + '\n"""'
+
+
+_RECV_PLACEMENTS = {
+    "timed": "posted after the last compute that starts before the matching send is due",
+    "early": "posted after the last compute that ends before the matching send is due",
+    "as given": "as the CSV lists them",
+}
+
+
+def _provenance(manifest: dict, rank: int) -> list:
+    """How the plan was made: generator, receive placement, the costs behind both, this rank's digest."""
+    plan = manifest["plan"]
+    schedule = plan["schedule"]
+    generator = (f"the CSV {os.path.basename(schedule)} (placement from its rows)" if plan["placement"] == "csv"
+                 else f"schedule {schedule}")
+    costs = ", ".join(f"{kind}={cost:g}" for kind, cost in plan["costs"].items())
+    placed = plan["recv_placement"]
+    text = (f"Plan: generated by tracepp {manifest['tracepp_version']} from {generator}. Receives placed "
+            f"'{placed}': {_RECV_PLACEMENTS.get(placed, placed)}, in a replay with the unit costs {costs} (which "
+            f"also time the deferred W's and the greedy V orders). This rank's program digest: "
+            f"{plan['digests'][str(rank)]} (manifest.json plan.digests).")
+    return textwrap.wrap(text, width=110, break_long_words=False, break_on_hyphens=False)
 
 
 _COMPUTE_RE = re.compile(r"^\d+[FBIW]\d+$")
@@ -234,8 +265,20 @@ def _actions_literal(actions: list) -> str:
     return "ACTIONS = [\n" + "\n".join(body) + "\n]"
 
 
+def _releases_literal(actions: list, releases: dict) -> str:
+    """``RELEASES = {position: [send positions]}``, one entry a line with the actions named in a comment."""
+    if not releases:
+        return "RELEASES = {}"
+    actions = [str(a) for a in actions]
+    body = []
+    for position, sends in sorted((int(p), s) for p, s in releases.items()):
+        named = ", ".join(f"'{actions[send]}'" for send in sends)
+        body.append(f"    {position}: {list(sends)},  # after '{actions[position]}': {named}")
+    return "RELEASES = {\n" + "\n".join(body) + "\n}"
+
+
 def rank_script(manifest: dict, rank: int, graph, model_path: str) -> str:
-    rank_stages = [s for s in manifest["stages"] if s["rank"] == rank]
+    rank_stages = [s for s in manifest["stages"] if manifest["plan"]["stage_to_rank"][s["index"]] == rank]
     sources, needed = [], set()
     for stage in rank_stages:
         source, names = stage_source(graph.stages[stage["index"]], stage["function"], model_path)
@@ -267,9 +310,15 @@ def rank_script(manifest: dict, rank: int, graph, model_path: str) -> str:
         "# SEND/RECV of activations (_F) or gradients (_B) with the peer stage after '>' or '<'.",
         _actions_literal(manifest["plan"]["actions"][str(rank)]),
         "",
+        "# Release points: after the action at position P of ACTIONS (0-based), wait on the sends at the listed",
+        "# positions (their receives are provably posted by then, so the wait is short and the tensor freed); any",
+        "# other send is waited on at the end of the step. Deleting RELEASES is safe.",
+        _releases_literal(manifest["plan"]["actions"][str(rank)], manifest["plan"]["releases"][str(rank)]),
+        "",
         'if __name__ == "__main__":',
         f"    main({rank}, STAGE_FUNCTIONS, ACTIONS, os.path.dirname(os.path.abspath(__file__)), "
-        f"shapes=boundary_shapes)",
+        f"shapes=boundary_shapes,",
+        '         releases=globals().get("RELEASES"))  # None once RELEASES is deleted',
         "",
     ]).replace("\n\n\n\n", "\n\n\n")
 
@@ -300,7 +349,8 @@ def _shapes_function(manifest: dict, rank_stages: list) -> str:
             value = manifest["values"].get(name)
             if value is None or not value["requires_grad"]:
                 continue
-            if all(manifest["plan"]["stage_to_rank"][c] == stage["rank"] for c in value["consumers"]):
+            stage_to_rank = manifest["plan"]["stage_to_rank"]
+            if all(stage_to_rank[c] == stage_to_rank[stage["index"]] for c in value["consumers"]):
                 continue
             dims = ", ".join(str(d) for d in value["shape"])
             entries.append(f'        "{name}": ({dims}{"," if len(value["shape"]) == 1 else ""}),')
@@ -406,6 +456,7 @@ def emit(out_dir: str, model_file, traced, graph, plan: dict, launch_command: st
         if name.endswith(".py"):
             shutil.copyfile(os.path.join(runtime_src, name), target(os.path.join(RUNTIME_PACKAGE, name)))
     manifest["files"] = written  # what a later split into this folder may replace; manifest.json itself too
+    record = dict(manifest, plan={k: v for k, v in manifest["plan"].items() if k != "releases"})  # in the scripts
     with open(os.path.join(out_dir, "manifest.json"), "w") as handle:
-        json.dump(manifest, handle, indent=1)
+        json.dump(record, handle, indent=1)
     return manifest

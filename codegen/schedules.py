@@ -22,29 +22,93 @@ Names (``SCHEDULES``):
   I/W in the warm-up and cool-down). With ``m < 2p`` it falls back to the greedy V schedule above, using
   full backwards while the rank still has forwards to run and I/W in the cool-down.
 
-Costs used to place the deferred W's and to drive the greedy V schedules: F=1, I=1, W=1 (B=2).
-With ``training=False`` every schedule yields only its forwards.
+The table :data:`SCHEDULE_TABLE` holds what the rest of tracepp knows about each name: its placement, stages
+per rank by default and allowed, whether it splits backwards into I and W, and its microbatch constraint.
+
+The timed schedules (interleaved-zb's deferred W's, zbv, dualpipev with few microbatches) are policies that
+drive the one replay engine (``runtime.replay``) with its unit costs (F=1, I=1, W=1, B=2): a rank, when free,
+picks what to run next among the actions whose inputs are made. With ``training=False`` every schedule yields
+only its forwards.
 """
 from __future__ import annotations
 
-from .actions import Action, Topology
-from .simulate import compute_deps, cost_of, produced_key
+from typing import NamedTuple
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "interleaved-zb", "zbv", "dualpipev")
-
-_SINGLE = ("gpipe", "1f1b")
-_V = ("zbv", "dualpipev")
+from tracepp.runtime.actions import Action, Topology
+from tracepp.runtime.replay import Replay, Wait
 
 
-def _check_name(schedule: str) -> None:
-    if schedule not in SCHEDULES:
-        raise ValueError(f"unknown schedule {schedule!r}; valid schedules: {', '.join(SCHEDULES)}")
+class ScheduleInfo(NamedTuple):
+    """What tracepp knows about one named schedule.
+
+    ``placement``: "loop" (rank r holds stages r, r+R, r+2R, ...) or "v" (rows of R stages alternate direction).
+    ``stages_per_rank``: the default number of stages per rank (when neither --stages nor split points say).
+    ``stage_counts``: "one" (exactly one stage per rank), "two" (exactly two) or "multiple" (any multiple of the
+    ranks). ``split_backward``: in training, (some) backwards are split into I (input grad) and W (weight grad).
+    ``microbatches_per_rank``: with several stages per rank, at least this many microbatches per rank.
+    """
+
+    placement: str
+    stages_per_rank: int
+    stage_counts: str
+    split_backward: bool
+    microbatches_per_rank: int = 0
+
+
+SCHEDULE_TABLE = {
+    "gpipe": ScheduleInfo("loop", 1, "one", False),
+    "1f1b": ScheduleInfo("loop", 1, "one", False),
+    "interleaved-1f1b": ScheduleInfo("loop", 2, "multiple", False, microbatches_per_rank=1),
+    "looped-bfs": ScheduleInfo("loop", 2, "multiple", False),
+    "interleaved-zb": ScheduleInfo("loop", 2, "multiple", True, microbatches_per_rank=1),
+    "zbv": ScheduleInfo("v", 2, "two", True),
+    "dualpipev": ScheduleInfo("v", 2, "two", True),
+}
+SCHEDULES = tuple(SCHEDULE_TABLE)
+
+
+def schedule_info(schedule: str) -> ScheduleInfo:
+    """The table's row for ``schedule``; ValueError listing the valid names for any other."""
+    if schedule not in SCHEDULE_TABLE:
+        raise ValueError(f"unknown schedule {schedule!r}; valid schedules: {', '.join(SCHEDULES)}, "
+                         f"or a path to a .csv file")
+    return SCHEDULE_TABLE[schedule]
+
+
+def is_csv(schedule: str) -> bool:
+    return str(schedule).lower().endswith(".csv")
+
+
+def stages_per_rank(schedule: str) -> int:
+    """Stages each rank holds by default: the table's number, one for a CSV (its rows say)."""
+    return 1 if is_csv(schedule) else schedule_info(schedule).stages_per_rank
 
 
 def placement_style(schedule: str) -> str:
-    """``"v"`` for zbv/dualpipev, ``"loop"`` otherwise."""
-    _check_name(schedule)
-    return "v" if schedule in _V else "loop"
+    """``"v"`` or ``"loop"``, from the table."""
+    return schedule_info(schedule).placement
+
+
+def check_stages_divide(num_stages: int, num_ranks: int) -> None:
+    """The one check (and message) that every rank holds the same number of stages."""
+    if num_stages % num_ranks:
+        lo = max(num_ranks, num_stages // num_ranks * num_ranks)
+        raise ValueError(f"{num_stages} stages cannot be spread evenly over {num_ranks} ranks: use --stages "
+                         f"a multiple of --ranks {num_ranks} (e.g. --stages {lo} or {lo + num_ranks}), or split "
+                         f"points that make such a number of stages")
+
+
+def check_full_backward(schedule: str, dp_mode: str, actions=None) -> None:
+    """FSDP and DDP reduce gradients at a stage's backward; a split backward (I then W) would reduce before W.
+    A named schedule is judged by the table, a CSV by its ``actions`` ({rank: [Action or text]})."""
+    if is_csv(schedule):
+        split = any(Action.parse(str(a)).kind in ("I", "W") for acts in (actions or {}).values() for a in acts)
+    else:
+        split = schedule_info(schedule).split_backward
+    if split:
+        whole = [name for name, info in SCHEDULE_TABLE.items() if not info.split_backward]
+        raise ValueError(f"schedule {schedule!r} splits the backward into I and W, which --dp-mode {dp_mode} cannot "
+                         f"reduce gradients around: with --dp use {', '.join(whole[:-1])} or {whole[-1]}")
 
 
 def placement(schedule: str, num_ranks: int, num_stages: int) -> list[int]:
@@ -53,24 +117,20 @@ def placement(schedule: str, num_ranks: int, num_stages: int) -> list[int]:
     "loop": rank r holds stages r, r+R, r+2R, ...; "v": rows of R stages alternate direction, so with two
     rows rank r holds r and 2R-1-r (consecutive stages R-1 and R share the last rank).
     """
-    _check_name(schedule)
+    info = schedule_info(schedule)
     if num_ranks < 1 or num_stages < 1:
         raise ValueError(f"schedule {schedule!r}: need at least 1 rank and 1 stage; got {num_stages} "
                          f"stages on {num_ranks} ranks")
-    if schedule in _SINGLE and num_stages != num_ranks:
+    if info.stage_counts == "one" and num_stages != num_ranks:
         raise ValueError(
             f"schedule {schedule!r} runs one stage per rank; got {num_stages} stages on {num_ranks} ranks: "
             f"use --schedule interleaved-1f1b or --stages {num_ranks}")
-    if schedule in _V and num_stages != 2 * num_ranks:
+    if info.stage_counts == "two" and num_stages != 2 * num_ranks:
         raise ValueError(
             f"schedule {schedule!r} runs exactly 2 stages per rank (a V); got {num_stages} stages on "
             f"{num_ranks} ranks: use --stages {2 * num_ranks}")
-    if num_stages % num_ranks:
-        lo = max(num_ranks, num_stages // num_ranks * num_ranks)
-        raise ValueError(
-            f"schedule {schedule!r} needs the number of stages to be a multiple of the number of ranks; "
-            f"got {num_stages} stages on {num_ranks} ranks: use --stages {lo} or --stages {lo + num_ranks}")
-    if schedule in _V:
+    check_stages_divide(num_stages, num_ranks)
+    if info.placement == "v":
         out = []
         for s in range(num_stages):
             row, col = divmod(s, num_ranks)
@@ -90,11 +150,11 @@ def rank_stages(stage_to_rank: list[int]) -> dict[int, list[int]]:
 def _check_microbatches(schedule, num_ranks, num_stages, num_microbatches):
     if num_microbatches < 1:
         raise ValueError(f"schedule {schedule!r}: need at least 1 microbatch; got {num_microbatches}")
-    if schedule in ("interleaved-1f1b", "interleaved-zb") and num_stages > num_ranks \
-            and num_microbatches < num_ranks:
+    needed = schedule_info(schedule).microbatches_per_rank * num_ranks
+    if num_stages > num_ranks and num_microbatches < needed:
         raise ValueError(
             f"schedule {schedule!r} needs at least as many microbatches as ranks; got {num_microbatches} "
-            f"microbatches on {num_ranks} ranks: use --microbatches {num_ranks} or more "
+            f"microbatches on {num_ranks} ranks: use --microbatches {needed} or more "
             f"(or --schedule looped-bfs)")
 
 
@@ -163,134 +223,105 @@ def _looped_bfs(num_ranks, num_stages, num_microbatches):
 # ----------------------------------------------------------------------------------------------------
 # timed list scheduling (zero-bubble variants)
 
-class _ListScheduler:
-    """Builds per-rank orders by replaying time with unit costs: a rank, when free, picks what to run next.
-
-    ``pick(rank, now)`` returns the action to run, or None to wait. Actions whose inputs are not yet
-    scheduled are never offered. Ranks are served earliest-clock first, so a decision at time t sees every
-    action that can end by t.
-    """
-
-    def __init__(self, stage_to_rank, topology, costs=None):
-        self.stage_to_rank = stage_to_rank
-        self.topology = topology
-        self.costs = costs or {"F": 1.0, "I": 1.0, "W": 1.0, "B": 2.0}
-        self.ready: dict[tuple, float] = {}  # key -> end time
-        self.orders: dict[int, list] = {r: [] for r in sorted(set(stage_to_rank))}
-        self.clock = {r: 0.0 for r in self.orders}
-
-    def ready_time(self, action):
-        """When ``action``'s inputs are all available, or None if some are not yet scheduled."""
-        t = 0.0
-        for d in compute_deps(action, self.topology):
-            if d not in self.ready:
-                return None
-            t = max(t, self.ready[d])
-        return t
-
-    def run(self, rank, action, now):
-        t = max(now, self.ready_time(action))
-        end = t + cost_of(action, self.costs)
-        self.ready[produced_key(action)] = end
-        self.orders[rank].append(action)
-        self.clock[rank] = end
-
-    def drive(self, pick, done):
-        """``pick(rank, now) -> (action | None, wait_until | None)``; ``done(rank) -> bool``."""
-        while True:
-            live = [r for r in self.orders if not done(r)]
-            if not live:
-                return self.orders
-            acted = False
-            for r in sorted(live, key=lambda r: (self.clock[r], r)):
-                action, wait_until = pick(r, self.clock[r])
-                if action is not None:
-                    self.run(r, action, self.clock[r])
-                    acted = True
-                    break
-                if wait_until is not None:
-                    self.clock[r] = max(self.clock[r], wait_until)
-                    acted = True
-                    break
-            if not acted:
-                raise RuntimeError("internal error: schedule generator stalled")  # pragma: no cover
-
-
-def _fill_weights(static: dict, stage_to_rank, topology, w_limit):
-    """Keep the static F/I order per rank; insert each I's W when the next static action would wait, or
+class _FillWeights:
+    """Policy: keep the static F/I order per rank; run each I's W when the next static action would wait, or
     when more than ``w_limit`` W's are pending; flush the rest at the end."""
-    sched = _ListScheduler(stage_to_rank, topology)
-    idx = {r: 0 for r in static}
-    pending: dict[int, list] = {r: [] for r in static}
 
-    def pick(r, now):
-        if pending[r] and (len(pending[r]) > w_limit or idx[r] >= len(static[r])):
-            return pending[r].pop(0), None
-        if idx[r] < len(static[r]):
-            a = static[r][idx[r]]
-            t = sched.ready_time(a)
-            if t is not None and t <= now:
-                idx[r] += 1
-                if a.kind == "I":
-                    pending[r].append(Action(a.stage, "W", a.mb))
-                return a, None
-            if pending[r]:
-                return pending[r].pop(0), None
-            return None, t
-        return None, None
+    timed = True
 
-    return sched.drive(pick, lambda r: idx[r] >= len(static[r]) and not pending[r])
+    def __init__(self, static: dict, w_limit: int):
+        self.static, self.w_limit = static, w_limit
+        self.index = {r: 0 for r in static}
+        self.pending: dict = {r: [] for r in static}
+
+    def done(self, r):
+        return self.index[r] >= len(self.static[r]) and not self.pending[r]
+
+    def next(self, replay, r):
+        pending, left = self.pending[r], self.index[r] < len(self.static[r])
+        if pending and (len(pending) > self.w_limit or not left):
+            return pending[0]
+        if left:
+            a = self.static[r][self.index[r]]
+            t = replay.ready_time(a)
+            if t is not None and t <= replay.clock[r]:
+                return a
+            if pending:
+                return pending[0]
+            return Wait(t) if t is not None else None
+        return None
+
+    def taken(self, r, a):
+        if a.kind == "W":
+            self.pending[r].pop(0)
+            return
+        self.index[r] += 1
+        if a.kind == "I":
+            self.pending[r].append(Action(a.stage, "W", a.mb))
 
 
-def _greedy_v(stage_to_rank, topology, num_microbatches, full_backward_until_cooldown, w_limit):
-    """Greedy V-placement schedule (see module doc)."""
-    sched = _ListScheduler(stage_to_rank, topology)
-    stages = rank_stages(stage_to_rank)
-    m = num_microbatches
-    next_f = {s: 0 for s in range(len(stage_to_rank))}
-    next_b = {s: 0 for s in range(len(stage_to_rank))}
-    pending: dict[int, list] = {r: [] for r in stages}
-    cap = 2 * len(stages)
+class _GreedyV:
+    """Policy of the greedy V-placement schedule (see module doc)."""
 
-    def live(r):
-        return sum(next_f[s] - next_b[s] for s in stages[r])
+    timed = True
 
-    def pick(r, now):
-        if len(pending[r]) > w_limit:
-            return pending[r].pop(0), None
-        f_left = any(next_f[s] < m for s in stages[r])
+    def __init__(self, stage_to_rank, num_microbatches, full_backward_until_cooldown, w_limit):
+        self.stages = rank_stages(stage_to_rank)
+        self.m = num_microbatches
+        self.full_backward_until_cooldown, self.w_limit = full_backward_until_cooldown, w_limit
+        self.next_f = {s: 0 for s in range(len(stage_to_rank))}
+        self.next_b = {s: 0 for s in range(len(stage_to_rank))}
+        self.pending: dict = {r: [] for r in self.stages}
+        self.cap = 2 * len(self.stages)
+
+    def _live(self, r):
+        return sum(self.next_f[s] - self.next_b[s] for s in self.stages[r])
+
+    def done(self, r):
+        return all(self.next_b[s] >= self.m for s in self.stages[r]) and not self.pending[r]
+
+    def next(self, replay, r):
+        pending, m = self.pending[r], self.m
+        if len(pending) > self.w_limit:
+            return pending[0]
+        f_left = any(self.next_f[s] < m for s in self.stages[r])
         cands = []
-        for s in stages[r]:
-            if next_b[s] < next_f[s]:  # backwards in microbatch order per stage
-                kind = "B" if (full_backward_until_cooldown and f_left) else "I"
-                cands.append((0, next_b[s], -s, Action(s, kind, next_b[s])))
-        deep_first = sorted(stages[r], reverse=True)
-        for rank_in_v, s in enumerate(deep_first):
-            if next_f[s] < m:
-                first_stage = s == min(stages[r])
-                if first_stage and live(r) >= cap:
+        for s in self.stages[r]:
+            if self.next_b[s] < self.next_f[s]:  # backwards in microbatch order per stage
+                kind = "B" if (self.full_backward_until_cooldown and f_left) else "I"
+                cands.append((0, self.next_b[s], -s, Action(s, kind, self.next_b[s])))
+        for rank_in_v, s in enumerate(sorted(self.stages[r], reverse=True)):
+            if self.next_f[s] < m:
+                if s == min(self.stages[r]) and self._live(r) >= self.cap:
                     continue
-                cands.append((1 + rank_in_v, next_f[s], -s, Action(s, "F", next_f[s])))
+                cands.append((1 + rank_in_v, self.next_f[s], -s, Action(s, "F", self.next_f[s])))
         cands.sort()
         waits = []
         for *_, a in cands:
-            t = sched.ready_time(a)
+            t = replay.ready_time(a)
             if t is None:
                 continue
-            if t <= now:
-                (next_f if a.kind == "F" else next_b)[a.stage] += 1
-                if a.kind == "I":
-                    pending[r].append(Action(a.stage, "W", a.mb))
-                return a, None
+            if t <= replay.clock[r]:
+                return a
             waits.append(t)
-        if pending[r]:
-            return pending[r].pop(0), None
-        return None, (min(waits) if waits else None)
+        if pending:
+            return pending[0]
+        return Wait(min(waits)) if waits else None
 
-    def done(r):
-        return all(next_b[s] >= m for s in stages[r]) and not pending[r]
+    def taken(self, r, a):
+        if a.kind == "W":
+            self.pending[r].pop(0)
+        elif a.kind == "F":
+            self.next_f[a.stage] += 1
+        else:
+            self.next_b[a.stage] += 1
+            if a.kind == "I":
+                self.pending[r].append(Action(a.stage, "W", a.mb))
 
-    return sched.drive(pick, done)
+
+def _drive(policy, stage_to_rank, topology) -> dict:
+    """Per-rank orders: the engine replays with unit costs and asks ``policy`` what each free rank runs next."""
+    return Replay(stage_to_rank, topology).run(policy).orders
 
 
 def _dualpipev(num_ranks, num_microbatches):
@@ -387,13 +418,13 @@ def generate(schedule: str, num_ranks: int, num_stages: int, num_microbatches: i
         else:
             # ZB-H1: a W fills only a slot where the next action would wait (w_limit=0), so no more
             # activations are alive at once than in interleaved 1F1B, while the bubble still shrinks
-            out = _fill_weights(_interleaved(num_ranks, num_stages, m, bwd="I"), stage_to_rank, topology,
-                                w_limit=0)
+            out = _drive(_FillWeights(_interleaved(num_ranks, num_stages, m, bwd="I"), w_limit=0), stage_to_rank,
+                         topology)
     elif schedule == "dualpipev" and m >= 2 * num_ranks:
         out = _dualpipev(num_ranks, m)
     else:  # zbv; dualpipev with fewer than 2p microbatches
-        out = _greedy_v(stage_to_rank, topology, m, full_backward_until_cooldown=(schedule == "dualpipev"),
-                        w_limit=num_ranks)
+        out = _drive(_GreedyV(stage_to_rank, m, full_backward_until_cooldown=(schedule == "dualpipev"),
+                              w_limit=num_ranks), stage_to_rank, topology)
     if not training:
         out = {r: [a for a in acts if a.kind == "F"] for r, acts in out.items()}
     return {r: out.get(r, []) for r in range(num_ranks)}

@@ -4,8 +4,8 @@ The action list is compiled once, at start-up, into a list of closures: each clo
 stage, the peer rank, the value names and the shape functions it needs, so a step is a plain loop with no
 lookups by string and no metadata exchange. Runs of consecutive communication actions are posted together
 (``batch_isend_irecv`` on NCCL) and waited on only right before the compute that needs them; a send is
-waited on (and its tensor dropped) as soon as the plan proves its receive was posted, the rest at the end
-of the step.
+waited on (and its tensor dropped) at the release points the rank script lists (``RELEASES``: where the plan
+proves its receive was posted, derived at plan time by ``replay``), the rest at the end of the step.
 
 The stages come in as modules (see ``stages.StageModule``); what to do with the gradients they accumulate is
 the caller's business (``pipeline.Pipeline``, then the training loop in ``launch``).
@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from torch.autograd.graph import GradientEdge
 
+from .actions import Action
 from .failure import PipelineError, stall_message
 from .shapes import compile_shape
 
@@ -30,14 +31,8 @@ _BACKWARD_PART = {"B": "full", "I": "input", "W": "weight"}
 
 
 def parse_action(text: str):
-    """'0F1' -> (0, 'F', 1, None); '0SEND_F1>2' -> (0, 'SEND_F', 1, 2). Torch-only twin of codegen.actions."""
-    import re
-
-    match = re.match(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)(?:[<>](\d+))?$", text)
-    if not match:
-        raise ValueError(f"bad action {text!r}")
-    stage, kind, mb, peer = match.groups()
-    return int(stage), kind, int(mb), None if peer is None else int(peer)
+    """'0F1' -> (0, 'F', 1, None); '0SEND_F1>2' -> (0, 'SEND_F', 1, 2) (``actions.Action`` as a plain tuple)."""
+    return tuple(Action.parse(text))
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -105,69 +100,6 @@ def _run_backward(tensors: list, grads: list, keep_graph: bool, inputs: tuple, a
     sending (its autograd metadata still holds the true shape) can start a backward."""
     grads = [torch.ones_like(t) if g is None else g for t, g in zip(tensors, grads)]
     return _ENGINE.run_backward(tuple(tensors), tuple(grads), keep_graph, False, inputs, True, accumulate)
-
-
-def _message_key(stage: int, kind: str, mb: int, peer: int):
-    """The same key for a send and the receive that matches it: (direction, producer, consumer, mb)."""
-    if kind in ("SEND_F", "RECV_F"):
-        return ("F", stage, peer, mb) if kind == "SEND_F" else ("F", peer, stage, mb)
-    return ("B", stage, peer, mb) if kind == "SEND_B" else ("B", peer, stage, mb)
-
-
-def _send_release_points(plan: dict, rank: int) -> dict:
-    """{position p on this rank: [positions of this rank's sends that are safe to wait on after p]}.
-
-    Vector clocks over the whole plan: a send is safe to wait on once this rank has received a message that
-    its peer posted after posting the matching receive. Gloo reports a send complete only when it is waited
-    on, so without this every sent tensor would live until the end of the step.
-    """
-    parsed = {r: [parse_action(a) for a in acts] for r, acts in plan.items()}
-    recv_at, send_clock = {}, {}
-    for r, acts in parsed.items():
-        for position, (stage, kind, mb, peer) in enumerate(acts):
-            if kind.startswith("RECV"):
-                recv_at[_message_key(stage, kind, mb, peer)] = (r, position)
-    ranks = sorted(parsed)
-    clock = {r: {q: 0 for q in ranks} for r in ranks}  # clock[r][q]: actions of q known executed by r
-    pointer = {r: 0 for r in ranks}
-    pending = {r: {} for r in ranks}  # receives posted but not yet waited on: (stage, F|B, mb) -> [keys]
-    my_clocks = []  # after each of my actions: my clock
-    progress = True
-    while progress:
-        progress = False
-        for r in ranks:
-            acts = parsed[r]
-            while pointer[r] < len(acts):
-                stage, kind, mb, peer = acts[pointer[r]]
-                if kind.startswith("RECV"):  # posting never blocks; its data is known when a compute waits
-                    pending[r].setdefault((stage, kind[-1], mb), []).append(_message_key(stage, kind, mb, peer))
-                elif kind in ("F", "B", "I"):
-                    keys = pending[r].get((stage, "F" if kind == "F" else "B", mb), [])
-                    if any(key not in send_clock for key in keys):
-                        break  # waits for a message whose send is not posted yet
-                    for key in keys:
-                        for q, value in send_clock[key].items():
-                            clock[r][q] = max(clock[r][q], value)
-                clock[r][r] = pointer[r] + 1
-                if kind.startswith("SEND"):
-                    send_clock[_message_key(stage, kind, mb, peer)] = dict(clock[r])
-                if r == rank:
-                    my_clocks.append(dict(clock[r]))
-                pointer[r] += 1
-                progress = True
-    release: dict = {}
-    for position, (stage, kind, mb, peer) in enumerate(parsed.get(rank, [])):
-        if not kind.startswith("SEND"):
-            continue
-        target = recv_at.get(_message_key(stage, kind, mb, peer))
-        if target is None:
-            continue
-        peer_rank, recv_position = target
-        for later in range(position + 1, len(my_clocks)):
-            if my_clocks[later][peer_rank] > recv_position:
-                release.setdefault(later, []).append(position)
-                break
-    return release
 
 
 def _grad_accumulator(param: torch.Tensor):
@@ -238,8 +170,9 @@ class RankExecutor:
     """This rank's action list compiled into closures; :meth:`run_step` runs it once.
 
     ``stage_modules``: stage index -> module called as ``module(*root_inputs, *received, *sizes)``.
-    ``releases``: {action position: [send positions safe to wait on after it]}, computed at plan time; when
-    None it is derived from the manifest's plan here. ``wire_dtype``: floating boundary tensors are sent and
+    ``releases``: {action position: [send positions safe to wait on after it]}: the rank script's ``RELEASES``,
+    computed at plan time by the replay engine (``replay.ReplayResult.releases``); None or ``{}``: every send
+    is waited on at the end of the step (always safe). This rank's list is all the executor reads of the plan. ``wire_dtype``: floating boundary tensors are sent and
     received in this dtype (mixed precision) instead of the traced one. ``loss_scale``: the loss is multiplied
     by it before backward (fp16); the returned loss is not. ``check_finite``: record, per stage and
     microbatch, whether its floating outputs were finite (read by :meth:`nonfinite_outputs`).
@@ -314,8 +247,6 @@ class RankExecutor:
                 runner.local_grad_targets.append(
                     (producer, producer.outputs.index(runner.received[slot]["name"])) if producer else None)
         self.shapes = shapes if shapes is not None else _shapes_from_manifest(manifest)
-        self.plan_actions = {int(r): list(a) for r, a in manifest["plan"]["actions"].items()}
-        self.plan_actions[rank] = list(actions)
         self.actions = list(actions)
         self.program = self._compile(actions, releases)
 
@@ -333,8 +264,7 @@ class RankExecutor:
     # -- compile ---------------------------------------------------------------------------------------
     def _compile(self, actions: list, releases=None) -> list:
         """Closures in action order; each carries the positions of earlier sends it may release after it."""
-        release_at = releases if releases is not None else _send_release_points(self.plan_actions, self.rank)
-        release_at = {int(k): list(v) for k, v in release_at.items()}
+        release_at = {int(k): list(v) for k, v in (releases or {}).items()}
         program, batch = [], []
 
         def emit(fn, covered):

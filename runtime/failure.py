@@ -24,6 +24,19 @@ class PipelineError(RuntimeError):
     """An error the user can act on; printed without a traceback."""
 
 
+def agree(problem, group=None) -> None:
+    """Collective over ``group`` (default: every rank): each rank passes the problem it found (a message) or None;
+    if any rank found one, every rank raises it (its own, else the lowest rank's, named), so a check that some
+    ranks pass and others fail stops every rank with the cause, none first stopped by a faster peer's report."""
+    problems = [problem]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        problems = [None] * dist.get_world_size(group)
+        dist.all_gather_object(problems, problem, group=group)
+    first = next(((rank, text) for rank, text in enumerate(problems) if text), None)
+    if first is not None:
+        raise PipelineError(problem or f"rank {first[0]}: {first[1]}")
+
+
 def stall_message(rank: int, timeout_s: float, awaited: str) -> str:
     """What a rank says when a wait on a peer runs out: "rank 0 waited 10 s for the activation of ..."."""
     return (f"rank {rank} waited {timeout_s:g} s for {awaited}: that rank stalled (stopped, hung in "

@@ -25,9 +25,9 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from .failure import EXIT_FAILED, FailureChannel, PipelineError, stall_message
+from .failure import EXIT_FAILED, FailureChannel, PipelineError, agree, stall_message
 from .loading import load_manifest
-from . import checkpoint, recompute
+from . import checkpoint, host_memory, recompute
 from .mesh import coordinates, full, mesh_layout
 from .optim import OPTIMIZERS, build_optimizer, build_scheduler, parameter_fqns, step_scheduler
 from .pipeline import Pipeline, check_precision
@@ -58,6 +58,9 @@ def parse_args(argv=None):
                              "(stages holding several microbatches' activations at once)")
     parser.add_argument("--save", default=None, help="write the trained state_dict (original FQNs) here")
     parser.add_argument("--metrics", default=None, help="append one JSON line per step here")
+    parser.add_argument("--save-outputs", default=None, metavar="PATH",
+                        help="forward-only model files (no loss_fn): write every step's model output here "
+                             "(torch.save of a list, one full-batch output per step)")
     parser.add_argument("--load", default=None,
                         help="initial weights: a .safetensors or torch state_dict file, a Hugging Face folder, or a "
                              "torch.distributed.checkpoint folder, keyed by the model's FQNs; each rank reads its own")
@@ -188,6 +191,10 @@ def main(rank_script_rank: int, stage_functions: dict, actions: list, folder: st
                         check_finite=args.on_nonfinite != "continue", load=args.load, init=args.init)
         train(pipe, args)
     except PipelineError as error:
+        if getattr(error, "every_rank_agrees", False):  # each rank decided the same from the same data
+            if rank == 0:
+                print(f"[tracepp] error: {error}", file=sys.stderr, flush=True)
+            _exit(EXIT_FAILED)
         channel.report(str(error), echo=not getattr(error, "printed_on_every_rank", False))
         _exit(EXIT_FAILED)
     except Exception as error:  # an unexpected failure: keep the traceback, and tell every rank
@@ -258,6 +265,9 @@ def train(pipe: Pipeline, args) -> None:
     rank, world = pipe.rank, pipe.world_size
     if args.save_every and not args.checkpoint_dir:
         raise PipelineError(f"--save-every {args.save_every} needs --checkpoint-dir D (the folder for D/step_N)")
+    if args.save_outputs and training:
+        raise PipelineError(f"--save-outputs {args.save_outputs} is for forward-only model files (without "
+                            f"loss_fn); this one trains: drop the flag, or use Pipeline.eval_step in your own loop")
     named = [(name, p) for name, p in pipe.named_parameters() if p.requires_grad]
     optimizer, scheduler, fqns = None, None, []
     if training and named:
@@ -272,7 +282,8 @@ def train(pipe: Pipeline, args) -> None:
     reports = pipe.is_last_rank and pipe.dp_index == 0  # one replica prints (its loss is the global batch's)
     if reports and not args.quiet:
         print(_banner(pipe, args), flush=True)
-    history = []
+    history, outputs = [], []
+    host_memory.configure(device)  # CPU ranks: freed tensors go back to the OS (see host_memory.py)
     batches = BatchPrefetcher(lambda index: user_batch(user, index, training), device)
     for step in range(first_step, args.steps):
         # on GPUs pinned and copied on a side stream; the step waits for the copy, so what of it is not done
@@ -281,6 +292,7 @@ def train(pipe: Pipeline, args) -> None:
         start = time.perf_counter()
         pipe.loss_scale = scaler.scale if scaler is not None else None
         result = pipe.step(inputs, kwargs, target)
+        host_memory.release(device)  # before the optimizer allocates its state or updates anything
         norm, skipped, note = None, False, ""
         if training:
             loss = result if reports else None
@@ -311,6 +323,8 @@ def train(pipe: Pipeline, args) -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - start
+        if args.save_outputs:
+            outputs.append(_replica_outputs(pipe, result))
         if reports:
             loss_value = float(result) if training and result is not None and not isinstance(result, list) else None
             samples = pipe.last_batch_size
@@ -337,6 +351,8 @@ def train(pipe: Pipeline, args) -> None:
                                    _checkpoint_info(pipe, optimizer), rank)
             if reports and not args.quiet:
                 print(f"checkpoint {path}", flush=True)
+    if args.save_outputs and reports:
+        _write_atomically(args.save_outputs, lambda temporary: torch.save(outputs, temporary))
     if args.save_safetensors:
         _save_safetensors(args.save_safetensors, manifest, rank, pipe.state_dict(), world, pipe.unused_state,
                           include=pipe.dp_index == 0)
@@ -348,6 +364,35 @@ def train(pipe: Pipeline, args) -> None:
         _summary(pipe, args, history)
     if world > 1:
         dist.destroy_process_group()
+
+
+def join_microbatches(outputs: list):
+    """Per-microbatch outputs of one step -> the full batch's output, structure kept: tensor leaves with a batch
+    dim are concatenated along dim 0; a leaf equal in every microbatch (a constant) is kept once; any other leaf
+    (a per-microbatch scalar) becomes the list of its microbatch values."""
+    import torch.utils._pytree as pytree
+
+    flat = [pytree.tree_flatten(output) for output in outputs]
+    spec = flat[0][1]
+    joined = []
+    for leaves in zip(*(leaves for leaves, _spec in flat)):
+        if all(isinstance(leaf, torch.Tensor) and leaf.dim() > 0 for leaf in leaves):
+            joined.append(torch.cat([leaf.detach().cpu() for leaf in leaves]))
+        elif all(not isinstance(leaf, torch.Tensor) and leaf == leaves[0] for leaf in leaves):
+            joined.append(leaves[0])
+        else:
+            joined.append([leaf.detach().cpu() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves])
+    return pytree.tree_unflatten(joined, spec)
+
+
+def _replica_outputs(pipe: Pipeline, result):
+    """``--save-outputs``: this step's full-batch output on the last pipeline rank of the first replica (the
+    other replicas' slices gathered to it in replica order), None elsewhere."""
+    if pipe.layout["dp"] > 1 and pipe.is_last_rank:
+        parts = [None] * pipe.layout["dp"]
+        dist.all_gather_object(parts, result, group=pipe.replicas.get_group())
+        result = [output for part in parts for output in part]
+    return join_microbatches(result) if pipe.is_last_rank and pipe.dp_index == 0 else None
 
 
 def _checkpoint_info(pipe: Pipeline, optimizer) -> dict:
@@ -366,13 +411,7 @@ def _resume(pipe: Pipeline, args, optimizer, scheduler, fqns: list) -> int:
         problem = None
     except PipelineError as error:
         step, path, prepared, problem = None, None, None, str(error)
-    problems = [problem]
-    if pipe.world_size > 1:
-        problems = [None] * pipe.world_size
-        dist.all_gather_object(problems, problem, group=_control_group())
-    if any(problems):
-        first = next((rank, text) for rank, text in enumerate(problems) if text)
-        raise PipelineError(problem or f"rank {first[0]}: {first[1]}")
+    agree(problem, group=_control_group() if pipe.world_size > 1 else None)
     checkpoint.load(prepared, optimizer, fqns)
     if pipe.is_last_rank and not args.quiet:
         print(f"resumed from {path} (step {step}); training steps {step + 1} to {args.steps}", flush=True)

@@ -10,12 +10,26 @@ import json
 import os
 import sys
 
+from .failure import PipelineError
 from .usercode import load_spec, load_user_module  # noqa: F401  (the folder's user code)
+
+# The manifest layout this runtime reads; ``tracepp split`` writes it, and bumps it when the layout changes.
+MANIFEST_FORMAT = 2
+
+
+def check_format(manifest: dict, path: str) -> None:
+    found = manifest.get("format")
+    if found != MANIFEST_FORMAT:
+        raise PipelineError(f"{path} has manifest format {found}, but this tracepp reads format {MANIFEST_FORMAT}: "
+                            f"re-run `tracepp split` to write the folder again")
 
 
 def load_manifest(folder: str) -> dict:
-    with open(os.path.join(folder, "manifest.json")) as handle:
-        return json.load(handle)
+    path = os.path.join(folder, "manifest.json")
+    with open(path) as handle:
+        manifest = json.load(handle)
+    check_format(manifest, path)
+    return manifest
 
 
 def load_rank_script(folder: str, rank: int):

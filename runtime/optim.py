@@ -9,7 +9,8 @@ Model-file hooks (both optional):
 * ``lr_scheduler(optimizer)``: returns a ``torch.optim.lr_scheduler`` object, stepped once per training step
   after ``optimizer.step()``.
 
-Without hooks the flags decide: ``--optimizer sgd|adamw``, ``--lr``, ``--weight-decay`` (AdamW/SGD; applied to
+Without hooks the flags decide: ``--optimizer sgd|adamw`` (AdamW's fused kernel where the parameters allow it),
+``--lr``, ``--weight-decay`` (AdamW/SGD; applied to
 parameters with 2 or more dims only, never to biases and norm weights), ``--warmup N`` (linear warm-up over the
 first N steps to ``--lr``, then cosine decay to 0 at ``--steps``; without it the rate stays ``--lr``).
 A weight held by several ranks (a tied embedding and head) has the same FQN on each, its gradients are summed
@@ -63,8 +64,17 @@ def build_optimizer(user, named_params: list, *, name: str = "sgd", lr: float = 
                          f"define optimizer(params) in the model file")
     groups = decay_groups(named_params, weight_decay)
     if name == "adamw":
-        return torch.optim.AdamW(groups, lr=lr)
+        return torch.optim.AdamW(groups, lr=lr, fused=fused_supported([p for _name, p in named_params]))
     return torch.optim.SGD(groups, lr=lr)
+
+
+def fused_supported(params: list) -> bool:
+    """AdamW's fused kernel (one pass per tensor, no temporaries the size of a parameter; faster on CPU and GPU)
+    for plain floating tensors on CPU or CUDA; FSDP/DDP's DTensor parameters keep the default implementation."""
+    from torch.distributed.tensor import DTensor
+
+    return bool(params) and all(not isinstance(p, DTensor) and p.device.type in ("cpu", "cuda")
+                                and p.is_floating_point() for p in params)
 
 
 def warmup_cosine(warmup_steps: int, total_steps: int):

@@ -34,6 +34,7 @@ from .distributed import init_distributed
 from .executor import RankExecutor, _shapes_from_manifest, parse_action
 from .failure import PipelineError
 from .loading import load_manifest, load_rank_script
+from .script_check import check_programs, describe_program
 from . import mesh as dp_mesh
 from .stages import StageModule
 from .usercode import load_spec, load_user_module
@@ -70,7 +71,10 @@ class Pipeline:
     (dynamic dims from the manifest marked dynamic); ``compile_cache``: inductor's cache folder. ``all_stages``:
     every stage in this one process, no communication (for measurement and debugging); ``actions`` overrides
     the action list (``"0F0"``, ``"0B0"``, ...). ``stage_functions``, ``actions``, ``shapes`` and ``releases``
-    are what a rank script passes; left out, they are read from ``rank{rank}.py``. ``load``: a checkpoint
+    are what a rank script passes; left out, they are read from ``rank{rank}.py`` (its ``RELEASES`` only with
+    its own ``ACTIONS``). Before anything else, every rank's actions and releases are gathered and, where one
+    differs from the plan ``tracepp split`` wrote, validated as a whole: it runs as edited or every rank stops
+    naming the file and line (``script_check``). ``load``: a checkpoint
     (``.safetensors``, a Hugging Face folder, a ``torch.distributed.checkpoint`` folder or a torch state_dict
     file) keyed by the model's FQNs, of which this rank reads only its own tensors; without it ``init`` says how
     the model file initialises them: ``"model"`` (build ``model()``, keep this rank's tensors: equal to eager)
@@ -110,16 +114,18 @@ class Pipeline:
         if all_stages:
             plan_manifest = copy.deepcopy(manifest)
             plan_manifest["plan"]["stage_to_rank"] = [0] * len(manifest["stages"])
-            plan_manifest["plan"]["actions"] = {"0": []}
             stage_functions = stage_functions or self._all_stage_functions()
             shapes = shapes or _shapes_from_manifest(manifest)
             if actions is None:
                 actions = self._single_process_actions()
-        elif stage_functions is None:
-            script = load_rank_script(self.folder, self.pp_rank)
-            stage_functions, shapes = script.STAGE_FUNCTIONS, getattr(script, "boundary_shapes", None)
-            actions = script.ACTIONS if actions is None else actions
-            releases = getattr(script, "RELEASES", None) if releases is None else releases
+        else:
+            if stage_functions is None:
+                script = load_rank_script(self.folder, self.pp_rank)
+                stage_functions, shapes = script.STAGE_FUNCTIONS, getattr(script, "boundary_shapes", None)
+                if actions is None:  # the script's program: its ACTIONS and their RELEASES
+                    actions = script.ACTIONS
+                    releases = getattr(script, "RELEASES", None) if releases is None else releases
+            self._check_program(actions, releases)
         self._plan_manifest = plan_manifest
         stage_to_rank = plan_manifest["plan"]["stage_to_rank"]
         self.stage_indices = [s for s, r in enumerate(stage_to_rank) if r == self.pp_rank]
@@ -160,6 +166,18 @@ class Pipeline:
         self.last_batch_size = None
 
     # -- building -------------------------------------------------------------------------------------------
+    def _check_program(self, actions, releases) -> None:
+        """Every rank runs what its script says: gather every process's ACTIONS and RELEASES; where one differs
+        from what ``tracepp split`` wrote, validate the whole plan or stop every rank (``script_check``)."""
+        mine = describe_program(self.pp_rank, os.path.join(self.folder, f"rank{self.pp_rank}.py"), actions, releases)
+        gathered = [mine]
+        if self.world_size > 1:
+            gathered = [None] * self.world_size
+            dist.all_gather_object(gathered, mine)
+        note = check_programs(gathered, self.manifest)
+        if note is not None and self.rank == 0:
+            print(f"[tracepp] note: {note}", flush=True)
+
     def _all_stage_functions(self) -> dict:
         functions = {}
         for rank in sorted(set(self.manifest["plan"]["stage_to_rank"])):

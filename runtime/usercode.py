@@ -97,16 +97,18 @@ def import_spec_types(manifest: dict) -> list:
 
 
 def load_spec(manifest: dict, key: str):
-    """A pytree spec from the manifest: JSON where torch can serialise it, else a pickle (model-output classes)."""
+    """A pytree spec from the manifest's ``key``: ``{"json": text}`` where torch can serialise it, else
+    ``{"pickle": base64}`` (model-output classes without a serializer)."""
     failures = import_spec_types(manifest)
+    spec = manifest.get(key) or {}
     try:
-        if manifest.get(key):
-            return pytree.treespec_loads(manifest[key])
-        if manifest.get(key + "_pickle"):
+        if spec.get("json"):
+            return pytree.treespec_loads(spec["json"])
+        if spec.get("pickle"):
             import base64
             import pickle
 
-            return pickle.loads(base64.b64decode(manifest[key + "_pickle"]))
+            return pickle.loads(base64.b64decode(spec["pickle"]))
     except Exception as error:
         if not failures:
             raise

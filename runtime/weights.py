@@ -30,7 +30,7 @@ import sys
 
 import torch
 
-from .failure import PipelineError
+from .failure import PipelineError, agree
 
 INIT_MODES = ("model", "per-module")
 _SAFETENSORS_DTYPES = {
@@ -91,14 +91,19 @@ def load_rank_state(folder: str, manifest: dict, rank: int, device: torch.device
     """FQN -> tensor for every parameter/buffer this rank's stages read; one object per FQN on a rank."""
     mine = state_entries(manifest, rank)
     if load:
-        reader = open_checkpoint(load)
-        keys = check_checkpoint(reader, manifest, rank)
+        reader, keys, problem = None, None, None
+        try:
+            reader = open_checkpoint(load)
+            keys = check_checkpoint(reader, manifest, rank)
+        except PipelineError as error:
+            problem = str(error)
+        agree(problem)  # every rank names the problem itself, none is stopped first by a faster peer's report
         loaded = reader.read({fqn: keys[fqn] for fqn, ref in mine.items() if _in_checkpoint(ref)})
         others = {fqn: ref for fqn, ref in mine.items() if not _in_checkpoint(ref)}
         skeleton = build_without_parameters(user) if others else None
         state = {fqn: _finish(mine[fqn], tensor, device) for fqn, tensor in loaded.items()}
         state.update(_from_model(folder, skeleton, others, device))
-        _say(rank, f"loaded {len(loaded)} tensors of rank 0 from {load}")
+        _say(rank, f"loaded {len(loaded)} tensors from {load}")
         return state
     if init == "model":
         return _from_model(folder, user.model(), mine, device)

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from tracepp.cli import main as cli_main
-from tracepp.codegen.actions import Action, Topology
+from tracepp.runtime.actions import Action, Topology
 from tracepp.codegen.csvio import dump_csv
-from tracepp.codegen.planning import build_plan
+from tracepp.codegen.plan import build_plan
 from tracepp.driver import split_model
 from tracepp.modelfile import load_model_file
 from util import assert_state_close, assert_trained, eager_train, model_path, run_ok

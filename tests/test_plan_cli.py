@@ -8,9 +8,9 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from tracepp.cli import main as cli_main
-from tracepp.codegen.actions import Action, Topology
+from tracepp.runtime.actions import Action, Topology
 from tracepp.codegen.csvio import dump_csv
-from tracepp.codegen.planning import build_plan
+from tracepp.codegen.plan import build_plan
 from tracepp.codegen.simulate import simulate
 from tracepp.driver import split_model
 from tracepp.manifest_file import load_manifest, topology_from_manifest
@@ -237,8 +237,7 @@ def test_csv_wrong_microbatch_count(tmp_path, capsys):
      "schedule '1f1b' runs one stage per rank; got 4 stages on 2 ranks: use --schedule interleaved-1f1b or "
      "--stages 2"),
     (["--stages", "3", "--schedule", "interleaved-1f1b"],
-     "needs the number of stages to be a multiple of the number of ranks; got 3 stages on 2 ranks: "
-     "use --stages 2 or --stages 4"),
+     "3 stages cannot be spread evenly over 2 ranks: use --stages a multiple of --ranks 2 (e.g. --stages 2 or 4)"),
     (["--stages", "6", "--schedule", "zbv"],
      "schedule 'zbv' runs exactly 2 stages per rank (a V); got 6 stages on 2 ranks: use --stages 4"),
     (["--stages", "3", "--schedule", "plan.csv"],

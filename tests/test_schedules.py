@@ -6,10 +6,10 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from tracepp.codegen.actions import Action, Topology
+from tracepp.runtime.actions import Action, Topology
 from tracepp.codegen.csvio import dump_csv, load_csv, resolve_peers
 from tracepp.codegen.lower import lower
-from tracepp.codegen.planning import SchedulePlan, build_plan
+from tracepp.codegen.plan import SchedulePlan, build_plan
 from tracepp.codegen.schedules import SCHEDULES, generate, placement
 from tracepp.codegen.simulate import ScheduleError, simulate, validate
 from tracepp.codegen.visualize import format_grid, write_chrome_trace, write_svg
@@ -91,7 +91,8 @@ def test_placement_styles():
     ("gpipe", 4, 2, r"one stage per rank; got 2 stages on 4 ranks"),
     ("zbv", 2, 6, r"'zbv' runs exactly 2 stages per rank .* got 6 stages on 2 ranks: use --stages 4"),
     ("dualpipev", 4, 4, r"exactly 2 stages per rank"),
-    ("interleaved-1f1b", 2, 5, r"multiple of the number of ranks; got 5 stages on 2 ranks: use --stages 4"),
+    ("interleaved-1f1b", 2, 5, r"5 stages cannot be spread evenly over 2 ranks: use --stages a multiple of --ranks 2 "
+                               r"\(e.g. --stages 4 or 6\)"),
 ])
 def test_placement_rejections_are_clear(schedule, ranks, stages, pattern):
     with pytest.raises(ValueError, match=pattern):
@@ -240,7 +241,7 @@ def test_validate_w_before_i():
     lst = lowered[0]
     i, w = lst.index(A("0I0")), lst.index(A("0W0"))
     lst[i], lst[w] = lst[w], lst[i]
-    with pytest.raises(ScheduleError, match=r"'0W0': weight-grad W runs before the input-grad '0I0'"):
+    with pytest.raises(ScheduleError, match=r"'0W0': weight-grad W before the input-grad '0I0'; put '0I0' earlier"):
         validate(lowered, st, top, 3)
 
 

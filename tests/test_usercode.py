@@ -52,7 +52,7 @@ def test_spec_type_module_is_imported_and_a_missing_library_named_when_needed(tm
     assert import_spec_types({"spec_types": ["byom_outputs:Out"]}) == []
     assert "byom_outputs" in sys.modules
     manifest = {"spec_types": ["nolib_xyz.modeling:Out"],
-                "out_spec": '[1, {"type": "nolib_xyz.modeling.Out", "context": "null", "children_spec": []}]'}
+                "out_spec": {"json": '[1, {"type": "nolib_xyz.modeling.Out", "context": "null", "children_spec": []}]'}}
     with pytest.raises(PipelineError, match=r"contain nolib_xyz.modeling.Out, but importing 'nolib_xyz.modeling' "
                                             r"failed here .*install the library the model uses"):
         load_spec(manifest, "out_spec")

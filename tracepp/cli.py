@@ -73,18 +73,18 @@ def _check_layout(args) -> None:
         raise ValueError(f"--ranks {args.ranks}: need at least 1 rank")
     if args.microbatches < 1:
         raise ValueError(f"--microbatches {args.microbatches}: need at least 1 microbatch")
+    from tracepp.codegen.schedules import (SCHEDULES, check_full_backward, check_stages_divide, is_csv,
+                                           placement)
+
+    if getattr(args, "dp", 1) > 1 and args.schedule in SCHEDULES:
+        check_full_backward(args.schedule, args.dp_mode)
     if args.stages is None:
         return
     if args.stages < 1:
         raise ValueError(f"--stages {args.stages}: need at least 1 stage")
-    if str(args.schedule).lower().endswith(".csv"):
-        from tracepp.codegen.plan import check_stages_divide
-
+    if is_csv(args.schedule):
         check_stages_divide(args.stages, args.ranks)
-        return
-    from tracepp.codegen.schedules import SCHEDULES, placement
-
-    if args.schedule in SCHEDULES:  # an unknown name is reported by the planner with the list of valid ones
+    elif args.schedule in SCHEDULES:  # an unknown name is reported by the planner with the list of valid ones
         placement(args.schedule, args.ranks, args.stages)
 
 
@@ -125,8 +125,9 @@ def _add_split_options(parser) -> None:
     parser.add_argument("--ranks", type=int, default=2, help="pipeline ranks, i.e. torchrun processes (default 2)")
     parser.add_argument("--stages", type=int, default=None,
                         help="number of stages (default: from split points, else ranks x stages per rank)")
-    parser.add_argument("--schedule", default="1f1b",
-                        help="gpipe, 1f1b, interleaved-1f1b, looped-bfs, interleaved-zb, zbv, dualpipev, or a .csv")
+    from tracepp.codegen.schedules import SCHEDULES
+
+    parser.add_argument("--schedule", default="1f1b", help=f"{', '.join(SCHEDULES)}, or a .csv")
     parser.add_argument("--microbatches", type=int, default=4, help="microbatches per batch (default 4)")
     parser.add_argument("--split-points", default=None,
                         help="comma-separated module FQNs where a new stage begins (overrides the model file's); "
@@ -172,13 +173,16 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("out")
     inspect.add_argument("--grid", action="store_true", help="also print every rank's action grid")
     inspect.set_defaults(run=_inspect)
+    from tracepp.runtime.replay import UNIT_COSTS
+
     plan = sub.add_parser("plan", help="show the schedule: action grid, bubble, in-flight, timeline picture")
     plan.add_argument("out")
     plan.add_argument("--svg", default=None, help="timeline picture path (default: OUT/plan.svg)")
     plan.add_argument("--trace", default=None, help="Chrome-trace JSON path (default: OUT/plan_trace.json)")
     plan.add_argument("--costs", default=None, metavar="COSTS.json",
                       help='measured compute times per action kind, e.g. {"F": 1.0, "B": 2.0}, or per stage, '
-                           'e.g. {"0F": 1.2, "1B": 2.5} (default: F=1, B=2, I=W=1)')
+                           'e.g. {"0F": 1.2, "1B": 2.5} (default: the unit costs '
+                           + ", ".join(f"{kind}={cost:g}" for kind, cost in UNIT_COSTS.items()) + ")")
     plan.set_defaults(run=_plan)
     return parser
 

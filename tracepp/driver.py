@@ -8,7 +8,8 @@ import shlex
 from typing import Optional
 
 from tracepp.codegen.emit import build_manifest, emit
-from tracepp.codegen.plan import plan, stages_per_rank
+from tracepp.codegen.plan import build_plan, topology_of
+from tracepp.codegen.schedules import check_full_backward, stages_per_rank
 from tracepp.modelfile import load_model_file
 from tracepp.split.partition import split
 from tracepp.trace import trace
@@ -27,9 +28,10 @@ def _plan(model_path: str, num_ranks: int, num_stages: Optional[int], schedule: 
     graph = split(traced, points, num_stages,                                         # 2. stage graphs
                   default_stages=num_ranks * stages_per_rank(schedule), schedule=schedule,
                   num_microbatches=num_microbatches, training=model_file.training)
-    the_plan = plan(graph, schedule, num_ranks, num_microbatches, model_file.training)  # 3. schedule
+    the_plan = build_plan(schedule, num_ranks, graph.num_stages, num_microbatches,    # 3. schedule
+                          topology_of(graph), model_file.training).to_json()
     if dp > 1:
-        _check_full_backward(the_plan, dp_mode)
+        check_full_backward(schedule, dp_mode, the_plan["actions"])
         the_plan["mesh"] = {"dp": dp, "pp": num_ranks, "mode": dp_mode, "shard": dp_shard, "order": dp_order}
     return model_file, traced, graph, the_plan
 
@@ -72,13 +74,3 @@ def _trace_replica(model_file, num_microbatches: int, dynamic_shapes, dp: int, d
                          f"(global batch {global_batch} / --dp {dp}): choose 1..{per_replica}")
     traced = trace(model_file, num_microbatches * dp, dynamic_shapes, on_meta="auto")
     return dataclasses.replace(traced, num_microbatches=num_microbatches, batch_size=per_replica)
-
-
-def _check_full_backward(the_plan: dict, dp_mode: str) -> None:
-    """FSDP and DDP reduce gradients at a stage's backward; a split backward (I then W) would reduce before W."""
-    from tracepp.runtime.executor import parse_action
-
-    if any(parse_action(action)[1] in ("I", "W") for actions in the_plan["actions"].values() for action in actions):
-        raise ValueError(f"schedule {the_plan['schedule']!r} splits the backward into I and W, which --dp-mode "
-                         f"{dp_mode} cannot reduce gradients around: with --dp use gpipe, 1f1b, interleaved-1f1b "
-                         f"or looped-bfs")

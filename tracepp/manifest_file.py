@@ -4,7 +4,9 @@ from __future__ import annotations
 import json
 import os
 
-from tracepp.codegen.actions import Topology
+from tracepp.runtime.actions import Topology
+from tracepp.runtime.failure import PipelineError
+from tracepp.runtime.loading import check_format
 
 
 def load_manifest(out_dir: str) -> dict:
@@ -13,10 +15,13 @@ def load_manifest(out_dir: str) -> dict:
         raise FileNotFoundError(f"{path} not found: pass a folder written by `tracepp split`")
     with open(path) as handle:
         manifest = json.load(handle)
+    try:
+        check_format(manifest, path)
+    except PipelineError as error:  # the CLI reports ValueErrors in one line
+        raise ValueError(str(error)) from None
     manifest["_folder"] = out_dir
     return manifest
 
 
 def topology_from_manifest(manifest: dict) -> Topology:
-    return Topology.from_values(len(manifest["stages"]), ((v["producer"], v["consumers"], v["requires_grad"])
-                                                          for v in manifest["values"].values()))
+    return Topology.from_manifest(manifest)

@@ -6,8 +6,11 @@ import os
 
 from tabulate import tabulate
 
-from tracepp.codegen.actions import Action
 from tracepp.manifest_file import topology_from_manifest
+from tracepp.runtime.actions import Action
+from tracepp.runtime.replay import UNIT_COSTS
+
+UNIT_TEXT = ", ".join(f"{kind}={cost:g}" for kind, cost in UNIT_COSTS.items())
 
 
 def _simulate(manifest: dict, costs=None):
@@ -21,15 +24,16 @@ def _simulate(manifest: dict, costs=None):
 
 def _describe_costs(costs) -> str:
     if not costs:
-        return "unit costs (F=1, B=2, I=W=1, comms free)"
+        return f"unit costs ({UNIT_TEXT}, comms free)"
     parts = [f"{key}={value:g}" for key, value in costs.items() if isinstance(key, str)]
     parts += [f"{s}{k}={value:g}" for (s, k), value in sorted((k, v) for k, v in costs.items()
                                                               if isinstance(k, tuple))]
-    return f"measured costs ({', '.join(parts)}; unlisted: F=1, B=2, I=W=1; comms free)"
+    return f"measured costs ({', '.join(parts)}; unlisted: {UNIT_TEXT}; comms free)"
 
 
 def flop_costs(manifest: dict):
-    """Per-stage action costs from the stages' forward FLOPs (scaled so the mean F is 1), or None."""
+    """Per-stage action costs from the stages' forward FLOPs (scaled so the mean F is 1; B, I, W in the unit
+    costs' proportions to F), or None."""
     flops = [stage.get("forward_flops") for stage in manifest["stages"]]
     if not flops or not all(flops):
         return None
@@ -37,7 +41,7 @@ def flop_costs(manifest: dict):
     costs = {}
     for index, value in enumerate(flops):
         f = value / mean
-        costs.update({(index, "F"): f, (index, "B"): 2 * f, (index, "I"): f, (index, "W"): f})
+        costs.update({(index, kind): f * unit / UNIT_COSTS["F"] for kind, unit in UNIT_COSTS.items()})
     return costs
 
 
@@ -57,7 +61,8 @@ def plan_report(manifest: dict, grid: bool = True, costs=None) -> str:
     estimated = flop_costs(manifest)
     if costs is None and estimated:
         flop_sim = _simulate(manifest, estimated)
-        lines.append(f"with FLOP-estimated costs (F per stage from its forward FLOPs, B=2F, I=W=F): bubble "
+        lines.append(f"with FLOP-estimated costs (F per stage from its forward FLOPs, B, I, W in the unit costs' "
+                     f"proportions): bubble "
                      f"{flop_sim.bubble_overall:.1%}, per rank "
                      + ", ".join(f"{flop_sim.bubble[r]:.1%}" for r in sorted(flop_sim.timeline)))
     if grid:

@@ -26,7 +26,8 @@ def stage_table(manifest: dict) -> str:
         modules = stage["module_fqns"]
         module_text = ", ".join(modules) if len(modules) <= 4 else f"{', '.join(modules[:2])} … {modules[-1]} ({len(modules)})"
         flops = stage.get("forward_flops")
-        rows.append([stage["index"], stage["rank"], f"{stage['num_params']:,}",
+        rank = manifest["plan"]["stage_to_rank"][stage["index"]]
+        rows.append([stage["index"], rank, f"{stage['num_params']:,}",
                      f"{flops / 1e6:,.1f}" if flops else "-", module_text,
                      "\n".join(inputs) or "-", "\n".join(outputs) or "-"])
     table = tabulate(rows, headers=["stage", "rank", "params", "fwd MFLOP/mb", "modules", "inputs", "outputs"],
@@ -67,7 +68,8 @@ def estimate_table(manifest: dict) -> str:
     memory = [e["memory_bytes"] for e in estimates]
     rows = []
     for stage, e, f in zip(manifest["stages"], estimates, flops):
-        rows.append([stage["index"], stage["rank"], f"{f / 1e6:,.1f}" if f is not None else "-",
+        rank = manifest["plan"]["stage_to_rank"][stage["index"]]
+        rows.append([stage["index"], rank, f"{f / 1e6:,.1f}" if f is not None else "-",
                      f"{f / mean_flops:.2f}" if known else "-", _bytes(e["param_bytes"]), _bytes(e["grad_bytes"]),
                      _bytes(e["optimizer_bytes"]),
                      f"{_bytes(e['activation_bytes_per_microbatch'])} x {e['inflight_microbatches']}",

@@ -8,7 +8,9 @@ Text form (torch's, extended with an optional peer stage for skip connections):
 ``0F3`` = stage 0 forward of microbatch 3; ``1SEND_F3`` = stage 1 sends microbatch 3's activations to its
 (unique) next stage; ``0SEND_F3>2`` = stage 0 sends microbatch 3's activations to stage 2;
 ``2RECV_F3<0`` = stage 2 receives them from stage 0; ``2SEND_B3>0`` / ``0RECV_B3<2`` carry gradients back.
-Plain data only: this module imports nothing but the standard library.
+Plain data only, standard library only: it lives in the runtime (copied into every output folder) because the
+rank scripts' ``ACTIONS`` are parsed and, when a script was edited, validated at start-up with it; the planner
+(``tracepp.codegen``) imports it from here (codegen may depend on the runtime, never the reverse).
 """
 from __future__ import annotations
 
@@ -79,6 +81,12 @@ class Topology(NamedTuple):
                 if requires_grad:
                     grad.add((producer, consumer))
         return cls(num_stages, tuple(sorted(fwd)), tuple(sorted(grad)))
+
+    @classmethod
+    def from_manifest(cls, manifest: dict) -> "Topology":
+        """From ``manifest.json``'s boundary values (what the runtime and the tools know of the model)."""
+        return cls.from_values(len(manifest["stages"]), ((v["producer"], v["consumers"], v["requires_grad"])
+                                                         for v in manifest["values"].values()))
 
     @classmethod
     def chain(cls, num_stages: int) -> "Topology":

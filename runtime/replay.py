@@ -1,0 +1,670 @@
+"""The one replay engine: run per-rank action lists under the runtime's execution model, and check them.
+
+Everything tracepp knows about how a plan behaves comes from here. The schedulers build their orders by
+driving the engine with a :class:`Policy` (a static list is the trivial policy, :class:`ListPolicy`); the
+lowering times compute-only lists with it and keeps the receive placement that replays faster; the one
+validator (:func:`check_plan` for the rules a list must follow, then a replay for deadlocks) refuses a bad
+plan naming rank, position, action and the fix; ``codegen.simulate`` turns a replay into bubbles and
+pictures; and the send-release points that a rank script lists in ``RELEASES`` are derived from the replay's
+vector clocks (:attr:`ReplayResult.releases`).
+
+Why it lives in the runtime: a rank whose script was edited validates the gathered plan at start-up with this
+same engine (``script_check``), and the output folder runs where only torch is installed. So this module and
+``actions`` use the standard library only; ``tracepp.codegen`` imports them from here (codegen may depend on
+the runtime, never the reverse).
+
+Execution model (what the tracepp runtime does, and what NCCL allows):
+
+* Each rank walks its action list in order.
+* A maximal run of consecutive comm actions is one *batch*, posted together (``batch_isend_irecv``).
+  Posting never blocks.
+* A rank's posted batches complete in FIFO order (one serial comm stream per rank): a batch reaches the *head*
+  of its rank's queue when every earlier batch of that rank has completed.
+* Point-to-point ops match per ordered rank pair in issue order (no tags): the n-th send from rank A to rank B
+  pairs with the n-th receive on B from A. An op is matched once both its batch and its counterpart's batch
+  are at the head of their queues; a batch completes when all its ops are matched.
+* A compute action starts when its rank is free and its inputs are there: a value made on the same rank once
+  its producer ended, a value from another rank once the batch holding its receive completed. Lists without
+  comm actions (compute-only, before lowering) move data instantly: a value is there once its producer ends.
+* Compute costs :data:`UNIT_COSTS` unless the caller gives its own (see :func:`cost_of`); comms cost 0.
+
+A plan that runs under this model also runs under gloo, whose p2p ops are less constrained.
+
+Send release (``RELEASES``): gloo reports a send complete only when it is waited on, so a sent tensor lives
+until the wait. A send may be waited on as soon as this rank *knows* that the peer posted the matching
+receive: it has since received a message the peer sent after posting it. Vector clocks carry that knowledge:
+each rank's clock counts the actions it has passed, a send carries its rank's clock, and a compute merges the
+clocks of the sends whose data it waits for.
+"""
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+from typing import NamedTuple, Optional
+
+from .actions import Action, Topology
+
+# The costs a plan is made with (placing receives, deferred W's, the greedy V schedules) and timed with unless
+# measured ones are given: a forward 1, a full backward 2, its input-grad and weight-grad halves 1 each.
+UNIT_COSTS = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
+# The dependency key "this stage's input gradient for a microbatch is done": made by a full backward B or by
+# an input-grad backward I, needed by the W of the same stage and by the backward of the stage before.
+INPUT_GRAD = "input-grad"
+
+
+class ScheduleError(ValueError):
+    """A plan breaks a rule or would deadlock. ``rank``/``position``/``action`` locate it where one action is at
+    fault (``position`` is None when the fix is to add something to ``rank``'s list); the message says what is
+    wrong and the fix, prefixed ``rank R, action P 'A': `` when located."""
+
+    def __init__(self, problem: str, rank: Optional[int] = None, position: Optional[int] = None, action=None):
+        self.problem, self.rank, self.position, self.action = problem, rank, position, action
+        located = rank is not None and position is not None and action is not None
+        super().__init__(f"rank {rank}, action {position} '{action}': {problem}" if located else problem)
+
+    def prefixed(self, prefix: str) -> "ScheduleError":
+        """The same error, its message prefixed (e.g. with the CSV's path)."""
+        error = ScheduleError(f"{prefix}{self}")
+        error.problem, error.rank, error.position, error.action = self.problem, self.rank, self.position, self.action
+        return error
+
+
+# ----------------------------------------------------------------------------------------------------
+# what depends on what
+
+_ADJACENCY: dict = {}  # id(topology) -> (topology, tables): topologies are tuples, slow to hash per call
+
+
+def _adjacency(topology: Topology) -> dict:
+    cached = _ADJACENCY.get(id(topology))
+    if cached is not None and cached[0] is topology:
+        return cached[1]
+    table = {"producers": {}, "consumers": {}, "grad_consumers": {}, "grad_producers": {}}
+    for i, j in topology.fwd_edges:
+        table["producers"].setdefault(j, set()).add(i)
+        table["consumers"].setdefault(i, set()).add(j)
+    for i, j in topology.grad_edges:
+        table["grad_consumers"].setdefault(i, set()).add(j)
+        table["grad_producers"].setdefault(j, set()).add(i)
+    tables = {name: {s: sorted(v) for s, v in by_stage.items()} for name, by_stage in table.items()}
+    if len(_ADJACENCY) > 64:
+        _ADJACENCY.clear()
+    _ADJACENCY[id(topology)] = (topology, tables)
+    return tables
+
+
+def _neighbours(topology: Topology, name: str, stage: int) -> list:
+    return _adjacency(topology)[name].get(stage, [])
+
+
+def producers(topology: Topology, stage: int) -> list:
+    """Stages whose activations ``stage`` consumes (forward edges into it), sorted."""
+    return _neighbours(topology, "producers", stage)
+
+
+def consumers(topology: Topology, stage: int) -> list:
+    """Stages that consume ``stage``'s activations (forward edges out of it), sorted."""
+    return _neighbours(topology, "consumers", stage)
+
+
+def grad_consumers(topology: Topology, stage: int) -> list:
+    """Stages that send a gradient back to ``stage`` (grad edges out of it), sorted."""
+    return _neighbours(topology, "grad_consumers", stage)
+
+
+def grad_producers(topology: Topology, stage: int) -> list:
+    """Stages to which ``stage`` sends a gradient (grad edges into it), sorted."""
+    return _neighbours(topology, "grad_producers", stage)
+
+
+def compute_deps(action: Action, topology: Topology) -> list:
+    """Keys a compute action needs: ``(stage, 'F', mb)`` forward done, ``(stage, INPUT_GRAD, mb)`` input grad
+    done (by a full backward ``B`` or an input-grad backward ``I``)."""
+    stage, kind, mb = action.stage, action.kind, action.mb
+    if kind == "F":
+        return [(i, "F", mb) for i in producers(topology, stage)]
+    if kind in ("B", "I"):
+        return [(stage, "F", mb)] + [(j, INPUT_GRAD, mb) for j in grad_consumers(topology, stage)]
+    if kind == "W":
+        return [(stage, INPUT_GRAD, mb)]
+    raise ValueError(f"not a compute action: {action}")
+
+
+def produced_key(action: Action) -> tuple:
+    """The dependency key a compute action produces (W produces one nothing waits on)."""
+    kind = "F" if action.kind == "F" else INPUT_GRAD if action.kind in ("B", "I") else "W"
+    return (action.stage, kind, action.mb)
+
+
+def recv_for(dep_key: tuple, consumer_stage: int) -> Action:
+    """The receive that carries ``dep_key`` from another rank into ``consumer_stage``."""
+    stage, what, mb = dep_key
+    return Action(consumer_stage, "RECV_F" if what == "F" else "RECV_B", mb, peer=stage)
+
+
+def counterpart(action: Action) -> Action:
+    """The receive of a send, or the send of a receive."""
+    kind = {"SEND_F": "RECV_F", "RECV_F": "SEND_F", "SEND_B": "RECV_B", "RECV_B": "SEND_B"}[action.kind]
+    return Action(action.peer, kind, action.mb, action.stage)
+
+
+def _key_text(key: tuple) -> str:
+    stage, what, mb = key
+    return f"'{stage}F{mb}'" if what == "F" else f"'{stage}B{mb}' or '{stage}I{mb}'"
+
+
+def cost_of(action: Action, costs=None) -> float:
+    """Cost of a compute action: ``costs`` maps kind -> time and/or (stage, kind) -> time (a stage's own entry
+    wins; a B priced by neither costs its I + W); anything unpriced costs :data:`UNIT_COSTS`."""
+    if costs:
+        if (action.stage, action.kind) in costs:
+            return float(costs[(action.stage, action.kind)])
+        if action.kind in costs:
+            return float(costs[action.kind])
+        if action.kind == "B":  # a full backward costs what its two halves do
+            i = costs.get((action.stage, "I"), costs.get("I"))
+            w = costs.get((action.stage, "W"), costs.get("W"))
+            if i is not None and w is not None:
+                return float(i) + float(w)
+    return UNIT_COSTS[action.kind]
+
+
+# ----------------------------------------------------------------------------------------------------
+# policies: what a rank runs next
+
+class Wait(NamedTuple):
+    """A policy's answer "nothing to run before ``until``": the rank's clock moves there."""
+    until: float
+
+
+class ListPolicy:
+    """The trivial policy: every rank runs its given list in order (a run of comm actions is one batch).
+
+    A policy answers ``next(replay, rank)`` with an Action, a list of comm actions (one batch), a :class:`Wait`,
+    or None (nothing now); ``taken(rank, choice)`` after the engine ran it; ``done(rank)``. ``timed``: False
+    lets the engine run each rank as far as it can (times do not depend on the order ranks are served); True
+    serves the rank with the earliest clock first, one action at a time, so a policy deciding at time t has
+    seen everything that ends by t (the list schedulers).
+    """
+
+    timed = False
+
+    def __init__(self, lists: dict):
+        self.items = {}
+        for rank, actions in lists.items():
+            items, batch = [], None
+            for action in actions:
+                if action.is_comm:
+                    if batch is None:
+                        batch = []
+                        items.append(batch)
+                    batch.append(action)
+                else:
+                    batch = None
+                    items.append(action)
+            self.items[rank] = items
+        self.index = {rank: 0 for rank in lists}
+        self.has_comm = any(a.is_comm for actions in lists.values() for a in actions)
+
+    def done(self, rank: int) -> bool:
+        return self.index.get(rank, 0) >= len(self.items.get(rank, ()))
+
+    def next(self, replay, rank: int):
+        return self.items[rank][self.index[rank]]
+
+    def taken(self, rank: int, choice) -> None:
+        self.index[rank] += 1
+
+
+# ----------------------------------------------------------------------------------------------------
+# the engine
+
+@dataclass
+class CommBatch:
+    """A run of consecutive comm actions of one rank, posted together; times under the execution model."""
+    rank: int
+    positions: list
+    ops: list
+    posted: float = 0.0
+    head: Optional[float] = None  # when it reached the head of its rank's queue
+    done: Optional[float] = None
+
+
+@dataclass
+class ReplayResult:
+    """What a replay found. ``orders[rank]``: the actions run, in order (for a static list, the list itself).
+    ``timeline[rank]``: ``(position, action, start, end)`` per compute action. ``batches[rank]``: its
+    :class:`CommBatch` es. ``releases[rank]``: ``{position: [positions of earlier sends]}``: after the action at
+    ``position`` those sends' receives are provably posted (what a rank script's ``RELEASES`` holds).
+    ``first_release[rank]``: send position -> the earliest such position (a later one is as safe)."""
+    orders: dict
+    timeline: dict
+    batches: dict
+    releases: dict
+    first_release: dict
+    makespan: float = 0.0
+    costs: dict = field(default_factory=dict)
+
+
+class Replay:
+    """One replay of a plan: per-rank clocks, values made, comm queues and vector clocks, driven by a policy."""
+
+    def __init__(self, stage_to_rank: list, topology: Topology, costs=None, ranks=()):
+        self.stage_to_rank = list(stage_to_rank)
+        self.topology = topology
+        self.costs = costs
+        self.ranks = sorted(set(self.stage_to_rank) | set(ranks))
+        self.clock = {r: 0.0 for r in self.ranks}
+        self.position = {r: 0 for r in self.ranks}
+        self.ready: dict = {}  # dependency key -> time it was made
+        self.orders = {r: [] for r in self.ranks}
+        self.timeline = {r: [] for r in self.ranks}
+        self.batches = {r: [] for r in self.ranks}
+        self.waiting: dict = {}  # rank -> what its next action waits for (deadlock report)
+        self.comm = False
+        # comm state: FIFO queues, and per ordered rank pair the sends and receives in issue order
+        self.queue = {r: [] for r in self.ranks}
+        self.last_done = {r: 0.0 for r in self.ranks}
+        self.sends: dict = {}  # (src rank, dst rank) -> [(position, action, batch)]
+        self.recvs: dict = {}  # (src rank, dst rank) -> [(position, action, batch)]
+        self.slot: dict = {}  # (rank, position) -> (channel, is_send, index in the channel)
+        self.posted_recv = {r: {} for r in self.ranks}  # rank -> recv action -> (position, batch)
+        # vector clocks and send release
+        self.vclock = {r: {q: 0 for q in self.ranks} for r in self.ranks}
+        self.send_clock: dict = {}  # (rank, position) -> the sender's clock when it posted the send
+        self.unreleased = {r: {} for r in self.ranks}  # peer rank -> deque of (send position, index in channel)
+        self.releases = {r: {} for r in self.ranks}
+        self._needs: dict = {}  # action -> [(dependency key, the receive carrying it or None if made locally)]
+
+    def _deps(self, action: Action) -> list:
+        needs = self._needs.get(action)
+        if needs is None:
+            home = self.stage_to_rank[action.stage]
+            needs = [(dep, recv_for(dep, action.stage) if self.comm and self.stage_to_rank[dep[0]] != home else None)
+                     for dep in compute_deps(action, self.topology)]
+            self._needs[action] = needs
+        return needs
+
+    # -- what a policy may ask -------------------------------------------------------------------------
+    def ready_time(self, action: Action) -> Optional[float]:
+        """When the values ``action`` needs are all made (compute-only replays), or None if one is not yet."""
+        t = 0.0
+        for dep, _recv in self._deps(action):
+            made = self.ready.get(dep)
+            if made is None:
+                return None
+            t = max(t, made)
+        return t
+
+    # -- running -----------------------------------------------------------------------------------------
+    def run(self, policy) -> ReplayResult:
+        """Replay until every rank is done; raise :class:`ScheduleError` naming each stuck rank on deadlock."""
+        self.comm = getattr(policy, "has_comm", False)
+        timed = getattr(policy, "timed", False)
+        progress = True
+        while progress:
+            progress = False
+            order = sorted(self.ranks, key=lambda r: (self.clock[r], r)) if timed else self.ranks
+            for rank in order:
+                moved = False
+                while not policy.done(rank):
+                    choice = policy.next(self, rank)
+                    if choice is None:
+                        break
+                    if isinstance(choice, Wait):
+                        if choice.until <= self.clock[rank]:
+                            break
+                        self.clock[rank] = choice.until
+                    elif isinstance(choice, list):
+                        self._post(rank, choice)
+                        policy.taken(rank, choice)
+                    elif self._compute(rank, choice):
+                        policy.taken(rank, choice)
+                    else:
+                        break
+                    moved = True
+                    if timed:
+                        break
+                if moved:
+                    progress = True
+                    if timed:
+                        break
+            if self.comm and self._match():
+                progress = True
+        stuck = [r for r in self.ranks if not policy.done(r) or self.queue[r]]
+        if stuck:
+            self._deadlock(policy, stuck)
+        makespan = max([end for entries in self.timeline.values() for *_, end in entries] + [0.0])
+        first = {r: {p: at for at, sends in self.releases[r].items() for p in sends} for r in self.ranks}
+        used = dict(UNIT_COSTS)
+        used.update(self.costs or {})
+        return ReplayResult(self.orders, self.timeline, self.batches, self.releases, first, makespan, used)
+
+    def _compute(self, rank: int, action: Action) -> bool:
+        """Run ``action`` on ``rank`` if its inputs are there; False (and why, in ``waiting``) if not."""
+        start, merges = self.clock[rank], []
+        for dep, recv in self._deps(action):
+            if recv is not None:
+                posted = self.posted_recv[rank].get(recv)
+                if posted is None or posted[1].done is None:
+                    self.waiting[rank] = f"for '{recv}'"
+                    return False
+                start = max(start, posted[1].done)
+                merges.append(self._partner(rank, posted[0]))
+            else:
+                made = self.ready.get(dep)
+                if made is None:
+                    where = self.stage_to_rank[dep[0]] if 0 <= dep[0] < len(self.stage_to_rank) else None
+                    self.waiting[rank] = f"for {_key_text(dep)}" + (f" on rank {where}" if where != rank else "")
+                    return False
+                start = max(start, made)
+        self.waiting.pop(rank, None)
+        end = start + cost_of(action, self.costs)
+        position = self.position[rank]
+        self.ready[produced_key(action)] = end
+        self.timeline[rank].append((position, action, start, end))
+        self.orders[rank].append(action)
+        self.clock[rank] = end
+        self.position[rank] += 1
+        clock = self.vclock[rank]
+        clock[rank] = position + 1
+        for send in merges:
+            for q, value in self.send_clock[(send[0], send[1])].items():
+                if value > clock[q]:
+                    clock[q] = value
+        self._release(rank, position)
+        return True
+
+    def _post(self, rank: int, ops: list) -> None:
+        batch = CommBatch(rank, [], list(ops), posted=self.clock[rank])
+        for op in ops:
+            position = self.position[rank]
+            if op.peer is None or not 0 <= op.peer < len(self.stage_to_rank):
+                raise ScheduleError("comm action without a valid peer stage; write the peer, e.g. '0SEND_F1>1'",
+                                    rank, position, op)
+            peer = self.stage_to_rank[op.peer]
+            is_send = op.kind.startswith("SEND")
+            channel = (rank, peer) if is_send else (peer, rank)
+            entries = (self.sends if is_send else self.recvs).setdefault(channel, [])
+            self.slot[(rank, position)] = (channel, is_send, len(entries))
+            entries.append((position, op, batch))
+            batch.positions.append(position)
+            self.orders[rank].append(op)
+            self.position[rank] += 1
+            self.vclock[rank][rank] = position + 1
+            if is_send:
+                self.send_clock[(rank, position)] = dict(self.vclock[rank])
+                self.unreleased[rank].setdefault(peer, collections.deque()).append((position, len(entries) - 1))
+            else:
+                self.posted_recv[rank][op] = (position, batch)
+            self._release(rank, position)
+        self.queue[rank].append(batch)
+        self.batches[rank].append(batch)
+        self._set_head(rank)
+
+    def _partner(self, rank: int, position: int):
+        """(rank, position, batch) of the op matched with this rank's comm op at ``position``, or None."""
+        channel, is_send, index = self.slot[(rank, position)]
+        others = (self.recvs if is_send else self.sends).get(channel, [])
+        if index >= len(others):
+            return None
+        other_position, _op, batch = others[index]
+        return (channel[1] if is_send else channel[0], other_position, batch)
+
+    def _release(self, rank: int, position: int) -> None:
+        """Sends of ``rank`` before ``position`` whose receive ``rank`` now knows posted: released after it.
+        Per peer, receives are posted in the order of the sends, so what is released is a prefix."""
+        clock, released = self.vclock[rank], []
+        for peer, pending in self.unreleased[rank].items():
+            recvs = self.recvs.get((rank, peer), ())
+            while pending:
+                send_position, index = pending[0]
+                if send_position >= position or index >= len(recvs) or clock[peer] <= recvs[index][0]:
+                    break
+                released.append(send_position)
+                pending.popleft()
+        if released:
+            self.releases[rank].setdefault(position, []).extend(sorted(released))
+
+    def _set_head(self, rank: int) -> None:
+        if self.queue[rank]:
+            batch = self.queue[rank][0]
+            if batch.head is None:
+                batch.head = max(batch.posted, self.last_done[rank])
+
+    def _match(self) -> bool:
+        """Complete every head batch whose ops' counterparts are at their heads too, to a fixpoint."""
+        any_done, changed = False, True
+        while changed:
+            changed = False
+            for rank in self.ranks:
+                if not self.queue[rank]:
+                    continue
+                batch = self.queue[rank][0]
+                t = batch.head
+                for position in batch.positions:
+                    partner = self._partner(rank, position)
+                    if partner is None or partner[2].head is None:
+                        break
+                    t = max(t, partner[2].head)
+                else:
+                    batch.done = self.last_done[rank] = t
+                    self.queue[rank].pop(0)
+                    self._set_head(rank)
+                    changed = any_done = True
+        return any_done
+
+    def _deadlock(self, policy, stuck: list) -> None:
+        parts, first = [], None
+        for rank in stuck:
+            if self.queue[rank]:
+                batch = self.queue[rank][0]
+                for position, op in zip(batch.positions, batch.ops):
+                    partner = self._partner(rank, position)
+                    if partner is None or partner[2].head is None:
+                        break
+                peer = self.stage_to_rank[op.peer]
+                other = counterpart(op) if partner is None else partner[2].ops[partner[2].positions.index(partner[1])]
+                parts.append(f"rank {rank} waits at action {position} '{op}' (rank {peer} has not reached '{other}')")
+                first = first or (rank, position, op)
+            else:
+                choice = policy.next(self, rank)
+                position = self.position[rank]
+                shown = choice[0] if isinstance(choice, list) else choice
+                if isinstance(shown, Action):
+                    why = self.waiting.get(rank, "for nothing it can run")
+                    parts.append(f"rank {rank} waits at action {position} '{shown}' ({why})")
+                    first = first or (rank, position, shown)
+                else:
+                    parts.append(f"rank {rank} stalls after action {position - 1}: nothing it may run next is ready")
+        fix = ("each rank's comm actions complete in list order and a rank pair's sends and receives match in "
+               "issue order, so order them as the peers reach them" if self.comm else
+               "reorder the compute actions so that what each rank waits for runs first somewhere")
+        message = "deadlock: " + ", ".join(parts) + f"; {fix}"
+        error = ScheduleError(message)
+        if first is not None:
+            error.rank, error.position, error.action = first
+        raise error
+
+
+def replay(lists: dict, stage_to_rank: list, topology: Topology, costs=None) -> ReplayResult:
+    """Replay static per-rank lists (compute-only or lowered) under the execution model; raise on deadlock."""
+    return Replay(stage_to_rank, topology, costs, ranks=lists).run(ListPolicy(lists))
+
+
+# ----------------------------------------------------------------------------------------------------
+# the validator
+
+def check_plan(lists: dict, stage_to_rank: list, topology: Topology, num_microbatches: int,
+               training: bool = True) -> None:
+    """The rules a plan's lists must follow, checked rank by rank, position by position, so the error names the
+    first bad action and its fix: every action on its stage's rank, microbatches in range, each (stage,
+    microbatch) with exactly one F and (training) one backward, B or I + W; what an action needs made earlier on
+    its rank. A *lowered* plan (any comm action) also needs every value that crosses ranks sent after it is made
+    and received before it is used, one send and one receive per value, in the same order per rank pair.
+    Compute-only lists (a user's CSV before lowering) move data between ranks in memory: those rules do not
+    apply. Whether the plan deadlocks is the replay's to say (:func:`validate` does both).
+    """
+    num_stages = len(stage_to_rank)
+    if topology.num_stages != num_stages:
+        raise ScheduleError(f"stage_to_rank has {num_stages} stages but the topology has {topology.num_stages}")
+    lowered = any(a.is_comm for actions in lists.values() for a in actions)
+    fwd_edges, grad_edges = set(map(tuple, topology.fwd_edges)), set(map(tuple, topology.grad_edges))
+    seen: dict = {}  # produced key -> (rank, position)
+    comm_seen: dict = {}  # comm action -> (rank, position)
+    for rank in sorted(lists):
+        actions = lists[rank]
+        done: set = set()  # keys made on this rank so far, and comm actions posted
+        for position, a in enumerate(actions):
+            def fail(problem, a=a, position=position, rank=rank):
+                raise ScheduleError(problem, rank, position, a)
+
+            if not 0 <= a.stage < num_stages:
+                fail(f"stage {a.stage} does not exist (the plan has stages 0..{num_stages - 1})")
+            home = stage_to_rank[a.stage]
+            if home != rank:
+                fail(f"stage {a.stage} lives on rank {home}, not rank {rank}; move the action to rank {home}")
+            if not 0 <= a.mb < num_microbatches:
+                fail(f"microbatch {a.mb} out of range ({num_microbatches} microbatches: 0..{num_microbatches - 1}); "
+                     f"check --microbatches")
+            if not training and a.kind not in ("F", "SEND_F", "RECV_F"):
+                fail("the model has no loss_fn (forward only), so the plan may hold only forwards and their "
+                     "activations (F, SEND_F, RECV_F)")
+            if a.is_comm:
+                _check_comm(a, rank, position, stage_to_rank, fwd_edges, grad_edges, done, comm_seen, fail)
+                continue
+            key = produced_key(a)
+            if key in seen:
+                r0, p0 = seen[key]
+                name = "backward (B or I)" if key[1] == INPUT_GRAD else a.kind
+                fail(f"duplicate {name} of stage {a.stage} microbatch {a.mb} (first at rank {r0}, action {p0} "
+                     f"'{lists[r0][p0]}'); remove one of them")
+            if a.kind == "W":
+                g = seen.get((a.stage, INPUT_GRAD, a.mb))
+                if g is None or g[0] != rank:
+                    fail(f"weight-grad W before the input-grad '{a.stage}I{a.mb}'; put '{a.stage}I{a.mb}' earlier "
+                         f"on rank {rank}")
+                if lists[g[0]][g[1]].kind == "B":
+                    fail(f"stage {a.stage} microbatch {a.mb} already has a full backward '{lists[g[0]][g[1]]}' "
+                         f"(rank {g[0]}, action {g[1]}); use I + W or B")
+            for dep in compute_deps(a, topology):
+                if stage_to_rank[dep[0]] == rank:
+                    if dep not in done:
+                        kinds = ("F",) if dep[1] == "F" else ("B", "I")
+                        wanted = [Action(dep[0], k, dep[2]) for k in kinds]
+                        later = next((p for p in range(position + 1, len(actions)) if actions[p] in wanted), None)
+                        if later is not None:
+                            fail(f"needs '{actions[later]}' (action {later}) to run first; move it before action "
+                                 f"{position}")
+                        need = " or ".join(f"'{w}'" for w in wanted)
+                        fail(f"needs {need} first, which rank {rank} never runs; add it before action {position}")
+                elif lowered:
+                    recv = recv_for(dep, a.stage)
+                    if recv not in done:
+                        what = "input" if dep[1] == "F" else "gradient"
+                        later = next((p for p in range(position + 1, len(actions)) if actions[p] == recv), None)
+                        fix = (f"move it (action {later}) before action {position}" if later is not None else
+                               f"add it before action {position}, and '{counterpart(recv)}' on rank "
+                               f"{stage_to_rank[dep[0]]}")
+                        fail(f"its {what} from stage {dep[0]} ({recv.kind} '{recv}') has not arrived; {fix}")
+            seen[key] = (rank, position)
+            done.add(key)
+    _check_complete(lists, stage_to_rank, num_microbatches, training, seen)
+    if lowered:
+        _check_pairs(lists, stage_to_rank, num_microbatches, training, fwd_edges, grad_edges, comm_seen)
+
+
+def _check_comm(a, rank, position, stage_to_rank, fwd_edges, grad_edges, done, comm_seen, fail) -> None:
+    if a.peer is None:
+        fail("comm action without a peer stage; write it, e.g. '0SEND_F1>1'")
+    if not 0 <= a.peer < len(stage_to_rank):
+        fail(f"peer stage {a.peer} does not exist (the plan has stages 0..{len(stage_to_rank) - 1})")
+    edge = {"SEND_F": (a.stage, a.peer), "RECV_F": (a.peer, a.stage),
+            "SEND_B": (a.peer, a.stage), "RECV_B": (a.stage, a.peer)}[a.kind]
+    forward = a.kind.endswith("F")
+    if edge not in (fwd_edges if forward else grad_edges):
+        what = "activation" if forward else "gradient"
+        fail(f"there is no {what} edge {edge} in the topology (stage {edge[0]} does not feed stage {edge[1]}"
+             f"{'' if forward else ' a value that carries a gradient'}); remove it")
+    if stage_to_rank[a.peer] == rank:
+        fail(f"stages {a.stage} and {a.peer} share rank {rank}; they pass values in memory, not by send/recv: "
+             f"remove it")
+    if a in comm_seen:
+        r0, p0 = comm_seen[a]
+        fail(f"duplicate of rank {r0}, action {p0}; remove one of them")
+    comm_seen[a] = (rank, position)
+    if a.kind == "SEND_F" and (a.stage, "F", a.mb) not in done:
+        fail(f"sends activations before '{a.stage}F{a.mb}' has run; move it after '{a.stage}F{a.mb}'")
+    if a.kind == "SEND_B" and (a.stage, INPUT_GRAD, a.mb) not in done:
+        fail(f"sends a gradient before the backward (B or I) of stage {a.stage} microbatch {a.mb} has run; move it "
+             f"after '{a.stage}B{a.mb}' (or '{a.stage}I{a.mb}')")
+    done.add(a)
+
+
+def _check_complete(lists, stage_to_rank, num_microbatches, training, seen) -> None:
+    for stage, rank in enumerate(stage_to_rank):
+        for mb in range(num_microbatches):
+            if (stage, "F", mb) not in seen:
+                raise ScheduleError(f"stage {stage} microbatch {mb} has no forward: add '{stage}F{mb}' to rank {rank}",
+                                    rank)
+            if not training:
+                continue
+            g = seen.get((stage, INPUT_GRAD, mb))
+            if g is None:
+                raise ScheduleError(f"stage {stage} microbatch {mb} has no backward: add '{stage}B{mb}' (or "
+                                    f"'{stage}I{mb}' and '{stage}W{mb}') to rank {rank}", rank)
+            backward = lists[g[0]][g[1]]
+            if backward.kind == "I" and (stage, "W", mb) not in seen:
+                raise ScheduleError(f"input-grad without its weight-grad: add '{stage}W{mb}' after it", g[0], g[1],
+                                    backward)
+
+
+def _check_pairs(lists, stage_to_rank, num_microbatches, training, fwd_edges, grad_edges, comm_seen) -> None:
+    """Every value crossing ranks has one send and one receive, listed in the same order on both ranks."""
+    expected = []
+    for i, j in sorted(fwd_edges):
+        if stage_to_rank[i] != stage_to_rank[j]:
+            expected += [(Action(i, "SEND_F", m, j), Action(j, "RECV_F", m, i)) for m in range(num_microbatches)]
+    if training:
+        for i, j in sorted(grad_edges):
+            if stage_to_rank[i] != stage_to_rank[j]:
+                expected += [(Action(j, "SEND_B", m, i), Action(i, "RECV_B", m, j)) for m in range(num_microbatches)]
+    for send, recv in expected:
+        has_send, has_recv = send in comm_seen, recv in comm_seen
+        if has_send and not has_recv:
+            rank, position = comm_seen[send]
+            raise ScheduleError(f"no matching '{recv}' on rank {stage_to_rank[recv.stage]}; add it there or remove "
+                                f"this send", rank, position, send)
+        if has_recv and not has_send:
+            rank, position = comm_seen[recv]
+            raise ScheduleError(f"no matching '{send}' on rank {stage_to_rank[send.stage]}; add it there or remove "
+                                f"this receive", rank, position, recv)
+        if not has_send:
+            raise ScheduleError(f"missing '{send}' on rank {stage_to_rank[send.stage]} and '{recv}' on rank "
+                                f"{stage_to_rank[recv.stage]}: add both", stage_to_rank[send.stage])
+    channels: dict = {}  # (src rank, dst rank) -> ([(position, send)], [(position, recv)])
+    for rank in sorted(lists):
+        for position, a in enumerate(lists[rank]):
+            if a.is_comm:
+                peer = stage_to_rank[a.peer]
+                if a.kind.startswith("SEND"):
+                    channels.setdefault((rank, peer), ([], []))[0].append((position, a))
+                else:
+                    channels.setdefault((peer, rank), ([], []))[1].append((position, a))
+    for (src, dst), (sends, recvs) in sorted(channels.items()):
+        for n, ((sp, s), (rp, r)) in enumerate(zip(sends, recvs)):
+            if counterpart(s) != r:
+                raise ScheduleError(
+                    f"rank pair {src}->{dst}: send #{n} on rank {src} is '{s}' (action {sp}) but receive #{n} on rank "
+                    f"{dst} is '{r}' (action {rp}); NCCL matches sends and receives in issue order, so both ranks "
+                    f"must list them in the same order", dst, rp, r)
+
+
+def validate(lists: dict, stage_to_rank: list, topology: Topology, num_microbatches: int,
+             training: bool = True, costs=None) -> ReplayResult:
+    """The one validator: :func:`check_plan`, then a replay (deadlocks). Returns the replay (times, releases)."""
+    lists = {rank: list(actions) for rank, actions in lists.items()}
+    for rank in set(stage_to_rank):
+        lists.setdefault(rank, [])
+    check_plan(lists, list(stage_to_rank), topology, num_microbatches, training)
+    return replay(lists, list(stage_to_rank), topology, costs)
