@@ -21,6 +21,13 @@ first op: tracepp's ``Pipeline.step``, torch's ``schedule.step``, eager's forwar
   read before the profiler starts, minus ``VmRSS`` at the first step). It mixes in glibc's retained free
   memory and one-off allocations, so differences of a few MB are noise. Where clear_refs is not writable it
   is ``ru_maxrss`` growth, a lower bound.
+* CPU, alongside: ``comm_ops``, how many of each ``c10d::`` op (collective or point-to-point) the measured step
+  issued, from the same profile (a count, not a time).
+* With ``cpu_from_step=K`` (the first timed step): ``cpu_s_per_step``, this process's CPU time (all its threads:
+  ``time.process_time``) per step from step K's start to the memory window's, and ``wall_s_per_step`` over the
+  same steps. On a machine shared with other jobs the CPU time is the steadier measure of the work a rank does;
+  gloo's waits do not spin (a rank blocked 3 s in recv or all_reduce used under 10 ms of CPU), so it is the
+  work done, not the waiting.
 * CUDA: ``torch.cuda.max_memory_allocated`` over the measured step (peak stats reset at its start),
   absolute: weights, gradients, optimizer state and activations held by the caching allocator.
 """
@@ -29,6 +36,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import time
 
 import torch
 
@@ -68,6 +76,16 @@ def marker_ns(kineto_results, name: str = MARKER):
     return min(times) if times else None
 
 
+def comm_ops(kineto_results, start_ns) -> dict:
+    """How many times each ``c10d::`` op (collectives and point-to-point, as the dispatcher names them:
+    ``c10d::allreduce_``, ``c10d::send``, ...) was issued from ``start_ns`` on: a count per op, not a time."""
+    counts: dict = {}
+    for event in kineto_results.events():
+        if event.name().startswith("c10d::") and event.start_ns() >= start_ns:
+            counts[event.name()] = counts.get(event.name(), 0) + 1
+    return dict(sorted(counts.items()))
+
+
 def peak_growth_bytes(events: list, start_ns=None) -> tuple:
     """Running sum of ``events`` (``(time_ns, bytes)``, sorted): ``(max inside [start_ns, end] minus the
     sum at start_ns, floored at 0; the sum at start_ns)``. ``start_ns=None``: from the first event."""
@@ -85,8 +103,10 @@ def peak_growth_bytes(events: list, start_ns=None) -> tuple:
 class PeakMemory:
     """See the module docstring. ``at_step(step, steps)`` at the start of every step, ``stop()`` after the last."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, cpu_from_step=None):
         self.device = torch.device(device)
+        self.cpu_from_step = cpu_from_step  # the timed steps' first; None: no CPU-time reading
+        self.cpu_start = self.cpu_s_per_step = self.wall_s_per_step = None
         self.method = CUDA_METHOD if self.device.type == "cuda" else CPU_METHOD
         self.rss_method = None
         self.rss_base_kb = None
@@ -97,7 +117,13 @@ class PeakMemory:
     def at_step(self, step: int, steps: int) -> None:
         if step == 0:
             self._rss_start()
+        if step == self.cpu_from_step:
+            self.cpu_start = (time.process_time(), time.perf_counter(), step)
         if step == max(0, steps - MEMORY_STEPS):
+            if self.cpu_start is not None and step > self.cpu_start[2]:
+                cpu, wall, first = self.cpu_start
+                self.cpu_s_per_step = (time.process_time() - cpu) / (step - first)
+                self.wall_s_per_step = (time.perf_counter() - wall) / (step - first)
             self._rss_read()
             self._profile_start()
         if step == steps - 1:
@@ -140,11 +166,13 @@ class PeakMemory:
         self.marked = True
 
     def stop(self) -> dict:
+        cpu = {} if self.cpu_s_per_step is None else {"cpu_s_per_step": self.cpu_s_per_step,
+                                                      "wall_s_per_step": self.wall_s_per_step}
         if not self.marked:
-            return {"peak_mb": None, "method": self.method}
+            return {"peak_mb": None, "method": self.method, **cpu}
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            return {"peak_mb": torch.cuda.max_memory_allocated(self.device) / 2**20, "method": self.method}
+            return {"peak_mb": torch.cuda.max_memory_allocated(self.device) / 2**20, "method": self.method, **cpu}
         self.profiler.stop()
         results = self.profiler.profiler.kineto_results
         events = memory_events(results)
@@ -153,7 +181,8 @@ class PeakMemory:
             raise RuntimeError(f"memory window marker {MARKER!r} missing from the profile")
         peak, base = peak_growth_bytes(events, start)
         return {"peak_mb": peak / 2**20, "method": self.method, "profiled_live_mb_at_start": base / 2**20,
-                "memory_events": len(events), "rss_growth_mb": self.rss_growth_mb, "rss_method": self.rss_method}
+                "memory_events": len(events), "rss_growth_mb": self.rss_growth_mb, "rss_method": self.rss_method,
+                "comm_ops": comm_ops(results, start), **cpu}
 
 
 def write_memory(directory: str, rank: int, result: dict) -> None:

@@ -33,6 +33,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -121,10 +122,11 @@ def _torchrun(nproc: int) -> list:
 def _run(cmd: list, log_path: str, env: dict, timeout: float) -> tuple:
     start = time.perf_counter()
     with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
-            proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=timeout)
-            code = proc.returncode
+            code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
+            _stop_tree(proc)
             code = "timeout"
     wall = time.perf_counter() - start
     if code != 0:
@@ -132,6 +134,43 @@ def _run(cmd: list, log_path: str, env: dict, timeout: float) -> tuple:
             tail = log.read()[-1500:]
         return False, f"exit {code} after {wall:.0f}s: {tail.strip().splitlines()[-1] if tail.strip() else ''}", wall
     return True, "", wall
+
+
+def _descendants(pid: int) -> list:
+    """Process ids below ``pid`` (from /proc; empty where there is no /proc)."""
+    children: dict = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as handle:
+                    parent = int(handle.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _stop_tree(proc: subprocess.Popen, grace_s: float = 15.0) -> None:
+    """A run past its time: SIGTERM to the launcher (torchrun then stops its workers), SIGKILL to whatever of
+    the process tree is left after ``grace_s``. torchrun starts each worker in a session of its own, so the
+    workers are found by parent id, before the launcher goes."""
+    tree = _descendants(proc.pid)
+    proc.terminate()
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        pass
+    for pid in [proc.pid] + tree:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    proc.wait()
 
 
 _HICCUPS = ("EADDRINUSE", "address already in use", "RendezvousConnectionError", "DistNetworkError")
