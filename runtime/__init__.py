@@ -9,6 +9,6 @@ standard library only; the planner, ``tracepp.codegen``, imports them from here,
 plan time and, when a script was edited, at start-up.
 """
 from .markers import pipe_split
-from .pipeline import Pipeline, register_step_hook
+from .pipeline import Pipeline, register_step_end_hook, register_step_hook
 
-__all__ = ["Pipeline", "pipe_split", "register_step_hook"]
+__all__ = ["Pipeline", "pipe_split", "register_step_end_hook", "register_step_hook"]

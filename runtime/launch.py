@@ -30,7 +30,7 @@ from .loading import load_manifest
 from . import checkpoint, host_memory, recompute
 from .mesh import coordinates, full, mesh_layout
 from .optim import OPTIMIZERS, build_optimizer, build_scheduler, parameter_fqns, step_scheduler
-from .pipeline import Pipeline, check_precision
+from .pipeline import Pipeline, check_precision, step_ended
 from .prefetch import BatchPrefetcher
 from .weights import INIT_MODES
 
@@ -345,6 +345,7 @@ def train(pipe: Pipeline, args) -> None:
                     record["skipped"] = True
                 with open(args.metrics, "a") as handle:
                     handle.write(json.dumps(record) + "\n")
+        step_ended(pipe, step)
         periodic = args.save_every > 0 and (step + 1) % args.save_every == 0
         if args.checkpoint_dir and (periodic or step + 1 == args.steps):
             path = checkpoint.save(args.checkpoint_dir, step + 1, pipe.state_dict(), optimizer, fqns,

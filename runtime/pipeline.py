@@ -53,6 +53,24 @@ def register_step_hook(hook):
     return lambda: _STEP_HOOKS.remove(hook)
 
 
+_STEP_END_HOOKS: list = []
+
+
+def register_step_end_hook(hook):
+    """Call ``hook(pipeline, step_index)`` at the end of every training step of ``run.py``'s loop (``launch``):
+    after the optimizer step and the metrics line, before a checkpoint of that step is written. With
+    :func:`register_step_hook` it brackets whole steps of a generated ``run.py`` (e.g. a memory profiler's
+    window); a loop of your own knows where its steps end. Returns a function that removes the hook."""
+    _STEP_END_HOOKS.append(hook)
+    return lambda: _STEP_END_HOOKS.remove(hook)
+
+
+def step_ended(pipeline, step_index: int) -> None:
+    """Run the hooks of :func:`register_step_end_hook` (called by ``launch.train``)."""
+    for hook in list(_STEP_END_HOOKS):
+        hook(pipeline, step_index)
+
+
 def check_precision(precision: str, device: torch.device) -> None:
     if precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
