@@ -183,8 +183,7 @@ def prepare(stage: Stage, model_path: str = "") -> fx.Graph:
     graph = fx.Graph()
     env: dict = {}
     for node in stage.graph.nodes:
-        env[node] = graph.node_copy(node, lambda n: env[n])
-        env[node].meta = dict(node.meta)
+        env[node] = graph.node_copy(node, lambda n: env[n])  # meta is copied: edits stay on the copy
         if node.meta.get("stack_trace"):
             env[node].meta["stack_trace"] = _readable_trace(node.meta["stack_trace"], model_dir)
     _follow_run_device(graph)
