@@ -367,21 +367,25 @@ def group_blocks(blocks: list, namespace: naming.Namespace) -> list:
 
 
 def _parameter_names(function: BlockFunction) -> list:
-    """Per input position: state by its FQN below the block (``self_attn_q_proj_weight``); a value every block
-    reads (a mask, rotary tables, a size) by its name in the stage; a value each block gets its own of
-    (the hidden state) ``hidden``."""
+    """Per input position, unique: state by its FQN below the block (``self_attn_q_proj_weight``); a value
+    every block reads under one name (a mask, rotary tables, a size; on a V rank each stage has its own copy)
+    by that name; a value each block gets its own of (the hidden state) ``hidden``."""
     first = function.blocks[0]
+    namespace = naming.Namespace()
     names = []
     for position, node in enumerate(first.inputs):
         if first.is_state(position):
             fqn = node.meta[STATE_FQN]
-            relative = fqn[len(first.path) + 1:] if fqn.startswith(first.path + ".") else fqn
-            names.append(relative.replace(".", "_"))
-        elif all(block.inputs[position] is node for block in function.blocks):
-            names.append(node.name)
+            candidate = (fqn[len(first.path) + 1:] if fqn.startswith(first.path + ".") else fqn).replace(".", "_")
         else:
-            names.append("hidden")
-    return names
+            received = {re.sub(r"_from_stage\d+$", "", block.inputs[position].name) for block in function.blocks}
+            candidate = received.pop() if len(received) == 1 else "hidden"
+        names.append(candidate)
+    order = function.order  # activations first: they get the plain names when two would clash
+    unique = [None] * len(names)
+    for position in order:
+        unique[position] = namespace.create(names[position])
+    return unique
 
 
 def _copy(graph: fx.Graph, node: fx.Node, env: dict, name: str) -> fx.Node:

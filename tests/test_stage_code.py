@@ -166,3 +166,18 @@ def test_namespace_is_unique_and_legal():
     assert namespace.create("layers_5_out") == "layers_5_out_1"
     assert namespace.create("0_attn").isidentifier()
     assert namespace.create("list") != "list"  # never shadows a builtin
+
+
+def test_a_v_rank_shares_one_block_function_between_its_stages():
+    """On a V rank (stages 0 and 3), the first stage makes the rotary tables and the mask, the last recomputes
+    them: different nodes under one name, so the shared function takes them by that name, once each."""
+    from tracepp.codegen.stage_code import rank_code
+
+    traced, graph = _split("hf_llama_deep", num_stages=4)
+    code = rank_code([(graph.stages[0], "stage0_forward"), (graph.stages[3], "stage3_forward")])
+    (function, source), = code.blocks
+    assert {block.path.rsplit(".", 1)[0] for block in function.blocks} == {"model.layers"}
+    assert len({id(block.nodes[0].graph) for block in function.blocks}) == 2  # blocks of both stages
+    compile(source, "<block>", "exec")  # parameter names unique
+    signature = source[:source.index("):")]
+    assert "    hidden: " in signature and "    rotary_emb_cos: " in signature and "    causal_mask: " in signature
