@@ -377,15 +377,41 @@ def _parameter_names(function: BlockFunction) -> list:
         if first.is_state(position):
             fqn = node.meta[STATE_FQN]
             candidate = (fqn[len(first.path) + 1:] if fqn.startswith(first.path + ".") else fqn).replace(".", "_")
+        elif _is_stream(function, position):
+            candidate = "hidden"
         else:
-            received = {re.sub(r"_from_stage\d+$", "", block.inputs[position].name) for block in function.blocks}
-            candidate = received.pop() if len(received) == 1 else "hidden"
+            candidate = _common_name([block.inputs[position].name for block in function.blocks])
         names.append(candidate)
     order = function.order  # activations first: they get the plain names when two would clash
     unique = [None] * len(names)
     for position in order:
         unique[position] = namespace.create(names[position])
     return unique
+
+
+def _is_stream(function: BlockFunction, position: int) -> bool:
+    """Whether the blocks pass their running state (the residual stream) at this input position: each block's
+    output feeds the next block of its stage there; or, where no stage holds two of them (a V rank with one
+    block per stage), the input is what a block's output is (same dtype and shape)."""
+    pairs = [(before, block) for before, block in zip(function.blocks, function.blocks[1:])
+             if before.nodes[0].graph is block.nodes[0].graph]
+    if pairs:
+        return all(block.inputs[position] in before.outputs for before, block in pairs)
+    first = function.blocks[0]
+    return len(first.outputs) == 1 and \
+        _type_text(first.inputs[position].meta.get("val")) == _type_text(first.outputs[0].meta.get("val"))
+
+
+def _common_name(names: list) -> str:
+    """One parameter name for the values the blocks pass at one position: their shared name (each stage of a
+    V rank has its own ``rotary_emb_cos``, received ones end in ``_from_stage<k>``), else both names when
+    two kinds alternate (``full_attention_or_sliding_attention``, Gemma2's masks), else ``value``."""
+    stems = list(dict.fromkeys(re.sub(r"_from_stage\d+$", "", name) for name in names))
+    if len(stems) > 1:  # where_1, where: fx's numbering apart, one name
+        stems = list(dict.fromkeys(re.sub(r"_\d+$", "", stem) for stem in stems))
+    if len(stems) == 1:
+        return stems[0]
+    return "_or_".join(sorted(stems)) if len(stems) == 2 else "value"
 
 
 def _copy(graph: fx.Graph, node: fx.Node, env: dict, name: str) -> fx.Node:

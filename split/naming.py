@@ -25,7 +25,8 @@ import torch.fx as fx
 from torch.fx.graph import _Namespace
 
 _FRAME = re.compile(r'^\s*File "(.+)", line (\d+), in (.+)$')
-_ASSIGNMENT = re.compile(r"^([A-Za-z_]\w*)\s*(?::[^=]*)?=(?!=)")
+# ``name = ...`` or ``name: type = ...``; or a dict entry ``"name": ...`` (HF's per-layer-type mask mapping)
+_ASSIGNMENT = re.compile(r"^(?:([A-Za-z_]\w*)\s*(?::[^=]*)?=(?!=)|[\"']([A-Za-z_]\w*)[\"']\s*:)")
 _NOT_A_VARIABLE = {"self", "return", "result", "output", "outputs", "out"}
 
 
@@ -82,11 +83,12 @@ def source_variable(node: fx.Node, depth: int = 4) -> Optional[str]:
         trace = frames(current.meta.get("stack_trace"))
         if trace:
             match = _ASSIGNMENT.match(trace[-1][3])
+            variable = match and (match.group(1) or match.group(2))
             line = trace[-1][:3]
             last_of_line = not any(line in [frame[:3] for frame in frames(user.meta.get("stack_trace"))]
                                    for user in current.users)
-            if match and match.group(1) not in _NOT_A_VARIABLE and last_of_line:
-                return match.group(1)
+            if variable and variable not in _NOT_A_VARIABLE and last_of_line:
+                return variable
         producers = [arg for arg in current.all_input_nodes if arg.op != "placeholder"]
         if len(producers) != 1:
             return None
