@@ -25,6 +25,7 @@ import operator
 import os
 import re
 import sysconfig
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -294,9 +295,10 @@ def _describe(block: Block) -> None:
 def _outside_size(node: fx.Node, run: Block) -> bool:
     """A size computed from sizes known before the run (``seq_len + 1`` traced in the first layer and reused
     by the next ones): Python int arithmetic, so it may run before the block without changing any value."""
+    if node.op != "call_function" or not isinstance(node.meta.get("val"), torch.SymInt):
+        return False
     inside = set(run.nodes)
-    return isinstance(node.meta.get("val"), torch.SymInt) and node.op == "call_function" \
-        and not any(arg in inside for arg in node.all_input_nodes)
+    return not any(arg in inside for arg in node.all_input_nodes)
 
 
 def find_blocks(graph: fx.Graph) -> list:
@@ -315,8 +317,8 @@ def find_blocks(graph: fx.Graph) -> list:
                 runs[-1].nodes.append(node)
         else:
             runs.append(Block(path or "", [node]))
-    paths = [run.path for run in runs if run.path]
-    blocks = [run for run in runs if run.path and paths.count(run.path) == 1]
+    runs_of = Counter(run.path for run in runs)
+    blocks = [run for run in runs if run.path and runs_of[run.path] == 1]
     for block in blocks:
         _describe(block)
     return blocks
