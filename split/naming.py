@@ -8,7 +8,8 @@ made it:
 * the outermost module it leaves: ``layers_5_out`` (``model.layers.5``), ``embed_tokens_out``, ``h_3_out``;
   where that module lets several values out, the source variable tells them apart: ``rotary_emb_cos``,
   ``rotary_emb_sin``;
-* else the variable the model's source assigns it to (``causal_mask = create_causal_mask(...)``);
+* else the variable the model's source assigns it to (``causal_mask = create_causal_mask(...)``, or the
+  key of a dict entry: ``"sliding_attention": create_sliding_window_causal_mask(...)``);
 * a size: the root symbol it equals (``s_seq``) or its expression (``s_seq_plus_1``);
 * else export's name stays (``add_4``).
 
@@ -27,7 +28,7 @@ from torch.fx.graph import _Namespace
 _FRAME = re.compile(r'^\s*File "(.+)", line (\d+), in (.+)$')
 # ``name = ...`` or ``name: type = ...``; or a dict entry ``"name": ...`` (HF's per-layer-type mask mapping)
 _ASSIGNMENT = re.compile(r"^(?:([A-Za-z_]\w*)\s*(?::[^=]*)?=(?!=)|[\"']([A-Za-z_]\w*)[\"']\s*:)")
-_NOT_A_VARIABLE = {"self", "return", "result", "output", "outputs", "out"}
+_NOT_A_VARIABLE = {"self"}  # `self.x = ...` assigns an attribute, not a variable
 
 
 class Namespace:
