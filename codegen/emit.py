@@ -23,7 +23,7 @@ import torch.utils._pytree as pytree
 import tracepp
 from tracepp.codegen.stage_code import globals_prelude, rank_code
 from tracepp.runtime.mesh import describe
-from tracepp.runtime.shapes import activation_key, gradient_key, gradient_sent
+from tracepp.runtime.shapes import activation_key, activation_sent, gradient_key, gradient_sent
 from tracepp.split.cost import forward_flops
 
 RUNTIME_PACKAGE = "tracepp_runtime"
@@ -215,7 +215,7 @@ def _boundary_lines(manifest: dict, stage: dict) -> list:
         value = manifest["values"].get(name)
         for consumer in (value or {}).get("consumers", []):
             grad = f"; receives {gradient_key(name, consumer)} back" if value["requires_grad"] else ""
-            lines.append(f"  sends {name}_to_stage{consumer} {_type(value)}{grad}")
+            lines.append(f"  sends {activation_sent(name, consumer)} {_type(value)}{grad}")
     return lines
 
 

@@ -27,7 +27,13 @@ def gradient_key(name: str, consumer: int) -> str:
     return f"grad_{name}_from_stage{consumer}"
 
 
+def activation_sent(name: str, consumer: int) -> str:
+    """How a rank script names an activation where it is sent: ``layers_5_out_to_stage1``."""
+    return f"{name}_to_stage{consumer}"
+
+
 def gradient_sent(name: str, producer: int) -> str:
+    """How a rank script names a gradient where it is sent back: ``grad_layers_5_out_to_stage0``."""
     return f"grad_{name}_to_stage{producer}"
 
 
