@@ -22,10 +22,11 @@ import torch
 import torch.utils._pytree as pytree
 
 import tracepp
-from tracepp.codegen.stage_code import globals_prelude, stage_source
+from tracepp.codegen.stage_code import globals_prelude, rank_code
 from tracepp.runtime.loading import MANIFEST_FORMAT
 from tracepp.runtime.mesh import describe
 from tracepp.runtime.script_check import program_digest
+from tracepp.runtime.shapes import activation_key, activation_sent, gradient_key, gradient_sent
 from tracepp.split.cost import forward_flops
 
 RUNTIME_PACKAGE = "tracepp_runtime"
@@ -185,7 +186,7 @@ def _header(manifest: dict, rank: int, rank_stages: list) -> str:
         f"{manifest['model_file']} (sha256 {manifest['model_sha256'][:16]}).",
         f"World size: {plan['num_ranks'] * (plan.get('mesh') or {}).get('dp', 1)} | schedule: {plan['schedule']} ({plan.get('placement', '?')} placement) "
         f"| microbatches: {plan['num_microbatches']} | mode: {'training' if manifest['training'] else 'forward only'}",
-        f"Launch (all ranks): {manifest['launch_command']}",
+        f"Launch (all ranks): {manifest['launch_command']}   # from this folder",
         *_provenance(manifest, rank),
         *describe(plan),
         "",
@@ -193,13 +194,7 @@ def _header(manifest: dict, rank: int, rank_stages: list) -> str:
     for stage in rank_stages:
         modules = ", ".join(stage["module_fqns"]) or "-"
         lines.append(f"Stage {stage['index']}: {stage['num_params']:,} parameters; modules: {modules}")
-        for item in stage["received"]:
-            lines.append(f"  receives {item['name']} {item['dtype']}{item['shape']} from stage {item['producer']}")
-        for name in stage["outputs"]:
-            value = manifest["values"].get(name)
-            if value is not None:
-                lines.append(f"  sends {name} {value['dtype']}{value['shape']} to stage(s) "
-                             f"{', '.join(map(str, value['consumers']))}")
+        lines += _boundary_lines(manifest, stage)
     mine = {stage["index"] for stage in rank_stages}
     for shared in manifest.get("shared") or []:
         here = [s for s in shared["stages"] if s in mine]
@@ -241,6 +236,24 @@ def _provenance(manifest: dict, rank: int) -> list:
     return textwrap.wrap(text, width=110, break_long_words=False, break_on_hyphens=False)
 
 
+def _boundary_lines(manifest: dict, stage: dict) -> list:
+    """What a stage receives and sends, by the names its code uses, with the gradients going the other way."""
+    lines = []
+    for item in stage["received"]:
+        grad = f"; sends {gradient_sent(item['name'], item['producer'])} back" if item["requires_grad"] else ""
+        lines.append(f"  receives {activation_key(item['name'], item['producer'])} {_type(item)}{grad}")
+    for name in stage["outputs"]:
+        value = manifest["values"].get(name)
+        for consumer in (value or {}).get("consumers", []):
+            grad = f"; receives {gradient_key(name, consumer)} back" if value["requires_grad"] else ""
+            lines.append(f"  sends {activation_sent(name, consumer)} {_type(value)}{grad}")
+    return lines
+
+
+def _type(item: dict) -> str:
+    return f"{item['dtype']}[{', '.join(str(d) for d in item['shape'])}]"
+
+
 _COMPUTE_RE = re.compile(r"^\d+[FBIW]\d+$")
 
 
@@ -277,16 +290,20 @@ def _releases_literal(actions: list, releases: dict) -> str:
     return "RELEASES = {\n" + "\n".join(body) + "\n}"
 
 
-def rank_script(manifest: dict, rank: int, graph, model_path: str) -> str:
+def rank_script(manifest: dict, rank: int, graph, model_path: str, extract_blocks: bool = True) -> str:
     rank_stages = [s for s in manifest["stages"] if manifest["plan"]["stage_to_rank"][s["index"]] == rank]
-    sources, needed = [], set()
-    for stage in rank_stages:
-        source, names = stage_source(graph.stages[stage["index"]], stage["function"], model_path)
-        source = _rename_symbols(source, graph.symbol_aliases)
-        needed |= names
+    code = rank_code([(graph.stages[stage["index"]], stage["function"]) for stage in rank_stages], model_path,
+                     graph.symbol_aliases, extract_blocks)
+    sources = []
+    for function, source in code.blocks:
+        paths = [block.path for block in function.blocks]
+        where = ", ".join(paths) if len(paths) <= 3 else f"{paths[0]}, {paths[1]} … {paths[-1]} ({len(paths)})"
+        sources.append(f"# ---- {function.name}: one traced graph for the blocks {where}; the stages call it per "
+                       f"block\n{source}")
+    for stage, (_index, source) in zip(rank_stages, code.stages):
         modules = ", ".join(stage["module_fqns"]) or "-"
         sources.append(f"# ---- stage {stage['index']} ({modules})\n{source}")
-    prelude = globals_prelude(needed)
+    prelude = globals_prelude(code.globals)
     functions = ", ".join(f"{s['index']}: {s['function']}" for s in rank_stages)
     return "\n".join([
         _header(manifest, rank, rank_stages),
@@ -323,37 +340,32 @@ def rank_script(manifest: dict, rank: int, graph, model_path: str) -> str:
     ]).replace("\n\n\n\n", "\n\n\n")
 
 
-def _rename_symbols(source: str, aliases: dict) -> str:
-    """Use the root symbols' names (s_batch, s_seq) in fx's shape annotations instead of export's (s95)."""
-    if not aliases:
-        return source
-    import re
-
-    pattern = re.compile(r"\b(" + "|".join(re.escape(k) for k in sorted(aliases, key=len, reverse=True)) + r")\b")
-    return re.sub(r'"[^"\n]*"', lambda m: pattern.sub(lambda n: aliases[n.group(1)], m.group(0)), source)
-
-
 def _shapes_function(manifest: dict, rank_stages: list) -> str:
-    """``boundary_shapes(**symbols)``: the shape of every tensor this rank receives, and every size its stages
-    read, as plain Python over the step's root symbols. The runtime calls it once per microbatch."""
+    """``boundary_shapes(**symbols)``: the shape of every tensor this rank receives (``<value>_from_stage<k>``,
+    and the gradients coming back ``grad_<value>_from_stage<k>``) and every size its stages read, as plain
+    Python over the step's root symbols. The runtime calls it once per microbatch."""
     symbols = sorted(manifest["symbols"])
     params = ", ".join(symbols) if symbols else ""
+    mine = {s["index"] for s in rank_stages}
+    stage_to_rank = manifest["plan"]["stage_to_rank"]
+
+    def entry(key: str, shape: list) -> str:
+        dims = ", ".join(str(d) for d in shape)
+        return f'        "{key}": ({dims}{"," if len(shape) == 1 else ""}),'
+
     entries = []
     for stage in rank_stages:
         for item in stage["received"]:
-            if item["producer"] in {s["index"] for s in rank_stages}:
+            if item["producer"] in mine:
                 continue  # handed over in memory, never received
-            dims = ", ".join(str(d) for d in item["shape"])
-            entries.append(f'        "{item["name"]}": ({dims}{"," if len(item["shape"]) == 1 else ""}),')
+            entries.append(entry(activation_key(item["name"], item["producer"]), item["shape"]))
         for name in stage["outputs"]:  # gradients coming back for what this rank sends
             value = manifest["values"].get(name)
             if value is None or not value["requires_grad"]:
                 continue
-            stage_to_rank = manifest["plan"]["stage_to_rank"]
-            if all(stage_to_rank[c] == stage_to_rank[stage["index"]] for c in value["consumers"]):
-                continue
-            dims = ", ".join(str(d) for d in value["shape"])
-            entries.append(f'        "{name}": ({dims}{"," if len(value["shape"]) == 1 else ""}),')
+            for consumer in value["consumers"]:
+                if stage_to_rank[consumer] != stage_to_rank[stage["index"]]:
+                    entries.append(entry(gradient_key(name, consumer), value["shape"]))
         for item in stage.get("sym_inputs", []):
             entries.append(f'        "{item["name"]}": {item["expr"]},')
     doc = ("    \"\"\"Shapes of the tensors this rank receives (activations in, gradients back) and the sizes its\n"
@@ -363,7 +375,7 @@ def _shapes_function(manifest: dict, rank_stages: list) -> str:
     return "\n".join(lines)
 
 
-RUN_PY = '''"""Entry point of this tracepp pipeline: {launch_command}
+RUN_PY = '''"""Entry point of this tracepp pipeline: {launch_command}   (from this folder)
 
 torchrun starts one process per rank; each runs rank<RANK>.py. Options (the same for every rank):
   --steps K        training steps (default 3)        --lr LR        SGD learning rate (default 0.01)

@@ -21,7 +21,7 @@ from torch.autograd.graph import GradientEdge
 
 from .actions import Action
 from .failure import PipelineError, stall_message
-from .shapes import compile_shape
+from .shapes import activation_key, compile_shape, gradient_key
 
 _DIRECTION_TAG = {"F": 0, "B": 1}
 # tags are (direction, producer, consumer, value index along that edge): a stage sends at most this many
@@ -41,7 +41,10 @@ def _dtype(name: str) -> torch.dtype:
 
 def _shapes_from_manifest(manifest: dict):
     """The rank script's ``boundary_shapes`` rebuilt from the manifest (for callers without a rank script)."""
-    fns = {name: compile_shape(v["shape"]) for name, v in manifest["values"].items()}
+    fns = {}
+    for name, v in manifest["values"].items():
+        for consumer in v["consumers"]:
+            fns[activation_key(name, v["producer"])] = fns[gradient_key(name, consumer)] = compile_shape(v["shape"])
     sizes = {item["name"]: compile_shape([item["expr"]])
              for stage in manifest["stages"] for item in stage.get("sym_inputs", [])}
 
@@ -340,7 +343,7 @@ class RankExecutor:
                 result = []
                 shapes = self.mb_shapes[mb]
                 for slot, name, dtype, tag in items:
-                    buffer = self._acquire(shapes[name], dtype)
+                    buffer = self._acquire(shapes[activation_key(name, peer)], dtype)
                     runner.inputs[mb][slot] = buffer
                     runner.pooled[mb].append(buffer)
                     result.append((False, buffer, peer_rank, tag, runner.recv_works[mb],
@@ -366,7 +369,7 @@ class RankExecutor:
                 result = []
                 shapes = self.mb_shapes[mb]
                 for pos, name, dtype, tag in items:
-                    buffer = self._acquire(shapes[name], dtype)
+                    buffer = self._acquire(shapes[gradient_key(name, peer)], dtype)
                     runner.grad_buffers[mb].append((pos, buffer))
                     runner.pooled[mb].append(buffer)
                     result.append((False, buffer, peer_rank, tag, runner.grad_works[mb],

@@ -111,7 +111,7 @@ def check_world_size(manifest: dict) -> None:
                f"re-split with --ranks R --dp N where R x N = {world}")
         raise PipelineError(
             f"this pipeline was planned for {planned} but torchrun started {world}: "
-            f"run `{manifest['launch_command']}`, or {fix}"
+            f"run `{manifest['launch_command']}` in the pipeline's folder, or {fix}"
         )
 
 

@@ -15,6 +15,28 @@ _SAFE = {"__builtins__": {}, "int": int, "floor": math.floor, "ceil": math.ceil,
          "math": math}
 
 
+def activation_key(name: str, producer: int) -> str:
+    """How a rank script names a received activation (its ``boundary_shapes`` key and the stage function's
+    parameter): ``layers_5_out_from_stage0``."""
+    return f"{name}_from_stage{producer}"
+
+
+def gradient_key(name: str, consumer: int) -> str:
+    """How a rank script names the gradient a consumer sends back for a value: ``grad_layers_5_out_from_stage1``
+    where it is received, ``grad_layers_5_out_to_stage0`` (:func:`gradient_sent`) where it is sent."""
+    return f"grad_{name}_from_stage{consumer}"
+
+
+def activation_sent(name: str, consumer: int) -> str:
+    """How a rank script names an activation where it is sent: ``layers_5_out_to_stage1``."""
+    return f"{name}_to_stage{consumer}"
+
+
+def gradient_sent(name: str, producer: int) -> str:
+    """How a rank script names a gradient where it is sent back: ``grad_layers_5_out_to_stage0``."""
+    return f"grad_{name}_to_stage{producer}"
+
+
 def compile_shape(shape: list):
     """Return ``fn(symbols) -> tuple[int, ...]`` for a manifest shape list."""
     if all(isinstance(dim, int) for dim in shape):

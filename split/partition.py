@@ -24,7 +24,8 @@ import torch.utils._pytree as pytree
 from torch.export.graph_signature import InputKind
 
 from tracepp.runtime.markers import PIPE_SPLIT_OP
-from tracepp.split import cost
+from tracepp.runtime.shapes import activation_key
+from tracepp.split import cost, naming
 from tracepp.split.pipeline_graph import (BoundaryValue, PipelineGraph, RootInput, Stage, StateRef,
                                           TensorMeta)
 
@@ -38,6 +39,8 @@ class SplitError(ValueError):
 # byte, and a recomputed value also needs no buffer, tag or wait.
 RECOMPUTE_FLOPS_PER_BYTE = 100
 
+
+STATE_FQN = "tracepp_fqn"  # stage placeholder meta: the FQN (of a tied weight: the alias) the stage reads it by
 
 _STATE_KINDS = {InputKind.PARAMETER: "parameter", InputKind.BUFFER: "buffer",
                 InputKind.CONSTANT_TENSOR: "constant"}
@@ -81,7 +84,7 @@ def listed_module(node: fx.Node) -> str:
     """The module a node is listed under in stage tables: the first repeated block on its module path
     ("model.layers.3", "blocks.0"), else a child of a top-level container ("model.embed_tokens"), else the
     top-level module itself ("lm_head")."""
-    paths = [path for path in node_modules(node) if path]
+    paths = [path for path in node_modules(node) if path and not path.startswith("_empty_nn_module_stack")]
     for path in paths:
         if any(part.isdigit() for part in path.split(".")):
             return path
@@ -380,8 +383,8 @@ def _ancestors_within(node: fx.Node, allowed: set, local: set) -> list:
 
 def _place_recomputation(compute: list, edges: list, computable: set, flops: dict) -> tuple:
     """Each stage's node list (its own nodes, plus copies of earlier values it makes again rather than receive)
-    and {value name: [stages that recompute it]}. A value is recomputed when it is computable from the roots and
-    its missing sub-graph costs at most RECOMPUTE_FLOPS_PER_BYTE FLOPs per byte it would otherwise send."""
+    and {node: [stages that recompute it]}. A value is recomputed when it is computable from the roots and its
+    missing sub-graph costs at most RECOMPUTE_FLOPS_PER_BYTE FLOPs per byte it would otherwise send."""
     position = {node: index for index, node in enumerate(compute)}
     stage_nodes, recomputed = [], {}
     for index in range(len(edges) - 1):
@@ -395,14 +398,32 @@ def _place_recomputation(compute: list, edges: list, computable: set, flops: dic
                 work = sum(flops.get(n.name, 0) for n in missing)
                 if work <= RECOMPUTE_FLOPS_PER_BYTE * cost.tensor_bytes(arg.meta["val"]):
                     local.update(missing)
-                    recomputed.setdefault(arg.name, []).append(index)
+                    recomputed.setdefault(arg, []).append(index)
         stage_nodes.append(sorted(local, key=position.__getitem__))
     return stage_nodes, recomputed
 
 
+def _crossing(compute: list, stage_nodes: list, recomputed: dict, output_node: fx.Node,
+              model: torch.nn.Module) -> set:
+    """The values worth a readable name: those that leave their segment (a repeated block or a top-level
+    module), are read on a stage other than their own or made again there, or are model outputs."""
+    blocks = repeated_blocks(model)
+    segment = {node: segment_key(node_modules(node), blocks) for node in compute}
+    crossing = {leaf for leaf in output_node.args[0] if isinstance(leaf, fx.Node)}
+    for node in compute:
+        if any(user.op != "output" and segment.get(user) != segment[node] for user in node.users):
+            crossing.add(node)
+    for nodes in stage_nodes:
+        local = set(nodes)
+        crossing.update(arg for node in nodes for arg in node.all_input_nodes if arg not in local)
+    crossing.update(recomputed)
+    return {node for node in crossing if node.op != "placeholder"}
+
+
 def _boundary_values(stage_nodes: list, stage_of: dict, output_node: fx.Node, inputs: _ProgramInputs,
-                     needs_grad: dict) -> tuple:
-    """Values that cross stages: (tensor values, size values, output leaves). Sets each input's ``stages``."""
+                     needs_grad: dict, names: dict) -> tuple:
+    """Values that cross stages: (tensor values, size values, output leaves), keyed by their readable names
+    (``names``, see ``split.naming``). Sets each input's ``stages``."""
     last = len(stage_nodes) - 1
     used_on: dict = {}  # node -> stages that read it without making it
     for index, nodes in enumerate(stage_nodes):
@@ -417,7 +438,7 @@ def _boundary_values(stage_nodes: list, stage_of: dict, output_node: fx.Node, in
         if isinstance(leaf, fx.Node):
             if leaf not in last_local:
                 used_on.setdefault(leaf, set()).add(last)
-            output_leaves.append(("value", leaf.name))
+            output_leaves.append(("value", names.get(leaf, leaf.name)))
         else:
             output_leaves.append(("const", leaf))
 
@@ -430,10 +451,11 @@ def _boundary_values(stage_nodes: list, stage_of: dict, output_node: fx.Node, in
             continue
         later = sorted(stages)
         val = node.meta.get("val")
+        name = names.get(node, node.name)
         if isinstance(val, (torch.SymInt, int)) and not isinstance(val, bool):
             # a size (e.g. `T = idx.shape[1]` used by every layer): each consumer evaluates it from the
             # step's root symbols instead of receiving it
-            sym_values[node.name] = (stage_of[node], later, dim_text(val, inputs.symbol_names))
+            sym_values[name] = (stage_of[node], later, dim_text(val, inputs.symbol_names))
             continue
         if not isinstance(val, torch.Tensor):
             raise SplitError(
@@ -441,26 +463,33 @@ def _boundary_values(stage_nodes: list, stage_of: dict, output_node: fx.Node, in
                 f"{later}; only tensors may cross a stage boundary: move the split point so that "
                 f"{_describe(node)} and its users fall on one stage"
             )
-        values[node.name] = BoundaryValue(node.name, stage_of[node], later,
-                                          tensor_meta(val, needs_grad[node], inputs.symbol_names))
+        values[name] = BoundaryValue(name, stage_of[node], later, tensor_meta(val, needs_grad[node], inputs.symbol_names))
     return values, sym_values, output_leaves
 
 
 def _build_stage(index: int, nodes: list, own: list, inputs: _ProgramInputs, values: dict, sym_values: dict,
-                 output_leaves: list, node_by_name: dict, is_last: bool) -> Stage:
-    """One stage's fx graph: placeholders for its state, root inputs, received values and sizes; its nodes."""
+                 output_leaves: list, node_by_name: dict, is_last: bool, names: dict) -> Stage:
+    """One stage's fx graph: placeholders for its state, root inputs, received values and sizes; its nodes.
+
+    ``node_by_name`` finds a node by its traced or its readable name; ``names`` gives the readable names of the
+    values that leave a block or module or cross stages, which their copies here take."""
     stage_graph = fx.Graph()
     env: dict = {}
     stage_state = [name for name, ref in inputs.state.items() if index in ref.stages]
     stage_roots = [name for name, ref in inputs.root_inputs.items() if index in ref.stages]
     received = sorted((value.producer, name) for name, value in values.items() if index in value.consumers)
+    local = set(nodes)
     for name in stage_state + stage_roots:
         original = node_by_name[name]
-        env[original] = stage_graph.placeholder(name)
+        ref = inputs.state.get(name)
+        fqn = _owner_alias(ref, original, local) if ref is not None else None
+        env[original] = stage_graph.placeholder(_state_placeholder(name, ref, fqn) if ref is not None else name)
         env[original].meta = dict(original.meta)
+        if fqn is not None:
+            env[original].meta[STATE_FQN] = fqn
     for producer, name in received:
         original = node_by_name[name]
-        env[original] = stage_graph.placeholder(f"{name}_from_stage{producer}")
+        env[original] = stage_graph.placeholder(activation_key(name, producer))
         env[original].meta = {"val": original.meta.get("val")}
     stage_sym_inputs = []
     for name, (_producer, consumers, expr) in sym_values.items():
@@ -471,6 +500,8 @@ def _build_stage(index: int, nodes: list, own: list, inputs: _ProgramInputs, val
             stage_sym_inputs.append((name, expr))
     for node in nodes:
         env[node] = stage_graph.node_copy(node, lambda n: env[n])
+        if node in names:
+            env[node]._rename(names[node])
     modules_seen: list = []
     for node in own:
         fqn = listed_module(node)
@@ -485,6 +516,27 @@ def _build_stage(index: int, nodes: list, own: list, inputs: _ProgramInputs, val
     stage_graph.output(result)
     stage_graph.lint()
     return Stage(index, stage_graph, stage_state, stage_roots, received, outputs, modules_seen, stage_sym_inputs)
+
+
+def _owner_alias(ref: StateRef, original: fx.Node, local: set) -> str:
+    """The FQN by which this stage reads a state tensor: of a tied weight, the alias whose module runs here
+    (the embedding's name in the first stage, the head's in the last), else the FQN export recorded."""
+    if len(ref.aliases) < 2:
+        return ref.fqn
+    modules = {path for user in original.users if user in local for path in node_modules(user)}
+    for alias in [ref.fqn] + ref.aliases:
+        if alias.rpartition(".")[0] in modules:
+            return alias
+    return ref.fqn
+
+
+def _state_placeholder(name: str, ref: StateRef, fqn: str) -> str:
+    """export's placeholder name (``p_head_weight``), or for a tied weight the one of the alias this stage
+    reads it by (``p_embed_weight`` in the embedding's stage)."""
+    if fqn == ref.fqn:
+        return name
+    prefix = name.split("_", 1)[0] + "_" if name[:2] in ("p_", "b_", "c_") else ""
+    return prefix + fqn.replace(".", "_")
 
 
 def _unused_state(traced, inputs: _ProgramInputs) -> dict:
@@ -532,12 +584,16 @@ def split(traced, split_points: Optional[list] = None, num_stages: Optional[int]
     computable = _computable_from_roots(compute, inputs.state, needs_grad)
     stage_nodes, recomputed = _place_recomputation(compute, edges, computable, flops)
     output_node = next(n for n in graph.nodes if n.op == "output")
-    values, sym_values, output_leaves = _boundary_values(stage_nodes, stage_of, output_node, inputs, needs_grad)
+    names = naming.value_names(graph, _crossing(compute, stage_nodes, recomputed, output_node, traced.model),
+                               inputs.symbol_names)
+    node_by_name.update({name: node for node, name in names.items()})
+    values, sym_values, output_leaves = _boundary_values(stage_nodes, stage_of, output_node, inputs, needs_grad,
+                                                         names)
 
     stages = []
     for index in range(count):
         stage = _build_stage(index, stage_nodes[index], compute[edges[index]:edges[index + 1]], inputs, values,
-                             sym_values, output_leaves, node_by_name, index == count - 1)
+                             sym_values, output_leaves, node_by_name, index == count - 1, names)
         inflight = cost.inflight_microbatches(schedule, index, count, num_microbatches, training)
         stage.estimate = cost.stage_estimate(_node_costs(stage_nodes[index], flops, needs_grad, parameters),
                                              inflight, training)
@@ -549,9 +605,10 @@ def split(traced, split_points: Optional[list] = None, num_stages: Optional[int]
                          program.call_spec.in_spec, program.call_spec.out_spec, output_leaves,
                          unused_state, inputs.symbols, inputs.batch_symbol,
                          {str(k): str(v) for k, v in inputs.symbol_names.items()},
-                         {name: {"producer": stage_of[node_by_name[name]], "stages": where,
-                                 **tensor_meta(node_by_name[name].meta["val"], False, inputs.symbol_names).to_json()}
-                          for name, where in recomputed.items()})
+                         {names.get(node, node.name): {
+                             "producer": stage_of[node], "stages": where,
+                             **tensor_meta(node.meta["val"], False, inputs.symbol_names).to_json()}
+                          for node, where in recomputed.items()})
 
 
 def _describe(node: fx.Node) -> str:

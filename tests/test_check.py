@@ -17,7 +17,7 @@ def test_check_prints_warnings_and_writes_nothing(tmp_path, capsys, monkeypatch,
     assert "stage    rank    params" in printed
     assert ("warning: stage 3 has no parameters (act): it only passes values on; merge it with a neighbour by "
             "removing the split point that starts it") in printed
-    assert "warning: value 'sigmoid' from stage 0 is sent to 3 stages (1, 2, 3) every microbatch" in printed
+    assert "warning: value 'gate' from stage 0 is sent to 3 stages (1, 2, 3) every microbatch" in printed
     assert "nothing written" in printed
 
 

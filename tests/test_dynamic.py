@@ -53,7 +53,7 @@ def test_manifest_shapes_are_expressions_over_root_symbols(dynamic_out):
             assert str(sympy.sympify(dim)) == dim
     rank1 = open(os.path.join(dynamic_out, "rank1.py")).read()
     assert "def boundary_shapes(*, s_batch, s_seq):" in rank1
-    assert '"add_4": (s_batch, s_seq, 16),' in rank1.replace("add_4", "add_4")  # readable plain Python
+    assert '"layers_1_out_from_stage0": (s_batch, s_seq, 16),' in rank1  # readable plain Python
     assert '"f32[s_batch, s_seq, 16]"' in rank1
 
 
@@ -68,7 +68,7 @@ def test_generated_shapes_match_manifest(dynamic_out):
         shapes = scope["boundary_shapes"](s_batch=batch, s_seq=seq)
         for name, value in manifest["values"].items():
             expected = tuple(int(sympy.sympify(str(d)).subs({"s_batch": batch, "s_seq": seq})) for d in value["shape"])
-            assert shapes[name] == expected
+            assert shapes[f"{name}_from_stage{value['producer']}"] == expected
 
 
 # ---- tier 3: torchrun ---------------------------------------------------------------------------------

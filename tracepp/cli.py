@@ -15,7 +15,7 @@ import sys
 
 
 def _split(args) -> int:
-    from tracepp.driver import split_model
+    from tracepp.driver import launch_command, split_model
     from tracepp.dynamic import parse_flags
 
     if args.dry_run:
@@ -40,7 +40,8 @@ def _split(args) -> int:
           f"{', '.join(f'rank{r}.py' for r in range(manifest['plan']['num_ranks']))}, tracepp_runtime/"
           + "".join(f", {os.path.basename(path)}" for path in bundled)
           + " (no weights: each rank loads its own with --load CKPT or builds them from model())")
-    print(f"run it: {manifest['launch_command']} --steps 3")
+    world = manifest["plan"]["num_ranks"] * (manifest["plan"].get("mesh") or {}).get("dp", 1)
+    print(f"run it: {launch_command(world, args.out)} --steps 3")
     return 0
 
 

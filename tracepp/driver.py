@@ -4,6 +4,7 @@ Each step is one module with one job and hands plain data to the next.
 """
 from __future__ import annotations
 
+import os
 import shlex
 from typing import Optional
 
@@ -42,9 +43,15 @@ def split_model(model_path: str, out_dir: str, num_ranks: int = 2, num_stages: O
                 dp_order: str = "pp-inner") -> dict:
     model_file, traced, graph, the_plan = _plan(model_path, num_ranks, num_stages, schedule, num_microbatches,
                                                 split_points, dynamic_shapes, dp, dp_mode, dp_shard, dp_order)
-    launch = f"torchrun --nproc-per-node {num_ranks * dp} {shlex.quote(out_dir.rstrip('/') + '/run.py')}"
-    manifest = emit(out_dir, model_file, traced, graph, the_plan, launch)             # 4. output folder
+    manifest = emit(out_dir, model_file, traced, graph, the_plan, launch_command(num_ranks * dp))  # 4. output folder
     return manifest
+
+
+def launch_command(world_size: int, folder: Optional[str] = None) -> str:
+    """``torchrun --nproc-per-node N run.py``, run in the output folder (what the manifest and the scripts say,
+    true wherever the folder is copied), or with ``folder`` the path to its ``run.py`` (the CLI's hint)."""
+    script = "run.py" if folder is None else shlex.quote(os.path.join(folder, "run.py"))
+    return f"torchrun --nproc-per-node {world_size} {script}"
 
 
 def check_model(model_path: str, num_ranks: int = 2, num_stages: Optional[int] = None, schedule: str = "1f1b",
@@ -52,7 +59,7 @@ def check_model(model_path: str, num_ranks: int = 2, num_stages: Optional[int] =
     """``tracepp check``: trace, split and plan as :func:`split_model` does, and return the manifest unwritten."""
     model_file, traced, graph, the_plan = _plan(model_path, num_ranks, num_stages, schedule, num_microbatches,
                                                 split_points, dynamic_shapes)
-    return build_manifest(model_file, traced, graph, the_plan, f"torchrun --nproc-per-node {num_ranks} out/run.py")
+    return build_manifest(model_file, traced, graph, the_plan, launch_command(num_ranks))
 
 
 def _trace_replica(model_file, num_microbatches: int, dynamic_shapes, dp: int, dp_mode: str, dp_shard):

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from tabulate import tabulate
 
+from tracepp.runtime.shapes import activation_key, activation_sent
+
 
 def _shape(item: dict) -> str:
     return f"{item['dtype']}[{', '.join(str(d) for d in item['shape'])}]"
@@ -15,12 +17,12 @@ def stage_table(manifest: dict) -> str:
     for stage in manifest["stages"]:
         inputs = [f"{r['path']} {r['dtype']}" for r in manifest["root_inputs"]
                   if stage["index"] in r["stages"] and r["dtype"]]
-        inputs += [f"{item['name']} {_shape(item)} <- stage {item['producer']}" for item in stage["received"]]
+        inputs += [f"{activation_key(item['name'], item['producer'])} {_shape(item)}" for item in stage["received"]]
         outputs = []
         for name in stage["outputs"]:
             value = manifest["values"].get(name)
             if value is not None:
-                outputs.append(f"{name} {_shape(value)} -> stage {','.join(map(str, value['consumers']))}")
+                outputs += [f"{activation_sent(name, consumer)} {_shape(value)}" for consumer in value["consumers"]]
             else:
                 outputs.append(f"{name} (model output)")
         modules = stage["module_fqns"]
