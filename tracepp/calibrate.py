@@ -1,0 +1,211 @@
+"""``tracepp calibrate OUT``: measure what the simulator needs on this machine and write ``OUT/calibration.json``.
+
+    tracepp calibrate out/ [--costs COSTS.json ...] [--comm COMM.json | --nproc N] [--fit-steps K | --no-fit]
+
+Three parts (the file's sections, see ``tracepp.calibration``):
+
+1. **comm**: a ping-pong between every pair of neighbouring ranks (``tracepp.comm_bench``, launched here with
+   ``torchrun --nproc-per-node N``, N = the plan's ranks x data-parallel replicas unless ``--nproc``): latency and
+   bandwidth per pair. ``--comm FILE`` takes the JSON of a run made elsewhere instead (several nodes:
+   ``torchrun --nnodes ... -m tracepp.comm_bench --json FILE``).
+2. **compute**: each stage's F, B, I, W seconds per microbatch, from ``--costs FILE`` (the ``tracepp plan --costs``
+   format; repeat it with files measured at other microbatch sizes, each with a ``"microbatch_size"`` key, so
+   the tuner can price other microbatch counts), else from :data:`STAGE_COSTS_HOOK` (the plain-autograd
+   measurement of each stage's generated function, ``tracepp.stage_costs.measure_stage_costs``) when installed.
+3. **overhead**: a short run of the folder itself (``torchrun ... OUT/run.py --steps K --metrics``); the
+   runtime's fixed cost per action is fitted so that the simulator's step time equals the measured median
+   (one number, the same for a compute action and a comm op; what is left, if the prediction without it is
+   already slower, is a negative per-step term). ``--no-fit`` leaves the overheads at 0.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from typing import Optional
+
+from tracepp.calibration import (Calibration, folder_record, predict_folder, traced_microbatch,
+                                 write_calibration)
+
+# The plain-autograd stage timing (branch perf): ``measure_stage_costs(folder, ...) -> {"0F": s, ...}``. Used when
+# no --costs file is given; the name is looked up at call time, so the module may arrive later.
+STAGE_COSTS_HOOK = ("tracepp.stage_costs", "measure_stage_costs")
+WARMUP_STEPS = 3
+
+
+def torchrun(nproc: int) -> list:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+
+
+def _env(threads: Optional[int]) -> dict:
+    env = dict(os.environ)
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    env.setdefault("PYTHONWARNINGS", "ignore")
+    return env
+
+
+def _run(cmd: list, timeout: float, what: str, env: dict) -> str:
+    try:
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout,
+                              env=env)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"{what} did not finish in {timeout:.0f} s: {' '.join(cmd)}") from None
+    if proc.returncode != 0:
+        tail = "\n".join(proc.stdout.strip().splitlines()[-8:])
+        raise RuntimeError(f"{what} failed (exit {proc.returncode}): {' '.join(cmd)}\n{tail}")
+    return proc.stdout
+
+
+def measure_comm(nproc: int, sizes: Optional[str] = None, rounds: int = 20, timeout: float = 300.0,
+                 threads: Optional[int] = 1) -> dict:
+    """The ping-pong of ``tracepp.comm_bench`` over ``nproc`` local processes; its JSON report."""
+    with tempfile.TemporaryDirectory(prefix="tracepp_comm_") as work:
+        path = os.path.join(work, "comm.json")
+        cmd = torchrun(nproc) + ["-m", "tracepp.comm_bench", "--json", path, "--rounds", str(rounds)]
+        if sizes:
+            cmd += ["--sizes", sizes]
+        _run(cmd, timeout, "the ping-pong (tracepp.comm_bench)", _env(threads))
+        with open(path) as handle:
+            return json.load(handle)
+
+
+def run_folder(out_dir: str, steps: int, nproc: int, timeout: float = 600.0, threads: Optional[int] = 1,
+               extra: Optional[list] = None) -> list:
+    """Run the folder's ``run.py`` for ``steps`` steps; the step times of its ``--metrics`` lines."""
+    with tempfile.TemporaryDirectory(prefix="tracepp_fit_") as work:
+        metrics = os.path.join(work, "metrics.jsonl")
+        cmd = torchrun(nproc) + [os.path.join(out_dir, "run.py"), "--steps", str(steps), "--metrics", metrics,
+                                 "--quiet"] + list(extra or [])
+        _run(cmd, timeout, f"the calibration run of {out_dir}", _env(threads))
+        with open(metrics) as handle:
+            return [json.loads(line)["step_time_s"] for line in handle if line.strip()]
+
+
+def stage_costs_from_hook(out_dir: str) -> dict:
+    """The hook's measurement of the folder's stages, or a ValueError saying how to give costs instead."""
+    import importlib
+
+    module_name, function_name = STAGE_COSTS_HOOK
+    try:
+        function = getattr(importlib.import_module(module_name), function_name)
+    except (ImportError, AttributeError):
+        raise ValueError(f"no stage costs: give --costs COSTS.json (per stage F, B, I, W seconds per microbatch, the "
+                         f"`tracepp plan --costs` format, e.g. from `python -m benchmarks.stage_times`); the "
+                         f"automatic measurement ({module_name}.{function_name}) is not installed") from None
+    return function(out_dir)
+
+
+def compute_entries(manifest: dict, costs_paths: list) -> list:
+    """The ``compute`` section: one entry per costs file (or the hook's measurement)."""
+    from tracepp.costs_file import load_costs, load_costs_metadata
+
+    num_stages = len(manifest["stages"])
+    entries = []
+    for path in costs_paths:
+        costs = load_costs(path, num_stages)
+        meta = load_costs_metadata(path)
+        missing = [s for s in range(num_stages) if (s, "F") not in costs and "F" not in costs]
+        if missing:
+            raise ValueError(f"--costs {path}: no forward time for stages {missing}; give '<stage>F' keys")
+        flat = {}
+        for s in range(num_stages):
+            for kind in ("F", "B", "I", "W"):
+                value = costs.get((s, kind), costs.get(kind))
+                if value is not None:
+                    flat[f"{s}{kind}"] = value
+        entries.append({"microbatch_size": float(meta.get("microbatch_size") or traced_microbatch(manifest)),
+                        "costs": flat, "source": os.path.abspath(path),
+                        **({"optimizer_s": meta["optimizer_s"]} if "optimizer_s" in meta else {})})
+    return entries
+
+
+def fit_overheads(manifest: dict, calibration: Calibration, measured_step_s: float, precision: str = "fp32",
+                  tolerance: float = 1e-4) -> dict:
+    """Per-action overhead ``a`` (seconds, per compute action and per comm op) with which the predicted step of
+    the folder's plan equals ``measured_step_s``; bisection (the prediction grows with ``a``)."""
+    def predicted(alpha: float, step: float = 0.0) -> float:
+        calibration.overhead = {"compute_action_s": alpha, "comm_op_s": alpha, "step_s": step}
+        return predict_folder(manifest, calibration, precision=precision).step_s
+
+    base = predicted(0.0)
+    if base >= measured_step_s:
+        result = {"compute_action_s": 0.0, "comm_op_s": 0.0, "step_s": measured_step_s - base}
+    else:
+        low, high = 0.0, max(measured_step_s, 1e-6)
+        while predicted(high) < measured_step_s and high < 1e3:
+            high *= 2
+        while high - low > tolerance * max(low, 1e-9) and high - low > 1e-9:
+            middle = (low + high) / 2
+            if predicted(middle) < measured_step_s:
+                low = middle
+            else:
+                high = middle
+        alpha = (low + high) / 2
+        result = {"compute_action_s": alpha, "comm_op_s": alpha, "step_s": 0.0}
+    calibration.overhead = dict(result)
+    result["unfitted_step_s"] = base
+    result["measured_step_s"] = measured_step_s
+    return result
+
+
+def calibrate(out_dir: str, costs_paths: Optional[list] = None, comm_path: Optional[str] = None,
+              nproc: Optional[int] = None, fit_steps: int = 12, fit: bool = True, skip_comm: bool = False,
+              precision: str = "fp32", log=print) -> Calibration:
+    """Measure and write ``OUT/calibration.json`` (see the module doc); returns what was written."""
+    from tracepp.manifest_file import load_manifest
+
+    manifest = load_manifest(out_dir)
+    plan = manifest["plan"]
+    mesh = plan.get("mesh") or {}
+    nproc = nproc or plan["num_ranks"] * int(mesh.get("dp", 1))
+    calibration = Calibration(folder=folder_record(manifest))
+    # 1. comm
+    if comm_path:
+        with open(comm_path) as handle:
+            calibration.comm = json.load(handle)
+        calibration.comm["source"] = os.path.abspath(comm_path)
+    elif not skip_comm and nproc > 1:
+        log(f"ping-pong between neighbouring ranks ({nproc} processes) ...")
+        calibration.comm = measure_comm(nproc)
+        calibration.comm["source"] = f"tracepp.comm_bench, {nproc} local processes"
+    for key, value in sorted((calibration.comm.get("pairs") or {}).items()):
+        bandwidth = value.get("bandwidth_bytes_per_s")
+        log(f"  ranks {key}: latency {value['latency_s'] * 1e6:.1f} us, bandwidth "
+            + (f"{bandwidth / 1e9:.2f} GB/s" if bandwidth else "n/a"))
+    # 2. compute
+    if costs_paths:
+        calibration.compute = compute_entries(manifest, costs_paths)
+    else:
+        log("stage costs: plain-autograd measurement of each stage ...")
+        costs = stage_costs_from_hook(out_dir)
+        calibration.compute = [{"microbatch_size": traced_microbatch(manifest), "costs": dict(costs),
+                                "source": ".".join(STAGE_COSTS_HOOK)}]
+    for entry in calibration.compute:
+        if "optimizer_s" in entry:
+            calibration.optimizer_s = {str(k): float(v) for k, v in entry["optimizer_s"].items()}
+    sizes = sorted({entry["microbatch_size"] for entry in calibration.compute})
+    if len(sizes) < 2:
+        calibration.notes.append("compute measured at one microbatch size: another microbatch count is priced as "
+                                 "proportional to the microbatch size (give --costs files at two sizes to fit a "
+                                 "fixed part)")
+    # 3. overheads
+    if fit:
+        log(f"calibration run: {fit_steps} steps of {out_dir}/run.py on {nproc} processes ...")
+        times = run_folder(out_dir, fit_steps, nproc)
+        measured = statistics.median(times[WARMUP_STEPS:] or times)
+        result = fit_overheads(manifest, calibration, measured, precision)
+        calibration.overhead.update(source=f"fitted to {len(times[WARMUP_STEPS:] or times)} steps of this folder "
+                                           f"(median {measured * 1000:.1f} ms; {WARMUP_STEPS} warm-up steps dropped)",
+                                    measured_step_s=measured, unfitted_step_s=result["unfitted_step_s"])
+        log(f"  measured step {measured * 1000:.1f} ms, simulated without overheads "
+            f"{result['unfitted_step_s'] * 1000:.1f} ms: {calibration.overhead['compute_action_s'] * 1e6:.0f} us per "
+            f"action" + (f", {result['step_s'] * 1000:.1f} ms per step" if result["step_s"] else ""))
+    else:
+        calibration.overhead = {"compute_action_s": 0.0, "comm_op_s": 0.0, "step_s": 0.0, "source": "not fitted"}
+    path = write_calibration(out_dir, calibration)
+    log(f"wrote {path}")
+    return calibration
