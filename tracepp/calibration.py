@@ -264,10 +264,17 @@ def predict_folder(manifest: dict, calibration: Calibration, costs: Optional[dic
     plan = manifest["plan"]
     actions = {int(rank): [Action.parse(a) for a in acts] for rank, acts in plan["actions"].items()}
     size = traced_microbatch(manifest)
-    if costs is None:
-        check_matches(calibration, manifest)
-        costs = calibration.stage_costs(size)
     optimizer = {int(s): float(v) for s, v in calibration.optimizer_s.items()}
+    if costs is None:
+        try:
+            check_matches(calibration, manifest)
+            costs = calibration.stage_costs(size)
+        except ValueError:  # another split of the same model (e.g. after the tuner's --apply): price by segment
+            stages = stage_of_segments(manifest)
+            costs = split_costs(calibration, stages, size) if stages and same_model(calibration, manifest) else None
+            if costs is None:
+                raise
+            optimizer = split_optimizer(calibration, stages)
     return predict_plan(actions, plan["stage_to_rank"], topology_from_manifest(manifest), plan["num_microbatches"],
                         costs, calibration, message_bytes(manifest, size, precision), optimizer,
                         manifest["training"])
@@ -280,7 +287,7 @@ def folder_record(manifest: dict) -> dict:
             "microbatch_size": traced_microbatch(manifest), "batch_size": manifest["batch_size"],
             "schedule": plan["schedule"], "num_ranks": plan["num_ranks"], "num_microbatches": plan["num_microbatches"],
             "model_sha256": manifest.get("model_sha256"),
-            "segments_per_stage": _segments_per_stage(manifest)}
+            "segments_per_stage": _segments_per_stage(manifest), "segments": manifest.get("segments") or []}
 
 
 def _segments_per_stage(manifest: dict):
@@ -311,3 +318,80 @@ def check_matches(calibration: Calibration, manifest: dict) -> None:
                          f"this folder's ({len(manifest['stages'])} stages); calibrate this folder "
                          f"(`tracepp calibrate {manifest.get('_folder', 'OUT')}`), or use the tuner "
                          f"(`tracepp plan OUT --tune`), which prices other splits from the calibrated one")
+
+
+# ----------------------------------------------------------------------------------------------------
+# other splits of the same model: costs per segment
+
+SEGMENT_WEIGHT_FLOOR = 0.01  # a segment without counted FLOPs (an embedding, a norm) weighs 1% of the largest
+
+
+def segment_lines(calibration: Calibration) -> Optional[list]:
+    """Per segment of the calibrated split, ``{kind: (a, c)}`` (seconds = a + c x microbatch size): each measured
+    stage's line shared among its segments in proportion to their forward FLOPs (a floor of
+    :data:`SEGMENT_WEIGHT_FLOOR` of the largest). None when the calibration has no segment table or its stages do
+    not begin at segment boundaries (split markers inside a block)."""
+    segments = calibration.folder.get("segments") or []
+    num_stages = calibration.folder.get("num_stages")
+    stages = [seg.get("stage") for seg in segments]
+    if not segments or any(s is None for s in stages) or stages != sorted(stages) or \
+            sorted(set(stages)) != list(range(num_stages or 0)):
+        return None
+    lines = calibration.stage_cost_lines()
+    largest = max([seg["forward_flops"] or 0 for seg in segments] + [1])
+    weights = [max(seg["forward_flops"] or 0, SEGMENT_WEIGHT_FLOOR * largest) for seg in segments]
+    totals = {}
+    for stage, weight in zip(stages, weights):
+        totals[stage] = totals.get(stage, 0.0) + weight
+    out = []
+    for stage, weight in zip(stages, weights):
+        share = weight / totals[stage]
+        out.append({kind: (a * share, c * share) for (s, kind), (a, c) in lines.items() if s == stage})
+    return out
+
+
+def split_costs(calibration: Calibration, stage_of_segment: list, microbatch_size: float) -> Optional[dict]:
+    """{(stage, kind): seconds} of a split given as the stage of each calibrated segment, or None (see
+    :func:`segment_lines`)."""
+    lines = segment_lines(calibration)
+    if lines is None or len(lines) != len(stage_of_segment):
+        return None
+    costs: dict = {}
+    for stage, per_kind in zip(stage_of_segment, lines):
+        for kind, (a, c) in per_kind.items():
+            costs[(stage, kind)] = costs.get((stage, kind), 0.0) + max(a + c * microbatch_size, 0.0)
+    return costs
+
+
+def split_optimizer(calibration: Calibration, stage_of_segment: list) -> dict:
+    """{stage: seconds} of the optimizer step for a split: each measured stage's shared by parameter count."""
+    segments = calibration.folder.get("segments") or []
+    measured = {int(k): float(v) for k, v in calibration.optimizer_s.items()}
+    if not measured or len(segments) != len(stage_of_segment):
+        return {}
+    params = {}
+    for seg in segments:
+        params[seg.get("stage")] = params.get(seg.get("stage"), 0) + (seg.get("num_params") or 0)
+    out: dict = {}
+    for seg, stage in zip(segments, stage_of_segment):
+        total = params.get(seg.get("stage")) or 0
+        share = (seg.get("num_params") or 0) / total if total else 0.0
+        out[stage] = out.get(stage, 0.0) + measured.get(seg.get("stage"), 0.0) * share
+    return out
+
+
+def stage_of_segments(manifest: dict) -> Optional[list]:
+    """The stage of each segment in a folder's own split, or None (no segment table, or stages that do not begin
+    at segment boundaries)."""
+    stages = [seg.get("stage") for seg in manifest.get("segments") or []]
+    if not stages or any(s is None for s in stages) or stages != sorted(stages):
+        return None
+    return stages
+
+
+def same_model(calibration: Calibration, manifest: dict) -> bool:
+    """Was the calibration measured on a split of this model (same file, same segment table)?"""
+    record = calibration.folder
+    mine = [seg.get("begins") for seg in manifest.get("segments") or []]
+    theirs = [seg.get("begins") for seg in record.get("segments") or []]
+    return bool(mine) and mine == theirs and record.get("model_sha256") == manifest.get("model_sha256")
