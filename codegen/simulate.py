@@ -49,12 +49,14 @@ class SimResult:
 
 def simulate(lowered: dict, stage_to_rank: list, topology: Topology, num_microbatches: int,
              costs: Optional[dict] = None, training: Optional[bool] = None,
-             comm: Optional[CommModel] = None) -> SimResult:
+             comm: Optional[CommModel] = None, check: bool = True) -> SimResult:
     """Validate, then time ``lowered`` with compute ``costs`` (default :data:`UNIT_COSTS`) and ``comm`` (default:
-    comms free, no overheads)."""
+    comms free, no overheads). ``check=False``: a plan the planner made and validated already is only timed."""
     if training is None:
         training = any(a.kind in ("B", "I", "W") for actions in lowered.values() for a in actions)
-    if comm is not None and not comm.serial:  # FIFO deadlocks are seen by the serial model only
+    if not check:
+        result = replay({r: list(a) for r, a in lowered.items()}, list(stage_to_rank), topology, costs, comm)
+    elif comm is not None and not comm.serial:  # FIFO deadlocks are seen by the serial model only
         validate(lowered, stage_to_rank, topology, num_microbatches, training)
         result = replay({r: list(a) for r, a in lowered.items()}, list(stage_to_rank), topology, costs, comm)
     else:

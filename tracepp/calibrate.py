@@ -86,9 +86,12 @@ def run_folder(out_dir: str, steps: int, nproc: int, timeout: float = 600.0, thr
             return [json.loads(line)["step_time_s"] for line in handle if line.strip()]
 
 
-def stage_costs_from_hook(out_dir: str) -> dict:
-    """The hook's measurement of the folder's stages, or a ValueError saying how to give costs instead."""
+def stage_costs_from_hook(out_dir: str, threads: Optional[int] = None) -> dict:
+    """The hook's measurement of the folder's stages, or a ValueError saying how to give costs instead. On CPU
+    it runs with the intra-op threads a rank has (torchrun's OMP_NUM_THREADS: 1 unless set)."""
     import importlib
+
+    import torch
 
     module_name, function_name = STAGE_COSTS_HOOK
     try:
@@ -97,7 +100,14 @@ def stage_costs_from_hook(out_dir: str) -> dict:
         raise ValueError(f"no stage costs: give --costs COSTS.json (per stage F, B, I, W seconds per microbatch, the "
                          f"`tracepp plan --costs` format, e.g. from `python -m benchmarks.stage_times`); the "
                          f"automatic measurement ({module_name}.{function_name}) is not installed") from None
-    return function(out_dir)
+    before = torch.get_num_threads()
+    wanted = threads or int(os.environ.get("OMP_NUM_THREADS", "1"))
+    if not torch.cuda.is_available():
+        torch.set_num_threads(wanted)
+    try:
+        return function(out_dir)
+    finally:
+        torch.set_num_threads(before)
 
 
 def compute_entries(manifest: dict, costs_paths: list) -> list:

@@ -239,12 +239,14 @@ class Prediction:
 
 def predict_plan(actions: dict, stage_to_rank: list, topology, num_microbatches: int, costs: dict,
                  calibration: Calibration, messages: dict, optimizer_stage_s: Optional[dict] = None,
-                 training: bool = True) -> Prediction:
-    """Time a lowered plan (``{rank: [Action]}``) with the calibrated simulator (see the module doc)."""
+                 training: bool = True, check: bool = True) -> Prediction:
+    """Time a lowered plan (``{rank: [Action]}``) with the calibrated simulator (see the module doc);
+    ``check=False`` for a plan the planner has just made (validated there)."""
     from tracepp.codegen.simulate import simulate
 
     model = comm_model(calibration, stage_to_rank, messages)
-    sim = simulate(actions, stage_to_rank, topology, num_microbatches, costs=costs, training=training, comm=model)
+    sim = simulate(actions, stage_to_rank, topology, num_microbatches, costs=costs, training=training, comm=model,
+                   check=check)
     optimizer_stage_s = optimizer_stage_s or {}
     optimizer = {r: sum(float(optimizer_stage_s.get(s, 0.0)) for s, owner in enumerate(stage_to_rank) if owner == r)
                  for r in sim.timeline}

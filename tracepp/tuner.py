@@ -216,6 +216,7 @@ def tune(manifest: dict, calibration: Calibration, memory_limit: Optional[int] =
     own_topology = topology_from_manifest(manifest)
     segments = manifest["segments"]
     kept, dropped, failed = [], [], []
+    plans: dict = {}  # the plan does not depend on the split, only on its topology
     for schedule in names:
         for num_stages in stage_counts(schedule, num_ranks, len(segments)):
             for num_microbatches in counts:
@@ -227,16 +228,22 @@ def tune(manifest: dict, calibration: Calibration, memory_limit: Optional[int] =
                     candidate = Candidate(schedule, num_stages, num_microbatches, split, _split_points(manifest, split),
                                           source)
                     topology = own_topology if own else Topology.chain(num_stages)
-                    try:
-                        built = build_plan(schedule, num_ranks, num_stages, num_microbatches, topology, training)
-                    except ValueError as error:
-                        candidate.error = str(error)
+                    key = (schedule, num_stages, num_microbatches, topology)
+                    if key not in plans:
+                        try:
+                            plans[key] = build_plan(schedule, num_ranks, num_stages, num_microbatches, topology,
+                                                    training)
+                        except ValueError as error:
+                            plans[key] = str(error)
+                    built = plans[key]
+                    if isinstance(built, str):
+                        candidate.error = built
                         failed.append(candidate)
                         continue
                     costs = split_costs(calibration, list(split), size)
                     prediction = predict_plan(built.actions, built.stage_to_rank, topology, num_microbatches, costs,
                                               calibration, _messages(manifest, split, size, precision, own),
-                                              split_optimizer(calibration, list(split)), training)
+                                              split_optimizer(calibration, list(split)), training, check=False)
                     candidate.step_s, candidate.bubble = prediction.step_s, prediction.bubble
                     candidate.stage_to_rank = list(built.stage_to_rank)
                     candidate.peak_memory = _memory(manifest, split, prediction.sim, built.stage_to_rank, size,
