@@ -105,6 +105,8 @@ def stage_costs_from_hook(out_dir: str, threads: Optional[int] = None) -> dict:
     if not torch.cuda.is_available():
         torch.set_num_threads(wanted)
     try:
+        if torch.cuda.is_available():  # the ranks' device
+            return function(out_dir, device="cuda")
         return function(out_dir)
     finally:
         torch.set_num_threads(before)
