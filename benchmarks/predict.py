@@ -8,9 +8,9 @@ on the JSON of a finished suite to recompute the predictions:
 How a case is predicted (``tracepp.calibration``): its own plan, replayed with its stages' compute costs (the
 plain-autograd measurement ``tracepp.stage_costs`` when installed, else the per-action times of
 ``benchmarks/stage_times.py``), the ping-pong's latency and bandwidth per rank pair on each boundary message
-(gloo: ops independent), the optimizer step per stage, and the runtime's fixed overhead per action. That overhead
-is the one number fitted to measured steps, and never to the case it predicts: for each case it is the median
-of the values fitted to each *other* case of the suite (leave one out). A suite of one case cannot do that and
+(gloo: ops independent), the optimizer step per stage, and the one number ``tracepp calibrate`` fits to a measured
+run (``tracepp.calibrate.FIT_MODE``: a delay per message, or a fixed time per action), never fitted to the case it
+predicts: for each case it is the median of the values fitted to each *other* case of the suite (leave one out). A suite of one case cannot do that and
 says so (``"fitted": true``: its "prediction" is then the fit itself).
 """
 from __future__ import annotations
@@ -52,51 +52,55 @@ def _keyed(costs: dict) -> dict:
     return out
 
 
-def _calibration(manifest: dict, costs: dict, optimizer_stage_s: dict, comm: dict, overhead: float):
+def _calibration(manifest: dict, costs: dict, optimizer_stage_s: dict, comm: dict, overhead: dict):
     from tracepp.calibration import Calibration, folder_record, traced_microbatch
 
     return Calibration(comm=dict(comm or {}), optimizer_s={str(k): v for k, v in (optimizer_stage_s or {}).items()},
                        compute=[{"microbatch_size": traced_microbatch(manifest),
                                  "costs": {f"{s}{k}": v for (s, k), v in costs.items()}}],
-                       overhead={"compute_action_s": overhead, "comm_op_s": overhead, "step_s": 0.0},
-                       folder=folder_record(manifest))
+                       overhead=dict(overhead or {}), folder=folder_record(manifest))
 
 
-def predict_cases(entries: list, comm: dict, log=print) -> None:
+def predict_cases(entries: list, comm: dict, log=print, mode: str = None) -> None:
     """Add ``prediction`` to every entry that has a tracepp folder, measured step and stage costs (see module doc).
     Each entry needs ``out_dir``, ``tracepp.step_time_s``, ``compute_costs`` and ``optimizer_stage_s``."""
-    from tracepp.calibrate import fit_overheads
+    from tracepp.calibrate import FIT_MODE, fit_overheads, overhead_of
     from tracepp.calibration import predict_folder
     from tracepp.manifest_file import load_manifest
 
+    mode = mode or FIT_MODE
     usable = [e for e in entries if e.get("compute_costs") and (e.get("tracepp") or {}).get("status") == "ok"]
     fitted = {}
     for entry in usable:
         manifest = load_manifest(entry["out_dir"])
-        calibration = _calibration(manifest, _keyed(entry["compute_costs"]), entry.get("optimizer_stage_s"), comm, 0.0)
-        result = fit_overheads(manifest, calibration, entry["tracepp"]["step_time_s"])
-        fitted[entry["case"]] = result
+        calibration = _calibration(manifest, _keyed(entry["compute_costs"]), entry.get("optimizer_stage_s"), comm, {})
+        fitted[entry["case"]] = fit_overheads(manifest, calibration, entry["tracepp"]["step_time_s"], mode=mode)
     for entry in usable:
         manifest = load_manifest(entry["out_dir"])
-        others = [fitted[e["case"]]["compute_action_s"] for e in usable if e["case"] != entry["case"]]
+        others = [fitted[e["case"]]["value"] for e in usable
+                  if e["case"] != entry["case"] and fitted[e["case"]]["mode"] == mode]
         own = fitted[entry["case"]]
-        overhead = statistics.median(others) if others else own["compute_action_s"]
+        used_mode = mode if others else own["mode"]
+        value = statistics.median(others) if others else own["value"]
+        overhead = overhead_of(used_mode, value)
         keyed = _keyed(entry["compute_costs"])
         step = predict_folder(manifest, _calibration(manifest, keyed, entry.get("optimizer_stage_s"), comm,
                                                      overhead)).step_s
-        free = predict_folder(manifest, _calibration(manifest, keyed, entry.get("optimizer_stage_s"), {}, 0.0)).step_s
+        free = predict_folder(manifest, _calibration(manifest, keyed, entry.get("optimizer_stage_s"), {}, {})).step_s
         measured = entry["tracepp"]["step_time_s"]
         entry["prediction"] = {"status": "ok", "step_time_s": step, "measured_step_s": measured,
-                               "error": (step - measured) / measured, "overhead_per_action_s": overhead,
-                               "fitted_overhead_per_action_s": own["compute_action_s"],
+                               "error": (step - measured) / measured, "overhead": overhead,
+                               "overhead_mode": used_mode, "overhead_s": value, "fitted_overhead_s": own["value"],
+                               "fitted_overhead_mode": own["mode"],
                                "no_overhead_step_s": own["unfitted_step_s"], "comm_free_step_s": free,
                                "fitted": not others, "costs_source": entry.get("costs_source")}
+        what = "per message" if used_mode == "delay" else "per action"
         log(f"  {entry['case']}: predicted {step * 1000:.1f} ms, measured {measured * 1000:.1f} ms "
-            f"({(step - measured) / measured:+.1%}); overhead {overhead * 1e6:.0f} us/action "
-            f"({'own fit' if not others else 'median of the other cases'}; own fit {own['compute_action_s'] * 1e6:.0f})")
+            f"({(step - measured) / measured:+.1%}); {value * 1e6:.0f} us {what} "
+            f"({'own fit' if not others else 'median of the other cases'}; own fit {own['value'] * 1e6:.0f})")
 
 
-def suite_calibration(entries: list, comm: dict, overhead: float):
+def suite_calibration(entries: list, comm: dict, overhead: dict):
     """A calibration of the quick suite's model for the tuner: the cases that share one split (the 2-stage
     ones, at their several microbatch sizes) give the compute samples; ``overhead`` per action; the comm."""
     from tracepp.calibration import Calibration, folder_record, traced_microbatch
@@ -120,8 +124,7 @@ def suite_calibration(entries: list, comm: dict, overhead: float):
                         "source": entry["case"]})
     calibration = Calibration(comm=dict(comm or {}), compute=compute,
                               optimizer_s={str(k): v for k, v in (reference.get("optimizer_stage_s") or {}).items()},
-                              overhead={"compute_action_s": overhead, "comm_op_s": overhead, "step_s": 0.0},
-                              folder=folder_record(manifest))
+                              overhead=dict(overhead), folder=folder_record(manifest))
     return calibration, reference["out_dir"]
 
 

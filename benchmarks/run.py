@@ -338,7 +338,10 @@ def tune_benchmark(entries: list, comm: dict, settings: Settings, threads: int, 
     measured = [e for e in entries if (e.get("tracepp") or {}).get("status") == "ok" and e.get("prediction")]
     if not measured:
         return {"status": "skipped", "error": "no measured case"}
-    overhead = statistics.median(e["prediction"]["fitted_overhead_per_action_s"] for e in measured)
+    from tracepp.calibrate import FIT_MODE, overhead_of
+
+    values = [e["prediction"]["fitted_overhead_s"] for e in measured if e["prediction"]["fitted_overhead_mode"] == FIT_MODE]
+    overhead = overhead_of(FIT_MODE, statistics.median(values) if values else 0.0)
     calibration, reference = suite_calibration(measured, comm, overhead)
     manifest = load_manifest(reference)
     started = time.perf_counter()
@@ -369,7 +372,7 @@ def tune_benchmark(entries: list, comm: dict, settings: Settings, threads: int, 
     result = {"status": "ok", "tune_s": tune_s, "pick": best.to_json(), "top": [c.to_json() for c in kept[:5]],
               "hand_picked": hand["case"], "hand_suite_step_s": hand["tracepp"]["step_time_s"],
               "tuned_step_s": merged["tuned"].get("step_time_s"), "hand_step_s": merged["hand"].get("step_time_s"),
-              "overhead_per_action_s": overhead, "loadavg": loadavg()}
+              "overhead": overhead, "loadavg": loadavg()}
     if result["tuned_step_s"] and result["hand_step_s"]:
         result["tuned_over_hand"] = result["tuned_step_s"] / result["hand_step_s"]
     log(f"tuner's pick measured {_ms(result['tuned_step_s'])} ms against the best hand-picked case {hand['case']} "

@@ -34,8 +34,9 @@ A plan that runs under this model also runs under gloo, whose p2p ops are less c
 
 What a :class:`CommModel` adds (all times in the caller's unit, seconds when calibrated):
 
-* a message's transfer time: ``tensors x latency + bytes / bandwidth`` for its rank pair (one SEND/RECV action
-  carries every tensor of that stage edge for one microbatch; the runtime posts one isend/irecv per tensor). An
+* a message's transfer time: ``delay + tensors x latency + bytes / bandwidth`` for its rank pair (one SEND/RECV
+  action carries every tensor of that stage edge for one microbatch; the runtime posts one isend/irecv per
+  tensor; ``delay``: a fixed time per message on top of the link's, e.g. the wake-up of a busy receiver). An
   op's transfer starts when it is *matched* (both its batch and its counterpart's batch at the head of their
   queues; with ``serial=False``, gloo's model, as soon as both ops are posted, with no per-rank queue) and its
   batch completes when every op's transfer has ended. Transfers of different rank pairs overlap;
@@ -193,13 +194,14 @@ class CommModel:
     ``(latency, bandwidth)`` of a pair not listed (bandwidth ``None`` or 0: bytes are free). ``messages``:
     ``{(producer stage, consumer stage, "F" or "B"): (tensors, bytes)}``: what one SEND/RECV action of that
     edge carries for one microbatch (activations "F", gradients "B"); an edge not listed carries one tensor of
-    0 bytes. ``compute_overhead``: added to every compute action's cost, a number or ``{kind: number}``.
+    0 bytes. ``message_delay``: added to every message's transfer (idle time of the ranks that wait for it, which
+    other work may fill). ``compute_overhead``: added to every compute action's cost, a number or ``{kind: number}``.
     ``op_overhead``: rank time per comm op posted. ``serial``: True (default): a rank's comm batches complete in
     FIFO order (NCCL's stream); False: ops are independent (gloo's isend/irecv).
     """
 
     def __init__(self, links=None, default=(0.0, None), messages=None, compute_overhead=0.0, op_overhead=0.0,
-                 serial=True):
+                 serial=True, message_delay=0.0):
         self.links = {}
         for (a, b), link in (links or {}).items():
             self.links[(a, b)] = self.links[(b, a)] = (float(link[0]), link[1])
@@ -208,6 +210,7 @@ class CommModel:
         self.compute_overhead = compute_overhead
         self.op_overhead = float(op_overhead)
         self.serial = bool(serial)
+        self.message_delay = float(message_delay)
 
     def message(self, op: Action) -> tuple:
         """(tensors, bytes) that the comm action ``op`` moves."""
@@ -222,7 +225,7 @@ class CommModel:
         """Seconds (or units) from the match of ``op`` to the end of its transfer between the two ranks."""
         latency, bandwidth = self.links.get((rank, peer_rank), self.default)
         tensors, size = self.message(op)
-        return tensors * latency + (size / bandwidth if bandwidth else 0.0)
+        return self.message_delay + tensors * latency + (size / bandwidth if bandwidth else 0.0)
 
     def overhead(self, kind: str) -> float:
         extra = self.compute_overhead

@@ -179,19 +179,33 @@ def test_costs_of_another_split_from_the_calibrated_segments():
         prediction.ends[r] + prediction.optimizer_s[r] for r in (0, 1)))
 
 
-def test_overhead_fit_reproduces_the_measured_step():
+@pytest.mark.parametrize("mode", ["delay", "busy"])
+def test_overhead_fit_reproduces_the_measured_step(mode):
     manifest = _manifest()
     calibration = Calibration(compute=[{"microbatch_size": 4, "costs": {"0F": 1.0, "0B": 2.0, "1F": 1.0, "1B": 2.0}}],
                               folder=folder_record(manifest))
     base = predict_folder(manifest, calibration).step_s
     assert base == pytest.approx(15.0)  # (M + p - 1) (F + B)
-    result = fit_overheads(manifest, calibration, 20.0)
-    assert result["compute_action_s"] > 0 and result["step_s"] == 0
+    result = fit_overheads(manifest, calibration, 20.0, mode=mode)
+    assert result["mode"] == mode and result["value"] > 0 and result["step_s"] == 0
+    fitted = "message_delay_s" if mode == "delay" else "compute_action_s"
+    assert result[fitted] == result["value"] and calibration.overhead[fitted] == result["value"]
     assert predict_folder(manifest, calibration).step_s == pytest.approx(20.0, rel=1e-3)
-    result = fit_overheads(manifest, calibration, 13.0)  # a little faster than the model without overheads
-    assert result["compute_action_s"] == 0 and result["step_s"] == pytest.approx(-2.0)
-    result = fit_overheads(manifest, calibration, 0.015)  # costs of another machine: not fitted
-    assert result["compute_action_s"] == 0 and result["step_s"] == 0
+    result = fit_overheads(manifest, calibration, 13.0, mode=mode)  # a little faster than the model without them
+    assert result["value"] == 0 and result["step_s"] == pytest.approx(-2.0)
+    result = fit_overheads(manifest, calibration, 0.015, mode=mode)  # costs of another machine: not fitted
+    assert result["value"] == 0 and result["step_s"] == 0
+
+
+def test_a_delay_cannot_fit_a_plan_without_messages():
+    manifest = _manifest()
+    one_rank = build_plan("interleaved-1f1b", 1, 2, 4).to_json()
+    manifest = dict(manifest, plan=one_rank)
+    calibration = Calibration(compute=[{"microbatch_size": 4, "costs": {"0F": 1.0, "0B": 2.0, "1F": 1.0, "1B": 2.0}}],
+                              folder=folder_record(manifest))
+    result = fit_overheads(manifest, calibration, 30.0, mode="delay")
+    assert result["mode"] == "busy" and result["value"] > 0
+    assert predict_folder(manifest, calibration).step_s == pytest.approx(30.0, rel=1e-3)
 
 
 # ------------------------------------------------------------------------------- the tuner

@@ -12,10 +12,12 @@ Three parts (the file's sections, see ``tracepp.calibration``):
    format; repeat it with files measured at other microbatch sizes, each with a ``"microbatch_size"`` key, so
    the tuner can price other microbatch counts), else from :data:`STAGE_COSTS_HOOK` (the plain-autograd
    measurement of each stage's generated function, ``tracepp.stage_costs.measure_stage_costs``) when installed.
-3. **overhead**: a short run of the folder itself (``torchrun ... OUT/run.py --steps K --metrics``); the
-   runtime's fixed cost per action is fitted so that the simulator's step time equals the measured median
-   (one number, the same for a compute action and a comm op; what is left, if the prediction without it is
-   already slower, is a negative per-step term). ``--no-fit`` leaves the overheads at 0.
+3. **overhead**: a short run of the folder itself (``torchrun ... OUT/run.py --steps K --metrics``); one number
+   is fitted so that the simulator's step time equals the measured median: by default (``--overhead delay``) a
+   delay added to every message beyond the ping-pong's latency (idle time: a receiver busy computing sees the
+   message late; on shared CPU cores the process that waits gets its time slice late), or (``busy``) the
+   runtime's fixed cost per compute action and per comm op (rank time). If the prediction without it is already
+   slower, what is left is a small negative per-step term. ``--no-fit`` leaves it at 0.
 """
 from __future__ import annotations
 
@@ -35,6 +37,10 @@ from tracepp.calibration import (Calibration, folder_record, predict_folder, tra
 STAGE_COSTS_HOOK = ("tracepp.stage_costs", "measure_stage_costs")
 WARMUP_STEPS = 3
 MAX_NEGATIVE_STEP_FRACTION = 0.2  # a prediction above the measured step by more than this is not fitted
+# What the one fitted number is (see overhead_of): "delay" per message, chosen on the CPU quick suite, where it
+# explains the four schedules within 10% and "busy" (per action) misses the zero-bubble one by 15% (README)
+FIT_MODES = ("delay", "busy")
+FIT_MODE = "delay"
 
 
 def torchrun(nproc: int) -> list:
@@ -98,8 +104,8 @@ def stage_costs_from_hook(out_dir: str, threads: Optional[int] = None) -> dict:
         function = getattr(importlib.import_module(module_name), function_name)
     except (ImportError, AttributeError):
         raise ValueError(f"no stage costs: give --costs COSTS.json (per stage F, B, I, W seconds per microbatch, the "
-                         f"`tracepp plan --costs` format, e.g. from `python -m benchmarks.stage_times`); the "
-                         f"automatic measurement ({module_name}.{function_name}) is not installed") from None
+                         f"`tracepp plan --costs` format, e.g. {{\"0F\": 0.002, \"0B\": 0.004, \"1F\": 0.002, ...}}); "
+                         f"the automatic measurement ({module_name}.{function_name}) is not installed") from None
     before = torch.get_num_threads()
     wanted = threads or int(os.environ.get("OMP_NUM_THREADS", "1"))
     if not torch.cuda.is_available():
@@ -136,42 +142,56 @@ def compute_entries(manifest: dict, costs_paths: list) -> list:
     return entries
 
 
+def overhead_of(mode: str, value: float, step_s: float = 0.0) -> dict:
+    """The ``overhead`` section for one fitted number: ``"delay"``: seconds added to every message (a receiver
+    that is busy computing, on CPUs another process's time slice, takes that long to see it: idle time, which
+    other work may fill); ``"busy"``: seconds of rank time per compute action and per comm op."""
+    if mode == "delay":
+        return {"compute_action_s": 0.0, "comm_op_s": 0.0, "message_delay_s": value, "step_s": step_s}
+    if mode == "busy":
+        return {"compute_action_s": value, "comm_op_s": value, "message_delay_s": 0.0, "step_s": step_s}
+    raise ValueError(f"overhead mode {mode!r}: use one of {', '.join(FIT_MODES)}")
+
+
 def fit_overheads(manifest: dict, calibration: Calibration, measured_step_s: float, precision: str = "fp32",
-                  tolerance: float = 1e-4) -> dict:
-    """Per-action overhead ``a`` (seconds, per compute action and per comm op) with which the predicted step of
-    the folder's plan equals ``measured_step_s``; bisection (the prediction grows with ``a``)."""
-    def predicted(alpha: float, step: float = 0.0) -> float:
-        calibration.overhead = {"compute_action_s": alpha, "comm_op_s": alpha, "step_s": step}
+                  mode: str = None, tolerance: float = 1e-4) -> dict:
+    """The one overhead number (``mode``, default :data:`FIT_MODE`, see :func:`overhead_of`) with which the
+    predicted step of the folder's plan equals ``measured_step_s``; bisection (the prediction grows with it). A
+    plan without messages cannot be fitted by a delay: then the per-action overhead is fitted instead."""
+    mode = mode or FIT_MODE
+
+    def predicted(value: float, how: str) -> float:
+        calibration.overhead = overhead_of(how, value)
         return predict_folder(manifest, calibration, precision=precision).step_s
 
-    base = predicted(0.0)
+    base = predicted(0.0, mode)
     if base >= measured_step_s:
         # already slower without overheads: a negative per-step term where the gap is small (stage costs timed a
         # little slower in isolation); none where it is not, as such costs do not describe this run
         gap = measured_step_s - base
-        result = {"compute_action_s": 0.0, "comm_op_s": 0.0,
-                  "step_s": gap if -gap <= MAX_NEGATIVE_STEP_FRACTION * measured_step_s else 0.0}
+        result = overhead_of(mode, 0.0, gap if -gap <= MAX_NEGATIVE_STEP_FRACTION * measured_step_s else 0.0)
     else:
+        if mode == "delay" and predicted(measured_step_s, mode) < measured_step_s:
+            mode = "busy"
         low, high = 0.0, max(measured_step_s, 1e-6)
-        while predicted(high) < measured_step_s and high < 1e3:
+        while predicted(high, mode) < measured_step_s and high < 1e3:
             high *= 2
         while high - low > tolerance * max(low, 1e-9) and high - low > 1e-9:
             middle = (low + high) / 2
-            if predicted(middle) < measured_step_s:
+            if predicted(middle, mode) < measured_step_s:
                 low = middle
             else:
                 high = middle
-        alpha = (low + high) / 2
-        result = {"compute_action_s": alpha, "comm_op_s": alpha, "step_s": 0.0}
-    calibration.overhead = dict(result)
-    result["unfitted_step_s"] = base
-    result["measured_step_s"] = measured_step_s
+        result = overhead_of(mode, (low + high) / 2)
+    calibration.overhead = dict(result, mode=mode)
+    result.update(mode=mode, value=result["message_delay_s"] if mode == "delay" else result["compute_action_s"],
+                  unfitted_step_s=base, measured_step_s=measured_step_s)
     return result
 
 
 def calibrate(out_dir: str, costs_paths: Optional[list] = None, comm_path: Optional[str] = None,
               nproc: Optional[int] = None, fit_steps: int = 12, fit: bool = True, skip_comm: bool = False,
-              precision: str = "fp32", log=print) -> Calibration:
+              precision: str = "fp32", mode: Optional[str] = None, log=print) -> Calibration:
     """Measure and write ``OUT/calibration.json`` (see the module doc); returns what was written."""
     from tracepp.manifest_file import load_manifest
 
@@ -214,20 +234,21 @@ def calibrate(out_dir: str, costs_paths: Optional[list] = None, comm_path: Optio
         log(f"calibration run: {fit_steps} steps of {out_dir}/run.py on {nproc} processes ...")
         times = run_folder(out_dir, fit_steps, nproc)
         measured = statistics.median(times[WARMUP_STEPS:] or times)
-        result = fit_overheads(manifest, calibration, measured, precision)
+        result = fit_overheads(manifest, calibration, measured, precision, mode)
         calibration.overhead.update(source=f"fitted to {len(times[WARMUP_STEPS:] or times)} steps of this folder "
                                            f"(median {measured * 1000:.1f} ms; {WARMUP_STEPS} warm-up steps dropped)",
                                     measured_step_s=measured, unfitted_step_s=result["unfitted_step_s"])
+        what = "per message" if result["mode"] == "delay" else "per action"
         log(f"  measured step {measured * 1000:.1f} ms, simulated without overheads "
-            f"{result['unfitted_step_s'] * 1000:.1f} ms: {calibration.overhead['compute_action_s'] * 1e6:.0f} us per "
-            f"action" + (f", {result['step_s'] * 1000:.1f} ms per step" if result["step_s"] else ""))
+            f"{result['unfitted_step_s'] * 1000:.1f} ms: {result['value'] * 1e6:.0f} us {what}"
+            + (f", {result['step_s'] * 1000:.1f} ms per step" if result["step_s"] else ""))
         if result["unfitted_step_s"] > measured * (1 + MAX_NEGATIVE_STEP_FRACTION):
             note = (f"the stage costs alone predict {result['unfitted_step_s'] * 1000:.1f} ms, more than the measured "
                     f"{measured * 1000:.1f} ms: they were not measured for this machine and load (overheads left 0)")
             calibration.notes.append(note)
             log(f"  warning: {note}")
     else:
-        calibration.overhead = {"compute_action_s": 0.0, "comm_op_s": 0.0, "step_s": 0.0, "source": "not fitted"}
+        calibration.overhead = dict(overhead_of(FIT_MODE, 0.0), source="not fitted")
     path = write_calibration(out_dir, calibration)
     log(f"wrote {path}")
     return calibration

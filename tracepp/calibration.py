@@ -106,6 +106,10 @@ class Calibration:
         o = self.overhead
         return (float(o.get("compute_action_s", 0.0)), float(o.get("comm_op_s", 0.0)), float(o.get("step_s", 0.0)))
 
+    def message_delay(self) -> float:
+        """Seconds added to every message in the run beyond the ping-pong's (fitted, see ``tracepp.calibrate``)."""
+        return float(self.overhead.get("message_delay_s", 0.0))
+
 
 def _line(points: list) -> tuple:
     """Least squares ``seconds = a + c x size`` with a >= 0 and c >= 0; one size: proportional (a = 0)."""
@@ -215,7 +219,8 @@ def comm_model(calibration: Calibration, stage_to_rank: list, messages: dict):
     compute_s, op_s, _step_s = calibration.overheads()
     serial = bool(calibration.comm.get("serial", calibration.comm.get("backend") == "nccl"))
     return CommModel(links=links, default=calibration.link(0, 1) if calibration.comm.get("pairs") else (0.0, None),
-                     messages=messages, compute_overhead=compute_s, op_overhead=op_s, serial=serial)
+                     messages=messages, compute_overhead=compute_s, op_overhead=op_s, serial=serial,
+                     message_delay=calibration.message_delay())
 
 
 @dataclass

@@ -175,7 +175,7 @@ def _calibrate(args) -> int:
     try:
         calibrate(args.out, costs_paths=args.costs_files or ([args.costs] if getattr(args, "costs", None) else None),
                   comm_path=args.comm, nproc=args.nproc, fit_steps=args.fit_steps, fit=not args.no_fit,
-                  skip_comm=args.no_comm)
+                  skip_comm=args.no_comm, mode=args.overhead)
     except RuntimeError as error:  # a launched run failed: say which and how
         raise ValueError(str(error)) from None
     return 0
@@ -288,6 +288,9 @@ def _add_calibrate_options(parser, in_plan: bool) -> None:
     parser.add_argument("--fit-steps", type=int, default=12,
                         help=prefix + "steps of the calibration run that fits the runtime overheads (default 12)")
     parser.add_argument("--no-fit", action="store_true", help=prefix + "no calibration run: overheads 0")
+    parser.add_argument("--overhead", default=None, choices=["delay", "busy"],
+                        help=prefix + "what the calibration run fits: a delay per message (default) or a fixed rank "
+                                      "time per action")
 
 
 def main(argv=None) -> int:
