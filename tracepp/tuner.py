@@ -303,5 +303,10 @@ def apply(manifest: dict, out_dir: str, best: Candidate) -> dict:
     with the model file and the other options the manifest records)."""
     from tracepp.driver import resplit
 
+    own = stage_of_segments(manifest)
+    if own is not None and tuple(own) == best.split:  # the same cuts: as the folder was split (markers included)
+        recorded = (manifest.get("split_options") or {}).get("split_points")
+        return resplit(manifest, out_dir, schedule=best.schedule, num_stages=best.num_stages,
+                       num_microbatches=best.num_microbatches, split_points=recorded)
     return resplit(manifest, out_dir, schedule=best.schedule, num_stages=best.num_stages,
                    num_microbatches=best.num_microbatches, split_points=list(best.split_points))
