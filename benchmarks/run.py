@@ -11,7 +11,14 @@ file (benchmarks/gpt_model.py, untied head), split at the same block FQNs, is tr
   the matching ``Schedule*``), ``benchmarks/torch_worker.py``, timed the same way;
 * ``eager``: the unsplit model in one process, full batch (``benchmarks/eager_worker.py``);
 * ``ideal``: ``codegen.simulate`` of tracepp's own plan with per-(stage, kind) compute times measured in one
-  process in this run, comms free, plus the SGD step (``benchmarks/stage_times.py``).
+  process in this run, comms free, plus the SGD step (``benchmarks/stage_times.py``);
+* ``predicted``: the calibrated simulator (``tracepp.calibration``, ``benchmarks/predict.py``): the same plan with
+  the stage costs, the ping-pong's latency and bandwidth on every message, and the runtime's per-action overhead
+  fitted to the *other* cases' measured steps; printed next to the measured median with the error.
+
+``--quick`` also benchmarks the tuner (``tracepp plan --tune``): calibrated from the suite's two-stage cases, it
+picks a plan for the same model and ranks; the pick is split, run and measured in alternation with the best
+hand-picked case, and both are printed.
 
 Runs of the systems alternate (tracepp, torch, eager, then torch, tracepp, eager, ...), each run drops its
 warm-up steps, and the step time reported is the median of all measured steps. Every process runs with
@@ -43,6 +50,7 @@ from dataclasses import dataclass
 
 from benchmarks.gpt_model import GPTConfig, write_model_file
 from benchmarks.memory import MEMORY_STEPS, read_memory
+from benchmarks.predict import loadavg, predict_cases, suite_calibration
 
 SYSTEMS = ("tracepp", "torch", "eager")
 STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2, "interleaved-zb": 2}
@@ -255,11 +263,12 @@ def _merge(runs: list, tokens: int) -> dict:
 # the suite
 
 def run_suite(cases: list, settings: Settings, device: str, threads: int, work: str,
-              log=print) -> dict:
+              log=print, tune: bool = False) -> dict:
     from tracepp.driver import split_model
 
     started = time.perf_counter()
     results, eager_runs, folders = [], {}, {}
+    comm = _comm(cases, device, threads, settings, log)
     for number, case in enumerate(cases, 1):
         config = case.config
         tokens = config.tokens_per_step
@@ -269,7 +278,7 @@ def run_suite(cases: list, settings: Settings, device: str, threads: int, work: 
         entry = {"case": case.key, "model": config.to_json(), "ranks": case.ranks, "run_ranks": case.run_ranks,
                  "schedule": case.schedule, "microbatches": case.microbatches, "stages": case.stages,
                  "microbatch_size": config.batch // case.microbatches, "tokens_per_step": tokens,
-                 "split_points": config.split_points(case.stages)}
+                 "split_points": config.split_points(case.stages), "out_dir": out_dir, "loadavg": loadavg()}
         log(f"[{number}/{len(cases)}] {case.key} ({time.perf_counter() - started:.0f}s)")
         try:
             split_model(model_path, out_dir, num_ranks=case.run_ranks, num_stages=case.stages,
@@ -312,12 +321,102 @@ def run_suite(cases: list, settings: Settings, device: str, threads: int, work: 
             if out_dir in measured:
                 entry["ideal"] = dict(measured[out_dir], status="ok", step_time_s=measured[out_dir]["ideal_step_s"],
                                       tokens_per_s=entry["tokens_per_step"] / measured[out_dir]["ideal_step_s"])
+                entry["optimizer_stage_s"] = measured[out_dir]["optimizer_stage_s"]
+                entry["compute_costs"], entry["costs_source"] = _stage_costs(out_dir, measured[out_dir], work,
+                                                                             threads, settings)
             else:
                 entry["ideal"] = {"status": "failed", "error": error}
+    if device == "cpu" and folders:
+        log(f"predictions of the calibrated simulator ({time.perf_counter() - started:.0f}s)")
+        predict_cases(list(folders.values()), comm, log=log)
+    tuned = None
+    if tune and device == "cpu" and folders:
+        tuned = tune_benchmark(list(folders.values()), comm, settings, threads, work, log)
     for entry in results:
         entry.setdefault("ideal", {"status": "unsupported", "error": entry["tracepp"].get("error")})
         _derive(entry)
-    return {"results": results, "elapsed_s": time.perf_counter() - started}
+    return {"results": results, "elapsed_s": time.perf_counter() - started, "comm": comm, "tuner": tuned}
+
+
+def _comm(cases: list, device: str, threads: int, settings: Settings, log) -> dict:
+    """The ping-pong of tracepp.comm_bench between the suite's ranks (CPU suites; one rank count)."""
+    from tracepp.calibrate import measure_comm
+
+    ranks = sorted({case.run_ranks for case in cases if case.run_ranks > 1})
+    if device != "cpu" or not ranks:
+        return {}
+    try:
+        comm = measure_comm(ranks[-1], timeout=settings.timeout, threads=threads)
+    except RuntimeError as error:
+        log(f"ping-pong failed, comms priced free: {error}")
+        return {}
+    for key, value in sorted(comm.get("pairs", {}).items()):
+        bandwidth = value.get("bandwidth_bytes_per_s")
+        log(f"ping-pong ranks {key}: latency {value['latency_s'] * 1e6:.1f} us, bandwidth "
+            + (f"{bandwidth / 1e9:.2f} GB/s" if bandwidth else "n/a"))
+    return comm
+
+
+def _stage_costs(out_dir: str, measured: dict, work: str, threads: int, settings: Settings) -> tuple:
+    """The plain-autograd stage costs (tracepp.stage_costs) when installed, else stage_times' per-action times."""
+    path = os.path.join(work, f"costs_{os.path.basename(os.path.dirname(out_dir))}.json")
+    ok, _error, _ = _run([sys.executable, "-m", "benchmarks.predict", "--costs", out_dir, path],
+                         path + ".log", _env(threads), settings.timeout)
+    if ok:
+        with open(path) as handle:
+            return json.load(handle), "plain autograd (tracepp.stage_costs)"
+    return dict(measured["costs"]), "per action through the executor (benchmarks/stage_times.py)"
+
+
+def tune_benchmark(entries: list, comm: dict, settings: Settings, threads: int, work: str, log) -> dict:
+    """The tuner on the suite's model (calibrated from its cases), its pick run against the best hand-picked case."""
+    from tracepp.driver import resplit
+    from tracepp.manifest_file import load_manifest
+    from tracepp.tuner import tune
+
+    measured = [e for e in entries if (e.get("tracepp") or {}).get("status") == "ok" and e.get("prediction")]
+    if not measured:
+        return {"status": "skipped", "error": "no measured case"}
+    from tracepp.calibrate import FIT_MODE, overhead_of
+
+    values = [e["prediction"]["fitted_overhead_s"] for e in measured if e["prediction"]["fitted_overhead_mode"] == FIT_MODE]
+    overhead = overhead_of(FIT_MODE, statistics.median(values) if values else 0.0)
+    calibration, reference = suite_calibration(measured, comm, overhead)
+    manifest = load_manifest(reference)
+    started = time.perf_counter()
+    kept, _dropped, _failed = tune(manifest, calibration, optimizer_bytes_per_param=0)
+    tune_s = time.perf_counter() - started
+    best = kept[0]
+    log(f"tuner ({tune_s:.1f}s, {len(kept)} plans priced): {best.schedule}, {best.num_stages} stages, "
+        f"M={best.num_microbatches}, split {','.join(best.split_points)}: predicted {best.step_s * 1000:.1f} ms")
+    hand = min(measured, key=lambda e: e["tracepp"]["step_time_s"])
+    tuned_dir = os.path.join(work, "tuned", "tracepp_out")
+    os.makedirs(os.path.dirname(tuned_dir), exist_ok=True)
+    resplit(manifest, tuned_dir, schedule=best.schedule, num_stages=best.num_stages,
+            num_microbatches=best.num_microbatches, split_points=list(best.split_points))
+    config = GPTConfig(**{k: v for k, v in hand["model"].items() if k in GPTConfig.__dataclass_fields__})
+    cases = {"tuned": Case(config, hand["ranks"], best.schedule, best.num_microbatches, best.num_stages,
+                           hand["run_ranks"]),
+             "hand": Case(config, hand["ranks"], hand["schedule"], hand["microbatches"], hand["stages"],
+                          hand["run_ranks"])}
+    folders = {"tuned": tuned_dir, "hand": hand["out_dir"]}
+    runs = {"tuned": [], "hand": []}
+    for round_index in range(settings.rounds):
+        for name in (("tuned", "hand") if round_index % 2 == 0 else ("hand", "tuned")):
+            case_dir = os.path.dirname(folders[name])
+            runs[name].append(run_system("tracepp", cases[name], "", folders[name], case_dir, 100 + round_index,
+                                         settings, "cpu", threads))
+    tokens = hand["tokens_per_step"]
+    merged = {name: _merge(runs[name], tokens) for name in runs}
+    result = {"status": "ok", "tune_s": tune_s, "pick": best.to_json(), "top": [c.to_json() for c in kept[:5]],
+              "hand_picked": hand["case"], "hand_suite_step_s": hand["tracepp"]["step_time_s"],
+              "tuned_step_s": merged["tuned"].get("step_time_s"), "hand_step_s": merged["hand"].get("step_time_s"),
+              "overhead": overhead, "loadavg": loadavg()}
+    if result["tuned_step_s"] and result["hand_step_s"]:
+        result["tuned_over_hand"] = result["tuned_step_s"] / result["hand_step_s"]
+    log(f"tuner's pick measured {_ms(result['tuned_step_s'])} ms against the best hand-picked case {hand['case']} "
+        f"{_ms(result['hand_step_s'])} ms (in the suite: {_ms(hand['tracepp']['step_time_s'])} ms)")
+    return result
 
 
 def _time(entry: dict, system: str):
@@ -360,8 +459,11 @@ def format_table(report: dict) -> str:
                          _fmt(e["tracepp"].get("tokens_per_s"), ",.0f"), _fmt(e["efficiency"], ".2f"),
                          _fmt(e["tracepp"].get("peak_mem_mb"), ".0f"), _fmt(e["eager"].get("peak_mem_mb"), ".0f")])
         else:
+            prediction = e.get("prediction") or {}
             rows.append([e["model"]["name"], e["ranks"], e["schedule"], e["microbatches"], e["microbatch_size"],
-                         _ms(_time(e, "tracepp")), _ms(_time(e, "torch")), _ms(_time(e, "eager")),
+                         _ms(_time(e, "tracepp")), _ms(prediction.get("step_time_s")),
+                         _fmt(prediction.get("error") * 100 if prediction.get("error") is not None else None, "+.1f"),
+                         _ms(_time(e, "torch")), _ms(_time(e, "eager")),
                          _ms(_time(e, "ideal")), _fmt(e["tracepp"].get("tokens_per_s"), ",.0f"),
                          _fmt(e["torch"].get("tokens_per_s"), ",.0f"), _fmt(e["ratio_tracepp_over_torch"], ".2f"),
                          _fmt(e["efficiency"], ".2f"), _fmt(e["tracepp"].get("peak_mem_mb"), ".0f"),
@@ -370,13 +472,25 @@ def format_table(report: dict) -> str:
         headers = ["model", "GPUs", "schedule", "M", "tracepp ms", "eager ms", "ideal ms", "predicted R-GPU ms",
                    "tracepp tok/s", "ideal/tracepp", "mem tracepp MB", "mem eager MB"]
     else:
-        headers = ["model", "R", "schedule", "M", "mb size", "tracepp ms", "torch ms", "eager ms", "ideal ms",
+        headers = ["model", "R", "schedule", "M", "mb size", "tracepp ms", "predicted ms", "error %", "torch ms",
+                   "eager ms", "ideal ms",
                    "tracepp tok/s", "torch tok/s", "tracepp/torch", "ideal/tracepp", "mem tracepp MB",
                    "mem torch MB", "mem eager MB"]
     text = tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True)
     notes = [f"step time: median of measured steps (warm-up dropped) over alternating runs; tokens/s = "
              f"batch*seq / step time; ideal = simulated plan with measured stage times, comms free, + SGD step",
-             f"memory: max over ranks of {report.get('memory_method') or 'n/a'}"]
+             "predicted = calibrated simulator: stage costs, ping-pong latency/bandwidth per message, per-action "
+             "overhead fitted to the other cases (leave one out); error = (predicted - tracepp) / tracepp",
+             f"memory: max over ranks of {report.get('memory_method') or 'n/a'}",
+             f"load average (1, 5, 15 min) at start {report.get('loadavg_start')}, end {report.get('loadavg_end')}"]
+    tuned = report.get("tuner") or {}
+    if tuned.get("status") == "ok":
+        pick = tuned["pick"]
+        notes.append(f"tuner: picked {pick['schedule']}, {pick['num_stages']} stages, M={pick['num_microbatches']}, "
+                     f"split {','.join(pick['split_points'])} (predicted {_ms(pick['step_s'])} ms) in "
+                     f"{tuned['tune_s']:.1f}s; measured {_ms(tuned['tuned_step_s'])} ms against the best hand-picked "
+                     f"case {tuned['hand_picked']} {_ms(tuned['hand_step_s'])} ms, run alternately: "
+                     f"pick / hand-picked = {_fmt(tuned.get('tuned_over_hand'), '.3f')} (target <= 1.05)")
     problems = [f"{e['case']} {s}: {e[s].get('status')}: {e[s].get('error')}"
                 for e in report["results"] for s in ("tracepp", "torch", "eager", "ideal")
                 if s in e and e[s].get("status") not in ("ok", None)]
@@ -431,6 +545,8 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=int, default=None, help="measured steps per run (quick 5, else 10)")
     parser.add_argument("--filter", default=None, help="only cases whose name contains this text")
     parser.add_argument("--keep", action="store_true", help="keep the work folder (model files, outputs, logs)")
+    parser.add_argument("--no-tune", action="store_true", help="--quick: skip the tuner's benchmark")
+    parser.add_argument("--tune", action="store_true", help="run the tuner's benchmark (default with --quick)")
     parser.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # the CI harness test
     return parser.parse_args(argv)
 
@@ -461,12 +577,13 @@ def main(argv=None) -> int:
     if settings.rounds * settings.measured < 10:
         print(f"note: {settings.rounds} rounds x {settings.measured} steps = fewer than 10 measured steps per system")
     started = datetime.datetime.now()
+    load_start = loadavg()
     work = tempfile.mkdtemp(prefix="tracepp_bench_")
     print(f"{len(cases)} cases, {settings.rounds} rounds x ({settings.warmup} warm-up + {settings.measured} "
           f"measured + {MEMORY_STEPS} untimed memory) steps per system, device {args.device}, work folder {work}", flush=True)
     try:
         suite = run_suite(cases, settings, args.device, args.threads, work,
-                          log=lambda text: print(text, flush=True))
+                          log=lambda text: print(text, flush=True), tune=(args.quick or args.tune) and not args.no_tune)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
@@ -479,6 +596,8 @@ def main(argv=None) -> int:
     report = {"started": started.strftime("%Y-%m-%d %H:%M:%S"), "device": args.device, "quick": args.quick,
               "elapsed_s": suite["elapsed_s"], "settings": vars(settings), "threads_per_process": args.threads,
               "memory_method": "; ".join(sorted(methods)) or None,
+              "loadavg_start": load_start, "loadavg_end": loadavg(), "comm": suite.get("comm"),
+              "tuner": suite.get("tuner"),
               "environment": {"torch": torch.__version__, "python": platform.python_version(),
                               "platform": platform.platform(), "cpu_count": os.cpu_count(),
                               "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None},

@@ -72,7 +72,7 @@ def _plan_record(plan: dict) -> dict:
     return record
 
 
-def build_manifest(model_file, traced, graph, plan, launch_command: str) -> dict:
+def build_manifest(model_file, traced, graph, plan, launch_command: str, options=None) -> dict:
     model = traced.model
     named_params = dict(model.named_parameters(remove_duplicate=False))
     stages = []
@@ -134,6 +134,7 @@ def build_manifest(model_file, traced, graph, plan, launch_command: str) -> dict
                    for name, v in graph.values.items()},
         "stages": stages,
         "recomputed": graph.recomputed,
+        "segments": graph.segments,  # where a re-split may cut and what each piece costs (the tuner)
         "shared": [{"fqn": ref.fqn, "aliases": ref.aliases, "stages": ref.stages} for ref in graph.shared_state()],
         "state_dict_keys": list(model.state_dict().keys()),
         # read by no stage: rank 0 materialises them only to write them back with --save
@@ -143,6 +144,9 @@ def build_manifest(model_file, traced, graph, plan, launch_command: str) -> dict
         "batch_symbol": graph.batch_symbol,
         "plan": _plan_record(plan),
         "notes": list(traced.notes),  # what tracing noticed (e.g. a size baked in), printed by the CLI
+        # how `tracepp split` was called (model file path, ranks, stages, ...): what a re-split (the tuner's
+        # --apply) repeats with other choices
+        "split_options": dict(options or {}),
     }
 
 
@@ -435,11 +439,11 @@ def _remove_previous(out_dir: str, files: list) -> None:
             os.rmdir(path)
 
 
-def emit(out_dir: str, model_file, traced, graph, plan: dict, launch_command: str) -> dict:
+def emit(out_dir: str, model_file, traced, graph, plan: dict, launch_command: str, options=None) -> dict:
     """Write the folder. A folder an earlier split wrote is refreshed file by file (only the files its
     manifest lists are replaced or removed; e.g. ``trained.pt`` saved there stays); any other non-empty
     folder is refused."""
-    manifest = build_manifest(model_file, traced, graph, plan, launch_command)
+    manifest = build_manifest(model_file, traced, graph, plan, launch_command, options)
     previous = _previous_files(out_dir)
     if previous is None and os.path.isdir(out_dir) and os.listdir(out_dir):
         raise FileExistsError(f"output folder {out_dir!r} exists, is not empty and has no tracepp manifest.json; "

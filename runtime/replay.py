@@ -26,9 +26,27 @@ Execution model (what the tracepp runtime does, and what NCCL allows):
 * A compute action starts when its rank is free and its inputs are there: a value made on the same rank once
   its producer ended, a value from another rank once the batch holding its receive completed. Lists without
   comm actions (compute-only, before lowering) move data instantly: a value is there once its producer ends.
-* Compute costs :data:`UNIT_COSTS` unless the caller gives its own (see :func:`cost_of`); comms cost 0.
+* Compute costs :data:`UNIT_COSTS` unless the caller gives its own (see :func:`cost_of`); comms cost 0 unless
+  the caller gives a :class:`CommModel` (the planner's calibrated simulator does; the schedulers, the lowering,
+  validation and the start-up check of edited scripts do not: unit costs, free comms).
 
 A plan that runs under this model also runs under gloo, whose p2p ops are less constrained.
+
+What a :class:`CommModel` adds (all times in the caller's unit, seconds when calibrated):
+
+* a message's transfer time: ``delay + tensors x latency + bytes / bandwidth`` for its rank pair (one SEND/RECV
+  action carries every tensor of that stage edge for one microbatch; the runtime posts one isend/irecv per
+  tensor; ``delay``: a fixed time per message on top of the link's, e.g. the wake-up of a busy receiver). An
+  op's transfer starts when it is *matched* (both its batch and its counterpart's batch at the head of their
+  queues; with ``serial=False``, gloo's model, as soon as both ops are posted, with no per-rank queue) and its
+  batch completes when every op's transfer has ended. Transfers of different rank pairs overlap;
+* a fixed runtime overhead per compute action (``compute_overhead``, per kind or one number: Python dispatch,
+  autograd set-up, what the executor does around the stage function) added to its cost, and per comm op posted
+  (``op_overhead``: the rank is busy posting and later waiting on it) that moves the rank's clock.
+
+What it does not model: contention between transfers sharing a link or a rank's copy engine, compute slowed
+by concurrent transfers or by other processes on the same cores, the optimizer step and anything else outside
+the action list (the caller adds those), memory-allocation stalls, and the variance of any of these.
 
 Send release (``RELEASES``): gloo reports a send complete only when it is waited on, so a sent tensor lives
 until the wait. A send may be waited on as soon as this rank *knows* that the peer posted the matching
@@ -169,6 +187,53 @@ def cost_of(action: Action, costs=None) -> float:
     return UNIT_COSTS[action.kind]
 
 
+class CommModel:
+    """Message transfer times and per-action runtime overheads for a timed replay (see the module doc).
+
+    ``links``: ``{(rank_a, rank_b): (latency, bandwidth)}`` per rank pair, either order; ``default``: the
+    ``(latency, bandwidth)`` of a pair not listed (bandwidth ``None`` or 0: bytes are free). ``messages``:
+    ``{(producer stage, consumer stage, "F" or "B"): (tensors, bytes)}``: what one SEND/RECV action of that
+    edge carries for one microbatch (activations "F", gradients "B"); an edge not listed carries one tensor of
+    0 bytes. ``message_delay``: added to every message's transfer (idle time of the ranks that wait for it, which
+    other work may fill). ``compute_overhead``: added to every compute action's cost, a number or ``{kind: number}``.
+    ``op_overhead``: rank time per comm op posted. ``serial``: True (default): a rank's comm batches complete in
+    FIFO order (NCCL's stream); False: ops are independent (gloo's isend/irecv).
+    """
+
+    def __init__(self, links=None, default=(0.0, None), messages=None, compute_overhead=0.0, op_overhead=0.0,
+                 serial=True, message_delay=0.0):
+        self.links = {}
+        for (a, b), link in (links or {}).items():
+            self.links[(a, b)] = self.links[(b, a)] = (float(link[0]), link[1])
+        self.default = (float(default[0]), default[1])
+        self.messages = dict(messages or {})
+        self.compute_overhead = compute_overhead
+        self.op_overhead = float(op_overhead)
+        self.serial = bool(serial)
+        self.message_delay = float(message_delay)
+
+    def message(self, op: Action) -> tuple:
+        """(tensors, bytes) that the comm action ``op`` moves."""
+        if op.kind in ("SEND_F", "RECV_B"):  # at the producer stage
+            producer, consumer = op.stage, op.peer
+        else:  # RECV_F, SEND_B: at the consumer stage
+            producer, consumer = op.peer, op.stage
+        direction = "F" if op.kind.endswith("F") else "B"
+        return self.messages.get((producer, consumer, direction), (1, 0))
+
+    def transfer(self, op: Action, rank: int, peer_rank: int) -> float:
+        """Seconds (or units) from the match of ``op`` to the end of its transfer between the two ranks."""
+        latency, bandwidth = self.links.get((rank, peer_rank), self.default)
+        tensors, size = self.message(op)
+        return self.message_delay + tensors * latency + (size / bandwidth if bandwidth else 0.0)
+
+    def overhead(self, kind: str) -> float:
+        extra = self.compute_overhead
+        if isinstance(extra, dict):
+            return float(extra.get(kind, 0.0))
+        return float(extra)
+
+
 # ----------------------------------------------------------------------------------------------------
 # policies: what a rank runs next
 
@@ -244,15 +309,19 @@ class ReplayResult:
     first_release: dict
     makespan: float = 0.0
     costs: dict = field(default_factory=dict)
+    ends: dict = field(default_factory=dict)  # rank -> when its step is over (its last compute or comm op)
 
 
 class Replay:
-    """One replay of a plan: per-rank clocks, values made, comm queues and vector clocks, driven by a policy."""
+    """One replay of a plan: per-rank clocks, values made, comm queues and vector clocks, driven by a policy.
+    ``comm``: a :class:`CommModel` (transfer times, overheads), or None: comms free, no overheads."""
 
-    def __init__(self, stage_to_rank: list, topology: Topology, costs=None, ranks=()):
+    def __init__(self, stage_to_rank: list, topology: Topology, costs=None, ranks=(), comm: "CommModel" = None):
         self.stage_to_rank = list(stage_to_rank)
         self.topology = topology
         self.costs = costs
+        self.model = comm
+        self.op_done: dict = {}  # (rank, position) -> when that comm op's transfer ended (with a CommModel)
         self.ranks = sorted(set(self.stage_to_rank) | set(ranks))
         self.clock = {r: 0.0 for r in self.ranks}
         self.position = {r: 0 for r in self.ranks}
@@ -335,10 +404,15 @@ class Replay:
         if stuck:
             self._deadlock(policy, stuck)
         makespan = max([end for entries in self.timeline.values() for *_, end in entries] + [0.0])
+        ends = {}
+        for r in self.ranks:  # the runtime waits on every send at the end of the step
+            ends[r] = max([self.clock[r]] + [b.done for b in self.batches[r] if b.done is not None])
+        if self.model is not None:
+            makespan = max([makespan] + list(ends.values()))
         first = {r: {p: at for at, sends in self.releases[r].items() for p in sends} for r in self.ranks}
         used = dict(UNIT_COSTS)
         used.update(self.costs or {})
-        return ReplayResult(self.orders, self.timeline, self.batches, self.releases, first, makespan, used)
+        return ReplayResult(self.orders, self.timeline, self.batches, self.releases, first, makespan, used, ends)
 
     def _compute(self, rank: int, action: Action) -> bool:
         """Run ``action`` on ``rank`` if its inputs are there; False (and why, in ``waiting``) if not."""
@@ -346,10 +420,11 @@ class Replay:
         for dep, recv in self._deps(action):
             if recv is not None:
                 posted = self.posted_recv[rank].get(recv)
-                if posted is None or posted[1].done is None:
+                arrived = None if posted is None else self._arrived(rank, posted)
+                if arrived is None:
                     self.waiting[rank] = f"for '{recv}'"
                     return False
-                start = max(start, posted[1].done)
+                start = max(start, arrived)
                 merges.append(self._partner(rank, posted[0]))
             else:
                 made = self.ready.get(dep)
@@ -360,6 +435,8 @@ class Replay:
                 start = max(start, made)
         self.waiting.pop(rank, None)
         end = start + cost_of(action, self.costs)
+        if self.model is not None:
+            end += self.model.overhead(action.kind)
         position = self.position[rank]
         self.ready[produced_key(action)] = end
         self.timeline[rank].append((position, action, start, end))
@@ -375,7 +452,16 @@ class Replay:
         self._release(rank, position)
         return True
 
+    def _arrived(self, rank: int, posted: tuple):
+        """When the receive posted at ``posted`` = (position, batch) has its data, or None if not yet: its batch's
+        completion (FIFO), or with a non-serial CommModel its own transfer's end."""
+        if self.model is not None and not self.model.serial:
+            return self.op_done.get((rank, posted[0]))
+        return posted[1].done
+
     def _post(self, rank: int, ops: list) -> None:
+        if self.model is not None and self.model.op_overhead:
+            self.clock[rank] += self.model.op_overhead * len(ops)
         batch = CommBatch(rank, [], list(ops), posted=self.clock[rank])
         for op in ops:
             position = self.position[rank]
@@ -398,9 +484,27 @@ class Replay:
             else:
                 self.posted_recv[rank][op] = (position, batch)
             self._release(rank, position)
-        self.queue[rank].append(batch)
         self.batches[rank].append(batch)
+        if self.model is not None and not self.model.serial:
+            self._match_posted(rank, batch)
+            return
+        self.queue[rank].append(batch)
         self._set_head(rank)
+
+    def _match_posted(self, rank: int, batch: CommBatch) -> None:
+        """Non-serial comms: each op of a new batch whose counterpart is posted transfers from the later post."""
+        for position, op in zip(batch.positions, batch.ops):
+            partner = self._partner(rank, position)
+            if partner is None:
+                continue
+            peer, peer_position, peer_batch = partner
+            done = max(batch.posted, peer_batch.posted) + self.model.transfer(op, rank, peer)
+            self.op_done[(rank, position)] = self.op_done[(peer, peer_position)] = done
+            for owner, owner_batch in ((rank, batch), (peer, peer_batch)):
+                times = [self.op_done.get((owner, p)) for p in owner_batch.positions]
+                if all(t is not None for t in times):
+                    owner_batch.head = owner_batch.posted
+                    owner_batch.done = max(times)
 
     def _partner(self, rank: int, position: int):
         """(rank, position, batch) of the op matched with this rank's comm op at ``position``, or None."""
@@ -442,11 +546,14 @@ class Replay:
                     continue
                 batch = self.queue[rank][0]
                 t = batch.head
-                for position in batch.positions:
+                for position, op in zip(batch.positions, batch.ops):
                     partner = self._partner(rank, position)
                     if partner is None or partner[2].head is None:
                         break
-                    t = max(t, partner[2].head)
+                    if self.model is None:
+                        t = max(t, partner[2].head)
+                    else:  # the op's transfer starts at its match
+                        t = max(t, max(batch.head, partner[2].head) + self.model.transfer(op, rank, partner[0]))
                 else:
                     batch.done = self.last_done[rank] = t
                     self.queue[rank].pop(0)
@@ -487,9 +594,10 @@ class Replay:
         raise error
 
 
-def replay(lists: dict, stage_to_rank: list, topology: Topology, costs=None) -> ReplayResult:
-    """Replay static per-rank lists (compute-only or lowered) under the execution model; raise on deadlock."""
-    return Replay(stage_to_rank, topology, costs, ranks=lists).run(ListPolicy(lists))
+def replay(lists: dict, stage_to_rank: list, topology: Topology, costs=None, comm: CommModel = None) -> ReplayResult:
+    """Replay static per-rank lists (compute-only or lowered) under the execution model; raise on deadlock.
+    ``comm``: a :class:`CommModel` for transfer times and overheads (default: comms free)."""
+    return Replay(stage_to_rank, topology, costs, ranks=lists, comm=comm).run(ListPolicy(lists))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -661,10 +769,12 @@ def _check_pairs(lists, stage_to_rank, num_microbatches, training, fwd_edges, gr
 
 
 def validate(lists: dict, stage_to_rank: list, topology: Topology, num_microbatches: int,
-             training: bool = True, costs=None) -> ReplayResult:
-    """The one validator: :func:`check_plan`, then a replay (deadlocks). Returns the replay (times, releases)."""
+             training: bool = True, costs=None, comm: CommModel = None) -> ReplayResult:
+    """The one validator: :func:`check_plan`, then a replay (deadlocks). Returns the replay (times, releases);
+    with ``comm`` the replay is timed with it (a serial one sees the same deadlocks as none; a non-serial one
+    cannot see those of NCCL's FIFO streams: validate without it first)."""
     lists = {rank: list(actions) for rank, actions in lists.items()}
     for rank in set(stage_to_rank):
         lists.setdefault(rank, [])
     check_plan(lists, list(stage_to_rank), topology, num_microbatches, training)
-    return replay(lists, list(stage_to_rank), topology, costs)
+    return replay(lists, list(stage_to_rank), topology, costs, comm)

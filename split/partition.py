@@ -236,6 +236,56 @@ def _node_costs(nodes: list, flops: dict, needs_grad: dict, counted_state: set) 
     return total
 
 
+def segment_table(nodes: list, model: torch.nn.Module, flops: dict, needs_grad: dict, parameters: set,
+                  computable: set, stage_of: Optional[dict] = None) -> list:
+    """The pieces a re-split may cut between, as plain data: the automatic balancer's segments (repeated blocks,
+    top-level modules), each beginning at a module a split point can name, in execution order.
+
+    Per segment, for the traced microbatch: ``begins`` (the split point FQN that starts it; None for the first),
+    ``forward_flops``, ``num_params``, ``param_bytes``, ``activation_bytes`` (as ``split.cost``), and what a cut
+    before it would send: ``cut_tensors``/``cut_bytes`` (tensor values made before, used at or after it; values a
+    later stage can make again from the inputs are left out) and ``cut_grad_tensors``/``cut_grad_bytes`` (those
+    that carry a gradient back); ``stage``: the stage its first node is on in this split (``stage_of``, when
+    given). A segment whose start no module names is merged into the one before it.
+    """
+    blocks = repeated_blocks(model)
+    keys = [segment_key(node_modules(node), blocks) for node in nodes]
+    position = {node: index for index, node in enumerate(nodes)}
+    first_in: dict = {}
+    for index, node in enumerate(nodes):
+        for path in node_modules(node):
+            first_in.setdefault(path, index)
+    starts = [p for p in segment_starts(keys) if keys[p] and first_in.get(keys[p]) == p]
+    edges = [0] + starts + [len(nodes)]
+    last_use: dict = {}
+    for node in nodes:
+        for arg in node.all_input_nodes:
+            if arg in position:
+                last_use[arg] = max(last_use.get(arg, -1), position[node])
+    for node in nodes:  # values the model returns cross every later cut into the last stage
+        if any(user.op == "output" for user in node.users):
+            last_use[node] = len(nodes)
+    table = []
+    for index, (start, end) in enumerate(zip(edges, edges[1:])):
+        piece = _node_costs(nodes[start:end], flops, needs_grad, parameters)
+        tensors = sent = grad = 0
+        if index:
+            for node in nodes[:start]:
+                val = node.meta.get("val")
+                if last_use.get(node, -1) < start or not isinstance(val, torch.Tensor) or node in computable:
+                    continue
+                tensors += 1
+                sent += cost.tensor_bytes(val)
+                if needs_grad.get(node) and val.dtype.is_floating_point:
+                    grad += cost.tensor_bytes(val)
+        table.append({"begins": keys[start] if index else None, "forward_flops": piece.forward_flops,
+                      "num_params": piece.num_params, "param_bytes": piece.param_bytes,
+                      "activation_bytes": piece.activation_bytes, "cut_tensors": tensors, "cut_bytes": sent,
+                      "cut_grad_bytes": grad,
+                      "stage": stage_of.get(nodes[start]) if stage_of is not None and start < len(nodes) else None})
+    return table
+
+
 def _balanced_boundaries(nodes: list, num_stages: int, model: torch.nn.Module, flops: dict, needs_grad: dict,
                          parameters: set, memory_of) -> list:
     """Cuts between segments (repeated blocks, else top-level modules) that balance FLOPs, then memory."""
@@ -583,6 +633,10 @@ def split(traced, split_points: Optional[list] = None, num_stages: Optional[int]
     stage_of = {node: index for index in range(count) for node in compute[edges[index]:edges[index + 1]]}
     computable = _computable_from_roots(compute, inputs.state, needs_grad)
     stage_nodes, recomputed = _place_recomputation(compute, edges, computable, flops)
+    try:
+        segments = segment_table(compute, traced.model, flops, needs_grad, parameters, computable, stage_of)
+    except Exception:  # the table only serves the tuner: never fail a split for it
+        segments = []
     output_node = next(n for n in graph.nodes if n.op == "output")
     names = naming.value_names(graph, _crossing(compute, stage_nodes, recomputed, output_node, traced.model),
                                inputs.symbol_names)
@@ -608,7 +662,7 @@ def split(traced, split_points: Optional[list] = None, num_stages: Optional[int]
                          {names.get(node, node.name): {
                              "producer": stage_of[node], "stages": where,
                              **tensor_meta(node.meta["val"], False, inputs.symbol_names).to_json()}
-                          for node, where in recomputed.items()})
+                          for node, where in recomputed.items()}, segments)
 
 
 def _describe(node: fx.Node) -> str:

@@ -83,6 +83,8 @@ class PipelineGraph:
     symbol_aliases: dict = field(default_factory=dict)  # export's symbol name ("s95") -> ours ("s_batch")
     recomputed: dict = field(default_factory=dict)  # value name -> {"producer": stage, "stages": [stages that
     #                                                 make it again from root inputs and buffers instead of receiving it]}
+    segments: list = field(default_factory=list)  # split.partition.segment_table: where a re-split may cut, and
+    #                                               what each piece costs (the tuner prices other splits with it)
 
     @property
     def num_stages(self) -> int:

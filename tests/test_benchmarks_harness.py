@@ -13,13 +13,13 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_tiny_suite_writes_every_system_and_field(tmp_path):
     out = str(tmp_path / "results")
     command = [sys.executable, "-m", "benchmarks.run", "--tiny", "--rounds", "1", "--warmup", "1", "--steps", "10",
-               "--out", out]
+               "--out", out, "--tune"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=240, env=env)
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=420, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     # the table printed, with its headers and the case's row
-    for header in ("tracepp ms", "torch ms", "eager ms", "ideal ms", "tracepp/torch", "ideal/tracepp",
-                   "mem tracepp MB"):
+    for header in ("tracepp ms", "predicted ms", "error %", "torch ms", "eager ms", "ideal ms", "tracepp/torch",
+                   "ideal/tracepp", "mem tracepp MB"):
         assert header in result.stdout
     assert "1f1b" in result.stdout and "problems:" not in result.stdout, result.stdout
     files = glob.glob(os.path.join(out, "*_cpu.json"))
@@ -36,6 +36,15 @@ def test_tiny_suite_writes_every_system_and_field(tmp_path):
         assert len(part["peak_mem_mb_per_rank"]) == (1 if system == "eager" else 2)
         assert all(m > 0 for m in part["peak_mem_mb_per_rank"])  # a training step allocates activations
         assert len(part["rss_growth_mb_per_rank"]) == len(part["peak_mem_mb_per_rank"])
+    # the calibrated simulator's prediction next to the measured step (one case: its overhead is its own fit)
+    prediction = entry["prediction"]
+    assert prediction["status"] == "ok" and prediction["step_time_s"] > 0 and prediction["fitted"] is True
+    assert prediction["measured_step_s"] == entry["tracepp"]["step_time_s"]
+    assert "0-1" in report["comm"]["pairs"] and len(report["loadavg_start"]) == 3
+    # the tuner's benchmark: its pick split, run and measured next to the best hand-picked case
+    tuned = report["tuner"]
+    assert tuned["status"] == "ok" and tuned["tuned_step_s"] > 0 and tuned["hand_step_s"] > 0, tuned
+    assert "tuner: picked" in result.stdout
     ideal = entry["ideal"]
     assert ideal["status"] == "ok" and ideal["step_time_s"] > 0
     assert {"0,F", "0,B", "1,F", "1,B", "0,I", "0,W"} <= set(ideal["costs"])

@@ -5,7 +5,9 @@
                                    [--dp N] [--dp-mode fsdp|ddp|hsdp] [--dp-shard K] [--dp-order pp-inner|dp-inner]
     tracepp check model.py [split options]      # trace, split, plan; print the stage table and warnings
     tracepp inspect out/
-    tracepp plan out/ [--svg plan.svg] [--trace plan.json] [--costs measured.json]
+    tracepp plan out/ [--svg plan.svg] [--trace plan.json] [--costs measured.json] [--calibrate]
+                      [--tune [--memory-limit 20GB] [--top K] [--apply]]
+    tracepp calibrate out/ [--costs COSTS.json ...] [--comm COMM.json | --nproc N] [--fit-steps K | --no-fit]
 """
 from __future__ import annotations
 
@@ -113,11 +115,70 @@ def _plan(args) -> int:
     from tracepp.manifest_file import load_manifest
     from tracepp.plan_report import plan_report, write_plan_pictures
 
+    if args.calibrate:
+        _calibrate(args)
     manifest = load_manifest(args.out)
+    if args.tune or args.apply:
+        return _tune(args, manifest)
     costs = load_costs(args.costs, len(manifest["stages"])) if args.costs else None
     print(plan_report(manifest, grid=True, costs=costs))
+    calibration = _calibration_if_any(args)
+    if calibration is not None:
+        from tracepp.calibration import predict_folder
+
+        try:
+            prediction = predict_folder(manifest, calibration)
+        except ValueError as error:
+            print(f"calibrated prediction: not available ({error})")
+        else:
+            print(f"calibrated prediction ({args.calibration or 'OUT/calibration.json'}: measured comms, stage costs "
+                  f"and runtime overheads): step {prediction.step_s * 1000:.1f} ms, bubble {prediction.bubble:.1%}")
     for path in write_plan_pictures(manifest, args.svg, args.trace, costs=costs):
         print(f"wrote {path}")
+    return 0
+
+
+def _calibration_if_any(args, required: bool = False):
+    from tracepp.calibration import CALIBRATION_FILE, load_calibration
+
+    path = args.calibration or os.path.join(args.out, CALIBRATION_FILE)
+    if not required and not args.calibration and not os.path.isfile(path):
+        return None
+    return load_calibration(path)
+
+
+def _tune(args, manifest) -> int:
+    from tracepp.tuner import apply, current_candidate, format_tuning, parse_bytes, tune
+
+    calibration = _calibration_if_any(args, required=True)
+    limit = parse_bytes(args.memory_limit) if args.memory_limit else None
+    schedules = [s.strip() for s in args.schedules.split(",")] if args.schedules else None
+    counts = [int(m) for m in args.microbatch_counts.split(",")] if args.microbatch_counts else None
+    kept, dropped, failed = tune(manifest, calibration, memory_limit=limit, schedules=schedules,
+                                 microbatch_counts=counts, optimizer_bytes_per_param=args.optimizer_bytes_per_param)
+    print(format_tuning(kept, dropped, failed, args.top, limit, current_candidate(kept, dropped, manifest)))
+    if not kept:
+        raise ValueError("no candidate fits" + (f" --memory-limit {args.memory_limit}" if limit else "")
+                         + ": raise the limit, or add ranks")
+    if args.apply:
+        best = kept[0]
+        print(f"applying #1: --schedule {best.schedule} --stages {best.num_stages} --microbatches "
+              f"{best.num_microbatches} --split-points {','.join(best.split_points)}")
+        written = apply(manifest, args.out, best)
+        print(f"wrote {args.out} ({written['plan']['schedule']}, {len(written['stages'])} stages, "
+              f"{written['plan']['num_microbatches']} microbatches); run it: {written['launch_command']} --steps 3")
+    return 0
+
+
+def _calibrate(args) -> int:
+    from tracepp.calibrate import calibrate
+
+    try:
+        calibrate(args.out, costs_paths=args.costs_files or ([args.costs] if getattr(args, "costs", None) else None),
+                  comm_path=args.comm, nproc=args.nproc, fit_steps=args.fit_steps, fit=not args.no_fit,
+                  skip_comm=args.no_comm, mode=args.overhead)
+    except RuntimeError as error:  # a launched run failed: say which and how
+        raise ValueError(str(error)) from None
     return 0
 
 
@@ -184,8 +245,53 @@ def build_parser() -> argparse.ArgumentParser:
                       help='measured compute times per action kind, e.g. {"F": 1.0, "B": 2.0}, or per stage, '
                            'e.g. {"0F": 1.2, "1B": 2.5} (default: the unit costs '
                            + ", ".join(f"{kind}={cost:g}" for kind, cost in UNIT_COSTS.items()) + ")")
+    plan.add_argument("--calibration", default=None, metavar="FILE",
+                      help="calibration file for the predicted step time and --tune (default: OUT/calibration.json)")
+    plan.add_argument("--tune", action="store_true",
+                      help="search schedule, stages per rank, microbatches and split points with the calibrated "
+                           "simulator; print the best plans")
+    plan.add_argument("--memory-limit", default=None, metavar="SIZE",
+                      help="--tune: drop plans whose estimated peak memory on some rank exceeds SIZE (e.g. 20GB)")
+    plan.add_argument("--top", type=int, default=5, help="--tune: how many plans to print (default 5)")
+    plan.add_argument("--apply", action="store_true", help="--tune, then split OUT again with the best plan")
+    plan.add_argument("--schedules", default=None, help="--tune: only these schedules (comma-separated)")
+    plan.add_argument("--microbatch-counts", default=None, metavar="M,M",
+                      help="--tune: only these microbatch counts (default: the batch's divisors up to 128)")
+    plan.add_argument("--optimizer-bytes-per-param", type=int, default=8,
+                      help="--tune: optimizer state per parameter in the memory estimate (default 8: Adam; SGD 0)")
+    _add_calibrate_options(plan, in_plan=True)
     plan.set_defaults(run=_plan)
+    calibrate = sub.add_parser("calibrate", help="measure comms, stage costs and runtime overheads on this "
+                                                 "machine; write OUT/calibration.json")
+    calibrate.add_argument("out")
+    calibrate.add_argument("--costs", dest="costs_files", action="append", default=None, metavar="COSTS.json",
+                           help="stage costs (the `tracepp plan --costs` format, optionally with \"microbatch_size\"); "
+                                "repeat with files measured at other microbatch sizes")
+    _add_calibrate_options(calibrate, in_plan=False)
+    calibrate.set_defaults(run=_calibrate)
     return parser
+
+
+def _add_calibrate_options(parser, in_plan: bool) -> None:
+    prefix = "--calibrate: " if in_plan else ""
+    if in_plan:
+        parser.add_argument("--calibrate", action="store_true",
+                            help="first measure and write OUT/calibration.json (as `tracepp calibrate OUT`, with "
+                                 "--costs as the stage costs)")
+        parser.set_defaults(costs_files=None)
+    parser.add_argument("--comm", default=None, metavar="COMM.json",
+                        help=prefix + "ping-pong results of `torchrun ... -m tracepp.comm_bench --json` (e.g. across "
+                                      "nodes) instead of running it here")
+    parser.add_argument("--nproc", type=int, default=None,
+                        help=prefix + "processes for the ping-pong and the calibration run (default: the plan's ranks "
+                                      "x replicas, all on this machine)")
+    parser.add_argument("--no-comm", action="store_true", help=prefix + "skip the ping-pong (comms free)")
+    parser.add_argument("--fit-steps", type=int, default=12,
+                        help=prefix + "steps of the calibration run that fits the runtime overheads (default 12)")
+    parser.add_argument("--no-fit", action="store_true", help=prefix + "no calibration run: overheads 0")
+    parser.add_argument("--overhead", default=None, choices=["delay", "busy"],
+                        help=prefix + "what the calibration run fits: a delay per message (default) or a fixed rank "
+                                      "time per action")
 
 
 def main(argv=None) -> int:

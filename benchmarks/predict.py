@@ -1,0 +1,149 @@
+"""The calibrated simulator against the measured step, and the tuner's pick against the hand-picked cases.
+
+Used by ``benchmarks/run.py`` (every case gets ``prediction``: predicted step, measured median, error) and runnable
+on the JSON of a finished suite to recompute the predictions:
+
+    python -m benchmarks.predict RESULTS.json
+
+How a case is predicted (``tracepp.calibration``): its own plan, replayed with its stages' compute costs (the
+plain-autograd measurement ``tracepp.stage_costs`` when installed, else the per-action times of
+``benchmarks/stage_times.py``), the ping-pong's latency and bandwidth per rank pair on each boundary message
+(gloo: ops independent), the optimizer step per stage, and the one number ``tracepp calibrate`` fits to a measured
+run (``tracepp.calibrate.FIT_MODE``: a delay per message, or a fixed time per action), never fitted to the case it
+predicts: for each case it is the median of the values fitted to each *other* case of the suite (leave one out). A suite of one case cannot do that and
+says so (``"fitted": true``: its "prediction" is then the fit itself).
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+
+COSTS_HOOK = ("tracepp.stage_costs", "measure_stage_costs")
+
+
+def loadavg() -> list:
+    """The 1, 5 and 15-minute load averages (Linux), or [] where /proc/loadavg does not exist."""
+    try:
+        with open("/proc/loadavg") as handle:
+            return [float(x) for x in handle.read().split()[:3]]
+    except OSError:
+        return []
+
+
+def plain_autograd_costs(out_dir: str):
+    """The plain-autograd stage costs (``{"0F": s, ...}``) if that measurement is installed, else None."""
+    import importlib
+
+    try:
+        function = getattr(importlib.import_module(COSTS_HOOK[0]), COSTS_HOOK[1])
+    except (ImportError, AttributeError):
+        return None
+    return function(out_dir)
+
+
+def _keyed(costs: dict) -> dict:
+    """"0,F" or "0F" keys -> (0, "F")."""
+    out = {}
+    for key, value in costs.items():
+        stage, kind = key.split(",") if "," in key else (key[:-1], key[-1])
+        out[(int(stage), kind)] = float(value)
+    return out
+
+
+def _calibration(manifest: dict, costs: dict, optimizer_stage_s: dict, comm: dict, overhead: dict):
+    from tracepp.calibration import Calibration, folder_record, traced_microbatch
+
+    return Calibration(comm=dict(comm or {}), optimizer_s={str(k): v for k, v in (optimizer_stage_s or {}).items()},
+                       compute=[{"microbatch_size": traced_microbatch(manifest),
+                                 "costs": {f"{s}{k}": v for (s, k), v in costs.items()}}],
+                       overhead=dict(overhead or {}), folder=folder_record(manifest))
+
+
+def predict_cases(entries: list, comm: dict, log=print, mode: str = None) -> None:
+    """Add ``prediction`` to every entry that has a tracepp folder, measured step and stage costs (see module doc).
+    Each entry needs ``out_dir``, ``tracepp.step_time_s``, ``compute_costs`` and ``optimizer_stage_s``."""
+    from tracepp.calibrate import FIT_MODE, fit_overheads, overhead_of
+    from tracepp.calibration import predict_folder
+    from tracepp.manifest_file import load_manifest
+
+    mode = mode or FIT_MODE
+    usable = [e for e in entries if e.get("compute_costs") and (e.get("tracepp") or {}).get("status") == "ok"]
+    fitted = {}
+    for entry in usable:
+        manifest = load_manifest(entry["out_dir"])
+        calibration = _calibration(manifest, _keyed(entry["compute_costs"]), entry.get("optimizer_stage_s"), comm, {})
+        fitted[entry["case"]] = fit_overheads(manifest, calibration, entry["tracepp"]["step_time_s"], mode=mode)
+    for entry in usable:
+        manifest = load_manifest(entry["out_dir"])
+        others = [fitted[e["case"]]["value"] for e in usable
+                  if e["case"] != entry["case"] and fitted[e["case"]]["mode"] == mode]
+        own = fitted[entry["case"]]
+        used_mode = mode if others else own["mode"]
+        value = statistics.median(others) if others else own["value"]
+        overhead = overhead_of(used_mode, value)
+        keyed = _keyed(entry["compute_costs"])
+        step = predict_folder(manifest, _calibration(manifest, keyed, entry.get("optimizer_stage_s"), comm,
+                                                     overhead)).step_s
+        free = predict_folder(manifest, _calibration(manifest, keyed, entry.get("optimizer_stage_s"), {}, {})).step_s
+        measured = entry["tracepp"]["step_time_s"]
+        entry["prediction"] = {"status": "ok", "step_time_s": step, "measured_step_s": measured,
+                               "error": (step - measured) / measured, "overhead": overhead,
+                               "overhead_mode": used_mode, "overhead_s": value, "fitted_overhead_s": own["value"],
+                               "fitted_overhead_mode": own["mode"],
+                               "no_overhead_step_s": own["unfitted_step_s"], "comm_free_step_s": free,
+                               "fitted": not others, "costs_source": entry.get("costs_source")}
+        what = "per message" if used_mode == "delay" else "per action"
+        log(f"  {entry['case']}: predicted {step * 1000:.1f} ms, measured {measured * 1000:.1f} ms "
+            f"({(step - measured) / measured:+.1%}); {value * 1e6:.0f} us {what} "
+            f"({'own fit' if not others else 'median of the other cases'}; own fit {own['value'] * 1e6:.0f})")
+
+
+def suite_calibration(entries: list, comm: dict, overhead: dict):
+    """A calibration of the quick suite's model for the tuner: the cases that share one split (the 2-stage
+    ones, at their several microbatch sizes) give the compute samples; ``overhead`` per action; the comm."""
+    from tracepp.calibration import Calibration, folder_record, traced_microbatch
+    from tracepp.manifest_file import load_manifest
+
+    by_stages: dict = {}
+    for entry in entries:
+        if entry.get("compute_costs"):
+            by_stages.setdefault(entry["stages"], []).append(entry)
+    if not by_stages:
+        return None, None
+    stages = max(by_stages, key=lambda s: (len({e["microbatches"] for e in by_stages[s]}), -s))
+    group = sorted(by_stages[stages], key=lambda e: e["microbatches"])
+    reference = group[0]
+    manifest = load_manifest(reference["out_dir"])
+    compute = []
+    for entry in group:
+        other = load_manifest(entry["out_dir"])
+        compute.append({"microbatch_size": traced_microbatch(other),
+                        "costs": {f"{s}{k}": v for (s, k), v in _keyed(entry["compute_costs"]).items()},
+                        "source": entry["case"]})
+    calibration = Calibration(comm=dict(comm or {}), compute=compute,
+                              optimizer_s={str(k): v for k, v in (reference.get("optimizer_stage_s") or {}).items()},
+                              overhead=dict(overhead), folder=folder_record(manifest))
+    return calibration, reference["out_dir"]
+
+
+def main(argv=None) -> int:
+    """Recompute the predictions of a results JSON whose work folder was kept (``--keep``); or, with
+    ``--costs OUT_DIR JSON``, write the plain-autograd stage costs of a folder (a subprocess of the suite, so it
+    runs with the suite's thread count)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--costs":
+        costs = plain_autograd_costs(argv[1])
+        with open(argv[2], "w") as handle:
+            json.dump(costs, handle)
+        return 0 if costs is not None else 3
+    with open(argv[0]) as handle:
+        report = json.load(handle)
+    entries = [e for e in report["results"] if e.get("out_dir") and os.path.isdir(e["out_dir"])]
+    predict_cases(entries, report.get("comm") or {})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

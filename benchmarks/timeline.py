@@ -1,0 +1,121 @@
+"""Where a measured step's time goes, action by action, next to the calibrated simulator's timeline.
+
+    torchrun --nproc-per-node R -m benchmarks.timeline OUT_DIR --json timeline.json -- --steps 12 --quiet
+    python -m benchmarks.timeline --summary timeline.json [--calibration OUT_DIR/calibration.json]
+
+The first form runs the folder's ``run.py`` with an action hook (the runtime's public
+``Pipeline.set_action_hook``, installed through ``register_step_hook``): every action's start and end on every
+rank (``time.perf_counter``: one clock for all processes of a machine) for every step; each rank writes
+``timeline.json.rank<R>``. The hook costs one Python call per action. A compute action's time includes its
+wait for the data it receives (the runtime waits right before the compute); a comm batch's is the time to post it.
+
+``--summary`` prints, per rank and action kind, the median in-run time of the steps after the warm-up, the
+busy and idle share of the step, and with ``--calibration`` the simulator's cost of the same actions: where a
+prediction's error comes from (compute slower in the run than alone, comm posting, waits).
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import runpy
+import statistics
+import sys
+import time
+
+WARMUP = 3
+
+
+def _record(out_dir: str, path: str, rest: list) -> None:
+    sys.path.insert(0, os.path.abspath(out_dir))
+    import tracepp_runtime
+
+    records = []
+    state = {"step": -1}
+
+    def at_step(pipeline, step: int) -> None:
+        state["step"] = step
+        if pipeline.executor.action_hook is None:
+            def hook(label, run):
+                start = time.perf_counter()
+                run()
+                records.append((state["step"], label, start, time.perf_counter()))
+            pipeline.set_action_hook(hook)
+        records.append((step, "STEP", time.perf_counter(), None))
+
+    tracepp_runtime.register_step_hook(at_step)
+    sys.argv = [os.path.join(out_dir, "run.py")] + rest
+    runpy.run_path(os.path.join(out_dir, "run.py"), run_name="__main__")
+    with open(f"{path}.rank{os.environ.get('RANK', '0')}", "w") as handle:
+        json.dump(records, handle)
+
+
+def _kind(label: str) -> str:
+    if "SEND" in label or "RECV" in label:
+        return "comm"
+    return label.lstrip("0123456789")[:1]  # "0F3" -> "F", "1W0" -> "W"
+
+
+def summarize(path: str, calibration_path=None) -> str:
+    from tabulate import tabulate
+
+    rows = []
+    for rank_file in sorted(glob.glob(path + ".rank*")):
+        rank = int(rank_file.rsplit("rank", 1)[1])
+        with open(rank_file) as handle:
+            records = json.load(handle)
+        steps: dict = {}
+        for step, label, start, end in records:
+            steps.setdefault(step, []).append((label, start, end))
+        per_kind: dict = {}
+        step_times, busy = [], []
+        for step in sorted(steps)[WARMUP:-1]:
+            items = steps[step]
+            begin, finish = items[0][1], steps[step + 1][0][1]
+            step_times.append(finish - begin)
+            busy.append(sum(e - s for label, s, e in items[1:]))
+            for label, s, e in items[1:]:
+                per_kind.setdefault(_kind(label), []).append(e - s)
+        if not step_times:
+            continue
+        row = [rank, f"{statistics.median(step_times) * 1000:.1f}", f"{statistics.median(busy) * 1000:.1f}"]
+        for kind in ("F", "B", "I", "W", "comm"):
+            values = per_kind.get(kind)
+            row.append(f"{statistics.median(values) * 1000:.2f} x{len(values) // len(step_times)}" if values else "-")
+        rows.append(row)
+    text = tabulate(rows, headers=["rank", "step ms", "in actions ms", "F ms", "B ms", "I ms", "W ms", "comm post ms"],
+                    tablefmt="simple", disable_numparse=True)
+    if calibration_path:
+        from tracepp.calibration import load_calibration
+
+        calibration = load_calibration(calibration_path)
+        size = calibration.folder.get("microbatch_size")
+        costs = calibration.stage_costs(size) if size else {}
+        compute_s, op_s, _ = calibration.overheads()
+        text += ("\ncalibrated: " + ", ".join(f"{s}{k} {v * 1000:.2f}" for (s, k), v in sorted(costs.items()))
+                 + f" ms; overhead {compute_s * 1e6:.0f} us per action, {op_s * 1e6:.0f} us per comm op")
+    return text
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    rest = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, rest = argv[:cut], argv[cut + 1:]
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.timeline", description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir", nargs="?")
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--summary", default=None)
+    parser.add_argument("--calibration", default=None)
+    args = parser.parse_args(argv)
+    if args.summary:
+        print(summarize(args.summary, args.calibration))
+        return 0
+    _record(args.out_dir, args.json, rest)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

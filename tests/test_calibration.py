@@ -1,0 +1,253 @@
+"""Tier 1: the calibrated simulator and the tuner as plain data (no processes, no times measured).
+
+The communication model of the replay engine (known makespans by hand), the calibration file, message sizes
+from a manifest, stage costs of another split, the overhead fit, the tuner's search on a tiny grid with known
+costs, and --memory-limit pruning."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tracepp.calibrate import fit_overheads
+from tracepp.calibration import (Calibration, folder_record, load_calibration, message_bytes, predict_folder,
+                                 split_costs, split_optimizer, write_calibration)
+from tracepp.codegen.plan import build_plan
+from tracepp.comm_bench import fit
+from tracepp.runtime.actions import Action, Topology
+from tracepp.runtime.replay import CommModel, replay, validate
+from tracepp.tuner import parse_bytes, tune
+
+A = Action.parse
+CHAIN2 = Topology.chain(2)
+
+
+def gpipe2():
+    """gpipe, 2 ranks, 2 microbatches, lowered by hand (as in test_replay)."""
+    return {
+        0: [A(t) for t in ("0F0", "0SEND_F0>1", "0F1", "0SEND_F1>1", "0RECV_B0<1", "0B0", "0RECV_B1<1", "0B1")],
+        1: [A(t) for t in ("1RECV_F0<0", "1F0", "1RECV_F1<0", "1F1", "1B0", "1SEND_B0>0", "1B1", "1SEND_B1>0")],
+    }
+
+
+def _times(result):
+    return {r: [(str(a), s, e) for _, a, s, e in entries] for r, entries in result.timeline.items()}
+
+
+# ------------------------------------------------------------------------------- the comm model of the engine
+
+def test_no_comm_model_is_the_old_engine():
+    plain = replay(gpipe2(), [0, 1], CHAIN2)
+    free = replay(gpipe2(), [0, 1], CHAIN2, comm=CommModel())
+    assert plain.makespan == free.makespan == 9 and _times(plain) == _times(free)
+
+
+@pytest.mark.parametrize("serial", [True, False])
+def test_latency_known_makespan(serial):
+    # every message 0.5: 0F0 ends 1, arrives 1.5; 1F1's input (sent at 2, its receive posted at 2.5) arrives 3;
+    # 1B0's gradient (sent at 6) arrives 6.5 for 0B0 (6.5-8.5); 1B1's (sent at 8) waits for 0RECV_B1, posted
+    # at 8.5: arrives 9, 0B1 9-11
+    result = replay(gpipe2(), [0, 1], CHAIN2, comm=CommModel(default=(0.5, None), serial=serial))
+    assert _times(result) == {
+        0: [("0F0", 0, 1), ("0F1", 1, 2), ("0B0", 6.5, 8.5), ("0B1", 9, 11)],
+        1: [("1F0", 1.5, 2.5), ("1F1", 3, 4), ("1B0", 4, 6), ("1B1", 6, 8)],
+    }
+    assert result.makespan == 11 and result.ends == {0: 11, 1: 9}
+
+
+def test_bandwidth_bytes_and_overheads_known_makespan():
+    # link 0-1: no latency, 100 bytes per unit; activations 100 bytes (1), gradients 200 bytes (2); F costs
+    # 1 + 0.25 overhead; every comm op posted costs its rank 0.1
+    model = CommModel(links={(0, 1): (0.0, 100.0)}, messages={(0, 1, "F"): (1, 100), (0, 1, "B"): (1, 200)},
+                      compute_overhead={"F": 0.25}, op_overhead=0.1)
+    result = replay(gpipe2(), [0, 1], CHAIN2, comm=model)
+    assert _times(result) == {
+        0: [("0F0", 0, 1.25), ("0F1", 1.35, 2.6), ("0B0", 10.05, 12.05), ("0B1", 14.15, 16.15)],
+        1: [("1F0", 2.35, 3.6), ("1F1", 4.7, 5.95), ("1B0", 5.95, 7.95), ("1B1", 8.05, 10.05)],
+    }
+    assert result.makespan == pytest.approx(16.15)
+    assert model.message(A("1SEND_B0>0")) == (1, 200) and model.message(A("1RECV_F0<0")) == (1, 100)
+
+
+def test_serial_comm_queues_transfers_per_rank():
+    # two sends posted together on rank 0 and two receives together on rank 1: one batch each, the ops of a batch
+    # transfer in parallel from its match
+    lists = {0: [A(t) for t in ("0F0", "0F1", "0SEND_F0>1", "0SEND_F1>1")],
+             1: [A(t) for t in ("1RECV_F0<0", "1RECV_F1<0", "1F0", "1F1")]}
+    serial = replay(lists, [0, 1], CHAIN2, comm=CommModel(default=(1.0, None), serial=True))
+    independent = replay(lists, [0, 1], CHAIN2, comm=CommModel(default=(1.0, None), serial=False))
+    # both ops transfer from the match at 2: arrive at 3
+    assert _times(serial)[1] == [("1F0", 3, 4), ("1F1", 4, 5)]
+    assert _times(independent)[1] == [("1F0", 3, 4), ("1F1", 4, 5)]
+    split = {0: [A(t) for t in ("0F0", "0SEND_F0>1", "0F1", "0SEND_F1>1")],
+             1: [A(t) for t in ("1RECV_F0<0", "1F0", "1RECV_F1<0", "1F1")]}
+    slow = CommModel(default=(3.0, None), serial=True)
+    # FIFO: rank 1's second receive (posted after 1F0 ends at 5) reaches the head only then: arrives 8
+    assert _times(replay(split, [0, 1], CHAIN2, comm=slow))[1] == [("1F0", 4, 5), ("1F1", 8, 9)]
+
+
+def test_validate_and_plans_keep_unit_costs():
+    plan = build_plan("1f1b", 2, 2, 4)
+    result = validate(plan.actions, plan.stage_to_rank, CHAIN2, 4)
+    assert result.makespan == (4 + 1) * 3  # unit costs, comms free: (M + p - 1) (F + B)
+    assert plan.costs == {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
+
+
+# ------------------------------------------------------------------------------- the calibration file
+
+def _calibration():
+    calibration = Calibration(
+        comm={"backend": "gloo", "serial": False, "pairs": {"0-1": {"latency_s": 1e-4, "bandwidth_bytes_per_s": 1e9}}},
+        compute=[{"microbatch_size": 2, "costs": {"0F": 3.0, "0B": 6.0, "1F": 5.0, "1B": 10.0}},
+                 {"microbatch_size": 4, "costs": {"0F": 5.0, "0B": 10.0, "1F": 9.0, "1B": 18.0}}],
+        optimizer_s={"0": 0.5, "1": 1.0},
+        overhead={"compute_action_s": 0.01, "comm_op_s": 0.01, "step_s": 0.1})
+    return calibration
+
+
+def test_calibration_round_trip(tmp_path):
+    calibration = _calibration()
+    path = write_calibration(str(tmp_path), calibration)
+    assert path.endswith("calibration.json")
+    again = load_calibration(str(tmp_path))
+    assert again.to_json() == calibration.to_json()
+    # two microbatch sizes: a line per (stage, kind); split halves from B where I and W were not measured
+    lines = again.stage_cost_lines()
+    assert lines[(0, "F")] == pytest.approx((1.0, 1.0)) and lines[(1, "B")] == pytest.approx((2.0, 4.0))
+    assert lines[(1, "I")] == pytest.approx((1.0, 2.0))
+    assert again.stage_costs(3)[(1, "F")] == pytest.approx(7.0)
+    assert again.link(0, 1) == (1e-4, 1e9) and again.link(1, 0) == (1e-4, 1e9)
+    assert again.link(2, 3) == (1e-4, 1e9)  # a pair not measured: the pairs' median
+    assert again.overheads() == (0.01, 0.01, 0.1)
+    (tmp_path / "bad.json").write_text(json.dumps({"format": 99}))
+    with pytest.raises(ValueError, match="tracepp calibrate"):
+        load_calibration(str(tmp_path / "bad.json"))
+
+
+def test_one_microbatch_size_is_proportional():
+    calibration = Calibration(compute=[{"microbatch_size": 4, "costs": {"0F": 2.0}}])
+    assert calibration.stage_costs(8)[(0, "F")] == pytest.approx(4.0)
+
+
+def test_ping_pong_fit_recovers_latency_and_bandwidth():
+    points = [(size, 50e-6 + size / 2e9) for size in (4096, 65536, 1048576)]
+    result = fit(points)
+    assert result["latency_s"] == pytest.approx(50e-6) and result["bandwidth_bytes_per_s"] == pytest.approx(2e9)
+
+
+# ------------------------------------------------------------------------------- a synthetic folder
+
+def _manifest(schedule="1f1b", num_microbatches=4, batch_size=16):
+    """A 2-stage, 4-segment model's manifest as the tuner and the predictor read it: equal blocks, the boundary
+    a [b, 8] float tensor, stages 0 = segments 0-1, 1 = segments 2-3."""
+    plan = build_plan(schedule, 2, 2, num_microbatches).to_json()
+    segment = {"forward_flops": 100, "num_params": 1000, "param_bytes": 4000, "activation_bytes": 1000,
+               "cut_tensors": 1, "cut_bytes": 32 * (batch_size // num_microbatches), "cut_grad_tensors": 1,
+               "cut_grad_bytes": 32 * (batch_size // num_microbatches)}
+    segments = [dict(segment, begins=name, stage=stage)
+                for name, stage in ((None, 0), ("blocks.1", 0), ("blocks.2", 1), ("blocks.3", 1))]
+    return {"batch_size": batch_size, "training": True, "model_sha256": "abc", "symbols": {}, "batch_symbol": None,
+            "values": {"h": {"producer": 0, "consumers": [1], "shape": [batch_size // num_microbatches, 8],
+                             "dtype": "float32", "requires_grad": True}},
+            "stages": [{"forward_flops": 200}, {"forward_flops": 200}], "segments": segments, "plan": plan}
+
+
+def test_message_bytes_from_the_manifest():
+    manifest = _manifest()  # microbatches of 4 samples: [4, 8] float32 = 128 bytes
+    assert message_bytes(manifest) == {(0, 1, "F"): (1, 128), (0, 1, "B"): (1, 128)}
+    assert message_bytes(manifest, microbatch_size=8) == {(0, 1, "F"): (1, 256), (0, 1, "B"): (1, 256)}
+    assert message_bytes(manifest, precision="bf16")[(0, 1, "F")] == (1, 64)
+    dynamic = dict(manifest, symbols={"s_batch": {"min": 1, "max": 64}, "s_seq": {"min": 2, "max": 10}},
+                   batch_symbol="s_batch",
+                   values={"h": {"producer": 0, "consumers": [1], "shape": ["s_batch", "s_seq", 2], "dtype": "int64",
+                                 "requires_grad": False}})
+    assert message_bytes(dynamic, microbatch_size=3) == {(0, 1, "F"): (1, 3 * 10 * 2 * 8)}
+
+
+def test_costs_of_another_split_from_the_calibrated_segments():
+    manifest = _manifest()
+    manifest["segments"][1]["forward_flops"] = 300  # stage 0's segments weigh 1:3
+    calibration = Calibration(compute=[{"microbatch_size": 4, "costs": {"0F": 4.0, "1F": 2.0}}],
+                              optimizer_s={"0": 2.0, "1": 1.0}, folder=folder_record(manifest))
+    assert split_costs(calibration, [0, 0, 1, 1], 4) == pytest.approx({(0, "F"): 4.0, (1, "F"): 2.0})
+    # segment 1 (3/4 of stage 0's time) moves to stage 1; at twice the microbatch, twice the time (one size)
+    assert split_costs(calibration, [0, 1, 1, 1], 8) == pytest.approx({(0, "F"): 2.0, (1, "F"): 10.0})
+    assert split_optimizer(calibration, [0, 1, 1, 1]) == pytest.approx({0: 1.0, 1: 2.0})
+    # the folder's own plan predicted from its calibration: comms free, overheads 0 -> the replay itself
+    prediction = predict_folder(manifest, calibration)
+    assert prediction.step_s == pytest.approx(max(
+        prediction.ends[r] + prediction.optimizer_s[r] for r in (0, 1)))
+
+
+@pytest.mark.parametrize("mode", ["delay", "busy"])
+def test_overhead_fit_reproduces_the_measured_step(mode):
+    manifest = _manifest()
+    calibration = Calibration(compute=[{"microbatch_size": 4, "costs": {"0F": 1.0, "0B": 2.0, "1F": 1.0, "1B": 2.0}}],
+                              folder=folder_record(manifest))
+    base = predict_folder(manifest, calibration).step_s
+    assert base == pytest.approx(15.0)  # (M + p - 1) (F + B)
+    result = fit_overheads(manifest, calibration, 20.0, mode=mode)
+    assert result["mode"] == mode and result["value"] > 0 and result["step_s"] == 0
+    fitted = "message_delay_s" if mode == "delay" else "compute_action_s"
+    assert result[fitted] == result["value"] and calibration.overhead[fitted] == result["value"]
+    assert predict_folder(manifest, calibration).step_s == pytest.approx(20.0, rel=1e-3)
+    result = fit_overheads(manifest, calibration, 13.0, mode=mode)  # a little faster than the model without them
+    assert result["value"] == 0 and result["step_s"] == pytest.approx(-2.0)
+    result = fit_overheads(manifest, calibration, 0.015, mode=mode)  # costs of another machine: not fitted
+    assert result["value"] == 0 and result["step_s"] == 0
+
+
+def test_a_delay_cannot_fit_a_plan_without_messages():
+    manifest = _manifest()
+    one_rank = build_plan("interleaved-1f1b", 1, 2, 4).to_json()
+    manifest = dict(manifest, plan=one_rank)
+    calibration = Calibration(compute=[{"microbatch_size": 4, "costs": {"0F": 1.0, "0B": 2.0, "1F": 1.0, "1B": 2.0}}],
+                              folder=folder_record(manifest))
+    result = fit_overheads(manifest, calibration, 30.0, mode="delay")
+    assert result["mode"] == "busy" and result["value"] > 0
+    assert predict_folder(manifest, calibration).step_s == pytest.approx(30.0, rel=1e-3)
+
+
+# ------------------------------------------------------------------------------- the tuner
+
+def _tuning_calibration(manifest):
+    # every segment: F = 0.5 + 0.5 b, B = twice that (so a stage of 2 segments: F = 1 + b, B = 2 + 2b); comms and
+    # overheads free. For 1F1B or GPipe on 2 ranks the step is (M + 1)(F + B) = 3 (M + 1)(1 + 16 / M): least at
+    # M = 4 (75); M = 2: 81, M = 8: 81
+    return Calibration(comm={"serial": True, "pairs": {}},
+                       compute=[{"microbatch_size": 1, "costs": {"0F": 2.0, "0B": 4.0, "1F": 2.0, "1B": 4.0}},
+                                {"microbatch_size": 2, "costs": {"0F": 3.0, "0B": 6.0, "1F": 3.0, "1B": 6.0}}],
+                       folder=folder_record(manifest))
+
+
+def test_tuner_finds_the_known_best_on_a_tiny_grid():
+    manifest = _manifest()
+    kept, dropped, failed = tune(manifest, _tuning_calibration(manifest), schedules=["gpipe", "1f1b"],
+                                 microbatch_counts=[2, 4, 8])
+    assert not dropped and not failed
+    best = kept[0]
+    assert (best.schedule, best.num_stages, best.num_microbatches) == ("gpipe", 2, 4)  # ties: table order
+    assert best.step_s == pytest.approx(75.0) and best.split_points == ["blocks.2"]
+    assert [(c.schedule, c.num_microbatches, round(c.step_s, 6)) for c in kept[:2]] == [("gpipe", 4, 75.0),
+                                                                                     ("1f1b", 4, 75.0)]
+    assert {round(c.step_s, 6) for c in kept if c.num_microbatches in (2, 8)} == {81.0}
+    # deterministic
+    again = tune(manifest, _tuning_calibration(manifest), schedules=["gpipe", "1f1b"], microbatch_counts=[2, 4, 8])[0]
+    assert [c.to_json() for c in again] == [c.to_json() for c in kept]
+
+
+def test_memory_limit_prunes_what_does_not_fit():
+    manifest = _manifest()
+    calibration = _tuning_calibration(manifest)
+    kept, _, _ = tune(manifest, calibration, schedules=["gpipe", "1f1b"], microbatch_counts=[4],
+                      optimizer_bytes_per_param=0)
+    peaks = {c.schedule: c.peak_memory for c in kept}
+    # rank 0: parameters + gradients of 2 segments (16000) + activations of the microbatches in flight at 4 samples
+    # (2 segments x 1000 bytes per traced microbatch of 4): GPipe keeps all 4, 1F1B 2
+    assert peaks["gpipe"][0] == 16000 + 4 * 2000 and peaks["1f1b"][0] == 16000 + 2 * 2000
+    kept, dropped, _ = tune(manifest, calibration, schedules=["gpipe", "1f1b"], microbatch_counts=[4],
+                            optimizer_bytes_per_param=0, memory_limit=22000)
+    assert [c.schedule for c in kept] == ["1f1b"] and [c.schedule for c in dropped] == ["gpipe"]
+    assert parse_bytes("20GB") == 20 * 10 ** 9 and parse_bytes("512MiB") == 512 * 2 ** 20
+    with pytest.raises(ValueError, match="memory-limit"):
+        parse_bytes("lots")

@@ -1,0 +1,254 @@
+"""``tracepp calibrate OUT``: measure what the simulator needs on this machine and write ``OUT/calibration.json``.
+
+    tracepp calibrate out/ [--costs COSTS.json ...] [--comm COMM.json | --nproc N] [--fit-steps K | --no-fit]
+
+Three parts (the file's sections, see ``tracepp.calibration``):
+
+1. **comm**: a ping-pong between every pair of neighbouring ranks (``tracepp.comm_bench``, launched here with
+   ``torchrun --nproc-per-node N``, N = the plan's ranks x data-parallel replicas unless ``--nproc``): latency and
+   bandwidth per pair. ``--comm FILE`` takes the JSON of a run made elsewhere instead (several nodes:
+   ``torchrun --nnodes ... -m tracepp.comm_bench --json FILE``).
+2. **compute**: each stage's F, B, I, W seconds per microbatch, from ``--costs FILE`` (the ``tracepp plan --costs``
+   format; repeat it with files measured at other microbatch sizes, each with a ``"microbatch_size"`` key, so
+   the tuner can price other microbatch counts), else from :data:`STAGE_COSTS_HOOK` (the plain-autograd
+   measurement of each stage's generated function, ``tracepp.stage_costs.measure_stage_costs``) when installed.
+3. **overhead**: a short run of the folder itself (``torchrun ... OUT/run.py --steps K --metrics``); one number
+   is fitted so that the simulator's step time equals the measured median: by default (``--overhead delay``) a
+   delay added to every message beyond the ping-pong's latency (idle time: a receiver busy computing sees the
+   message late; on shared CPU cores the process that waits gets its time slice late), or (``busy``) the
+   runtime's fixed cost per compute action and per comm op (rank time). If the prediction without it is already
+   slower, what is left is a small negative per-step term. ``--no-fit`` leaves it at 0.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from typing import Optional
+
+from tracepp.calibration import (Calibration, folder_record, predict_folder, traced_microbatch,
+                                 write_calibration)
+
+# The plain-autograd stage timing (branch perf): ``measure_stage_costs(folder, ...) -> {"0F": s, ...}``. Used when
+# no --costs file is given; the name is looked up at call time, so the module may arrive later.
+STAGE_COSTS_HOOK = ("tracepp.stage_costs", "measure_stage_costs")
+WARMUP_STEPS = 3
+MAX_NEGATIVE_STEP_FRACTION = 0.2  # a prediction above the measured step by more than this is not fitted
+# What the one fitted number is (see overhead_of): "delay" per message, chosen on the CPU quick suite, where it
+# explains the four schedules within 10% and "busy" (per action) misses the zero-bubble one by 15% (README)
+FIT_MODES = ("delay", "busy")
+FIT_MODE = "delay"
+
+
+def torchrun(nproc: int) -> list:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+
+
+def _env(threads: Optional[int]) -> dict:
+    env = dict(os.environ)
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    env.setdefault("PYTHONWARNINGS", "ignore")
+    return env
+
+
+def _run(cmd: list, timeout: float, what: str, env: dict) -> str:
+    try:
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout,
+                              env=env)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"{what} did not finish in {timeout:.0f} s: {' '.join(cmd)}") from None
+    if proc.returncode != 0:
+        tail = "\n".join(proc.stdout.strip().splitlines()[-8:])
+        raise RuntimeError(f"{what} failed (exit {proc.returncode}): {' '.join(cmd)}\n{tail}")
+    return proc.stdout
+
+
+def measure_comm(nproc: int, sizes: Optional[str] = None, rounds: int = 20, timeout: float = 300.0,
+                 threads: Optional[int] = 1) -> dict:
+    """The ping-pong of ``tracepp.comm_bench`` over ``nproc`` local processes; its JSON report."""
+    with tempfile.TemporaryDirectory(prefix="tracepp_comm_") as work:
+        path = os.path.join(work, "comm.json")
+        cmd = torchrun(nproc) + ["-m", "tracepp.comm_bench", "--json", path, "--rounds", str(rounds)]
+        if sizes:
+            cmd += ["--sizes", sizes]
+        _run(cmd, timeout, "the ping-pong (tracepp.comm_bench)", _env(threads))
+        with open(path) as handle:
+            return json.load(handle)
+
+
+def run_folder(out_dir: str, steps: int, nproc: int, timeout: float = 600.0, threads: Optional[int] = 1,
+               extra: Optional[list] = None) -> list:
+    """Run the folder's ``run.py`` for ``steps`` steps; the step times of its ``--metrics`` lines."""
+    with tempfile.TemporaryDirectory(prefix="tracepp_fit_") as work:
+        metrics = os.path.join(work, "metrics.jsonl")
+        cmd = torchrun(nproc) + [os.path.join(out_dir, "run.py"), "--steps", str(steps), "--metrics", metrics,
+                                 "--quiet"] + list(extra or [])
+        _run(cmd, timeout, f"the calibration run of {out_dir}", _env(threads))
+        with open(metrics) as handle:
+            return [json.loads(line)["step_time_s"] for line in handle if line.strip()]
+
+
+def stage_costs_from_hook(out_dir: str, threads: Optional[int] = None) -> dict:
+    """The hook's measurement of the folder's stages, or a ValueError saying how to give costs instead. On CPU
+    it runs with the intra-op threads a rank has (torchrun's OMP_NUM_THREADS: 1 unless set)."""
+    import importlib
+
+    import torch
+
+    module_name, function_name = STAGE_COSTS_HOOK
+    try:
+        function = getattr(importlib.import_module(module_name), function_name)
+    except (ImportError, AttributeError):
+        raise ValueError(f"no stage costs: give --costs COSTS.json (per stage F, B, I, W seconds per microbatch, the "
+                         f"`tracepp plan --costs` format, e.g. {{\"0F\": 0.002, \"0B\": 0.004, \"1F\": 0.002, ...}}); "
+                         f"the automatic measurement ({module_name}.{function_name}) is not installed") from None
+    before = torch.get_num_threads()
+    wanted = threads or int(os.environ.get("OMP_NUM_THREADS", "1"))
+    if not torch.cuda.is_available():
+        torch.set_num_threads(wanted)
+    try:
+        if torch.cuda.is_available():  # the ranks' device
+            return function(out_dir, device="cuda")
+        return function(out_dir)
+    finally:
+        torch.set_num_threads(before)
+
+
+def compute_entries(manifest: dict, costs_paths: list) -> list:
+    """The ``compute`` section: one entry per costs file (or the hook's measurement)."""
+    from tracepp.costs_file import load_costs, load_costs_metadata
+
+    num_stages = len(manifest["stages"])
+    entries = []
+    for path in costs_paths:
+        costs = load_costs(path, num_stages)
+        meta = load_costs_metadata(path)
+        missing = [s for s in range(num_stages) if (s, "F") not in costs and "F" not in costs]
+        if missing:
+            raise ValueError(f"--costs {path}: no forward time for stages {missing}; give '<stage>F' keys")
+        flat = {}
+        for s in range(num_stages):
+            for kind in ("F", "B", "I", "W"):
+                value = costs.get((s, kind), costs.get(kind))
+                if value is not None:
+                    flat[f"{s}{kind}"] = value
+        entries.append({"microbatch_size": float(meta.get("microbatch_size") or traced_microbatch(manifest)),
+                        "costs": flat, "source": os.path.abspath(path),
+                        **({"optimizer_s": meta["optimizer_s"]} if "optimizer_s" in meta else {})})
+    return entries
+
+
+def overhead_of(mode: str, value: float, step_s: float = 0.0) -> dict:
+    """The ``overhead`` section for one fitted number: ``"delay"``: seconds added to every message (a receiver
+    that is busy computing, on CPUs another process's time slice, takes that long to see it: idle time, which
+    other work may fill); ``"busy"``: seconds of rank time per compute action and per comm op."""
+    if mode == "delay":
+        return {"compute_action_s": 0.0, "comm_op_s": 0.0, "message_delay_s": value, "step_s": step_s}
+    if mode == "busy":
+        return {"compute_action_s": value, "comm_op_s": value, "message_delay_s": 0.0, "step_s": step_s}
+    raise ValueError(f"overhead mode {mode!r}: use one of {', '.join(FIT_MODES)}")
+
+
+def fit_overheads(manifest: dict, calibration: Calibration, measured_step_s: float, precision: str = "fp32",
+                  mode: str = None, tolerance: float = 1e-4) -> dict:
+    """The one overhead number (``mode``, default :data:`FIT_MODE`, see :func:`overhead_of`) with which the
+    predicted step of the folder's plan equals ``measured_step_s``; bisection (the prediction grows with it). A
+    plan without messages cannot be fitted by a delay: then the per-action overhead is fitted instead."""
+    mode = mode or FIT_MODE
+
+    def predicted(value: float, how: str) -> float:
+        calibration.overhead = overhead_of(how, value)
+        return predict_folder(manifest, calibration, precision=precision).step_s
+
+    base = predicted(0.0, mode)
+    if base >= measured_step_s:
+        # already slower without overheads: a negative per-step term where the gap is small (stage costs timed a
+        # little slower in isolation); none where it is not, as such costs do not describe this run
+        gap = measured_step_s - base
+        result = overhead_of(mode, 0.0, gap if -gap <= MAX_NEGATIVE_STEP_FRACTION * measured_step_s else 0.0)
+    else:
+        if mode == "delay" and predicted(measured_step_s, mode) < measured_step_s:
+            mode = "busy"
+        low, high = 0.0, max(measured_step_s, 1e-6)
+        while predicted(high, mode) < measured_step_s and high < 1e3:
+            high *= 2
+        while high - low > tolerance * max(low, 1e-9) and high - low > 1e-9:
+            middle = (low + high) / 2
+            if predicted(middle, mode) < measured_step_s:
+                low = middle
+            else:
+                high = middle
+        result = overhead_of(mode, (low + high) / 2)
+    calibration.overhead = dict(result, mode=mode)
+    result.update(mode=mode, value=result["message_delay_s"] if mode == "delay" else result["compute_action_s"],
+                  unfitted_step_s=base, measured_step_s=measured_step_s)
+    return result
+
+
+def calibrate(out_dir: str, costs_paths: Optional[list] = None, comm_path: Optional[str] = None,
+              nproc: Optional[int] = None, fit_steps: int = 12, fit: bool = True, skip_comm: bool = False,
+              precision: str = "fp32", mode: Optional[str] = None, log=print) -> Calibration:
+    """Measure and write ``OUT/calibration.json`` (see the module doc); returns what was written."""
+    from tracepp.manifest_file import load_manifest
+
+    manifest = load_manifest(out_dir)
+    plan = manifest["plan"]
+    mesh = plan.get("mesh") or {}
+    nproc = nproc or plan["num_ranks"] * int(mesh.get("dp", 1))
+    calibration = Calibration(folder=folder_record(manifest))
+    # 1. comm
+    if comm_path:
+        with open(comm_path) as handle:
+            calibration.comm = json.load(handle)
+        calibration.comm["source"] = os.path.abspath(comm_path)
+    elif not skip_comm and nproc > 1:
+        log(f"ping-pong between neighbouring ranks ({nproc} processes) ...")
+        calibration.comm = measure_comm(nproc)
+        calibration.comm["source"] = f"tracepp.comm_bench, {nproc} local processes"
+    for key, value in sorted((calibration.comm.get("pairs") or {}).items()):
+        bandwidth = value.get("bandwidth_bytes_per_s")
+        log(f"  ranks {key}: latency {value['latency_s'] * 1e6:.1f} us, bandwidth "
+            + (f"{bandwidth / 1e9:.2f} GB/s" if bandwidth else "n/a"))
+    # 2. compute
+    if costs_paths:
+        calibration.compute = compute_entries(manifest, costs_paths)
+    else:
+        log("stage costs: plain-autograd measurement of each stage ...")
+        costs = stage_costs_from_hook(out_dir)
+        calibration.compute = [{"microbatch_size": traced_microbatch(manifest), "costs": dict(costs),
+                                "source": ".".join(STAGE_COSTS_HOOK)}]
+    for entry in calibration.compute:
+        if "optimizer_s" in entry:
+            calibration.optimizer_s = {str(k): float(v) for k, v in entry["optimizer_s"].items()}
+    sizes = sorted({entry["microbatch_size"] for entry in calibration.compute})
+    if len(sizes) < 2:
+        calibration.notes.append("compute measured at one microbatch size: another microbatch count is priced as "
+                                 "proportional to the microbatch size (give --costs files at two sizes to fit a "
+                                 "fixed part)")
+    # 3. overheads
+    if fit:
+        log(f"calibration run: {fit_steps} steps of {out_dir}/run.py on {nproc} processes ...")
+        times = run_folder(out_dir, fit_steps, nproc)
+        measured = statistics.median(times[WARMUP_STEPS:] or times)
+        result = fit_overheads(manifest, calibration, measured, precision, mode)
+        calibration.overhead.update(source=f"fitted to {len(times[WARMUP_STEPS:] or times)} steps of this folder "
+                                           f"(median {measured * 1000:.1f} ms; {WARMUP_STEPS} warm-up steps dropped)",
+                                    measured_step_s=measured, unfitted_step_s=result["unfitted_step_s"])
+        what = "per message" if result["mode"] == "delay" else "per action"
+        log(f"  measured step {measured * 1000:.1f} ms, simulated without overheads "
+            f"{result['unfitted_step_s'] * 1000:.1f} ms: {result['value'] * 1e6:.0f} us {what}"
+            + (f", {result['step_s'] * 1000:.1f} ms per step" if result["step_s"] else ""))
+        if result["unfitted_step_s"] > measured * (1 + MAX_NEGATIVE_STEP_FRACTION):
+            note = (f"the stage costs alone predict {result['unfitted_step_s'] * 1000:.1f} ms, more than the measured "
+                    f"{measured * 1000:.1f} ms: they were not measured for this machine and load (overheads left 0)")
+            calibration.notes.append(note)
+            log(f"  warning: {note}")
+    else:
+        calibration.overhead = dict(overhead_of(FIT_MODE, 0.0), source="not fitted")
+    path = write_calibration(out_dir, calibration)
+    log(f"wrote {path}")
+    return calibration

@@ -1,0 +1,312 @@
+"""``tracepp plan OUT --tune``: search schedule, stages per rank, microbatch count and split points with the
+calibrated simulator and the memory model; print the best plans; ``--apply`` splits the folder again with the best.
+
+The search (plain data, deterministic, seconds):
+
+* **schedules**: every name of ``codegen.schedules.SCHEDULE_TABLE`` (those that split the backward into I and W
+  are left out with ``--dp``), on the folder's ranks;
+* **stages**: one per rank, or two (V schedules), or 2, 3 or 4 per rank for the schedules that take any multiple,
+  as far as the model has segments (repeated blocks and top-level modules) to cut between;
+* **microbatches**: the divisors of the batch (per data-parallel replica) up to :data:`MAX_MICROBATCHES`, as far
+  as the schedule allows;
+* **split points** for each stage count: the automatic balancer's cuts (``split.cost.choose_cuts`` on the
+  manifest's segment table: the largest stage's FLOPs, then memory), the cuts that balance the *calibrated*
+  segment times instead, and the folder's own split where its stage count matches.
+
+Each candidate is planned by the planner (``codegen.plan.build_plan``, as ``tracepp split`` would) and timed by
+the calibrated simulator (``tracepp.calibration``): stage costs of another split from the calibrated segment
+times, at the candidate's microbatch size; boundary messages from the tensors that cross each cut. Peak memory
+per rank: its stages' parameters, gradients and optimizer state (``--optimizer-bytes-per-param``, Adam's 8 by
+default) plus, at the worst moment of the simulated timeline, the activations of the microbatches whose forward
+has run and whose backward (B, or I) has not, each a stage's activation bytes at that microbatch size
+(``split.cost``'s estimate: every floating value that needs a gradient; an upper bound). Candidates over
+``--memory-limit`` are dropped.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from tracepp.calibration import (Calibration, message_bytes, predict_plan, same_model, segment_lines, split_costs,
+                                 split_optimizer, stage_of_segments, traced_microbatch)
+
+MAX_MICROBATCHES = 128
+STAGES_PER_RANK_MULTIPLE = (2, 3, 4)  # for schedules that take any multiple of the ranks
+ADAM_BYTES_PER_PARAM = 8
+
+
+@dataclass
+class Candidate:
+    schedule: str
+    num_stages: int
+    num_microbatches: int
+    split: tuple  # stage of each segment
+    split_points: list  # module FQNs where stages 1.. begin
+    split_source: str  # "balancer", "calibrated times", "this folder"
+    step_s: float = 0.0
+    bubble: float = 0.0
+    peak_memory: dict = field(default_factory=dict)  # rank -> bytes
+    stage_to_rank: list = field(default_factory=list)
+    error: Optional[str] = None
+
+    @property
+    def stages_per_rank(self) -> int:
+        return self.num_stages // max(1, len(set(self.stage_to_rank)))
+
+    def to_json(self) -> dict:
+        return {"schedule": self.schedule, "num_stages": self.num_stages, "num_microbatches": self.num_microbatches,
+                "split_points": self.split_points, "split_source": self.split_source, "step_s": self.step_s,
+                "bubble": self.bubble, "peak_memory_bytes": {str(r): v for r, v in sorted(self.peak_memory.items())}}
+
+
+def parse_bytes(text: str) -> int:
+    """``20GB``, ``512MiB``, ``1.5G``, ``1000000`` -> bytes (GB = 1e9, GiB = 2^30)."""
+    import re
+
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(i?)B?\s*", str(text), re.IGNORECASE)
+    if not match:
+        raise ValueError(f"--memory-limit {text!r}: give a size such as 20GB, 512MiB or 1.5e9")
+    number, prefix, binary = float(match[1]), match[2].upper(), match[3]
+    power = "KMGT".index(prefix) + 1 if prefix else 0
+    return int(number * ((1024 if binary else 1000) ** power))
+
+
+def _divisors(n: int, limit: int) -> list:
+    return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
+
+
+def stage_counts(schedule: str, num_ranks: int, num_segments: int) -> list:
+    from tracepp.codegen.schedules import schedule_info
+
+    info = schedule_info(schedule)
+    if info.stage_counts == "one":
+        counts = [num_ranks]
+    elif info.stage_counts == "two":
+        counts = [2 * num_ranks]
+    else:
+        counts = [v * num_ranks for v in STAGES_PER_RANK_MULTIPLE]
+    return [c for c in counts if c <= num_segments]
+
+
+def _cuts_to_split(cuts: list, num_segments: int) -> tuple:
+    stage, out, cut_set = 0, [], set(cuts)
+    for index in range(num_segments):
+        if index in cut_set:
+            stage += 1
+        out.append(stage)
+    return tuple(out)
+
+
+def candidate_splits(manifest: dict, calibration: Calibration, num_stages: int, schedule: str,
+                     num_microbatches: int, microbatch_size: float, training: bool,
+                     optimizer_bytes_per_param: int) -> list:
+    """[(stage of each segment, source)] for ``num_stages`` stages: the balancer's cuts, the cuts balancing the
+    calibrated times, the folder's own split (when it has that many stages); duplicates removed."""
+    from tracepp.split import cost
+
+    segments = manifest["segments"]
+    pieces = [cost.SegmentCost(seg["forward_flops"] or 0, seg["num_params"] or 0, seg["param_bytes"] or 0,
+                               seg["activation_bytes"] or 0) for seg in segments]
+
+    def memory_of(stage_index: int, stage_cost) -> int:
+        inflight = cost.inflight_microbatches(schedule, stage_index, num_stages, num_microbatches, training)
+        return cost.stage_estimate(stage_cost, inflight, training, optimizer_bytes_per_param)["memory_bytes"]
+
+    found = []
+    if num_stages <= len(segments):
+        found.append((_cuts_to_split(cost.choose_cuts(pieces, num_stages, memory_of), len(segments)), "balancer"))
+        lines = segment_lines(calibration)
+        if lines is not None:
+            timed = []
+            for seg, piece in zip(lines, pieces):
+                seconds = sum(max(a + c * microbatch_size, 0.0) for kind, (a, c) in seg.items() if kind in ("F", "B"))
+                timed.append(cost.SegmentCost(int(seconds * 1e9), piece.num_params, piece.param_bytes,
+                                              piece.activation_bytes))
+            found.append((_cuts_to_split(cost.choose_cuts(timed, num_stages, memory_of), len(segments)),
+                          "calibrated times"))
+    own = stage_of_segments(manifest)
+    if own is not None and own[-1] + 1 == num_stages:
+        found.append((tuple(own), "this folder"))
+    unique, seen = [], {}
+    for split, source in found:
+        if split in seen:
+            continue
+        seen[split] = source
+        unique.append((split, source))
+    return unique
+
+
+def _split_points(manifest: dict, split: tuple) -> list:
+    segments = manifest["segments"]
+    return [segments[i]["begins"] for i in range(1, len(split)) if split[i] != split[i - 1]]
+
+
+def _messages(manifest: dict, split: tuple, microbatch_size: float, precision: str, own: bool) -> dict:
+    if own:
+        return message_bytes(manifest, microbatch_size, precision)
+    scale = microbatch_size / traced_microbatch(manifest)
+    wire = 0.5 if precision in ("bf16", "fp16") else 1.0
+    out = {}
+    segments = manifest["segments"]
+    for i in range(1, len(split)):
+        if split[i] != split[i - 1]:
+            seg = segments[i]
+            stage = split[i]
+            out[(stage - 1, stage, "F")] = (max(1, seg["cut_tensors"]), seg["cut_bytes"] * scale * wire)
+            out[(stage - 1, stage, "B")] = (max(1, seg.get("cut_grad_tensors", 1)), seg["cut_grad_bytes"] * scale * wire)
+    return out
+
+
+def _memory(manifest: dict, split: tuple, sim, stage_to_rank: list, microbatch_size: float, training: bool,
+            optimizer_bytes_per_param: int) -> dict:
+    """Peak bytes per rank: static (parameters, gradients, optimizer state) + live activations at the worst
+    moment of the simulated timeline."""
+    scale = microbatch_size / traced_microbatch(manifest)
+    static, activation = {}, {}
+    for seg, stage in zip(manifest["segments"], split):
+        params = seg["param_bytes"] or 0
+        held = params + ((params + (seg["num_params"] or 0) * optimizer_bytes_per_param) if training else 0)
+        static[stage] = static.get(stage, 0) + held
+        activation[stage] = activation.get(stage, 0) + (seg["activation_bytes"] or 0) * scale
+    peak = {}
+    for rank, entries in sim.timeline.items():
+        live, now, worst = set(), 0.0, 0.0
+        for action, _start, _end in entries:
+            if action.kind == "F":
+                live.add((action.stage, action.mb))
+                now += activation.get(action.stage, 0)
+            elif action.kind in ("B", "I") and (action.stage, action.mb) in live:
+                live.discard((action.stage, action.mb))
+                now -= activation.get(action.stage, 0)
+            worst = max(worst, now)
+        peak[rank] = int(sum(static.get(s, 0) for s, r in enumerate(stage_to_rank) if r == rank) + worst)
+    return peak
+
+
+def tune(manifest: dict, calibration: Calibration, memory_limit: Optional[int] = None,
+         schedules: Optional[list] = None, microbatch_counts: Optional[list] = None,
+         optimizer_bytes_per_param: int = ADAM_BYTES_PER_PARAM, precision: str = "fp32") -> tuple:
+    """Every candidate priced (see the module doc): (kept, sorted by predicted step time; dropped over the
+    memory limit; failed to plan, with the planner's reason)."""
+    from tracepp.codegen.plan import build_plan
+    from tracepp.codegen.schedules import SCHEDULE_TABLE
+    from tracepp.manifest_file import topology_from_manifest
+    from tracepp.runtime.actions import Topology
+
+    if not manifest.get("segments"):
+        raise ValueError("this folder's manifest has no segment table (split by an older tracepp): split it again "
+                         "to tune")
+    if not same_model(calibration, manifest):
+        raise ValueError("the calibration was measured on another model or an older split of it: calibrate this "
+                         f"folder (`tracepp calibrate {manifest.get('_folder', 'OUT')}`)")
+    if segment_lines(calibration) is None:
+        raise ValueError("the calibrated split does not begin its stages at segment boundaries (repeated blocks, "
+                         "top-level modules), so its stage times cannot be shared out to other splits: calibrate "
+                         "a folder split at module FQNs")
+    plan = manifest["plan"]
+    num_ranks = plan["num_ranks"]
+    training = manifest["training"]
+    mesh = plan.get("mesh") or {}
+    batch = manifest["batch_size"]
+    counts = microbatch_counts or _divisors(batch, MAX_MICROBATCHES)
+    names = schedules or list(SCHEDULE_TABLE)
+    if mesh.get("dp", 1) > 1:
+        names = [n for n in names if not SCHEDULE_TABLE[n].split_backward]
+    own_split = stage_of_segments(manifest)
+    own_topology = topology_from_manifest(manifest)
+    segments = manifest["segments"]
+    kept, dropped, failed = [], [], []
+    plans: dict = {}  # the plan does not depend on the split, only on its topology
+    for schedule in names:
+        for num_stages in stage_counts(schedule, num_ranks, len(segments)):
+            for num_microbatches in counts:
+                size = batch / num_microbatches
+                splits = candidate_splits(manifest, calibration, num_stages, schedule, num_microbatches, size,
+                                          training, optimizer_bytes_per_param)
+                for split, source in splits:
+                    own = own_split is not None and tuple(own_split) == split
+                    candidate = Candidate(schedule, num_stages, num_microbatches, split, _split_points(manifest, split),
+                                          source)
+                    topology = own_topology if own else Topology.chain(num_stages)
+                    key = (schedule, num_stages, num_microbatches, topology)
+                    if key not in plans:
+                        try:
+                            plans[key] = build_plan(schedule, num_ranks, num_stages, num_microbatches, topology,
+                                                    training)
+                        except ValueError as error:
+                            plans[key] = str(error)
+                    built = plans[key]
+                    if isinstance(built, str):
+                        candidate.error = built
+                        failed.append(candidate)
+                        continue
+                    costs = split_costs(calibration, list(split), size)
+                    prediction = predict_plan(built.actions, built.stage_to_rank, topology, num_microbatches, costs,
+                                              calibration, _messages(manifest, split, size, precision, own),
+                                              split_optimizer(calibration, list(split)), training, check=False)
+                    candidate.step_s, candidate.bubble = prediction.step_s, prediction.bubble
+                    candidate.stage_to_rank = list(built.stage_to_rank)
+                    candidate.peak_memory = _memory(manifest, split, prediction.sim, built.stage_to_rank, size,
+                                                    training, optimizer_bytes_per_param)
+                    if memory_limit is not None and max(candidate.peak_memory.values()) > memory_limit:
+                        dropped.append(candidate)
+                    else:
+                        kept.append(candidate)
+    order = {name: index for index, name in enumerate(SCHEDULE_TABLE)}
+    kept.sort(key=lambda c: (round(c.step_s, 12), order.get(c.schedule, 99), c.num_stages, c.num_microbatches,
+                             c.split))
+    return kept, dropped, failed
+
+
+def _mb(value: float) -> str:
+    return f"{value / 1e6:,.1f}"
+
+
+def format_tuning(kept: list, dropped: list, failed: list, top: int, memory_limit: Optional[int],
+                  current: Optional[Candidate] = None) -> str:
+    from tabulate import tabulate
+
+    rows = []
+    for rank_index, c in enumerate(kept[:top], 1):
+        rows.append([rank_index, c.schedule, f"{c.num_stages} ({c.stages_per_rank}/rank)", c.num_microbatches,
+                     ", ".join(c.split_points) + (f"  [{c.split_source}]" if c.split_source != "balancer" else ""),
+                     f"{c.step_s * 1000:.1f}", f"{c.bubble:.1%}",
+                     " / ".join(_mb(v) for _, v in sorted(c.peak_memory.items()))])
+    headers = ["#", "schedule", "stages", "M", "split points", "step ms", "bubble", "peak MB per rank"]
+    lines = [tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True)]
+    searched = len(kept) + len(dropped) + len(failed)
+    summary = f"{searched} candidates: {len(kept)} priced"
+    if memory_limit is not None:
+        summary += f", {len(dropped)} over --memory-limit {_mb(memory_limit)} MB"
+    if failed:
+        summary += f", {len(failed)} the planner refused (e.g. {failed[0].schedule} M={failed[0].num_microbatches}: " \
+                   f"{failed[0].error.split(';')[0]})"
+    lines.append(summary)
+    if current is not None:
+        lines.append(f"this folder's plan ({current.schedule}, {current.num_stages} stages, M={current.num_microbatches})"
+                     f": predicted {current.step_s * 1000:.1f} ms")
+    return "\n".join(lines)
+
+
+def current_candidate(kept: list, dropped: list, manifest: dict) -> Optional[Candidate]:
+    plan = manifest["plan"]
+    own = stage_of_segments(manifest)
+    for c in kept + dropped:
+        if (c.schedule == plan["schedule"] and c.num_microbatches == plan["num_microbatches"]
+                and own is not None and c.split == tuple(own)):
+            return c
+    return None
+
+
+def apply(manifest: dict, out_dir: str, best: Candidate) -> dict:
+    """Split the folder again with ``best``'s schedule, stages, microbatches and split points (the driver,
+    with the model file and the other options the manifest records)."""
+    from tracepp.driver import resplit
+
+    own = stage_of_segments(manifest)
+    if own is not None and tuple(own) == best.split:  # the same cuts: as the folder was split (markers included)
+        recorded = (manifest.get("split_options") or {}).get("split_points")
+        return resplit(manifest, out_dir, schedule=best.schedule, num_stages=best.num_stages,
+                       num_microbatches=best.num_microbatches, split_points=recorded)
+    return resplit(manifest, out_dir, schedule=best.schedule, num_stages=best.num_stages,
+                   num_microbatches=best.num_microbatches, split_points=list(best.split_points))
