@@ -63,7 +63,8 @@ class MicrobatchSplitter:
         if batch_size < count:
             raise PipelineError(f"batch for step {step} has {batch_size} samples, fewer than the "
                                 f"{count} microbatches of this pipeline")
-        sizes = [len(chunk) for chunk in torch.arange(batch_size).tensor_split(count)]
+        # what tensor_split(count) gives: the first batch_size % count chunks one sample larger
+        sizes = [batch_size // count + (1 if index < batch_size % count else 0) for index in range(count)]
         if self.batch_symbol is None and batch_size != self.traced_batch_size:
             raise PipelineError(
                 f"batch for step {step} has {batch_size} samples but the pipeline was traced with "
