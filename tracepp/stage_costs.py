@@ -141,24 +141,33 @@ class StageCallables:
         return wanted, tensors, grads
 
 
-def measure_stage_times(folder: str, *, device="cpu", rounds: int = 5, max_microbatches: int = 4,
-                        precision: str = "fp32", clock: str = "wall", step: int = 0) -> dict:
-    """Every sample behind :func:`measure_stage_costs`: ``{"costs": {"0F": s, ...}, "W_autograd": {"0": s},
-    "samples": {"0F": [s, ...]}, "microbatches_timed": n, "rounds": r, "clock": clock}``."""
-    timer = CLOCKS[clock]
-    runner = StageCallables(folder, device, precision, max_microbatches, step)
-    dev = runner.device
-    samples: dict = {}
+class StageCostMeter:
+    """Times rounds of every stage's F, B, I and W_autograd (see the module docstring); :meth:`result` summarises.
+    Rounds can be interleaved with other measurements (``benchmarks/stage_times.py`` alternates them with the
+    same kinds through tracepp's executor, so both see the same machine)."""
 
-    def timed(key: str, fn):
-        _sync(dev)
-        start = timer()
+    def __init__(self, folder: str, *, device="cpu", precision: str = "fp32", max_microbatches: int = 4,
+                 clock: str = "wall", step: int = 0):
+        self.timer = CLOCKS[clock]
+        self.clock = clock
+        self.runner = StageCallables(folder, device, precision, max_microbatches, step)
+        self.samples: dict = {}
+        self.rounds = 0
+        self.run_round()  # warm-up (allocator, lazy init), dropped
+        self.samples.clear()
+        self.rounds = 0
+
+    def _timed(self, key: str, fn):
+        device = self.runner.device
+        _sync(device)
+        start = self.timer()
         result = fn()
-        _sync(dev)
-        samples.setdefault(key, []).append(timer() - start)
+        _sync(device)
+        self.samples.setdefault(key, []).append(self.timer() - start)
         return result
 
-    def accumulate(params, grads):
+    @staticmethod
+    def _accumulate(params, grads) -> None:
         for param, grad in zip(params, grads):
             if grad is None:
                 continue
@@ -167,9 +176,8 @@ def measure_stage_times(folder: str, *, device="cpu", rounds: int = 5, max_micro
             else:
                 param.grad.add_(grad)
 
-    for round_index in range(rounds + 1):  # round 0 warms up (allocator, lazy init) and is dropped
-        if round_index == 1:
-            samples.clear()
+    def run_round(self) -> None:
+        runner, timed = self.runner, self._timed
         for s in range(runner.num_stages):
             params = runner.params[s]
             for mb in range(runner.count):
@@ -182,26 +190,42 @@ def measure_stage_times(folder: str, *, device="cpu", rounds: int = 5, max_micro
                     timed(f"{s}I", lambda: torch.autograd.grad(tensors, received, grads, retain_graph=True,
                                                                allow_unused=True))
                 if params:
-                    timed(f"{s}W_autograd", lambda: accumulate(params, torch.autograd.grad(
+                    timed(f"{s}W_autograd", lambda: self._accumulate(params, torch.autograd.grad(
                         tensors, params, grads, allow_unused=True)))
                 del received, tensors, grads
             for param in params:
                 param.grad = None
-    medians = {key: statistics.median(values) for key, values in samples.items()}
-    costs, naive = {}, {}
-    for s in range(runner.num_stages):
-        costs[f"{s}F"] = max(medians.get(f"{s}F", NOTHING), NOTHING)
-        if not runner.training:
-            continue
-        full = max(medians.get(f"{s}B", NOTHING), NOTHING)
-        inputs = min(medians.get(f"{s}I", 0.0), full)
-        costs[f"{s}B"] = full
-        costs[f"{s}I"] = max(inputs, NOTHING)
-        costs[f"{s}W"] = max(full - inputs, NOTHING)
-        if f"{s}W_autograd" in medians:
-            naive[str(s)] = medians[f"{s}W_autograd"]
-    return {"costs": costs, "W_autograd": naive, "samples": samples, "microbatches_timed": runner.count,
-            "rounds": rounds, "clock": clock, "stages": runner.modules}
+        self.rounds += 1
+
+    def result(self) -> dict:
+        """``{"costs": {"0F": s, ...}, "W_autograd": {"0": s}, "samples": {"0F": [s, ...]},
+        "microbatches_timed": n, "rounds": r, "clock": clock}`` (medians of the rounds run so far)."""
+        runner = self.runner
+        medians = {key: statistics.median(values) for key, values in self.samples.items()}
+        costs, naive = {}, {}
+        for s in range(runner.num_stages):
+            costs[f"{s}F"] = max(medians.get(f"{s}F", NOTHING), NOTHING)
+            if not runner.training:
+                continue
+            full = max(medians.get(f"{s}B", NOTHING), NOTHING)
+            inputs = min(medians.get(f"{s}I", 0.0), full)
+            costs[f"{s}B"] = full
+            costs[f"{s}I"] = max(inputs, NOTHING)
+            costs[f"{s}W"] = max(full - inputs, NOTHING)
+            if f"{s}W_autograd" in medians:
+                naive[str(s)] = medians[f"{s}W_autograd"]
+        return {"costs": costs, "W_autograd": naive, "samples": self.samples, "microbatches_timed": runner.count,
+                "rounds": self.rounds, "clock": self.clock}
+
+
+def measure_stage_times(folder: str, *, device="cpu", rounds: int = 5, max_microbatches: int = 4,
+                        precision: str = "fp32", clock: str = "wall", step: int = 0) -> dict:
+    """Every sample behind :func:`measure_stage_costs` (:meth:`StageCostMeter.result`)."""
+    meter = StageCostMeter(folder, device=device, precision=precision, max_microbatches=max_microbatches,
+                           clock=clock, step=step)
+    for _ in range(rounds):
+        meter.run_round()
+    return meter.result()
 
 
 def measure_stage_costs(folder: str, *, device="cpu", rounds: int = 5, max_microbatches: int = 4,
