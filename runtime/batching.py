@@ -127,7 +127,9 @@ class MicrobatchSplitter:
                 chunks.append([leaf] * count)
         mb_leaves = [[chunk[i] for chunk in chunks] for i in range(count)]
         targets = [None] * count
-        if target is not None:
+        if isinstance(target, torch.Tensor) and target.dim() > 0 and target.shape[0] == batch_size:
+            targets = list(target.to(device).tensor_split(count))  # the common case, without pytree per microbatch
+        elif target is not None:
             t_leaves, t_spec = pytree.tree_flatten(target)
             t_chunks = [leaf.to(device).tensor_split(count) if isinstance(leaf, torch.Tensor) and leaf.dim() > 0
                         and leaf.shape[0] == batch_size else [leaf] * count for leaf in t_leaves]
