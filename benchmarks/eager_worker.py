@@ -41,7 +41,7 @@ def main(argv=None) -> None:
             torch.cuda.synchronize(device)
         if memory is not None:
             memory.at_step(step, args.steps)
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         loss = user.loss_fn(model(*inputs, **kwargs), target)
         loss.backward()
         optimizer.step()
@@ -49,8 +49,10 @@ def main(argv=None) -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - start
+        cpu_time = time.process_time() - cpu_start
         with open(args.metrics, "a") as handle:
-            handle.write(json.dumps({"step": step, "loss": float(loss.detach()), "step_time_s": elapsed}) + "\n")
+            handle.write(json.dumps({"step": step, "loss": float(loss.detach()), "step_time_s": elapsed,
+                                     "cpu_time_s": cpu_time}) + "\n")
     if memory is not None:
         write_memory(args.memory_dir, 0, memory.stop())
 

@@ -11,7 +11,9 @@ file (benchmarks/gpt_model.py, untied head), split at the same block FQNs, is tr
   the matching ``Schedule*``), ``benchmarks/torch_worker.py``, timed the same way;
 * ``eager``: the unsplit model in one process, full batch (``benchmarks/eager_worker.py``);
 * ``ideal``: ``codegen.simulate`` of tracepp's own plan with per-(stage, kind) compute times measured in one
-  process in this run, comms free, plus the SGD step (``benchmarks/stage_times.py``);
+  process in this run, comms free, plus the SGD step (``benchmarks/stage_times.py``): each stage's own function
+  with plain autograd (``tracepp.stage_costs``: F, B, I = input-gradient half, W = B - I), not tracepp's
+  executor, so ideal / tracepp shows all of the runtime's overhead, the zero-bubble split's included;
 * ``predicted``: the calibrated simulator (``tracepp.calibration``, ``benchmarks/predict.py``): the same plan with
   the stage costs, the ping-pong's latency and bandwidth on every message, and the runtime's per-action overhead
   fitted to the *other* cases' measured steps; printed next to the measured median with the error.
@@ -21,7 +23,9 @@ picks a plan for the same model and ranks; the pick is split, run and measured i
 hand-picked case, and both are printed.
 
 Runs of the systems alternate (tracepp, torch, eager, then torch, tracepp, eager, ...), each run drops its
-warm-up steps, and the step time reported is the median of all measured steps. Every process runs with
+warm-up steps, and the step time reported is the median of all measured steps (``cpu_time_s``: the median
+process CPU time per step of the same rank, which other jobs on the machine do not stretch; the 1-minute load
+average before each run is kept with it). Every process runs with
 ``--threads`` intra-op threads (default 1, which is what torchrun sets for several processes per node).
 Peak memory per rank: see benchmarks/memory.py (CPU: peak live bytes of torch's CPU allocator during one
 untimed step after the timed ones, relative to the live bytes at its start, from torch.profiler's memory
@@ -216,6 +220,7 @@ def run_system(system: str, case: Case, model_path: str, out_dir: str, work: str
     else:
         cmd = [sys.executable, "-m", "benchmarks.eager_worker", "--model-file", model_path, "--steps", str(steps),
                "--metrics", metrics, "--memory-dir", memory_dir, "--device", device]
+    load_before = _loadavg()  # the 1-minute load average before this run (the run itself adds its processes)
     ok, error, wall = _run(cmd, log, _env(threads), settings.timeout)
     retried = False
     if not ok and _launcher_hiccup(log):  # a port taken by another job on the machine: launch once more
@@ -227,6 +232,9 @@ def run_system(system: str, case: Case, model_path: str, out_dir: str, work: str
     lines = _read_steps(metrics)
     result = {"ok": ok and len(lines) == steps, "error": error, "wall_s": wall, "log": log, "retried": retried,
               "step_times": [line["step_time_s"] for line in lines[settings.warmup:settings.warmup + settings.measured]],
+              "cpu_times": [line["cpu_time_s"] for line in lines[settings.warmup:settings.warmup + settings.measured]
+                            if "cpu_time_s" in line],
+              "loadavg": load_before,
               "losses": [line["loss"] for line in lines], "memory": read_memory(memory_dir)}
     if ok and len(lines) != steps:
         result["error"] = f"wrote {len(lines)} metric lines, expected {steps}"
@@ -239,6 +247,7 @@ def _merge(runs: list, tokens: int) -> dict:
         return {"status": "failed", "error": runs[0]["error"] if runs else "not run", "log": runs[0]["log"] if runs else None}
     times = [t for r in good for t in r["step_times"]]
     step = statistics.median(times)
+    cpu_times = [t for r in good for t in r.get("cpu_times", [])]
     per_rank: dict = {}
     rss_per_rank: dict = {}
     method = rss_method = None
@@ -251,6 +260,8 @@ def _merge(runs: list, tokens: int) -> dict:
             method = m["method"]
             rss_method = m.get("rss_method") or rss_method
     return {"status": "ok", "step_time_s": step, "tokens_per_s": tokens / step, "measured_steps": len(times),
+            "cpu_time_s": statistics.median(cpu_times) if cpu_times else None,
+            "loadavg_1min": [r["loadavg"] for r in good],
             "runs": len(good), "step_times_s": times, "min_step_time_s": min(times),
             "peak_mem_mb_per_rank": [per_rank[k] for k in sorted(per_rank)],
             "peak_mem_mb": max(per_rank.values()) if per_rank else None, "memory_method": method,
@@ -419,6 +430,13 @@ def tune_benchmark(entries: list, comm: dict, settings: Settings, threads: int, 
     return result
 
 
+def _loadavg():
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
+
+
 def _time(entry: dict, system: str):
     part = entry.get(system) or {}
     return part.get("step_time_s") if part.get("status") == "ok" else None
@@ -427,6 +445,9 @@ def _time(entry: dict, system: str):
 def _derive(entry: dict) -> None:
     tp, th, ideal, eager = (_time(entry, s) for s in ("tracepp", "torch", "ideal", "eager"))
     entry["ratio_tracepp_over_torch"] = tp / th if tp and th else None
+    # the last stage's rank's process CPU time per step: what the runtimes spend, unstretched by other jobs
+    cpu_tp, cpu_th = ((entry.get(s) or {}).get("cpu_time_s") for s in ("tracepp", "torch"))
+    entry["cpu_ratio_tracepp_over_torch"] = cpu_tp / cpu_th if cpu_tp and cpu_th else None
     entry["efficiency"] = ideal / tp if tp and ideal else None  # ideal/tracepp: 1.0 = the schedule's best
     entry["speedup_over_eager"] = eager / tp if tp and eager else None
     if entry["tracepp"].get("status") == "ok" and entry.get("torch", {}).get("status") == "ok":
@@ -466,21 +487,23 @@ def format_table(report: dict) -> str:
                          _ms(_time(e, "torch")), _ms(_time(e, "eager")),
                          _ms(_time(e, "ideal")), _fmt(e["tracepp"].get("tokens_per_s"), ",.0f"),
                          _fmt(e["torch"].get("tokens_per_s"), ",.0f"), _fmt(e["ratio_tracepp_over_torch"], ".2f"),
-                         _fmt(e["efficiency"], ".2f"), _fmt(e["tracepp"].get("peak_mem_mb"), ".0f"),
+                         _fmt(e.get("cpu_ratio_tracepp_over_torch"), ".2f"), _fmt(e["efficiency"], ".2f"), _fmt(e["tracepp"].get("peak_mem_mb"), ".0f"),
                          _fmt(e["torch"].get("peak_mem_mb"), ".0f"), _fmt(e["eager"].get("peak_mem_mb"), ".0f")])
     if cuda:
         headers = ["model", "GPUs", "schedule", "M", "tracepp ms", "eager ms", "ideal ms", "predicted R-GPU ms",
                    "tracepp tok/s", "ideal/tracepp", "mem tracepp MB", "mem eager MB"]
     else:
         headers = ["model", "R", "schedule", "M", "mb size", "tracepp ms", "predicted ms", "error %", "torch ms",
-                   "eager ms", "ideal ms",
-                   "tracepp tok/s", "torch tok/s", "tracepp/torch", "ideal/tracepp", "mem tracepp MB",
-                   "mem torch MB", "mem eager MB"]
+                   "eager ms", "ideal ms", "tracepp tok/s", "torch tok/s", "tracepp/torch", "cpu tracepp/torch",
+                   "ideal/tracepp", "mem tracepp MB", "mem torch MB", "mem eager MB"]
     text = tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True)
     notes = [f"step time: median of measured steps (warm-up dropped) over alternating runs; tokens/s = "
-             f"batch*seq / step time; ideal = simulated plan with measured stage times, comms free, + SGD step",
+             f"batch*seq / step time; ideal = simulated plan with each stage's plain-autograd F/B/I/W "
+             f"(tracepp.stage_costs), comms free, + SGD step; cpu tracepp/torch: process CPU time per step of the "
+             f"last stage's rank",
              "predicted = calibrated simulator: stage costs, ping-pong latency/bandwidth per message, per-action "
              "overhead fitted to the other cases (leave one out); error = (predicted - tracepp) / tracepp",
+             f"1-minute load average before each run: {_load_range(report)}",
              f"memory: max over ranks of {report.get('memory_method') or 'n/a'}",
              f"load average (1, 5, 15 min) at start {report.get('loadavg_start')}, end {report.get('loadavg_end')}"]
     tuned = report.get("tuner") or {}
@@ -498,6 +521,12 @@ def format_table(report: dict) -> str:
     if mismatched:
         problems.append("tracepp and torch losses differ in: " + ", ".join(mismatched))
     return "\n".join([text, ""] + notes + (["", "problems:"] + problems if problems else []))
+
+
+def _load_range(report: dict) -> str:
+    loads = [value for e in report["results"] for s in SYSTEMS for value in (e.get(s) or {}).get("loadavg_1min", [])
+             if value is not None]
+    return f"{min(loads):.2f} to {max(loads):.2f}" if loads else "n/a"
 
 
 def write_chart(report: dict, path: str):

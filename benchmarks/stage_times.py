@@ -1,17 +1,27 @@
 """Per-(stage, kind) compute times of tracepp output folders, and the ideal step time of their plans.
 
     python -m benchmarks.stage_times OUT_DIR [OUT_DIR ...] --json times.json [--device cpu] [--rounds 5]
+        [--clock wall|cpu]
 
-For each folder, in this one process: every stage of the plan is loaded onto one device by the runtime's
-public ``Pipeline(out_dir, all_stages=True, actions=...)`` (weights from ``model()``, stage code from the
-generated ``rank*.py``), with a single-rank action list (``F`` of every stage, then ``B`` of every stage in
-reverse; then the same with ``I``/``W`` for the zero-bubble split), on the real microbatches of step 0. Each
-action is timed on its own through ``Pipeline.set_action_hook`` (CUDA synchronised around it); the cost of a
-(stage, kind) is the median over ``rounds`` x microbatches.
-The SGD step over each stage's parameters is timed the same way (a rank's is the sum over its stages).
+For each folder, in this one process:
 
-The ideal step time is ``codegen.simulate`` of the folder's own lowered plan with those costs and comms
-free, plus each rank's optimizer step after its last action: ``max over ranks (end of last compute + SGD)``.
+* **the stage costs the ideal is priced with** (``costs``): ``tracepp.stage_costs.measure_stage_times``, each
+  stage's own generated function called with plain autograd on the real microbatches of step 0, no pipeline
+  executor: F = forward; B = ``torch.autograd.backward`` of its outputs; I = ``torch.autograd.grad`` with
+  ``inputs=`` the received activations; W = B - I, the weight half of the best possible split backward (the
+  naive split, ``autograd.grad`` with ``inputs=`` the parameters, is kept as ``W_autograd``). These are what
+  the stage's computation costs, so ideal / measured shows every overhead of tracepp's runtime, the zero-bubble
+  path included.
+* **the same kinds through tracepp's executor** (``executor_costs``): ``Pipeline(out_dir, all_stages=True,
+  actions=...)`` with a single-rank action list (``F`` of every stage, then ``B`` of every stage in reverse;
+  then the same with ``I``/``W``), each action timed through ``Pipeline.set_action_hook``. ``split_ratio``:
+  per stage, tracepp's I + W over its own B (1.0: the split backward costs what one backward does), and
+  ``split_ratio_plain``: over the plain-autograd B. Printed per stage.
+* the SGD step over each stage's parameters (a rank's is the sum over its stages).
+
+Each cost is the median over ``rounds`` x microbatches (CUDA synchronised around each). The ideal step time
+is ``codegen.simulate`` of the folder's own lowered plan with ``costs`` and comms free, plus each rank's
+optimizer step after its last action: ``max over ranks (end of last compute + SGD)``.
 """
 from __future__ import annotations
 
@@ -23,6 +33,8 @@ import sys
 import time
 
 import torch
+
+CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
 
 
 def _runtime(out_dir: str):
@@ -39,70 +51,112 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def measure(out_dir: str, device: torch.device, rounds: int = 5, max_microbatches: int = 4) -> dict:
-    """{"costs": {"stage,kind": seconds}, "optimizer_stage_s": {stage: seconds}} for one output folder.
+class ExecutorMeter:
+    """The same kinds through tracepp's executor, a round at a time: ``executor_costs`` {"stage,kind": s} and
+    the SGD step per stage. Uses the runtime's public API only: ``Pipeline(out_dir, all_stages=True,
+    actions=...)`` (every stage in this process, no communication) and ``Pipeline.set_action_hook``."""
 
-    Uses the runtime's public API only: ``Pipeline(out_dir, all_stages=True, actions=...)`` (every stage in
-    this process, no communication) and ``Pipeline.set_action_hook`` to time each action."""
-    runtime = _runtime(out_dir)
-    with open(os.path.join(out_dir, "manifest.json")) as handle:
-        manifest = json.load(handle)
-    num_stages = len(manifest["stages"])
-    count = min(max_microbatches, manifest["plan"]["num_microbatches"])
-    samples: dict = {}
+    def __init__(self, out_dir: str, device: torch.device, max_microbatches: int = 4, clock: str = "wall"):
+        self.device, self.timer = device, CLOCKS[clock]
+        runtime = _runtime(out_dir)
+        with open(os.path.join(out_dir, "manifest.json")) as handle:
+            manifest = json.load(handle)
+        num_stages = len(manifest["stages"])
+        count = min(max_microbatches, manifest["plan"]["num_microbatches"])
+        self.samples: dict = {}
 
-    def actions_for(kinds: tuple) -> list:
-        actions = []
-        for m in range(count):
-            order = [(s, "F") for s in range(num_stages)]
-            for kind in kinds:
-                order += [(s, kind) for s in reversed(range(num_stages))]
-            actions += [f"{s}{kind}{m}" for s, kind in order]
-        return actions
+        def actions_for(kinds: tuple) -> list:
+            actions = []
+            for m in range(count):
+                order = [(s, "F") for s in range(num_stages)]
+                for kind in kinds:
+                    order += [(s, kind) for s in reversed(range(num_stages))]
+                actions += [f"{s}{kind}{m}" for s, kind in order]
+            return actions
 
-    pipes = {kinds: runtime.Pipeline(out_dir, all_stages=True, device=device, actions=actions_for(kinds))
-             for kinds in (("B",), ("I", "W"))}
-    inputs, kwargs, target = pipes[("B",)].user.batch(0)
+        self.pipes = {kinds: runtime.Pipeline(out_dir, all_stages=True, device=device, actions=actions_for(kinds))
+                      for kinds in (("B",), ("I", "W"))}
+        self.batch = self.pipes[("B",)].user.batch(0)
+        for pipe in self.pipes.values():
+            pipe.set_action_hook(self._timed)
+        self.run_round()  # warm-up (allocator, lazy init), discarded
+        self.samples.clear()
 
-    def timed(text: str, run) -> None:
-        _sync(device)
-        start = time.perf_counter()
+    def _timed(self, text: str, run) -> None:
+        _sync(self.device)
+        start = self.timer()
         run()
-        _sync(device)
+        _sync(self.device)
         kind = _compute_kind(text)
-        samples.setdefault((int(text.split(kind)[0]), kind), []).append(time.perf_counter() - start)
+        self.samples.setdefault((int(text.split(kind)[0]), kind), []).append(self.timer() - start)
 
-    for pipe in pipes.values():
-        pipe.set_action_hook(timed)
+    def run_round(self) -> None:
+        inputs, kwargs, target = self.batch
+        for pipe in self.pipes.values():
+            pipe.step(tuple(inputs), kwargs, target)
+            pipe.zero_grad()
 
-    def run(kinds: tuple) -> None:
-        pipes[kinds].step(tuple(inputs), kwargs, target)
+    def costs(self) -> dict:
+        return {f"{s},{kind}": statistics.median(v) for (s, kind), v in sorted(self.samples.items())}
 
-    run(("B",))  # warm-up (allocator, lazy init), discarded
-    run(("I", "W"))
-    samples.clear()
-    for _ in range(rounds):
-        run(("B",))
-        run(("I", "W"))
-    costs = {f"{s},{kind}": statistics.median(v) for (s, kind), v in sorted(samples.items())}
-    # the SGD step over each stage's parameters (gradients are left over from the runs above)
-    optimizer_stage_s = {}
-    pipe = pipes[("B",)]
-    for stage_index, stage in sorted(pipe.stages.items()):
-        params = [p for p in stage.parameters() if p.requires_grad]
-        for p in params:
-            if p.grad is None:
+    def optimizer_times(self, rounds: int) -> dict:
+        """The SGD step over each stage's parameters, median of ``rounds``."""
+        optimizer_stage_s = {}
+        for stage_index, stage in sorted(self.pipes[("B",)].stages.items()):
+            params = [p for p in stage.parameters() if p.requires_grad]
+            for p in params:
                 p.grad = torch.zeros_like(p)
-        optimizer = torch.optim.SGD(params, lr=0.0)
-        times = []
-        for _ in range(rounds + 1):
-            _sync(device)
-            start = time.perf_counter()
-            optimizer.step()
-            _sync(device)
-            times.append(time.perf_counter() - start)
-        optimizer_stage_s[str(stage_index)] = statistics.median(times[1:])
-    return {"costs": costs, "optimizer_stage_s": optimizer_stage_s, "microbatches_timed": count, "rounds": rounds}
+            optimizer = torch.optim.SGD(params, lr=0.0)
+            times = []
+            for _ in range(rounds + 1):
+                _sync(self.device)
+                start = self.timer()
+                optimizer.step()
+                _sync(self.device)
+                times.append(self.timer() - start)
+            optimizer_stage_s[str(stage_index)] = statistics.median(times[1:])
+        return optimizer_stage_s
+
+
+def measure(out_dir: str, device: torch.device, rounds: int = 5, max_microbatches: int = 4,
+            clock: str = "wall") -> dict:
+    """Everything the module docstring lists for one folder; ``costs`` (keys ``"stage,kind"``) price the ideal.
+    Rounds of the plain-autograd and the executor measurements alternate, so both see the same machine."""
+    from tracepp.stage_costs import StageCostMeter
+
+    plain_meter = StageCostMeter(out_dir, device=device, max_microbatches=max_microbatches, clock=clock)
+    executor_meter = ExecutorMeter(out_dir, device, max_microbatches, clock)
+    for _ in range(rounds):
+        plain_meter.run_round()
+        executor_meter.run_round()
+    plain = plain_meter.result()
+    costs = {f"{int(key[:-1])},{key[-1]}": value for key, value in plain["costs"].items()}
+    executor = executor_meter.costs()
+    result = {"costs": costs, "executor_costs": executor, "optimizer_stage_s": executor_meter.optimizer_times(rounds),
+              "W_autograd": plain["W_autograd"], "microbatches_timed": plain["microbatches_timed"],
+              "rounds": rounds, "clock": clock,
+              "costs_method": "plain autograd per stage (tracepp.stage_costs), W = B - I",
+              "split_ratio": {}, "split_ratio_plain": {}}
+    for stage in sorted({int(k.split(",")[0]) for k in executor}):
+        i, w, b = (executor.get(f"{stage},{kind}") for kind in "IWB")
+        if i is not None and w is not None and b:
+            result["split_ratio"][str(stage)] = (i + w) / b
+            result["split_ratio_plain"][str(stage)] = (i + w) / costs[f"{stage},B"]
+    return result
+
+
+def split_table(measured: dict) -> str:
+    """Per stage: plain-autograd F, B, I, W and tracepp's executor F, B, I, W (ms), and tracepp's (I + W) / B."""
+    lines = ["stage  plain F/B/I/W ms              tracepp F/B/I/W ms            (I+W)/B tracepp  vs plain B"]
+    costs, executor = measured["costs"], measured["executor_costs"]
+    for stage in sorted({int(k.split(",")[0]) for k in costs}):
+        plain = "/".join(f"{costs.get(f'{stage},{k}', 0) * 1e3:.2f}" for k in "FBIW")
+        ours = "/".join(f"{executor.get(f'{stage},{k}', 0) * 1e3:.2f}" for k in "FBIW")
+        ratio = measured["split_ratio"].get(str(stage))
+        plain_ratio = measured["split_ratio_plain"].get(str(stage))
+        lines.append(f"{stage:>5}  {plain:<28} {ours:<28} {ratio if ratio is not None else float('nan'):>15.2f}"
+                     f"  {plain_ratio if plain_ratio is not None else float('nan'):>9.2f}")
+    return "\n".join(lines)
 
 
 def _compute_kind(action: str) -> str:
@@ -144,6 +198,9 @@ def main(argv=None) -> None:
     parser.add_argument("--json", required=True)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--clock", default="wall", choices=sorted(CLOCKS),
+                        help="wall (perf_counter, default) or cpu (this thread's CPU time: steadier on a shared "
+                             "machine; with 1 intra-op thread)")
     parser.add_argument("--predict-ranks", type=int, default=None,
                         help="also simulate the same schedule planned over this many ranks (predicted_step_s)")
     args = parser.parse_args(argv)
@@ -155,14 +212,18 @@ def main(argv=None) -> None:
         device = torch.device("cpu")
     results = {}
     for out_dir in args.out_dirs:
-        measured = measure(out_dir, device, args.rounds)
+        measured = measure(out_dir, device, args.rounds, clock=args.clock)
         with open(os.path.join(out_dir, "manifest.json")) as handle:
             manifest = json.load(handle)
         measured.update(ideal_step(manifest, measured["costs"], measured["optimizer_stage_s"]))
+        measured["ideal_step_s_executor_costs"] = ideal_step(manifest, measured["executor_costs"],
+                                                             measured["optimizer_stage_s"])["ideal_step_s"]
         if args.predict_ranks:
             measured["predicted_ranks"] = args.predict_ranks
             measured["predicted_step_s"] = predict(manifest, measured, args.predict_ranks)["ideal_step_s"]
         results[out_dir] = measured
+        print(f"{out_dir}: ideal {measured['ideal_step_s'] * 1e3:.1f} ms (executor-priced "
+              f"{measured['ideal_step_s_executor_costs'] * 1e3:.1f} ms)\n{split_table(measured)}", flush=True)
     with open(args.json, "w") as handle:
         json.dump(results, handle, indent=1)
 

@@ -94,7 +94,7 @@ def main(argv=None) -> None:
             torch.cuda.synchronize(device)
         if memory is not None:
             memory.at_step(step, args.steps)
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         step_args = inputs if has_first else ()
         step_kwargs = dict(kwargs) if has_first else {}
         schedule.step(*step_args, target=target if has_last else None, losses=losses, return_outputs=False,
@@ -104,10 +104,12 @@ def main(argv=None) -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - start
+        cpu_time = time.process_time() - cpu_start
         if has_last:
             loss = float(torch.stack([l.detach().float() for l in losses]).mean())
             with open(args.metrics, "a") as handle:
-                handle.write(json.dumps({"step": step, "loss": loss, "step_time_s": elapsed}) + "\n")
+                handle.write(json.dumps({"step": step, "loss": loss, "step_time_s": elapsed,
+                                         "cpu_time_s": cpu_time}) + "\n")
     if memory is not None:
         write_memory(args.memory_dir, rank, memory.stop())
     dist.barrier()

@@ -63,7 +63,8 @@ class MicrobatchSplitter:
         if batch_size < count:
             raise PipelineError(f"batch for step {step} has {batch_size} samples, fewer than the "
                                 f"{count} microbatches of this pipeline")
-        sizes = [len(chunk) for chunk in torch.arange(batch_size).tensor_split(count)]
+        # what tensor_split(count) gives: the first batch_size % count chunks one sample larger
+        sizes = [batch_size // count + (1 if index < batch_size % count else 0) for index in range(count)]
         if self.batch_symbol is None and batch_size != self.traced_batch_size:
             raise PipelineError(
                 f"batch for step {step} has {batch_size} samples but the pipeline was traced with "
@@ -126,7 +127,9 @@ class MicrobatchSplitter:
                 chunks.append([leaf] * count)
         mb_leaves = [[chunk[i] for chunk in chunks] for i in range(count)]
         targets = [None] * count
-        if target is not None:
+        if isinstance(target, torch.Tensor) and target.dim() > 0 and target.shape[0] == batch_size:
+            targets = list(target.to(device).tensor_split(count))  # the common case, without pytree per microbatch
+        elif target is not None:
             t_leaves, t_spec = pytree.tree_flatten(target)
             t_chunks = [leaf.to(device).tensor_split(count) if isinstance(leaf, torch.Tensor) and leaf.dim() > 0
                         and leaf.shape[0] == batch_size else [leaf] * count for leaf in t_leaves]

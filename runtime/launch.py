@@ -289,7 +289,7 @@ def train(pipe: Pipeline, args) -> None:
         # on GPUs pinned and copied on a side stream; the step waits for the copy, so what of it is not done
         # by then is counted in the step time below
         inputs, kwargs, target = batches.get(step)
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         pipe.loss_scale = scaler.scale if scaler is not None else None
         result = pipe.step(inputs, kwargs, target)
         host_memory.release(device)  # before the optimizer allocates its state or updates anything
@@ -323,6 +323,7 @@ def train(pipe: Pipeline, args) -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - start
+        cpu_time = time.process_time() - cpu_start  # this rank's CPU time: a measure that load does not stretch
         if args.save_outputs:
             outputs.append(_replica_outputs(pipe, result))
         if reports:
@@ -335,7 +336,7 @@ def train(pipe: Pipeline, args) -> None:
                 print(f"step {step + 1}/{args.steps} | {text}{elapsed * 1000:.1f} ms | "
                       f"{samples / elapsed:.1f} samples/s{note}", flush=True)
             if args.metrics:
-                record = {"step": step, "loss": loss_value, "step_time_s": elapsed,
+                record = {"step": step, "loss": loss_value, "step_time_s": elapsed, "cpu_time_s": cpu_time,
                           "samples_per_s": samples / elapsed, "batch_size": samples}
                 if norm is not None:
                     record["grad_norm"] = norm

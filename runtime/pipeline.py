@@ -367,10 +367,13 @@ class Pipeline:
         """The global L2 norm of the gradients of every stage on every rank, a shared weight counted once: one
         all-reduce of two numbers; the same fp32 value on every rank. Call after :meth:`sync_shared_grads`.
         ``nonfinite_loss=True`` (on the rank whose loss was NaN/inf) makes it NaN on every rank."""
-        grads = [dp_mesh.local(p.grad) for p in self._counted_once() if p.grad is not None]
+        grads = [dp_mesh.local(p.grad).detach() for p in self._counted_once() if p.grad is not None]
         sums = torch.zeros(2, device=self.device, dtype=torch.float32)
         if grads:  # with DP: local shards, each shard counted once over the mesh (replicas divide it out)
-            sums[0] = torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum()
+            # one fused kernel for every tensor's norm (as torch.nn.utils.clip_grad_norm_), not two ops each
+            norms = torch._foreach_norm(grads) if len({(g.device, g.dtype) for g in grads}) == 1 else \
+                [torch.linalg.vector_norm(g) for g in grads]
+            sums[0] = torch.stack([n.float() for n in norms]).pow(2).sum()
             sums[0] /= dp_mesh.replication_factor(self.layout) if self.mesh is not None else 1
         sums[1] = float(nonfinite_loss)
         if self.world_size > 1:

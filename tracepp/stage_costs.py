@@ -1,0 +1,263 @@
+"""Each stage's compute cost (F, B, I, W) measured with plain autograd in one process: no pipeline executor.
+
+    from tracepp.stage_costs import measure_stage_costs
+    costs = measure_stage_costs("out/")             # {"0F": s, "0B": s, "0I": s, "0W": s, "1F": s, ...}
+
+    python -m tracepp.stage_costs out/ -o costs.json [--rounds 5] [--clock wall|cpu]
+    tracepp plan out/ --costs costs.json             # the same keys `tracepp plan --costs` reads
+
+What is timed, for every stage of an output folder and each of its first ``max_microbatches`` microbatches
+of ``batch(0)`` (the model file's real data, its weights from ``model()``): the stage's generated function
+(from the rank scripts, through the runtime's ``StageModule``), called directly, its received activations
+detached leaves as a pipeline stage sees them:
+
+* ``F``: the forward (the last stage's includes ``loss_fn``);
+* ``B``: ``torch.autograd.backward(outputs, grad_outputs)``: input and weight gradients in one pass;
+* ``I``: ``torch.autograd.grad(outputs, inputs=received activations, grad_outputs, retain_graph=True)``:
+  autograd runs only what the input gradients need (no weight-gradient kernels);
+* ``W``: ``B - I``, the weight half of the best possible split backward, whose two halves together do the
+  work of one full backward. ``W_autograd`` in :func:`measure_stage_times` is the naive split instead,
+  ``torch.autograd.grad(outputs, inputs=parameters, grad_outputs)`` after I: it repeats the activation-gradient
+  chain from the outputs down to the first weight, so I + W_autograd is 1.5 to 2 B;
+  it is reported, not used as the cost.
+
+The ``grad_outputs`` are the real gradients of a full backward of the whole model (each stage's received
+activations' gradients, summed over consumers, are its producer's output gradients). A stage that receives
+no activation needing a gradient has I = 0 (written as 1e-9 s, since costs files hold positive times) and
+W = B. Each cost is the median over ``rounds`` x microbatches; ``clock`` is ``time.perf_counter`` (wall) or
+``time.thread_time`` (CPU time of this thread: steadier on a shared machine, equal to the wall time of a
+1-thread CPU stage when nothing else competes). These are the costs of the stages' own computation, the
+floor any runtime's F, B, I and W can approach: the benchmark's ``ideal`` (``benchmarks/stage_times.py``)
+simulates the plan with them.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+NOTHING = 1e-9  # the cost written for a stage's I when it has no input gradient to compute (costs must be > 0)
+CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class StageCallables:
+    """Every stage of an output folder in this process, callable one at a time with plain autograd, on the
+    real microbatches of ``batch(step)``. ``forward(stage, mb)`` -> (received leaves needing gradients,
+    differentiable outputs, their output gradients); the output gradients come from one full backward of the
+    whole model made at construction."""
+
+    def __init__(self, folder: str, device="cpu", precision: str = "fp32", max_microbatches: int = 4,
+                 step: int = 0):
+        from tracepp.runtime.launch import user_batch
+        from tracepp.runtime.pipeline import Pipeline
+        import torch.utils._pytree as pytree
+
+        self.device = torch.device(device)
+        pipe = Pipeline(folder, all_stages=True, device=self.device, precision=precision, check_finite=False,
+                        actions=[])
+        self.pipe = pipe
+        self.manifest = manifest = pipe.manifest
+        self.training = manifest["training"]
+        self.num_stages = len(manifest["stages"])
+        self.specs = manifest["stages"]
+        self.modules = pipe.stages
+        self.params = {s: [p for p in module.parameters() if p.requires_grad] for s, module in self.modules.items()}
+        args, kwargs, target = user_batch(pipe.user, step, self.training)
+        batches = pipe.splitter.split(step, tuple(args), kwargs, target, self.device)
+        self.count = min(max_microbatches, len(batches.leaves))
+        self.batches = batches
+        self.shapes = [pipe.executor.shapes(**bound) for bound in batches.symbols]
+        self._pytree = pytree
+        self._out_spec = pipe._out_spec
+        self.loss_fn = pipe.loss_fn
+        # the reference pass: every stage's received values per microbatch, and its output gradients
+        self.values = [{} for _ in range(self.count)]  # mb -> {(producer, name): detached tensor}
+        self.out_grads = [{} for _ in range(self.count)]  # mb -> {(stage, output position): gradient}
+        for mb in range(self.count):
+            for s in range(self.num_stages):
+                _received, _loss, out = self._call(s, mb)
+                for pos, name in enumerate(self.specs[s]["outputs"]):
+                    if isinstance(out[pos], torch.Tensor):
+                        self.values[mb][(s, name)] = out[pos].detach()
+            if not self.training:
+                continue
+            for s in reversed(range(self.num_stages)):  # consumers first: their input gradients are ours
+                received, tensors, grads = self.forward(s, mb)
+                if not tensors or not received:
+                    continue
+                found = torch.autograd.grad(tensors, received, grads, allow_unused=True)
+                items = [item for item in self.specs[s]["received"] if item["requires_grad"]]
+                for item, value, grad in zip(items, received, found):
+                    key = (item["producer"], self.specs[item["producer"]]["outputs"].index(item["name"]))
+                    grad = torch.zeros_like(value) if grad is None else grad
+                    sums = self.out_grads[mb]
+                    sums[key] = grad if key not in sums else sums[key] + grad
+
+    def _call(self, s: int, mb: int):
+        """Run stage ``s`` on microbatch ``mb``: (received inputs, fresh leaves where they need gradients;
+        [the loss] on the last stage of a training folder, else None; the stage's outputs)."""
+        spec = self.specs[s]
+        leaves = self.batches.leaves[mb]
+        received = []
+        for item in spec["received"]:
+            value = self.values[mb][(item["producer"], item["name"])]
+            received.append(value.detach().requires_grad_(True) if self.training and item["requires_grad"]
+                            else value)
+        args = [leaves[i] for i in spec["root_leaf_indices"]] + received
+        args += [self.shapes[mb][item["name"]] for item in spec.get("sym_inputs", [])]
+        with torch.set_grad_enabled(self.training):
+            out = self.modules[s](*args)
+            if s == self.num_stages - 1 and self.loss_fn is not None and self.batches.targets[mb] is not None:
+                leaves_out = [out[i] if kind == "value" else const
+                              for i, (kind, const) in enumerate(self.manifest["output_leaves"])]
+                output = self._pytree.tree_unflatten(leaves_out, self._out_spec)
+                loss = self.loss_fn(output, self.batches.targets[mb]).float() * self.batches.scales[mb]
+                return received, [loss], out
+        return received, None, out
+
+    def forward(self, s: int, mb: int):
+        """Stage ``s``'s forward on microbatch ``mb``: (received leaves needing gradients, the tensors a
+        backward starts from (the loss on the last stage), their gradients (None for the loss))."""
+        received, loss, out = self._call(s, mb)
+        wanted = [value for value, item in zip(received, self.specs[s]["received"])
+                  if item["requires_grad"] and isinstance(value, torch.Tensor) and value.requires_grad]
+        if loss is not None:
+            return wanted, loss, [None]
+        tensors, grads = [], []
+        for pos, _name in enumerate(self.specs[s]["outputs"]):
+            grad = self.out_grads[mb].get((s, pos))
+            if grad is not None and isinstance(out[pos], torch.Tensor) and out[pos].requires_grad:
+                tensors.append(out[pos])
+                grads.append(grad.to(out[pos].dtype))
+        return wanted, tensors, grads
+
+
+class StageCostMeter:
+    """Times rounds of every stage's F, B, I and W_autograd (see the module docstring); :meth:`result` summarises.
+    Rounds can be interleaved with other measurements (``benchmarks/stage_times.py`` alternates them with the
+    same kinds through tracepp's executor, so both see the same machine)."""
+
+    def __init__(self, folder: str, *, device="cpu", precision: str = "fp32", max_microbatches: int = 4,
+                 clock: str = "wall", step: int = 0):
+        self.timer = CLOCKS[clock]
+        self.clock = clock
+        self.runner = StageCallables(folder, device, precision, max_microbatches, step)
+        self.samples: dict = {}
+        self.rounds = 0
+        self.run_round()  # warm-up (allocator, lazy init), dropped
+        self.samples.clear()
+        self.rounds = 0
+
+    def _timed(self, key: str, fn):
+        device = self.runner.device
+        _sync(device)
+        start = self.timer()
+        result = fn()
+        _sync(device)
+        self.samples.setdefault(key, []).append(self.timer() - start)
+        return result
+
+    @staticmethod
+    def _accumulate(params, grads) -> None:
+        for param, grad in zip(params, grads):
+            if grad is None:
+                continue
+            if param.grad is None:
+                param.grad = grad
+            else:
+                param.grad.add_(grad)
+
+    def run_round(self) -> None:
+        runner, timed = self.runner, self._timed
+        for s in range(runner.num_stages):
+            params = runner.params[s]
+            for mb in range(runner.count):
+                received, tensors, grads = timed(f"{s}F", lambda: runner.forward(s, mb))
+                if not runner.training or not tensors:
+                    continue
+                timed(f"{s}B", lambda: torch.autograd.backward(tensors, grads))
+                received, tensors, grads = runner.forward(s, mb)
+                if received:
+                    timed(f"{s}I", lambda: torch.autograd.grad(tensors, received, grads, retain_graph=True,
+                                                               allow_unused=True))
+                if params:
+                    timed(f"{s}W_autograd", lambda: self._accumulate(params, torch.autograd.grad(
+                        tensors, params, grads, allow_unused=True)))
+                del received, tensors, grads
+            for param in params:
+                param.grad = None
+        self.rounds += 1
+
+    def result(self) -> dict:
+        """``{"costs": {"0F": s, ...}, "W_autograd": {"0": s}, "samples": {"0F": [s, ...]},
+        "microbatches_timed": n, "rounds": r, "clock": clock}`` (medians of the rounds run so far)."""
+        runner = self.runner
+        medians = {key: statistics.median(values) for key, values in self.samples.items()}
+        costs, naive = {}, {}
+        for s in range(runner.num_stages):
+            costs[f"{s}F"] = max(medians.get(f"{s}F", NOTHING), NOTHING)
+            if not runner.training:
+                continue
+            full = max(medians.get(f"{s}B", NOTHING), NOTHING)
+            inputs = min(medians.get(f"{s}I", 0.0), full)
+            costs[f"{s}B"] = full
+            costs[f"{s}I"] = max(inputs, NOTHING)
+            costs[f"{s}W"] = max(full - inputs, NOTHING)
+            if f"{s}W_autograd" in medians:
+                naive[str(s)] = medians[f"{s}W_autograd"]
+        return {"costs": costs, "W_autograd": naive, "samples": self.samples, "microbatches_timed": runner.count,
+                "rounds": self.rounds, "clock": self.clock}
+
+
+def measure_stage_times(folder: str, *, device="cpu", rounds: int = 5, max_microbatches: int = 4,
+                        precision: str = "fp32", clock: str = "wall", step: int = 0) -> dict:
+    """Every sample behind :func:`measure_stage_costs` (:meth:`StageCostMeter.result`)."""
+    meter = StageCostMeter(folder, device=device, precision=precision, max_microbatches=max_microbatches,
+                           clock=clock, step=step)
+    for _ in range(rounds):
+        meter.run_round()
+    return meter.result()
+
+
+def measure_stage_costs(folder: str, *, device="cpu", rounds: int = 5, max_microbatches: int = 4,
+                        precision: str = "fp32", clock: str = "wall") -> dict:
+    """``{"0F": s, "0B": s, "0I": s, "0W": s, "1F": s, ...}``: seconds per microbatch of each stage's forward,
+    full backward, input-gradient and weight-gradient halves, measured with plain autograd in this process (see
+    the module docstring); the format ``tracepp plan --costs`` reads (``tracepp.costs_file``). Forward-only
+    folders give F only."""
+    return measure_stage_times(folder, device=device, rounds=rounds, max_microbatches=max_microbatches,
+                               precision=precision, clock=clock)["costs"]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tracepp.stage_costs", description=__doc__.splitlines()[0])
+    parser.add_argument("folder", help="an output folder of tracepp split")
+    parser.add_argument("-o", "--output", default=None, help="write the costs JSON here (default: stdout)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--microbatches", type=int, default=4, help="microbatches timed per round (default 4)")
+    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
+    parser.add_argument("--clock", default="wall", choices=sorted(CLOCKS))
+    args = parser.parse_args(argv)
+    costs = measure_stage_costs(args.folder, device=args.device, rounds=args.rounds,
+                                max_microbatches=args.microbatches, precision=args.precision, clock=args.clock)
+    text = json.dumps(costs, indent=1)
+    if args.output:
+        with open(args.output, "w") as handle:
+            handle.write(text + "\n")
+    else:
+        print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
