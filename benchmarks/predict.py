@@ -6,7 +6,7 @@ on the JSON of a finished suite to recompute the predictions:
     python -m benchmarks.predict RESULTS.json
 
 How a case is predicted (``tracepp.calibration``): its own plan, replayed with its stages' compute costs (the
-plain-autograd measurement ``tracepp.stage_costs`` when installed, else the per-action times of
+plain-autograd measurement ``tracepp.stage_costs``; if it fails, the per-action times of
 ``benchmarks/stage_times.py``), the ping-pong's latency and bandwidth per rank pair on each boundary message
 (gloo: ops independent), the optimizer step per stage, and the one number ``tracepp calibrate`` fits to a measured
 run (``tracepp.calibrate.FIT_MODE``: a delay per message, or a fixed time per action), never fitted to the case it
@@ -20,9 +20,6 @@ import os
 import statistics
 import sys
 
-COSTS_HOOK = ("tracepp.stage_costs", "measure_stage_costs")
-
-
 def loadavg() -> list:
     """The 1, 5 and 15-minute load averages (Linux), or [] where /proc/loadavg does not exist."""
     try:
@@ -32,15 +29,11 @@ def loadavg() -> list:
         return []
 
 
-def plain_autograd_costs(out_dir: str):
-    """The plain-autograd stage costs (``{"0F": s, ...}``) if that measurement is installed, else None."""
-    import importlib
+def plain_autograd_costs(out_dir: str) -> dict:
+    """The plain-autograd stage costs (``{"0F": s, ...}``) of the folder (``tracepp.stage_costs``)."""
+    from tracepp.stage_costs import measure_stage_costs
 
-    try:
-        function = getattr(importlib.import_module(COSTS_HOOK[0]), COSTS_HOOK[1])
-    except (ImportError, AttributeError):
-        return None
-    return function(out_dir)
+    return measure_stage_costs(out_dir)
 
 
 def _keyed(costs: dict) -> dict:
@@ -137,7 +130,7 @@ def main(argv=None) -> int:
         costs = plain_autograd_costs(argv[1])
         with open(argv[2], "w") as handle:
             json.dump(costs, handle)
-        return 0 if costs is not None else 3
+        return 0
     with open(argv[0]) as handle:
         report = json.load(handle)
     entries = [e for e in report["results"] if e.get("out_dir") and os.path.isdir(e["out_dir"])]

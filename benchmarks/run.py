@@ -261,7 +261,7 @@ def _merge(runs: list, tokens: int) -> dict:
             rss_method = m.get("rss_method") or rss_method
     return {"status": "ok", "step_time_s": step, "tokens_per_s": tokens / step, "measured_steps": len(times),
             "cpu_time_s": statistics.median(cpu_times) if cpu_times else None,
-            "loadavg_1min": [r["loadavg"] for r in good],
+            "loadavg_1min": [r.get("loadavg") for r in good],
             "runs": len(good), "step_times_s": times, "min_step_time_s": min(times),
             "peak_mem_mb_per_rank": [per_rank[k] for k in sorted(per_rank)],
             "peak_mem_mb": max(per_rank.values()) if per_rank else None, "memory_method": method,
@@ -369,7 +369,7 @@ def _comm(cases: list, device: str, threads: int, settings: Settings, log) -> di
 
 
 def _stage_costs(out_dir: str, measured: dict, work: str, threads: int, settings: Settings) -> tuple:
-    """The plain-autograd stage costs (tracepp.stage_costs) when installed, else stage_times' per-action times."""
+    """The plain-autograd stage costs (tracepp.stage_costs); if that fails, stage_times' per-action times."""
     path = os.path.join(work, f"costs_{os.path.basename(os.path.dirname(out_dir))}.json")
     ok, _error, _ = _run([sys.executable, "-m", "benchmarks.predict", "--costs", out_dir, path],
                          path + ".log", _env(threads), settings.timeout)

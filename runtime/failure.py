@@ -24,6 +24,13 @@ class PipelineError(RuntimeError):
     """An error the user can act on; printed without a traceback."""
 
 
+def say(rank: int, text: str) -> None:
+    """``[tracepp rank N] text`` on stderr as one write: ranks share the pipe, and ``print`` under ``python -u``
+    writes the text and its newline separately, so two ranks' lines could interleave into one."""
+    sys.stderr.write(f"[tracepp rank {rank}] {text}\n")
+    sys.stderr.flush()
+
+
 def agree(problem, group=None) -> None:
     """Collective over ``group`` (default: every rank): each rank passes the problem it found (a message) or None;
     if any rank found one, every rank raises it (its own, else the lowest rank's, named), so a check that some
@@ -70,7 +77,7 @@ class FailureChannel:
                 if self.store.check([self.key]):
                     message = self.store.get(self.key).decode()
                     if not message.startswith(f"rank {self.rank} "):
-                        print(f"[tracepp rank {self.rank}] stopping because {message}", file=sys.stderr, flush=True)
+                        say(self.rank, f"stopping because {message}")
                         os._exit(EXIT_FAILED)
             except Exception:  # the store went away: torchrun is tearing the job down
                 pass
@@ -102,7 +109,7 @@ class FailureChannel:
             except Exception:
                 pass
         if echo:
-            print(f"[tracepp rank {self.rank}] error: {message}", file=sys.stderr, flush=True)
+            say(self.rank, f"error: {message}")
         if self.store is not None:  # let the others' watchdogs read it before torchrun tears the job down
             time.sleep(2 * _POLL_S)
 

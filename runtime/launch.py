@@ -25,7 +25,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from .failure import EXIT_FAILED, FailureChannel, PipelineError, agree, stall_message
+from .failure import EXIT_FAILED, FailureChannel, PipelineError, agree, say, stall_message
 from .loading import load_manifest
 from . import checkpoint, host_memory, recompute
 from .mesh import coordinates, full, mesh_layout
@@ -94,7 +94,7 @@ def launch(folder: str) -> None:
     try:
         check_world_size(manifest)
     except PipelineError as error:
-        print(f"[tracepp rank {rank}] error: {error}", file=sys.stderr, flush=True)
+        say(rank, f"error: {error}")
         sys.exit(EXIT_FAILED)
     _dp_index, pp_rank = coordinates(mesh_layout(manifest["plan"]), rank)  # replicas run their pipeline rank's script
     runpy.run_path(os.path.join(folder, f"rank{pp_rank}.py"), run_name="__main__")
@@ -200,7 +200,7 @@ def main(rank_script_rank: int, stage_functions: dict, actions: list, folder: st
     except Exception as error:  # an unexpected failure: keep the traceback, and tell every rank
         cause = channel.peer_failure()
         if cause is not None:  # our error is the echo of a peer's crash (e.g. "connection closed by peer")
-            print(f"[tracepp rank {rank}] stopping because {cause}", file=sys.stderr, flush=True)
+            say(rank, f"stopping because {cause}")
             _exit(EXIT_FAILED)
         traceback.print_exc()
         channel.report(f"{type(error).__name__}: {error}")
@@ -423,8 +423,7 @@ def _resume(pipe: Pipeline, args, optimizer, scheduler, fqns: list) -> int:
 def _check_resume(pipe: Pipeline, args, optimizer, scheduler, fqns: list) -> tuple:
     step, path, skipped = checkpoint.latest_checkpoint(args.resume)
     for incomplete in skipped:
-        print(f"[tracepp rank {pipe.rank}] ignoring incomplete checkpoint {incomplete} (no {checkpoint.MARKER} "
-              f"marker: its save was cut off)", file=sys.stderr, flush=True)
+        say(pipe.rank, f"ignoring incomplete checkpoint {incomplete} (no {checkpoint.MARKER} marker: its save was cut off)")
     info = checkpoint.read_info(path)
     checkpoint.check_compatible(path, info, _checkpoint_info(pipe, optimizer))
     if scheduler is not None:  # a schedule is a function of the step count: step a fresh one to `step`
@@ -483,14 +482,13 @@ def _on_nonfinite(pipe: Pipeline, args, step: int, loss, scaler) -> tuple:
     if args.on_nonfinite == "stop":
         error = PipelineError(f"{text}. Nothing was saved. Look for the NaN/inf there (inputs, weights, a "
                               f"learning rate too high), or pass --on-nonfinite skip|continue")
-        print(f"[tracepp rank {pipe.rank}] error: {error}", file=sys.stderr, flush=True)
+        say(pipe.rank, f"error: {error}")
         if pipe.world_size > 1:  # every rank saw it: let each print before any exits (torchrun kills the rest)
             dist.barrier(group=_control_group())
         error.printed_on_every_rank = True
         raise error
     if args.on_nonfinite == "skip":
-        print(f"[tracepp rank {pipe.rank}] {text}: optimizer step skipped on every rank", file=sys.stderr,
-              flush=True)
+        say(pipe.rank, f"{text}: optimizer step skipped on every rank")
         return True, " | skipped (non-finite)"
     return False, " | non-finite"
 

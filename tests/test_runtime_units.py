@@ -89,3 +89,22 @@ def test_linear_weights_split_off_at_their_matmul():
                                   lin.weight, lin.bias).backward(grad_out)
     for p, g in zip(params, got):
         assert torch.equal(g, p.grad)  # bit for bit: the same kernels on the same gradients
+
+
+def test_rank_lines_are_one_write_each(monkeypatch):
+    """Ranks share stderr; under ``python -u`` a print writes text and newline separately, so two ranks' errors
+    could merge into one line (the flaky test_bad_checkpoint_stops_every_rank): ``say`` writes each line whole."""
+    import io
+
+    from tracepp.runtime.failure import say
+
+    writes = []
+
+    class Recorder(io.StringIO):
+        def write(self, text):
+            writes.append(text)
+            return len(text)
+
+    monkeypatch.setattr("sys.stderr", Recorder())
+    say(1, "error: --load x: no such file")
+    assert writes == ["[tracepp rank 1] error: --load x: no such file\n"]

@@ -10,8 +10,8 @@ Three parts (the file's sections, see ``tracepp.calibration``):
    ``torchrun --nnodes ... -m tracepp.comm_bench --json FILE``).
 2. **compute**: each stage's F, B, I, W seconds per microbatch, from ``--costs FILE`` (the ``tracepp plan --costs``
    format; repeat it with files measured at other microbatch sizes, each with a ``"microbatch_size"`` key, so
-   the tuner can price other microbatch counts), else from :data:`STAGE_COSTS_HOOK` (the plain-autograd
-   measurement of each stage's generated function, ``tracepp.stage_costs.measure_stage_costs``) when installed.
+   the tuner can price other microbatch counts), else the plain-autograd
+   measurement of each stage's generated function (``tracepp.stage_costs.measure_stage_costs``).
 3. **overhead**: a short run of the folder itself (``torchrun ... OUT/run.py --steps K --metrics``); one number
    is fitted so that the simulator's step time equals the measured median: by default (``--overhead delay``) a
    delay added to every message beyond the ping-pong's latency (idle time: a receiver busy computing sees the
@@ -34,7 +34,6 @@ from tracepp.calibration import (Calibration, folder_record, predict_folder, tra
 
 # The plain-autograd stage timing (branch perf): ``measure_stage_costs(folder, ...) -> {"0F": s, ...}``. Used when
 # no --costs file is given; the name is looked up at call time, so the module may arrive later.
-STAGE_COSTS_HOOK = ("tracepp.stage_costs", "measure_stage_costs")
 WARMUP_STEPS = 3
 MAX_NEGATIVE_STEP_FRACTION = 0.2  # a prediction above the measured step by more than this is not fitted
 # What the one fitted number is (see overhead_of): "delay" per message, chosen on the CPU quick suite, where it
@@ -92,28 +91,21 @@ def run_folder(out_dir: str, steps: int, nproc: int, timeout: float = 600.0, thr
             return [json.loads(line)["step_time_s"] for line in handle if line.strip()]
 
 
-def stage_costs_from_hook(out_dir: str, threads: Optional[int] = None) -> dict:
-    """The hook's measurement of the folder's stages, or a ValueError saying how to give costs instead. On CPU
-    it runs with the intra-op threads a rank has (torchrun's OMP_NUM_THREADS: 1 unless set)."""
-    import importlib
-
+def measured_stage_costs(out_dir: str, threads: Optional[int] = None) -> dict:
+    """The plain-autograd measurement of the folder's stages (:func:`tracepp.stage_costs.measure_stage_costs`).
+    On CPU it runs with the intra-op threads a rank has (torchrun's OMP_NUM_THREADS: 1 unless set)."""
     import torch
 
-    module_name, function_name = STAGE_COSTS_HOOK
-    try:
-        function = getattr(importlib.import_module(module_name), function_name)
-    except (ImportError, AttributeError):
-        raise ValueError(f"no stage costs: give --costs COSTS.json (per stage F, B, I, W seconds per microbatch, the "
-                         f"`tracepp plan --costs` format, e.g. {{\"0F\": 0.002, \"0B\": 0.004, \"1F\": 0.002, ...}}); "
-                         f"the automatic measurement ({module_name}.{function_name}) is not installed") from None
+    from tracepp.stage_costs import measure_stage_costs
+
     before = torch.get_num_threads()
     wanted = threads or int(os.environ.get("OMP_NUM_THREADS", "1"))
     if not torch.cuda.is_available():
         torch.set_num_threads(wanted)
     try:
         if torch.cuda.is_available():  # the ranks' device
-            return function(out_dir, device="cuda")
-        return function(out_dir)
+            return measure_stage_costs(out_dir, device="cuda")
+        return measure_stage_costs(out_dir)
     finally:
         torch.set_num_threads(before)
 
@@ -218,9 +210,9 @@ def calibrate(out_dir: str, costs_paths: Optional[list] = None, comm_path: Optio
         calibration.compute = compute_entries(manifest, costs_paths)
     else:
         log("stage costs: plain-autograd measurement of each stage ...")
-        costs = stage_costs_from_hook(out_dir)
+        costs = measured_stage_costs(out_dir)
         calibration.compute = [{"microbatch_size": traced_microbatch(manifest), "costs": dict(costs),
-                                "source": ".".join(STAGE_COSTS_HOOK)}]
+                                "source": "tracepp.stage_costs.measure_stage_costs"}]
     for entry in calibration.compute:
         if "optimizer_s" in entry:
             calibration.optimizer_s = {str(k): float(v) for k, v in entry["optimizer_s"].items()}
