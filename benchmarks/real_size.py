@@ -1,12 +1,13 @@
 """Real-size figures of issue 9, measured: planning Llama-7B/70B shapes on meta, and training from a checkpoint
 with each rank holding only its own stages.
 
-    python -m benchmarks.real_size plan [--cases 7b,70b]      # tracepp split: wall time, peak RSS, out/ size
+    python -m benchmarks.real_size plan [--cases 7b,70b] [--split auto|equal]   # wall time, peak RSS, out/ size
     python -m benchmarks.real_size load [--ranks 4]          # 551M Llama, 4 ranks, 1 step from a .safetensors
 
 ``plan`` runs ``tracepp split benchmarks/llama_shapes.py`` as a subprocess per case (HF ``LlamaForCausalLM``
-from a config; 7B into 4 stages, 70B-shaped into 16) with explicit ``--split-points`` at equal layer counts,
-and reads the child's peak RSS from ``os.wait4`` (``ru_maxrss``). ``load`` writes the 551M model's
+from a config; 7B into 4 stages, 70B-shaped into 16), by default with no split option but ``--stages`` (the
+automatic split of the decoder stack; ``--split equal``: explicit ``--split-points`` at equal layer counts),
+records where each stage begins, and reads the child's peak RSS from ``os.wait4`` (``ru_maxrss``). ``load`` writes the 551M model's
 ``state_dict`` to a ``.safetensors`` file under ``/tmp``, splits it into 4 stages, runs one training step with
 ``--load`` under torchrun on gloo, and samples every rank's ``VmHWM`` (peak RSS) from ``/proc`` every 50 ms;
 a run with ``--steps 0`` gives the peak of loading alone. Two baselines: the same sampling over an idle torchrun
@@ -60,19 +61,24 @@ def run_measured(command: list, env: dict) -> dict:
     return {"wall_s": round(wall, 1), "peak_rss_gb": round(usage.ru_maxrss * 1024 / 1e9, 2), "output": output}
 
 
-def plan(cases: list, root: str) -> list:
+def plan(cases: list, root: str, split: str = "auto") -> list:
     rows = []
     for case in cases:
         layers, stages = LAYERS[case]
         out = os.path.join(root, f"out_{case}")
         command = [sys.executable, "-m", "tracepp", "split", MODEL, "-o", out, "--ranks", str(stages),
-                   "--schedule", "1f1b", "--microbatches", "4", "--split-points", ",".join(split_points(case))]
+                   "--schedule", "1f1b", "--microbatches", "4"]
+        if split == "equal":
+            command += ["--split-points", ",".join(split_points(case))]
         result = run_measured(command, _env(case))
         with open(os.path.join(out, "manifest.json")) as handle:
             manifest = json.load(handle)
         params = sum(s["num_params"] for s in manifest["stages"])
-        row = {"case": case, "stages": stages, "parameters": params, "wall_s": result["wall_s"],
-               "peak_rss_gb": result["peak_rss_gb"], "out_mb": round(_folder_bytes(out) / 1e6, 2)}
+        begins = [s["module_fqns"][0] if s["module_fqns"] else None for s in manifest["stages"]]
+        row = {"case": case, "split": split, "stages": stages, "parameters": params, "wall_s": result["wall_s"],
+               "peak_rss_gb": result["peak_rss_gb"], "out_mb": round(_folder_bytes(out) / 1e6, 2),
+               "stage_first_modules": begins,
+               "stage_params": [s["num_params"] for s in manifest["stages"]]}
         print(json.dumps(row), flush=True)
         rows.append(row)
         shutil.rmtree(out)
@@ -236,6 +242,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("what", choices=["plan", "load"])
     parser.add_argument("--cases", default="7b,70b")
+    parser.add_argument("--split", default="auto", choices=["auto", "equal"],
+                        help="plan: automatic split (only --stages) or explicit split points at equal layer counts")
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--malloc-mmap-threshold", type=int, default=0,
                         help="load: set MALLOC_MMAP_THRESHOLD_ for the ranks (bytes; 0: glibc's default)")
@@ -249,7 +257,7 @@ def main(argv=None) -> int:
     root = tempfile.mkdtemp(prefix="tracepp_real_size_", dir="/tmp")
     try:
         if args.what == "plan":
-            result = {"plan": plan(args.cases.split(","), root)}
+            result = {"plan": plan(args.cases.split(","), root, args.split)}
         else:
             result = {"load": load(args.ranks, root, args.malloc_mmap_threshold, args.optimizer,
                                    args.activation_checkpointing, args.steps)}

@@ -82,7 +82,7 @@ def build_manifest(model_file, traced, graph, plan, launch_command: str, options
             ref = graph.state[name]
             param = named_params.get(ref.fqn)
             value = _program_tensor(traced.program, ref.fqn, ref.kind)
-            state.append({"placeholder": name, "fqn": ref.fqn, "aliases": ref.aliases, "kind": ref.kind,
+            state.append({"fqn": ref.fqn, "aliases": ref.aliases, "kind": ref.kind,
                           "persistent": ref.persistent,
                           "requires_grad": bool(param.requires_grad) if param is not None else False,
                           "shape": list(value.shape), "dtype": str(value.dtype).replace("torch.", ""),
@@ -106,7 +106,7 @@ def build_manifest(model_file, traced, graph, plan, launch_command: str, options
         })
     root_inputs = []
     for ref in graph.root_inputs.values():
-        entry = {"placeholder": ref.placeholder, "leaf_index": ref.leaf_index, "path": ref.path,
+        entry = {"leaf_index": ref.leaf_index, "path": ref.path,
                  "batched": ref.batched, "stages": ref.stages, "shape": None, "dtype": None}
         if ref.meta is not None:
             entry.update(shape=ref.meta.to_json()["shape"], dtype=ref.meta.dtype)
