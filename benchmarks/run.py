@@ -381,7 +381,7 @@ def _stage_costs(out_dir: str, measured: dict, work: str, threads: int, settings
 
 def tune_benchmark(entries: list, comm: dict, settings: Settings, threads: int, work: str, log) -> dict:
     """The tuner on the suite's model (calibrated from its cases), its pick run against the best hand-picked case."""
-    from tracepp.driver import resplit
+    from tracepp.resplit import resplit
     from tracepp.manifest_file import load_manifest
     from tracepp.tuner import tune
 

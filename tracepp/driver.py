@@ -12,6 +12,7 @@ from tracepp.codegen.emit import build_manifest, emit
 from tracepp.codegen.plan import build_plan, topology_of
 from tracepp.codegen.schedules import check_full_backward, stages_per_rank
 from tracepp.modelfile import load_model_file
+from tracepp.resplit import split_options
 from tracepp.split.partition import split
 from tracepp.trace import trace
 
@@ -54,63 +55,6 @@ def launch_command(world_size: int, folder: Optional[str] = None) -> str:
     true wherever the folder is copied), or with ``folder`` the path to its ``run.py`` (the CLI's hint)."""
     script = "run.py" if folder is None else shlex.quote(os.path.join(folder, "run.py"))
     return f"torchrun --nproc-per-node {world_size} {script}"
-
-
-def split_options(model_path: str, num_ranks: int, num_stages, schedule: str, num_microbatches: int, split_points,
-                  dynamic_shapes, dp: int, dp_mode: str, dp_shard, dp_order: str, graph=None) -> dict:
-    """What ``split_model`` was called with, as JSON (the manifest's ``split_options``): enough to split again
-    with some choices changed (:func:`resplit`). ``stage_begins``: the module each stage after the first begins
-    at, where the segment table names it."""
-    import dataclasses
-    import os
-
-    from tracepp.dynamic import DynamicFlags
-
-    dynamic = None
-    if isinstance(dynamic_shapes, DynamicFlags):
-        dynamic = {"flags": dataclasses.asdict(dynamic_shapes)}
-    elif dynamic_shapes is not None:
-        dynamic = {"unrecorded": True}  # a dynamic_shapes object we cannot write down
-    begins = None
-    if graph is not None and graph.segments:
-        firsts: dict = {}
-        for segment in graph.segments:
-            firsts.setdefault(segment.get("stage"), segment.get("begins"))
-        begins = [firsts.get(stage) for stage in range(1, graph.num_stages)]
-        if any(b is None for b in begins):
-            begins = None
-    return {"model": os.path.abspath(model_path), "num_ranks": num_ranks, "num_stages": num_stages,
-            "schedule": str(schedule), "num_microbatches": num_microbatches,
-            "split_points": split_points if split_points is None or isinstance(split_points, str) else list(split_points),
-            "dynamic": dynamic, "dp": dp, "dp_mode": dp_mode, "dp_shard": dp_shard, "dp_order": dp_order,
-            "stage_begins": begins}
-
-
-def resplit(manifest: dict, out_dir: str, **changes) -> dict:
-    """Split again as the manifest's ``split_options`` record, with ``changes`` (e.g. ``schedule``,
-    ``num_stages``, ``num_microbatches``, ``split_points``) into ``out_dir``; the model file is the recorded
-    path, else the folder's own copy ``model_file.py``."""
-    import os
-
-    from tracepp.dynamic import DynamicFlags
-
-    options = dict(manifest.get("split_options") or {})
-    if not options:
-        raise ValueError("this folder's manifest does not record how it was split (made by an older tracepp): run "
-                         "`tracepp split` again with the chosen options")
-    options.update(changes)
-    model_path = options["model"]
-    if not os.path.isfile(model_path):
-        model_path = os.path.join(manifest.get("_folder", out_dir), "model_file.py")
-    dynamic = options.get("dynamic")
-    if dynamic and dynamic.get("unrecorded"):
-        raise ValueError("this folder was split with dynamic_shapes passed from Python, which the manifest cannot "
-                         "record: split again yourself with the chosen options")
-    flags = DynamicFlags(**{**dynamic["flags"], "dims": [tuple(d) for d in dynamic["flags"]["dims"]]}) if dynamic else None
-    return split_model(model_path, out_dir, num_ranks=options["num_ranks"], num_stages=options["num_stages"],
-                       schedule=options["schedule"], num_microbatches=options["num_microbatches"],
-                       split_points=options["split_points"], dynamic_shapes=flags, dp=options["dp"],
-                       dp_mode=options["dp_mode"], dp_shard=options["dp_shard"], dp_order=options["dp_order"])
 
 
 def check_model(model_path: str, num_ranks: int = 2, num_stages: Optional[int] = None, schedule: str = "1f1b",

@@ -301,7 +301,7 @@ def current_candidate(kept: list, dropped: list, manifest: dict) -> Optional[Can
 def apply(manifest: dict, out_dir: str, best: Candidate) -> dict:
     """Split the folder again with ``best``'s schedule, stages, microbatches and split points (the driver,
     with the model file and the other options the manifest records)."""
-    from tracepp.driver import resplit
+    from tracepp.resplit import resplit
 
     own = stage_of_segments(manifest)
     if own is not None and tuple(own) == best.split:  # the same cuts: as the folder was split (markers included)
