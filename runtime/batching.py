@@ -42,7 +42,20 @@ class MicrobatchSplitter:
                                for d in root["shape"]]) for root in self.roots if root.get("shape") is not None]
 
     def split(self, step: int, args: tuple, kwargs: dict, target, device) -> Microbatches:
+        """Check one step's batch against the trace (structure, constants, dtypes, ranks, static and symbolic
+        dims), bind each microbatch's symbols, and cut the batch into microbatches on ``device``."""
         leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs or {})))
+        self._check_structure(step, leaves, spec)
+        batch_size, sizes = self._sizes(step, leaves)
+        symbols = self._bind_symbols(step, leaves, sizes)
+        self._check_ranges(step, symbols)
+        self._check_derived(step, leaves, sizes, symbols)
+        mb_leaves, targets = self._cut(leaves, target, batch_size, device)
+        scales = [size / batch_size for size in sizes]
+        return Microbatches(mb_leaves, targets, scales, symbols, batch_size)
+
+    def _check_structure(self, step: int, leaves: list, spec) -> None:
+        """The same args/kwargs structure as traced, and Python scalars equal to the traced ones."""
         if self.in_spec is not None and spec != self.in_spec:
             raise PipelineError(
                 f"batch for step {step}: its inputs have structure {spec} but the model was traced with "
@@ -56,6 +69,9 @@ class MicrobatchSplitter:
                         f"batch for step {step}: input {root['path']} is {leaf!r} but the pipeline was traced with "
                         f"{traced!r}; torch.export fixes Python scalars at trace time: keep it {traced!r} in "
                         f"batch(step), or pass it as a tensor to vary it")
+
+    def _sizes(self, step: int, leaves: list) -> tuple:
+        """(batch size, samples per microbatch) of this batch."""
         batch_size = next((leaf.shape[0] for leaf, b in zip(leaves, self.batched) if b), None)
         if batch_size is None:
             raise PipelineError(f"batch for step {step}: no input has a batch dimension")
@@ -70,6 +86,12 @@ class MicrobatchSplitter:
                 f"batch for step {step} has {batch_size} samples but the pipeline was traced with "
                 f"{self.traced_batch_size}; use the traced batch size or declare the batch dim dynamic "
                 f"(tracepp split --dynamic)")
+        return batch_size, sizes
+
+    def _bind_symbols(self, step: int, leaves: list, sizes: list) -> list:
+        """Per microbatch ``{symbol: value}`` from the dims the trace left symbolic; static dims, dtypes and ranks
+        checked on the way."""
+        count = self.num_microbatches
         symbols = [dict() for _ in range(count)]
         for root, checks in self.checks:
             leaf = leaves[root["leaf_index"]]
@@ -97,6 +119,11 @@ class MicrobatchSplitter:
                             raise PipelineError(
                                 f"batch for step {step}: input {name} dim {dim} is {actuals[index]} but "
                                 f"{expected} is {bound} from another input; the traced model requires them equal")
+        return symbols
+
+    def _check_ranges(self, step: int, symbols: list) -> None:
+        """Every bound symbol inside its declared range."""
+        count = self.num_microbatches
         for index in range(count):
             for symbol, value in symbols[index].items():
                 info = self.symbols.get(symbol, {})
@@ -106,6 +133,10 @@ class MicrobatchSplitter:
                     raise PipelineError(
                         f"batch for step {step}: {where} = {value} is outside the declared range "
                         f"[{low}, {high if high is not None else 'inf'}] of dynamic dim '{symbol}'")
+
+    def _check_derived(self, step: int, leaves: list, sizes: list, symbols: list) -> None:
+        """Derived dims (e.g. ``s_seq*2``) agree with the bound symbols."""
+        count = self.num_microbatches
         for root, checks in self.checks:  # derived dims (e.g. s_seq*2) must agree with the bound symbols
             for dim, check in enumerate(checks):
                 if check is None:
@@ -118,6 +149,11 @@ class MicrobatchSplitter:
                         raise PipelineError(
                             f"batch for step {step}: input {root['path']} dim {dim} is {actual} but the traced "
                             f"model requires {root['shape'][dim]} = {expected}")
+
+    def _cut(self, leaves: list, target, batch_size: int, device) -> tuple:
+        """(per microbatch input leaves, per microbatch targets) on ``device``: batched tensors split along dim 0
+        as ``tensor_split`` does, everything else repeated."""
+        count = self.num_microbatches
         chunks = []
         for leaf, batched in zip(leaves, self.batched):
             if isinstance(leaf, torch.Tensor):
@@ -134,8 +170,7 @@ class MicrobatchSplitter:
             t_chunks = [leaf.to(device).tensor_split(count) if isinstance(leaf, torch.Tensor) and leaf.dim() > 0
                         and leaf.shape[0] == batch_size else [leaf] * count for leaf in t_leaves]
             targets = [pytree.tree_unflatten([c[i] for c in t_chunks], t_spec) for i in range(count)]
-        scales = [size / batch_size for size in sizes]
-        return Microbatches(mb_leaves, targets, scales, symbols, batch_size)
+        return mb_leaves, targets
 
     def _mismatch(self, step, name, leaf, traced) -> str:
         full = list(traced)
