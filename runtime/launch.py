@@ -258,6 +258,63 @@ def user_batch(user, step: int, training: bool):
     return inputs, kwargs, target
 
 
+def _update(pipe: Pipeline, args, step: int, loss, scaler, needs_norm: bool, optimizer, scheduler) -> tuple:
+    """After a training step's backward: tied-weight sync, unscaling, the norm check and clipping, the optimizer
+    and LR scheduler steps, zeroed gradients. ``loss``: the step's loss on the reporting rank, else None.
+    Returns (gradient norm or None, whether the optimizer step was skipped, a note for the step's line)."""
+    norm, skipped, note = None, False, ""
+    try:
+        pipe.sync_shared_grads()
+    except RuntimeError as error:  # a peer stalled: name the collective, not gloo's recv
+        if "timed out" not in str(error).lower():
+            raise
+        raise PipelineError(stall_message(
+            pipe.rank, args.timeout, f"the tied-weight gradient sync (all-reduce) of step {step} with the "
+            f"other ranks that hold a shared weight")) from error
+    if scaler is not None:
+        pipe.scale_grads(1.0 / scaler.scale)
+    if needs_norm:
+        loss_bad = loss is not None and not bool(torch.isfinite(loss))
+        norm_t = pipe.grad_norm(nonfinite_loss=loss_bad)
+        norm = float(norm_t)
+        if not torch.isfinite(norm_t):
+            skipped, note = _on_nonfinite(pipe, args, step, loss, scaler)
+        elif args.clip_grad_norm is not None:
+            pipe.clip_grad_norm_(args.clip_grad_norm, norm=norm_t)
+        if scaler is not None:
+            scaler.update(not skipped)
+    if optimizer is not None and not skipped:
+        optimizer.step()
+    step_scheduler(scheduler, step)
+    pipe.zero_grad(set_to_none=True)
+    return norm, skipped, note
+
+
+def _report_step(pipe: Pipeline, args, step: int, result, elapsed: float, cpu_time: float, norm, skipped: bool,
+                 note: str) -> tuple:
+    """The reporting rank's line and ``--metrics`` record of one step; returns its (step, loss, seconds, samples/s)."""
+    training, device = pipe.training, pipe.device
+    loss_value = float(result) if training and result is not None and not isinstance(result, list) else None
+    samples = pipe.last_batch_size
+    if not args.quiet:
+        text = f"loss {loss_value:.6f} | " if loss_value is not None else ""
+        text += f"grad norm {norm:.4f} | " if norm is not None else ""
+        print(f"step {step + 1}/{args.steps} | {text}{elapsed * 1000:.1f} ms | "
+              f"{samples / elapsed:.1f} samples/s{note}", flush=True)
+    if args.metrics:
+        record = {"step": step, "loss": loss_value, "step_time_s": elapsed, "cpu_time_s": cpu_time,
+                  "samples_per_s": samples / elapsed, "batch_size": samples}
+        if norm is not None:
+            record["grad_norm"] = norm
+        if device.type == "cuda":
+            record["max_memory_allocated"] = torch.cuda.max_memory_allocated(device)
+        if skipped:
+            record["skipped"] = True
+        with open(args.metrics, "a") as handle:
+            handle.write(json.dumps(record) + "\n")
+    return step, loss_value, elapsed, samples / elapsed
+
+
 def train(pipe: Pipeline, args) -> None:
     """The loop of run.py around ``Pipeline.step``: precision, norm check and clipping, optimizer, metrics, save."""
     manifest, user, device = pipe.manifest, pipe.user, pipe.device
@@ -295,31 +352,8 @@ def train(pipe: Pipeline, args) -> None:
         host_memory.release(device)  # before the optimizer allocates its state or updates anything
         norm, skipped, note = None, False, ""
         if training:
-            loss = result if reports else None
-            try:
-                pipe.sync_shared_grads()
-            except RuntimeError as error:  # a peer stalled: name the collective, not gloo's recv
-                if "timed out" not in str(error).lower():
-                    raise
-                raise PipelineError(stall_message(
-                    rank, args.timeout, f"the tied-weight gradient sync (all-reduce) of step {step} with the "
-                    f"other ranks that hold a shared weight")) from error
-            if scaler is not None:
-                pipe.scale_grads(1.0 / scaler.scale)
-            if needs_norm:
-                loss_bad = loss is not None and not bool(torch.isfinite(loss))
-                norm_t = pipe.grad_norm(nonfinite_loss=loss_bad)
-                norm = float(norm_t)
-                if not torch.isfinite(norm_t):
-                    skipped, note = _on_nonfinite(pipe, args, step, loss, scaler)
-                elif args.clip_grad_norm is not None:
-                    pipe.clip_grad_norm_(args.clip_grad_norm, norm=norm_t)
-                if scaler is not None:
-                    scaler.update(not skipped)
-            if optimizer is not None and not skipped:
-                optimizer.step()
-            step_scheduler(scheduler, step)
-            pipe.zero_grad(set_to_none=True)
+            norm, skipped, note = _update(pipe, args, step, result if reports else None, scaler, needs_norm,
+                                          optimizer, scheduler)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - start
@@ -327,25 +361,7 @@ def train(pipe: Pipeline, args) -> None:
         if args.save_outputs:
             outputs.append(_replica_outputs(pipe, result))
         if reports:
-            loss_value = float(result) if training and result is not None and not isinstance(result, list) else None
-            samples = pipe.last_batch_size
-            history.append((step, loss_value, elapsed, samples / elapsed))
-            if not args.quiet:
-                text = f"loss {loss_value:.6f} | " if loss_value is not None else ""
-                text += f"grad norm {norm:.4f} | " if norm is not None else ""
-                print(f"step {step + 1}/{args.steps} | {text}{elapsed * 1000:.1f} ms | "
-                      f"{samples / elapsed:.1f} samples/s{note}", flush=True)
-            if args.metrics:
-                record = {"step": step, "loss": loss_value, "step_time_s": elapsed, "cpu_time_s": cpu_time,
-                          "samples_per_s": samples / elapsed, "batch_size": samples}
-                if norm is not None:
-                    record["grad_norm"] = norm
-                if device.type == "cuda":
-                    record["max_memory_allocated"] = torch.cuda.max_memory_allocated(device)
-                if skipped:
-                    record["skipped"] = True
-                with open(args.metrics, "a") as handle:
-                    handle.write(json.dumps(record) + "\n")
+            history.append(_report_step(pipe, args, step, result, elapsed, cpu_time, norm, skipped, note))
         step_ended(pipe, step)
         periodic = args.save_every > 0 and (step + 1) % args.save_every == 0
         if args.checkpoint_dir and (periodic or step + 1 == args.steps):
