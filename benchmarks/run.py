@@ -565,7 +565,7 @@ def write_chart(report: dict, path: str):
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a small suite, under 5 minutes on 2 CPU cores")
+    parser.add_argument("--quick", action="store_true", help="a small suite (with the stage costs and the tuner), about 6 minutes on 2 CPU cores")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--out", default=os.path.join("benchmarks", "results"), help="where the JSON and PNG go")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads of every process (default 1)")
