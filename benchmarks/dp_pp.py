@@ -54,6 +54,7 @@ from dataclasses import dataclass
 
 from benchmarks.gpt_model import GPTConfig, write_model_file
 from benchmarks.memory import MEMORY_STEPS, read_memory
+from benchmarks.predict import loadavg
 from benchmarks.run import Settings, _env, _fmt, _launcher_hiccup, _merge, _ms, _read_steps, _run, _torchrun
 
 SYSTEMS = ("tracepp", "tracepp-nocheck", "torch", "torch-blocks", "torch-manual", "torchtitan")
@@ -360,11 +361,8 @@ def write_chart(report: dict, path: str):
 # ----------------------------------------------------------------------------------------------------
 
 def _loadavg() -> str:
-    try:
-        with open("/proc/loadavg") as handle:
-            return " ".join(handle.read().split()[:3])
-    except OSError:
-        return "n/a"
+    """The 1, 5 and 15-minute load averages as one string (the JSON's format), or "n/a"."""
+    return " ".join(map(str, loadavg())) or "n/a"
 
 
 def parse_args(argv=None):

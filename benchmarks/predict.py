@@ -29,13 +29,6 @@ def loadavg() -> list:
         return []
 
 
-def plain_autograd_costs(out_dir: str) -> dict:
-    """The plain-autograd stage costs (``{"0F": s, ...}``) of the folder (``tracepp.stage_costs``)."""
-    from tracepp.stage_costs import measure_stage_costs
-
-    return measure_stage_costs(out_dir)
-
-
 def _keyed(costs: dict) -> dict:
     """"0,F" or "0F" keys -> (0, "F")."""
     out = {}
@@ -127,7 +120,9 @@ def main(argv=None) -> int:
     runs with the suite's thread count)."""
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--costs":
-        costs = plain_autograd_costs(argv[1])
+        from tracepp.stage_costs import measure_stage_costs
+
+        costs = measure_stage_costs(argv[1])
         with open(argv[2], "w") as handle:
             json.dump(costs, handle)
         return 0

@@ -220,7 +220,7 @@ def run_system(system: str, case: Case, model_path: str, out_dir: str, work: str
     else:
         cmd = [sys.executable, "-m", "benchmarks.eager_worker", "--model-file", model_path, "--steps", str(steps),
                "--metrics", metrics, "--memory-dir", memory_dir, "--device", device]
-    load_before = _loadavg()  # the 1-minute load average before this run (the run itself adds its processes)
+    load_before = (loadavg() or [None])[0]  # the 1-minute load average before this run (it adds its processes)
     ok, error, wall = _run(cmd, log, _env(threads), settings.timeout)
     retried = False
     if not ok and _launcher_hiccup(log):  # a port taken by another job on the machine: launch once more
@@ -428,13 +428,6 @@ def tune_benchmark(entries: list, comm: dict, settings: Settings, threads: int, 
     log(f"tuner's pick measured {_ms(result['tuned_step_s'])} ms against the best hand-picked case {hand['case']} "
         f"{_ms(result['hand_step_s'])} ms (in the suite: {_ms(hand['tracepp']['step_time_s'])} ms)")
     return result
-
-
-def _loadavg():
-    try:
-        return os.getloadavg()[0]
-    except OSError:
-        return None
 
 
 def _time(entry: dict, system: str):

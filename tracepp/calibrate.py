@@ -91,20 +91,18 @@ def run_folder(out_dir: str, steps: int, nproc: int, timeout: float = 600.0, thr
             return [json.loads(line)["step_time_s"] for line in handle if line.strip()]
 
 
-def measured_stage_costs(out_dir: str, threads: Optional[int] = None) -> dict:
+def measured_stage_costs(out_dir: str) -> dict:
     """The plain-autograd measurement of the folder's stages (:func:`tracepp.stage_costs.measure_stage_costs`).
     On CPU it runs with the intra-op threads a rank has (torchrun's OMP_NUM_THREADS: 1 unless set)."""
     import torch
 
     from tracepp.stage_costs import measure_stage_costs
 
+    if torch.cuda.is_available():  # the ranks' device
+        return measure_stage_costs(out_dir, device="cuda")
     before = torch.get_num_threads()
-    wanted = threads or int(os.environ.get("OMP_NUM_THREADS", "1"))
-    if not torch.cuda.is_available():
-        torch.set_num_threads(wanted)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     try:
-        if torch.cuda.is_available():  # the ranks' device
-            return measure_stage_costs(out_dir, device="cuda")
         return measure_stage_costs(out_dir)
     finally:
         torch.set_num_threads(before)
