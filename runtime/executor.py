@@ -201,11 +201,64 @@ def _weight_entries(tensors: list, inputs: list, params: list) -> tuple:
     return [(node, found) for node, found in entries if found], full
 
 
+def _matmul_recipe(node, params: list):
+    """How W can take a matmul entry's weight gradients straight from the node's saved input, without a call
+    into autograd's engine: ``(saved input attribute, ((param, kind), ...))`` or None. ``node`` must be an
+    ``AddmmBackward0`` (alpha = beta = 1) or ``MmBackward0`` whose weight-side edges end in ``params`` (and
+    nothing else): the weight as ``mat2`` through a transpose (``kind`` "t": dW = g.t() @ mat1, a linear layer),
+    as ``mat2`` itself ("n": dW = mat1.t() @ g) and addmm's bias ("bias": g summed to the bias's shape).
+
+    An engine call from an entry walks every node below it (dependencies, then which nodes to run) before it runs
+    the one it needs: on a small stage that walk costs as much as the matmul. The recipe replaces it with the
+    kernels the engine itself runs; :class:`WeightSplit` checks that bit for bit once per graph shape before it
+    trusts the recipe. Parameters with tensor hooks keep the engine (it runs their hooks)."""
+    name = node.name()
+    if name == "AddmmBackward0" and node._saved_alpha == 1 and node._saved_beta == 1:
+        saved, bias_edge, mat2_edge = "_saved_mat1", node.next_functions[0], node.next_functions[2]
+    elif name == "MmBackward0":
+        saved, bias_edge, mat2_edge = "_saved_self", None, node.next_functions[1]
+    else:
+        return None
+    owner = {_grad_accumulator(p): p for p in params}
+    recipe = []
+    child = mat2_edge[0]
+    if child in owner:
+        recipe.append((owner[child], "n"))
+    elif child is not None and child.name() == "TBackward0" and child.next_functions[0][0] in owner:
+        recipe.append((owner[child.next_functions[0][0]], "t"))
+    if bias_edge is not None and bias_edge[0] in owner:
+        recipe.append((owner[bias_edge[0]], "bias"))
+    covered = [p for p, _kind in recipe]
+    if len(covered) != len(params) or any(all(p is not q for q in covered) for p in params):
+        return None
+    if any(p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None) for p in covered):
+        return None
+    return saved, tuple(recipe)
+
+
+def _recipe_grads(node, recipe, grad: torch.Tensor) -> list:
+    """The weight gradients of a matmul entry from its captured output gradient (see :func:`_matmul_recipe`)."""
+    saved, items = recipe
+    mat1 = getattr(node, saved)
+    with torch.no_grad():
+        return [grad.t().mm(mat1) if kind == "t" else mat1.t().mm(grad) if kind == "n" else
+                grad.sum_to_size(param.shape) for param, kind in items]
+
+
+def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
+    """What autograd's AccumulateGrad does with a dense gradient: take it if ``.grad`` is empty, else add."""
+    if param.grad is None:
+        param.grad = grad if grad.stride() == param.stride() else torch.empty_like(param).copy_(grad)
+    else:
+        param.grad.add_(grad)
+
+
 class WeightSplit:
     """One stage's backward split in two for zero-bubble schedules: :meth:`input_backward` (I) computes the
     gradients of the received activations and captures, at each entry node (see :func:`_weight_entries`), the
     gradient flowing into it; :meth:`weight_backward` (W) later runs only the weight side of each entry from
-    that gradient, so I + W does the work of one full backward plus one small autograd call per entry.
+    that gradient, so I + W does the work of one full backward plus one small autograd call per entry (or, for a
+    matmul entry whose recipe was checked, its weight kernels alone: see :func:`_matmul_recipe`).
 
     The graph analysis is done once and reused: every microbatch of a stage builds an autograd graph of the same
     shape, so the entries sit at the same positions of :func:`_preorder`; a graph of another shape (another
@@ -214,6 +267,7 @@ class WeightSplit:
     """
 
     eager_vectors = True  # vector-only entries (norm weights) run whole during I
+    matmul_recipes = True  # matmul entries run their weight kernels directly once checked (see _matmul_recipe)
 
     def __init__(self, params: list):
         self.params = params
@@ -222,6 +276,8 @@ class WeightSplit:
         self._entries = ()  # (position, number of grad outputs, params) of the entries W runs
         self._eager = ()  # (position, number of grad outputs, params) of the entries I runs whole
         self._full = []  # params that take a backward from the outputs in W
+        self._recipes = ()  # per deferred entry: its matmul recipe or None (see _matmul_recipe)
+        self._verdicts = []  # per deferred entry: None until checked, then whether its recipe matched the engine
 
     def _plan(self, tensors: list, order: list, inputs: list) -> None:
         entries, self._full = _weight_entries(tensors, inputs, self.params)
@@ -234,6 +290,9 @@ class WeightSplit:
             item = (position[node], len(node._input_metadata), tuple(params))
             (eager if self.eager_vectors and all(p.dim() <= 1 for p in params) else deferred).append(item)
         self._entries, self._eager = tuple(deferred), tuple(eager)
+        self._recipes = tuple(_matmul_recipe(order[position], params) if outputs == 1 and self.matmul_recipes else None
+                              for position, outputs, params in self._entries)
+        self._verdicts = [None] * len(self._entries)  # a fresh list: pending W of the old shape keep theirs
         self._signature = tuple(map(type, order))
 
     def _matches(self, order: list, inputs: list) -> bool:
@@ -273,12 +332,14 @@ class WeightSplit:
                     param.grad.add_(grad)
         captured = found[count + len(eager_params):]
         work, full, offset = [], list(self._full), 0
-        for position, outputs, params in self._entries:
+        for k, (position, outputs, params) in enumerate(self._entries):
             node, grad_outputs = order[position], captured[offset:offset + outputs]
             offset += outputs
             used = [(GradientEdge(node, i), g) for i, g in enumerate(grad_outputs) if g is not None]
             if used:
-                work.append((tuple(e for e, _g in used), tuple(g for _e, g in used), params))
+                recipe = self._recipes[k] if self._verdicts[k] is not False else None
+                direct = (node, recipe, self._verdicts, k) if recipe is not None else None
+                work.append((tuple(e for e, _g in used), tuple(g for _e, g in used), params, direct))
             else:  # the entry did not run for dI after all: take its weights from the outputs
                 full += params
         return list(found[:count]), (work, full), bool(full)
@@ -286,10 +347,24 @@ class WeightSplit:
     @staticmethod
     def weight_backward(pending, tensors=None, grads=None) -> None:
         """W: each entry's weight side from its captured gradient, accumulated into ``.grad``; the parameters
-        listed as ``full`` by a backward from ``tensors`` (the outputs, kept for it)."""
+        listed as ``full`` by a backward from ``tensors`` (the outputs, kept for it). A matmul entry with a recipe
+        runs its weight kernels directly once the recipe has matched the engine bit for bit (checked on the
+        first W of each graph shape: the engine's gradients are the ones accumulated then)."""
         work, full = pending
-        for edges, grad_outputs, params in work:
-            _ENGINE.run_backward(edges, grad_outputs, True, False, params, True, True)
+        for edges, grad_outputs, params, direct in work:
+            if direct is None:
+                _ENGINE.run_backward(edges, grad_outputs, True, False, params, True, True)
+                continue
+            node, (saved, items), verdicts, k = direct
+            order = tuple(param for param, _kind in items)
+            ours = _recipe_grads(node, (saved, items), grad_outputs[0])
+            if not verdicts[k]:  # first use of this shape: the engine's result, and whether the recipe matches
+                found = _ENGINE.run_backward(edges, grad_outputs, True, False, order, True, False)
+                verdicts[k] = all(a is not None and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+                                  for a, b in zip(found, ours))
+                ours = found
+            for param, grad in zip(order, ours):
+                _accumulate(param, grad)
         if full and tensors:
             _run_backward(tensors, grads, False, tuple(full), True)
 

@@ -91,6 +91,87 @@ def test_linear_weights_split_off_at_their_matmul():
         assert torch.equal(g, p.grad)  # bit for bit: the same kernels on the same gradients
 
 
+def _mlp_grads(x, lin1, lin2, mm_weight, grad_out, split=None):
+    """dx and every weight gradient of tanh(lin2(tanh(lin1(x)))) @ mm_weight: one full backward, or I then W."""
+    params = [lin1.weight, lin1.bias, lin2.weight, lin2.bias, mm_weight]
+    for p in params:
+        p.grad = None
+    x.grad = None
+    out = torch.tanh(lin2(torch.tanh(lin1(x)))) @ mm_weight
+    if split is None:
+        out.backward(grad_out)
+        dx = x.grad
+    else:
+        dx = split_backward(out, x, params, grad_out, split)
+    return [dx] + [p.grad.clone() for p in params]
+
+
+def test_matmul_entries_take_their_checked_recipe_bit_for_bit(monkeypatch):
+    """W runs a linear layer's weight kernels directly (no engine walk below the entry) once the recipe has
+    matched the engine bit for bit on the first microbatch; later microbatches use it, and stay exact."""
+    import tracepp.runtime.executor as executor
+
+    torch.manual_seed(2)
+    lin1, lin2 = torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
+    mm_weight = torch.nn.Parameter(torch.randn(8, 5))  # x @ W: the weight as mat2 itself, no transpose
+    params = [lin1.weight, lin1.bias, lin2.weight, lin2.bias, mm_weight]
+    split = WeightSplit(params)
+    engine_calls = []
+    real_engine = executor._ENGINE
+
+    class CountingEngine:
+        def run_backward(self, *args):
+            engine_calls.append(len(args[0]))
+            return real_engine.run_backward(*args)
+
+    monkeypatch.setattr(executor, "_ENGINE", CountingEngine())
+    for mb in range(3):
+        x = torch.randn(6, 8, requires_grad=True)
+        grad_out = torch.randn(6, 5)
+        expected = _mlp_grads(x, lin1, lin2, mm_weight, grad_out)
+        engine_calls.clear()
+        got = _mlp_grads(x, lin1, lin2, mm_weight, grad_out, split)
+        assert all(torch.equal(a, b) for a, b in zip(got, expected))
+        assert split._verdicts == [True, True, True]  # lin2 and lin1 (addmm through a transpose), mm_weight (mm)
+        # the first microbatch checks each recipe against one engine call; later ones need only I's call
+        assert len(engine_calls) == (1 + 3 if mb == 0 else 1)
+
+
+def test_a_recipe_that_differs_from_the_engine_is_dropped(monkeypatch):
+    """Should a recipe not reproduce the engine's gradient exactly (another torch's kernels), the engine's
+    gradient is the one accumulated and the entry goes back to the engine for good."""
+    import tracepp.runtime.executor as executor
+
+    torch.manual_seed(3)
+    lin1, lin2 = torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
+    mm_weight = torch.nn.Parameter(torch.randn(8, 5))
+    split = WeightSplit([lin1.weight, lin1.bias, lin2.weight, lin2.bias, mm_weight])
+    real = executor._recipe_grads
+    monkeypatch.setattr(executor, "_recipe_grads", lambda node, recipe, grad: [g * (1 + 1e-3) for g in real(node, recipe, grad)])
+    for _ in range(2):
+        x = torch.randn(6, 8, requires_grad=True)
+        grad_out = torch.randn(6, 5)
+        expected = _mlp_grads(x, lin1, lin2, mm_weight, grad_out)
+        got = _mlp_grads(x, lin1, lin2, mm_weight, grad_out, split)
+        assert all(torch.equal(a, b) for a, b in zip(got, expected))
+        assert split._verdicts == [False, False, False]
+
+
+def test_parameters_with_hooks_keep_the_engine():
+    """A tensor hook on a weight must run: its entry has no recipe, and the hook sees the gradient in W."""
+    from tracepp.runtime.executor import _matmul_recipe, _preorder
+
+    lin = torch.nn.Linear(4, 3)
+    seen = []
+    lin.weight.register_hook(lambda grad: seen.append(grad.shape))
+    x = torch.randn(2, 4, requires_grad=True)
+    out = lin(x)
+    node = _preorder([out])[0]
+    assert node.name() == "AddmmBackward0" and _matmul_recipe(node, [lin.weight, lin.bias]) is None
+    split_backward(lin(x), x, [lin.weight, lin.bias], torch.randn(2, 3))
+    assert seen == [torch.Size([3, 4])]
+
+
 def test_rank_lines_are_one_write_each(monkeypatch):
     """Ranks share stderr; under ``python -u`` a print writes text and newline separately, so two ranks' errors
     could merge into one line (the flaky test_bad_checkpoint_stops_every_rank): ``say`` writes each line whole."""
