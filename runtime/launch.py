@@ -11,7 +11,7 @@ Command line (the same on every rank, as torchrun passes it)::
         [--on-nonfinite stop|skip|continue] [--compile] [--compile-cache DIR]
         [--optimizer sgd|adamw] [--weight-decay WD] [--warmup N] [--checkpoint-dir D --save-every N]
         [--resume D] [--save-safetensors PATH] [--activation-checkpointing none|full|selective]
-        [--load CKPT | --init model|per-module]
+        [--load CKPT | --init model|per-module] [--cpu-bind auto|none]
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from .failure import EXIT_FAILED, FailureChannel, PipelineError, agree, say, stall_message
 from .loading import load_manifest
-from . import checkpoint, host_memory, recompute
+from . import checkpoint, cpu_binding, host_memory, recompute
 from .mesh import coordinates, full, mesh_layout
 from .optim import OPTIMIZERS, build_optimizer, build_scheduler, parameter_fqns, step_scheduler
 from .pipeline import Pipeline, check_precision, step_ended
@@ -78,6 +78,9 @@ def parse_args(argv=None):
     parser.add_argument("--on-nonfinite", default="stop", choices=["stop", "skip", "continue"],
                         help="a NaN/inf loss or gradient norm: stop the job (default), skip the optimizer step "
                              "on every rank, or apply it anyway")
+    parser.add_argument("--cpu-bind", default="auto", choices=list(cpu_binding.MODES),
+                        help="CPU ranks: auto (default) binds each local rank to its own share of the cores; "
+                             "none leaves the affinity alone (e.g. numactl/taskset already bound the ranks)")
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile each stage (dynamic dims from the manifest marked dynamic)")
     parser.add_argument("--compile-cache", default=None, metavar="DIR",
@@ -180,6 +183,8 @@ def main(rank_script_rank: int, stage_functions: dict, actions: list, folder: st
     manifest = load_manifest(folder)
     rank = int(os.environ.get("RANK", str(rank_script_rank)))
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    if _planned_device().type == "cpu":  # before the process group starts gloo's threads
+        args.cpu_cores = cpu_binding.bind(args.cpu_bind)
     channel = FailureChannel(rank, world, args.timeout)
     channel.start_watchdog()
     try:
@@ -310,6 +315,8 @@ def _report_step(pipe: Pipeline, args, step: int, result, elapsed: float, cpu_ti
             record["max_memory_allocated"] = torch.cuda.max_memory_allocated(device)
         if skipped:
             record["skipped"] = True
+        if getattr(args, "cpu_cores", None):
+            record["cpu_cores"] = args.cpu_cores
         with open(args.metrics, "a") as handle:
             handle.write(json.dumps(record) + "\n")
     return step, loss_value, elapsed, samples / elapsed

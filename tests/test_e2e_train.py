@@ -34,6 +34,9 @@ def test_residual_mlp_matches_eager(tmp_path, schedule, ranks, points):
     import json
     record = json.loads(lines[-1])
     assert {"step", "loss", "step_time_s"} <= set(record)
+    # the reporting (last) rank ran on its own share of the cores, or unbound where ranks outnumber them
+    from tracepp.runtime.cpu_binding import cores_for
+    assert record.get("cpu_cores") == cores_for(ranks - 1, ranks, os.sched_getaffinity(0))
 
 
 BLOCKER = """

@@ -1,6 +1,8 @@
 """Tier 1/2: the runtime's split backward (I then W) equals one full backward, in one process."""
 from types import SimpleNamespace
 
+import pytest
+
 import torch
 
 from tracepp.runtime.executor import WeightSplit, _weight_entries
@@ -189,3 +191,25 @@ def test_rank_lines_are_one_write_each(monkeypatch):
     monkeypatch.setattr("sys.stderr", Recorder())
     say(1, "error: --load x: no such file")
     assert writes == ["[tracepp rank 1] error: --load x: no such file\n"]
+
+
+def test_cpu_binding_gives_each_local_rank_an_equal_share_of_the_allowed_cores():
+    from tracepp.runtime.cpu_binding import cores_for
+
+    assert [cores_for(r, 2, {0, 1}) for r in range(2)] == [[0], [1]]
+    assert [cores_for(r, 2, {3, 9, 5, 7, 1}) for r in range(2)] == [[1, 3], [5, 7]]  # sorted; the odd core is left
+    assert [cores_for(r, 3, range(8)) for r in range(3)] == [[0, 1], [2, 3], [4, 5]]
+    assert cores_for(0, 4, {0, 1}) is None  # more local ranks than cores: nothing is bound
+    assert cores_for(2, 2, {0, 1}) is None
+
+
+def test_cpu_binding_none_and_a_single_rank_leave_the_affinity_alone(monkeypatch):
+    from tracepp.runtime import cpu_binding
+
+    monkeypatch.setattr("os.sched_setaffinity", lambda *args: pytest.fail("bound"), raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert cpu_binding.bind("none") is None
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert cpu_binding.bind("auto") is None
+    with pytest.raises(ValueError, match="expected one of auto, none"):
+        cpu_binding.bind("spread")
