@@ -202,8 +202,9 @@ def _read_steps(path: str) -> list:
 
 
 def run_system(system: str, case: Case, model_path: str, out_dir: str, work: str, round_index: int,
-               settings: Settings, device: str, threads: int) -> dict:
-    tag = f"{system}_{case.key}_round{round_index}"
+               settings: Settings, device: str, threads: int, run_args: tuple = (), tag: str = "") -> dict:
+    """One run of ``system`` on ``case``; ``run_args``: more flags for tracepp's run.py (``tag`` names its files)."""
+    tag = f"{system}{tag}_{case.key}_round{round_index}"
     metrics = os.path.join(work, tag + ".jsonl")
     memory_dir = os.path.join(work, tag + "_mem")
     log = os.path.join(work, tag + ".log")
@@ -211,7 +212,7 @@ def run_system(system: str, case: Case, model_path: str, out_dir: str, work: str
     if system == "tracepp":
         cmd = _torchrun(case.run_ranks) + ["-m", "benchmarks.tracepp_worker", out_dir, "--memory-dir", memory_dir,
                                            "--", "--steps", str(steps), "--metrics", metrics, "--quiet",
-                                           "--timeout", str(settings.timeout)]
+                                           "--timeout", str(settings.timeout), *run_args]
     elif system == "torch":
         cmd = _torchrun(case.run_ranks) + ["-m", "benchmarks.torch_worker", "--model-file", model_path,
                                            "--schedule", case.schedule, "--microbatches", str(case.microbatches),
