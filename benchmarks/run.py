@@ -203,7 +203,8 @@ def _read_steps(path: str) -> list:
 
 def run_system(system: str, case: Case, model_path: str, out_dir: str, work: str, round_index: int,
                settings: Settings, device: str, threads: int, run_args: tuple = (), tag: str = "") -> dict:
-    """One run of ``system`` on ``case``; ``run_args``: more flags for tracepp's run.py (``tag`` names its files)."""
+    """One run of ``system`` on ``case``; ``run_args``: more flags for tracepp's run.py or the torch worker
+    (``tag`` names its files)."""
     tag = f"{system}{tag}_{case.key}_round{round_index}"
     metrics = os.path.join(work, tag + ".jsonl")
     memory_dir = os.path.join(work, tag + "_mem")
@@ -217,7 +218,7 @@ def run_system(system: str, case: Case, model_path: str, out_dir: str, work: str
         cmd = _torchrun(case.run_ranks) + ["-m", "benchmarks.torch_worker", "--model-file", model_path,
                                            "--schedule", case.schedule, "--microbatches", str(case.microbatches),
                                            "--steps", str(steps), "--metrics", metrics, "--memory-dir", memory_dir,
-                                           "--device", device]
+                                           "--device", device, *run_args]
     else:
         cmd = [sys.executable, "-m", "benchmarks.eager_worker", "--model-file", model_path, "--steps", str(steps),
                "--metrics", metrics, "--memory-dir", memory_dir, "--device", device]

@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node R -m benchmarks.torch_worker --model-file m.py --schedule 1f1b \\
         --microbatches 8 --stages-per-rank 1 --steps 12 --metrics m.jsonl [--memory-dir DIR] [--device cpu]
+        [--cpu-bind auto|none]
 
 Same model file, same split (``SplitPoint.BEGINNING`` at the model file's ``split_points``: the FQNs that
 tracepp splits at), loop placement (stage i on rank i % R, as tracepp's loop placement), the matching
@@ -43,6 +44,9 @@ def parse_args(argv=None):
     parser.add_argument("--memory-dir", default=None)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--timeout", type=float, default=300.0)
+    parser.add_argument("--cpu-bind", default="none", choices=["auto", "none"],
+                        help="auto: bind each rank to its share of the cores as tracepp's run.py does by default "
+                             "(tracepp.runtime.cpu_binding); none (default): as torch runs")
     return parser.parse_args(argv)
 
 
@@ -58,6 +62,9 @@ def main(argv=None) -> None:
                                 device_id=device)
     else:
         device = torch.device("cpu")
+        if args.cpu_bind == "auto":  # before gloo's threads start, as run.py does
+            from tracepp.runtime.cpu_binding import bind
+            bind("auto")
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=args.timeout))
     user = load_model_file(args.model_file)
     class_name, stages_per_rank = SCHEDULES[args.schedule]
