@@ -13,7 +13,9 @@ file (benchmarks/gpt_model.py, untied head), split at the same block FQNs, is tr
 * ``ideal``: ``codegen.simulate`` of tracepp's own plan with per-(stage, kind) compute times measured in one
   process in this run, comms free, plus the SGD step (``benchmarks/stage_times.py``): each stage's own function
   with plain autograd (``tracepp.stage_costs``: F, B, I = input-gradient half, W = B - I), not tracepp's
-  executor, so ideal / tracepp shows all of the runtime's overhead, the zero-bubble split's included;
+  executor, so ideal / tracepp shows all of the runtime's overhead, the zero-bubble split's included; per
+  stage and kind the lower of two such measurements (stage_times', then the predictor's), so a slow spell
+  of the machine during one of them does not raise the ideal;
 * ``predicted``: the calibrated simulator (``tracepp.calibration``, ``benchmarks/predict.py``): the same plan with
   the stage costs, the ping-pong's latency and bandwidth on every message, and the runtime's per-action overhead
   fitted to the *other* cases' measured steps; printed next to the measured median with the error.
