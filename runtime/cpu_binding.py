@@ -38,7 +38,7 @@ def cores_for(local_rank: int, local_world: int, allowed) -> list | None:
 def bind(mode: str = "auto") -> list | None:
     """Bind this process to its local rank's share of its allowed cores (``LOCAL_RANK`` / ``LOCAL_WORLD_SIZE``,
     as torchrun sets them); returns the cores, or None where nothing was bound (``mode`` "none", one local rank,
-    more local ranks than cores, or a platform without ``sched_setaffinity``)."""
+    more local ranks than cores, a platform without ``sched_setaffinity``, or one that refuses it)."""
     if mode not in MODES:
         raise ValueError(f"cpu binding {mode!r}: expected one of {', '.join(MODES)}")
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -47,8 +47,15 @@ def bind(mode: str = "auto") -> list | None:
     cores = cores_for(int(os.environ.get("LOCAL_RANK", "0")), local_world, os.sched_getaffinity(0))
     if cores is None:
         return None
-    for thread in _threads():  # threads started before (a watchdog, a thread pool) move too; later ones inherit
-        os.sched_setaffinity(thread, cores)
+    try:
+        os.sched_setaffinity(0, cores)  # this thread; threads started later inherit its cores
+    except OSError:  # a sandbox that forbids it: run unbound, as before binding existed
+        return None
+    for thread in _threads():  # threads started before (a watchdog, a thread pool) move too
+        try:
+            os.sched_setaffinity(thread, cores)
+        except OSError:  # the thread has ended since it was listed
+            pass
     if torch.get_num_threads() > len(cores):
         torch.set_num_threads(len(cores))
     return cores

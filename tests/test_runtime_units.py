@@ -213,3 +213,17 @@ def test_cpu_binding_none_and_a_single_rank_leave_the_affinity_alone(monkeypatch
     assert cpu_binding.bind("auto") is None
     with pytest.raises(ValueError, match="expected one of auto, none"):
         cpu_binding.bind("spread")
+
+
+def test_cpu_binding_refused_by_the_platform_runs_unbound(monkeypatch):
+    """A sandbox whose sched_setaffinity fails: the rank runs unbound instead of crashing."""
+    from tracepp.runtime import cpu_binding
+
+    def refuse(*args):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr("os.sched_setaffinity", refuse, raising=False)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert cpu_binding.bind("auto") is None
