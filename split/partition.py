@@ -268,7 +268,7 @@ def segment_table(nodes: list, model: torch.nn.Module, flops: dict, needs_grad: 
     table = []
     for index, (start, end) in enumerate(zip(edges, edges[1:])):
         piece = _node_costs(nodes[start:end], flops, needs_grad, parameters)
-        tensors = sent = grad = 0
+        tensors = sent = grad_tensors = grad = 0
         if index:
             for node in nodes[:start]:
                 val = node.meta.get("val")
@@ -277,11 +277,12 @@ def segment_table(nodes: list, model: torch.nn.Module, flops: dict, needs_grad: 
                 tensors += 1
                 sent += cost.tensor_bytes(val)
                 if needs_grad.get(node) and val.dtype.is_floating_point:
+                    grad_tensors += 1
                     grad += cost.tensor_bytes(val)
         table.append({"begins": keys[start] if index else None, "forward_flops": piece.forward_flops,
                       "num_params": piece.num_params, "param_bytes": piece.param_bytes,
                       "activation_bytes": piece.activation_bytes, "cut_tensors": tensors, "cut_bytes": sent,
-                      "cut_grad_bytes": grad,
+                      "cut_grad_tensors": grad_tensors, "cut_grad_bytes": grad,
                       "stage": stage_of.get(nodes[start]) if stage_of is not None and start < len(nodes) else None})
     return table
 

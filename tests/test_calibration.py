@@ -251,3 +251,16 @@ def test_memory_limit_prunes_what_does_not_fit():
     assert parse_bytes("20GB") == 20 * 10 ** 9 and parse_bytes("512MiB") == 512 * 2 ** 20
     with pytest.raises(ValueError, match="memory-limit"):
         parse_bytes("lots")
+
+
+def test_segment_table_counts_the_gradient_tensors_a_cut_sends_back(tmp_path):
+    """A cut crossed by a skip connection sends two tensors forward and two gradients back: the tuner prices
+    both messages of each direction (the table once counted gradient bytes but not gradient tensors)."""
+    from tracepp.driver import split_model
+    from util import model_path
+
+    manifest = split_model(model_path("skip3"), str(tmp_path / "out"), num_ranks=3)
+    cuts = {s["begins"]: (s["cut_tensors"], s["cut_grad_tensors"], s["cut_bytes"], s["cut_grad_bytes"])
+            for s in manifest["segments"]}
+    assert cuts["mid1"] == (1, 1, 96, 96)  # h0 only
+    assert cuts["mid2"] == (2, 2, 192, 192)  # h0 (the skip) and h1
