@@ -326,10 +326,7 @@ class WeightSplit:
         count = len(inputs)
         for param, grad in zip(eager_params, found[count:count + len(eager_params)]):
             if grad is not None:
-                if param.grad is None:
-                    param.grad = grad
-                else:
-                    param.grad.add_(grad)
+                _accumulate(param, grad)
         captured = found[count + len(eager_params):]
         work, full, offset = [], list(self._full), 0
         for k, (position, outputs, params) in enumerate(self._entries):
@@ -355,9 +352,9 @@ class WeightSplit:
             if direct is None:
                 _ENGINE.run_backward(edges, grad_outputs, True, False, params, True, True)
                 continue
-            node, (saved, items), verdicts, k = direct
-            order = tuple(param for param, _kind in items)
-            ours = _recipe_grads(node, (saved, items), grad_outputs[0])
+            node, recipe, verdicts, k = direct
+            order = tuple(param for param, _kind in recipe[1])
+            ours = _recipe_grads(node, recipe, grad_outputs[0])
             if not verdicts[k]:  # first use of this shape: the engine's result, and whether the recipe matches
                 found = _ENGINE.run_backward(edges, grad_outputs, True, False, order, True, False)
                 verdicts[k] = all(a is not None and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)

@@ -183,8 +183,8 @@ def main(rank_script_rank: int, stage_functions: dict, actions: list, folder: st
     manifest = load_manifest(folder)
     rank = int(os.environ.get("RANK", str(rank_script_rank)))
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if _planned_device().type == "cpu":  # before the process group starts gloo's threads
-        args.cpu_cores = cpu_binding.bind(args.cpu_bind)
+    # before the process group starts gloo's threads; the cores go into --metrics
+    args.cpu_cores = cpu_binding.bind(args.cpu_bind) if _planned_device().type == "cpu" else None
     channel = FailureChannel(rank, world, args.timeout)
     channel.start_watchdog()
     try:
@@ -315,7 +315,7 @@ def _report_step(pipe: Pipeline, args, step: int, result, elapsed: float, cpu_ti
             record["max_memory_allocated"] = torch.cuda.max_memory_allocated(device)
         if skipped:
             record["skipped"] = True
-        if getattr(args, "cpu_cores", None):
+        if args.cpu_cores:
             record["cpu_cores"] = args.cpu_cores
         with open(args.metrics, "a") as handle:
             handle.write(json.dumps(record) + "\n")
