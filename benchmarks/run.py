@@ -517,7 +517,8 @@ def format_table(report: dict) -> str:
     text = tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True)
     notes = [f"step time: median of measured steps (warm-up dropped) over alternating runs; tokens/s = "
              f"batch*seq / step time; ideal = simulated plan with each stage's plain-autograd F/B/I/W "
-             f"(tracepp.stage_costs), comms free, + SGD step; cpu tracepp/torch: process CPU time per step of the "
+             f"(tracepp.stage_costs; per stage and kind the lower of two measurements), comms free, + SGD step; "
+             f"cpu tracepp/torch: process CPU time per step of the "
              f"last stage's rank",
              "predicted = calibrated simulator: stage costs, ping-pong latency/bandwidth per message, per-action "
              "overhead fitted to the other cases (leave one out); error = (predicted - tracepp) / tracepp",
