@@ -11,11 +11,12 @@ file (benchmarks/gpt_model.py, untied head), split at the same block FQNs, is tr
   the matching ``Schedule*``), ``benchmarks/torch_worker.py``, timed the same way;
 * ``eager``: the unsplit model in one process, full batch (``benchmarks/eager_worker.py``);
 * ``ideal``: ``codegen.simulate`` of tracepp's own plan with per-(stage, kind) compute times measured in one
-  process in this run, comms free, plus the SGD step (``benchmarks/stage_times.py``): each stage's own function
+  process, comms free, plus the SGD step (``benchmarks/stage_times.py``): each stage's own function
   with plain autograd (``tracepp.stage_costs``: F, B, I = input-gradient half, W = B - I), not tracepp's
-  executor, so ideal / tracepp shows all of the runtime's overhead, the zero-bubble split's included; per
-  stage and kind the lower of two such measurements (stage_times', then the predictor's), so a slow spell
-  of the machine during one of them does not raise the ideal;
+  executor, so ideal / tracepp shows all of the runtime's overhead, the zero-bubble split's included. The
+  costs are measured right after each round's timed runs (CPU), so the ideal and the measured step see the
+  same spells of a shared machine; the ideal is the median of the rounds' (``efficiency_paired``: the median
+  of each round's ideal / tracepp);
 * ``predicted``: the calibrated simulator (``tracepp.calibration``, ``benchmarks/predict.py``): the same plan with
   the stage costs, the ping-pong's latency and bandwidth on every message, and the runtime's per-action overhead
   fitted to the *other* cases' measured steps; printed next to the measured median with the error.
@@ -264,6 +265,8 @@ def _merge(runs: list, tokens: int) -> dict:
             method = m["method"]
             rss_method = m.get("rss_method") or rss_method
     return {"status": "ok", "step_time_s": step, "tokens_per_s": tokens / step, "measured_steps": len(times),
+            "round_step_s": [statistics.median(r["step_times"]) if r["ok"] and r["step_times"] else None
+                             for r in runs],
             "cpu_time_s": statistics.median(cpu_times) if cpu_times else None,
             "loadavg_1min": [r.get("loadavg") for r in good],
             "runs": len(good), "step_times_s": times, "min_step_time_s": min(times),
@@ -304,6 +307,7 @@ def run_suite(cases: list, settings: Settings, device: str, threads: int, work: 
             split_error = f"{type(error).__name__}: {error}"
         systems = ["tracepp", "torch", "eager"] if device == "cpu" else ["tracepp", "eager"]
         runs = {s: [] for s in systems}
+        round_costs = []
         for round_index in range(settings.rounds):
             order = systems[:2][::-1 if round_index % 2 else 1] + systems[2:]
             for system in order:
@@ -314,6 +318,9 @@ def run_suite(cases: list, settings: Settings, device: str, threads: int, work: 
                 result = run_system(system, case, model_path, out_dir, case_dir, round_index, settings, device,
                                     threads)
                 (eager_runs.setdefault(config, []) if system == "eager" else runs[system]).append(result)
+            if device == "cpu" and not split_error:  # the ideal's costs, in the same minute as this round's runs
+                round_costs.append(_plain_costs(out_dir, case_dir, f"round{round_index}", threads, settings))
+        entry["round_costs"] = round_costs
         entry["tracepp"] = (_merge(runs["tracepp"], tokens) if not split_error
                             else {"status": "unsupported", "error": split_error})
         if "torch" in runs:
@@ -337,9 +344,7 @@ def run_suite(cases: list, settings: Settings, device: str, threads: int, work: 
                 entry["ideal"] = dict(measured[out_dir], status="ok", step_time_s=measured[out_dir]["ideal_step_s"],
                                       tokens_per_s=entry["tokens_per_step"] / measured[out_dir]["ideal_step_s"])
                 entry["optimizer_stage_s"] = measured[out_dir]["optimizer_stage_s"]
-                entry["compute_costs"], entry["costs_source"] = _stage_costs(out_dir, measured[out_dir], work,
-                                                                             threads, settings)
-                _ideal_from_lower_costs(out_dir, entry)
+                _ideal_from_round_costs(out_dir, entry, measured[out_dir])
             else:
                 entry["ideal"] = {"status": "failed", "error": error}
     if device == "cpu" and folders:
@@ -373,35 +378,52 @@ def _comm(cases: list, device: str, threads: int, settings: Settings, log) -> di
     return comm
 
 
-def _ideal_from_lower_costs(out_dir: str, entry: dict) -> None:
-    """Price the ideal with, per stage and kind, the lower of the suite's two plain-autograd measurements
-    (stage_times' and the predictor's, taken a minute or so apart): a slow spell of a shared machine during one
-    of them would otherwise raise the ideal and flatter ideal/tracepp. The first measurement's ideal is kept as
-    ``step_time_s_first_costs``."""
+def _ideal_from_round_costs(out_dir: str, entry: dict, measured: dict) -> None:
+    """Price the ideal and the prediction with the plain-autograd stage costs measured right after each round's
+    timed runs (``round_costs``), so the ideal and the measured step see the same spells of a shared machine
+    (stage costs measured a few minutes apart differ by up to 40% on it). The ideal is the median over rounds of
+    each round's simulated step; ``compute_costs`` (the predictor's) the per-key median. Without round costs
+    (every measurement failed) stage_times' per-action times through the executor are used and said so."""
     from benchmarks.stage_times import ideal_step
 
-    ideal, second = entry["ideal"], entry.get("compute_costs")
-    if not second or not entry.get("costs_source", "").startswith("plain autograd"):
+    raw = entry.pop("round_costs", [])
+    rounds = [costs for costs in raw if costs]
+    ideal = entry["ideal"]
+    ideal["step_time_s_stage_times"] = ideal["step_time_s"]
+    if not rounds:
+        entry["compute_costs"] = dict(measured["costs"])
+        entry["costs_source"] = "per action through the executor (benchmarks/stage_times.py)"
+        ideal["costs_method"] = entry["costs_source"] + "; the per-round plain-autograd measurement failed"
         return
-    costs = {key: min(value, second.get(key.replace(",", ""), value)) for key, value in ideal["costs"].items()}
     with open(os.path.join(out_dir, "manifest.json")) as handle:
         manifest = json.load(handle)
-    step = ideal_step(manifest, costs, entry["optimizer_stage_s"])["ideal_step_s"]
-    ideal.update(step_time_s_first_costs=ideal["step_time_s"], costs_first=ideal["costs"], costs=costs,
-                 step_time_s=step, ideal_step_s=step, tokens_per_s=entry["tokens_per_step"] / step,
-                 costs_method="plain autograd per stage (tracepp.stage_costs), W = B - I; per stage and kind the "
-                              "lower of two measurements a minute apart")
+    by_round = [ideal_step(manifest, {f"{key[:-1]},{key[-1]}": value for key, value in costs.items()},
+                           entry["optimizer_stage_s"])["ideal_step_s"] if costs else None for costs in raw]
+    steps = [s for s in by_round if s is not None]
+    entry["compute_costs"] = {key: statistics.median(costs[key] for costs in rounds) for key in rounds[0]}
+    entry["costs_source"] = "plain autograd (tracepp.stage_costs)"
+    step = statistics.median(steps)
+    ideal.update(step_time_s=step, ideal_step_s=step, round_step_s=by_round, round_costs=raw,
+                 costs_stage_times=ideal["costs"],
+                 costs={f"{key[:-1]},{key[-1]}": value for key, value in entry["compute_costs"].items()},
+                 tokens_per_s=entry["tokens_per_step"] / step,
+                 costs_method="plain autograd per stage (tracepp.stage_costs), W = B - I, measured after each "
+                              "round's timed runs; the ideal is the median of the rounds' simulated steps")
+    paired = [i / t for i, t in zip(by_round, (entry.get("tracepp") or {}).get("round_step_s") or []) if i and t]
+    if paired:  # ideal / tracepp of each round, its runs and its costs minutes apart at most
+        entry["efficiency_paired"] = statistics.median(paired)
 
 
-def _stage_costs(out_dir: str, measured: dict, work: str, threads: int, settings: Settings) -> tuple:
-    """The plain-autograd stage costs (tracepp.stage_costs); if that fails, stage_times' per-action times."""
-    path = os.path.join(work, f"costs_{os.path.basename(os.path.dirname(out_dir))}.json")
+def _plain_costs(out_dir: str, work: str, tag: str, threads: int, settings: Settings):
+    """One plain-autograd stage cost measurement of a folder (tracepp.stage_costs, in a subprocess with the
+    suite's thread count), or None if it failed."""
+    path = os.path.join(work, f"costs_{tag}.json")
     ok, _error, _ = _run([sys.executable, "-m", "benchmarks.predict", "--costs", out_dir, path],
                          path + ".log", _env(threads), settings.timeout)
-    if ok:
-        with open(path) as handle:
-            return json.load(handle), "plain autograd (tracepp.stage_costs)"
-    return dict(measured["costs"]), "per action through the executor (benchmarks/stage_times.py)"
+    if not ok:
+        return None
+    with open(path) as handle:
+        return json.load(handle)
 
 
 def tune_benchmark(entries: list, comm: dict, settings: Settings, threads: int, work: str, log) -> dict:
@@ -517,7 +539,7 @@ def format_table(report: dict) -> str:
     text = tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True)
     notes = [f"step time: median of measured steps (warm-up dropped) over alternating runs; tokens/s = "
              f"batch*seq / step time; ideal = simulated plan with each stage's plain-autograd F/B/I/W "
-             f"(tracepp.stage_costs; per stage and kind the lower of two measurements), comms free, + SGD step; "
+             f"(tracepp.stage_costs, measured after each round; median of the rounds), comms free, + SGD step; "
              f"cpu tracepp/torch: process CPU time per step of the "
              f"last stage's rank",
              "predicted = calibrated simulator: stage costs, ping-pong latency/bandwidth per message, per-action "

@@ -9,8 +9,10 @@ rank (``time.perf_counter``: one clock for all processes of a machine) for every
 ``timeline.json.rank<R>``. The hook costs one Python call per action. A compute action's time includes its
 wait for the data it receives (the runtime waits right before the compute); a comm batch's is the time to post it.
 
-``--summary`` prints, per rank and action kind, the median in-run time of the steps after the warm-up, the
-busy and idle share of the step, and with ``--calibration`` the simulator's cost of the same actions: where a
+``--summary`` prints, per rank, the medians over the steps after the warm-up of the step, its compute actions
+(their wall time, of it the thread's CPU time, and the rest: waiting for received data), its comm posting
+and the time between actions (the runtime's own Python, the optimizer step), then each kind's median action
+time, and with ``--calibration`` the simulator's cost of the same actions: where a
 prediction's error comes from (compute slower in the run than alone, comm posting, waits).
 """
 from __future__ import annotations
@@ -38,11 +40,11 @@ def _record(out_dir: str, path: str, rest: list) -> None:
         state["step"] = step
         if pipeline.executor.action_hook is None:
             def hook(label, run):
-                start = time.perf_counter()
+                start, cpu = time.perf_counter(), time.thread_time()
                 run()
-                records.append((state["step"], label, start, time.perf_counter()))
+                records.append((state["step"], label, start, time.perf_counter(), time.thread_time() - cpu))
             pipeline.set_action_hook(hook)
-        records.append((step, "STEP", time.perf_counter(), None))
+        records.append((step, "STEP", time.perf_counter(), None, None))
 
     tracepp_runtime.register_step_hook(at_step)
     sys.argv = [os.path.join(out_dir, "run.py")] + rest
@@ -66,25 +68,35 @@ def summarize(path: str, calibration_path=None) -> str:
         with open(rank_file) as handle:
             records = json.load(handle)
         steps: dict = {}
-        for step, label, start, end in records:
-            steps.setdefault(step, []).append((label, start, end))
+        for step, label, start, end, *cpu in records:  # cpu: the action's thread CPU time (older files: none)
+            steps.setdefault(step, []).append((label, start, end, cpu[0] if cpu else None))
         per_kind: dict = {}
-        step_times, busy = [], []
+        parts: dict = {}
         for step in sorted(steps)[WARMUP:-1]:
-            items = steps[step]
-            begin, finish = items[0][1], steps[step + 1][0][1]
-            step_times.append(finish - begin)
-            busy.append(sum(e - s for label, s, e in items[1:]))
-            for label, s, e in items[1:]:
+            items = steps[step][1:]
+            begin, finish = steps[step][0][1], steps[step + 1][0][1]
+            compute = [(e - s, c) for label, s, e, c in items if _kind(label) != "comm"]
+            comm = [e - s for label, s, e, c in items if _kind(label) == "comm"]
+            cpu = [c for _, c in compute if c is not None]
+            values = {"step": finish - begin, "compute": sum(w for w, _ in compute), "comm": sum(comm),
+                      "between": finish - begin - sum(w for w, _ in compute) - sum(comm)}
+            if len(cpu) == len(compute):  # a compute action's wall time minus its CPU time: waiting on its input
+                values["compute_cpu"], values["wait"] = sum(cpu), values["compute"] - sum(cpu)
+            for key, value in values.items():
+                parts.setdefault(key, []).append(value)
+            for label, s, e, c in items:
                 per_kind.setdefault(_kind(label), []).append(e - s)
-        if not step_times:
+        if not parts:
             continue
-        row = [rank, f"{statistics.median(step_times) * 1000:.1f}", f"{statistics.median(busy) * 1000:.1f}"]
+        count = len(parts["step"])
+        ms = lambda key: f"{statistics.median(parts[key]) * 1000:.1f}" if key in parts else "-"
+        row = [rank] + [ms(key) for key in ("step", "compute", "compute_cpu", "wait", "comm", "between")]
         for kind in ("F", "B", "I", "W", "comm"):
             values = per_kind.get(kind)
-            row.append(f"{statistics.median(values) * 1000:.2f} x{len(values) // len(step_times)}" if values else "-")
+            row.append(f"{statistics.median(values) * 1000:.2f} x{len(values) // count}" if values else "-")
         rows.append(row)
-    text = tabulate(rows, headers=["rank", "step ms", "in actions ms", "F ms", "B ms", "I ms", "W ms", "comm post ms"],
+    text = tabulate(rows, headers=["rank", "step ms", "compute ms", "of it CPU", "of it waiting", "comm post ms",
+                                   "between actions ms", "F ms", "B ms", "I ms", "W ms", "one comm post ms"],
                     tablefmt="simple", disable_numparse=True)
     if calibration_path:
         from tracepp.calibration import load_calibration

@@ -48,6 +48,9 @@ def test_tiny_suite_writes_every_system_and_field(tmp_path):
     ideal = entry["ideal"]
     assert ideal["status"] == "ok" and ideal["step_time_s"] > 0
     assert {"0,F", "0,B", "1,F", "1,B", "0,I", "0,W"} <= set(ideal["costs"])
+    # priced with the plain-autograd costs measured right after the round's runs, paired with that round
+    assert ideal["costs_method"].startswith("plain autograd") and len(ideal["round_step_s"]) == 1
+    assert ideal["round_step_s"][0] == ideal["step_time_s"] and isinstance(entry["efficiency_paired"], float)
     for key in ("ratio_tracepp_over_torch", "efficiency", "speedup_over_eager"):
         assert isinstance(entry[key], float) and entry[key] > 0
     assert entry["same_losses"] is True  # same model, split, schedule, loss and SGD in both frontends
@@ -101,3 +104,29 @@ def test_cuda_without_a_gpu_fails_clearly(tmp_path):
     assert result.returncode == 2
     assert "CUDA is not available" in result.stderr
     assert not os.listdir(tmp_path)
+
+
+def test_ideal_from_round_costs_pairs_rounds_and_skips_a_failed_one(tmp_path, monkeypatch):
+    """The ideal is the median of the rounds' simulated steps, each round priced with the costs measured right
+    after its runs; a round whose measurement failed is skipped, not paired with another round's step."""
+    import benchmarks.stage_times as stage_times
+    from benchmarks.run import _ideal_from_round_costs
+
+    (tmp_path / "manifest.json").write_text("{}")
+    # a stand-in simulator: the step is the sum of the costs (the real one is tested in test_calibration.py)
+    monkeypatch.setattr(stage_times, "ideal_step", lambda manifest, costs, optimizer: {"ideal_step_s": sum(costs.values())})
+    entry = {"ideal": {"step_time_s": 9.0, "costs": {"0,F": 9.0}}, "optimizer_stage_s": {}, "tokens_per_step": 100,
+             "tracepp": {"round_step_s": [2.0, 4.0, 5.0]},
+             "round_costs": [{"0F": 1.0, "0B": 0.6}, None, {"0F": 2.0, "0B": 2.0}]}
+    _ideal_from_round_costs(str(tmp_path), entry, {"costs": {"0,F": 9.0}})
+    ideal = entry["ideal"]
+    assert ideal["round_step_s"] == [1.6, None, 4.0] and ideal["step_time_s"] == 2.8  # median of 1.6 and 4.0
+    assert ideal["step_time_s_stage_times"] == 9.0 and ideal["costs_stage_times"] == {"0,F": 9.0}
+    assert entry["compute_costs"] == {"0F": 1.5, "0B": 1.3} and ideal["costs"] == {"0,F": 1.5, "0,B": 1.3}
+    assert entry["efficiency_paired"] == (1.6 / 2.0 + 4.0 / 5.0) / 2  # rounds 0 and 2, each with its own run
+    assert "round_costs" not in entry and entry["costs_source"].startswith("plain autograd")
+    # every measurement failed: the executor's per-action times, said so
+    entry = {"ideal": {"step_time_s": 9.0, "costs": {"0,F": 9.0}}, "optimizer_stage_s": {}, "tokens_per_step": 100,
+             "tracepp": {}, "round_costs": [None]}
+    _ideal_from_round_costs(str(tmp_path), entry, {"costs": {"0,F": 9.0}})
+    assert entry["ideal"]["step_time_s"] == 9.0 and "executor" in entry["costs_source"]
