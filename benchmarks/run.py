@@ -397,8 +397,8 @@ def _ideal_from_round_costs(out_dir: str, entry: dict, measured: dict) -> None:
         return
     with open(os.path.join(out_dir, "manifest.json")) as handle:
         manifest = json.load(handle)
-    by_round = [ideal_step(manifest, {f"{key[:-1]},{key[-1]}": value for key, value in costs.items()},
-                           entry["optimizer_stage_s"])["ideal_step_s"] if costs else None for costs in raw]
+    by_round = [ideal_step(manifest, costs, entry["optimizer_stage_s"])["ideal_step_s"] if costs else None
+                for costs in raw]
     steps = [s for s in by_round if s is not None]
     entry["compute_costs"] = {key: statistics.median(costs[key] for costs in rounds) for key in rounds[0]}
     entry["costs_source"] = "plain autograd (tracepp.stage_costs)"

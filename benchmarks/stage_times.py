@@ -165,14 +165,16 @@ def _compute_kind(action: str) -> str:
 
 
 def ideal_step(manifest: dict, costs: dict, optimizer_stage_s: dict, plan: dict = None) -> dict:
-    """Simulate the folder's lowered plan (or ``plan``) with measured costs, comms free; see the module doc."""
+    """Simulate the folder's lowered plan (or ``plan``) with measured costs (keys "0,F" or "0F"), comms free;
+    see the module doc."""
+    from benchmarks.predict import _keyed
     from tracepp.runtime.actions import Action
     from tracepp.codegen.simulate import simulate
     from tracepp.manifest_file import topology_from_manifest
 
     plan = plan or manifest["plan"]
     actions = {int(rank): [Action.parse(a) for a in acts] for rank, acts in plan["actions"].items()}
-    keyed = {(int(k.split(",")[0]), k.split(",")[1]): v for k, v in costs.items()}
+    keyed = _keyed(costs)
     sim = simulate(actions, plan["stage_to_rank"], topology_from_manifest(manifest), plan["num_microbatches"],
                    costs=keyed, training=manifest["training"])
     optimizer_s = {r: sum(float(optimizer_stage_s.get(str(s), 0.0))

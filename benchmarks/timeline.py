@@ -78,10 +78,11 @@ def summarize(path: str, calibration_path=None) -> str:
             compute = [(e - s, c) for label, s, e, c in items if _kind(label) != "comm"]
             comm = [e - s for label, s, e, c in items if _kind(label) == "comm"]
             cpu = [c for _, c in compute if c is not None]
-            values = {"step": finish - begin, "compute": sum(w for w, _ in compute), "comm": sum(comm),
-                      "between": finish - begin - sum(w for w, _ in compute) - sum(comm)}
+            compute_s, comm_s = sum(w for w, _ in compute), sum(comm)
+            values = {"step": finish - begin, "compute": compute_s, "comm": comm_s,
+                      "between": finish - begin - compute_s - comm_s}
             if len(cpu) == len(compute):  # a compute action's wall time minus its CPU time: waiting on its input
-                values["compute_cpu"], values["wait"] = sum(cpu), values["compute"] - sum(cpu)
+                values["compute_cpu"], values["wait"] = sum(cpu), compute_s - sum(cpu)
             for key, value in values.items():
                 parts.setdefault(key, []).append(value)
             for label, s, e, c in items:
