@@ -24,6 +24,7 @@ import os
 import torch
 
 MODES = ("auto", "none")
+_bound = None  # the cores bind() gave this process
 
 
 def cores_for(local_rank: int, local_world: int, allowed) -> list | None:
@@ -58,7 +59,21 @@ def bind(mode: str = "auto") -> list | None:
             pass
     if torch.get_num_threads() > len(cores):
         torch.set_num_threads(len(cores))
+    global _bound
+    _bound = cores
     return cores
+
+
+def has_own_core() -> bool:
+    """Whether this rank may count on a core no other local rank runs on: :func:`bind` bound it, or there are no
+    more local ranks than the cores it may use. A rank that waits on a peer may then poll instead of sleeping."""
+    if _bound:
+        return True
+    try:
+        allowed = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        allowed = os.cpu_count() or 1
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1")) <= allowed
 
 
 def _threads() -> list:

@@ -412,6 +412,7 @@ class RankExecutor:
         self.global_ranks = None
         self.pp_group = None
         self.before_backward = None
+        self.transport = None  # shm_p2p.SharedMemoryP2P for CPU peers on this host (set by the caller), else gloo
         self.stages = {}
         for spec in manifest["stages"]:
             if self.stage_to_rank[spec["index"]] != rank:
@@ -590,10 +591,15 @@ class RankExecutor:
             if ranks is not None:  # pipeline ranks -> this replica's global ranks
                 ops = [(send, tensor, ranks[peer], tag, waitlist, awaited)
                        for send, tensor, peer, tag, waitlist, awaited in ops]
+            shm = self.transport
             if self.use_batch_p2p:
                 works = dist.batch_isend_irecv([dist.P2POp(dist.isend if send else dist.irecv, tensor, peer,
                                                            group=group, tag=tag)
                                                 for send, tensor, peer, tag, _, _ in ops])
+            elif shm is not None:  # shared-memory rings to ranks on this host (shm_p2p), gloo to the others
+                works = [(shm.isend if send else shm.irecv)(tensor, peer, tag) if shm.carries(peer, send) else
+                         (dist.isend if send else dist.irecv)(tensor, peer, group=group, tag=tag)
+                         for send, tensor, peer, tag, _, _ in ops]
             else:
                 works = [(dist.isend if send else dist.irecv)(tensor, peer, group=group, tag=tag)
                          for send, tensor, peer, tag, _, _ in ops]

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from .failure import EXIT_FAILED, FailureChannel, PipelineError, agree, say, stall_message
 from .loading import load_manifest
-from . import checkpoint, cpu_binding, host_memory, recompute
+from . import checkpoint, cpu_binding, host_memory, recompute, shm_p2p
 from .mesh import coordinates, full, mesh_layout
 from .optim import OPTIMIZERS, build_optimizer, build_scheduler, parameter_fqns, step_scheduler
 from .pipeline import Pipeline, check_precision, step_ended
@@ -81,6 +81,14 @@ def parse_args(argv=None):
     parser.add_argument("--cpu-bind", default="auto", choices=list(cpu_binding.MODES),
                         help="CPU ranks: auto (default) binds each local rank to its own share of the cores; "
                              "none leaves the affinity alone (e.g. numactl/taskset already bound the ranks)")
+    parser.add_argument("--p2p", default="auto", choices=list(shm_p2p.MODES),
+                        help="CPU ranks: auto (default) sends pipeline messages between ranks on one host through "
+                             "shared-memory rings, gloo between hosts; shm: the same, an error where a pair "
+                             "cannot; gloo: gloo only")
+    parser.add_argument("--shm-ring-mb", type=float, default=shm_p2p.DEFAULT_RING_MB, metavar="MB",
+                        help=f"size of each shared-memory ring in /dev/shm, one per directed pair of ranks that "
+                             f"exchange messages (default {shm_p2p.DEFAULT_RING_MB}); a larger message streams "
+                             f"through")
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile each stage (dynamic dims from the manifest marked dynamic)")
     parser.add_argument("--compile-cache", default=None, metavar="DIR",
@@ -193,7 +201,8 @@ def main(rank_script_rank: int, stage_functions: dict, actions: list, folder: st
         pipe = Pipeline(folder, rank=rank, timeout_s=args.timeout, precision=args.precision,
                         compile=args.compile, compile_cache=args.compile_cache, stage_functions=stage_functions,
                         actions=actions, shapes=shapes, releases=releases,
-                        check_finite=args.on_nonfinite != "continue", load=args.load, init=args.init)
+                        check_finite=args.on_nonfinite != "continue", load=args.load, init=args.init,
+                        p2p=args.p2p, shm_ring_mb=args.shm_ring_mb)
         train(pipe, args)
     except PipelineError as error:
         if getattr(error, "every_rank_agrees", False):  # each rank decided the same from the same data
@@ -317,6 +326,8 @@ def _report_step(pipe: Pipeline, args, step: int, result, elapsed: float, cpu_ti
             record["skipped"] = True
         if args.cpu_cores:
             record["cpu_cores"] = args.cpu_cores
+        if pipe.world_size > 1:
+            record["p2p"] = pipe.p2p_transport()
         with open(args.metrics, "a") as handle:
             handle.write(json.dumps(record) + "\n")
     return step, loss_value, elapsed, samples / elapsed

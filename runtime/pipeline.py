@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from .batching import MicrobatchSplitter
 from .distributed import init_distributed
+from . import cpu_binding, shm_p2p
 from .executor import RankExecutor, _shapes_from_manifest, parse_action
 from .failure import PipelineError
 from .loading import load_manifest, load_rank_script
@@ -102,7 +103,7 @@ class Pipeline:
     def __init__(self, folder: str, *, rank=None, device=None, timeout_s: float = 120.0, precision: str = "fp32",
                  compile: bool = False, compile_cache=None, all_stages: bool = False, stage_functions=None,
                  actions=None, shapes=None, releases=None, loss_fn=None, check_finite: bool = True,
-                 load=None, init: str = "model"):
+                 load=None, init: str = "model", p2p: str = "auto", shm_ring_mb: float = shm_p2p.DEFAULT_RING_MB):
         self.folder = os.path.abspath(folder)
         self.manifest = manifest = load_manifest(self.folder)
         self.world_size = 1 if all_stages else int(os.environ.get("WORLD_SIZE", "1"))
@@ -172,6 +173,9 @@ class Pipeline:
         self._timeout_s = timeout_s
         self._check_finite = check_finite
         self.loss_scale = None  # fp16: set by the training loop's scaler (the loss is multiplied before backward)
+        self.transport = None
+        if not all_stages and self.world_size > 1 and self.device.type == "cpu":
+            self.transport = self._connect(actions, p2p, shm_ring_mb)
         self.executor = self._executor(actions, releases, self.training)
         if self.mesh is not None and self.training:
             self._last_backward = self._last_backward_microbatch(self.executor.actions)
@@ -223,6 +227,31 @@ class Pipeline:
             sizes = bool(self.manifest["stages"][index].get("sym_inputs"))
             stage.compile(dynamic=True if sizes else None)
 
+    def _connect(self, actions, mode: str, ring_mb: float):
+        """Shared-memory rings to this rank's pipeline peers on the same host (``shm_p2p``; collective)."""
+        stage_to_rank = self._plan_manifest["plan"]["stage_to_rank"]
+        send_to, receive_from = set(), set()
+        for text in actions:
+            stage, kind, _mb, peer = parse_action(text)
+            if kind.startswith(("SEND", "RECV")) and peer is not None:
+                target = dp_mesh.global_rank(self.layout, self.dp_index, stage_to_rank[peer])
+                (send_to if kind.startswith("SEND") else receive_from).add(target)
+        self._peers = (send_to, receive_from)
+        transport, note = shm_p2p.connect(self.rank, send_to, receive_from, int(ring_mb * 2**20), mode,
+                                          own_core=cpu_binding.has_own_core())
+        if note is not None and self.rank == 0:
+            print(f"[tracepp] note: {note}", flush=True)
+        return transport
+
+    def p2p_transport(self) -> str:
+        """What carries this rank's pipeline messages: "shm" (every peer on this host), "shm+gloo", or the backend."""
+        if self.transport is None:
+            return self.backend or "none"
+        send_to, receive_from = self._peers
+        every = (all(self.transport.carries(p, True) for p in send_to)
+                 and all(self.transport.carries(p, False) for p in receive_from))
+        return "shm" if every else "shm+gloo"
+
     def _executor(self, actions, releases, training: bool) -> RankExecutor:
         executor = RankExecutor(self._plan_manifest, self.pp_rank, self.stages, actions, self.device, self.loss_fn,
                                 self._timeout_s, self._out_spec, training, self._shapes, releases=releases,
@@ -233,6 +262,7 @@ class Pipeline:
             executor.global_ranks = [dp_mesh.global_rank(self.layout, self.dp_index, pp)
                                      for pp in range(self.layout["pp"])]
             executor.pp_group = self.mesh["pp"].get_group()
+        executor.transport = self.transport
         return executor
 
     @staticmethod

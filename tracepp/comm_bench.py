@@ -4,7 +4,8 @@
 
 (``tracepp calibrate OUT`` launches this itself.) Every pair of neighbouring ranks (r, r+1), and the
 wrap-around pair (0, R-1) of a V placement, plays ping-pong with messages of each size, using the calls the
-tracepp runtime uses (``isend``/``irecv`` and ``wait`` on gloo, ``batch_isend_irecv`` on NCCL). A one-way time
+tracepp runtime uses (its shared-memory rings between CPU ranks on one host, ``runtime/shm_p2p.py``, with
+``--p2p auto``, the default; ``isend``/``irecv`` and ``wait`` on gloo; ``batch_isend_irecv`` on NCCL). A one-way time
 is half the median round trip; a least-squares line ``time = latency + bytes / bandwidth`` over the sizes gives
 each pair's latency and bandwidth. Rank 0 prints the table and writes ``{"backend", "serial", "world_size",
 "device", "pairs": {"0-1": {"latency_s", "bandwidth_bytes_per_s", "points"}}}``, the ``comm`` section of
@@ -22,9 +23,12 @@ from datetime import timedelta
 DEFAULT_SIZES = "4096,16384,65536,262144,1048576"
 
 
-def _exchange(tensor, peer: int, send_first: bool, use_batch: bool) -> None:
+def _exchange(tensor, peer: int, send_first: bool, use_batch: bool, shm=None) -> None:
     import torch.distributed as dist
 
+    if shm is not None and shm.carries(peer, send_first):  # the runtime's shared-memory rings (CPU, one host)
+        (shm.isend if send_first else shm.irecv)(tensor, peer, 0).wait()
+        return
     if use_batch:
         op = dist.P2POp(dist.isend if send_first else dist.irecv, tensor, peer)
         for work in dist.batch_isend_irecv([op]):
@@ -33,7 +37,7 @@ def _exchange(tensor, peer: int, send_first: bool, use_batch: bool) -> None:
     (dist.isend if send_first else dist.irecv)(tensor, peer).wait()
 
 
-def ping_pong(peer: int, leader: bool, size_bytes: int, rounds: int, device, use_batch: bool) -> list:
+def ping_pong(peer: int, leader: bool, size_bytes: int, rounds: int, device, use_batch: bool, shm=None) -> list:
     """One-way times (half round trips) of ``rounds`` ping-pongs of ``size_bytes`` with ``peer``."""
     import torch
 
@@ -44,11 +48,11 @@ def ping_pong(peer: int, leader: bool, size_bytes: int, rounds: int, device, use
             torch.cuda.synchronize(device)
         start = time.perf_counter()
         if leader:
-            _exchange(tensor, peer, True, use_batch)
-            _exchange(tensor, peer, False, use_batch)
+            _exchange(tensor, peer, True, use_batch, shm)
+            _exchange(tensor, peer, False, use_batch, shm)
         else:
-            _exchange(tensor, peer, False, use_batch)
-            _exchange(tensor, peer, True, use_batch)
+            _exchange(tensor, peer, False, use_batch, shm)
+            _exchange(tensor, peer, True, use_batch, shm)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         if index >= 2:  # the first two rounds set up connections and buffers
@@ -91,6 +95,8 @@ def main(argv=None) -> None:
     parser.add_argument("--sizes", default=DEFAULT_SIZES, help="message sizes in bytes")
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--p2p", default="auto", choices=["auto", "shm", "gloo"],
+                        help="CPU: the transport run.py's --p2p picks (default auto: shared memory on one host)")
     args = parser.parse_args(argv)
     use_cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if use_cuda else torch.device("cpu")
@@ -101,12 +107,22 @@ def main(argv=None) -> None:
     if world < 2:
         raise SystemExit("run under torchrun with at least 2 processes")
     sizes = [int(s) for s in args.sizes.split(",")]
+    shm = None
+    if not use_cuda:
+        from tracepp.runtime import shm_p2p
+
+        peers = {b if a == rank else a for a, b in neighbour_pairs(world) if rank in (a, b)}
+        ring = max(shm_p2p.DEFAULT_RING_MB * 2**20, 2 * max(sizes) + 2 * shm_p2p.ALIGN)
+        shm, note = shm_p2p.connect(rank, peers, peers, ring, args.p2p)
+        if note and rank == 0:
+            print(f"note: {note}", flush=True)
     results = {}
     for low, high in neighbour_pairs(world):  # every rank walks the same pairs in the same order; only the pair plays
         points = []
         for size in sizes:
             if rank in (low, high):
-                times = ping_pong(high if rank == low else low, rank == low, size, args.rounds, device, use_cuda)
+                times = ping_pong(high if rank == low else low, rank == low, size, args.rounds, device, use_cuda,
+                                  shm)
                 points.append((size, statistics.median(times)))
             dist.barrier()
         if rank == low:
@@ -115,7 +131,8 @@ def main(argv=None) -> None:
     dist.all_gather_object(gathered, results)
     if rank == 0:
         merged = {key: value for part in gathered for key, value in part.items()}
-        report = {"backend": dist.get_backend(), "serial": use_cuda, "world_size": world,
+        report = {"backend": dist.get_backend(), "transport": "shm" if shm is not None else dist.get_backend(),
+                  "serial": use_cuda, "world_size": world,
                   "device": torch.cuda.get_device_name(device) if use_cuda else "cpu", "pairs": merged,
                   "sizes": sizes, "rounds": args.rounds}
         for key, value in sorted(merged.items()):
