@@ -48,8 +48,10 @@ def test_dp_pp_matches_eager_on_the_global_batch(tmp_path, mode, order):
     replicas = "pipeline rank 1: global ranks 1, 3" if order == "pp-inner" else "pipeline rank 1: global ranks 2, 3"
     assert replicas in open(f"{out}/rank1.py").read().split('"""')[1]  # the header shows the mesh
     ckpt, metrics = str(tmp_path / "ckpt.pt"), str(tmp_path / "m.jsonl")
+    # dp-inner: pipeline ranks are not global ranks; the shared-memory rings are keyed by the global ones
+    p2p = "shm" if order == "dp-inner" else "auto"
     result = run_ok(out, 4, "--steps", str(STEPS), "--clip-grad-norm", str(CLIP), "--save", ckpt,
-                    "--metrics", metrics)
+                    "--metrics", metrics, "--p2p", p2p)
     expected, norms, losses = _eager_adamw(path, STEPS, CLIP)
     assert min(norms) > CLIP, "the norm must exceed MAX or clipping is not exercised"
     saved = torch.load(ckpt)
@@ -63,6 +65,8 @@ def test_dp_pp_matches_eager_on_the_global_batch(tmp_path, mode, order):
     torch.testing.assert_close(torch.tensor([r["loss"] for r in records]), torch.tensor(losses),
                                rtol=1e-5, atol=0)
     assert all(r["batch_size"] == 8 for r in records)
+    from tracepp.runtime.shm_p2p import available
+    assert records[-1]["p2p"] == ("shm" if p2p == "shm" and available() is None else "gloo")
     load_model_file(path).model().load_state_dict(saved)  # a DP checkpoint loads into the plain model
 
 
