@@ -50,8 +50,7 @@ def main() -> None:
     runs = [(transport, placement) for transport in args.transports.split(",")
             for placement in ("receive posted after the compute", "receive posted before the compute")]
     for transport, placement in runs:
-        isend, irecv = (dist.isend, dist.irecv) if transport == "gloo" else (
-            lambda t, p, tag: shm.isend(t, p, tag), lambda t, p, tag: shm.irecv(t, p, tag))
+        isend, irecv = (dist.isend, dist.irecv) if transport == "gloo" else (shm.isend, shm.irecv)
         dist.barrier()
         cycles = []
         for index in range(args.cycles):

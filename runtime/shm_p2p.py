@@ -57,8 +57,7 @@ def _round_up(n: int) -> int:
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """A flat uint8 view of a contiguous tensor's memory."""
-    flat = tensor.reshape(-1)
-    return flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
+    return tensor.reshape(-1).view(torch.uint8)
 
 
 class Ring:
@@ -108,9 +107,6 @@ class Work:
 
     def wait(self, timeout=None) -> bool:
         return self.done or self.transport.wait(self, timeout)
-
-    def is_completed(self) -> bool:
-        return self.done
 
 
 class _Outgoing:
@@ -237,7 +233,6 @@ class SharedMemoryP2P:
         self.spin_s, self.yield_s = (0.0002, 0.002) if own_core else (0.00002, 0.00002)
         self.outgoing = {peer: _Outgoing(ring) for peer, ring in outgoing.items()}
         self.incoming = {peer: _Incoming(ring, rank, peer) for peer, ring in incoming.items()}
-        self.peer_pids: dict = {}
 
     def carries(self, peer: int, send: bool) -> bool:
         return peer in (self.outgoing if send else self.incoming)
@@ -289,11 +284,6 @@ class SharedMemoryP2P:
             if pid and not _alive(pid):
                 raise PipelineError(f"rank {peer} (process {pid}) exited while rank {self.rank} waited for its "
                                     f"messages: see that rank's error above")
-
-    def close(self) -> None:
-        for channel in list(self.outgoing.values()) + list(self.incoming.values()):
-            channel.ring.data = None
-            channel.ring.words.release()
 
 
 def _alive(pid: int) -> bool:
@@ -378,9 +368,8 @@ def connect(rank: int, send_to: set, receive_from: set, ring_bytes: int, mode: s
     outgoing = {peer: ring for peer, ring in opened.items() if (rank, peer) in ends}
     incoming = {peer: ring for peer, ring in created.items() if (peer, rank) in ends}
     all_problems = [text for _rank, _opened, found in results for text in found]
-    pairs = sorted(ends)
     reasons = sorted({info["reason"] for info in infos if info["reason"]})
-    wanted = {(r, p) for info in infos for r in [info["rank"]] for p in info["send_to"]}
+    wanted = {(info["rank"], peer) for info in infos for peer in info["send_to"]}
     on_gloo = sorted(wanted - ends)
     note = None
     if on_gloo and mode != "gloo":
@@ -390,6 +379,6 @@ def connect(rank: int, send_to: set, receive_from: set, ring_bytes: int, mode: s
         if mode == "shm" and (all_problems or reasons):
             raise PipelineError(f"--p2p shm: {note}; free space in {_SHM_DIR}, lower --shm-ring-mb, "
                                 f"or use --p2p auto")
-    if not pairs and not outgoing and not incoming:
+    if not outgoing and not incoming:  # this rank's messages all go through gloo
         return None, note
     return SharedMemoryP2P(rank, outgoing, incoming, own_core), note

@@ -91,11 +91,13 @@ def main(argv=None) -> None:
     import torch
     import torch.distributed as dist
 
+    from tracepp.runtime import cpu_binding, shm_p2p
+
     parser = argparse.ArgumentParser(prog="python -m tracepp.comm_bench", description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default=DEFAULT_SIZES, help="message sizes in bytes")
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--json", default=None)
-    parser.add_argument("--p2p", default="auto", choices=["auto", "shm", "gloo"],
+    parser.add_argument("--p2p", default="auto", choices=list(shm_p2p.MODES),
                         help="CPU: the transport run.py's --p2p picks (default auto: shared memory on one host)")
     args = parser.parse_args(argv)
     use_cuda = torch.cuda.is_available()
@@ -109,11 +111,9 @@ def main(argv=None) -> None:
     sizes = [int(s) for s in args.sizes.split(",")]
     shm = None
     if not use_cuda:
-        from tracepp.runtime import shm_p2p
-
         peers = {b if a == rank else a for a, b in neighbour_pairs(world) if rank in (a, b)}
         ring = max(shm_p2p.DEFAULT_RING_MB * 2**20, 2 * max(sizes) + 2 * shm_p2p.ALIGN)
-        shm, note = shm_p2p.connect(rank, peers, peers, ring, args.p2p)
+        shm, note = shm_p2p.connect(rank, peers, peers, ring, args.p2p, own_core=cpu_binding.has_own_core())
         if note and rank == 0:
             print(f"note: {note}", flush=True)
     results = {}
