@@ -47,6 +47,17 @@ def _calibration(manifest: dict, costs: dict, optimizer_stage_s: dict, comm: dic
                        overhead=dict(overhead or {}), folder=folder_record(manifest))
 
 
+def case_noise(entry: dict):
+    """How far this machine moved during a case: the larger of the relative ranges ((max - min) / median) of the
+    tracepp rounds' median steps and of the ideal priced with each round's stage costs (None with one round). A
+    prediction error inside it cannot be told from the noise."""
+    from tracepp.calibration import relative_range
+
+    spreads = [relative_range((entry.get(key) or {}).get("round_step_s") or []) for key in ("tracepp", "ideal")]
+    spreads = [s for s in spreads if s is not None]
+    return max(spreads) if spreads else None
+
+
 def predict_cases(entries: list, comm: dict, log=print, mode: str = None) -> None:
     """Add ``prediction`` to every entry that has a tracepp folder, measured step and stage costs (see module doc).
     Each entry needs ``out_dir``, ``tracepp.step_time_s``, ``compute_costs`` and ``optimizer_stage_s``."""
@@ -74,7 +85,8 @@ def predict_cases(entries: list, comm: dict, log=print, mode: str = None) -> Non
                                                      overhead)).step_s
         free = predict_folder(manifest, _calibration(manifest, keyed, entry.get("optimizer_stage_s"), {}, {})).step_s
         measured = entry["tracepp"]["step_time_s"]
-        entry["prediction"] = {"status": "ok", "step_time_s": step, "measured_step_s": measured,
+        noise = case_noise(entry)
+        entry["prediction"] = {"status": "ok", "step_time_s": step, "measured_step_s": measured, "noise": noise,
                                "error": (step - measured) / measured, "overhead": overhead,
                                "overhead_mode": used_mode, "overhead_s": value, "fitted_overhead_s": own["value"],
                                "fitted_overhead_mode": own["mode"],
@@ -82,7 +94,8 @@ def predict_cases(entries: list, comm: dict, log=print, mode: str = None) -> Non
                                "fitted": not others, "costs_source": entry.get("costs_source")}
         what = "per message" if used_mode == "delay" else "per action"
         log(f"  {entry['case']}: predicted {step * 1000:.1f} ms, measured {measured * 1000:.1f} ms "
-            f"({(step - measured) / measured:+.1%}); {value * 1e6:.0f} us {what} "
+            f"({(step - measured) / measured:+.1%}"
+            + (f"; rounds moved {noise:.0%}" if noise is not None else "") + f"); {value * 1e6:.0f} us {what} "
             f"({'own fit' if not others else 'median of the other cases'}; own fit {own['value'] * 1e6:.0f})")
 
 

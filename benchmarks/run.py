@@ -524,6 +524,7 @@ def format_table(report: dict) -> str:
             rows.append([e["model"]["name"], e["ranks"], e["schedule"], e["microbatches"], e["microbatch_size"],
                          _ms(_time(e, "tracepp")), _ms(prediction.get("step_time_s")),
                          _fmt(prediction.get("error") * 100 if prediction.get("error") is not None else None, "+.1f"),
+                         _fmt(prediction.get("noise") * 100 if prediction.get("noise") is not None else None, ".0f"),
                          _ms(_time(e, "torch")), _ms(_time(e, "eager")),
                          _ms(_time(e, "ideal")), _fmt(e["tracepp"].get("tokens_per_s"), ",.0f"),
                          _fmt(e["torch"].get("tokens_per_s"), ",.0f"), _fmt(e["ratio_tracepp_over_torch"], ".2f"),
@@ -533,7 +534,7 @@ def format_table(report: dict) -> str:
         headers = ["model", "GPUs", "schedule", "M", "tracepp ms", "eager ms", "ideal ms", "predicted R-GPU ms",
                    "tracepp tok/s", "ideal/tracepp", "mem tracepp MB", "mem eager MB"]
     else:
-        headers = ["model", "R", "schedule", "M", "mb size", "tracepp ms", "predicted ms", "error %", "torch ms",
+        headers = ["model", "R", "schedule", "M", "mb size", "tracepp ms", "predicted ms", "error %", "noise %", "torch ms",
                    "eager ms", "ideal ms", "tracepp tok/s", "torch tok/s", "tracepp/torch", "cpu tracepp/torch",
                    "ideal/tracepp", "mem tracepp MB", "mem torch MB", "mem eager MB"]
     text = tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True)
@@ -543,7 +544,9 @@ def format_table(report: dict) -> str:
              f"cpu tracepp/torch: process CPU time per step of the "
              f"last stage's rank",
              "predicted = calibrated simulator: stage costs, ping-pong latency/bandwidth per message, per-action "
-             "overhead fitted to the other cases (leave one out); error = (predicted - tracepp) / tracepp",
+             "overhead fitted to the other cases (leave one out); error = (predicted - tracepp) / tracepp; noise = "
+             "(max - min) / median over the rounds of tracepp's step or of the ideal priced with each round's costs, "
+             "whichever moved more: an error inside it is not the model's",
              f"1-minute load average before each run: {_load_range(report)}",
              f"memory: max over ranks of {report.get('memory_method') or 'n/a'}",
              f"load average (1, 5, 15 min) at start {report.get('loadavg_start')}, end {report.get('loadavg_end')}"]

@@ -10,6 +10,16 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def test_case_noise_is_the_wider_of_the_measured_and_the_ideal_rounds():
+    from benchmarks.predict import case_noise
+
+    entry = {"tracepp": {"round_step_s": [0.10, 0.11, 0.12]}, "ideal": {"round_step_s": [0.09, 0.10, 0.095]}}
+    assert case_noise(entry) == pytest.approx(0.02 / 0.11)
+    entry["ideal"]["round_step_s"] = [0.08, 0.10, 0.12]
+    assert case_noise(entry) == pytest.approx(0.4)
+    assert case_noise({"tracepp": {"round_step_s": [0.1]}, "ideal": {}}) is None
+
+
 def test_tiny_suite_writes_every_system_and_field(tmp_path):
     out = str(tmp_path / "results")
     command = [sys.executable, "-m", "benchmarks.run", "--tiny", "--rounds", "1", "--warmup", "1", "--steps", "10",
@@ -18,7 +28,7 @@ def test_tiny_suite_writes_every_system_and_field(tmp_path):
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=420, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     # the table printed, with its headers and the case's row
-    for header in ("tracepp ms", "predicted ms", "error %", "torch ms", "eager ms", "ideal ms", "tracepp/torch",
+    for header in ("tracepp ms", "predicted ms", "error %", "noise %", "torch ms", "eager ms", "ideal ms", "tracepp/torch",
                    "ideal/tracepp", "mem tracepp MB"):
         assert header in result.stdout
     assert "1f1b" in result.stdout and "problems:" not in result.stdout, result.stdout
@@ -40,6 +50,7 @@ def test_tiny_suite_writes_every_system_and_field(tmp_path):
     prediction = entry["prediction"]
     assert prediction["status"] == "ok" and prediction["step_time_s"] > 0 and prediction["fitted"] is True
     assert prediction["measured_step_s"] == entry["tracepp"]["step_time_s"]
+    assert prediction["noise"] is None  # one round: no spread to report
     assert "0-1" in report["comm"]["pairs"] and len(report["loadavg_start"]) == 3
     # the tuner's benchmark: its pick split, run and measured next to the best hand-picked case
     tuned = report["tuner"]

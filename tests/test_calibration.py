@@ -10,8 +10,9 @@ import json
 import pytest
 
 from tracepp.calibrate import fit_overheads
-from tracepp.calibration import (Calibration, folder_record, load_calibration, message_bytes, predict_folder,
-                                 split_costs, split_optimizer, write_calibration)
+from tracepp.calibration import (Calibration, folder_record, interquartile_fraction, load_calibration, median_costs,
+                                 message_bytes, predict_folder, relative_range, split_costs, split_optimizer,
+                                 write_calibration)
 from tracepp.codegen.plan import build_plan
 from tracepp.comm_bench import fit
 from tracepp.runtime.actions import Action, Topology
@@ -206,6 +207,58 @@ def test_a_delay_cannot_fit_a_plan_without_messages():
     result = fit_overheads(manifest, calibration, 30.0, mode="delay")
     assert result["mode"] == "busy" and result["value"] > 0
     assert predict_folder(manifest, calibration).step_s == pytest.approx(30.0, rel=1e-3)
+
+
+def test_noise_measures():
+    assert relative_range([9.0, 10.0, 12.0]) == pytest.approx(0.3)
+    assert relative_range([5.0]) is None and relative_range([0.0, 0.0]) is None
+    # inclusive quartiles of 18..23: 19.25 and 21.75 around a median of 20.5
+    assert interquartile_fraction([23, 18, 19, 20, 21, 22]) == pytest.approx(2.5 / 20.5)
+    assert interquartile_fraction([1.0, 2.0, 3.0]) is None
+    assert median_costs([{"0F": 1.0, "0B": 4.0}, {"0F": 3.0, "0B": 2.0}, {"0F": 2.0}]) == {"0F": 2.0, "0B": 3.0}
+    calibration = Calibration(noise={"compute": 0.04, "run": 0.12, "compute_steps_s": [1.0, 1.04]})
+    assert calibration.noise_fraction() == pytest.approx(0.12)
+    assert Calibration.from_json(calibration.to_json()).noise == calibration.noise
+    assert Calibration().noise_fraction() is None
+
+
+def test_calibrate_repeats_the_stage_costs_around_the_run_and_records_the_noise(tmp_path, monkeypatch):
+    """`tracepp calibrate` without --costs: the plain-autograd measurement twice before the calibration run and once
+    after, the median used, the spread of the comm-free step over the three and the run's interquartile spread
+    recorded as the machine's noise, and a warning note above 10%."""
+    import tracepp.calibrate as calibrate_module
+    import tracepp.manifest_file as manifest_file
+
+    manifest = _manifest()
+    monkeypatch.setattr(manifest_file, "load_manifest", lambda path: manifest)
+    base = {"0F": 1.0, "0B": 2.0, "1F": 1.0, "1B": 2.0}
+    measurements = iter([{k: v * factor for k, v in base.items()} for factor in (1.2, 1.0, 0.9)])
+    calls = []
+
+    def measured(out_dir):
+        calls.append("costs")
+        return next(measurements)
+
+    def run(out_dir, steps, nproc):
+        calls.append("run")
+        return [30.0, 30.0, 30.0, 23, 18, 19, 20, 21, 22]  # 3 warm-up steps dropped; median 20.5
+
+    monkeypatch.setattr(calibrate_module, "measured_stage_costs", measured)
+    monkeypatch.setattr(calibrate_module, "run_folder", run)
+    lines = []
+    calibrate_module.calibrate(str(tmp_path), skip_comm=True, fit_steps=9, log=lines.append)
+    assert calls == ["costs", "costs", "run", "costs"]
+    calibration = load_calibration(str(tmp_path))
+    assert calibration.compute[0]["costs"] == base  # the median of 1.2, 1.0 and 0.9 times the costs
+    # the comm-free step is (M + p - 1)(F + B) = 15 s at 1.0: 18, 15 and 13.5 s, a range of 30% of the median
+    assert calibration.noise["compute_steps_s"] == pytest.approx([18.0, 15.0, 13.5])
+    assert calibration.noise["compute"] == pytest.approx(0.3)
+    assert calibration.noise["run"] == pytest.approx(2.5 / 20.5)
+    assert calibration.noise_fraction() == pytest.approx(0.3)
+    assert any("moved by 30%" in note for note in calibration.notes), calibration.notes
+    assert any("warning: this machine's speed moved by 30%" in line for line in lines), lines
+    # fitted against the median of the 1.0 costs: 20.5 s measured against 15 s simulated
+    assert predict_folder(manifest, calibration).step_s == pytest.approx(20.5, rel=1e-3)
 
 
 # ------------------------------------------------------------------------------- the tuner

@@ -25,13 +25,14 @@ def test_calibrate_tune_apply_and_train(tmp_path, capsys):
     costs.write_text(json.dumps({"0F": 1.0, "0B": 2.0, "1F": 1.0, "1B": 2.0, "microbatch_size": 6}))
     costs_small = tmp_path / "costs_small.json"
     costs_small.write_text(json.dumps({"0F": 0.9, "0B": 1.8, "1F": 0.9, "1B": 1.8, "microbatch_size": 2}))
-    assert cli_main(["calibrate", out, "--costs", str(costs), "--costs", str(costs_small), "--fit-steps", "5"]) == 0
+    assert cli_main(["calibrate", out, "--costs", str(costs), "--costs", str(costs_small), "--fit-steps", "7"]) == 0
     calibration = load_calibration(out)
     assert "0-1" in calibration.comm["pairs"] and calibration.comm["pairs"]["0-1"]["latency_s"] >= 0
     assert calibration.overhead["measured_step_s"] > 0 and len(calibration.compute) == 2
-    capsys.readouterr()
+    assert calibration.noise["run"] is not None and calibration.noise["run"] >= 0  # 4 steps after the warm-up
+    assert "machine noise: calibration run steps" in capsys.readouterr().out
     assert cli_main(["plan", out]) == 0
-    assert "calibrated prediction" in capsys.readouterr().out
+    assert "the machine's noise while calibrating" in capsys.readouterr().out
     # the search: 1F1B or interleaved 1F1B, 2 to 6 microbatches; --apply splits again with the first row
     assert cli_main(["plan", out, "--tune", "--apply", "--schedules", "1f1b,interleaved-1f1b",
                      "--microbatch-counts", "2,3,4,6", "--top", "3"]) == 0

@@ -1,6 +1,7 @@
 """``tracepp calibrate OUT``: measure what the simulator needs on this machine and write ``OUT/calibration.json``.
 
     tracepp calibrate out/ [--costs COSTS.json ...] [--comm COMM.json | --nproc N] [--fit-steps K | --no-fit]
+                      [--repeats R]
 
 Three parts (the file's sections, see ``tracepp.calibration``):
 
@@ -11,13 +12,18 @@ Three parts (the file's sections, see ``tracepp.calibration``):
 2. **compute**: each stage's F, B, I, W seconds per microbatch, from ``--costs FILE`` (the ``tracepp plan --costs``
    format; repeat it with files measured at other microbatch sizes, each with a ``"microbatch_size"`` key, so
    the tuner can price other microbatch counts), else the plain-autograd
-   measurement of each stage's generated function (``tracepp.stage_costs.measure_stage_costs``).
+   measurement of each stage's generated function (``tracepp.stage_costs.measure_stage_costs``), taken
+   ``--repeats`` times (default 3: two before the calibration run, one after) and the median used.
 3. **overhead**: a short run of the folder itself (``torchrun ... OUT/run.py --steps K --metrics``); one number
    is fitted so that the simulator's step time equals the measured median: by default (``--overhead delay``) a
    delay added to every message beyond the ping-pong's latency (idle time: a receiver busy computing sees the
    message late; on shared CPU cores the process that waits gets its time slice late), or (``busy``) the
    runtime's fixed cost per compute action and per comm op (rank time). If the prediction without it is already
    slower, what is left is a small negative per-step term. ``--no-fit`` leaves it at 0.
+
+And how far the machine's own speed moved while it was measured (the file's ``noise``): the spread of the plan's
+comm-free step priced with each repeat of the stage costs, and the interquartile spread of the calibration run's
+steps. A prediction is no closer to a measured step than that; above :data:`NOISE_WARNING` it says so.
 """
 from __future__ import annotations
 
@@ -29,8 +35,8 @@ import sys
 import tempfile
 from typing import Optional
 
-from tracepp.calibration import (Calibration, folder_record, predict_folder, traced_microbatch,
-                                 write_calibration)
+from tracepp.calibration import (Calibration, folder_record, interquartile_fraction, median_costs, predict_folder,
+                                 relative_range, traced_microbatch, write_calibration)
 
 # The plain-autograd stage timing (branch perf): ``measure_stage_costs(folder, ...) -> {"0F": s, ...}``. Used when
 # no --costs file is given; the name is looked up at call time, so the module may arrive later.
@@ -40,6 +46,8 @@ MAX_NEGATIVE_STEP_FRACTION = 0.2  # a prediction above the measured step by more
 # explains the four schedules within 10% and "busy" (per action) misses the zero-bubble one by 15% (README)
 FIT_MODES = ("delay", "busy")
 FIT_MODE = "delay"
+REPEATS = 3  # plain-autograd stage-cost measurements (their median is used; their spread is recorded as noise)
+NOISE_WARNING = 0.10  # a machine whose speed moved more than this while calibrating is named in a warning
 
 
 def torchrun(nproc: int) -> list:
@@ -181,7 +189,7 @@ def fit_overheads(manifest: dict, calibration: Calibration, measured_step_s: flo
 
 def calibrate(out_dir: str, costs_paths: Optional[list] = None, comm_path: Optional[str] = None,
               nproc: Optional[int] = None, fit_steps: int = 12, fit: bool = True, skip_comm: bool = False,
-              precision: str = "fp32", mode: Optional[str] = None, log=print) -> Calibration:
+              precision: str = "fp32", mode: Optional[str] = None, repeats: int = REPEATS, log=print) -> Calibration:
     """Measure and write ``OUT/calibration.json`` (see the module doc); returns what was written."""
     from tracepp.manifest_file import load_manifest
 
@@ -204,13 +212,16 @@ def calibrate(out_dir: str, costs_paths: Optional[list] = None, comm_path: Optio
         log(f"  ranks {key}: latency {value['latency_s'] * 1e6:.1f} us, bandwidth "
             + (f"{bandwidth / 1e9:.2f} GB/s" if bandwidth else "n/a"))
     # 2. compute
+    repeats = max(1, int(repeats))
+    samples: list = []
     if costs_paths:
         calibration.compute = compute_entries(manifest, costs_paths)
     else:
-        log("stage costs: plain-autograd measurement of each stage ...")
-        costs = measured_stage_costs(out_dir)
-        calibration.compute = [{"microbatch_size": traced_microbatch(manifest), "costs": dict(costs),
-                                "source": "tracepp.stage_costs.measure_stage_costs"}]
+        before = (repeats + 1) // 2 if fit else repeats
+        log(f"stage costs: plain-autograd measurement of each stage ({before} of {repeats}"
+            + (", the rest after the calibration run" if before < repeats else "") + ") ...")
+        samples = [measured_stage_costs(out_dir) for _ in range(before)]
+        _set_measured_compute(calibration, manifest, samples)
     for entry in calibration.compute:
         if "optimizer_s" in entry:
             calibration.optimizer_s = {str(k): float(v) for k, v in entry["optimizer_s"].items()}
@@ -224,6 +235,12 @@ def calibrate(out_dir: str, costs_paths: Optional[list] = None, comm_path: Optio
         log(f"calibration run: {fit_steps} steps of {out_dir}/run.py on {nproc} processes ...")
         times = run_folder(out_dir, fit_steps, nproc)
         measured = statistics.median(times[WARMUP_STEPS:] or times)
+        calibration.noise["run"] = interquartile_fraction(times[WARMUP_STEPS:])
+        if samples and len(samples) < repeats:
+            log(f"stage costs: {repeats - len(samples)} more measurement(s) after the calibration run ...")
+            samples += [measured_stage_costs(out_dir) for _ in range(repeats - len(samples))]
+            _set_measured_compute(calibration, manifest, samples)
+        _record_compute_noise(calibration, manifest, samples, log)
         result = fit_overheads(manifest, calibration, measured, precision, mode)
         calibration.overhead.update(source=f"fitted to {len(times[WARMUP_STEPS:] or times)} steps of this folder "
                                            f"(median {measured * 1000:.1f} ms; {WARMUP_STEPS} warm-up steps dropped)",
@@ -238,7 +255,51 @@ def calibrate(out_dir: str, costs_paths: Optional[list] = None, comm_path: Optio
             calibration.notes.append(note)
             log(f"  warning: {note}")
     else:
+        _record_compute_noise(calibration, manifest, samples, log)
         calibration.overhead = dict(overhead_of(FIT_MODE, 0.0), source="not fitted")
+    _report_noise(calibration, log)
     path = write_calibration(out_dir, calibration)
     log(f"wrote {path}")
     return calibration
+
+
+def _set_measured_compute(calibration: Calibration, manifest: dict, samples: list) -> None:
+    """The ``compute`` section from repeated plain-autograd measurements: their median per key."""
+    calibration.compute = [{"microbatch_size": traced_microbatch(manifest), "costs": median_costs(samples),
+                            "source": f"tracepp.stage_costs.measure_stage_costs, median of {len(samples)}"}]
+
+
+def _record_compute_noise(calibration: Calibration, manifest: dict, samples: list, log=print) -> None:
+    """``noise["compute"]``: the relative range of the plan's comm-free step priced with each repeat."""
+    if len(samples) < 2:
+        return
+    steps = []
+    for costs in samples:
+        alone = Calibration(compute=[{"microbatch_size": traced_microbatch(manifest), "costs": dict(costs)}],
+                            optimizer_s=calibration.optimizer_s, folder=calibration.folder)
+        steps.append(predict_folder(manifest, alone).step_s)
+    calibration.noise["compute"] = relative_range(steps)
+    calibration.noise["compute_steps_s"] = steps
+    log(f"  comm-free step priced with each measurement: {', '.join(f'{s * 1000:.1f}' for s in steps)} ms")
+
+
+def _report_noise(calibration: Calibration, log=print) -> None:
+    """Say how much the machine moved while it was measured, and warn (and note it in the file) above
+    :data:`NOISE_WARNING`."""
+    noise = calibration.noise
+    parts = []
+    if noise.get("compute") is not None:
+        parts.append(f"stage costs {noise['compute']:.1%} across {len(noise.get('compute_steps_s') or [])} "
+                     f"measurements")
+    if noise.get("run") is not None:
+        parts.append(f"calibration run steps {noise['run']:.1%} (interquartile)")
+    if not parts:
+        return
+    worst = calibration.noise_fraction()
+    log(f"  machine noise: {'; '.join(parts)}")
+    if worst is not None and worst > NOISE_WARNING:
+        note = (f"this machine's speed moved by {worst:.0%} while it was calibrated (more than "
+                f"{NOISE_WARNING:.0%}): predictions are no closer than that; calibrate again on a quieter machine "
+                f"(no other jobs, a fixed CPU frequency) for tighter ones")
+        calibration.notes.append(note)
+        log(f"  warning: {note}")

@@ -12,7 +12,11 @@ time a plan in seconds, measured on the machine that will run it:
   a line ``a + c x size`` (least squares), with one the time is taken as proportional to the size;
 * ``optimizer_s``: per stage, the optimizer step's seconds (optional);
 * ``overhead``: what the runtime adds to the stage functions' own time: seconds per compute action, per comm
-  op posted, and per step (fitted to a short run of the folder, see ``tracepp.calibrate``).
+  op posted, and per step (fitted to a short run of the folder, see ``tracepp.calibrate``);
+* ``noise``: how much this machine's speed varied while it was measured: ``compute`` is the relative range
+  ((max - min) / median) of the plan's comm-free step priced with each repeat of the stage-cost measurement,
+  ``run`` the interquartile range over the median of the calibration run's steps. A prediction cannot be
+  trusted closer than the larger of the two (:meth:`Calibration.noise_fraction`); ``tracepp plan`` prints it.
 
 The step time predicted for a plan is the replay's end of each rank (its last compute, or its last transfer:
 a rank waits on its sends at the end of a step), plus the rank's optimizer step, the largest over ranks, plus
@@ -28,6 +32,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -50,10 +55,11 @@ class Calibration:
     overhead: dict = field(default_factory=dict)  # {"compute_action_s", "comm_op_s", "step_s", "source"}
     folder: dict = field(default_factory=dict)  # the split it was measured on: stages, FLOPs, microbatch size
     notes: list = field(default_factory=list)
+    noise: dict = field(default_factory=dict)  # {"compute": fraction, "run": fraction, ...} (see module doc)
 
     def to_json(self) -> dict:
         return {"format": FORMAT, "comm": self.comm, "compute": self.compute, "optimizer_s": self.optimizer_s,
-                "overhead": self.overhead, "folder": self.folder, "notes": self.notes}
+                "overhead": self.overhead, "folder": self.folder, "notes": self.notes, "noise": self.noise}
 
     @classmethod
     def from_json(cls, data: dict, path: str = "calibration.json") -> "Calibration":
@@ -61,7 +67,8 @@ class Calibration:
             raise ValueError(f"{path}: not a tracepp calibration file of format {FORMAT}; write it again with "
                              f"`tracepp calibrate OUT`")
         return cls(dict(data.get("comm") or {}), list(data.get("compute") or []), dict(data.get("optimizer_s") or {}),
-                   dict(data.get("overhead") or {}), dict(data.get("folder") or {}), list(data.get("notes") or []))
+                   dict(data.get("overhead") or {}), dict(data.get("folder") or {}), list(data.get("notes") or []),
+                   dict(data.get("noise") or {}))
 
     # -- what the simulator reads ---------------------------------------------------------------------------
     def link(self, rank_a: int, rank_b: int) -> tuple:
@@ -106,6 +113,12 @@ class Calibration:
         o = self.overhead
         return (float(o.get("compute_action_s", 0.0)), float(o.get("comm_op_s", 0.0)), float(o.get("step_s", 0.0)))
 
+    def noise_fraction(self) -> Optional[float]:
+        """The larger of the recorded spreads (``noise``: compute repeats, calibration run), or None if neither was
+        measured: how close to a measured step a prediction from this calibration can be expected to come."""
+        values = [float(v) for key, v in self.noise.items() if key in ("compute", "run") and v is not None]
+        return max(values) if values else None
+
     def message_delay(self) -> float:
         """Seconds added to every message in the run beyond the ping-pong's (fitted, see ``tracepp.calibrate``)."""
         return float(self.overhead.get("message_delay_s", 0.0))
@@ -129,6 +142,30 @@ def _line(points: list) -> tuple:
     if a < 0:  # no negative fixed part: proportional through the origin
         return (0.0, sum(x * y for x, y in points) / sum(x * x for x, _ in points))
     return (a, c)
+
+
+def relative_range(values: list) -> Optional[float]:
+    """(max - min) / median of ``values`` (None for fewer than two, or a median of 0)."""
+    values = [float(v) for v in values]
+    if len(values) < 2:
+        return None
+    median = statistics.median(values)
+    return (max(values) - min(values)) / median if median > 0 else None
+
+
+def interquartile_fraction(values: list) -> Optional[float]:
+    """(third quartile - first quartile) / median of ``values`` (None for fewer than four)."""
+    values = sorted(float(v) for v in values)
+    if len(values) < 4:
+        return None
+    first, median, third = statistics.quantiles(values, n=4, method="inclusive")
+    return (third - first) / median if median > 0 else None
+
+
+def median_costs(samples: list) -> dict:
+    """Per key, the median over several measurements of the same ``{"0F": s, ...}`` costs."""
+    keys = sorted({key for costs in samples for key in costs})
+    return {key: statistics.median([costs[key] for costs in samples if key in costs]) for key in keys}
 
 
 def load_calibration(path: str) -> Calibration:

@@ -8,6 +8,7 @@
     tracepp plan out/ [--svg plan.svg] [--trace plan.json] [--costs measured.json] [--calibrate]
                       [--tune [--memory-limit 20GB] [--top K] [--apply]]
     tracepp calibrate out/ [--costs COSTS.json ...] [--comm COMM.json | --nproc N] [--fit-steps K | --no-fit]
+                      [--repeats R]
 """
 from __future__ import annotations
 
@@ -131,8 +132,11 @@ def _plan(args) -> int:
         except ValueError as error:
             print(f"calibrated prediction: not available ({error})")
         else:
+            noise = calibration.noise_fraction()
             print(f"calibrated prediction ({args.calibration or 'OUT/calibration.json'}: measured comms, stage costs "
-                  f"and runtime overheads): step {prediction.step_s * 1000:.1f} ms, bubble {prediction.bubble:.1%}")
+                  f"and runtime overheads): step {prediction.step_s * 1000:.1f} ms"
+                  + (f" (+/- {noise:.0%}: the machine's noise while calibrating)" if noise is not None else "")
+                  + f", bubble {prediction.bubble:.1%}")
     for path in write_plan_pictures(manifest, args.svg, args.trace, costs=costs):
         print(f"wrote {path}")
     return 0
@@ -157,6 +161,10 @@ def _tune(args, manifest) -> int:
     kept, dropped, failed = tune(manifest, calibration, memory_limit=limit, schedules=schedules,
                                  microbatch_counts=counts, optimizer_bytes_per_param=args.optimizer_bytes_per_param)
     print(format_tuning(kept, dropped, failed, args.top, limit, current_candidate(kept, dropped, manifest)))
+    noise = calibration.noise_fraction()
+    if noise is not None and kept:
+        print(f"predicted times are +/- {noise:.0%} (the machine's noise while calibrating): plans closer than that "
+              f"are a tie")
     if not kept:
         raise ValueError("no candidate fits" + (f" --memory-limit {args.memory_limit}" if limit else "")
                          + ": raise the limit, or add ranks")
@@ -176,7 +184,7 @@ def _calibrate(args) -> int:
     try:
         calibrate(args.out, costs_paths=args.costs_files or ([args.costs] if getattr(args, "costs", None) else None),
                   comm_path=args.comm, nproc=args.nproc, fit_steps=args.fit_steps, fit=not args.no_fit,
-                  skip_comm=args.no_comm, mode=args.overhead)
+                  skip_comm=args.no_comm, mode=args.overhead, repeats=args.repeats)
     except RuntimeError as error:  # a launched run failed: say which and how
         raise ValueError(str(error)) from None
     return 0
@@ -289,6 +297,9 @@ def _add_calibrate_options(parser, in_plan: bool) -> None:
     parser.add_argument("--fit-steps", type=int, default=12,
                         help=prefix + "steps of the calibration run that fits the runtime overheads (default 12)")
     parser.add_argument("--no-fit", action="store_true", help=prefix + "no calibration run: overheads 0")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help=prefix + "plain-autograd stage-cost measurements (default 3, around the calibration run): "
+                                      "their median is used, their spread recorded as the machine's noise")
     parser.add_argument("--overhead", default=None, choices=["delay", "busy"],
                         help=prefix + "what the calibration run fits: a delay per message (default) or a fixed rank "
                                       "time per action")
