@@ -240,7 +240,6 @@ def calibrate(out_dir: str, costs_paths: Optional[list] = None, comm_path: Optio
             log(f"stage costs: {repeats - len(samples)} more measurement(s) after the calibration run ...")
             samples += [measured_stage_costs(out_dir) for _ in range(repeats - len(samples))]
             _set_measured_compute(calibration, manifest, samples)
-        _record_compute_noise(calibration, manifest, samples, log)
         result = fit_overheads(manifest, calibration, measured, precision, mode)
         calibration.overhead.update(source=f"fitted to {len(times[WARMUP_STEPS:] or times)} steps of this folder "
                                            f"(median {measured * 1000:.1f} ms; {WARMUP_STEPS} warm-up steps dropped)",
@@ -255,8 +254,8 @@ def calibrate(out_dir: str, costs_paths: Optional[list] = None, comm_path: Optio
             calibration.notes.append(note)
             log(f"  warning: {note}")
     else:
-        _record_compute_noise(calibration, manifest, samples, log)
         calibration.overhead = dict(overhead_of(FIT_MODE, 0.0), source="not fitted")
+    _record_compute_noise(calibration, manifest, samples, log)
     _report_noise(calibration, log)
     path = write_calibration(out_dir, calibration)
     log(f"wrote {path}")

@@ -297,9 +297,12 @@ def _add_calibrate_options(parser, in_plan: bool) -> None:
     parser.add_argument("--fit-steps", type=int, default=12,
                         help=prefix + "steps of the calibration run that fits the runtime overheads (default 12)")
     parser.add_argument("--no-fit", action="store_true", help=prefix + "no calibration run: overheads 0")
-    parser.add_argument("--repeats", type=int, default=3,
-                        help=prefix + "plain-autograd stage-cost measurements (default 3, around the calibration run): "
-                                      "their median is used, their spread recorded as the machine's noise")
+    from tracepp.calibrate import REPEATS
+
+    parser.add_argument("--repeats", type=int, default=REPEATS,
+                        help=prefix + f"plain-autograd stage-cost measurements (default {REPEATS}, around the "
+                                      f"calibration run): their median is used, their spread recorded as the "
+                                      f"machine's noise")
     parser.add_argument("--overhead", default=None, choices=["delay", "busy"],
                         help=prefix + "what the calibration run fits: a delay per message (default) or a fixed rank "
                                       "time per action")
