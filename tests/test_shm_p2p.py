@@ -109,6 +109,27 @@ def test_a_sender_that_exited_is_reported_within_a_second():
     assert time.perf_counter() - start < 2.0
 
 
+def test_ring_pages_are_mapped_before_the_first_message():
+    """A page of the ring first written in the middle of a run cost a sender about 14 us (a 64 KB send 0.22 ms
+    instead of 0.01 ms, for the whole first pass through the ring): both ends fault every page in when they
+    map the ring, so streaming a full ring's worth of messages through faults (almost) no page in."""
+    resource = pytest.importorskip("resource")
+    capacity = 1 << 20
+    path = f"/dev/shm/tracepp-test-{uuid.uuid4().hex[:8]}"
+    receiver = shm_p2p.Ring(path, capacity, create=True)
+    sender = shm_p2p.Ring(path, capacity, create=False)
+    os.unlink(path)
+    message = torch.arange(1 << 14, dtype=torch.float32).view(torch.uint8)  # 64 KB
+    target = torch.empty_like(message)
+    before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+    for position in range(0, capacity, message.numel()):
+        sender.copy_in(position, message)
+        receiver.copy_out(position, target)
+    faults = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
+    assert torch.equal(target, message)
+    assert faults < capacity // 4096 // 8, f"{faults} page faults streaming {capacity >> 20} MB through the ring"
+
+
 def test_connect_in_one_process_world_makes_no_rings(tmp_path):
     """A rank with no peers (and --p2p gloo) gets no transport."""
     import torch.distributed as dist
