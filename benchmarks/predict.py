@@ -7,9 +7,11 @@ on the JSON of a finished suite to recompute the predictions:
 
 How a case is predicted (``tracepp.calibration``): its own plan, replayed with its stages' compute costs (the
 plain-autograd measurement ``tracepp.stage_costs``; if it fails, the per-action times of
-``benchmarks/stage_times.py``), the ping-pong's latency and bandwidth per rank pair on each boundary message
-(gloo: ops independent), the optimizer step per stage, and the one number ``tracepp calibrate`` fits to a measured
-run (``tracepp.calibrate.FIT_MODE``: a delay per message, or a fixed time per action), never fitted to the case it
+``benchmarks/stage_times.py``) times the runtime factors (per kind, tracepp's executor over the plain stage
+function, from the same alternating rounds: ``runtime_section``, as ``tracepp calibrate`` measures them), the
+ping-pong's latency and bandwidth per rank pair on each boundary message (gloo: ops independent), the optimizer
+step per stage, and the one number ``tracepp calibrate`` fits to a measured run (``tracepp.calibrate.FIT_MODE``:
+a fixed time per action, or a delay per message), never fitted to the case it
 predicts: for each case it is the median of the values fitted to each *other* case of the suite (leave one out). A suite of one case cannot do that and
 says so (``"fitted": true``: its "prediction" is then the fit itself).
 """
@@ -38,13 +40,28 @@ def _keyed(costs: dict) -> dict:
     return out
 
 
-def _calibration(manifest: dict, costs: dict, optimizer_stage_s: dict, comm: dict, overhead: dict):
+def _calibration(manifest: dict, costs: dict, optimizer_stage_s: dict, comm: dict, overhead: dict,
+                 runtime: dict = None):
     from tracepp.calibration import Calibration, folder_record, traced_microbatch
 
     return Calibration(comm=dict(comm or {}), optimizer_s={str(k): v for k, v in (optimizer_stage_s or {}).items()},
                        compute=[{"microbatch_size": traced_microbatch(manifest),
                                  "costs": {f"{s}{k}": v for (s, k), v in costs.items()}}],
-                       overhead=dict(overhead or {}), folder=folder_record(manifest))
+                       overhead=dict(overhead or {}), folder=folder_record(manifest), runtime=dict(runtime or {}))
+
+
+def runtime_section(entry: dict) -> dict:
+    """The calibration's ``runtime`` section for a case, as ``tracepp calibrate`` measures it: the runtime factors
+    of the case's own stage costs through tracepp's executor (``ideal.executor_costs``) over the plain ones, both
+    from the same alternating rounds (``benchmarks/stage_times.py``); {} where the executor was not timed."""
+    from tracepp.calibration import runtime_factors
+
+    ideal = entry.get("ideal") or {}
+    plain, executor = ideal.get("costs"), ideal.get("executor_costs")
+    if not plain or not executor:
+        return {}
+    flat = lambda costs: {key.replace(",", ""): value for key, value in costs.items()}  # noqa: E731
+    return {"factors": runtime_factors(flat(plain), flat(executor)), "source": "benchmarks/stage_times.py"}
 
 
 def case_noise(entry: dict):
@@ -70,7 +87,8 @@ def predict_cases(entries: list, comm: dict, log=print, mode: str = None) -> Non
     fitted = {}
     for entry in usable:
         manifest = load_manifest(entry["out_dir"])
-        calibration = _calibration(manifest, _keyed(entry["compute_costs"]), entry.get("optimizer_stage_s"), comm, {})
+        calibration = _calibration(manifest, _keyed(entry["compute_costs"]), entry.get("optimizer_stage_s"), comm, {},
+                                   runtime_section(entry))
         fitted[entry["case"]] = fit_overheads(manifest, calibration, entry["tracepp"]["step_time_s"], mode=mode)
     for entry in usable:
         manifest = load_manifest(entry["out_dir"])
@@ -81,9 +99,11 @@ def predict_cases(entries: list, comm: dict, log=print, mode: str = None) -> Non
         value = statistics.median(others) if others else own["value"]
         overhead = overhead_of(used_mode, value)
         keyed = _keyed(entry["compute_costs"])
+        runtime = runtime_section(entry)
         step = predict_folder(manifest, _calibration(manifest, keyed, entry.get("optimizer_stage_s"), comm,
-                                                     overhead)).step_s
-        free = predict_folder(manifest, _calibration(manifest, keyed, entry.get("optimizer_stage_s"), {}, {})).step_s
+                                                     overhead, runtime)).step_s
+        free = predict_folder(manifest, _calibration(manifest, keyed, entry.get("optimizer_stage_s"), {}, {},
+                                                     runtime)).step_s
         measured = entry["tracepp"]["step_time_s"]
         noise = case_noise(entry)
         entry["prediction"] = {"status": "ok", "step_time_s": step, "measured_step_s": measured, "noise": noise,
@@ -91,7 +111,8 @@ def predict_cases(entries: list, comm: dict, log=print, mode: str = None) -> Non
                                "overhead_mode": used_mode, "overhead_s": value, "fitted_overhead_s": own["value"],
                                "fitted_overhead_mode": own["mode"],
                                "no_overhead_step_s": own["unfitted_step_s"], "comm_free_step_s": free,
-                               "fitted": not others, "costs_source": entry.get("costs_source")}
+                               "fitted": not others, "costs_source": entry.get("costs_source"),
+                               "runtime_factors": runtime.get("factors", {})}
         what = "per message" if used_mode == "delay" else "per action"
         log(f"  {entry['case']}: predicted {step * 1000:.1f} ms, measured {measured * 1000:.1f} ms "
             f"({(step - measured) / measured:+.1%}"
@@ -101,7 +122,8 @@ def predict_cases(entries: list, comm: dict, log=print, mode: str = None) -> Non
 
 def suite_calibration(entries: list, comm: dict, overhead: dict):
     """A calibration of the quick suite's model for the tuner: the cases that share one split (the 2-stage
-    ones, at their several microbatch sizes) give the compute samples; ``overhead`` per action; the comm."""
+    ones, at their several microbatch sizes) give the compute samples and the runtime factors (their median);
+    ``overhead`` per action; the comm."""
     from tracepp.calibration import Calibration, folder_record, traced_microbatch
     from tracepp.manifest_file import load_manifest
 
@@ -121,9 +143,15 @@ def suite_calibration(entries: list, comm: dict, overhead: dict):
         compute.append({"microbatch_size": traced_microbatch(other),
                         "costs": {f"{s}{k}": v for (s, k), v in _keyed(entry["compute_costs"]).items()},
                         "source": entry["case"]})
+    per_kind: dict = {}  # the group's runtime factors: per kind, the median over its cases
+    for entry in group:
+        for kind, value in runtime_section(entry).get("factors", {}).items():
+            per_kind.setdefault(kind, []).append(value)
+    runtime = {"factors": {kind: statistics.median(values) for kind, values in per_kind.items()},
+               "source": "median over " + ", ".join(e["case"] for e in group)} if per_kind else {}
     calibration = Calibration(comm=dict(comm or {}), compute=compute,
                               optimizer_s={str(k): v for k, v in (reference.get("optimizer_stage_s") or {}).items()},
-                              overhead=dict(overhead), folder=folder_record(manifest))
+                              overhead=dict(overhead), folder=folder_record(manifest), runtime=runtime)
     return calibration, reference["out_dir"]
 
 

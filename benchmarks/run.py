@@ -18,8 +18,9 @@ file (benchmarks/gpt_model.py, untied head), split at the same block FQNs, is tr
   same spells of a shared machine; the ideal is the median of the rounds' (``efficiency_paired``: the median
   of each round's ideal / tracepp);
 * ``predicted``: the calibrated simulator (``tracepp.calibration``, ``benchmarks/predict.py``): the same plan with
-  the stage costs, the ping-pong's latency and bandwidth on every message, and the runtime's per-action overhead
-  fitted to the *other* cases' measured steps; printed next to the measured median with the error.
+  the stage costs times the runtime factors (tracepp's executor over the plain stage functions, per kind, measured
+  with the ideal's costs), the ping-pong's latency and bandwidth on every message, and the runtime's per-action
+  overhead fitted to the *other* cases' measured steps; printed next to the measured median with the error.
 
 ``--quick`` also benchmarks the tuner (``tracepp plan --tune``): calibrated from the suite's two-stage cases, it
 picks a plan for the same model and ranks; the pick is split, run and measured in alternation with the best
@@ -543,7 +544,8 @@ def format_table(report: dict) -> str:
              f"(tracepp.stage_costs, measured after each round; median of the rounds), comms free, + SGD step; "
              f"cpu tracepp/torch: process CPU time per step of the "
              f"last stage's rank",
-             "predicted = calibrated simulator: stage costs, ping-pong latency/bandwidth per message, per-action "
+             "predicted = calibrated simulator: stage costs x runtime factors, ping-pong latency/bandwidth per "
+             "message, per-action "
              "overhead fitted to the other cases (leave one out); error = (predicted - tracepp) / tracepp; noise = "
              "(max - min) / median over the rounds of tracepp's step or of the ideal priced with each round's costs, "
              "whichever moved more: an error inside it is not the model's",

@@ -29,75 +29,18 @@ import argparse
 import json
 import os
 import statistics
-import sys
-import time
 
 import torch
 
-CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
+from tracepp.stage_costs import CLOCKS, RuntimeCostMeter, _sync
 
 
-def _runtime(out_dir: str):
-    """The tracepp_runtime package copied into an output folder (importable once per process)."""
-    if "tracepp_runtime" not in sys.modules:
-        sys.path.insert(0, os.path.abspath(out_dir))
-    import tracepp_runtime
+class ExecutorMeter(RuntimeCostMeter):
+    """The same kinds through tracepp's executor (``tracepp.stage_costs.RuntimeCostMeter``, which ``tracepp
+    calibrate`` uses for its runtime factors), plus the SGD step per stage."""
 
-    return tracepp_runtime
-
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-class ExecutorMeter:
-    """The same kinds through tracepp's executor, a round at a time: ``executor_costs`` {"stage,kind": s} and
-    the SGD step per stage. Uses the runtime's public API only: ``Pipeline(out_dir, all_stages=True,
-    actions=...)`` (every stage in this process, no communication) and ``Pipeline.set_action_hook``."""
-
-    def __init__(self, out_dir: str, device: torch.device, max_microbatches: int = 4, clock: str = "wall"):
-        self.device, self.timer = device, CLOCKS[clock]
-        runtime = _runtime(out_dir)
-        with open(os.path.join(out_dir, "manifest.json")) as handle:
-            manifest = json.load(handle)
-        num_stages = len(manifest["stages"])
-        count = min(max_microbatches, manifest["plan"]["num_microbatches"])
-        self.samples: dict = {}
-
-        def actions_for(kinds: tuple) -> list:
-            actions = []
-            for m in range(count):
-                order = [(s, "F") for s in range(num_stages)]
-                for kind in kinds:
-                    order += [(s, kind) for s in reversed(range(num_stages))]
-                actions += [f"{s}{kind}{m}" for s, kind in order]
-            return actions
-
-        self.pipes = {kinds: runtime.Pipeline(out_dir, all_stages=True, device=device, actions=actions_for(kinds))
-                      for kinds in (("B",), ("I", "W"))}
-        self.batch = self.pipes[("B",)].user.batch(0)
-        for pipe in self.pipes.values():
-            pipe.set_action_hook(self._timed)
-        self.run_round()  # warm-up (allocator, lazy init), discarded
-        self.samples.clear()
-
-    def _timed(self, text: str, run) -> None:
-        _sync(self.device)
-        start = self.timer()
-        run()
-        _sync(self.device)
-        kind = _compute_kind(text)
-        self.samples.setdefault((int(text.split(kind)[0]), kind), []).append(self.timer() - start)
-
-    def run_round(self) -> None:
-        inputs, kwargs, target = self.batch
-        for pipe in self.pipes.values():
-            pipe.step(tuple(inputs), kwargs, target)
-            pipe.zero_grad()
-
-    def costs(self) -> dict:
-        return {f"{s},{kind}": statistics.median(v) for (s, kind), v in sorted(self.samples.items())}
+    def __init__(self, out_dir: str, device, max_microbatches: int, clock: str):
+        super().__init__(out_dir, device=device, max_microbatches=max_microbatches, clock=clock)
 
     def optimizer_times(self, rounds: int) -> dict:
         """The SGD step over each stage's parameters, median of ``rounds``."""
@@ -157,11 +100,6 @@ def split_table(measured: dict) -> str:
         lines.append(f"{stage:>5}  {plain:<28} {ours:<28} {ratio if ratio is not None else float('nan'):>15.2f}"
                      f"  {plain_ratio if plain_ratio is not None else float('nan'):>9.2f}")
     return "\n".join(lines)
-
-
-def _compute_kind(action: str) -> str:
-    """The compute kind of an action text such as '3W1'."""
-    return next(kind for kind in "FBIW" if kind in action)
 
 
 def ideal_step(manifest: dict, costs: dict, optimizer_stage_s: dict, plan: dict = None) -> dict:

@@ -11,12 +11,13 @@ import pytest
 
 from tracepp.calibrate import fit_overheads
 from tracepp.calibration import (Calibration, folder_record, interquartile_fraction, load_calibration, median_costs,
-                                 message_bytes, predict_folder, relative_range, split_costs, split_optimizer,
-                                 write_calibration)
+                                 message_bytes, predict_folder, relative_range, runtime_factors, split_costs,
+                                 split_optimizer, write_calibration)
 from tracepp.codegen.plan import build_plan
 from tracepp.comm_bench import fit
 from tracepp.runtime.actions import Action, Topology
 from tracepp.runtime.replay import CommModel, replay, validate
+from tracepp.stage_costs import NOTHING
 from tracepp.tuner import parse_bytes, tune
 
 A = Action.parse
@@ -180,6 +181,35 @@ def test_costs_of_another_split_from_the_calibrated_segments():
         prediction.ends[r] + prediction.optimizer_s[r] for r in (0, 1)))
 
 
+def test_runtime_factors_are_the_median_ratio_per_kind():
+    plain = {"0F": 1.0, "0B": 2.0, "0I": NOTHING, "0W": 2.0, "1F": 1.0, "1B": 2.0, "1I": 1.0, "1W": 1.0,
+             "2F": 2.0, "2B": 4.0, "2I": 2.0, "2W": 2.0}
+    runtime = {"0F": 1.1, "0B": 2.0, "0I": 2e-5, "0W": 2.4, "1F": 0.9, "1B": 2.2, "1I": 1.3, "1W": 1.1,
+               "2F": 2.0, "2B": 4.4, "2I": 2.4, "2W": 2.4}
+    factors = runtime_factors(plain, runtime)
+    # F: 1.1, 0.9, 1.0; B: 1.0, 1.1, 1.1; I: stage 0 has none (below the floor), 1.3 and 1.2; W: 1.2, 1.1, 1.2
+    assert factors == pytest.approx({"F": 1.0, "B": 1.1, "I": 1.25, "W": 1.2})
+    assert runtime_factors({"0F": 1.0}, {}) == {}  # nothing measured through the executor: no factor
+
+
+def test_the_runtime_factors_scale_the_compute_of_every_prediction(tmp_path):
+    manifest = _manifest()
+    calibration = Calibration(compute=[{"microbatch_size": 4, "costs": {"0F": 1.0, "0B": 2.0, "1F": 1.0, "1B": 2.0}}],
+                              folder=folder_record(manifest))
+    assert predict_folder(manifest, calibration).step_s == pytest.approx(15.0)  # (M + p - 1) (F + B)
+    calibration.runtime = {"factors": {"F": 1.5, "B": 1.25}}
+    assert calibration.runtime_factors() == {"F": 1.5, "B": 1.25, "I": 1.0, "W": 1.0}
+    assert predict_folder(manifest, calibration).step_s == pytest.approx(5 * (1.5 + 2.5))
+    # the tuner prices other splits through the same simulator: the factors apply there too
+    plain = split_costs(calibration, [0, 0, 1, 1], 4)  # the stage functions' own costs; scaled when simulated
+    assert (plain[(0, "F")], plain[(0, "B")]) == pytest.approx((1.0, 2.0))
+    kept, _dropped, _failed = tune(manifest, calibration, schedules=["1f1b"], microbatch_counts=[4])
+    own = [c for c in kept if c.num_stages == 2 and c.split_points == ["blocks.2"]]
+    assert own and own[0].step_s == pytest.approx(20.0)
+    write_calibration(str(tmp_path), calibration)  # kept in the file
+    assert load_calibration(str(tmp_path)).runtime_factors()["F"] == 1.5
+
+
 @pytest.mark.parametrize("mode", ["delay", "busy"])
 def test_overhead_fit_reproduces_the_measured_step(mode):
     manifest = _manifest()
@@ -239,25 +269,32 @@ def test_calibrate_repeats_the_stage_costs_around_the_run_and_records_the_noise(
         calls.append("costs")
         return next(measurements)
 
+    def runtime(out_dir):  # tracepp's executor: B 10% slower than plain autograd, F as fast
+        calls.append("runtime")
+        return {"costs": base, "runtime_costs": {k: v * (1.1 if k.endswith("B") else 1.0) for k, v in base.items()}}
+
     def run(out_dir, steps, nproc):
         calls.append("run")
         return [30.0, 30.0, 30.0, 23, 18, 19, 20, 21, 22]  # 3 warm-up steps dropped; median 20.5
 
     monkeypatch.setattr(calibrate_module, "measured_stage_costs", measured)
+    monkeypatch.setattr(calibrate_module, "measured_runtime_costs", runtime)
     monkeypatch.setattr(calibrate_module, "run_folder", run)
     lines = []
     calibrate_module.calibrate(str(tmp_path), skip_comm=True, fit_steps=9, log=lines.append)
-    assert calls == ["costs", "costs", "run", "costs"]
+    assert calls == ["costs", "costs", "runtime", "run", "costs"]
     calibration = load_calibration(str(tmp_path))
     assert calibration.compute[0]["costs"] == base  # the median of 1.2, 1.0 and 0.9 times the costs
-    # the comm-free step is (M + p - 1)(F + B) = 15 s at 1.0: 18, 15 and 13.5 s, a range of 30% of the median
-    assert calibration.noise["compute_steps_s"] == pytest.approx([18.0, 15.0, 13.5])
+    assert calibration.runtime_factors() == pytest.approx({"F": 1.0, "B": 1.1, "I": 1.0, "W": 1.0})
+    assert any("B x1.100" in line for line in lines), lines
+    # the comm-free step is (M + p - 1)(F + 1.1 B) = 16 s at 1.0: 19.2, 16 and 14.4 s, a range of 30% of the median
+    assert calibration.noise["compute_steps_s"] == pytest.approx([19.2, 16.0, 14.4])
     assert calibration.noise["compute"] == pytest.approx(0.3)
     assert calibration.noise["run"] == pytest.approx(2.5 / 20.5)
     assert calibration.noise_fraction() == pytest.approx(0.3)
     assert any("moved by 30%" in note for note in calibration.notes), calibration.notes
     assert any("warning: this machine's speed moved by 30%" in line for line in lines), lines
-    # fitted against the median of the 1.0 costs: 20.5 s measured against 15 s simulated
+    # fitted against the median of the 1.0 costs: 20.5 s measured against 16 s simulated
     assert predict_folder(manifest, calibration).step_s == pytest.approx(20.5, rel=1e-3)
 
 

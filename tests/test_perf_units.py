@@ -10,7 +10,8 @@ from tracepp.costs_file import load_costs
 from tracepp.driver import split_model
 from tracepp.runtime import Pipeline
 from tracepp.runtime.executor import WeightSplit, _finite_witness
-from tracepp.stage_costs import NOTHING, StageCallables, measure_stage_costs, measure_stage_times
+from tracepp.calibration import runtime_factors
+from tracepp.stage_costs import NOTHING, StageCallables, measure_runtime_costs, measure_stage_costs, measure_stage_times
 from util import model_path
 
 
@@ -34,6 +35,15 @@ def test_stage_costs_cover_every_stage_and_kind(tied_folder, tmp_path):
     details = measure_stage_times(tied_folder, rounds=2, max_microbatches=1, clock="cpu")
     assert details["rounds"] == 2 and details["microbatches_timed"] == 1 and details["clock"] == "cpu"
     assert len(details["samples"]["1B"]) == 2 and set(details["W_autograd"]) == {"0", "1"}
+
+
+def test_runtime_costs_time_the_same_kinds_through_the_executor(tied_folder):
+    measured = measure_runtime_costs(tied_folder, rounds=1, max_microbatches=2)
+    kinds = {f"{stage}{kind}" for stage in (0, 1) for kind in "FBIW"}
+    assert set(measured["costs"]) == kinds and set(measured["runtime_costs"]) == kinds
+    assert all(value > 0 for value in measured["runtime_costs"].values())
+    factors = runtime_factors(measured["costs"], measured["runtime_costs"])
+    assert set(factors) == set("FBIW") and all(value > 0 for value in factors.values())
 
 
 def _grads(callables, stage, mb, split=None):

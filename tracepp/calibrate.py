@@ -14,11 +14,16 @@ Three parts (the file's sections, see ``tracepp.calibration``):
    the tuner can price other microbatch counts), else the plain-autograd
    measurement of each stage's generated function (``tracepp.stage_costs.measure_stage_costs``), taken
    ``--repeats`` times (default 3: two before the calibration run, one after) and the median used.
+   **runtime**: then the same stages once more, in rounds alternating with the same kinds run through
+   tracepp's own executor in one process (``tracepp.stage_costs.measure_runtime_costs``): per kind, the median
+   over stages of the executor's time over the stage function's is a factor the simulator multiplies the
+   compute costs by (the zero-bubble split's I and W, the executor's bookkeeping; on the CPU quick suite
+   F x0.9 - 1.1, B x1.0 - 1.08, I x1.1 - 1.36, W x1.06 - 1.16). ``--no-runtime`` (or ``--costs``) leaves them at 1.
 3. **overhead**: a short run of the folder itself (``torchrun ... OUT/run.py --steps K --metrics``); one number
-   is fitted so that the simulator's step time equals the measured median: by default (``--overhead delay``) a
-   delay added to every message beyond the ping-pong's latency (idle time: a receiver busy computing sees the
-   message late; on shared CPU cores the process that waits gets its time slice late), or (``busy``) the
-   runtime's fixed cost per compute action and per comm op (rank time). If the prediction without it is already
+   is fitted so that the simulator's step time equals the measured median: by default (``--overhead busy``) the
+   runtime's fixed cost per compute action and per comm op (rank time), or (``delay``) a delay added to every
+   message beyond the ping-pong's latency (idle time: a receiver busy computing sees the message late; on shared
+   CPU cores the process that waits gets its time slice late). If the prediction without it is already
    slower, what is left is a small negative per-step term. ``--no-fit`` leaves it at 0.
 
 And how far the machine's own speed moved while it was measured (the file's ``noise``): the spread of the plan's
@@ -36,16 +41,17 @@ import tempfile
 from typing import Optional
 
 from tracepp.calibration import (Calibration, folder_record, interquartile_fraction, median_costs, predict_folder,
-                                 relative_range, traced_microbatch, write_calibration)
+                                 relative_range, runtime_factors, traced_microbatch, write_calibration)
 
 # The plain-autograd stage timing (branch perf): ``measure_stage_costs(folder, ...) -> {"0F": s, ...}``. Used when
 # no --costs file is given; the name is looked up at call time, so the module may arrive later.
 WARMUP_STEPS = 3
 MAX_NEGATIVE_STEP_FRACTION = 0.2  # a prediction above the measured step by more than this is not fitted
-# What the one fitted number is (see overhead_of): "delay" per message, chosen on the CPU quick suite, where it
-# explains the four schedules within 10% and "busy" (per action) misses the zero-bubble one by 15% (README)
+# What the one fitted number is (see overhead_of): "busy" per action. Chosen on two CPU quick suites with the stage
+# costs scaled by the runtime factors: leave-one-out errors within 6.7% and 9.4% with "busy", up to 13.3% and 10.0%
+# with "delay" per message (README "Benchmarks")
 FIT_MODES = ("delay", "busy")
-FIT_MODE = "delay"
+FIT_MODE = "busy"
 REPEATS = 3  # plain-autograd stage-cost measurements (their median is used; their spread is recorded as noise)
 NOISE_WARNING = 0.10  # a machine whose speed moved more than this while calibrating is named in a warning
 
@@ -114,6 +120,36 @@ def measured_stage_costs(out_dir: str) -> dict:
         return measure_stage_costs(out_dir)
     finally:
         torch.set_num_threads(before)
+
+
+def measured_runtime_costs(out_dir: str) -> dict:
+    """Alternating rounds of the plain-autograd measurement and of the same stages through tracepp's executor
+    (:func:`tracepp.stage_costs.measure_runtime_costs`): ``{"costs": ..., "runtime_costs": ...}``, on the device
+    and with the threads of :func:`measured_stage_costs`."""
+    import torch
+
+    from tracepp.stage_costs import measure_runtime_costs
+
+    if torch.cuda.is_available():
+        return measure_runtime_costs(out_dir, device="cuda")
+    before = torch.get_num_threads()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    try:
+        return measure_runtime_costs(out_dir)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _set_runtime_factors(calibration: Calibration, out_dir: str, log) -> None:
+    """The ``runtime`` section: per kind, tracepp's executor time over the stage function's own (see
+    :func:`tracepp.calibration.runtime_factors`)."""
+    log("runtime factors: the same stages through tracepp's executor, alternating with plain autograd ...")
+    measured = measured_runtime_costs(out_dir)
+    factors = runtime_factors(measured["costs"], measured["runtime_costs"])
+    calibration.runtime = {"factors": factors, "costs": measured["costs"], "runtime_costs": measured["runtime_costs"],
+                           "source": "tracepp.stage_costs.measure_runtime_costs (one process, alternating rounds)"}
+    log("  " + ", ".join(f"{kind} x{value:.3f}" for kind, value in factors.items())
+        + " (tracepp's executor over the stage functions alone)")
 
 
 def compute_entries(manifest: dict, costs_paths: list) -> list:
@@ -189,7 +225,8 @@ def fit_overheads(manifest: dict, calibration: Calibration, measured_step_s: flo
 
 def calibrate(out_dir: str, costs_paths: Optional[list] = None, comm_path: Optional[str] = None,
               nproc: Optional[int] = None, fit_steps: int = 12, fit: bool = True, skip_comm: bool = False,
-              precision: str = "fp32", mode: Optional[str] = None, repeats: int = REPEATS, log=print) -> Calibration:
+              precision: str = "fp32", mode: Optional[str] = None, repeats: int = REPEATS, runtime: bool = True,
+              log=print) -> Calibration:
     """Measure and write ``OUT/calibration.json`` (see the module doc); returns what was written."""
     from tracepp.manifest_file import load_manifest
 
@@ -222,6 +259,8 @@ def calibrate(out_dir: str, costs_paths: Optional[list] = None, comm_path: Optio
             + (", the rest after the calibration run" if before < repeats else "") + ") ...")
         samples = [measured_stage_costs(out_dir) for _ in range(before)]
         _set_measured_compute(calibration, manifest, samples)
+        if runtime:
+            _set_runtime_factors(calibration, out_dir, log)
     for entry in calibration.compute:
         if "optimizer_s" in entry:
             calibration.optimizer_s = {str(k): float(v) for k, v in entry["optimizer_s"].items()}
@@ -275,7 +314,7 @@ def _record_compute_noise(calibration: Calibration, manifest: dict, samples: lis
     steps = []
     for costs in samples:
         alone = Calibration(compute=[{"microbatch_size": traced_microbatch(manifest), "costs": dict(costs)}],
-                            optimizer_s=calibration.optimizer_s, folder=calibration.folder)
+                            optimizer_s=calibration.optimizer_s, folder=calibration.folder, runtime=calibration.runtime)
         steps.append(predict_folder(manifest, alone).step_s)
     calibration.noise["compute"] = relative_range(steps)
     calibration.noise["compute_steps_s"] = steps

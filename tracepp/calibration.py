@@ -11,8 +11,10 @@ time a plan in seconds, measured on the machine that will run it:
   ``tracepp.costs_file``), at one or more microbatch sizes; with two or more sizes each (stage, kind) is
   a line ``a + c x size`` (least squares), with one the time is taken as proportional to the size;
 * ``optimizer_s``: per stage, the optimizer step's seconds (optional);
-* ``overhead``: what the runtime adds to the stage functions' own time: seconds per compute action, per comm
-  op posted, and per step (fitted to a short run of the folder, see ``tracepp.calibrate``);
+* ``runtime``: per kind (F, B, I, W), how much longer tracepp's executor takes for a stage than its function
+  alone, measured in one process (``factors``; the simulator multiplies the compute costs by them);
+* ``overhead``: what the runtime adds on top in a real run: seconds per compute action, per comm op posted, and
+  per step (fitted to a short run of the folder, see ``tracepp.calibrate``);
 * ``noise``: how much this machine's speed varied while it was measured: ``compute`` is the relative range
   ((max - min) / median) of the plan's comm-free step priced with each repeat of the stage-cost measurement,
   ``run`` the interquartile range over the median of the calibration run's steps. A prediction cannot be
@@ -56,10 +58,12 @@ class Calibration:
     folder: dict = field(default_factory=dict)  # the split it was measured on: stages, FLOPs, microbatch size
     notes: list = field(default_factory=list)
     noise: dict = field(default_factory=dict)  # {"compute": fraction, "run": fraction, ...} (see module doc)
+    runtime: dict = field(default_factory=dict)  # {"factors": {"F": x, "B": x, "I": x, "W": x}, "source": text}
 
     def to_json(self) -> dict:
         return {"format": FORMAT, "comm": self.comm, "compute": self.compute, "optimizer_s": self.optimizer_s,
-                "overhead": self.overhead, "folder": self.folder, "notes": self.notes, "noise": self.noise}
+                "overhead": self.overhead, "folder": self.folder, "notes": self.notes, "noise": self.noise,
+                "runtime": self.runtime}
 
     @classmethod
     def from_json(cls, data: dict, path: str = "calibration.json") -> "Calibration":
@@ -68,7 +72,7 @@ class Calibration:
                              f"`tracepp calibrate OUT`")
         return cls(dict(data.get("comm") or {}), list(data.get("compute") or []), dict(data.get("optimizer_s") or {}),
                    dict(data.get("overhead") or {}), dict(data.get("folder") or {}), list(data.get("notes") or []),
-                   dict(data.get("noise") or {}))
+                   dict(data.get("noise") or {}), dict(data.get("runtime") or {}))
 
     # -- what the simulator reads ---------------------------------------------------------------------------
     def link(self, rank_a: int, rank_b: int) -> tuple:
@@ -119,6 +123,19 @@ class Calibration:
         values = [float(v) for key, v in self.noise.items() if key in ("compute", "run") and v is not None]
         return max(values) if values else None
 
+    def runtime_factors(self) -> dict:
+        """{kind: factor}: how much longer tracepp's executor takes for a stage's F, B, I or W than the stage
+        function alone (measured in one process, ``tracepp.stage_costs.measure_runtime_costs``); 1 where not
+        measured."""
+        factors = self.runtime.get("factors") or {}
+        return {kind: float(factors.get(kind, 1.0)) for kind in KINDS}
+
+    def runtime_costs(self, costs: dict) -> dict:
+        """``{(stage, kind): s}`` of the stage functions alone -> what the runtime takes for them
+        (:meth:`runtime_factors`)."""
+        factors = self.runtime_factors()
+        return {(stage, kind): seconds * factors.get(kind, 1.0) for (stage, kind), seconds in costs.items()}
+
     def message_delay(self) -> float:
         """Seconds added to every message in the run beyond the ping-pong's (fitted, see ``tracepp.calibrate``)."""
         return float(self.overhead.get("message_delay_s", 0.0))
@@ -142,6 +159,20 @@ def _line(points: list) -> tuple:
     if a < 0:  # no negative fixed part: proportional through the origin
         return (0.0, sum(x * y for x, y in points) / sum(x * x for x, _ in points))
     return (a, c)
+
+
+def runtime_factors(plain: dict, runtime: dict, floor: float = 1e-5) -> dict:
+    """{kind: median over stages of runtime / plain seconds} for F, B, I and W, from two ``{"0F": s, ...}``
+    measurements of the same stages (the stage functions alone, and through tracepp's executor). A stage whose
+    time of that kind is below ``floor`` in either (a first stage's I: nothing to compute) is left out; a kind
+    no stage has is absent."""
+    ratios: dict = {}
+    for key, seconds in plain.items():
+        other = runtime.get(key)
+        if other is None or seconds < floor or other < floor:
+            continue
+        ratios.setdefault(key[-1], []).append(float(other) / float(seconds))
+    return {kind: statistics.median(ratios[kind]) for kind in KINDS if kind in ratios}
 
 
 def relative_range(values: list) -> Optional[float]:
@@ -287,8 +318,8 @@ def predict_plan(actions: dict, stage_to_rank: list, topology, num_microbatches:
     from tracepp.codegen.simulate import simulate
 
     model = comm_model(calibration, stage_to_rank, messages)
-    sim = simulate(actions, stage_to_rank, topology, num_microbatches, costs=costs, training=training, comm=model,
-                   check=check)
+    sim = simulate(actions, stage_to_rank, topology, num_microbatches, costs=calibration.runtime_costs(costs),
+                   training=training, comm=model, check=check)
     optimizer_stage_s = optimizer_stage_s or {}
     optimizer = {r: sum(float(optimizer_stage_s.get(s, 0.0)) for s, owner in enumerate(stage_to_rank) if owner == r)
                  for r in sim.timeline}

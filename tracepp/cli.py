@@ -8,7 +8,7 @@
     tracepp plan out/ [--svg plan.svg] [--trace plan.json] [--costs measured.json] [--calibrate]
                       [--tune [--memory-limit 20GB] [--top K] [--apply]]
     tracepp calibrate out/ [--costs COSTS.json ...] [--comm COMM.json | --nproc N] [--fit-steps K | --no-fit]
-                      [--repeats R]
+                      [--repeats R] [--no-runtime] [--overhead busy|delay]
 """
 from __future__ import annotations
 
@@ -184,7 +184,7 @@ def _calibrate(args) -> int:
     try:
         calibrate(args.out, costs_paths=args.costs_files or ([args.costs] if getattr(args, "costs", None) else None),
                   comm_path=args.comm, nproc=args.nproc, fit_steps=args.fit_steps, fit=not args.no_fit,
-                  skip_comm=args.no_comm, mode=args.overhead, repeats=args.repeats)
+                  skip_comm=args.no_comm, mode=args.overhead, repeats=args.repeats, runtime=not args.no_runtime)
     except RuntimeError as error:  # a launched run failed: say which and how
         raise ValueError(str(error)) from None
     return 0
@@ -303,9 +303,12 @@ def _add_calibrate_options(parser, in_plan: bool) -> None:
                         help=prefix + f"plain-autograd stage-cost measurements (default {REPEATS}, around the "
                                       f"calibration run): their median is used, their spread recorded as the "
                                       f"machine's noise")
+    parser.add_argument("--no-runtime", action="store_true",
+                        help=prefix + "skip timing the stages through tracepp's executor against the stage functions "
+                                      "alone (the runtime factors; then 1)")
     parser.add_argument("--overhead", default=None, choices=["delay", "busy"],
-                        help=prefix + "what the calibration run fits: a delay per message (default) or a fixed rank "
-                                      "time per action")
+                        help=prefix + "what the calibration run fits: a fixed rank time per action (busy, default) "
+                                      "or a delay per message")
 
 
 def main(argv=None) -> int:

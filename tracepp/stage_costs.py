@@ -29,11 +29,16 @@ W = B. Each cost is the median over ``rounds`` x microbatches; ``clock`` is ``ti
 1-thread CPU stage when nothing else competes). These are the costs of the stages' own computation, the
 floor any runtime's F, B, I and W can approach: the benchmark's ``ideal`` (``benchmarks/stage_times.py``)
 simulates the plan with them.
+
+:class:`RuntimeCostMeter` times the same kinds through tracepp's own executor (its zero-bubble split and its
+bookkeeping included); :func:`measure_runtime_costs` alternates its rounds with the plain ones, and ``tracepp
+calibrate`` turns the pair into per-kind runtime factors (``tracepp.calibration.runtime_factors``).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -216,6 +221,77 @@ class StageCostMeter:
                 naive[str(s)] = medians[f"{s}W_autograd"]
         return {"costs": costs, "W_autograd": naive, "samples": self.samples, "microbatches_timed": runner.count,
                 "rounds": self.rounds, "clock": self.clock}
+
+
+class RuntimeCostMeter:
+    """The same kinds through tracepp's own executor, a round at a time: what the runtime takes for each stage's
+    F, B, I and W (its zero-bubble split, its bookkeeping) where :class:`StageCostMeter` times the stage functions
+    alone. Uses the runtime's public API only: ``Pipeline(folder, all_stages=True, actions=...)`` (every stage in
+    this process, no communication) with single-rank action lists (per microbatch: ``F`` of every stage, then
+    ``B`` of every stage in reverse; then the same with ``I`` then ``W``) and ``Pipeline.set_action_hook`` timing
+    each action. :meth:`costs`: ``{"stage,kind": s}``, medians over rounds x microbatches."""
+
+    def __init__(self, folder: str, device="cpu", max_microbatches: int = 4, clock: str = "wall",
+                 precision: str = "fp32"):
+        from tracepp.runtime.pipeline import Pipeline
+
+        self.device, self.timer = torch.device(device), CLOCKS[clock]
+        with open(os.path.join(folder, "manifest.json")) as handle:
+            manifest = json.load(handle)
+        num_stages = len(manifest["stages"])
+        count = min(max_microbatches, manifest["plan"]["num_microbatches"])
+        self.samples: dict = {}
+
+        def actions_for(kinds: tuple) -> list:
+            actions = []
+            for m in range(count):
+                order = [(s, "F") for s in range(num_stages)]
+                for kind in kinds:
+                    order += [(s, kind) for s in reversed(range(num_stages))]
+                actions += [f"{s}{kind}{m}" for s, kind in order]
+            return actions
+
+        self.pipes = {kinds: Pipeline(folder, all_stages=True, device=self.device, precision=precision,
+                                      actions=actions_for(kinds))
+                      for kinds in (("B",), ("I", "W"))}
+        self.batch = self.pipes[("B",)].user.batch(0)
+        for pipe in self.pipes.values():
+            pipe.set_action_hook(self._timed)
+        self.run_round()  # warm-up (allocator, lazy init), discarded
+        self.samples.clear()
+
+    def _timed(self, text: str, run) -> None:
+        _sync(self.device)
+        start = self.timer()
+        run()
+        _sync(self.device)
+        kind = next(kind for kind in "FBIW" if kind in text)
+        self.samples.setdefault((int(text.split(kind)[0]), kind), []).append(self.timer() - start)
+
+    def run_round(self) -> None:
+        inputs, kwargs, target = self.batch
+        for pipe in self.pipes.values():
+            pipe.step(tuple(inputs), kwargs, target)
+            pipe.zero_grad()
+
+    def costs(self) -> dict:
+        return {f"{s},{kind}": statistics.median(v) for (s, kind), v in sorted(self.samples.items())}
+
+
+def measure_runtime_costs(folder: str, *, device="cpu", rounds: int = 5, max_microbatches: int = 4,
+                          precision: str = "fp32", clock: str = "wall") -> dict:
+    """``{"costs": plain, "runtime_costs": tracepp's}`` (both ``{"0F": s, ...}``) from alternating rounds of
+    :class:`StageCostMeter` and :class:`RuntimeCostMeter`, so both see the same spells of the machine; their
+    per-kind ratios are the calibration's ``runtime_factors`` (``tracepp.calibration.runtime_factors``)."""
+    plain = StageCostMeter(folder, device=device, precision=precision, max_microbatches=max_microbatches,
+                           clock=clock)
+    runtime = RuntimeCostMeter(folder, device=device, max_microbatches=max_microbatches, clock=clock,
+                               precision=precision)
+    for _ in range(rounds):
+        plain.run_round()
+        runtime.run_round()
+    return {"costs": plain.result()["costs"],
+            "runtime_costs": {key.replace(",", ""): value for key, value in runtime.costs().items()}}
 
 
 def measure_stage_times(folder: str, *, device="cpu", rounds: int = 5, max_microbatches: int = 4,
