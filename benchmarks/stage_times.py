@@ -45,7 +45,7 @@ class ExecutorMeter(RuntimeCostMeter):
     def optimizer_times(self, rounds: int) -> dict:
         """The SGD step over each stage's parameters, median of ``rounds``."""
         optimizer_stage_s = {}
-        for stage_index, stage in sorted(self.pipes[("B",)].stages.items()):
+        for stage_index, stage in sorted(self.pipe.stages.items()):
             params = [p for p in stage.parameters() if p.requires_grad]
             for p in params:
                 p.grad = torch.zeros_like(p)

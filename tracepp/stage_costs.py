@@ -227,35 +227,41 @@ class RuntimeCostMeter:
     """The same kinds through tracepp's own executor, a round at a time: what the runtime takes for each stage's
     F, B, I and W (its zero-bubble split, its bookkeeping) where :class:`StageCostMeter` times the stage functions
     alone. Uses the runtime's public API only: ``Pipeline(folder, all_stages=True, actions=...)`` (every stage in
-    this process, no communication) with single-rank action lists (per microbatch: ``F`` of every stage, then
-    ``B`` of every stage in reverse; then the same with ``I`` then ``W``) and ``Pipeline.set_action_hook`` timing
-    each action. :meth:`costs`: ``{"stage,kind": s}``, medians over rounds x microbatches."""
+    this process, no communication) with a single-rank action list (for one microbatch ``F`` of every stage, then
+    ``B`` of every stage in reverse; for the next one the same with ``I`` then ``W``) and
+    ``Pipeline.set_action_hook`` timing each action. One pipeline holds the model once (two where the plan has a
+    single microbatch). :meth:`costs`: ``{"stage,kind": s}``, medians over rounds x microbatches."""
 
     def __init__(self, folder: str, device="cpu", max_microbatches: int = 4, clock: str = "wall",
                  precision: str = "fp32"):
+        from tracepp.runtime.launch import user_batch
         from tracepp.runtime.pipeline import Pipeline
 
         self.device, self.timer = torch.device(device), CLOCKS[clock]
         with open(os.path.join(folder, "manifest.json")) as handle:
             manifest = json.load(handle)
         num_stages = len(manifest["stages"])
-        count = min(max_microbatches, manifest["plan"]["num_microbatches"])
+        available = manifest["plan"]["num_microbatches"]
         self.samples: dict = {}
 
-        def actions_for(kinds: tuple) -> list:
-            actions = []
-            for m in range(count):
-                order = [(s, "F") for s in range(num_stages)]
-                for kind in kinds:
-                    order += [(s, kind) for s in reversed(range(num_stages))]
-                actions += [f"{s}{kind}{m}" for s, kind in order]
-            return actions
+        def actions(mb: int, kinds: tuple) -> list:
+            order = [(s, "F") for s in range(num_stages)]
+            for kind in kinds:
+                order += [(s, kind) for s in reversed(range(num_stages))]
+            return [f"{s}{kind}{mb}" for s, kind in order]
 
-        self.pipes = {kinds: Pipeline(folder, all_stages=True, device=self.device, precision=precision,
-                                      actions=actions_for(kinds))
-                      for kinds in (("B",), ("I", "W"))}
-        self.batch = self.pipes[("B",)].user.batch(0)
-        for pipe in self.pipes.values():
+        def pipeline(action_list: list):
+            return Pipeline(folder, all_stages=True, device=self.device, precision=precision, actions=action_list)
+
+        if available >= 2:  # microbatches 2k run F + B, 2k + 1 run F + I + W, in one pipeline
+            count = min(max_microbatches, available // 2)
+            self.pipes = [pipeline([a for k in range(count)
+                                    for a in actions(2 * k, ("B",)) + actions(2 * k + 1, ("I", "W"))])]
+        else:
+            self.pipes = [pipeline(actions(0, ("B",))), pipeline(actions(0, ("I", "W")))]
+        self.pipe = self.pipes[0]
+        self.batch = user_batch(self.pipe.user, 0, self.pipe.training)
+        for pipe in self.pipes:
             pipe.set_action_hook(self._timed)
         self.run_round()  # warm-up (allocator, lazy init), discarded
         self.samples.clear()
@@ -270,7 +276,7 @@ class RuntimeCostMeter:
 
     def run_round(self) -> None:
         inputs, kwargs, target = self.batch
-        for pipe in self.pipes.values():
+        for pipe in self.pipes:
             pipe.step(tuple(inputs), kwargs, target)
             pipe.zero_grad()
 
