@@ -105,39 +105,34 @@ def run_folder(out_dir: str, steps: int, nproc: int, timeout: float = 600.0, thr
             return [json.loads(line)["step_time_s"] for line in handle if line.strip()]
 
 
-def measured_stage_costs(out_dir: str) -> dict:
-    """The plain-autograd measurement of the folder's stages (:func:`tracepp.stage_costs.measure_stage_costs`).
-    On CPU it runs with the intra-op threads a rank has (torchrun's OMP_NUM_THREADS: 1 unless set)."""
+def _on_rank_device(measure, out_dir: str):
+    """``measure(out_dir, device=...)`` on the ranks' device; on CPU with the intra-op threads a rank has
+    (torchrun's OMP_NUM_THREADS: 1 unless set)."""
     import torch
 
-    from tracepp.stage_costs import measure_stage_costs
-
-    if torch.cuda.is_available():  # the ranks' device
-        return measure_stage_costs(out_dir, device="cuda")
+    if torch.cuda.is_available():
+        return measure(out_dir, device="cuda")
     before = torch.get_num_threads()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     try:
-        return measure_stage_costs(out_dir)
+        return measure(out_dir, device="cpu")
     finally:
         torch.set_num_threads(before)
+
+
+def measured_stage_costs(out_dir: str) -> dict:
+    """The plain-autograd measurement of the folder's stages (:func:`tracepp.stage_costs.measure_stage_costs`)."""
+    from tracepp.stage_costs import measure_stage_costs
+
+    return _on_rank_device(measure_stage_costs, out_dir)
 
 
 def measured_runtime_costs(out_dir: str) -> dict:
     """Alternating rounds of the plain-autograd measurement and of the same stages through tracepp's executor
-    (:func:`tracepp.stage_costs.measure_runtime_costs`): ``{"costs": ..., "runtime_costs": ...}``, on the device
-    and with the threads of :func:`measured_stage_costs`."""
-    import torch
-
+    (:func:`tracepp.stage_costs.measure_runtime_costs`): ``{"costs": ..., "runtime_costs": ...}``."""
     from tracepp.stage_costs import measure_runtime_costs
 
-    if torch.cuda.is_available():
-        return measure_runtime_costs(out_dir, device="cuda")
-    before = torch.get_num_threads()
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    try:
-        return measure_runtime_costs(out_dir)
-    finally:
-        torch.set_num_threads(before)
+    return _on_rank_device(measure_runtime_costs, out_dir)
 
 
 def _set_runtime_factors(calibration: Calibration, out_dir: str, log) -> None:
