@@ -18,7 +18,8 @@ Three parts (the file's sections, see ``tracepp.calibration``):
    tracepp's own executor in one process (``tracepp.stage_costs.measure_runtime_costs``): per kind, the median
    over stages of the executor's time over the stage function's is a factor the simulator multiplies the
    compute costs by (the zero-bubble split's I and W, the executor's bookkeeping; on the CPU quick suite
-   F x0.9 - 1.1, B x1.0 - 1.08, I x1.1 - 1.36, W x1.06 - 1.16). ``--no-runtime`` (or ``--costs``) leaves them at 1.
+   F x0.88 - 1.10, B x0.94 - 1.10, I x1.09 - 1.36, W x1.02 - 1.21). ``--no-runtime`` (or ``--costs``) leaves them
+   at 1.
 3. **overhead**: a short run of the folder itself (``torchrun ... OUT/run.py --steps K --metrics``); one number
    is fitted so that the simulator's step time equals the measured median: by default (``--overhead busy``) the
    runtime's fixed cost per compute action and per comm op (rank time), or (``delay``) a delay added to every
@@ -47,9 +48,9 @@ from tracepp.calibration import (Calibration, folder_record, interquartile_fract
 # no --costs file is given; the name is looked up at call time, so the module may arrive later.
 WARMUP_STEPS = 3
 MAX_NEGATIVE_STEP_FRACTION = 0.2  # a prediction above the measured step by more than this is not fitted
-# What the one fitted number is (see overhead_of): "busy" per action. Chosen on two CPU quick suites with the stage
-# costs scaled by the runtime factors: leave-one-out errors within 6.7% and 9.4% with "busy", up to 13.3% and 10.0%
-# with "delay" per message (README "Benchmarks")
+# What the one fitted number is (see overhead_of): "busy" per action. Chosen on four CPU quick suites with the stage
+# costs scaled by the runtime factors: worst leave-one-out errors 6.7 / 9.4 / 11.1 / 6.4% with "busy", 13.3 / 10.0 /
+# 9.3 / 3.4% with "delay" per message (README "Benchmarks")
 FIT_MODES = ("delay", "busy")
 FIT_MODE = "busy"
 REPEATS = 3  # plain-autograd stage-cost measurements (their median is used; their spread is recorded as noise)
