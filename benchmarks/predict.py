@@ -84,11 +84,12 @@ def predict_cases(entries: list, comm: dict, log=print, mode: str = None) -> Non
 
     mode = mode or FIT_MODE
     usable = [e for e in entries if e.get("compute_costs") and (e.get("tracepp") or {}).get("status") == "ok"]
+    runtimes = {entry["case"]: runtime_section(entry) for entry in usable}
     fitted = {}
     for entry in usable:
         manifest = load_manifest(entry["out_dir"])
         calibration = _calibration(manifest, _keyed(entry["compute_costs"]), entry.get("optimizer_stage_s"), comm, {},
-                                   runtime_section(entry))
+                                   runtimes[entry["case"]])
         fitted[entry["case"]] = fit_overheads(manifest, calibration, entry["tracepp"]["step_time_s"], mode=mode)
     for entry in usable:
         manifest = load_manifest(entry["out_dir"])
@@ -99,7 +100,7 @@ def predict_cases(entries: list, comm: dict, log=print, mode: str = None) -> Non
         value = statistics.median(others) if others else own["value"]
         overhead = overhead_of(used_mode, value)
         keyed = _keyed(entry["compute_costs"])
-        runtime = runtime_section(entry)
+        runtime = runtimes[entry["case"]]
         step = predict_folder(manifest, _calibration(manifest, keyed, entry.get("optimizer_stage_s"), comm,
                                                      overhead, runtime)).step_s
         free = predict_folder(manifest, _calibration(manifest, keyed, entry.get("optimizer_stage_s"), {}, {},

@@ -39,9 +39,6 @@ class ExecutorMeter(RuntimeCostMeter):
     """The same kinds through tracepp's executor (``tracepp.stage_costs.RuntimeCostMeter``, which ``tracepp
     calibrate`` uses for its runtime factors), plus the SGD step per stage."""
 
-    def __init__(self, out_dir: str, device, max_microbatches: int, clock: str):
-        super().__init__(out_dir, device=device, max_microbatches=max_microbatches, clock=clock)
-
     def optimizer_times(self, rounds: int) -> dict:
         """The SGD step over each stage's parameters, median of ``rounds``."""
         optimizer_stage_s = {}
@@ -68,7 +65,7 @@ def measure(out_dir: str, device: torch.device, rounds: int = 5, max_microbatche
     from tracepp.stage_costs import StageCostMeter
 
     plain_meter = StageCostMeter(out_dir, device=device, max_microbatches=max_microbatches, clock=clock)
-    executor_meter = ExecutorMeter(out_dir, device, max_microbatches, clock)
+    executor_meter = ExecutorMeter(out_dir, device=device, max_microbatches=max_microbatches, clock=clock)
     for _ in range(rounds):
         plain_meter.run_round()
         executor_meter.run_round()

@@ -38,12 +38,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
 
 import torch
+
+from tracepp.runtime.actions import Action
 
 NOTHING = 1e-9  # the cost written for a stage's I when it has no input gradient to compute (costs must be > 0)
 CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
@@ -234,12 +235,12 @@ class RuntimeCostMeter:
 
     def __init__(self, folder: str, device="cpu", max_microbatches: int = 4, clock: str = "wall",
                  precision: str = "fp32"):
+        from tracepp.manifest_file import load_manifest
         from tracepp.runtime.launch import user_batch
         from tracepp.runtime.pipeline import Pipeline
 
         self.device, self.timer = torch.device(device), CLOCKS[clock]
-        with open(os.path.join(folder, "manifest.json")) as handle:
-            manifest = json.load(handle)
+        manifest = load_manifest(folder)
         num_stages = len(manifest["stages"])
         available = manifest["plan"]["num_microbatches"]
         self.samples: dict = {}
@@ -271,8 +272,8 @@ class RuntimeCostMeter:
         start = self.timer()
         run()
         _sync(self.device)
-        kind = next(kind for kind in "FBIW" if kind in text)
-        self.samples.setdefault((int(text.split(kind)[0]), kind), []).append(self.timer() - start)
+        action = Action.parse(text)
+        self.samples.setdefault((action.stage, action.kind), []).append(self.timer() - start)
 
     def run_round(self) -> None:
         inputs, kwargs, target = self.batch
