@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import statistics
 import sys
 
@@ -32,10 +33,10 @@ def loadavg() -> list:
 
 
 def _keyed(costs: dict) -> dict:
-    """"0,F" or "0F" keys -> (0, "F")."""
+    """"0,F" or "0F" keys -> (0, "F") ("0,W_after_I" or "0W_after_I" -> (0, "W_after_I"))."""
     out = {}
     for key, value in costs.items():
-        stage, kind = key.split(",") if "," in key else (key[:-1], key[-1])
+        stage, kind = key.split(",") if "," in key else re.fullmatch(r"(\d+)(\w+)", key).groups()
         out[(int(stage), kind)] = float(value)
     return out
 

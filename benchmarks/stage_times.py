@@ -15,8 +15,10 @@ For each folder, in this one process:
 * **the same kinds through tracepp's executor** (``executor_costs``): ``Pipeline(out_dir, all_stages=True,
   actions=...)`` with a single-rank action list (``F`` of every stage, then ``B`` of every stage in reverse;
   then the same with ``I``/``W``), each action timed through ``Pipeline.set_action_hook``. ``split_ratio``:
-  per stage, tracepp's I + W over its own B (1.0: the split backward costs what one backward does), and
-  ``split_ratio_plain``: over the plain-autograd B. Printed per stage.
+  per stage, tracepp's I + W over its own B (1.0: the split backward costs what one backward does) with the W
+  run right after its I (``W_after_I``, as interleaved-zb runs it), ``split_ratio_plain``: the same over the
+  plain-autograd B, and ``split_ratio_deferred``: with the W run after the other stages' I's instead. Printed
+  per stage.
 * the SGD step over each stage's parameters (a rank's is the sum over its stages).
 
 Each cost is the median over ``rounds`` x microbatches (CUDA synchronised around each). The ideal step time
@@ -32,6 +34,7 @@ import statistics
 
 import torch
 
+from tracepp.calibration import W_AFTER_I
 from tracepp.stage_costs import CLOCKS, RuntimeCostMeter, _sync
 
 
@@ -76,26 +79,31 @@ def measure(out_dir: str, device: torch.device, rounds: int = 5, max_microbatche
               "W_autograd": plain["W_autograd"], "microbatches_timed": plain["microbatches_timed"],
               "rounds": rounds, "clock": clock,
               "costs_method": "plain autograd per stage (tracepp.stage_costs), W = B - I",
-              "split_ratio": {}, "split_ratio_plain": {}}
+              "split_ratio": {}, "split_ratio_plain": {}, "split_ratio_deferred": {}}
     for stage in sorted({int(k.split(",")[0]) for k in executor}):
         i, w, b = (executor.get(f"{stage},{kind}") for kind in "IWB")
-        if i is not None and w is not None and b:
-            result["split_ratio"][str(stage)] = (i + w) / b
-            result["split_ratio_plain"][str(stage)] = (i + w) / costs[f"{stage},B"]
+        after = executor.get(f"{stage},{W_AFTER_I}", w)
+        if i is not None and after is not None and b:
+            result["split_ratio"][str(stage)] = (i + after) / b
+            result["split_ratio_plain"][str(stage)] = (i + after) / costs[f"{stage},B"]
+            result["split_ratio_deferred"][str(stage)] = (i + w) / b
     return result
 
 
 def split_table(measured: dict) -> str:
-    """Per stage: plain-autograd F, B, I, W and tracepp's executor F, B, I, W (ms), and tracepp's (I + W) / B."""
-    lines = ["stage  plain F/B/I/W ms              tracepp F/B/I/W ms            (I+W)/B tracepp  vs plain B"]
+    """Per stage: plain-autograd F, B, I, W and tracepp's executor F, B, I, W, W right after its I (ms), and
+    tracepp's (I + W) / B with W right after I (over its own B and over the plain B) and with W deferred."""
+    lines = ["stage  plain F/B/I/W ms              tracepp F/B/I/W/W_after_I ms       (I+W)/B tracepp  vs plain B"
+             "  W deferred"]
     costs, executor = measured["costs"], measured["executor_costs"]
+    nan = float("nan")
     for stage in sorted({int(k.split(",")[0]) for k in costs}):
         plain = "/".join(f"{costs.get(f'{stage},{k}', 0) * 1e3:.2f}" for k in "FBIW")
-        ours = "/".join(f"{executor.get(f'{stage},{k}', 0) * 1e3:.2f}" for k in "FBIW")
-        ratio = measured["split_ratio"].get(str(stage))
-        plain_ratio = measured["split_ratio_plain"].get(str(stage))
-        lines.append(f"{stage:>5}  {plain:<28} {ours:<28} {ratio if ratio is not None else float('nan'):>15.2f}"
-                     f"  {plain_ratio if plain_ratio is not None else float('nan'):>9.2f}")
+        ours = "/".join(f"{executor.get(f'{stage},{k}', 0) * 1e3:.2f}" for k in ("F", "B", "I", "W", W_AFTER_I))
+        ratios = [measured.get(name, {}).get(str(stage))
+                  for name in ("split_ratio", "split_ratio_plain", "split_ratio_deferred")]
+        ratio, plain_ratio, deferred = (nan if value is None else value for value in ratios)
+        lines.append(f"{stage:>5}  {plain:<28} {ours:<34} {ratio:>15.2f}  {plain_ratio:>9.2f}  {deferred:>10.2f}")
     return "\n".join(lines)
 
 

@@ -65,6 +65,8 @@ from .actions import Action, Topology
 # The costs a plan is made with (placing receives, deferred W's, the greedy V schedules) and timed with unless
 # measured ones are given: a forward 1, a full backward 2, its input-grad and weight-grad halves 1 each.
 UNIT_COSTS = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
+# The cost kind of a W run right after the I of its own stage and microbatch (see :func:`cost_of`)
+W_AFTER_I = "W_after_I"
 # The dependency key "this stage's input gradient for a microbatch is done": made by a full backward B or by
 # an input-grad backward I, needed by the W of the same stage and by the backward of the stage before.
 INPUT_GRAD = "input-grad"
@@ -171,10 +173,18 @@ def _key_text(key: tuple) -> str:
     return f"'{stage}F{mb}'" if what == "F" else f"'{stage}B{mb}' or '{stage}I{mb}'"
 
 
-def cost_of(action: Action, costs=None) -> float:
+def cost_of(action: Action, costs=None, after_own_input: bool = False) -> float:
     """Cost of a compute action: ``costs`` maps kind -> time and/or (stage, kind) -> time (a stage's own entry
-    wins; a B priced by neither costs its I + W); anything unpriced costs :data:`UNIT_COSTS`."""
+    wins; a B priced by neither costs its I + W); anything unpriced costs :data:`UNIT_COSTS`.
+    ``after_own_input``: the action is a W that its rank runs right after the I of the same stage and
+    microbatch (no compute between): priced as :data:`W_AFTER_I` where ``costs`` has that kind (its data is
+    still in cache; a W deferred past other work is not), else as any W."""
     if costs:
+        if after_own_input:
+            if (action.stage, W_AFTER_I) in costs:
+                return float(costs[(action.stage, W_AFTER_I)])
+            if W_AFTER_I in costs:
+                return float(costs[W_AFTER_I])
         if (action.stage, action.kind) in costs:
             return float(costs[(action.stage, action.kind)])
         if action.kind in costs:
@@ -327,6 +337,7 @@ class Replay:
         self.position = {r: 0 for r in self.ranks}
         self.ready: dict = {}  # dependency key -> time it was made
         self.orders = {r: [] for r in self.ranks}
+        self.last_compute = {r: None for r in self.ranks}  # each rank's last compute action (see cost_of)
         self.timeline = {r: [] for r in self.ranks}
         self.batches = {r: [] for r in self.ranks}
         self.waiting: dict = {}  # rank -> what its next action waits for (deadlock report)
@@ -434,7 +445,11 @@ class Replay:
                     return False
                 start = max(start, made)
         self.waiting.pop(rank, None)
-        end = start + cost_of(action, self.costs)
+        previous = self.last_compute[rank]
+        after_own_input = (action.kind == "W" and previous is not None and previous.kind == "I"
+                           and previous.stage == action.stage and previous.mb == action.mb)
+        end = start + cost_of(action, self.costs, after_own_input)
+        self.last_compute[rank] = action
         if self.model is not None:
             end += self.model.overhead(action.kind)
         position = self.position[rank]

@@ -190,6 +190,31 @@ def test_runtime_factors_are_the_median_ratio_per_kind():
     # F: 1.1, 0.9, 1.0; B: 1.0, 1.1, 1.1; I: stage 0 has none (below the floor), 1.3 and 1.2; W: 1.2, 1.1, 1.2
     assert factors == pytest.approx({"F": 1.0, "B": 1.1, "I": 1.25, "W": 1.2})
     assert runtime_factors({"0F": 1.0}, {}) == {}  # nothing measured through the executor: no factor
+    # a W timed right after its own I is compared with the same plain W, as a kind of its own
+    runtime.update({"1W_after_I": 1.05, "2W_after_I": 2.2})
+    assert runtime_factors(plain, runtime)["W_after_I"] == pytest.approx(1.075)
+    assert runtime_factors(plain, runtime)["W"] == pytest.approx(1.2)
+
+
+def test_a_w_right_after_its_own_i_is_priced_as_such():
+    from tracepp.calibration import W_AFTER_I
+    from tracepp.runtime.replay import W_AFTER_I as REPLAY_W_AFTER_I, cost_of
+
+    assert W_AFTER_I == REPLAY_W_AFTER_I == "W_after_I"
+    costs = {(0, "I"): 1.0, (0, "W"): 2.0, (0, W_AFTER_I): 1.5}
+    assert cost_of(A("0W3"), costs) == 2.0 and cost_of(A("0W3"), costs, after_own_input=True) == 1.5
+    assert cost_of(A("0W3"), {"W": 2.0}, after_own_input=True) == 2.0  # not measured: any W's cost
+    # one rank, one stage: the W of microbatch 0 follows its I, the W of microbatch 1 follows another I
+    plan = {0: [A(t) for t in ("0F0", "0F1", "0I0", "0W0", "0I1", "0F2", "0I2", "0W1", "0W2")]}
+    # (0W1 runs right after an I, of another microbatch; 0W2 after a W)
+    costs.update({(0, "F"): 0.5})
+    ends = {str(a): e for _, a, _s, e in replay(plan, [0], Topology.chain(1), costs).timeline[0]}
+    assert ends["0W0"] - ends["0I0"] == 1.5 and ends["0W1"] - ends["0I2"] == 2.0 and ends["0W2"] - ends["0W1"] == 2.0
+    calibration = Calibration(runtime={"factors": {"W": 1.2, W_AFTER_I: 1.05}})
+    priced = calibration.runtime_costs({(0, "I"): 1.0, (0, "W"): 2.0, (1, "W"): 4.0})
+    assert priced == pytest.approx({(0, "I"): 1.0, (0, "W"): 2.4, (1, "W"): 4.8, (0, W_AFTER_I): 2.1,
+                                    (1, W_AFTER_I): 4.2})
+    assert Calibration(runtime={"factors": {"W": 1.2}}).runtime_costs({(0, "W"): 1.0}) == pytest.approx({(0, "W"): 1.2})
 
 
 def test_the_runtime_factors_scale_the_compute_of_every_prediction(tmp_path):

@@ -40,10 +40,25 @@ def test_stage_costs_cover_every_stage_and_kind(tied_folder, tmp_path):
 def test_runtime_costs_time_the_same_kinds_through_the_executor(tied_folder):
     measured = measure_runtime_costs(tied_folder, rounds=1, max_microbatches=2)
     kinds = {f"{stage}{kind}" for stage in (0, 1) for kind in "FBIW"}
-    assert set(measured["costs"]) == kinds and set(measured["runtime_costs"]) == kinds
+    assert set(measured["costs"]) == kinds
+    # the W is timed both deferred past the other stages' I's and right after its own I
+    assert set(measured["runtime_costs"]) == kinds | {"0W_after_I", "1W_after_I"}
     assert all(value > 0 for value in measured["runtime_costs"].values())
     factors = runtime_factors(measured["costs"], measured["runtime_costs"])
-    assert set(factors) == set("FBIW") and all(value > 0 for value in factors.values())
+    assert set(factors) == {"F", "B", "I", "W", "W_after_I"} and all(value > 0 for value in factors.values())
+
+
+def test_runtime_meter_times_w_deferred_and_right_after_its_i(tied_folder):
+    from tracepp.stage_costs import RuntimeCostMeter
+
+    meter = RuntimeCostMeter(tied_folder, max_microbatches=2)
+    assert meter.after_input == {3}  # microbatches 0, 2: F + B; 1: I's then W's; 3: each W after its I
+    listed = [label for _instruction, _releases, label in meter.pipe.executor.program]
+    assert listed[listed.index("1I1"):listed.index("1I1") + 4] == ["1I1", "0I1", "1W1", "0W1"]
+    assert listed[listed.index("1I3"):listed.index("1I3") + 4] == ["1I3", "1W3", "0I3", "0W3"]
+    meter.run_round()
+    assert {kind for _stage, kind in meter.samples} == {"F", "B", "I", "W", "W_after_I"}
+    assert len(meter.samples[(1, "W")]) == len(meter.samples[(1, "W_after_I")]) == 1
 
 
 def _grads(callables, stage, mb, split=None):

@@ -18,8 +18,9 @@ Three parts (the file's sections, see ``tracepp.calibration``):
    tracepp's own executor in one process (``tracepp.stage_costs.measure_runtime_costs``): per kind, the median
    over stages of the executor's time over the stage function's is a factor the simulator multiplies the
    compute costs by (the zero-bubble split's I and W, the executor's bookkeeping; on the CPU quick suite
-   F x0.88 - 1.10, B x0.94 - 1.10, I x1.09 - 1.36, W x1.02 - 1.21). ``--no-runtime`` (or ``--costs``) leaves them
-   at 1.
+   F x0.88 - 1.10, B x0.94 - 1.10, I x1.09 - 1.36, W x1.02 - 1.21). A W right after its own I has a factor of
+   its own (``W_after_I``; the simulator uses it for the W's a plan runs there). ``--no-runtime`` (or ``--costs``)
+   leaves them at 1.
 3. **overhead**: a short run of the folder itself (``torchrun ... OUT/run.py --steps K --metrics``); one number
    is fitted so that the simulator's step time equals the measured median: by default (``--overhead busy``) the
    runtime's fixed cost per compute action and per comm op (rank time), or (``delay``) a delay added to every

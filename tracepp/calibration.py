@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import statistics
 from dataclasses import dataclass, field
 from typing import Optional
@@ -41,6 +42,7 @@ from typing import Optional
 CALIBRATION_FILE = "calibration.json"
 FORMAT = 1
 KINDS = ("F", "B", "I", "W")
+W_AFTER_I = "W_after_I"  # a W right after its own I: its own runtime factor (``runtime.replay.W_AFTER_I``, the same)
 DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
                "int8": 1, "uint8": 1, "bool": 1, "complex64": 8, "complex128": 16, "float8_e4m3fn": 1,
                "float8_e5m2": 1}
@@ -126,15 +128,23 @@ class Calibration:
     def runtime_factors(self) -> dict:
         """{kind: factor}: how much longer tracepp's executor takes for a stage's F, B, I or W than the stage
         function alone (measured in one process, ``tracepp.stage_costs.measure_runtime_costs``); 1 where not
-        measured."""
+        measured. ``W_after_I`` (where measured): a W run right after its own I, against the same plain W."""
         factors = self.runtime.get("factors") or {}
-        return {kind: float(factors.get(kind, 1.0)) for kind in KINDS}
+        found = {kind: float(factors.get(kind, 1.0)) for kind in KINDS}
+        if W_AFTER_I in factors:
+            found[W_AFTER_I] = float(factors[W_AFTER_I])
+        return found
 
     def runtime_costs(self, costs: dict) -> dict:
         """``{(stage, kind): s}`` of the stage functions alone -> what the runtime takes for them
-        (:meth:`runtime_factors`)."""
+        (:meth:`runtime_factors`), with a ``(stage, "W_after_I")`` entry per W where that factor was measured
+        (the simulator prices a W that directly follows its own I with it: ``runtime.replay.cost_of``)."""
         factors = self.runtime_factors()
-        return {(stage, kind): seconds * factors.get(kind, 1.0) for (stage, kind), seconds in costs.items()}
+        priced = {(stage, kind): seconds * factors.get(kind, 1.0) for (stage, kind), seconds in costs.items()}
+        if W_AFTER_I in factors:
+            priced.update({(stage, W_AFTER_I): seconds * factors[W_AFTER_I]
+                           for (stage, kind), seconds in costs.items() if kind == "W"})
+        return priced
 
     def message_delay(self) -> float:
         """Seconds added to every message in the run beyond the ping-pong's (fitted, see ``tracepp.calibrate``)."""
@@ -165,14 +175,19 @@ def runtime_factors(plain: dict, runtime: dict, floor: float = 1e-5) -> dict:
     """{kind: median over stages of runtime / plain seconds} for F, B, I and W, from two ``{"0F": s, ...}``
     measurements of the same stages (the stage functions alone, and through tracepp's executor). A stage whose
     time of that kind is below ``floor`` in either (a first stage's I: nothing to compute) is left out; a kind
-    no stage has is absent."""
+    no stage has is absent. ``runtime`` may also hold ``"0W_after_I"``: a W timed right after its own I,
+    compared with the same plain W."""
     ratios: dict = {}
-    for key, seconds in plain.items():
-        other = runtime.get(key)
-        if other is None or seconds < floor or other < floor:
+    for key, other in runtime.items():
+        match = re.fullmatch(r"(\d+)(\w+)", key)
+        if match is None or match.group(2) not in KINDS + (W_AFTER_I,):
             continue
-        ratios.setdefault(key[-1], []).append(float(other) / float(seconds))
-    return {kind: statistics.median(ratios[kind]) for kind in KINDS if kind in ratios}
+        stage, kind = match.groups()
+        seconds = plain.get(stage + ("W" if kind == W_AFTER_I else kind))
+        if seconds is None or seconds < floor or other < floor:
+            continue
+        ratios.setdefault(kind, []).append(float(other) / float(seconds))
+    return {kind: statistics.median(ratios[kind]) for kind in KINDS + (W_AFTER_I,) if kind in ratios}
 
 
 def relative_range(values: list) -> Optional[float]:

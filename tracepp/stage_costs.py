@@ -44,6 +44,7 @@ import time
 
 import torch
 
+from tracepp.calibration import W_AFTER_I
 from tracepp.runtime.actions import Action
 
 NOTHING = 1e-9  # the cost written for a stage's I when it has no input gradient to compute (costs must be > 0)
@@ -231,7 +232,12 @@ class RuntimeCostMeter:
     this process, no communication) with a single-rank action list (for one microbatch ``F`` of every stage, then
     ``B`` of every stage in reverse; for the next one the same with ``I`` then ``W``) and
     ``Pipeline.set_action_hook`` timing each action. One pipeline holds the model once (two where the plan has a
-    single microbatch). :meth:`costs`: ``{"stage,kind": s}``, medians over rounds x microbatches."""
+    single microbatch). :meth:`costs`: ``{"stage,kind": s}``, medians over rounds x microbatches.
+
+    A W is timed in both places a plan puts it: every other ``I``/``W`` microbatch runs all the I's, then all the
+    W's (each W after other stages' work: kind ``W``), the others run each stage's W right after its own I (kind
+    ``W_after_I``: interleaved-zb's order, where the captured gradients and saved inputs are still in cache). With
+    a single ``I``/``W`` microbatch only the first is timed."""
 
     def __init__(self, folder: str, device="cpu", max_microbatches: int = 4, clock: str = "wall",
                  precision: str = "fp32"):
@@ -247,8 +253,11 @@ class RuntimeCostMeter:
 
         def actions(mb: int, kinds: tuple) -> list:
             order = [(s, "F") for s in range(num_stages)]
-            for kind in kinds:
-                order += [(s, kind) for s in reversed(range(num_stages))]
+            if kinds == ("I", "W") and mb in self.after_input:  # each W right after its own I
+                order += [(s, kind) for s in reversed(range(num_stages)) for kind in kinds]
+            else:
+                for kind in kinds:
+                    order += [(s, kind) for s in reversed(range(num_stages))]
             return [f"{s}{kind}{mb}" for s, kind in order]
 
         def pipeline(action_list: list):
@@ -256,9 +265,12 @@ class RuntimeCostMeter:
 
         if available >= 2:  # microbatches 2k run F + B, 2k + 1 run F + I + W, in one pipeline
             count = min(max_microbatches, available // 2)
+            # every other F + I + W microbatch runs each W right after its I (timed as W_after_I)
+            self.after_input = {2 * k + 1 for k in range(count) if k % 2 == 1}
             self.pipes = [pipeline([a for k in range(count)
                                     for a in actions(2 * k, ("B",)) + actions(2 * k + 1, ("I", "W"))])]
         else:
+            self.after_input = set()
             self.pipes = [pipeline(actions(0, ("B",))), pipeline(actions(0, ("I", "W")))]
         self.pipe = self.pipes[0]
         self.batch = user_batch(self.pipe.user, 0, self.pipe.training)
@@ -273,7 +285,8 @@ class RuntimeCostMeter:
         run()
         _sync(self.device)
         action = Action.parse(text)
-        self.samples.setdefault((action.stage, action.kind), []).append(self.timer() - start)
+        kind = W_AFTER_I if action.kind == "W" and action.mb in self.after_input else action.kind
+        self.samples.setdefault((action.stage, kind), []).append(self.timer() - start)
 
     def run_round(self) -> None:
         inputs, kwargs, target = self.batch
