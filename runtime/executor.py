@@ -576,7 +576,11 @@ class RankExecutor:
         return ops
 
     def _wire(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.to(self._on_wire(tensor.dtype)).contiguous()
+        """The tensor as it travels: in the wire dtype (mixed precision), contiguous. No torch call where it already
+        is (each one costs microseconds right after a compute, when the dispatcher is cold in the caches)."""
+        if self.wire_dtype is not None:
+            tensor = tensor.to(self._on_wire(tensor.dtype))
+        return tensor if tensor.is_contiguous() else tensor.contiguous()
 
     def _comm_batch(self, op_builders: list):
         def run():

@@ -21,6 +21,7 @@ use gloo (``available``).
 """
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import platform
@@ -55,9 +56,7 @@ def _round_up(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """A flat uint8 view of a contiguous tensor's memory."""
-    return tensor.reshape(-1).view(torch.uint8)
+_memmove = ctypes.memmove  # one C call per copy: no tensor views, no dispatcher (see Ring.copy_in)
 
 
 class Ring:
@@ -77,6 +76,7 @@ class Ring:
         self.capacity = capacity
         self.words = memoryview(self._map).cast("q")
         self.data = torch.frombuffer(self._map, dtype=torch.uint8, offset=_CONTROL, count=capacity)
+        self.base = self.data.data_ptr()  # the address of the data's first byte in this process
         self._map_pages(write=not create)
 
     def _map_pages(self, write: bool) -> None:
@@ -91,19 +91,24 @@ class Ring:
         else:
             self.data[::mmap.PAGESIZE].sum()
 
-    def copy_in(self, position: int, source: torch.Tensor) -> None:
+    def copy_in(self, position: int, address: int, nbytes: int) -> None:
+        """Copy ``nbytes`` at ``address`` (this process's memory) into the ring at ``position``, wrapping at its
+        end. A ``memmove`` through ctypes, not tensor slices and ``copy_``: right after a compute the runtime's
+        Python and torch's dispatcher are cold in the caches, and a send made of views and a copy measured
+        50 - 70 us of CPU per 64 KB message in a 2-rank run, of which 20 us was the copy itself."""
         start = position % self.capacity
-        first = min(source.numel(), self.capacity - start)
-        self.data[start:start + first].copy_(source[:first])
-        if first < source.numel():
-            self.data[:source.numel() - first].copy_(source[first:])
+        first = min(nbytes, self.capacity - start)
+        _memmove(self.base + start, address, first)
+        if first < nbytes:
+            _memmove(self.base, address + first, nbytes - first)
 
-    def copy_out(self, position: int, target: torch.Tensor) -> None:
+    def copy_out(self, position: int, address: int, nbytes: int) -> None:
+        """Copy ``nbytes`` of the ring at ``position`` to ``address``, wrapping at the ring's end."""
         start = position % self.capacity
-        first = min(target.numel(), self.capacity - start)
-        target[:first].copy_(self.data[start:start + first])
-        if first < target.numel():
-            target[first:].copy_(self.data[:target.numel() - first])
+        first = min(nbytes, self.capacity - start)
+        _memmove(address, self.base + start, first)
+        if first < nbytes:
+            _memmove(address + first, self.base, nbytes - first)
 
     def header_at(self, position: int) -> int:
         return (_CONTROL + position % self.capacity) // 8
@@ -126,42 +131,43 @@ class _Outgoing:
     def __init__(self, ring: Ring):
         self.ring = ring
         self.written = 0
-        self.pending = deque()  # [payload bytes, bytes written, header written, tag, work]
+        # [address, bytes, bytes written, header written, tag, work, the tensor (kept alive until copied)]
+        self.pending = deque()
         ring.words[_WRITER_PID] = os.getpid()
 
     def post(self, tensor: torch.Tensor, tag: int, work: Work) -> None:
-        self.pending.append([_as_bytes(tensor), 0, False, tag, work])
+        self.pending.append([tensor.data_ptr(), tensor.nbytes, 0, False, tag, work, tensor])
         self.flush()
 
     def flush(self) -> None:
         ring, words = self.ring, self.ring.words
         while self.pending:
             item = self.pending[0]
-            payload, offset = item[0], item[1]
+            address, size, offset = item[0], item[1], item[2]
             free = ring.capacity - (self.written - words[_READ])
-            if not item[2]:
+            if not item[3]:
                 if free < ALIGN:
                     return
                 at = ring.header_at(self.written)
-                words[at], words[at + 1] = item[3], payload.numel()
+                words[at], words[at + 1] = item[4], size
                 self.written += ALIGN
                 free -= ALIGN
-                item[2] = True
-            remaining = payload.numel() - offset
+                item[3] = True
+            remaining = size - offset
             if remaining > free:  # a piece now, the rest when the receiver has made room
                 piece = free
                 if piece > 0:
-                    ring.copy_in(self.written, payload[offset:offset + piece])
+                    ring.copy_in(self.written, address + offset, piece)
                     self.written += piece
-                    item[1] = offset + piece
+                    item[2] = offset + piece
                 words[_WRITE] = self.written
                 return
             if remaining:
-                ring.copy_in(self.written, payload[offset:])
+                ring.copy_in(self.written, address + offset, remaining)
             self.written += _round_up(remaining)
             words[_WRITE] = self.written
             self.pending.popleft()
-            item[4].done = True
+            item[5].done = True
 
 
 class _Incoming:
@@ -169,21 +175,20 @@ class _Incoming:
         self.ring = ring
         self.me, self.peer = me, peer
         self.read = 0
-        self.current = None  # [tag, target bytes, work or None, bytes read]
-        self.posted: dict = {}  # tag -> deque of (target bytes, work)
+        self.current = None  # [tag, target tensor, its address, its bytes, work or None, bytes read]
+        self.posted: dict = {}  # tag -> deque of (target tensor, work)
         self.unexpected: dict = {}  # tag -> deque of uint8 tensors (arrived before their receive)
         ring.words[_READER_PID] = os.getpid()
 
     def post(self, tensor: torch.Tensor, tag: int, work: Work) -> None:
-        target = _as_bytes(tensor)
         early = self.unexpected.get(tag)
         if early:
             data = early.popleft()
-            self._check_size(tag, data.numel(), target.numel())
-            target.copy_(data)
+            self._check_size(tag, data.nbytes, tensor.nbytes)
+            _memmove(tensor.data_ptr(), data.data_ptr(), data.nbytes)
             work.done = True
             return
-        self.posted.setdefault(tag, deque()).append((target, work))
+        self.posted.setdefault(tag, deque()).append((tensor, work))
         self.drain()
 
     def _check_size(self, tag: int, got: int, expected: int) -> None:
@@ -205,20 +210,20 @@ class _Incoming:
                 queue = self.posted.get(tag)
                 if queue:
                     target, work = queue.popleft()
-                    self._check_size(tag, size, target.numel())
+                    self._check_size(tag, size, target.nbytes)
                 else:
                     target, work = torch.empty(size, dtype=torch.uint8), None
-                self.current = [tag, target, work, 0]
-            tag, target, work, offset = self.current
-            remaining = target.numel() - offset
+                self.current = [tag, target, target.data_ptr(), size, work, 0]
+            tag, target, address, size, work, offset = self.current
+            remaining = size - offset
             if remaining > available:  # the rest is still on its way
                 if available > 0:
-                    ring.copy_out(self.read, target[offset:offset + available])
-                    self.current[3] = offset + available
+                    ring.copy_out(self.read, address + offset, available)
+                    self.current[5] = offset + available
                     self.read += available
                 break
             if remaining:
-                ring.copy_out(self.read, target[offset:])
+                ring.copy_out(self.read, address + offset, remaining)
             self.read += _round_up(remaining)
             available -= _round_up(remaining)
             self.current = None
@@ -228,8 +233,8 @@ class _Incoming:
             queue = self.posted.get(tag)  # its receive was posted while it streamed in
             if queue:
                 late, late_work = queue.popleft()
-                self._check_size(tag, target.numel(), late.numel())
-                late.copy_(target)
+                self._check_size(tag, size, late.nbytes)
+                _memmove(late.data_ptr(), address, size)
                 late_work.done = True
             else:
                 self.unexpected.setdefault(tag, deque()).append(target)
@@ -252,7 +257,7 @@ class SharedMemoryP2P:
 
     def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> Work:
         work = Work(self)
-        self.outgoing[peer].post(tensor.contiguous(), tag, work)
+        self.outgoing[peer].post(tensor if tensor.is_contiguous() else tensor.contiguous(), tag, work)
         return work
 
     def irecv(self, tensor: torch.Tensor, peer: int, tag: int) -> Work:

@@ -123,8 +123,8 @@ def test_ring_pages_are_mapped_before_the_first_message():
     target = torch.empty_like(message)
     before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
     for position in range(0, capacity, message.numel()):
-        sender.copy_in(position, message)
-        receiver.copy_out(position, target)
+        sender.copy_in(position, message.data_ptr(), message.nbytes)
+        receiver.copy_out(position, target.data_ptr(), target.nbytes)
     faults = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
     assert torch.equal(target, message)
     assert faults < capacity // 4096 // 8, f"{faults} page faults streaming {capacity >> 20} MB through the ring"
