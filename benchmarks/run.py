@@ -14,9 +14,9 @@ file (benchmarks/gpt_model.py, untied head), split at the same block FQNs, is tr
   process, comms free, plus the SGD step (``benchmarks/stage_times.py``): each stage's own function
   with plain autograd (``tracepp.stage_costs``: F, B, I = input-gradient half, W = B - I), not tracepp's
   executor, so ideal / tracepp shows all of the runtime's overhead, the zero-bubble split's included. The
-  costs are measured right after each round's timed runs (CPU), so the ideal and the measured step see the
-  same spells of a shared machine; the ideal is the median of the rounds' (``efficiency_paired``: the median
-  of each round's ideal / tracepp);
+  costs are measured right before and right after each round's tracepp run (CPU), and their mean prices that
+  round, so the ideal and the measured step see the same spells of a drifting machine; the ideal is the median
+  of the rounds' (``efficiency_paired``: the median of each round's ideal / tracepp);
 * ``predicted``: the calibrated simulator (``tracepp.calibration``, ``benchmarks/predict.py``): the same plan with
   the stage costs times the runtime factors (tracepp's executor over the plain stage functions, per kind, measured
   with the ideal's costs), the ping-pong's latency and bandwidth on every message, and the runtime's per-action
@@ -308,7 +308,7 @@ def run_suite(cases: list, settings: Settings, device: str, threads: int, work: 
             split_error = f"{type(error).__name__}: {error}"
         systems = ["tracepp", "torch", "eager"] if device == "cpu" else ["tracepp", "eager"]
         runs = {s: [] for s in systems}
-        round_costs = []
+        round_costs, brackets = [], []
         for round_index in range(settings.rounds):
             order = systems[:2][::-1 if round_index % 2 else 1] + systems[2:]
             for system in order:
@@ -316,12 +316,20 @@ def run_suite(cases: list, settings: Settings, device: str, threads: int, work: 
                     continue
                 if system == "eager" and len(eager_runs.get(config, [])) >= settings.rounds:
                     continue  # eager does not depend on the schedule: measured with the config's first case
+                # the ideal's costs (CPU): measured right before and right after this tracepp run, the round's
+                # costs their mean, so they see the spells of a drifting machine that the run saw
+                bracket = device == "cpu" and system == "tracepp"
+                if bracket:
+                    before = _plain_costs(out_dir, case_dir, f"round{round_index}_before", threads, settings)
                 result = run_system(system, case, model_path, out_dir, case_dir, round_index, settings, device,
                                     threads)
+                if bracket:
+                    after = _plain_costs(out_dir, case_dir, f"round{round_index}_after", threads, settings)
+                    brackets.append([before, after])
+                    round_costs.append(_mean_costs([before, after]))
                 (eager_runs.setdefault(config, []) if system == "eager" else runs[system]).append(result)
-            if device == "cpu" and not split_error:  # the ideal's costs, in the same minute as this round's runs
-                round_costs.append(_plain_costs(out_dir, case_dir, f"round{round_index}", threads, settings))
         entry["round_costs"] = round_costs
+        entry["round_costs_bracket"] = brackets
         entry["tracepp"] = (_merge(runs["tracepp"], tokens) if not split_error
                             else {"status": "unsupported", "error": split_error})
         if "torch" in runs:
@@ -380,9 +388,9 @@ def _comm(cases: list, device: str, threads: int, settings: Settings, log) -> di
 
 
 def _ideal_from_round_costs(out_dir: str, entry: dict, measured: dict) -> None:
-    """Price the ideal and the prediction with the plain-autograd stage costs measured right after each round's
-    timed runs (``round_costs``), so the ideal and the measured step see the same spells of a shared machine
-    (stage costs measured a few minutes apart differ by up to 40% on it). The ideal is the median over rounds of
+    """Price the ideal and the prediction with the plain-autograd stage costs measured right before and after each
+    round's tracepp run (``round_costs``: their mean), so the ideal and the measured step see the same spells of a
+    shared machine (stage costs measured a few minutes apart differ by up to 40% on it). The ideal is the median over rounds of
     each round's simulated step; ``compute_costs`` (the predictor's) the per-key median. Without round costs
     (every measurement failed) stage_times' per-action times through the executor are used and said so."""
     from benchmarks.stage_times import ideal_step
@@ -413,6 +421,15 @@ def _ideal_from_round_costs(out_dir: str, entry: dict, measured: dict) -> None:
     paired = [i / t for i, t in zip(by_round, (entry.get("tracepp") or {}).get("round_step_s") or []) if i and t]
     if paired:  # ideal / tracepp of each round, its runs and its costs minutes apart at most
         entry["efficiency_paired"] = statistics.median(paired)
+
+
+def _mean_costs(measurements: list):
+    """The per-key mean of the stage-cost measurements that succeeded (None if none did)."""
+    found = [costs for costs in measurements if costs]
+    if not found:
+        return None
+    return {key: statistics.fmean(costs[key] for costs in found) for key in found[0]
+            if all(key in costs for costs in found)}
 
 
 def _plain_costs(out_dir: str, work: str, tag: str, threads: int, settings: Settings):

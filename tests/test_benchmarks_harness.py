@@ -141,3 +141,37 @@ def test_ideal_from_round_costs_pairs_rounds_and_skips_a_failed_one(tmp_path, mo
              "tracepp": {}, "round_costs": [None]}
     _ideal_from_round_costs(str(tmp_path), entry, {"costs": {"0,F": 9.0}})
     assert entry["ideal"]["step_time_s"] == 9.0 and "executor" in entry["costs_source"]
+
+
+def test_each_tracepp_run_is_bracketed_by_the_ideals_cost_measurements(tmp_path, monkeypatch):
+    """The ideal's stage costs of a round are measured right before and right after that round's tracepp run (not
+    after the torch and eager runs, a minute later on a drifting machine), and their per-key mean prices it."""
+    import benchmarks.run as run
+    import tracepp.driver
+
+    calls = []
+    monkeypatch.setattr(run, "_comm", lambda *args: {})
+    monkeypatch.setattr(run, "write_model_file", lambda path, config, stages: path)
+    monkeypatch.setattr(tracepp.driver, "split_model", lambda *args, **kwargs: None)
+    monkeypatch.setattr(run, "_run", lambda cmd, log, env, timeout: (False, "not run in this test", 0.0))
+
+    def fake_system(system, case, model_path, out_dir, work, round_index, settings, device, threads, *rest, **kw):
+        calls.append(f"{system}{round_index}")
+        return {"ok": True, "step_times": [1.0], "cpu_times": [], "losses": [], "memory": {}, "error": None}
+
+    def fake_costs(out_dir, work, tag, threads, settings):
+        calls.append(tag)
+        return {"0F": 1.0 if tag.endswith("before") else 3.0, "0B": 2.0}
+
+    monkeypatch.setattr(run, "run_system", fake_system)
+    monkeypatch.setattr(run, "_plain_costs", fake_costs)
+    case = run.cpu_cases(True)[0]
+    monkeypatch.setattr(run, "_merge", lambda runs, tokens: {"status": "failed", "error": "not merged in this test"})
+    report = run.run_suite([case], run.Settings(rounds=2, warmup=0, measured=1, timeout=5.0), "cpu", 1,
+                           str(tmp_path), log=lambda text: None)
+    assert calls == ["round0_before", "tracepp0", "round0_after", "torch0", "eager0",
+                     "torch1", "round1_before", "tracepp1", "round1_after", "eager1"]
+    entry = report["results"][0]
+    assert entry["round_costs"] == [{"0F": 2.0, "0B": 2.0}] * 2  # the mean of before and after
+    assert len(entry["round_costs_bracket"]) == 2
+    assert run._mean_costs([None, {"0F": 1.0}]) == {"0F": 1.0} and run._mean_costs([None, None]) is None
