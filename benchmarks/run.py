@@ -240,6 +240,8 @@ def run_system(system: str, case: Case, model_path: str, out_dir: str, work: str
               "step_times": [line["step_time_s"] for line in lines[settings.warmup:settings.warmup + settings.measured]],
               "cpu_times": [line["cpu_time_s"] for line in lines[settings.warmup:settings.warmup + settings.measured]
                             if "cpu_time_s" in line],
+              "faults": [line["minor_faults"] for line in lines[settings.warmup:settings.warmup + settings.measured]
+                         if "minor_faults" in line],
               "loadavg": load_before,
               "losses": [line["loss"] for line in lines], "memory": read_memory(memory_dir)}
     if ok and len(lines) != steps:
@@ -254,6 +256,7 @@ def _merge(runs: list, tokens: int) -> dict:
     times = [t for r in good for t in r["step_times"]]
     step = statistics.median(times)
     cpu_times = [t for r in good for t in r.get("cpu_times", [])]
+    faults = [f for r in good for f in r.get("faults", [])]
     per_rank: dict = {}
     rss_per_rank: dict = {}
     method = rss_method = None
@@ -269,6 +272,7 @@ def _merge(runs: list, tokens: int) -> dict:
             "round_step_s": [statistics.median(r["step_times"]) if r["ok"] and r["step_times"] else None
                              for r in runs],
             "cpu_time_s": statistics.median(cpu_times) if cpu_times else None,
+            "minor_faults_per_step": statistics.median(faults) if faults else None,  # tracepp's reporting rank
             "loadavg_1min": [r.get("loadavg") for r in good],
             "runs": len(good), "step_times_s": times, "min_step_time_s": min(times),
             "peak_mem_mb_per_rank": [per_rank[k] for k in sorted(per_rank)],

@@ -46,6 +46,8 @@ def test_tiny_suite_writes_every_system_and_field(tmp_path):
         assert len(part["peak_mem_mb_per_rank"]) == (1 if system == "eager" else 2)
         assert all(m > 0 for m in part["peak_mem_mb_per_rank"])  # a training step allocates activations
         assert len(part["rss_growth_mb_per_rank"]) == len(part["peak_mem_mb_per_rank"])
+    assert entry["tracepp"]["minor_faults_per_step"] >= 0  # from run.py's --metrics
+    assert len(entry["round_costs_bracket"]) == len(entry["tracepp"]["round_step_s"])  # before and after each run
     # the calibrated simulator's prediction next to the measured step (one case: its overhead is its own fit)
     prediction = entry["prediction"]
     assert prediction["status"] == "ok" and prediction["step_time_s"] > 0 and prediction["fitted"] is True

@@ -37,6 +37,7 @@ def test_residual_mlp_matches_eager(tmp_path, schedule, ranks, points):
     import json
     record = json.loads(lines[-1])
     assert {"step", "loss", "step_time_s"} <= set(record)
+    assert isinstance(record["minor_faults"], int) and record["minor_faults"] >= 0  # the step's page faults
     # the reporting (last) rank ran on its own share of the cores, or unbound where ranks outnumber them
     from tracepp.runtime.cpu_binding import cores_for
     assert record.get("cpu_cores") == cores_for(ranks - 1, ranks, os.sched_getaffinity(0))
