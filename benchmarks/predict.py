@@ -11,7 +11,7 @@ plain-autograd measurement ``tracepp.stage_costs``; if it fails, the per-action 
 function, from the same alternating rounds: ``runtime_section``, as ``tracepp calibrate`` measures them), the
 ping-pong's latency and bandwidth per rank pair on each boundary message (gloo: ops independent), the optimizer
 step per stage, and the one number ``tracepp calibrate`` fits to a measured run (``tracepp.calibrate.FIT_MODE``:
-a fixed time per action, or a delay per message), never fitted to the case it
+a delay per message, or a fixed time per action), never fitted to the case it
 predicts: for each case it is the median of the values fitted to each *other* case of the suite (leave one out). A suite of one case cannot do that and
 says so (``"fitted": true``: its "prediction" is then the fit itself).
 """
@@ -125,7 +125,7 @@ def predict_cases(entries: list, comm: dict, log=print, mode: str = None) -> Non
 def suite_calibration(entries: list, comm: dict, overhead: dict):
     """A calibration of the quick suite's model for the tuner: the cases that share one split (the 2-stage
     ones, at their several microbatch sizes) give the compute samples and the runtime factors (their median);
-    ``overhead`` per action; the comm."""
+    ``overhead`` (the fitted number, as :func:`tracepp.calibrate.overhead_of` spells it); the comm."""
     from tracepp.calibration import Calibration, folder_record, traced_microbatch
     from tracepp.manifest_file import load_manifest
 
