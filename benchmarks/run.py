@@ -19,8 +19,9 @@ file (benchmarks/gpt_model.py, untied head), split at the same block FQNs, is tr
   of the rounds' (``efficiency_paired``: the median of each round's ideal / tracepp);
 * ``predicted``: the calibrated simulator (``tracepp.calibration``, ``benchmarks/predict.py``): the same plan with
   the stage costs times the runtime factors (tracepp's executor over the plain stage functions, per kind, measured
-  with the ideal's costs), the ping-pong's latency and bandwidth on every message, and the runtime's per-action
-  overhead fitted to the *other* cases' measured steps; printed next to the measured median with the error.
+  with the ideal's costs), the ping-pong's latency and bandwidth on every message, and the one overhead number of
+  ``tracepp calibrate`` (``FIT_MODE``: a delay per message), the median of its fits to the *other* cases' measured
+  steps; printed next to the measured median with the error.
 
 ``--quick`` also benchmarks the tuner (``tracepp plan --tune``): calibrated from the suite's two-stage cases, it
 picks a plan for the same model and ranks; the pick is split, run and measured in alternation with the best
@@ -428,12 +429,12 @@ def _ideal_from_round_costs(out_dir: str, entry: dict, measured: dict) -> None:
 
 
 def _mean_costs(measurements: list):
-    """The per-key mean of the stage-cost measurements that succeeded (None if none did)."""
+    """The per-key mean of the stage-cost measurements that succeeded (None if none did): ``median_costs`` of the
+    one or two of a round's bracket."""
+    from tracepp.calibration import median_costs
+
     found = [costs for costs in measurements if costs]
-    if not found:
-        return None
-    return {key: statistics.fmean(costs[key] for costs in found) for key in found[0]
-            if all(key in costs for costs in found)}
+    return median_costs(found) if found else None
 
 
 def _plain_costs(out_dir: str, work: str, tag: str, threads: int, settings: Settings):
@@ -562,12 +563,12 @@ def format_table(report: dict) -> str:
     text = tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True)
     notes = [f"step time: median of measured steps (warm-up dropped) over alternating runs; tokens/s = "
              f"batch*seq / step time; ideal = simulated plan with each stage's plain-autograd F/B/I/W "
-             f"(tracepp.stage_costs, measured after each round; median of the rounds), comms free, + SGD step; "
+             f"(tracepp.stage_costs, measured before and after each tracepp run; median of the rounds), comms free, + SGD step; "
              f"cpu tracepp/torch: process CPU time per step of the "
              f"last stage's rank",
              "predicted = calibrated simulator: stage costs x runtime factors, ping-pong latency/bandwidth per "
-             "message, per-action "
-             "overhead fitted to the other cases (leave one out); error = (predicted - tracepp) / tracepp; noise = "
+             "message, the overhead (tracepp calibrate's fit: a delay per message by default) "
+             "fitted to the other cases (leave one out); error = (predicted - tracepp) / tracepp; noise = "
              "(max - min) / median over the rounds of tracepp's step or of the ideal priced with each round's costs, "
              "whichever moved more: an error inside it is not the model's",
              f"1-minute load average before each run: {_load_range(report)}",

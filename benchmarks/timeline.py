@@ -107,7 +107,8 @@ def summarize(path: str, calibration_path=None) -> str:
         costs = calibration.runtime_costs(calibration.stage_costs(size)) if size else {}  # as the simulator prices
         compute_s, op_s, _ = calibration.overheads()
         text += ("\ncalibrated: " + ", ".join(f"{s}{k} {v * 1000:.2f}" for (s, k), v in sorted(costs.items()))
-                 + f" ms; overhead {compute_s * 1e6:.0f} us per action, {op_s * 1e6:.0f} us per comm op")
+                 + f" ms; overhead {compute_s * 1e6:.0f} us per action, {op_s * 1e6:.0f} us per comm op, "
+                   f"{calibration.message_delay() * 1e6:.0f} us delay per message")
     return text
 
 
