@@ -61,6 +61,19 @@ def test_runtime_meter_times_w_deferred_and_right_after_its_i(tied_folder):
     assert len(meter.samples[(1, "W")]) == len(meter.samples[(1, "W_after_I")]) == 1
 
 
+def test_cost_meters_set_the_heap_thresholds_the_ranks_run_with(tied_folder, monkeypatch):
+    # Left at glibc's defaults, the executor's rounds took thousands of page faults each and the plain rounds none,
+    # so the runtime factors followed the fault count; both meters now configure the heap as run.py does.
+    from tracepp.runtime import host_memory
+    from tracepp.stage_costs import RuntimeCostMeter
+
+    configured = []
+    monkeypatch.setattr(host_memory, "configure", lambda device: configured.append(torch.device(device).type))
+    StageCallables(tied_folder, max_microbatches=1)
+    RuntimeCostMeter(tied_folder, max_microbatches=1)
+    assert configured == ["cpu", "cpu"]
+
+
 def _grads(callables, stage, mb, split=None):
     """Input and parameter gradients of one microbatch of ``stage``: one full backward, or I then W."""
     params = callables.params[stage]
