@@ -58,7 +58,9 @@ def runtime_section(entry: dict) -> dict:
     from tracepp.calibration import runtime_factors
 
     ideal = entry.get("ideal") or {}
-    plain, executor = ideal.get("costs"), ideal.get("executor_costs")
+    # the plain costs of stage_times' own rounds ("costs_stage_times" once the suite priced the ideal with the
+    # per-round costs instead): a ratio of two measurements minutes apart follows the machine, not the runtime
+    plain, executor = ideal.get("costs_stage_times") or ideal.get("costs"), ideal.get("executor_costs")
     if not plain or not executor:
         return {}
     flat = lambda costs: {key.replace(",", ""): value for key, value in costs.items()}  # noqa: E731

@@ -20,6 +20,19 @@ def test_case_noise_is_the_wider_of_the_measured_and_the_ideal_rounds():
     assert case_noise({"tracepp": {"round_step_s": [0.1]}, "ideal": {}}) is None
 
 
+def test_runtime_factors_divide_measurements_of_the_same_rounds():
+    """The executor's costs are divided by the plain costs of stage_times' own alternating rounds, not by the
+    per-round costs that replaced ``ideal.costs`` (measured minutes earlier, on another spell of the machine)."""
+    from benchmarks.predict import runtime_section
+
+    ideal = {"costs": {"0,F": 1.0, "0,B": 2.0}, "costs_stage_times": {"0,F": 2.0, "0,B": 4.0},
+             "executor_costs": {"0,F": 2.2, "0,B": 4.0}}
+    assert runtime_section({"ideal": ideal})["factors"] == pytest.approx({"F": 1.1, "B": 1.0})
+    del ideal["costs_stage_times"]  # a suite without per-round costs: the ideal's costs are stage_times' own
+    assert runtime_section({"ideal": ideal})["factors"] == pytest.approx({"F": 2.2, "B": 2.0})
+    assert runtime_section({"ideal": {"costs": ideal["costs"]}}) == {}
+
+
 def test_tiny_suite_writes_every_system_and_field(tmp_path):
     out = str(tmp_path / "results")
     command = [sys.executable, "-m", "benchmarks.run", "--tiny", "--rounds", "1", "--warmup", "1", "--steps", "10",

@@ -74,6 +74,22 @@ def test_cost_meters_set_the_heap_thresholds_the_ranks_run_with(tied_folder, mon
     assert configured == ["cpu", "cpu"]
 
 
+def test_the_plain_b_frees_its_graph_before_its_timing_ends():
+    # tracepp's executor frees a microbatch's graph inside its B (or W) action; the plain B it is compared with
+    # must pay the same, not leave it to the next untimed forward
+    import weakref
+
+    from tracepp.stage_costs import StageCostMeter
+
+    leaf = torch.randn(4, 4, requires_grad=True)
+    out = (leaf * 2).relu()
+    gone = weakref.ref(out)
+    graph = [[leaf], [out], [torch.ones(4, 4)]]
+    del out
+    StageCostMeter._backward_and_free(graph)
+    assert gone() is None and graph == [] and leaf.grad is not None
+
+
 def _grads(callables, stage, mb, split=None):
     """Input and parameter gradients of one microbatch of ``stage``: one full backward, or I then W."""
     params = callables.params[stage]
