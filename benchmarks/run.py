@@ -15,7 +15,9 @@ file (benchmarks/gpt_model.py, untied head), split at the same block FQNs, is tr
   with plain autograd (``tracepp.stage_costs``: F, B, I = input-gradient half, W = B - I), not tracepp's
   executor, so ideal / tracepp shows all of the runtime's overhead, the zero-bubble split's included. The
   costs are measured right before and right after each round's tracepp run (CPU), and their mean prices that
-  round, so the ideal and the measured step see the same spells of a drifting machine; the ideal is the median
+  round, so the ideal and the measured step see the same spells of a drifting machine; each measurement runs
+  as many copies at once as the case has ranks, one per core (the run's ranks share the cache and the memory
+  bus: a stage is 3 - 7% slower with the other core busy on the project's VM); the ideal is the median
   of the rounds' (``efficiency_paired``: the median of each round's ideal / tracepp);
 * ``predicted``: the calibrated simulator (``tracepp.calibration``, ``benchmarks/predict.py``): the same plan with
   the stage costs times the runtime factors (tracepp's executor over the plain stage functions, per kind, measured
@@ -325,11 +327,13 @@ def run_suite(cases: list, settings: Settings, device: str, threads: int, work: 
                 # costs their mean, so they see the spells of a drifting machine that the run saw
                 bracket = device == "cpu" and system == "tracepp"
                 if bracket:
-                    before = _plain_costs(out_dir, case_dir, f"round{round_index}_before", threads, settings)
+                    before = _plain_costs(out_dir, case_dir, f"round{round_index}_before", threads, settings,
+                                          case.run_ranks)
                 result = run_system(system, case, model_path, out_dir, case_dir, round_index, settings, device,
                                     threads)
                 if bracket:
-                    after = _plain_costs(out_dir, case_dir, f"round{round_index}_after", threads, settings)
+                    after = _plain_costs(out_dir, case_dir, f"round{round_index}_after", threads, settings,
+                                         case.run_ranks)
                     brackets.append([before, after])
                     round_costs.append(_mean_costs([before, after]))
                 (eager_runs.setdefault(config, []) if system == "eager" else runs[system]).append(result)
@@ -437,16 +441,38 @@ def _mean_costs(measurements: list):
     return median_costs(found) if found else None
 
 
-def _plain_costs(out_dir: str, work: str, tag: str, threads: int, settings: Settings):
-    """One plain-autograd stage cost measurement of a folder (tracepp.stage_costs, in a subprocess with the
-    suite's thread count), or None if it failed."""
-    path = os.path.join(work, f"costs_{tag}.json")
-    ok, _error, _ = _run([sys.executable, "-m", "benchmarks.predict", "--costs", out_dir, path],
-                         path + ".log", _env(threads), settings.timeout)
-    if not ok:
-        return None
-    with open(path) as handle:
-        return json.load(handle)
+def _plain_costs(out_dir: str, work: str, tag: str, threads: int, settings: Settings, copies: int = 1):
+    """The plain-autograd stage costs of a folder (tracepp.stage_costs, in subprocesses with the suite's thread
+    count), or None if every measurement failed. ``copies`` (the case's rank count) measure at once, each on
+    cores of its own where there are enough, and their per-key median is returned: a stage is timed while the
+    other cores compute too, as in the run, whose ranks share the L3 cache and the memory bus (on the project's
+    2-core VM a stage took 3 - 7% longer with the other core busy than alone)."""
+    from tracepp.calibration import median_costs
+
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    per_copy = threads if len(cores) >= copies * threads else 0
+    procs = []
+    for copy in range(copies):
+        path = os.path.join(work, f"costs_{tag}_{copy}.json")
+        mine = cores[copy * per_copy:(copy + 1) * per_copy] if per_copy else None
+        log = open(path + ".log", "w")
+        procs.append((path, log, subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.predict", "--costs", out_dir, path], stdout=log,
+            stderr=subprocess.STDOUT, env=_env(threads), start_new_session=True,
+            preexec_fn=(lambda cores=mine: os.sched_setaffinity(0, cores)) if mine else None)))
+    found = []
+    deadline = time.monotonic() + settings.timeout
+    for path, log, proc in procs:
+        try:
+            code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _stop_tree(proc)
+            code = "timeout"
+        log.close()
+        if code == 0:
+            with open(path) as handle:
+                found.append(json.load(handle))
+    return median_costs(found) if found else None
 
 
 def tune_benchmark(entries: list, comm: dict, settings: Settings, threads: int, work: str, log) -> dict:
@@ -563,7 +589,7 @@ def format_table(report: dict) -> str:
     text = tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True)
     notes = [f"step time: median of measured steps (warm-up dropped) over alternating runs; tokens/s = "
              f"batch*seq / step time; ideal = simulated plan with each stage's plain-autograd F/B/I/W "
-             f"(tracepp.stage_costs, measured before and after each tracepp run; median of the rounds), comms free, + SGD step; "
+             f"(tracepp.stage_costs, measured before and after each tracepp run, one copy per rank at once; median of the rounds), comms free, + SGD step; "
              f"cpu tracepp/torch: process CPU time per step of the "
              f"last stage's rank",
              "predicted = calibrated simulator: stage costs x runtime factors, ping-pong latency/bandwidth per "

@@ -174,7 +174,8 @@ def test_each_tracepp_run_is_bracketed_by_the_ideals_cost_measurements(tmp_path,
         calls.append(f"{system}{round_index}")
         return {"ok": True, "step_times": [1.0], "cpu_times": [], "losses": [], "memory": {}, "error": None}
 
-    def fake_costs(out_dir, work, tag, threads, settings):
+    def fake_costs(out_dir, work, tag, threads, settings, copies=1):
+        assert copies == case.run_ranks  # measured while as many cores compute as the run has ranks
         calls.append(tag)
         return {"0F": 1.0 if tag.endswith("before") else 3.0, "0B": 2.0}
 
