@@ -16,9 +16,10 @@ For each folder, in this one process:
   actions=...)`` with a single-rank action list (``F`` of every stage, then ``B`` of every stage in reverse;
   then the same with ``I``/``W``), each action timed through ``Pipeline.set_action_hook``. ``split_ratio``:
   per stage, tracepp's I + W over its own B (1.0: the split backward costs what one backward does) with the W
-  run right after its I (``W_after_I``, as interleaved-zb runs it), ``split_ratio_plain``: the same over the
-  plain-autograd B, and ``split_ratio_deferred``: with the W run after the other stages' I's instead. Printed
-  per stage.
+  run right after its I (``W_after_I``, as interleaved-zb runs it), the median over pairs of a B and the I and
+  W of the next microbatch (``RuntimeCostMeter.split_ratios``: each pair sees one spell of the machine);
+  ``split_ratio_plain``: the same over the plain-autograd B (medians, not paired), and
+  ``split_ratio_deferred``: with the W run after the other stages' I's instead (paired). Printed per stage.
 * the SGD step over each stage's parameters (a rank's is the sum over its stages).
 
 Each cost is the median over ``rounds`` x microbatches (CUDA synchronised around each). The ideal step time
@@ -80,13 +81,15 @@ def measure(out_dir: str, device: torch.device, rounds: int = 5, max_microbatche
               "rounds": rounds, "clock": clock,
               "costs_method": "plain autograd per stage (tracepp.stage_costs), W = B - I",
               "split_ratio": {}, "split_ratio_plain": {}, "split_ratio_deferred": {}}
+    paired = executor_meter.split_ratios()
     for stage in sorted({int(k.split(",")[0]) for k in executor}):
         i, w, b = (executor.get(f"{stage},{kind}") for kind in "IWB")
         after = executor.get(f"{stage},{W_AFTER_I}", w)
+        ratios = paired.get(stage, {})
         if i is not None and after is not None and b:
-            result["split_ratio"][str(stage)] = (i + after) / b
+            result["split_ratio"][str(stage)] = ratios.get(W_AFTER_I, ratios.get("W", (i + after) / b))
             result["split_ratio_plain"][str(stage)] = (i + after) / costs[f"{stage},B"]
-            result["split_ratio_deferred"][str(stage)] = (i + w) / b
+            result["split_ratio_deferred"][str(stage)] = ratios.get("W", (i + w) / b)
     return result
 
 

@@ -59,6 +59,19 @@ def test_runtime_meter_times_w_deferred_and_right_after_its_i(tied_folder):
     meter.run_round()
     assert {kind for _stage, kind in meter.samples} == {"F", "B", "I", "W", "W_after_I"}
     assert len(meter.samples[(1, "W")]) == len(meter.samples[(1, "W_after_I")]) == 1
+    ratios = meter.split_ratios()
+    assert set(ratios) == {0, 1} and all(set(r) == {"W", "W_after_I"} and min(r.values()) > 0 for r in ratios.values())
+
+
+def test_split_ratios_pair_each_b_with_the_next_microbatchs_i_and_w():
+    # known answer: a slow spell in round 1 slows B, I and W alike; per-pair ratios cancel it, medians would not
+    from tracepp.stage_costs import RuntimeCostMeter
+
+    meter = RuntimeCostMeter.__new__(RuntimeCostMeter)
+    meter.pairs, meter.after_input = [(0, 1), (2, 3)], {3}
+    meter.by_microbatch = {(0, "B", 0): [1.0, 2.0, 1.0], (0, "I", 1): [0.6, 1.2, 0.6], (0, "W", 1): [0.5, 1.0, 0.5],
+                           (0, "B", 2): [1.0, 2.0], (0, "I", 3): [0.5, 1.0], (0, "W", 3): [0.5, 1.0]}
+    assert meter.split_ratios() == {0: {"W": pytest.approx(1.1), "W_after_I": pytest.approx(1.0)}}
 
 
 def test_cost_meters_set_the_heap_thresholds_the_ranks_run_with(tied_folder, monkeypatch):

@@ -275,6 +275,7 @@ class RuntimeCostMeter:
         num_stages = len(manifest["stages"])
         available = manifest["plan"]["num_microbatches"]
         self.samples: dict = {}
+        self.by_microbatch: dict = {}  # (stage, "F"/"B"/"I"/"W", microbatch) -> one time per round
 
         def actions(mb: int, kinds: tuple) -> list:
             order = [(s, "F") for s in range(num_stages)]
@@ -301,8 +302,11 @@ class RuntimeCostMeter:
         self.batch = user_batch(self.pipe.user, 0, self.pipe.training)
         for pipe in self.pipes:
             pipe.set_action_hook(self._timed)
+        # (microbatch of a B, microbatch of the I and W timed right after it) for split_ratios
+        self.pairs = [(2 * k, 2 * k + 1) for k in range(count)] if available >= 2 else [(0, 0)]
         self.run_round()  # warm-up (allocator, lazy init), discarded
         self.samples.clear()
+        self.by_microbatch.clear()
 
     def _timed(self, text: str, run) -> None:
         _sync(self.device)
@@ -311,7 +315,9 @@ class RuntimeCostMeter:
         _sync(self.device)
         action = Action.parse(text)
         kind = W_AFTER_I if action.kind == "W" and action.mb in self.after_input else action.kind
-        self.samples.setdefault((action.stage, kind), []).append(self.timer() - start)
+        elapsed = self.timer() - start
+        self.samples.setdefault((action.stage, kind), []).append(elapsed)
+        self.by_microbatch.setdefault((action.stage, action.kind, action.mb), []).append(elapsed)
 
     def run_round(self) -> None:
         inputs, kwargs, target = self.batch
@@ -321,6 +327,23 @@ class RuntimeCostMeter:
 
     def costs(self) -> dict:
         return {f"{s},{kind}": statistics.median(v) for (s, kind), v in sorted(self.samples.items())}
+
+    def split_ratios(self) -> dict:
+        """Per stage, the executor's (I + W) / B as the median of per-pair ratios: each B next to the I and W of
+        the microbatch run right after it in the same round, so a pair sees one spell of the machine (a ratio of
+        medians over rounds moved +-10% between runs on a stage with no I, whose ratio is 1 by construction).
+        ``{stage: {"W_after_I": r, "W": r}}``: pairs whose W ran right after its own I, and deferred ones."""
+        ratios: dict = {}
+        stages = sorted({stage for stage, _kind, _mb in self.by_microbatch})
+        for stage in stages:
+            for b_mb, split_mb in self.pairs:
+                full = self.by_microbatch.get((stage, "B", b_mb), [])
+                parts = [self.by_microbatch.get((stage, kind, split_mb), []) for kind in "IW"]
+                kind = W_AFTER_I if split_mb in self.after_input else "W"
+                for b, i, w in zip(full, *parts):
+                    ratios.setdefault(stage, {}).setdefault(kind, []).append((i + w) / b)
+        return {stage: {kind: statistics.median(values) for kind, values in found.items()}
+                for stage, found in ratios.items()}
 
 
 def measure_runtime_costs(folder: str, *, device="cpu", rounds: int = 5, max_microbatches: int = 4,
