@@ -138,10 +138,14 @@ def _torchrun(nproc: int) -> list:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
 
 
-def _run(cmd: list, log_path: str, env: dict, timeout: float) -> tuple:
+def _run(cmd: list, log_path: str, env: dict, timeout: float, cores: list = None) -> tuple:
+    """Run ``cmd`` (its output to ``log_path``; on ``cores`` only, if given) within ``timeout`` seconds:
+    (ok, error, wall seconds)."""
     start = time.perf_counter()
+    pin = (lambda: os.sched_setaffinity(0, cores)) if cores else None
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                preexec_fn=pin)
         try:
             code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -447,32 +451,22 @@ def _plain_costs(out_dir: str, work: str, tag: str, threads: int, settings: Sett
     cores of its own where there are enough, and their per-key median is returned: a stage is timed while the
     other cores compute too, as in the run, whose ranks share the L3 cache and the memory bus (on the project's
     2-core VM a stage took 3 - 7% longer with the other core busy than alone)."""
-    from tracepp.calibration import median_costs
+    from concurrent.futures import ThreadPoolExecutor
 
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     per_copy = threads if len(cores) >= copies * threads else 0
-    procs = []
-    for copy in range(copies):
+
+    def measure(copy: int):
         path = os.path.join(work, f"costs_{tag}_{copy}.json")
-        mine = cores[copy * per_copy:(copy + 1) * per_copy] if per_copy else None
-        log = open(path + ".log", "w")
-        procs.append((path, log, subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.predict", "--costs", out_dir, path], stdout=log,
-            stderr=subprocess.STDOUT, env=_env(threads), start_new_session=True,
-            preexec_fn=(lambda cores=mine: os.sched_setaffinity(0, cores)) if mine else None)))
-    found = []
-    deadline = time.monotonic() + settings.timeout
-    for path, log, proc in procs:
-        try:
-            code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            _stop_tree(proc)
-            code = "timeout"
-        log.close()
-        if code == 0:
-            with open(path) as handle:
-                found.append(json.load(handle))
-    return median_costs(found) if found else None
+        ok, _error, _ = _run([sys.executable, "-m", "benchmarks.predict", "--costs", out_dir, path], path + ".log",
+                             _env(threads), settings.timeout, cores[copy * per_copy:(copy + 1) * per_copy])
+        if not ok:
+            return None
+        with open(path) as handle:
+            return json.load(handle)
+
+    with ThreadPoolExecutor(copies) as pool:
+        return _mean_costs(list(pool.map(measure, range(copies))))
 
 
 def tune_benchmark(entries: list, comm: dict, settings: Settings, threads: int, work: str, log) -> dict:

@@ -274,7 +274,6 @@ class RuntimeCostMeter:
         manifest = load_manifest(folder)
         num_stages = len(manifest["stages"])
         available = manifest["plan"]["num_microbatches"]
-        self.samples: dict = {}
         self.by_microbatch: dict = {}  # (stage, "F"/"B"/"I"/"W", microbatch) -> one time per round
 
         def actions(mb: int, kinds: tuple) -> list:
@@ -305,7 +304,6 @@ class RuntimeCostMeter:
         # (microbatch of a B, microbatch of the I and W timed right after it) for split_ratios
         self.pairs = [(2 * k, 2 * k + 1) for k in range(count)] if available >= 2 else [(0, 0)]
         self.run_round()  # warm-up (allocator, lazy init), discarded
-        self.samples.clear()
         self.by_microbatch.clear()
 
     def _timed(self, text: str, run) -> None:
@@ -314,10 +312,17 @@ class RuntimeCostMeter:
         run()
         _sync(self.device)
         action = Action.parse(text)
-        kind = W_AFTER_I if action.kind == "W" and action.mb in self.after_input else action.kind
-        elapsed = self.timer() - start
-        self.samples.setdefault((action.stage, kind), []).append(elapsed)
-        self.by_microbatch.setdefault((action.stage, action.kind, action.mb), []).append(elapsed)
+        self.by_microbatch.setdefault((action.stage, action.kind, action.mb), []).append(self.timer() - start)
+
+    @property
+    def samples(self) -> dict:
+        """``{(stage, kind): times}``: the times of every microbatch, a W of an ``after_input`` microbatch as kind
+        ``W_after_I``."""
+        found: dict = {}
+        for (stage, kind, mb), times in self.by_microbatch.items():
+            kind = W_AFTER_I if kind == "W" and mb in self.after_input else kind
+            found.setdefault((stage, kind), []).extend(times)
+        return found
 
     def run_round(self) -> None:
         inputs, kwargs, target = self.batch
