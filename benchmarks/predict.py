@@ -67,6 +67,22 @@ def runtime_section(entry: dict) -> dict:
     return {"factors": runtime_factors(flat(plain), flat(executor)), "source": "benchmarks/stage_times.py"}
 
 
+def stepwise_pairs(entry: dict) -> list:
+    """``[(costs, measured step)]`` for every paired step of a case's tracepp runs (``paired_runs``, see
+    ``benchmarks/tracepp_worker.py``): the step's time and the per-key mean of the plain-autograd stage costs its
+    own ranks measured right before and right after it (a second apart, under the run's load), so a simulated step
+    priced with them sees the same spell of the machine as the step it is compared with."""
+    from tracepp.calibration import median_costs
+
+    pairs = []
+    for paired in entry.get("paired_runs") or []:
+        rounds, steps = (paired or {}).get("rounds") or [], (paired or {}).get("step_times") or []
+        for j, step in enumerate(steps):
+            if j + 1 < len(rounds) and rounds[j] and rounds[j + 1]:
+                pairs.append((median_costs([rounds[j], rounds[j + 1]]), step))
+    return pairs
+
+
 def case_noise(entry: dict):
     """How far this machine moved during a case: the larger of the relative ranges ((max - min) / median) of the
     tracepp rounds' median steps and of the ideal priced with each round's stage costs (None with one round). A
@@ -110,17 +126,24 @@ def predict_cases(entries: list, comm: dict, log=print, mode: str = None) -> Non
                                                      runtime)).step_s
         measured = entry["tracepp"]["step_time_s"]
         noise = case_noise(entry)
+        # each paired step against the simulator priced with the costs measured around it (same overhead)
+        stepwise = [predict_folder(manifest, _calibration(manifest, _keyed(costs), entry.get("optimizer_stage_s"),
+                                                          comm, overhead, runtime)).step_s / step - 1
+                    for costs, step in stepwise_pairs(entry)]
         entry["prediction"] = {"status": "ok", "step_time_s": step, "measured_step_s": measured, "noise": noise,
                                "error": (step - measured) / measured, "overhead": overhead,
                                "overhead_mode": used_mode, "overhead_s": value, "fitted_overhead_s": own["value"],
                                "fitted_overhead_mode": own["mode"],
                                "no_overhead_step_s": own["unfitted_step_s"], "comm_free_step_s": free,
                                "fitted": not others, "costs_source": entry.get("costs_source"),
-                               "runtime_factors": runtime.get("factors", {})}
+                               "runtime_factors": runtime.get("factors", {}),
+                               "stepwise_errors": stepwise,
+                               "error_stepwise": statistics.median(stepwise) if stepwise else None}
         what = "per message" if used_mode == "delay" else "per action"
         log(f"  {entry['case']}: predicted {step * 1000:.1f} ms, measured {measured * 1000:.1f} ms "
             f"({(step - measured) / measured:+.1%}"
-            + (f"; rounds moved {noise:.0%}" if noise is not None else "") + f"); {value * 1e6:.0f} us {what} "
+            + (f"; rounds moved {noise:.0%}" if noise is not None else "")
+            + (f"; per paired step {statistics.median(stepwise):+.1%}" if stepwise else "") + f"); {value * 1e6:.0f} us {what} "
             f"({'own fit' if not others else 'median of the other cases'}; own fit {own['value'] * 1e6:.0f})")
 
 
@@ -160,17 +183,8 @@ def suite_calibration(entries: list, comm: dict, overhead: dict):
 
 
 def main(argv=None) -> int:
-    """Recompute the predictions of a results JSON whose work folder was kept (``--keep``); or, with
-    ``--costs OUT_DIR JSON``, write the plain-autograd stage costs of a folder (a subprocess of the suite, so it
-    runs with the suite's thread count)."""
+    """Recompute the predictions of a results JSON whose work folder was kept (``--keep``)."""
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "--costs":
-        from tracepp.stage_costs import measure_stage_costs
-
-        costs = measure_stage_costs(argv[1])
-        with open(argv[2], "w") as handle:
-            json.dump(costs, handle)
-        return 0
     with open(argv[0]) as handle:
         report = json.load(handle)
     entries = [e for e in report["results"] if e.get("out_dir") and os.path.isdir(e["out_dir"])]

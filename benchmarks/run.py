@@ -13,17 +13,21 @@ file (benchmarks/gpt_model.py, untied head), split at the same block FQNs, is tr
 * ``ideal``: ``codegen.simulate`` of tracepp's own plan with per-(stage, kind) compute times measured in one
   process, comms free, plus the SGD step (``benchmarks/stage_times.py``): each stage's own function
   with plain autograd (``tracepp.stage_costs``: F, B, I = input-gradient half, W = B - I), not tracepp's
-  executor, so ideal / tracepp shows all of the runtime's overhead, the zero-bubble split's included. The
-  costs are measured right before and right after each round's tracepp run (CPU), and their mean prices that
-  round, so the ideal and the measured step see the same spells of a drifting machine; each measurement runs
-  as many copies at once as the case has ranks, one per core (the run's ranks share the cache and the memory
-  bus: a stage is 3 - 7% slower with the other core busy on the project's VM); the ideal is the median
-  of the rounds' (``efficiency_paired``: the median of each round's ideal / tracepp);
+  executor, so ideal / tracepp shows all of the runtime's overhead, the zero-bubble split's included. On CPU
+  the costs are measured inside each tracepp run: after its measured steps come ``--paired-steps`` more, and
+  before and after each of them every rank times its own stages, all ranks at once between two barriers
+  (``benchmarks/tracepp_worker.py``), so a cost is measured under the run's load (the ranks share the cache and
+  the memory bus: a stage is 3 - 7% slower with the other core busy on the project's VM) a second from the step
+  it prices. The ideal is the median of the rounds' (each round priced with its run's costs; ``efficiency_paired``:
+  the median of each round's ideal / tracepp), and ``efficiency_stepwise`` the median over every paired step of
+  its ideal (priced with the costs measured around it) over its measured time: on a machine whose speed moves
+  10 - 40% within minutes, the one ratio whose two sides see the same spell;
 * ``predicted``: the calibrated simulator (``tracepp.calibration``, ``benchmarks/predict.py``): the same plan with
   the stage costs times the runtime factors (tracepp's executor over the plain stage functions, per kind, measured
   with the ideal's costs), the ping-pong's latency and bandwidth on every message, and the one overhead number of
   ``tracepp calibrate`` (``FIT_MODE``: a delay per message), the median of its fits to the *other* cases' measured
-  steps; printed next to the measured median with the error.
+  steps; printed next to the measured median with the error, and ``error_stepwise``: the median error over the
+  paired steps, each predicted with the costs measured around it.
 
 ``--quick`` also benchmarks the tuner (``tracepp plan --tune``): calibrated from the suite's two-stage cases, it
 picks a plan for the same model and ranks; the pick is split, run and measured in alternation with the best
@@ -46,6 +50,7 @@ from stage times measured on this GPU.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -61,7 +66,7 @@ from dataclasses import dataclass
 
 from benchmarks.gpt_model import GPTConfig, write_model_file
 from benchmarks.memory import MEMORY_STEPS, read_memory
-from benchmarks.predict import loadavg, predict_cases, suite_calibration
+from benchmarks.predict import loadavg, predict_cases, stepwise_pairs, suite_calibration
 
 SYSTEMS = ("tracepp", "torch", "eager")
 STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2, "interleaved-zb": 2}
@@ -87,6 +92,7 @@ class Settings:
     warmup: int
     measured: int
     timeout: float
+    paired: int = 0  # CPU: steps after the measured ones, each bracketed by in-run stage costs (tracepp_worker)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -138,14 +144,11 @@ def _torchrun(nproc: int) -> list:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
 
 
-def _run(cmd: list, log_path: str, env: dict, timeout: float, cores: list = None) -> tuple:
-    """Run ``cmd`` (its output to ``log_path``; on ``cores`` only, if given) within ``timeout`` seconds:
-    (ok, error, wall seconds)."""
+def _run(cmd: list, log_path: str, env: dict, timeout: float) -> tuple:
+    """Run ``cmd`` (its output to ``log_path``) within ``timeout`` seconds: (ok, error, wall seconds)."""
     start = time.perf_counter()
-    pin = (lambda: os.sched_setaffinity(0, cores)) if cores else None
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                preexec_fn=pin)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
             code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -220,10 +223,15 @@ def run_system(system: str, case: Case, model_path: str, out_dir: str, work: str
     metrics = os.path.join(work, tag + ".jsonl")
     memory_dir = os.path.join(work, tag + "_mem")
     log = os.path.join(work, tag + ".log")
-    steps = settings.warmup + settings.measured + MEMORY_STEPS  # the last ones: memory window, never timed
+    paired = settings.paired + 1 if system == "tracepp" and settings.paired and device == "cpu" else 0
+    first_paired = settings.warmup + settings.measured
+    steps = first_paired + paired + MEMORY_STEPS  # the last ones: memory window, never timed
+    paired_prefix = os.path.join(work, tag + "_paired")
     if system == "tracepp":
+        extra = (["--paired-steps", str(paired), "--paired-from", str(first_paired), "--paired-costs", paired_prefix]
+                 if paired else [])
         cmd = _torchrun(case.run_ranks) + ["-m", "benchmarks.tracepp_worker", out_dir, "--memory-dir", memory_dir,
-                                           "--", "--steps", str(steps), "--metrics", metrics, "--quiet",
+                                           *extra, "--", "--steps", str(steps), "--metrics", metrics, "--quiet",
                                            "--timeout", str(settings.timeout), *run_args]
     elif system == "torch":
         cmd = _torchrun(case.run_ranks) + ["-m", "benchmarks.torch_worker", "--model-file", model_path,
@@ -251,9 +259,40 @@ def run_system(system: str, case: Case, model_path: str, out_dir: str, work: str
                          if "minor_faults" in line],
               "loadavg": load_before,
               "losses": [line["loss"] for line in lines], "memory": read_memory(memory_dir)}
+    if paired:
+        result["paired"] = _read_paired(paired_prefix, case.run_ranks, out_dir,
+                                        [line["step_time_s"] for line in lines[first_paired:first_paired + paired]])
     if ok and len(lines) != steps:
         result["error"] = f"wrote {len(lines)} metric lines, expected {steps}"
     return result
+
+
+def _read_paired(prefix: str, ranks: int, out_dir: str, step_times: list) -> dict:
+    """The in-run stage costs of ``tracepp_worker --paired-steps`` (every rank's own stages, merged per round)
+    with the steps they bracket: ``{"step_times": [t_1 ..], "rounds": [costs_0, costs_1 ..], "errors": [..]}``,
+    round ``j`` measured right before step ``j + 1`` and right after step ``j``. The first paired step and its
+    first round are dropped (the first alternation of the run's steps with the meter's rounds). A round that
+    misses a stage (a rank's meter failed) is None."""
+    with open(os.path.join(out_dir, "manifest.json")) as handle:
+        stages = len(json.load(handle)["stages"])
+    per_rank, errors = [], []
+    for rank in range(ranks):
+        path = f"{prefix}.rank{rank}.json"
+        if not os.path.exists(path):
+            errors.append(f"rank {rank} wrote no {os.path.basename(path)}")
+            continue
+        with open(path) as handle:
+            found = json.load(handle)
+        per_rank.append(found["rounds"])
+        if found.get("error"):
+            errors.append(f"rank {rank}: {found['error']}")
+    rounds = []
+    for parts in zip(*per_rank) if per_rank else ():
+        merged = {}
+        for part in parts:
+            merged.update(part["costs"] or {})
+        rounds.append(merged if all(f"{s}F" in merged for s in range(stages)) else None)
+    return {"step_times": step_times[1:], "rounds": rounds[1:], "errors": errors}
 
 
 def _merge(runs: list, tokens: int) -> dict:
@@ -319,7 +358,7 @@ def run_suite(cases: list, settings: Settings, device: str, threads: int, work: 
             split_error = f"{type(error).__name__}: {error}"
         systems = ["tracepp", "torch", "eager"] if device == "cpu" else ["tracepp", "eager"]
         runs = {s: [] for s in systems}
-        round_costs, brackets = [], []
+        round_costs, paired_runs = [], []
         for round_index in range(settings.rounds):
             order = systems[:2][::-1 if round_index % 2 else 1] + systems[2:]
             for system in order:
@@ -327,22 +366,17 @@ def run_suite(cases: list, settings: Settings, device: str, threads: int, work: 
                     continue
                 if system == "eager" and len(eager_runs.get(config, [])) >= settings.rounds:
                     continue  # eager does not depend on the schedule: measured with the config's first case
-                # the ideal's costs (CPU): measured right before and right after this tracepp run, the round's
-                # costs their mean, so they see the spells of a drifting machine that the run saw
-                bracket = device == "cpu" and system == "tracepp"
-                if bracket:
-                    before = _plain_costs(out_dir, case_dir, f"round{round_index}_before", threads, settings,
-                                          case.run_ranks)
                 result = run_system(system, case, model_path, out_dir, case_dir, round_index, settings, device,
                                     threads)
-                if bracket:
-                    after = _plain_costs(out_dir, case_dir, f"round{round_index}_after", threads, settings,
-                                         case.run_ranks)
-                    brackets.append([before, after])
-                    round_costs.append(_mean_costs([before, after]))
+                if device == "cpu" and system == "tracepp":
+                    # the ideal's costs (CPU): measured by the run's own ranks between its paired steps; the
+                    # round's costs are their per-key median (the run's measured steps a few seconds before)
+                    found = (result.get("paired") or {}).get("rounds") or []
+                    round_costs.append(_mean_costs(found))
+                    paired_runs.append(result.get("paired"))
                 (eager_runs.setdefault(config, []) if system == "eager" else runs[system]).append(result)
         entry["round_costs"] = round_costs
-        entry["round_costs_bracket"] = brackets
+        entry["paired_runs"] = paired_runs
         entry["tracepp"] = (_merge(runs["tracepp"], tokens) if not split_error
                             else {"status": "unsupported", "error": split_error})
         if "torch" in runs:
@@ -401,10 +435,11 @@ def _comm(cases: list, device: str, threads: int, settings: Settings, log) -> di
 
 
 def _ideal_from_round_costs(out_dir: str, entry: dict, measured: dict) -> None:
-    """Price the ideal and the prediction with the plain-autograd stage costs measured right before and after each
-    round's tracepp run (``round_costs``: their mean), so the ideal and the measured step see the same spells of a
-    shared machine (stage costs measured a few minutes apart differ by up to 40% on it). The ideal is the median over rounds of
-    each round's simulated step; ``compute_costs`` (the predictor's) the per-key median. Without round costs
+    """Price the ideal and the prediction with the plain-autograd stage costs measured inside each round's tracepp
+    run (``round_costs``: the per-key median of its paired rounds), so the ideal and the measured step see the same
+    spells of a shared machine (stage costs measured a few minutes apart differ by up to 40% on it). The ideal is
+    the median over rounds of each round's simulated step; ``compute_costs`` (the predictor's) the per-key median;
+    ``efficiency_stepwise`` the median over the paired steps of each one's ideal / measured. Without round costs
     (every measurement failed) stage_times' per-action times through the executor are used and said so."""
     from benchmarks.stage_times import ideal_step
 
@@ -429,44 +464,27 @@ def _ideal_from_round_costs(out_dir: str, entry: dict, measured: dict) -> None:
                  costs_stage_times=ideal["costs"],
                  costs={f"{key[:-1]},{key[-1]}": value for key, value in entry["compute_costs"].items()},
                  tokens_per_s=entry["tokens_per_step"] / step,
-                 costs_method="plain autograd per stage (tracepp.stage_costs), W = B - I, measured after each "
-                              "round's timed runs; the ideal is the median of the rounds' simulated steps")
+                 costs_method="plain autograd per stage (tracepp.stage_costs), W = B - I, measured by each tracepp "
+                              "run's own ranks between its paired steps; the ideal is the median of the rounds' "
+                              "simulated steps")
     paired = [i / t for i, t in zip(by_round, (entry.get("tracepp") or {}).get("round_step_s") or []) if i and t]
     if paired:  # ideal / tracepp of each round, its runs and its costs minutes apart at most
         entry["efficiency_paired"] = statistics.median(paired)
+    # ideal / tracepp of every paired step, priced with the costs its own ranks measured around it
+    stepwise = [[ideal_step(manifest, costs, entry["optimizer_stage_s"])["ideal_step_s"], step]
+                for costs, step in stepwise_pairs(entry)]
+    if stepwise:
+        ideal["stepwise"] = stepwise
+        entry["efficiency_stepwise"] = statistics.median(i / t for i, t in stepwise)
 
 
 def _mean_costs(measurements: list):
-    """The per-key mean of the stage-cost measurements that succeeded (None if none did): ``median_costs`` of the
-    one or two of a round's bracket."""
+    """The per-key median of the stage-cost measurements that succeeded (None if none did): a round's costs from
+    its run's paired rounds."""
     from tracepp.calibration import median_costs
 
     found = [costs for costs in measurements if costs]
     return median_costs(found) if found else None
-
-
-def _plain_costs(out_dir: str, work: str, tag: str, threads: int, settings: Settings, copies: int = 1):
-    """The plain-autograd stage costs of a folder (tracepp.stage_costs, in subprocesses with the suite's thread
-    count), or None if every measurement failed. ``copies`` (the case's rank count) measure at once, each on
-    cores of its own where there are enough, and their per-key median is returned: a stage is timed while the
-    other cores compute too, as in the run, whose ranks share the L3 cache and the memory bus (on the project's
-    2-core VM a stage took 3 - 7% longer with the other core busy than alone)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    per_copy = threads if len(cores) >= copies * threads else 0
-
-    def measure(copy: int):
-        path = os.path.join(work, f"costs_{tag}_{copy}.json")
-        ok, _error, _ = _run([sys.executable, "-m", "benchmarks.predict", "--costs", out_dir, path], path + ".log",
-                             _env(threads), settings.timeout, cores[copy * per_copy:(copy + 1) * per_copy])
-        if not ok:
-            return None
-        with open(path) as handle:
-            return json.load(handle)
-
-    with ThreadPoolExecutor(copies) as pool:
-        return _mean_costs(list(pool.map(measure, range(copies))))
 
 
 def tune_benchmark(entries: list, comm: dict, settings: Settings, threads: int, work: str, log) -> dict:
@@ -502,6 +520,7 @@ def tune_benchmark(entries: list, comm: dict, settings: Settings, threads: int, 
                           hand["run_ranks"])}
     folders = {"tuned": tuned_dir, "hand": hand["out_dir"]}
     runs = {"tuned": [], "hand": []}
+    settings = dataclasses.replace(settings, paired=0)  # step times only: no in-run stage costs
     for round_index in range(settings.rounds):
         for name in (("tuned", "hand") if round_index % 2 == 0 else ("hand", "tuned")):
             case_dir = os.path.dirname(folders[name])
@@ -535,8 +554,9 @@ def _derive(entry: dict) -> None:
     entry["speedup_over_eager"] = eager / tp if tp and eager else None
     if entry["tracepp"].get("status") == "ok" and entry.get("torch", {}).get("status") == "ok":
         a, b = entry["tracepp"]["losses_first_run"], entry["torch"]["losses_first_run"]
-        entry["same_losses"] = bool(a and b and len(a) == len(b) and
-                                    all(abs(x - y) <= 1e-3 * max(1.0, abs(y)) for x, y in zip(a, b)))
+        common = min(len(a), len(b))  # tracepp's CPU runs go on for their paired steps
+        entry["same_losses"] = bool(a and b and common >= len(b) - MEMORY_STEPS and
+                                    all(abs(x - y) <= 1e-3 * max(1.0, abs(y)) for x, y in zip(a[:common], b[:common])))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -568,22 +588,26 @@ def format_table(report: dict) -> str:
                          _ms(_time(e, "tracepp")), _ms(prediction.get("step_time_s")),
                          _fmt(prediction.get("error") * 100 if prediction.get("error") is not None else None, "+.1f"),
                          _fmt(prediction.get("noise") * 100 if prediction.get("noise") is not None else None, ".0f"),
+                         _fmt(prediction.get("error_stepwise") * 100
+                              if prediction.get("error_stepwise") is not None else None, "+.1f"),
                          _ms(_time(e, "torch")), _ms(_time(e, "eager")),
                          _ms(_time(e, "ideal")), _fmt(e["tracepp"].get("tokens_per_s"), ",.0f"),
                          _fmt(e["torch"].get("tokens_per_s"), ",.0f"), _fmt(e["ratio_tracepp_over_torch"], ".2f"),
-                         _fmt(e.get("cpu_ratio_tracepp_over_torch"), ".2f"), _fmt(e["efficiency"], ".2f"), _fmt(e["tracepp"].get("peak_mem_mb"), ".0f"),
+                         _fmt(e.get("cpu_ratio_tracepp_over_torch"), ".2f"), _fmt(e["efficiency"], ".2f"),
+                         _fmt(e.get("efficiency_stepwise"), ".2f"), _fmt(e["tracepp"].get("peak_mem_mb"), ".0f"),
                          _fmt(e["torch"].get("peak_mem_mb"), ".0f"), _fmt(e["eager"].get("peak_mem_mb"), ".0f")])
     if cuda:
         headers = ["model", "GPUs", "schedule", "M", "tracepp ms", "eager ms", "ideal ms", "predicted R-GPU ms",
                    "tracepp tok/s", "ideal/tracepp", "mem tracepp MB", "mem eager MB"]
     else:
-        headers = ["model", "R", "schedule", "M", "mb size", "tracepp ms", "predicted ms", "error %", "noise %", "torch ms",
-                   "eager ms", "ideal ms", "tracepp tok/s", "torch tok/s", "tracepp/torch", "cpu tracepp/torch",
-                   "ideal/tracepp", "mem tracepp MB", "mem torch MB", "mem eager MB"]
+        headers = ["model", "R", "schedule", "M", "mb size", "tracepp ms", "predicted ms", "error %", "noise %",
+                   "step error %", "torch ms", "eager ms", "ideal ms", "tracepp tok/s", "torch tok/s", "tracepp/torch",
+                   "cpu tracepp/torch", "ideal/tracepp", "step ideal/tracepp", "mem tracepp MB", "mem torch MB",
+                   "mem eager MB"]
     text = tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True)
     notes = [f"step time: median of measured steps (warm-up dropped) over alternating runs; tokens/s = "
              f"batch*seq / step time; ideal = simulated plan with each stage's plain-autograd F/B/I/W "
-             f"(tracepp.stage_costs, measured before and after each tracepp run, one copy per rank at once; median of the rounds), comms free, + SGD step; "
+             f"(tracepp.stage_costs, measured by each tracepp run's ranks between its paired steps; median of the rounds), comms free, + SGD step; "
              f"cpu tracepp/torch: process CPU time per step of the "
              f"last stage's rank",
              "predicted = calibrated simulator: stage costs x runtime factors, ping-pong latency/bandwidth per "
@@ -591,6 +615,8 @@ def format_table(report: dict) -> str:
              "fitted to the other cases (leave one out); error = (predicted - tracepp) / tracepp; noise = "
              "(max - min) / median over the rounds of tracepp's step or of the ideal priced with each round's costs, "
              "whichever moved more: an error inside it is not the model's",
+             "step error, step ideal/tracepp: medians over the paired steps (after the measured ones), each step "
+             "priced with the stage costs its own ranks measured right before and after it",
              f"1-minute load average before each run: {_load_range(report)}",
              f"memory: max over ranks of {report.get('memory_method') or 'n/a'}",
              f"load average (1, 5, 15 min) at start {report.get('loadavg_start')}, end {report.get('loadavg_end')}"]
@@ -660,6 +686,9 @@ def parse_args(argv=None):
     parser.add_argument("--rounds", type=int, default=None, help="runs per system per case (quick 2, else 3)")
     parser.add_argument("--warmup", type=int, default=None, help="warm-up steps dropped per run (quick 2, else 3)")
     parser.add_argument("--steps", type=int, default=None, help="measured steps per run (quick 5, else 10)")
+    parser.add_argument("--paired-steps", type=int, default=None,
+                        help="CPU: steps after the measured ones, each priced with stage costs its ranks measure "
+                             "right before and after it (default 6; 0: none, the ideal from stage_times alone)")
     parser.add_argument("--filter", default=None, help="only cases whose name contains this text")
     parser.add_argument("--keep", action="store_true", help="keep the work folder (model files, outputs, logs)")
     parser.add_argument("--no-tune", action="store_true", help="--quick: skip the tuner's benchmark")
@@ -690,14 +719,16 @@ def main(argv=None) -> int:
             return 2
     quick = args.quick or args.tiny
     settings = Settings(rounds=args.rounds or (2 if quick else 3), warmup=args.warmup or (2 if quick else 3),
-                        measured=args.steps or (5 if quick else 10), timeout=300.0 if quick else 900.0)
+                        measured=args.steps or (5 if quick else 10), timeout=300.0 if quick else 900.0,
+                        paired=args.paired_steps if args.paired_steps is not None else (2 if args.tiny else 6))
     if settings.rounds * settings.measured < 10:
         print(f"note: {settings.rounds} rounds x {settings.measured} steps = fewer than 10 measured steps per system")
     started = datetime.datetime.now()
     load_start = loadavg()
     work = tempfile.mkdtemp(prefix="tracepp_bench_")
     print(f"{len(cases)} cases, {settings.rounds} rounds x ({settings.warmup} warm-up + {settings.measured} "
-          f"measured + {MEMORY_STEPS} untimed memory) steps per system, device {args.device}, work folder {work}", flush=True)
+          f"measured + {MEMORY_STEPS} untimed memory) steps per system (tracepp on CPU: + 1 + {settings.paired} "
+          f"paired), device {args.device}, work folder {work}", flush=True)
     try:
         suite = run_suite(cases, settings, args.device, args.threads, work,
                           log=lambda text: print(text, flush=True), tune=(args.quick or args.tune) and not args.no_tune)

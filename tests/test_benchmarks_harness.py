@@ -41,8 +41,8 @@ def test_tiny_suite_writes_every_system_and_field(tmp_path):
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=420, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     # the table printed, with its headers and the case's row
-    for header in ("tracepp ms", "predicted ms", "error %", "noise %", "torch ms", "eager ms", "ideal ms", "tracepp/torch",
-                   "ideal/tracepp", "mem tracepp MB"):
+    for header in ("tracepp ms", "predicted ms", "error %", "noise %", "step error %", "torch ms", "eager ms", "ideal ms",
+                   "tracepp/torch", "ideal/tracepp", "step ideal/tracepp", "mem tracepp MB"):
         assert header in result.stdout
     assert "1f1b" in result.stdout and "problems:" not in result.stdout, result.stdout
     files = glob.glob(os.path.join(out, "*_cpu.json"))
@@ -60,12 +60,17 @@ def test_tiny_suite_writes_every_system_and_field(tmp_path):
         assert all(m > 0 for m in part["peak_mem_mb_per_rank"])  # a training step allocates activations
         assert len(part["rss_growth_mb_per_rank"]) == len(part["peak_mem_mb_per_rank"])
     assert entry["tracepp"]["minor_faults_per_step"] >= 0  # from run.py's --metrics
-    assert len(entry["round_costs_bracket"]) == len(entry["tracepp"]["round_step_s"])  # before and after each run
+    # the in-run stage costs: 2 paired steps (after the first, dropped), each between two rounds of every stage
+    (paired,) = entry["paired_runs"]
+    assert paired["errors"] == [] and len(paired["step_times"]) == 2 and len(paired["rounds"]) == 3
+    assert all(set(costs) == {f"{s}{k}" for s in (0, 1) for k in "FBIW"} for costs in paired["rounds"])
+    assert len(entry["ideal"]["stepwise"]) == 2 and isinstance(entry["efficiency_stepwise"], float)
     # the calibrated simulator's prediction next to the measured step (one case: its overhead is its own fit)
     prediction = entry["prediction"]
     assert prediction["status"] == "ok" and prediction["step_time_s"] > 0 and prediction["fitted"] is True
     assert prediction["measured_step_s"] == entry["tracepp"]["step_time_s"]
     assert prediction["noise"] is None  # one round: no spread to report
+    assert len(prediction["stepwise_errors"]) == 2 and isinstance(prediction["error_stepwise"], float)
     assert "0-1" in report["comm"]["pairs"] and len(report["loadavg_start"]) == 3
     # the tuner's benchmark: its pick split, run and measured next to the best hand-picked case
     tuned = report["tuner"]
@@ -74,7 +79,7 @@ def test_tiny_suite_writes_every_system_and_field(tmp_path):
     ideal = entry["ideal"]
     assert ideal["status"] == "ok" and ideal["step_time_s"] > 0
     assert {"0,F", "0,B", "1,F", "1,B", "0,I", "0,W"} <= set(ideal["costs"])
-    # priced with the plain-autograd costs measured right after the round's runs, paired with that round
+    # priced with the plain-autograd costs measured inside the round's tracepp run, paired with that round
     assert ideal["costs_method"].startswith("plain autograd") and len(ideal["round_step_s"]) == 1
     assert ideal["round_step_s"][0] == ideal["step_time_s"] and isinstance(entry["efficiency_paired"], float)
     for key in ("ratio_tracepp_over_torch", "efficiency", "speedup_over_eager"):
@@ -151,6 +156,16 @@ def test_ideal_from_round_costs_pairs_rounds_and_skips_a_failed_one(tmp_path, mo
     assert entry["compute_costs"] == {"0F": 1.5, "0B": 1.3} and ideal["costs"] == {"0,F": 1.5, "0,B": 1.3}
     assert entry["efficiency_paired"] == (1.6 / 2.0 + 4.0 / 5.0) / 2  # rounds 0 and 2, each with its own run
     assert "round_costs" not in entry and entry["costs_source"].startswith("plain autograd")
+    assert "efficiency_stepwise" not in entry  # no paired steps
+    # paired steps: each priced with the mean of the rounds right before and after it; a missing round skips it
+    entry = {"ideal": {"step_time_s": 9.0, "costs": {"0,F": 9.0}}, "optimizer_stage_s": {}, "tokens_per_step": 100,
+             "tracepp": {"round_step_s": [2.0]}, "round_costs": [{"0F": 1.0, "0B": 1.0}],
+             "paired_runs": [{"step_times": [2.0, 4.0, 8.0], "rounds": [{"0F": 1.0, "0B": 1.0},
+                                                                        {"0F": 2.0, "0B": 1.0}, None, {"0F": 1.0}]},
+                             None]}
+    _ideal_from_round_costs(str(tmp_path), entry, {"costs": {"0,F": 9.0}})
+    assert entry["ideal"]["stepwise"] == [[2.5, 2.0]]  # step 1 and 2 border the missing round
+    assert entry["efficiency_stepwise"] == 1.25
     # every measurement failed: the executor's per-action times, said so
     entry = {"ideal": {"step_time_s": 9.0, "costs": {"0,F": 9.0}}, "optimizer_stage_s": {}, "tokens_per_step": 100,
              "tracepp": {}, "round_costs": [None]}
@@ -158,9 +173,9 @@ def test_ideal_from_round_costs_pairs_rounds_and_skips_a_failed_one(tmp_path, mo
     assert entry["ideal"]["step_time_s"] == 9.0 and "executor" in entry["costs_source"]
 
 
-def test_each_tracepp_run_is_bracketed_by_the_ideals_cost_measurements(tmp_path, monkeypatch):
-    """The ideal's stage costs of a round are measured right before and right after that round's tracepp run (not
-    after the torch and eager runs, a minute later on a drifting machine), and their per-key mean prices it."""
+def test_each_round_is_priced_with_its_own_runs_in_run_costs(tmp_path, monkeypatch):
+    """The ideal's stage costs of a round are the ones its tracepp run's ranks measured between its paired steps
+    (their per-key median), not a measurement minutes away; torch and eager runs get no paired steps."""
     import benchmarks.run as run
     import tracepp.driver
 
@@ -172,22 +187,58 @@ def test_each_tracepp_run_is_bracketed_by_the_ideals_cost_measurements(tmp_path,
 
     def fake_system(system, case, model_path, out_dir, work, round_index, settings, device, threads, *rest, **kw):
         calls.append(f"{system}{round_index}")
-        return {"ok": True, "step_times": [1.0], "cpu_times": [], "losses": [], "memory": {}, "error": None}
-
-    def fake_costs(out_dir, work, tag, threads, settings, copies=1):
-        assert copies == case.run_ranks  # measured while as many cores compute as the run has ranks
-        calls.append(tag)
-        return {"0F": 1.0 if tag.endswith("before") else 3.0, "0B": 2.0}
+        result = {"ok": True, "step_times": [1.0], "cpu_times": [], "losses": [], "memory": {}, "error": None}
+        if system == "tracepp":
+            result["paired"] = {"step_times": [1.0, 1.0], "errors": [],
+                                "rounds": [{"0F": 1.0 + round_index, "0B": 2.0}, None, {"0F": 3.0 + round_index,
+                                                                                       "0B": 2.0}]}
+        return result
 
     monkeypatch.setattr(run, "run_system", fake_system)
-    monkeypatch.setattr(run, "_plain_costs", fake_costs)
     case = run.cpu_cases(True)[0]
     monkeypatch.setattr(run, "_merge", lambda runs, tokens: {"status": "failed", "error": "not merged in this test"})
-    report = run.run_suite([case], run.Settings(rounds=2, warmup=0, measured=1, timeout=5.0), "cpu", 1,
+    report = run.run_suite([case], run.Settings(rounds=2, warmup=0, measured=1, timeout=5.0, paired=2), "cpu", 1,
                            str(tmp_path), log=lambda text: None)
-    assert calls == ["round0_before", "tracepp0", "round0_after", "torch0", "eager0",
-                     "torch1", "round1_before", "tracepp1", "round1_after", "eager1"]
+    assert calls == ["tracepp0", "torch0", "eager0", "torch1", "tracepp1", "eager1"]
     entry = report["results"][0]
-    assert entry["round_costs"] == [{"0F": 2.0, "0B": 2.0}] * 2  # the mean of before and after
-    assert len(entry["round_costs_bracket"]) == 2
+    assert entry["round_costs"] == [{"0F": 2.0, "0B": 2.0}, {"0F": 3.0, "0B": 2.0}]  # medians, the None skipped
+    assert len(entry["paired_runs"]) == 2
     assert run._mean_costs([None, {"0F": 1.0}]) == {"0F": 1.0} and run._mean_costs([None, None]) is None
+
+
+def test_read_paired_merges_ranks_and_drops_the_first_alternation(tmp_path):
+    """Each rank writes its own stages' rounds; a round is the union of the ranks' (None if a stage is missing),
+    and the first paired step with the round before it is dropped."""
+    from benchmarks.run import _read_paired
+
+    (tmp_path / "manifest.json").write_text(json.dumps({"stages": [{}, {}]}))
+    prefix = str(tmp_path / "p")
+    rounds = lambda stage, values: [{"after_step": 4 + j, "costs": None if v is None else {f"{stage}F": v}}  # noqa
+                                    for j, v in enumerate(values)]
+    (tmp_path / "p.rank0.json").write_text(json.dumps({"rounds": rounds(0, [1.0, 2.0, 3.0, 4.0]), "error": None}))
+    (tmp_path / "p.rank1.json").write_text(json.dumps({"rounds": rounds(1, [5.0, 6.0, None, 8.0]),
+                                                       "error": "RuntimeError: boom"}))
+    found = _read_paired(prefix, 2, str(tmp_path), [0.1, 0.2, 0.3])
+    assert found["step_times"] == [0.2, 0.3]
+    assert found["rounds"] == [{"0F": 2.0, "1F": 6.0}, None, {"0F": 4.0, "1F": 8.0}]
+    assert found["errors"] == ["rank 1: RuntimeError: boom"]
+    (tmp_path / "p.rank1.json").unlink()
+    found = _read_paired(prefix, 2, str(tmp_path), [0.1, 0.2, 0.3])
+    assert found["rounds"] == [None, None, None] and found["errors"] == ["rank 1 wrote no p.rank1.json"]
+
+
+def test_paired_costs_survive_a_meter_that_cannot_be_built(tmp_path):
+    """A rank whose meter fails still takes every round (and every barrier, in a run), writes the error and the
+    rounds without costs, and the run goes on."""
+    from benchmarks.tracepp_worker import PairedCosts
+
+    class FakePipeline:
+        device, precision, stage_indices = "cpu", "fp32", [0]
+
+    paired = PairedCosts(str(tmp_path / "missing"), first=3, count=2, prefix=str(tmp_path / "p"), rank=0)
+    for step in range(6):
+        paired.at_step(FakePipeline, step)
+        paired.at_step_end(FakePipeline, step)
+    found = json.loads((tmp_path / "p.rank0.json").read_text())
+    assert [r["after_step"] for r in found["rounds"]] == [2, 3, 4] and all(r["costs"] is None for r in found["rounds"])
+    assert "missing" in found["error"]

@@ -37,6 +37,17 @@ def test_stage_costs_cover_every_stage_and_kind(tied_folder, tmp_path):
     assert len(details["samples"]["1B"]) == 2 and set(details["W_autograd"]) == {"0", "1"}
 
 
+def test_stage_cost_meter_times_only_the_stages_it_is_given(tied_folder):
+    """A rank of a run times its own stages (benchmarks/tracepp_worker.py): only their keys, no W_autograd."""
+    from tracepp.stage_costs import StageCostMeter
+
+    meter = StageCostMeter(tied_folder, max_microbatches=1, stages=[1], naive_weight=False)
+    meter.run_round()
+    result = meter.result()
+    assert set(result["costs"]) == {"1F", "1B", "1I", "1W"} and result["W_autograd"] == {}
+    assert {key[0] for key in result["samples"]} == {"1"}
+
+
 def test_runtime_costs_time_the_same_kinds_through_the_executor(tied_folder):
     measured = measure_runtime_costs(tied_folder, rounds=1, max_microbatches=2)
     kinds = {f"{stage}{kind}" for stage in (0, 1) for kind in "FBIW"}

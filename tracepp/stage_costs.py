@@ -163,13 +163,17 @@ class StageCallables:
 class StageCostMeter:
     """Times rounds of every stage's F, B, I and W_autograd (see the module docstring); :meth:`result` summarises.
     Rounds can be interleaved with other measurements (``benchmarks/stage_times.py`` alternates them with the
-    same kinds through tracepp's executor, so both see the same machine)."""
+    same kinds through tracepp's executor, so both see the same machine; ``benchmarks/tracepp_worker.py``
+    with a run's own steps, each rank timing its own ``stages`` without ``naive_weight``)."""
 
     def __init__(self, folder: str, *, device="cpu", precision: str = "fp32", max_microbatches: int = 4,
-                 clock: str = "wall", step: int = 0):
+                 clock: str = "wall", step: int = 0, stages=None, naive_weight: bool = True):
         self.timer = CLOCKS[clock]
         self.clock = clock
         self.runner = StageCallables(folder, device, precision, max_microbatches, step)
+        # the stages timed (default all; a rank of a run times its own) and whether W_autograd is timed too
+        self.stages = list(range(self.runner.num_stages)) if stages is None else sorted(stages)
+        self.naive_weight = naive_weight
         self.samples: dict = {}
         self.rounds = 0
         self.run_round()  # warm-up (allocator, lazy init), dropped
@@ -207,7 +211,7 @@ class StageCostMeter:
 
     def run_round(self) -> None:
         runner, timed = self.runner, self._timed
-        for s in range(runner.num_stages):
+        for s in self.stages:
             params = runner.params[s]
             for mb in range(runner.count):
                 received, tensors, grads = timed(f"{s}F", lambda: runner.forward(s, mb))
@@ -220,7 +224,7 @@ class StageCostMeter:
                 if received:
                     timed(f"{s}I", lambda: torch.autograd.grad(tensors, received, grads, retain_graph=True,
                                                                allow_unused=True))
-                if params:
+                if params and self.naive_weight:
                     timed(f"{s}W_autograd", lambda: self._accumulate(params, torch.autograd.grad(
                         tensors, params, grads, allow_unused=True)))
                 del received, tensors, grads
@@ -230,11 +234,12 @@ class StageCostMeter:
 
     def result(self) -> dict:
         """``{"costs": {"0F": s, ...}, "W_autograd": {"0": s}, "samples": {"0F": [s, ...]},
-        "microbatches_timed": n, "rounds": r, "clock": clock}`` (medians of the rounds run so far)."""
+        "microbatches_timed": n, "rounds": r, "clock": clock}`` (medians of the rounds run so far; the timed
+        stages' keys only)."""
         runner = self.runner
         medians = {key: statistics.median(values) for key, values in self.samples.items()}
         costs, naive = {}, {}
-        for s in range(runner.num_stages):
+        for s in self.stages:
             costs[f"{s}F"] = max(medians.get(f"{s}F", NOTHING), NOTHING)
             if not runner.training:
                 continue
