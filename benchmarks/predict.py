@@ -11,8 +11,10 @@ plain-autograd measurement ``tracepp.stage_costs``; if it fails, the per-action 
 function, from the same alternating rounds: ``runtime_section``, as ``tracepp calibrate`` measures them), the
 ping-pong's latency and bandwidth per rank pair on each boundary message (gloo: ops independent), the optimizer
 step per stage, and the one number ``tracepp calibrate`` fits to a measured run (``tracepp.calibrate.FIT_MODE``:
-a delay per message, or a fixed time per action), never fitted to the case it
-predicts: for each case it is the median of the values fitted to each *other* case of the suite (leave one out). A suite of one case cannot do that and
+a fixed time per action by default), never fitted to the case it
+predicts: for each case it is the median of the values fitted to each *other* case of the suite (leave one out). A
+case with paired steps (``stepwise_pairs``) is fitted once per paired step, to the costs measured around it, and
+its value is the median of those fits. A suite of one case cannot do that and
 says so (``"fitted": true``: its "prediction" is then the fit itself).
 """
 from __future__ import annotations
@@ -97,7 +99,7 @@ def case_noise(entry: dict):
 def predict_cases(entries: list, comm: dict, log=print, mode: str = None) -> None:
     """Add ``prediction`` to every entry that has a tracepp folder, measured step and stage costs (see module doc).
     Each entry needs ``out_dir``, ``tracepp.step_time_s``, ``compute_costs`` and ``optimizer_stage_s``."""
-    from tracepp.calibrate import FIT_MODE, fit_overheads, overhead_of
+    from tracepp.calibrate import FIT_MODE, describe_overhead, fit_overheads, overhead_of
     from tracepp.calibration import predict_folder
     from tracepp.manifest_file import load_manifest
 
@@ -110,6 +112,17 @@ def predict_cases(entries: list, comm: dict, log=print, mode: str = None) -> Non
         calibration = _calibration(manifest, _keyed(entry["compute_costs"]), entry.get("optimizer_stage_s"), comm, {},
                                    runtimes[entry["case"]])
         fitted[entry["case"]] = fit_overheads(manifest, calibration, entry["tracepp"]["step_time_s"], mode=mode)
+        # with paired steps, the case's own fit is the median of one fit per paired step, each to the costs
+        # measured around that step: the step and its costs see the same spell of the machine, where the median
+        # step and the rounds' costs came from spells up to minutes apart
+        per_step = []
+        for costs, step in stepwise_pairs(entry):
+            found = fit_overheads(manifest, _calibration(manifest, _keyed(costs), entry.get("optimizer_stage_s"), comm,
+                                                         {}, runtimes[entry["case"]]), step, mode=mode)
+            if found["mode"] == mode:
+                per_step.append(found["value"])
+        if per_step:
+            fitted[entry["case"]].update(mode=mode, value=statistics.median(per_step), per_step=len(per_step))
     for entry in usable:
         manifest = load_manifest(entry["out_dir"])
         others = [fitted[e["case"]]["value"] for e in usable
@@ -133,18 +146,19 @@ def predict_cases(entries: list, comm: dict, log=print, mode: str = None) -> Non
         entry["prediction"] = {"status": "ok", "step_time_s": step, "measured_step_s": measured, "noise": noise,
                                "error": (step - measured) / measured, "overhead": overhead,
                                "overhead_mode": used_mode, "overhead_s": value, "fitted_overhead_s": own["value"],
-                               "fitted_overhead_mode": own["mode"],
+                               "fitted_overhead_mode": own["mode"], "fitted_per_step": own.get("per_step", 0),
                                "no_overhead_step_s": own["unfitted_step_s"], "comm_free_step_s": free,
                                "fitted": not others, "costs_source": entry.get("costs_source"),
                                "runtime_factors": runtime.get("factors", {}),
                                "stepwise_errors": stepwise,
                                "error_stepwise": statistics.median(stepwise) if stepwise else None}
-        what = "per message" if used_mode == "delay" else "per action"
         log(f"  {entry['case']}: predicted {step * 1000:.1f} ms, measured {measured * 1000:.1f} ms "
             f"({(step - measured) / measured:+.1%}"
             + (f"; rounds moved {noise:.0%}" if noise is not None else "")
-            + (f"; per paired step {statistics.median(stepwise):+.1%}" if stepwise else "") + f"); {value * 1e6:.0f} us {what} "
-            f"({'own fit' if not others else 'median of the other cases'}; own fit {own['value'] * 1e6:.0f})")
+            + (f"; per paired step {statistics.median(stepwise):+.1%}" if stepwise else "")
+            + f"); {describe_overhead(used_mode, value)} "
+            f"({'own fit' if not others else 'median of the other cases'}; own fit "
+            f"{describe_overhead(own['mode'], own['value'])})")
 
 
 def suite_calibration(entries: list, comm: dict, overhead: dict):

@@ -25,7 +25,7 @@ file (benchmarks/gpt_model.py, untied head), split at the same block FQNs, is tr
 * ``predicted``: the calibrated simulator (``tracepp.calibration``, ``benchmarks/predict.py``): the same plan with
   the stage costs times the runtime factors (tracepp's executor over the plain stage functions, per kind, measured
   with the ideal's costs), the ping-pong's latency and bandwidth on every message, and the one overhead number of
-  ``tracepp calibrate`` (``FIT_MODE``: a delay per message), the median of its fits to the *other* cases' measured
+  ``tracepp calibrate`` (``FIT_MODE``: a rank time per action), the median of its fits to the *other* cases' measured
   steps; printed next to the measured median with the error, and ``error_stepwise``: the median error over the
   paired steps, each predicted with the costs measured around it.
 
@@ -611,7 +611,7 @@ def format_table(report: dict) -> str:
              f"cpu tracepp/torch: process CPU time per step of the "
              f"last stage's rank",
              "predicted = calibrated simulator: stage costs x runtime factors, ping-pong latency/bandwidth per "
-             "message, the overhead (tracepp calibrate's fit: a delay per message by default) "
+             "message, the overhead (tracepp calibrate's fit: a rank time per action by default) "
              "fitted to the other cases (leave one out); error = (predicted - tracepp) / tracepp; noise = "
              "(max - min) / median over the rounds of tracepp's step or of the ideal priced with each round's costs, "
              "whichever moved more: an error inside it is not the model's",

@@ -242,3 +242,27 @@ def test_paired_costs_survive_a_meter_that_cannot_be_built(tmp_path):
     found = json.loads((tmp_path / "p.rank0.json").read_text())
     assert [r["after_step"] for r in found["rounds"]] == [2, 3, 4] and all(r["costs"] is None for r in found["rounds"])
     assert "missing" in found["error"]
+
+
+def test_a_case_with_paired_steps_is_fitted_to_them(monkeypatch):
+    """The overhead fitted to a case with paired steps is the median of one fit per paired step (each step with
+    the costs measured around it), not the fit of the median step to the rounds' costs; the other case is
+    predicted with it (leave one out) and its paired steps get their own errors."""
+    import tracepp.manifest_file
+    from benchmarks.predict import predict_cases
+    from test_calibration import _manifest
+
+    monkeypatch.setattr(tracepp.manifest_file, "load_manifest", lambda out_dir: _manifest())
+    costs = {"0F": 1.0, "0B": 2.0, "1F": 1.0, "1B": 2.0}  # 15.0 per step without overheads (1F1B, M = 4)
+    fast = {"case": "a", "out_dir": "a", "compute_costs": costs, "optimizer_stage_s": {},
+            "tracepp": {"status": "ok", "step_time_s": 30.0},  # the measured steps: another spell of the machine
+            "paired_runs": [{"step_times": [20.0, 20.0], "rounds": [costs, costs, costs]}]}
+    other = {"case": "b", "out_dir": "b", "compute_costs": costs, "optimizer_stage_s": {},
+             "tracepp": {"status": "ok", "step_time_s": 20.0},
+             "paired_runs": [{"step_times": [18.0, 22.0], "rounds": [costs, costs, costs]}]}
+    predict_cases([fast, other], {}, log=lambda text: None, mode="scale")
+    assert fast["prediction"]["fitted_overhead_s"] == pytest.approx(1 / 3, rel=1e-3)  # 15.0 * 4 / 3 = 20.0
+    assert fast["prediction"]["fitted_per_step"] == 2
+    assert other["prediction"]["overhead_s"] == pytest.approx(1 / 3, rel=1e-3)  # a's fit, not b's own
+    assert other["prediction"]["step_time_s"] == pytest.approx(20.0, rel=1e-3)
+    assert other["prediction"]["stepwise_errors"] == pytest.approx([20 / 18 - 1, 20 / 22 - 1], rel=1e-3)

@@ -235,7 +235,7 @@ def test_the_runtime_factors_scale_the_compute_of_every_prediction(tmp_path):
     assert load_calibration(str(tmp_path)).runtime_factors()["F"] == 1.5
 
 
-@pytest.mark.parametrize("mode", ["delay", "busy"])
+@pytest.mark.parametrize("mode", ["delay", "busy", "scale"])
 def test_overhead_fit_reproduces_the_measured_step(mode):
     manifest = _manifest()
     calibration = Calibration(compute=[{"microbatch_size": 4, "costs": {"0F": 1.0, "0B": 2.0, "1F": 1.0, "1B": 2.0}}],
@@ -244,9 +244,11 @@ def test_overhead_fit_reproduces_the_measured_step(mode):
     assert base == pytest.approx(15.0)  # (M + p - 1) (F + B)
     result = fit_overheads(manifest, calibration, 20.0, mode=mode)
     assert result["mode"] == mode and result["value"] > 0 and result["step_s"] == 0
-    fitted = "message_delay_s" if mode == "delay" else "compute_action_s"
+    fitted = {"delay": "message_delay_s", "busy": "compute_action_s", "scale": "compute_scale"}[mode]
     assert result[fitted] == result["value"] and calibration.overhead[fitted] == result["value"]
     assert predict_folder(manifest, calibration).step_s == pytest.approx(20.0, rel=1e-3)
+    if mode == "scale":  # every compute action 1/3 slower: the 15.0 of compute alone becomes 20.0
+        assert result["value"] == pytest.approx(1 / 3, rel=1e-3)
     result = fit_overheads(manifest, calibration, 13.0, mode=mode)  # a little faster than the model without them
     assert result["value"] == 0 and result["step_s"] == pytest.approx(-2.0)
     result = fit_overheads(manifest, calibration, 0.015, mode=mode)  # costs of another machine: not fitted

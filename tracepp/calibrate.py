@@ -22,11 +22,12 @@ Three parts (the file's sections, see ``tracepp.calibration``):
    its own (``W_after_I``; the simulator uses it for the W's a plan runs there). ``--no-runtime`` (or ``--costs``)
    leaves them at 1.
 3. **overhead**: a short run of the folder itself (``torchrun ... OUT/run.py --steps K --metrics``); one number
-   is fitted so that the simulator's step time equals the measured median: by default (``--overhead delay``) a
-   delay added to every message beyond the ping-pong's latency (idle time: a receiver busy computing sees the
-   message late; on shared CPU cores the process that waits gets its time slice late), or (``busy``) the
-   runtime's fixed cost per compute action and per comm op (rank time). If the prediction without it is already
-   slower, what is left is a small negative per-step term. ``--no-fit`` leaves it at 0.
+   is fitted so that the simulator's step time equals the measured median: by default (``--overhead busy``) the
+   runtime's fixed cost per compute action and per comm op (rank time), or (``delay``) a delay added to every
+   message beyond the ping-pong's latency (idle time: a receiver busy computing sees the message late; on shared
+   CPU cores the process that waits gets its time slice late), or (``scale``) the fraction by which every compute
+   action is slower in the run than its measured cost. If the prediction without it is already slower, what is
+   left is a small negative per-step term. ``--no-fit`` leaves it at 0.
 
 And how far the machine's own speed moved while it was measured (the file's ``noise``): the spread of the plan's
 comm-free step priced with each repeat of the stage costs, and the interquartile spread of the calibration run's
@@ -49,12 +50,14 @@ from tracepp.calibration import (Calibration, folder_record, interquartile_fract
 # no --costs file is given; the name is looked up at call time, so the module may arrive later.
 WARMUP_STEPS = 3
 MAX_NEGATIVE_STEP_FRACTION = 0.2  # a prediction above the measured step by more than this is not fitted
-# What the one fitted number is (see overhead_of): a "delay" per message. Chosen on nine CPU quick suites on two
-# machines (36 case runs, leave-one-out, stage costs scaled by the runtime factors): 30 within 10%, median error
-# 5.3%, worst 26.8% with "delay"; 27, 6.7% and 30.8% with "busy" per action, which charges zero-bubble plans for
-# their extra W actions (README "Benchmarks")
-FIT_MODES = ("delay", "busy")
-FIT_MODE = "delay"
+# What the one fitted number is (see overhead_of): "busy", a rank time per compute action and comm op. Chosen on
+# three CPU quick suites with paired steps (12 cases, each paired step priced with stage costs its own ranks measured
+# a second before and after it, the number fitted per step and used leave-one-out): 12 within 10%, median error
+# 3.1%, worst 9.1% with "busy"; 10, 3.7% and 16.3% with a "delay" per message; 11, 1.9% and 13.8% with "scale".
+# Nine earlier suites without paired steps (their steps and costs minutes apart) had put "delay" ahead, 30 of 36
+# within 10% against 27, inside that pairing's noise (README "Benchmarks")
+FIT_MODES = ("delay", "busy", "scale")
+FIT_MODE = "busy"
 REPEATS = 3  # plain-autograd stage-cost measurements (their median is used; their spread is recorded as noise)
 NOISE_WARNING = 0.10  # a machine whose speed moved more than this while calibrating is named in a warning
 
@@ -177,12 +180,23 @@ def compute_entries(manifest: dict, costs_paths: list) -> list:
 def overhead_of(mode: str, value: float, step_s: float = 0.0) -> dict:
     """The ``overhead`` section for one fitted number: ``"delay"``: seconds added to every message (a receiver
     that is busy computing, on CPUs another process's time slice, takes that long to see it: idle time, which
-    other work may fill); ``"busy"``: seconds of rank time per compute action and per comm op."""
+    other work may fill); ``"busy"``: seconds of rank time per compute action and per comm op; ``"scale"``: the
+    fraction by which every compute action of the run is slower than its measured cost (``compute_scale``)."""
     if mode == "delay":
         return {"compute_action_s": 0.0, "comm_op_s": 0.0, "message_delay_s": value, "step_s": step_s}
     if mode == "busy":
         return {"compute_action_s": value, "comm_op_s": value, "message_delay_s": 0.0, "step_s": step_s}
+    if mode == "scale":
+        return {"compute_action_s": 0.0, "comm_op_s": 0.0, "message_delay_s": 0.0, "compute_scale": value,
+                "step_s": step_s}
     raise ValueError(f"overhead mode {mode!r}: use one of {', '.join(FIT_MODES)}")
+
+
+def describe_overhead(mode: str, value: float) -> str:
+    """The fitted number in words: "120 us per action", "900 us per message" or "+9.0% per compute action"."""
+    if mode == "scale":
+        return f"{value:+.1%} per compute action"
+    return f"{value * 1e6:.0f} us " + ("per message" if mode == "delay" else "per action")
 
 
 def fit_overheads(manifest: dict, calibration: Calibration, measured_step_s: float, precision: str = "fp32",
@@ -216,7 +230,8 @@ def fit_overheads(manifest: dict, calibration: Calibration, measured_step_s: flo
                 high = middle
         result = overhead_of(mode, (low + high) / 2)
     calibration.overhead = dict(result, mode=mode)
-    result.update(mode=mode, value=result["message_delay_s"] if mode == "delay" else result["compute_action_s"],
+    value = {"delay": "message_delay_s", "busy": "compute_action_s", "scale": "compute_scale"}[mode]
+    result.update(mode=mode, value=result[value],
                   unfitted_step_s=base, measured_step_s=measured_step_s)
     return result
 
@@ -281,9 +296,8 @@ def calibrate(out_dir: str, costs_paths: Optional[list] = None, comm_path: Optio
         calibration.overhead.update(source=f"fitted to {len(times[WARMUP_STEPS:] or times)} steps of this folder "
                                            f"(median {measured * 1000:.1f} ms; {WARMUP_STEPS} warm-up steps dropped)",
                                     measured_step_s=measured, unfitted_step_s=result["unfitted_step_s"])
-        what = "per message" if result["mode"] == "delay" else "per action"
         log(f"  measured step {measured * 1000:.1f} ms, simulated without overheads "
-            f"{result['unfitted_step_s'] * 1000:.1f} ms: {result['value'] * 1e6:.0f} us {what}"
+            f"{result['unfitted_step_s'] * 1000:.1f} ms: {describe_overhead(result['mode'], result['value'])}"
             + (f", {result['step_s'] * 1000:.1f} ms per step" if result["step_s"] else ""))
         if result["unfitted_step_s"] > measured * (1 + MAX_NEGATIVE_STEP_FRACTION):
             note = (f"the stage costs alone predict {result['unfitted_step_s'] * 1000:.1f} ms, more than the measured "

@@ -140,9 +140,10 @@ class Calibration:
         (:meth:`runtime_factors`), with a ``(stage, "W_after_I")`` entry per W where that factor was measured
         (the simulator prices a W that directly follows its own I with it: ``runtime.replay.cost_of``)."""
         factors = self.runtime_factors()
-        priced = {(stage, kind): seconds * factors.get(kind, 1.0) for (stage, kind), seconds in costs.items()}
+        scale = 1.0 + float(self.overhead.get("compute_scale", 0.0))  # the fitted "scale" overhead, if any
+        priced = {(stage, kind): seconds * factors.get(kind, 1.0) * scale for (stage, kind), seconds in costs.items()}
         if W_AFTER_I in factors:
-            priced.update({(stage, W_AFTER_I): seconds * factors[W_AFTER_I]
+            priced.update({(stage, W_AFTER_I): seconds * factors[W_AFTER_I] * scale
                            for (stage, kind), seconds in costs.items() if kind == "W"})
         return priced
 

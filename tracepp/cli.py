@@ -8,7 +8,7 @@
     tracepp plan out/ [--svg plan.svg] [--trace plan.json] [--costs measured.json] [--calibrate]
                       [--tune [--memory-limit 20GB] [--top K] [--apply]]
     tracepp calibrate out/ [--costs COSTS.json ...] [--comm COMM.json | --nproc N] [--fit-steps K | --no-fit]
-                      [--repeats R] [--no-runtime] [--overhead delay|busy]
+                      [--repeats R] [--no-runtime] [--overhead busy|delay|scale]
 """
 from __future__ import annotations
 
@@ -306,9 +306,9 @@ def _add_calibrate_options(parser, in_plan: bool) -> None:
     parser.add_argument("--no-runtime", action="store_true",
                         help=prefix + "skip timing the stages through tracepp's executor against the stage functions "
                                       "alone (the runtime factors; then 1)")
-    parser.add_argument("--overhead", default=None, choices=["delay", "busy"],
-                        help=prefix + "what the calibration run fits: a delay per message (delay, default) or a "
-                                      "fixed rank time per action (busy)")
+    parser.add_argument("--overhead", default=None, choices=["delay", "busy", "scale"],
+                        help=prefix + "what the calibration run fits: a fixed rank time per action (busy, default), "
+                                      "a delay per message (delay) or a slowdown of every compute action (scale)")
 
 
 def main(argv=None) -> int:
