@@ -71,18 +71,12 @@ def runtime_section(entry: dict) -> dict:
 
 def stepwise_pairs(entry: dict) -> list:
     """``[(costs, measured step)]`` for every paired step of a case's tracepp runs (``paired_runs``, see
-    ``benchmarks/tracepp_worker.py``): the step's time and the per-key mean of the plain-autograd stage costs its
-    own ranks measured right before and right after it (a second apart, under the run's load), so a simulated step
-    priced with them sees the same spell of the machine as the step it is compared with."""
-    from tracepp.calibration import median_costs
+    ``tracepp.paired_costs``): the step's time and the per-key mean of the plain-autograd stage costs its own ranks
+    measured right before and right after it (a second apart, under the run's load), so a simulated step priced
+    with them sees the same spell of the machine as the step it is compared with."""
+    from tracepp.paired_costs import bracketed
 
-    pairs = []
-    for paired in entry.get("paired_runs") or []:
-        rounds, steps = (paired or {}).get("rounds") or [], (paired or {}).get("step_times") or []
-        for j, step in enumerate(steps):
-            if j + 1 < len(rounds) and rounds[j] and rounds[j + 1]:
-                pairs.append((median_costs([rounds[j], rounds[j + 1]]), step))
-    return pairs
+    return [pair for paired in entry.get("paired_runs") or [] for pair in bracketed(paired)]
 
 
 def case_noise(entry: dict):

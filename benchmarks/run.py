@@ -268,31 +268,12 @@ def run_system(system: str, case: Case, model_path: str, out_dir: str, work: str
 
 
 def _read_paired(prefix: str, ranks: int, out_dir: str, step_times: list) -> dict:
-    """The in-run stage costs of ``tracepp_worker --paired-steps`` (every rank's own stages, merged per round)
-    with the steps they bracket: ``{"step_times": [t_1 ..], "rounds": [costs_0, costs_1 ..], "errors": [..]}``,
-    round ``j`` measured right before step ``j + 1`` and right after step ``j``. The first paired step and its
-    first round are dropped (the first alternation of the run's steps with the meter's rounds). A round that
-    misses a stage (a rank's meter failed) is None."""
+    """A tracepp run's in-run stage costs (``tracepp.paired_costs.read_paired``) with its paired steps."""
+    from tracepp.paired_costs import read_paired
+
     with open(os.path.join(out_dir, "manifest.json")) as handle:
         stages = len(json.load(handle)["stages"])
-    per_rank, errors = [], []
-    for rank in range(ranks):
-        path = f"{prefix}.rank{rank}.json"
-        if not os.path.exists(path):
-            errors.append(f"rank {rank} wrote no {os.path.basename(path)}")
-            continue
-        with open(path) as handle:
-            found = json.load(handle)
-        per_rank.append(found["rounds"])
-        if found.get("error"):
-            errors.append(f"rank {rank}: {found['error']}")
-    rounds = []
-    for parts in zip(*per_rank) if per_rank else ():
-        merged = {}
-        for part in parts:
-            merged.update(part["costs"] or {})
-        rounds.append(merged if all(f"{s}F" in merged for s in range(stages)) else None)
-    return {"step_times": step_times[1:], "rounds": rounds[1:], "errors": errors}
+    return read_paired(prefix, ranks, stages, step_times)
 
 
 def _merge(runs: list, tokens: int) -> dict:

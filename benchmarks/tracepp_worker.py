@@ -11,72 +11,21 @@ shared-gradient sync and optimizer step; see benchmarks/memory.py), and ``regist
 window when the last step ends, so nothing run.py does after its loop (``--save``'s gather) is counted. Each
 costs one Python call per step and neither touches the timed code.
 
-``--paired-steps P --paired-from S --paired-costs PREFIX`` (CPU suites): after step ``S - 1`` and after each of
-the ``P`` steps from ``S`` on, every rank times its own stages with plain autograd (``tracepp.stage_costs``'
-``StageCostMeter``: F, B, I, no executor) between two barriers, all ranks at once, as they compute during a step;
-each rank writes its rounds to ``PREFIX.rank<r>.json``. Each of those steps is then bracketed by stage costs
-measured a second before and after it, on the same processes under the same load: ``benchmarks/run.py`` prices
-the schedule's ideal and the calibrated simulator per step with them. The measurements run in the step-end hook,
-after a step's timing; steps before ``S`` are not touched.
+``--paired-steps P --paired-from S --paired-costs PREFIX`` (CPU suites): ``tracepp.paired_costs``' in-run stage
+costs: after step ``S - 1`` and after each of the ``P`` steps from ``S`` on, every rank times its own stages with
+plain autograd, all ranks at once between two barriers, in the step-end hook after the step's timing; each rank
+writes ``PREFIX.rank<r>.json``. ``benchmarks/run.py`` prices the schedule's ideal and checks the calibrated
+simulator per paired step with them. Steps before ``S`` are not touched.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import runpy
 import sys
 
 from benchmarks.memory import PeakMemory, write_memory
-
-
-class PairedCosts:
-    """The in-run stage-cost rounds of ``--paired-steps`` (see the module docstring). Every rank takes part in
-    every barrier whatever its meter does, so a meter that fails (its error is written) cannot hang the run."""
-
-    def __init__(self, out_dir: str, first: int, count: int, prefix: str, rank: int):
-        self.out_dir, self.first, self.count, self.rank = out_dir, first, count, rank
-        self.path = f"{prefix}.rank{rank}.json"
-        self.meter, self.rounds, self.error = None, [], None
-
-    def at_step(self, pipeline, step: int) -> None:
-        """Before the first (warm-up) step: build the meter, so its copy of the stages and its warm-up round are
-        in the heap before the run settles (built right before the paired steps, it cost the next steps 150 -
-        1,500 page faults and up to 15% of their time)."""
-        if step != 0 or self.meter is not None or self.error is not None:
-            return
-        try:
-            from tracepp.stage_costs import StageCostMeter
-
-            self.meter = StageCostMeter(self.out_dir, device=pipeline.device, precision=pipeline.precision,
-                                        stages=pipeline.stage_indices, naive_weight=False)
-        except Exception as error:  # reported in the file; the run goes on
-            self.error = f"{type(error).__name__}: {error}"
-
-    def at_step_end(self, pipeline, step: int) -> None:
-        if not self.first - 1 <= step < self.first + self.count:
-            return
-        import torch.distributed as dist
-
-        distributed = dist.is_available() and dist.is_initialized()
-        if distributed:
-            dist.barrier()  # every rank measures at once, as every rank computes during a step
-        costs = None
-        if self.meter is not None:
-            try:
-                self.meter.samples.clear()
-                self.meter.run_round()
-                costs = self.meter.result()["costs"]
-            except Exception as error:
-                self.error, self.meter = f"{type(error).__name__}: {error}", None
-        self.rounds.append({"after_step": step, "costs": costs})
-        if distributed:
-            dist.barrier()  # the next step starts on every rank together, none still measuring
-        if step == self.first + self.count - 1:
-            self.meter = None  # its copy of the stages goes before the untimed memory steps
-            with open(self.path, "w") as handle:
-                json.dump({"rank": self.rank, "stages": list(pipeline.stage_indices), "rounds": self.rounds,
-                           "error": self.error}, handle)
+from tracepp.paired_costs import PairedCosts
 
 
 def main() -> None:
@@ -124,8 +73,7 @@ def main() -> None:
             parser.error("--paired-steps needs --paired-from and --paired-costs")
         paired = PairedCosts(out_dir, args.paired_from, args.paired_steps, os.path.abspath(args.paired_costs),
                              int(os.environ.get("RANK", "0")))
-        tracepp_runtime.register_step_hook(paired.at_step)
-        tracepp_runtime.register_step_end_hook(paired.at_step_end)
+        paired.register(tracepp_runtime)
     sys.argv = [os.path.join(out_dir, "run.py")] + rest
     runpy.run_path(os.path.join(out_dir, "run.py"), run_name="__main__")
     if state["memory"] is not None:

@@ -206,44 +206,6 @@ def test_each_round_is_priced_with_its_own_runs_in_run_costs(tmp_path, monkeypat
     assert run._mean_costs([None, {"0F": 1.0}]) == {"0F": 1.0} and run._mean_costs([None, None]) is None
 
 
-def test_read_paired_merges_ranks_and_drops_the_first_alternation(tmp_path):
-    """Each rank writes its own stages' rounds; a round is the union of the ranks' (None if a stage is missing),
-    and the first paired step with the round before it is dropped."""
-    from benchmarks.run import _read_paired
-
-    (tmp_path / "manifest.json").write_text(json.dumps({"stages": [{}, {}]}))
-    prefix = str(tmp_path / "p")
-    rounds = lambda stage, values: [{"after_step": 4 + j, "costs": None if v is None else {f"{stage}F": v}}  # noqa
-                                    for j, v in enumerate(values)]
-    (tmp_path / "p.rank0.json").write_text(json.dumps({"rounds": rounds(0, [1.0, 2.0, 3.0, 4.0]), "error": None}))
-    (tmp_path / "p.rank1.json").write_text(json.dumps({"rounds": rounds(1, [5.0, 6.0, None, 8.0]),
-                                                       "error": "RuntimeError: boom"}))
-    found = _read_paired(prefix, 2, str(tmp_path), [0.1, 0.2, 0.3])
-    assert found["step_times"] == [0.2, 0.3]
-    assert found["rounds"] == [{"0F": 2.0, "1F": 6.0}, None, {"0F": 4.0, "1F": 8.0}]
-    assert found["errors"] == ["rank 1: RuntimeError: boom"]
-    (tmp_path / "p.rank1.json").unlink()
-    found = _read_paired(prefix, 2, str(tmp_path), [0.1, 0.2, 0.3])
-    assert found["rounds"] == [None, None, None] and found["errors"] == ["rank 1 wrote no p.rank1.json"]
-
-
-def test_paired_costs_survive_a_meter_that_cannot_be_built(tmp_path):
-    """A rank whose meter fails still takes every round (and every barrier, in a run), writes the error and the
-    rounds without costs, and the run goes on."""
-    from benchmarks.tracepp_worker import PairedCosts
-
-    class FakePipeline:
-        device, precision, stage_indices = "cpu", "fp32", [0]
-
-    paired = PairedCosts(str(tmp_path / "missing"), first=3, count=2, prefix=str(tmp_path / "p"), rank=0)
-    for step in range(6):
-        paired.at_step(FakePipeline, step)
-        paired.at_step_end(FakePipeline, step)
-    found = json.loads((tmp_path / "p.rank0.json").read_text())
-    assert [r["after_step"] for r in found["rounds"]] == [2, 3, 4] and all(r["costs"] is None for r in found["rounds"])
-    assert "missing" in found["error"]
-
-
 def test_a_case_with_paired_steps_is_fitted_to_them(monkeypatch):
     """The overhead fitted to a case with paired steps is the median of one fit per paired step (each step with
     the costs measured around it), not the fit of the median step to the rounds' costs; the other case is

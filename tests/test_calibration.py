@@ -308,7 +308,7 @@ def test_calibrate_repeats_the_stage_costs_around_the_run_and_records_the_noise(
     monkeypatch.setattr(calibrate_module, "measured_runtime_costs", runtime)
     monkeypatch.setattr(calibrate_module, "run_folder", run)
     lines = []
-    calibrate_module.calibrate(str(tmp_path), skip_comm=True, fit_steps=9, log=lines.append)
+    calibrate_module.calibrate(str(tmp_path), skip_comm=True, fit_steps=9, paired_steps=0, log=lines.append)
     assert calls == ["costs", "costs", "runtime", "run", "costs"]
     calibration = load_calibration(str(tmp_path))
     assert calibration.compute[0]["costs"] == base  # the median of 1.2, 1.0 and 0.9 times the costs
@@ -381,3 +381,32 @@ def test_segment_table_counts_the_gradient_tensors_a_cut_sends_back(tmp_path):
             for s in manifest["segments"]}
     assert cuts["mid1"] == (1, 1, 96, 96)  # h0 only
     assert cuts["mid2"] == (2, 2, 192, 192)  # h0 (the skip) and h1
+
+
+def test_calibrate_fits_the_overhead_per_paired_step(tmp_path, monkeypatch):
+    """With paired steps, the overhead is the median of one fit per paired step, each to the stage costs measured
+    around it, not the fit of the run's median step (here measured in a slower spell) to costs measured apart."""
+    import tracepp.calibrate as calibrate_module
+    import tracepp.manifest_file as manifest_file
+
+    manifest = _manifest()
+    monkeypatch.setattr(manifest_file, "load_manifest", lambda path: manifest)
+    base = {"0F": 1.0, "0B": 2.0, "1F": 1.0, "1B": 2.0}  # 15 s per step without overheads (1F1B, M = 4)
+    monkeypatch.setattr(calibrate_module, "measured_stage_costs", lambda out_dir: dict(base))
+    double = {key: 2 * value for key, value in base.items()}  # a slower spell: 30 s without overheads
+
+    def run(out_dir, steps, nproc, paired_steps, num_stages):
+        assert (steps, paired_steps, num_stages) == (6, 3, 2)
+        paired = {"step_times": [40.0, 40.0, 40.0], "rounds": [double] * 4, "errors": []}
+        return [50.0] * 6, paired  # the run's median: 50 s, against 15 s from the costs measured apart
+
+    monkeypatch.setattr(calibrate_module, "run_folder_paired", run)
+    lines = []
+    calibration = calibrate_module.calibrate(str(tmp_path), skip_comm=True, fit_steps=6, paired_steps=3,
+                                             runtime=False, mode="scale", log=lines.append)
+    # each paired step: 40 s against 30 s simulated with its own costs, a third slower; not 50 / 15 - 1
+    assert calibration.overhead["compute_scale"] == pytest.approx(1 / 3, rel=1e-3)
+    assert calibration.overhead["paired_fits"] == pytest.approx([1 / 3] * 3, rel=1e-3)
+    assert "paired step" in calibration.overhead["source"] and calibration.overhead["measured_step_s"] == 50.0
+    assert any("the median of 3 paired steps' fits" in line for line in lines), lines
+    assert load_calibration(str(tmp_path)).overhead["compute_scale"] == pytest.approx(1 / 3, rel=1e-3)

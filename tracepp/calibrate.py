@@ -27,7 +27,11 @@ Three parts (the file's sections, see ``tracepp.calibration``):
    message beyond the ping-pong's latency (idle time: a receiver busy computing sees the message late; on shared
    CPU cores the process that waits gets its time slice late), or (``scale``) the fraction by which every compute
    action is slower in the run than its measured cost. If the prediction without it is already slower, what is
-   left is a small negative per-step term. ``--no-fit`` leaves it at 0.
+   left is a small negative per-step term. ``--no-fit`` leaves it at 0. The run then goes on for
+   ``--paired-steps`` (default 6) more steps, each between two rounds of stage costs its own ranks measure in the
+   run (``tracepp.paired_costs``); the number is fitted to each of those steps with the costs measured around it,
+   and their median is kept (the run's median step and the stage costs measured apart can see spells of a shared
+   machine 10 - 40% apart; a paired step and its costs see the same one).
 
 And how far the machine's own speed moved while it was measured (the file's ``noise``): the spread of the plan's
 comm-free step priced with each repeat of the stage costs, and the interquartile spread of the calibration run's
@@ -49,6 +53,7 @@ from tracepp.calibration import (Calibration, folder_record, interquartile_fract
 # The plain-autograd stage timing (branch perf): ``measure_stage_costs(folder, ...) -> {"0F": s, ...}``. Used when
 # no --costs file is given; the name is looked up at call time, so the module may arrive later.
 WARMUP_STEPS = 3
+PAIRED_STEPS = 6  # steps of the calibration run priced with the stage costs measured around each (paired_costs)
 MAX_NEGATIVE_STEP_FRACTION = 0.2  # a prediction above the measured step by more than this is not fitted
 # What the one fitted number is (see overhead_of): "busy", a rank time per compute action and comm op. Chosen on
 # three CPU quick suites with paired steps (12 cases, each paired step priced with stage costs its own ranks measured
@@ -109,6 +114,44 @@ def run_folder(out_dir: str, steps: int, nproc: int, timeout: float = 600.0, thr
         _run(cmd, timeout, f"the calibration run of {out_dir}", _env(threads))
         with open(metrics) as handle:
             return [json.loads(line)["step_time_s"] for line in handle if line.strip()]
+
+
+def run_folder_paired(out_dir: str, steps: int, nproc: int, paired_steps: int, num_stages: int,
+                      timeout: float = 600.0, threads: Optional[int] = 1) -> tuple:
+    """:func:`run_folder` for ``steps`` steps, then ``paired_steps`` more (after one to settle), each between two
+    rounds of in-run stage costs (``tracepp.paired_costs``): (the first ``steps`` step times, the paired steps
+    with their costs as ``tracepp.paired_costs.read_paired`` gives them)."""
+    from tracepp.paired_costs import read_paired
+
+    with tempfile.TemporaryDirectory(prefix="tracepp_fit_") as work:
+        metrics, prefix = os.path.join(work, "metrics.jsonl"), os.path.join(work, "paired")
+        cmd = torchrun(nproc) + ["-m", "tracepp.paired_costs", out_dir, "--paired-from", str(steps),
+                                 "--paired-steps", str(paired_steps + 1), "--prefix", prefix, "--",
+                                 "--steps", str(steps + paired_steps + 1), "--metrics", metrics, "--quiet"]
+        _run(cmd, timeout, f"the calibration run of {out_dir}", _env(threads))
+        with open(metrics) as handle:
+            times = [json.loads(line)["step_time_s"] for line in handle if line.strip()]
+        return times[:steps], read_paired(prefix, nproc, num_stages, times[steps:])
+
+
+def fit_paired(manifest: dict, calibration: Calibration, paired: dict, precision: str = "fp32",
+               mode: Optional[str] = None) -> list:
+    """The overhead fitted to each paired step (``tracepp.paired_costs.bracketed``) with the stage costs measured
+    around it in place of the calibration's: ``[(value, measured step, simulated step without overheads)]`` of the
+    fits in ``mode`` (those that fell back to another mode are left out)."""
+    import copy
+
+    from tracepp.paired_costs import bracketed
+
+    mode = mode or FIT_MODE
+    values = []
+    for costs, step in bracketed(paired):
+        trial = copy.deepcopy(calibration)
+        trial.compute = [{"microbatch_size": traced_microbatch(manifest), "costs": dict(costs)}]
+        found = fit_overheads(manifest, trial, step, precision, mode)
+        if found["mode"] == mode:
+            values.append((found["value"], step, found["unfitted_step_s"]))
+    return values
 
 
 def _on_rank_device(measure, out_dir: str):
@@ -239,7 +282,7 @@ def fit_overheads(manifest: dict, calibration: Calibration, measured_step_s: flo
 def calibrate(out_dir: str, costs_paths: Optional[list] = None, comm_path: Optional[str] = None,
               nproc: Optional[int] = None, fit_steps: int = 12, fit: bool = True, skip_comm: bool = False,
               precision: str = "fp32", mode: Optional[str] = None, repeats: int = REPEATS, runtime: bool = True,
-              log=print) -> Calibration:
+              paired_steps: int = PAIRED_STEPS, log=print) -> Calibration:
     """Measure and write ``OUT/calibration.json`` (see the module doc); returns what was written."""
     from tracepp.manifest_file import load_manifest
 
@@ -284,8 +327,16 @@ def calibrate(out_dir: str, costs_paths: Optional[list] = None, comm_path: Optio
                                  "fixed part)")
     # 3. overheads
     if fit:
-        log(f"calibration run: {fit_steps} steps of {out_dir}/run.py on {nproc} processes ...")
-        times = run_folder(out_dir, fit_steps, nproc)
+        paired = None
+        if paired_steps > 0:
+            log(f"calibration run: {fit_steps} steps of {out_dir}/run.py on {nproc} processes, then {paired_steps} "
+                f"(+1) with the stage costs measured in the run around each ...")
+            times, paired = run_folder_paired(out_dir, fit_steps, nproc, paired_steps, len(manifest["stages"]))
+            for error in paired["errors"]:
+                log(f"  in-run stage costs: {error}")
+        else:
+            log(f"calibration run: {fit_steps} steps of {out_dir}/run.py on {nproc} processes ...")
+            times = run_folder(out_dir, fit_steps, nproc)
         measured = statistics.median(times[WARMUP_STEPS:] or times)
         calibration.noise["run"] = interquartile_fraction(times[WARMUP_STEPS:])
         if samples and len(samples) < repeats:
@@ -293,11 +344,23 @@ def calibrate(out_dir: str, costs_paths: Optional[list] = None, comm_path: Optio
             samples += [measured_stage_costs(out_dir) for _ in range(repeats - len(samples))]
             _set_measured_compute(calibration, manifest, samples)
         result = fit_overheads(manifest, calibration, measured, precision, mode)
-        calibration.overhead.update(source=f"fitted to {len(times[WARMUP_STEPS:] or times)} steps of this folder "
-                                           f"(median {measured * 1000:.1f} ms; {WARMUP_STEPS} warm-up steps dropped)",
-                                    measured_step_s=measured, unfitted_step_s=result["unfitted_step_s"])
+        source = (f"fitted to {len(times[WARMUP_STEPS:] or times)} steps of this folder "
+                  f"(median {measured * 1000:.1f} ms; {WARMUP_STEPS} warm-up steps dropped)")
+        fits = fit_paired(manifest, calibration, paired, precision, result["mode"]) if paired else []
+        per_step = [value for value, _step, _unfitted in fits]
+        if per_step:  # each paired step and its own costs saw one spell of the machine: their fits are preferred
+            result.update(overhead_of(result["mode"], statistics.median(per_step)), value=statistics.median(per_step))
+            source = (f"the median of {len(per_step)} fits, one per paired step of this folder, each to the stage "
+                      f"costs its ranks measured right before and after it (tracepp.paired_costs)")
+            log(f"  paired steps: median {statistics.median(s for _v, s, _u in fits) * 1000:.1f} ms, simulated "
+                f"without overheads with the costs measured around each: median "
+                f"{statistics.median(u for _v, _s, u in fits) * 1000:.1f} ms")
+        calibration.overhead = dict(overhead_of(result["mode"], result["value"], result["step_s"]), mode=result["mode"])
+        calibration.overhead.update(source=source, measured_step_s=measured, unfitted_step_s=result["unfitted_step_s"],
+                                    paired_fits=per_step)
         log(f"  measured step {measured * 1000:.1f} ms, simulated without overheads "
             f"{result['unfitted_step_s'] * 1000:.1f} ms: {describe_overhead(result['mode'], result['value'])}"
+            + (f" (the median of {len(per_step)} paired steps' fits)" if per_step else "")
             + (f", {result['step_s'] * 1000:.1f} ms per step" if result["step_s"] else ""))
         if result["unfitted_step_s"] > measured * (1 + MAX_NEGATIVE_STEP_FRACTION):
             note = (f"the stage costs alone predict {result['unfitted_step_s'] * 1000:.1f} ms, more than the measured "

@@ -8,7 +8,7 @@
     tracepp plan out/ [--svg plan.svg] [--trace plan.json] [--costs measured.json] [--calibrate]
                       [--tune [--memory-limit 20GB] [--top K] [--apply]]
     tracepp calibrate out/ [--costs COSTS.json ...] [--comm COMM.json | --nproc N] [--fit-steps K | --no-fit]
-                      [--repeats R] [--no-runtime] [--overhead busy|delay|scale]
+                      [--repeats R] [--no-runtime] [--overhead busy|delay|scale] [--paired-steps P]
 """
 from __future__ import annotations
 
@@ -184,7 +184,8 @@ def _calibrate(args) -> int:
     try:
         calibrate(args.out, costs_paths=args.costs_files or ([args.costs] if getattr(args, "costs", None) else None),
                   comm_path=args.comm, nproc=args.nproc, fit_steps=args.fit_steps, fit=not args.no_fit,
-                  skip_comm=args.no_comm, mode=args.overhead, repeats=args.repeats, runtime=not args.no_runtime)
+                  skip_comm=args.no_comm, mode=args.overhead, repeats=args.repeats, runtime=not args.no_runtime,
+                  **({} if args.paired_steps is None else {"paired_steps": args.paired_steps}))
     except RuntimeError as error:  # a launched run failed: say which and how
         raise ValueError(str(error)) from None
     return 0
@@ -297,6 +298,10 @@ def _add_calibrate_options(parser, in_plan: bool) -> None:
     parser.add_argument("--fit-steps", type=int, default=12,
                         help=prefix + "steps of the calibration run that fits the runtime overheads (default 12)")
     parser.add_argument("--no-fit", action="store_true", help=prefix + "no calibration run: overheads 0")
+    parser.add_argument("--paired-steps", type=int, default=None,
+                        help=prefix + "steps after those of the calibration run, each fitted with the stage costs its "
+                                      "ranks measure right before and after it (tracepp.paired_costs; default 6, 0: "
+                                      "fit the run's median step to the costs measured apart)")
     from tracepp.calibrate import REPEATS
 
     parser.add_argument("--repeats", type=int, default=REPEATS,
