@@ -28,7 +28,7 @@ Three parts (the file's sections, see ``tracepp.calibration``):
    CPU cores the process that waits gets its time slice late), or (``scale``) the fraction by which every compute
    action is slower in the run than its measured cost. If the prediction without it is already slower, what is
    left is a small negative per-step term. ``--no-fit`` leaves it at 0. The run then goes on for
-   ``--paired-steps`` (default 6) more steps, each between two rounds of stage costs its own ranks measure in the
+   ``--paired-steps`` (default 6 on CPU hosts, 0 with CUDA) more steps, each between two rounds of stage costs its own ranks measure in the
    run (``tracepp.paired_costs``); the number is fitted to each of those steps with the costs measured around it,
    and their median is kept (the run's median step and the stage costs measured apart can see spells of a shared
    machine 10 - 40% apart; a paired step and its costs see the same one).
@@ -282,8 +282,10 @@ def fit_overheads(manifest: dict, calibration: Calibration, measured_step_s: flo
 def calibrate(out_dir: str, costs_paths: Optional[list] = None, comm_path: Optional[str] = None,
               nproc: Optional[int] = None, fit_steps: int = 12, fit: bool = True, skip_comm: bool = False,
               precision: str = "fp32", mode: Optional[str] = None, repeats: int = REPEATS, runtime: bool = True,
-              paired_steps: int = PAIRED_STEPS, log=print) -> Calibration:
-    """Measure and write ``OUT/calibration.json`` (see the module doc); returns what was written."""
+              paired_steps: Optional[int] = None, log=print) -> Calibration:
+    """Measure and write ``OUT/calibration.json`` (see the module doc); returns what was written. ``paired_steps``:
+    default :data:`PAIRED_STEPS` on CPU hosts, 0 where CUDA is available (each rank's meter holds a copy of every
+    stage: on a GPU sized for its own stages that copy may not fit, and GPU timings do not drift as a shared CPU's)."""
     from tracepp.manifest_file import load_manifest
 
     manifest = load_manifest(out_dir)
@@ -328,6 +330,10 @@ def calibrate(out_dir: str, costs_paths: Optional[list] = None, comm_path: Optio
     # 3. overheads
     if fit:
         paired = None
+        if paired_steps is None:
+            import torch
+
+            paired_steps = 0 if torch.cuda.is_available() else PAIRED_STEPS
         if paired_steps > 0:
             log(f"calibration run: {fit_steps} steps of {out_dir}/run.py on {nproc} processes, then {paired_steps} "
                 f"(+1) with the stage costs measured in the run around each ...")

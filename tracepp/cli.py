@@ -300,7 +300,7 @@ def _add_calibrate_options(parser, in_plan: bool) -> None:
     parser.add_argument("--no-fit", action="store_true", help=prefix + "no calibration run: overheads 0")
     parser.add_argument("--paired-steps", type=int, default=None,
                         help=prefix + "steps after those of the calibration run, each fitted with the stage costs its "
-                                      "ranks measure right before and after it (tracepp.paired_costs; default 6, 0: "
+                                      "ranks measure right before and after it (tracepp.paired_costs; default 6 on CPU hosts, 0 with CUDA; 0: "
                                       "fit the run's median step to the costs measured apart)")
     from tracepp.calibrate import REPEATS
 
