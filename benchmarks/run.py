@@ -421,17 +421,21 @@ def _ideal_from_round_costs(out_dir: str, entry: dict, measured: dict) -> None:
     spells of a shared machine (stage costs measured a few minutes apart differ by up to 40% on it). The ideal is
     the median over rounds of each round's simulated step; ``compute_costs`` (the predictor's) the per-key median;
     ``efficiency_stepwise`` the median over the paired steps of each one's ideal / measured. Without round costs
-    (every measurement failed) stage_times' per-action times through the executor are used and said so."""
+    (no paired steps, or every in-run measurement failed) stage_times' plain costs, measured in one process after
+    the suite's runs, are used and ``costs_method`` says why."""
     from benchmarks.stage_times import ideal_step
 
     raw = entry.pop("round_costs", [])
     rounds = [costs for costs in raw if costs]
     ideal = entry["ideal"]
     ideal["step_time_s_stage_times"] = ideal["step_time_s"]
-    if not rounds:
+    if not rounds:  # no paired steps (--paired-steps 0), or every in-run measurement failed
         entry["compute_costs"] = dict(measured["costs"])
-        entry["costs_source"] = "per action through the executor (benchmarks/stage_times.py)"
-        ideal["costs_method"] = entry["costs_source"] + "; the per-round plain-autograd measurement failed"
+        entry["costs_source"] = "plain autograd in one process after the suite's runs (benchmarks/stage_times.py)"
+        why = ("no paired steps" if not entry.get("paired_runs") or not any(entry["paired_runs"]) else
+               "the in-run measurement failed: " + "; ".join(error for paired in entry["paired_runs"] if paired
+                                                             for error in paired.get("errors", [])))
+        ideal["costs_method"] = f"{entry['costs_source']}; {why}"
         return
     with open(os.path.join(out_dir, "manifest.json")) as handle:
         manifest = json.load(handle)

@@ -170,7 +170,13 @@ def test_ideal_from_round_costs_pairs_rounds_and_skips_a_failed_one(tmp_path, mo
     entry = {"ideal": {"step_time_s": 9.0, "costs": {"0,F": 9.0}}, "optimizer_stage_s": {}, "tokens_per_step": 100,
              "tracepp": {}, "round_costs": [None]}
     _ideal_from_round_costs(str(tmp_path), entry, {"costs": {"0,F": 9.0}})
-    assert entry["ideal"]["step_time_s"] == 9.0 and "executor" in entry["costs_source"]
+    assert entry["ideal"]["step_time_s"] == 9.0 and "stage_times" in entry["costs_source"]
+    assert entry["ideal"]["costs_method"].endswith("no paired steps")
+    entry = {"ideal": {"step_time_s": 9.0, "costs": {"0,F": 9.0}}, "optimizer_stage_s": {}, "tokens_per_step": 100,
+             "tracepp": {}, "round_costs": [None],
+             "paired_runs": [{"step_times": [1.0], "rounds": [None, None], "errors": ["rank 1: OSError: x"]}]}
+    _ideal_from_round_costs(str(tmp_path), entry, {"costs": {"0,F": 9.0}})
+    assert entry["ideal"]["costs_method"].endswith("the in-run measurement failed: rank 1: OSError: x")
 
 
 def test_each_round_is_priced_with_its_own_runs_in_run_costs(tmp_path, monkeypatch):
