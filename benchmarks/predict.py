@@ -7,8 +7,9 @@ on the JSON of a finished suite to recompute the predictions:
 
 How a case is predicted (``tracepp.calibration``): its own plan, replayed with its stages' compute costs (the
 plain-autograd measurement ``tracepp.stage_costs`` inside each tracepp run, ``tracepp.paired_costs``; without it,
-the plain costs ``benchmarks/stage_times.py`` measures in one process after the runs) times the runtime factors (per kind, tracepp's executor over the plain stage
-function, from the same alternating rounds: ``runtime_section``, as ``tracepp calibrate`` measures them), the
+the plain costs ``benchmarks/stage_times.py`` measures in one process after the runs) times the runtime factors
+(per kind, tracepp's executor over the plain stage function, from the same alternating rounds:
+``runtime_section``, as ``tracepp calibrate`` measures them), the
 ping-pong's latency and bandwidth per rank pair on each boundary message (gloo: ops independent), the optimizer
 step per stage, and the one number ``tracepp calibrate`` fits to a measured run (``tracepp.calibrate.FIT_MODE``:
 a fixed time per action by default), never fitted to the case it

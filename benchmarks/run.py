@@ -592,7 +592,8 @@ def format_table(report: dict) -> str:
     text = tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True)
     notes = [f"step time: median of measured steps (warm-up dropped) over alternating runs; tokens/s = "
              f"batch*seq / step time; ideal = simulated plan with each stage's plain-autograd F/B/I/W "
-             f"(tracepp.stage_costs, measured by each tracepp run's ranks between its paired steps; median of the rounds), comms free, + SGD step; "
+             f"(tracepp.stage_costs, measured by each tracepp run's ranks between its paired steps; median of the "
+             f"rounds), comms free, + SGD step; "
              f"cpu tracepp/torch: process CPU time per step of the "
              f"last stage's rank",
              "predicted = calibrated simulator: stage costs x runtime factors, ping-pong latency/bandwidth per "

@@ -28,10 +28,10 @@ Three parts (the file's sections, see ``tracepp.calibration``):
    CPU cores the process that waits gets its time slice late), or (``scale``) the fraction by which every compute
    action is slower in the run than its measured cost. If the prediction without it is already slower, what is
    left is a small negative per-step term. ``--no-fit`` leaves it at 0. The run then goes on for
-   ``--paired-steps`` (default 6 on CPU hosts, 0 with CUDA) more steps, each between two rounds of stage costs its own ranks measure in the
-   run (``tracepp.paired_costs``); the number is fitted to each of those steps with the costs measured around it,
-   and their median is kept (the run's median step and the stage costs measured apart can see spells of a shared
-   machine 10 - 40% apart; a paired step and its costs see the same one).
+   ``--paired-steps`` (default 6 on CPU hosts, 0 with CUDA) more steps, each between two rounds of stage costs
+   its own ranks measure in the run (``tracepp.paired_costs``); the number is fitted to each of those steps with
+   the costs measured around it, and their median is kept (the run's median step and the stage costs measured
+   apart can see spells of a shared machine 10 - 40% apart; a paired step and its costs see the same one).
 
 And how far the machine's own speed moved while it was measured (the file's ``noise``): the spread of the plan's
 comm-free step priced with each repeat of the stage costs, and the interquartile spread of the calibration run's
