@@ -94,13 +94,14 @@ def case_noise(entry: dict):
 def predict_cases(entries: list, comm: dict, log=print, mode: str = None) -> None:
     """Add ``prediction`` to every entry that has a tracepp folder, measured step and stage costs (see module doc).
     Each entry needs ``out_dir``, ``tracepp.step_time_s``, ``compute_costs`` and ``optimizer_stage_s``."""
-    from tracepp.calibrate import FIT_MODE, describe_overhead, fit_overheads, overhead_of
+    from tracepp.calibrate import FIT_MODE, describe_overhead, fit_overheads, fit_paired, overhead_of
     from tracepp.calibration import predict_folder
     from tracepp.manifest_file import load_manifest
 
     mode = mode or FIT_MODE
     usable = [e for e in entries if e.get("compute_costs") and (e.get("tracepp") or {}).get("status") == "ok"]
     runtimes = {entry["case"]: runtime_section(entry) for entry in usable}
+    pairs = {entry["case"]: stepwise_pairs(entry) for entry in usable}
     fitted = {}
     for entry in usable:
         manifest = load_manifest(entry["out_dir"])
@@ -110,12 +111,8 @@ def predict_cases(entries: list, comm: dict, log=print, mode: str = None) -> Non
         # with paired steps, the case's own fit is the median of one fit per paired step, each to the costs
         # measured around that step: the step and its costs see the same spell of the machine, where the median
         # step and the rounds' costs came from spells up to minutes apart
-        per_step = []
-        for costs, step in stepwise_pairs(entry):
-            found = fit_overheads(manifest, _calibration(manifest, _keyed(costs), entry.get("optimizer_stage_s"), comm,
-                                                         {}, runtimes[entry["case"]]), step, mode=mode)
-            if found["mode"] == mode:
-                per_step.append(found["value"])
+        per_step = [value for paired in entry.get("paired_runs") or []
+                    for value, _step, _unfitted in fit_paired(manifest, calibration, paired, mode=mode)]
         if per_step:
             fitted[entry["case"]].update(mode=mode, value=statistics.median(per_step), per_step=len(per_step))
     for entry in usable:
@@ -137,7 +134,7 @@ def predict_cases(entries: list, comm: dict, log=print, mode: str = None) -> Non
         # each paired step against the simulator priced with the costs measured around it (same overhead)
         stepwise = [predict_folder(manifest, _calibration(manifest, _keyed(costs), entry.get("optimizer_stage_s"),
                                                           comm, overhead, runtime)).step_s / step - 1
-                    for costs, step in stepwise_pairs(entry)]
+                    for costs, step in pairs[entry["case"]]]
         entry["prediction"] = {"status": "ok", "step_time_s": step, "measured_step_s": measured, "noise": noise,
                                "error": (step - measured) / measured, "overhead": overhead,
                                "overhead_mode": used_mode, "overhead_s": value, "fitted_overhead_s": own["value"],

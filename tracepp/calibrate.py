@@ -105,12 +105,13 @@ def measure_comm(nproc: int, sizes: Optional[str] = None, rounds: int = 20, time
 
 
 def run_folder(out_dir: str, steps: int, nproc: int, timeout: float = 600.0, threads: Optional[int] = 1,
-               extra: Optional[list] = None) -> list:
-    """Run the folder's ``run.py`` for ``steps`` steps; the step times of its ``--metrics`` lines."""
+               extra: Optional[list] = None, launcher: Optional[list] = None) -> list:
+    """Run the folder's ``run.py`` for ``steps`` steps; the step times of its ``--metrics`` lines. ``launcher``:
+    what torchrun starts instead of the script, with run.py's arguments after it (``-m tracepp.paired_costs``)."""
     with tempfile.TemporaryDirectory(prefix="tracepp_fit_") as work:
         metrics = os.path.join(work, "metrics.jsonl")
-        cmd = torchrun(nproc) + [os.path.join(out_dir, "run.py"), "--steps", str(steps), "--metrics", metrics,
-                                 "--quiet"] + list(extra or [])
+        cmd = torchrun(nproc) + (list(launcher) if launcher else [os.path.join(out_dir, "run.py")])
+        cmd += ["--steps", str(steps), "--metrics", metrics, "--quiet"] + list(extra or [])
         _run(cmd, timeout, f"the calibration run of {out_dir}", _env(threads))
         with open(metrics) as handle:
             return [json.loads(line)["step_time_s"] for line in handle if line.strip()]
@@ -123,14 +124,11 @@ def run_folder_paired(out_dir: str, steps: int, nproc: int, paired_steps: int, n
     with their costs as ``tracepp.paired_costs.read_paired`` gives them)."""
     from tracepp.paired_costs import read_paired
 
-    with tempfile.TemporaryDirectory(prefix="tracepp_fit_") as work:
-        metrics, prefix = os.path.join(work, "metrics.jsonl"), os.path.join(work, "paired")
-        cmd = torchrun(nproc) + ["-m", "tracepp.paired_costs", out_dir, "--paired-from", str(steps),
-                                 "--paired-steps", str(paired_steps + 1), "--prefix", prefix, "--",
-                                 "--steps", str(steps + paired_steps + 1), "--metrics", metrics, "--quiet"]
-        _run(cmd, timeout, f"the calibration run of {out_dir}", _env(threads))
-        with open(metrics) as handle:
-            times = [json.loads(line)["step_time_s"] for line in handle if line.strip()]
+    with tempfile.TemporaryDirectory(prefix="tracepp_paired_") as work:
+        prefix = os.path.join(work, "paired")
+        launcher = ["-m", "tracepp.paired_costs", out_dir, "--paired-from", str(steps),
+                    "--paired-steps", str(paired_steps + 1), "--prefix", prefix, "--"]
+        times = run_folder(out_dir, steps + paired_steps + 1, nproc, timeout, threads, launcher=launcher)
         return times[:steps], read_paired(prefix, nproc, num_stages, times[steps:])
 
 

@@ -163,8 +163,8 @@ class StageCallables:
 class StageCostMeter:
     """Times rounds of every stage's F, B, I and W_autograd (see the module docstring); :meth:`result` summarises.
     Rounds can be interleaved with other measurements (``benchmarks/stage_times.py`` alternates them with the
-    same kinds through tracepp's executor, so both see the same machine; ``benchmarks/tracepp_worker.py``
-    with a run's own steps, each rank timing its own ``stages`` without ``naive_weight``)."""
+    same kinds through tracepp's executor, so both see the same machine; ``tracepp.paired_costs`` with a run's
+    own steps, each rank timing its own ``stages`` without ``naive_weight``)."""
 
     def __init__(self, folder: str, *, device="cpu", precision: str = "fp32", max_microbatches: int = 4,
                  clock: str = "wall", step: int = 0, stages=None, naive_weight: bool = True):
