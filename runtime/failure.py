@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 EXIT_FAILED = 1
 _POLL_S = 0.2
+_JOIN_S = 5.0  # a store call returns in milliseconds; one that does not within this is on a store that is gone
 
 
 class PipelineError(RuntimeError):
@@ -64,12 +65,13 @@ class FailureChannel:
             self.store = dist.TCPStore(host, int(port), world_size, is_master=False,
                                        timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
         self._stop = threading.Event()
+        self._thread = None
 
     def start_watchdog(self) -> None:
         if self.store is None:
             return
-        thread = threading.Thread(target=self._watch, name="tracepp-watchdog", daemon=True)
-        thread.start()
+        self._thread = threading.Thread(target=self._watch, name="tracepp-watchdog", daemon=True)
+        self._thread.start()
 
     def _watch(self) -> None:
         while not self._stop.is_set():
@@ -81,7 +83,7 @@ class FailureChannel:
                         os._exit(EXIT_FAILED)
             except Exception:  # the store went away: torchrun is tearing the job down
                 pass
-            time.sleep(_POLL_S)
+            self._stop.wait(_POLL_S)
 
     def peer_failure(self, wait_s: float = 2.0):
         """The failure another rank reported, waiting briefly for it (our error may be its echo), else None."""
@@ -113,5 +115,16 @@ class FailureChannel:
         if self.store is not None:  # let the others' watchdogs read it before torchrun tears the job down
             time.sleep(2 * _POLL_S)
 
-    def stop(self) -> None:
+    def stop(self) -> bool:
+        """End the watchdog and wait for it; False if it is still inside a store call after a few seconds.
+
+        The thread must be gone before the interpreter shuts down: a daemon thread that comes back from a store
+        call during shutdown is ended inside C++ code, and the process aborts ("terminate called without an
+        active exception", SIGABRT) after a run that succeeded. A caller that gets False must leave with
+        ``os._exit``."""
         self._stop.set()
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join(timeout=_JOIN_S)
+            return not thread.is_alive()
+        return True

@@ -219,7 +219,8 @@ def main(rank_script_rank: int, stage_functions: dict, actions: list, folder: st
         traceback.print_exc()
         channel.report(f"{type(error).__name__}: {error}")
         _exit(EXIT_FAILED)
-    channel.stop()
+    if not channel.stop():  # the run's work is done; only the store, which is gone, did not answer
+        _exit(0)
 
 
 def _exit(code: int) -> None:
