@@ -412,7 +412,7 @@ def train(pipe: Pipeline, args) -> None:
         dist.barrier(group=_control_group())
     if reports and history and not args.quiet:
         _summary(pipe, args, history)
-    if world > 1:
+    if dist.is_initialized():  # torchrun with one rank starts a group too (NCCL warns at exit if it is left)
         dist.destroy_process_group()
 
 

@@ -86,6 +86,37 @@ def test_runs_without_tracepp_installed(tmp_path):
     assert_state_close(torch.load(ckpt), eager_train(path, 2))
 
 
+EXIT_CHECK = """
+import atexit
+import os
+import sys
+
+
+def _report():
+    import torch.distributed as dist
+    left = dist.is_available() and dist.is_initialized()
+    sys.stderr.write(f"rank {os.environ['RANK']}: process group left at exit: {left}\\n")
+
+
+if "RANK" in os.environ:  # the rank's process, not torchrun's own
+    atexit.register(_report)
+"""
+
+
+def test_one_rank_torchrun_ends_its_process_group(tmp_path):
+    """torchrun with one rank starts a process group too; run.py must destroy it (NCCL warns at exit that
+    destroy_process_group() was not called, on every single-GPU run, when it is left)."""
+    path = model_path("residual_mlp_lm")
+    out = str(tmp_path / "out")
+    split_model(path, out, num_ranks=1, num_stages=2, schedule="looped-bfs", num_microbatches=2)
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(EXIT_CHECK)
+    result = torchrun(out, 1, "--steps", "2", "--quiet", env_extra={"PYTHONPATH": str(hooks)})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "rank 0: process group left at exit: False" in result.stderr, result.stderr[-3000:]
+
+
 def test_single_process_two_stages_without_torchrun(tmp_path):
     """One rank holding both stages runs with plain `python run.py` (the single-GPU path), values passed locally."""
     path = model_path("residual_mlp_lm")
