@@ -353,7 +353,7 @@ def run_suite(cases: list, settings: Settings, device: str, threads: int, work: 
                     # the ideal's costs (CPU): measured by the run's own ranks between its paired steps; the
                     # round's costs are their per-key median (the run's measured steps a few seconds before)
                     found = (result.get("paired") or {}).get("rounds") or []
-                    round_costs.append(_mean_costs(found))
+                    round_costs.append(_median_costs(found))
                     paired_runs.append(result.get("paired"))
                 (eager_runs.setdefault(config, []) if system == "eager" else runs[system]).append(result)
         entry["round_costs"] = round_costs
@@ -463,7 +463,7 @@ def _ideal_from_round_costs(out_dir: str, entry: dict, measured: dict) -> None:
         entry["efficiency_stepwise"] = statistics.median(i / t for i, t in stepwise)
 
 
-def _mean_costs(measurements: list):
+def _median_costs(measurements: list):
     """The per-key median of the stage-cost measurements that succeeded (None if none did): a round's costs from
     its run's paired rounds."""
     from tracepp.calibration import median_costs

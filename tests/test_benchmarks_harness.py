@@ -209,7 +209,7 @@ def test_each_round_is_priced_with_its_own_runs_in_run_costs(tmp_path, monkeypat
     entry = report["results"][0]
     assert entry["round_costs"] == [{"0F": 2.0, "0B": 2.0}, {"0F": 3.0, "0B": 2.0}]  # medians, the None skipped
     assert len(entry["paired_runs"]) == 2
-    assert run._mean_costs([None, {"0F": 1.0}]) == {"0F": 1.0} and run._mean_costs([None, None]) is None
+    assert run._median_costs([None, {"0F": 1.0}]) == {"0F": 1.0} and run._median_costs([None, None]) is None
 
 
 def test_a_case_with_paired_steps_is_fitted_to_them(monkeypatch):

@@ -185,7 +185,7 @@ def _calibrate(args) -> int:
         calibrate(args.out, costs_paths=args.costs_files or ([args.costs] if getattr(args, "costs", None) else None),
                   comm_path=args.comm, nproc=args.nproc, fit_steps=args.fit_steps, fit=not args.no_fit,
                   skip_comm=args.no_comm, mode=args.overhead, repeats=args.repeats, runtime=not args.no_runtime,
-                  **({} if args.paired_steps is None else {"paired_steps": args.paired_steps}))
+                  paired_steps=args.paired_steps)
     except RuntimeError as error:  # a launched run failed: say which and how
         raise ValueError(str(error)) from None
     return 0
@@ -298,12 +298,13 @@ def _add_calibrate_options(parser, in_plan: bool) -> None:
     parser.add_argument("--fit-steps", type=int, default=12,
                         help=prefix + "steps of the calibration run that fits the runtime overheads (default 12)")
     parser.add_argument("--no-fit", action="store_true", help=prefix + "no calibration run: overheads 0")
-    parser.add_argument("--paired-steps", type=int, default=None,
-                        help=prefix + "steps after those of the calibration run, each fitted with the stage costs its "
-                                      "ranks measure right before and after it (tracepp.paired_costs; default 6 on CPU hosts, 0 with CUDA; 0: "
-                                      "fit the run's median step to the costs measured apart)")
-    from tracepp.calibrate import REPEATS
+    from tracepp.calibrate import FIT_MODE, FIT_MODES, PAIRED_STEPS, REPEATS
 
+    parser.add_argument("--paired-steps", type=int, default=None,
+                        help=prefix + f"steps after those of the calibration run, each fitted with the stage costs "
+                                      f"its ranks measure right before and after it (tracepp.paired_costs; default "
+                                      f"{PAIRED_STEPS} on CPU hosts, 0 with CUDA; 0: fit the run's median step to the "
+                                      f"costs measured apart)")
     parser.add_argument("--repeats", type=int, default=REPEATS,
                         help=prefix + f"plain-autograd stage-cost measurements (default {REPEATS}, around the "
                                       f"calibration run): their median is used, their spread recorded as the "
@@ -311,9 +312,10 @@ def _add_calibrate_options(parser, in_plan: bool) -> None:
     parser.add_argument("--no-runtime", action="store_true",
                         help=prefix + "skip timing the stages through tracepp's executor against the stage functions "
                                       "alone (the runtime factors; then 1)")
-    parser.add_argument("--overhead", default=None, choices=["delay", "busy", "scale"],
-                        help=prefix + "what the calibration run fits: a fixed rank time per action (busy, default), "
-                                      "a delay per message (delay) or a slowdown of every compute action (scale)")
+    parser.add_argument("--overhead", default=None, choices=FIT_MODES,
+                        help=prefix + f"what the calibration run fits: a fixed rank time per action (busy), a delay "
+                                      f"per message (delay) or a slowdown of every compute action (scale); default "
+                                      f"{FIT_MODE}")
 
 
 def main(argv=None) -> int:
