@@ -237,12 +237,31 @@ def _matmul_recipe(node, params: list):
 
 
 def _recipe_grads(node, recipe, grad: torch.Tensor) -> list:
-    """The weight gradients of a matmul entry from its captured output gradient (see :func:`_matmul_recipe`)."""
+    """The weight gradients of a matmul entry from its captured output gradient (see :func:`_matmul_recipe`).
+    Call under ``torch.no_grad()``."""
     saved, items = recipe
     mat1 = getattr(node, saved)
-    with torch.no_grad():
-        return [grad.t().mm(mat1) if kind == "t" else mat1.t().mm(grad) if kind == "n" else
-                grad.sum_to_size(param.shape) for param, kind in items]
+    return [grad.t().mm(mat1) if kind == "t" else mat1.t().mm(grad) if kind == "n" else
+            grad.sum_to_size(param.shape) for param, kind in items]
+
+
+def _recipe_accumulate(node, recipe, grad: torch.Tensor, fused: bool = True) -> None:
+    """A checked matmul recipe's weight gradients accumulated into ``.grad`` (under ``torch.no_grad()``). Where the
+    weight already holds a gradient ("t", "n"), one ``addmm_`` adds the product in the matmul kernel itself,
+    without a temporary the size of the weight and a second pass over it: the same products, added to the
+    running sum inside the kernel (rounding may differ from a separate add in the last bit)."""
+    saved, items = recipe
+    mat1 = getattr(node, saved)
+    for param, kind in items:
+        held = param.grad
+        if kind == "bias":
+            _accumulate(param, grad.sum_to_size(param.shape))
+        elif held is None or held.dtype != grad.dtype or held.is_sparse or not fused:
+            _accumulate(param, grad.t().mm(mat1) if kind == "t" else mat1.t().mm(grad))
+        elif kind == "t":
+            held.addmm_(grad.t(), mat1)
+        else:
+            held.addmm_(mat1.t(), grad)
 
 
 def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
@@ -253,12 +272,25 @@ def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
         param.grad.add_(grad)
 
 
+def _accumulate_all(params, grads) -> None:
+    """:func:`_accumulate` for many: where every parameter already has a ``.grad`` of its gradient's dtype and
+    device, one ``_foreach_add_`` (the same elementwise adds, one dispatch instead of one per parameter)."""
+    pairs = [(param, grad) for param, grad in zip(params, grads) if grad is not None]
+    if pairs and all(param.grad is not None and param.grad.dtype == grad.dtype and param.grad.device == grad.device
+                     and not param.grad.is_sparse and not grad.is_sparse for param, grad in pairs):
+        torch._foreach_add_([param.grad for param, _grad in pairs], [grad for _param, grad in pairs])
+        return
+    for param, grad in pairs:
+        _accumulate(param, grad)
+
+
 class WeightSplit:
     """One stage's backward split in two for zero-bubble schedules: :meth:`input_backward` (I) computes the
     gradients of the received activations and captures, at each entry node (see :func:`_weight_entries`), the
     gradient flowing into it; :meth:`weight_backward` (W) later runs only the weight side of each entry from
     that gradient, so I + W does the work of one full backward plus one small autograd call per entry (or, for a
-    matmul entry whose recipe was checked, its weight kernels alone: see :func:`_matmul_recipe`).
+    matmul entry whose recipe was checked, its weight kernels alone: see :func:`_matmul_recipe`, adding into a
+    weight's held gradient inside the matmul: see :func:`_recipe_accumulate`).
 
     The graph analysis is done once and reused: every microbatch of a stage builds an autograd graph of the same
     shape, so the entries sit at the same positions of :func:`_preorder`; a graph of another shape (another
@@ -268,6 +300,7 @@ class WeightSplit:
 
     eager_vectors = True  # vector-only entries (norm weights) run whole during I
     matmul_recipes = True  # matmul entries run their weight kernels directly once checked (see _matmul_recipe)
+    fused_accumulate = True  # a checked recipe adds into a held .grad inside its matmul (see _recipe_accumulate)
 
     def __init__(self, params: list):
         self.params = params
@@ -278,6 +311,9 @@ class WeightSplit:
         self._full = []  # params that take a backward from the outputs in W
         self._recipes = ()  # per deferred entry: its matmul recipe or None (see _matmul_recipe)
         self._verdicts = []  # per deferred entry: None until checked, then whether its recipe matched the engine
+        self._positions = ()  # each deferred entry's position in the preorder
+        self._one_output = True  # every deferred entry has one gradient output
+        self._eager_params = ()  # the parameters of the entries I runs whole
 
     def _plan(self, tensors: list, order: list, inputs: list) -> None:
         entries, self._full = _weight_entries(tensors, inputs, self.params)
@@ -293,6 +329,9 @@ class WeightSplit:
         self._recipes = tuple(_matmul_recipe(order[position], params) if outputs == 1 and self.matmul_recipes else None
                               for position, outputs, params in self._entries)
         self._verdicts = [None] * len(self._entries)  # a fresh list: pending W of the old shape keep theirs
+        self._positions = tuple(position for position, _outputs, _params in self._entries)
+        self._one_output = all(outputs == 1 for _position, outputs, _params in self._entries)
+        self._eager_params = tuple(param for _position, _outputs, params in self._eager for param in params)
         self._signature = tuple(map(type, order))
 
     def _matches(self, order: list, inputs: list) -> bool:
@@ -314,32 +353,31 @@ class WeightSplit:
         order = _preorder(tensors)
         if not self._matches(order, inputs):
             self._plan(tensors, order, inputs)
-        edges, eager_params = [], []
-        for position, outputs, params in self._eager:
-            eager_params += params
-        for position, outputs, _params in self._entries:
-            node = order[position]
-            edges += [GradientEdge(node, i) for i in range(outputs)]
+        nodes = [order[position] for position in self._positions]
+        if self._one_output:  # every entry has one gradient output (matmuls): one edge each
+            edges = [GradientEdge(node, 0) for node in nodes]
+        else:
+            edges = [GradientEdge(node, i) for node, (_p, outputs, _q) in zip(nodes, self._entries)
+                     for i in range(outputs)]
+        eager = self._eager_params
         # one engine call: input gradients, the gradients flowing into each deferred entry, and the vector
         # parameters' gradients
-        found = _run_backward(tensors, grads, True, (*inputs, *eager_params, *edges), False)
+        found = _run_backward(tensors, grads, True, (*inputs, *eager, *edges), False)
         count = len(inputs)
-        for param, grad in zip(eager_params, found[count:count + len(eager_params)]):
-            if grad is not None:
-                _accumulate(param, grad)
-        captured = found[count + len(eager_params):]
-        work, full, offset = [], list(self._full), 0
-        for k, (position, outputs, params) in enumerate(self._entries):
-            node, grad_outputs = order[position], captured[offset:offset + outputs]
-            offset += outputs
-            used = [(GradientEdge(node, i), g) for i, g in enumerate(grad_outputs) if g is not None]
-            if used:
-                recipe = self._recipes[k] if self._verdicts[k] is not False else None
-                direct = (node, recipe, self._verdicts, k) if recipe is not None else None
-                work.append((tuple(e for e, _g in used), tuple(g for _e, g in used), params, direct))
-            else:  # the entry did not run for dI after all: take its weights from the outputs
-                full += params
-        return list(found[:count]), (work, full), bool(full)
+        if eager:
+            _accumulate_all(eager, found[count:count + len(eager)])
+        captured = found[count + len(eager):]
+        # what W needs: this plan's entries (a later graph shape gets a plan of its own), the nodes, the edges and
+        # the gradients captured at them; an entry whose gradient is missing did not run for dI, so its weights
+        # take a backward from the outputs
+        missing = any(grad is None for grad in captured)
+        pending = (self._entries, self._recipes, self._verdicts, self._full, nodes, edges, captured, missing)
+        return list(found[:count]), pending, bool(self._full) or missing
+
+    @staticmethod
+    def from_outputs(params) -> tuple:
+        """What :meth:`weight_backward` needs to take every one of ``params`` by a backward from the outputs."""
+        return (), (), [], tuple(params), [], [], [], False
 
     @staticmethod
     def weight_backward(pending, tensors=None, grads=None) -> None:
@@ -347,21 +385,34 @@ class WeightSplit:
         listed as ``full`` by a backward from ``tensors`` (the outputs, kept for it). A matmul entry with a recipe
         runs its weight kernels directly once the recipe has matched the engine bit for bit (checked on the
         first W of each graph shape: the engine's gradients are the ones accumulated then)."""
-        work, full = pending
-        for edges, grad_outputs, params, direct in work:
-            if direct is None:
-                _ENGINE.run_backward(edges, grad_outputs, True, False, params, True, True)
-                continue
-            node, recipe, verdicts, k = direct
-            order = tuple(param for param, _kind in recipe[1])
-            ours = _recipe_grads(node, recipe, grad_outputs[0])
-            if not verdicts[k]:  # first use of this shape: the engine's result, and whether the recipe matches
-                found = _ENGINE.run_backward(edges, grad_outputs, True, False, order, True, False)
-                verdicts[k] = all(a is not None and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-                                  for a, b in zip(found, ours))
-                ours = found
-            for param, grad in zip(order, ours):
-                _accumulate(param, grad)
+        entries, recipes, verdicts, full, nodes, edges, captured, missing = pending
+        full = list(full)
+        offset = 0
+        with torch.no_grad():
+            for k, (_position, outputs, params) in enumerate(entries):
+                node, grad_outputs = nodes[k], captured[offset:offset + outputs]
+                entry_edges = edges[offset:offset + outputs]
+                offset += outputs
+                if missing:
+                    used = [(e, g) for e, g in zip(entry_edges, grad_outputs) if g is not None]
+                    if not used:  # the entry did not run for dI after all: its weights from the outputs
+                        full += params
+                        continue
+                    entry_edges, grad_outputs = tuple(e for e, _g in used), tuple(g for _e, g in used)
+                recipe = recipes[k] if verdicts[k] is not False and outputs == 1 else None
+                if recipe is None:
+                    _ENGINE.run_backward(tuple(entry_edges), tuple(grad_outputs), True, False, params, True, True)
+                elif verdicts[k]:
+                    _recipe_accumulate(node, recipe, grad_outputs[0], WeightSplit.fused_accumulate)
+                else:  # first use of this shape: the engine's result, and whether the recipe matches it
+                    order = tuple(param for param, _kind in recipe[1])
+                    ours = _recipe_grads(node, recipe, grad_outputs[0])
+                    found = _ENGINE.run_backward(tuple(entry_edges), tuple(grad_outputs), True, False, order, True,
+                                                 False)
+                    verdicts[k] = all(a is not None and a.dtype == b.dtype and a.shape == b.shape and
+                                      torch.equal(a, b) for a, b in zip(found, ours))
+                    for param, grad in zip(order, found):
+                        _accumulate(param, grad)
         if full and tensors:
             _run_backward(tensors, grads, False, tuple(full), True)
 
@@ -727,7 +778,7 @@ class RankExecutor:
             else:  # nothing to split off (or a compiled stage, one autograd node): W is a backward from the outputs
                 found = (_run_backward(tensors, grads, True, tuple(wanted), False)
                          if tensors and wanted else [None] * len(wanted))
-                pending, keep = ([], list(runner.params)), True
+                pending, keep = WeightSplit.from_outputs(runner.params), True
             runner.in_grads[mb] = self._input_grads(runner, mb, list(found))
             if keep:  # some weights need a backward from the outputs: keep them
                 runner.pending_weight[mb] = (pending, tensors, grads)

@@ -139,6 +139,55 @@ def test_matmul_entries_take_their_checked_recipe_bit_for_bit(monkeypatch):
         assert len(engine_calls) == (1 + 3 if mb == 0 else 1)
 
 
+def test_checked_recipes_add_into_held_gradients_inside_the_matmul(monkeypatch):
+    """Once a weight holds a gradient (the second microbatch of a step on), W adds its product with one addmm_
+    (no temporary, no second pass over the weight's gradient). Accumulated over microbatches, the sums equal
+    the full backward's to rounding; with the fused add turned off they are the same bits."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(4)
+    lin1, lin2 = torch.nn.Linear(32, 64), torch.nn.Linear(64, 32)
+    mm_weight = torch.nn.Parameter(torch.randn(32, 8))
+    params = [lin1.weight, lin1.bias, lin2.weight, lin2.bias, mm_weight]
+    batches = [(torch.randn(48, 32), torch.randn(48, 8)) for _ in range(4)]
+
+    def accumulated(split):
+        for p in params:
+            p.grad = None
+        ops = []
+        for x, grad_out in batches:
+            x = x.clone().requires_grad_(True)
+            out = torch.tanh(lin2(torch.tanh(lin1(x)))) @ mm_weight
+            if split is None:
+                out.backward(grad_out)
+                continue
+            (_dx,), pending, keep = split.input_backward([out], [grad_out], [x])
+            with Ops() as recorder:
+                WeightSplit.weight_backward(pending, [out] if keep else None, [grad_out] if keep else None)
+            ops.append(recorder.seen)
+        return [p.grad.clone() for p in params], ops
+
+    expected, _ = accumulated(None)
+    fused, ops = accumulated(WeightSplit(params))
+    assert not any("addmm_" in op for op in ops[0]), "the first microbatch: .grad is empty, nothing to add into"
+    assert all(sum("aten.addmm_" in op for op in later) == 3 for later in ops[1:]), ops[1]
+    for got, want in zip(fused, expected):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # the same sums, rounded in another order
+    monkeypatch.setattr(WeightSplit, "fused_accumulate", False)
+    separate, ops = accumulated(WeightSplit(params))
+    assert not any("addmm_" in op for later in ops for op in later)
+    assert all(torch.equal(got, want) for got, want in zip(separate, expected))
+
+
 def test_a_recipe_that_differs_from_the_engine_is_dropped(monkeypatch):
     """Should a recipe not reproduce the engine's gradient exactly (another torch's kernels), the engine's
     gradient is the one accumulated and the entry goes back to the engine for good."""
