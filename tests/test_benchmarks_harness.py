@@ -234,3 +234,31 @@ def test_a_case_with_paired_steps_is_fitted_to_them(monkeypatch):
     assert other["prediction"]["overhead_s"] == pytest.approx(1 / 3, rel=1e-3)  # a's fit, not b's own
     assert other["prediction"]["step_time_s"] == pytest.approx(20.0, rel=1e-3)
     assert other["prediction"]["stepwise_errors"] == pytest.approx([20 / 18 - 1, 20 / 22 - 1], rel=1e-3)
+
+
+def test_action_costs_compares_each_kind_with_its_plain_cost_without_waits():
+    """benchmarks.action_costs' summary: per (stage, kind) the median action time less its wait for received data,
+    against the median plain cost of the rounds (the first round dropped), and the step split into its parts."""
+    from benchmarks.action_costs import summarize
+
+    actions, steps = [], {}
+    for step in range(4):
+        clock = 100.0 * step
+        steps[str(step)] = [clock, clock + 0.020]
+        clock += 0.001  # before the first action
+        for label, seconds, waited in (("1RECV_F0<0", 0.0005, 0.0), ("1F0", 0.004, 0.001), ("1I0", 0.006, 0.0),
+                                       ("1SEND_B0>0", 0.0005, 0.0), ("1W0", 0.003, 0.0)):
+            actions.append((step, label, seconds, waited, clock))
+            clock += seconds + 0.0001  # between actions
+    rounds = [{"costs": {"1F": 9.0}}, {"costs": {"1F": 0.002, "1I": 0.005, "1W": 0.003}},
+              {"costs": {"1F": 0.004, "1I": 0.005, "1W": 0.003}}, {"costs": None}]
+    result = summarize(actions, rounds, first=1, count=2, steps=steps)
+    f, i, w = (result["kinds"][k] for k in ("1F", "1I", "1W"))
+    assert f["run_s"] == pytest.approx(0.003) and f["wait_s"] == pytest.approx(0.001)  # the wait is not F's cost
+    assert f["plain_s"] == pytest.approx(0.003) and f["ratio"] == pytest.approx(1.0)  # 9.0 was the dropped round
+    assert i["ratio"] == pytest.approx(1.2) and w["ratio"] == pytest.approx(1.0) and f["per_step"] == 1
+    assert set(result["kinds"]) == {"1F", "1I", "1W"}  # comm actions are not compute
+    assert result["run_s"] == pytest.approx(0.012) and result["plain_s"] == pytest.approx(0.011)
+    assert result["step_s"] == pytest.approx(0.020) and result["head_s"] == pytest.approx(0.001)
+    assert result["comm_s"] == pytest.approx(0.001) and result["gaps_s"] == pytest.approx(0.0004)
+    assert result["tail_s"] == pytest.approx(0.020 - 0.001 - 0.014 - 0.0004)
