@@ -170,11 +170,9 @@ def _summary(path: str) -> None:
 
 
 def main(argv=None) -> None:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    rest = []
-    if "--" in argv:
-        cut = argv.index("--")
-        argv, rest = argv[:cut], argv[cut + 1:]
+    from tracepp.paired_costs import split_run_args
+
+    argv, rest = split_run_args(argv)
     parser = argparse.ArgumentParser(prog="python -m benchmarks.action_costs", description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", nargs="?")
     parser.add_argument("--json", help="record: PATH prefix of the per-rank files")

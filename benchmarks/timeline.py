@@ -113,11 +113,9 @@ def summarize(path: str, calibration_path=None) -> str:
 
 
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    rest = []
-    if "--" in argv:
-        cut = argv.index("--")
-        argv, rest = argv[:cut], argv[cut + 1:]
+    from tracepp.paired_costs import split_run_args
+
+    argv, rest = split_run_args(argv)
     parser = argparse.ArgumentParser(prog="python -m benchmarks.timeline", description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", nargs="?")
     parser.add_argument("--json", default=None)

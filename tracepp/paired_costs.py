@@ -115,12 +115,17 @@ def bracketed(paired: dict) -> list:
             if j + 1 < len(rounds) and rounds[j] and rounds[j + 1]]
 
 
-def main(argv=None) -> None:
+def split_run_args(argv) -> tuple:
+    """``(this tool's arguments, run.py's)`` of a command line that passes run.py's after a ``--``."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    rest = []
-    if "--" in argv:
-        cut = argv.index("--")
-        argv, rest = argv[:cut], argv[cut + 1:]
+    if "--" not in argv:
+        return argv, []
+    cut = argv.index("--")
+    return argv[:cut], argv[cut + 1:]
+
+
+def main(argv=None) -> None:
+    argv, rest = split_run_args(argv)
     parser = argparse.ArgumentParser(prog="python -m tracepp.paired_costs", description=__doc__.splitlines()[0])
     parser.add_argument("out_dir")
     parser.add_argument("--paired-from", type=int, required=True, help="the first paired step")
