@@ -11,12 +11,13 @@ Names (``SCHEDULES``):
   (a short last group of fewer than ``p`` microbatches would deadlock). One stage per rank = 1f1b.
 * ``looped-bfs`` — several stages per rank in loop placement; breadth first: every microbatch through the
   rank's first stage, then its next stage...; backwards in reverse.
-* ``interleaved-zb`` — the interleaved-1f1b order with each backward split into I (input grad) and W
-  (weight grad), each W run right after its own I: the input gradient goes to the previous stage a W
-  earlier than a full backward would send it, and no W is held back past other work, so peak activations
-  equal interleaved-1f1b's. (Letting one W wait while the next F or I is ready shortens the simulated step by
-  one unit cost, 1.6% of the quick suite's 2-rank step, for one more microbatch's weight-gradient inputs held
-  per rank.)
+* ``interleaved-zb`` — the interleaved-1f1b order with backwards split into I (input grad) and W (weight
+  grad), each W run right after its own I: the input gradient goes to the previous stage a W earlier than a
+  full backward would send it, and no W is held back past other work, so peak activations equal
+  interleaved-1f1b's. A split stays only where that earlier gradient shortens the step; every other backward
+  is one full B (see :func:`_fuse_free_splits`: on 2 ranks, 4 stages and 8 microbatches, 3 of 32 stay split).
+  (Letting one W wait while the next F or I is ready shortens the simulated step by one unit cost, 1.6% of the
+  quick suite's 2-rank step, for one more microbatch's weight-gradient inputs held per rank.)
 * ``zbv`` — two stages per rank in V placement; a greedy list schedule (priority: input-grad I, then
   forward of the rank's deeper stage, then forward of its first stage while fewer than ``2p`` (stage,
   microbatch) activations are live), with W's filling idle slots (the ZB-V idea).
@@ -38,7 +39,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from tracepp.runtime.actions import Action, Topology
-from tracepp.runtime.replay import Replay, Wait
+from tracepp.runtime.replay import Replay, Wait, grad_producers, replay
 
 
 class ScheduleInfo(NamedTuple):
@@ -322,6 +323,70 @@ class _GreedyV:
                 self.pending[r].append(Action(a.stage, "W", a.mb))
 
 
+# the greedy pass of _fuse_free_splits replays the plan once per remaining pair: it runs while pairs x actions stays
+# under this (a 4-rank, 8-stage plan of 32 microbatches: about 1e5), so planning stays well under a second
+FUSE_REPLAY_BUDGET = 300_000
+
+
+def _adjacent_splits(orders: dict) -> list:
+    """``(rank, position)`` of every I followed at once by the W of its stage and microbatch."""
+    return [(r, i) for r, actions in orders.items() for i, (a, b) in enumerate(zip(actions, actions[1:]))
+            if a.kind == "I" and b.kind == "W" and (a.stage, a.mb) == (b.stage, b.mb)]
+
+
+def _fused(actions: list, positions) -> list:
+    """``actions`` with the I at each of ``positions`` and the W after it made one full backward B."""
+    out, skip = [], set()
+    for i, a in enumerate(actions):
+        if i in skip:
+            continue
+        if i in positions:
+            out.append(Action(a.stage, "B", a.mb))
+            skip.add(i + 1)
+        else:
+            out.append(a)
+    return out
+
+
+def _fuse_free_splits(orders: dict, stage_to_rank, topology) -> dict:
+    """Each I followed at once by its own W becomes one full backward B wherever the unit-cost replay's step stays as
+    short as it was. Such a split only sends the input gradient a W earlier; where no rank's step ends sooner for it,
+    it costs its runtime bookkeeping (finding the entry nodes of each microbatch's graph, a second pass over the
+    weight gradients' inputs) and buys nothing.
+
+    First every pair whose gradient's readers (the backward of each stage it goes back to, same microbatch) start
+    no earlier than its W ends anyway: fusing those moves no action's start, all at once. Then, while the plan is
+    small enough (:data:`FUSE_REPLAY_BUDGET`), each remaining pair in turn, kept fused where a replay of the whole
+    plan ends no later (a reader that starts later but off the critical path)."""
+    result = replay(orders, stage_to_rank, topology)
+    when = {(a.stage, a.kind, a.mb): (start, end) for timeline in result.timeline.values()
+            for _pos, a, start, end in timeline}
+    never = (float("inf"), float("inf"))
+    free: dict = {}
+    for r, i in _adjacent_splits(orders):
+        a = orders[r][i]
+        w_end = when[(a.stage, "W", a.mb)][1]
+        if all(min(when.get((p, "B", a.mb), never)[0], when.get((p, "I", a.mb), never)[0]) >= w_end
+               for p in grad_producers(topology, a.stage)):
+            free.setdefault(r, set()).add(i)
+    current = {r: _fused(actions, free.get(r, ())) for r, actions in orders.items()}
+    remaining = _adjacent_splits(current)
+    if len(remaining) * sum(map(len, current.values())) > FUSE_REPLAY_BUDGET:
+        return current
+    base = result.makespan
+    for r in sorted(current):
+        i = 0
+        while i < len(current[r]) - 1:
+            a, b = current[r][i], current[r][i + 1]
+            if a.kind == "I" and b.kind == "W" and (a.stage, a.mb) == (b.stage, b.mb):
+                trial = dict(current)
+                trial[r] = _fused(current[r], {i})
+                if replay(trial, stage_to_rank, topology).makespan <= base:
+                    current = trial
+            i += 1
+    return current
+
+
 def _drive(policy, stage_to_rank, topology) -> dict:
     """Per-rank orders: the engine replays with unit costs and asks ``policy`` what each free rank runs next."""
     return Replay(stage_to_rank, topology).run(policy).orders
@@ -420,9 +485,11 @@ def generate(schedule: str, num_ranks: int, num_stages: int, num_microbatches: i
             out = _interleaved(num_ranks, num_stages, m)
         else:
             # w_limit=0: every W runs right after its I (see the module doc), so no more activations are
-            # alive at once than in interleaved 1F1B; the split sends each input gradient a W earlier
+            # alive at once than in interleaved 1F1B; the split sends each input gradient a W earlier, and
+            # stays only where that shortens the step
             out = _drive(_FillWeights(_interleaved(num_ranks, num_stages, m, bwd="I"), w_limit=0), stage_to_rank,
                          topology)
+            out = _fuse_free_splits(out, stage_to_rank, topology)
     elif schedule == "dualpipev" and m >= 2 * num_ranks:
         out = _dualpipev(num_ranks, m)
     else:  # zbv; dualpipev with fewer than 2p microbatches

@@ -237,12 +237,15 @@ def test_validate_duplicate_f():
 
 
 def test_validate_w_before_i():
-    st, top, lowered = plan_for("interleaved-zb", 2, 2, 3)
-    lst = lowered[0]
-    i, w = lst.index(A("0I0")), lst.index(A("0W0"))
+    st, top, lowered = plan_for("zbv", 2, 4, 4)
+    lst = next(actions for actions in lowered.values() if any(a.kind == "I" for a in actions))
+    i = next(k for k, a in enumerate(lst) if a.kind == "I")
+    w = lst.index(A(f"{lst[i].stage}W{lst[i].mb}"))
+    name_i, name_w = str(lst[i]), str(lst[w])
     lst[i], lst[w] = lst[w], lst[i]
-    with pytest.raises(ScheduleError, match=r"'0W0': weight-grad W before the input-grad '0I0'; put '0I0' earlier"):
-        validate(lowered, st, top, 3)
+    with pytest.raises(ScheduleError, match=rf"'{name_w}': weight-grad W before the input-grad '{name_i}'; "
+                                            rf"put '{name_i}' earlier"):
+        validate(lowered, st, top, 4)
 
 
 def test_validate_missing_backward_and_wrong_rank():
@@ -353,3 +356,34 @@ def test_visualize(tmp_path):
     xs = [e for e in events if e["ph"] == "X"]
     assert len(xs) == sum(len(tl) for tl in res.timeline.values())
     assert {e["pid"] for e in xs} == {0, 1}
+
+
+@pytest.mark.parametrize("ranks,stages,m", [(1, 2, 3), (2, 4, 4), (2, 4, 8), (3, 6, 5), (4, 8, 8), (8, 16, 32)])
+def test_interleaved_zb_keeps_a_split_only_where_it_shortens_the_step(ranks, stages, m):
+    """A split backward whose W runs right after its I only sends the input gradient a W earlier: interleaved-zb
+    makes it one full backward wherever the unit-cost step stays as short (the runtime's split costs a graph walk
+    and a second pass over the weights' inputs). Every kept split is needed: fusing it lengthens the step. The
+    largest plan (over the replay budget) gets the first pass only: fusions that move no action's start."""
+    from tracepp.codegen import schedules
+    from tracepp.runtime.replay import replay
+
+    s2r, top = placement("interleaved-zb", ranks, stages), Topology.chain(stages)
+    unfused = schedules._drive(schedules._FillWeights(schedules._interleaved(ranks, stages, m, bwd="I"), w_limit=0),
+                               s2r, top)
+    plan = generate("interleaved-zb", ranks, stages, m)
+    steps = replay(unfused, s2r, top).makespan
+    assert replay(plan, s2r, top).makespan == steps
+    validate(lower(plan, s2r, top), s2r, top, m)
+    fused = sum(a.kind == "B" for actions in plan.values() for a in actions)
+    kept = schedules._adjacent_splits(plan)
+    assert fused + len(kept) == stages * m  # every backward is a B or a split whose W follows its I at once
+    if ranks == 1:
+        assert not kept  # nothing waits for a gradient on one rank
+        return
+    assert fused > 0 and kept
+    if ranks == 8:
+        return
+    for r, i in kept:  # the greedy pass kept only what the step needs
+        trial = dict(plan)
+        trial[r] = schedules._fused(plan[r], {i})
+        assert replay(trial, s2r, top).makespan > steps, (r, str(plan[r][i]))
