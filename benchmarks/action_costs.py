@@ -31,6 +31,8 @@ import statistics
 import sys
 import time
 
+from tracepp.runtime.actions import Action
+
 
 def _record(out_dir: str, path: str, first: int, count: int, rest: list) -> None:
     out_dir = os.path.abspath(out_dir)
@@ -111,12 +113,11 @@ def summarize(actions: list, rounds: list, first: int, count: int, steps: dict =
                 gaps[step] = gaps.get(step, 0.0) + start[0] - last_end[step]
             last_end[step] = start[0] + seconds
             tail[step] = end - last_end[step]
-        if "SEND" in label or "RECV" in label:
+        action = Action.parse(label.split()[0])  # a comm batch's label lists its actions
+        if action.is_comm:
             comm[step] = comm.get(step, 0.0) + seconds
             continue
-        stage = label[:len(label) - len(label.lstrip("0123456789"))]
-        key = stage + label[len(stage)]
-        run.setdefault(key, []).append((seconds - waited, waited))
+        run.setdefault(f"{action.stage}{action.kind}", []).append((seconds - waited, waited))
     kinds, run_total, plain_total, wait_total = {}, 0.0, 0.0, 0.0
     for key in sorted(run, key=lambda k: (int(k[:-1]), k[-1])):
         own = statistics.median(t for t, _w in run[key])

@@ -373,17 +373,12 @@ def _fuse_free_splits(orders: dict, stage_to_rank, topology) -> dict:
     remaining = _adjacent_splits(current)
     if len(remaining) * sum(map(len, current.values())) > FUSE_REPLAY_BUDGET:
         return current
-    base = result.makespan
-    for r in sorted(current):
-        i = 0
-        while i < len(current[r]) - 1:
-            a, b = current[r][i], current[r][i + 1]
-            if a.kind == "I" and b.kind == "W" and (a.stage, a.mb) == (b.stage, b.mb):
-                trial = dict(current)
-                trial[r] = _fused(current[r], {i})
-                if replay(trial, stage_to_rank, topology).makespan <= base:
-                    current = trial
-            i += 1
+    base, shift = result.makespan, dict.fromkeys(current, 0)  # shift: pairs fused so far on a rank, before the next
+    for r, i in sorted(remaining):
+        trial = dict(current)
+        trial[r] = _fused(current[r], {i - shift[r]})
+        if replay(trial, stage_to_rank, topology).makespan <= base:
+            current, shift[r] = trial, shift[r] + 1
     return current
 
 

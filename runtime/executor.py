@@ -236,13 +236,17 @@ def _matmul_recipe(node, params: list):
     return saved, tuple(recipe)
 
 
+def _recipe_grad(param, kind: str, grad: torch.Tensor, mat1: torch.Tensor) -> torch.Tensor:
+    """One weight gradient of a matmul recipe (see :func:`_matmul_recipe`) from the entry's output gradient."""
+    return grad.t().mm(mat1) if kind == "t" else mat1.t().mm(grad) if kind == "n" else grad.sum_to_size(param.shape)
+
+
 def _recipe_grads(node, recipe, grad: torch.Tensor) -> list:
     """The weight gradients of a matmul entry from its captured output gradient (see :func:`_matmul_recipe`).
     Call under ``torch.no_grad()``."""
     saved, items = recipe
     mat1 = getattr(node, saved)
-    return [grad.t().mm(mat1) if kind == "t" else mat1.t().mm(grad) if kind == "n" else
-            grad.sum_to_size(param.shape) for param, kind in items]
+    return [_recipe_grad(param, kind, grad, mat1) for param, kind in items]
 
 
 def _recipe_accumulate(node, recipe, grad: torch.Tensor, fused: bool = True) -> None:
@@ -254,10 +258,8 @@ def _recipe_accumulate(node, recipe, grad: torch.Tensor, fused: bool = True) -> 
     mat1 = getattr(node, saved)
     for param, kind in items:
         held = param.grad
-        if kind == "bias":
-            _accumulate(param, grad.sum_to_size(param.shape))
-        elif held is None or held.dtype != grad.dtype or held.is_sparse or not fused:
-            _accumulate(param, grad.t().mm(mat1) if kind == "t" else mat1.t().mm(grad))
+        if kind == "bias" or held is None or held.dtype != grad.dtype or held.is_sparse or not fused:
+            _accumulate(param, _recipe_grad(param, kind, grad, mat1))
         elif kind == "t":
             held.addmm_(grad.t(), mat1)
         else:

@@ -247,7 +247,7 @@ def test_action_costs_compares_each_kind_with_its_plain_cost_without_waits():
         steps[str(step)] = [clock, clock + 0.020]
         clock += 0.001  # before the first action
         for label, seconds, waited in (("1RECV_F0<0", 0.0005, 0.0), ("1F0", 0.004, 0.001), ("1I0", 0.006, 0.0),
-                                       ("1SEND_B0>0", 0.0005, 0.0), ("1W0", 0.003, 0.0)):
+                                       ("1SEND_B0>0 1RECV_F1<0", 0.0005, 0.0), ("1W0", 0.003, 0.0)):
             actions.append((step, label, seconds, waited, clock))
             clock += seconds + 0.0001  # between actions
     rounds = [{"costs": {"1F": 9.0}}, {"costs": {"1F": 0.002, "1I": 0.005, "1W": 0.003}},
