@@ -20,11 +20,13 @@ Names (``SCHEDULES``):
   quick suite's 2-rank step, for one more microbatch's weight-gradient inputs held per rank.)
 * ``zbv`` — two stages per rank in V placement; a greedy list schedule (priority: input-grad I, then
   forward of the rank's deeper stage, then forward of its first stage while fewer than ``2p`` (stage,
-  microbatch) activations are live), with W's filling idle slots (the ZB-V idea).
+  microbatch) activations are live), with W's filling idle slots (the ZB-V idea). A W that lands right after its
+  own I, where the earlier input gradient shortens nothing, is fused with it into one B (as in interleaved-zb).
 * ``dualpipev`` — DeepSeek's DualPipeV phases for ``m >= 2p`` (full backwards B in the steady state,
   where DualPipeV overlaps an F with a B of the other leg — listed here one after the other — and split
-  I/W in the warm-up and cool-down). With ``m < 2p`` it falls back to the greedy V schedule above, using
-  full backwards while the rank still has forwards to run and I/W in the cool-down.
+  I/W in the warm-up and cool-down; a pair whose W follows its I at once and buys nothing is one B). With
+  ``m < 2p`` it falls back to the greedy V schedule above, using full backwards while the rank still has forwards
+  to run and I/W in the cool-down.
 
 The table :data:`SCHEDULE_TABLE` holds what the rest of tracepp knows about each name: its placement, stages
 per rank by default and allowed, whether it splits backwards into I and W, and its microbatch constraint.
@@ -476,20 +478,19 @@ def generate(schedule: str, num_ranks: int, num_stages: int, num_microbatches: i
     elif schedule == "looped-bfs":
         out = _looped_bfs(num_ranks, num_stages, m)
     elif schedule == "interleaved-zb":
-        if not training:
-            out = _interleaved(num_ranks, num_stages, m)
-        else:
-            # w_limit=0: every W runs right after its I (see the module doc), so no more activations are
-            # alive at once than in interleaved 1F1B; the split sends each input gradient a W earlier, and
-            # stays only where that shortens the step
-            out = _drive(_FillWeights(_interleaved(num_ranks, num_stages, m, bwd="I"), w_limit=0), stage_to_rank,
-                         topology)
-            out = _fuse_free_splits(out, stage_to_rank, topology)
+        # w_limit=0: every W runs right after its I (see the module doc), so no more activations are alive at once
+        # than in interleaved 1F1B; the split sends each input gradient a W earlier
+        out = (_drive(_FillWeights(_interleaved(num_ranks, num_stages, m, bwd="I"), w_limit=0), stage_to_rank,
+                      topology) if training else _interleaved(num_ranks, num_stages, m))
     elif schedule == "dualpipev" and m >= 2 * num_ranks:
         out = _dualpipev(num_ranks, m)
     else:  # zbv; dualpipev with fewer than 2p microbatches
         out = _drive(_GreedyV(stage_to_rank, m, full_backward_until_cooldown=(schedule == "dualpipev"),
                               w_limit=num_ranks), stage_to_rank, topology)
+    if training and SCHEDULE_TABLE[schedule].split_backward:
+        # a split stays only where its earlier input gradient shortens the step (interleaved-zb: most of them
+        # go; zbv, dualpipev: the few W's that land right after their own I)
+        out = _fuse_free_splits(out, stage_to_rank, topology)
     if not training:
         out = {r: [a for a in acts if a.kind == "F"] for r, acts in out.items()}
     return {r: out.get(r, []) for r in range(num_ranks)}

@@ -387,3 +387,34 @@ def test_interleaved_zb_keeps_a_split_only_where_it_shortens_the_step(ranks, sta
         trial = dict(plan)
         trial[r] = schedules._fused(plan[r], {i})
         assert replay(trial, s2r, top).makespan > steps, (r, str(plan[r][i]))
+
+
+@pytest.mark.parametrize("schedule,ranks,m", [("zbv", 2, 8), ("zbv", 4, 16), ("dualpipev", 2, 8),
+                                              ("dualpipev", 4, 16), ("dualpipev", 2, 2)])
+def test_v_schedules_fuse_the_splits_whose_w_follows_its_i_for_free(schedule, ranks, m):
+    """zbv and DualPipeV keep their deferred W's; the few whose W lands right after its own I become one full B where
+    the unit-cost step stays as short, as in interleaved-zb. The step is unchanged, the plan valid, the deferred
+    W's all still there, and every adjacent pair left is needed."""
+    from tracepp.codegen import schedules
+    from tracepp.runtime.replay import replay
+
+    stages = 2 * ranks
+    s2r, top = placement(schedule, ranks, stages), Topology.chain(stages)
+    if schedule == "dualpipev" and m >= 2 * ranks:
+        unfused = schedules._dualpipev(ranks, m)
+    else:
+        unfused = schedules._drive(schedules._GreedyV(s2r, m, full_backward_until_cooldown=schedule == "dualpipev",
+                                                      w_limit=ranks), s2r, top)
+    plan = generate(schedule, ranks, stages, m)
+    steps = replay(unfused, s2r, top).makespan
+    assert replay(plan, s2r, top).makespan == steps
+    validate(lower(plan, s2r, top), s2r, top, m)
+    splits = lambda orders: sum(a.kind == "I" for actions in orders.values() for a in actions)  # noqa: E731
+    fused = splits(unfused) - splits(plan)
+    assert fused > 0  # each of these configurations has a W right after its I that buys nothing
+    assert sum(a.kind == "B" for actions in plan.values() for a in actions) == (
+        sum(a.kind == "B" for actions in unfused.values() for a in actions) + fused)
+    for r, i in schedules._adjacent_splits(plan):
+        trial = dict(plan)
+        trial[r] = schedules._fused(plan[r], {i})
+        assert replay(trial, s2r, top).makespan > steps, (r, str(plan[r][i]))

@@ -219,8 +219,8 @@ def load_calibration(path: str) -> Calibration:
     if os.path.isdir(path):
         path = os.path.join(path, CALIBRATION_FILE)
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path} not found: write it with `tracepp calibrate OUT` (see README, "
-                                f"'Calibrated simulator')")
+        raise FileNotFoundError(f"{path} not found: write it with `tracepp calibrate OUT`, or add --calibrate to "
+                                f"`tracepp plan OUT` (see README, 'Calibrated simulator')")
     with open(path) as handle:
         try:
             data = json.load(handle)
