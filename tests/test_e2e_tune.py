@@ -64,6 +64,8 @@ def test_apply_rewrites_the_folder_with_another_plan(tmp_path, capsys):
     plan = manifest["plan"]
     assert (plan["schedule"], plan["num_stages"], plan["num_microbatches"]) == ("interleaved-1f1b", 4, 6), text
     assert plan["stage_to_rank"] == [0, 1, 0, 1]
+    # the hint runs from where the command ran, as split's does (it said `run.py`, true only inside the folder)
+    assert f"run it: torchrun --nproc-per-node 2 {os.path.join(out, 'run.py')} --steps 3" in text, text
     # the balancer's cuts: the head (24 x 12) weighs two layers (12 x 12), so it gets a stage with the norm
     assert manifest["split_options"]["split_points"] == ["layers.1", "layers.2", "norm"]
     # the rewritten folder trains, equal to eager training

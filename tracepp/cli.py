@@ -43,9 +43,13 @@ def _split(args) -> int:
           f"{', '.join(f'rank{r}.py' for r in range(manifest['plan']['num_ranks']))}, tracepp_runtime/"
           + "".join(f", {os.path.basename(path)}" for path in bundled)
           + " (no weights: each rank loads its own with --load CKPT or builds them from model())")
-    world = manifest["plan"]["num_ranks"] * (manifest["plan"].get("mesh") or {}).get("dp", 1)
-    print(f"run it: {launch_command(world, args.out)} --steps 3")
+    print(f"run it: {launch_command(_world(manifest['plan']), args.out)} --steps 3")
     return 0
+
+
+def _world(plan: dict) -> int:
+    """The processes a plan runs on: its ranks times its data-parallel replicas."""
+    return plan["num_ranks"] * (plan.get("mesh") or {}).get("dp", 1)
 
 
 def _check(args) -> int:
@@ -152,6 +156,7 @@ def _calibration_if_any(args, required: bool = False):
 
 
 def _tune(args, manifest) -> int:
+    from tracepp.driver import launch_command
     from tracepp.tuner import apply, current_candidate, format_tuning, parse_bytes, tune
 
     calibration = _calibration_if_any(args, required=True)
@@ -173,8 +178,9 @@ def _tune(args, manifest) -> int:
         print(f"applying #1: --schedule {best.schedule} --stages {best.num_stages} --microbatches "
               f"{best.num_microbatches} --split-points {','.join(best.split_points)}")
         written = apply(manifest, args.out, best)
+        run = launch_command(_world(written["plan"]), args.out)
         print(f"wrote {args.out} ({written['plan']['schedule']}, {len(written['stages'])} stages, "
-              f"{written['plan']['num_microbatches']} microbatches); run it: {written['launch_command']} --steps 3")
+              f"{written['plan']['num_microbatches']} microbatches); run it: {run} --steps 3")
     return 0
 
 
