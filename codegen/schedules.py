@@ -458,17 +458,10 @@ def _dualpipev(num_ranks, num_microbatches):
 
 # ----------------------------------------------------------------------------------------------------
 
-def generate(schedule: str, num_ranks: int, num_stages: int, num_microbatches: int,
-             training: bool = True, topology: Topology | None = None) -> dict[int, list[Action]]:
-    """Per-rank compute-only action lists for ``schedule`` (see module doc).
-
-    ``topology`` defaults to a chain; the static schedules do not depend on it, the timed ones
-    (interleaved-zb, zbv, dualpipev) use it to see when inputs are ready.
-    """
-    stage_to_rank = placement(schedule, num_ranks, num_stages)
-    _check_microbatches(schedule, num_ranks, num_stages, num_microbatches)
-    topology = topology or Topology.chain(num_stages)
-    m = num_microbatches
+def _orders(schedule: str, num_ranks: int, num_stages: int, m: int, stage_to_rank, topology,
+            training: bool) -> dict:
+    """The schedule's per-rank orders before :func:`_fuse_free_splits` (which :func:`generate` applies to the ones
+    that split backwards)."""
     if schedule == "gpipe":
         out = _gpipe(num_ranks, m)
     elif schedule == "1f1b":
@@ -487,6 +480,20 @@ def generate(schedule: str, num_ranks: int, num_stages: int, num_microbatches: i
     else:  # zbv; dualpipev with fewer than 2p microbatches
         out = _drive(_GreedyV(stage_to_rank, m, full_backward_until_cooldown=(schedule == "dualpipev"),
                               w_limit=num_ranks), stage_to_rank, topology)
+    return out
+
+
+def generate(schedule: str, num_ranks: int, num_stages: int, num_microbatches: int,
+             training: bool = True, topology: Topology | None = None) -> dict[int, list[Action]]:
+    """Per-rank compute-only action lists for ``schedule`` (see module doc).
+
+    ``topology`` defaults to a chain; the static schedules do not depend on it, the timed ones
+    (interleaved-zb, zbv, dualpipev) use it to see when inputs are ready.
+    """
+    stage_to_rank = placement(schedule, num_ranks, num_stages)
+    _check_microbatches(schedule, num_ranks, num_stages, num_microbatches)
+    topology = topology or Topology.chain(num_stages)
+    out = _orders(schedule, num_ranks, num_stages, num_microbatches, stage_to_rank, topology, training)
     if training and SCHEDULE_TABLE[schedule].split_backward:
         # a split stays only where its earlier input gradient shortens the step (interleaved-zb: most of them
         # go; zbv, dualpipev: the few W's that land right after their own I)

@@ -358,6 +358,17 @@ def test_visualize(tmp_path):
     assert {e["pid"] for e in xs} == {0, 1}
 
 
+def _assert_every_split_left_is_needed(plan, s2r, top, steps):
+    """Fusing any I + W pair that ``plan`` keeps adjacent makes its unit-cost step longer than ``steps``."""
+    from tracepp.codegen import schedules
+    from tracepp.runtime.replay import replay
+
+    for r, i in schedules._adjacent_splits(plan):
+        trial = dict(plan)
+        trial[r] = schedules._fused(plan[r], {i})
+        assert replay(trial, s2r, top).makespan > steps, (r, str(plan[r][i]))
+
+
 @pytest.mark.parametrize("ranks,stages,m", [(1, 2, 3), (2, 4, 4), (2, 4, 8), (3, 6, 5), (4, 8, 8), (8, 16, 32)])
 def test_interleaved_zb_keeps_a_split_only_where_it_shortens_the_step(ranks, stages, m):
     """A split backward whose W runs right after its I only sends the input gradient a W earlier: interleaved-zb
@@ -368,8 +379,7 @@ def test_interleaved_zb_keeps_a_split_only_where_it_shortens_the_step(ranks, sta
     from tracepp.runtime.replay import replay
 
     s2r, top = placement("interleaved-zb", ranks, stages), Topology.chain(stages)
-    unfused = schedules._drive(schedules._FillWeights(schedules._interleaved(ranks, stages, m, bwd="I"), w_limit=0),
-                               s2r, top)
+    unfused = schedules._orders("interleaved-zb", ranks, stages, m, s2r, top, training=True)
     plan = generate("interleaved-zb", ranks, stages, m)
     steps = replay(unfused, s2r, top).makespan
     assert replay(plan, s2r, top).makespan == steps
@@ -383,10 +393,7 @@ def test_interleaved_zb_keeps_a_split_only_where_it_shortens_the_step(ranks, sta
     assert fused > 0 and kept
     if ranks == 8:
         return
-    for r, i in kept:  # the greedy pass kept only what the step needs
-        trial = dict(plan)
-        trial[r] = schedules._fused(plan[r], {i})
-        assert replay(trial, s2r, top).makespan > steps, (r, str(plan[r][i]))
+    _assert_every_split_left_is_needed(plan, s2r, top, steps)  # the greedy pass kept only what the step needs
 
 
 @pytest.mark.parametrize("schedule,ranks,m", [("zbv", 2, 8), ("zbv", 4, 16), ("dualpipev", 2, 8),
@@ -400,11 +407,7 @@ def test_v_schedules_fuse_the_splits_whose_w_follows_its_i_for_free(schedule, ra
 
     stages = 2 * ranks
     s2r, top = placement(schedule, ranks, stages), Topology.chain(stages)
-    if schedule == "dualpipev" and m >= 2 * ranks:
-        unfused = schedules._dualpipev(ranks, m)
-    else:
-        unfused = schedules._drive(schedules._GreedyV(s2r, m, full_backward_until_cooldown=schedule == "dualpipev",
-                                                      w_limit=ranks), s2r, top)
+    unfused = schedules._orders(schedule, ranks, stages, m, s2r, top, training=True)
     plan = generate(schedule, ranks, stages, m)
     steps = replay(unfused, s2r, top).makespan
     assert replay(plan, s2r, top).makespan == steps
@@ -414,7 +417,4 @@ def test_v_schedules_fuse_the_splits_whose_w_follows_its_i_for_free(schedule, ra
     assert fused > 0  # each of these configurations has a W right after its I that buys nothing
     assert sum(a.kind == "B" for actions in plan.values() for a in actions) == (
         sum(a.kind == "B" for actions in unfused.values() for a in actions) + fused)
-    for r, i in schedules._adjacent_splits(plan):
-        trial = dict(plan)
-        trial[r] = schedules._fused(plan[r], {i})
-        assert replay(trial, s2r, top).makespan > steps, (r, str(plan[r][i]))
+    _assert_every_split_left_is_needed(plan, s2r, top, steps)
