@@ -1,11 +1,16 @@
-"""A small GPT-style language model as a tracepp model file.
+"""A small GPT-style language model as a tracepp model file, learning to spell two of Shakespeare's sonnets.
 
     tracepp split examples/gpt.py -o out --ranks 2 --schedule 1f1b --microbatches 4
-    torchrun --nproc-per-node 2 out/run.py --steps 5
+    torchrun --nproc-per-node 2 out/run.py --steps 30 --optimizer adamw --lr 1e-2
 
 Token embedding + learned positions, pre-norm transformer blocks (causal self-attention and an MLP), and an
 LM head tied to the token embedding (as in GPT-2). ``split_points`` starts a new stage at ``blocks.2``;
 ``--split-points`` or ``--stages`` on the command line override it.
+
+The tokens are the bytes of ``TEXT`` (so the vocabulary is 256): ``batch(step)`` cuts ``BATCH`` windows of
+``SEQ + 1`` bytes at positions drawn from ``step``, the input is a window's first ``SEQ`` bytes and the target
+the same window shifted by one. The loss starts at ln 256 = 5.55 (a uniform guess) and falls below 3.2 within
+30 AdamW steps as the model learns which letters English uses.
 """
 import math
 
@@ -74,9 +79,44 @@ def model():
     return GPT()
 
 
+TEXT = """\
+Shall I compare thee to a summer's day?
+Thou art more lovely and more temperate:
+Rough winds do shake the darling buds of May,
+And summer's lease hath all too short a date;
+Sometime too hot the eye of heaven shines,
+And often is his gold complexion dimm'd;
+And every fair from fair sometime declines,
+By chance or nature's changing course untrimm'd;
+But thy eternal summer shall not fade,
+Nor lose possession of that fair thou ow'st;
+Nor shall death brag thou wander'st in his shade,
+When in eternal lines to time thou grow'st:
+So long as men can breathe or eyes can see,
+So long lives this, and this gives life to thee.
+Let me not to the marriage of true minds
+Admit impediments. Love is not love
+Which alters when it alteration finds,
+Or bends with the remover to remove.
+O no! it is an ever-fixed mark
+That looks on tempests and is never shaken;
+It is the star to every wand'ring bark,
+Whose worth's unknown, although his height be taken.
+Love's not Time's fool, though rosy lips and cheeks
+Within his bending sickle's compass come;
+Love alters not with his brief hours and weeks,
+But bears it out even to the edge of doom.
+If this be error and upon me prov'd,
+I never writ, nor no man ever lov'd.
+"""
+TOKENS = torch.tensor(list(TEXT.encode()), dtype=torch.long)  # bytes: every id < VOCAB
+
+
 def _tokens(step: int):
+    """Step ``step``'s batch: ``BATCH`` windows of ``SEQ + 1`` bytes of TEXT, the same on every rank."""
     generator = torch.Generator().manual_seed(1000 + step)
-    data = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=generator)
+    starts = torch.randint(0, len(TOKENS) - SEQ, (BATCH,), generator=generator)
+    data = torch.stack([TOKENS[start:start + SEQ + 1] for start in starts.tolist()])
     return data[:, :-1], data[:, 1:]
 
 

@@ -1,4 +1,5 @@
-"""tracepp's runtime: what generated rank scripts import. Depends on torch and the standard library only.
+"""tracepp's runtime: what generated rank scripts import. Depends on torch and the standard library only (and
+numpy, which torch.distributed itself needs to exchange objects between ranks: ``distributed.missing_dependency``).
 
 The emit step copies this package into every output folder as ``tracepp_runtime``, so a pipeline runs on a
 machine that has torch but not tracepp. Layers, each usable alone: ``executor`` runs one step of a rank's

@@ -25,6 +25,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
+from .distributed import missing_dependency
 from .failure import EXIT_FAILED, FailureChannel, PipelineError, agree, say, stall_message
 from .loading import load_manifest
 from . import checkpoint, cpu_binding, host_memory, recompute, shm_p2p
@@ -106,6 +107,11 @@ def launch(folder: str) -> None:
         check_world_size(manifest)
     except PipelineError as error:
         say(rank, f"error: {error}")
+        sys.exit(EXIT_FAILED)
+    problem = missing_dependency(int(os.environ.get("WORLD_SIZE", "1")))
+    if problem is not None:  # every rank finds the same: one says it
+        if rank == 0:
+            say(rank, f"error: {problem}")
         sys.exit(EXIT_FAILED)
     _dp_index, pp_rank = coordinates(mesh_layout(manifest["plan"]), rank)  # replicas run their pipeline rank's script
     runpy.run_path(os.path.join(folder, f"rank{pp_rank}.py"), run_name="__main__")
@@ -197,6 +203,7 @@ def main(rank_script_rank: int, stage_functions: dict, actions: list, folder: st
     channel.start_watchdog()
     try:
         check_world_size(manifest)
+        _check_dependencies(world)
         check_precision(args.precision, _planned_device())
         pipe = Pipeline(folder, rank=rank, timeout_s=args.timeout, precision=args.precision,
                         compile=args.compile, compile_cache=args.compile_cache, stage_functions=stage_functions,
@@ -221,6 +228,14 @@ def main(rank_script_rank: int, stage_functions: dict, actions: list, folder: st
         _exit(EXIT_FAILED)
     if not channel.stop():  # the run's work is done; only the store, which is gone, did not answer
         _exit(0)
+
+
+def _check_dependencies(world: int) -> None:
+    problem = missing_dependency(world)
+    if problem is not None:
+        error = PipelineError(problem)
+        error.every_rank_agrees = True  # the same Python on every rank: one says it
+        raise error
 
 
 def _exit(code: int) -> None:
