@@ -130,6 +130,7 @@ def build_manifest(model_file, traced, graph, plan, launch_command: str, options
         "import_paths": _import_paths(model_file.path),
         "output_leaves": [[kind, value] for kind, value in graph.output_leaves],
         "root_inputs": root_inputs,
+        "token_input": _token_input(traced, graph),  # what run.py --data feeds (None: batch(step) only)
         "values": {name: {"producer": v.producer, "consumers": v.consumers, **v.meta.to_json()}
                    for name, v in graph.values.items()},
         "stages": stages,
@@ -388,7 +389,10 @@ torchrun starts one process per rank; each runs rank<RANK>.py. Options (the same
   --precision fp32|bf16|fp16   compute dtype (fp32 master weights; fp16 on GPU only)
   --clip-grad-norm MAX         clip the global gradient norm    --on-nonfinite stop|skip|continue
   --compile        torch.compile each stage (cache in compile_cache/, or --compile-cache DIR)
-Your own loop: tracepp_runtime.Pipeline(this folder); see the README ("Your own training loop").
+  --data F.bin --eval-data V.bin --eval-every N   token files   --tensorboard DIR   logs
+  --checkpoint-dir D --save-every N --resume auto --keep-last K   a job that survives restarts
+python run.py --nproc-per-node N [torchrun options] -- [options above]: the same, this file as the launcher.
+Every option: python run.py --help. Your own loop: tracepp_runtime.Pipeline(this folder).
 """
 import os
 import sys
@@ -437,6 +441,30 @@ def _remove_previous(out_dir: str, files: list) -> None:
             shutil.rmtree(cache)  # byte code Python made from our own runtime copy
         if os.path.isdir(path) and not os.listdir(path):
             os.rmdir(path)
+
+
+def _token_input(traced, graph):
+    """The root input ``run.py --data`` fills with windows of token ids: the model's one batched input, a 2-D
+    integer tensor (batch, sequence) at its traced shape, with the vocabulary of the embedding that reads it
+    (None if no ``aten.embedding`` does); None when the model's batched inputs are anything else."""
+    batched = [ref for name, ref in graph.root_inputs.items() if ref.batched]
+    if len(batched) != 1 or batched[0].meta is None:
+        return None
+    ref = batched[0]
+    leaf = traced.example_leaves[ref.leaf_index]
+    if not isinstance(leaf, torch.Tensor) or leaf.dim() != 2 or leaf.dtype.is_floating_point or \
+            leaf.dtype.is_complex or leaf.dtype == torch.bool:
+        return None
+    name = next(name for name, other in graph.root_inputs.items() if other is ref)
+    vocab = None
+    for stage in graph.stages:
+        for node in stage.graph.nodes:
+            if node.op == "call_function" and node.target is torch.ops.aten.embedding.default and \
+                    getattr(node.args[1], "name", None) == name:
+                weight = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
+                vocab = int(weight.shape[0]) if weight is not None else None
+    return {"leaf_index": ref.leaf_index, "path": ref.path, "batch": int(leaf.shape[0]), "seq": int(leaf.shape[1]),
+            "vocab": vocab}
 
 
 def emit(out_dir: str, model_file, traced, graph, plan: dict, launch_command: str, options=None) -> dict:

@@ -4,7 +4,8 @@ Layout of ``--checkpoint-dir D``::
 
     D/step_6/              one complete checkpoint (written as D/step_6.tmp, renamed when complete)
         .metadata, *.distcp    torch.distributed.checkpoint files, every key under the original FQNs
-        tracepp.json           model sha256, the FQN set, optimizer class, step, world size
+        tracepp.json           model sha256, the FQN set, optimizer class, step, world size, the training
+                               data's record, and every file's size and CRC-32
         COMPLETE               the completion marker, written last before the rename
 
 Keys: ``model.<fqn>`` (parameters and persistent buffers), ``optim.<fqn>.<state key>`` (e.g.
@@ -13,6 +14,11 @@ so a checkpoint written by one split loads into another split or rank count (a t
 is written once). The LR scheduler is restored by stepping a fresh one to the checkpoint's step (a schedule is
 a function of the step count) and checked against the learning rates saved per FQN. RNG states are restored
 when the rank count is the same.
+
+A checkpoint is trusted only after it is verified (:func:`usable`): every file's size and CRC-32 against the
+record written at save (the ranks share the reading); a damaged latest checkpoint is named and the previous
+complete one used. ``keep_last`` deletes older complete checkpoints only once a newer one is complete, and a
+save that fails (a full disk) removes its partial folder and leaves the previous checkpoints as they were.
 """
 from __future__ import annotations
 
@@ -22,6 +28,7 @@ import pickle
 import random
 import re
 import shutil
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -39,12 +46,12 @@ class CheckpointError(PipelineError, ValueError):
 
 # -- finding ------------------------------------------------------------------------------------------------
 
-def latest_checkpoint(directory: str):
-    """(step, path) of the newest complete checkpoint in ``directory`` and the list of incomplete ones skipped
-    (folders without the marker, ``.tmp`` leftovers). Raises CheckpointError when none is complete."""
-    if not os.path.isdir(directory):
-        raise CheckpointError(f"--resume {directory}: no such folder; pass the --checkpoint-dir of an earlier run")
+def scan(directory: str) -> tuple:
+    """([(step, path)] of the complete checkpoints in ``directory``, [paths of incomplete ones]) (folders without
+    the marker, ``.tmp`` leftovers of a save that was cut off); both empty when the folder does not exist."""
     complete, skipped = [], []
+    if not os.path.isdir(directory):
+        return complete, skipped
     for name in sorted(os.listdir(directory)):
         path = os.path.join(directory, name)
         match = _STEP_DIR.match(name)
@@ -52,6 +59,15 @@ def latest_checkpoint(directory: str):
             complete.append((int(match.group(1)), path))
         elif name.startswith("step_"):
             skipped.append(path)
+    return sorted(complete), skipped
+
+
+def latest_checkpoint(directory: str):
+    """(step, path) of the newest complete checkpoint in ``directory`` and the list of incomplete ones skipped
+    (folders without the marker, ``.tmp`` leftovers). Raises CheckpointError when none is complete."""
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"--resume {directory}: no such folder; pass the --checkpoint-dir of an earlier run")
+    complete, skipped = scan(directory)
     if not complete:
         extra = f" (incomplete, ignored: {', '.join(skipped)})" if skipped else ""
         raise CheckpointError(f"--resume {directory}: no complete checkpoint (a step_N folder with a {MARKER} "
@@ -59,6 +75,68 @@ def latest_checkpoint(directory: str):
                               f"of a run that saved")
     step, path = max(complete)
     return step, path, skipped
+
+
+def _crc32(path: str) -> int:
+    value = 0
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 22), b""):
+            value = zlib.crc32(chunk, value)
+    return value
+
+
+def _share(names: list, rank: int, world: int) -> list:
+    """The files this rank checksums: every ``world``-th of the sorted names (the ranks share the reading)."""
+    return sorted(names)[rank::world]
+
+
+def verify(path: str, rank: int = 0, world: int = 1):
+    """What is wrong with checkpoint ``path`` in this rank's share of its files (a message naming the file and
+    the numbers), or None. A checkpoint written before files were recorded is checked for its record only."""
+    try:
+        info = read_info(path)
+    except (OSError, ValueError) as error:
+        return f"{INFO} cannot be read ({type(error).__name__}: {error})"
+    files = info.get("files")
+    if files is None:
+        return None
+    for name in _share(list(files), rank, world):
+        size, crc = files[name]
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            return f"{name} is missing"
+        found = os.path.getsize(file)
+        if found != size:
+            return f"{name} has {found} bytes, {size} were written"
+        if _crc32(file) != crc:
+            return f"{name} has the recorded size ({size} bytes) but not the recorded CRC-32 (its bytes changed)"
+    return None
+
+
+def usable(directory: str, rank: int, world: int, group=None, report=print):
+    """(step, path) of the newest complete checkpoint of ``directory`` whose files verify, or None when there is
+    no complete checkpoint (a first start). A collective: every rank checks its share of each candidate's files
+    and all agree. A damaged checkpoint is reported (``report``, on rank 0) and the previous one tried; when
+    every complete checkpoint is damaged, CheckpointError."""
+    complete, incomplete = scan(directory)
+    if rank == 0:
+        for path in incomplete:
+            report(f"ignoring incomplete checkpoint {path} (no {MARKER} marker: its save was cut off)")
+    damaged = []
+    for step, path in reversed(complete):
+        problems = [p for p in _gather(verify(path, rank, world), group) if p]
+        if not problems:
+            if damaged and rank == 0:
+                report(f"warning: resuming from {path}, the newest checkpoint that verifies")
+            return step, path
+        damaged.append(f"{path}: {problems[0]}")
+        if rank == 0:
+            report(f"warning: checkpoint {path} is damaged ({problems[0]}); trying the one before it")
+    if damaged:
+        raise CheckpointError(f"--resume {directory}: no usable checkpoint, every complete one is damaged "
+                              f"({'; '.join(damaged)}). Restore one from a backup, or move them away to start from "
+                              f"step 0")
+    return None
 
 
 # -- saving -------------------------------------------------------------------------------------------------
@@ -94,8 +172,11 @@ def optimizer_state_by_fqn(optimizer, fqns: list) -> tuple:
 
 
 def save(directory: str, step: int, named_state: dict, optimizer, fqns: list, info: dict, rank: int,
-         group=None) -> str:
-    """Write checkpoint ``step`` (a collective: every rank calls it) atomically; returns its final path."""
+         group=None, keep_last: int = 0) -> str:
+    """Write checkpoint ``step`` (a collective: every rank calls it) atomically; returns its final path. The
+    files' sizes and CRC-32s go into its record (each rank checksums a share); ``keep_last`` > 0 then deletes
+    all but the newest ``keep_last`` complete checkpoints. A failed write (a full disk) removes the partial
+    folder, leaves the earlier checkpoints alone and raises CheckpointError on every rank."""
     import torch.distributed.checkpoint as dcp
 
     final = os.path.join(directory, f"step_{step}")
@@ -110,22 +191,96 @@ def save(directory: str, step: int, named_state: dict, optimizer, fqns: list, in
         state, optim_groups = optimizer_state_by_fqn(optimizer, fqns)
         flat.update({f"optim.{key}": value for key, value in state.items()})
     flat[f"rng.rank{rank}"] = pickle.dumps(_rng_state())  # bytes: one opaque entry per rank
-    dcp.save(flat, checkpoint_id=temporary)
-    gathered = _gather(optim_groups, group)
-    if rank == 0:
-        merged_groups = {}
-        for part in gathered:
-            merged_groups.update(part)
-        record = dict(info, step=step, param_groups=merged_groups)
-        with open(os.path.join(temporary, INFO), "w") as handle:
-            json.dump(record, handle, indent=1, sort_keys=True, default=str)
-        with open(os.path.join(temporary, MARKER), "w") as handle:
-            handle.write(f"step {step}\n")
-        if os.path.exists(final):
-            shutil.rmtree(final)
-        os.rename(temporary, final)
+    problem, sums = None, {}
+    try:
+        dcp.save(flat, checkpoint_id=temporary)
+    except BaseException as error:  # DCP's CheckpointException is a BaseException; it carries each rank's error
+        if isinstance(error, (KeyboardInterrupt, SystemExit)):
+            raise
+        problem = _write_failure(error)
+    _barrier(group)
+    if problem is None:
+        try:
+            world = dist.get_world_size(group) if dist.is_initialized() else 1
+            sums = {name: [os.path.getsize(os.path.join(temporary, name)), _crc32(os.path.join(temporary, name))]
+                    for name in _share(os.listdir(temporary), rank, world)}
+        except OSError as error:
+            problem = _write_failure(error)
+    parts = _gather((optim_groups, sums, problem), group)
+    problem = next((p for _g, _s, p in parts if p), None)
+    if rank == 0 and problem is None:
+        try:
+            _complete(temporary, final, dict(info, step=step), parts)
+        except OSError as error:
+            problem = _write_failure(error)
+    if rank == 0 and problem is not None:
+        shutil.rmtree(temporary, ignore_errors=True)
+    problem = _gather(problem, group)[0]  # rank 0's outcome, for every rank
+    if problem is not None:
+        complete, _incomplete = scan(directory)
+        kept = f"the previous checkpoint {complete[-1][1]} is intact" if complete else "no earlier checkpoint exists"
+        error = CheckpointError(f"checkpoint {final} could not be written: {problem}. The partial save was removed "
+                                f"and {kept}. Free space in {directory} (or pass --keep-last K), or save to another "
+                                f"--checkpoint-dir")
+        error.every_rank_agrees = True
+        raise error
+    if rank == 0 and keep_last > 0:
+        prune(directory, keep_last)
     _barrier(group)
     return final
+
+
+def _complete(temporary: str, final: str, record: dict, parts: list) -> None:
+    """Rank 0: the record (with every file's size and CRC-32), the marker, then the rename that publishes it."""
+    groups, files = {}, {}
+    for part_groups, part_sums, _problem in parts:
+        groups.update(part_groups)
+        files.update(part_sums)
+    record = dict(record, param_groups=groups, files=files)
+    with open(os.path.join(temporary, INFO), "w") as handle:
+        json.dump(record, handle, indent=1, sort_keys=True, default=str)
+    with open(os.path.join(temporary, MARKER), "w") as handle:
+        handle.write(f"step {record['step']}\n")
+    if os.path.exists(final):
+        shutil.rmtree(final)
+    os.rename(temporary, final)
+
+
+def _write_failure(error: BaseException) -> str:
+    """A failed write, said plainly: the OS error of the first rank that had one (DCP wraps them per rank)."""
+    import errno as errno_codes
+
+    found = []
+
+    def walk(item, where=""):
+        if isinstance(item, OSError):
+            found.append((item, where))
+        elif isinstance(item, BaseException):
+            for rank, inner in (getattr(item, "failures", None) or {}).items():
+                walk(inner, f" (rank {rank})")
+            walk(item.__cause__ or item.__context__, where)
+        elif isinstance(item, (tuple, list)):
+            for inner in item:
+                walk(inner, where)
+    walk(error)
+    if not found:
+        return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+    os_error, where = found[0]
+    names = {errno_codes.ENOSPC: "no space left on device", errno_codes.EFBIG: "file too large for this file system "
+             "or process limit", getattr(errno_codes, "EDQUOT", -1): "disk quota exceeded"}
+    reason = names.get(os_error.errno, os_error.strerror or str(os_error))
+    return f"{reason}{where} ({type(os_error).__name__}: {os_error})"
+
+
+def prune(directory: str, keep_last: int) -> list:
+    """Delete all but the newest ``keep_last`` complete checkpoints of ``directory``; returns the deleted paths.
+    Incomplete folders are left for a resume to report."""
+    complete, _incomplete = scan(directory)
+    deleted = [path for _step, path in complete[:-keep_last]] if keep_last > 0 else []
+    for path in deleted:
+        os.remove(os.path.join(path, MARKER))  # first: a deletion cut off leaves an incomplete folder, not a damaged one
+        shutil.rmtree(path)
+    return deleted
 
 
 def _gather(obj, group) -> list:

@@ -42,5 +42,24 @@ def init_distributed(rank: int, world: int, timeout_s: float, device=None):
     backend = "nccl" if device.type == "cuda" else "gloo"
     if not dist.is_initialized() and (world > 1 or "MASTER_ADDR" in os.environ):
         kwargs = {"device_id": device} if backend == "nccl" else {}
+        store = _attempt_store(world, timeout_s)
+        if store is not None:
+            kwargs["store"] = store
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s), **kwargs)
     return device, backend
+
+
+def _attempt_store(world: int, timeout_s: float):
+    """After a torchrun restart (``--max-restarts``), the rendezvous store under its own prefix per attempt.
+
+    torchrun's agent keeps one store for the whole job; a restarted worker group that joins the default process
+    group through it reads the addresses the previous attempt's ranks published, and gloo connects to processes
+    that are gone ("Connection refused" until the restarts run out). A prefix per attempt gives every attempt
+    fresh keys. None on the first attempt (torch's own env:// rendezvous, unchanged)."""
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if restart == "0" or not host or not port:
+        return None
+    store = dist.TCPStore(host, int(port), world, is_master=False, timeout=timedelta(seconds=timeout_s),
+                          wait_for_workers=False)
+    return dist.PrefixStore(f"tracepp/attempt{restart}/", store)

@@ -12,6 +12,12 @@ Command line (the same on every rank, as torchrun passes it)::
         [--optimizer sgd|adamw] [--weight-decay WD] [--warmup N] [--checkpoint-dir D --save-every N]
         [--resume D] [--save-safetensors PATH] [--activation-checkpointing none|full|selective]
         [--load CKPT | --init model|per-module] [--cpu-bind auto|none]
+        [--data TOKENS --seed S] [--eval-data TOKENS --eval-every N --eval-batches K] [--tensorboard DIR]
+        [--log-every N] [--keep-last K] [--resume auto|D]
+
+or, with this script as torchrun's launcher (a signal to it stops the ranks without a traceback)::
+
+    python out/run.py --nproc-per-node R [torchrun options] -- [the options above]
 """
 from __future__ import annotations
 
@@ -25,6 +31,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
+from .data import EvalBatches, TokenBatches, check_resumed, data_record
 from .distributed import missing_dependency
 from .failure import EXIT_FAILED, FailureChannel, PipelineError, agree, say, stall_message
 from .loading import load_manifest
@@ -32,6 +39,7 @@ from . import checkpoint, cpu_binding, host_memory, recompute, shm_p2p
 from .mesh import coordinates, full, mesh_layout
 from .optim import OPTIMIZERS, build_optimizer, build_scheduler, parameter_fqns, step_scheduler
 from .pipeline import Pipeline, check_precision, step_ended
+from .job import Board, Progress, StopRequest, any_rank, check_tensorboard, clock
 from .prefetch import BatchPrefetcher
 from .weights import INIT_MODES
 
@@ -50,8 +58,32 @@ def parse_args(argv=None):
                         help="write resumable checkpoints (torch.distributed.checkpoint) to D/step_N")
     parser.add_argument("--save-every", type=int, default=0, metavar="N",
                         help="with --checkpoint-dir: save after every N steps (always after the last step)")
-    parser.add_argument("--resume", default=None, metavar="D",
-                        help="continue from the latest complete checkpoint in D up to --steps")
+    parser.add_argument("--resume", default=None, metavar="D|auto",
+                        help="continue from the latest usable checkpoint in D up to --steps; a missing or empty D "
+                             "starts from step 0 (one command for the first start and every restart); auto: D is "
+                             "--checkpoint-dir")
+    parser.add_argument("--keep-last", type=int, default=0, metavar="K",
+                        help="with --checkpoint-dir: keep the K newest complete checkpoints, deleting older ones "
+                             "once a newer one is complete (default: keep all)")
+    parser.add_argument("--data", default=None, metavar="TOKENS",
+                        help="train on windows of a token file (.bin of uint16 as nanoGPT, or .npy of integers), "
+                             "memory-mapped, instead of the model file's batch(step)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="with --data: the seed of the window positions (each step's are drawn from it and "
+                             "the step; default 0)")
+    parser.add_argument("--eval-data", default=None, metavar="TOKENS",
+                        help="held-out token file: a forward-only pass over --eval-batches fixed batches of it "
+                             "every --eval-every steps and at the end, printing and logging val_loss")
+    parser.add_argument("--eval-every", type=int, default=0, metavar="N",
+                        help="with --eval-data: evaluate every N steps (default: only at the end)")
+    parser.add_argument("--eval-batches", type=int, default=8, metavar="K",
+                        help="with --eval-data: batches per evaluation (default 8)")
+    parser.add_argument("--tensorboard", default=None, metavar="DIR",
+                        help="write loss, val_loss, lr, grad norm, tokens/s and step time per step to DIR "
+                             "(TensorBoard event files; needs the tensorboard package)")
+    parser.add_argument("--log-every", type=int, default=1, metavar="N",
+                        help="print a progress line every N steps (default 1); --metrics and --tensorboard "
+                             "record every step")
     parser.add_argument("--save-safetensors", default=None, metavar="PATH",
                         help="write the trained weights as one safetensors file (tied weights once, HF layout)")
     parser.add_argument("--activation-checkpointing", default="none", choices=list(recompute.MODES),
@@ -101,6 +133,16 @@ def launch(folder: str) -> None:
     """run.py's body: check the world size on every rank, then run this rank's script."""
     import runpy
 
+    argv = sys.argv[1:]
+    if "-h" in argv or "--help" in argv:
+        parse_args(["--help"])
+    if "TORCHELASTIC_RUN_ID" not in os.environ and "RANK" not in os.environ and any(
+            arg.split("=")[0] in ("--nproc-per-node", "--nproc_per_node", "--nnodes", "--standalone")
+            for arg in argv):
+        from .job import launcher
+
+        launcher(folder, argv)  # this process launches the ranks, each of which runs this file again
+        return
     manifest = load_manifest(folder)
     rank = int(os.environ.get("RANK", "0"))
     try:
@@ -201,9 +243,11 @@ def main(rank_script_rank: int, stage_functions: dict, actions: list, folder: st
     args.cpu_cores = cpu_binding.bind(args.cpu_bind) if _planned_device().type == "cpu" else None
     channel = FailureChannel(rank, world, args.timeout)
     channel.start_watchdog()
+    args.stop = StopRequest().install()  # before the slow start-up: a signal during it stops after step 1
     try:
         check_world_size(manifest)
         _check_dependencies(world)
+        check_tensorboard(args.tensorboard)
         check_precision(args.precision, _planned_device())
         pipe = Pipeline(folder, rank=rank, timeout_s=args.timeout, precision=args.precision,
                         compile=args.compile, compile_cache=args.compile_cache, stage_functions=stage_functions,
@@ -291,8 +335,10 @@ def user_batch(user, step: int, training: bool):
 def _update(pipe: Pipeline, args, step: int, loss, scaler, needs_norm: bool, optimizer, scheduler) -> tuple:
     """After a training step's backward: tied-weight sync, unscaling, the norm check and clipping, the optimizer
     and LR scheduler steps, zeroed gradients. ``loss``: the step's loss on the reporting rank, else None.
-    Returns (gradient norm or None, whether the optimizer step was skipped, a note for the step's line)."""
+    Returns (gradient norm or None, whether the optimizer step was skipped, a note for the step's line, whether
+    any rank was asked to stop: agreed on the norm's all-reduce, or by one of its own)."""
     norm, skipped, note = None, False, ""
+    stop_here = args.stop.requested is not None
     try:
         pipe.sync_shared_grads()
     except RuntimeError as error:  # a peer stalled: name the collective, not gloo's recv
@@ -305,7 +351,8 @@ def _update(pipe: Pipeline, args, step: int, loss, scaler, needs_norm: bool, opt
         pipe.scale_grads(1.0 / scaler.scale)
     if needs_norm:
         loss_bad = loss is not None and not bool(torch.isfinite(loss))
-        norm_t = pipe.grad_norm(nonfinite_loss=loss_bad)
+        norm_t = pipe.grad_norm(nonfinite_loss=loss_bad, stop_requested=stop_here)
+        stop = pipe.stop_agreed
         norm = float(norm_t)
         if not torch.isfinite(norm_t):
             skipped, note = _on_nonfinite(pipe, args, step, loss, scaler)
@@ -313,11 +360,13 @@ def _update(pipe: Pipeline, args, step: int, loss, scaler, needs_norm: bool, opt
             pipe.clip_grad_norm_(args.clip_grad_norm, norm=norm_t)
         if scaler is not None:
             scaler.update(not skipped)
+    else:
+        stop = any_rank(stop_here, pipe.device)
     if optimizer is not None and not skipped:
         optimizer.step()
     step_scheduler(scheduler, step)
     pipe.zero_grad(set_to_none=True)
-    return norm, skipped, note
+    return norm, skipped, note, stop
 
 
 def _minor_faults():
@@ -331,21 +380,33 @@ def _minor_faults():
 
 
 def _report_step(pipe: Pipeline, args, step: int, result, elapsed: float, cpu_time: float, norm, skipped: bool,
-                 note: str, faults=None) -> tuple:
-    """The reporting rank's line and ``--metrics`` record of one step; returns its (step, loss, seconds, samples/s)."""
+                 note: str, faults=None, job=None) -> tuple:
+    """The reporting rank's line, ``--metrics`` record and TensorBoard scalars of one step; returns its (step,
+    loss, seconds, samples/s). ``job``: the loop's JobState (tokens per step, progress, board, learning rate)."""
     training, device = pipe.training, pipe.device
     loss_value = float(result) if training and result is not None and not isinstance(result, list) else None
     samples = pipe.last_batch_size
-    if not args.quiet:
+    tokens = samples * job.seq if job is not None and job.seq else None
+    job.progress.record(elapsed)
+    lr = job.lr()
+    if not args.quiet and ((step + 1) % max(args.log_every, 1) == 0 or step + 1 == args.steps or step == 0):
         text = f"loss {loss_value:.6f} | " if loss_value is not None else ""
         text += f"grad norm {norm:.4f} | " if norm is not None else ""
-        print(f"step {step + 1}/{args.steps} | {text}{elapsed * 1000:.1f} ms | "
-              f"{samples / elapsed:.1f} samples/s{note}", flush=True)
+        rate = f"{tokens / elapsed:,.0f} tok/s" if tokens else f"{samples / elapsed:.1f} samples/s"
+        print(f"step {step + 1}/{args.steps} | {text}{elapsed * 1000:.1f} ms | {rate} | "
+              f"elapsed {clock(job.progress.elapsed())} | eta {clock(job.progress.eta(step + 1))}{note}", flush=True)
+    record = {"step": step, "loss": loss_value, "step_time_s": elapsed, "cpu_time_s": cpu_time,
+              "samples_per_s": samples / elapsed, "batch_size": samples}
+    if tokens:
+        record["tokens_per_s"] = tokens / elapsed
+    if lr is not None:
+        record["lr"] = lr
+    if norm is not None:
+        record["grad_norm"] = norm
+    if job.board is not None:
+        job.board.scalars(step + 1, {"train/loss": loss_value, "train/lr": lr, "train/grad_norm": norm,
+                                     "train/tokens_per_s": record.get("tokens_per_s"), "train/step_time_s": elapsed})
     if args.metrics:
-        record = {"step": step, "loss": loss_value, "step_time_s": elapsed, "cpu_time_s": cpu_time,
-                  "samples_per_s": samples / elapsed, "batch_size": samples}
-        if norm is not None:
-            record["grad_norm"] = norm
         if faults is not None:
             record["minor_faults"] = faults
         if device.type == "cuda":
@@ -356,13 +417,86 @@ def _report_step(pipe: Pipeline, args, step: int, result, elapsed: float, cpu_ti
             record["cpu_cores"] = args.cpu_cores
         if pipe.world_size > 1:
             record["p2p"] = pipe.p2p_transport()
-        with open(args.metrics, "a") as handle:
-            handle.write(json.dumps(record) + "\n")
+        _append_metrics(args.metrics, record)
     return step, loss_value, elapsed, samples / elapsed
 
 
+def _append_metrics(path: str, record: dict) -> None:
+    with open(path, "a") as handle:
+        handle.write(json.dumps(record) + "\n")
+
+
+class JobState:
+    """What the loop keeps for a long job's reporting: progress, the TensorBoard writer, tokens per sample."""
+
+    def __init__(self, pipe: Pipeline, args, first_step: int, optimizer, reports: bool):
+        record = pipe.manifest.get("token_input")
+        self.seq = record["seq"] if record else None
+        self.progress = Progress(first_step, args.steps)
+        self.optimizer = optimizer
+        self.board = Board(args.tensorboard, purge_step=first_step + 1) if reports and args.tensorboard else None
+
+    def lr(self):
+        return float(self.optimizer.param_groups[0]["lr"]) if self.optimizer is not None else None
+
+
+def _check_job_flags(pipe: Pipeline, args) -> None:
+    """The long-job flags make sense together, else an error naming the flag and the fix."""
+    if args.resume == "auto":
+        if not args.checkpoint_dir:
+            raise PipelineError("--resume auto resumes from --checkpoint-dir: pass --checkpoint-dir D (the folder "
+                                "this run saves to), or --resume D")
+        args.resume = args.checkpoint_dir
+    if args.keep_last < 0 or (args.keep_last and not args.checkpoint_dir):
+        raise PipelineError(f"--keep-last {args.keep_last} keeps the newest K >= 1 checkpoints of --checkpoint-dir: "
+                            f"pass --checkpoint-dir D and a positive K")
+    if (args.eval_every or args.eval_batches != 8) and not args.eval_data:
+        raise PipelineError("--eval-every/--eval-batches evaluate on --eval-data: pass --eval-data TOKENS (a "
+                            "held-out token file)")
+    if args.eval_data and not (pipe.training and hasattr(pipe.user, "loss_fn")):
+        raise PipelineError(f"--eval-data {args.eval_data} reports a validation loss, and this model file has no "
+                            f"loss_fn: drop --eval-data")
+    if args.eval_every < 0 or args.eval_batches < 1 or args.log_every < 1:
+        raise PipelineError(f"--eval-every {args.eval_every}, --eval-batches {args.eval_batches}, --log-every "
+                            f"{args.log_every}: use --eval-every >= 0 and the others >= 1")
+
+
+def evaluate(pipe: Pipeline, batches) -> float:
+    """The mean loss over ``batches`` through the pipeline, forward only; on the last stage's rank (None
+    elsewhere). Every rank calls it with the same batches."""
+    total, count = 0.0, 0
+    for inputs, kwargs, target in batches:
+        inputs, kwargs, target = _to_device((inputs, kwargs, target), pipe.device)
+        loss = pipe.eval_step(inputs, kwargs, target)
+        if loss is not None:
+            total += float(loss)
+        count += 1
+    return total / count if pipe.is_last_rank else None
+
+
+def _to_device(batch, device):
+    import torch.utils._pytree as pytree
+
+    return pytree.tree_map(lambda leaf: leaf.to(device) if isinstance(leaf, torch.Tensor) else leaf, batch)
+
+
+def _run_eval(pipe: Pipeline, args, evals, step: int, reports: bool, job: JobState) -> None:
+    start = time.perf_counter()
+    value = evaluate(pipe, evals)
+    if not reports:
+        return
+    if not args.quiet:
+        print(f"eval after step {step} | val_loss {value:.6f} | {evals.count} batches | "
+              f"{(time.perf_counter() - start) * 1000:.0f} ms", flush=True)
+    if args.metrics:
+        _append_metrics(args.metrics, {"step": step - 1, "val_loss": value})
+    if job.board is not None:
+        job.board.scalars(step, {"val/loss": value})
+
+
 def train(pipe: Pipeline, args) -> None:
-    """The loop of run.py around ``Pipeline.step``: precision, norm check and clipping, optimizer, metrics, save."""
+    """The loop of run.py around ``Pipeline.step``: data, precision, norm check and clipping, optimizer, metrics,
+    validation, checkpoints (periodic, on a requested stop, pruned), save."""
     manifest, user, device = pipe.manifest, pipe.user, pipe.device
     training = pipe.training
     rank, world = pipe.rank, pipe.world_size
@@ -371,6 +505,11 @@ def train(pipe: Pipeline, args) -> None:
     if args.save_outputs and training:
         raise PipelineError(f"--save-outputs {args.save_outputs} is for forward-only model files (without "
                             f"loss_fn); this one trains: drop the flag, or use Pipeline.eval_step in your own loop")
+    _check_job_flags(pipe, args)
+    if not hasattr(args, "stop"):  # a caller of train() other than main(): no signal handling
+        args.stop = StopRequest()
+    source = TokenBatches(args.data, manifest, args.seed) if args.data else None
+    evals = EvalBatches(args.eval_data, manifest, args.eval_batches) if args.eval_data else None
     named = [(name, p) for name, p in pipe.named_parameters() if p.requires_grad]
     optimizer, scheduler, fqns = None, None, []
     if training and named:
@@ -378,16 +517,22 @@ def train(pipe: Pipeline, args) -> None:
         fqns = parameter_fqns(optimizer, named)
         scheduler = build_scheduler(user, optimizer, warmup=args.warmup, total_steps=args.steps)
     recompute.apply(pipe, args.activation_checkpointing)
+    reports = pipe.is_last_rank and pipe.dp_index == 0  # one replica prints (its loss is the global batch's)
+    args.data_record = data_record(source)
     first_step = _resume(pipe, args, optimizer, scheduler, fqns) if args.resume else 0
     scaler = DynamicLossScale() if pipe.precision == "fp16" else None
     needs_norm = training and (args.clip_grad_norm is not None or args.on_nonfinite != "continue"
                                or scaler is not None)
-    reports = pipe.is_last_rank and pipe.dp_index == 0  # one replica prints (its loss is the global batch's)
     if reports and not args.quiet:
         print(_banner(pipe, args), flush=True)
+        if source is not None:
+            also = "; the model file's batch(step) is not used (--data wins)" if hasattr(user, "batch") else ""
+            print(source.describe() + also, flush=True)
+    job = JobState(pipe, args, first_step, optimizer, reports)
     history, outputs = [], []
     host_memory.configure(device)  # CPU ranks: freed tensors go back to the OS (see host_memory.py)
-    batches = BatchPrefetcher(lambda index: user_batch(user, index, training), device)
+    batches = BatchPrefetcher(source or (lambda index: user_batch(user, index, training)), device)
+    stopped = None
     for step in range(first_step, args.steps):
         # on GPUs pinned and copied on a side stream; the step waits for the copy, so what of it is not done
         # by then is counted in the step time below
@@ -398,8 +543,10 @@ def train(pipe: Pipeline, args) -> None:
         host_memory.release(device)  # before the optimizer allocates its state or updates anything
         norm, skipped, note = None, False, ""
         if training:
-            norm, skipped, note = _update(pipe, args, step, result if reports else None, scaler, needs_norm,
-                                          optimizer, scheduler)
+            norm, skipped, note, stop = _update(pipe, args, step, result if reports else None, scaler, needs_norm,
+                                                optimizer, scheduler)
+        else:
+            stop = any_rank(args.stop.requested is not None, device)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - start
@@ -408,27 +555,65 @@ def train(pipe: Pipeline, args) -> None:
         if args.save_outputs:
             outputs.append(_replica_outputs(pipe, result))
         if reports:
-            history.append(_report_step(pipe, args, step, result, elapsed, cpu_time, norm, skipped, note, faults))
+            history.append(_report_step(pipe, args, step, result, elapsed, cpu_time, norm, skipped, note, faults,
+                                        job))
         step_ended(pipe, step)
-        periodic = args.save_every > 0 and (step + 1) % args.save_every == 0
-        if args.checkpoint_dir and (periodic or step + 1 == args.steps):
-            path = checkpoint.save(args.checkpoint_dir, step + 1, pipe.state_dict(), optimizer, fqns,
-                                   _checkpoint_info(pipe, optimizer), rank)
-            if reports and not args.quiet:
-                print(f"checkpoint {path}", flush=True)
-    if args.save_outputs and reports:
-        _write_atomically(args.save_outputs, lambda temporary: torch.save(outputs, temporary))
-    if args.save_safetensors:
-        _save_safetensors(args.save_safetensors, manifest, rank, pipe.state_dict(), world, pipe.unused_state,
-                          include=pipe.dp_index == 0)
-    if args.save:
-        _save(args.save, manifest, rank, pipe.state_dict(), world, pipe.unused_state, include=pipe.dp_index == 0)
+        done = step + 1
+        if evals is not None and args.eval_every and done % args.eval_every == 0 and done != args.steps and not stop:
+            _run_eval(pipe, args, evals, done, reports, job)
+        periodic = args.save_every > 0 and done % args.save_every == 0
+        if args.checkpoint_dir and (periodic or done == args.steps or stop):
+            _save_checkpoint(pipe, args, done, optimizer, fqns, reports)
+        if stop:
+            stopped = done
+            break
+    if stopped is not None:
+        _stopped(pipe, args, stopped, reports)
+    else:
+        if evals is not None:
+            _run_eval(pipe, args, evals, args.steps, reports, job)
+        if args.save_outputs and reports:
+            _write_atomically(args.save_outputs, lambda temporary: torch.save(outputs, temporary))
+        if args.save_safetensors:
+            _save_safetensors(args.save_safetensors, manifest, rank, pipe.state_dict(), world, pipe.unused_state,
+                              include=pipe.dp_index == 0)
+        if args.save:
+            _save(args.save, manifest, rank, pipe.state_dict(), world, pipe.unused_state,
+                  include=pipe.dp_index == 0)
+    if job.board is not None:
+        job.board.close()
     if world > 1:
         dist.barrier(group=_control_group())
-    if reports and history and not args.quiet:
+    if reports and history and not args.quiet and stopped is None:
         _summary(pipe, args, history)
     if dist.is_initialized():  # torchrun with one rank starts a group too (NCCL warns at exit if it is left)
         dist.destroy_process_group()
+
+
+def _save_checkpoint(pipe: Pipeline, args, step: int, optimizer, fqns: list, reports: bool) -> None:
+    path = checkpoint.save(args.checkpoint_dir, step, pipe.state_dict(), optimizer, fqns,
+                           _checkpoint_info(pipe, optimizer, args), pipe.rank, group=_control_group_or_none(pipe),
+                           keep_last=args.keep_last)
+    if reports and not args.quiet:
+        print(f"checkpoint {path}", flush=True)
+
+
+def _control_group_or_none(pipe: Pipeline):
+    return _control_group() if pipe.world_size > 1 else None
+
+
+def _stopped(pipe: Pipeline, args, step: int, reports: bool) -> None:
+    """A requested stop (a signal) after ``step``: say where the work is and how to go on."""
+    if not reports:
+        return
+    why = args.stop.requested or "a signal to another rank"
+    if args.checkpoint_dir:
+        where = os.path.join(args.checkpoint_dir, f"step_{step}")
+        print(f"stopped by {why} after step {step}/{args.steps}: saved {where}; to continue, run the same command "
+              f"with --resume auto (or --resume {args.checkpoint_dir})", flush=True)
+    else:
+        print(f"stopped by {why} after step {step}/{args.steps}; nothing was saved (no --checkpoint-dir): pass "
+              f"--checkpoint-dir D --resume auto to make a stopped job resumable", flush=True)
 
 
 def join_microbatches(outputs: list):
@@ -460,35 +645,48 @@ def _replica_outputs(pipe: Pipeline, result):
     return join_microbatches(result) if pipe.is_last_rank and pipe.dp_index == 0 else None
 
 
-def _checkpoint_info(pipe: Pipeline, optimizer) -> dict:
+def _checkpoint_info(pipe: Pipeline, optimizer, args=None) -> dict:
     manifest = pipe.manifest
-    return {"model_sha256": manifest["model_sha256"], "fqns": sorted(manifest["state_dict_keys"]),
+    info = {"model_sha256": manifest["model_sha256"], "fqns": sorted(manifest["state_dict_keys"]),
             "optimizer": type(optimizer).__name__ if optimizer is not None else None,
             "world_size": pipe.world_size, "stage_to_rank": manifest["plan"]["stage_to_rank"]}
+    if args is not None:
+        info["data"] = args.data_record  # with the step: where the data stream continues
+    return info
 
 
 def _resume(pipe: Pipeline, args, optimizer, scheduler, fqns: list) -> int:
-    """Load the latest complete checkpoint of ``--resume``; returns the step to continue from. Every rank checks
-    the checkpoint against its own stages, then the ranks agree (one small gather) before anything is loaded:
-    a bad checkpoint stops every rank with the message, before anything is trained or written."""
+    """Load the newest usable checkpoint of ``--resume``; returns the step to continue from (0: there is none
+    yet, a first start). Every rank verifies its share of the files, then checks the checkpoint against its own
+    stages, and the ranks agree (one small gather) before anything is loaded: a bad checkpoint stops every rank
+    with the message, before anything is trained or written."""
+    group = _control_group() if pipe.world_size > 1 else None
     try:
-        step, path, prepared = _check_resume(pipe, args, optimizer, scheduler, fqns)
+        found = checkpoint.usable(args.resume, pipe.rank, pipe.world_size, group,
+                                  report=lambda text: say(pipe.rank, text))
+    except checkpoint.CheckpointError as error:
+        error.every_rank_agrees = True
+        raise
+    if found is None:
+        if pipe.is_last_rank and pipe.dp_index == 0 and not args.quiet:
+            print(f"--resume {args.resume}: no checkpoint yet; starting from step 0", flush=True)
+        return 0
+    try:
+        step, path, prepared = _check_resume(pipe, args, optimizer, scheduler, fqns, *found)
         problem = None
     except PipelineError as error:
         step, path, prepared, problem = None, None, None, str(error)
-    agree(problem, group=_control_group() if pipe.world_size > 1 else None)
+    agree(problem, group=group)
     checkpoint.load(prepared, optimizer, fqns)
     if pipe.is_last_rank and not args.quiet:
         print(f"resumed from {path} (step {step}); training steps {step + 1} to {args.steps}", flush=True)
     return step
 
 
-def _check_resume(pipe: Pipeline, args, optimizer, scheduler, fqns: list) -> tuple:
-    step, path, skipped = checkpoint.latest_checkpoint(args.resume)
-    for incomplete in skipped:
-        say(pipe.rank, f"ignoring incomplete checkpoint {incomplete} (no {checkpoint.MARKER} marker: its save was cut off)")
+def _check_resume(pipe: Pipeline, args, optimizer, scheduler, fqns: list, step: int, path: str) -> tuple:
     info = checkpoint.read_info(path)
     checkpoint.check_compatible(path, info, _checkpoint_info(pipe, optimizer))
+    check_resumed(path, info.get("data"), args.data_record)
     if scheduler is not None:  # a schedule is a function of the step count: step a fresh one to `step`
         import warnings
 

@@ -393,12 +393,14 @@ class Pipeline:
                 grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
                 offset += grad.numel()
 
-    def grad_norm(self, *, nonfinite_loss: bool = False) -> torch.Tensor:
+    def grad_norm(self, *, nonfinite_loss: bool = False, stop_requested: bool = False) -> torch.Tensor:
         """The global L2 norm of the gradients of every stage on every rank, a shared weight counted once: one
-        all-reduce of two numbers; the same fp32 value on every rank. Call after :meth:`sync_shared_grads`.
-        ``nonfinite_loss=True`` (on the rank whose loss was NaN/inf) makes it NaN on every rank."""
+        all-reduce of three numbers; the same fp32 value on every rank. Call after :meth:`sync_shared_grads`.
+        ``nonfinite_loss=True`` (on the rank whose loss was NaN/inf) makes it NaN on every rank.
+        ``stop_requested`` rides along: afterwards ``self.stop_agreed`` is True on every rank if it was True on
+        any (a signal asked one rank to stop: run.py saves and stops on all of them after this step)."""
         grads = [dp_mesh.local(p.grad).detach() for p in self._counted_once() if p.grad is not None]
-        sums = torch.zeros(2, device=self.device, dtype=torch.float32)
+        sums = torch.zeros(3, device=self.device, dtype=torch.float32)
         if grads:  # with DP: local shards, each shard counted once over the mesh (replicas divide it out)
             # one fused kernel for every tensor's norm (as torch.nn.utils.clip_grad_norm_), not two ops each
             norms = torch._foreach_norm(grads) if len({(g.device, g.dtype) for g in grads}) == 1 else \
@@ -406,8 +408,10 @@ class Pipeline:
             sums[0] = torch.stack([n.float() for n in norms]).pow(2).sum()
             sums[0] /= dp_mesh.replication_factor(self.layout) if self.mesh is not None else 1
         sums[1] = float(nonfinite_loss)
+        sums[2] = float(stop_requested)
         if self.world_size > 1:
             dist.all_reduce(sums)
+        self.stop_agreed = bool(sums[2] > 0)
         norm = sums[0].sqrt()
         return torch.full_like(norm, float("nan")) if sums[1] > 0 else norm
 
