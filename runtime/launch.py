@@ -45,7 +45,14 @@ from .weights import INIT_MODES
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description="Train this pipeline (run under torchrun).")
+    return build_parser().parse_args(argv)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """run.py's options (docs/reference.md is generated from this parser)."""
+    parser = argparse.ArgumentParser(
+        prog="run.py", description="Train this pipeline: torchrun --nproc-per-node R out/run.py [options], or "
+                                   "python out/run.py --nproc-per-node R [torchrun options] -- [options]")
     parser.add_argument("--steps", type=int, default=3, help="training steps (default 3)")
     parser.add_argument("--lr", type=float, default=0.01, help="learning rate of the --optimizer (default 0.01)")
     parser.add_argument("--optimizer", default="sgd", choices=list(OPTIMIZERS),
@@ -126,7 +133,7 @@ def parse_args(argv=None):
                         help="torch.compile each stage (dynamic dims from the manifest marked dynamic)")
     parser.add_argument("--compile-cache", default=None, metavar="DIR",
                         help="inductor cache folder for --compile (default OUT/compile_cache)")
-    return parser.parse_args(argv)
+    return parser
 
 
 def launch(folder: str) -> None:
