@@ -5,13 +5,13 @@ on the JSON of a finished suite to recompute the predictions:
 
     python -m benchmarks.predict RESULTS.json
 
-How a case is predicted (``tracepp.calibration``): its own plan, replayed with its stages' compute costs (the
-plain-autograd measurement ``tracepp.stage_costs`` inside each tracepp run, ``tracepp.paired_costs``; without it,
+How a case is predicted (``tracepp.costs.model``): its own plan, replayed with its stages' compute costs (the
+plain-autograd measurement ``tracepp.costs.measure_stages`` inside each tracepp run, ``tracepp.costs.measure_in_run``; without it,
 the plain costs ``benchmarks/stage_times.py`` measures in one process after the runs) times the runtime factors
 (per kind, tracepp's executor over the plain stage function, from the same alternating rounds:
 ``runtime_section``, as ``tracepp calibrate`` measures them), the
 ping-pong's latency and bandwidth per rank pair on each boundary message (gloo: ops independent), the optimizer
-step per stage, and the one number ``tracepp calibrate`` fits to a measured run (``tracepp.calibrate.FIT_MODE``:
+step per stage, and the one number ``tracepp calibrate`` fits to a measured run (``tracepp.costs.calibrate.FIT_MODE``:
 a fixed time per action by default), never fitted to the case it
 predicts: for each case it is the median of the values fitted to each *other* case of the suite (leave one out). A
 case with paired steps (``stepwise_pairs``) is fitted once per paired step, to the costs measured around it, and
@@ -46,7 +46,7 @@ def _keyed(costs: dict) -> dict:
 
 def _calibration(manifest: dict, costs: dict, optimizer_stage_s: dict, comm: dict, overhead: dict,
                  runtime: dict = None):
-    from tracepp.calibration import Calibration, folder_record, traced_microbatch
+    from tracepp.costs.model import Calibration, folder_record, traced_microbatch
 
     return Calibration(comm=dict(comm or {}), optimizer_s={str(k): v for k, v in (optimizer_stage_s or {}).items()},
                        compute=[{"microbatch_size": traced_microbatch(manifest),
@@ -58,7 +58,7 @@ def runtime_section(entry: dict) -> dict:
     """The calibration's ``runtime`` section for a case, as ``tracepp calibrate`` measures it: the runtime factors
     of the case's own stage costs through tracepp's executor (``ideal.executor_costs``) over the plain ones, both
     from the same alternating rounds (``benchmarks/stage_times.py``); {} where the executor was not timed."""
-    from tracepp.calibration import runtime_factors
+    from tracepp.costs.model import runtime_factors
 
     ideal = entry.get("ideal") or {}
     # the plain costs of stage_times' own rounds ("costs_stage_times" once the suite priced the ideal with the
@@ -72,10 +72,10 @@ def runtime_section(entry: dict) -> dict:
 
 def stepwise_pairs(entry: dict) -> list:
     """``[(costs, measured step)]`` for every paired step of a case's tracepp runs (``paired_runs``, see
-    ``tracepp.paired_costs``): the step's time and the per-key mean of the plain-autograd stage costs its own ranks
+    ``tracepp.costs.measure_in_run``): the step's time and the per-key mean of the plain-autograd stage costs its own ranks
     measured right before and right after it (a second apart, under the run's load), so a simulated step priced
     with them sees the same spell of the machine as the step it is compared with."""
-    from tracepp.paired_costs import bracketed
+    from tracepp.costs.measure_in_run import bracketed
 
     return [pair for paired in entry.get("paired_runs") or [] for pair in bracketed(paired)]
 
@@ -84,7 +84,7 @@ def case_noise(entry: dict):
     """How far this machine moved during a case: the larger of the relative ranges ((max - min) / median) of the
     tracepp rounds' median steps and of the ideal priced with each round's stage costs (None with one round). A
     prediction error inside it cannot be told from the noise."""
-    from tracepp.calibration import relative_range
+    from tracepp.costs.model import relative_range
 
     spreads = [relative_range((entry.get(key) or {}).get("round_step_s") or []) for key in ("tracepp", "ideal")]
     spreads = [s for s in spreads if s is not None]
@@ -94,9 +94,9 @@ def case_noise(entry: dict):
 def predict_cases(entries: list, comm: dict, log=print, mode: str = None) -> None:
     """Add ``prediction`` to every entry that has a tracepp folder, measured step and stage costs (see module doc).
     Each entry needs ``out_dir``, ``tracepp.step_time_s``, ``compute_costs`` and ``optimizer_stage_s``."""
-    from tracepp.calibrate import FIT_MODE, describe_overhead, fit_overheads, fit_paired, overhead_of
-    from tracepp.calibration import predict_folder
-    from tracepp.manifest_file import load_manifest
+    from tracepp.costs.calibrate import FIT_MODE, describe_overhead, fit_overheads, fit_paired, overhead_of
+    from tracepp.costs.model import predict_folder
+    from tracepp.codegen.manifest import load_manifest
 
     mode = mode or FIT_MODE
     usable = [e for e in entries if e.get("compute_costs") and (e.get("tracepp") or {}).get("status") == "ok"]
@@ -156,9 +156,9 @@ def predict_cases(entries: list, comm: dict, log=print, mode: str = None) -> Non
 def suite_calibration(entries: list, comm: dict, overhead: dict):
     """A calibration of the quick suite's model for the tuner: the cases that share one split (the 2-stage
     ones, at their several microbatch sizes) give the compute samples and the runtime factors (their median);
-    ``overhead`` (the fitted number, as :func:`tracepp.calibrate.overhead_of` spells it); the comm."""
-    from tracepp.calibration import Calibration, folder_record, traced_microbatch
-    from tracepp.manifest_file import load_manifest
+    ``overhead`` (the fitted number, as :func:`tracepp.costs.calibrate.overhead_of` spells it); the comm."""
+    from tracepp.costs.model import Calibration, folder_record, traced_microbatch
+    from tracepp.codegen.manifest import load_manifest
 
     by_stages: dict = {}
     for entry in entries:

@@ -12,7 +12,7 @@ file (benchmarks/gpt_model.py, untied head), split at the same block FQNs, is tr
 * ``eager``: the unsplit model in one process, full batch (``benchmarks/eager_worker.py``);
 * ``ideal``: ``codegen.simulate`` of tracepp's own plan with per-(stage, kind) compute times measured in one
   process, comms free, plus the SGD step (``benchmarks/stage_times.py``): each stage's own function
-  with plain autograd (``tracepp.stage_costs``: F, B, I = input-gradient half, W = B - I), not tracepp's
+  with plain autograd (``tracepp.costs.measure_stages``: F, B, I = input-gradient half, W = B - I), not tracepp's
   executor, so ideal / tracepp shows all of the runtime's overhead, the zero-bubble split's included. On CPU
   the costs are measured inside each tracepp run: after its measured steps come ``--paired-steps`` more, and
   before and after each of them every rank times its own stages, all ranks at once between two barriers
@@ -22,7 +22,7 @@ file (benchmarks/gpt_model.py, untied head), split at the same block FQNs, is tr
   the median of each round's ideal / tracepp), and ``efficiency_stepwise`` the median over every paired step of
   its ideal (priced with the costs measured around it) over its measured time: on a machine whose speed moves
   10 - 40% within minutes, the one ratio whose two sides see the same spell;
-* ``predicted``: the calibrated simulator (``tracepp.calibration``, ``benchmarks/predict.py``): the same plan with
+* ``predicted``: the calibrated simulator (``tracepp.costs.model``, ``benchmarks/predict.py``): the same plan with
   the stage costs times the runtime factors (tracepp's executor over the plain stage functions, per kind, measured
   with the ideal's costs), the ping-pong's latency and bandwidth on every message, and the one overhead number of
   ``tracepp calibrate`` (``FIT_MODE``: a rank time per action), the median of its fits to the *other* cases' measured
@@ -268,8 +268,8 @@ def run_system(system: str, case: Case, model_path: str, out_dir: str, work: str
 
 
 def _read_paired(prefix: str, ranks: int, out_dir: str, step_times: list) -> dict:
-    """A tracepp run's in-run stage costs (``tracepp.paired_costs.read_paired``) with its paired steps."""
-    from tracepp.paired_costs import read_paired
+    """A tracepp run's in-run stage costs (``tracepp.costs.measure_in_run.read_paired``) with its paired steps."""
+    from tracepp.costs.measure_in_run import read_paired
 
     with open(os.path.join(out_dir, "manifest.json")) as handle:
         stages = len(json.load(handle)["stages"])
@@ -397,8 +397,8 @@ def run_suite(cases: list, settings: Settings, device: str, threads: int, work: 
 
 
 def _comm(cases: list, device: str, threads: int, settings: Settings, log) -> dict:
-    """The ping-pong of tracepp.comm_bench between the suite's ranks (CPU suites; one rank count)."""
-    from tracepp.calibrate import measure_comm
+    """The ping-pong of tracepp.costs.measure_comm between the suite's ranks (CPU suites; one rank count)."""
+    from tracepp.costs.calibrate import measure_comm
 
     ranks = sorted({case.run_ranks for case in cases if case.run_ranks > 1})
     if device != "cpu" or not ranks:
@@ -443,13 +443,13 @@ def _ideal_from_round_costs(out_dir: str, entry: dict, measured: dict) -> None:
                 for costs in raw]
     steps = [s for s in by_round if s is not None]
     entry["compute_costs"] = {key: statistics.median(costs[key] for costs in rounds) for key in rounds[0]}
-    entry["costs_source"] = "plain autograd (tracepp.stage_costs)"
+    entry["costs_source"] = "plain autograd (tracepp.costs.measure_stages)"
     step = statistics.median(steps)
     ideal.update(step_time_s=step, ideal_step_s=step, round_step_s=by_round, round_costs=raw,
                  costs_stage_times=ideal["costs"],
                  costs={f"{key[:-1]},{key[-1]}": value for key, value in entry["compute_costs"].items()},
                  tokens_per_s=entry["tokens_per_step"] / step,
-                 costs_method="plain autograd per stage (tracepp.stage_costs), W = B - I, measured by each tracepp "
+                 costs_method="plain autograd per stage (tracepp.costs.measure_stages), W = B - I, measured by each tracepp "
                               "run's own ranks between its paired steps; the ideal is the median of the rounds' "
                               "simulated steps")
     paired = [i / t for i, t in zip(by_round, (entry.get("tracepp") or {}).get("round_step_s") or []) if i and t]
@@ -466,7 +466,7 @@ def _ideal_from_round_costs(out_dir: str, entry: dict, measured: dict) -> None:
 def _median_costs(measurements: list):
     """The per-key median of the stage-cost measurements that succeeded (None if none did): a round's costs from
     its run's paired rounds."""
-    from tracepp.calibration import median_costs
+    from tracepp.costs.model import median_costs
 
     found = [costs for costs in measurements if costs]
     return median_costs(found) if found else None
@@ -475,13 +475,13 @@ def _median_costs(measurements: list):
 def tune_benchmark(entries: list, comm: dict, settings: Settings, threads: int, work: str, log) -> dict:
     """The tuner on the suite's model (calibrated from its cases), its pick run against the best hand-picked case."""
     from tracepp.resplit import resplit
-    from tracepp.manifest_file import load_manifest
-    from tracepp.tuner import tune
+    from tracepp.codegen.manifest import load_manifest
+    from tracepp.costs.search import tune
 
     measured = [e for e in entries if (e.get("tracepp") or {}).get("status") == "ok" and e.get("prediction")]
     if not measured:
         return {"status": "skipped", "error": "no measured case"}
-    from tracepp.calibrate import FIT_MODE, overhead_of
+    from tracepp.costs.calibrate import FIT_MODE, overhead_of
 
     values = [e["prediction"]["fitted_overhead_s"] for e in measured if e["prediction"]["fitted_overhead_mode"] == FIT_MODE]
     overhead = overhead_of(FIT_MODE, statistics.median(values) if values else 0.0)
@@ -592,7 +592,7 @@ def format_table(report: dict) -> str:
     text = tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True)
     notes = [f"step time: median of measured steps (warm-up dropped) over alternating runs; tokens/s = "
              f"batch*seq / step time; ideal = simulated plan with each stage's plain-autograd F/B/I/W "
-             f"(tracepp.stage_costs, measured by each tracepp run's ranks between its paired steps; median of the "
+             f"(tracepp.costs.measure_stages, measured by each tracepp run's ranks between its paired steps; median of the "
              f"rounds), comms free, + SGD step; "
              f"cpu tracepp/torch: process CPU time per step of the "
              f"last stage's rank",
@@ -663,8 +663,22 @@ def write_chart(report: dict, path: str):
 
 # ----------------------------------------------------------------------------------------------------
 
+REPRODUCIBLE = """what you can reproduce (figures in docs/benchmarks.md, results in benchmarks/results/):
+  python -m benchmarks.run --quick            tracepp vs torch.distributed.pipelining, the ideal, the prediction
+  python -m benchmarks.run                    the same over GPT d128/256/512, 2 and 4 ranks
+  python -m benchmarks.run --device cuda      one GPU: tracepp vs eager, and a 4-GPU prediction
+  python -m benchmarks.dp_pp                  DP x PP (FSDP2) against torch's own pieces and torchtitan's recipe
+  python -m benchmarks.real_size plan|load    planning a 7B/70B shape without weights; per-rank loading memory
+  python -m benchmarks.activation_checkpointing   step time and peak memory per mode
+  python -m benchmarks.cuda_path              the unchanged rank scripts on CUDA, against eager
+  python -m benchmarks.gpu_stage              a Llama-7B-shaped stage on one GPU: step, memory, MFU
+  python -m benchmarks.gpu_predict            the simulator's multi-GPU prediction from one GPU's stage times
+one-off studies, each with its question: benchmarks/studies/ (python -m benchmarks.studies.NAME --help)"""
+
+
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.splitlines()[0],
+                                     epilog=REPRODUCIBLE, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a small suite (with the stage costs and the tuner), about 6 minutes on 2 CPU cores")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--out", default=os.path.join("benchmarks", "results"), help="where the JSON and PNG go")

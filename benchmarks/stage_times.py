@@ -5,7 +5,7 @@
 
 For each folder, in this one process:
 
-* **the stage costs the ideal is priced with** (``costs``): ``tracepp.stage_costs.measure_stage_times``, each
+* **the stage costs the ideal is priced with** (``costs``): ``tracepp.costs.measure_stages.measure_stage_times``, each
   stage's own generated function called with plain autograd on the real microbatches of step 0, no pipeline
   executor: F = forward; B = ``torch.autograd.backward`` of its outputs; I = ``torch.autograd.grad`` with
   ``inputs=`` the received activations; W = B - I, the weight half of the best possible split backward (the
@@ -35,12 +35,12 @@ import statistics
 
 import torch
 
-from tracepp.calibration import W_AFTER_I
-from tracepp.stage_costs import CLOCKS, RuntimeCostMeter, _sync
+from tracepp.costs.model import W_AFTER_I
+from tracepp.costs.measure_stages import CLOCKS, RuntimeCostMeter, _sync
 
 
 class ExecutorMeter(RuntimeCostMeter):
-    """The same kinds through tracepp's executor (``tracepp.stage_costs.RuntimeCostMeter``, which ``tracepp
+    """The same kinds through tracepp's executor (``tracepp.costs.measure_stages.RuntimeCostMeter``, which ``tracepp
     calibrate`` uses for its runtime factors), plus the SGD step per stage."""
 
     def optimizer_times(self, rounds: int) -> dict:
@@ -66,7 +66,7 @@ def measure(out_dir: str, device: torch.device, rounds: int = 5, max_microbatche
             clock: str = "wall") -> dict:
     """Everything the module docstring lists for one folder; ``costs`` (keys ``"stage,kind"``) price the ideal.
     Rounds of the plain-autograd and the executor measurements alternate, so both see the same machine."""
-    from tracepp.stage_costs import StageCostMeter
+    from tracepp.costs.measure_stages import StageCostMeter
 
     plain_meter = StageCostMeter(out_dir, device=device, max_microbatches=max_microbatches, clock=clock)
     executor_meter = ExecutorMeter(out_dir, device=device, max_microbatches=max_microbatches, clock=clock)
@@ -79,7 +79,7 @@ def measure(out_dir: str, device: torch.device, rounds: int = 5, max_microbatche
     result = {"costs": costs, "executor_costs": executor, "optimizer_stage_s": executor_meter.optimizer_times(rounds),
               "W_autograd": plain["W_autograd"], "microbatches_timed": plain["microbatches_timed"],
               "rounds": rounds, "clock": clock,
-              "costs_method": "plain autograd per stage (tracepp.stage_costs), W = B - I",
+              "costs_method": "plain autograd per stage (tracepp.costs.measure_stages), W = B - I",
               "split_ratio": {}, "split_ratio_plain": {}, "split_ratio_deferred": {}}
     paired = executor_meter.split_ratios()
     for stage in sorted({int(k.split(",")[0]) for k in executor}):
@@ -116,7 +116,7 @@ def ideal_step(manifest: dict, costs: dict, optimizer_stage_s: dict, plan: dict 
     from benchmarks.predict import _keyed
     from tracepp.runtime.actions import Action
     from tracepp.codegen.simulate import simulate
-    from tracepp.manifest_file import topology_from_manifest
+    from tracepp.codegen.manifest import topology_from_manifest
 
     plan = plan or manifest["plan"]
     actions = {int(rank): [Action.parse(a) for a in acts] for rank, acts in plan["actions"].items()}
@@ -132,7 +132,7 @@ def ideal_step(manifest: dict, costs: dict, optimizer_stage_s: dict, plan: dict 
 def predict(manifest: dict, measured: dict, num_ranks: int) -> dict:
     """The ideal step time of the folder's schedule re-planned over ``num_ranks`` ranks (same stages)."""
     from tracepp.codegen.plan import build_plan
-    from tracepp.manifest_file import topology_from_manifest
+    from tracepp.codegen.manifest import topology_from_manifest
 
     plan = manifest["plan"]
     built = build_plan(plan["schedule"], num_ranks, len(manifest["stages"]), plan["num_microbatches"],

@@ -11,7 +11,7 @@ shared-gradient sync and optimizer step; see benchmarks/memory.py), and ``regist
 window when the last step ends, so nothing run.py does after its loop (``--save``'s gather) is counted. Each
 costs one Python call per step and neither touches the timed code.
 
-``--paired-steps P --paired-from S --paired-costs PREFIX`` (CPU suites): ``tracepp.paired_costs``' in-run stage
+``--paired-steps P --paired-from S --paired-costs PREFIX`` (CPU suites): ``tracepp.costs.measure_in_run``' in-run stage
 costs: after step ``S - 1`` and after each of the ``P`` steps from ``S`` on, every rank times its own stages with
 plain autograd, all ranks at once between two barriers, in the step-end hook after the step's timing; each rank
 writes ``PREFIX.rank<r>.json``. ``benchmarks/run.py`` prices the schedule's ideal and checks the calibrated
@@ -25,7 +25,7 @@ import runpy
 import sys
 
 from benchmarks.memory import PeakMemory, write_memory
-from tracepp.paired_costs import PairedCosts
+from tracepp.costs.measure_in_run import PairedCosts
 
 
 def main() -> None:

@@ -4,7 +4,7 @@ The engine, its execution model, the validator and the unit costs live in ``trac
 library only, so a rank whose script was edited can validate the gathered plan at start-up with the same code);
 this module is the planner's view of it. :func:`validate` raises :class:`ScheduleError` for a plan that breaks a
 rule or would deadlock; :func:`simulate` validates and replays with per-action costs (comms cost 0 unless a
-``runtime.replay.CommModel`` is given: the calibrated simulator of ``tracepp.calibration``) into a
+``runtime.replay.CommModel`` is given: the calibrated simulator of ``tracepp.costs.model``) into a
 :class:`SimResult` for ``tracepp plan``, ``tracepp inspect``, the tuner and the benchmarks.
 """
 from __future__ import annotations

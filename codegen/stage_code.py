@@ -90,7 +90,7 @@ def _autocast_off_regions(graph: fx.Graph) -> None:
     pre-dispatch graphs do. Without it, ``--precision bf16`` would compute HF's rotary tables in bf16. The
     enter/exit nodes take the module path and source line of the region's first/last node, so they stay in
     that block and under that comment."""
-    from tracepp.trace import AUTOCAST_OFF
+    from tracepp.split.pipeline_graph import AUTOCAST_OFF
 
     region, previous = None, None
     for node in list(graph.nodes):

@@ -11,7 +11,7 @@ count (``OMP_NUM_THREADS``, 1 per rank under torchrun) exceed the share, it is l
 Binding changes no value (a lowered thread count may reorder a parallel reduction, as any thread count
 does). On 2 cores, 2 ranks of the quick benchmark's cases took 0.80 - 1.01 times the step time
 bound that they took unbound: 0.80 and 0.82 in interleaved 1F1B, within 6% either way in the other cases
-(``benchmarks/cpu_bind.py``, two runs; README "Benchmarks"). ``run.py --cpu-bind none`` leaves the
+(``benchmarks/studies/cpu_bind.py``, two runs; README "Benchmarks"). ``run.py --cpu-bind none`` leaves the
 affinity alone, e.g. where a launcher (``numactl``, ``taskset``) already bound each rank. Two jobs on one
 machine should each start under ``taskset -c`` with cores of their own (the shares are cut from the cores the
 process may use) or both pass ``none``: bound alike, they would share the same first cores. GPU ranks are not

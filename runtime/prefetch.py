@@ -2,7 +2,7 @@
 
 A step of a real-size stage takes hundreds of milliseconds; copying its batch from pageable host memory inside
 the step cost 37 ms of a 500 ms step on an H100 (a 4 x 4096 x 4096 fp32 hidden-state batch, measured with
-``benchmarks/gpu_profile_stage.py``). :class:`BatchPrefetcher` produces the batch in the loop's own thread (in
+``benchmarks/studies/gpu_profile_stage.py``). :class:`BatchPrefetcher` produces the batch in the loop's own thread (in
 order, so a ``batch(step)`` that draws from torch's global RNG sees exactly what it would without it), pins it,
 and starts its host-to-device copy on a side CUDA stream before the step is timed; the step's stream waits for
 that copy, so any part of it not yet done is counted in the step. Producing the next batch on a worker thread

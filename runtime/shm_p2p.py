@@ -2,7 +2,7 @@
 
 Why: gloo hands a message to its I/O threads, which need their core's time slice while that core is busy
 with the rank's compute; two ranks on 2 cores that compute and then exchange 16 KB lose about 1 ms per
-exchange that way, against about 0.1 ms here (``python -m benchmarks.exchange_cost``, README "Benchmarks").
+exchange that way, against about 0.1 ms here (``python -m benchmarks.studies.exchange_cost``, README "Benchmarks").
 
 How: one ring buffer per directed pair of ranks that exchange pipeline messages, a file in ``/dev/shm``
 mapped by both processes and unlinked as soon as both have it, so nothing outlives the job. The sender copies

@@ -6,6 +6,8 @@ from typing import Any, Optional
 
 import torch
 
+AUTOCAST_OFF = "tracepp_autocast_off"  # node meta: inlined from a torch.autocast(enabled=False) region
+
 
 @dataclass
 class TensorMeta:

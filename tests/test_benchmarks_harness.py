@@ -216,11 +216,11 @@ def test_a_case_with_paired_steps_is_fitted_to_them(monkeypatch):
     """The overhead fitted to a case with paired steps is the median of one fit per paired step (each step with
     the costs measured around it), not the fit of the median step to the rounds' costs; the other case is
     predicted with it (leave one out) and its paired steps get their own errors."""
-    import tracepp.manifest_file
+    import tracepp.codegen.manifest
     from benchmarks.predict import predict_cases
     from test_calibration import _manifest
 
-    monkeypatch.setattr(tracepp.manifest_file, "load_manifest", lambda out_dir: _manifest())
+    monkeypatch.setattr(tracepp.codegen.manifest, "load_manifest", lambda out_dir: _manifest())
     costs = {"0F": 1.0, "0B": 2.0, "1F": 1.0, "1B": 2.0}  # 15.0 per step without overheads (1F1B, M = 4)
     fast = {"case": "a", "out_dir": "a", "compute_costs": costs, "optimizer_stage_s": {},
             "tracepp": {"status": "ok", "step_time_s": 30.0},  # the measured steps: another spell of the machine
@@ -237,9 +237,9 @@ def test_a_case_with_paired_steps_is_fitted_to_them(monkeypatch):
 
 
 def test_action_costs_compares_each_kind_with_its_plain_cost_without_waits():
-    """benchmarks.action_costs' summary: per (stage, kind) the median action time less its wait for received data,
+    """benchmarks.studies.action_costs' summary: per (stage, kind) the median action time less its wait for received data,
     against the median plain cost of the rounds (the first round dropped), and the step split into its parts."""
-    from benchmarks.action_costs import summarize
+    from benchmarks.studies.action_costs import summarize
 
     actions, steps = [], {}
     for step in range(4):

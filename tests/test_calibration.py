@@ -9,16 +9,16 @@ import json
 
 import pytest
 
-from tracepp.calibrate import fit_overheads
-from tracepp.calibration import (Calibration, folder_record, interquartile_fraction, load_calibration, median_costs,
+from tracepp.costs.calibrate import fit_overheads
+from tracepp.costs.model import (Calibration, folder_record, interquartile_fraction, load_calibration, median_costs,
                                  message_bytes, predict_folder, relative_range, runtime_factors, split_costs,
                                  split_optimizer, write_calibration)
 from tracepp.codegen.plan import build_plan
-from tracepp.comm_bench import fit
+from tracepp.costs.measure_comm import fit
 from tracepp.runtime.actions import Action, Topology
 from tracepp.runtime.replay import CommModel, replay, validate
-from tracepp.stage_costs import NOTHING
-from tracepp.tuner import parse_bytes, tune
+from tracepp.costs.measure_stages import NOTHING
+from tracepp.costs.search import parse_bytes, tune
 
 A = Action.parse
 CHAIN2 = Topology.chain(2)
@@ -197,7 +197,7 @@ def test_runtime_factors_are_the_median_ratio_per_kind():
 
 
 def test_a_w_right_after_its_own_i_is_priced_as_such():
-    from tracepp.calibration import W_AFTER_I
+    from tracepp.costs.model import W_AFTER_I
     from tracepp.runtime.replay import W_AFTER_I as REPLAY_W_AFTER_I, cost_of
 
     assert W_AFTER_I == REPLAY_W_AFTER_I == "W_after_I"
@@ -283,8 +283,8 @@ def test_calibrate_repeats_the_stage_costs_around_the_run_and_records_the_noise(
     """`tracepp calibrate` without --costs: the plain-autograd measurement twice before the calibration run and once
     after, the median used, the spread of the comm-free step over the three and the run's interquartile spread
     recorded as the machine's noise, and a warning note above 10%."""
-    import tracepp.calibrate as calibrate_module
-    import tracepp.manifest_file as manifest_file
+    import tracepp.costs.calibrate as calibrate_module
+    import tracepp.codegen.manifest as manifest_file
 
     manifest = _manifest()
     monkeypatch.setattr(manifest_file, "load_manifest", lambda path: manifest)
@@ -386,8 +386,8 @@ def test_segment_table_counts_the_gradient_tensors_a_cut_sends_back(tmp_path):
 def test_calibrate_fits_the_overhead_per_paired_step(tmp_path, monkeypatch):
     """With paired steps, the overhead is the median of one fit per paired step, each to the stage costs measured
     around it, not the fit of the run's median step (here measured in a slower spell) to costs measured apart."""
-    import tracepp.calibrate as calibrate_module
-    import tracepp.manifest_file as manifest_file
+    import tracepp.costs.calibrate as calibrate_module
+    import tracepp.codegen.manifest as manifest_file
 
     manifest = _manifest()
     monkeypatch.setattr(manifest_file, "load_manifest", lambda path: manifest)

@@ -3,7 +3,7 @@ import os
 
 import pytest
 
-from tracepp.check import stage_warnings
+from tracepp.report.checks import stage_warnings
 from tracepp.cli import main
 from util import model_path
 

@@ -10,13 +10,13 @@ from util import REPO
 
 
 def test_reference_is_generated_from_the_parsers(monkeypatch):
-    from tracepp.report.reference import parsers, reference
+    from tracepp.reference import parsers, reference
 
     monkeypatch.setenv("COLUMNS", "110")
     with open(os.path.join(REPO, "docs", "reference.md")) as handle:
         written = handle.read()
     assert written == reference(), ("docs/reference.md differs from the parsers: regenerate it with "
-                                    "`python -m tracepp.report.reference > docs/reference.md`")
+                                    "`python -m tracepp.reference > docs/reference.md`")
     for _title, parser, _usage in parsers():  # and every flag appears, spelled as the parser spells it
         for action in parser._actions:
             for name in action.option_strings:

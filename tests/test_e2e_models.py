@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from tracepp.driver import split_model
-from tracepp.manifest_file import load_manifest
-from tracepp.stage_report import stage_table
+from tracepp.codegen.manifest import load_manifest
+from tracepp.report.stages import stage_table
 from tracepp.modelfile import load_model_file
 from util import assert_state_close, assert_trained, eager_train, model_path, run_ok
 

@@ -8,10 +8,10 @@ import os
 
 import torch
 
-from tracepp.calibration import load_calibration
+from tracepp.costs.model import load_calibration
 from tracepp.cli import main as cli_main
 from tracepp.driver import split_model
-from tracepp.manifest_file import load_manifest
+from tracepp.codegen.manifest import load_manifest
 from util import assert_state_close, eager_train, model_path, run_ok
 
 MODEL = "tied_lm_v"  # 4 layers, tied embedding and head, batch 12

@@ -1,4 +1,4 @@
-"""tracepp.paired_costs: in-run stage costs between a run's steps (plain data, and one torchrun run)."""
+"""tracepp.costs.measure_in_run: in-run stage costs between a run's steps (plain data, and one torchrun run)."""
 import json
 import os
 import subprocess
@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from tracepp.paired_costs import PairedCosts, bracketed, read_paired
+from tracepp.costs.measure_in_run import PairedCosts, bracketed, read_paired
 from util import model_path
 
 
@@ -70,7 +70,7 @@ def test_a_two_rank_run_measures_its_own_stages_between_steps(tmp_path):
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
         return [json.loads(line) for line in open(metrics)]
 
-    paired = run("-m", "tracepp.paired_costs", out, "--paired-from", "3", "--paired-steps", "3",
+    paired = run("-m", "tracepp.costs.measure_in_run", out, "--paired-from", "3", "--paired-steps", "3",
                  "--prefix", str(tmp_path / "p"), metrics=tmp_path / "paired.jsonl")
     plain = run(os.path.join(out, "run.py"), metrics=tmp_path / "plain.jsonl")
     assert [line["loss"] for line in paired] == pytest.approx([line["loss"] for line in plain], rel=1e-6)

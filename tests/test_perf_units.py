@@ -6,12 +6,12 @@ import math
 import pytest
 import torch
 
-from tracepp.costs_file import load_costs
+from tracepp.costs.costs_file import load_costs
 from tracepp.driver import split_model
 from tracepp.runtime import Pipeline
 from tracepp.runtime.executor import WeightSplit, _finite_witness
-from tracepp.calibration import runtime_factors
-from tracepp.stage_costs import NOTHING, StageCallables, measure_runtime_costs, measure_stage_costs, measure_stage_times
+from tracepp.costs.model import runtime_factors
+from tracepp.costs.measure_stages import NOTHING, StageCallables, measure_runtime_costs, measure_stage_costs, measure_stage_times
 from util import model_path
 
 
@@ -39,7 +39,7 @@ def test_stage_costs_cover_every_stage_and_kind(tied_folder, tmp_path):
 
 def test_stage_cost_meter_times_only_the_stages_it_is_given(tied_folder):
     """A rank of a run times its own stages (benchmarks/tracepp_worker.py): only their keys, no W_autograd."""
-    from tracepp.stage_costs import StageCostMeter
+    from tracepp.costs.measure_stages import StageCostMeter
 
     meter = StageCostMeter(tied_folder, max_microbatches=1, stages=[1], naive_weight=False)
     meter.run_round()
@@ -60,7 +60,7 @@ def test_runtime_costs_time_the_same_kinds_through_the_executor(tied_folder):
 
 
 def test_runtime_meter_times_w_deferred_and_right_after_its_i(tied_folder):
-    from tracepp.stage_costs import RuntimeCostMeter
+    from tracepp.costs.measure_stages import RuntimeCostMeter
 
     meter = RuntimeCostMeter(tied_folder, max_microbatches=2)
     assert meter.after_input == {3}  # microbatches 0, 2: F + B; 1: I's then W's; 3: each W after its I
@@ -76,7 +76,7 @@ def test_runtime_meter_times_w_deferred_and_right_after_its_i(tied_folder):
 
 def test_split_ratios_pair_each_b_with_the_next_microbatchs_i_and_w():
     # known answer: a slow spell in round 1 slows B, I and W alike; per-pair ratios cancel it, medians would not
-    from tracepp.stage_costs import RuntimeCostMeter
+    from tracepp.costs.measure_stages import RuntimeCostMeter
 
     meter = RuntimeCostMeter.__new__(RuntimeCostMeter)
     meter.pairs, meter.after_input = [(0, 1), (2, 3)], {3}
@@ -89,7 +89,7 @@ def test_cost_meters_set_the_heap_thresholds_the_ranks_run_with(tied_folder, mon
     # Left at glibc's defaults, the executor's rounds took thousands of page faults each and the plain rounds none,
     # so the runtime factors followed the fault count; both meters now configure the heap as run.py does.
     from tracepp.runtime import host_memory
-    from tracepp.stage_costs import RuntimeCostMeter
+    from tracepp.costs.measure_stages import RuntimeCostMeter
 
     configured = []
     monkeypatch.setattr(host_memory, "configure", lambda device: configured.append(torch.device(device).type))
@@ -103,7 +103,7 @@ def test_the_plain_b_frees_its_graph_before_its_timing_ends():
     # must pay the same, not leave it to the next untimed forward
     import weakref
 
-    from tracepp.stage_costs import StageCostMeter
+    from tracepp.costs.measure_stages import StageCostMeter
 
     leaf = torch.randn(4, 4, requires_grad=True)
     out = (leaf * 2).relu()

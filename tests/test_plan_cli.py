@@ -13,7 +13,7 @@ from tracepp.codegen.csvio import dump_csv
 from tracepp.codegen.plan import build_plan
 from tracepp.codegen.simulate import simulate
 from tracepp.driver import split_model
-from tracepp.manifest_file import load_manifest, topology_from_manifest
+from tracepp.codegen.manifest import load_manifest, topology_from_manifest
 from util import model_path
 
 FOUR_STAGES = "layers.1,layers.2,layers.3"

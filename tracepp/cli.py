@@ -31,7 +31,7 @@ def _split(args) -> int:
                            dp=args.dp, dp_mode=args.dp_mode, dp_shard=args.dp_shard, dp_order=args.dp_order)
     from tracepp.modelfile import bundle_packages
     from tracepp.runtime.mesh import describe
-    from tracepp.stage_report import stage_table
+    from tracepp.report.stages import stage_table
 
     bundled = bundle_packages(args.out, args.bundle, manifest["import_paths"]) if args.bundle else []
     for note in manifest.get("notes", []):
@@ -54,10 +54,10 @@ def _world(plan: dict) -> int:
 
 def _check(args) -> int:
     """Trace, split and plan; print the stage table and the warnings; write nothing."""
-    from tracepp.check import stage_warnings
+    from tracepp.report.checks import stage_warnings
     from tracepp.driver import check_model
     from tracepp.dynamic import parse_flags
-    from tracepp.stage_report import stage_table
+    from tracepp.report.stages import stage_table
 
     _check_layout(args)
     points = _split_points(args.split_points)
@@ -97,10 +97,10 @@ def _check_layout(args) -> None:
 
 
 def _inspect(args) -> int:
-    from tracepp.manifest_file import load_manifest
-    from tracepp.plan_report import plan_report
+    from tracepp.codegen.manifest import load_manifest
+    from tracepp.report.plan import plan_report
     from tracepp.runtime.mesh import describe
-    from tracepp.stage_report import boundary_table, estimate_table, stage_table
+    from tracepp.report.stages import boundary_table, estimate_table, stage_table
 
     manifest = load_manifest(args.out)
     print(stage_table(manifest))
@@ -116,9 +116,9 @@ def _inspect(args) -> int:
 
 
 def _plan(args) -> int:
-    from tracepp.costs_file import load_costs
-    from tracepp.manifest_file import load_manifest
-    from tracepp.plan_report import plan_report, write_plan_pictures
+    from tracepp.costs.costs_file import load_costs
+    from tracepp.codegen.manifest import load_manifest
+    from tracepp.report.plan import plan_report, write_plan_pictures
 
     if args.calibrate:
         _calibrate(args)
@@ -129,7 +129,7 @@ def _plan(args) -> int:
     print(plan_report(manifest, grid=True, costs=costs))
     calibration = _calibration_if_any(args)
     if calibration is not None:
-        from tracepp.calibration import predict_folder
+        from tracepp.costs.model import predict_folder
 
         try:
             prediction = predict_folder(manifest, calibration)
@@ -147,7 +147,7 @@ def _plan(args) -> int:
 
 
 def _calibration_if_any(args, required: bool = False):
-    from tracepp.calibration import CALIBRATION_FILE, load_calibration
+    from tracepp.costs.model import CALIBRATION_FILE, load_calibration
 
     path = args.calibration or os.path.join(args.out, CALIBRATION_FILE)
     if not required and not args.calibration and not os.path.isfile(path):
@@ -157,7 +157,8 @@ def _calibration_if_any(args, required: bool = False):
 
 def _tune(args, manifest) -> int:
     from tracepp.driver import launch_command
-    from tracepp.tuner import apply, current_candidate, format_tuning, parse_bytes, tune
+    from tracepp.costs.search import current_candidate, format_tuning, parse_bytes, tune
+    from tracepp.resplit import apply_tuned
 
     calibration = _calibration_if_any(args, required=True)
     limit = parse_bytes(args.memory_limit) if args.memory_limit else None
@@ -177,7 +178,7 @@ def _tune(args, manifest) -> int:
         best = kept[0]
         print(f"applying #1: --schedule {best.schedule} --stages {best.num_stages} --microbatches "
               f"{best.num_microbatches} --split-points {','.join(best.split_points)}")
-        written = apply(manifest, args.out, best)
+        written = apply_tuned(manifest, args.out, best)
         run = launch_command(_world(written["plan"]), args.out)
         print(f"wrote {args.out} ({written['plan']['schedule']}, {len(written['stages'])} stages, "
               f"{written['plan']['num_microbatches']} microbatches); run it: {run} --steps 3")
@@ -185,7 +186,7 @@ def _tune(args, manifest) -> int:
 
 
 def _calibrate(args) -> int:
-    from tracepp.calibrate import calibrate
+    from tracepp.costs.calibrate import calibrate
 
     try:
         calibrate(args.out, costs_paths=args.costs_files or ([args.costs] if getattr(args, "costs", None) else None),
@@ -295,7 +296,7 @@ def _add_calibrate_options(parser, in_plan: bool) -> None:
                                  "--costs as the stage costs)")
         parser.set_defaults(costs_files=None)
     parser.add_argument("--comm", default=None, metavar="COMM.json",
-                        help=prefix + "ping-pong results of `torchrun ... -m tracepp.comm_bench --json` (e.g. across "
+                        help=prefix + "ping-pong results of `torchrun ... -m tracepp.costs.measure_comm --json` (e.g. across "
                                       "nodes) instead of running it here")
     parser.add_argument("--nproc", type=int, default=None,
                         help=prefix + "processes for the ping-pong and the calibration run (default: the plan's ranks "
@@ -304,11 +305,11 @@ def _add_calibrate_options(parser, in_plan: bool) -> None:
     parser.add_argument("--fit-steps", type=int, default=12,
                         help=prefix + "steps of the calibration run that fits the runtime overheads (default 12)")
     parser.add_argument("--no-fit", action="store_true", help=prefix + "no calibration run: overheads 0")
-    from tracepp.calibrate import FIT_MODE, FIT_MODES, PAIRED_STEPS, REPEATS
+    from tracepp.costs.calibrate import FIT_MODE, FIT_MODES, PAIRED_STEPS, REPEATS
 
     parser.add_argument("--paired-steps", type=int, default=None,
                         help=prefix + f"steps after those of the calibration run, each fitted with the stage costs "
-                                      f"its ranks measure right before and after it (tracepp.paired_costs; default "
+                                      f"its ranks measure right before and after it (tracepp.costs.measure_in_run; default "
                                       f"{PAIRED_STEPS} on CPU hosts, 0 with CUDA; 0: fit the run's median step to the "
                                       f"costs measured apart)")
     parser.add_argument("--repeats", type=int, default=REPEATS,

@@ -56,3 +56,17 @@ def resplit(manifest: dict, out_dir: str, **changes) -> dict:
                        schedule=options["schedule"], num_microbatches=options["num_microbatches"],
                        split_points=options["split_points"], dynamic_shapes=flags, dp=options["dp"],
                        dp_mode=options["dp_mode"], dp_shard=options["dp_shard"], dp_order=options["dp_order"])
+
+
+def apply_tuned(manifest: dict, out_dir: str, best) -> dict:
+    """Split the folder again with ``best``'s schedule, stages, microbatches and split points (the driver,
+    with the model file and the other options the manifest records)."""
+    from tracepp.costs.search import stage_of_segments
+
+    own = stage_of_segments(manifest)
+    if own is not None and tuple(own) == best.split:  # the same cuts: as the folder was split (markers included)
+        recorded = (manifest.get("split_options") or {}).get("split_points")
+        return resplit(manifest, out_dir, schedule=best.schedule, num_stages=best.num_stages,
+                       num_microbatches=best.num_microbatches, split_points=recorded)
+    return resplit(manifest, out_dir, schedule=best.schedule, num_stages=best.num_stages,
+                   num_microbatches=best.num_microbatches, split_points=list(best.split_points))

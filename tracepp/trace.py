@@ -20,11 +20,11 @@ from typing import Any, Optional
 import torch
 import torch.utils._pytree as pytree
 
+from tracepp.split.pipeline_graph import AUTOCAST_OFF
 from tracepp.dynamic import DynamicFlags, export_dynamic_shapes, names_from_model_spec
 from tracepp.modelfile import ModelFile, ModelFileError
 
 
-AUTOCAST_OFF = "tracepp_autocast_off"  # node meta: inlined from a torch.autocast(enabled=False) region
 
 
 class TraceError(ValueError):

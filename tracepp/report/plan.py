@@ -6,7 +6,7 @@ import os
 
 from tabulate import tabulate
 
-from tracepp.manifest_file import topology_from_manifest
+from tracepp.codegen.manifest import topology_from_manifest
 from tracepp.runtime.actions import Action
 from tracepp.runtime.replay import UNIT_COSTS
 

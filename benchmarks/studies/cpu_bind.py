@@ -3,7 +3,7 @@ time, against ``--cpu-bind none``, on the quick suite's cases (d128 GPT, 2 ranks
 torch's pipelining (``benchmarks/torch_worker.py --cpu-bind auto``), so tracepp/torch can be read with both
 bound as well as with each as it runs by default.
 
-    python -m benchmarks.cpu_bind [--rounds 4] [--steps 10] [--systems tracepp,torch] [--out benchmarks/results]
+    python -m benchmarks.studies.cpu_bind [--rounds 4] [--steps 10] [--systems tracepp,torch] [--out benchmarks/results]
 
 For each case the four runs (tracepp and torch, bound and unbound) alternate, their order reversed from round
 to round; each run drops its warm-up steps, and a run kind's step time is the median of all its measured steps

@@ -1,7 +1,7 @@
 """What the zero-bubble split backward costs against one full backward, per stage, with and without W's
 matmul recipes (``runtime.executor.WeightSplit.matmul_recipes``), in one process.
 
-    python -m benchmarks.weight_split OUT_DIR [OUT_DIR ...] [--rounds 40] [--empty-grads]
+    python -m benchmarks.studies.weight_split OUT_DIR [OUT_DIR ...] [--rounds 40] [--empty-grads]
 
 For each stage that receives an activation needing a gradient, on the folder's real microbatches (step 0, up to
 4): a forward, then one of (a) ``torch.autograd.backward`` of the outputs (B), (b) the runtime's I then W with
@@ -24,7 +24,7 @@ import torch
 
 def measure(out_dir: str, rounds: int, empty_grads: bool = False) -> dict:
     from tracepp.runtime.executor import WeightSplit
-    from tracepp.stage_costs import StageCallables
+    from tracepp.costs.measure_stages import StageCallables
 
     class EngineOnly(WeightSplit):
         matmul_recipes = False

@@ -3,19 +3,19 @@
     tracepp calibrate out/ [--costs COSTS.json ...] [--comm COMM.json | --nproc N] [--fit-steps K | --no-fit]
                       [--repeats R]
 
-Three parts (the file's sections, see ``tracepp.calibration``):
+Three parts (the file's sections, see ``tracepp.costs.model``):
 
-1. **comm**: a ping-pong between every pair of neighbouring ranks (``tracepp.comm_bench``, launched here with
+1. **comm**: a ping-pong between every pair of neighbouring ranks (``tracepp.costs.measure_comm``, launched here with
    ``torchrun --nproc-per-node N``, N = the plan's ranks x data-parallel replicas unless ``--nproc``): latency and
    bandwidth per pair. ``--comm FILE`` takes the JSON of a run made elsewhere instead (several nodes:
-   ``torchrun --nnodes ... -m tracepp.comm_bench --json FILE``).
+   ``torchrun --nnodes ... -m tracepp.costs.measure_comm --json FILE``).
 2. **compute**: each stage's F, B, I, W seconds per microbatch, from ``--costs FILE`` (the ``tracepp plan --costs``
    format; repeat it with files measured at other microbatch sizes, each with a ``"microbatch_size"`` key, so
    the tuner can price other microbatch counts), else the plain-autograd
-   measurement of each stage's generated function (``tracepp.stage_costs.measure_stage_costs``), taken
+   measurement of each stage's generated function (``tracepp.costs.measure_stages.measure_stage_costs``), taken
    ``--repeats`` times (default 3: two before the calibration run, one after) and the median used.
    **runtime**: then the same stages once more, in rounds alternating with the same kinds run through
-   tracepp's own executor in one process (``tracepp.stage_costs.measure_runtime_costs``): per kind, the median
+   tracepp's own executor in one process (``tracepp.costs.measure_stages.measure_runtime_costs``): per kind, the median
    over stages of the executor's time over the stage function's is a factor the simulator multiplies the
    compute costs by (the zero-bubble split's I and W, the executor's bookkeeping; on the CPU quick suite
    F x0.88 - 1.10, B x0.94 - 1.10, I x1.09 - 1.36, W x1.02 - 1.21). A W right after its own I has a factor of
@@ -29,7 +29,7 @@ Three parts (the file's sections, see ``tracepp.calibration``):
    action is slower in the run than its measured cost. If the prediction without it is already slower, what is
    left is a small negative per-step term. ``--no-fit`` leaves it at 0. The run then goes on for
    ``--paired-steps`` (default 6 on CPU hosts, 0 with CUDA) more steps, each between two rounds of stage costs
-   its own ranks measure in the run (``tracepp.paired_costs``); the number is fitted to each of those steps with
+   its own ranks measure in the run (``tracepp.costs.measure_in_run``); the number is fitted to each of those steps with
    the costs measured around it, and their median is kept (the run's median step and the stage costs measured
    apart can see spells of a shared machine 10 - 40% apart; a paired step and its costs see the same one).
 
@@ -47,7 +47,7 @@ import sys
 import tempfile
 from typing import Optional
 
-from tracepp.calibration import (Calibration, folder_record, interquartile_fraction, median_costs, predict_folder,
+from tracepp.costs.model import (Calibration, folder_record, interquartile_fraction, median_costs, predict_folder,
                                  relative_range, runtime_factors, traced_microbatch, write_calibration)
 
 # The plain-autograd stage timing (branch perf): ``measure_stage_costs(folder, ...) -> {"0F": s, ...}``. Used when
@@ -93,13 +93,13 @@ def _run(cmd: list, timeout: float, what: str, env: dict) -> str:
 
 def measure_comm(nproc: int, sizes: Optional[str] = None, rounds: int = 20, timeout: float = 300.0,
                  threads: Optional[int] = 1) -> dict:
-    """The ping-pong of ``tracepp.comm_bench`` over ``nproc`` local processes; its JSON report."""
+    """The ping-pong of ``tracepp.costs.measure_comm`` over ``nproc`` local processes; its JSON report."""
     with tempfile.TemporaryDirectory(prefix="tracepp_comm_") as work:
         path = os.path.join(work, "comm.json")
-        cmd = torchrun(nproc) + ["-m", "tracepp.comm_bench", "--json", path, "--rounds", str(rounds)]
+        cmd = torchrun(nproc) + ["-m", "tracepp.costs.measure_comm", "--json", path, "--rounds", str(rounds)]
         if sizes:
             cmd += ["--sizes", sizes]
-        _run(cmd, timeout, "the ping-pong (tracepp.comm_bench)", _env(threads))
+        _run(cmd, timeout, "the ping-pong (tracepp.costs.measure_comm)", _env(threads))
         with open(path) as handle:
             return json.load(handle)
 
@@ -107,7 +107,7 @@ def measure_comm(nproc: int, sizes: Optional[str] = None, rounds: int = 20, time
 def run_folder(out_dir: str, steps: int, nproc: int, timeout: float = 600.0, threads: Optional[int] = 1,
                extra: Optional[list] = None, launcher: Optional[list] = None) -> list:
     """Run the folder's ``run.py`` for ``steps`` steps; the step times of its ``--metrics`` lines. ``launcher``:
-    what torchrun starts instead of the script, with run.py's arguments after it (``-m tracepp.paired_costs``)."""
+    what torchrun starts instead of the script, with run.py's arguments after it (``-m tracepp.costs.measure_in_run``)."""
     with tempfile.TemporaryDirectory(prefix="tracepp_fit_") as work:
         metrics = os.path.join(work, "metrics.jsonl")
         cmd = torchrun(nproc) + (list(launcher) if launcher else [os.path.join(out_dir, "run.py")])
@@ -120,13 +120,13 @@ def run_folder(out_dir: str, steps: int, nproc: int, timeout: float = 600.0, thr
 def run_folder_paired(out_dir: str, steps: int, nproc: int, paired_steps: int, num_stages: int,
                       timeout: float = 600.0, threads: Optional[int] = 1) -> tuple:
     """:func:`run_folder` for ``steps`` steps, then ``paired_steps`` more (after one to settle), each between two
-    rounds of in-run stage costs (``tracepp.paired_costs``): (the first ``steps`` step times, the paired steps
-    with their costs as ``tracepp.paired_costs.read_paired`` gives them)."""
-    from tracepp.paired_costs import read_paired
+    rounds of in-run stage costs (``tracepp.costs.measure_in_run``): (the first ``steps`` step times, the paired steps
+    with their costs as ``tracepp.costs.measure_in_run.read_paired`` gives them)."""
+    from tracepp.costs.measure_in_run import read_paired
 
     with tempfile.TemporaryDirectory(prefix="tracepp_paired_") as work:
         prefix = os.path.join(work, "paired")
-        launcher = ["-m", "tracepp.paired_costs", out_dir, "--paired-from", str(steps),
+        launcher = ["-m", "tracepp.costs.measure_in_run", out_dir, "--paired-from", str(steps),
                     "--paired-steps", str(paired_steps + 1), "--prefix", prefix, "--"]
         times = run_folder(out_dir, steps + paired_steps + 1, nproc, timeout, threads, launcher=launcher)
         return times[:steps], read_paired(prefix, nproc, num_stages, times[steps:])
@@ -134,12 +134,12 @@ def run_folder_paired(out_dir: str, steps: int, nproc: int, paired_steps: int, n
 
 def fit_paired(manifest: dict, calibration: Calibration, paired: dict, precision: str = "fp32",
                mode: Optional[str] = None) -> list:
-    """The overhead fitted to each paired step (``tracepp.paired_costs.bracketed``) with the stage costs measured
+    """The overhead fitted to each paired step (``tracepp.costs.measure_in_run.bracketed``) with the stage costs measured
     around it in place of the calibration's: ``[(value, measured step, simulated step without overheads)]`` of the
     fits in ``mode`` (those that fell back to another mode are left out)."""
     import copy
 
-    from tracepp.paired_costs import bracketed
+    from tracepp.costs.measure_in_run import bracketed
 
     mode = mode or FIT_MODE
     values = []
@@ -168,35 +168,35 @@ def _on_rank_device(measure, out_dir: str):
 
 
 def measured_stage_costs(out_dir: str) -> dict:
-    """The plain-autograd measurement of the folder's stages (:func:`tracepp.stage_costs.measure_stage_costs`)."""
-    from tracepp.stage_costs import measure_stage_costs
+    """The plain-autograd measurement of the folder's stages (:func:`tracepp.costs.measure_stages.measure_stage_costs`)."""
+    from tracepp.costs.measure_stages import measure_stage_costs
 
     return _on_rank_device(measure_stage_costs, out_dir)
 
 
 def measured_runtime_costs(out_dir: str) -> dict:
     """Alternating rounds of the plain-autograd measurement and of the same stages through tracepp's executor
-    (:func:`tracepp.stage_costs.measure_runtime_costs`): ``{"costs": ..., "runtime_costs": ...}``."""
-    from tracepp.stage_costs import measure_runtime_costs
+    (:func:`tracepp.costs.measure_stages.measure_runtime_costs`): ``{"costs": ..., "runtime_costs": ...}``."""
+    from tracepp.costs.measure_stages import measure_runtime_costs
 
     return _on_rank_device(measure_runtime_costs, out_dir)
 
 
 def _set_runtime_factors(calibration: Calibration, out_dir: str, log) -> None:
     """The ``runtime`` section: per kind, tracepp's executor time over the stage function's own (see
-    :func:`tracepp.calibration.runtime_factors`)."""
+    :func:`tracepp.costs.model.runtime_factors`)."""
     log("runtime factors: the same stages through tracepp's executor, alternating with plain autograd ...")
     measured = measured_runtime_costs(out_dir)
     factors = runtime_factors(measured["costs"], measured["runtime_costs"])
     calibration.runtime = {"factors": factors, "costs": measured["costs"], "runtime_costs": measured["runtime_costs"],
-                           "source": "tracepp.stage_costs.measure_runtime_costs (one process, alternating rounds)"}
+                           "source": "tracepp.costs.measure_stages.measure_runtime_costs (one process, alternating rounds)"}
     log("  " + ", ".join(f"{kind} x{value:.3f}" for kind, value in factors.items())
         + " (tracepp's executor over the stage functions alone)")
 
 
 def compute_entries(manifest: dict, costs_paths: list) -> list:
     """The ``compute`` section: one entry per costs file (or the hook's measurement)."""
-    from tracepp.costs_file import load_costs, load_costs_metadata
+    from tracepp.costs.costs_file import load_costs, load_costs_metadata
 
     num_stages = len(manifest["stages"])
     entries = []
@@ -284,7 +284,7 @@ def calibrate(out_dir: str, costs_paths: Optional[list] = None, comm_path: Optio
     """Measure and write ``OUT/calibration.json`` (see the module doc); returns what was written. ``paired_steps``:
     default :data:`PAIRED_STEPS` on CPU hosts, 0 where CUDA is available (each rank's meter holds a copy of every
     stage: on a GPU sized for its own stages that copy may not fit, and GPU timings do not drift as a shared CPU's)."""
-    from tracepp.manifest_file import load_manifest
+    from tracepp.codegen.manifest import load_manifest
 
     manifest = load_manifest(out_dir)
     plan = manifest["plan"]
@@ -299,7 +299,7 @@ def calibrate(out_dir: str, costs_paths: Optional[list] = None, comm_path: Optio
     elif not skip_comm and nproc > 1:
         log(f"ping-pong between neighbouring ranks ({nproc} processes) ...")
         calibration.comm = measure_comm(nproc)
-        calibration.comm["source"] = f"tracepp.comm_bench, {nproc} local processes"
+        calibration.comm["source"] = f"tracepp.costs.measure_comm, {nproc} local processes"
     for key, value in sorted((calibration.comm.get("pairs") or {}).items()):
         bandwidth = value.get("bandwidth_bytes_per_s")
         log(f"  ranks {key}: latency {value['latency_s'] * 1e6:.1f} us, bandwidth "
@@ -355,7 +355,7 @@ def calibrate(out_dir: str, costs_paths: Optional[list] = None, comm_path: Optio
         if per_step:  # each paired step and its own costs saw one spell of the machine: their fits are preferred
             result.update(overhead_of(result["mode"], statistics.median(per_step)), value=statistics.median(per_step))
             source = (f"the median of {len(per_step)} fits, one per paired step of this folder, each to the stage "
-                      f"costs its ranks measured right before and after it (tracepp.paired_costs)")
+                      f"costs its ranks measured right before and after it (tracepp.costs.measure_in_run)")
             log(f"  paired steps: median {statistics.median(s for _v, s, _u in fits) * 1000:.1f} ms, simulated "
                 f"without overheads with the costs measured around each: median "
                 f"{statistics.median(u for _v, _s, u in fits) * 1000:.1f} ms")
@@ -383,7 +383,7 @@ def calibrate(out_dir: str, costs_paths: Optional[list] = None, comm_path: Optio
 def _set_measured_compute(calibration: Calibration, manifest: dict, samples: list) -> None:
     """The ``compute`` section from repeated plain-autograd measurements: their median per key."""
     calibration.compute = [{"microbatch_size": traced_microbatch(manifest), "costs": median_costs(samples),
-                            "source": f"tracepp.stage_costs.measure_stage_costs, median of {len(samples)}"}]
+                            "source": f"tracepp.costs.measure_stages.measure_stage_costs, median of {len(samples)}"}]
 
 
 def _record_compute_noise(calibration: Calibration, manifest: dict, samples: list, log=print) -> None:

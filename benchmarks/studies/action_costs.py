@@ -1,24 +1,24 @@
 """Each compute action's time in a run against its stage's plain-autograd cost, both measured by the same rank in the
 same run: which kind of action the runtime makes slower than the stage function alone, and by how much.
 
-    torchrun --nproc-per-node R -m benchmarks.action_costs OUT_DIR --json costs.json [--first 5 --count 14] \\
+    torchrun --nproc-per-node R -m benchmarks.studies.action_costs OUT_DIR --json costs.json [--first 5 --count 14] \\
         -- --steps 22 --quiet
-    python -m benchmarks.action_costs --summary costs.json
+    python -m benchmarks.studies.action_costs --summary costs.json
 
 The first form runs the folder's ``run.py`` with
 
 * an action hook (the runtime's ``Pipeline.set_action_hook``) timing every compute action of every step, and the
   time it spends waiting for data it receives (the executor's ``_wait``) counted apart: a wait is the schedule's
   or the peer's, not the action's cost;
-* :class:`tracepp.paired_costs.PairedCosts` between steps ``first - 1`` ... ``first + count - 1``: every rank times
-  its own stages with plain autograd (F, B, I, W = B - I; ``tracepp.stage_costs``), all ranks at once between two
+* :class:`tracepp.costs.measure_in_run.PairedCosts` between steps ``first - 1`` ... ``first + count - 1``: every rank times
+  its own stages with plain autograd (F, B, I, W = B - I; ``tracepp.costs.measure_stages``), all ranks at once between two
   barriers, outside the steps' timing.
 
 Each rank writes ``costs.json.rank<R>``. ``--summary`` prints, per rank and (stage, kind), the median time of the
 actions of the ``count`` steps without their waits, the median plain cost of the rounds around them, their ratio
 and the actions per step, then per rank the sums over a step: the rank's compute in the run against the same
 actions priced alone. That ratio is the compute's share of a measured step's distance from its ideal (which prices
-the plan with the plain costs); the rest is comm posting, waits and the step's end (``benchmarks.timeline``).
+the plan with the plain costs); the rest is comm posting, waits and the step's end (``benchmarks.studies.timeline``).
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def _record(out_dir: str, path: str, first: int, count: int, rest: list) -> None
     import tracepp_runtime
     from tracepp_runtime import executor
 
-    from tracepp.paired_costs import PairedCosts
+    from tracepp.costs.measure_in_run import PairedCosts
 
     rank = int(os.environ.get("RANK", "0"))
     paired_prefix = f"{path}.paired"
@@ -90,7 +90,7 @@ def _record(out_dir: str, path: str, first: int, count: int, rest: list) -> None
 
 def summarize(actions: list, rounds: list, first: int, count: int, steps: dict = None) -> dict:
     """``actions``: ``[(step, label, seconds, seconds waiting[, start])]``; ``rounds``: the paired rounds (``[{"costs": {"0F":
-    s, ...} or None}]``, the first dropped as in ``tracepp.paired_costs.read_paired``). Returns ``{"kinds": {"1I":
+    s, ...} or None}]``, the first dropped as in ``tracepp.costs.measure_in_run.read_paired``). Returns ``{"kinds": {"1I":
     {"run_s", "plain_s", "ratio", "wait_s", "per_step"}}, "run_s", "plain_s", "ratio", "wait_s", "step_s"}``:
     medians over the compute actions of steps ``first`` ... ``first + count - 1`` (comm actions left out), the sums
     per step over the kinds that have a plain cost (``wait_s`` over every kind), and with ``steps`` (``{"step":
@@ -171,10 +171,10 @@ def _summary(path: str) -> None:
 
 
 def main(argv=None) -> None:
-    from tracepp.paired_costs import split_run_args
+    from tracepp.costs.measure_in_run import split_run_args
 
     argv, rest = split_run_args(argv)
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.action_costs", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.studies.action_costs", description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", nargs="?")
     parser.add_argument("--json", help="record: PATH prefix of the per-rank files")
     parser.add_argument("--summary", help="summarize the files of PATH")

@@ -1,7 +1,7 @@
 """Where a measured step's time goes, action by action, next to the calibrated simulator's timeline.
 
-    torchrun --nproc-per-node R -m benchmarks.timeline OUT_DIR --json timeline.json -- --steps 12 --quiet
-    python -m benchmarks.timeline --summary timeline.json [--calibration OUT_DIR/calibration.json]
+    torchrun --nproc-per-node R -m benchmarks.studies.timeline OUT_DIR --json timeline.json -- --steps 12 --quiet
+    python -m benchmarks.studies.timeline --summary timeline.json [--calibration OUT_DIR/calibration.json]
 
 The first form runs the folder's ``run.py`` with an action hook (the runtime's public
 ``Pipeline.set_action_hook``, installed through ``register_step_hook``): every action's start and end on every
@@ -100,7 +100,7 @@ def summarize(path: str, calibration_path=None) -> str:
                                    "between actions ms", "F ms", "B ms", "I ms", "W ms", "one comm post ms"],
                     tablefmt="simple", disable_numparse=True)
     if calibration_path:
-        from tracepp.calibration import load_calibration
+        from tracepp.costs.model import load_calibration
 
         calibration = load_calibration(calibration_path)
         size = calibration.folder.get("microbatch_size")
@@ -113,10 +113,10 @@ def summarize(path: str, calibration_path=None) -> str:
 
 
 def main(argv=None) -> int:
-    from tracepp.paired_costs import split_run_args
+    from tracepp.costs.measure_in_run import split_run_args
 
     argv, rest = split_run_args(argv)
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.timeline", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.studies.timeline", description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", nargs="?")
     parser.add_argument("--json", default=None)
     parser.add_argument("--summary", default=None)

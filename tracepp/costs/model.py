@@ -1,20 +1,20 @@
 """The calibrated simulator: ``out/calibration.json`` and the predicted step time of a plan.
 
-``tracepp calibrate out/`` (``tracepp.calibrate``) writes the file; ``tracepp plan``, the tuner
-(``tracepp.tuner``) and the benchmark read it. It holds what the replay engine (``runtime.replay``) needs to
+``tracepp calibrate out/`` (``tracepp.costs.calibrate``) writes the file; ``tracepp plan``, the tuner
+(``tracepp.costs.search``) and the benchmark read it. It holds what the replay engine (``runtime.replay``) needs to
 time a plan in seconds, measured on the machine that will run it:
 
 * ``comm``: per neighbouring rank pair, the latency and bandwidth of one message (a ping-pong with the
-  runtime's own calls, ``tracepp.comm_bench``), and whether the backend's p2p ops complete in FIFO order per
+  runtime's own calls, ``tracepp.costs.measure_comm``), and whether the backend's p2p ops complete in FIFO order per
   rank (NCCL, ``serial``) or independently (gloo);
 * ``compute``: per stage, the seconds of one microbatch's F, B, I and W (the ``--costs`` format of
-  ``tracepp.costs_file``), at one or more microbatch sizes; with two or more sizes each (stage, kind) is
+  ``tracepp.costs.costs_file``), at one or more microbatch sizes; with two or more sizes each (stage, kind) is
   a line ``a + c x size`` (least squares), with one the time is taken as proportional to the size;
 * ``optimizer_s``: per stage, the optimizer step's seconds (optional);
 * ``runtime``: per kind (F, B, I, W), how much longer tracepp's executor takes for a stage than its function
   alone, measured in one process (``factors``; the simulator multiplies the compute costs by them);
 * ``overhead``: what the runtime adds on top in a real run: seconds per compute action, per comm op posted, and
-  per step (fitted to a short run of the folder, see ``tracepp.calibrate``);
+  per step (fitted to a short run of the folder, see ``tracepp.costs.calibrate``);
 * ``noise``: how much this machine's speed varied while it was measured: ``compute`` is the relative range
   ((max - min) / median) of the plan's comm-free step priced with each repeat of the stage-cost measurement,
   ``run`` the interquartile range over the median of the calibration run's steps. A prediction cannot be
@@ -127,7 +127,7 @@ class Calibration:
 
     def runtime_factors(self) -> dict:
         """{kind: factor}: how much longer tracepp's executor takes for a stage's F, B, I or W than the stage
-        function alone (measured in one process, ``tracepp.stage_costs.measure_runtime_costs``); 1 where not
+        function alone (measured in one process, ``tracepp.costs.measure_stages.measure_runtime_costs``); 1 where not
         measured. ``W_after_I`` (where measured): a W run right after its own I, against the same plain W."""
         factors = self.runtime.get("factors") or {}
         found = {kind: float(factors.get(kind, 1.0)) for kind in KINDS}
@@ -148,7 +148,7 @@ class Calibration:
         return priced
 
     def message_delay(self) -> float:
-        """Seconds added to every message in the run beyond the ping-pong's (fitted, see ``tracepp.calibrate``)."""
+        """Seconds added to every message in the run beyond the ping-pong's (fitted, see ``tracepp.costs.calibrate``)."""
         return float(self.overhead.get("message_delay_s", 0.0))
 
 
@@ -349,7 +349,7 @@ def predict_folder(manifest: dict, calibration: Calibration, costs: Optional[dic
                    precision: str = "fp32") -> Prediction:
     """The predicted step time of a folder's own plan. ``costs`` (``{(stage, kind): s}``) override the
     calibration's compute samples (e.g. the costs measured for this very folder)."""
-    from tracepp.manifest_file import topology_from_manifest
+    from tracepp.codegen.manifest import topology_from_manifest
     from tracepp.runtime.actions import Action
 
     plan = manifest["plan"]

@@ -6,7 +6,7 @@ the FSDP all-gathers and reduce-scatters per step (counted by wrapping ``torch.d
 ``all_gather_single``/``reduce_scatter_single``, which FSDP2 calls) and the median step time::
 
     tracepp split examples/gpt.py -o out_dp --ranks 2 --dp 2 --microbatches 4
-    torchrun --nproc-per-node 4 -m benchmarks.dp_sync out_dp --steps 8
+    torchrun --nproc-per-node 4 -m benchmarks.studies.dp_sync out_dp --steps 8
 
 ``per-microbatch`` sets ``set_requires_gradient_sync``/``set_reshard_after_backward``/``set_is_last_backward``
 True before every backward (FSDP2's defaults), so each microbatch reshards, re-gathers and reduces.

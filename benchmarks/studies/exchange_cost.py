@@ -5,7 +5,7 @@ rings (``tracepp.runtime.shm_p2p``), each rank bound to its own core as ``run.py
 over the compute alone is what a boundary message adds where the ranks wait on each other; a ping-pong between
 idle ranks does not show it.
 
-    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 -m benchmarks.exchange_cost [--matmuls 60] [--bytes 16384] [--cycles 200]
+    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 -m benchmarks.studies.exchange_cost [--matmuls 60] [--bytes 16384] [--cycles 200]
 """
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
 """Gather the GPU measurements of one session into one JSON and a PNG.
 
-    python -m benchmarks.cuda_report --stage stage_eager.json stage_compiled.json [...] --predict predict.json \
+    python -m benchmarks.studies.cuda_report --stage stage_eager.json stage_compiled.json [...] --predict predict.json \
         --cuda-path cuda_path.json --profile profile.json --out benchmarks/results/DATE_cuda
 
 The inputs are the ``--json`` files of ``benchmarks.gpu_stage``, ``benchmarks.gpu_predict``,
-``benchmarks.cuda_path`` and ``benchmarks.gpu_profile_stage``; rows are copied, not recomputed. The PNG shows
+``benchmarks.cuda_path`` and ``benchmarks.studies.gpu_profile_stage``; rows are copied, not recomputed. The PNG shows
 the measured MFU per system (left) and the predicted step time and bubble of each multi-GPU schedule (right).
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Where does a tracepp stage's step time go next to the same layers as a plain module? Kernel totals per system.
 
-    python -m benchmarks.gpu_profile_stage OUT_DIR [--json profile.json]
+    python -m benchmarks.studies.gpu_profile_stage OUT_DIR [--json profile.json]
 
 OUT_DIR is ``tracepp split benchmarks/llama_stage_model.py`` output (one stage). Both systems run one step
 (forward and backward of every microbatch, bf16 autocast, no optimizer) under ``torch.profiler`` after two

@@ -1,6 +1,6 @@
 """docs/reference.md: every command and flag, written from the argparse parsers themselves.
 
-    python -m tracepp.report.reference > docs/reference.md
+    python -m tracepp.reference > docs/reference.md
 
 ``tests/test_docs.py`` regenerates it and compares, so the reference cannot drift from the code.
 """
@@ -10,7 +10,7 @@ import argparse
 
 HEADER = """# Reference: every command and flag
 
-Generated from the parsers by `python -m tracepp.report.reference > docs/reference.md`; `tests/test_docs.py`
+Generated from the parsers by `python -m tracepp.reference > docs/reference.md`; `tests/test_docs.py`
 fails when it differs from them. The guide says when to use what: [guide.md](guide.md).
 """
 

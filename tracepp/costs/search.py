@@ -14,7 +14,7 @@ The search (plain data, deterministic, seconds):
   segment times instead, and the folder's own split where its stage count matches.
 
 Each candidate is planned by the planner (``codegen.plan.build_plan``, as ``tracepp split`` would) and timed by
-the calibrated simulator (``tracepp.calibration``): stage costs of another split from the calibrated segment
+the calibrated simulator (``tracepp.costs.model``): stage costs of another split from the calibrated segment
 times, at the candidate's microbatch size; boundary messages from the tensors that cross each cut. Peak memory
 per rank: its stages' parameters, gradients and optimizer state (``--optimizer-bytes-per-param``, Adam's 8 by
 default) plus, at the worst moment of the simulated timeline, the activations of the microbatches whose forward
@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from tracepp.calibration import (Calibration, message_bytes, predict_plan, same_model, segment_lines, split_costs,
+from tracepp.costs.model import (Calibration, message_bytes, predict_plan, same_model, segment_lines, split_costs,
                                  split_optimizer, stage_of_segments, traced_microbatch)
 
 MAX_MICROBATCHES = 128
@@ -190,7 +190,7 @@ def tune(manifest: dict, calibration: Calibration, memory_limit: Optional[int] =
     memory limit; failed to plan, with the planner's reason)."""
     from tracepp.codegen.plan import build_plan
     from tracepp.codegen.schedules import SCHEDULE_TABLE
-    from tracepp.manifest_file import topology_from_manifest
+    from tracepp.codegen.manifest import topology_from_manifest
     from tracepp.runtime.actions import Topology
 
     if not manifest.get("segments"):
@@ -296,17 +296,3 @@ def current_candidate(kept: list, dropped: list, manifest: dict) -> Optional[Can
                 and own is not None and c.split == tuple(own)):
             return c
     return None
-
-
-def apply(manifest: dict, out_dir: str, best: Candidate) -> dict:
-    """Split the folder again with ``best``'s schedule, stages, microbatches and split points (the driver,
-    with the model file and the other options the manifest records)."""
-    from tracepp.resplit import resplit
-
-    own = stage_of_segments(manifest)
-    if own is not None and tuple(own) == best.split:  # the same cuts: as the folder was split (markers included)
-        recorded = (manifest.get("split_options") or {}).get("split_points")
-        return resplit(manifest, out_dir, schedule=best.schedule, num_stages=best.num_stages,
-                       num_microbatches=best.num_microbatches, split_points=recorded)
-    return resplit(manifest, out_dir, schedule=best.schedule, num_stages=best.num_stages,
-                   num_microbatches=best.num_microbatches, split_points=list(best.split_points))
