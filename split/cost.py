@@ -1,9 +1,12 @@
 """Cost estimates for the split step: FLOPs and memory per node, per segment and per stage, and the choice of
 cuts that balances them.
 
-FLOPs are counted by torch's ``FlopCounterMode`` while the traced graph runs on fake tensors (the traced
-metadata, no real compute, no parameter data), so this is cheap and exact for the ops torch counts (matmuls,
-convolutions, attention); elementwise work is not counted. Memory is what a stage holds in training:
+FLOPs are counted per node of the traced graph from the values it carries (shapes, no compute, no parameter
+data): formulas of our own for what torch's counter misses (attention on every sdpa backend including CPU's,
+flex attention, grouped matmuls of routed experts), torch's formulas for its ops, and for a composite op
+(``linear``, ``matmul``, ``einsum``) the op alone re-run on fake tensors under ``FlopCounterMode``. One op that
+cannot be priced costs its own count, never the graph's; an op that does work without a formula is named
+(:class:`FlopCount`). Elementwise work is not counted. Memory is what a stage holds in training:
 parameters, their gradients, the optimizer's state (Adam: two fp32 tensors per parameter unless told
 otherwise), and the activations of one microbatch times the microbatches the schedule keeps in flight.
 Every floating value that carries a gradient is counted as an activation kept for backward (an upper bound:
@@ -11,7 +14,7 @@ autograd frees some of them early).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -45,48 +48,219 @@ def _fake_mode_of(values: list):
     return next((v.fake_mode for v in values if isinstance(v, torch.Tensor) and hasattr(v, "fake_mode")), None)
 
 
-def _fake_args(values: list) -> list:
-    return [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype) if isinstance(v, torch.Tensor) else v
-            for v in values]
+def node_flops(graph: fx.Graph) -> dict:
+    """Forward FLOPs of every node of a traced graph (node name -> int): :func:`count_flops`' ``by_node``."""
+    return count_flops(graph).by_node
 
 
-class _CountingInterpreter(fx.Interpreter):
-    """Runs a graph and records the FLOPs each node added to the surrounding FlopCounterMode."""
-
-    def __init__(self, module, counter: FlopCounterMode):
-        super().__init__(module)
-        self.counter = counter
-        self.flops_by_node: dict = {}
-
-    def run_node(self, node):
-        before = as_int(self.counter.get_total_flops())
-        result = super().run_node(node)
-        self.flops_by_node[node.name] = as_int(self.counter.get_total_flops()) - before
-        return result
+def forward_flops(stage: Stage) -> int:
+    """FLOPs of the stage's forward for the traced microbatch."""
+    return sum(node_flops(stage.graph).values())
 
 
-def node_flops(graph: fx.Graph) -> Optional[dict]:
-    """Forward FLOPs of every node of a traced graph (node name -> int), or None if they cannot be counted."""
-    values = [node.meta.get("val") for node in graph.nodes if node.op == "placeholder"]
-    fake_mode = _fake_mode_of(values)
-    if fake_mode is None:
-        return None
-    module = fx.GraphModule(torch.nn.Module(), graph)
+# -- counting FLOPs from the graph -------------------------------------------------------------------------------
+
+def _shape(value) -> list:
+    if isinstance(value, (list, tuple, torch.Size)):  # FlopCounterMode hands its formulas shapes
+        return [as_int(size) for size in value]
+    return [as_int(size) for size in value.shape]
+
+
+def _numel(shape: list) -> int:
+    total = 1
+    for size in shape:
+        total *= size
+    return total
+
+
+def _attention_flops(query, key, value, *_rest, **_kwargs) -> int:
+    """Scaled dot-product attention, dense: scores (q @ k^T) and their product with v, per query head (a
+    grouped-query key/value head serves several query heads, each pays). Every sdpa backend, flex attention."""
+    *batch, query_len, head_dim = _shape(query)
+    key_len, value_dim = _shape(key)[-2], _shape(value)[-1]
+    return 2 * _numel(batch) * query_len * key_len * (head_dim + value_dim)
+
+
+def _grouped_mm_flops(mat_a, mat_b, *_rest, out=None, out_shape=None, **_kwargs) -> int:
+    """Grouped matmul (routed experts): every row of ``mat_a`` meets one group's ``(K, N)`` matrix, so 2 x rows x
+    K x N whatever the split into groups; 3-D x 3-D is a batched matmul; 2-D x 2-D groups split K."""
+    a, b = _shape(mat_a), _shape(mat_b)
+    if len(a) == 2 and len(b) == 2:
+        return 2 * a[0] * a[1] * b[-1]
+    return 2 * _numel(_shape(out if out is not None else out_shape)) * a[-1]
+
+
+# op (namespace::name, or a higher-order op's name) -> FLOPs from its argument and output values
+FORMULAS = {
+    "aten::scaled_dot_product_attention": _attention_flops,
+    "aten::_scaled_dot_product_flash_attention_for_cpu": _attention_flops,
+    "aten::_scaled_dot_product_flash_attention": _attention_flops,
+    "aten::_scaled_dot_product_efficient_attention": _attention_flops,
+    "aten::_scaled_dot_product_cudnn_attention": _attention_flops,
+    "aten::_scaled_dot_product_attention_math": _attention_flops,
+    "aten::_scaled_dot_product_fused_attention_overrideable": _attention_flops,
+    "flex_attention": _attention_flops,
+    "aten::_grouped_mm": _grouped_mm_flops,
+    "transformers::grouped_mm_fallback": _grouped_mm_flops,
+}
+def eager_flop_counter() -> FlopCounterMode:
+    """``FlopCounterMode`` with the formulas it lacks (CPU sdpa, grouped matmuls): an eager count of a model's
+    forward to check the graph's count against (the tests do)."""
+    mapping = {}
+    for name, formula in FORMULAS.items():
+        namespace, _sep, op = name.partition("::")
+        packet = getattr(getattr(torch.ops, namespace, None), op, None) if op else None
+        if packet is not None and packet not in __import__("torch.utils.flop_counter").utils.flop_counter.flop_registry:
+            mapping[packet] = formula
+    return FlopCounterMode(display=False, custom_mapping=mapping)
+
+
+# ops that never do arithmetic worth a warning (markers, asserts, shape bookkeeping)
+_NO_WORK_NAMESPACES = ("tracepp", "_operator", "builtins")
+
+
+def op_name(node: fx.Node) -> str:
+    """``aten::mm``, ``transformers::grouped_mm_fallback``, or a higher-order op's name (``flex_attention``)."""
+    target = node.target
+    schema = getattr(target, "_schema", None)
+    if schema is not None:
+        return schema.name
+    return getattr(target, "__name__", str(target))
+
+
+@dataclass
+class FlopCount:
+    """Forward FLOPs of every node of a graph, and what the count could not see.
+
+    ``by_node``: node name -> FLOPs. ``no_formula``: op -> nodes that do work (floating inputs of 2+ dims) with
+    neither a formula nor a decomposition torch counts: counted as 0, named in one warning per op.
+    ``failed``: op -> nodes whose single-op re-run on fake tensors raised (counted as 0; no FLOP op among them
+    would have been missed silently: those are ``no_formula`` too when they do work). ``assumed``: symbol ->
+    the expected value a data-dependent size was priced at, and why."""
+
+    by_node: dict = field(default_factory=dict)
+    no_formula: dict = field(default_factory=dict)
+    failed: dict = field(default_factory=dict)
+    assumed: dict = field(default_factory=dict)
+
+    def warnings(self) -> list:
+        return [f"no FLOP formula for {op} ({count} node{'s' if count > 1 else ''}); counted as 0"
+                for op, count in sorted(self.no_formula.items())]
+
+    def record(self) -> dict:
+        return {"no_formula": dict(sorted(self.no_formula.items())), "failed": dict(sorted(self.failed.items())),
+                "assumed": self.assumed}
+
+
+def _does_work(node: fx.Node) -> bool:
+    """A node whose inputs include a floating tensor of 2+ dims: a matmul-like op could hide there."""
+    for arg in node.all_input_nodes:
+        value = arg.meta.get("val")
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() >= 2:
+            return True
+    return False
+
+
+def _composite(name: str) -> bool:
+    """An aten op that decomposes into others (linear, matmul, einsum, conv2d): re-run it to count its parts."""
     try:
-        with fake_mode:
-            args = _fake_args(values)
-            with FlopCounterMode(display=False) as counter:
-                interpreter = _CountingInterpreter(module, counter)
-                interpreter.run(*args)
-        return interpreter.flops_by_node
-    except Exception:  # an op the fake run cannot take: no estimate rather than a failed split
-        return None
+        return torch._C._dispatch_has_kernel_for_dispatch_key(name, "CompositeImplicitAutograd")
+    except RuntimeError:
+        return False
 
 
-def forward_flops(stage: Stage) -> Optional[int]:
-    """FLOPs of the stage's forward for the traced microbatch, or None if they cannot be counted."""
-    counted = node_flops(stage.graph)
-    return None if counted is None else sum(counted.values())
+def _values(node: fx.Node):
+    """The node's arguments with every input node replaced by its traced value."""
+    def value_of(item):
+        return item.meta.get("val") if isinstance(item, fx.Node) else item
+    return fx.node.map_aggregate(node.args, value_of), fx.node.map_aggregate(node.kwargs, value_of)
+
+
+def _rerun(node: fx.Node, fake_mode) -> int:
+    """The op alone on its traced (fake) values under a fresh ``FlopCounterMode``."""
+    args, kwargs = _values(node)
+    with fake_mode, FlopCounterMode(display=False) as counter:
+        node.target(*args, **kwargs)
+    return counter.get_total_flops()
+
+
+def count_flops(graph: fx.Graph) -> FlopCount:
+    """Price every node of a traced graph from its traced values: a formula of :data:`FORMULAS`, else torch's
+    FLOP formula for the op (``torch.utils.flop_counter``), else the op alone re-run on fake tensors under
+    ``FlopCounterMode`` (a composite op such as ``linear`` counts as the matmuls it becomes). An op that cannot be
+    re-run costs its own count, never the graph's. Elementwise ops are not counted (by design, as torch)."""
+    import torch.utils.flop_counter as flop_counter
+
+    result = FlopCount()
+    values = [node.meta.get("val") for node in graph.nodes]
+    fake_mode = _fake_mode_of(values)
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        name = op_name(node)
+        flops = None
+        try:
+            if name in FORMULAS:
+                args, kwargs = _values(node)
+                flops = FORMULAS[name](*args, out=node.meta.get("val"), **kwargs)
+            else:
+                packet = getattr(node.target, "overloadpacket", None)
+                registered = flop_counter.flop_registry.get(packet) if packet is not None else None
+                if registered is not None:
+                    args, kwargs = _values(node)
+                    flops = registered(*args, **kwargs, out_val=node.meta.get("val"))
+                elif name.startswith("aten::") and not _composite(name):
+                    flops = 0  # a primitive without a formula: elementwise, shape or data movement
+                elif name.split("::")[0] in _NO_WORK_NAMESPACES or not _does_work(node) or fake_mode is None:
+                    flops = 0
+                else:
+                    flops = _rerun(node, fake_mode)
+                    if flops == 0 and not name.startswith("aten::"):
+                        result.no_formula[name] = result.no_formula.get(name, 0) + 1
+        except Exception:  # this op alone cannot be priced: it costs its own count, not the graph's
+            result.failed[name] = result.failed.get(name, 0) + 1
+            if _does_work(node) and not name.startswith("aten::") or name in FORMULAS:
+                result.no_formula[name] = result.no_formula.get(name, 0) + 1
+            flops = 0
+        result.by_node[node.name] = _concrete(flops, result.assumed)
+    return result
+
+
+def _concrete(value, assumed: dict) -> int:
+    """An int for a FLOP count that may be symbolic: the traced hint of a dynamic dim; a data-dependent size
+    (no hint: tokens routed to one expert) at its expected value, recorded in ``assumed``."""
+    if not isinstance(value, torch.SymInt):
+        return int(value)
+    if value.node.has_hint():
+        return int(value.node.hint)
+    import sympy
+
+    expr = value.node.expr
+    shape_env = value.node.shape_env
+    substitutions = {}
+    for symbol in expr.free_symbols:
+        hint = getattr(shape_env, "backed_var_to_val", None)
+        hint = (hint if hint is not None else shape_env.var_to_val).get(symbol)
+        if hint is not None:
+            substitutions[symbol] = hint
+            continue
+        if str(symbol) not in assumed:
+            assumed[str(symbol)] = _expected(symbol, shape_env)
+        substitutions[symbol] = assumed[str(symbol)]["expected"]
+    return int(sympy.ceiling(expr.xreplace(substitutions)))
+
+
+def _expected(symbol, shape_env) -> dict:
+    """The value a data-dependent size is priced at: the most the data can give (its proven upper bound).
+    transformers' grouped experts keep every routed row in one static shape (tokens x top-k, spread over the
+    experts), so their count needs no assumption; a size that does depend on the data is named in the manifest."""
+    bound = shape_env.var_to_range.get(symbol)
+    try:
+        upper = int(bound.upper)
+    except (AttributeError, TypeError, ValueError, OverflowError):
+        return {"expected": 1, "why": "data-dependent size without an upper bound: priced at 1"}
+    return {"expected": upper, "why": f"data-dependent size, at most {upper}: priced at that bound"}
+
 
 
 def inflight_microbatches(schedule: Optional[str], stage_index: int, num_stages: int, num_microbatches: int,

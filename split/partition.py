@@ -617,8 +617,8 @@ def split(traced, split_points: Optional[list] = None, num_stages: Optional[int]
     trainable = {name for name, ref in inputs.state.items() if ref.kind == "parameter"
                  and getattr(inputs.fqn_to_tensor.get(ref.fqn), "requires_grad", True)}
     needs_grad = _gradient_flags(graph, trainable)
-    counted_flops = cost.node_flops(graph)
-    flops = counted_flops or {}
+    counted = cost.count_flops(graph)
+    flops = counted.by_node
     parameters = {name for name, ref in inputs.state.items() if ref.kind == "parameter"}
 
     def balance(nodes: list, count: int) -> list:
@@ -652,8 +652,6 @@ def split(traced, split_points: Optional[list] = None, num_stages: Optional[int]
         inflight = cost.inflight_microbatches(schedule, index, count, num_microbatches, training)
         stage.estimate = cost.stage_estimate(_node_costs(stage_nodes[index], flops, needs_grad, parameters),
                                              inflight, training)
-        if counted_flops is None:  # an op the fake run cannot take: say "unknown", not 0
-            stage.estimate.update(forward_flops=None, step_flops_per_microbatch=None)
         stages.append(stage)
     unused_state = _unused_state(traced, inputs)
     return PipelineGraph(stages, values, inputs.state, inputs.root_inputs, len(traced.batched_leaves),
@@ -663,7 +661,7 @@ def split(traced, split_points: Optional[list] = None, num_stages: Optional[int]
                          {names.get(node, node.name): {
                              "producer": stage_of[node], "stages": where,
                              **tensor_meta(node.meta["val"], False, inputs.symbol_names).to_json()}
-                          for node, where in recomputed.items()}, segments)
+                          for node, where in recomputed.items()}, segments, counted.record(), counted.warnings())
 
 
 def _describe(node: fx.Node) -> str:

@@ -87,6 +87,9 @@ class PipelineGraph:
     #                                                 make it again from root inputs and buffers instead of receiving it]}
     segments: list = field(default_factory=list)  # split.partition.segment_table: where a re-split may cut, and
     #                                               what each piece costs (the tuner prices other splits with it)
+    flop_count: dict = field(default_factory=dict)  # split.cost.FlopCount.record(): ops counted as 0 for want of a
+    #                                                 formula, ops that could not be priced, assumed sizes
+    flop_warnings: list = field(default_factory=list)  # one line per op without a FLOP formula
 
     @property
     def num_stages(self) -> int:

@@ -1,7 +1,8 @@
 """Tier 3: a model zoo of real model code nobody on the project wrote, trained 2 steps on 2 ranks vs eager.
 
 Tiny configs built from config (nothing downloaded) of Hugging Face GPT-2 (written ``import transformers as
-tf``), Mistral, Qwen2, Qwen3, Gemma2, Phi-3, Mixtral (mixture of experts), BERT (encoder), T5
+tf``), Mistral, Qwen2, Qwen3, Gemma2, Phi-3, the mixtures of experts Mixtral, Qwen3-MoE and DeepSeek-V3 (MLA,
+a dense first layer, a shared expert), BERT (encoder), T5
 (encoder-decoder) and ViT, and a nanoGPT-style plain-PyTorch GPT in a package beside its model file. Every
 model file imports ``zoo_common`` from its own folder, as a user's model file imports its own code. Each is
 split at explicit split points with one schedule; two of them also run a small schedule grid.
@@ -21,7 +22,8 @@ pytest.importorskip("transformers")
 
 ZOO = os.path.join(HERE, "zoo")
 STEPS = 2
-HF_MODELS = ["gpt2_tf", "mistral", "qwen2", "qwen3", "gemma2", "phi3", "mixtral", "bert", "t5", "vit"]
+HF_MODELS = ["gpt2_tf", "mistral", "qwen2", "qwen3", "gemma2", "phi3", "mixtral", "qwen3_moe", "deepseek_v3", "bert", "t5",
+             "vit"]
 # model -> split points giving 4 stages, for the schedules that place two stages on each rank
 FOUR_STAGES = {"nanogpt": ["transformer.h.0", "transformer.h.1", "transformer.ln_f"],
                "mistral": ["model.layers.0", "model.layers.1", "model.norm"]}

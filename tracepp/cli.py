@@ -34,8 +34,7 @@ def _split(args) -> int:
     from tracepp.report.stages import stage_table
 
     bundled = bundle_packages(args.out, args.bundle, manifest["import_paths"]) if args.bundle else []
-    for note in manifest.get("notes", []):
-        print(f"note: {note}")
+    _print_notes(manifest)
     print(stage_table(manifest))
     for line in describe(manifest["plan"]):
         print(line)
@@ -45,6 +44,14 @@ def _split(args) -> int:
           + " (no weights: each rank loads its own with --load CKPT or builds them from model())")
     print(f"run it: {launch_command(_world(manifest['plan']), args.out)} --steps 3")
     return 0
+
+
+def _print_notes(manifest: dict) -> None:
+    """What tracing noticed (stdout), and each op the FLOP count saw no formula for (one warning line each)."""
+    for note in manifest.get("notes", []):
+        print(f"note: {note}")
+    for warning in manifest.get("flop_count", {}).get("warnings", []):
+        print(f"warning: {warning}", file=sys.stderr)
 
 
 def _world(plan: dict) -> int:
@@ -64,8 +71,7 @@ def _check(args) -> int:
     manifest = check_model(args.model, num_ranks=args.ranks, num_stages=args.stages, schedule=args.schedule,
                            num_microbatches=args.microbatches, split_points=points,
                            dynamic_shapes=parse_flags(args.dynamic) if args.dynamic else None)
-    for note in manifest.get("notes", []):
-        print(f"note: {note}")
+    _print_notes(manifest)
     print(stage_table(manifest))
     warnings = stage_warnings(manifest)
     print()

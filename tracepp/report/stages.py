@@ -33,7 +33,7 @@ def stage_table(manifest: dict) -> str:
                      f"{flops / 1e6:,.1f}" if flops else "-", module_text,
                      "\n".join(inputs) or "-", "\n".join(outputs) or "-"])
     table = tabulate(rows, headers=["stage", "rank", "params", "fwd MFLOP/mb", "modules", "inputs", "outputs"],
-                     tablefmt="simple")
+                     tablefmt="simple", floatfmt=["g", "g", "g", ",.1f", "g", "g", "g"])  # 12,308,300.0 not 1.23e+07
     shared = manifest.get("shared") or []
     if shared:
         table += "\n\nshared parameters (gradients summed across the stages that hold a copy):\n"
@@ -77,12 +77,14 @@ def estimate_table(manifest: dict) -> str:
                      f"{_bytes(e['activation_bytes_per_microbatch'])} x {e['inflight_microbatches']}",
                      _bytes(e["memory_bytes"])])
     text = tabulate(rows, headers=["stage", "rank", "fwd+bwd MFLOP/mb", "time (mean=1)", "params", "grads",
-                                   "optimizer", "activations x in-flight", "memory"], tablefmt="simple")
+                                   "optimizer", "activations x in-flight", "memory"], tablefmt="simple",
+                    floatfmt=["g", "g", ",.1f", ".2f", "g", "g", "g", "g", "g"])
     time_imbalance, memory_imbalance = _imbalance(flops if known else []), _imbalance(memory)
     text += ("\nimbalance (max/mean): time "
              + (f"{time_imbalance:.2f}" if time_imbalance is not None else "unknown (FLOPs not counted)")
              + (f", memory {memory_imbalance:.2f}" if memory_imbalance is not None else ""))
-    text += ("\n(time from forward FLOPs on fake tensors, backward = 2x forward, elementwise ops not counted; "
+    text += ("\n(time from forward FLOPs counted on the traced graph (docs/flops.md), backward = 2x forward, "
+             "elementwise ops not counted; "
              "memory assumes Adam (two fp32 states per parameter) and counts every value that carries a "
              "gradient as kept for backward)")
     return text

@@ -1,0 +1,35 @@
+"""DeepSeek-V3 at full size (61 layers, the first 3 dense; 256 routed experts top-8 and 1 shared expert; MLA;
+vocabulary 129,280; about 671B parameters), built from its config (nothing downloaded), as a model file for
+``benchmarks/moe_plan.py``. tracepp plans it on meta tensors: nothing of its weights is ever allocated."""
+import torch
+import torch.nn.functional as F
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+BATCH, SEQ, VOCAB = 16, 4096, 129280
+
+
+def model():
+    torch.manual_seed(0)
+    return DeepseekV3ForCausalLM(DeepseekV3Config(vocab_size=VOCAB, max_position_embeddings=SEQ, rope_scaling=None))
+
+
+def _data(step):
+    g = torch.Generator().manual_seed(1000 + step)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def example_inputs():
+    return (_data(0)[0],)
+
+
+def example_kwargs():
+    return {"use_cache": False}
+
+
+def example_target():
+    return _data(0)[1]
+
+
+def loss_fn(output, target):
+    return F.cross_entropy(output.logits.reshape(-1, VOCAB), target.reshape(-1))
