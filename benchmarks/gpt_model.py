@@ -151,8 +151,106 @@ split_points = {split_points!r}
 '''
 
 
-def model_source(config: GPTConfig, num_stages: int = 2) -> str:
+@dataclass(frozen=True)
+class MixtralConfig:
+    """A Hugging Face Mixtral (mixture of experts: grouped matmuls over the routed tokens), wrapped so that its
+    forward returns the logits tensor, as the GPT's does (torch's pipelining and tracepp train the same file)."""
+
+    d_model: int = 128
+    n_layer: int = 8
+    n_head: int = 4
+    n_kv_head: int = 2
+    experts: int = 8
+    top_k: int = 2
+    d_ff: int = 256
+    vocab: int = 256
+    seq: int = 32
+    batch: int = 32
+    dtype: str = "float32"
+
+    @property
+    def name(self) -> str:
+        return f"mixtral_d{self.d_model}_l{self.n_layer}_e{self.experts}k{self.top_k}_b{self.batch}_s{self.seq}"
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch * self.seq
+
+    def num_params(self) -> int:
+        d, v = self.d_model, self.vocab
+        head_dim = d // self.n_head
+        attention = d * d * 2 + 2 * d * self.n_kv_head * head_dim
+        experts = self.experts * 3 * d * self.d_ff + d * self.experts
+        return 2 * v * d + self.n_layer * (attention + experts + 2 * d) + d
+
+    def split_points(self, num_stages: int) -> list:
+        if num_stages < 1 or self.n_layer % num_stages:
+            raise ValueError(f"{self.n_layer} layers do not split evenly into {num_stages} stages")
+        per_stage = self.n_layer // num_stages
+        return [f"model.model.layers.{k * per_stage}" for k in range(1, num_stages)]
+
+    def to_json(self) -> dict:
+        return dict(asdict(self), name=self.name, params=self.num_params())
+
+
+_MIXTRAL_TEMPLATE = '''"""Benchmark model {name}: a Hugging Face Mixtral ({experts} experts, top-{top_k}), logits out (generated)."""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from transformers import MixtralConfig, MixtralForCausalLM
+
+VOCAB, SEQ, BATCH = {vocab}, {seq}, {batch}
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.model = MixtralForCausalLM(MixtralConfig(
+            vocab_size=VOCAB, hidden_size={d_model}, intermediate_size={d_ff}, num_hidden_layers={n_layer},
+            num_attention_heads={n_head}, num_key_value_heads={n_kv_head}, max_position_embeddings=SEQ,
+            num_local_experts={experts}, num_experts_per_tok={top_k}, tie_word_embeddings=False))
+
+    def forward(self, idx):
+        return self.model(idx, use_cache=False).logits
+
+
+def model():
+    torch.manual_seed(0)
+    return Net()
+
+
+def _tokens(step):
+    generator = torch.Generator().manual_seed(1000 + step)
+    data = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=generator)
+    return data[:, :-1], data[:, 1:]
+
+
+def example_inputs():
+    return (_tokens(0)[0],)
+
+
+def example_target():
+    return _tokens(0)[1]
+
+
+def batch(step):
+    idx, target = _tokens(step)
+    return (idx,), {{}}, target
+
+
+def loss_fn(logits, target):
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1))
+
+
+split_points = {split_points!r}
+'''
+
+
+def model_source(config, num_stages: int = 2) -> str:
     """The text of the model file for ``config`` (``split_points`` default: ``num_stages`` even stages)."""
+    if isinstance(config, MixtralConfig):
+        return _MIXTRAL_TEMPLATE.format(name=config.name, split_points=config.split_points(num_stages),
+                                        **asdict(config))
     if config.d_model % config.n_head:
         raise ValueError(f"d_model {config.d_model} is not a multiple of n_head {config.n_head}")
     if config.dtype not in ("float32", "bfloat16"):

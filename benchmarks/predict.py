@@ -13,7 +13,8 @@ the plain costs ``benchmarks/stage_times.py`` measures in one process after the 
 ping-pong's latency and bandwidth per rank pair on each boundary message (gloo: ops independent), the optimizer
 step per stage, and the one number ``tracepp calibrate`` fits to a measured run (``tracepp.costs.calibrate.FIT_MODE``:
 a fixed time per action by default), never fitted to the case it
-predicts: for each case it is the median of the values fitted to each *other* case of the suite (leave one out). A
+predicts: for each case it is the median of the values fitted to each *other* case of the suite of the same model
+(leave one out), or of the other models' cases for a model with one case (the Mixtral case: nothing fitted to it). A
 case with paired steps (``stepwise_pairs``) is fitted once per paired step, to the costs measured around it, and
 its value is the median of those fits. A suite of one case cannot do that and
 says so (``"fitted": true``: its "prediction" is then the fit itself).
@@ -117,8 +118,11 @@ def predict_cases(entries: list, comm: dict, log=print, mode: str = None) -> Non
             fitted[entry["case"]].update(mode=mode, value=statistics.median(per_step), per_step=len(per_step))
     for entry in usable:
         manifest = load_manifest(entry["out_dir"])
-        others = [fitted[e["case"]]["value"] for e in usable
-                  if e["case"] != entry["case"] and fitted[e["case"]]["mode"] == mode]
+        # leave one out among the cases of the same model; a model with one case (the suite's Mixtral) takes the
+        # other models' fits, i.e. is predicted with nothing fitted to it
+        pool = [e for e in usable if e["case"] != entry["case"] and fitted[e["case"]]["mode"] == mode]
+        same_model = [e for e in pool if (e.get("model") or {}).get("name") == (entry.get("model") or {}).get("name")]
+        others = [fitted[e["case"]]["value"] for e in (same_model or pool)]
         own = fitted[entry["case"]]
         used_mode = mode if others else own["mode"]
         value = statistics.median(others) if others else own["value"]

@@ -2,8 +2,9 @@
 
     python -m benchmarks.run [--quick] [--device cpu|cuda] [--out benchmarks/results]
 
-Run from the repository root. For every case (GPT size x ranks x schedule x microbatch count) the same model
-file (benchmarks/gpt_model.py, untied head), split at the same block FQNs, is trained by
+Run from the repository root. For every case (GPT size x ranks x schedule x microbatch count, and one
+mixture-of-experts case: a Hugging Face Mixtral, 8 experts top-2, 1F1B on 2 ranks) the same model file
+(benchmarks/gpt_model.py, untied head), split at the same block FQNs, is trained by
 
 * ``tracepp``: ``split_model`` then ``torchrun`` on the generated ``run.py`` (its own ``--metrics`` step time,
   on the last stage's rank);
@@ -64,7 +65,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from benchmarks.gpt_model import GPTConfig, write_model_file
+from benchmarks.gpt_model import GPTConfig, MixtralConfig, write_model_file
 from benchmarks.memory import MEMORY_STEPS, read_memory
 from benchmarks.predict import loadavg, predict_cases, stepwise_pairs, suite_calibration
 
@@ -74,7 +75,7 @@ STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2, "interleaved-zb
 
 @dataclass(frozen=True)
 class Case:
-    config: GPTConfig
+    config: object  # GPTConfig or MixtralConfig
     ranks: int
     schedule: str
     microbatches: int
@@ -98,12 +99,17 @@ class Settings:
 # ----------------------------------------------------------------------------------------------------
 # the suites
 
+# a mixture-of-experts case (Hugging Face Mixtral, grouped-matmul experts): its efficiency and its prediction, with
+# the per-action overhead fitted on the suite's other cases (leave one out), i.e. on another model
+MIXTRAL_CASE = Case(MixtralConfig(d_model=128, n_layer=8, batch=32, seq=32), 2, "1f1b", 4, 2, 2)
+
+
 def cpu_cases(quick: bool) -> list:
     if quick:
         config = GPTConfig(d_model=128, n_layer=8, batch=32, seq=32)
         plan = [("gpipe", 4), ("1f1b", 32), ("interleaved-1f1b", 8), ("interleaved-zb", 8)]
-        return [Case(config, 2, s, m, 2 * STAGES_PER_RANK[s], 2) for s, m in plan]
-    cases = []
+        return [Case(config, 2, s, m, 2 * STAGES_PER_RANK[s], 2) for s, m in plan] + [MIXTRAL_CASE]
+    cases = [MIXTRAL_CASE]
     for d_model in (128, 256, 512):
         config = GPTConfig(d_model=d_model, n_layer=8, n_head=max(4, d_model // 64), batch=32, seq=32)
         for ranks in (2, 4):
@@ -478,7 +484,9 @@ def tune_benchmark(entries: list, comm: dict, settings: Settings, threads: int, 
     from tracepp.codegen.manifest import load_manifest
     from tracepp.costs.search import tune
 
-    measured = [e for e in entries if (e.get("tracepp") or {}).get("status") == "ok" and e.get("prediction")]
+    model = entries[0]["model"]["name"]  # the suite's model (the GPT): the tuner searches one model's plans
+    measured = [e for e in entries if (e.get("tracepp") or {}).get("status") == "ok" and e.get("prediction")
+                and e["model"]["name"] == model]
     if not measured:
         return {"status": "skipped", "error": "no measured case"}
     from tracepp.costs.calibrate import FIT_MODE, overhead_of
