@@ -205,7 +205,7 @@ def _calibrate(args) -> int:
 
 
 def _add_split_options(parser) -> None:
-    parser.add_argument("model", help="model file defining model() and example_inputs() (see README)")
+    parser.add_argument("model", help="model file defining model() and example_inputs() (see docs/guide.md)")
     parser.add_argument("--ranks", type=int, default=2, help="pipeline ranks, i.e. torchrun processes (default 2)")
     parser.add_argument("--stages", type=int, default=None,
                         help="number of stages (default: from split points, else ranks x stages per rank)")

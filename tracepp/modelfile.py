@@ -1,4 +1,4 @@
-"""Load a user's model file and check it follows the contract (see README, "Writing a model file").
+"""Load a user's model file and check it follows the contract (docs/guide.md, "Writing a model file").
 
 Required: ``model()`` and ``example_inputs()``. Optional: ``example_kwargs()``, ``example_target()``,
 ``loss_fn(output, target)``, ``split_points``, ``dynamic_shapes``, ``batch(step)``, ``optimizer(params)``.

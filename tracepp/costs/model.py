@@ -220,7 +220,7 @@ def load_calibration(path: str) -> Calibration:
         path = os.path.join(path, CALIBRATION_FILE)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path} not found: write it with `tracepp calibrate OUT`, or add --calibrate to "
-                                f"`tracepp plan OUT` (see README, 'Calibrated simulator')")
+                                f"`tracepp plan OUT` (see docs/calibration.md)")
     with open(path) as handle:
         try:
             data = json.load(handle)
