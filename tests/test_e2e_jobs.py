@@ -132,7 +132,11 @@ def test_signal_saves_one_checkpoint_and_resume_ends_equal(job, tmp_path, signal
     assert (stopped.returncode == 0) == (to == "self"), stopped.stderr[-3000:]
     assert f"stopped by SIG{signal_name}" in stopped.stdout or "stopped by a signal" in stopped.stdout, stopped.stdout
     assert "Traceback" not in stopped.stdout and "tracepp rank" not in stopped.stderr, stopped.stderr[-3000:]
-    assert os.listdir(checkpoints) == ["step_3"], os.listdir(checkpoints)  # the step in flight ended, then saved
+    saved = os.listdir(checkpoints)
+    if to == "self":  # a rank's own handler runs at once: the step in flight (the 3rd) ends, then one save
+        assert saved == ["step_3"], saved
+    else:  # torchrun forwards the signal when its monitor loop sees it: one save, at the step the ranks agreed on
+        assert len(saved) == 1 and 3 <= int(saved[0].split("_")[1]) < STEPS, saved
     resumed = str(tmp_path / "resumed.pt")
     result = run_ok(job["out"], 2, "--steps", str(STEPS), *common, "--save", resumed)
     assert "resumed from" in result.stdout
@@ -150,7 +154,8 @@ def test_launcher_mode_sigterm_exits_quietly(job, tmp_path):
     assert result.returncode == 128 + 15, (result.returncode, result.stderr[-3000:])
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
     assert "launcher stopped by SIGTERM" in result.stderr and "saved" in result.stdout, result.stdout
-    assert os.listdir(checkpoints) == ["step_2"]
+    saved = os.listdir(checkpoints)  # one save, at the step the ranks agreed on after torchrun forwarded the signal
+    assert len(saved) == 1 and 2 <= int(saved[0].split("_")[1]) < STEPS, saved
 
 
 def test_damaged_checkpoint_falls_back_and_full_disk_keeps_the_previous(job, tmp_path):

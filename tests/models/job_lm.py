@@ -3,12 +3,14 @@ hooks that misbehave on request: environment variables name a step and a rank.
 
 - ``JOB_KILL_AT=S JOB_RANK=R``: rank R kills itself (SIGKILL) before step S, on torchrun's first attempt only.
 - ``JOB_SIGNAL_AT=S JOB_RANK=R JOB_SIGNAL=USR1|TERM JOB_SIGNAL_TO=self|torchrun``: before step S, rank R sends
-  the signal to itself or to its parent (torchrun).
+  the signal to itself or to its parent (torchrun); after a signal to torchrun, each later step takes 0.5 s longer
+  (a real step's length: torchrun forwards the signal asynchronously, within one).
 - ``JOB_FSIZE_AT=S JOB_RANK=R JOB_FSIZE=BYTES``: from step S on, rank R may not write a file larger than BYTES
   (RLIMIT_FSIZE: a full disk as the kernel reports it to that process, EFBIG).
 """
 import os
 import signal
+import time
 
 import torch
 import torch.nn as nn
@@ -64,6 +66,9 @@ def optimizer(params):
     return torch.optim.AdamW(params, lr=1e-2)
 
 
+_SLOW = {"after_signal": False}
+
+
 def _at(name, step):
     return os.environ.get(name) == str(step) and os.environ.get("JOB_RANK") == os.environ.get("RANK")
 
@@ -71,9 +76,12 @@ def _at(name, step):
 def _misbehave(pipe, step):
     if _at("JOB_KILL_AT", step) and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
         os.kill(os.getpid(), signal.SIGKILL)
+    if _SLOW["after_signal"]:  # steps of a real size: torchrun's forwarded signal arrives within a step
+        time.sleep(0.5)
     if _at("JOB_SIGNAL_AT", step):
-        target = os.getppid() if os.environ.get("JOB_SIGNAL_TO") == "torchrun" else os.getpid()
-        os.kill(target, getattr(signal, "SIG" + os.environ.get("JOB_SIGNAL", "USR1")))
+        to_torchrun = os.environ.get("JOB_SIGNAL_TO") == "torchrun"
+        os.kill(os.getppid() if to_torchrun else os.getpid(), getattr(signal, "SIG" + os.environ.get("JOB_SIGNAL", "USR1")))
+        _SLOW["after_signal"] = to_torchrun
     if _at("JOB_FSIZE_AT", step):
         import resource
 
