@@ -449,15 +449,14 @@ def _token_input(traced, graph):
     """The root input ``run.py --data`` fills with windows of token ids: the model's one batched input, a 2-D
     integer tensor (batch, sequence) at its traced shape, with the vocabulary of the embedding that reads it
     (None if no ``aten.embedding`` does); None when the model's batched inputs are anything else."""
-    batched = [ref for name, ref in graph.root_inputs.items() if ref.batched]
-    if len(batched) != 1 or batched[0].meta is None:
+    batched = [(name, ref) for name, ref in graph.root_inputs.items() if ref.batched]
+    if len(batched) != 1 or batched[0][1].meta is None:
         return None
-    ref = batched[0]
+    name, ref = batched[0]
     leaf = traced.example_leaves[ref.leaf_index]
     if not isinstance(leaf, torch.Tensor) or leaf.dim() != 2 or leaf.dtype.is_floating_point or \
             leaf.dtype.is_complex or leaf.dtype == torch.bool:
         return None
-    name = next(name for name, other in graph.root_inputs.items() if other is ref)
     vocab = None
     for stage in graph.stages:
         for node in stage.graph.nodes:

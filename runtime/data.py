@@ -72,6 +72,12 @@ class TokenFile:
 
         return torch.from_numpy(np.asarray(self.tokens[start:start + count], dtype=np.int64))
 
+    def windows(self, starts: list, seq: int) -> tuple:
+        """The batch ``((inputs,), {}, targets)`` of the windows at ``starts``: inputs ``tokens[i:i+seq]``, targets
+        the same shifted by one token."""
+        data = torch.stack([self.read(start, seq + 1) for start in starts])
+        return (data[:, :-1].contiguous(),), {}, data[:, 1:].contiguous()
+
     def check(self, seq: int, vocab) -> None:
         """At least one window of ``seq + 1`` tokens, and every id below ``vocab`` (a scan of the mapped file,
         slice by slice)."""
@@ -103,19 +109,12 @@ class TokenBatches:
 
     def __init__(self, path: str, manifest: dict, seed: int = 0):
         record = token_input(manifest, "--data")
-        self.leaf_index, self.batch, self.seq = record["leaf_index"], record["batch"], record["seq"]
-        self.vocab, self.seed = record.get("vocab"), seed
+        self.batch, self.seq, self.seed = record["batch"], record["seq"], seed
         self.file = TokenFile(path, "--data")
-        self.file.check(self.seq, self.vocab)
-
-    def windows(self, starts: list):
-        data = torch.stack([self.file.read(start, self.seq + 1) for start in starts])
-        return data[:, :-1].contiguous(), data[:, 1:].contiguous()
+        self.file.check(self.seq, record.get("vocab"))
 
     def __call__(self, step: int):
-        starts = window_starts(self.seed, step, self.batch, len(self.file) - self.seq)
-        inputs, targets = self.windows(starts)
-        return (inputs,), {}, targets
+        return self.file.windows(window_starts(self.seed, step, self.batch, len(self.file) - self.seq), self.seq)
 
     def describe(self) -> str:
         return (f"data: {self.file.path} ({len(self.file):,} tokens), {self.batch} windows of {self.seq} tokens "
@@ -134,11 +133,17 @@ class EvalBatches:
         last = len(self.file) - self.seq - 1
         self.starts = [round(last * k / max(windows - 1, 1)) for k in range(windows)]
 
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index: int):
+        """Batch ``index`` of the ``count``: ``((inputs,), {}, targets)``."""
+        if not 0 <= index < self.count:
+            raise IndexError(index)
+        return self.file.windows(self.starts[index * self.batch:(index + 1) * self.batch], self.seq)
+
     def __iter__(self):
-        for k in range(self.count):
-            data = torch.stack([self.file.read(start, self.seq + 1)
-                                for start in self.starts[k * self.batch:(k + 1) * self.batch]])
-            yield (data[:, :-1].contiguous(),), {}, data[:, 1:].contiguous()
+        return (self[index] for index in range(self.count))
 
 
 def data_record(source) -> dict:

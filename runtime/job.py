@@ -67,9 +67,9 @@ def clock(seconds: float) -> str:
 class Progress:
     """Elapsed time since the job (or this restart) started, and the ETA from the median of recent steps."""
 
-    def __init__(self, first_step: int, last_step: int, window: int = 20):
+    def __init__(self, last_step: int, window: int = 20):
         self.start = time.perf_counter()
-        self.first_step, self.last_step, self.window = first_step, last_step, window
+        self.last_step, self.window = last_step, window
         self.times = []
 
     def record(self, seconds: float) -> None:
@@ -93,8 +93,7 @@ class Board:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as error:
-            raise PipelineError(f"--tensorboard {directory} needs the tensorboard package ({error}): "
-                                f"pip install tensorboard (or pip install 'tracepp[tensorboard]')") from error
+            raise PipelineError(_tensorboard_missing(directory, error)) from error
         # a resumed run rewrites the steps after its checkpoint: purge_step drops the old run's later events
         self.writer = SummaryWriter(log_dir=directory, purge_step=purge_step)
 
@@ -115,10 +114,14 @@ def check_tensorboard(directory) -> None:
     try:
         import tensorboard  # noqa: F401
     except ImportError as error:
-        error_ = PipelineError(f"--tensorboard {directory} needs the tensorboard package ({error}): pip install "
-                               f"tensorboard (or pip install 'tracepp[tensorboard]')")
+        error_ = PipelineError(_tensorboard_missing(directory, error))
         error_.every_rank_agrees = True
         raise error_ from error
+
+
+def _tensorboard_missing(directory: str, error: ImportError) -> str:
+    return (f"--tensorboard {directory} needs the tensorboard package ({error}): pip install tensorboard (or pip "
+            f"install 'tracepp[tensorboard]')")
 
 
 def launcher(folder: str, argv: list) -> None:

@@ -387,13 +387,13 @@ def _minor_faults():
 
 
 def _report_step(pipe: Pipeline, args, step: int, result, elapsed: float, cpu_time: float, norm, skipped: bool,
-                 note: str, faults=None, job=None) -> tuple:
+                 note: str, faults, job) -> tuple:
     """The reporting rank's line, ``--metrics`` record and TensorBoard scalars of one step; returns its (step,
     loss, seconds, samples/s). ``job``: the loop's JobState (tokens per step, progress, board, learning rate)."""
     training, device = pipe.training, pipe.device
     loss_value = float(result) if training and result is not None and not isinstance(result, list) else None
     samples = pipe.last_batch_size
-    tokens = samples * job.seq if job is not None and job.seq else None
+    tokens = samples * job.seq if job.seq else None
     job.progress.record(elapsed)
     lr = job.lr()
     if not args.quiet and ((step + 1) % max(args.log_every, 1) == 0 or step + 1 == args.steps or step == 0):
@@ -439,7 +439,7 @@ class JobState:
     def __init__(self, pipe: Pipeline, args, first_step: int, optimizer, reports: bool):
         record = pipe.manifest.get("token_input")
         self.seq = record["seq"] if record else None
-        self.progress = Progress(first_step, args.steps)
+        self.progress = Progress(args.steps)
         self.optimizer = optimizer
         self.board = Board(args.tensorboard, purge_step=first_step + 1) if reports and args.tensorboard else None
 
@@ -469,22 +469,15 @@ def _check_job_flags(pipe: Pipeline, args) -> None:
 
 
 def evaluate(pipe: Pipeline, batches) -> float:
-    """The mean loss over ``batches`` through the pipeline, forward only; on the last stage's rank (None
-    elsewhere). Every rank calls it with the same batches."""
-    total, count = 0.0, 0
-    for inputs, kwargs, target in batches:
-        inputs, kwargs, target = _to_device((inputs, kwargs, target), pipe.device)
-        loss = pipe.eval_step(inputs, kwargs, target)
+    """The mean loss over ``batches`` (``len`` and ``batches[index]``: ``(args, kwargs, target)``) through the
+    pipeline, forward only; on the last stage's rank (None elsewhere). Every rank calls it with the same batches."""
+    loader = BatchPrefetcher(lambda index: batches[index], pipe.device)  # on the device, as training batches
+    total = 0.0
+    for index in range(len(batches)):
+        loss = pipe.eval_step(*loader.get(index))
         if loss is not None:
             total += float(loss)
-        count += 1
-    return total / count if pipe.is_last_rank else None
-
-
-def _to_device(batch, device):
-    import torch.utils._pytree as pytree
-
-    return pytree.tree_map(lambda leaf: leaf.to(device) if isinstance(leaf, torch.Tensor) else leaf, batch)
+    return total / len(batches) if pipe.is_last_rank else None
 
 
 def _run_eval(pipe: Pipeline, args, evals, step: int, reports: bool, job: JobState) -> None:
@@ -667,7 +660,7 @@ def _resume(pipe: Pipeline, args, optimizer, scheduler, fqns: list) -> int:
     yet, a first start). Every rank verifies its share of the files, then checks the checkpoint against its own
     stages, and the ranks agree (one small gather) before anything is loaded: a bad checkpoint stops every rank
     with the message, before anything is trained or written."""
-    group = _control_group() if pipe.world_size > 1 else None
+    group = _control_group_or_none(pipe)
     try:
         found = checkpoint.usable(args.resume, pipe.rank, pipe.world_size, group,
                                   report=lambda text: say(pipe.rank, text))

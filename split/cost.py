@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 import torch.fx as fx
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from tracepp.split.pipeline_graph import Stage
 
@@ -110,7 +110,7 @@ def eager_flop_counter() -> FlopCounterMode:
     for name, formula in FORMULAS.items():
         namespace, _sep, op = name.partition("::")
         packet = getattr(getattr(torch.ops, namespace, None), op, None) if op else None
-        if packet is not None and packet not in __import__("torch.utils.flop_counter").utils.flop_counter.flop_registry:
+        if packet is not None and packet not in flop_registry:
             mapping[packet] = formula
     return FlopCounterMode(display=False, custom_mapping=mapping)
 
@@ -189,8 +189,6 @@ def count_flops(graph: fx.Graph) -> FlopCount:
     FLOP formula for the op (``torch.utils.flop_counter``), else the op alone re-run on fake tensors under
     ``FlopCounterMode`` (a composite op such as ``linear`` counts as the matmuls it becomes). An op that cannot be
     re-run costs its own count, never the graph's. Elementwise ops are not counted (by design, as torch)."""
-    import torch.utils.flop_counter as flop_counter
-
     result = FlopCount()
     values = [node.meta.get("val") for node in graph.nodes]
     fake_mode = _fake_mode_of(values)
@@ -205,7 +203,7 @@ def count_flops(graph: fx.Graph) -> FlopCount:
                 flops = FORMULAS[name](*args, out=node.meta.get("val"), **kwargs)
             else:
                 packet = getattr(node.target, "overloadpacket", None)
-                registered = flop_counter.flop_registry.get(packet) if packet is not None else None
+                registered = flop_registry.get(packet) if packet is not None else None
                 if registered is not None:
                     args, kwargs = _values(node)
                     flops = registered(*args, **kwargs, out_val=node.meta.get("val"))

@@ -139,7 +139,7 @@ def test_stop_request_and_progress():
     finally:
         stop.uninstall()
     assert clock(3725.2) == "1:02:05"
-    progress = Progress(first_step=10, last_step=20)
+    progress = Progress(last_step=20)
     for seconds in (1.0, 3.0, 2.0):
         progress.record(seconds)
     assert progress.eta(13) == 2.0 * 7
