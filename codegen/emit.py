@@ -147,6 +147,8 @@ def build_manifest(model_file, traced, graph, plan, launch_command: str, options
         "notes": list(traced.notes),  # what tracing noticed (e.g. a size baked in), printed by the CLI
         # what the FLOP count could not see, or assumed (split.cost.FlopCount); its warnings printed by the CLI
         "flop_count": dict(graph.flop_count, warnings=list(graph.flop_warnings)),
+        # with --tp: each parameter's shard dim (None: replicated over tp) and the collectives per stage
+        "tp": graph.tensor_parallel or None,
         # how `tracepp split` was called (model file path, ranks, stages, ...): what a re-split (the tuner's
         # --apply) repeats with other choices
         "split_options": dict(options or {}),

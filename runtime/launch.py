@@ -36,7 +36,7 @@ from .distributed import missing_dependency
 from .failure import EXIT_FAILED, FailureChannel, PipelineError, agree, say, stall_message
 from .loading import load_manifest
 from . import checkpoint, cpu_binding, host_memory, recompute, shm_p2p
-from .mesh import coordinates, full, mesh_layout
+from .mesh import coordinates, full, mesh_layout, world_size
 from .optim import OPTIMIZERS, build_optimizer, build_scheduler, parameter_fqns, step_scheduler
 from .pipeline import Pipeline, check_precision, step_ended
 from .job import Board, Progress, StopRequest, any_rank, check_tensorboard, clock
@@ -168,13 +168,14 @@ def launch(folder: str) -> None:
 
 def check_world_size(manifest: dict) -> None:
     layout = mesh_layout(manifest["plan"])
-    expected = layout["pp"] * layout["dp"]
+    expected = world_size(layout)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != expected:
-        planned = (f"{expected} ranks" if layout["dp"] == 1 else
-                   f"{expected} processes ({layout['pp']} pipeline ranks x {layout['dp']} data-parallel replicas)")
-        fix = (f"re-split with `tracepp split ... --ranks {world}`" if layout["dp"] == 1 else
-               f"re-split with --ranks R --dp N where R x N = {world}")
+        planned = (f"{expected} ranks" if expected == layout["pp"] else
+                   f"{expected} processes ({layout['pp']} pipeline ranks x {layout['dp']} data-parallel replicas"
+                   + (f" x {layout['tp']} tensor-parallel ranks)" if layout["tp"] > 1 else ")"))
+        fix = (f"re-split with `tracepp split ... --ranks {world}`" if expected == layout["pp"] else
+               f"re-split with --ranks R --dp N --tp T where R x N x T = {world}")
         raise PipelineError(
             f"this pipeline was planned for {planned} but torchrun started {world}: "
             f"run `{manifest['launch_command']}` in the pipeline's folder, or {fix}"
@@ -517,7 +518,7 @@ def train(pipe: Pipeline, args) -> None:
         fqns = parameter_fqns(optimizer, named)
         scheduler = build_scheduler(user, optimizer, warmup=args.warmup, total_steps=args.steps)
     recompute.apply(pipe, args.activation_checkpointing)
-    reports = pipe.is_last_rank and pipe.dp_index == 0  # one replica prints (its loss is the global batch's)
+    reports = pipe.is_last_rank and pipe.dp_index == 0 and pipe.tp_index == 0  # one replica prints (its loss is the global batch's)
     args.data_record = data_record(source)
     first_step = _resume(pipe, args, optimizer, scheduler, fqns) if args.resume else 0
     scaler = DynamicLossScale() if pipe.precision == "fp16" else None
@@ -642,7 +643,7 @@ def _replica_outputs(pipe: Pipeline, result):
         parts = [None] * pipe.layout["dp"]
         dist.all_gather_object(parts, result, group=pipe.replicas.get_group())
         result = [output for part in parts for output in part]
-    return join_microbatches(result) if pipe.is_last_rank and pipe.dp_index == 0 else None
+    return join_microbatches(result) if pipe.is_last_rank and pipe.dp_index == 0 and pipe.tp_index == 0 else None
 
 
 def _checkpoint_info(pipe: Pipeline, optimizer, args=None) -> dict:
@@ -668,7 +669,7 @@ def _resume(pipe: Pipeline, args, optimizer, scheduler, fqns: list) -> int:
         error.every_rank_agrees = True
         raise
     if found is None:
-        if pipe.is_last_rank and pipe.dp_index == 0 and not args.quiet:
+        if pipe.is_last_rank and pipe.dp_index == 0 and pipe.tp_index == 0 and not args.quiet:
             print(f"--resume {args.resume}: no checkpoint yet; starting from step 0", flush=True)
         return 0
     try:
@@ -678,7 +679,7 @@ def _resume(pipe: Pipeline, args, optimizer, scheduler, fqns: list) -> int:
         step, path, prepared, problem = None, None, None, str(error)
     agree(problem, group=group)
     checkpoint.load(prepared, optimizer, fqns)
-    if pipe.is_last_rank and not args.quiet:
+    if pipe.is_last_rank and pipe.dp_index == 0 and pipe.tp_index == 0 and not args.quiet:
         print(f"resumed from {path} (step {step}); training steps {step + 1} to {args.steps}", flush=True)
     return step
 

@@ -24,20 +24,32 @@ def mesh_layout(plan: dict) -> dict:
     """The plan's data-parallel layout, or one replica (dp 1) when it has none."""
     mesh = plan.get("mesh") or {}
     return {"dp": mesh.get("dp", 1), "pp": plan["num_ranks"], "mode": mesh.get("mode", "fsdp"),
-            "shard": mesh.get("shard"), "order": mesh.get("order", "pp-inner")}
+            "shard": mesh.get("shard"), "order": mesh.get("order", "pp-inner"), "tp": mesh.get("tp", 1)}
 
 
-def global_rank(layout: dict, dp_index: int, pp_rank: int) -> int:
+def world_size(layout: dict) -> int:
+    return layout["dp"] * layout["pp"] * layout.get("tp", 1)
+
+
+def global_rank(layout: dict, dp_index: int, pp_rank: int, tp_index: int = 0) -> int:
+    """Tensor parallelism is innermost: the tp ranks of one (dp, pp) place are consecutive (one node)."""
     if layout["order"] == "dp-inner":
-        return pp_rank * layout["dp"] + dp_index
-    return dp_index * layout["pp"] + pp_rank
+        base = pp_rank * layout["dp"] + dp_index
+    else:
+        base = dp_index * layout["pp"] + pp_rank
+    return base * layout.get("tp", 1) + tp_index
 
 
 def coordinates(layout: dict, rank: int) -> tuple:
-    """(dp_index, pp_rank) of a global rank."""
+    """(dp_index, pp_rank) of a global rank (its tp index is :func:`tp_index`)."""
+    rank //= layout.get("tp", 1)
     if layout["order"] == "dp-inner":
         return rank % layout["dp"], rank // layout["dp"]
     return rank // layout["pp"], rank % layout["pp"]
+
+
+def tp_index(layout: dict, rank: int) -> int:
+    return rank % layout.get("tp", 1)
 
 
 def replicas_text(layout: dict) -> list:
@@ -47,9 +59,13 @@ def replicas_text(layout: dict) -> list:
 
 
 def describe(plan: dict) -> list:
-    """What ``tracepp inspect`` and the rank-script headers show about the mesh (nothing without --dp)."""
+    """What ``tracepp inspect`` and the rank-script headers show about the mesh (nothing without --dp/--tp)."""
     layout = mesh_layout(plan)
-    dp, pp = layout["dp"], layout["pp"]
+    dp, pp, tp = layout["dp"], layout["pp"], layout["tp"]
+    if tp > 1:
+        return [f"Mesh (dp={dp}, pp={pp}, tp={tp}): {dp * pp * tp} processes; tensor parallel inside each "
+                f"stage over {tp} consecutive ranks (global rank = (dp_index * pp + pp_rank) * tp + tp_index)"
+                + (f"; {layout['mode']} over dp" if dp > 1 else "")]
     if dp == 1:
         return []
     how = {"fsdp": "fully_shard of each stage over dp", "ddp": "replicate (DDP) of each stage over dp",
@@ -83,7 +99,16 @@ def build_mesh(layout: dict, device: torch.device):
     this rank's replicas, for the loss and anything else averaged over dp); call it on every rank."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    dp, pp = layout["dp"], layout["pp"]
+    dp, pp, tp = layout["dp"], layout["pp"], layout.get("tp", 1)
+    if tp > 1:  # (dp, pp, tp), tp innermost
+        grid = torch.arange(dp * pp * tp).reshape(dp, pp, tp)
+        if layout["mode"] == "hsdp":
+            shard = layout["shard"]
+            mesh = DeviceMesh(device.type, grid.reshape(dp // shard, shard, pp, tp),
+                              mesh_dim_names=("dp_replicate", "dp_shard", "pp", "tp"))
+            return mesh, mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        mesh = DeviceMesh(device.type, grid, mesh_dim_names=("dp", "pp", "tp"))
+        return mesh, mesh["dp"]
     ranks = torch.arange(dp * pp)
     grid = ranks.reshape(pp, dp).T if layout["order"] == "dp-inner" else ranks.reshape(dp, pp)
     if layout["mode"] == "hsdp":

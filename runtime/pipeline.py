@@ -37,6 +37,7 @@ from .failure import PipelineError
 from .loading import load_manifest, load_rank_script
 from .script_check import check_programs, describe_program
 from . import mesh as dp_mesh
+from . import tensor_parallel
 from .stages import StageModule
 from .usercode import load_spec, load_user_module
 from .weights import load_rank_state
@@ -112,15 +113,25 @@ class Pipeline:
         self.layout = dp_mesh.mesh_layout(manifest["plan"])
         if all_stages:
             self.layout["dp"] = 1
+        if all_stages and self.layout["tp"] > 1:
+            raise PipelineError(f"{self.folder} was split with --tp {self.layout['tp']}: its stages run on "
+                                f"{self.layout['tp']} processes each; run it with torchrun, or re-split without --tp")
         self.dp_index, self.pp_rank = dp_mesh.coordinates(self.layout, self.rank)
+        self.tp_index = dp_mesh.tp_index(self.layout, self.rank)
         self.mesh = self.replicas = None  # the (dp, pp) DeviceMesh and its 1-D dp mesh, with --dp
+        self.full_mesh = self.tp_mesh = None  # with --tp: the (dp, pp, tp) mesh and its 1-D tp mesh
         if all_stages:
             self.device = torch.device(device) if device is not None else torch.device("cpu")
             self.backend = None
         else:
             self.device, self.backend = init_distributed(self.rank, self.world_size, timeout_s, device)
-            if self.layout["dp"] > 1:
-                self.mesh, self.replicas = dp_mesh.build_mesh(self.layout, self.device)
+            if self.layout["dp"] > 1 or self.layout["tp"] > 1:
+                self.full_mesh, replicas = dp_mesh.build_mesh(self.layout, self.device)
+                if self.layout["dp"] > 1:
+                    self.mesh, self.replicas = self.full_mesh, replicas
+                if self.layout["tp"] > 1:
+                    self.tp_mesh = self.full_mesh["tp"]
+                    tensor_parallel.set_group(self.tp_mesh.get_group(), self.layout["tp"], self.tp_index)
         check_precision(precision, self.device)
         self.precision = precision
         self.compute_dtype = PRECISIONS[precision]
@@ -154,6 +165,8 @@ class Pipeline:
                 fn.__globals__["RUN_DEVICE"] = self.device
         # this rank's tensors only: from --load's checkpoint, or the model file's own initialisation
         state = load_rank_state(self.folder, plan_manifest, self.pp_rank, self.device, self.user, load=load, init=init)
+        if self.tp_mesh is not None:  # this rank's shards, as DTensors over the tp mesh
+            state = tensor_parallel.distribute(state, manifest, self.tp_mesh)
         unused = {item["fqn"] for item in manifest.get("unused_state", [])}
         self.unused_state = {fqn: tensor for fqn, tensor in state.items() if fqn in unused}  # for --save
         self.stages = {}
@@ -161,6 +174,7 @@ class Pipeline:
             if spec["index"] in self.stage_indices:
                 stage = StageModule(spec, stage_functions[spec["index"]], state)
                 stage.autocast_dtype = self.compute_dtype
+                stage.local_shards = self.tp_mesh is not None
                 self.stages[spec["index"]] = stage
         if self.mesh is not None:
             for stage in self.stages.values():
@@ -234,7 +248,7 @@ class Pipeline:
         for text in actions:
             stage, kind, _mb, peer = parse_action(text)
             if kind.startswith(("SEND", "RECV")) and peer is not None:
-                target = dp_mesh.global_rank(self.layout, self.dp_index, stage_to_rank[peer])
+                target = dp_mesh.global_rank(self.layout, self.dp_index, stage_to_rank[peer], self.tp_index)
                 (send_to if kind.startswith("SEND") else receive_from).add(target)
         self._peers = (send_to, receive_from)
         transport, note = shm_p2p.connect(self.rank, send_to, receive_from, int(ring_mb * 2**20), mode,
@@ -258,10 +272,10 @@ class Pipeline:
                                 wire_dtype=self.compute_dtype, check_finite=self._check_finite,
                                 split_weight_backward=not self.compiled and self.mesh is None,
                                 mark_dynamic=self.compiled)
-        if self.mesh is not None:
-            executor.global_ranks = [dp_mesh.global_rank(self.layout, self.dp_index, pp)
+        if self.full_mesh is not None:
+            executor.global_ranks = [dp_mesh.global_rank(self.layout, self.dp_index, pp, self.tp_index)
                                      for pp in range(self.layout["pp"])]
-            executor.pp_group = self.mesh["pp"].get_group()
+            executor.pp_group = self.full_mesh["pp"].get_group()
         executor.transport = self.transport
         return executor
 
@@ -291,10 +305,11 @@ class Pipeline:
         params = dict(self.named_parameters())
         for ranks, fqns in sorted(by_ranks.items()):
             for dp_index in range(self.layout["dp"]):  # one group per replica: its pipeline ranks holding a copy
-                members = [dp_mesh.global_rank(self.layout, dp_index, r) for r in ranks]
-                group = dist.new_group(members)  # every rank calls new_group for every set, in sorted order
-                if self.rank in members:
-                    groups.append((group, [params[f] for f in fqns if f in params]))
+                for tp_index in range(self.layout["tp"]):  # (and per tp place: each holds its own shards)
+                    members = [dp_mesh.global_rank(self.layout, dp_index, r, tp_index) for r in ranks]
+                    group = dist.new_group(members)  # every rank calls new_group for every set, in sorted order
+                    if self.rank in members:
+                        groups.append((group, [params[f] for f in fqns if f in params]))
         return groups
 
     def _counted_once(self) -> list:
@@ -302,6 +317,16 @@ class Pipeline:
         stage_to_rank = self.manifest["plan"]["stage_to_rank"]
         owner = {shared["fqn"]: min(stage_to_rank[s] for s in shared["stages"]) for shared in self.manifest["shared"]}
         return [p for name, p in self.named_parameters() if owner.get(name, self.pp_rank) == self.pp_rank]
+
+    def _grads_by_tp_replication(self) -> list:
+        """[(how many tp ranks hold the same tensor, parameters)]: without --tp, every parameter once."""
+        params = self._counted_once()
+        if self.tp_mesh is None:
+            return [(1, params)]
+        names = {id(p): n for n, p in self.named_parameters()}
+        sharded = [p for p in params if tensor_parallel.placement_of(self.manifest, names[id(p)]) is not None]
+        whole = [p for p in params if tensor_parallel.placement_of(self.manifest, names[id(p)]) is None]
+        return [(1, sharded), (self.layout["tp"], whole)]
 
     # -- the step API ---------------------------------------------------------------------------------------
     def register_step_hook(self, hook):
@@ -399,14 +424,16 @@ class Pipeline:
         ``nonfinite_loss=True`` (on the rank whose loss was NaN/inf) makes it NaN on every rank.
         ``stop_requested`` rides along: afterwards ``self.stop_agreed`` is True on every rank if it was True on
         any (a signal asked one rank to stop: run.py saves and stops on all of them after this step)."""
-        grads = [dp_mesh.local(p.grad).detach() for p in self._counted_once() if p.grad is not None]
         sums = torch.zeros(3, device=self.device, dtype=torch.float32)
-        if grads:  # with DP: local shards, each shard counted once over the mesh (replicas divide it out)
-            # one fused kernel for every tensor's norm (as torch.nn.utils.clip_grad_norm_), not two ops each
-            norms = torch._foreach_norm(grads) if len({(g.device, g.dtype) for g in grads}) == 1 else \
-                [torch.linalg.vector_norm(g) for g in grads]
-            sums[0] = torch.stack([n.float() for n in norms]).pow(2).sum()
-            sums[0] /= dp_mesh.replication_factor(self.layout) if self.mesh is not None else 1
+        # with TP: a shard counts on each tp rank, a tensor replicated over tp once (its tp copies divide it out)
+        for replicas, params in self._grads_by_tp_replication():
+            grads = [dp_mesh.local(p.grad).detach() for p in params if p.grad is not None]
+            if grads:  # with DP: local shards, each shard counted once over the mesh (replicas divide it out)
+                # one fused kernel for every tensor's norm (as torch.nn.utils.clip_grad_norm_), not two ops each
+                norms = torch._foreach_norm(grads) if len({(g.device, g.dtype) for g in grads}) == 1 else \
+                    [torch.linalg.vector_norm(g) for g in grads]
+                part = torch.stack([n.float() for n in norms]).pow(2).sum() / replicas
+                sums[0] += part / (dp_mesh.replication_factor(self.layout) if self.mesh is not None else 1)
         sums[1] = float(nonfinite_loss)
         sums[2] = float(stop_requested)
         if self.world_size > 1:

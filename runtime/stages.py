@@ -36,6 +36,7 @@ class StageModule(nn.Module):
         self.stage_index = spec["index"]
         self.function = function
         self.autocast_dtype = None  # set by the Pipeline for mixed precision
+        self.local_shards = False  # tensor parallel: parameters are DTensors over tp, the function takes shards
         self.recompute = False  # activation checkpointing (recompute.apply): keep inputs, recompute in backward
         self.device_type = next((t.device.type for t in state_by_fqn.values()), "cpu")
         self._state_paths = []
@@ -51,8 +52,12 @@ class StageModule(nn.Module):
             self._state_paths.append((owner, name))
 
     def state_tensors(self) -> list:
-        """The tensors the stage function takes first, in the order of its parameters."""
-        return [getattr(owner, name) for owner, name in self._state_paths]
+        """The tensors the stage function takes first, in the order of its parameters (with tensor parallelism,
+        this rank's shards: the stage function computes on plain local tensors)."""
+        tensors = [getattr(owner, name) for owner, name in self._state_paths]
+        if self.local_shards:
+            tensors = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+        return tensors
 
     def forward(self, *inputs):
         if self.autocast_dtype is None:

@@ -90,6 +90,7 @@ class PipelineGraph:
     flop_count: dict = field(default_factory=dict)  # split.cost.FlopCount.record(): ops counted as 0 for want of a
     #                                                 formula, ops that could not be priced, assumed sizes
     flop_warnings: list = field(default_factory=list)  # one line per op without a FLOP formula
+    tensor_parallel: dict = field(default_factory=dict)  # split.tensor_parallel.TPPlan.to_json() with --tp
 
     @property
     def num_stages(self) -> int:

@@ -28,7 +28,8 @@ def _split(args) -> int:
     manifest = split_model(args.model, args.out, num_ranks=args.ranks, num_stages=args.stages,
                            schedule=args.schedule, num_microbatches=args.microbatches, split_points=points,
                            dynamic_shapes=parse_flags(args.dynamic) if args.dynamic else None,
-                           dp=args.dp, dp_mode=args.dp_mode, dp_shard=args.dp_shard, dp_order=args.dp_order)
+                           dp=args.dp, dp_mode=args.dp_mode, dp_shard=args.dp_shard, dp_order=args.dp_order,
+                           tp=args.tp)
     from tracepp.modelfile import bundle_packages
     from tracepp.runtime.mesh import describe
     from tracepp.report.stages import stage_table
@@ -55,8 +56,9 @@ def _print_notes(manifest: dict) -> None:
 
 
 def _world(plan: dict) -> int:
-    """The processes a plan runs on: its ranks times its data-parallel replicas."""
-    return plan["num_ranks"] * (plan.get("mesh") or {}).get("dp", 1)
+    """The processes a plan runs on: its ranks times its data-parallel replicas times its tensor-parallel ranks."""
+    mesh = plan.get("mesh") or {}
+    return plan["num_ranks"] * mesh.get("dp", 1) * mesh.get("tp", 1)
 
 
 def _check(args) -> int:
@@ -70,7 +72,7 @@ def _check(args) -> int:
     points = _split_points(args.split_points)
     manifest = check_model(args.model, num_ranks=args.ranks, num_stages=args.stages, schedule=args.schedule,
                            num_microbatches=args.microbatches, split_points=points,
-                           dynamic_shapes=parse_flags(args.dynamic) if args.dynamic else None)
+                           dynamic_shapes=parse_flags(args.dynamic) if args.dynamic else None, tp=args.tp)
     _print_notes(manifest)
     print(stage_table(manifest))
     warnings = stage_warnings(manifest)
@@ -90,6 +92,11 @@ def _check_layout(args) -> None:
     from tracepp.codegen.schedules import (SCHEDULES, check_full_backward, check_stages_divide, is_csv,
                                            placement)
 
+    if args.tp < 1:
+        raise ValueError(f"--tp {args.tp}: need at least 1 tensor-parallel rank per stage")
+    if args.tp > 1 and getattr(args, "dp_order", "pp-inner") != "pp-inner":
+        raise ValueError(f"--tp {args.tp} keeps each stage's tp ranks consecutive (one node), inside pp and dp: "
+                         f"use --dp-order pp-inner with --tp")
     if getattr(args, "dp", 1) > 1 and args.schedule in SCHEDULES:
         check_full_backward(args.schedule, args.dp_mode)
     if args.stages is None:
@@ -218,6 +225,10 @@ def _add_split_options(parser) -> None:
                              "'auto' cuts between repeated blocks by the cost model even if the file lists points")
     parser.add_argument("--dynamic", action="append", default=None, metavar="INPUT:DIM=SYMBOL",
                         help="mark a dim of a named input dynamic, e.g. idx:1=seq (repeatable)")
+    parser.add_argument("--tp", type=int, default=1,
+                        help="tensor-parallel ranks per stage: shard each stage's matmuls over T processes, "
+                             "planned from the traced graph (see docs/tensor-parallel.md); the job runs "
+                             "ranks x dp x tp processes (default 1)")
 
 
 def _split_points(text):

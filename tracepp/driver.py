@@ -13,13 +13,14 @@ from tracepp.codegen.plan import build_plan, topology_of
 from tracepp.codegen.schedules import check_full_backward, stages_per_rank
 from tracepp.modelfile import load_model_file
 from tracepp.resplit import split_options
+from tracepp.split import tensor_parallel
 from tracepp.split.partition import split
 from tracepp.trace import trace
 
 
 def _plan(model_path: str, num_ranks: int, num_stages: Optional[int], schedule: str, num_microbatches: int,
           split_points: Optional[list], dynamic_shapes, dp: int = 1, dp_mode: str = "fsdp",
-          dp_shard: Optional[int] = None, dp_order: str = "pp-inner"):
+          dp_shard: Optional[int] = None, dp_order: str = "pp-inner", tp: int = 1):
     """Steps 1-3, shared by ``split`` and ``check``: (model file, traced program, stage graphs, plan)."""
     model_file = load_model_file(model_path)                                          # the user's contract
     if dp > 1:  # each replica runs the pipeline on its slice: trace a microbatch of the replica's batch
@@ -30,23 +31,31 @@ def _plan(model_path: str, num_ranks: int, num_stages: Optional[int], schedule: 
     graph = split(traced, points, num_stages,                                         # 2. stage graphs
                   default_stages=num_ranks * stages_per_rank(schedule), schedule=schedule,
                   num_microbatches=num_microbatches, training=model_file.training)
+    if tp > 1:                                                                        # 2b. tensor parallel
+        tp_plan, walks = tensor_parallel.plan(graph, tp, model_file.tp_plan)
+        tensor_parallel.apply(graph, tp_plan, walks)
+        graph.tensor_parallel = tp_plan.to_json()
     the_plan = build_plan(schedule, num_ranks, graph.num_stages, num_microbatches,    # 3. schedule
                           topology_of(graph), model_file.training).to_json()
-    if dp > 1:
-        check_full_backward(schedule, dp_mode, the_plan["actions"])
+    if dp > 1 or tp > 1:
+        if dp > 1:
+            check_full_backward(schedule, dp_mode, the_plan["actions"])
         the_plan["mesh"] = {"dp": dp, "pp": num_ranks, "mode": dp_mode, "shard": dp_shard, "order": dp_order}
+        if tp > 1:
+            the_plan["mesh"]["tp"] = tp
     return model_file, traced, graph, the_plan
 
 
 def split_model(model_path: str, out_dir: str, num_ranks: int = 2, num_stages: Optional[int] = None,
                 schedule: str = "1f1b", num_microbatches: int = 4, split_points: Optional[list] = None,
                 dynamic_shapes=None, dp: int = 1, dp_mode: str = "fsdp", dp_shard: Optional[int] = None,
-                dp_order: str = "pp-inner") -> dict:
+                dp_order: str = "pp-inner", tp: int = 1) -> dict:
     model_file, traced, graph, the_plan = _plan(model_path, num_ranks, num_stages, schedule, num_microbatches,
-                                                split_points, dynamic_shapes, dp, dp_mode, dp_shard, dp_order)
+                                                split_points, dynamic_shapes, dp, dp_mode, dp_shard, dp_order, tp)
     options = split_options(model_path, num_ranks, num_stages, schedule, num_microbatches, split_points,
-                            dynamic_shapes, dp, dp_mode, dp_shard, dp_order, graph)
-    manifest = emit(out_dir, model_file, traced, graph, the_plan, launch_command(num_ranks * dp), options)  # 4. output folder
+                            dynamic_shapes, dp, dp_mode, dp_shard, dp_order, graph, tp)
+    manifest = emit(out_dir, model_file, traced, graph, the_plan, launch_command(num_ranks * dp * tp),  # 4. output
+                    options)
     return manifest
 
 
@@ -58,11 +67,12 @@ def launch_command(world_size: int, folder: Optional[str] = None) -> str:
 
 
 def check_model(model_path: str, num_ranks: int = 2, num_stages: Optional[int] = None, schedule: str = "1f1b",
-                num_microbatches: int = 4, split_points: Optional[list] = None, dynamic_shapes=None) -> dict:
+                num_microbatches: int = 4, split_points: Optional[list] = None, dynamic_shapes=None,
+                tp: int = 1) -> dict:
     """``tracepp check``: trace, split and plan as :func:`split_model` does, and return the manifest unwritten."""
     model_file, traced, graph, the_plan = _plan(model_path, num_ranks, num_stages, schedule, num_microbatches,
-                                                split_points, dynamic_shapes)
-    return build_manifest(model_file, traced, graph, the_plan, launch_command(num_ranks))
+                                                split_points, dynamic_shapes, tp=tp)
+    return build_manifest(model_file, traced, graph, the_plan, launch_command(num_ranks * tp))
 
 
 def _trace_replica(model_file, num_microbatches: int, dynamic_shapes, dp: int, dp_mode: str, dp_shard):

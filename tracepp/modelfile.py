@@ -58,6 +58,12 @@ class ModelFile:
         return list(points) if points is not None else None
 
     @property
+    def tp_plan(self) -> Optional[dict]:
+        """FQN pattern (fnmatch) -> "colwise" | "rowwise" | "replicate": overrides of the tensor-parallel plan."""
+        plan = getattr(self.module, "tp_plan", None)
+        return dict(plan) if plan is not None else None
+
+    @property
     def dynamic_shapes(self) -> Any:
         return getattr(self.module, "dynamic_shapes", None)
 

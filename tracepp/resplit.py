@@ -9,7 +9,7 @@ from tracepp.dynamic import DynamicFlags
 
 
 def split_options(model_path: str, num_ranks: int, num_stages, schedule: str, num_microbatches: int, split_points,
-                  dynamic_shapes, dp: int, dp_mode: str, dp_shard, dp_order: str, graph=None) -> dict:
+                  dynamic_shapes, dp: int, dp_mode: str, dp_shard, dp_order: str, graph=None, tp: int = 1) -> dict:
     """What ``split_model`` was called with, as JSON (the manifest's ``split_options``): enough to split again
     with some choices changed (:func:`resplit`). ``stage_begins``: the module each stage after the first begins
     at, where the segment table names it."""
@@ -30,7 +30,7 @@ def split_options(model_path: str, num_ranks: int, num_stages, schedule: str, nu
             "schedule": str(schedule), "num_microbatches": num_microbatches,
             "split_points": split_points if split_points is None or isinstance(split_points, str) else list(split_points),
             "dynamic": dynamic, "dp": dp, "dp_mode": dp_mode, "dp_shard": dp_shard, "dp_order": dp_order,
-            "stage_begins": begins}
+            "tp": tp, "stage_begins": begins}
 
 
 def resplit(manifest: dict, out_dir: str, **changes) -> dict:
