@@ -176,7 +176,9 @@ class _Walk:
             return
         handled = self._propagate(node, target, sharded)
         if not handled:
-            self.reasons.append(f"{node.name} ({target}): needs the whole of {', '.join(a.name for a in sharded)}")
+            if not (self.reasons and self.reasons[-1].startswith(f"{node.name} (")):
+                self.reasons.append(f"{node.name} ({target}): needs the whole of "
+                                    f"{', '.join(a.name for a in sharded)}")
             self._gather_all(node)
 
     def _linear(self, node) -> None:
@@ -270,6 +272,9 @@ class _Walk:
         if target in _VIEWS:
             e = _view_dim(_sizes(in_val), _sizes(out_val), dim, self.tp)
             if e is None or not self._size_arg_ok(node.args[1], e, _sizes(out_val)[e]):
+                self.reasons.append(f"{node.name} ({target}): reshapes a dim of {in_val.shape[dim]} sharded over "
+                                    f"--tp {self.tp} into {list(out_val.shape)}, whose pieces would not be whole "
+                                    f"heads (fewer heads than --tp, e.g. key/value heads of grouped-query attention)")
                 return False
             self._sharded(node, e)
             return True
@@ -280,9 +285,12 @@ class _Walk:
                 return False
             self._sharded(node, e)
             return True
+        if target in (aten.slice.Tensor, aten.select.int, aten.narrow.default):  # (x, dim, ...)
+            at = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % ndim
+        elif target in (aten.split.Tensor, aten.split_with_sizes.default):  # (x, size(s), dim=0)
+            at = (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)) % ndim
         if target in (aten.slice.Tensor, aten.select.int, aten.split.Tensor, aten.split_with_sizes.default,
                       aten.narrow.default):
-            at = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % ndim
             if at == dim:
                 return False
             out_dim = dim - 1 if target is aten.select.int and at < dim else dim
@@ -396,18 +404,21 @@ def _regions(walk: _Walk) -> list:
     return list(groups.values())
 
 
-def _narrow_columns(walk: _Walk) -> set:
-    """Weights of column-wise linears whose sharded output never reaches a row-wise one and that do not widen:
-    gathering their output costs more than their shard saves."""
-    out = set()
+def _narrow_columns(walk: _Walk) -> dict:
+    """{weight FQN: why} of column-wise linears whose sharded output never reaches a row-wise linear and is
+    needed whole before the stage's end: the gather would cost what the shard saves. A column-wise linear whose
+    output is gathered only to leave the stage (the head's logits) is kept."""
+    out = {}
     for region in _regions(walk):
         if any(walk.roles.get(n) == "rowwise" for n in region):
             continue
+        inside = [consumer for consumer, arg in walk.gathers if arg in region and consumer.op != "output"]
+        if not inside:
+            continue
+        why = f"its output is needed whole by {inside[0].target}"
         for node in region:
             if walk.roles.get(node) == "colwise":
-                weight = _val(node.args[1])
-                if weight.shape[0] <= weight.shape[1]:
-                    out.add(walk.fqn_of[node.args[1].name])
+                out[walk.fqn_of[node.args[1].name]] = why
     return out
 
 
@@ -431,20 +442,24 @@ def plan(graph, tp: int, overrides=None) -> tuple:
             if how == "replicate" and any(fnmatch.fnmatchcase(name, pattern) for name in aliases[fqn]):
                 forced.add(fqn)
                 notes[fqn] = f"tp_plan {pattern!r}"
+    reasons = [{} for _ in graph.stages]  # per stage, every reason met in any pass, in order
     while True:
         walks = [_Walk(stage.graph, fqn_maps[i], tp, forced) for i, stage in enumerate(graph.stages)]
         uses: dict = {}
-        for walk in walks:
+        narrow: dict = {}
+        for walk, seen in zip(walks, reasons):
+            seen.update(dict.fromkeys(walk.reasons))
+            narrow.update(_narrow_columns(walk))
             for fqn, dims in walk.uses.items():
                 uses.setdefault(fqn, set()).update(dims)
-        conflicted = {fqn for fqn, dims in uses.items() if len(dims) > 1}
-        narrow = set().union(*(_narrow_columns(w) for w in walks)) - forced
-        new = (conflicted | narrow) - forced
+        for fqn, dims in uses.items():
+            if len(dims) > 1:
+                narrow.setdefault(fqn, "used sharded in one place and whole in another")
+        new = set(narrow) - forced
         if not new:
             break
         for fqn in new:
-            notes[fqn] = ("used both sharded and whole" if fqn in conflicted
-                          else "its sharded output is only ever gathered")
+            notes[fqn] = narrow[fqn]
         forced |= new
     result = TPPlan(size=tp)
     roles: dict = {}
@@ -468,8 +483,8 @@ def plan(graph, tp: int, overrides=None) -> tuple:
                 raise ValueError(f"tp_plan[{pattern!r}] = {how!r}, but {fqn} can only be {entry['role']} in the "
                                  f"traced graph (its input is {'sharded' if entry['role'] == 'rowwise' else 'whole'}"
                                  f" there); use 'replicate' or drop the entry")
-    for walk in walks:
-        result.stages.append({"collectives": _collectives(walk, tp), "replicated": walk.reasons[:20]})
+    for walk, seen in zip(walks, reasons):
+        result.stages.append({"collectives": _collectives(walk, tp), "replicated": list(seen)[:20]})
     return result, walks
 
 

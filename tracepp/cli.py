@@ -113,11 +113,11 @@ def _inspect(args) -> int:
     from tracepp.codegen.manifest import load_manifest
     from tracepp.report.plan import plan_report
     from tracepp.runtime.mesh import describe
-    from tracepp.report.stages import boundary_table, estimate_table, stage_table
+    from tracepp.report.stages import boundary_table, estimate_table, stage_table, tensor_parallel_table
 
     manifest = load_manifest(args.out)
     print(stage_table(manifest))
-    for section in (estimate_table(manifest), boundary_table(manifest)):
+    for section in (estimate_table(manifest), boundary_table(manifest), tensor_parallel_table(manifest)):
         if section:
             print()
             print(section)

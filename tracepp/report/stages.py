@@ -99,3 +99,48 @@ def boundary_table(manifest: dict) -> str:
     if not rows:
         return ""
     return tabulate(rows, headers=["value", "shape", "made on stage", "read on stages", "how"], tablefmt="simple")
+
+
+def _pattern(fqn: str) -> str:
+    """``layers.3.attn.q_proj.weight`` -> ``layers.*.attn.q_proj.weight``: one row per repeated parameter."""
+    import re
+
+    return re.sub(r"(^|\.)\d+(?=\.)", r"\1*", fqn)
+
+
+def tensor_parallel_table(manifest: dict) -> str:
+    """With --tp: each parameter's placement (repeated blocks collapsed to one row), the collectives each stage's
+    forward adds, and why anything that could have been sharded was not. Empty without --tp."""
+    tp = manifest.get("tp")
+    if not tp:
+        return ""
+    size = tp["size"]
+    shapes = {ref["fqn"]: ref["shape"] for stage in manifest["stages"] for ref in stage["state"]}
+    rows: dict = {}
+    for fqn, entry in tp["params"].items():
+        dim = entry["dim"]
+        shape = list(shapes.get(fqn, []))
+        if dim is not None and shape:
+            shape[dim] = shape[dim] // size
+        placement = "Replicate()" if dim is None else f"Shard({dim})"
+        key = (_pattern(fqn), entry["role"], placement, str(shape), entry.get("why", ""))
+        rows[key] = rows.get(key, 0) + 1
+    sharded = sum(1 for e in tp["params"].values() if e["dim"] is not None)
+    lines = [f"tensor parallel (tp={size}): {sharded} of {len(tp['params'])} parameters sharded; per rank:",
+             tabulate([[pattern + (f"  (x{count})" if count > 1 else ""), role, placement, shape, why]
+                       for (pattern, role, placement, shape, why), count in rows.items()],
+                      headers=["parameter", "role", "placement", "shape per rank", "replicated because"],
+                      tablefmt="simple")]
+    comm = []
+    for index, stage in enumerate(tp["stages"]):
+        counts: dict = {}
+        for item in stage["collectives"]:
+            key = (item["op"], f"{item['dtype']}[{', '.join(item['shape'])}]")
+            counts[key] = counts.get(key, 0) + 1
+        text = "; ".join(f"{n} x {op} of {shape}" for (op, shape), n in counts.items()) or "none"
+        comm.append([index, text])
+        for reason in stage["replicated"][:3]:
+            comm.append(["", f"replicated: {reason}"])
+    lines += ["", "collectives per microbatch forward (their mirror runs in backward):",
+              tabulate(comm, headers=["stage", "collectives over the tp group"], tablefmt="simple")]
+    return "\n".join(lines)
