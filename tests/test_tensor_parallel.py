@@ -1,0 +1,107 @@
+"""Tensor parallelism (issue 33), tiers 1-2: the plan read from the traced graph, as plain data.
+
+Which parameters shard (column-wise, row-wise, vocabulary) and which stay whole, and why: grouped-query
+attention with fewer key/value heads than --tp, a fused qkv projection split on its sharded features, a
+dim --tp does not divide, the model file's ``tp_plan``; the collectives each stage adds; the mesh's ranks.
+"""
+import os
+import shutil
+
+import pytest
+
+from tracepp.driver import check_model
+from tracepp.runtime.mesh import coordinates, global_rank, mesh_layout, tp_index, world_size
+from util import REPO, model_path
+
+ZOO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zoo")
+
+
+def _params(path, tp=2, **kw):
+    manifest = check_model(path, num_ranks=2, num_microbatches=2, tp=tp, **kw)
+    return manifest, manifest["tp"]["params"]
+
+
+def test_llama_plan_is_megatrons():
+    manifest, params = _params(model_path("tp_llama"))
+    for layer in range(4):
+        prefix = f"layers.{layer}."
+        for name in ("attn.q_proj.weight", "attn.k_proj.weight", "attn.v_proj.weight", "mlp.gate_proj.weight",
+                     "mlp.up_proj.weight", "mlp.up_proj.bias"):
+            assert params[prefix + name] == {"dim": 0, "role": "colwise"}, name
+        for name in ("attn.o_proj.weight", "mlp.down_proj.weight"):
+            assert params[prefix + name] == {"dim": 1, "role": "rowwise"}, name
+        for name in ("attn.o_proj.bias", "attn_norm.weight", "mlp_norm.weight"):  # added after the all-reduce
+            assert params[prefix + name]["dim"] is None, name
+    assert params["head.weight"] == {"dim": 0, "role": "colwise"}  # tied: one placement for embedding and head
+    stages = manifest["tp"]["stages"]
+    ops = [[c["op"] for c in stage["collectives"]] for stage in stages]
+    # stage 0: the vocabulary-parallel embedding's sum + 2 row-wise outputs per layer; stage 1: 2 per layer and
+    # the head's logits gathered
+    assert ops[0].count("all_reduce") == 1 + 2 * 2 and ops[1].count("all_reduce") == 2 * 2
+    assert ops[1].count("all_gather") == 1 and ops[0].count("all_gather") == 0
+    assert not stages[0]["replicated"] and not stages[1]["replicated"]
+    assert manifest["plan"]["mesh"]["tp"] == 2 and manifest["launch_command"].startswith("torchrun --nproc-per-node 4")
+
+
+def test_grouped_query_attention_with_fewer_kv_heads_than_tp_is_replicated_and_says_why():
+    # the zoo's Qwen3 has 2 query heads and 1 key/value head: tp 2 cannot give each rank whole kv heads
+    manifest, params = _params(os.path.join(ZOO, "qwen3.py"))
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        entry = params[f"model.layers.0.self_attn.{name}.weight"]
+        assert entry["dim"] is None and entry["why"].startswith("its output is needed whole by")
+    assert params["model.layers.0.mlp.down_proj.weight"]["role"] == "rowwise"  # the MLP still shards
+    reasons = " ".join(manifest["tp"]["stages"][0]["replicated"])
+    assert "fewer heads than --tp" in reasons and "grouped-query" in reasons
+
+
+def test_fused_qkv_split_on_the_sharded_features_is_replicated():
+    _manifest, params = _params(os.path.join(REPO, "examples", "gpt.py"))
+    assert params["blocks.0.attn.qkv.weight"]["dim"] is None
+    assert "aten.split.Tensor" in params["blocks.0.attn.qkv.weight"]["why"]
+    assert params["blocks.0.mlp.0.weight"]["role"] == "colwise" and params["blocks.0.mlp.2.weight"]["role"] == "rowwise"
+
+
+def test_dims_tp_does_not_divide_stay_whole():
+    manifest, params = _params(model_path("tp_llama"), tp=3)  # vocabulary 64, 4 heads, MLP 64: none divide by 3
+    assert all(entry["dim"] is None for entry in params.values())
+    reasons = " ".join(r for stage in manifest["tp"]["stages"] for r in stage["replicated"])
+    assert "which --tp 3 does not divide" in reasons
+
+
+def _with_plan(tmp_path, plan_text: str) -> str:
+    path = tmp_path / "model.py"
+    shutil.copy(model_path("tp_llama"), path)
+    with open(path, "a") as handle:
+        handle.write(f"\n\ntp_plan = {plan_text}\n")
+    return str(path)
+
+
+def test_model_file_tp_plan_replicates_what_it_names(tmp_path):
+    _manifest, params = _params(_with_plan(tmp_path, '{"layers.*.mlp.*": "replicate"}'))
+    assert all(params[f"layers.{i}.mlp.{n}"]["dim"] is None for i in range(4) for n in ("up_proj.weight",
+                                                                                          "down_proj.weight"))
+    assert params["layers.0.mlp.up_proj.weight"]["why"] == "tp_plan 'layers.*.mlp.*'"
+    assert params["layers.0.attn.o_proj.weight"]["role"] == "rowwise"
+
+
+def test_model_file_tp_plan_that_contradicts_the_graph_names_the_parameter(tmp_path):
+    with pytest.raises(ValueError, match=r"layers\.0\.attn\.o_proj\.weight can only be rowwise"):
+        _params(_with_plan(tmp_path, '{"layers.0.attn.o_proj.weight": "colwise"}'))
+    with pytest.raises(ValueError, match="use 'colwise', 'rowwise' or 'replicate'"):
+        _params(_with_plan(tmp_path, '{"layers.*": "sharded"}'))
+
+
+def test_mesh_ranks_keep_tp_innermost():
+    layout = mesh_layout({"num_ranks": 2, "mesh": {"dp": 2, "tp": 2}})
+    assert world_size(layout) == 8
+    assert [global_rank(layout, d, p, t) for d in range(2) for p in range(2) for t in range(2)] == list(range(8))
+    assert [(coordinates(layout, r), tp_index(layout, r)) for r in (0, 1, 2, 5, 7)] == [
+        ((0, 0), 0), ((0, 0), 1), ((0, 1), 0), ((1, 0), 1), ((1, 1), 1)]
+
+
+def test_cli_refuses_tp_with_dp_inner_order(capsys):
+    from tracepp.cli import main
+
+    code = main(["split", model_path("tp_llama"), "--tp", "2", "--dp", "2", "--dp-order", "dp-inner", "-o", "/tmp/x"])
+    assert code != 0
+    assert "--dp-order pp-inner" in capsys.readouterr().err
