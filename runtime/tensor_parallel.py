@@ -112,8 +112,9 @@ _register()
 # ---- this rank's shards
 
 def shard(tensor: torch.Tensor, dim: int, size: int, rank: int) -> torch.Tensor:
-    """Rank ``rank``'s contiguous piece of ``tensor`` split in ``size`` equal parts along ``dim``."""
-    return tensor.chunk(size, dim=dim)[rank].contiguous()
+    """Rank ``rank``'s contiguous piece of ``tensor`` split in ``size`` equal parts along ``dim``, in storage of
+    its own (a view would keep the whole tensor alive)."""
+    return tensor.chunk(size, dim=dim)[rank].clone(memory_format=torch.contiguous_format)
 
 
 def placement_of(manifest: dict, fqn: str):

@@ -105,3 +105,16 @@ def test_cli_refuses_tp_with_dp_inner_order(capsys):
     code = main(["split", model_path("tp_llama"), "--tp", "2", "--dp", "2", "--dp-order", "dp-inner", "-o", "/tmp/x"])
     assert code != 0
     assert "--dp-order pp-inner" in capsys.readouterr().err
+
+
+def test_a_shard_holds_only_its_own_storage():
+    # a chunk along dim 0 is a view: kept as it is, every rank would hold the whole weight behind its half
+    import torch
+
+    from tracepp.runtime.tensor_parallel import shard
+
+    weight = torch.arange(48.0).reshape(8, 6)
+    for dim in (0, 1):
+        piece = shard(weight, dim, 2, 1)
+        assert torch.equal(piece, weight.chunk(2, dim=dim)[1])
+        assert piece.untyped_storage().nbytes() == weight.untyped_storage().nbytes() // 2

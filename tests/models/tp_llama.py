@@ -2,13 +2,18 @@
 grouped-query attention (4 query heads, 2 key/value heads), a SwiGLU MLP and a head tied to the embedding.
 
 ``tracepp split --tp 2`` shards q/k/v and gate/up column-wise, o and down row-wise, and the tied embedding and
-head over the vocabulary; training must equal eager training of this model.
+head over the vocabulary; training must equal eager training of this model. ``TP_LLAMA_SIZE=bench`` gives the
+size ``benchmarks/tensor_parallel.py`` measures memory at (hidden 512, 8 heads, 4 kv heads, vocabulary 8192).
 """
+import os
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 VOCAB, D, HEADS, KV_HEADS, HIDDEN, LAYERS, BATCH, SEQ = 64, 32, 4, 2, 64, 4, 8, 16
+if os.environ.get("TP_LLAMA_SIZE") == "bench":
+    VOCAB, D, HEADS, KV_HEADS, HIDDEN, LAYERS, BATCH, SEQ = 8192, 512, 8, 4, 1536, 4, 8, 64
 HEAD_DIM = D // HEADS
 
 

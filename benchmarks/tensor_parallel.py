@@ -1,0 +1,127 @@
+"""Tensor parallelism inside stages (issue 33): exactness on the full 3-D mesh, and per-rank memory.
+
+    python -m benchmarks.tensor_parallel exact  [--out benchmarks/results]   # dp=2 x pp=2 x tp=2: 8 processes
+    python -m benchmarks.tensor_parallel memory [--out benchmarks/results]   # tp=1 vs tp=2, pp=2, per rank
+
+``exact`` splits ``tests/models/tp_llama.py`` (grouped-query attention, tied embedding and head) with
+``--ranks 2 --dp 2 --tp 2`` (FSDP2 over dp, DTensor shards over tp), trains 3 steps with the model file's AdamW
+and ``--clip-grad-norm 1``, and compares every parameter with eager training of the unsplit model on the
+global batch (the test suite runs pp=2 x tp=2; 8 processes are too many for it on 2 cores).
+
+``memory`` splits the same model at benchmark size (``TP_LLAMA_SIZE=bench``: hidden 512, 8 heads, 4 kv heads,
+SwiGLU 1536, vocabulary 8192, 4 layers; 16.8M parameters) at pp=2 with tp=1 and tp=2, runs one AdamW step of
+each through ``benchmarks/tp_memory_worker.py`` and records every rank's bytes of parameters, gradients and
+optimizer state as they sit in memory (a DTensor's local shard), for the parameters the tp=2 plan shards and
+for the rest. The ratio tp2/tp1 of the sharded layers is the issue's "about half".
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+MODEL = os.path.join(REPO, "tests", "models", "tp_llama.py")
+CLIP = 1.0
+STEPS = 3
+
+
+def _env(**extra) -> dict:
+    return dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", **extra)
+
+
+def _run(command: list, env: dict) -> str:
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=1200)
+    if result.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
+    return result.stdout
+
+
+def _split(out: str, env: dict, *options: str) -> None:
+    _run([sys.executable, "-m", "tracepp", "split", MODEL, "-o", out, "--ranks", "2", *options], env)
+
+
+def _torchrun(nproc: int, *args: str, env: dict) -> str:
+    return _run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args],
+                env)
+
+
+def exact(root: str) -> dict:
+    sys.path.insert(0, os.path.join(REPO, "tests"))
+    from test_e2e_dp import _eager_adamw
+
+    out, ckpt = os.path.join(root, "dp2pp2tp2"), os.path.join(root, "final.pt")
+    env = _env()
+    _split(out, env, "--dp", "2", "--tp", "2", "--microbatches", "2")
+    start = time.perf_counter()
+    _torchrun(8, os.path.join(out, "run.py"), "--steps", str(STEPS), "--clip-grad-norm", str(CLIP), "--save", ckpt,
+              "--quiet", env=env)
+    wall = time.perf_counter() - start
+    expected, norms, losses = _eager_adamw(MODEL, STEPS, CLIP)
+    saved = torch.load(ckpt)
+    diffs = {fqn: float((saved[fqn] - expected[fqn]).abs().max()) for fqn in expected}
+    worst = max(diffs, key=diffs.get)
+    return {"mesh": {"dp": 2, "pp": 2, "tp": 2, "processes": 8, "dp_mode": "fsdp"}, "steps": STEPS, "clip": CLIP,
+            "optimizer": "AdamW (model file)", "eager_losses": losses, "eager_grad_norms": norms,
+            "max_abs_diff": diffs[worst], "worst_parameter": worst, "tolerance": 2e-5,
+            "equal_within_tolerance": diffs[worst] <= 2e-5, "tied_copies_identical":
+                bool(torch.equal(saved["embed.weight"], saved["head.weight"])), "torchrun_wall_s": round(wall, 1)}
+
+
+def memory(root: str) -> dict:
+    env = _env(TP_LLAMA_SIZE="bench")
+    runs = {}
+    tp2 = os.path.join(root, "tp2")
+    _split(tp2, env, "--tp", "2", "--microbatches", "2")
+    for tp in (1, 2):
+        out = tp2 if tp == 2 else os.path.join(root, "tp1")
+        if tp == 1:
+            _split(out, env, "--microbatches", "2")
+        result = os.path.join(root, f"memory_tp{tp}.json")
+        _torchrun(2 * tp, "-m", "benchmarks.tp_memory_worker", out, "--plan-from", tp2, "--json", result, env=env)
+        with open(result) as handle:
+            runs[f"tp{tp}"] = json.load(handle)
+    summary = {}
+    for kind in ("sharded", "other"):
+        for what in ("param", "grad", "optimizer"):
+            key = f"{kind}_{what}_bytes"
+            one = max(rank[key] for rank in runs["tp1"])
+            two = max(rank[key] for rank in runs["tp2"])
+            summary[key] = {"tp1_max_rank": one, "tp2_max_rank": two, "ratio": round(two / one, 4) if one else None}
+    total = {tp: max(sum(v for k, v in rank.items() if k.endswith("_bytes")) for rank in runs[tp])
+             for tp in runs}
+    summary["all_bytes"] = {"tp1_max_rank": total["tp1"], "tp2_max_rank": total["tp2"],
+                            "ratio": round(total["tp2"] / total["tp1"], 4)}
+    with open(os.path.join(tp2, "manifest.json")) as handle:
+        params = json.load(handle)["tp"]["params"]
+    return {"model": "tests/models/tp_llama.py with TP_LLAMA_SIZE=bench", "pp": 2,
+            "sharded_parameters": sum(1 for e in params.values() if e["dim"] is not None),
+            "parameters": len(params), "per_rank": runs, "summary": summary}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.tensor_parallel", description=__doc__.splitlines()[0])
+    parser.add_argument("what", choices=["exact", "memory"])
+    parser.add_argument("--out", default=os.path.join("benchmarks", "results"))
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as root:
+        record = {"what": args.what, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+                  **(exact(root) if args.what == "exact" else memory(root))}
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"{time.strftime('%Y%m%d-%H%M%S')}_tensor_parallel_{args.what}.json")
+    with open(path, "w") as handle:
+        json.dump(record, handle, indent=1)
+    print(json.dumps({k: v for k, v in record.items() if k != "per_rank"}, indent=1))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
