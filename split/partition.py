@@ -237,7 +237,7 @@ def _node_costs(nodes: list, flops: dict, needs_grad: dict, counted_state: set) 
 
 
 def segment_table(nodes: list, model: torch.nn.Module, flops: dict, needs_grad: dict, parameters: set,
-                  computable: set, stage_of: Optional[dict] = None) -> list:
+                  computable: set, stage_of: Optional[dict] = None, per_segment=None) -> list:
     """The pieces a re-split may cut between, as plain data: the automatic balancer's segments (repeated blocks,
     top-level modules), each beginning at a module a split point can name, in execution order.
 
@@ -246,7 +246,8 @@ def segment_table(nodes: list, model: torch.nn.Module, flops: dict, needs_grad: 
     before it would send: ``cut_tensors``/``cut_bytes`` (tensor values made before, used at or after it; values a
     later stage can make again from the inputs are left out) and ``cut_grad_tensors``/``cut_grad_bytes`` (those
     that carry a gradient back); ``stage``: the stage its first node is on in this split (``stage_of``, when
-    given). A segment whose start no module names is merged into the one before it.
+    given); ``tp``: ``per_segment(its nodes)`` where given (``split.tensor_parallel.segment_figures``: what
+    tensor parallelism would shard and add). A segment whose start no module names is merged into the one before it.
     """
     blocks = repeated_blocks(model)
     keys = [segment_key(node_modules(node), blocks) for node in nodes]
@@ -284,6 +285,8 @@ def segment_table(nodes: list, model: torch.nn.Module, flops: dict, needs_grad: 
                       "activation_bytes": piece.activation_bytes, "cut_tensors": tensors, "cut_bytes": sent,
                       "cut_grad_tensors": grad_tensors, "cut_grad_bytes": grad,
                       "stage": stage_of.get(nodes[start]) if stage_of is not None and start < len(nodes) else None})
+        if per_segment is not None:
+            table[-1]["tp"] = per_segment(nodes[start:end])
     return table
 
 
@@ -604,6 +607,19 @@ def _unused_state(traced, inputs: _ProgramInputs) -> dict:
     return unused
 
 
+def _tensor_parallel_figures(graph, inputs, flops: dict, needs_grad: dict):
+    """``segment_table``'s per-segment tensor-parallel figures (the tuner's ``--tp-sizes``), or None where the
+    whole graph cannot be walked."""
+    from tracepp.split import tensor_parallel
+
+    fqn_of = {name: ref.fqn for name, ref in inputs.state.items() if ref.kind == "parameter"}
+    try:
+        walks = tensor_parallel.whole_graph_walks(graph, fqn_of)
+    except Exception:  # an op the walk does not expect: no tp figures, the split goes on
+        return None
+    return lambda nodes: tensor_parallel.segment_figures(nodes, walks, flops, cost.tensor_bytes, needs_grad)
+
+
 def split(traced, split_points: Optional[list] = None, num_stages: Optional[int] = None,
           default_stages: int = 1, schedule: Optional[str] = None, num_microbatches: int = 1,
           training: bool = True) -> PipelineGraph:
@@ -635,7 +651,8 @@ def split(traced, split_points: Optional[list] = None, num_stages: Optional[int]
     computable = _computable_from_roots(compute, inputs.state, needs_grad)
     stage_nodes, recomputed = _place_recomputation(compute, edges, computable, flops)
     try:
-        segments = segment_table(compute, traced.model, flops, needs_grad, parameters, computable, stage_of)
+        segments = segment_table(compute, traced.model, flops, needs_grad, parameters, computable, stage_of,
+                                 _tensor_parallel_figures(graph, inputs, flops, needs_grad))
     except Exception:  # the table only serves the tuner: never fail a split for it
         segments = []
     output_node = next(n for n in graph.nodes if n.op == "output")

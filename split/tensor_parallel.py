@@ -429,22 +429,26 @@ def fqn_map(stage, graph) -> dict:
             if graph.state[name].kind == "parameter"}
 
 
-def plan(graph, tp: int, overrides=None) -> tuple:
-    """(TPPlan, the final walk per stage) for ``--tp tp``: iterate until every parameter has one placement."""
-    fqn_maps = [fqn_map(stage, graph) for stage in graph.stages]
-    aliases = {ref.fqn: ref.aliases for ref in graph.state.values()}
-    forced = set()
-    notes: dict = {}
-    for fqn in aliases:
-        for pattern, how in (overrides or {}).items():
-            if how not in ("colwise", "rowwise", "replicate"):
-                raise ValueError(f"tp_plan[{pattern!r}] = {how!r}: use 'colwise', 'rowwise' or 'replicate'")
-            if how == "replicate" and any(fnmatch.fnmatchcase(name, pattern) for name in aliases[fqn]):
-                forced.add(fqn)
+def _forced_by_overrides(aliases: dict, overrides) -> dict:
+    """{fqn: why} of the parameters the model file's ``tp_plan`` replicates; a value it does not know is refused."""
+    notes = {}
+    for pattern, how in (overrides or {}).items():
+        if how not in ("colwise", "rowwise", "replicate"):
+            raise ValueError(f"tp_plan[{pattern!r}] = {how!r}: use 'colwise', 'rowwise' or 'replicate'")
+        for fqn, names in aliases.items():
+            if how == "replicate" and any(fnmatch.fnmatchcase(name, pattern) for name in names):
                 notes[fqn] = f"tp_plan {pattern!r}"
-    reasons = [{} for _ in graph.stages]  # per stage, every reason met in any pass, in order
+    return notes
+
+
+def settle(graphs: list, tp: int, notes: dict) -> tuple:
+    """Walk ``graphs`` ([(fx graph, placeholder -> FQN)]) until every parameter has one placement: replicate
+    the parameters whose uses disagree and the column-wise linears whose output is gathered before the stage's
+    end, and walk again. Returns (walks, {fqn: set of dims}, per graph the reasons met in any pass); ``notes``
+    (fqn -> why replicated; the forced set) is updated."""
+    reasons = [{} for _ in graphs]  # per graph, every reason met in any pass, in order
     while True:
-        walks = [_Walk(stage.graph, fqn_maps[i], tp, forced) for i, stage in enumerate(graph.stages)]
+        walks = [_Walk(g, fqn_of, tp, set(notes)) for g, fqn_of in graphs]
         uses: dict = {}
         narrow: dict = {}
         for walk, seen in zip(walks, reasons):
@@ -455,12 +459,17 @@ def plan(graph, tp: int, overrides=None) -> tuple:
         for fqn, dims in uses.items():
             if len(dims) > 1:
                 narrow.setdefault(fqn, "used sharded in one place and whole in another")
-        new = set(narrow) - forced
+        new = {fqn: why for fqn, why in narrow.items() if fqn not in notes}
         if not new:
-            break
-        for fqn in new:
-            notes[fqn] = narrow[fqn]
-        forced |= new
+            return walks, uses, reasons
+        notes.update(new)
+
+
+def plan(graph, tp: int, overrides=None) -> tuple:
+    """(TPPlan, the final walk per stage) for ``--tp tp``: iterate until every parameter has one placement."""
+    aliases = {ref.fqn: ref.aliases for ref in graph.state.values()}
+    notes = _forced_by_overrides(aliases, overrides)
+    walks, uses, reasons = settle([(stage.graph, fqn_map(stage, graph)) for stage in graph.stages], tp, notes)
     result = TPPlan(size=tp)
     roles: dict = {}
     for walk in walks:
@@ -579,3 +588,51 @@ def _rewrite(g: fx.Graph, walk: _Walk, tp: int, params: dict) -> None:
         if dim is not None:
             ph.meta["val"] = _local_val(_val(ph), dim, tp)
     g.lint()
+
+
+# ---- what tp would change, per segment (the tuner's figures)
+
+TUNED_SIZES = (2, 4, 8)
+
+
+def whole_graph_walks(graph: fx.Graph, fqn_of: dict, sizes=TUNED_SIZES) -> dict:
+    """{tp: the settled walk of the whole traced graph}: the plan ``--tp tp`` would make, seen before any cut
+    (stage outputs are not gathered here; boundaries carry replicated values in any case)."""
+    out = {}
+    for tp in sizes:
+        walks, uses, _reasons = settle([(graph, fqn_of)], tp, {})
+        dims = {fqn: next(iter(d)) for fqn, d in uses.items()}
+        out[tp] = {"walk": walks[0], "dims": dims, "attributed": set()}
+    return out
+
+
+def segment_figures(nodes: list, walks: dict, flops: dict, tensor_bytes, needs_grad: dict) -> dict:
+    """Per tp size, for one segment's nodes (the tuner prices a segment at tp with these): the forward FLOPs
+    computed on shards, the parameters sharded (counted at the segment of their first use), and the collectives
+    per microbatch: forward all-reduces (row-wise outputs, vocabulary lookups), backward all-reduces (gradients
+    of the replicated inputs of sharded ops) and all-gathers, each as [count, bytes]."""
+    out = {}
+    for tp, entry in walks.items():
+        walk, dims, attributed = entry["walk"], entry["dims"], entry["attributed"]
+        inside = set(nodes)
+        sharded_flops = sum(flops.get(n.name, 0) for n in nodes
+                            if n in walk.shard or walk.roles.get(n) in ("rowwise", "colwise"))
+        params = bytes_ = 0
+        for node in nodes:
+            for arg in node.all_input_nodes:
+                fqn = walk._param(arg)
+                if fqn is not None and fqn not in attributed:
+                    attributed.add(fqn)
+                    if dims.get(fqn) is not None:
+                        params += _val(arg).numel() if isinstance(_val(arg).numel(), int) else 0
+                        bytes_ += tensor_bytes(_val(arg))
+        reduce_fwd = [n for n in nodes if walk.roles.get(n) in ("rowwise", "vocab")]
+        copied = {arg for consumer, arg in walk.copies if consumer in inside and needs_grad.get(arg)}
+        gathered = {arg for consumer, arg in walk.gathers if consumer in inside or (consumer.op == "output"
+                                                                                    and arg in inside)}
+        out[str(tp)] = {
+            "sharded_flops": int(sharded_flops), "sharded_params": int(params), "sharded_param_bytes": int(bytes_),
+            "all_reduce": [len(reduce_fwd), sum(tensor_bytes(_val(n)) for n in reduce_fwd)],
+            "all_reduce_backward": [len(copied), sum(tensor_bytes(_val(a)) for a in copied)],
+            "all_gather": [len(gathered), sum(tensor_bytes(_val(a)) for a in gathered)]}
+    return out

@@ -76,3 +76,36 @@ def test_apply_rewrites_the_folder_with_another_plan(tmp_path, capsys):
     capsys.readouterr()
     assert cli_main(["plan", out]) == 0
     assert "calibrated prediction (" in capsys.readouterr().out
+
+
+def test_tune_chooses_tensor_parallelism_under_a_memory_limit_and_the_result_trains(tmp_path, capsys):
+    # made-up stage costs, free comms: tp 2 halves the sharded compute but doubles the processes, so without a
+    # limit tp 1 costs fewer GPU-seconds; a limit tp 1 cannot meet leaves tp 2, which --apply splits and runs
+    path = model_path("tp_llama")
+    out = str(tmp_path / "out")
+    split_model(path, out, num_ranks=2, schedule="1f1b", num_microbatches=2, split_points=["layers.2"])
+    costs = tmp_path / "costs.json"
+    costs.write_text(json.dumps({"0F": 1.0, "0B": 2.0, "1F": 1.0, "1B": 2.0}))
+    assert cli_main(["calibrate", out, "--costs", str(costs), "--no-comm", "--no-fit"]) == 0
+    search = ["plan", out, "--tune", "--schedules", "1f1b", "--microbatch-counts", "2", "--tp-sizes", "1,2",
+              "--optimizer-bytes-per-param", "8", "--top", "8"]
+    assert cli_main(search) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line[:1].isdigit() and "1f1b" in line]
+    by_tp = {}
+    for row in rows:  # #, schedule, stages, (k/rank), M, tp, split points..., step ms, bubble, peak MB...
+        by_tp.setdefault(int(row[5]), []).append(row)
+    assert rows[0][5] == "1" and set(by_tp) == {1, 2}
+    step = {tp: min(float(r[-5]) for r in found) for tp, found in by_tp.items()}
+    assert step[2] < step[1]  # the sharded layers' compute divided by 2
+    peak = {tp: min(max(float(r[-3]), float(r[-1])) for r in found) for tp, found in by_tp.items()}
+    assert peak[2] < peak[1]
+    limit = f"{(peak[1] + peak[2]) / 2 / 1e3:.6f}GB"  # MB printed -> a limit between the two
+    assert cli_main(search + ["--memory-limit", limit, "--apply"]) == 0
+    text = capsys.readouterr().out
+    assert "--tp 2" in text, text
+    manifest = load_manifest(out)
+    assert manifest["plan"]["mesh"]["tp"] == 2 and manifest["tp"]["params"]["head.weight"]["dim"] == 0
+    saved = str(tmp_path / "trained.pt")
+    run_ok(out, 4, "--steps", "2", "--save", saved)
+    from test_e2e_dp import _eager_adamw
+    assert_state_close(torch.load(saved), _eager_adamw(path, 2, 1e9)[0])

@@ -177,8 +177,10 @@ def _tune(args, manifest) -> int:
     limit = parse_bytes(args.memory_limit) if args.memory_limit else None
     schedules = [s.strip() for s in args.schedules.split(",")] if args.schedules else None
     counts = [int(m) for m in args.microbatch_counts.split(",")] if args.microbatch_counts else None
+    tp_sizes = [int(t) for t in args.tp_sizes.split(",")] if args.tp_sizes else None
     kept, dropped, failed = tune(manifest, calibration, memory_limit=limit, schedules=schedules,
-                                 microbatch_counts=counts, optimizer_bytes_per_param=args.optimizer_bytes_per_param)
+                                 microbatch_counts=counts, optimizer_bytes_per_param=args.optimizer_bytes_per_param,
+                                 tp_sizes=tp_sizes)
     print(format_tuning(kept, dropped, failed, args.top, limit, current_candidate(kept, dropped, manifest)))
     noise = calibration.noise_fraction()
     if noise is not None and kept:
@@ -190,7 +192,8 @@ def _tune(args, manifest) -> int:
     if args.apply:
         best = kept[0]
         print(f"applying #1: --schedule {best.schedule} --stages {best.num_stages} --microbatches "
-              f"{best.num_microbatches} --split-points {','.join(best.split_points)}")
+              f"{best.num_microbatches} --split-points {','.join(best.split_points)}"
+              + (f" --tp {best.tp}" if best.tp > 1 else ""))
         written = apply_tuned(manifest, args.out, best)
         run = launch_command(_world(written["plan"]), args.out)
         print(f"wrote {args.out} ({written['plan']['schedule']}, {len(written['stages'])} stages, "
@@ -286,6 +289,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--memory-limit", default=None, metavar="SIZE",
                       help="--tune: drop plans whose estimated peak memory on some rank exceeds SIZE (e.g. 20GB)")
     plan.add_argument("--top", type=int, default=5, help="--tune: how many plans to print (default 5)")
+    plan.add_argument("--tp-sizes", default=None, metavar="T,T",
+                      help="--tune: also price every plan with these tensor-parallel sizes (e.g. 1,2,4; from a tp=1 "
+                           "folder); plans are ranked by step time x processes, so tp wins where memory needs it "
+                           "or it pays for its processes")
     plan.add_argument("--apply", action="store_true", help="--tune, then split OUT again with the best plan")
     plan.add_argument("--schedules", default=None, help="--tune: only these schedules (comma-separated)")
     plan.add_argument("--microbatch-counts", default=None, metavar="M,M",

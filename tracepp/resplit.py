@@ -55,7 +55,8 @@ def resplit(manifest: dict, out_dir: str, **changes) -> dict:
     return split_model(model_path, out_dir, num_ranks=options["num_ranks"], num_stages=options["num_stages"],
                        schedule=options["schedule"], num_microbatches=options["num_microbatches"],
                        split_points=options["split_points"], dynamic_shapes=flags, dp=options["dp"],
-                       dp_mode=options["dp_mode"], dp_shard=options["dp_shard"], dp_order=options["dp_order"])
+                       dp_mode=options["dp_mode"], dp_shard=options["dp_shard"], dp_order=options["dp_order"],
+                       tp=options.get("tp", 1))
 
 
 def apply_tuned(manifest: dict, out_dir: str, best) -> dict:
@@ -67,6 +68,6 @@ def apply_tuned(manifest: dict, out_dir: str, best) -> dict:
     if own is not None and tuple(own) == best.split:  # the same cuts: as the folder was split (markers included)
         recorded = (manifest.get("split_options") or {}).get("split_points")
         return resplit(manifest, out_dir, schedule=best.schedule, num_stages=best.num_stages,
-                       num_microbatches=best.num_microbatches, split_points=recorded)
+                       num_microbatches=best.num_microbatches, split_points=recorded, tp=best.tp)
     return resplit(manifest, out_dir, schedule=best.schedule, num_stages=best.num_stages,
-                   num_microbatches=best.num_microbatches, split_points=list(best.split_points))
+                   num_microbatches=best.num_microbatches, split_points=list(best.split_points), tp=best.tp)

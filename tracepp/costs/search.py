@@ -48,6 +48,7 @@ class Candidate:
     peak_memory: dict = field(default_factory=dict)  # rank -> bytes
     stage_to_rank: list = field(default_factory=list)
     error: Optional[str] = None
+    tp: int = 1  # tensor-parallel ranks per stage: the job runs ranks x tp processes (x dp)
 
     @property
     def stages_per_rank(self) -> int:
@@ -55,7 +56,7 @@ class Candidate:
 
     def to_json(self) -> dict:
         return {"schedule": self.schedule, "num_stages": self.num_stages, "num_microbatches": self.num_microbatches,
-                "split_points": self.split_points, "split_source": self.split_source, "step_s": self.step_s,
+                "tp": self.tp, "split_points": self.split_points, "split_source": self.split_source, "step_s": self.step_s,
                 "bubble": self.bubble, "peak_memory_bytes": {str(r): v for r, v in sorted(self.peak_memory.items())}}
 
 
@@ -157,15 +158,67 @@ def _messages(manifest: dict, split: tuple, microbatch_size: float, precision: s
     return out
 
 
+def _tp_figures(seg: dict, tp: int) -> dict:
+    """A segment's tensor-parallel figures at ``tp`` (``split.tensor_parallel.segment_figures``); zeros at tp 1."""
+    if tp == 1:
+        return {"sharded_flops": 0, "sharded_params": 0, "sharded_param_bytes": 0, "all_reduce": [0, 0],
+                "all_reduce_backward": [0, 0], "all_gather": [0, 0]}
+    return seg["tp"][str(tp)]
+
+
+def collective_s(op: str, count: int, total_bytes: float, tp: int, link: tuple) -> float:
+    """Ring collectives over ``tp`` ranks on a calibrated link (latency s, bandwidth bytes/s): an all-reduce is
+    2 (tp - 1) steps of a 1/tp piece, an all-gather (tp - 1) steps; ``total_bytes`` is the whole tensors'."""
+    if tp == 1 or count == 0:
+        return 0.0
+    latency, bandwidth = link
+    steps = 2 * (tp - 1) if op == "all_reduce" else tp - 1
+    wire = total_bytes / tp / bandwidth if bandwidth else 0.0
+    return steps * (count * latency + wire)
+
+
+def tp_costs(manifest: dict, split: tuple, costs: dict, microbatch_size: float, tp: int, link: tuple,
+             precision: str = "fp32") -> dict:
+    """``{(stage, kind): s}`` of a split priced at ``tp``: each segment's sharded share of its FLOPs divided by
+    tp (the calibrated time scaled by FLOPs), and the collectives it adds: forward all-reduces and all-gathers
+    on F, the backward all-reduces on B and I."""
+    if tp == 1:
+        return costs
+    scale = microbatch_size / traced_microbatch(manifest)
+    wire = 0.5 if precision in ("bf16", "fp16") else 1.0
+    flops, sharded, forward, backward = {}, {}, {}, {}
+    for seg, stage in zip(manifest["segments"], split):
+        fig = _tp_figures(seg, tp)
+        flops[stage] = flops.get(stage, 0) + (seg["forward_flops"] or 0)
+        sharded[stage] = sharded.get(stage, 0) + fig["sharded_flops"]
+        forward[stage] = forward.get(stage, 0.0) + sum(
+            collective_s(op, fig[key][0], fig[key][1] * scale * wire, tp, link)
+            for op, key in (("all_reduce", "all_reduce"), ("all_gather", "all_gather")))
+        backward[stage] = backward.get(stage, 0.0) + collective_s(
+            "all_reduce", fig["all_reduce_backward"][0], fig["all_reduce_backward"][1] * scale * wire, tp, link)
+    out = {}
+    for (stage, kind), seconds in costs.items():
+        share = sharded.get(stage, 0) / flops[stage] if flops.get(stage) else 0.0
+        priced = seconds * (1.0 - share + share / tp)
+        if kind == "F":
+            priced += forward.get(stage, 0.0)
+        elif kind in ("B", "I"):
+            priced += backward.get(stage, 0.0)
+        out[(stage, kind)] = priced
+    return out
+
+
 def _memory(manifest: dict, split: tuple, sim, stage_to_rank: list, microbatch_size: float, training: bool,
-            optimizer_bytes_per_param: int) -> dict:
-    """Peak bytes per rank: static (parameters, gradients, optimizer state) + live activations at the worst
-    moment of the simulated timeline."""
+            optimizer_bytes_per_param: int, tp: int = 1) -> dict:
+    """Peak bytes per rank: static (parameters, gradients, optimizer state; the sharded ones divided by tp) +
+    live activations at the worst moment of the simulated timeline (not divided: an upper bound)."""
     scale = microbatch_size / traced_microbatch(manifest)
     static, activation = {}, {}
     for seg, stage in zip(manifest["segments"], split):
-        params = seg["param_bytes"] or 0
-        held = params + ((params + (seg["num_params"] or 0) * optimizer_bytes_per_param) if training else 0)
+        fig = _tp_figures(seg, tp)
+        params = (seg["param_bytes"] or 0) - fig["sharded_param_bytes"] * (1 - 1 / tp)
+        count = (seg["num_params"] or 0) - fig["sharded_params"] * (1 - 1 / tp)
+        held = params + ((params + count * optimizer_bytes_per_param) if training else 0)
         static[stage] = static.get(stage, 0) + held
         activation[stage] = activation.get(stage, 0) + (seg["activation_bytes"] or 0) * scale
     peak = {}
@@ -185,9 +238,12 @@ def _memory(manifest: dict, split: tuple, sim, stage_to_rank: list, microbatch_s
 
 def tune(manifest: dict, calibration: Calibration, memory_limit: Optional[int] = None,
          schedules: Optional[list] = None, microbatch_counts: Optional[list] = None,
-         optimizer_bytes_per_param: int = ADAM_BYTES_PER_PARAM, precision: str = "fp32") -> tuple:
-    """Every candidate priced (see the module doc): (kept, sorted by predicted step time; dropped over the
-    memory limit; failed to plan, with the planner's reason)."""
+         optimizer_bytes_per_param: int = ADAM_BYTES_PER_PARAM, precision: str = "fp32",
+         tp_sizes: Optional[list] = None) -> tuple:
+    """Every candidate priced (see the module doc): (kept, sorted by predicted GPU-seconds per step, i.e. step
+    time x processes, so a larger tp wins only where it pays for its processes; dropped over the memory limit;
+    failed to plan, with the planner's reason). ``tp_sizes``: tensor-parallel sizes to price each candidate
+    at (default: the folder's own, 1)."""
     from tracepp.codegen.plan import build_plan
     from tracepp.codegen.schedules import SCHEDULE_TABLE
     from tracepp.codegen.manifest import topology_from_manifest
@@ -212,6 +268,16 @@ def tune(manifest: dict, calibration: Calibration, memory_limit: Optional[int] =
     names = schedules or list(SCHEDULE_TABLE)
     if mesh.get("dp", 1) > 1:
         names = [n for n in names if not SCHEDULE_TABLE[n].split_backward]
+    if mesh.get("tp", 1) > 1:
+        raise ValueError("this folder was split with --tp: calibrate and tune its tp=1 split (`tracepp split` "
+                         "without --tp), and price tp with --tp-sizes")
+    tp_sizes = sorted(set(tp_sizes or [1]))
+    for tp in tp_sizes:
+        if tp != 1 and any(str(tp) not in (seg.get("tp") or {}) for seg in segments_of(manifest)):
+            known = sorted({int(k) for seg in segments_of(manifest) for k in (seg.get("tp") or {})})
+            raise ValueError(f"--tp-sizes {tp}: the split recorded tensor-parallel figures for tp in "
+                             f"{[1] + known}; split the folder again with this tracepp to price others")
+    link = calibration.link(0, 1)
     own_split = stage_of_segments(manifest)
     own_topology = topology_from_manifest(manifest)
     segments = manifest["segments"]
@@ -240,22 +306,43 @@ def tune(manifest: dict, calibration: Calibration, memory_limit: Optional[int] =
                         candidate.error = built
                         failed.append(candidate)
                         continue
-                    costs = split_costs(calibration, list(split), size)
-                    prediction = predict_plan(built.actions, built.stage_to_rank, topology, num_microbatches, costs,
-                                              calibration, _messages(manifest, split, size, precision, own),
-                                              split_optimizer(calibration, list(split)), training, check=False)
-                    candidate.step_s, candidate.bubble = prediction.step_s, prediction.bubble
-                    candidate.stage_to_rank = list(built.stage_to_rank)
-                    candidate.peak_memory = _memory(manifest, split, prediction.sim, built.stage_to_rank, size,
-                                                    training, optimizer_bytes_per_param)
-                    if memory_limit is not None and max(candidate.peak_memory.values()) > memory_limit:
-                        dropped.append(candidate)
-                    else:
-                        kept.append(candidate)
+                    for tp in tp_sizes:
+                        candidate = Candidate(schedule, num_stages, num_microbatches, split,
+                                              _split_points(manifest, split), source, tp=tp)
+                        costs = tp_costs(manifest, split, split_costs(calibration, list(split), size), size, tp,
+                                         link, precision)
+                        optimizer_s = {stage: seconds * _sharded_share(manifest, split, stage, tp)
+                                       for stage, seconds in split_optimizer(calibration, list(split)).items()}
+                        prediction = predict_plan(built.actions, built.stage_to_rank, topology, num_microbatches,
+                                                  costs, calibration, _messages(manifest, split, size, precision, own),
+                                                  optimizer_s, training, check=False)
+                        candidate.step_s, candidate.bubble = prediction.step_s, prediction.bubble
+                        candidate.stage_to_rank = list(built.stage_to_rank)
+                        candidate.peak_memory = _memory(manifest, split, prediction.sim, built.stage_to_rank, size,
+                                                        training, optimizer_bytes_per_param, tp)
+                        if memory_limit is not None and max(candidate.peak_memory.values()) > memory_limit:
+                            dropped.append(candidate)
+                        else:
+                            kept.append(candidate)
     order = {name: index for index, name in enumerate(SCHEDULE_TABLE)}
-    kept.sort(key=lambda c: (round(c.step_s, 12), order.get(c.schedule, 99), c.num_stages, c.num_microbatches,
-                             c.split))
+    kept.sort(key=lambda c: (round(c.step_s * c.tp, 12), order.get(c.schedule, 99), c.num_stages,
+                             c.num_microbatches, c.split, c.tp))
     return kept, dropped, failed
+
+
+def segments_of(manifest: dict) -> list:
+    return manifest.get("segments") or []
+
+
+def _sharded_share(manifest: dict, split: tuple, stage: int, tp: int) -> float:
+    """The fraction of a stage's optimizer work left per rank at ``tp``: its parameters less the sharded ones'
+    (tp - 1) / tp."""
+    total = sharded = 0
+    for seg, owner in zip(segments_of(manifest), split):
+        if owner == stage:
+            total += seg["num_params"] or 0
+            sharded += _tp_figures(seg, tp)["sharded_params"]
+    return 1.0 - (sharded / total) * (1 - 1 / tp) if total else 1.0
 
 
 def _mb(value: float) -> str:
@@ -268,11 +355,11 @@ def format_tuning(kept: list, dropped: list, failed: list, top: int, memory_limi
 
     rows = []
     for rank_index, c in enumerate(kept[:top], 1):
-        rows.append([rank_index, c.schedule, f"{c.num_stages} ({c.stages_per_rank}/rank)", c.num_microbatches,
+        rows.append([rank_index, c.schedule, f"{c.num_stages} ({c.stages_per_rank}/rank)", c.num_microbatches, c.tp,
                      ", ".join(c.split_points) + (f"  [{c.split_source}]" if c.split_source != "balancer" else ""),
                      f"{c.step_s * 1000:.1f}", f"{c.bubble:.1%}",
                      " / ".join(_mb(v) for _, v in sorted(c.peak_memory.items()))])
-    headers = ["#", "schedule", "stages", "M", "split points", "step ms", "bubble", "peak MB per rank"]
+    headers = ["#", "schedule", "stages", "M", "tp", "split points", "step ms", "bubble", "peak MB per rank"]
     lines = [tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True)]
     searched = len(kept) + len(dropped) + len(failed)
     summary = f"{searched} candidates: {len(kept)} priced"
@@ -292,7 +379,7 @@ def current_candidate(kept: list, dropped: list, manifest: dict) -> Optional[Can
     plan = manifest["plan"]
     own = stage_of_segments(manifest)
     for c in kept + dropped:
-        if (c.schedule == plan["schedule"] and c.num_microbatches == plan["num_microbatches"]
+        if (c.schedule == plan["schedule"] and c.num_microbatches == plan["num_microbatches"] and c.tp == 1
                 and own is not None and c.split == tuple(own)):
             return c
     return None
