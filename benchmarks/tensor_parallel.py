@@ -2,6 +2,7 @@
 
     python -m benchmarks.tensor_parallel exact  [--out benchmarks/results]   # dp=2 x pp=2 x tp=2: 8 processes
     python -m benchmarks.tensor_parallel memory [--out benchmarks/results]   # tp=1 vs tp=2, pp=2, per rank
+    python -m benchmarks.tensor_parallel collectives [--out ...]            # the tuner's collective price vs gloo
 
 ``exact`` splits ``tests/models/tp_llama.py`` (grouped-query attention, tied embedding and head) with
 ``--ranks 2 --dp 2 --tp 2`` (FSDP2 over dp, DTensor shards over tp), trains 3 steps with the model file's AdamW
@@ -13,6 +14,11 @@ SwiGLU 1536, vocabulary 8192, 4 layers; 16.8M parameters) at pp=2 with tp=1 and 
 each through ``benchmarks/tp_memory_worker.py`` and records every rank's bytes of parameters, gradients and
 optimizer state as they sit in memory (a DTensor's local shard), for the parameters the tp=2 plan shards and
 for the rest. The ratio tp2/tp1 of the sharded layers is the issue's "about half".
+
+``collectives`` checks the price ``plan --tune --tp-sizes`` puts on the collectives tensor parallelism adds
+(``tracepp.costs.search.collective_s``: ring steps priced from the 2-rank all-reduce and all-gather that
+``tracepp calibrate`` fits) against gloo's own all-reduce and all-gather of the same sizes on 2 and 4 ranks
+(``benchmarks/tp_collectives_worker.py``; 4 ranks share this machine's cores when it has fewer).
 """
 from __future__ import annotations
 
@@ -106,14 +112,24 @@ def memory(root: str) -> dict:
             "parameters": len(params), "per_rank": runs, "summary": summary}
 
 
+def collectives(root: str) -> dict:
+    out = {}
+    for world in (2, 4):
+        result = os.path.join(root, f"collectives_{world}.json")
+        _torchrun(world, "-m", "benchmarks.tp_collectives_worker", "--json", result, env=_env())
+        with open(result) as handle:
+            out[f"tp{world}"] = json.load(handle)
+    return out
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.tensor_parallel", description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=["exact", "memory"])
+    parser.add_argument("what", choices=["exact", "memory", "collectives"])
     parser.add_argument("--out", default=os.path.join("benchmarks", "results"))
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as root:
         record = {"what": args.what, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-                  **(exact(root) if args.what == "exact" else memory(root))}
+                  **{"exact": exact, "memory": memory, "collectives": collectives}[args.what](root)}
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"{time.strftime('%Y%m%d-%H%M%S')}_tensor_parallel_{args.what}.json")
     with open(path, "w") as handle:

@@ -7,8 +7,10 @@ wrap-around pair (0, R-1) of a V placement, plays ping-pong with messages of eac
 tracepp runtime uses (its shared-memory rings between CPU ranks on one host, ``runtime/shm_p2p.py``, with
 ``--p2p auto``, the default; ``isend``/``irecv`` and ``wait`` on gloo; ``batch_isend_irecv`` on NCCL). A one-way time
 is half the median round trip; a least-squares line ``time = latency + bytes / bandwidth`` over the sizes gives
-each pair's latency and bandwidth. Rank 0 prints the table and writes ``{"backend", "serial", "world_size",
-"device", "pairs": {"0-1": {"latency_s", "bandwidth_bytes_per_s", "points"}}}``, the ``comm`` section of
+each pair's latency and bandwidth. Ranks 0 and 1 then time the backend's all-reduce and all-gather at the same
+sizes (what a tensor-parallel group pays; ``collectives``, fitted per ring step). Rank 0 prints the table and
+writes ``{"backend", "serial", "world_size", "device", "pairs": {"0-1": {"latency_s", "bandwidth_bytes_per_s",
+"points"}}, "collectives": {"all_reduce": {...}, "all_gather": {...}}}``, the ``comm`` section of
 ``calibration.json``. ``serial``: the backend completes a rank's p2p ops in FIFO order (NCCL) or not (gloo).
 """
 from __future__ import annotations
@@ -83,6 +85,55 @@ def fit(points: list) -> dict:
             "points": [{"bytes": x, "one_way_s": y} for x, y in points]}
 
 
+def collective_points(op: str, group, size_bytes: int, rounds: int, device) -> float:
+    """The median time of ``op`` ("all_reduce" of a ``size_bytes`` tensor, or "all_gather" into one) over
+    ``group``, each call timed between barriers, the slowest member's median (every member calls it)."""
+    import torch
+    import torch.distributed as dist
+
+    members = dist.get_world_size(group)
+    whole = torch.zeros(max(members, size_bytes // 4), dtype=torch.float32, device=device)
+    piece = torch.zeros(whole.numel() // members, dtype=torch.float32, device=device)
+    parts = [torch.empty_like(piece) for _ in range(members)]
+    times = []
+    for index in range(rounds + 2):
+        dist.barrier(group=group)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        if op == "all_reduce":
+            dist.all_reduce(whole, group=group)
+        else:
+            dist.all_gather(parts, piece, group=group)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if index >= 2:
+            times.append(time.perf_counter() - start)
+    slowest = torch.tensor([statistics.median(times)], device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+    return float(slowest)
+
+
+def collectives_on_two(sizes: list, rounds: int, device) -> dict:
+    """Ranks 0 and 1's all-reduce and all-gather fitted per ring step (what tensor parallelism adds), for
+    ``tracepp.costs.search.collective_s``: a 2-rank ring all-reduce is 2 steps of half the tensor, an all-gather 1,
+    so the per-step latency is the fitted latency / steps and the per-step bandwidth the fitted bandwidth x
+    (steps / 2). Every rank calls it (the group is made on all of them); the others return {}."""
+    import torch.distributed as dist
+
+    group = dist.new_group([0, 1])
+    if dist.get_rank() not in (0, 1):
+        return {}
+    out = {"ranks": 2}
+    for op, steps in (("all_reduce", 2), ("all_gather", 1)):
+        line = fit([(size, collective_points(op, group, size, rounds, device)) for size in sizes])
+        bandwidth = line["bandwidth_bytes_per_s"]
+        out[op] = {"step_latency_s": line["latency_s"] / steps,
+                   "step_bandwidth_bytes_per_s": bandwidth * steps / 2 if bandwidth else None,
+                   "points": line["points"]}
+    return out
+
+
 def neighbour_pairs(world: int) -> list:
     return sorted({(r, r + 1) for r in range(world - 1)} | ({(0, world - 1)} if world > 2 else set()))
 
@@ -127,6 +178,7 @@ def main(argv=None) -> None:
             dist.barrier()
         if rank == low:
             results[f"{low}-{high}"] = fit(points)
+    collectives = collectives_on_two(sizes, args.rounds, device)  # what a tp group of this machine would pay
     gathered = [None] * world
     dist.all_gather_object(gathered, results)
     if rank == 0:
@@ -134,7 +186,7 @@ def main(argv=None) -> None:
         report = {"backend": dist.get_backend(), "transport": "shm" if shm is not None else dist.get_backend(),
                   "serial": use_cuda, "world_size": world,
                   "device": torch.cuda.get_device_name(device) if use_cuda else "cpu", "pairs": merged,
-                  "sizes": sizes, "rounds": args.rounds}
+                  "collectives": collectives, "sizes": sizes, "rounds": args.rounds}
         for key, value in sorted(merged.items()):
             bandwidth = value["bandwidth_bytes_per_s"]
             print(f"ranks {key}: latency {value['latency_s'] * 1e6:.1f} us, bandwidth "

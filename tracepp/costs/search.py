@@ -166,12 +166,26 @@ def _tp_figures(seg: dict, tp: int) -> dict:
     return seg["tp"][str(tp)]
 
 
-def collective_s(op: str, count: int, total_bytes: float, tp: int, link: tuple) -> float:
-    """Ring collectives over ``tp`` ranks on a calibrated link (latency s, bandwidth bytes/s): an all-reduce is
-    2 (tp - 1) steps of a 1/tp piece, an all-gather (tp - 1) steps; ``total_bytes`` is the whole tensors'."""
+def collective_links(calibration) -> dict:
+    """{op: (latency s, bandwidth bytes/s) per ring step}: the calibrated all-reduce and all-gather of two ranks
+    (``tracepp.costs.measure_comm.collectives_on_two``), else the point-to-point link of ranks 0 and 1 (a ring
+    step is one message; gloo's collectives on CPU measured 2-6x slower than that, see benchmarks.md)."""
+    fitted = (calibration.comm or {}).get("collectives") or {}
+    links = {}
+    for op in ("all_reduce", "all_gather"):
+        entry = fitted.get(op)
+        links[op] = ((float(entry["step_latency_s"]), entry["step_bandwidth_bytes_per_s"]) if entry
+                     else calibration.link(0, 1))
+    return links
+
+
+def collective_s(op: str, count: int, total_bytes: float, tp: int, link) -> float:
+    """Ring collectives over ``tp`` ranks (``link``: (latency s, bandwidth bytes/s) per ring step, or
+    :func:`collective_links`' dict by op): an all-reduce is 2 (tp - 1) steps of a 1/tp piece, an all-gather
+    (tp - 1) steps; ``total_bytes`` is the whole tensors'."""
     if tp == 1 or count == 0:
         return 0.0
-    latency, bandwidth = link
+    latency, bandwidth = link[op] if isinstance(link, dict) else link
     steps = 2 * (tp - 1) if op == "all_reduce" else tp - 1
     wire = total_bytes / tp / bandwidth if bandwidth else 0.0
     return steps * (count * latency + wire)
@@ -277,7 +291,7 @@ def tune(manifest: dict, calibration: Calibration, memory_limit: Optional[int] =
             known = sorted({int(k) for seg in segments_of(manifest) for k in (seg.get("tp") or {})})
             raise ValueError(f"--tp-sizes {tp}: the split recorded tensor-parallel figures for tp in "
                              f"{[1] + known}; split the folder again with this tracepp to price others")
-    link = calibration.link(0, 1)
+    link = collective_links(calibration)
     own_split = stage_of_segments(manifest)
     own_topology = topology_from_manifest(manifest)
     segments = manifest["segments"]
