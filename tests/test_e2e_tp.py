@@ -82,3 +82,12 @@ def test_hugging_face_pp2_tp2_matches_eager(tmp_path, monkeypatch, name, family)
     saved = torch.load(ckpt)
     assert_trained(saved, path)
     assert_state_close(saved, eager_train(path, 3))
+
+
+def test_zero_bubble_schedule_splits_the_tp_backward_exactly(tmp_path):
+    # I and W run apart: the gradient all-reduce of tp_copy falls in I, the rowwise weights' gradients in W
+    path, out = model_path("tp_llama"), str(tmp_path / "out")
+    split_model(path, out, num_ranks=2, schedule="interleaved-zb", num_microbatches=4, tp=2)
+    ckpt = str(tmp_path / "ckpt.pt")
+    _run(out, 4, "--steps", "3", "--save", ckpt)
+    assert_state_close(torch.load(ckpt), _eager_adamw(path, 3, 1e9)[0])
