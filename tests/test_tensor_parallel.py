@@ -118,3 +118,20 @@ def test_a_shard_holds_only_its_own_storage():
         piece = shard(weight, dim, 2, 1)
         assert torch.equal(piece, weight.chunk(2, dim=dim)[1])
         assert piece.untyped_storage().nbytes() == weight.untyped_storage().nbytes() // 2
+
+
+def test_check_and_inspect_show_the_plan_and_calibrate_points_at_tp_sizes(tmp_path, capsys):
+    from tracepp.cli import main
+    from tracepp.driver import split_model
+
+    assert main(["check", model_path("tp_llama"), "--tp", "2", "--microbatches", "2"]) == 0
+    text = capsys.readouterr().out
+    assert "tensor parallel (tp=2): 33 of 46 parameters sharded" in text
+    assert "layers.*.attn.o_proj.weight  (x4)" in text and "Shard(1)" in text
+    out = str(tmp_path / "out")
+    split_model(model_path("tp_llama"), out, num_ranks=2, num_microbatches=2, tp=2)
+    assert main(["inspect", out]) == 0
+    text = capsys.readouterr().out
+    assert "collectives per microbatch forward" in text and "all_gather of float32[4, 16, 64]" in text
+    assert main(["calibrate", out]) == 2
+    assert "--tune --tp-sizes 1,2" in capsys.readouterr().err

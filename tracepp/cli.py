@@ -66,7 +66,7 @@ def _check(args) -> int:
     from tracepp.report.checks import stage_warnings
     from tracepp.driver import check_model
     from tracepp.dynamic import parse_flags
-    from tracepp.report.stages import stage_table
+    from tracepp.report.stages import stage_table, tensor_parallel_table
 
     _check_layout(args)
     points = _split_points(args.split_points)
@@ -75,6 +75,10 @@ def _check(args) -> int:
                            dynamic_shapes=parse_flags(args.dynamic) if args.dynamic else None, tp=args.tp)
     _print_notes(manifest)
     print(stage_table(manifest))
+    table = tensor_parallel_table(manifest)
+    if table:
+        print()
+        print(table)
     warnings = stage_warnings(manifest)
     print()
     for warning in warnings:

@@ -289,6 +289,10 @@ def calibrate(out_dir: str, costs_paths: Optional[list] = None, comm_path: Optio
     manifest = load_manifest(out_dir)
     plan = manifest["plan"]
     mesh = plan.get("mesh") or {}
+    if int(mesh.get("tp", 1)) > 1:
+        raise ValueError(f"{out_dir} was split with --tp {mesh['tp']}: calibrate the same split without --tp, then "
+                         f"price tensor parallelism with `tracepp plan OUT --tune --tp-sizes 1,{mesh['tp']}` "
+                         f"(docs/tensor-parallel.md)")
     nproc = nproc or plan["num_ranks"] * int(mesh.get("dp", 1))
     calibration = Calibration(folder=folder_record(manifest))
     # 1. comm

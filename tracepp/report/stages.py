@@ -126,7 +126,8 @@ def tensor_parallel_table(manifest: dict) -> str:
         key = (_pattern(fqn), entry["role"], placement, str(shape), entry.get("why", ""))
         rows[key] = rows.get(key, 0) + 1
     sharded = sum(1 for e in tp["params"].values() if e["dim"] is not None)
-    lines = [f"tensor parallel (tp={size}): {sharded} of {len(tp['params'])} parameters sharded; per rank:",
+    lines = [f"tensor parallel (tp={size}): {sharded} of {len(tp['params'])} parameters sharded (the stage table's "
+             f"FLOPs are per tp rank); per rank:",
              tabulate([[pattern + (f"  (x{count})" if count > 1 else ""), role, placement, shape, why]
                        for (pattern, role, placement, shape, why), count in rows.items()],
                       headers=["parameter", "role", "placement", "shape per rank", "replicated because"],
