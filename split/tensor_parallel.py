@@ -216,7 +216,7 @@ class _Walk:
     def _embedding(self, node) -> None:
         weight = node.args[0]
         fqn = self.fqn_of[weight.name]
-        extra = list(node.args[3:]) + list(node.kwargs.values())
+        extra = list(node.args[3:]) + [v for k, v in node.kwargs.items() if k != "padding_idx"]
         rows = _val(weight).shape[0]
         if fqn in self.forced or any(extra) or _val(weight).dim() != 2 or int(rows) % self.tp:
             if fqn not in self.forced:
@@ -567,9 +567,10 @@ def _rewrite(g: fx.Graph, walk: _Walk, tp: int, params: dict) -> None:
                 user.replace_input_with(node, last)
         elif role == "vocab":
             weight, indices = node.args[0], node.args[1]
-            padding = node.args[2] if len(node.args) > 2 else -1
+            padding = node.args[2] if len(node.args) > 2 else node.kwargs.get("padding_idx", -1)
             node.target = TP.tp_vocab_embedding.default
             node.args = (weight, indices, padding)
+            node.kwargs = {}
     for node, dim in walk.shard.items():  # local sizes: in view/expand arguments and in the annotations
         if node.target in _VIEWS or node.target is aten.expand.default:
             sizes = list(node.args[1])

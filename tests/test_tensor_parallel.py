@@ -135,3 +135,37 @@ def test_check_and_inspect_show_the_plan_and_calibrate_points_at_tp_sizes(tmp_pa
     assert "collectives per microbatch forward" in text and "all_gather of float32[4, 16, 64]" in text
     assert main(["calibrate", out]) == 2
     assert "--tune --tp-sizes 1,2" in capsys.readouterr().err
+
+
+def test_vocab_embedding_pieces_sum_to_the_lookup_and_keep_padding(tmp_path):
+    # one process: a gloo group of 1 makes tp_all_reduce the identity, so each "rank" returns its partial lookup;
+    # the partials of the two halves must sum to the whole lookup, and each half's gradient must be its rows of
+    # the whole gradient (the padding row, on rank 1, gets none)
+    import torch
+    import torch.distributed as dist
+
+    from tracepp.runtime import tensor_parallel
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        weight = torch.randn(8, 3, requires_grad=True)
+        ids = torch.tensor([[0, 5, 7, 3], [6, 6, 1, 4]])
+        expected = torch.nn.functional.embedding(ids, weight, padding_idx=6)
+        expected.pow(2).sum().backward()
+        total, grads = 0, []
+        for rank in range(2):
+            tensor_parallel.set_group(dist.group.WORLD, 2, rank)
+            piece = tensor_parallel.shard(weight.detach(), 0, 2, rank).requires_grad_()
+            out = torch.ops.tracepp.tp_vocab_embedding.default(piece, ids, 6)
+            total = total + out.detach()
+            # the backward of the whole loss reaches each piece through its own rows only
+            (2 * expected.detach() * out).sum().backward()
+            grads.append(piece.grad)
+        assert torch.allclose(total, expected)
+        assert torch.allclose(torch.cat(grads), weight.grad)
+        assert grads[1][2].abs().sum() == 0  # row 6 is the padding row
+    finally:
+        tensor_parallel.set_group(None, 1, 0)
+        dist.destroy_process_group()
