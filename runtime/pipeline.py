@@ -239,7 +239,10 @@ class Pipeline:
             # start (dynamo would specialise an int on first sight); tensors get their symbolic dims marked
             # by the executor before each call
             sizes = bool(self.manifest["stages"][index].get("sym_inputs"))
-            stage.compile(dynamic=True if sizes else None)
+            if stage.local_shards:  # tensor parallel: the DTensor parameters become shards outside the compiled code
+                stage.function = torch.compile(stage.function, dynamic=True if sizes else None)
+            else:
+                stage.compile(dynamic=True if sizes else None)
 
     def _connect(self, actions, mode: str, ring_mb: float):
         """Shared-memory rings to this rank's pipeline peers on the same host (``shm_p2p``; collective)."""

@@ -91,3 +91,14 @@ def test_zero_bubble_schedule_splits_the_tp_backward_exactly(tmp_path):
     ckpt = str(tmp_path / "ckpt.pt")
     _run(out, 4, "--steps", "3", "--save", ckpt)
     assert_state_close(torch.load(ckpt), _eager_adamw(path, 3, 1e9)[0])
+
+
+def test_compiled_stages_keep_the_collectives_opaque(tmp_path):
+    # --compile traces the stage function and its backward: the DTensor parameters become shards before the
+    # compiled code, and tp_copy's backward is the tp_all_reduce op (its body would put a process group into
+    # the compiled backward graph, which cannot be copied)
+    path, out = model_path("tp_llama"), str(tmp_path / "out")
+    split_model(path, out, num_ranks=2, schedule="1f1b", num_microbatches=2, tp=2)
+    ckpt = str(tmp_path / "ckpt.pt")
+    _run(out, 4, "--steps", "2", "--compile", "--save", ckpt)
+    assert_state_close(torch.load(ckpt), _eager_adamw(path, 2, 1e9)[0])
