@@ -164,7 +164,10 @@ class Pipeline:
             if "RUN_DEVICE" in getattr(fn, "__globals__", {}):
                 fn.__globals__["RUN_DEVICE"] = self.device
         # this rank's tensors only: from --load's checkpoint, or the model file's own initialisation
-        state = load_rank_state(self.folder, plan_manifest, self.pp_rank, self.device, self.user, load=load, init=init)
+        piece = (tensor_parallel.piece_for(manifest, self.layout["tp"], self.tp_index)
+                 if self.tp_mesh is not None else None)
+        state = load_rank_state(self.folder, plan_manifest, self.pp_rank, self.device, self.user, load=load, init=init,
+                                piece=piece)
         if self.tp_mesh is not None:  # this rank's shards, as DTensors over the tp mesh
             state = tensor_parallel.distribute(state, manifest, self.tp_mesh)
         unused = {item["fqn"] for item in manifest.get("unused_state", [])}

@@ -124,23 +124,28 @@ def placement_of(manifest: dict, fqn: str):
     return None if entry is None else entry.get("dim")
 
 
+def piece_for(manifest: dict, size: int, rank: int):
+    """``piece(fqn, tensor)`` for ``weights.load_rank_state``: a sharded parameter's piece for tp rank ``rank``,
+    anything else whole. Every rank of a tp group reads the same whole tensors (the same checkpoint or the same
+    seeded ``model()``), so the pieces fit together exactly."""
+    def piece(fqn: str, tensor: torch.Tensor) -> torch.Tensor:
+        dim = placement_of(manifest, fqn)
+        return tensor if dim is None else shard(tensor, dim, size, rank)
+    return piece
+
+
 def distribute(state: dict, manifest: dict, tp_mesh) -> dict:
-    """FQN -> DTensor over the ``tp`` mesh: sharded parameters cut to this rank's piece (``Shard(dim)``), the
-    rest ``Replicate()``. Buffers stay plain tensors. Every rank of a tp group holds the same whole tensors
-    here (the same checkpoint or the same seeded ``model()``), so the pieces fit together exactly."""
+    """FQN -> DTensor over the ``tp`` mesh of this rank's loaded state (already cut by :func:`piece_for`):
+    sharded parameters ``Shard(dim)``, the other parameters ``Replicate()``; buffers stay plain tensors."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    size, rank = tp_mesh.size(), tp_mesh.get_local_rank()
     out = {}
     for fqn, tensor in state.items():
         if not isinstance(tensor, torch.nn.Parameter):
             out[fqn] = tensor
             continue
         dim = placement_of(manifest, fqn)
-        if dim is None:
-            value = DTensor.from_local(tensor.detach(), tp_mesh, [Replicate()], run_check=False)
-        else:
-            value = DTensor.from_local(shard(tensor.detach(), dim, size, rank), tp_mesh, [Shard(dim)],
-                                       run_check=False, shape=tensor.shape, stride=tensor.stride())
+        placement = Replicate() if dim is None else Shard(dim)  # pieces are equal: the global shape follows
+        value = DTensor.from_local(tensor.detach(), tp_mesh, [placement], run_check=False)
         out[fqn] = torch.nn.Parameter(value, requires_grad=tensor.requires_grad)
     return out

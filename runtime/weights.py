@@ -79,7 +79,9 @@ def _in_checkpoint(ref: dict) -> bool:
     return ref["kind"] == "parameter" or (ref["kind"] == "buffer" and ref.get("persistent", True))
 
 
-def _finish(ref: dict, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+def _finish(ref: dict, tensor: torch.Tensor, device: torch.device, piece=None) -> torch.Tensor:
+    if piece is not None:  # tensor parallel: this rank's shard, cut before it reaches the device
+        tensor = piece(ref["fqn"], tensor)
     tensor = tensor.to(device=device, dtype=_dtype(ref["dtype"])).contiguous()
     if ref["kind"] == "parameter" and not ref.get("unused"):
         return torch.nn.Parameter(tensor, requires_grad=ref.get("requires_grad", True))
@@ -87,8 +89,10 @@ def _finish(ref: dict, tensor: torch.Tensor, device: torch.device) -> torch.Tens
 
 
 def load_rank_state(folder: str, manifest: dict, rank: int, device: torch.device, user, load=None,
-                    init: str = "model") -> dict:
-    """FQN -> tensor for every parameter/buffer this rank's stages read; one object per FQN on a rank."""
+                    init: str = "model", piece=None) -> dict:
+    """FQN -> tensor for every parameter/buffer this rank's stages read; one object per FQN on a rank.
+    ``piece(fqn, tensor)``: what of each tensor this process keeps (tensor parallelism: its shard), taken on
+    the CPU as the tensor is read, so a tp rank's device never holds the whole weight."""
     mine = state_entries(manifest, rank)
     if load:
         reader, keys, problem = None, None, None
@@ -101,14 +105,14 @@ def load_rank_state(folder: str, manifest: dict, rank: int, device: torch.device
         loaded = reader.read({fqn: keys[fqn] for fqn, ref in mine.items() if _in_checkpoint(ref)})
         others = {fqn: ref for fqn, ref in mine.items() if not _in_checkpoint(ref)}
         skeleton = build_without_parameters(user) if others else None
-        state = {fqn: _finish(mine[fqn], tensor, device) for fqn, tensor in loaded.items()}
-        state.update(_from_model(folder, skeleton, others, device))
+        state = {fqn: _finish(mine[fqn], tensor, device, piece) for fqn, tensor in loaded.items()}
+        state.update(_from_model(folder, skeleton, others, device, piece))
         _say(rank, f"loaded {len(loaded)} tensors from {load}")
         return state
     if init == "model":
-        return _from_model(folder, user.model(), mine, device)
+        return _from_model(folder, user.model(), mine, device, piece)
     if init == "per-module":
-        return _per_module(folder, user, mine, device)
+        return _per_module(folder, user, mine, device, piece)
     raise PipelineError(f"--init {init!r} is not one of {', '.join(INIT_MODES)}")
 
 
@@ -123,7 +127,7 @@ def _attribute(model: torch.nn.Module, fqn: str):
     return owner if isinstance(owner, torch.Tensor) else None
 
 
-def _from_model(folder: str, model, wanted: dict, device: torch.device) -> dict:
+def _from_model(folder: str, model, wanted: dict, device: torch.device, piece=None) -> dict:
     """Take ``wanted`` by FQN from a built model (or, for constants export created, from constants.pt)."""
     if not wanted:
         return {}
@@ -138,7 +142,7 @@ def _from_model(folder: str, model, wanted: dict, device: torch.device) -> dict:
         if tensor is None or tensor.is_meta:
             raise PipelineError(f"'{fqn}' has no value: it is not a tensor attribute of model() with storage; "
                                 f"load it from a checkpoint with --load, or use --init model")
-        state[fqn] = _finish(ref, tensor.detach().clone(), device)
+        state[fqn] = _finish(ref, tensor.detach().clone(), device, piece)
     return state
 
 
@@ -169,7 +173,7 @@ def _fqn_seed(fqn: str) -> int:
     return int.from_bytes(hashlib.sha256(fqn.encode()).digest()[:8], "little") % (2 ** 63)
 
 
-def _per_module(folder: str, user, mine: dict, device: torch.device) -> dict:
+def _per_module(folder: str, user, mine: dict, device: torch.device, piece=None) -> dict:
     model = build_without_parameters(user)
     modules = dict(model.named_modules())
     owners = sorted({fqn.rpartition(".")[0] for fqn, ref in mine.items()
@@ -194,7 +198,7 @@ def _per_module(folder: str, user, mine: dict, device: torch.device) -> dict:
                     raise PipelineError(
                         f"--init per-module: module '{owner}' ({type(module).__name__}) has no reset_parameters(); "
                         f"define init_weights(module) in the model file, or use --init model or --load CKPT")
-    return _from_model(folder, model, mine, device)
+    return _from_model(folder, model, mine, device, piece)
 
 
 # ---- checkpoints

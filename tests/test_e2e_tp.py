@@ -13,6 +13,7 @@ import torch
 
 from test_e2e_dp import _eager_adamw
 from tracepp.driver import split_model
+from tracepp.modelfile import load_model_file
 from util import assert_state_close, assert_trained, eager_train, model_path, torchrun
 
 pytestmark = pytest.mark.timeout(600)
@@ -84,12 +85,15 @@ def test_hugging_face_pp2_tp2_matches_eager(tmp_path, monkeypatch, name, family)
     assert_state_close(saved, eager_train(path, 3))
 
 
-def test_zero_bubble_schedule_splits_the_tp_backward_exactly(tmp_path):
-    # I and W run apart: the gradient all-reduce of tp_copy falls in I, the rowwise weights' gradients in W
+def test_zero_bubble_schedule_splits_the_tp_backward_exactly_from_a_loaded_checkpoint(tmp_path):
+    # I and W run apart: the gradient all-reduce of tp_copy falls in I, the rowwise weights' gradients in W;
+    # the weights come from a state_dict file (--load), each tp rank cutting its pieces as it reads them
     path, out = model_path("tp_llama"), str(tmp_path / "out")
     split_model(path, out, num_ranks=2, schedule="interleaved-zb", num_microbatches=4, tp=2)
+    initial = str(tmp_path / "initial.pt")
+    torch.save(load_model_file(path).model().state_dict(), initial)
     ckpt = str(tmp_path / "ckpt.pt")
-    _run(out, 4, "--steps", "3", "--save", ckpt)
+    _run(out, 4, "--steps", "3", "--load", initial, "--save", ckpt)
     assert_state_close(torch.load(ckpt), _eager_adamw(path, 3, 1e9)[0])
 
 
