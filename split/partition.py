@@ -614,7 +614,7 @@ def _tensor_parallel_figures(graph, inputs, flops: dict, needs_grad: dict):
 
     fqn_of = {name: ref.fqn for name, ref in inputs.state.items() if ref.kind == "parameter"}
     try:
-        walks = tensor_parallel.whole_graph_walks(graph, fqn_of)
+        walks = tensor_parallel.whole_graph_walks(graph, fqn_of, needs_grad)
     except Exception:  # an op the walk does not expect: no tp figures, the split goes on
         return None
     return lambda nodes: tensor_parallel.segment_figures(nodes, walks, flops, cost.tensor_bytes, needs_grad)

@@ -38,6 +38,7 @@ import torch
 import torch.fx as fx
 
 import tracepp.runtime.tensor_parallel  # noqa: F401  (registers torch.ops.tracepp.tp_*)
+from tracepp.split.partition import _gradient_flags
 
 aten = torch.ops.aten
 TP = torch.ops.tracepp
@@ -119,8 +120,9 @@ def _view_dim(in_sizes: list, out_sizes: list, dim: int, tp: int):
 class _Walk:
     """One pass over one stage graph under a set of replicated FQNs: each value's sharding and the edits."""
 
-    def __init__(self, graph: fx.Graph, fqn_of: dict, tp: int, forced: set):
+    def __init__(self, graph: fx.Graph, fqn_of: dict, tp: int, forced: set, needs_grad: dict):
         self.graph, self.fqn_of, self.tp, self.forced = graph, fqn_of, tp, forced
+        self.needs_grad = needs_grad  # node -> carries a gradient (split.partition._gradient_flags)
         self.shard: dict = {}  # node -> sharded dim (absent: replicated)
         self.roles: dict = {}  # linear/embedding node -> "colwise" | "rowwise" | "vocab"
         self.uses: dict = {}  # fqn -> set of dims (None: used replicated)
@@ -307,8 +309,10 @@ class _Walk:
             self._sharded(node, dim if keep else dim - sum(1 for d in dims if d < dim))
             return True
         if target is aten.repeat_interleave.self_int:
+            if (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")) is None:
+                return False  # flattened
             self._sharded(node, dim)  # repeating heads in place keeps each rank's block contiguous
-            return (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")) is not None
+            return True
         if target in _SOFTMAX:
             if node.args[1] % ndim == dim:
                 return False
@@ -356,8 +360,8 @@ class _Walk:
             if at >= 0 and val.shape[at] != 1:
                 return False
             broadcast.append(arg)
-        for arg in broadcast:
-            if _val(arg).is_floating_point() and _val(arg).requires_grad:
+        for arg in broadcast:  # each rank sees its share of the sharded dim: the gradient is summed over tp
+            if self.needs_grad.get(arg):
                 self.copies.append((node, arg))
         self._sharded(node, out_dim)
         return True
@@ -376,7 +380,7 @@ class _Walk:
                 at = 1 - (4 - mval.dim())
                 if at >= 0 and mval.shape[at] != 1:
                     return False
-                if mval.is_floating_point() and mval.requires_grad:
+                if self.needs_grad.get(mask):
                     self.copies.append((node, mask))
         self._sharded(node, self.shard[q])
         return True
@@ -429,6 +433,16 @@ def fqn_map(stage, graph) -> dict:
             if graph.state[name].kind == "parameter"}
 
 
+def grad_flags(stage, graph) -> dict:
+    """Which values of a stage graph carry a gradient: downstream of its parameters or of a received value that
+    does (placeholders: state, root inputs, received values, in that order)."""
+    nodes = [n for n in stage.graph.nodes if n.op == "placeholder"]
+    first = len(stage.state) + len(stage.root_inputs)
+    received = {nodes[first + i].name for i, (_producer, name) in enumerate(stage.received)
+                if graph.values[name].meta.requires_grad}
+    return _gradient_flags(stage.graph, set(fqn_map(stage, graph)) | received)
+
+
 def _forced_by_overrides(aliases: dict, overrides) -> dict:
     """{fqn: why} of the parameters the model file's ``tp_plan`` replicates; a value it does not know is refused."""
     notes = {}
@@ -442,13 +456,13 @@ def _forced_by_overrides(aliases: dict, overrides) -> dict:
 
 
 def settle(graphs: list, tp: int, notes: dict) -> tuple:
-    """Walk ``graphs`` ([(fx graph, placeholder -> FQN)]) until every parameter has one placement: replicate
+    """Walk ``graphs`` ([(fx graph, placeholder -> FQN, node -> needs a gradient)]) until every parameter has one placement: replicate
     the parameters whose uses disagree and the column-wise linears whose output is gathered before the stage's
     end, and walk again. Returns (walks, {fqn: set of dims}, per graph the reasons met in any pass); ``notes``
     (fqn -> why replicated; the forced set) is updated."""
     reasons = [{} for _ in graphs]  # per graph, every reason met in any pass, in order
     while True:
-        walks = [_Walk(g, fqn_of, tp, set(notes)) for g, fqn_of in graphs]
+        walks = [_Walk(g, fqn_of, tp, set(notes), needs_grad) for g, fqn_of, needs_grad in graphs]
         uses: dict = {}
         narrow: dict = {}
         for walk, seen in zip(walks, reasons):
@@ -469,7 +483,8 @@ def plan(graph, tp: int, overrides=None) -> tuple:
     """(TPPlan, the final walk per stage) for ``--tp tp``: iterate until every parameter has one placement."""
     aliases = {ref.fqn: ref.aliases for ref in graph.state.values()}
     notes = _forced_by_overrides(aliases, overrides)
-    walks, uses, reasons = settle([(stage.graph, fqn_map(stage, graph)) for stage in graph.stages], tp, notes)
+    walks, uses, reasons = settle([(stage.graph, fqn_map(stage, graph), grad_flags(stage, graph))
+                                   for stage in graph.stages], tp, notes)
     result = TPPlan(size=tp)
     roles: dict = {}
     for walk in walks:
@@ -596,12 +611,12 @@ def _rewrite(g: fx.Graph, walk: _Walk, tp: int, params: dict) -> None:
 TUNED_SIZES = (2, 4, 8)
 
 
-def whole_graph_walks(graph: fx.Graph, fqn_of: dict, sizes=TUNED_SIZES) -> dict:
+def whole_graph_walks(graph: fx.Graph, fqn_of: dict, needs_grad: dict, sizes=TUNED_SIZES) -> dict:
     """{tp: the settled walk of the whole traced graph}: the plan ``--tp tp`` would make, seen before any cut
     (stage outputs are not gathered here; boundaries carry replicated values in any case)."""
     out = {}
     for tp in sizes:
-        walks, uses, _reasons = settle([(graph, fqn_of)], tp, {})
+        walks, uses, _reasons = settle([(graph, fqn_of, needs_grad)], tp, {})
         dims = {fqn: next(iter(d)) for fqn, d in uses.items()}
         out[tp] = {"walk": walks[0], "dims": dims, "attributed": set()}
     return out

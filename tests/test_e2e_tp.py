@@ -106,3 +106,19 @@ def test_compiled_stages_keep_the_collectives_opaque(tmp_path):
     ckpt = str(tmp_path / "ckpt.pt")
     _run(out, 4, "--steps", "2", "--compile", "--save", ckpt)
     assert_state_close(torch.load(ckpt), _eager_adamw(path, 2, 1e9)[0])
+
+
+def test_a_whole_gate_scaling_sharded_features_gets_its_gradient_summed(tmp_path):
+    # the gate (one feature: whole on every rank) multiplies the sharded hidden features: each rank's gradient
+    # for it covers only its share of them. The graph's own metadata says the gate's value needs no gradient
+    # (export records requires_grad on parameters only): the plan must follow the parameters through the graph
+    path, out = model_path("tp_gated_mlp"), str(tmp_path / "out")
+    manifest = split_model(path, out, num_ranks=2, schedule="1f1b", num_microbatches=2, tp=2)
+    ops = [c["op"] for stage in manifest["tp"]["stages"] for c in stage["collectives"]]
+    # per layer: the up projection's input and the gate; and the (vocabulary-sharded) head's input
+    assert ops.count("all_reduce (backward)") == 2 * 2 + 1
+    ckpt = str(tmp_path / "ckpt.pt")
+    _run(out, 4, "--steps", "3", "--save", ckpt)
+    saved = torch.load(ckpt)
+    assert_trained(saved, path)
+    assert_state_close(saved, eager_train(path, 3))
