@@ -32,10 +32,6 @@ def set_group(group, size: int, rank: int) -> None:
     _STATE.update(group=group, size=size, rank=rank)
 
 
-def group_size() -> int:
-    return _STATE["size"]
-
-
 def _all_reduce(tensor: torch.Tensor) -> torch.Tensor:
     out = tensor.clone()
     if _STATE["size"] > 1:

@@ -617,7 +617,7 @@ def _tensor_parallel_figures(graph, inputs, flops: dict, needs_grad: dict):
         walks = tensor_parallel.whole_graph_walks(graph, fqn_of, needs_grad)
     except Exception:  # an op the walk does not expect: no tp figures, the split goes on
         return None
-    return lambda nodes: tensor_parallel.segment_figures(nodes, walks, flops, cost.tensor_bytes, needs_grad)
+    return lambda nodes: tensor_parallel.segment_figures(nodes, walks, flops, cost.tensor_bytes)
 
 
 def split(traced, split_points: Optional[list] = None, num_stages: Optional[int] = None,

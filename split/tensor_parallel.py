@@ -92,10 +92,6 @@ def _prod(items):
     return out
 
 
-def _divides(size, tp: int) -> bool:
-    return size.is_Integer and int(size) % tp == 0
-
-
 def _view_dim(in_sizes: list, out_sizes: list, dim: int, tp: int):
     """The output dim a sharded input ``dim`` lands on through a view (split into heads, merged back), or None
     where the pieces would not stay contiguous."""
@@ -132,6 +128,10 @@ class _Walk:
         for node in graph.nodes:
             self._visit(node)
 
+    def reduced_in_backward(self) -> set:
+        """The whole values whose gradient tp_copy sums over the group: those that carry one."""
+        return {arg for _consumer, arg in self.copies if self.needs_grad.get(arg)}
+
     # -- helpers
     def _param(self, node):
         return self.fqn_of.get(node.name) if isinstance(node, fx.Node) and node.op == "placeholder" else None
@@ -141,35 +141,29 @@ class _Walk:
         if fqn is not None:
             self.uses.setdefault(fqn, set()).add(dim)
 
-    def _inputs(self, node) -> list:
-        return [a for a in node.all_input_nodes]
-
     def _gather_all(self, node) -> None:
-        for arg in self._inputs(node):
+        for arg in node.all_input_nodes:
             if arg in self.shard:
                 self.gathers.append((node, arg))
-        for arg in self._inputs(node):
+        for arg in node.all_input_nodes:
             self._use(arg, None)
-
-    def _sharded(self, node, dim: int) -> None:
-        self.shard[node] = dim
 
     # -- the rules
     def _visit(self, node) -> None:
         if node.op == "placeholder":
             return
         if node.op == "output":
-            for arg in self._inputs(node):
+            for arg in node.all_input_nodes:
                 if arg in self.shard:
                     self.gathers.append((node, arg))
             return
         target = node.target
-        sharded = [a for a in self._inputs(node) if a in self.shard]
+        sharded = [a for a in node.all_input_nodes if a in self.shard]
         if target is aten.linear.default and self._param(node.args[1]) is not None:
             return self._linear(node)
         if target is aten.embedding.default and self._param(node.args[0]) is not None and not sharded:
             return self._embedding(node)
-        for arg in self._inputs(node):
+        for arg in node.all_input_nodes:
             if arg not in self.shard:
                 self._use(arg, None)
         if not sharded:
@@ -201,7 +195,7 @@ class _Walk:
             self._gather_all(node)
             return
         out_features = wval.shape[0]
-        if fqn in self.forced or wval.dim() != 2 or not _divides(sympy.Integer(int(out_features)), self.tp):
+        if fqn in self.forced or wval.dim() != 2 or int(out_features) % self.tp:
             if fqn not in self.forced:
                 self.reasons.append(f"{fqn}: {out_features} output features, which --tp {self.tp} does not divide")
             self._use(weight, None)
@@ -213,7 +207,7 @@ class _Walk:
         if bias is not None:
             self._use(bias, 0)
         self.copies.append((node, x))
-        self._sharded(node, ndim - 1)
+        self.shard[node] = ndim - 1
 
     def _embedding(self, node) -> None:
         weight = node.args[0]
@@ -232,7 +226,7 @@ class _Walk:
     def _propagate(self, node, target, sharded) -> bool:
         out_val = _val(node)
         if target is operator.getitem:
-            self._sharded(node, self.shard[node.args[0]])
+            self.shard[node] = self.shard[node.args[0]]
             return True
         first = node.args[0]
         if target is aten.cat.default:
@@ -242,7 +236,7 @@ class _Walk:
                 return False
             if target is aten.dropout.default and node.args[1]:
                 return False
-            self._sharded(node, self.shard[first])
+            self.shard[node] = self.shard[first]
             return True
         if target in _ELEMENTWISE:
             return self._elementwise(node, out_val)
@@ -255,21 +249,21 @@ class _Walk:
         ndim = in_val.dim()
         if target is aten.transpose.int:
             a, b = (d % ndim for d in node.args[1:3])
-            self._sharded(node, b if dim == a else a if dim == b else dim)
+            self.shard[node] = b if dim == a else a if dim == b else dim
             return True
         if target is aten.permute.default:
             order = [d % ndim for d in node.args[1]]
-            self._sharded(node, order.index(dim))
+            self.shard[node] = order.index(dim)
             return True
         if target is aten.unsqueeze.default:
             at = node.args[1] % (ndim + 1)
-            self._sharded(node, dim + 1 if at <= dim else dim)
+            self.shard[node] = dim + 1 if at <= dim else dim
             return True
         if target in (aten.squeeze.dim,):
             at = node.args[1] % ndim
             if at == dim:
                 return False
-            self._sharded(node, dim - 1 if at < dim else dim)
+            self.shard[node] = dim - 1 if at < dim else dim
             return True
         if target in _VIEWS:
             e = _view_dim(_sizes(in_val), _sizes(out_val), dim, self.tp)
@@ -278,14 +272,14 @@ class _Walk:
                                     f"--tp {self.tp} into {list(out_val.shape)}, whose pieces would not be whole "
                                     f"heads (fewer heads than --tp, e.g. key/value heads of grouped-query attention)")
                 return False
-            self._sharded(node, e)
+            self.shard[node] = e
             return True
         if target is aten.expand.default:
             offset = out_val.dim() - ndim
             e = dim + offset
             if not self._size_arg_ok(node.args[1], e, _sizes(out_val)[e]):
                 return False
-            self._sharded(node, e)
+            self.shard[node] = e
             return True
         if target in (aten.slice.Tensor, aten.select.int, aten.narrow.default):  # (x, dim, ...)
             at = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % ndim
@@ -296,7 +290,7 @@ class _Walk:
             if at == dim:
                 return False
             out_dim = dim - 1 if target is aten.select.int and at < dim else dim
-            self._sharded(node, out_dim)
+            self.shard[node] = out_dim
             return True
         if target in _REDUCTIONS:
             dims = node.args[1] if len(node.args) > 1 else None
@@ -306,17 +300,17 @@ class _Walk:
             keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
             if dim in dims:
                 return False
-            self._sharded(node, dim if keep else dim - sum(1 for d in dims if d < dim))
+            self.shard[node] = dim if keep else dim - sum(1 for d in dims if d < dim)
             return True
         if target is aten.repeat_interleave.self_int:
             if (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")) is None:
                 return False  # flattened
-            self._sharded(node, dim)  # repeating heads in place keeps each rank's block contiguous
+            self.shard[node] = dim  # repeating heads in place keeps each rank's block contiguous
             return True
         if target in _SOFTMAX:
             if node.args[1] % ndim == dim:
                 return False
-            self._sharded(node, dim)
+            self.shard[node] = dim
             return True
         if target in _SDPA:
             return self._attention(node)
@@ -329,7 +323,7 @@ class _Walk:
         dims = {self.shard.get(p) for p in parts}
         if len(dims) != 1 or None in dims or at == next(iter(dims)):
             return False
-        self._sharded(node, next(iter(dims)))
+        self.shard[node] = next(iter(dims))
         return True
 
     def _size_arg_ok(self, sizes, e: int, out_size) -> bool:
@@ -363,7 +357,7 @@ class _Walk:
         for arg in broadcast:  # each rank sees its share of the sharded dim: the gradient is summed over tp
             if self.needs_grad.get(arg):
                 self.copies.append((node, arg))
-        self._sharded(node, out_dim)
+        self.shard[node] = out_dim
         return True
 
     def _attention(self, node) -> bool:
@@ -382,7 +376,7 @@ class _Walk:
                     return False
                 if self.needs_grad.get(mask):
                     self.copies.append((node, mask))
-        self._sharded(node, self.shard[q])
+        self.shard[node] = self.shard[q]
         return True
 
 
@@ -512,11 +506,6 @@ def plan(graph, tp: int, overrides=None) -> tuple:
     return result, walks
 
 
-def _bytes(val) -> int:
-    return int(_prod(_sizes(val)).subs({s: 1 for s in _prod(_sizes(val)).free_symbols})) * val.element_size() \
-        if isinstance(val, torch.Tensor) else 0
-
-
 def _collectives(walk: _Walk, tp: int) -> list:
     """The communication the rewrite adds to one stage's forward, one line each (backward mirrors it)."""
     out = []
@@ -527,8 +516,7 @@ def _collectives(walk: _Walk, tp: int) -> list:
     for _consumer, arg in dict.fromkeys(walk.gathers):
         out.append({"op": "all_gather", "after": arg.name, "shape": [str(s) for s in _val(arg).shape],
                     "dtype": str(_val(arg).dtype).replace("torch.", "")})
-    copied = {arg for _node, arg in walk.copies}
-    for arg in copied:
+    for arg in walk.reduced_in_backward():
         out.append({"op": "all_reduce (backward)", "after": arg.name, "shape": [str(s) for s in _val(arg).shape],
                     "dtype": str(_val(arg).dtype).replace("torch.", "")})
     return out
@@ -622,7 +610,7 @@ def whole_graph_walks(graph: fx.Graph, fqn_of: dict, needs_grad: dict, sizes=TUN
     return out
 
 
-def segment_figures(nodes: list, walks: dict, flops: dict, tensor_bytes, needs_grad: dict) -> dict:
+def segment_figures(nodes: list, walks: dict, flops: dict, tensor_bytes) -> dict:
     """Per tp size, for one segment's nodes (the tuner prices a segment at tp with these): the forward FLOPs
     computed on shards, the parameters sharded (counted at the segment of their first use), and the collectives
     per microbatch: forward all-reduces (row-wise outputs, vocabulary lookups), backward all-reduces (gradients
@@ -631,8 +619,8 @@ def segment_figures(nodes: list, walks: dict, flops: dict, tensor_bytes, needs_g
     for tp, entry in walks.items():
         walk, dims, attributed = entry["walk"], entry["dims"], entry["attributed"]
         inside = set(nodes)
-        sharded_flops = sum(flops.get(n.name, 0) for n in nodes
-                            if n in walk.shard or walk.roles.get(n) in ("rowwise", "colwise"))
+        sharded_flops = sum(flops.get(n.name, 0) for n in nodes  # column-wise outputs are in walk.shard
+                            if n in walk.shard or walk.roles.get(n) == "rowwise")
         params = bytes_ = 0
         for node in nodes:
             for arg in node.all_input_nodes:
@@ -640,10 +628,10 @@ def segment_figures(nodes: list, walks: dict, flops: dict, tensor_bytes, needs_g
                 if fqn is not None and fqn not in attributed:
                     attributed.add(fqn)
                     if dims.get(fqn) is not None:
-                        params += _val(arg).numel() if isinstance(_val(arg).numel(), int) else 0
+                        params += _val(arg).numel()
                         bytes_ += tensor_bytes(_val(arg))
         reduce_fwd = [n for n in nodes if walk.roles.get(n) in ("rowwise", "vocab")]
-        copied = {arg for consumer, arg in walk.copies if consumer in inside and needs_grad.get(arg)}
+        copied = {arg for consumer, arg in walk.copies if consumer in inside} & walk.reduced_in_backward()
         gathered = {arg for consumer, arg in walk.gathers if consumer in inside or (consumer.op == "output"
                                                                                     and arg in inside)}
         out[str(tp)] = {
