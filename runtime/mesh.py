@@ -95,28 +95,24 @@ def check_layout(dp: int, mode: str, shard, batch_size: int) -> None:
 
 
 def build_mesh(layout: dict, device: torch.device):
-    """(the job's DeviceMesh, dims ("dp", "pp") (HSDP: ("dp_replicate", "dp_shard", "pp")), the 1-D mesh of
-    this rank's replicas, for the loss and anything else averaged over dp); call it on every rank."""
+    """(the job's DeviceMesh, dims ("dp", "pp") (HSDP: ("dp_replicate", "dp_shard", "pp")), with a last dim "tp"
+    under tensor parallelism; the 1-D mesh of this rank's replicas, for the loss and anything else averaged
+    over dp); call it on every rank. The ranks are :func:`global_rank`'s."""
     from torch.distributed.device_mesh import DeviceMesh
 
     dp, pp, tp = layout["dp"], layout["pp"], layout.get("tp", 1)
-    if tp > 1:  # (dp, pp, tp), tp innermost
-        grid = torch.arange(dp * pp * tp).reshape(dp, pp, tp)
-        if layout["mode"] == "hsdp":
-            shard = layout["shard"]
-            mesh = DeviceMesh(device.type, grid.reshape(dp // shard, shard, pp, tp),
-                              mesh_dim_names=("dp_replicate", "dp_shard", "pp", "tp"))
-            return mesh, mesh["dp_replicate", "dp_shard"]._flatten("dp")
-        mesh = DeviceMesh(device.type, grid, mesh_dim_names=("dp", "pp", "tp"))
-        return mesh, mesh["dp"]
     ranks = torch.arange(dp * pp)
     grid = ranks.reshape(pp, dp).T if layout["order"] == "dp-inner" else ranks.reshape(dp, pp)
+    names = ("dp", "pp")
+    if tp > 1:  # tp innermost: the tp ranks of one (dp, pp) place are consecutive
+        grid = grid.unsqueeze(-1) * tp + torch.arange(tp)
+        names += ("tp",)
     if layout["mode"] == "hsdp":
         shard = layout["shard"]
-        grid = grid.reshape(dp // shard, shard, pp)
-        mesh = DeviceMesh(device.type, grid, mesh_dim_names=("dp_replicate", "dp_shard", "pp"))
+        grid = grid.reshape(dp // shard, shard, *grid.shape[1:])
+        mesh = DeviceMesh(device.type, grid, mesh_dim_names=("dp_replicate", "dp_shard") + names[1:])
         return mesh, mesh["dp_replicate", "dp_shard"]._flatten("dp")
-    mesh = DeviceMesh(device.type, grid, mesh_dim_names=("dp", "pp"))
+    mesh = DeviceMesh(device.type, grid, mesh_dim_names=names)
     return mesh, mesh["dp"]
 
 

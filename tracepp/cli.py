@@ -57,8 +57,9 @@ def _print_notes(manifest: dict) -> None:
 
 def _world(plan: dict) -> int:
     """The processes a plan runs on: its ranks times its data-parallel replicas times its tensor-parallel ranks."""
-    mesh = plan.get("mesh") or {}
-    return plan["num_ranks"] * mesh.get("dp", 1) * mesh.get("tp", 1)
+    from tracepp.runtime.mesh import mesh_layout, world_size
+
+    return world_size(mesh_layout(plan))
 
 
 def _check(args) -> int:
