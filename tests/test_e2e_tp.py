@@ -17,6 +17,7 @@ from tracepp.modelfile import load_model_file
 from util import assert_state_close, assert_trained, eager_train, model_path, torchrun
 
 pytestmark = pytest.mark.timeout(600)
+ZOO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zoo")
 CLIP = 1.0
 
 
@@ -71,7 +72,8 @@ def test_hugging_face_pp2_tp2_matches_eager(tmp_path, monkeypatch, name, family)
     env = {"TP_HF_FAMILY": family} if family else {}
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    path, out = model_path(name), str(tmp_path / "out")
+    path = model_path(name) if name == "hf_llama" else os.path.join(ZOO, name + ".py")
+    out = str(tmp_path / "out")
     manifest = split_model(path, out, num_ranks=2, schedule="1f1b", num_microbatches=2, tp=2)
     params = manifest["tp"]["params"]
     attention = [e["role"] for fqn, e in params.items() if "self_attn.o_proj.weight" in fqn]

@@ -2,13 +2,15 @@
 shards their attention (the zoo's tiny configs have one key/value head, which tp 2 cannot split: their
 attention is replicated). ``TP_HF_FAMILY`` picks the family (``qwen3`` default, ``mixtral``); random weights,
 nothing downloaded. Mixtral's experts are replicated: only attention, the embedding and the head shard.
+SGD, as the rest of the zoo: AdamW divides each gradient by its own running size, so an expert that saw no
+token in a step (gradient ~1e-12 of rounding) would move by lr whatever the rounding was.
 """
 import os
 
 import torch
-import torch.nn.functional as F
+from zoo_common import causal_lm_batch, causal_lm_loss, examples_of, sgd
 
-VOCAB, SEQ, BATCH = 64, 8, 4
+VOCAB = 64
 FAMILY = os.environ.get("TP_HF_FAMILY", "qwen3")
 
 
@@ -24,31 +26,12 @@ def model():
 
 
 def batch(step):
-    g = torch.Generator().manual_seed(1000 + step)
-    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
-    return (tokens[:, :-1],), {"use_cache": False}, tokens[:, 1:]
+    return causal_lm_batch(step, VOCAB)
 
 
-def example_inputs():
-    return batch(0)[0]
+example_inputs, example_kwargs, example_target = examples_of(batch)
 
 
-def example_kwargs():
-    return batch(0)[1]
-
-
-def example_target():
-    return batch(0)[2]
-
-
-def loss_fn(output, target):
-    return F.cross_entropy(output.logits.reshape(-1, VOCAB), target.reshape(-1))
-
-
-def optimizer(params):
-    # SGD as the zoo: AdamW divides each gradient by its own running size, so an expert that saw no token in a
-    # step (gradient ~1e-12 of rounding) moves by lr whatever the rounding was; SGD keeps the comparison fair
-    return torch.optim.SGD(params, lr=0.1)
-
-
+loss_fn = causal_lm_loss
+optimizer = sgd
 split_points = ["model.layers.1"]
