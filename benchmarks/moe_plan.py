@@ -24,6 +24,8 @@ import sys
 import tempfile
 import time
 
+from benchmarks import write_result
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 
@@ -115,11 +117,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as root:
         result = plan(root) if args.what == "plan" else mixtral(root)
     print(json.dumps({k: v for k, v in result.items() if k != "stderr"}, indent=1))
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"{time.strftime('%Y%m%d-%H%M%S')}_moe_{args.what}.json")
-    with open(path, "w") as handle:
-        json.dump(result, handle, indent=1)
-    print(f"wrote {path}")
+    write_result(args.out, f"moe_{args.what}", result)
     return 0
 
 

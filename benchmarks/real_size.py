@@ -30,6 +30,8 @@ import tempfile
 import threading
 import time
 
+from benchmarks import write_result
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODEL = os.path.join(HERE, "llama_shapes.py")
 LAYERS = {"7b": (32, 4), "70b": (80, 16), "500m": (16, 4), "tiny": (4, 4)}
@@ -265,11 +267,7 @@ def main(argv=None) -> int:
         shutil.rmtree(root, ignore_errors=True)
     result["load_average"] = os.getloadavg()
     result["cpus"] = os.cpu_count()
-    os.makedirs(args.results, exist_ok=True)
-    path = os.path.join(args.results, f"{time.strftime('%Y%m%d-%H%M%S')}_real_size_{args.what}.json")
-    with open(path, "w") as handle:
-        json.dump(result, handle, indent=1)
-    print(f"wrote {path}")
+    write_result(args.results, f"real_size_{args.what}", result)
     return 0
 
 

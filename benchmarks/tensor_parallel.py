@@ -32,6 +32,8 @@ import time
 
 import torch
 
+from benchmarks import write_result
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 MODEL = os.path.join(REPO, "tests", "models", "tp_llama.py")
@@ -130,12 +132,8 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as root:
         record = {"what": args.what, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
                   **{"exact": exact, "memory": memory, "collectives": collectives}[args.what](root)}
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"{time.strftime('%Y%m%d-%H%M%S')}_tensor_parallel_{args.what}.json")
-    with open(path, "w") as handle:
-        json.dump(record, handle, indent=1)
     print(json.dumps({k: v for k, v in record.items() if k != "per_rank"}, indent=1))
-    print(f"wrote {path}")
+    write_result(args.out, f"tensor_parallel_{args.what}", record)
     return 0
 
 
