@@ -285,16 +285,16 @@ def tune(manifest: dict, calibration: Calibration, memory_limit: Optional[int] =
     if mesh.get("tp", 1) > 1:
         raise ValueError("this folder was split with --tp: calibrate and tune its tp=1 split (`tracepp split` "
                          "without --tp), and price tp with --tp-sizes")
+    segments = manifest["segments"]
     tp_sizes = sorted(set(tp_sizes or [1]))
     for tp in tp_sizes:
-        if tp != 1 and any(str(tp) not in (seg.get("tp") or {}) for seg in segments_of(manifest)):
-            known = sorted({int(k) for seg in segments_of(manifest) for k in (seg.get("tp") or {})})
+        if tp != 1 and any(str(tp) not in (seg.get("tp") or {}) for seg in segments):
+            known = sorted({int(k) for seg in segments for k in (seg.get("tp") or {})})
             raise ValueError(f"--tp-sizes {tp}: the split recorded tensor-parallel figures for tp in "
                              f"{[1] + known}; split the folder again with this tracepp to price others")
     link = collective_links(calibration)
     own_split = stage_of_segments(manifest)
     own_topology = topology_from_manifest(manifest)
-    segments = manifest["segments"]
     kept, dropped, failed = [], [], []
     plans: dict = {}  # the plan does not depend on the split, only on its topology
     for schedule in names:
@@ -320,16 +320,17 @@ def tune(manifest: dict, calibration: Calibration, memory_limit: Optional[int] =
                         candidate.error = built
                         failed.append(candidate)
                         continue
+                    costs = split_costs(calibration, list(split), size)  # at tp 1; each tp prices them anew
+                    optimizer = split_optimizer(calibration, list(split))
+                    messages = _messages(manifest, split, size, precision, own)
                     for tp in tp_sizes:
                         candidate = Candidate(schedule, num_stages, num_microbatches, split,
                                               _split_points(manifest, split), source, tp=tp)
-                        costs = tp_costs(manifest, split, split_costs(calibration, list(split), size), size, tp,
-                                         link, precision)
                         optimizer_s = {stage: seconds * _sharded_share(manifest, split, stage, tp)
-                                       for stage, seconds in split_optimizer(calibration, list(split)).items()}
+                                       for stage, seconds in optimizer.items()}
                         prediction = predict_plan(built.actions, built.stage_to_rank, topology, num_microbatches,
-                                                  costs, calibration, _messages(manifest, split, size, precision, own),
-                                                  optimizer_s, training, check=False)
+                                                  tp_costs(manifest, split, costs, size, tp, link, precision),
+                                                  calibration, messages, optimizer_s, training, check=False)
                         candidate.step_s, candidate.bubble = prediction.step_s, prediction.bubble
                         candidate.stage_to_rank = list(built.stage_to_rank)
                         candidate.peak_memory = _memory(manifest, split, prediction.sim, built.stage_to_rank, size,
@@ -344,15 +345,11 @@ def tune(manifest: dict, calibration: Calibration, memory_limit: Optional[int] =
     return kept, dropped, failed
 
 
-def segments_of(manifest: dict) -> list:
-    return manifest.get("segments") or []
-
-
 def _sharded_share(manifest: dict, split: tuple, stage: int, tp: int) -> float:
     """The fraction of a stage's optimizer work left per rank at ``tp``: its parameters less the sharded ones'
     (tp - 1) / tp."""
     total = sharded = 0
-    for seg, owner in zip(segments_of(manifest), split):
+    for seg, owner in zip(manifest["segments"], split):
         if owner == stage:
             total += seg["num_params"] or 0
             sharded += _tp_figures(seg, tp)["sharded_params"]
