@@ -319,20 +319,18 @@ class Pipeline:
         return groups
 
     def _counted_once(self) -> list:
-        """This rank's parameters, less shared copies whose lowest holding rank is another: each weight once."""
+        """[(how many tp ranks hold the same tensor, parameters)]: this rank's parameters less shared copies whose
+        lowest holding rank is another (each weight once); under tp, the shards (counted on every tp rank) apart
+        from the tensors replicated over tp (their tp copies divide out)."""
         stage_to_rank = self.manifest["plan"]["stage_to_rank"]
         owner = {shared["fqn"]: min(stage_to_rank[s] for s in shared["stages"]) for shared in self.manifest["shared"]}
-        return [p for name, p in self.named_parameters() if owner.get(name, self.pp_rank) == self.pp_rank]
-
-    def _grads_by_tp_replication(self) -> list:
-        """[(how many tp ranks hold the same tensor, parameters)]: without --tp, every parameter once."""
-        params = self._counted_once()
-        if self.tp_mesh is None:
-            return [(1, params)]
-        names = {id(p): n for n, p in self.named_parameters()}
-        sharded = [p for p in params if tensor_parallel.placement_of(self.manifest, names[id(p)]) is not None]
-        whole = [p for p in params if tensor_parallel.placement_of(self.manifest, names[id(p)]) is None]
-        return [(1, sharded), (self.layout["tp"], whole)]
+        tp = self.layout["tp"] if self.tp_mesh is not None else 1
+        groups: dict = {1: [], tp: []}
+        for name, param in self.named_parameters():
+            if owner.get(name, self.pp_rank) == self.pp_rank:
+                whole = tp > 1 and tensor_parallel.placement_of(self.manifest, name) is None
+                groups[tp if whole else 1].append(param)
+        return list(groups.items())
 
     # -- the step API ---------------------------------------------------------------------------------------
     def register_step_hook(self, hook):
@@ -432,7 +430,7 @@ class Pipeline:
         any (a signal asked one rank to stop: run.py saves and stops on all of them after this step)."""
         sums = torch.zeros(3, device=self.device, dtype=torch.float32)
         # with TP: a shard counts on each tp rank, a tensor replicated over tp once (its tp copies divide it out)
-        for replicas, params in self._grads_by_tp_replication():
+        for replicas, params in self._counted_once():
             grads = [dp_mesh.local(p.grad).detach() for p in params if p.grad is not None]
             if grads:  # with DP: local shards, each shard counted once over the mesh (replicas divide it out)
                 # one fused kernel for every tensor's norm (as torch.nn.utils.clip_grad_norm_), not two ops each
