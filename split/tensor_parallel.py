@@ -11,7 +11,8 @@ contiguous pieces). Walking the graph in order:
 * ops that keep a sharded dim apart (elementwise ops, views that split it into heads or merge heads back,
   transposes, attention over the head dim, reductions over other dims, slices and concatenations of other
   dims) carry the sharding through; a replicated operand broadcast along the sharded dim (rotary tables, a
-  per-head-dim norm weight) goes through ``tp_copy`` so its gradient is summed over the group;
+  per-head-dim norm weight, a per-token gate) may be read as it is, and one that carries a gradient (by the
+  graph's flow from the parameters, not export's metadata) goes through ``tp_copy`` so its gradient is summed;
 * a linear whose input is sharded on its last dim becomes **row-wise** (weight split on the input features,
   ``Shard(1)``): its partial product goes through ``tp_all_reduce`` and then takes the bias;
 * an embedding whose weight is a parameter becomes **vocabulary-parallel** (``Shard(0)``);
