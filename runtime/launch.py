@@ -12,7 +12,8 @@ Command line (the same on every rank, as torchrun passes it)::
         [--optimizer sgd|adamw] [--weight-decay WD] [--warmup N] [--checkpoint-dir D --save-every N]
         [--resume D] [--save-safetensors PATH] [--activation-checkpointing none|full|selective]
         [--load CKPT | --init model|per-module] [--cpu-bind auto|none]
-        [--data TOKENS --seed S] [--eval-data TOKENS --eval-every N --eval-batches K] [--tensorboard DIR]
+        [--data TOKENS --seed S --data-order random|epoch] [--accept-data-change]
+        [--eval-data TOKENS --eval-every N --eval-batches K] [--tensorboard DIR]
         [--log-every N] [--keep-last K] [--resume auto|D]
 
 or, with this script as torchrun's launcher (a signal to it stops the ranks without a traceback)::
@@ -31,7 +32,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from .data import EvalBatches, TokenBatches, check_resumed, data_record
+from .data import ORDERS, EvalBatches, TokenBatches, accepted_note, check_resumed, data_record
 from .distributed import missing_dependency
 from .failure import EXIT_FAILED, FailureChannel, PipelineError, agree, say, stall_message
 from .loading import load_manifest
@@ -72,15 +73,26 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--keep-last", type=int, default=0, metavar="K",
                         help="with --checkpoint-dir: keep the K newest complete checkpoints, deleting older ones "
                              "once a newer one is complete (default: keep all)")
-    parser.add_argument("--data", default=None, metavar="TOKENS",
-                        help="train on windows of a token file (.bin of uint16 as nanoGPT, or .npy of integers), "
-                             "memory-mapped, instead of the model file's batch(step)")
+    parser.add_argument("--data", default=None, nargs="+", metavar="TOKENS",
+                        help="train on windows of token files instead of the model file's batch(step): a file, a "
+                             "folder, a glob, or a weighted mixture (0.7:web/*.bin,0.3:code/ or 0.7 web/ 0.3 "
+                             "code/); nanoGPT's uint16 .bin, llm.c's headered .bin (uint16/uint32) or .npy, "
+                             "memory-mapped")
+    parser.add_argument("--data-order", default="random", choices=list(ORDERS),
+                        help="with --data: random draws each step's windows with replacement (nanoGPT); epoch "
+                             "reads every non-overlapping window once per pass, shuffled per pass from --seed "
+                             "(a mixture: each source its own passes)")
     parser.add_argument("--seed", type=int, default=0,
-                        help="with --data: the seed of the window positions (each step's are drawn from it and "
-                             "the step; default 0)")
-    parser.add_argument("--eval-data", default=None, metavar="TOKENS",
-                        help="held-out token file: a forward-only pass over --eval-batches fixed batches of it "
-                             "every --eval-every steps and at the end, printing and logging val_loss")
+                        help="with --data: the seed of the window order (each step's windows are a function of "
+                             "it, the step and the data; default 0)")
+    parser.add_argument("--accept-data-change", action="store_true",
+                        help="with --resume and --data: continue although shards were added, removed or rewritten "
+                             "since the checkpoint (named otherwise); every source starts a new pass at the resumed "
+                             "step")
+    parser.add_argument("--eval-data", default=None, nargs="+", metavar="TOKENS",
+                        help="held-out token files (as --data): a forward-only pass over --eval-batches fixed "
+                             "batches spread over them every --eval-every steps and at the end, printing and "
+                             "logging val_loss")
     parser.add_argument("--eval-every", type=int, default=0, metavar="N",
                         help="with --eval-data: evaluate every N steps (default: only at the end)")
     parser.add_argument("--eval-batches", type=int, default=8, metavar="K",
@@ -411,9 +423,12 @@ def _report_step(pipe: Pipeline, args, step: int, result, elapsed: float, cpu_ti
         record["lr"] = lr
     if norm is not None:
         record["grad_norm"] = norm
+    if job.source is not None:
+        record.update(job.source.position(step))
     if job.board is not None:
         job.board.scalars(step + 1, {"train/loss": loss_value, "train/lr": lr, "train/grad_norm": norm,
-                                     "train/tokens_per_s": record.get("tokens_per_s"), "train/step_time_s": elapsed})
+                                     "train/tokens_per_s": record.get("tokens_per_s"), "train/step_time_s": elapsed,
+                                     **(job.source.scalars(step) if job.source is not None else {})})
     if args.metrics:
         if faults is not None:
             record["minor_faults"] = faults
@@ -437,8 +452,9 @@ def _append_metrics(path: str, record: dict) -> None:
 class JobState:
     """What the loop keeps for a long job's reporting: progress, the TensorBoard writer, tokens per sample."""
 
-    def __init__(self, pipe: Pipeline, args, first_step: int, optimizer, reports: bool):
+    def __init__(self, pipe: Pipeline, args, first_step: int, optimizer, reports: bool, source=None):
         record = pipe.manifest.get("token_input")
+        self.source = source  # --data: tokens seen and passes go into the metrics and TensorBoard
         self.seq = record["seq"] if record else None
         self.progress = Progress(args.steps)
         self.optimizer = optimizer
@@ -462,8 +478,11 @@ def _check_job_flags(pipe: Pipeline, args) -> None:
         raise PipelineError("--eval-every/--eval-batches evaluate on --eval-data: pass --eval-data TOKENS (a "
                             "held-out token file)")
     if args.eval_data and not (pipe.training and hasattr(pipe.user, "loss_fn")):
-        raise PipelineError(f"--eval-data {args.eval_data} reports a validation loss, and this model file has no "
-                            f"loss_fn: drop --eval-data")
+        raise PipelineError(f"--eval-data {' '.join(args.eval_data)} reports a validation loss, and this model "
+                            f"file has no loss_fn: drop --eval-data")
+    if (args.data_order != "random" or args.accept_data_change) and not args.data:
+        raise PipelineError("--data-order/--accept-data-change are about the token files of --data: pass --data "
+                            "TOKENS, or drop them")
     if args.eval_every < 0 or args.eval_batches < 1 or args.log_every < 1:
         raise PipelineError(f"--eval-every {args.eval_every}, --eval-batches {args.eval_batches}, --log-every "
                             f"{args.log_every}: use --eval-every >= 0 and the others >= 1")
@@ -509,7 +528,7 @@ def train(pipe: Pipeline, args) -> None:
     _check_job_flags(pipe, args)
     if not hasattr(args, "stop"):  # a caller of train() other than main(): no signal handling
         args.stop = StopRequest()
-    source = TokenBatches(args.data, manifest, args.seed) if args.data else None
+    source = TokenBatches(args.data, manifest, args.seed, args.data_order) if args.data else None
     evals = EvalBatches(args.eval_data, manifest, args.eval_batches) if args.eval_data else None
     named = [(name, p) for name, p in pipe.named_parameters() if p.requires_grad]
     optimizer, scheduler, fqns = None, None, []
@@ -521,6 +540,8 @@ def train(pipe: Pipeline, args) -> None:
     reports = pipe.is_last_rank and pipe.dp_index == 0 and pipe.tp_index == 0  # one replica prints (its loss is the global batch's)
     args.data_record = data_record(source)
     first_step = _resume(pipe, args, optimizer, scheduler, fqns) if args.resume else 0
+    if source is not None:
+        source.follow(args.data_record)  # a resume's record: an accepted data change restarts the passes
     scaler = DynamicLossScale() if pipe.precision == "fp16" else None
     needs_norm = training and (args.clip_grad_norm is not None or args.on_nonfinite != "continue"
                                or scaler is not None)
@@ -529,7 +550,7 @@ def train(pipe: Pipeline, args) -> None:
         if source is not None:
             also = "; the model file's batch(step) is not used (--data wins)" if hasattr(user, "batch") else ""
             print(source.describe() + also, flush=True)
-    job = JobState(pipe, args, first_step, optimizer, reports)
+    job = JobState(pipe, args, first_step, optimizer, reports, source)
     history, outputs = [], []
     host_memory.configure(device)  # CPU ranks: freed tensors go back to the OS (see host_memory.py)
     batches = BatchPrefetcher(source or (lambda index: user_batch(user, index, training)), device)
@@ -681,13 +702,15 @@ def _resume(pipe: Pipeline, args, optimizer, scheduler, fqns: list) -> int:
     checkpoint.load(prepared, optimizer, fqns)
     if pipe.is_last_rank and pipe.dp_index == 0 and pipe.tp_index == 0 and not args.quiet:
         print(f"resumed from {path} (step {step}); training steps {step + 1} to {args.steps}", flush=True)
+        if accepted_note(args.data_record, step):
+            print(accepted_note(args.data_record, step), flush=True)
     return step
 
 
 def _check_resume(pipe: Pipeline, args, optimizer, scheduler, fqns: list, step: int, path: str) -> tuple:
     info = checkpoint.read_info(path)
     checkpoint.check_compatible(path, info, _checkpoint_info(pipe, optimizer))
-    check_resumed(path, info.get("data"), args.data_record)
+    args.data_record = check_resumed(path, info.get("data"), args.data_record, step, args.accept_data_change)
     if scheduler is not None:  # a schedule is a function of the step count: step a fresh one to `step`
         import warnings
 
