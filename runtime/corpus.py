@@ -13,15 +13,17 @@ Megatron's ``0.7 web/ 0.3 code/`` (:func:`parse_sources`). Each file's format is
 Opening reads a few kilobytes of each file and no more: its header and size, a fingerprint (the first 4 KiB and
 four 256-byte samples, hashed: a shard rewritten since a checkpoint is noticed without reading it whole) and a
 bounded sample for the vocabulary check (:data:`SCAN_TOKENS` tokens in all, spread over the files; every window
-read later is checked too). Windows are read through memory maps opened on first use (:class:`Maps`): at most
-:data:`MAX_MAPS` at once (each holds a file descriptor), all dropped after :data:`MAP_BUDGET` bytes were read
-through them, so a long job's resident memory does not grow with the data it has read.
+read later is checked too). Windows are read through memory maps opened on first use (:class:`Maps`), as many
+at once as a quarter of the process's file descriptor limit allows (each holds one; 256 under the common soft
+limit of 1024), and a read's pages are unmapped after the copy, so a long job's resident memory does not grow
+with the data it has read.
 """
 from __future__ import annotations
 
 import bisect
 import glob
 import hashlib
+import mmap
 import os
 import re
 import struct
@@ -36,8 +38,6 @@ HEADER_BYTES = 1024  # llm.c: 256 int32
 LLMC = {20240520: (1, np.dtype("<u2"), "llm.c uint16"), 20240801: (7, np.dtype("<u4"), "llm.c uint32")}
 EXTENSIONS = (".bin", ".npy")
 SCAN_TOKENS = 1 << 22  # tokens checked against the vocabulary at open, spread over the files
-MAX_MAPS = 64
-MAP_BUDGET = 64 << 20  # bytes of pages touched through the open maps before they are all dropped
 _FORMATS = ("nanoGPT's headerless uint16 .bin, llm.c's .bin (256 int32 of header, then uint16 or uint32 "
             "tokens), or a 1-D .npy of integers")
 _FIX = "write it again (examples/prepare_tokens.py, or llm.c's dev/data scripts)"
@@ -158,30 +158,64 @@ def _fingerprint(fd: int, size: int, head: bytes) -> str:
 
 
 class Maps:
-    """Memory maps of token files, opened on first read: at most ``limit`` open at once (least recently used
-    closed first) and all closed after ``budget`` bytes of pages were touched through them (the pages of a mapped
-    file count in the process's resident memory until it is unmapped)."""
+    """Memory maps of token files, opened on first read, at most ``limit`` at once (least recently used closed
+    first; each holds a file descriptor). The maps are advised random access (no read-ahead: a window is a few
+    KiB), and the pages a read touched (with the kernel's fault-around, up to 64 KiB about them) are unmapped again
+    after the copy: a mapped page counts in the process's resident memory, so without it a long job's would grow
+    with the data it has read (the page cache keeps them either way)."""
 
-    def __init__(self, limit: int = MAX_MAPS, budget: int = MAP_BUDGET):
-        self.limit, self.budget = limit, budget
+    def __init__(self, limit=None):
+        self.limit = limit or _map_limit()
         self.open = OrderedDict()
-        self.touched = 0
 
     def read(self, file: TokenFile, start: int, count: int) -> np.ndarray:
         if start < 0 or start + count > file.count:
             raise IndexError(f"{file.path}: tokens {start}..{start + count} of {file.count}")
-        tokens = self.open.pop(file.path, None)
-        if tokens is None:
+        found = self.open.pop(file.path, None)
+        if found is None:
             if len(self.open) >= self.limit:
                 self.open.popitem(last=False)
-            tokens = np.memmap(file.path, dtype=file.dtype, mode="r", offset=file.offset, shape=(file.count,))
-        self.open[file.path] = tokens
+            found = self._map(file)
+        self.open[file.path] = found
+        mapped, tokens = found
         data = np.array(tokens[start:start + count], dtype=np.int64)
-        self.touched += count * file.dtype.itemsize + 8192  # the pages at both ends
-        if self.touched > self.budget:
-            self.open.clear()
-            self.touched = 0
+        if _DONTNEED is not None:
+            first = (file.offset + start * file.dtype.itemsize) & ~(_AROUND - 1)
+            last = min(file.offset + (start + count) * file.dtype.itemsize + _AROUND, len(mapped))
+            mapped.madvise(_DONTNEED, first, last - first)
         return data
+
+    def _map(self, file: TokenFile) -> tuple:
+        for attempt in range(2):
+            try:
+                with open(file.path, "rb") as handle:
+                    mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+                break
+            except (OSError, ValueError) as error:  # out of address space (ulimit -v) or file descriptors
+                if attempt or not self.open:
+                    raise PipelineError(f"{file.flag} {file.path}: cannot be memory-mapped ({error})") from error
+                self.open.clear()
+        if hasattr(mmap, "MADV_RANDOM"):
+            mapped.madvise(mmap.MADV_RANDOM)
+        return mapped, np.frombuffer(mapped, dtype=file.dtype, count=file.count, offset=file.offset)
+
+
+_DONTNEED = getattr(mmap, "MADV_DONTNEED", None)
+_AROUND = 1 << 16  # Linux maps up to 64 KiB of cached pages about a faulting one (fault_around_bytes)
+
+
+def _map_limit() -> int:
+    """How many files stay mapped at once: a quarter of the file descriptors this process may open (each map
+    holds one), between 16 and 4096."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):
+        soft = 1024
+    if soft == getattr(resource, "RLIM_INFINITY", -1):
+        soft = 1 << 16
+    return max(16, min(4096, soft // 4))
 
 
 # --- what --data names --------------------------------------------------------------------------------------
