@@ -5,10 +5,13 @@ loss equals eager's; K steps + ``--resume auto`` for K more equal 2K uninterrupt
 ``--metrics`` record every step; a rank killed with SIGKILL under ``--max-restarts`` comes back and ends equal;
 SIGUSR1 to one rank and SIGTERM to torchrun (and to run.py as its own launcher) save one checkpoint and exit 0,
 and the resumed job ends equal; a damaged latest checkpoint falls back to the previous one; a full disk fails
-the save with a message and leaves the previous checkpoint intact.
+the save with a message and leaves the previous checkpoint intact. A mixture of llm.c and .npy shards in epoch
+order trains equal to eager, resumes bit for bit, and a shard rewritten since the checkpoint is named and then
+accepted with --accept-data-change.
 """
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -181,3 +184,55 @@ def test_damaged_checkpoint_falls_back_and_full_disk_keeps_the_previous(job, tmp
     assert "CheckpointException" not in full.stderr and "OSError: [Errno 27]" in full.stderr, full.stderr[-3000:]
     assert sorted(os.listdir(checkpoints)) == ["step_1", "step_2", "step_3"]
     assert {name: os.path.getsize(checkpoints / "step_3" / name) for name in os.listdir(checkpoints / "step_3")} == before
+
+
+def test_sharded_mixture_in_epoch_order_resumes_exactly_and_names_a_changed_shard(job, tmp_path):
+    rng = np.random.default_rng(1)
+    header = np.zeros(256, dtype=np.int32)
+    header[:3] = (20240520, 1, 300)
+    os.makedirs(tmp_path / "web")
+    os.makedirs(tmp_path / "code")
+    for shard in range(3):  # llm.c's format, 37 windows of 8 tokens each
+        with open(tmp_path / "web" / f"web_train_{shard:06d}.bin", "wb") as handle:
+            handle.write(header.tobytes() + rng.integers(0, 48, 300).astype(np.uint16).tobytes())
+    for shard in range(2):
+        np.save(tmp_path / "code" / f"code_{shard}.npy", rng.integers(0, 48, 200).astype(np.int32))
+    common = ["--data", f"0.7:{tmp_path}/web/*.bin,0.3:{tmp_path}/code/", "--data-order", "epoch", "--seed", "5"]
+    checkpoints, metrics, whole = tmp_path / "ckpt", str(tmp_path / "m.jsonl"), str(tmp_path / "whole.pt")
+    first = run_ok(job["out"], 2, "--steps", str(STEPS), *common, "--checkpoint-dir", str(checkpoints),
+                   "--save-every", "3", "--save", whole, "--metrics", metrics)
+    assert "data: 70% " in first.stdout and "every non-overlapping window once per pass" in first.stdout
+
+    manifest = json.load(open(os.path.join(job["out"], "manifest.json")))
+    model_file = load_model_file(MODEL)
+    model = model_file.model()
+    optimizer = model_file.module.optimizer(list(model.parameters()))
+    source = TokenBatches(common[1], manifest, seed=5, order="epoch")
+    for step in range(STEPS):
+        (inputs,), _kwargs, target = source(step)
+        model_file.module.loss_fn(model(inputs), target).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    assert_state_close(torch.load(whole), model.state_dict())
+    last = [json.loads(line) for line in open(metrics)][-1]
+    assert last["tokens_seen"] == STEPS * 4 * 8 and set(last["data_pass"]) == {"web", "code"}
+    assert last["data_pass"] == source.position(STEPS - 1)["data_pass"]
+
+    for name in ("again", "changed"):
+        shutil.copytree(checkpoints / "step_3", tmp_path / name / "step_3")
+    resumed = str(tmp_path / "resumed.pt")
+    run_ok(job["out"], 2, "--steps", str(STEPS), *common, "--resume", str(tmp_path / "again"), "--save", resumed)
+    assert_state_close(torch.load(resumed), torch.load(whole), atol=0)
+
+    changed = tmp_path / "web" / "web_train_000001.bin"
+    with open(changed, "r+b") as handle:  # the same size, other tokens
+        handle.seek(1024)
+        handle.write(rng.integers(0, 48, 300).astype(np.uint16).tobytes())
+    refused = torchrun(job["out"], 2, "--steps", str(STEPS), *common, "--resume", str(tmp_path / "changed"))
+    assert refused.returncode != 0
+    assert f"web: 1 shard(s) rewritten ({changed} (same tokens count, other contents))" in refused.stderr
+    assert "pass --accept-data-change to train on the data as it is now from step 4 on" in refused.stderr
+    accepted = run_ok(job["out"], 2, "--steps", str(STEPS), *common, "--resume", str(tmp_path / "changed"),
+                      "--accept-data-change")
+    assert "--accept-data-change: web: 1 shard(s) rewritten" in accepted.stdout
+    assert "from step 4 every source of --data starts a new pass" in accepted.stdout and "step 4/6" in accepted.stdout
