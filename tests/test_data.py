@@ -357,3 +357,28 @@ def test_a_thousand_sparse_shards_of_100m_tokens_open_in_bounded_memory(tmp_path
     before, peak, windows = map(int, result.stdout.split())
     assert windows == 1000 * ((100_000_000 - 1) // 1024)
     assert peak - before < 100 << 20, f"opening and reading grew the peak resident memory by {peak - before:,} bytes"
+
+
+def test_prepare_tokens_writes_llmc_shards_and_still_one_file_without_a_shard_size(tmp_path, capsys):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("prepare_tokens", os.path.join(REPO, "examples", "prepare_tokens.py"))
+    prepare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(prepare)
+    text = str(tmp_path / "story.txt")
+    open(text, "w", encoding="utf-8").write("".join(chr(97 + k % 26) for k in range(1000)))
+    expected = np.frombuffer(open(text, "rb").read(), dtype=np.uint8)
+    prepare.main([text, "-o", str(tmp_path / "shards"), "--shard-size", "300"])
+    train = corpus.expand(str(tmp_path / "shards" / "story_train_*.bin"))
+    assert [os.path.basename(path) for path in train] == [f"story_train_{k:06d}.bin" for k in range(3)]
+    files = [TokenFile(path) for path in train]
+    assert [file.format for file in files] == ["llm.c uint16"] * 3 and [len(file) for file in files] == [300] * 3
+    assert np.concatenate([file.read(0, len(file)) for file in files]).tolist() == expected[:900].tolist()
+    val = TokenFile(str(tmp_path / "shards" / "story_val_000000.bin"))
+    assert val.read(0, len(val)).tolist() == expected[900:].tolist()
+    wide = str(tmp_path / "wide.bin")
+    prepare.write_shard(wide, np.array([70_000, 1, 2]), wide=True)
+    assert TokenFile(wide).format == "llm.c uint32" and TokenFile(wide).read(0, 3).tolist() == [70_000, 1, 2]
+    prepare.main([text, "-o", str(tmp_path / "flat")])
+    assert sorted(os.listdir(tmp_path / "flat")) == ["train.bin", "val.bin"]
+    assert TokenFile(str(tmp_path / "flat" / "train.bin")).format == "nanoGPT uint16"
