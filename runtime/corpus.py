@@ -211,10 +211,10 @@ def _map_limit() -> int:
         import resource
 
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    except (ImportError, OSError, ValueError):
+        if soft == resource.RLIM_INFINITY:
+            soft = 1 << 16
+    except (ImportError, OSError, ValueError):  # no resource module (Windows): a common default
         soft = 1024
-    if soft == getattr(resource, "RLIM_INFINITY", -1):
-        soft = 1 << 16
     return max(16, min(4096, soft // 4))
 
 
@@ -310,10 +310,7 @@ class Source:
     every start position (``starts``, random order) and the non-overlapping windows (``windows``, epoch order)."""
 
     def __init__(self, weight, patterns: list, label: str, flag: str, seq: int, maps: Maps):
-        paths = []
-        for pattern in patterns:
-            paths += [path for path in expand(pattern, flag) if path not in paths]
-        paths.sort()
+        paths = sorted({path for pattern in patterns for path in expand(pattern, flag)})
         self.weight, self.label, self.flag, self.seq, self.spec = weight, label, flag, seq, ",".join(patterns)
         self.files = [TokenFile(path, flag, maps) for path in paths]
         absolute = [os.path.abspath(path) for path in paths]
