@@ -172,11 +172,13 @@ def optimizer_state_by_fqn(optimizer, fqns: list) -> tuple:
 
 
 def save(directory: str, step: int, named_state: dict, optimizer, fqns: list, info: dict, rank: int,
-         group=None, keep_last: int = 0) -> str:
+         group=None, keep_last: int = 0, view=None) -> str:
     """Write checkpoint ``step`` (a collective: every rank calls it) atomically; returns its final path. The
     files' sizes and CRC-32s go into its record (each rank checksums a share); ``keep_last`` > 0 then deletes
     all but the newest ``keep_last`` complete checkpoints. A failed write (a full disk) removes the partial
-    folder, leaves the earlier checkpoints alone and raises CheckpointError on every rank."""
+    folder, leaves the earlier checkpoints alone and raises CheckpointError on every rank. ``view(fqn, tensor)``
+    gives what DCP writes of a parameter and of its optimizer state (a tensor-parallel fused projection in the
+    model's own layout: ``tensor_parallel.checkpoint_view``)."""
     import torch.distributed.checkpoint as dcp
 
     final = os.path.join(directory, f"step_{step}")
@@ -185,11 +187,17 @@ def save(directory: str, step: int, named_state: dict, optimizer, fqns: list, in
         os.makedirs(directory, exist_ok=True)
         shutil.rmtree(temporary, ignore_errors=True)  # a leftover of a save killed earlier
     _barrier(group)
-    flat = {f"model.{fqn}": tensor.detach() for fqn, tensor in named_state.items()}
+    view = view or (lambda _fqn, tensor: tensor)
+    flat = {f"model.{fqn}": view(fqn, tensor.detach()) for fqn, tensor in named_state.items()}
     optim_groups = {}
     if optimizer is not None:
         state, optim_groups = optimizer_state_by_fqn(optimizer, fqns)
-        flat.update({f"optim.{key}": value for key, value in state.items()})
+        shapes = {fqn: tuple(tensor.shape) for fqn, tensor in named_state.items()}
+        for key, value in state.items():
+            fqn = key.rpartition(".")[0]
+            if isinstance(value, torch.Tensor) and shapes.get(fqn) == tuple(value.shape):
+                value = view(fqn, value)
+            flat[f"optim.{key}"] = value
     flat[f"rng.rank{rank}"] = pickle.dumps(_rng_state())  # bytes: one opaque entry per rank
     problem, sums = None, {}
     try:
@@ -319,9 +327,11 @@ def check_compatible(path: str, saved: dict, current: dict) -> None:
             f"run that wrote it, or start without --resume")
 
 
-def prepare_load(path: str, named_state: dict, optimizer, fqns: list, rank: int, same_world: bool) -> dict:
+def prepare_load(path: str, named_state: dict, optimizer, fqns: list, rank: int, same_world: bool,
+                 view=None) -> dict:
     """Check this rank's parameters and optimizer against checkpoint ``path`` (no communication) and return
-    what :func:`load` reads: destination tensors keyed as in the checkpoint. Raises CheckpointError."""
+    what :func:`load` reads: destination tensors keyed as in the checkpoint (``view``: as :func:`save`). Raises
+    CheckpointError."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -333,8 +343,9 @@ def prepare_load(path: str, named_state: dict, optimizer, fqns: list, rank: int,
             found = "missing" if entry is None else f"shape {list(entry.size)}"
             raise CheckpointError(f"checkpoint {path}: {fqn} is {found}, this model has shape {list(tensor.shape)}; "
                                   f"resume from a checkpoint of this model")
-        flat[f"model.{fqn}"] = tensor.detach()
+        flat[f"model.{fqn}"] = view(fqn, tensor.detach()) if view else tensor.detach()
     optimizer_keys = {}
+    destinations = {}  # optimizer state read through a view: the tensor the optimizer gets
     if optimizer is not None:
         by_fqn = dict(zip(fqns, (p for g in optimizer.param_groups for p in g["params"])))
         for key, entry in metadata.items():
@@ -355,6 +366,9 @@ def prepare_load(path: str, named_state: dict, optimizer, fqns: list, rank: int,
                     from torch.distributed.tensor import empty as dtensor_empty
                     flat[key] = dtensor_empty(*entry.size, dtype=entry.properties.dtype,
                                               device_mesh=param.device_mesh, placements=param.placements)
+                    if view is not None:
+                        destinations[key] = flat[key]
+                        flat[key] = view(fqn, flat[key])
                 else:
                     flat[key] = torch.empty(tuple(entry.size), dtype=entry.properties.dtype, device=param.device)
             else:
@@ -367,7 +381,8 @@ def prepare_load(path: str, named_state: dict, optimizer, fqns: list, rank: int,
     rng_key = f"rng.rank{rank}"
     if same_world and rng_key in metadata:
         flat[rng_key] = b""
-    return {"path": path, "flat": flat, "optimizer_keys": optimizer_keys, "rng_key": rng_key}
+    return {"path": path, "flat": flat, "optimizer_keys": optimizer_keys, "rng_key": rng_key,
+            "destinations": destinations}
 
 
 def load(prepared: dict, optimizer, fqns: list) -> None:
@@ -377,6 +392,7 @@ def load(prepared: dict, optimizer, fqns: list) -> None:
 
     flat = prepared["flat"]
     dcp.load(flat, checkpoint_id=prepared["path"])
+    flat.update(prepared.get("destinations", {}))  # the DTensors the views wrote into
     if optimizer is not None and prepared["optimizer_keys"]:
         _load_optimizer(prepared["path"], optimizer, fqns, flat, prepared["optimizer_keys"])
     if flat.get(prepared["rng_key"]):

@@ -36,7 +36,7 @@ from .data import ORDERS, EvalBatches, TokenBatches, accepted_note, check_resume
 from .distributed import missing_dependency
 from .failure import EXIT_FAILED, FailureChannel, PipelineError, agree, say, stall_message
 from .loading import load_manifest
-from . import checkpoint, cpu_binding, host_memory, recompute, shm_p2p
+from . import checkpoint, cpu_binding, host_memory, recompute, shm_p2p, tensor_parallel
 from .mesh import coordinates, full, mesh_layout, world_size
 from .optim import OPTIMIZERS, build_optimizer, build_scheduler, parameter_fqns, step_scheduler
 from .pipeline import Pipeline, check_precision, step_ended
@@ -198,7 +198,8 @@ def _gather_state_dict(manifest: dict, rank: int, state: dict, world: int, unuse
     """Every rank's state (``Pipeline.state_dict``) gathered on rank 0 and keyed by every original FQN (a tied
     weight's aliases name one tensor); None on the other ranks. ``include``: False on data-parallel replicas
     other than the first (same tensors)."""
-    mine = {name: full(tensor).detach().cpu() for name, tensor in state.items()}  # full: collective over dp
+    mine = {name: tensor_parallel.whole(manifest, name, full(tensor)).detach().cpu()  # full: a collective
+            for name, tensor in state.items()}
     if not include:
         mine = {}
     parts = [None] * world if rank == 0 else None
@@ -612,10 +613,15 @@ def train(pipe: Pipeline, args) -> None:
         dist.destroy_process_group()
 
 
+def _checkpoint_view(pipe: Pipeline, for_save: bool):
+    """What DCP sees of each tensor: tensor-parallel fused projections in the model's own layout."""
+    return tensor_parallel.checkpoint_view(pipe.manifest, for_save) if pipe.tp_mesh is not None else None
+
+
 def _save_checkpoint(pipe: Pipeline, args, step: int, optimizer, fqns: list, reports: bool) -> None:
     path = checkpoint.save(args.checkpoint_dir, step, pipe.state_dict(), optimizer, fqns,
                            _checkpoint_info(pipe, optimizer, args), pipe.rank, group=_control_group_or_none(pipe),
-                           keep_last=args.keep_last)
+                           keep_last=args.keep_last, view=_checkpoint_view(pipe, for_save=True))
     if reports and not args.quiet:
         print(f"checkpoint {path}", flush=True)
 
@@ -728,7 +734,7 @@ def _check_resume(pipe: Pipeline, args, optimizer, scheduler, fqns: list, step: 
                     f"LR schedule gives {group['lr']}: use the same --lr/--warmup/--steps or lr_scheduler(...) "
                     f"as the run that wrote it")
     prepared = checkpoint.prepare_load(path, pipe.state_dict(), optimizer, fqns, pipe.rank,
-                                       info["world_size"] == pipe.world_size)
+                                       info["world_size"] == pipe.world_size, view=_checkpoint_view(pipe, False))
     return step, path, prepared
 
 

@@ -107,10 +107,24 @@ _register()
 
 # ---- this rank's shards
 
-def shard(tensor: torch.Tensor, dim: int, size: int, rank: int) -> torch.Tensor:
-    """Rank ``rank``'s contiguous piece of ``tensor`` split in ``size`` equal parts along ``dim``, in storage of
-    its own (a view would keep the whole tensor alive)."""
-    return tensor.chunk(size, dim=dim)[rank].clone(memory_format=torch.contiguous_format)
+def shard(tensor: torch.Tensor, dim: int, size: int, rank: int, segments=None) -> torch.Tensor:
+    """Rank ``rank``'s piece of ``tensor`` split in ``size`` equal parts along ``dim``, in storage of its own (a
+    view would keep the whole tensor alive). With ``segments`` (a fused projection's parts along ``dim``: q, k, v
+    or gate, up) the piece is the rank's part of each segment, side by side: the rows of its own heads."""
+    if not segments:
+        return tensor.chunk(size, dim=dim)[rank].clone(memory_format=torch.contiguous_format)
+    parts = tensor.split(list(segments), dim=dim)
+    return torch.cat([part.chunk(size, dim=dim)[rank] for part in parts], dim=dim).contiguous()
+
+
+def original_layout(tensor: torch.Tensor, dim: int, size: int, segments) -> torch.Tensor:
+    """The model's own layout of a segmented tensor gathered from its pieces (rank-major: rank 0's part of every
+    segment, then rank 1's, ...): each segment's parts back together, in segment order."""
+    if not segments:
+        return tensor
+    local = [s // size for s in segments]
+    per_rank = [piece.split(local, dim=dim) for piece in tensor.chunk(size, dim=dim)]
+    return torch.cat([torch.cat([parts[k] for parts in per_rank], dim=dim) for k in range(len(segments))], dim=dim)
 
 
 def placement_of(manifest: dict, fqn: str):
@@ -120,19 +134,36 @@ def placement_of(manifest: dict, fqn: str):
     return None if entry is None else entry.get("dim")
 
 
+def segments_of(manifest: dict, fqn: str):
+    """The segments of a fused projection's sharded dim (e.g. [q rows, k rows, v rows]), or None."""
+    entry = (manifest.get("tp") or {}).get("params", {}).get(fqn) or {}
+    return entry.get("segments") if entry.get("dim") is not None else None
+
+
 def piece_for(manifest: dict, size: int, rank: int):
     """``piece(fqn, tensor)`` for ``weights.load_rank_state``: a sharded parameter's piece for tp rank ``rank``,
     anything else whole. Every rank of a tp group reads the same whole tensors (the same checkpoint or the same
     seeded ``model()``), so the pieces fit together exactly."""
     def piece(fqn: str, tensor: torch.Tensor) -> torch.Tensor:
         dim = placement_of(manifest, fqn)
-        return tensor if dim is None else shard(tensor, dim, size, rank)
+        return tensor if dim is None else shard(tensor, dim, size, rank, segments_of(manifest, fqn))
     return piece
+
+
+def whole(manifest: dict, fqn: str, tensor: torch.Tensor) -> torch.Tensor:
+    """A parameter gathered whole (``mesh.full``) in the model's own layout: a fused projection's rows re-laid
+    from the rank-major order the gather gives."""
+    segments = segments_of(manifest, fqn)
+    if not segments:
+        return tensor
+    return original_layout(tensor, placement_of(manifest, fqn), manifest["tp"]["size"], segments)
 
 
 def distribute(state: dict, manifest: dict, tp_mesh) -> dict:
     """FQN -> DTensor over the ``tp`` mesh of this rank's loaded state (already cut by :func:`piece_for`):
-    sharded parameters ``Shard(dim)``, the other parameters ``Replicate()``; buffers stay plain tensors."""
+    sharded parameters ``Shard(dim)``, the other parameters ``Replicate()``; buffers stay plain tensors. A fused
+    projection's DTensor is over its rank-major layout (each rank's rows contiguous); checkpoints and ``--save``
+    re-lay it (:func:`checkpoint_view`, :func:`whole`)."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     out = {}
@@ -145,3 +176,88 @@ def distribute(state: dict, manifest: dict, tp_mesh) -> dict:
         value = DTensor.from_local(tensor.detach(), tp_mesh, [placement], run_check=False)
         out[fqn] = torch.nn.Parameter(value, requires_grad=tensor.requires_grad)
     return out
+
+
+# ---- checkpoints of fused projections, in the model's own layout
+
+def _runs(start: int, count: int, total: int, size: int, segments) -> list:
+    """[(position in the model's layout, position in the rank-major layout, length)] covering rank-major
+    positions [start, start + count) of a dim of ``total`` with ``segments``."""
+    per_rank = total // size
+    local = [s // size for s in segments]
+    local_starts = [sum(local[:k]) for k in range(len(local))]
+    seg_starts = [sum(segments[:k]) for k in range(len(segments))]
+    runs, at, end = [], start, start + count
+    while at < end:
+        rank, within = divmod(at, per_rank)
+        k = max(i for i in range(len(local)) if local_starts[i] <= within)
+        length = min(end - at, local_starts[k] + local[k] - within)
+        runs.append((seg_starts[k] + rank * local[k] + within - local_starts[k], at, length))
+        at += length
+    return runs
+
+
+class CheckpointPieces(torch.Tensor):
+    """What torch.distributed.checkpoint sees of a fused projection's DTensor (or its optimizer state): this
+    rank's rows as chunks of the tensor in the model's own layout, so a checkpoint is the same whatever --tp
+    wrote it and loads into any tp (or none). A view for DCP only (it implements DCP's chunk protocol; no op
+    runs on it): saving copies each chunk out, loading writes into the DTensor's local storage."""
+
+    @staticmethod
+    def __new__(cls, local, global_shape, chunks, for_save):
+        out = torch.Tensor._make_wrapper_subclass(cls, global_shape, dtype=local.dtype, device=local.device)
+        out._local, out._chunks, out._for_save = local, chunks, for_save
+        return out
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise RuntimeError(f"{func} on a checkpoint view of a fused projection (only DCP reads it)")
+
+    def __create_write_items__(self, fqn, _object):
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+        from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+        return [WriteItem(index=MetadataIndex(fqn, torch.Size(offsets)), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(
+                              chunk=ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)),
+                              properties=TensorProperties.create_from_tensor(self._local), size=self.size()))
+                for offsets, sizes, _local in self._chunks]
+
+    def __create_chunk_list__(self):
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+        return [ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
+                for offsets, sizes, _local in self._chunks]
+
+    def __get_tensor_shard__(self, index):
+        for offsets, sizes, local in self._chunks:
+            if torch.Size(offsets) == index.offset:
+                view = self._local
+                for dim, (start, length) in enumerate(zip(local, sizes)):
+                    view = view.narrow(dim, start, length)
+                return view.contiguous() if self._for_save else view
+        raise ValueError(f"no chunk at {list(index.offset)} of {index.fqn}")
+
+
+def checkpoint_view(manifest: dict, for_save: bool):
+    """``view(fqn, tensor)``: what DCP saves or loads for a parameter (or its optimizer state, a DTensor of the
+    same layout): a fused projection's :class:`CheckpointPieces`, anything else as it is."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    size = (manifest.get("tp") or {}).get("size", 1)
+
+    def view(fqn: str, tensor):
+        segments = segments_of(manifest, fqn)
+        if not segments or not hasattr(tensor, "device_mesh"):
+            return tensor
+        dim = placement_of(manifest, fqn)
+        sizes, offsets = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh,
+                                                               tensor.placements)
+        local = tensor.to_local()
+        chunks = []
+        for original, grouped, length in _runs(offsets[dim], sizes[dim], tensor.shape[dim], size, segments):
+            chunk_offsets, chunk_sizes, local_offsets = list(offsets), list(sizes), [0] * len(sizes)
+            chunk_offsets[dim], chunk_sizes[dim], local_offsets[dim] = original, length, grouped - offsets[dim]
+            chunks.append((chunk_offsets, chunk_sizes, local_offsets))
+        return CheckpointPieces(local, tensor.shape, chunks, for_save)
+    return view

@@ -1,20 +1,30 @@
 """Tensor parallelism read from the traced graph: which parameters each stage shards over ``--tp`` ranks, and
 the stage graphs rewritten to run on the shards.
 
-The plan is Megatron's, found rather than written by hand. Every value of a stage graph is either
-*replicated* (every tp rank holds all of it) or *sharded* on one dim (rank r holds the r-th of ``tp`` equal
-contiguous pieces). Walking the graph in order:
+The plan is Megatron's, found rather than written by hand. Every value of a stage graph gets a placement: whole
+(every tp rank holds all of it) or sharded on one dim (rank r holds the r-th of ``tp`` equal contiguous pieces
+of each *segment* of that dim; most values have one segment, a fused projection's output has one per part).
+Walking the graph in order:
 
-* a linear whose weight is a parameter and whose input is replicated becomes **column-wise** (weight and bias
-  split on the output features, ``Shard(0)``); its input passes through ``tp_copy`` (identity forward,
-  all-reduce of the gradient backward) and its output is sharded on the last dim;
-* ops that keep a sharded dim apart (elementwise ops, views that split it into heads or merge heads back,
-  transposes, attention over the head dim, reductions over other dims, slices and concatenations of other
-  dims) carry the sharding through; a replicated operand broadcast along the sharded dim (rotary tables, a
-  per-head-dim norm weight, a per-token gate) may be read as it is, and one that carries a gradient (by the
-  graph's flow from the parameters, not export's metadata) goes through ``tp_copy`` so its gradient is summed;
-* a linear whose input is sharded on its last dim becomes **row-wise** (weight split on the input features,
-  ``Shard(1)``): its partial product goes through ``tp_all_reduce`` and then takes the bias;
+* a linear whose weight is a 2-D parameter and whose input is whole becomes **column-wise** (weight and bias
+  split on the output features); its input passes through ``tp_copy`` (identity forward, all-reduce of the
+  gradient backward) and its output is sharded on the last dim. A linear is any of the spellings export keeps:
+  ``linear(x, W, b)``, GPT-2's Conv1D ``addmm(b, x, W)`` / ``mm`` / ``matmul(x, W)`` with ``W`` stored
+  ``[in, out]``, and ``matmul(x, W.T)`` (Falcon's ``FalconLinear``);
+* a fused projection (``qkv``, ``gate_up``) whose output is cut on its features by ``split``, ``chunk`` or
+  slices becomes column-wise with one segment per part: each rank holds the rows of its own heads in every part
+  (its q, k and v rows; its gate and up rows), and the cuts take the local parts (``_segments_needed``);
+* ops that keep a sharded dim apart (elementwise ops and casts, views that split it into heads or merge heads
+  back, at every batch size, transposes, attention over the head dim, reductions over other dims, slices,
+  indexing and concatenations of other dims, ``repeat_interleave`` of heads) carry the sharding through; a
+  whole operand broadcast along the sharded dim (rotary tables, a per-head-dim norm weight, a per-token gate) is
+  read as it is, and one that carries a gradient (by the graph's flow from the parameters, not export's
+  metadata) goes through ``tp_copy`` so its gradient is summed; a parameter as wide as the sharded dim (the
+  weight of a norm over the whole projection, OLMo2's q/k norms) is sharded with it;
+* a mean or sum over the sharded dim (an RMSNorm over the whole sharded width) is computed from the partial
+  sums: the local sum, ``tp_all_reduce``, divided by the whole count for a mean;
+* a linear whose input is sharded on its last dim becomes **row-wise** (weight split on the input features):
+  its partial product goes through ``tp_all_reduce`` and then takes the bias;
 * an embedding whose weight is a parameter becomes **vocabulary-parallel** (``Shard(0)``);
 * anything else that meets a sharded value gets it whole through ``tp_all_gather`` (the head's logits before
   the loss), and so do the stage's outputs: every value that crosses a stage boundary is replicated.
@@ -23,8 +33,9 @@ A column-wise linear whose output only ever gets gathered is kept only when it w
 rows); otherwise it is replicated. A parameter must take one placement everywhere it is used (a tied
 embedding and head, on one stage or two): where its uses disagree it is replicated. So is any dim that
 ``tp`` does not divide (grouped-query attention with fewer key/value heads than ``tp`` replicates its
-attention), and whatever the model file's ``tp_plan`` (FQN pattern -> ``"replicate"``) names. Mixture-of-
-experts weights (grouped matmuls) are replicated: experts are the expert-parallel issue's.
+attention), and whatever the model file's ``tp_plan`` (FQN pattern -> ``"replicate"``) names. Every
+replication carries its reason: the op and the model's source line. Mixture-of-experts weights (grouped
+matmuls) are replicated over tp: experts shard over ``--ep``.
 
 The result, :class:`TPPlan`, is plain data for the manifest; :func:`apply` rewrites the stage graphs.
 """
@@ -32,6 +43,8 @@ from __future__ import annotations
 
 import fnmatch
 import operator
+import os
+import sys
 from dataclasses import dataclass, field
 
 import sympy
@@ -39,6 +52,7 @@ import torch
 import torch.fx as fx
 
 import tracepp.runtime.tensor_parallel  # noqa: F401  (registers torch.ops.tracepp.tp_*)
+from tracepp.split.naming import frames
 from tracepp.split.partition import _gradient_flags
 
 aten = torch.ops.aten
@@ -48,18 +62,31 @@ _UNARY = {
     aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default, aten.clone.default,
     aten.contiguous.default, aten.alias.default, aten.detach.default, aten.silu.default, aten.gelu.default,
     aten.relu.default, aten.tanh.default, aten.sigmoid.default, aten.neg.default, aten.exp.default,
-    aten.rsqrt.default, aten.sqrt.default, aten.pow.Tensor_Scalar, aten.square.default, aten.type_as.default,
-    aten.lift_fresh_copy.default, aten.abs.default, aten.erf.default, aten.dropout.default,
+    aten.rsqrt.default, aten.sqrt.default, aten.pow.Tensor_Scalar, aten.square.default,
+    aten.lift_fresh_copy.default, aten.abs.default, aten.erf.default, aten.dropout.default, aten.silu_.default,
+    aten.gelu_.default, aten.relu_.default, aten.tanh_.default, aten.sigmoid_.default, aten.log.default,
+    aten.reciprocal.default, aten.softplus.default, aten.leaky_relu.default, aten.clamp.default,
+    aten.hardtanh.default, aten.sin.default, aten.cos.default, aten.mish.default, aten.elu.default,
 }
 _ELEMENTWISE = {
     aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.maximum.default,
     aten.minimum.default, aten.where.self, aten.add.Scalar, aten.mul.Scalar, aten.sub.Scalar, aten.div.Scalar,
+    aten.add_.Tensor, aten.mul_.Tensor, aten.sub_.Tensor, aten.div_.Tensor, aten.masked_fill.Scalar,
+    aten.masked_fill.Tensor, aten.pow.Tensor_Tensor, aten.rsub.Scalar, aten.rsub.Tensor, aten.div.Tensor_mode,
 }
 _VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+_FLATTENS = {aten.flatten.using_ints}  # a view with no size list to rewrite
+_EXPANDS = {aten.expand.default, aten.broadcast_to.default}
+_SLICES = {aten.slice.Tensor, aten.narrow.default, aten.select.int}
+_SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int}
 _REDUCTIONS = {aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.amin.default}
+_SUMMABLE = {aten.mean.dim, aten.sum.dim_IntList}  # over the sharded dim: from partial sums
 _SOFTMAX = {aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default}
 _SDPA = {aten.scaled_dot_product_attention.default}
+_MATMULS = {aten.matmul.default, aten.bmm.default}
+_TRANSPOSES = {aten.t.default, aten.numpy_T.default, aten.transpose.int, aten.permute.default}
 _IGNORED = {aten._assert_tensor_metadata.default}  # metadata checks: dropped by codegen
+_END = sys.maxsize  # a slice to the end
 
 
 @dataclass
@@ -67,8 +94,8 @@ class TPPlan:
     """Plain data: the tensor-parallel degree, each parameter's placement and the collectives per stage."""
 
     size: int
-    params: dict = field(default_factory=dict)  # fqn -> {"dim": 0|1|None, "role": colwise|rowwise|vocab|replicate}
-    stages: list = field(default_factory=list)  # per stage: {"collectives": [..], "replicated": [reasons]}
+    params: dict = field(default_factory=dict)  # fqn -> {"dim", "role", "segments"?, "why"?}
+    stages: list = field(default_factory=list)  # per stage: {"collectives", "replicated", "share"}
 
     def to_json(self) -> dict:
         return {"size": self.size, "params": self.params, "stages": self.stages}
@@ -83,7 +110,7 @@ def _sizes(val) -> list:
 
 
 def _equal(a, b) -> bool:
-    return sympy.expand(a - b) == 0
+    return sympy.expand(sympy.sympify(a) - sympy.sympify(b)) == 0
 
 
 def _prod(items):
@@ -93,39 +120,96 @@ def _prod(items):
     return out
 
 
-def _view_dim(in_sizes: list, out_sizes: list, dim: int, tp: int):
-    """The output dim a sharded input ``dim`` lands on through a view (split into heads, merged back), or None
-    where the pieces would not stay contiguous."""
+def _ints(items) -> bool:
+    return all(sympy.sympify(i).is_Integer for i in items)
+
+
+def where(node) -> str:
+    """``model.py:42`` of the model source that made ``node`` (its innermost frame), or ''."""
+    found = frames(node.meta.get("stack_trace")) if isinstance(node, fx.Node) else []
+    return f"{os.path.basename(found[-1][0])}:{found[-1][1]}" if found else ""
+
+
+def _at(node) -> str:
+    line = where(node)
+    return f" at {line}" if line else ""
+
+
+def _boundaries(segments) -> list:
+    """[0, s0, s0+s1, ...] of a segment list."""
+    out, total = [0], 0
+    for size in segments:
+        total += int(size)
+        out.append(total)
+    return out
+
+
+def view_placement(in_sizes: list, out_sizes: list, dim: int, segments, tp: int):
+    """(output dim, its segments or None) of a value sharded on ``dim`` (with ``segments``) through a view from
+    ``in_sizes`` to ``out_sizes``, or None where the pieces would not stay whole. Handles the dim kept, split
+    into heads (it must be the outer part), merged with the dims after it (it is the outer part) or with size-1
+    dims around it (a batch of one), and a merged dim of one segment per outer index split back."""
+    size = in_sizes[dim]
     before = _prod(in_sizes[:dim])
-    for e in range(len(out_sizes) + 1):
-        if _equal(_prod(out_sizes[:e]), before):
-            break
-    else:
+    starts = [e for e in range(len(out_sizes)) if _equal(_prod(out_sizes[:e]), before)]
+    # size-1 dims give several candidates (a batch of one in front, a single head): the one that keeps as many
+    # size-1 dims before the sharded dim as the input has
+    units = sum(1 for s in in_sizes[:dim] if _equal(s, 1))
+    starts = ([e for e in starts if sum(1 for s in out_sizes[:e] if _equal(s, 1)) == units]
+              or [e for e in starts if not _equal(out_sizes[e], 1)])
+    parts = list(segments) if segments else [size]
+    for e in starts[:1]:
+        out = out_sizes[e]
+        if _equal(out, size):
+            return e, segments
+        if not (_ints([size, out]) and _ints(parts)):
+            return None
+        size_i, out_i = int(size), int(out)
+        if out_i < size_i and size_i % out_i == 0:  # split: the sharded dim is the outer part
+            inner = size_i // out_i
+            if (segments and len(parts) == out_i and all(int(p) == inner for p in parts) and e + 1 < len(out_sizes)
+                    and _equal(out_sizes[e + 1], inner)):  # [b*s] of per-sample segments -> [b, s]
+                return e + 1, None
+            if any(int(p) % inner for p in parts):
+                return None
+            new = [int(p) // inner for p in parts]
+            if any(p % tp for p in new):
+                return None
+            return e, (tuple(new) if len(new) > 1 else None)
+        if out_i > size_i and out_i % size_i == 0:  # merge: the sharded dim is the outer part
+            inner = out_i // size_i
+            return e, (tuple(int(p) * inner for p in parts) if len(parts) > 1 else None)
         return None
-    if e >= len(out_sizes):
-        return None
-    size, out = in_sizes[dim], out_sizes[e]
-    if _equal(size, out):
-        return e
-    if size.is_Integer and out.is_Integer and int(size) % int(out) == 0:  # split: the outer part is sharded
-        return e if int(out) % tp == 0 else None
-    if size.is_Integer and out.is_Integer and int(out) % int(size) == 0:  # merge: the sharded dim is outermost
-        return e
     return None
 
 
 class _Walk:
-    """One pass over one stage graph under a set of replicated FQNs: each value's sharding and the edits."""
+    """One pass over one stage graph under a set of replicated FQNs and the segments learned for fused
+    projections: each value's placement and the edits."""
 
-    def __init__(self, graph: fx.Graph, fqn_of: dict, tp: int, forced: set, needs_grad: dict):
+    def __init__(self, graph: fx.Graph, fqn_of: dict, tp: int, forced: set, needs_grad: dict,
+                 fused: dict = None):
         self.graph, self.fqn_of, self.tp, self.forced = graph, fqn_of, tp, forced
         self.needs_grad = needs_grad  # node -> carries a gradient (split.partition._gradient_flags)
+        self.fused = fused or {}  # weight fqn -> segments of its output features (learned in an earlier pass)
         self.shard: dict = {}  # node -> sharded dim (absent: replicated)
+        self.segs: dict = {}  # sharded node -> segments of that dim (absent: one)
+        self.items: dict = {}  # a split's node -> per output (dim, segments) or None
+        self.origin: dict = {}  # sharded node -> frozenset of the column-wise weight FQNs it comes from
+        self.out_features: dict = {}  # column-wise weight fqn -> its output features
         self.roles: dict = {}  # linear/embedding node -> "colwise" | "rowwise" | "vocab"
+        self.forms: dict = {}  # linear node -> (input, weight node, bias node, weight's output-feature dim)
+        self.aliases: dict = {}  # transpose of a 2-D parameter -> its placeholder
         self.uses: dict = {}  # fqn -> set of dims (None: used replicated)
+        self.param_segments: dict = {}  # fqn -> segments of its sharded dim
         self.gathers: list = []  # (consumer node, input node)
         self.copies: list = []  # (consumer node, replicated input node)
+        self.sums: dict = {}  # mean/sum over the sharded dim -> count of the reduced elements (mean) or None
+        self.cuts: dict = {}  # split/slice on the sharded dim -> the local pieces' arguments
+        self.wants: dict = {}  # weight fqn -> set of cut points its output's consumers need (fused projections)
+        self.unfusable: dict = {}  # weight fqn -> why its segmented output cannot be cut locally
         self.reasons: list = []
+        self._claimed: set = set()  # (node, input) pairs a rule placed (no "whole" use recorded)
         for node in graph.nodes:
             self._visit(node)
 
@@ -135,19 +219,63 @@ class _Walk:
 
     # -- helpers
     def _param(self, node):
-        return self.fqn_of.get(node.name) if isinstance(node, fx.Node) and node.op == "placeholder" else None
+        if not isinstance(node, fx.Node):
+            return None
+        if node in self.aliases:
+            node = self.aliases[node]
+        return self.fqn_of.get(node.name) if node.op == "placeholder" else None
 
-    def _use(self, node, dim) -> None:
+    def _use(self, node, dim, segments=None) -> None:
         fqn = self._param(node)
-        if fqn is not None:
-            self.uses.setdefault(fqn, set()).add(dim)
+        if fqn is None:
+            return
+        if node in self.aliases and dim is not None:  # a transposed 2-D weight: its dims swap
+            dim = 1 - dim
+        self.uses.setdefault(fqn, set()).add(dim)
+        if dim is not None and segments:
+            self.param_segments[fqn] = tuple(int(s) for s in segments)
+
+    def _claim(self, node, arg, dim=None, segments=None) -> None:
+        self._claimed.add((node, arg))
+        self._use(arg, dim, segments)
+
+    def _place(self, node, dim, segments=None, origin=frozenset()) -> None:
+        self.shard[node] = dim
+        if segments:
+            self.segs[node] = tuple(segments)
+        if origin:
+            self.origin[node] = frozenset(origin)
+
+    def _origin_of(self, args) -> frozenset:
+        out = frozenset()
+        for arg in args:
+            out |= self.origin.get(arg, frozenset())
+        return out
+
+    def _carry(self, node, source, dim=None) -> None:
+        """``node`` sharded as ``source`` is (on ``dim`` where the op moved it)."""
+        self._place(node, self.shard[source] if dim is None else dim, self.segs.get(source),
+                    self.origin.get(source, frozenset()))
+
+    def _gather(self, consumer, arg) -> None:
+        self.gathers.append((consumer, arg))
+        if arg in self.segs:  # the gather would join the pieces of each part in the wrong order
+            for fqn in self.origin.get(arg, ()):
+                self.unfusable.setdefault(fqn, f"its parts are needed whole by {consumer.target}{_at(consumer)}")
 
     def _gather_all(self, node) -> None:
         for arg in node.all_input_nodes:
             if arg in self.shard:
-                self.gathers.append((node, arg))
+                self._gather(node, arg)
+
+    def _use_whole(self, node) -> None:
         for arg in node.all_input_nodes:
-            self._use(arg, None)
+            if arg not in self.shard and (node, arg) not in self._claimed:
+                self._use(arg, None)
+
+    def _refuse(self, node, why: str) -> bool:
+        self.reasons.append(f"{node.name} ({node.target}){_at(node)}: {why}")
+        return False
 
     # -- the rules
     def _visit(self, node) -> None:
@@ -156,63 +284,93 @@ class _Walk:
         if node.op == "output":
             for arg in node.all_input_nodes:
                 if arg in self.shard:
-                    self.gathers.append((node, arg))
+                    self._gather(node, arg)
             return
         target = node.target
-        sharded = [a for a in node.all_input_nodes if a in self.shard]
-        if target is aten.linear.default and self._param(node.args[1]) is not None:
-            return self._linear(node)
-        if target is aten.embedding.default and self._param(node.args[0]) is not None and not sharded:
-            return self._embedding(node)
-        for arg in node.all_input_nodes:
-            if arg not in self.shard:
-                self._use(arg, None)
-        if not sharded:
-            return
         if target in _IGNORED:
             return
-        handled = self._propagate(node, target, sharded)
-        if not handled:
+        if self._alias(node):
+            return
+        form = self._linear_form(node)
+        if form is not None:
+            self._linear(node, *form)
+            self._use_whole(node)
+            return
+        sharded = [a for a in node.all_input_nodes if a in self.shard]
+        if target is aten.embedding.default and self._param(node.args[0]) is not None and not sharded:
+            self._embedding(node)
+            return
+        if sharded and not self._propagate(node, target, sharded):
             if not (self.reasons and self.reasons[-1].startswith(f"{node.name} (")):
-                self.reasons.append(f"{node.name} ({target}): needs the whole of "
-                                    f"{', '.join(a.name for a in sharded)}")
+                self._refuse(node, f"needs the whole of {', '.join(a.name for a in sharded)}")
             self._gather_all(node)
+        self._use_whole(node)
 
-    def _linear(self, node) -> None:
-        x, weight = node.args[0], node.args[1]
-        bias = node.args[2] if len(node.args) > 2 else None
-        fqn = self.fqn_of[weight.name]
+    def _alias(self, node) -> bool:
+        """A transpose of a 2-D parameter (``W.T`` in ``x @ W.T``): read through to the parameter."""
+        if node.target not in _TRANSPOSES or not node.args or node.args[0] in self.aliases:
+            return False
+        source = node.args[0]
+        if not (isinstance(source, fx.Node) and source.op == "placeholder" and source.name in self.fqn_of
+                and _val(source).dim() == 2):
+            return False
+        if node.target is aten.transpose.int and sorted(d % 2 for d in node.args[1:3]) != [0, 1]:
+            return False
+        if node.target is aten.permute.default and [d % 2 for d in node.args[1]] != [1, 0]:
+            return False
+        self.aliases[node] = source
+        return True
+
+    def _weight(self, node) -> bool:
+        return self._param(node) is not None and _val(node).dim() == 2
+
+    def _linear_form(self, node):
+        """(input, weight node, bias node or None, the weight node's output-feature dim) of a linear of a 2-D
+        parameter in any spelling export keeps, else None."""
+        target, args = node.target, node.args
+        if target is aten.linear.default and self._weight(args[1]):
+            return args[0], args[1], (args[2] if len(args) > 2 else None), 0
+        if (target is aten.addmm.default and self._weight(args[2]) and not node.kwargs
+                and _val(args[1]).dim() == 2 and _val(args[0]).dim() == 1):
+            return args[1], args[2], args[0], 1
+        if target in (aten.mm.default, aten.matmul.default) and len(args) == 2 and self._weight(args[1]):
+            return args[0], args[1], None, 1
+        return None
+
+    def _linear(self, node, x, weight, bias, out_dim: int) -> None:
+        fqn = self._param(weight)
         wval = _val(weight)
         ndim = len(_val(x).shape)
         if x in self.shard:
-            if self.shard[x] == ndim - 1 and fqn not in self.forced and wval.dim() == 2:
+            segments = self.segs.get(x)
+            if self.shard[x] == ndim - 1 and fqn not in self.forced:
                 self.roles[node] = "rowwise"
-                self._use(weight, 1)
-                if bias is not None:
-                    self._use(bias, None)
+                self.forms[node] = (x, weight, bias, out_dim)
+                self._claim(node, weight, 1 - out_dim, segments)
                 return
             if fqn not in self.forced:
-                self.reasons.append(f"{node.name}: input sharded on dim {self.shard[x]}, not its features")
+                self._refuse(node, f"input sharded on dim {self.shard[x]}, not its features")
             self._gather_all(node)
             return
-        out_features = wval.shape[0]
-        if fqn in self.forced or wval.dim() != 2 or int(out_features) % self.tp:
+        out_features = wval.shape[out_dim]
+        segments = self.fused.get(fqn)
+        if fqn in self.forced or int(out_features) % self.tp:
             if fqn not in self.forced:
                 self.reasons.append(f"{fqn}: {out_features} output features, which --tp {self.tp} does not divide")
-            self._use(weight, None)
-            if bias is not None:
-                self._use(bias, None)
             return
         self.roles[node] = "colwise"
-        self._use(weight, 0)
+        self.forms[node] = (x, weight, bias, out_dim)
+        self.out_features[fqn] = int(out_features)
+        self._claim(node, weight, out_dim, segments)
         if bias is not None:
-            self._use(bias, 0)
+            self._claim(node, bias, 0, segments)
         self.copies.append((node, x))
-        self.shard[node] = ndim - 1
+        self._claimed.add((node, x))
+        self._place(node, _val(node).dim() - 1, segments, {fqn})
 
     def _embedding(self, node) -> None:
         weight = node.args[0]
-        fqn = self.fqn_of[weight.name]
+        fqn = self._param(weight)
         extra = list(node.args[3:]) + [v for k, v in node.kwargs.items() if k != "padding_idx"]
         rows = _val(weight).shape[0]
         if fqn in self.forced or any(extra) or _val(weight).dim() != 2 or int(rows) % self.tp:
@@ -222,25 +380,39 @@ class _Walk:
             self._use(weight, None)
             return
         self.roles[node] = "vocab"
-        self._use(weight, 0)
+        self._claim(node, weight, 0)
 
     def _propagate(self, node, target, sharded) -> bool:
         out_val = _val(node)
         if target is operator.getitem:
-            self.shard[node] = self.shard[node.args[0]]
+            entry = (self.items.get(node.args[0]) or [])
+            if node.args[0] in self.items:
+                if node.args[1] >= len(entry) or entry[node.args[1]] is None:
+                    return False
+                dim, segments = entry[node.args[1]]
+                self._place(node, dim, segments, self.origin.get(node.args[0], frozenset()))
+                return True
+            self._carry(node, node.args[0])
             return True
         first = node.args[0]
         if target is aten.cat.default:
             return self._cat(node)
+        if target is aten.type_as.default:  # the second operand gives only its dtype
+            if first in self.shard:
+                self._carry(node, first)
+            self._claimed.add((node, node.args[1]))
+            return True
         if target in _UNARY:
             if first not in self.shard or len(sharded) != 1:
                 return False
-            if target is aten.dropout.default and node.args[1]:
-                return False
-            self.shard[node] = self.shard[first]
+            if target is aten.dropout.default and node.args[1] and (len(node.args) < 3 or node.args[2]):
+                return self._refuse(node, "dropout draws a different mask on each rank: keep it whole or set p=0")
+            self._carry(node, first)
             return True
         if target in _ELEMENTWISE:
             return self._elementwise(node, out_val)
+        if target in _MATMULS:
+            return self._batched_matmul(node)
         if first not in self.shard or len(sharded) != 1:
             if target in _SDPA:
                 return self._attention(node)
@@ -250,49 +422,43 @@ class _Walk:
         ndim = in_val.dim()
         if target is aten.transpose.int:
             a, b = (d % ndim for d in node.args[1:3])
-            self.shard[node] = b if dim == a else a if dim == b else dim
+            self._carry(node, first, b if dim == a else a if dim == b else dim)
             return True
         if target is aten.permute.default:
             order = [d % ndim for d in node.args[1]]
-            self.shard[node] = order.index(dim)
+            self._carry(node, first, order.index(dim))
             return True
         if target is aten.unsqueeze.default:
             at = node.args[1] % (ndim + 1)
-            self.shard[node] = dim + 1 if at <= dim else dim
+            self._carry(node, first, dim + 1 if at <= dim else dim)
             return True
-        if target in (aten.squeeze.dim,):
-            at = node.args[1] % ndim
-            if at == dim:
+        if target in (aten.squeeze.dim, aten.squeeze.dims):
+            ats = node.args[1] if isinstance(node.args[1], (list, tuple)) else [node.args[1]]
+            ats = [a % ndim for a in ats if _equal(in_val.shape[a % ndim], 1)]
+            if dim in ats:
                 return False
-            self.shard[node] = dim - 1 if at < dim else dim
+            self._carry(node, first, dim - sum(1 for a in ats if a < dim))
             return True
-        if target in _VIEWS:
-            e = _view_dim(_sizes(in_val), _sizes(out_val), dim, self.tp)
-            if e is None or not self._size_arg_ok(node.args[1], e, _sizes(out_val)[e]):
-                self.reasons.append(f"{node.name} ({target}): reshapes a dim of {in_val.shape[dim]} sharded over "
-                                    f"--tp {self.tp} into {list(out_val.shape)}, whose pieces would not be whole "
-                                    f"heads (fewer heads than --tp, e.g. key/value heads of grouped-query attention)")
-                return False
-            self.shard[node] = e
+        if target in _VIEWS or target in _FLATTENS:
+            placed = view_placement(_sizes(in_val), _sizes(out_val), dim, self.segs.get(first), self.tp)
+            if placed is None or (target in _VIEWS and not self._size_arg_ok(node.args[1], placed[0],
+                                                                              _sizes(out_val)[placed[0]])):
+                return self._refuse(node, f"reshapes a dim of {in_val.shape[dim]} sharded over --tp {self.tp} "
+                                          f"into {list(out_val.shape)}, whose pieces would not be whole heads "
+                                          f"(fewer heads than --tp, e.g. key/value heads of grouped-query "
+                                          f"attention)")
+            self._place(node, placed[0], placed[1], self.origin.get(first, frozenset()))
             return True
-        if target is aten.expand.default:
-            offset = out_val.dim() - ndim
-            e = dim + offset
+        if target in _EXPANDS:
+            e = dim + out_val.dim() - ndim
             if not self._size_arg_ok(node.args[1], e, _sizes(out_val)[e]):
                 return False
-            self.shard[node] = e
+            self._carry(node, first, e)
             return True
-        if target in (aten.slice.Tensor, aten.select.int, aten.narrow.default):  # (x, dim, ...)
-            at = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % ndim
-        elif target in (aten.split.Tensor, aten.split_with_sizes.default):  # (x, size(s), dim=0)
-            at = (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)) % ndim
-        if target in (aten.slice.Tensor, aten.select.int, aten.split.Tensor, aten.split_with_sizes.default,
-                      aten.narrow.default):
-            if at == dim:
-                return False
-            out_dim = dim - 1 if target is aten.select.int and at < dim else dim
-            self.shard[node] = out_dim
-            return True
+        if target in _SLICES or target in _SPLITS:
+            return self._cut(node, target, first, dim, in_val)
+        if target is aten.index.Tensor:
+            return self._index(node, first, dim, in_val, out_val)
         if target in _REDUCTIONS:
             dims = node.args[1] if len(node.args) > 1 else None
             if not dims:
@@ -300,31 +466,154 @@ class _Walk:
             dims = [d % ndim for d in dims]
             keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
             if dim in dims:
-                return False
-            self.shard[node] = dim if keep else dim - sum(1 for d in dims if d < dim)
+                return self._partial_sum(node, target, in_val, dims)
+            self._carry(node, first, dim if keep else dim - sum(1 for d in dims if d < dim))
             return True
         if target is aten.repeat_interleave.self_int:
             if (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")) is None:
                 return False  # flattened
-            self.shard[node] = dim  # repeating heads in place keeps each rank's block contiguous
+            self._carry(node, first)  # repeating heads in place keeps each rank's block contiguous
             return True
         if target in _SOFTMAX:
             if node.args[1] % ndim == dim:
                 return False
-            self.shard[node] = dim
+            self._carry(node, first)
             return True
         if target in _SDPA:
             return self._attention(node)
         return False
+
+    def _partial_sum(self, node, target, in_val, dims) -> bool:
+        """A mean or sum over the sharded dim (an RMSNorm over the whole sharded width): the local sum, summed
+        over the group (``tp_all_reduce``); a mean divides by the whole count. Its result is whole."""
+        if target not in _SUMMABLE or node.kwargs.get("dtype") is not None or len(node.args) > 3:
+            return self._refuse(node, f"a {target} over the sharded dim (only a sum or mean can be computed "
+                                      f"from the pieces)")
+        count = _prod([_sizes(in_val)[d] for d in dims])
+        self.sums[node] = count if target is aten.mean.dim else None
+        return True
+
+    def _cut(self, node, target, first, dim, in_val) -> bool:
+        """split / chunk / unbind / slice / narrow / select: along another dim the sharding is kept; along the
+        sharded dim each output must be whole parts of the value's segments (a fused projection's q, k, v): a cut
+        elsewhere asks the projection for segments (learned, then walked again)."""
+        ndim = in_val.dim()
+        args = node.args
+        if target in _SLICES:
+            at = (args[1] if len(args) > 1 else node.kwargs.get("dim", 0)) % ndim
+        elif target is aten.chunk.default or target is aten.unbind.int:
+            at = (args[2] if len(args) > 2 else (args[1] if target is aten.unbind.int and len(args) > 1 else
+                                                 node.kwargs.get("dim", 0))) % ndim
+        else:
+            at = (args[2] if len(args) > 2 else node.kwargs.get("dim", 0)) % ndim
+        segments = self.segs.get(first)
+        origin = self.origin.get(first, frozenset())
+        if at != dim:
+            if target in _SPLITS:
+                count = len(_val(node)) if isinstance(_val(node), (list, tuple)) else 0
+                out_dim = dim - 1 if target is aten.unbind.int and at < dim else dim
+                self.items[node] = [(out_dim, segments)] * count
+                self._place(node, out_dim, segments, origin)
+                return True
+            self._place(node, dim - 1 if target is aten.select.int and at < dim else dim, segments, origin)
+            return True
+        size = in_val.shape[dim]
+        if target in (aten.select.int, aten.unbind.int) or not _ints([size]):
+            return False
+        size = int(size)
+        ranges = self._ranges(node, target, size)
+        if ranges is None:
+            return self._refuse(node, "a cut of the sharded dim with a step or a computed size")
+        have = _boundaries(segments or [size])
+        cuts = sorted({p for r in ranges for p in r})
+        if not set(cuts) <= set(have):
+            wanted = set(cuts) | set(have)
+            for fqn in origin:
+                if self.out_features.get(fqn) == size:
+                    self.wants.setdefault(fqn, set()).update(wanted)
+            if not origin or any(self.out_features.get(f) != size for f in origin):
+                return self._refuse(node, f"cuts {size} sharded features at {cuts[1:-1]}, inside the pieces")
+            return False
+        pieces = []
+        for start, end in ranges:
+            inner = [b - a for a, b in zip(have, have[1:]) if a >= start and b <= end]
+            pieces.append((dim, tuple(inner) if len(inner) > 1 else None))
+        self.cuts[node] = [(start // self.tp, end // self.tp) for start, end in ranges]
+        if target in _SPLITS:
+            self.items[node] = pieces
+            self._place(node, dim, None, origin)
+        else:
+            self._place(node, dim, pieces[0][1], origin)
+        return True
+
+    @staticmethod
+    def _ranges(node, target, size: int):
+        """The [start, end) ranges of the sharded dim each output of a cut takes (global), or None."""
+        args = node.args
+        if target is aten.slice.Tensor:
+            start = args[2] if len(args) > 2 else node.kwargs.get("start", 0)
+            end = args[3] if len(args) > 3 else node.kwargs.get("end", _END)
+            step = args[4] if len(args) > 4 else node.kwargs.get("step", 1)
+            if step != 1 or not all(v is None or isinstance(v, int) for v in (start, end)):
+                return None
+            start, end = (0 if start is None else start), (size if end is None else end)
+            start = max(0, min(size, start + size if start < 0 else start))
+            end = max(start, min(size, end + size if end < 0 else end))
+            return [(start, end)]
+        if target is aten.narrow.default:
+            start, length = args[2], args[3]
+            if not (isinstance(start, int) and isinstance(length, int)):
+                return None
+            start = start + size if start < 0 else start
+            return [(start, start + length)]
+        if target is aten.chunk.default:
+            each = -(-size // args[1])
+            sizes = [min(each, size - k) for k in range(0, size, each)]
+        elif target is aten.split.Tensor:
+            if not isinstance(args[1], int):
+                return None
+            sizes = [min(args[1], size - k) for k in range(0, size, args[1])]
+        else:
+            sizes = list(args[1])
+            if not all(isinstance(s, int) for s in sizes):
+                return None
+        bounds = _boundaries(sizes)
+        return list(zip(bounds, bounds[1:]))
+
+    def _index(self, node, first, dim, in_val, out_val) -> bool:
+        """``x[..., idx]``: advanced indexing of other dims keeps the sharded dim (it may move)."""
+        indices = list(node.args[1])
+        if dim < len(indices) and indices[dim] is not None:
+            return False
+        if any(isinstance(i, fx.Node) and i in self.shard for i in indices):
+            return False
+        used = [k for k, i in enumerate(indices) if i is not None]
+        e = dim if not used or min(used) > dim else dim + out_val.dim() - in_val.dim()
+        if not (0 <= e < out_val.dim()) or not _equal(_sizes(out_val)[e], _sizes(in_val)[dim]):
+            return False
+        self._carry(node, first, e)
+        return True
 
     def _cat(self, node) -> bool:
         parts = node.args[0]
         ndim = _val(parts[0]).dim()
         at = (node.args[1] if len(node.args) > 1 else 0) % ndim
         dims = {self.shard.get(p) for p in parts}
-        if len(dims) != 1 or None in dims or at == next(iter(dims)):
+        if len(dims) != 1 or None in dims:
             return False
-        self.shard[node] = next(iter(dims))
+        dim = next(iter(dims))
+        origin = self._origin_of(parts)
+        if at == dim:  # pieces of each part side by side: the parts are the segments
+            segments = []
+            for part in parts:
+                segments.extend(self.segs.get(part) or [_sizes(_val(part))[dim]])
+            if not _ints(segments):
+                return False
+            self._place(node, dim, tuple(int(s) for s in segments), origin)
+            return True
+        if len({self.segs.get(p) for p in parts}) != 1:
+            return False
+        self._place(node, dim, self.segs.get(parts[0]), origin)
         return True
 
     def _size_arg_ok(self, sizes, e: int, out_size) -> bool:
@@ -337,14 +626,15 @@ class _Walk:
 
     def _elementwise(self, node, out_val) -> bool:
         n = out_val.dim()
-        out_dim = None
+        out_dim = segments = None
+        first = True
         for arg in node.args:
             if isinstance(arg, fx.Node) and arg in self.shard:
                 e = self.shard[arg] + n - _val(arg).dim()
-                if out_dim not in (None, e):
+                if (out_dim is not None and out_dim != e) or (not first and self.segs.get(arg) != segments):
                     return False
-                out_dim = e
-        broadcast = []
+                out_dim, segments, first = e, self.segs.get(arg), False
+        broadcast, wide = [], []
         for arg in node.args:
             if not isinstance(arg, fx.Node) or arg in self.shard:
                 continue
@@ -352,18 +642,50 @@ class _Walk:
             if not isinstance(val, torch.Tensor):
                 continue
             at = out_dim - (n - val.dim())
-            if at >= 0 and val.shape[at] != 1:
-                return False
+            if at >= 0 and not _equal(val.shape[at], 1):
+                if self._param(arg) is not None and _equal(val.shape[at], out_val.shape[out_dim]):
+                    wide.append((arg, at))  # a weight as wide as the sharded dim: sharded with it
+                    continue
+                return self._refuse(node, f"{arg.name} is whole and as wide as the sharded dim of "
+                                          f"{', '.join(a.name for a in node.all_input_nodes if a in self.shard)}")
             broadcast.append(arg)
+        for arg, at in wide:
+            self._claim(node, arg, at, segments)
         for arg in broadcast:  # each rank sees its share of the sharded dim: the gradient is summed over tp
             if self.needs_grad.get(arg):
                 self.copies.append((node, arg))
-        self.shard[node] = out_dim
+        self._place(node, out_dim, segments, self._origin_of(node.all_input_nodes))
+        return True
+
+    def _batched_matmul(self, node) -> bool:
+        """``q @ k.transpose(-1, -2)`` of eager attention: operands sharded on the same batch dim (heads)."""
+        a, b = node.args[:2]
+        out = _val(node).dim()
+        dims = set()
+        for arg in (a, b):
+            val = _val(arg)
+            if arg in self.shard:
+                d = self.shard[arg]
+                if d >= val.dim() - 2 or arg in self.segs:
+                    return False
+                dims.add(out - (val.dim() - d))
+        if len(dims) != 1:
+            return False
+        e = next(iter(dims))
+        for arg in (a, b):
+            if arg not in self.shard:
+                val = _val(arg)
+                at = e - (out - val.dim())
+                if at >= 0 and not _equal(val.shape[at], 1):
+                    return False
+                if self.needs_grad.get(arg):
+                    self.copies.append((node, arg))
+        self._place(node, e, None, self._origin_of([a, b]))
         return True
 
     def _attention(self, node) -> bool:
         q, k, v = node.args[:3]
-        if any(t not in self.shard or self.shard[t] != _val(t).dim() - 3 for t in (q, k, v)):
+        if any(t not in self.shard or self.shard[t] != _val(t).dim() - 3 or t in self.segs for t in (q, k, v)):
             return False
         mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
         if isinstance(mask, fx.Node):
@@ -377,7 +699,7 @@ class _Walk:
                     return False
                 if self.needs_grad.get(mask):
                     self.copies.append((node, mask))
-        self.shard[node] = self.shard[q]
+        self._place(node, self.shard[q], None, self._origin_of([q, k, v]))
         return True
 
 
@@ -399,14 +721,16 @@ def _regions(walk: _Walk) -> list:
         groups.setdefault(find(node), set()).add(node)
     for node, role in walk.roles.items():
         if role == "rowwise":
-            groups[find(node.args[0])].add(node)
+            groups[find(walk.forms[node][0])].add(node)
+    for node in walk.sums:
+        groups[find(node.args[0])].add(node)
     return list(groups.values())
 
 
 def _narrow_columns(walk: _Walk) -> dict:
-    """{weight FQN: why} of column-wise linears whose sharded output never reaches a row-wise linear and is
-    needed whole before the stage's end: the gather would cost what the shard saves. A column-wise linear whose
-    output is gathered only to leave the stage (the head's logits) is kept."""
+    """{weight FQN: why} of column-wise linears whose sharded output never reaches a row-wise linear or a sum
+    over the pieces and is needed whole before the stage's end: the gather would cost what the shard saves. A
+    column-wise linear whose output is gathered only to leave the stage (the head's logits) is kept."""
     out = {}
     for region in _regions(walk):
         if any(walk.roles.get(n) == "rowwise" for n in region):
@@ -414,10 +738,10 @@ def _narrow_columns(walk: _Walk) -> dict:
         inside = [consumer for consumer, arg in walk.gathers if arg in region and consumer.op != "output"]
         if not inside:
             continue
-        why = f"its output is needed whole by {inside[0].target}"
+        why = f"its output is needed whole by {inside[0].target}{_at(inside[0])}"
         for node in region:
             if walk.roles.get(node) == "colwise":
-                out[walk.fqn_of[node.args[1].name]] = why
+                out[walk._param(walk.forms[node][1])] = why
     return out
 
 
@@ -450,24 +774,53 @@ def _forced_by_overrides(aliases: dict, overrides) -> dict:
     return notes
 
 
-def settle(graphs: list, tp: int, notes: dict) -> tuple:
-    """Walk ``graphs`` ([(fx graph, placeholder -> FQN, node -> needs a gradient)]) until every parameter has one placement: replicate
-    the parameters whose uses disagree and the column-wise linears whose output is gathered before the stage's
-    end, and walk again. Returns (walks, {fqn: set of dims}, per graph the reasons met in any pass); ``notes``
-    (fqn -> why replicated; the forced set) is updated."""
-    reasons = [{} for _ in graphs]  # per graph, every reason met in any pass, in order
+def _learn_segments(walks: list, tp: int, fused: dict, narrow: dict) -> bool:
+    """Fold the cut points the walks' consumers need into ``fused`` (weight fqn -> segments); a part ``tp``
+    does not divide replicates the projection (into ``narrow``). True when a segment list changed."""
+    learned = False
+    for walk in walks:
+        for fqn, cuts in walk.wants.items():
+            points = sorted(cuts)
+            segments = tuple(b - a for a, b in zip(points, points[1:]))
+            bad = [s for s in segments if s % tp]
+            if bad:
+                narrow.setdefault(fqn, f"a fused projection with a part of {bad[0]} features, which --tp {tp} "
+                                       f"does not divide")
+            elif fused.get(fqn) != segments:
+                fused[fqn] = segments
+                learned = True
+    return learned
+
+
+def settle(graphs: list, tp: int, notes: dict, fused: dict = None) -> tuple:
+    """Walk ``graphs`` ([(fx graph, placeholder -> FQN, node -> needs a gradient)]) until every parameter has one
+    placement: learn the segments of fused projections from the cuts of their outputs, replicate the parameters
+    whose uses disagree and the column-wise linears whose output is gathered before the stage's end, and walk
+    again. Returns (walks, {fqn: set of dims}, per graph the reasons met); ``notes`` (fqn -> why replicated;
+    the forced set) and ``fused`` (fqn -> segments) are updated."""
+    fused = {} if fused is None else fused
+    reasons = [{} for _ in graphs]  # per graph, every reason met in a pass that decided something, in order
     while True:
-        walks = [_Walk(g, fqn_of, tp, set(notes), needs_grad) for g, fqn_of, needs_grad in graphs]
-        uses: dict = {}
+        walks = [_Walk(g, fqn_of, tp, set(notes), needs_grad, fused) for g, fqn_of, needs_grad in graphs]
         narrow: dict = {}
+        if _learn_segments(walks, tp, fused, narrow) and not narrow:
+            continue  # the cuts were walked without their segments: walk again before deciding anything
+        uses: dict = {}
+        segments: dict = {}
         for walk, seen in zip(walks, reasons):
             seen.update(dict.fromkeys(walk.reasons))
             narrow.update(_narrow_columns(walk))
+            for fqn, why in walk.unfusable.items():
+                narrow.setdefault(fqn, f"a fused projection: {why}")
             for fqn, dims in walk.uses.items():
                 uses.setdefault(fqn, set()).update(dims)
+            for fqn, parts in walk.param_segments.items():
+                segments.setdefault(fqn, set()).add(parts)
         for fqn, dims in uses.items():
             if len(dims) > 1:
                 narrow.setdefault(fqn, "used sharded in one place and whole in another")
+            elif len(segments.get(fqn, ())) > 1:
+                narrow.setdefault(fqn, "its uses cut it into different parts")
         new = {fqn: why for fqn, why in narrow.items() if fqn not in notes}
         if not new:
             return walks, uses, reasons
@@ -476,21 +829,28 @@ def settle(graphs: list, tp: int, notes: dict) -> tuple:
 
 def plan(graph, tp: int, overrides=None) -> tuple:
     """(TPPlan, the final walk per stage) for ``--tp tp``: iterate until every parameter has one placement."""
+    from tracepp.split.cost import node_flops
+
     aliases = {ref.fqn: ref.aliases for ref in graph.state.values()}
     notes = _forced_by_overrides(aliases, overrides)
     walks, uses, reasons = settle([(stage.graph, fqn_map(stage, graph), grad_flags(stage, graph))
                                    for stage in graph.stages], tp, notes)
     result = TPPlan(size=tp)
     roles: dict = {}
+    segments: dict = {}
     for walk in walks:
+        segments.update(walk.param_segments)
         for node, role in walk.roles.items():
-            weight = node.args[0] if role == "vocab" else node.args[1]
-            roles[walk.fqn_of[weight.name]] = role
-            if role == "colwise" and len(node.args) > 2 and node.args[2] is not None:
-                roles.setdefault(walk.fqn_of[node.args[2].name], "colwise")
+            weight = node.args[0] if role == "vocab" else walk.forms[node][1]
+            roles[walk._param(weight)] = role
+            bias = walk.forms[node][2] if role == "colwise" else None
+            if bias is not None:
+                roles.setdefault(walk._param(bias), "colwise")
     for fqn, dims in sorted(uses.items()):
         dim = next(iter(dims))
-        entry = {"dim": dim, "role": roles.get(fqn, "replicate") if dim is not None else "replicate"}
+        entry = {"dim": dim, "role": roles.get(fqn, "elementwise") if dim is not None else "replicate"}
+        if dim is not None and segments.get(fqn):
+            entry["segments"] = list(segments[fqn])
         if fqn in notes:
             entry["why"] = notes[fqn]
         result.params[fqn] = entry
@@ -502,24 +862,38 @@ def plan(graph, tp: int, overrides=None) -> tuple:
                 raise ValueError(f"tp_plan[{pattern!r}] = {how!r}, but {fqn} can only be {entry['role']} in the "
                                  f"traced graph (its input is {'sharded' if entry['role'] == 'rowwise' else 'whole'}"
                                  f" there); use 'replicate' or drop the entry")
-    for walk, seen in zip(walks, reasons):
-        result.stages.append({"collectives": _collectives(walk, tp), "replicated": list(seen)[:20]})
+    for stage, walk, seen in zip(graph.stages, walks, reasons):
+        result.stages.append({"collectives": _collectives(walk), "replicated": list(seen)[:20],
+                              "share": _share(walk, result.params, node_flops(stage.graph))})
     return result, walks
 
 
-def _collectives(walk: _Walk, tp: int) -> list:
+def _share(walk: _Walk, params: dict, flops: dict) -> dict:
+    """The stage's sharded share of parameters (elements) and of forward FLOPs (matmuls computed on shards)."""
+    total = sharded = 0
+    for node in walk.graph.nodes:
+        fqn = walk.fqn_of.get(node.name) if node.op == "placeholder" else None
+        if fqn is not None:
+            count = _val(node).numel()
+            total += count
+            sharded += count if params.get(fqn, {}).get("dim") is not None else 0
+    work = sum(flops.values())
+    done = sum(flops.get(n.name, 0) for n in walk.graph.nodes if n in walk.shard or walk.roles.get(n) == "rowwise")
+    return {"params": round(sharded / total, 4) if total else 0.0, "flops": round(done / work, 4) if work else 0.0}
+
+
+def _entry(op: str, node) -> dict:
+    val = _val(node)
+    return {"op": op, "after": node.name, "shape": [str(s) for s in val.shape],
+            "dtype": str(val.dtype).replace("torch.", "")}
+
+
+def _collectives(walk: _Walk) -> list:
     """The communication the rewrite adds to one stage's forward, one line each (backward mirrors it)."""
-    out = []
-    for node, role in walk.roles.items():
-        if role in ("rowwise", "vocab"):
-            out.append({"op": "all_reduce", "after": node.name, "shape": [str(s) for s in _val(node).shape],
-                        "dtype": str(_val(node).dtype).replace("torch.", "")})
-    for _consumer, arg in dict.fromkeys(walk.gathers):
-        out.append({"op": "all_gather", "after": arg.name, "shape": [str(s) for s in _val(arg).shape],
-                    "dtype": str(_val(arg).dtype).replace("torch.", "")})
-    for arg in walk.reduced_in_backward():
-        out.append({"op": "all_reduce (backward)", "after": arg.name, "shape": [str(s) for s in _val(arg).shape],
-                    "dtype": str(_val(arg).dtype).replace("torch.", "")})
+    out = [_entry("all_reduce", node) for node, role in walk.roles.items() if role in ("rowwise", "vocab")]
+    out += [_entry("all_reduce", node) for node in walk.sums]
+    out += [_entry("all_gather", arg) for _consumer, arg in dict.fromkeys(walk.gathers)]
+    out += [_entry("all_reduce (backward)", arg) for arg in walk.reduced_in_backward()]
     return out
 
 
@@ -545,6 +919,15 @@ def _insert(g: fx.Graph, before, target, args, val, like) -> fx.Node:
     return node
 
 
+def _after(g: fx.Graph, node, target, args, like=None) -> fx.Node:
+    """A new node right after ``node`` that its users read instead (a sum over the group, a bias added)."""
+    users = list(node.users)
+    new = _insert(g, node.next, target, args, _val(node), like or node)
+    for user in users:
+        user.replace_input_with(node, new)
+    return new
+
+
 def _rewrite(g: fx.Graph, walk: _Walk, tp: int, params: dict) -> None:
     copies: dict = {}
     for consumer, arg in walk.copies:
@@ -560,23 +943,38 @@ def _rewrite(g: fx.Graph, walk: _Walk, tp: int, params: dict) -> None:
         consumer.replace_input_with(arg, gathered[arg])
     for node, role in walk.roles.items():
         if role == "rowwise":
-            bias = node.args[2] if len(node.args) > 2 else None
-            node.args = (node.args[0], node.args[1])
-            users = list(node.users)
-            reduced = _insert(g, node.next, TP.tp_all_reduce.default, [node], _val(node), node)
-            last = reduced
+            x, weight, bias, _out_dim = walk.forms[node]
+            if node.target is aten.addmm.default:  # the bias is added once, after the sum
+                node.target = aten.mm.default
+            node.args = (x, weight)
+            reduced = _after(g, node, TP.tp_all_reduce.default, [node])
             if bias is not None:
-                last = _insert(g, reduced.next, aten.add.Tensor, [reduced, bias], _val(node), node)
-            for user in users:
-                user.replace_input_with(node, last)
+                _after(g, reduced, aten.add.Tensor, [reduced, bias], node)
         elif role == "vocab":
             weight, indices = node.args[0], node.args[1]
             padding = node.args[2] if len(node.args) > 2 else node.kwargs.get("padding_idx", -1)
             node.target = TP.tp_vocab_embedding.default
             node.args = (weight, indices, padding)
             node.kwargs = {}
+    for node, count in walk.sums.items():  # a sum (or mean) over the sharded dim: from the partial sums
+        if count is not None:
+            node.target = aten.sum.dim_IntList
+        reduced = _after(g, node, TP.tp_all_reduce.default, [node])
+        if count is not None:
+            _after(g, reduced, aten.div.Tensor, [reduced, int(count) if count.is_Integer else count], node)
+    for node, pieces in walk.cuts.items():  # cuts of the sharded dim: the local parts
+        source, dim = node.args[0], walk.shard[node.args[0]]
+        if node.target is aten.slice.Tensor:
+            (start, end), = pieces
+            node.args, node.kwargs = (source, dim, start, end), {}
+        elif node.target is aten.narrow.default:
+            (start, end), = pieces
+            node.args, node.kwargs = (source, dim, start, end - start), {}
+        else:
+            node.target = aten.split_with_sizes.default
+            node.args, node.kwargs = (source, [end - start for start, end in pieces], dim), {}
     for node, dim in walk.shard.items():  # local sizes: in view/expand arguments and in the annotations
-        if node.target in _VIEWS or node.target is aten.expand.default:
+        if node.target in _VIEWS or node.target in _EXPANDS:
             sizes = list(node.args[1])
             if sizes[dim] != -1:
                 sizes[dim] = sizes[dim] // tp
@@ -585,13 +983,14 @@ def _rewrite(g: fx.Graph, walk: _Walk, tp: int, params: dict) -> None:
         if isinstance(val, torch.Tensor):
             node.meta["val"] = _local_val(val, dim, tp)
         elif isinstance(val, (list, tuple)):
-            node.meta["val"] = type(val)(_local_val(v, dim, tp) for v in val)
-    for ph in g.nodes:  # a sharded parameter's annotation: its local shape
-        if ph.op != "placeholder" or ph.name not in walk.fqn_of:
-            continue
-        dim = params.get(walk.fqn_of[ph.name], {}).get("dim")
+            entries = walk.items.get(node) or [(dim, None)] * len(val)
+            node.meta["val"] = type(val)(_local_val(v, d, tp) if (d is not None) else v
+                                         for v, (d, _s) in zip(val, entries))
+    for ph in list(g.nodes):  # a sharded parameter's annotation (and its transpose's): its local shape
+        fqn = walk._param(ph) if (ph.op == "placeholder" or ph in walk.aliases) else None
+        dim = params.get(fqn, {}).get("dim") if fqn is not None else None
         if dim is not None:
-            ph.meta["val"] = _local_val(_val(ph), dim, tp)
+            ph.meta["val"] = _local_val(_val(ph), 1 - dim if ph in walk.aliases else dim, tp)
     g.lint()
 
 
@@ -614,8 +1013,8 @@ def whole_graph_walks(graph: fx.Graph, fqn_of: dict, needs_grad: dict, sizes=TUN
 def segment_figures(nodes: list, walks: dict, flops: dict, tensor_bytes) -> dict:
     """Per tp size, for one segment's nodes (the tuner prices a segment at tp with these): the forward FLOPs
     computed on shards, the parameters sharded (counted at the segment of their first use), and the collectives
-    per microbatch: forward all-reduces (row-wise outputs, vocabulary lookups), backward all-reduces (gradients
-    of the replicated inputs of sharded ops) and all-gathers, each as [count, bytes]."""
+    per microbatch: forward all-reduces (row-wise outputs, vocabulary lookups, sums over the pieces), backward
+    all-reduces (gradients of the replicated inputs of sharded ops) and all-gathers, each as [count, bytes]."""
     out = {}
     for tp, entry in walks.items():
         walk, dims, attributed = entry["walk"], entry["dims"], entry["attributed"]
@@ -625,13 +1024,13 @@ def segment_figures(nodes: list, walks: dict, flops: dict, tensor_bytes) -> dict
         params = bytes_ = 0
         for node in nodes:
             for arg in node.all_input_nodes:
-                fqn = walk._param(arg)
+                fqn = walk._param(arg) if arg.op == "placeholder" else None
                 if fqn is not None and fqn not in attributed:
                     attributed.add(fqn)
                     if dims.get(fqn) is not None:
                         params += _val(arg).numel()
                         bytes_ += tensor_bytes(_val(arg))
-        reduce_fwd = [n for n in nodes if walk.roles.get(n) in ("rowwise", "vocab")]
+        reduce_fwd = [n for n in nodes if walk.roles.get(n) in ("rowwise", "vocab") or n in walk.sums]
         copied = {arg for consumer, arg in walk.copies if consumer in inside} & walk.reduced_in_backward()
         gathered = {arg for consumer, arg in walk.gathers if consumer in inside or (consumer.op == "output"
                                                                                     and arg in inside)}

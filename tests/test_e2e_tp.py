@@ -7,6 +7,7 @@ train equal to eager at pp=2, tp=2. The dp=2 x pp=2 x tp=2 case (8 processes) is
 ``benchmarks/tensor_parallel.py``.
 """
 import os
+import shutil
 
 import pytest
 import torch
@@ -79,12 +80,65 @@ def test_hugging_face_pp2_tp2_matches_eager(tmp_path, monkeypatch, name, family)
     attention = [e["role"] for fqn, e in params.items() if "self_attn.o_proj.weight" in fqn]
     assert attention and set(attention) == {"rowwise"}  # attention sharded by heads
     experts = [e["role"] for fqn, e in params.items() if ".experts." in fqn]
-    assert set(experts) <= {"replicate"}  # Mixtral: experts replicated (expert parallelism is another issue)
+    assert set(experts) <= {"replicate"}  # Mixtral: experts replicated over tp (they shard over --ep)
     ckpt = str(tmp_path / "ckpt.pt")
     _run(out, 4, "--steps", "3", "--save", ckpt, env=env)
     saved = torch.load(ckpt)
     assert_trained(saved, path)
     assert_state_close(saved, eager_train(path, 3))
+
+
+@pytest.mark.parametrize("family", ["phi3", "gpt2", "falcon", "olmo2", "gemma3", "gpt_neox", "starcoder2"])
+def test_every_familys_tp_plan_trains_equal_to_eager_at_microbatch_size_1(tmp_path, monkeypatch, family):
+    # fused qkv/gate_up (Phi-3), Conv1D addmm and a fused c_attn (GPT-2), x @ W.T with a per-group fused qkv and
+    # parallel attention and MLP (Falcon), norms over the sharded width from partial sums (OLMo2), per-head norms
+    # and casts (Gemma3), a per-head fused query_key_value (GPT-NeoX), biases and LayerNorm (StarCoder2)
+    monkeypatch.setenv("TP_HF_FAMILY", family)
+    path, out = os.path.join(ZOO, "tp_hf.py"), str(tmp_path / "out")
+    manifest = split_model(path, out, num_ranks=2, schedule="1f1b", num_microbatches=4, tp=2)  # 4 samples: size 1
+    assert min(stage["share"]["params"] for stage in manifest["tp"]["stages"]) > 0.9
+    ckpt = str(tmp_path / "ckpt.pt")
+    _run(out, 4, "--steps", "3", "--save", ckpt, env={"TP_HF_FAMILY": family})
+    saved = torch.load(ckpt)
+    assert_trained(saved, path)
+    assert_state_close(saved, eager_train(path, 3))
+
+
+def test_fused_projections_checkpoint_in_the_models_layout(tmp_path, monkeypatch):
+    # Phi-3's qkv_proj and gate_up_proj: each tp rank holds its heads' rows of every part; DCP checkpoints hold the
+    # model's own row order, so they resume on tp2, into tp1 and back, with the momentum buffers; --load of a
+    # safetensors file in the model's layout and --save-safetensors round-trip
+    from safetensors.torch import load_file, save_file
+
+    monkeypatch.setenv("TP_HF_FAMILY", "phi3")
+    env = {"TP_HF_FAMILY": "phi3"}
+    path = tmp_path / "phi3.py"
+    path.write_text(open(os.path.join(ZOO, "tp_hf.py")).read().replace(
+        "optimizer = sgd", "def optimizer(params):\n    return torch.optim.SGD(params, lr=0.1, momentum=0.9)"))
+    shutil.copy(os.path.join(ZOO, "zoo_common.py"), tmp_path)  # imported beside the model file, as in the zoo
+    monkeypatch.syspath_prepend(str(tmp_path))
+    path = str(path)
+    tp2, tp1 = str(tmp_path / "tp2"), str(tmp_path / "tp1")
+    manifest = split_model(path, tp2, num_ranks=2, schedule="1f1b", num_microbatches=2, tp=2)
+    assert manifest["tp"]["params"]["model.layers.0.self_attn.qkv_proj.weight"]["segments"] == [32, 16, 16]
+    split_model(path, tp1, num_ranks=2, schedule="1f1b", num_microbatches=2)
+    expected = eager_train(path, 4)
+    ckpts = str(tmp_path / "ckpt")
+    _run(tp2, 4, "--steps", "2", "--checkpoint-dir", ckpts, env=env)
+    for folder, nproc in ((tp2, 4), (tp1, 2)):
+        resumed = str(tmp_path / f"resumed_{nproc}.pt")
+        _run(folder, nproc, "--steps", "4", "--resume", os.path.join(ckpts, "step_2"), "--save", resumed, env=env)
+        assert_state_close(torch.load(resumed), expected)
+    ckpts1 = str(tmp_path / "ckpt1")
+    _run(tp1, 2, "--steps", "2", "--checkpoint-dir", ckpts1, env=env)
+    trained = str(tmp_path / "trained.safetensors")
+    _run(tp2, 4, "--steps", "4", "--resume", os.path.join(ckpts1, "step_2"), "--save-safetensors", trained, env=env)
+    assert_state_close(load_file(trained), expected)
+    initial = str(tmp_path / "initial.safetensors")
+    save_file({k: v.clone().contiguous() for k, v in load_model_file(path).model().state_dict().items()}, initial)
+    loaded = str(tmp_path / "loaded.pt")
+    _run(tp2, 4, "--steps", "2", "--load", initial, "--save", loaded, env=env)
+    assert_state_close(torch.load(loaded), eager_train(path, 2))
 
 
 def test_zero_bubble_schedule_splits_the_tp_backward_exactly_from_a_loaded_checkpoint(tmp_path):

@@ -54,11 +54,15 @@ def test_grouped_query_attention_with_fewer_kv_heads_than_tp_is_replicated_and_s
     assert "fewer heads than --tp" in reasons and "grouped-query" in reasons
 
 
-def test_fused_qkv_split_on_the_sharded_features_is_replicated():
-    _manifest, params = _params(os.path.join(REPO, "examples", "gpt.py"))
-    assert params["blocks.0.attn.qkv.weight"]["dim"] is None
-    assert "aten.split.Tensor" in params["blocks.0.attn.qkv.weight"]["why"]
+def test_fused_qkv_shards_each_part_by_heads():
+    # examples/gpt.py: qkv = Linear(d, 3d) then .split(d, dim=2): each rank holds its heads' rows of q, k and v
+    manifest, params = _params(os.path.join(REPO, "examples", "gpt.py"))
+    d = 64
+    assert params["blocks.0.attn.qkv.weight"] == {"dim": 0, "role": "colwise", "segments": [d, d, d]}
+    assert params["blocks.0.attn.qkv.bias"]["segments"] == [d, d, d]
+    assert params["blocks.0.attn.proj.weight"]["role"] == "rowwise"
     assert params["blocks.0.mlp.0.weight"]["role"] == "colwise" and params["blocks.0.mlp.2.weight"]["role"] == "rowwise"
+    assert manifest["tp"]["stages"][0]["share"]["params"] > 0.9
 
 
 def test_dims_tp_does_not_divide_stay_whole():
@@ -169,3 +173,76 @@ def test_vocab_embedding_pieces_sum_to_the_lookup_and_keep_padding(tmp_path):
     finally:
         tensor_parallel.set_group(None, 1, 0)
         dist.destroy_process_group()
+
+
+# ---- every family's decoder layers shard, at microbatch sizes 1 and 2 (tests/zoo/tp_hf.py)
+
+def _family_manifest(monkeypatch, family: str, microbatch_size: int):
+    import importlib.util
+
+    monkeypatch.setenv("TP_HF_FAMILY", family)
+    path = os.path.join(ZOO, "tp_hf.py")
+    manifest = check_model(path, num_ranks=2, num_microbatches=4 // microbatch_size, tp=2)
+    spec = importlib.util.spec_from_file_location("tp_hf_sizes", path)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.syspath_prepend(ZOO)
+    spec.loader.exec_module(module)
+    sizes = {name: p.numel() for name, p in module.model().named_parameters()}
+    return manifest, sizes
+
+
+@pytest.mark.parametrize("microbatch_size", [1, 2])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "starcoder2", "olmo2", "gemma3", "gpt_neox", "phi3",
+                                    "falcon", "gpt2", "mixtral"])
+def test_every_family_shards_its_decoder_layers(monkeypatch, family, microbatch_size):
+    # at tp 2 at least 0.95 of each decoder layer's parameters are sharded (norms stay whole); Mixtral's routed
+    # experts and router are counted apart (they shard over --ep, not --tp)
+    import re
+
+    manifest, sizes = _family_manifest(monkeypatch, family, microbatch_size)
+    params = manifest["tp"]["params"]
+    layers: dict = {}
+    for fqn, entry in params.items():
+        match = re.search(r"\.(?:layers|h)\.(\d+)\.", fqn)
+        if match is None or ".experts." in fqn or ".mlp.gate." in fqn or "block_sparse_moe" in fqn:
+            continue
+        total = layers.setdefault(match.group(1), [0, 0])
+        total[1] += sizes[fqn]
+        total[0] += sizes[fqn] if entry["dim"] is not None else 0
+    shares = {layer: sharded / total for layer, (sharded, total) in layers.items()}
+    whole = sorted(f for f, e in params.items() if e["dim"] is None and "norm" not in f and "ln" not in f)
+    assert len(shares) == 2 and min(shares.values()) >= 0.95, (shares, whole, manifest["tp"]["stages"][0]["replicated"])
+    for stage in manifest["tp"]["stages"]:  # inspect's figures: the sharded share of parameters and FLOPs
+        assert 0 < stage["share"]["params"] <= 1 and 0 < stage["share"]["flops"] <= 1
+
+
+def test_a_fused_projection_shards_each_part_and_its_rows_come_back_in_the_models_layout():
+    import torch
+
+    from tracepp.runtime.tensor_parallel import _runs, original_layout, shard
+
+    weight = torch.arange(8 * 3.0).reshape(8, 3)  # rows: q 0-3, k 4-5, v 6-7
+    pieces = [shard(weight, 0, 2, rank, [4, 2, 2]) for rank in range(2)]
+    assert pieces[0][:, 0].tolist() == [0, 3, 12, 18] and pieces[1][:, 0].tolist() == [6, 9, 15, 21]
+    assert torch.equal(original_layout(torch.cat(pieces), 0, 2, [4, 2, 2]), weight)
+    # rank 1's rows [4, 8) of the rank-major layout are the model's rows 2-3, 5 and 7
+    assert _runs(4, 4, 8, 2, [4, 2, 2]) == [(2, 4, 2), (5, 6, 1), (7, 7, 1)]
+    assert _runs(5, 2, 8, 2, [4, 2, 2]) == [(3, 5, 1), (5, 6, 1)]  # an FSDP shard of it
+
+
+def test_views_follow_the_sharded_dim_at_every_batch_size():
+    import sympy
+
+    from tracepp.split.tensor_parallel import view_placement
+
+    def place(before, after, dim, segments=None):
+        return view_placement([sympy.Integer(s) for s in before], [sympy.Integer(s) for s in after], dim,
+                              segments, 2)
+
+    assert place([1, 8, 32], [1, 8, 4, 8], 2) == (2, None)  # into heads, batch of one
+    assert place([1, 2, 2, 8, 8], [1, 4, 8, 8], 1) == (1, None)  # grouped-query heads repeated, batch of one
+    assert place([1, 8, 8], [1, 8, 1, 8], 2) is None  # one key/value head cannot be split over 2 ranks
+    assert place([2, 8, 4, 8], [2, 8, 32], 2) == (2, None)  # heads merged back
+    assert place([2, 8, 96], [2, 8, 12, 8], 2, (32, 32, 32)) == (2, (4, 4, 4))  # a fused projection into heads
+    assert place([2, 8, 24], [2, 8, 3, 8], 2) is None  # 3 heads: rank pieces would cut a head in two
+    assert place([16, 32], [2, 8, 32], 0, (8, 8)) == (1, None)  # tokens of 2 samples, each sharded, split back

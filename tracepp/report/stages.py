@@ -123,6 +123,8 @@ def tensor_parallel_table(manifest: dict) -> str:
         if dim is not None and shape:
             shape[dim] = shape[dim] // size
         placement = "Replicate()" if dim is None else f"Shard({dim})"
+        if entry.get("segments"):  # a fused projection: each rank holds its part of every segment
+            placement += f" of each of {len(entry['segments'])} parts"
         key = (_pattern(fqn), entry["role"], placement, str(shape), entry.get("why", ""))
         rows[key] = rows.get(key, 0) + 1
     sharded = sum(1 for e in tp["params"].values() if e["dim"] is not None)
@@ -132,6 +134,11 @@ def tensor_parallel_table(manifest: dict) -> str:
                        for (pattern, role, placement, shape, why), count in rows.items()],
                       headers=["parameter", "role", "placement", "shape per rank", "replicated because"],
                       tablefmt="simple")]
+    shares = [[index, f"{stage['share']['params']:.1%}", f"{stage['share']['flops']:.1%}"]
+              for index, stage in enumerate(tp["stages"]) if "share" in stage]
+    if shares:
+        lines += ["", "sharded share per stage (of its parameters; of its forward FLOPs, computed on shards):",
+                  tabulate(shares, headers=["stage", "parameters", "FLOPs"], tablefmt="simple")]
     comm = []
     for index, stage in enumerate(tp["stages"]):
         counts: dict = {}
