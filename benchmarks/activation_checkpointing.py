@@ -97,6 +97,7 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default=os.path.join("benchmarks", "results"))
     args = parser.parse_args(argv)
     from tracepp.driver import split_model
+    from tracepp.runtime.mesh import Layout
 
     config = GPTConfig(d_model=args.d_model, n_layer=args.layers)
     work = tempfile.mkdtemp(prefix="tracepp_ac_")
@@ -104,7 +105,7 @@ def main(argv=None) -> None:
     all_results = {}
     for schedule in args.schedules.split(","):
         out_dir = os.path.join(work, f"out_{schedule}")
-        split_model(model_path, out_dir, num_ranks=args.ranks, schedule=schedule, num_microbatches=args.microbatches)
+        split_model(model_path, out_dir, schedule=schedule, num_microbatches=args.microbatches, layout=Layout(pp=args.ranks))
         all_results[schedule] = measure(out_dir, os.path.join(work, schedule), args)
         print(f"schedule {schedule}, {args.ranks} ranks, {args.microbatches} microbatches:")
         print(table(all_results[schedule]))

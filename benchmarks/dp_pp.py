@@ -8,7 +8,7 @@ CPU) training the same GPT model file (``benchmarks/gpt_model.py``, split at the
 same schedule, microbatches per replica, mean cross-entropy and SGD, each replica on its contiguous half of the
 global batch. The systems:
 
-* ``tracepp``: ``split_model(..., num_ranks=2, dp=2, dp_mode=MODE)``, then ``torchrun`` on the generated
+* ``tracepp``: ``split_model(..., layout=Layout(pp=2, dp=2, dp_mode=MODE))``, then ``torchrun`` on the generated
   ``run.py`` through ``benchmarks/tracepp_worker.py``; its own ``--metrics`` step time (on the last stage's
   rank of replica 0), with run.py's defaults (which include the per-step global gradient-norm check of
   ``--on-nonfinite stop``: one all-reduce of two numbers over the whole mesh);
@@ -187,6 +187,7 @@ def _same_losses(a: list, b: list) -> bool:
 def run_suite(cases: list, systems: list, settings: Settings, threads: int, peer_timeout: float, work: str,
               log=print) -> dict:
     from tracepp.driver import split_model
+    from tracepp.runtime.mesh import Layout
 
     started = time.perf_counter()
     results = []
@@ -202,9 +203,8 @@ def run_suite(cases: list, systems: list, settings: Settings, threads: int, peer
                  "tokens_per_step": tokens, "split_points": config.split_points(case.pp)}
         log(f"[{number}/{len(cases)}] {case.key} ({time.perf_counter() - started:.0f}s)")
         try:
-            split_model(model_path, out_dir, num_ranks=case.pp, schedule=case.schedule,
-                        num_microbatches=case.microbatches, split_points=config.split_points(case.pp),
-                        dp=case.dp, dp_mode=case.mode)
+            split_model(model_path, out_dir, schedule=case.schedule,
+                        num_microbatches=case.microbatches, split_points=config.split_points(case.pp), layout=Layout(pp=case.pp, dp=case.dp, dp_mode=case.mode))
             split_error = None
         except Exception as error:  # reported, not fatal
             split_error = f"{type(error).__name__}: {error}"

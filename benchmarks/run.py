@@ -321,6 +321,7 @@ def _merge(runs: list, tokens: int) -> dict:
 def run_suite(cases: list, settings: Settings, device: str, threads: int, work: str,
               log=print, tune: bool = False) -> dict:
     from tracepp.driver import split_model
+    from tracepp.runtime.mesh import Layout
 
     started = time.perf_counter()
     results, eager_runs, folders = [], {}, {}
@@ -337,9 +338,9 @@ def run_suite(cases: list, settings: Settings, device: str, threads: int, work: 
                  "split_points": config.split_points(case.stages), "out_dir": out_dir, "loadavg": loadavg()}
         log(f"[{number}/{len(cases)}] {case.key} ({time.perf_counter() - started:.0f}s)")
         try:
-            split_model(model_path, out_dir, num_ranks=case.run_ranks, num_stages=case.stages,
+            split_model(model_path, out_dir, num_stages=case.stages,
                         schedule=case.schedule, num_microbatches=case.microbatches,
-                        split_points=config.split_points(case.stages))
+                        split_points=config.split_points(case.stages), layout=Layout(pp=case.run_ranks))
             split_error = None
         except Exception as error:  # a case tracepp cannot plan is reported, not fatal
             split_error = f"{type(error).__name__}: {error}"

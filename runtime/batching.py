@@ -40,6 +40,10 @@ class MicrobatchSplitter:
         self.batch_symbol = manifest.get("batch_symbol")
         self.checks = [(root, [compile_shape([d]) if not isinstance(d, int) and not _IDENTIFIER.match(d) else None
                                for d in root["shape"]]) for root in self.roots if root.get("shape") is not None]
+        sequence = ((manifest.get("tp") or {}).get("sequence_parallel") or {}).get("sequence")
+        self.sequence = None  # with --sequence-parallel and a dynamic sequence: (its expression, its check, tp)
+        if sequence is not None and not sequence.lstrip("-").isdigit():
+            self.sequence = (sequence, compile_shape([sequence]), manifest["tp"]["size"])
 
     def split(self, step: int, args: tuple, kwargs: dict, target, device) -> Microbatches:
         """Check one step's batch against the trace (structure, constants, dtypes, ranks, static and symbolic
@@ -50,6 +54,7 @@ class MicrobatchSplitter:
         symbols = self._bind_symbols(step, leaves, sizes)
         self._check_ranges(step, symbols)
         self._check_derived(step, leaves, sizes, symbols)
+        self._check_sequence_shards(step, symbols)
         mb_leaves, targets = self._cut(leaves, target, batch_size, device)
         scales = [size / batch_size for size in sizes]
         return Microbatches(mb_leaves, targets, scales, symbols, batch_size)
@@ -133,6 +138,20 @@ class MicrobatchSplitter:
                     raise PipelineError(
                         f"batch for step {step}: {where} = {value} is outside the declared range "
                         f"[{low}, {high if high is not None else 'inf'}] of dynamic dim '{symbol}'")
+
+    def _check_sequence_shards(self, step: int, symbols: list) -> None:
+        """With --sequence-parallel, every tp rank holds an equal share of each sequence: a dynamic sequence
+        length must be a multiple of tp (a static one was checked at split time)."""
+        if self.sequence is None:
+            return
+        text, length_of, tp = self.sequence
+        for bound in symbols:
+            length = length_of(bound)[0]
+            if length % tp:
+                raise PipelineError(
+                    f"batch for step {step}: sequence length {length} ({text}) is not a multiple of --tp {tp}: "
+                    f"with --sequence-parallel each of the {tp} tensor-parallel ranks holds an equal share of the "
+                    f"sequence. Pad the batch to a multiple of {tp} tokens, or split without --sequence-parallel")
 
     def _check_derived(self, step: int, leaves: list, sizes: list, symbols: list) -> None:
         """Derived dims (e.g. ``s_seq*2``) agree with the bound symbols."""

@@ -183,10 +183,10 @@ def check_world_size(manifest: dict) -> None:
     expected = world_size(layout)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != expected:
-        planned = (f"{expected} ranks" if expected == layout["pp"] else
-                   f"{expected} processes ({layout['pp']} pipeline ranks x {layout['dp']} data-parallel replicas"
-                   + (f" x {layout['tp']} tensor-parallel ranks)" if layout["tp"] > 1 else ")"))
-        fix = (f"re-split with `tracepp split ... --ranks {world}`" if expected == layout["pp"] else
+        planned = (f"{expected} ranks" if expected == layout.pp else
+                   f"{expected} processes ({layout.pp} pipeline ranks x {layout.dp} data-parallel replicas"
+                   + (f" x {layout.tp} tensor-parallel ranks)" if layout.tp > 1 else ")"))
+        fix = (f"re-split with `tracepp split ... --ranks {world}`" if expected == layout.pp else
                f"re-split with --ranks R --dp N --tp T where R x N x T = {world}")
         raise PipelineError(
             f"this pipeline was planned for {planned} but torchrun started {world}: "
@@ -666,8 +666,8 @@ def join_microbatches(outputs: list):
 def _replica_outputs(pipe: Pipeline, result):
     """``--save-outputs``: this step's full-batch output on the last pipeline rank of the first replica (the
     other replicas' slices gathered to it in replica order), None elsewhere."""
-    if pipe.layout["dp"] > 1 and pipe.is_last_rank:
-        parts = [None] * pipe.layout["dp"]
+    if pipe.layout.dp > 1 and pipe.is_last_rank:
+        parts = [None] * pipe.layout.dp
         dist.all_gather_object(parts, result, group=pipe.replicas.get_group())
         result = [output for part in parts for output in part]
     return join_microbatches(result) if pipe.is_last_rank and pipe.dp_index == 0 and pipe.tp_index == 0 else None
@@ -793,8 +793,8 @@ def _summary(pipe: Pipeline, args, history: list) -> None:
             ["median step time (ms)", f"{times[len(times) // 2] * 1000:.1f}"],
             ["samples/s (median)", f"{sorted(h[3] for h in history)[len(history) // 2]:.1f}"],
             ["ranks / stages", f"{pipe.world_size} / {len(manifest['stages'])}"],
-            *([["data parallel", f"{pipe.layout['dp']} replicas x {pipe.layout['pp']} pipeline ranks, "
-                                 f"{pipe.layout['mode']}"]] if pipe.layout["dp"] > 1 else []),
+            *([["data parallel", f"{pipe.layout.dp} replicas x {pipe.layout.pp} pipeline ranks, "
+                                 f"{pipe.layout.dp_mode}"]] if pipe.layout.dp > 1 else []),
             ["schedule", manifest["plan"]["schedule"]], ["microbatches", manifest["plan"]["num_microbatches"]],
             ["precision", pipe.precision], ["backend", pipe.backend]]
     print(_format_table(rows, ["summary", "value"]), flush=True)

@@ -14,101 +14,163 @@ Parameters stay unsharded from a stage's first forward to its last backward of t
 """
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
 import torch.distributed as dist
 
 MODES = ("fsdp", "ddp", "hsdp")
 
 
-def mesh_layout(plan: dict) -> dict:
-    """The plan's data-parallel layout, or one replica (dp 1) when it has none."""
-    mesh = plan.get("mesh") or {}
-    return {"dp": mesh.get("dp", 1), "pp": plan["num_ranks"], "mode": mesh.get("mode", "fsdp"),
-            "shard": mesh.get("shard"), "order": mesh.get("order", "pp-inner"), "tp": mesh.get("tp", 1)}
+@dataclass(frozen=True)
+class Layout:
+    """The parallel layout of a job, one value from the command line to the runtime: ``pp`` pipeline ranks;
+    ``dp`` data-parallel replicas with their ``dp_mode`` (fsdp, ddp, hsdp), HSDP's ``dp_shard`` and the
+    ``dp_order`` of the ranks; ``tp`` tensor-parallel ranks per stage, with ``sequence_parallel`` activations
+    between its regions; ``ep`` expert-parallel ranks, carved out of the data-parallel ones (``ep`` divides
+    ``dp``). The manifest records it as ``plan["mesh"]`` (:meth:`to_json`)."""
+
+    pp: int = 1
+    dp: int = 1
+    dp_mode: str = "fsdp"
+    dp_shard: Optional[int] = None
+    dp_order: str = "pp-inner"
+    tp: int = 1
+    ep: int = 1
+    sequence_parallel: bool = False
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.pp * self.tp
+
+    def replace(self, **changes) -> "Layout":
+        return dataclasses.replace(self, **changes)
+
+    def to_json(self) -> dict:
+        """The manifest's ``plan["mesh"]`` (the keys older manifests used for dp: mode, shard, order)."""
+        out = {"dp": self.dp, "pp": self.pp, "mode": self.dp_mode, "shard": self.dp_shard, "order": self.dp_order}
+        if self.tp > 1:
+            out["tp"] = self.tp
+        if self.ep > 1:
+            out["ep"] = self.ep
+        if self.sequence_parallel:
+            out["sequence_parallel"] = True
+        return out
+
+    @classmethod
+    def from_json(cls, mesh: Optional[dict], pp: int) -> "Layout":
+        mesh = mesh or {}
+        return cls(pp=pp, dp=mesh.get("dp", 1), dp_mode=mesh.get("mode", "fsdp"), dp_shard=mesh.get("shard"),
+                   dp_order=mesh.get("order", "pp-inner"), tp=mesh.get("tp", 1), ep=mesh.get("ep", 1),
+                   sequence_parallel=bool(mesh.get("sequence_parallel", False)))
+
+    def check(self) -> None:
+        """Refuse a layout before anything is traced: the error names the numbers and the fix."""
+        for name, value in (("--ranks", self.pp), ("--dp", self.dp), ("--tp", self.tp), ("--ep", self.ep)):
+            if value < 1:
+                raise ValueError(f"{name} {value}: need at least 1")
+        if self.dp_mode not in MODES:
+            raise ValueError(f"--dp-mode {self.dp_mode!r} is not one of {', '.join(MODES)}")
+        if self.dp_mode == "hsdp":
+            if self.dp_shard is None or self.dp_shard < 1 or self.dp % self.dp_shard:
+                raise ValueError(f"--dp-mode hsdp needs --dp-shard K with K dividing --dp {self.dp} "
+                                 f"(K = {', '.join(str(k) for k in _divisors(self.dp))})")
+        elif self.dp_shard is not None:
+            raise ValueError(f"--dp-shard is for --dp-mode hsdp only (got --dp-mode {self.dp_mode})")
+        if self.tp > 1 and self.dp_order != "pp-inner":
+            raise ValueError(f"--tp {self.tp} keeps each stage's tp ranks consecutive (one node), inside pp and dp: "
+                             f"use --dp-order pp-inner with --tp")
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("--sequence-parallel splits the activations between tensor-parallel regions over the "
+                             "tp ranks: use it with --tp T (T > 1)")
+        if self.dp % self.ep:
+            raise ValueError(f"--ep {self.ep} takes each stage's expert-parallel ranks from its --dp {self.dp} "
+                             f"data-parallel ranks, so it must divide --dp: use --ep in "
+                             f"{_divisors(self.dp)}, or --dp a multiple of {self.ep}")
+
+    def check_batch(self, batch_size: int) -> None:
+        if batch_size % self.dp:
+            works = _divisors(batch_size)
+            raise ValueError(f"--dp {self.dp} does not divide the global batch of {batch_size} samples: each "
+                             f"replica takes an equal contiguous slice; use --dp in {works}, or a batch that "
+                             f"{self.dp} divides")
 
 
-def world_size(layout: dict) -> int:
-    return layout["dp"] * layout["pp"] * layout.get("tp", 1)
+def _divisors(n: int) -> list:
+    return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def global_rank(layout: dict, dp_index: int, pp_rank: int, tp_index: int = 0) -> int:
+def mesh_layout(plan: dict) -> Layout:
+    """The plan's layout (one replica, no tp, when it records none)."""
+    return Layout.from_json(plan.get("mesh"), plan["num_ranks"])
+
+
+def world_size(layout: Layout) -> int:
+    return layout.world_size
+
+
+def global_rank(layout: Layout, dp_index: int, pp_rank: int, tp_index: int = 0) -> int:
     """Tensor parallelism is innermost: the tp ranks of one (dp, pp) place are consecutive (one node)."""
-    if layout["order"] == "dp-inner":
-        base = pp_rank * layout["dp"] + dp_index
+    if layout.dp_order == "dp-inner":
+        base = pp_rank * layout.dp + dp_index
     else:
-        base = dp_index * layout["pp"] + pp_rank
-    return base * layout.get("tp", 1) + tp_index
+        base = dp_index * layout.pp + pp_rank
+    return base * layout.tp + tp_index
 
 
-def coordinates(layout: dict, rank: int) -> tuple:
+def coordinates(layout: Layout, rank: int) -> tuple:
     """(dp_index, pp_rank) of a global rank (its tp index is :func:`tp_index`)."""
-    rank //= layout.get("tp", 1)
-    if layout["order"] == "dp-inner":
-        return rank % layout["dp"], rank // layout["dp"]
-    return rank // layout["pp"], rank % layout["pp"]
+    rank //= layout.tp
+    if layout.dp_order == "dp-inner":
+        return rank % layout.dp, rank // layout.dp
+    return rank // layout.pp, rank % layout.pp
 
 
-def tp_index(layout: dict, rank: int) -> int:
-    return rank % layout.get("tp", 1)
+def tp_index(layout: Layout, rank: int) -> int:
+    return rank % layout.tp
 
 
-def replicas_text(layout: dict) -> list:
+def replicas_text(layout: Layout) -> list:
     """One line per pipeline rank: the global ranks that are its replicas."""
-    return [f"pipeline rank {pp}: global ranks {', '.join(str(global_rank(layout, d, pp)) for d in range(layout['dp']))}"
-            for pp in range(layout["pp"])]
+    return [f"pipeline rank {pp}: global ranks {', '.join(str(global_rank(layout, d, pp)) for d in range(layout.dp))}"
+            for pp in range(layout.pp)]
 
 
 def describe(plan: dict) -> list:
     """What ``tracepp inspect`` and the rank-script headers show about the mesh (nothing without --dp/--tp)."""
     layout = mesh_layout(plan)
-    dp, pp, tp = layout["dp"], layout["pp"], layout["tp"]
+    dp, pp, tp = layout.dp, layout.pp, layout.tp
     if tp > 1:
         return [f"Mesh (dp={dp}, pp={pp}, tp={tp}): {dp * pp * tp} processes; tensor parallel inside each "
                 f"stage over {tp} consecutive ranks (global rank = (dp_index * pp + pp_rank) * tp + tp_index)"
-                + (f"; {layout['mode']} over dp" if dp > 1 else "")]
+                + (f"; {layout.dp_mode} over dp" if dp > 1 else "")]
     if dp == 1:
         return []
     how = {"fsdp": "fully_shard of each stage over dp", "ddp": "replicate (DDP) of each stage over dp",
-           "hsdp": f"fully_shard over dp_shard ({layout['shard']} ranks), replicated over dp_replicate "
-                   f"({dp // (layout['shard'] or 1)})"}[layout["mode"]]
-    formula = "pp_rank * dp + dp_index" if layout["order"] == "dp-inner" else "dp_index * pp + pp_rank"
-    return [f"Mesh (dp={dp}, pp={pp}): {dp * pp} processes; {layout['mode']}: {how}; order {layout['order']} "
+           "hsdp": f"fully_shard over dp_shard ({layout.dp_shard} ranks), replicated over dp_replicate "
+                   f"({dp // (layout.dp_shard or 1)})"}[layout.dp_mode]
+    formula = "pp_rank * dp + dp_index" if layout.dp_order == "dp-inner" else "dp_index * pp + pp_rank"
+    return [f"Mesh (dp={dp}, pp={pp}): {dp * pp} processes; {layout.dp_mode}: {how}; order {layout.dp_order} "
             f"(global rank = {formula})"] + replicas_text(layout)
 
 
-def check_layout(dp: int, mode: str, shard, batch_size: int) -> None:
-    """Refuse a layout before anything is traced: the error names the numbers and the fix."""
-    if dp < 1:
-        raise ValueError(f"--dp {dp}: need at least 1 replica")
-    if mode not in MODES:
-        raise ValueError(f"--dp-mode {mode!r} is not one of {', '.join(MODES)}")
-    if mode == "hsdp":
-        if shard is None or shard < 1 or dp % shard:
-            raise ValueError(f"--dp-mode hsdp needs --dp-shard K with K dividing --dp {dp} "
-                             f"(K = {', '.join(str(k) for k in range(1, dp + 1) if dp % k == 0)})")
-    elif shard is not None:
-        raise ValueError(f"--dp-shard is for --dp-mode hsdp only (got --dp-mode {mode})")
-    if batch_size % dp:
-        works = [n for n in range(1, batch_size + 1) if batch_size % n == 0]
-        raise ValueError(f"--dp {dp} does not divide the global batch of {batch_size} samples: each replica "
-                         f"takes an equal contiguous slice; use --dp in {works}, or a batch that {dp} divides")
-
-
-def build_mesh(layout: dict, device: torch.device):
+def build_mesh(layout: Layout, device: torch.device):
     """(the job's DeviceMesh, dims ("dp", "pp") (HSDP: ("dp_replicate", "dp_shard", "pp")), with a last dim "tp"
     under tensor parallelism; the 1-D mesh of this rank's replicas, for the loss and anything else averaged
     over dp); call it on every rank. The ranks are :func:`global_rank`'s."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    dp, pp, tp = layout["dp"], layout["pp"], layout.get("tp", 1)
+    dp, pp, tp = layout.dp, layout.pp, layout.tp
     ranks = torch.arange(dp * pp)
-    grid = ranks.reshape(pp, dp).T if layout["order"] == "dp-inner" else ranks.reshape(dp, pp)
+    grid = ranks.reshape(pp, dp).T if layout.dp_order == "dp-inner" else ranks.reshape(dp, pp)
     names = ("dp", "pp")
     if tp > 1:  # tp innermost: the tp ranks of one (dp, pp) place are consecutive
         grid = grid.unsqueeze(-1) * tp + torch.arange(tp)
         names += ("tp",)
-    if layout["mode"] == "hsdp":
-        shard = layout["shard"]
+    if layout.dp_mode == "hsdp":
+        shard = layout.dp_shard
         grid = grid.reshape(dp // shard, shard, *grid.shape[1:])
         mesh = DeviceMesh(device.type, grid, mesh_dim_names=("dp_replicate", "dp_shard") + names[1:])
         return mesh, mesh["dp_replicate", "dp_shard"]._flatten("dp")
@@ -116,15 +178,15 @@ def build_mesh(layout: dict, device: torch.device):
     return mesh, mesh["dp"]
 
 
-def dp_mesh(mesh, layout: dict):
+def dp_mesh(mesh, layout: Layout):
     """The sub-mesh data parallelism runs over: 1-D "dp", or HSDP's 2-D (replicate, shard)."""
-    return mesh["dp_replicate", "dp_shard"] if layout["mode"] == "hsdp" else mesh["dp"]
+    return mesh["dp_replicate", "dp_shard"] if layout.dp_mode == "hsdp" else mesh["dp"]
 
 
-def wrap_stage(stage, mesh, layout: dict):
+def wrap_stage(stage, mesh, layout: Layout):
     """Wrap one StageModule over the dp dim with torch's own engine; returns the same module."""
     sub = dp_mesh(mesh, layout)
-    if layout["mode"] == "ddp":
+    if layout.dp_mode == "ddp":
         from torch.distributed._composable.replicate_with_fsdp import replicate
         replicate(stage, mesh=sub)
     else:
@@ -142,12 +204,12 @@ def set_last_backward(stage, is_last: bool) -> None:
     stage.set_reshard_after_backward(is_last)
 
 
-def replication_factor(layout: dict) -> int:
+def replication_factor(layout: Layout) -> int:
     """How many dp ranks hold the same gradient shard (their local norms must be counted once)."""
-    if layout["mode"] == "ddp":
-        return layout["dp"]
-    if layout["mode"] == "hsdp":
-        return layout["dp"] // layout["shard"]
+    if layout.dp_mode == "ddp":
+        return layout.dp
+    if layout.dp_mode == "hsdp":
+        return layout.dp // layout.dp_shard
     return 1
 
 

@@ -112,10 +112,10 @@ class Pipeline:
         # data parallel: self.rank is the global rank, self.pp_rank this process's place in its pipeline
         self.layout = dp_mesh.mesh_layout(manifest["plan"])
         if all_stages:
-            self.layout["dp"] = 1
-        if all_stages and self.layout["tp"] > 1:
-            raise PipelineError(f"{self.folder} was split with --tp {self.layout['tp']}: its stages run on "
-                                f"{self.layout['tp']} processes each; run it with torchrun, or re-split without --tp")
+            self.layout = self.layout.replace(dp=1)
+        if all_stages and self.layout.tp > 1:
+            raise PipelineError(f"{self.folder} was split with --tp {self.layout.tp}: its stages run on "
+                                f"{self.layout.tp} processes each; run it with torchrun, or re-split without --tp")
         self.dp_index, self.pp_rank = dp_mesh.coordinates(self.layout, self.rank)
         self.tp_index = dp_mesh.tp_index(self.layout, self.rank)
         self.mesh = self.replicas = None  # the (dp, pp) DeviceMesh and its 1-D dp mesh, with --dp
@@ -125,13 +125,13 @@ class Pipeline:
             self.backend = None
         else:
             self.device, self.backend = init_distributed(self.rank, self.world_size, timeout_s, device)
-            if self.layout["dp"] > 1 or self.layout["tp"] > 1:
+            if self.layout.dp > 1 or self.layout.tp > 1:
                 self.full_mesh, replicas = dp_mesh.build_mesh(self.layout, self.device)
-                if self.layout["dp"] > 1:
+                if self.layout.dp > 1:
                     self.mesh, self.replicas = self.full_mesh, replicas
-                if self.layout["tp"] > 1:
+                if self.layout.tp > 1:
                     self.tp_mesh = self.full_mesh["tp"]
-                    tensor_parallel.set_group(self.tp_mesh.get_group(), self.layout["tp"], self.tp_index)
+                    tensor_parallel.set_group(self.tp_mesh.get_group(), self.layout.tp, self.tp_index)
         check_precision(precision, self.device)
         self.precision = precision
         self.compute_dtype = PRECISIONS[precision]
@@ -164,7 +164,7 @@ class Pipeline:
             if "RUN_DEVICE" in getattr(fn, "__globals__", {}):
                 fn.__globals__["RUN_DEVICE"] = self.device
         # this rank's tensors only: from --load's checkpoint, or the model file's own initialisation
-        piece = (tensor_parallel.piece_for(manifest, self.layout["tp"], self.tp_index)
+        piece = (tensor_parallel.piece_for(manifest, self.layout.tp, self.tp_index)
                  if self.tp_mesh is not None else None)
         state = load_rank_state(self.folder, plan_manifest, self.pp_rank, self.device, self.user, load=load, init=init,
                                 piece=piece)
@@ -280,7 +280,7 @@ class Pipeline:
                                 mark_dynamic=self.compiled)
         if self.full_mesh is not None:
             executor.global_ranks = [dp_mesh.global_rank(self.layout, self.dp_index, pp, self.tp_index)
-                                     for pp in range(self.layout["pp"])]
+                                     for pp in range(self.layout.pp)]
             executor.pp_group = self.full_mesh["pp"].get_group()
         executor.transport = self.transport
         return executor
@@ -310,8 +310,8 @@ class Pipeline:
         groups = []
         params = dict(self.named_parameters())
         for ranks, fqns in sorted(by_ranks.items()):
-            for dp_index in range(self.layout["dp"]):  # one group per replica: its pipeline ranks holding a copy
-                for tp_index in range(self.layout["tp"]):  # (and per tp place: each holds its own shards)
+            for dp_index in range(self.layout.dp):  # one group per replica: its pipeline ranks holding a copy
+                for tp_index in range(self.layout.tp):  # (and per tp place: each holds its own shards)
                     members = [dp_mesh.global_rank(self.layout, dp_index, r, tp_index) for r in ranks]
                     group = dist.new_group(members)  # every rank calls new_group for every set, in sorted order
                     if self.rank in members:
@@ -324,7 +324,7 @@ class Pipeline:
         from the tensors replicated over tp (their tp copies divide out)."""
         stage_to_rank = self.manifest["plan"]["stage_to_rank"]
         owner = {shared["fqn"]: min(stage_to_rank[s] for s in shared["stages"]) for shared in self.manifest["shared"]}
-        tp = self.layout["tp"] if self.tp_mesh is not None else 1
+        tp = self.layout.tp if self.tp_mesh is not None else 1
         groups: dict = {1: [], tp: []}
         for name, param in self.named_parameters():
             if owner.get(name, self.pp_rank) == self.pp_rank:
@@ -366,16 +366,16 @@ class Pipeline:
     def _run(self, executor, args, kwargs, target):
         if not isinstance(args, tuple):
             args = tuple(args) if isinstance(args, list) else (args,)
-        if self.layout["dp"] > 1:
+        if self.layout.dp > 1:
             args, kwargs, target = self._replica_slice(args, kwargs or {}, target)
         batches = self.splitter.split(self.steps_run, args, kwargs or {}, target, self.device)
         executor.loss_scale = self.loss_scale
-        self.last_batch_size = batches.batch_size * self.layout["dp"]
+        self.last_batch_size = batches.batch_size * self.layout.dp
         result = executor.run_step(batches.leaves, batches.targets, batches.scales, batches.symbols)
         if not self.is_last_rank:
             return None
         if self.mesh is not None and isinstance(result, torch.Tensor):  # the global batch's loss: replicas' mean
-            result = result / self.layout["dp"]
+            result = result / self.layout.dp
             dist.all_reduce(result, group=self.replicas.get_group())
         return result
 
@@ -383,7 +383,7 @@ class Pipeline:
         """This replica's contiguous slice (dp_index-th of N) of every batched input and of the target."""
         import torch.utils._pytree as pytree
 
-        dp = self.layout["dp"]
+        dp = self.layout.dp
         leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
         batched = self.splitter.batched
         if len(batched) != len(leaves):  # a batch of another structure: the splitter names what differs

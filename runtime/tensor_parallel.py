@@ -8,11 +8,24 @@ and rewrites the graph with these ops, so the rank script reads as Megatron's re
   before the column-parallel matmuls that read a replicated ``x``;
 * ``torch.ops.tracepp.tp_all_reduce(x)``: sum over the tp group forward, identity backward (*g*), after a
   row-parallel matmul (its bias is added after the sum);
-* ``torch.ops.tracepp.tp_all_gather(x, dim)``: the shards joined along ``dim`` forward, this rank's slice of
-  the gradient backward, where a sharded value meets an op that needs all of it (the head's logits);
-* ``torch.ops.tracepp.tp_vocab_embedding(weight, ids, padding_idx)``: an embedding whose rows (the
+* ``torch.ops.tracepp.tp_all_gather(x, dim, groups)``: the shards joined along ``dim`` forward, this rank's
+  slice of the gradient backward, where a sharded value meets an op that needs all of it (the head's logits);
+* ``torch.ops.tracepp.tp_scatter(x, dim, groups)``: this rank's slice forward, the slices joined backward: a
+  whole value read beside pieces of the same dim (a position table added to a sequence shard);
+* ``torch.ops.tracepp.tp_vocab_embedding(weight, ids, padding_idx, reduce)``: an embedding whose rows (the
   vocabulary) are split over the group: each rank looks up the ids it holds, zeros the rest, and the sum
-  over the group is the full lookup.
+  over the group is the full lookup (``reduce=False``: the partial lookup, for ``sp_reduce_scatter``).
+
+With ``--sequence-parallel`` (Megatron-Core's), the activations between the tensor-parallel regions are split
+over the sequence dim, and two more ops take the place of ``tp_copy`` and ``tp_all_reduce``:
+
+* ``torch.ops.tracepp.sp_all_gather(x, dim, groups)``: the sequence shards joined forward, the gradient
+  reduce-scattered backward, before the column-parallel matmuls;
+* ``torch.ops.tracepp.sp_reduce_scatter(x, dim, groups)``: the partial products summed and scattered over the
+  sequence forward, the gradient gathered backward, after a row-parallel matmul or a vocabulary lookup.
+
+``groups``: the dim holds that many equal segments, each split over the ranks (a ``[batch * seq]`` dim of
+tokens, sharded per sample); 1 for a plain dim.
 
 Every rank of a tp group computes the same replicated values (the same inputs, the same ops), so gradients of
 replicated parameters agree without communication. The group is set once by the runtime
@@ -39,12 +52,60 @@ def _all_reduce(tensor: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _gather(tensor: torch.Tensor, dim: int) -> torch.Tensor:
-    if _STATE["size"] == 1:
+def _pieces(tensor: torch.Tensor, dim: int, groups: int) -> torch.Tensor:
+    """``tensor`` with ``dim`` split into ``(groups, rest)``: the rank pieces are chunks of ``rest``."""
+    shape = list(tensor.shape)
+    if shape[dim] % (groups * _STATE["size"]):
+        raise RuntimeError(f"a sequence-parallel dim of {shape[dim]} ({groups} segment(s)) does not split into "
+                           f"{_STATE['size']} equal pieces: the sequence length must be a multiple of --tp "
+                           f"{_STATE['size']} with --sequence-parallel (pad the batch, or split without "
+                           f"--sequence-parallel)")
+    return tensor.reshape(shape[:dim] + [groups, shape[dim] // groups] + shape[dim + 1:])
+
+
+def _local_piece(tensor: torch.Tensor, dim: int, groups: int = 1) -> torch.Tensor:
+    """This rank's piece of ``dim`` (of each of its ``groups`` segments), in storage of its own."""
+    size = _STATE["size"]
+    if size == 1:
         return tensor.clone()
-    parts = [torch.empty_like(tensor) for _ in range(_STATE["size"])]
+    grouped = _pieces(tensor, dim, groups)
+    piece = grouped.chunk(size, dim=dim + 1)[_STATE["rank"]]
+    shape = list(tensor.shape)
+    shape[dim] //= size
+    out = tensor.new_empty(shape)  # an op's output never aliases its input (autograd, in-place users)
+    out.view(piece.shape).copy_(piece)
+    return out
+
+
+def _gather(tensor: torch.Tensor, dim: int, groups: int = 1) -> torch.Tensor:
+    """The rank pieces joined along ``dim`` (each segment's pieces side by side, segment after segment)."""
+    size = _STATE["size"]
+    if size == 1:
+        return tensor.clone()
+    parts = [torch.empty_like(tensor) for _ in range(size)]
     dist.all_gather(parts, tensor.contiguous(), group=_STATE["group"])
-    return torch.cat(parts, dim=dim)
+    if groups == 1:
+        return torch.cat(parts, dim=dim)
+    shape = list(tensor.shape)
+    shape[dim] *= size
+    out = tensor.new_empty(shape)
+    torch.cat([_pieces(part, dim, groups) for part in parts], dim=dim + 1, out=out.view(
+        list(tensor.shape[:dim]) + [groups, shape[dim] // groups] + list(tensor.shape[dim + 1:])))
+    return out
+
+
+def _reduce_scatter(tensor: torch.Tensor, dim: int, groups: int = 1) -> torch.Tensor:
+    """The sum over the group of ``tensor``, this rank's piece of ``dim`` only."""
+    size = _STATE["size"]
+    if size == 1:
+        return tensor.clone()
+    grouped = _pieces(tensor, dim, groups)
+    inputs = [piece.contiguous() for piece in grouped.chunk(size, dim=dim + 1)]
+    shape = list(tensor.shape)
+    shape[dim] //= size
+    out = tensor.new_empty(shape)  # written through a view of the grouped shape: the output owns its storage
+    dist.reduce_scatter(out.view(inputs[0].shape), inputs, group=_STATE["group"])
+    return out
 
 
 def _register():
@@ -54,22 +115,29 @@ def _register():
     _register.lib = lib  # keep the library alive for the life of the process
     lib.define("tp_copy(Tensor x) -> Tensor")
     lib.define("tp_all_reduce(Tensor x) -> Tensor")
-    lib.define("tp_all_gather(Tensor x, int dim) -> Tensor")
-    lib.define("tp_vocab_embedding(Tensor weight, Tensor indices, int padding_idx) -> Tensor")
+    lib.define("tp_all_gather(Tensor x, int dim, int groups=1) -> Tensor")
+    lib.define("tp_scatter(Tensor x, int dim, int groups=1) -> Tensor")
+    lib.define("sp_all_gather(Tensor x, int dim, int groups=1) -> Tensor")
+    lib.define("sp_reduce_scatter(Tensor x, int dim, int groups=1) -> Tensor")
+    lib.define("tp_vocab_embedding(Tensor weight, Tensor indices, int padding_idx, bool reduce=True) -> Tensor")
 
     for name, forward in (("tp_copy", lambda x: x.clone()), ("tp_all_reduce", _all_reduce),
-                          ("tp_all_gather", _gather)):
+                          ("tp_all_gather", _gather), ("tp_scatter", _local_piece), ("sp_all_gather", _gather),
+                          ("sp_reduce_scatter", _reduce_scatter)):
         lib.impl(name, forward, "CPU")
         lib.impl(name, forward, "CUDA")
 
-    def gathered_shape(x, dim):
-        shape = list(x.shape)
-        shape[dim] = shape[dim] * _STATE["size"]
-        return x.new_empty(shape)
+    def resized(factor):
+        def fake(x, dim, groups=1):
+            shape = list(x.shape)
+            shape[dim] = shape[dim] * _STATE["size"] if factor > 0 else shape[dim] // _STATE["size"]
+            return x.new_empty(shape)
+        return fake
 
     torch.library.register_fake(f"{_NAMESPACE}::tp_copy", lambda x: torch.empty_like(x), lib=lib)
     torch.library.register_fake(f"{_NAMESPACE}::tp_all_reduce", lambda x: torch.empty_like(x), lib=lib)
-    torch.library.register_fake(f"{_NAMESPACE}::tp_all_gather", gathered_shape, lib=lib)
+    for name, factor in (("tp_all_gather", 1), ("sp_all_gather", 1), ("tp_scatter", -1), ("sp_reduce_scatter", -1)):
+        torch.library.register_fake(f"{_NAMESPACE}::{name}", resized(factor), lib=lib)
 
     def copy_backward(_ctx, grad):  # the opaque op, not its body: a compiled backward keeps the collective whole
         return torch.ops.tracepp.tp_all_reduce.default(grad)
@@ -77,18 +145,28 @@ def _register():
     def reduce_backward(_ctx, grad):
         return grad
 
-    def gather_setup(ctx, inputs, output):
-        ctx.dim = inputs[1]
+    def keep_dims(ctx, inputs, output):
+        ctx.dim, ctx.groups = inputs[1], inputs[2] if len(inputs) > 2 else 1
 
-    def gather_backward(ctx, grad):
-        return grad.chunk(_STATE["size"], dim=ctx.dim)[_STATE["rank"]].contiguous(), None
+    def gather_backward(ctx, grad):  # every rank computes the same from the gathered value: take its piece
+        return torch.ops.tracepp.tp_scatter.default(grad, ctx.dim, ctx.groups), None, None
+
+    def scatter_backward(ctx, grad):
+        return torch.ops.tracepp.tp_all_gather.default(grad, ctx.dim, ctx.groups), None, None
+
+    def sp_gather_backward(ctx, grad):  # column-parallel consumers: each rank's gradient is a part of the sum
+        return torch.ops.tracepp.sp_reduce_scatter.default(grad, ctx.dim, ctx.groups), None, None
+
+    def sp_scatter_backward(ctx, grad):
+        return torch.ops.tracepp.sp_all_gather.default(grad, ctx.dim, ctx.groups), None, None
 
     torch.library.register_autograd(f"{_NAMESPACE}::tp_copy", copy_backward, lib=lib)
     torch.library.register_autograd(f"{_NAMESPACE}::tp_all_reduce", reduce_backward, lib=lib)
-    torch.library.register_autograd(f"{_NAMESPACE}::tp_all_gather", gather_backward, setup_context=gather_setup,
-                                    lib=lib)
+    for name, backward in (("tp_all_gather", gather_backward), ("tp_scatter", scatter_backward),
+                           ("sp_all_gather", sp_gather_backward), ("sp_reduce_scatter", sp_scatter_backward)):
+        torch.library.register_autograd(f"{_NAMESPACE}::{name}", backward, setup_context=keep_dims, lib=lib)
 
-    def vocab_embedding(weight, indices, padding_idx):
+    def vocab_embedding(weight, indices, padding_idx, reduce=True):
         # a composite of differentiable ops: autograd and fake tensors go through it as through any torch code
         rows = weight.shape[0]
         first = _STATE["rank"] * rows
@@ -97,7 +175,7 @@ def _register():
         local_padding = padding_idx - first if first <= padding_idx < first + rows else -1
         out = torch.ops.aten.embedding.default(weight, local, local_padding)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        return torch.ops.tracepp.tp_all_reduce.default(out)
+        return torch.ops.tracepp.tp_all_reduce.default(out) if reduce else out  # else: the caller reduce-scatters
 
     lib.impl("tp_vocab_embedding", vocab_embedding, "CompositeImplicitAutograd")
 

@@ -81,6 +81,7 @@ _SLICES = {aten.slice.Tensor, aten.narrow.default, aten.select.int}
 _SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int}
 _REDUCTIONS = {aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.amin.default}
 _SUMMABLE = {aten.mean.dim, aten.sum.dim_IntList}  # over the sharded dim: from partial sums
+_NORMS = {aten.layer_norm.default: 1, aten.rms_norm.default: 1, aten.native_layer_norm.default: 1}  # shape arg
 _SOFTMAX = {aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default}
 _SDPA = {aten.scaled_dot_product_attention.default}
 _MATMULS = {aten.matmul.default, aten.bmm.default}
@@ -96,9 +97,13 @@ class TPPlan:
     size: int
     params: dict = field(default_factory=dict)  # fqn -> {"dim", "role", "segments"?, "why"?}
     stages: list = field(default_factory=list)  # per stage: {"collectives", "replicated", "share"}
+    sequence_parallel: dict = None  # with --sequence-parallel: the sequence length and the values sent sharded
 
     def to_json(self) -> dict:
-        return {"size": self.size, "params": self.params, "stages": self.stages}
+        out = {"size": self.size, "params": self.params, "stages": self.stages}
+        if self.sequence_parallel is not None:
+            out["sequence_parallel"] = self.sequence_parallel
+        return out
 
 
 def _val(node):
@@ -153,11 +158,14 @@ def view_placement(in_sizes: list, out_sizes: list, dim: int, segments, tp: int)
     before = _prod(in_sizes[:dim])
     starts = [e for e in range(len(out_sizes)) if _equal(_prod(out_sizes[:e]), before)]
     # size-1 dims give several candidates (a batch of one in front, a single head): the one that keeps as many
-    # size-1 dims before the sharded dim as the input has
-    units = sum(1 for s in in_sizes[:dim] if _equal(s, 1))
-    starts = ([e for e in starts if sum(1 for s in out_sizes[:e] if _equal(s, 1)) == units]
+    # inner size-1 dims before the sharded dim as the input has (leading ones, a batch of one, do not count)
+    units = _inner_units(in_sizes[:dim])
+    same = [e for e in starts if _inner_units(out_sizes[:e]) == units]
+    starts = ([e for e in same if not _equal(out_sizes[e], 1)] or same
               or [e for e in starts if not _equal(out_sizes[e], 1)])
     parts = list(segments) if segments else [size]
+    if not starts:
+        return _merged_with_outer(in_sizes, out_sizes, dim, parts)
     for e in starts[:1]:
         out = out_sizes[e]
         if _equal(out, size):
@@ -183,12 +191,39 @@ def view_placement(in_sizes: list, out_sizes: list, dim: int, segments, tp: int)
     return None
 
 
+def _inner_units(sizes: list) -> int:
+    """Size-1 dims after the first larger one (a single head, not a batch of one)."""
+    first = next((i for i, s in enumerate(sizes) if not _equal(s, 1)), len(sizes))
+    return sum(1 for s in sizes[first:] if _equal(s, 1))
+
+
+def _merged_with_outer(in_sizes: list, out_sizes: list, dim: int, parts: list):
+    """A sharded dim merged with the dims before it ([batch, seq] of tokens flattened to [batch * seq]): the
+    merged dim holds one copy of the pieces per outer index, i.e. segments; None where the view does not merge."""
+    size = in_sizes[dim]
+    for e in range(len(out_sizes)):
+        outer = _prod(out_sizes[:e])
+        for k in range(dim):
+            if not _equal(_prod(in_sizes[:k]), outer):
+                continue
+            copies = _prod(in_sizes[k:dim])
+            if not _ints([copies, size, out_sizes[e]] + parts) or int(copies) < 2:
+                continue
+            if int(out_sizes[e]) % (int(copies) * int(size)):
+                continue
+            inner = int(out_sizes[e]) // (int(copies) * int(size))
+            if not any(_equal(_prod(in_sizes[dim + 1:dim + 1 + m]), inner) for m in range(len(in_sizes) - dim)):
+                continue
+            return e, tuple([int(p) * inner for p in parts] * int(copies))
+    return None
+
+
 class _Walk:
     """One pass over one stage graph under a set of replicated FQNs and the segments learned for fused
     projections: each value's placement and the edits."""
 
     def __init__(self, graph: fx.Graph, fqn_of: dict, tp: int, forced: set, needs_grad: dict,
-                 fused: dict = None):
+                 fused: dict = None, sequence=None, received: dict = None, last: bool = False):
         self.graph, self.fqn_of, self.tp, self.forced = graph, fqn_of, tp, forced
         self.needs_grad = needs_grad  # node -> carries a gradient (split.partition._gradient_flags)
         self.fused = fused or {}  # weight fqn -> segments of its output features (learned in an earlier pass)
@@ -209,7 +244,16 @@ class _Walk:
         self.wants: dict = {}  # weight fqn -> set of cut points its output's consumers need (fused projections)
         self.unfusable: dict = {}  # weight fqn -> why its segmented output cannot be cut locally
         self.reasons: list = []
+        # sequence parallelism: the traced sequence length (None: off), the received values that arrive as
+        # sequence shards (placeholder name -> (dim, segments)), and what it adds
+        self.sequence, self.received = sequence, received or {}
+        self.kind: dict = {}  # sharded node -> "seq" for a sequence shard (absent: a tensor-parallel shard)
+        self.reduce_scatters: dict = {}  # row-wise linear / vocabulary lookup -> (dim, groups) of its output
+        self.sp_gathers: list = []  # (column-wise linear, its sequence-sharded input)
+        self.scatters: list = []  # (consumer, whole input, dim of the input, groups): cut to this rank's piece
+        self.sends: dict = {}  # sequence-sharded value leaving the stage -> (dim, segments)
         self._claimed: set = set()  # (node, input) pairs a rule placed (no "whole" use recorded)
+        self.last = last  # the last stage: its outputs go to the loss, whole
         for node in graph.nodes:
             self._visit(node)
 
@@ -239,12 +283,26 @@ class _Walk:
         self._claimed.add((node, arg))
         self._use(arg, dim, segments)
 
-    def _place(self, node, dim, segments=None, origin=frozenset()) -> None:
+    def _place(self, node, dim, segments=None, origin=frozenset(), kind=None) -> None:
         self.shard[node] = dim
         if segments:
             self.segs[node] = tuple(segments)
         if origin:
             self.origin[node] = frozenset(origin)
+        if kind == "seq":
+            self.kind[node] = "seq"
+
+    def _kind_of(self, args) -> str:
+        """The placement kind shared by the sharded ``args`` ("seq" or "tp"), or None where they differ."""
+        kinds = {self.kind.get(a, "tp") for a in args if isinstance(a, fx.Node) and a in self.shard}
+        return next(iter(kinds)) if len(kinds) == 1 else None
+
+    @staticmethod
+    def groups_of(segments) -> int:
+        """The equal segments of a sequence shard ([batch * seq] of tokens): their count, else 0 (unequal)."""
+        if not segments:
+            return 1
+        return len(segments) if len(set(segments)) == 1 else 0
 
     def _origin_of(self, args) -> frozenset:
         out = frozenset()
@@ -255,11 +313,11 @@ class _Walk:
     def _carry(self, node, source, dim=None) -> None:
         """``node`` sharded as ``source`` is (on ``dim`` where the op moved it)."""
         self._place(node, self.shard[source] if dim is None else dim, self.segs.get(source),
-                    self.origin.get(source, frozenset()))
+                    self.origin.get(source, frozenset()), self.kind.get(source))
 
     def _gather(self, consumer, arg) -> None:
         self.gathers.append((consumer, arg))
-        if arg in self.segs:  # the gather would join the pieces of each part in the wrong order
+        if arg in self.segs and self.kind.get(arg) != "seq":  # pieces of each part joined in the wrong order
             for fqn in self.origin.get(arg, ()):
                 self.unfusable.setdefault(fqn, f"its parts are needed whole by {consumer.target}{_at(consumer)}")
 
@@ -280,10 +338,15 @@ class _Walk:
     # -- the rules
     def _visit(self, node) -> None:
         if node.op == "placeholder":
+            if node.name in self.received:  # a sequence shard sent by the stage before
+                dim, segments = self.received[node.name]
+                self._place(node, dim, segments, kind="seq")
             return
         if node.op == "output":
             for arg in node.all_input_nodes:
-                if arg in self.shard:
+                if arg in self.shard and self.kind.get(arg) == "seq" and not self.last:
+                    self.sends[arg] = (self.shard[arg], self.segs.get(arg))  # sent as it is: 1/tp of the bytes
+                elif arg in self.shard:
                     self._gather(node, arg)
             return
         target = node.target
@@ -341,12 +404,14 @@ class _Walk:
         fqn = self._param(weight)
         wval = _val(weight)
         ndim = len(_val(x).shape)
-        if x in self.shard:
+        entering = x in self.shard and self.kind.get(x) == "seq"  # a sequence shard entering the region
+        if x in self.shard and not entering:
             segments = self.segs.get(x)
             if self.shard[x] == ndim - 1 and fqn not in self.forced:
                 self.roles[node] = "rowwise"
                 self.forms[node] = (x, weight, bias, out_dim)
                 self._claim(node, weight, 1 - out_dim, segments)
+                self._scatter_output(node)
                 return
             if fqn not in self.forced:
                 self._refuse(node, f"input sharded on dim {self.shard[x]}, not its features")
@@ -357,6 +422,8 @@ class _Walk:
         if fqn in self.forced or int(out_features) % self.tp:
             if fqn not in self.forced:
                 self.reasons.append(f"{fqn}: {out_features} output features, which --tp {self.tp} does not divide")
+            if entering:
+                self._gather(node, x)
             return
         self.roles[node] = "colwise"
         self.forms[node] = (x, weight, bias, out_dim)
@@ -364,7 +431,13 @@ class _Walk:
         self._claim(node, weight, out_dim, segments)
         if bias is not None:
             self._claim(node, bias, 0, segments)
-        self.copies.append((node, x))
+        if entering:  # gathered over the sequence forward, its gradient reduce-scattered backward
+            if self.groups_of(self.segs.get(x)):
+                self.sp_gathers.append((node, x))
+            else:
+                self._gather(node, x)
+        else:
+            self.copies.append((node, x))
         self._claimed.add((node, x))
         self._place(node, _val(node).dim() - 1, segments, {fqn})
 
@@ -381,6 +454,32 @@ class _Walk:
             return
         self.roles[node] = "vocab"
         self._claim(node, weight, 0)
+        self._scatter_output(node)
+
+    def _sequence_dim(self, val):
+        """(dim, segments) of the sequence in a value (its tokens), or None: a dim of the traced sequence length
+        other than the last (the features), or a leading [batch * seq] dim of per-sample segments."""
+        if self.sequence is None or not isinstance(val, torch.Tensor) or val.dim() < 2:
+            return None
+        sizes = _sizes(val)
+        seq = self.sequence
+        for d in range(val.dim() - 1):
+            if _equal(sizes[d], seq):
+                return (d, None) if not _ints([seq]) or int(seq) % self.tp == 0 else None
+        if _ints([sizes[0], seq]) and int(sizes[0]) % int(seq) == 0 and int(seq) % self.tp == 0:
+            count = int(sizes[0]) // int(seq)
+            return 0, (tuple([int(seq)] * count) if count > 1 else None)
+        return None
+
+    def _scatter_output(self, node) -> None:
+        """Sequence parallelism: a row-wise output or a vocabulary lookup (partial sums) is reduce-scattered over
+        the sequence instead of all-reduced, and the activations after it are sequence shards."""
+        found = self._sequence_dim(_val(node))
+        if found is None:
+            return
+        dim, segments = found
+        self.reduce_scatters[node] = (dim, self.groups_of(segments))
+        self._place(node, dim, segments, kind="seq")
 
     def _propagate(self, node, target, sharded) -> bool:
         out_val = _val(node)
@@ -390,7 +489,8 @@ class _Walk:
                 if node.args[1] >= len(entry) or entry[node.args[1]] is None:
                     return False
                 dim, segments = entry[node.args[1]]
-                self._place(node, dim, segments, self.origin.get(node.args[0], frozenset()))
+                self._place(node, dim, segments, self.origin.get(node.args[0], frozenset()),
+                            self.kind.get(node.args[0]))
                 return True
             self._carry(node, node.args[0])
             return True
@@ -402,6 +502,10 @@ class _Walk:
                 self._carry(node, first)
             self._claimed.add((node, node.args[1]))
             return True
+        if self._kind_of(sharded) is None:
+            return self._refuse(node, "mixes sequence shards with tensor-parallel shards")
+        if target in _NORMS:
+            return self._norm(node, target, sharded)
         if target in _UNARY:
             if first not in self.shard or len(sharded) != 1:
                 return False
@@ -441,13 +545,15 @@ class _Walk:
             return True
         if target in _VIEWS or target in _FLATTENS:
             placed = view_placement(_sizes(in_val), _sizes(out_val), dim, self.segs.get(first), self.tp)
+            if placed is not None and self.kind.get(first) == "seq" and not self.groups_of(placed[1]):
+                placed = None
             if placed is None or (target in _VIEWS and not self._size_arg_ok(node.args[1], placed[0],
                                                                               _sizes(out_val)[placed[0]])):
                 return self._refuse(node, f"reshapes a dim of {in_val.shape[dim]} sharded over --tp {self.tp} "
                                           f"into {list(out_val.shape)}, whose pieces would not be whole heads "
                                           f"(fewer heads than --tp, e.g. key/value heads of grouped-query "
                                           f"attention)")
-            self._place(node, placed[0], placed[1], self.origin.get(first, frozenset()))
+            self._place(node, placed[0], placed[1], self.origin.get(first, frozenset()), self.kind.get(first))
             return True
         if target in _EXPANDS:
             e = dim + out_val.dim() - ndim
@@ -483,6 +589,23 @@ class _Walk:
             return self._attention(node)
         return False
 
+    def _norm(self, node, target, sharded) -> bool:
+        """layer_norm / rms_norm over the trailing dims: a shard of another dim (a sequence shard, heads) is
+        normalised as it is; its weight and bias are read whole (their gradients summed over tp)."""
+        x = node.args[0]
+        if sharded != [x] or x in self.segs and self.kind.get(x) != "seq":
+            return False
+        ndim = _val(x).dim()
+        if self.shard[x] >= ndim - len(node.args[1]):
+            return self._refuse(node, "normalises over the sharded dim")
+        for arg in node.args[2:4]:
+            if isinstance(arg, fx.Node) and self.needs_grad.get(arg):
+                self.copies.append((node, arg))
+        if target is aten.native_layer_norm.default:
+            self.items[node] = [(self.shard[x], self.segs.get(x))] * 3
+        self._carry(node, x)
+        return True
+
     def _partial_sum(self, node, target, in_val, dims) -> bool:
         """A mean or sum over the sharded dim (an RMSNorm over the whole sharded width): the local sum, summed
         over the group (``tp_all_reduce``); a mean divides by the whole count. Its result is whole."""
@@ -508,15 +631,18 @@ class _Walk:
             at = (args[2] if len(args) > 2 else node.kwargs.get("dim", 0)) % ndim
         segments = self.segs.get(first)
         origin = self.origin.get(first, frozenset())
+        kind = self.kind.get(first)
         if at != dim:
             if target in _SPLITS:
                 count = len(_val(node)) if isinstance(_val(node), (list, tuple)) else 0
                 out_dim = dim - 1 if target is aten.unbind.int and at < dim else dim
                 self.items[node] = [(out_dim, segments)] * count
-                self._place(node, out_dim, segments, origin)
+                self._place(node, out_dim, segments, origin, kind)
                 return True
-            self._place(node, dim - 1 if target is aten.select.int and at < dim else dim, segments, origin)
+            self._place(node, dim - 1 if target is aten.select.int and at < dim else dim, segments, origin, kind)
             return True
+        if kind == "seq":
+            return self._refuse(node, "cuts the sequence dim of a sequence shard")
         size = in_val.shape[dim]
         if target in (aten.select.int, aten.unbind.int) or not _ints([size]):
             return False
@@ -609,11 +735,13 @@ class _Walk:
                 segments.extend(self.segs.get(part) or [_sizes(_val(part))[dim]])
             if not _ints(segments):
                 return False
+            if self._kind_of(parts) == "seq":
+                return False
             self._place(node, dim, tuple(int(s) for s in segments), origin)
             return True
         if len({self.segs.get(p) for p in parts}) != 1:
             return False
-        self._place(node, dim, self.segs.get(parts[0]), origin)
+        self._place(node, dim, self.segs.get(parts[0]), origin, self._kind_of(parts))
         return True
 
     def _size_arg_ok(self, sizes, e: int, out_size) -> bool:
@@ -634,7 +762,7 @@ class _Walk:
                 if (out_dim is not None and out_dim != e) or (not first and self.segs.get(arg) != segments):
                     return False
                 out_dim, segments, first = e, self.segs.get(arg), False
-        broadcast, wide = [], []
+        broadcast, wide, cut = [], [], []
         for arg in node.args:
             if not isinstance(arg, fx.Node) or arg in self.shard:
                 continue
@@ -643,23 +771,35 @@ class _Walk:
                 continue
             at = out_dim - (n - val.dim())
             if at >= 0 and not _equal(val.shape[at], 1):
-                if self._param(arg) is not None and _equal(val.shape[at], out_val.shape[out_dim]):
+                if not _equal(val.shape[at], out_val.shape[out_dim]):
+                    return False
+                seq = self._kind_of(node.all_input_nodes) == "seq"
+                if self._param(arg) is not None and not seq:
                     wide.append((arg, at))  # a weight as wide as the sharded dim: sharded with it
+                    continue
+                if seq and self.groups_of(segments):
+                    cut.append((arg, at))  # a whole value beside sequence shards (a position table): its piece
                     continue
                 return self._refuse(node, f"{arg.name} is whole and as wide as the sharded dim of "
                                           f"{', '.join(a.name for a in node.all_input_nodes if a in self.shard)}")
             broadcast.append(arg)
         for arg, at in wide:
             self._claim(node, arg, at, segments)
+        for arg, at in cut:
+            self.scatters.append((node, arg, at, self.groups_of(segments)))
+            self._claimed.add((node, arg))
         for arg in broadcast:  # each rank sees its share of the sharded dim: the gradient is summed over tp
             if self.needs_grad.get(arg):
                 self.copies.append((node, arg))
-        self._place(node, out_dim, segments, self._origin_of(node.all_input_nodes))
+        self._place(node, out_dim, segments, self._origin_of(node.all_input_nodes),
+                    self._kind_of(node.all_input_nodes))
         return True
 
     def _batched_matmul(self, node) -> bool:
         """``q @ k.transpose(-1, -2)`` of eager attention: operands sharded on the same batch dim (heads)."""
         a, b = node.args[:2]
+        if self._kind_of([a, b]) != "tp":
+            return False
         out = _val(node).dim()
         dims = set()
         for arg in (a, b):
@@ -685,7 +825,8 @@ class _Walk:
 
     def _attention(self, node) -> bool:
         q, k, v = node.args[:3]
-        if any(t not in self.shard or self.shard[t] != _val(t).dim() - 3 or t in self.segs for t in (q, k, v)):
+        if any(t not in self.shard or self.shard[t] != _val(t).dim() - 3 or t in self.segs or t in self.kind
+               for t in (q, k, v)):
             return False
         mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
         if isinstance(mask, fx.Node):
@@ -792,16 +933,28 @@ def _learn_segments(walks: list, tp: int, fused: dict, narrow: dict) -> bool:
     return learned
 
 
-def settle(graphs: list, tp: int, notes: dict, fused: dict = None) -> tuple:
-    """Walk ``graphs`` ([(fx graph, placeholder -> FQN, node -> needs a gradient)]) until every parameter has one
-    placement: learn the segments of fused projections from the cuts of their outputs, replicate the parameters
-    whose uses disagree and the column-wise linears whose output is gathered before the stage's end, and walk
-    again. Returns (walks, {fqn: set of dims}, per graph the reasons met); ``notes`` (fqn -> why replicated;
-    the forced set) and ``fused`` (fqn -> segments) are updated."""
+def settle(graphs: list, tp: int, notes: dict, fused: dict = None, sequence=None) -> tuple:
+    """Walk ``graphs`` ([(fx graph, placeholder -> FQN, node -> needs a gradient[, boundary])], stages in order;
+    ``boundary``: {"outputs": value names in output order, "received": {placeholder: value name}, "last": bool})
+    until every parameter has one placement: learn the segments of fused projections from the cuts of their
+    outputs, replicate the parameters whose uses disagree and the column-wise linears whose output is gathered
+    before the stage's end, and walk again. With ``sequence`` (the traced sequence length: sequence
+    parallelism) a stage's sequence-sharded outputs arrive as sequence shards on the stages that read them.
+    Returns (walks, {fqn: set of dims}, per graph the reasons met); ``notes`` (fqn -> why replicated; the forced
+    set) and ``fused`` (fqn -> segments) are updated."""
     fused = {} if fused is None else fused
     reasons = [{} for _ in graphs]  # per graph, every reason met in a pass that decided something, in order
     while True:
-        walks = [_Walk(g, fqn_of, tp, set(notes), needs_grad, fused) for g, fqn_of, needs_grad in graphs]
+        walks, sent = [], {}
+        for g, fqn_of, needs_grad, *rest in graphs:
+            boundary = rest[0] if rest else {}
+            received = {ph: sent[name] for ph, name in boundary.get("received", {}).items() if name in sent}
+            walk = _Walk(g, fqn_of, tp, set(notes), needs_grad, fused, sequence, received, boundary.get("last", True))
+            outputs = list(g.output_node().args[0]) if boundary else []
+            for node, name in zip(outputs, boundary.get("outputs", [])):
+                if node in walk.sends:
+                    sent[name] = walk.sends[node]
+            walks.append(walk)
         narrow: dict = {}
         if _learn_segments(walks, tp, fused, narrow) and not narrow:
             continue  # the cuts were walked without their segments: walk again before deciding anything
@@ -827,15 +980,45 @@ def settle(graphs: list, tp: int, notes: dict, fused: dict = None) -> tuple:
         notes.update(new)
 
 
-def plan(graph, tp: int, overrides=None) -> tuple:
-    """(TPPlan, the final walk per stage) for ``--tp tp``: iterate until every parameter has one placement."""
+def sequence_length(graph):
+    """The traced sequence length (an int or a sympy expression): dim 1 of the first batched root input of two
+    or more dims (the token ids), or None."""
+    for ref in graph.root_inputs.values():
+        if not (ref.batched and ref.meta is not None and len(ref.meta.shape) >= 2):
+            continue
+        for stage in graph.stages:
+            for node in stage.graph.nodes:
+                if node.op == "placeholder" and node.name == ref.placeholder:
+                    return _sizes(_val(node))[1]
+    return None
+
+
+def _boundary(stage, graph) -> dict:
+    nodes = [n for n in stage.graph.nodes if n.op == "placeholder"]
+    first = len(stage.state) + len(stage.root_inputs)
+    return {"outputs": list(stage.outputs), "last": stage.index == graph.num_stages - 1,
+            "received": {nodes[first + i].name: name for i, (_producer, name) in enumerate(stage.received)}}
+
+
+def plan(graph, tp: int, overrides=None, sequence_parallel: bool = False) -> tuple:
+    """(TPPlan, the final walk per stage) for ``--tp tp`` (and ``--sequence-parallel``): iterate until every
+    parameter has one placement."""
     from tracepp.split.cost import node_flops
 
     aliases = {ref.fqn: ref.aliases for ref in graph.state.values()}
     notes = _forced_by_overrides(aliases, overrides)
-    walks, uses, reasons = settle([(stage.graph, fqn_map(stage, graph), grad_flags(stage, graph))
-                                   for stage in graph.stages], tp, notes)
+    sequence = sequence_length(graph) if sequence_parallel else None
+    if sequence_parallel:
+        _check_sequence(sequence, tp)
+    walks, uses, reasons = settle([(stage.graph, fqn_map(stage, graph), grad_flags(stage, graph),
+                                    _boundary(stage, graph)) for stage in graph.stages], tp, notes,
+                                  sequence=sequence)
     result = TPPlan(size=tp)
+    if sequence_parallel:
+        aliases = graph.symbol_aliases or {}
+        expr = sympy.sympify(sequence)
+        ours = {sym: sympy.Symbol(aliases[str(sym)]) for sym in expr.free_symbols if str(sym) in aliases}
+        result.sequence_parallel = {"sequence": str(expr.xreplace(ours)), "sent": {}}
     roles: dict = {}
     segments: dict = {}
     for walk in walks:
@@ -865,7 +1048,22 @@ def plan(graph, tp: int, overrides=None) -> tuple:
     for stage, walk, seen in zip(graph.stages, walks, reasons):
         result.stages.append({"collectives": _collectives(walk), "replicated": list(seen)[:20],
                               "share": _share(walk, result.params, node_flops(stage.graph))})
+        if sequence_parallel:
+            for node, name in zip(stage.graph.output_node().args[0], stage.outputs):
+                if node in walk.sends:
+                    result.sequence_parallel["sent"][name] = walk.sends[node][0]
     return result, walks
+
+
+def _check_sequence(sequence, tp: int) -> None:
+    if sequence is None:
+        raise ValueError("--sequence-parallel splits activations over the sequence dim, and this model has no "
+                         "batched input of two or more dims (batch, sequence) to read the sequence length from: "
+                         "split without --sequence-parallel")
+    if sympy.sympify(sequence).is_Integer and int(sequence) % tp:
+        works = [t for t in range(2, int(sequence) + 1) if int(sequence) % t == 0][:8]
+        raise ValueError(f"--sequence-parallel with --tp {tp}: the traced sequence length {sequence} does not split "
+                         f"into {tp} equal shards; use a sequence length that {tp} divides, or --tp in {works}")
 
 
 def _share(walk: _Walk, params: dict, flops: dict) -> dict:
@@ -890,7 +1088,9 @@ def _entry(op: str, node) -> dict:
 
 def _collectives(walk: _Walk) -> list:
     """The communication the rewrite adds to one stage's forward, one line each (backward mirrors it)."""
-    out = [_entry("all_reduce", node) for node, role in walk.roles.items() if role in ("rowwise", "vocab")]
+    out = [_entry("reduce_scatter" if node in walk.reduce_scatters else "all_reduce", node)
+           for node, role in walk.roles.items() if role in ("rowwise", "vocab")]
+    out += [_entry("all_gather (sequence)", arg) for arg in dict.fromkeys(arg for _c, arg in walk.sp_gathers)]
     out += [_entry("all_reduce", node) for node in walk.sums]
     out += [_entry("all_gather", arg) for _consumer, arg in dict.fromkeys(walk.gathers)]
     out += [_entry("all_reduce (backward)", arg) for arg in walk.reduced_in_backward()]
@@ -906,9 +1106,15 @@ def _local_val(val, dim: int, tp: int):
 
 
 def apply(graph, tp_plan: TPPlan, walks: list) -> None:
-    """Rewrite every stage graph in place to compute on this rank's shards (the same code on every tp rank)."""
+    """Rewrite every stage graph in place to compute on this rank's shards (the same code on every tp rank);
+    a value sent as a sequence shard crosses its boundary with its local shape (1/tp of the sequence)."""
     for stage, walk in zip(graph.stages, walks):
         _rewrite(stage.graph, walk, tp_plan.size, tp_plan.params)
+    for name, dim in ((tp_plan.sequence_parallel or {}).get("sent") or {}).items():
+        shape = list(graph.values[name].meta.shape)
+        size = shape[dim]
+        shape[dim] = size // tp_plan.size if isinstance(size, int) else _floor_text(size, tp_plan.size)
+        graph.values[name].meta.shape = shape
 
 
 def _insert(g: fx.Graph, before, target, args, val, like) -> fx.Node:
@@ -919,13 +1125,34 @@ def _insert(g: fx.Graph, before, target, args, val, like) -> fx.Node:
     return node
 
 
-def _after(g: fx.Graph, node, target, args, like=None) -> fx.Node:
-    """A new node right after ``node`` that its users read instead (a sum over the group, a bias added)."""
+def _after(g: fx.Graph, node, target, args, like=None, local=(None, 1)) -> fx.Node:
+    """A new node right after ``node`` that its users read instead (a sum over the group, a bias added);
+    ``local``: (the (dim, groups) of a reduce-scatter, tp) when the new value is this rank's sequence shard."""
     users = list(node.users)
-    new = _insert(g, node.next, target, args, _val(node), like or node)
+    scatter, tp = local
+    val = _val(node) if scatter is None else _local_val(_val(node), scatter[0], tp)
+    new = _insert(g, node.next, target, args, val, like or node)
     for user in users:
         user.replace_input_with(node, new)
     return new
+
+
+def _floor_text(size: str, tp: int) -> str:
+    """A boundary dim's Python expression divided by tp, as the split prints sizes (``(s_seq//2)``); the batch
+    check refuses a sequence tp does not divide before any rank computes with it."""
+    from torch.utils._sympy.functions import FloorDiv
+    from torch.utils._sympy.printers import PythonPrinter
+
+    return f"({PythonPrinter().doprint(FloorDiv(sympy.sympify(size), tp))})"
+
+
+def _reduction(node, scatter) -> tuple:
+    """(op, args) summing a partial product over the group: an all-reduce, or with sequence parallelism a
+    reduce-scatter over the sequence."""
+    if scatter is None:
+        return TP.tp_all_reduce.default, [node]
+    dim, groups = scatter
+    return TP.sp_reduce_scatter.default, [node, dim] + ([groups] * (groups > 1))
 
 
 def _rewrite(g: fx.Graph, walk: _Walk, tp: int, params: dict) -> None:
@@ -938,24 +1165,44 @@ def _rewrite(g: fx.Graph, walk: _Walk, tp: int, params: dict) -> None:
     gathered: dict = {}
     for consumer, arg in walk.gathers:
         if arg not in gathered:
-            dim = walk.shard[arg]
-            gathered[arg] = _insert(g, arg.next, TP.tp_all_gather.default, [arg, dim], _val(arg), arg)
+            dim, groups = walk.shard[arg], walk.groups_of(walk.segs.get(arg)) if walk.kind.get(arg) else 1
+            gathered[arg] = _insert(g, arg.next, TP.tp_all_gather.default, [arg, dim] + ([groups] * (groups > 1)),
+                                    _val(arg), arg)
         consumer.replace_input_with(arg, gathered[arg])
+    entering: dict = {}
+    for consumer, arg in walk.sp_gathers:  # sequence shards into a column-parallel region
+        if arg not in entering:
+            dim, groups = walk.shard[arg], walk.groups_of(walk.segs.get(arg))
+            entering[arg] = _insert(g, arg.next, TP.sp_all_gather.default, [arg, dim] + ([groups] * (groups > 1)),
+                                    _val(arg), arg)
+        consumer.replace_input_with(arg, entering[arg])
+    pieces: dict = {}
+    for consumer, arg, dim, groups in walk.scatters:  # a whole value read beside pieces: this rank's piece
+        if (arg, dim) not in pieces:
+            anchor = arg.next if arg.op != "placeholder" else next(n for n in g.nodes if n.op != "placeholder")
+            pieces[(arg, dim)] = _insert(g, anchor, TP.tp_scatter.default, [arg, dim] + ([groups] * (groups > 1)),
+                                         _local_val(_val(arg), dim, tp), consumer)
+        consumer.replace_input_with(arg, pieces[(arg, dim)])
     for node, role in walk.roles.items():
+        scatter = walk.reduce_scatters.get(node)  # sequence parallel: (dim, groups) of the reduce-scatter
         if role == "rowwise":
             x, weight, bias, _out_dim = walk.forms[node]
             if node.target is aten.addmm.default:  # the bias is added once, after the sum
                 node.target = aten.mm.default
             node.args = (x, weight)
-            reduced = _after(g, node, TP.tp_all_reduce.default, [node])
+            reduced = _after(g, node, *_reduction(node, scatter), local=(scatter, tp))
             if bias is not None:
+                if scatter is not None and walk.needs_grad.get(bias):  # each rank adds it to its own tokens
+                    bias = _insert(g, reduced, TP.tp_copy.default, [bias], _val(bias), node)
                 _after(g, reduced, aten.add.Tensor, [reduced, bias], node)
         elif role == "vocab":
             weight, indices = node.args[0], node.args[1]
             padding = node.args[2] if len(node.args) > 2 else node.kwargs.get("padding_idx", -1)
             node.target = TP.tp_vocab_embedding.default
-            node.args = (weight, indices, padding)
+            node.args = (weight, indices, padding) + ((False,) if scatter is not None else ())
             node.kwargs = {}
+            if scatter is not None:
+                _after(g, node, *_reduction(node, scatter), local=(scatter, tp))
     for node, count in walk.sums.items():  # a sum (or mean) over the sharded dim: from the partial sums
         if count is not None:
             node.target = aten.sum.dim_IntList
@@ -974,6 +1221,8 @@ def _rewrite(g: fx.Graph, walk: _Walk, tp: int, params: dict) -> None:
             node.target = aten.split_with_sizes.default
             node.args, node.kwargs = (source, [end - start for start, end in pieces], dim), {}
     for node, dim in walk.shard.items():  # local sizes: in view/expand arguments and in the annotations
+        if node in walk.reduce_scatters:  # its own value is the whole partial sum; the scatter after it is local
+            continue
         if node.target in _VIEWS or node.target in _EXPANDS:
             sizes = list(node.args[1])
             if sizes[dim] != -1:

@@ -374,9 +374,10 @@ def test_segment_table_counts_the_gradient_tensors_a_cut_sends_back(tmp_path):
     """A cut crossed by a skip connection sends two tensors forward and two gradients back: the tuner prices
     both messages of each direction (the table once counted gradient bytes but not gradient tensors)."""
     from tracepp.driver import split_model
+    from tracepp.runtime.mesh import Layout
     from util import model_path
 
-    manifest = split_model(model_path("skip3"), str(tmp_path / "out"), num_ranks=3)
+    manifest = split_model(model_path("skip3"), str(tmp_path / "out"), layout=Layout(pp=3))
     cuts = {s["begins"]: (s["cut_tensors"], s["cut_grad_tensors"], s["cut_bytes"], s["cut_grad_bytes"])
             for s in manifest["segments"]}
     assert cuts["mid1"] == (1, 1, 96, 96)  # h0 only

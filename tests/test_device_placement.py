@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tracepp.driver import split_model
+from tracepp.runtime.mesh import Layout
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 
@@ -19,7 +20,7 @@ EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 @pytest.fixture(scope="module")
 def gpt_folder(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("gpt") / "out")
-    split_model(os.path.join(EXAMPLES, "gpt.py"), out, num_ranks=2, schedule="1f1b", num_microbatches=4)
+    split_model(os.path.join(EXAMPLES, "gpt.py"), out, schedule="1f1b", num_microbatches=4, layout=Layout(pp=2))
     return out
 
 
@@ -33,7 +34,7 @@ def test_positional_devices_follow_too(tmp_path):
     """HF's rotary embedding does ``inv_freq.to(x.device)``: export records ``aten.to.device(x, cpu, ...)``."""
     out = str(tmp_path / "out")
     models = os.path.join(os.path.dirname(os.path.abspath(__file__)), "models")
-    split_model(os.path.join(models, "hf_llama.py"), out, num_ranks=2, schedule="1f1b", num_microbatches=2)
+    split_model(os.path.join(models, "hf_llama.py"), out, schedule="1f1b", num_microbatches=2, layout=Layout(pp=2))
     for rank in range(2):
         source = open(os.path.join(out, f"rank{rank}.py")).read()
         code = "\n".join(line for line in source.splitlines() if not line.strip().startswith("#"))

@@ -8,6 +8,7 @@ import torch
 
 from tracepp.cli import main as cli_main
 from tracepp.driver import split_model
+from tracepp.runtime.mesh import Layout
 from tracepp.dynamic import parse_flags
 from tracepp.runtime.shapes import compile_shape
 from util import assert_state_close, assert_trained, eager_train, model_path, run_ok, torchrun
@@ -34,7 +35,7 @@ def test_shape_code_matches_sympy(expr):
 @pytest.fixture(scope="module")
 def dynamic_out(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("dyn") / "out")
-    split_model(model_path("dynamic_seq_lm"), out, num_ranks=2, schedule="1f1b", num_microbatches=4)
+    split_model(model_path("dynamic_seq_lm"), out, schedule="1f1b", num_microbatches=4, layout=Layout(pp=2))
     return out
 
 
@@ -77,7 +78,7 @@ def test_changing_seq_and_batch_match_eager(tmp_path, schedule):
     """Seq 12, 7, 16, 9 and batch 8, 8, 6, 10 (10 samples in 4 microbatches: 3, 3, 2, 2)."""
     path = model_path("dynamic_seq_lm")
     out = str(tmp_path / "out")
-    split_model(path, out, num_ranks=2, schedule=schedule, num_microbatches=4)
+    split_model(path, out, schedule=schedule, num_microbatches=4, layout=Layout(pp=2))
     ckpt = str(tmp_path / "ckpt.pt")
     run_ok(out, 2, "--steps", "4", "--save", ckpt)
     saved = torch.load(ckpt)
@@ -121,7 +122,7 @@ def test_one_sample_microbatches_with_dynamic_batch(tmp_path):
     """8 samples in 8 microbatches: export would pin a size-1 batch dim to 1, so tracepp traces 2 samples."""
     path = model_path("dynamic_seq_lm")
     out = str(tmp_path / "out")
-    manifest = split_model(path, out, num_ranks=2, schedule="1f1b", num_microbatches=8)
+    manifest = split_model(path, out, schedule="1f1b", num_microbatches=8, layout=Layout(pp=2))
     assert manifest["batch_symbol"] == "s_batch"
     ckpt = str(tmp_path / "ckpt.pt")
     run_ok(out, 2, "--steps", "2", "--save", ckpt)

@@ -12,7 +12,7 @@ import torch
 
 from tracepp.driver import split_model
 from tracepp.modelfile import load_model_file
-from tracepp.runtime.mesh import coordinates, global_rank, mesh_layout, replicas_text
+from tracepp.runtime.mesh import Layout, coordinates, global_rank, mesh_layout, replicas_text
 from util import assert_state_close, assert_trained, model_path, run_ok, torchrun
 
 STEPS = 3
@@ -41,8 +41,7 @@ def _eager_adamw(path: str, steps: int, clip: float):
 def test_dp_pp_matches_eager_on_the_global_batch(tmp_path, mode, order):
     path = model_path("tied_lm_dp")
     out = str(tmp_path / "out")
-    manifest = split_model(path, out, num_ranks=2, schedule="1f1b", num_microbatches=2, dp=2, dp_mode=mode,
-                           dp_order=order)
+    manifest = split_model(path, out, schedule="1f1b", num_microbatches=2, layout=Layout(pp=2, dp=2, dp_mode=mode, dp_order=order))
     assert manifest["launch_command"].startswith("torchrun --nproc-per-node 4 ")
     assert manifest["batch_size"] == 4  # a replica's half of the 8-sample global batch
     replicas = "pipeline rank 1: global ranks 1, 3" if order == "pp-inner" else "pipeline rank 1: global ranks 2, 3"
@@ -72,7 +71,7 @@ def test_dp_pp_matches_eager_on_the_global_batch(tmp_path, mode, order):
 
 def test_wrong_process_count_fails_on_every_rank(tmp_path):
     out = str(tmp_path / "out")
-    split_model(model_path("tied_lm_dp"), out, num_ranks=2, schedule="1f1b", num_microbatches=2, dp=2)
+    split_model(model_path("tied_lm_dp"), out, schedule="1f1b", num_microbatches=2, layout=Layout(pp=2, dp=2))
     result = torchrun(out, 2, "--steps", "1")
     assert result.returncode != 0
     text = result.stderr
@@ -90,10 +89,11 @@ def test_wrong_process_count_fails_on_every_rank(tmp_path):
     (dict(dp=2, schedule="zbv", split_points=["layers.1", "layers.2", "layers.3"]), "schedule 'zbv' splits the backward into I and W"),
 ])
 def test_bad_layouts_are_refused_with_the_fix(tmp_path, kwargs, message):
-    options = dict(num_ranks=2, schedule="1f1b", num_microbatches=2)
-    options.update(kwargs)
+    options, mesh = dict(schedule="1f1b", num_microbatches=2), dict(pp=2)
+    for key, value in kwargs.items():
+        (mesh if key in ("dp", "dp_mode", "dp_shard") else options)[key] = value
     with pytest.raises(ValueError) as error:
-        split_model(model_path("tied_lm_dp"), str(tmp_path / "out"), **options)
+        split_model(model_path("tied_lm_dp"), str(tmp_path / "out"), layout=Layout(**mesh), **options)
     assert message in str(error.value)
 
 
@@ -131,7 +131,7 @@ def test_dp_checkpoint_resume_matches_eager(tmp_path):
     """DCP checkpoints of FSDP stages (DTensor parameters and AdamW state): 2 steps, save, resume to step 3."""
     path = model_path("tied_lm_dp")
     out = str(tmp_path / "out")
-    split_model(path, out, num_ranks=2, schedule="1f1b", num_microbatches=2, dp=2)
+    split_model(path, out, schedule="1f1b", num_microbatches=2, layout=Layout(pp=2, dp=2))
     checkpoints, ckpt = str(tmp_path / "ck"), str(tmp_path / "ckpt.pt")
     run_ok(out, 4, "--steps", "2", "--checkpoint-dir", checkpoints)
     result = run_ok(out, 4, "--steps", "3", "--resume", checkpoints, "--save", ckpt)

@@ -7,6 +7,7 @@ import os
 import torch
 
 from tracepp.driver import split_model
+from tracepp.runtime.mesh import Layout
 from util import assert_state_close, eager_train, model_path, run_ok, torchrun
 
 STEPS = 2
@@ -14,8 +15,8 @@ STEPS = 2
 
 def _split(tmp_path):
     out = str(tmp_path / "out")
-    split_model(model_path("residual_mlp_lm"), out, num_ranks=2, schedule="1f1b", num_microbatches=4,
-                split_points=["layers.2"])
+    split_model(model_path("residual_mlp_lm"), out, schedule="1f1b", num_microbatches=4,
+                split_points=["layers.2"], layout=Layout(pp=2))
     return out
 
 

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from tracepp.driver import split_model
+from tracepp.runtime.mesh import Layout
 from tracepp.modelfile import load_model_file
 from tracepp.runtime.launch import join_microbatches
 from util import model_path, run_ok, torchrun
@@ -22,7 +23,7 @@ def test_join_microbatches_keeps_structure():
 def test_forward_only_outputs_equal_eager(tmp_path):
     path = model_path("forward_only")
     out = str(tmp_path / "out")
-    manifest = split_model(path, out, num_ranks=2, schedule="1f1b", num_microbatches=3)
+    manifest = split_model(path, out, schedule="1f1b", num_microbatches=3, layout=Layout(pp=2))
     assert not manifest["training"]
     saved = str(tmp_path / "outputs.pt")
     result = run_ok(out, 2, "--steps", str(STEPS), "--save-outputs", saved)
@@ -40,7 +41,7 @@ def test_forward_only_outputs_equal_eager(tmp_path):
             torch.testing.assert_close(output[key], expected[key], rtol=0, atol=1e-6)
     # a training model file refuses the flag on every rank, before any step
     train_out = str(tmp_path / "train")
-    split_model(model_path("tied_lm"), train_out, num_ranks=2, schedule="1f1b", num_microbatches=2)
+    split_model(model_path("tied_lm"), train_out, schedule="1f1b", num_microbatches=2, layout=Layout(pp=2))
     refused = torchrun(train_out, 2, "--steps", "1", "--save-outputs", saved)
     assert refused.returncode != 0
     assert "--save-outputs" in refused.stderr and "forward-only" in refused.stderr

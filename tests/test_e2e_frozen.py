@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from tracepp.driver import split_model
+from tracepp.runtime.mesh import Layout
 from util import assert_state_close, assert_trained, eager_train, initial_state, model_path, run_ok
 
 STEPS = 3
@@ -15,7 +16,7 @@ FROZEN = ("layers.0.norm.weight", "layers.0.norm.bias", "layers.0.fc.weight", "l
 def test_frozen_parameters_and_adamw_with_a_tied_weight_match_eager(tmp_path, schedule, stages):
     path = model_path("frozen_tied_lm")
     out = str(tmp_path / "out")
-    split_model(path, out, num_ranks=2, num_stages=stages, schedule=schedule, num_microbatches=4)
+    split_model(path, out, num_stages=stages, schedule=schedule, num_microbatches=4, layout=Layout(pp=2))
     ckpt = str(tmp_path / "ckpt.pt")
     run_ok(out, 2, "--steps", str(STEPS), "--save", ckpt)
     saved = torch.load(ckpt)

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from tracepp.driver import split_model
+from tracepp.runtime.mesh import Layout
 from tracepp.modelfile import load_model_file
 from tracepp.runtime.data import EvalBatches, TokenBatches
 from util import PEER_TIMEOUT_S, TORCHRUN_TIMEOUT_S, assert_state_close, model_path, run_ok, torchrun
@@ -33,7 +34,7 @@ def job(tmp_path_factory):
     """The split (2 ranks, 1F1B), token files, and one uninterrupted 6-step run saved for comparison."""
     root = tmp_path_factory.mktemp("job")
     out = str(root / "out")
-    split_model(MODEL, out, num_ranks=2, schedule="1f1b", num_microbatches=2)
+    split_model(MODEL, out, schedule="1f1b", num_microbatches=2, layout=Layout(pp=2))
     rng = np.random.default_rng(0)
     train, val = str(root / "train.bin"), str(root / "val.npy")
     rng.integers(0, 48, 5000).astype(np.uint16).tofile(train)

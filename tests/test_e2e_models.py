@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tracepp.driver import split_model
+from tracepp.runtime.mesh import Layout
 from tracepp.codegen.manifest import load_manifest
 from tracepp.report.stages import stage_table
 from tracepp.modelfile import load_model_file
@@ -28,7 +29,7 @@ def test_matches_eager(tmp_path, name, schedule):
         pytest.importorskip("transformers")
     path = model_path(name)
     out = str(tmp_path / "out")
-    manifest = split_model(path, out, num_ranks=ranks, schedule=schedule, num_microbatches=microbatches)
+    manifest = split_model(path, out, schedule=schedule, num_microbatches=microbatches, layout=Layout(pp=ranks))
     assert len(manifest["stages"]) == ranks
     ckpt = str(tmp_path / "ckpt.pt")
     hf_folder = tmp_path / "hf"
@@ -64,7 +65,7 @@ def test_inspect_lists_shared_weight(tmp_path, name):
     if MODELS[name][2]:
         pytest.importorskip("transformers")
     out = str(tmp_path / "out")
-    manifest = split_model(model_path(name), out, num_ranks=2, schedule="1f1b", num_microbatches=2)
+    manifest = split_model(model_path(name), out, schedule="1f1b", num_microbatches=2, layout=Layout(pp=2))
     assert [sorted(s["aliases"]) for s in manifest["shared"]] == [TIED[name]]
     assert manifest["shared"][0]["stages"] == [0, 1]
     table = stage_table(load_manifest(out))

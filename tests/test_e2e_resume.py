@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from tracepp.driver import split_model
+from tracepp.runtime.mesh import Layout
 from tracepp.modelfile import load_model_file
 from tracepp.runtime.optim import build_optimizer, build_scheduler
 from util import assert_state_close, assert_trained, model_path, run_ok, torchrun
@@ -40,7 +41,7 @@ def eager_adamw(path: str, steps: int) -> dict:
 @pytest.fixture(scope="module")
 def split_out(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("tied_adamw") / "out")
-    split_model(MODEL, out, num_ranks=2, schedule="1f1b", num_microbatches=4)
+    split_model(MODEL, out, schedule="1f1b", num_microbatches=4, layout=Layout(pp=2))
     return out
 
 
@@ -75,8 +76,8 @@ def test_adamw_groups_resume_and_activation_checkpointing_match_eager(split_out,
 
     # the same checkpoint resumed by another split: 3 stages on 1 rank (plain python, no torchrun)
     one_rank = str(tmp_path / "one_rank")
-    split_model(MODEL, one_rank, num_ranks=1, schedule="interleaved-1f1b", num_microbatches=4,
-                split_points=["layers.1", "layers.3"])
+    split_model(MODEL, one_rank, schedule="interleaved-1f1b", num_microbatches=4,
+                split_points=["layers.1", "layers.3"], layout=Layout(pp=1))
     other_split = str(tmp_path / "other_split.pt")
     result = subprocess.run([sys.executable, os.path.join(one_rank, "run.py"), "--steps", "6", "--resume",
                              str(checkpoints), "--save", other_split], capture_output=True, text=True, timeout=120,
@@ -95,10 +96,10 @@ def test_bad_resume_fails_every_rank_and_writes_nothing(split_out, three_step_ch
     shutil.copytree(three_step_checkpoint, checkpoints)
     before = _listing(checkpoints)
     other = str(tmp_path / "other")
-    split_model(model_path("residual_mlp_lm"), other, num_ranks=2, schedule="1f1b", num_microbatches=2,
-                split_points=["layers.2"])
+    split_model(model_path("residual_mlp_lm"), other, schedule="1f1b", num_microbatches=2,
+                split_points=["layers.2"], layout=Layout(pp=2))
     sgd = str(tmp_path / "sgd")  # same FQNs as tied_lm_adamw, but SGD
-    split_model(model_path("tied_lm"), sgd, num_ranks=2, schedule="1f1b", num_microbatches=4)
+    split_model(model_path("tied_lm"), sgd, schedule="1f1b", num_microbatches=4, layout=Layout(pp=2))
     cases = [
         (other, checkpoints, "is from another model"),
         (sgd, checkpoints, "holds AdamW optimizer state but this run builds SGD"),
@@ -120,7 +121,7 @@ def test_scheduler_that_raises_stops_every_rank_and_keeps_earlier_checkpoints(tm
     path = tmp_path / "raising_scheduler.py"
     path.write_text(source)
     out = str(tmp_path / "out")
-    split_model(str(path), out, num_ranks=2, schedule="1f1b", num_microbatches=4)
+    split_model(str(path), out, schedule="1f1b", num_microbatches=4, layout=Layout(pp=2))
     checkpoints = tmp_path / "ckpt"
     saved = str(tmp_path / "never.pt")
     result = torchrun(out, 2, "--steps", "4", "--checkpoint-dir", str(checkpoints), "--save-every", "1",

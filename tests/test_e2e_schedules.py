@@ -18,6 +18,7 @@ from tracepp.runtime.actions import Action, Topology
 from tracepp.codegen.csvio import dump_csv
 from tracepp.codegen.plan import build_plan
 from tracepp.driver import split_model
+from tracepp.runtime.mesh import Layout
 from tracepp.modelfile import load_model_file
 from util import assert_state_close, assert_trained, eager_train, model_path, run_ok
 
@@ -58,8 +59,8 @@ def _check_plan(manifest: dict, schedule: str, microbatches: int, style: str) ->
 def test_multi_stage_schedule_matches_eager(tmp_path, schedule, microbatches):
     path = model_path("residual_mlp_lm")
     out = str(tmp_path / "out")
-    manifest = split_model(path, out, num_ranks=RANKS, schedule=schedule, num_microbatches=microbatches,
-                           split_points=FOUR_STAGES)
+    manifest = split_model(path, out, schedule=schedule, num_microbatches=microbatches,
+                           split_points=FOUR_STAGES, layout=Layout(pp=RANKS))
     _check_plan(manifest, schedule, microbatches, "v" if schedule in ("zbv", "dualpipev") else "loop")
     for rank in range(RANKS):  # each rank script holds its two stage functions
         source = open(os.path.join(out, f"rank{rank}.py")).read()
@@ -81,7 +82,7 @@ def test_tied_embedding_on_one_rank_of_a_v(tmp_path, schedule, microbatches):
     that its gradient sums both uses without any all-reduce; eager equality proves the sum is right."""
     path = model_path("tied_lm_v")
     out = str(tmp_path / "out")
-    manifest = split_model(path, out, num_ranks=RANKS, schedule=schedule, num_microbatches=microbatches)
+    manifest = split_model(path, out, schedule=schedule, num_microbatches=microbatches, layout=Layout(pp=RANKS))
     _check_plan(manifest, schedule, microbatches, "v")
     [shared] = manifest["shared"]
     assert sorted(shared["aliases"]) == ["embed.weight", "head.weight"] and shared["stages"] == [0, 3]
@@ -101,7 +102,7 @@ def test_skip_connection_split_backward(tmp_path, schedule, style):
     gradient summed from a received one and an in-memory one); loop: both consumers sit on rank 1."""
     path = model_path("skip_v")
     out = str(tmp_path / "out")
-    manifest = split_model(path, out, num_ranks=RANKS, schedule=schedule, num_microbatches=4)
+    manifest = split_model(path, out, schedule=schedule, num_microbatches=4, layout=Layout(pp=RANKS))
     _check_plan(manifest, schedule, 4, style)
     [skip] = [v for v in manifest["values"].values() if len(v["consumers"]) > 1]
     assert (skip["producer"], skip["consumers"]) == (0, [1, 3])
@@ -112,7 +113,7 @@ def test_interleaved_microbatches_not_a_multiple_of_ranks(tmp_path):
     """3 microbatches on 2 ranks: one group of 3 (Megatron's rule would need a multiple of 2)."""
     path = model_path("tied_lm_v")  # batch 12: 3 microbatches of 4
     out = str(tmp_path / "out")
-    manifest = split_model(path, out, num_ranks=RANKS, schedule="interleaved-1f1b", num_microbatches=3)
+    manifest = split_model(path, out, schedule="interleaved-1f1b", num_microbatches=3, layout=Layout(pp=RANKS))
     _check_plan(manifest, "interleaved-1f1b", 3, "loop")
     # the tied weight now lives on both ranks (stage 0 on rank 0, stage 3 on rank 1): all-reduced
     assert manifest["shared"][0]["stages"] == [0, 3]

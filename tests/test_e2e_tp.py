@@ -14,6 +14,7 @@ import torch
 
 from test_e2e_dp import _eager_adamw
 from tracepp.driver import split_model
+from tracepp.runtime.mesh import Layout
 from tracepp.modelfile import load_model_file
 from util import assert_state_close, assert_trained, eager_train, model_path, torchrun
 
@@ -31,7 +32,7 @@ def _run(out: str, nproc: int, *args: str, env=None):
 def test_llama_pp2_tp2_adamw_clip_resume_and_reshard(tmp_path):
     path = model_path("tp_llama")
     tp2, tp1 = str(tmp_path / "tp2"), str(tmp_path / "tp1")
-    manifest = split_model(path, tp2, num_ranks=2, schedule="1f1b", num_microbatches=2, tp=2)
+    manifest = split_model(path, tp2, schedule="1f1b", num_microbatches=2, layout=Layout(pp=2, tp=2))
     assert manifest["launch_command"].startswith("torchrun --nproc-per-node 4 ")
     roles = {fqn: entry["role"] for fqn, entry in manifest["tp"]["params"].items()}
     assert roles["layers.0.attn.q_proj.weight"] == roles["layers.0.mlp.up_proj.bias"] == "colwise"
@@ -39,7 +40,7 @@ def test_llama_pp2_tp2_adamw_clip_resume_and_reshard(tmp_path):
     assert roles["head.weight"] == "colwise"  # tied to the vocabulary-parallel embedding: Shard(0) on both
     script = open(os.path.join(tp2, "rank0.py")).read()
     assert "torch.ops.tracepp.tp_vocab_embedding.default" in script and "tp_all_reduce" in script
-    split_model(path, tp1, num_ranks=2, schedule="1f1b", num_microbatches=2)
+    split_model(path, tp1, schedule="1f1b", num_microbatches=2, layout=Layout(pp=2))
     expected, norms, _losses = _eager_adamw(path, 4, CLIP)
     assert min(norms) > CLIP, "the norm must exceed the limit or clipping is not exercised"
 
@@ -75,7 +76,7 @@ def test_hugging_face_pp2_tp2_matches_eager(tmp_path, monkeypatch, name, family)
         monkeypatch.setenv(key, value)
     path = model_path(name) if name == "hf_llama" else os.path.join(ZOO, name + ".py")
     out = str(tmp_path / "out")
-    manifest = split_model(path, out, num_ranks=2, schedule="1f1b", num_microbatches=2, tp=2)
+    manifest = split_model(path, out, schedule="1f1b", num_microbatches=2, layout=Layout(pp=2, tp=2))
     params = manifest["tp"]["params"]
     attention = [e["role"] for fqn, e in params.items() if "self_attn.o_proj.weight" in fqn]
     assert attention and set(attention) == {"rowwise"}  # attention sharded by heads
@@ -88,20 +89,53 @@ def test_hugging_face_pp2_tp2_matches_eager(tmp_path, monkeypatch, name, family)
     assert_state_close(saved, eager_train(path, 3))
 
 
-@pytest.mark.parametrize("family", ["phi3", "gpt2", "falcon", "olmo2", "gemma3", "gpt_neox", "starcoder2"])
-def test_every_familys_tp_plan_trains_equal_to_eager_at_microbatch_size_1(tmp_path, monkeypatch, family):
+@pytest.mark.parametrize("family,sequence_parallel", [
+    ("phi3", False), ("gpt2", False), ("falcon", False), ("olmo2", False), ("gemma3", False), ("gpt_neox", False),
+    ("starcoder2", False), ("gpt2", True), ("falcon", True), ("phi3", True)])
+def test_every_familys_tp_plan_trains_equal_to_eager_at_microbatch_size_1(tmp_path, monkeypatch, family,
+                                                                          sequence_parallel):
     # fused qkv/gate_up (Phi-3), Conv1D addmm and a fused c_attn (GPT-2), x @ W.T with a per-group fused qkv and
     # parallel attention and MLP (Falcon), norms over the sharded width from partial sums (OLMo2), per-head norms
-    # and casts (Gemma3), a per-head fused query_key_value (GPT-NeoX), biases and LayerNorm (StarCoder2)
+    # and casts (Gemma3), a per-head fused query_key_value (GPT-NeoX), biases and LayerNorm (StarCoder2); with
+    # sequence parallelism: GPT-2's [batch * seq] tokens around its addmm, Falcon's two rows summed in place
     monkeypatch.setenv("TP_HF_FAMILY", family)
     path, out = os.path.join(ZOO, "tp_hf.py"), str(tmp_path / "out")
-    manifest = split_model(path, out, num_ranks=2, schedule="1f1b", num_microbatches=4, tp=2)  # 4 samples: size 1
+    manifest = split_model(path, out, schedule="1f1b", num_microbatches=4,  # 4 samples: microbatch size 1
+                           layout=Layout(pp=2, tp=2, sequence_parallel=sequence_parallel))
     assert min(stage["share"]["params"] for stage in manifest["tp"]["stages"]) > 0.9
+    if sequence_parallel:
+        assert manifest["tp"]["sequence_parallel"]["sent"] and not any(
+            stage["replicated"] for stage in manifest["tp"]["stages"])
     ckpt = str(tmp_path / "ckpt.pt")
     _run(out, 4, "--steps", "3", "--save", ckpt, env={"TP_HF_FAMILY": family})
     saved = torch.load(ckpt)
     assert_trained(saved, path)
     assert_state_close(saved, eager_train(path, 3))
+
+
+def test_sequence_parallel_llama_trains_equal_to_eager_and_a_dynamic_sequence_tp_cannot_split_stops(
+        tmp_path, monkeypatch):
+    # pp2 x tp2 with --sequence-parallel, AdamW and clipping; then a dynamic sequence (16, 8, 12, 7): the first
+    # three steps train equal to eager, the fourth (7 tokens) stops every rank naming the length and the fix
+    path, out = model_path("tp_llama"), str(tmp_path / "out")
+    split_model(path, out, schedule="1f1b", num_microbatches=2, layout=Layout(pp=2, tp=2, sequence_parallel=True))
+    ckpt = str(tmp_path / "ckpt.pt")
+    _run(out, 4, "--steps", "3", "--clip-grad-norm", str(CLIP), "--save", ckpt)
+    assert_state_close(torch.load(ckpt), _eager_adamw(path, 3, CLIP)[0])
+
+    monkeypatch.setenv("TP_LLAMA_SEQ", "dynamic")
+    env = {"TP_LLAMA_SEQ": "dynamic"}
+    dynamic = str(tmp_path / "dynamic")
+    manifest = split_model(path, dynamic, schedule="1f1b", num_microbatches=2,
+                           layout=Layout(pp=2, tp=2, sequence_parallel=True))
+    assert manifest["tp"]["sequence_parallel"]["sequence"] == "s_seq"
+    assert manifest["values"]["layers_1_out"]["shape"] == [4, "(s_seq // 2)", 32]
+    _run(dynamic, 4, "--steps", "3", "--save", ckpt, env=env)
+    assert_state_close(torch.load(ckpt), _eager_adamw(path, 3, 1e9)[0])
+    result = torchrun(dynamic, 4, "--quiet", "--steps", "4", env_extra=env)
+    assert result.returncode != 0
+    assert ("batch for step 3: sequence length 7 (s_seq) is not a multiple of --tp 2: with --sequence-parallel"
+            in result.stdout + result.stderr)
 
 
 def test_fused_projections_checkpoint_in_the_models_layout(tmp_path, monkeypatch):
@@ -119,9 +153,9 @@ def test_fused_projections_checkpoint_in_the_models_layout(tmp_path, monkeypatch
     monkeypatch.syspath_prepend(str(tmp_path))
     path = str(path)
     tp2, tp1 = str(tmp_path / "tp2"), str(tmp_path / "tp1")
-    manifest = split_model(path, tp2, num_ranks=2, schedule="1f1b", num_microbatches=2, tp=2)
+    manifest = split_model(path, tp2, schedule="1f1b", num_microbatches=2, layout=Layout(pp=2, tp=2))
     assert manifest["tp"]["params"]["model.layers.0.self_attn.qkv_proj.weight"]["segments"] == [32, 16, 16]
-    split_model(path, tp1, num_ranks=2, schedule="1f1b", num_microbatches=2)
+    split_model(path, tp1, schedule="1f1b", num_microbatches=2, layout=Layout(pp=2))
     expected = eager_train(path, 4)
     ckpts = str(tmp_path / "ckpt")
     _run(tp2, 4, "--steps", "2", "--checkpoint-dir", ckpts, env=env)
@@ -145,7 +179,7 @@ def test_zero_bubble_schedule_splits_the_tp_backward_exactly_from_a_loaded_check
     # I and W run apart: the gradient all-reduce of tp_copy falls in I, the rowwise weights' gradients in W;
     # the weights come from a state_dict file (--load), each tp rank cutting its pieces as it reads them
     path, out = model_path("tp_llama"), str(tmp_path / "out")
-    split_model(path, out, num_ranks=2, schedule="interleaved-zb", num_microbatches=4, tp=2)
+    split_model(path, out, schedule="interleaved-zb", num_microbatches=4, layout=Layout(pp=2, tp=2))
     initial = str(tmp_path / "initial.pt")
     torch.save(load_model_file(path).model().state_dict(), initial)
     ckpt = str(tmp_path / "ckpt.pt")
@@ -158,7 +192,7 @@ def test_compiled_stages_keep_the_collectives_opaque(tmp_path):
     # compiled code, and tp_copy's backward is the tp_all_reduce op (its body would put a process group into
     # the compiled backward graph, which cannot be copied)
     path, out = model_path("tp_llama"), str(tmp_path / "out")
-    split_model(path, out, num_ranks=2, schedule="1f1b", num_microbatches=2, tp=2)
+    split_model(path, out, schedule="1f1b", num_microbatches=2, layout=Layout(pp=2, tp=2))
     ckpt = str(tmp_path / "ckpt.pt")
     _run(out, 4, "--steps", "2", "--compile", "--save", ckpt)
     assert_state_close(torch.load(ckpt), _eager_adamw(path, 2, 1e9)[0])
@@ -169,7 +203,7 @@ def test_a_whole_gate_scaling_sharded_features_gets_its_gradient_summed(tmp_path
     # for it covers only its share of them. The graph's own metadata says the gate's value needs no gradient
     # (export records requires_grad on parameters only): the plan must follow the parameters through the graph
     path, out = model_path("tp_gated_mlp"), str(tmp_path / "out")
-    manifest = split_model(path, out, num_ranks=2, schedule="1f1b", num_microbatches=2, tp=2)
+    manifest = split_model(path, out, schedule="1f1b", num_microbatches=2, layout=Layout(pp=2, tp=2))
     ops = [c["op"] for stage in manifest["tp"]["stages"] for c in stage["collectives"]]
     # per layer: the up projection's input and the gate; and the (vocabulary-sharded) head's input
     assert ops.count("all_reduce (backward)") == 2 * 2 + 1

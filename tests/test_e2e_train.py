@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tracepp.driver import split_model
+from tracepp.runtime.mesh import Layout
 from util import (assert_state_close, assert_trained, eager_train, model_path, run_ok, torchrun)
 
 STEPS = 3
@@ -17,7 +18,7 @@ STEPS = 3
 def test_residual_mlp_matches_eager(tmp_path, schedule, ranks, points):
     path = model_path("residual_mlp_lm")
     out = str(tmp_path / "out")
-    split_model(path, out, num_ranks=ranks, schedule=schedule, num_microbatches=4, split_points=points)
+    split_model(path, out, schedule=schedule, num_microbatches=4, split_points=points, layout=Layout(pp=ranks))
     ckpt = str(tmp_path / "ckpt.pt")
     metrics = str(tmp_path / "metrics.jsonl")
     # pipeline messages: shared-memory rings by default on one host when each rank has a core (else gloo);
@@ -72,7 +73,7 @@ def test_runs_without_tracepp_installed(tmp_path):
     """The output folder needs torch only: tracepp (and tabulate) made unimportable, a pipe_split model trains."""
     path = model_path("marker_mlp")
     out = str(tmp_path / "out")
-    split_model(path, out, num_ranks=2, schedule="1f1b", num_microbatches=2)
+    split_model(path, out, schedule="1f1b", num_microbatches=2, layout=Layout(pp=2))
     blocker = tmp_path / "blocked"
     blocker.mkdir()
     (blocker / "sitecustomize.py").write_text(BLOCKER)
@@ -108,7 +109,7 @@ def test_one_rank_torchrun_ends_its_process_group(tmp_path):
     destroy_process_group() was not called, on every single-GPU run, when it is left)."""
     path = model_path("residual_mlp_lm")
     out = str(tmp_path / "out")
-    split_model(path, out, num_ranks=1, num_stages=2, schedule="looped-bfs", num_microbatches=2)
+    split_model(path, out, num_stages=2, schedule="looped-bfs", num_microbatches=2, layout=Layout(pp=1))
     hooks = tmp_path / "hooks"
     hooks.mkdir()
     (hooks / "sitecustomize.py").write_text(EXIT_CHECK)
@@ -121,7 +122,7 @@ def test_single_process_two_stages_without_torchrun(tmp_path):
     """One rank holding both stages runs with plain `python run.py` (the single-GPU path), values passed locally."""
     path = model_path("residual_mlp_lm")
     out = str(tmp_path / "out")
-    split_model(path, out, num_ranks=1, num_stages=2, schedule="looped-bfs", num_microbatches=2)
+    split_model(path, out, num_stages=2, schedule="looped-bfs", num_microbatches=2, layout=Layout(pp=1))
     ckpt = str(tmp_path / "ckpt.pt")
     result = subprocess.run([sys.executable, os.path.join(out, "run.py"), "--steps", "3", "--save", ckpt],
                             capture_output=True, text=True, timeout=120)

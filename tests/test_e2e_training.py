@@ -11,6 +11,7 @@ import sys
 import torch
 
 from tracepp.driver import split_model
+from tracepp.runtime.mesh import Layout
 from tracepp.modelfile import load_model_file
 from util import (REPO, TORCHRUN_TIMEOUT_S, assert_state_close, assert_trained, eager_train,
                   model_path, run_ok, torchrun)
@@ -58,7 +59,7 @@ def test_clip_grad_norm_matches_eager_with_a_tied_weight(tmp_path):
     """Global norm over both ranks with the tied embedding/head counted once, every rank scaled alike."""
     path = model_path("tied_lm")
     out = str(tmp_path / "out")
-    split_model(path, out, num_ranks=2, schedule="1f1b", num_microbatches=4)
+    split_model(path, out, schedule="1f1b", num_microbatches=4, layout=Layout(pp=2))
     ckpt, metrics = str(tmp_path / "ckpt.pt"), str(tmp_path / "m.jsonl")
     clip = 0.5
     result = run_ok(out, 2, "--steps", "3", "--clip-grad-norm", str(clip), "--save", ckpt, "--metrics", metrics)
@@ -86,7 +87,7 @@ def test_bf16_matches_eager_autocast(tmp_path):
     """
     path = model_path("residual_mlp_lm")
     out = str(tmp_path / "out")
-    split_model(path, out, num_ranks=2, schedule="1f1b", num_microbatches=4, split_points=["layers.2"])
+    split_model(path, out, schedule="1f1b", num_microbatches=4, split_points=["layers.2"], layout=Layout(pp=2))
     ckpt = str(tmp_path / "ckpt.pt")
     result = run_ok(out, 2, "--steps", "3", "--precision", "bf16", "--save", ckpt)
     assert "compute bf16 (autocast per stage), boundary tensors sent as bf16, loss fp32" in result.stdout
@@ -106,7 +107,7 @@ def test_nonfinite_loss_stops_every_rank_naming_step_microbatch_stage(tmp_path):
     exits non-zero and leaves the old checkpoint; ``skip`` skips exactly that step on every rank."""
     path = model_path("nan_token")
     out = str(tmp_path / "out")
-    split_model(path, out, num_ranks=2, schedule="1f1b", num_microbatches=4)
+    split_model(path, out, schedule="1f1b", num_microbatches=4, layout=Layout(pp=2))
     ckpt = tmp_path / "ckpt.pt"
     ckpt.write_text("an older checkpoint")
     result = torchrun(out, 2, "--steps", "3", "--save", str(ckpt))
@@ -134,7 +135,7 @@ def test_compiled_stages_match_eager_with_changing_shapes(tmp_path):
     more for the step with one-sample microbatches (torch specialises size 1), never per step."""
     path = model_path("dynamic_seq_lm")
     out = str(tmp_path / "out")
-    split_model(path, out, num_ranks=2, schedule="1f1b", num_microbatches=4)
+    split_model(path, out, schedule="1f1b", num_microbatches=4, layout=Layout(pp=2))
     ckpt = str(tmp_path / "ckpt.pt")
     # a peer waits while the other compiles its first step: on a loaded CI machine that exceeds PEER_TIMEOUT_S
     result = torchrun(out, 2, "--steps", "4", "--compile", "--save", ckpt, "--timeout", "280",
@@ -154,7 +155,7 @@ def test_own_loop_example_with_cosine_schedule(tmp_path):
     same loop run eagerly on the unsplit model."""
     path = model_path("tied_lm")
     out = str(tmp_path / "out")
-    split_model(path, out, num_ranks=2, schedule="1f1b", num_microbatches=4)
+    split_model(path, out, schedule="1f1b", num_microbatches=4, layout=Layout(pp=2))
     ckpt = str(tmp_path / "own.pt")
     steps, lr, clip = 4, 0.01, 0.5
     env = dict(os.environ, OMP_NUM_THREADS="1")

@@ -11,6 +11,7 @@ import torch
 from tracepp.costs.model import load_calibration
 from tracepp.cli import main as cli_main
 from tracepp.driver import split_model
+from tracepp.runtime.mesh import Layout
 from tracepp.codegen.manifest import load_manifest
 from util import assert_state_close, eager_train, model_path, run_ok
 
@@ -19,7 +20,7 @@ MODEL = "tied_lm_v"  # 4 layers, tied embedding and head, batch 12
 
 def test_calibrate_tune_apply_and_train(tmp_path, capsys):
     out = str(tmp_path / "out")
-    split_model(model_path(MODEL), out, num_ranks=2, schedule="1f1b", num_microbatches=2, split_points=["layers.2"])
+    split_model(model_path(MODEL), out, schedule="1f1b", num_microbatches=2, split_points=["layers.2"], layout=Layout(pp=2))
     # made-up stage costs at two microbatch sizes: a large fixed part per microbatch, so few microbatches win
     costs = tmp_path / "costs.json"
     costs.write_text(json.dumps({"0F": 1.0, "0B": 2.0, "1F": 1.0, "1B": 2.0, "microbatch_size": 6}))
@@ -51,7 +52,7 @@ def test_calibrate_tune_apply_and_train(tmp_path, capsys):
 
 def test_apply_rewrites_the_folder_with_another_plan(tmp_path, capsys):
     out = str(tmp_path / "out")
-    split_model(model_path(MODEL), out, num_ranks=2, schedule="1f1b", num_microbatches=2, split_points=["layers.2"])
+    split_model(model_path(MODEL), out, schedule="1f1b", num_microbatches=2, split_points=["layers.2"], layout=Layout(pp=2))
     # no fixed part (one microbatch size: proportional), free comms: interleaving over 4 stages with 6 microbatches
     # has the smallest bubble of this grid
     costs = tmp_path / "costs.json"
@@ -83,7 +84,7 @@ def test_tune_chooses_tensor_parallelism_under_a_memory_limit_and_the_result_tra
     # limit tp 1 costs fewer GPU-seconds; a limit tp 1 cannot meet leaves tp 2, which --apply splits and runs
     path = model_path("tp_llama")
     out = str(tmp_path / "out")
-    split_model(path, out, num_ranks=2, schedule="1f1b", num_microbatches=2, split_points=["layers.2"])
+    split_model(path, out, schedule="1f1b", num_microbatches=2, split_points=["layers.2"], layout=Layout(pp=2))
     costs = tmp_path / "costs.json"
     costs.write_text(json.dumps({"0F": 1.0, "0B": 2.0, "1F": 1.0, "1B": 2.0}))
     assert cli_main(["calibrate", out, "--costs", str(costs), "--no-comm", "--no-fit"]) == 0

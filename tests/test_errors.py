@@ -8,6 +8,7 @@ import pytest
 
 from tracepp.cli import main as cli_main
 from tracepp.driver import split_model
+from tracepp.runtime.mesh import Layout
 from util import model_path, torchrun
 
 
@@ -79,7 +80,7 @@ def test_export_failure_names_the_line(tmp_path, capsys):
 @pytest.mark.timeout(120)
 def test_world_size_mismatch_fails_every_rank(tmp_path):
     out = str(tmp_path / "out")
-    split_model(model_path("residual_mlp_lm"), out, num_ranks=2, num_microbatches=2)
+    split_model(model_path("residual_mlp_lm"), out, num_microbatches=2, layout=Layout(pp=2))
     start = time.time()
     result = torchrun(out, 3, "--steps", "1", timeout=90)
     assert result.returncode != 0
@@ -91,7 +92,7 @@ def test_world_size_mismatch_fails_every_rank(tmp_path):
 @pytest.mark.timeout(120)
 def test_wrong_batch_shape_fails_every_rank(tmp_path):
     out = str(tmp_path / "out")
-    split_model(model_path("bad_shape_batch"), out, num_ranks=2, num_microbatches=2)
+    split_model(model_path("bad_shape_batch"), out, num_microbatches=2, layout=Layout(pp=2))
     result = torchrun(out, 2, "--steps", "2", timeout=90)
     assert result.returncode != 0
     message = "input args[0] has shape (4, 5) but the pipeline was traced with (2, 6)"
@@ -102,7 +103,7 @@ def test_wrong_batch_shape_fails_every_rank(tmp_path):
 @pytest.mark.timeout(120)
 def test_crashed_rank_stops_the_others(tmp_path):
     out = str(tmp_path / "out")
-    split_model(model_path("crash_on_step"), out, num_ranks=2, num_microbatches=2)
+    split_model(model_path("crash_on_step"), out, num_microbatches=2, layout=Layout(pp=2))
     ckpt = tmp_path / "ckpt.pt"
     start = time.time()
     result = torchrun(out, 2, "--steps", "3", "--save", str(ckpt), timeout=90)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tracepp.driver import check_model
+from tracepp.runtime.mesh import Layout
 from tracepp.modelfile import load_model_file
 from tracepp.split import cost
 from util import model_path, trace_and_split
@@ -34,7 +35,7 @@ def _eager_flops(path: str) -> int:
                          ids=["llama", "mixtral", "qwen3_moe", "deepseek_v3"])
 def test_stage_flops_sum_to_the_eager_count(path):
     pytest.importorskip("transformers")
-    manifest = check_model(path, num_ranks=2, num_microbatches=1)  # one microbatch = the example batch
+    manifest = check_model(path, num_microbatches=1, layout=Layout(pp=2))  # one microbatch = the example batch
     counted = sum(stage["forward_flops"] for stage in manifest["stages"])
     eager = _eager_flops(path)
     assert abs(counted - eager) <= 0.03 * eager, (counted, eager)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tracepp.driver import check_model
+from tracepp.runtime.mesh import Layout
 from tracepp.runtime import checkpoint
 from tracepp.runtime.data import (EvalBatches, TokenBatches, TokenFile, check_resumed, data_record, token_input,
                                   window_starts)
@@ -71,9 +72,9 @@ def test_token_file_errors_name_the_file_and_the_numbers(tmp_path):
 
 
 def test_manifest_records_the_token_input_and_refuses_other_models():
-    manifest = check_model(os.path.join(REPO, "examples", "gpt.py"), num_ranks=2, num_microbatches=4)
+    manifest = check_model(os.path.join(REPO, "examples", "gpt.py"), num_microbatches=4, layout=Layout(pp=2))
     assert manifest["token_input"] == {"leaf_index": 0, "path": "args[0]", "batch": 8, "seq": 32, "vocab": 256}
-    float_model = check_model(model_path("crash_on_step"), num_ranks=2, num_microbatches=2)
+    float_model = check_model(model_path("crash_on_step"), num_microbatches=2, layout=Layout(pp=2))
     assert float_model["token_input"] is None
     with pytest.raises(PipelineError, match=r"this model's batched inputs are args\[0\] \(float32"):
         token_input(float_model)

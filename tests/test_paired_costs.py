@@ -58,9 +58,10 @@ def test_a_two_rank_run_measures_its_own_stages_between_steps(tmp_path):
     """Under torchrun: each rank times its own stage between the paired steps; the run's steps and losses are
     those of a run without it (the meter trains nothing)."""
     from tracepp.driver import split_model
+    from tracepp.runtime.mesh import Layout
 
     out = str(tmp_path / "out")
-    split_model(model_path("tied_lm"), out, num_ranks=2, schedule="1f1b", num_microbatches=4)
+    split_model(model_path("tied_lm"), out, schedule="1f1b", num_microbatches=4, layout=Layout(pp=2))
     env = dict(os.environ, OMP_NUM_THREADS="1")
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
 

@@ -8,6 +8,7 @@ import torch
 
 from tracepp.costs.costs_file import load_costs
 from tracepp.driver import split_model
+from tracepp.runtime.mesh import Layout
 from tracepp.runtime import Pipeline
 from tracepp.runtime.executor import WeightSplit, _finite_witness
 from tracepp.costs.model import runtime_factors
@@ -18,7 +19,7 @@ from util import model_path
 @pytest.fixture(scope="module")
 def tied_folder(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("perf") / "out")
-    split_model(model_path("tied_lm"), out, num_ranks=2, schedule="1f1b", num_microbatches=4)
+    split_model(model_path("tied_lm"), out, schedule="1f1b", num_microbatches=4, layout=Layout(pp=2))
     return out
 
 
@@ -207,7 +208,7 @@ def test_finite_witness_is_finite_exactly_when_every_element_is():
 def test_nonfinite_report_names_the_first_stage_and_microbatch(tmp_path):
     path = model_path("nan_token")
     out = str(tmp_path / "out")
-    split_model(path, out, num_ranks=2, schedule="1f1b", num_microbatches=4)
+    split_model(path, out, schedule="1f1b", num_microbatches=4, layout=Layout(pp=2))
     pipe = Pipeline(out, all_stages=True)
     args, kwargs, target = pipe.user.batch(0)
     loss = pipe.step(args, kwargs, target)

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from tracepp.driver import split_model
+from tracepp.runtime.mesh import Layout
 from tracepp.modelfile import load_model_file
 from tracepp.runtime import Pipeline, register_step_hook
 from tracepp.runtime.pipeline import check_precision
@@ -12,7 +13,7 @@ from util import model_path
 @pytest.fixture(scope="module")
 def tied_folder(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("pipe") / "out")
-    split_model(model_path("tied_lm"), out, num_ranks=2, schedule="1f1b", num_microbatches=4)
+    split_model(model_path("tied_lm"), out, schedule="1f1b", num_microbatches=4, layout=Layout(pp=2))
     return out
 
 
@@ -93,7 +94,7 @@ def test_bf16_step_of_an_hf_llama_matches_eager_autocast(tmp_path):
     agrees to bf16 resolution (a few 1e-3 relative: the same ops in the same order, bf16 rounding)."""
     out = str(tmp_path / "out")
     path = model_path("hf_llama")
-    split_model(path, out, num_ranks=2, schedule="1f1b", num_microbatches=2)
+    split_model(path, out, schedule="1f1b", num_microbatches=2, layout=Layout(pp=2))
     pipe = Pipeline(out, all_stages=True, precision="bf16")
     module = pipe.user
     args, kwargs, target = module.batch(0)
@@ -126,7 +127,7 @@ def test_bf16_keeps_autocast_disabled_regions_in_fp32(tmp_path):
     as in eager autocast: with it computed in bf16, cos(37 * x @ freq) would be off by far more than 1e-3."""
     out = str(tmp_path / "out")
     path = model_path("autocast_off_region")
-    split_model(path, out, num_ranks=2, schedule="1f1b", num_microbatches=2)
+    split_model(path, out, schedule="1f1b", num_microbatches=2, layout=Layout(pp=2))
     source = open(f"{out}/rank1.py").read()
     assert "_enter_autocast(RUN_DEVICE.type, None, False, None)" in source
     pipe = Pipeline(out, all_stages=True, precision="bf16")

@@ -13,6 +13,7 @@ from tracepp.codegen.csvio import dump_csv
 from tracepp.codegen.plan import build_plan
 from tracepp.codegen.simulate import simulate
 from tracepp.driver import split_model
+from tracepp.runtime.mesh import Layout
 from tracepp.codegen.manifest import load_manifest, topology_from_manifest
 from util import model_path
 
@@ -24,7 +25,7 @@ ROW = re.compile(r"^\s*(\d+)\s+(\d+(?:, \d+)*)\s+(\d+)\s+([\d.]+)%\s+(\d+)\s*$",
 @pytest.fixture(scope="module")
 def zbv_out(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("plan") / "out")
-    split_model(model_path("tied_lm_v"), out, num_ranks=2, schedule="zbv", num_microbatches=4)
+    split_model(model_path("tied_lm_v"), out, schedule="zbv", num_microbatches=4, layout=Layout(pp=2))
     return out
 
 
@@ -261,7 +262,7 @@ def test_inspect_shows_flop_estimates(tmp_path, capsys):
     from util import REPO
 
     out = str(tmp_path / "out")
-    manifest = split_model(os.path.join(REPO, "examples", "gpt.py"), out, num_ranks=2, num_microbatches=4)
+    manifest = split_model(os.path.join(REPO, "examples", "gpt.py"), out, num_microbatches=4, layout=Layout(pp=2))
     flops = [stage["forward_flops"] for stage in manifest["stages"]]
     # two transformer blocks per stage, batch 2 x seq 32 x d 64: the matmuls alone are over 10 MFLOP
     assert all(f and f > 10e6 for f in flops)

@@ -17,6 +17,7 @@ import time
 import pytest
 
 from tracepp.driver import split_model
+from tracepp.runtime.mesh import Layout
 from util import PEER_TIMEOUT_S, REPO, model_path, torchrun
 
 sys.path.insert(0, os.path.join(REPO, ".ci"))
@@ -33,7 +34,7 @@ def test_numpy_is_a_declared_dependency():
 @pytest.mark.timeout(200)
 def test_a_rank_without_numpy_names_it_and_the_fix(tmp_path):
     out = str(tmp_path / "out")
-    split_model(model_path("tied_lm"), out, num_ranks=2, num_microbatches=2)
+    split_model(model_path("tied_lm"), out, num_microbatches=2, layout=Layout(pp=2))
     blocker = tmp_path / "no_numpy" / "numpy"  # first on the path: `import numpy` fails, as without numpy
     blocker.mkdir(parents=True)
     (blocker / "__init__.py").write_text('raise ModuleNotFoundError("No module named \'numpy\' (hidden by the test)")\n')

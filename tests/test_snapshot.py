@@ -15,13 +15,14 @@ import pytest
 import torch
 
 from tracepp.driver import split_model
+from tracepp.runtime.mesh import Layout
 from util import HERE, model_path
 
 CASES = {
-    "residual_mlp_lm_rank1": ("residual_mlp_lm", 1, dict(num_ranks=2, schedule="1f1b", num_microbatches=2,
+    "residual_mlp_lm_rank1": ("residual_mlp_lm", 1, dict(layout=Layout(pp=2), schedule="1f1b", num_microbatches=2,
                                                         split_points=["layers.2"])),
-    "tied_lm_v_rank0": ("tied_lm_v", 0, dict(num_ranks=2, schedule="zbv", num_microbatches=4)),
-    "dynamic_seq_lm_rank1": ("dynamic_seq_lm", 1, dict(num_ranks=2, schedule="1f1b", num_microbatches=2)),
+    "tied_lm_v_rank0": ("tied_lm_v", 0, dict(layout=Layout(pp=2), schedule="zbv", num_microbatches=4)),
+    "dynamic_seq_lm_rank1": ("dynamic_seq_lm", 1, dict(layout=Layout(pp=2), schedule="1f1b", num_microbatches=2)),
 }
 
 

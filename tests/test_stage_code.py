@@ -12,6 +12,7 @@ import torch
 
 from tracepp.codegen.stage_code import find_blocks, globals_prelude, group_blocks, prepare, stage_source
 from tracepp.driver import split_model
+from tracepp.runtime.mesh import Layout
 from tracepp.modelfile import load_model_file
 from tracepp.split import naming
 from tracepp.split.partition import split
@@ -134,7 +135,7 @@ def test_boundary_values_are_named_after_what_made_them():
 
 def test_sizes_are_named_after_root_symbols_and_blocks_take_them(tmp_path):
     out = str(tmp_path / "out")
-    manifest = split_model(model_path("dynamic_seq_lm"), out, num_ranks=2, schedule="1f1b", num_microbatches=2)
+    manifest = split_model(model_path("dynamic_seq_lm"), out, schedule="1f1b", num_microbatches=2, layout=Layout(pp=2))
     assert [item["name"] for item in manifest["stages"][1]["sym_inputs"]] == ["s_seq", "s_seq_plus_1"]
     source = open(os.path.join(out, "rank0.py")).read()
     assert 's_seq: "Sym(s_seq)"' in source and "s95" not in source
@@ -144,7 +145,7 @@ def test_sizes_are_named_after_root_symbols_and_blocks_take_them(tmp_path):
 
 def test_no_absolute_path_in_the_generated_files(tmp_path):
     out = str(tmp_path / "out")
-    split_model(model_path("residual_mlp_lm"), out, num_ranks=2, schedule="1f1b", num_microbatches=2)
+    split_model(model_path("residual_mlp_lm"), out, schedule="1f1b", num_microbatches=2, layout=Layout(pp=2))
     for name in ("rank0.py", "rank1.py", "run.py"):
         text = open(os.path.join(out, name)).read()
         assert str(tmp_path) not in text and os.path.dirname(model_path("x")) not in text, name

@@ -9,13 +9,14 @@ import pytest
 import torch.distributed as dist
 
 from tracepp.driver import split_model
+from tracepp.runtime.mesh import Layout
 from util import model_path, torchrun
 
 
 @pytest.mark.timeout(120)
 def test_stalled_rank_is_named_and_every_live_rank_stops(tmp_path):
     out = str(tmp_path / "out")
-    split_model(model_path("stall_on_step"), out, num_ranks=2, schedule="1f1b", num_microbatches=2)
+    split_model(model_path("stall_on_step"), out, schedule="1f1b", num_microbatches=2, layout=Layout(pp=2))
     # rank 1 sleeps for an hour in batch(1): without the stall report this runs into the subprocess timeout
     result = torchrun(out, 2, "--steps", "3", "--timeout", "5", timeout=60)
     assert result.returncode != 0

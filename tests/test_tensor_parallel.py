@@ -10,14 +10,14 @@ import shutil
 import pytest
 
 from tracepp.driver import check_model
-from tracepp.runtime.mesh import coordinates, global_rank, mesh_layout, tp_index, world_size
+from tracepp.runtime.mesh import Layout, coordinates, global_rank, mesh_layout, tp_index, world_size
 from util import REPO, model_path
 
 ZOO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zoo")
 
 
 def _params(path, tp=2, **kw):
-    manifest = check_model(path, num_ranks=2, num_microbatches=2, tp=tp, **kw)
+    manifest = check_model(path, num_microbatches=2, **kw, layout=Layout(pp=2, tp=tp))
     return manifest, manifest["tp"]["params"]
 
 
@@ -133,7 +133,7 @@ def test_check_and_inspect_show_the_plan_and_calibrate_points_at_tp_sizes(tmp_pa
     assert "tensor parallel (tp=2): 33 of 46 parameters sharded" in text
     assert "layers.*.attn.o_proj.weight  (x4)" in text and "Shard(1)" in text
     out = str(tmp_path / "out")
-    split_model(model_path("tp_llama"), out, num_ranks=2, num_microbatches=2, tp=2)
+    split_model(model_path("tp_llama"), out, num_microbatches=2, layout=Layout(pp=2, tp=2))
     assert main(["inspect", out]) == 0
     text = capsys.readouterr().out
     assert "collectives per microbatch forward" in text and "all_gather of float32[4, 16, 64]" in text
@@ -182,7 +182,7 @@ def _family_manifest(monkeypatch, family: str, microbatch_size: int):
 
     monkeypatch.setenv("TP_HF_FAMILY", family)
     path = os.path.join(ZOO, "tp_hf.py")
-    manifest = check_model(path, num_ranks=2, num_microbatches=4 // microbatch_size, tp=2)
+    manifest = check_model(path, num_microbatches=4 // microbatch_size, layout=Layout(pp=2, tp=2))
     spec = importlib.util.spec_from_file_location("tp_hf_sizes", path)
     module = importlib.util.module_from_spec(spec)
     monkeypatch.syspath_prepend(ZOO)
@@ -246,3 +246,32 @@ def test_views_follow_the_sharded_dim_at_every_batch_size():
     assert place([2, 8, 96], [2, 8, 12, 8], 2, (32, 32, 32)) == (2, (4, 4, 4))  # a fused projection into heads
     assert place([2, 8, 24], [2, 8, 3, 8], 2) is None  # 3 heads: rank pieces would cut a head in two
     assert place([16, 32], [2, 8, 32], 0, (8, 8)) == (1, None)  # tokens of 2 samples, each sharded, split back
+
+
+# ---- sequence parallelism
+
+def test_sequence_parallel_plan_scatters_rows_gathers_columns_and_sends_shards():
+    # tp_llama (batch 8, sequence 16) at pp2 x tp2: each row-wise output and the vocabulary lookup are
+    # reduce-scattered over the sequence, each column-parallel region begins with an all-gather of it, and the
+    # value crossing the pipeline boundary is the sequence shard: [4, 8, 32] per rank instead of [4, 16, 32]
+    manifest = check_model(model_path("tp_llama"), num_microbatches=2,
+                           layout=Layout(pp=2, tp=2, sequence_parallel=True))
+    assert manifest["plan"]["mesh"]["sequence_parallel"] is True
+    assert manifest["tp"]["sequence_parallel"] == {"sequence": "16", "sent": {"layers_1_out": 1}}
+    assert manifest["values"]["layers_1_out"]["shape"] == [4, 8, 32]
+    ops = [[c["op"] for c in stage["collectives"]] for stage in manifest["tp"]["stages"]]
+    # stage 0: the embedding and 2 layers x (o_proj, down_proj); stage 1: 2 layers
+    assert ops[0].count("reduce_scatter") == 1 + 2 * 2 and ops[1].count("reduce_scatter") == 2 * 2
+    # per layer: the attention and the MLP regions; stage 1 also the head's
+    assert ops[0].count("all_gather (sequence)") == 2 * 2 and ops[1].count("all_gather (sequence)") == 2 * 2 + 1
+    assert "all_reduce" not in ops[0] + ops[1]  # no forward all-reduce left
+    assert not any(stage["replicated"] for stage in manifest["tp"]["stages"])
+
+
+def test_sequence_parallel_refuses_what_it_cannot_split():
+    with pytest.raises(ValueError, match="--sequence-parallel splits the activations between tensor-parallel "
+                                         "regions over the tp ranks: use it with --tp T"):
+        check_model(model_path("tp_llama"), layout=Layout(pp=2, sequence_parallel=True))
+    with pytest.raises(ValueError, match=r"the traced sequence length 16 does not split into 3 equal shards; use a "
+                                         r"sequence length that 3 divides, or --tp in \[2, 4, 8, 16\]"):
+        check_model(model_path("tp_llama"), layout=Layout(pp=2, tp=3, sequence_parallel=True))

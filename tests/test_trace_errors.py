@@ -66,13 +66,15 @@ def test_python_scalar_input_must_keep_its_traced_value(tmp_path):
     import torch
 
     from tracepp.driver import split_model
+
+    from tracepp.runtime.mesh import Layout
     from tracepp.modelfile import load_model_file
     from tracepp.runtime.batching import MicrobatchSplitter
     from tracepp.runtime.loading import load_spec
     from tracepp.runtime.failure import PipelineError
 
     path = model_path("mask_kwargs")
-    manifest = split_model(path, str(tmp_path / "out"), num_ranks=2, schedule="gpipe", num_microbatches=2)
+    manifest = split_model(path, str(tmp_path / "out"), schedule="gpipe", num_microbatches=2, layout=Layout(pp=2))
     scale = next(r for r in manifest["root_inputs"] if r["path"] == "kwargs['scale']")
     assert scale["constant"] == 0.5 and scale["dtype"] is None
     module = load_model_file(path).module

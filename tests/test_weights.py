@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tracepp.driver import split_model
+from tracepp.runtime.mesh import Layout
 from tracepp.modelfile import load_model_file
 from tracepp.runtime import weights
 from tracepp.runtime.failure import PipelineError
@@ -57,7 +58,7 @@ def test_meta_trace_splits_like_real_trace(name, points):
 
 def test_split_writes_no_weights_and_meta_failure_falls_back(tmp_path):
     out = str(tmp_path / "out")
-    manifest = split_model(model_path("hf_llama"), out, num_ranks=2, num_microbatches=2)
+    manifest = split_model(model_path("hf_llama"), out, num_microbatches=2, layout=Layout(pp=2))
     assert not os.path.exists(os.path.join(out, "weights"))
     sizes = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(out) for f in fs)
     assert sizes < 2_000_000
@@ -72,7 +73,7 @@ def test_split_writes_no_weights_and_meta_failure_falls_back(tmp_path):
         "    return m\n"
         "def example_inputs():\n"
         "    return (torch.randn(4, 4),)\n")
-    manifest = split_model(str(reads_values), str(tmp_path / "out2"), num_ranks=2, num_microbatches=2)
+    manifest = split_model(str(reads_values), str(tmp_path / "out2"), num_microbatches=2, layout=Layout(pp=2))
     assert any("meta device" in note and "real weights" in note for note in manifest["notes"])
 
 
@@ -91,9 +92,9 @@ def _rank_states(out, init):
 
 def test_per_module_init_does_not_depend_on_the_split(tmp_path):
     path = model_path("tied_lm")
-    split_model(path, str(tmp_path / "a"), num_ranks=2, num_microbatches=2, split_points=["layers.1"])
-    split_model(path, str(tmp_path / "b"), num_ranks=4, schedule="gpipe", num_microbatches=2,
-                split_points=["layers.1", "layers.2", "layers.3"])
+    split_model(path, str(tmp_path / "a"), num_microbatches=2, split_points=["layers.1"], layout=Layout(pp=2))
+    split_model(path, str(tmp_path / "b"), schedule="gpipe", num_microbatches=2,
+                split_points=["layers.1", "layers.2", "layers.3"], layout=Layout(pp=4))
     first, second = _rank_states(str(tmp_path / "a"), "per-module"), _rank_states(str(tmp_path / "b"), "per-module")
     assert set(first) == set(second)
     for fqn in first:
@@ -151,7 +152,7 @@ def test_check_checkpoint_names_missing_and_wrong_shapes(tmp_path):
     from safetensors.torch import save_file
 
     out = str(tmp_path / "out")
-    manifest = split_model(model_path("tied_lm"), out, num_ranks=2, num_microbatches=2)
+    manifest = split_model(model_path("tied_lm"), out, num_microbatches=2, layout=Layout(pp=2))
     state = _checkpoint_state(model_path("tied_lm"))
     del state["head.weight"]  # the tied alias: loads from embed.weight
     ok = str(tmp_path / "ok.safetensors")
@@ -174,7 +175,7 @@ def test_train_from_checkpoint_equals_eager(tmp_path, layout):
 
     path = model_path("tied_lm")
     out = str(tmp_path / "out")
-    split_model(path, out, num_ranks=2, num_microbatches=2)
+    split_model(path, out, num_microbatches=2, layout=Layout(pp=2))
     state = _checkpoint_state(path)
     if layout == "safetensors":
         checkpoint = str(tmp_path / "init.safetensors")
@@ -193,7 +194,7 @@ def test_bad_checkpoint_stops_every_rank(tmp_path):
     from safetensors.torch import save_file
 
     out = str(tmp_path / "out")
-    split_model(model_path("tied_lm"), out, num_ranks=2, num_microbatches=2)
+    split_model(model_path("tied_lm"), out, num_microbatches=2, layout=Layout(pp=2))
     result = torchrun(out, 2, "--load", str(tmp_path / "nowhere.safetensors"), timeout=90)
     assert result.returncode != 0
     for rank in (0, 1):

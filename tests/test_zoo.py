@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tracepp.driver import split_model
+from tracepp.runtime.mesh import Layout
 from util import HERE, REPO, assert_state_close, assert_trained, eager_train, run_ok, torchrun
 
 pytest.importorskip("transformers")
@@ -44,7 +45,7 @@ def _train_and_compare(tmp_path, path: str, out: str) -> None:
 @pytest.mark.parametrize("name", HF_MODELS)
 def test_zoo_matches_eager(tmp_path, name):
     path, out = zoo_path(name), str(tmp_path / "out")
-    manifest = split_model(path, out, num_ranks=2, schedule="1f1b", num_microbatches=2)
+    manifest = split_model(path, out, schedule="1f1b", num_microbatches=2, layout=Layout(pp=2))
     assert len(manifest["stages"]) == 2 and all(stage["num_params"] > 0 for stage in manifest["stages"])
     _train_and_compare(tmp_path, path, out)
 
@@ -53,7 +54,7 @@ def test_zoo_matches_eager(tmp_path, name):
 def test_zoo_automatic_split_matches_eager(tmp_path, name):
     """No split points at all (--split-points auto): cuts between the repeated blocks by the cost model."""
     path, out = zoo_path(name), str(tmp_path / "out")
-    manifest = split_model(path, out, num_ranks=2, schedule="1f1b", num_microbatches=2, split_points="auto")
+    manifest = split_model(path, out, schedule="1f1b", num_microbatches=2, split_points="auto", layout=Layout(pp=2))
     assert len(manifest["stages"]) == 2 and all(stage["num_params"] > 0 for stage in manifest["stages"])
     _train_and_compare(tmp_path, path, out)
 
@@ -63,13 +64,13 @@ def test_zoo_automatic_split_matches_eager(tmp_path, name):
 def test_zoo_schedule_grid(tmp_path, name, schedule):
     path, out = zoo_path(name), str(tmp_path / "out")
     points = FOUR_STAGES[name] if schedule != "gpipe" else None
-    split_model(path, out, num_ranks=2, schedule=schedule, num_microbatches=4, split_points=points)
+    split_model(path, out, schedule=schedule, num_microbatches=4, split_points=points, layout=Layout(pp=2))
     _train_and_compare(tmp_path, path, out)
 
 
 def test_lazy_library_output_class_is_imported_before_the_spec_is_read(tmp_path):
     """`import transformers as tf`: nothing imports transformers.modeling_outputs on the ranks but the runtime."""
-    manifest = split_model(zoo_path("gpt2_tf"), str(tmp_path / "out"), num_ranks=2, num_microbatches=2)
+    manifest = split_model(zoo_path("gpt2_tf"), str(tmp_path / "out"), num_microbatches=2, layout=Layout(pp=2))
     assert "transformers.modeling_outputs:CausalLMOutputWithCrossAttentions" in manifest["spec_types"]
     assert ZOO in manifest["import_paths"]
 
@@ -88,7 +89,7 @@ def test_package_beside_model_file_missing_on_node_then_bundled(tmp_path):
     source = str(tmp_path / "src")
     model = _copy_sources(source)
     out = str(tmp_path / "out")
-    split_model(model, out, num_ranks=2, num_microbatches=2)
+    split_model(model, out, num_microbatches=2, layout=Layout(pp=2))
     os.rename(source, str(tmp_path / "moved"))  # the folder was copied to a node without the source tree
     result = torchrun(out, 2, "--steps", "1", timeout=120)
     assert result.returncode != 0

@@ -25,11 +25,9 @@ def _split(args) -> int:
         return _check(args)
     _check_layout(args)
     points = _split_points(args.split_points)
-    manifest = split_model(args.model, args.out, num_ranks=args.ranks, num_stages=args.stages,
-                           schedule=args.schedule, num_microbatches=args.microbatches, split_points=points,
-                           dynamic_shapes=parse_flags(args.dynamic) if args.dynamic else None,
-                           dp=args.dp, dp_mode=args.dp_mode, dp_shard=args.dp_shard, dp_order=args.dp_order,
-                           tp=args.tp)
+    manifest = split_model(args.model, args.out, num_stages=args.stages, schedule=args.schedule,
+                           num_microbatches=args.microbatches, split_points=points,
+                           dynamic_shapes=parse_flags(args.dynamic) if args.dynamic else None, layout=_layout(args))
     from tracepp.modelfile import bundle_packages
     from tracepp.runtime.mesh import describe
     from tracepp.report.stages import stage_table
@@ -71,9 +69,9 @@ def _check(args) -> int:
 
     _check_layout(args)
     points = _split_points(args.split_points)
-    manifest = check_model(args.model, num_ranks=args.ranks, num_stages=args.stages, schedule=args.schedule,
+    manifest = check_model(args.model, num_stages=args.stages, schedule=args.schedule,
                            num_microbatches=args.microbatches, split_points=points,
-                           dynamic_shapes=parse_flags(args.dynamic) if args.dynamic else None, tp=args.tp)
+                           dynamic_shapes=parse_flags(args.dynamic) if args.dynamic else None, layout=_layout(args))
     _print_notes(manifest)
     print(stage_table(manifest))
     table = tensor_parallel_table(manifest)
@@ -97,12 +95,8 @@ def _check_layout(args) -> None:
     from tracepp.codegen.schedules import (SCHEDULES, check_full_backward, check_stages_divide, is_csv,
                                            placement)
 
-    if args.tp < 1:
-        raise ValueError(f"--tp {args.tp}: need at least 1 tensor-parallel rank per stage")
-    if args.tp > 1 and getattr(args, "dp_order", "pp-inner") != "pp-inner":
-        raise ValueError(f"--tp {args.tp} keeps each stage's tp ranks consecutive (one node), inside pp and dp: "
-                         f"use --dp-order pp-inner with --tp")
-    if getattr(args, "dp", 1) > 1 and args.schedule in SCHEDULES:
+    _layout(args).check()
+    if args.dp > 1 and args.schedule in SCHEDULES:
         check_full_backward(args.schedule, args.dp_mode)
     if args.stages is None:
         return
@@ -237,6 +231,28 @@ def _add_split_options(parser) -> None:
                         help="tensor-parallel ranks per stage: shard each stage's matmuls over T processes, "
                              "planned from the traced graph (see docs/tensor-parallel.md); the job runs "
                              "ranks x dp x tp processes (default 1)")
+    parser.add_argument("--sequence-parallel", action="store_true",
+                        help="with --tp: split the activations between tensor-parallel regions over the sequence "
+                             "dim (norms, residual adds and dropout on the shards; all-gather into each column-"
+                             "parallel region, reduce-scatter out of each row-parallel one), as Megatron-Core does: "
+                             "each tp rank keeps and sends 1/tp of them")
+    parser.add_argument("--dp", type=int, default=1,
+                        help="data-parallel replicas of the pipeline: the job runs ranks x dp processes (default 1)")
+    parser.add_argument("--dp-mode", default="fsdp", choices=["fsdp", "ddp", "hsdp"],
+                        help="fully_shard each stage over dp (default), replicate it (DDP), or HSDP with --dp-shard")
+    parser.add_argument("--dp-shard", type=int, default=None, metavar="K",
+                        help="hsdp: shard over K ranks, replicate over dp / K")
+    parser.add_argument("--dp-order", default="pp-inner", choices=["pp-inner", "dp-inner"],
+                        help="pp-inner (default): consecutive global ranks form one pipeline; dp-inner: "
+                             "consecutive ranks are replicas of one pipeline rank")
+
+
+def _layout(args):
+    """The one value of the parallel layout the split options describe."""
+    from tracepp.runtime.mesh import Layout
+
+    return Layout(pp=args.ranks, dp=args.dp, dp_mode=args.dp_mode, dp_shard=args.dp_shard, dp_order=args.dp_order,
+                  tp=args.tp, sequence_parallel=args.sequence_parallel)
 
 
 def _split_points(text):
@@ -261,15 +277,6 @@ def build_parser() -> argparse.ArgumentParser:
                             "so it runs where the model's source tree is absent (repeatable)")
     for command in (split, check):
         _add_split_options(command)
-    split.add_argument("--dp", type=int, default=1,
-                       help="data-parallel replicas of the pipeline: the job runs ranks x dp processes (default 1)")
-    split.add_argument("--dp-mode", default="fsdp", choices=["fsdp", "ddp", "hsdp"],
-                       help="fully_shard each stage over dp (default), replicate it (DDP), or HSDP with --dp-shard")
-    split.add_argument("--dp-shard", type=int, default=None, metavar="K",
-                       help="hsdp: shard over K ranks, replicate over dp / K")
-    split.add_argument("--dp-order", default="pp-inner", choices=["pp-inner", "dp-inner"],
-                       help="pp-inner (default): consecutive global ranks form one pipeline; dp-inner: "
-                            "consecutive ranks are replicas of one pipeline rank")
     split.set_defaults(run=_split)
     check.set_defaults(run=_check)
     inspect = sub.add_parser("inspect", help="print the stage table and the plan of an output folder")

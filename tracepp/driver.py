@@ -13,48 +13,48 @@ from tracepp.codegen.plan import build_plan, topology_of
 from tracepp.codegen.schedules import check_full_backward, stages_per_rank
 from tracepp.modelfile import load_model_file
 from tracepp.resplit import split_options
+from tracepp.runtime.mesh import Layout
 from tracepp.split import tensor_parallel
 from tracepp.split.partition import split
 from tracepp.trace import trace
 
 
-def _plan(model_path: str, num_ranks: int, num_stages: Optional[int], schedule: str, num_microbatches: int,
-          split_points: Optional[list], dynamic_shapes, dp: int = 1, dp_mode: str = "fsdp",
-          dp_shard: Optional[int] = None, dp_order: str = "pp-inner", tp: int = 1):
+def _plan(model_path: str, layout: Layout, num_stages: Optional[int], schedule: str, num_microbatches: int,
+          split_points: Optional[list], dynamic_shapes):
     """Steps 1-3, shared by ``split`` and ``check``: (model file, traced program, stage graphs, plan)."""
+    layout.check()
     model_file = load_model_file(model_path)                                          # the user's contract
-    if dp > 1:  # each replica runs the pipeline on its slice: trace a microbatch of the replica's batch
-        traced = _trace_replica(model_file, num_microbatches, dynamic_shapes, dp, dp_mode, dp_shard)
+    if layout.dp > 1:  # each replica runs the pipeline on its slice: trace a microbatch of the replica's batch
+        traced = _trace_replica(model_file, num_microbatches, dynamic_shapes, layout)
     else:
         traced = trace(model_file, num_microbatches, dynamic_shapes, on_meta="auto")  # 1. torch.export (meta if big)
     points = None if split_points == "auto" else (split_points or model_file.split_points)
     graph = split(traced, points, num_stages,                                         # 2. stage graphs
-                  default_stages=num_ranks * stages_per_rank(schedule), schedule=schedule,
+                  default_stages=layout.pp * stages_per_rank(schedule), schedule=schedule,
                   num_microbatches=num_microbatches, training=model_file.training)
-    if tp > 1:                                                                        # 2b. tensor parallel
-        tp_plan, walks = tensor_parallel.plan(graph, tp, model_file.tp_plan)
+    if layout.tp > 1:                                                                 # 2b. tensor parallel
+        tp_plan, walks = tensor_parallel.plan(graph, layout.tp, model_file.tp_plan, layout.sequence_parallel)
         tensor_parallel.apply(graph, tp_plan, walks)
         graph.tensor_parallel = tp_plan.to_json()
-    the_plan = build_plan(schedule, num_ranks, graph.num_stages, num_microbatches,    # 3. schedule
+    the_plan = build_plan(schedule, layout.pp, graph.num_stages, num_microbatches,    # 3. schedule
                           topology_of(graph), model_file.training).to_json()
-    if dp > 1 or tp > 1:
-        if dp > 1:
-            check_full_backward(schedule, dp_mode, the_plan["actions"])
-        the_plan["mesh"] = {"dp": dp, "pp": num_ranks, "mode": dp_mode, "shard": dp_shard, "order": dp_order}
-        if tp > 1:
-            the_plan["mesh"]["tp"] = tp
+    if layout.dp > 1:
+        check_full_backward(schedule, layout.dp_mode, the_plan["actions"])
+    if layout.world_size > layout.pp:
+        the_plan["mesh"] = layout.to_json()
     return model_file, traced, graph, the_plan
 
 
-def split_model(model_path: str, out_dir: str, num_ranks: int = 2, num_stages: Optional[int] = None,
-                schedule: str = "1f1b", num_microbatches: int = 4, split_points: Optional[list] = None,
-                dynamic_shapes=None, dp: int = 1, dp_mode: str = "fsdp", dp_shard: Optional[int] = None,
-                dp_order: str = "pp-inner", tp: int = 1) -> dict:
-    model_file, traced, graph, the_plan = _plan(model_path, num_ranks, num_stages, schedule, num_microbatches,
-                                                split_points, dynamic_shapes, dp, dp_mode, dp_shard, dp_order, tp)
-    options = split_options(model_path, num_ranks, num_stages, schedule, num_microbatches, split_points,
-                            dynamic_shapes, dp, dp_mode, dp_shard, dp_order, graph, tp)
-    manifest = emit(out_dir, model_file, traced, graph, the_plan, launch_command(num_ranks * dp * tp),  # 4. output
+def split_model(model_path: str, out_dir: str, num_stages: Optional[int] = None, schedule: str = "1f1b",
+                num_microbatches: int = 4, split_points: Optional[list] = None, dynamic_shapes=None,
+                layout: Layout = Layout(pp=2)) -> dict:
+    """``tracepp split``: the folder ``out_dir`` for ``layout`` (pipeline ranks, data, tensor and expert
+    parallelism: one value); returns its manifest."""
+    model_file, traced, graph, the_plan = _plan(model_path, layout, num_stages, schedule, num_microbatches,
+                                                split_points, dynamic_shapes)
+    options = split_options(model_path, layout, num_stages, schedule, num_microbatches, split_points,
+                            dynamic_shapes, graph)
+    manifest = emit(out_dir, model_file, traced, graph, the_plan, launch_command(layout.world_size),  # 4. output
                     options)
     return manifest
 
@@ -66,31 +66,30 @@ def launch_command(world_size: int, folder: Optional[str] = None) -> str:
     return f"torchrun --nproc-per-node {world_size} {script}"
 
 
-def check_model(model_path: str, num_ranks: int = 2, num_stages: Optional[int] = None, schedule: str = "1f1b",
+def check_model(model_path: str, num_stages: Optional[int] = None, schedule: str = "1f1b",
                 num_microbatches: int = 4, split_points: Optional[list] = None, dynamic_shapes=None,
-                tp: int = 1) -> dict:
+                layout: Layout = Layout(pp=2)) -> dict:
     """``tracepp check``: trace, split and plan as :func:`split_model` does, and return the manifest unwritten."""
-    model_file, traced, graph, the_plan = _plan(model_path, num_ranks, num_stages, schedule, num_microbatches,
-                                                split_points, dynamic_shapes, tp=tp)
-    return build_manifest(model_file, traced, graph, the_plan, launch_command(num_ranks * tp))
+    model_file, traced, graph, the_plan = _plan(model_path, layout, num_stages, schedule, num_microbatches,
+                                                split_points, dynamic_shapes)
+    return build_manifest(model_file, traced, graph, the_plan, launch_command(layout.world_size))
 
 
-def _trace_replica(model_file, num_microbatches: int, dynamic_shapes, dp: int, dp_mode: str, dp_shard):
+def _trace_replica(model_file, num_microbatches: int, dynamic_shapes, layout: Layout):
     """Trace with the microbatch a replica runs (global batch / dp / microbatches); the manifest's batch size
     is then the replica's."""
     import dataclasses
 
     import torch.utils._pytree as pytree
 
-    from tracepp.runtime.mesh import check_layout
     from tracepp.trace import batch_size_of
 
     leaves, _spec = pytree.tree_flatten((tuple(model_file.example_inputs()), dict(model_file.example_kwargs())))
     global_batch = batch_size_of(leaves, f"{model_file.path}: example_inputs()")
-    check_layout(dp, dp_mode, dp_shard, global_batch)
-    per_replica = global_batch // dp
+    layout.check_batch(global_batch)
+    per_replica = global_batch // layout.dp
     if num_microbatches > per_replica:
         raise ValueError(f"--microbatches {num_microbatches} does not fit a replica's {per_replica} samples "
-                         f"(global batch {global_batch} / --dp {dp}): choose 1..{per_replica}")
-    traced = trace(model_file, num_microbatches * dp, dynamic_shapes, on_meta="auto")
+                         f"(global batch {global_batch} / --dp {layout.dp}): choose 1..{per_replica}")
+    traced = trace(model_file, num_microbatches * layout.dp, dynamic_shapes, on_meta="auto")
     return dataclasses.replace(traced, num_microbatches=num_microbatches, batch_size=per_replica)

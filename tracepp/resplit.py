@@ -8,8 +8,8 @@ import os
 from tracepp.dynamic import DynamicFlags
 
 
-def split_options(model_path: str, num_ranks: int, num_stages, schedule: str, num_microbatches: int, split_points,
-                  dynamic_shapes, dp: int, dp_mode: str, dp_shard, dp_order: str, graph=None, tp: int = 1) -> dict:
+def split_options(model_path: str, layout, num_stages, schedule: str, num_microbatches: int, split_points,
+                  dynamic_shapes, graph=None) -> dict:
     """What ``split_model`` was called with, as JSON (the manifest's ``split_options``): enough to split again
     with some choices changed (:func:`resplit`). ``stage_begins``: the module each stage after the first begins
     at, where the segment table names it."""
@@ -26,23 +26,35 @@ def split_options(model_path: str, num_ranks: int, num_stages, schedule: str, nu
         begins = [firsts.get(stage) for stage in range(1, graph.num_stages)]
         if any(b is None for b in begins):
             begins = None
-    return {"model": os.path.abspath(model_path), "num_ranks": num_ranks, "num_stages": num_stages,
+    return {"model": os.path.abspath(model_path), "layout": dataclasses.asdict(layout), "num_stages": num_stages,
             "schedule": str(schedule), "num_microbatches": num_microbatches,
             "split_points": split_points if split_points is None or isinstance(split_points, str) else list(split_points),
-            "dynamic": dynamic, "dp": dp, "dp_mode": dp_mode, "dp_shard": dp_shard, "dp_order": dp_order,
-            "tp": tp, "stage_begins": begins}
+            "dynamic": dynamic, "stage_begins": begins}
+
+
+def recorded_layout(options: dict):
+    """The :class:`~tracepp.runtime.mesh.Layout` a manifest's ``split_options`` record (older manifests wrote
+    its fields one by one)."""
+    from tracepp.runtime.mesh import Layout
+
+    if "layout" in options:
+        return Layout(**options["layout"])
+    return Layout(pp=options["num_ranks"], dp=options.get("dp", 1), dp_mode=options.get("dp_mode", "fsdp"),
+                  dp_shard=options.get("dp_shard"), dp_order=options.get("dp_order", "pp-inner"),
+                  tp=options.get("tp", 1))
 
 
 def resplit(manifest: dict, out_dir: str, **changes) -> dict:
     """Split again as the manifest's ``split_options`` record, with ``changes`` (e.g. ``schedule``,
-    ``num_stages``, ``num_microbatches``, ``split_points``) into ``out_dir``; the model file is the recorded
-    path, else the folder's own copy ``model_file.py``."""
+    ``num_stages``, ``num_microbatches``, ``split_points``, and ``layout`` changes as a dict, e.g. ``{"tp": 2}``)
+    into ``out_dir``; the model file is the recorded path, else the folder's own copy ``model_file.py``."""
     from tracepp.driver import split_model  # the driver imports split_options from here
 
     options = dict(manifest.get("split_options") or {})
     if not options:
         raise ValueError("this folder's manifest does not record how it was split (made by an older tracepp): run "
                          "`tracepp split` again with the chosen options")
+    layout = recorded_layout(options).replace(**changes.pop("layout", {}))
     options.update(changes)
     model_path = options["model"]
     if not os.path.isfile(model_path):
@@ -52,11 +64,9 @@ def resplit(manifest: dict, out_dir: str, **changes) -> dict:
         raise ValueError("this folder was split with dynamic_shapes passed from Python, which the manifest cannot "
                          "record: split again yourself with the chosen options")
     flags = DynamicFlags(**{**dynamic["flags"], "dims": [tuple(d) for d in dynamic["flags"]["dims"]]}) if dynamic else None
-    return split_model(model_path, out_dir, num_ranks=options["num_ranks"], num_stages=options["num_stages"],
-                       schedule=options["schedule"], num_microbatches=options["num_microbatches"],
-                       split_points=options["split_points"], dynamic_shapes=flags, dp=options["dp"],
-                       dp_mode=options["dp_mode"], dp_shard=options["dp_shard"], dp_order=options["dp_order"],
-                       tp=options.get("tp", 1))
+    return split_model(model_path, out_dir, num_stages=options["num_stages"], schedule=options["schedule"],
+                       num_microbatches=options["num_microbatches"], split_points=options["split_points"],
+                       dynamic_shapes=flags, layout=layout)
 
 
 def apply_tuned(manifest: dict, out_dir: str, best) -> dict:
@@ -68,6 +78,7 @@ def apply_tuned(manifest: dict, out_dir: str, best) -> dict:
     if own is not None and tuple(own) == best.split:  # the same cuts: as the folder was split (markers included)
         recorded = (manifest.get("split_options") or {}).get("split_points")
         return resplit(manifest, out_dir, schedule=best.schedule, num_stages=best.num_stages,
-                       num_microbatches=best.num_microbatches, split_points=recorded, tp=best.tp)
+                       num_microbatches=best.num_microbatches, split_points=recorded, layout={"tp": best.tp})
     return resplit(manifest, out_dir, schedule=best.schedule, num_stages=best.num_stages,
-                   num_microbatches=best.num_microbatches, split_points=list(best.split_points), tp=best.tp)
+                   num_microbatches=best.num_microbatches, split_points=list(best.split_points),
+                   layout={"tp": best.tp})

@@ -37,6 +37,7 @@ def main(argv=None) -> int:
     if not systems or any(name not in ("tracepp", "torch") for name in systems):
         parser.error(f"--systems {args.systems}: expected tracepp, torch or tracepp,torch")
     from tracepp.driver import split_model
+    from tracepp.runtime.mesh import Layout
 
     settings = Settings(rounds=args.rounds, warmup=args.warmup, measured=args.steps, timeout=300.0)
     started = datetime.datetime.now()
@@ -46,9 +47,9 @@ def main(argv=None) -> int:
             case_dir = os.path.join(work, case.key)
             model_path = write_model_file(os.path.join(case_dir, "model.py"), case.config, case.stages)
             out_dir = os.path.join(case_dir, "tracepp_out")
-            split_model(model_path, out_dir, num_ranks=case.run_ranks, num_stages=case.stages,
+            split_model(model_path, out_dir, num_stages=case.stages,
                         schedule=case.schedule, num_microbatches=case.microbatches,
-                        split_points=case.config.split_points(case.stages))
+                        split_points=case.config.split_points(case.stages), layout=Layout(pp=case.run_ranks))
             kinds = [(system, mode) for system in systems for mode in MODES]
             times = {kind: [] for kind in kinds}
             for round_index in range(args.rounds):

@@ -22,10 +22,11 @@ def model_files() -> list:
 
 def digests(path: str, schedule: str, ranks: int, stages) -> list:
     from tracepp.driver import split_model
+    from tracepp.runtime.mesh import Layout
 
     with tempfile.TemporaryDirectory() as out:
         try:
-            split_model(path, out, num_ranks=ranks, num_stages=stages, schedule=schedule, num_microbatches=2)
+            split_model(path, out, num_stages=stages, schedule=schedule, num_microbatches=2, layout=Layout(pp=ranks))
         except Exception as error:  # a model that does not split this way: its error is part of the record
             return [f"error {type(error).__name__}: {str(error).splitlines()[0][:120] if str(error) else ''}"]
         names = sorted(n for n in os.listdir(out) if n.startswith("rank") or n == "run.py")

@@ -15,6 +15,10 @@ VOCAB, D, HEADS, KV_HEADS, HIDDEN, LAYERS, BATCH, SEQ = 64, 32, 4, 2, 64, 4, 8, 
 if os.environ.get("TP_LLAMA_SIZE") == "bench":
     VOCAB, D, HEADS, KV_HEADS, HIDDEN, LAYERS, BATCH, SEQ = 8192, 512, 8, 4, 1536, 4, 8, 64
 HEAD_DIM = D // HEADS
+# TP_LLAMA_SEQ=dynamic: the sequence length changes per step (a dynamic dim), 7 at step 3 (odd: a tp 2
+# sequence-parallel split cannot shard it)
+DYNAMIC = os.environ.get("TP_LLAMA_SEQ") == "dynamic"
+SEQS = [16, 8, 12, 7]
 
 
 class RMSNorm(nn.Module):
@@ -106,7 +110,14 @@ def model():
 
 def _data(step):
     g = torch.Generator().manual_seed(200 + step)
-    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=g), torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    seq = SEQS[step % len(SEQS)] if DYNAMIC else SEQ
+    return torch.randint(0, VOCAB, (BATCH, seq), generator=g), torch.randint(0, VOCAB, (BATCH, seq), generator=g)
+
+
+if DYNAMIC:
+    from torch.export import Dim
+
+    dynamic_shapes = {"idx": {1: Dim("seq", min=2, max=64)}}
 
 
 def example_inputs():

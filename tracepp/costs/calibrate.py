@@ -49,6 +49,7 @@ from typing import Optional
 
 from tracepp.costs.model import (Calibration, folder_record, interquartile_fraction, median_costs, predict_folder,
                                  relative_range, runtime_factors, traced_microbatch, write_calibration)
+from tracepp.runtime.mesh import mesh_layout
 
 # The plain-autograd stage timing (branch perf): ``measure_stage_costs(folder, ...) -> {"0F": s, ...}``. Used when
 # no --costs file is given; the name is looked up at call time, so the module may arrive later.
@@ -288,12 +289,12 @@ def calibrate(out_dir: str, costs_paths: Optional[list] = None, comm_path: Optio
 
     manifest = load_manifest(out_dir)
     plan = manifest["plan"]
-    mesh = plan.get("mesh") or {}
-    if int(mesh.get("tp", 1)) > 1:
-        raise ValueError(f"{out_dir} was split with --tp {mesh['tp']}: calibrate the same split without --tp, then "
-                         f"price tensor parallelism with `tracepp plan OUT --tune --tp-sizes 1,{mesh['tp']}` "
+    layout = mesh_layout(plan)
+    if layout.tp > 1:
+        raise ValueError(f"{out_dir} was split with --tp {layout.tp}: calibrate the same split without --tp, then "
+                         f"price tensor parallelism with `tracepp plan OUT --tune --tp-sizes 1,{layout.tp}` "
                          f"(docs/tensor-parallel.md)")
-    nproc = nproc or plan["num_ranks"] * int(mesh.get("dp", 1))
+    nproc = nproc or layout.pp * layout.dp
     calibration = Calibration(folder=folder_record(manifest))
     # 1. comm
     if comm_path:

@@ -29,6 +29,7 @@ from typing import Optional
 
 from tracepp.costs.model import (Calibration, message_bytes, predict_plan, same_model, segment_lines, split_costs,
                                  split_optimizer, stage_of_segments, traced_microbatch)
+from tracepp.runtime.mesh import mesh_layout
 
 MAX_MICROBATCHES = 128
 STAGES_PER_RANK_MULTIPLE = (2, 3, 4)  # for schedules that take any multiple of the ranks
@@ -274,15 +275,15 @@ def tune(manifest: dict, calibration: Calibration, memory_limit: Optional[int] =
                          "top-level modules), so its stage times cannot be shared out to other splits: calibrate "
                          "a folder split at module FQNs")
     plan = manifest["plan"]
-    num_ranks = plan["num_ranks"]
+    layout = mesh_layout(plan)
+    num_ranks = layout.pp
     training = manifest["training"]
-    mesh = plan.get("mesh") or {}
     batch = manifest["batch_size"]
     counts = microbatch_counts or _divisors(batch, MAX_MICROBATCHES)
     names = schedules or list(SCHEDULE_TABLE)
-    if mesh.get("dp", 1) > 1:
+    if layout.dp > 1:
         names = [n for n in names if not SCHEDULE_TABLE[n].split_backward]
-    if mesh.get("tp", 1) > 1:
+    if layout.tp > 1:
         raise ValueError("this folder was split with --tp: calibrate and tune its tp=1 split (`tracepp split` "
                          "without --tp), and price tp with --tp-sizes")
     segments = manifest["segments"]
