@@ -3,6 +3,7 @@
     python -m benchmarks.tensor_parallel exact  [--out benchmarks/results]   # dp=2 x pp=2 x tp=2: 8 processes
     python -m benchmarks.tensor_parallel memory [--out benchmarks/results]   # tp=1 vs tp=2, pp=2, per rank
     python -m benchmarks.tensor_parallel collectives [--out ...]            # the tuner's collective price vs gloo
+    python -m benchmarks.tensor_parallel sequence [--out ...]               # activations and boundaries: tp1, tp2, tp2+SP
 
 ``exact`` splits ``tests/models/tp_llama.py`` (grouped-query attention, tied embedding and head) with
 ``--ranks 2 --dp 2 --tp 2`` (FSDP2 over dp, DTensor shards over tp), trains 3 steps with the model file's AdamW
@@ -19,6 +20,17 @@ for the rest. The ratio tp2/tp1 of the sharded layers is the issue's "about half
 (``tracepp.costs.search.collective_s``: ring steps priced from the 2-rank all-reduce and all-gather that
 ``tracepp calibrate`` fits) against gloo's own all-reduce and all-gather of the same sizes on 2 and 4 ranks
 (``benchmarks/tp_collectives_worker.py``; 4 ranks share this machine's cores when it has fewer).
+
+``sequence`` measures sequence parallelism on the ``memory`` model (``TP_LLAMA_SIZE=bench``, pp=2, 1F1B, 2
+microbatches of 4 samples x 64 tokens) at tp=1, tp=2 and tp=2 with ``--sequence-parallel``: (a) every rank's
+bytes of activations kept for backward over one training step (``benchmarks/tp_activation_worker.py``:
+``saved_tensors_hooks`` around ``Pipeline.step``, the storage behind each saved tensor counted once, parameters
+left out), split by the last dim of the saved tensor into values between the tensor-parallel regions (hidden
+width or 1), inside them, the vocabulary-wide ones and integers; (b) the pipeline boundary bytes per rank per
+microbatch, from each manifest's ``values`` (shapes, dtypes; forward, and backward for values that carry a
+gradient), with the collectives per stage from ``manifest["tp"]["stages"]``; (c) the tuner's activation figure
+for the same three layouts (``manifest["segments"][k]["tp"]``, per stage) beside the measurement. Byte counts
+are deterministic: one run, no medians, no times (4 processes on 2 cores).
 """
 from __future__ import annotations
 
@@ -124,14 +136,122 @@ def collectives(root: str) -> dict:
     return out
 
 
+DTYPE_BYTES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "bool": 1}
+LAYOUTS = (("tp1", []), ("tp2", ["--tp", "2"]), ("tp2_sp", ["--tp", "2", "--sequence-parallel"]))
+
+
+def _boundary(manifest: dict) -> dict:
+    """Per rank per microbatch: the bytes each pipeline rank sends its counterpart (forward values and, for those
+    that carry one, their gradients back), each value's local shape, and the collectives each stage adds."""
+    values = {}
+    forward = backward = 0
+    for name, value in manifest["values"].items():
+        count = 1
+        for dim in value["shape"]:
+            count *= int(dim)
+        size = count * DTYPE_BYTES[value["dtype"]] * len(value["consumers"])
+        forward += size
+        backward += size if value.get("requires_grad") else 0
+        values[name] = {"shape": value["shape"], "dtype": value["dtype"], "bytes": size,
+                        "requires_grad": bool(value.get("requires_grad"))}
+    collectives = []
+    for stage in (manifest.get("tp") or {}).get("stages", []):
+        ops: dict = {}
+        for entry in stage["collectives"]:
+            count = 1
+            for dim in entry["shape"]:
+                count *= int(dim)
+            n, total = ops.get(entry["op"], (0, 0))
+            ops[entry["op"]] = (n + 1, total + count * DTYPE_BYTES[entry["dtype"]])
+        collectives.append({op: {"count": n, "whole_bytes": b} for op, (n, b) in sorted(ops.items())})
+    sp = (manifest.get("tp") or {}).get("sequence_parallel")
+    return {"forward_bytes": forward, "backward_bytes": backward, "values": values,
+            "sent_as_sequence_shards": sp["sent"] if sp else {}, "collectives_per_stage_whole_bytes": collectives}
+
+
+def _predicted(manifest: dict) -> dict:
+    """The tuner's activation figure per stage of the tp=1 folder's split, per microbatch, at tp 1, 2 and 2 with
+    sequence parallelism (``manifest["segments"][k]["tp"]``), where the split recorded it."""
+    out = {}
+    for key, tp, sp in (("tp1", 1, False), ("tp2", 2, False), ("tp2_sp", 2, True)):
+        per_stage: dict = {}
+        for seg in manifest["segments"]:
+            fig = (seg.get("tp") or {}).get(str(tp), {}) if tp > 1 else {}
+            if sp:
+                fig = fig.get("sequence_parallel") or {}
+            kept = seg["activation_bytes"] - (fig.get("sharded_activation_bytes", 0)
+                                              + fig.get("sequence_activation_bytes", 0)) * (1 - 1 / tp)
+            per_stage[seg["stage"]] = per_stage.get(seg["stage"], 0) + kept
+        out[key] = {str(stage): int(v) for stage, v in sorted(per_stage.items())}
+    return out
+
+
+def sequence(root: str) -> dict:
+    sys.path.insert(0, os.path.join(REPO, "tests", "models"))
+    env = _env(TP_LLAMA_SIZE="bench")
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("tp_llama_bench", MODEL)
+    previous = os.environ.get("TP_LLAMA_SIZE")
+    os.environ["TP_LLAMA_SIZE"] = "bench"
+    try:
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        if previous is None:
+            os.environ.pop("TP_LLAMA_SIZE")
+        else:
+            os.environ["TP_LLAMA_SIZE"] = previous
+    runs, boundaries = {}, {}
+    for key, options in LAYOUTS:
+        out = os.path.join(root, key)
+        _split(out, env, "--schedule", "1f1b", "--microbatches", "2", *options)
+        tp = 2 if options else 1
+        result = os.path.join(root, f"saved_{key}.json")
+        _torchrun(2 * tp, "-m", "benchmarks.tp_activation_worker", out, "--hidden", str(module.D), "--vocab",
+                  str(module.VOCAB), "--json", result, env=env)
+        with open(result) as handle:
+            runs[key] = json.load(handle)
+        with open(os.path.join(out, "manifest.json")) as handle:
+            manifest = json.load(handle)
+        boundaries[key] = _boundary(manifest)
+        if key == "tp1":
+            predicted = _predicted(manifest)
+    summary = {}
+    for key in runs:
+        per_pp = {}
+        for rank in runs[key]:
+            per_pp.setdefault(str(rank["pp_rank"]), []).append(rank)
+        summary[key] = {pp: {"saved_bytes": max(r["saved_bytes"] for r in ranks),
+                             "by_class": {kind: max(r["by_class"].get(kind, 0) for r in ranks)
+                                          for kind in ("between", "inside", "vocabulary", "integer")}}
+                        for pp, ranks in sorted(per_pp.items())}
+    for key in runs:
+        for pp, entry in summary[key].items():
+            one = summary["tp1"][pp]
+            entry["ratio_to_tp1"] = round(entry["saved_bytes"] / one["saved_bytes"], 4)
+            entry["class_ratio_to_tp1"] = {kind: round(v / one["by_class"][kind], 4) if one["by_class"][kind] else None
+                                           for kind, v in entry["by_class"].items()}
+        boundaries[key]["ratio_to_tp1"] = round(boundaries[key]["forward_bytes"] / boundaries["tp1"]["forward_bytes"], 4)
+    return {"model": "tests/models/tp_llama.py with TP_LLAMA_SIZE=bench", "pp": 2, "schedule": "1f1b",
+            "num_microbatches": 2, "microbatch": [module.BATCH // 2, module.SEQ], "hidden": module.D,
+            "vocab": module.VOCAB, "layers": module.LAYERS,
+            "classification": "by the last dim of the first saved tensor on each storage: hidden width or 1 = "
+                              "between the tensor-parallel regions; vocabulary or vocabulary/tp = vocabulary; "
+                              "other floating = inside the regions; integer = ids and targets",
+            "saved_per_pp_rank_max_over_tp": summary, "boundary_per_rank_per_microbatch": boundaries,
+            "tuner_activation_figure_per_stage": predicted, "per_rank": runs}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.tensor_parallel", description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=["exact", "memory", "collectives"])
+    parser.add_argument("what", choices=["exact", "memory", "collectives", "sequence"])
     parser.add_argument("--out", default=os.path.join("benchmarks", "results"))
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as root:
         record = {"what": args.what, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-                  **{"exact": exact, "memory": memory, "collectives": collectives}[args.what](root)}
+                  **{"exact": exact, "memory": memory, "collectives": collectives,
+                     "sequence": sequence}[args.what](root)}
     print(json.dumps({k: v for k, v in record.items() if k != "per_rank"}, indent=1))
     write_result(args.out, f"tensor_parallel_{args.what}", record)
     return 0
