@@ -149,6 +149,7 @@ def build_manifest(model_file, traced, graph, plan, launch_command: str, options
         "flop_count": dict(graph.flop_count, warnings=list(graph.flop_warnings)),
         # with --tp: each parameter's shard dim (None: replicated over tp) and the collectives per stage
         "tp": graph.tensor_parallel or None,
+        "ep": graph.expert_parallel or None,
         # how `tracepp split` was called (model file path, ranks, stages, ...): what a re-split (the tuner's
         # --apply) repeats with other choices
         "split_options": dict(options or {}),

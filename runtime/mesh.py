@@ -82,6 +82,9 @@ class Layout:
         if self.tp > 1 and self.dp_order != "pp-inner":
             raise ValueError(f"--tp {self.tp} keeps each stage's tp ranks consecutive (one node), inside pp and dp: "
                              f"use --dp-order pp-inner with --tp")
+        if self.ep > 1 and self.dp_mode == "hsdp":
+            raise ValueError(f"--ep {self.ep} takes its ranks from the data-parallel ranks, which --dp-mode hsdp "
+                             f"already splits in two: use --dp-mode fsdp or ddp with --ep")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("--sequence-parallel splits the activations between tensor-parallel regions over the "
                              "tp ranks: use it with --tp T (T > 1)")
@@ -132,6 +135,11 @@ def tp_index(layout: Layout, rank: int) -> int:
     return rank % layout.tp
 
 
+def ep_index(layout: Layout, dp_index: int) -> int:
+    """This replica's place in its expert-parallel group (consecutive dp indices share their experts)."""
+    return dp_index % layout.ep
+
+
 def replicas_text(layout: Layout) -> list:
     """One line per pipeline rank: the global ranks that are its replicas."""
     return [f"pipeline rank {pp}: global ranks {', '.join(str(global_rank(layout, d, pp)) for d in range(layout.dp))}"
@@ -142,10 +150,13 @@ def describe(plan: dict) -> list:
     """What ``tracepp inspect`` and the rank-script headers show about the mesh (nothing without --dp/--tp)."""
     layout = mesh_layout(plan)
     dp, pp, tp = layout.dp, layout.pp, layout.tp
+    expert = (f"; experts over ep={layout.ep} of the dp ranks (consecutive dp indices, all-to-all of the "
+              f"routed tokens), each expert's gradient reduced over the {dp // layout.ep} ranks holding it"
+              if layout.ep > 1 else "")
     if tp > 1:
         return [f"Mesh (dp={dp}, pp={pp}, tp={tp}): {dp * pp * tp} processes; tensor parallel inside each "
                 f"stage over {tp} consecutive ranks (global rank = (dp_index * pp + pp_rank) * tp + tp_index)"
-                + (f"; {layout.dp_mode} over dp" if dp > 1 else "")]
+                + (f"; {layout.dp_mode} over dp" if dp > 1 else "") + expert]
     if dp == 1:
         return []
     how = {"fsdp": "fully_shard of each stage over dp", "ddp": "replicate (DDP) of each stage over dp",
@@ -153,13 +164,14 @@ def describe(plan: dict) -> list:
                    f"({dp // (layout.dp_shard or 1)})"}[layout.dp_mode]
     formula = "pp_rank * dp + dp_index" if layout.dp_order == "dp-inner" else "dp_index * pp + pp_rank"
     return [f"Mesh (dp={dp}, pp={pp}): {dp * pp} processes; {layout.dp_mode}: {how}; order {layout.dp_order} "
-            f"(global rank = {formula})"] + replicas_text(layout)
+            f"(global rank = {formula}){expert}"] + replicas_text(layout)
 
 
 def build_mesh(layout: Layout, device: torch.device):
-    """(the job's DeviceMesh, dims ("dp", "pp") (HSDP: ("dp_replicate", "dp_shard", "pp")), with a last dim "tp"
-    under tensor parallelism; the 1-D mesh of this rank's replicas, for the loss and anything else averaged
-    over dp); call it on every rank. The ranks are :func:`global_rank`'s."""
+    """(the job's DeviceMesh, dims ("dp", "pp") (HSDP: ("dp_replicate", "dp_shard", "pp"); expert parallel:
+    ("edp", "ep", "pp"), the ep ranks of a replica group consecutive), with a last dim "tp" under tensor
+    parallelism; the 1-D mesh of this rank's replicas, for the loss and anything else averaged over dp); call
+    it on every rank. The ranks are :func:`global_rank`'s."""
     from torch.distributed.device_mesh import DeviceMesh
 
     dp, pp, tp = layout.dp, layout.pp, layout.tp
@@ -174,6 +186,10 @@ def build_mesh(layout: Layout, device: torch.device):
         grid = grid.reshape(dp // shard, shard, *grid.shape[1:])
         mesh = DeviceMesh(device.type, grid, mesh_dim_names=("dp_replicate", "dp_shard") + names[1:])
         return mesh, mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    if layout.ep > 1:  # expert parallel: consecutive dp indices share their experts (dp_index = edp * ep + ep)
+        grid = grid.reshape(dp // layout.ep, layout.ep, *grid.shape[1:])
+        mesh = DeviceMesh(device.type, grid, mesh_dim_names=("edp", "ep") + names[1:])
+        return mesh, mesh["edp", "ep"]._flatten("dp")
     mesh = DeviceMesh(device.type, grid, mesh_dim_names=names)
     return mesh, mesh["dp"]
 
@@ -183,17 +199,20 @@ def dp_mesh(mesh, layout: Layout):
     return mesh["dp_replicate", "dp_shard"] if layout.dp_mode == "hsdp" else mesh["dp"]
 
 
-def wrap_stage(stage, mesh, layout: Layout):
-    """Wrap one StageModule over the dp dim with torch's own engine; returns the same module."""
+def wrap_stage(stage, mesh, layout: Layout, ignored=None):
+    """Wrap one StageModule over the dp dim with torch's own engine; returns the same module. ``ignored``: the
+    parameters it leaves alone (routed experts, already divided over ep: their gradients are reduced over the
+    ranks holding the same experts, ``expert_parallel.reduce_expert_grads``)."""
     sub = dp_mesh(mesh, layout)
+    ignored = set(ignored or ()) or None
     if layout.dp_mode == "ddp":
         from torch.distributed._composable.replicate_with_fsdp import replicate
-        replicate(stage, mesh=sub)
+        replicate(stage, mesh=sub, ignored_params=ignored)
     else:
         from torch.distributed.fsdp import fully_shard
         # The stage function reads its parameters directly, not through the blocks' forward, so the stage is
         # the one FSDP unit (a block's own hooks would never run).
-        fully_shard(stage, mesh=sub, reshard_after_forward=False)
+        fully_shard(stage, mesh=sub, reshard_after_forward=False, ignored_params=ignored)
     return stage
 
 

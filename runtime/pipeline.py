@@ -37,10 +37,22 @@ from .failure import PipelineError
 from .loading import load_manifest, load_rank_script
 from .script_check import check_programs, describe_program
 from . import mesh as dp_mesh
-from . import tensor_parallel
+from . import expert_parallel, tensor_parallel
 from .stages import StageModule
 from .usercode import load_spec, load_user_module
 from .weights import load_rank_state
+
+
+def _chain(pieces: list):
+    """One ``piece(fqn, tensor)`` applying each of ``pieces`` in turn (tensor- then expert-parallel), or None."""
+    if not pieces:
+        return None
+
+    def piece(fqn: str, tensor):
+        for cut in pieces:
+            tensor = cut(fqn, tensor)
+        return tensor
+    return piece
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -116,10 +128,15 @@ class Pipeline:
         if all_stages and self.layout.tp > 1:
             raise PipelineError(f"{self.folder} was split with --tp {self.layout.tp}: its stages run on "
                                 f"{self.layout.tp} processes each; run it with torchrun, or re-split without --tp")
+        if all_stages and self.layout.ep > 1:
+            raise PipelineError(f"{self.folder} was split with --ep {self.layout.ep}: its experts live on "
+                                f"{self.layout.ep} processes; run it with torchrun, or re-split without --ep")
         self.dp_index, self.pp_rank = dp_mesh.coordinates(self.layout, self.rank)
         self.tp_index = dp_mesh.tp_index(self.layout, self.rank)
         self.mesh = self.replicas = None  # the (dp, pp) DeviceMesh and its 1-D dp mesh, with --dp
         self.full_mesh = self.tp_mesh = None  # with --tp: the (dp, pp, tp) mesh and its 1-D tp mesh
+        self.ep_mesh = self.expert_replicas = None  # with --ep: its 1-D ep mesh; the group holding the same experts
+        self.ep_index = dp_mesh.ep_index(self.layout, self.dp_index)
         if all_stages:
             self.device = torch.device(device) if device is not None else torch.device("cpu")
             self.backend = None
@@ -132,6 +149,11 @@ class Pipeline:
                 if self.layout.tp > 1:
                     self.tp_mesh = self.full_mesh["tp"]
                     tensor_parallel.set_group(self.tp_mesh.get_group(), self.layout.tp, self.tp_index)
+                if self.layout.ep > 1:
+                    self.ep_mesh = self.full_mesh["ep"]
+                    expert_parallel.set_group(self.ep_mesh.get_group(), self.layout.ep, self.ep_index)
+                    if self.layout.dp > self.layout.ep:
+                        self.expert_replicas = self.full_mesh["edp"].get_group()
         check_precision(precision, self.device)
         self.precision = precision
         self.compute_dtype = PRECISIONS[precision]
@@ -164,12 +186,19 @@ class Pipeline:
             if "RUN_DEVICE" in getattr(fn, "__globals__", {}):
                 fn.__globals__["RUN_DEVICE"] = self.device
         # this rank's tensors only: from --load's checkpoint, or the model file's own initialisation
-        piece = (tensor_parallel.piece_for(manifest, self.layout.tp, self.tp_index)
-                 if self.tp_mesh is not None else None)
+        pieces = [module.piece_for(manifest, size, index) for module, size, index, mesh in (
+            (tensor_parallel, self.layout.tp, self.tp_index, self.tp_mesh),
+            (expert_parallel, self.layout.ep, self.ep_index, self.ep_mesh)) if mesh is not None]
+        rows = (expert_parallel.rows_for(manifest, self.layout.ep, self.ep_index)
+                if self.ep_mesh is not None else None)
         state = load_rank_state(self.folder, plan_manifest, self.pp_rank, self.device, self.user, load=load, init=init,
-                                piece=piece)
+                                piece=_chain(pieces), rows=rows)
+        if self.ep_mesh is not None:  # this rank's experts, as DTensors over the ep mesh
+            state = expert_parallel.distribute(state, manifest, self.ep_mesh)
         if self.tp_mesh is not None:  # this rank's shards, as DTensors over the tp mesh
             state = tensor_parallel.distribute(state, manifest, self.tp_mesh)
+        self.expert_params = [tensor for fqn, tensor in state.items()
+                              if expert_parallel.placement_of(manifest, fqn) is not None]
         unused = {item["fqn"] for item in manifest.get("unused_state", [])}
         self.unused_state = {fqn: tensor for fqn, tensor in state.items() if fqn in unused}  # for --save
         self.stages = {}
@@ -177,11 +206,11 @@ class Pipeline:
             if spec["index"] in self.stage_indices:
                 stage = StageModule(spec, stage_functions[spec["index"]], state)
                 stage.autocast_dtype = self.compute_dtype
-                stage.local_shards = self.tp_mesh is not None
+                stage.local_shards = self.tp_mesh is not None or self.ep_mesh is not None
                 self.stages[spec["index"]] = stage
         if self.mesh is not None:
             for stage in self.stages.values():
-                dp_mesh.wrap_stage(stage, self.mesh, self.layout)
+                dp_mesh.wrap_stage(stage, self.mesh, self.layout, ignored=self.expert_params)
         self.compiled = compile
         if compile:
             self._compile_stages(compile_cache)
@@ -319,17 +348,21 @@ class Pipeline:
         return groups
 
     def _counted_once(self) -> list:
-        """[(how many tp ranks hold the same tensor, parameters)]: this rank's parameters less shared copies whose
+        """[(how many ranks hold the same gradient, parameters)]: this rank's parameters less shared copies whose
         lowest holding rank is another (each weight once); under tp, the shards (counted on every tp rank) apart
-        from the tensors replicated over tp (their tp copies divide out)."""
+        from the tensors replicated over tp (their tp copies divide out); over dp, FSDP's shards once and DDP's
+        copies divided out; routed experts (sharded over ep, outside FSDP) once per ep group of the dp ranks."""
         stage_to_rank = self.manifest["plan"]["stage_to_rank"]
         owner = {shared["fqn"]: min(stage_to_rank[s] for s in shared["stages"]) for shared in self.manifest["shared"]}
         tp = self.layout.tp if self.tp_mesh is not None else 1
-        groups: dict = {1: [], tp: []}
+        dp = dp_mesh.replication_factor(self.layout) if self.mesh is not None else 1
+        experts = {id(p) for p in self.expert_params} if self.ep_mesh is not None else set()
+        groups: dict = {}
         for name, param in self.named_parameters():
             if owner.get(name, self.pp_rank) == self.pp_rank:
                 whole = tp > 1 and tensor_parallel.placement_of(self.manifest, name) is None
-                groups[tp if whole else 1].append(param)
+                copies = (tp if whole else 1) * (self.layout.dp // self.layout.ep if id(param) in experts else dp)
+                groups.setdefault(copies, []).append(param)
         return list(groups.items())
 
     # -- the step API ---------------------------------------------------------------------------------------
@@ -408,7 +441,10 @@ class Pipeline:
     # -- gradients ------------------------------------------------------------------------------------------
     def sync_shared_grads(self) -> None:
         """Sum the gradients of weights held on several ranks (a tied embedding and head) across those ranks,
-        so every copy takes the same optimizer step. Call once after the last ``step`` before the optimizer."""
+        so every copy takes the same optimizer step; with expert parallelism, reduce each expert's gradient over
+        the ranks that hold it. Call once after the last ``step`` before the optimizer."""
+        if self.ep_mesh is not None and self.training:
+            expert_parallel.reduce_expert_grads(self.expert_params, self.expert_replicas, self.layout.dp)
         for group, params in self._shared:
             grads = []
             for param in params:
@@ -429,15 +465,15 @@ class Pipeline:
         ``stop_requested`` rides along: afterwards ``self.stop_agreed`` is True on every rank if it was True on
         any (a signal asked one rank to stop: run.py saves and stops on all of them after this step)."""
         sums = torch.zeros(3, device=self.device, dtype=torch.float32)
-        # with TP: a shard counts on each tp rank, a tensor replicated over tp once (its tp copies divide it out)
+        # a gradient held by several ranks (replicated over tp, DDP's copies over dp, an expert's copies over the
+        # replica groups) is divided by their number: counted once over the world
         for replicas, params in self._counted_once():
             grads = [dp_mesh.local(p.grad).detach() for p in params if p.grad is not None]
             if grads:  # with DP: local shards, each shard counted once over the mesh (replicas divide it out)
                 # one fused kernel for every tensor's norm (as torch.nn.utils.clip_grad_norm_), not two ops each
                 norms = torch._foreach_norm(grads) if len({(g.device, g.dtype) for g in grads}) == 1 else \
                     [torch.linalg.vector_norm(g) for g in grads]
-                part = torch.stack([n.float() for n in norms]).pow(2).sum() / replicas
-                sums[0] += part / (dp_mesh.replication_factor(self.layout) if self.mesh is not None else 1)
+                sums[0] += torch.stack([n.float() for n in norms]).pow(2).sum() / replicas
         sums[1] = float(nonfinite_loss)
         sums[2] = float(stop_requested)
         if self.world_size > 1:

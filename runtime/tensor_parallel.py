@@ -246,8 +246,8 @@ def distribute(state: dict, manifest: dict, tp_mesh) -> dict:
 
     out = {}
     for fqn, tensor in state.items():
-        if not isinstance(tensor, torch.nn.Parameter):
-            out[fqn] = tensor
+        if not isinstance(tensor, torch.nn.Parameter) or hasattr(tensor, "device_mesh"):
+            out[fqn] = tensor  # a buffer, or already distributed (a routed expert over the ep mesh)
             continue
         dim = placement_of(manifest, fqn)
         placement = Replicate() if dim is None else Shard(dim)  # pieces are equal: the global shape follows

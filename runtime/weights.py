@@ -89,10 +89,12 @@ def _finish(ref: dict, tensor: torch.Tensor, device: torch.device, piece=None) -
 
 
 def load_rank_state(folder: str, manifest: dict, rank: int, device: torch.device, user, load=None,
-                    init: str = "model", piece=None) -> dict:
+                    init: str = "model", piece=None, rows=None) -> dict:
     """FQN -> tensor for every parameter/buffer this rank's stages read; one object per FQN on a rank.
     ``piece(fqn, tensor)``: what of each tensor this process keeps (tensor parallelism: its shard), taken on
-    the CPU as the tensor is read, so a tp rank's device never holds the whole weight."""
+    the CPU as the tensor is read, so a tp rank's device never holds the whole weight. ``rows(fqn, shape)``:
+    ``(dim 0, start, stop)`` of the rows a checkpoint reader reads of a tensor instead of all of it (expert
+    parallelism: this rank's experts), or None."""
     mine = state_entries(manifest, rank)
     if load:
         reader, keys, problem = None, None, None
@@ -102,7 +104,8 @@ def load_rank_state(folder: str, manifest: dict, rank: int, device: torch.device
         except PipelineError as error:
             problem = str(error)
         agree(problem)  # every rank names the problem itself, none is stopped first by a faster peer's report
-        loaded = reader.read({fqn: keys[fqn] for fqn, ref in mine.items() if _in_checkpoint(ref)})
+        wanted = {fqn: keys[fqn] for fqn, ref in mine.items() if _in_checkpoint(ref)}
+        loaded = reader.read(wanted, _row_ranges(reader, wanted, rows))
         others = {fqn: ref for fqn, ref in mine.items() if not _in_checkpoint(ref)}
         skeleton = build_without_parameters(user) if others else None
         state = {fqn: _finish(mine[fqn], tensor, device, piece) for fqn, tensor in loaded.items()}
@@ -216,8 +219,11 @@ class _TorchFile:
         return {k: (list(v.shape), str(v.dtype).replace("torch.", "")) for k, v in self.tensors.items()
                 if isinstance(v, torch.Tensor)}
 
-    def read(self, keys: dict) -> dict:
-        return {fqn: self.tensors[key].clone() for fqn, key in keys.items()}
+    def read(self, keys: dict, rows=None) -> dict:
+        """``rows``: {fqn: (start, stop)} of dim 0 to read (the mapped file pages in only those)."""
+        rows = rows or {}
+        return {fqn: (self.tensors[key][slice(*rows[fqn])] if fqn in rows else self.tensors[key]).clone()
+                for fqn, key in keys.items()}
 
 
 class _SafetensorsFiles:
@@ -245,7 +251,9 @@ class _SafetensorsFiles:
             result[key] = (entry["shape"], str(name).replace("torch.", "") if name else entry["dtype"])
         return result
 
-    def read(self, keys: dict) -> dict:
+    def read(self, keys: dict, rows=None) -> dict:
+        """``rows``: {fqn: (start, stop)} of dim 0 to read: only those bytes are read from the file."""
+        rows = rows or {}
         result = {}
         by_file: dict = {}
         for fqn, key in keys.items():
@@ -256,12 +264,17 @@ class _SafetensorsFiles:
                 for fqn, key in items:
                     entry = header[key]
                     begin, end = entry["data_offsets"]
+                    shape = list(entry["shape"])
+                    if fqn in rows and shape:  # rows [first, last) of dim 0: one contiguous byte range
+                        first, last = rows[fqn]
+                        row_bytes = (end - begin) // shape[0] if shape[0] else 0
+                        begin, end, shape[0] = begin + first * row_bytes, begin + last * row_bytes, last - first
                     handle.seek(start + begin)
                     data = bytearray(end - begin)
                     handle.readinto(data)
                     dtype = _SAFETENSORS_DTYPES[entry["dtype"]]
                     tensor = torch.frombuffer(data, dtype=dtype) if data else torch.empty(0, dtype=dtype)
-                    result[fqn] = tensor.reshape(entry["shape"])
+                    result[fqn] = tensor.reshape(shape)
         return result
 
 
@@ -279,13 +292,28 @@ class _DistributedCheckpoint:
         return {k: (list(v.size), str(v.properties.dtype).replace("torch.", "")) for k, v in self.meta.items()
                 if hasattr(v, "size")}
 
-    def read(self, keys: dict) -> dict:
+    def read(self, keys: dict, rows=None) -> dict:
         if not keys:
             return {}
         buffers = {key: torch.empty(self.meta[key].size, dtype=self.meta[key].properties.dtype)
                    for key in keys.values()}
         self.dcp.load(buffers, storage_reader=self.dcp.FileSystemReader(self.path), no_dist=True)
-        return {fqn: buffers[key] for fqn, key in keys.items()}
+        rows = rows or {}
+        return {fqn: buffers[key][slice(*rows[fqn])].clone() if fqn in rows else buffers[key]
+                for fqn, key in keys.items()}
+
+
+def _row_ranges(reader, keys: dict, rows) -> dict:
+    """{fqn: (start, stop)} of the dim-0 rows to read of each tensor ``rows`` limits (none without it)."""
+    if rows is None:
+        return {}
+    shapes = reader.metadata()
+    out = {}
+    for fqn, key in keys.items():
+        limit = rows(fqn, shapes[key][0]) if key in shapes else None
+        if limit is not None and limit[0] == 0:
+            out[fqn] = limit[1:]
+    return out
 
 
 def open_checkpoint(path: str):

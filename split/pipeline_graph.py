@@ -91,6 +91,7 @@ class PipelineGraph:
     #                                                 formula, ops that could not be priced, assumed sizes
     flop_warnings: list = field(default_factory=list)  # one line per op without a FLOP formula
     tensor_parallel: dict = field(default_factory=dict)  # split.tensor_parallel.TPPlan.to_json() with --tp
+    expert_parallel: dict = field(default_factory=dict)  # split.expert_parallel.EPPlan.to_json(): routed experts
 
     @property
     def num_stages(self) -> int:

@@ -192,7 +192,8 @@ def _tune(args, manifest) -> int:
         best = kept[0]
         print(f"applying #1: --schedule {best.schedule} --stages {best.num_stages} --microbatches "
               f"{best.num_microbatches} --split-points {','.join(best.split_points)}"
-              + (f" --tp {best.tp}" if best.tp > 1 else ""))
+              + (f" --tp {best.tp}" if best.tp > 1 else "")
+              + (" --sequence-parallel" if best.sequence_parallel else ""))
         written = apply_tuned(manifest, args.out, best)
         run = launch_command(_world(written["plan"]), args.out)
         print(f"wrote {args.out} ({written['plan']['schedule']}, {len(written['stages'])} stages, "
@@ -231,6 +232,10 @@ def _add_split_options(parser) -> None:
                         help="tensor-parallel ranks per stage: shard each stage's matmuls over T processes, "
                              "planned from the traced graph (see docs/tensor-parallel.md); the job runs "
                              "ranks x dp x tp processes (default 1)")
+    parser.add_argument("--ep", type=int, default=1,
+                        help="expert-parallel ranks: spread each stage's routed experts over E of its --dp ranks "
+                             "(E divides dp and the expert count), with an all-to-all of the routed tokens; see "
+                             "docs/expert-parallel.md (default 1)")
     parser.add_argument("--sequence-parallel", action="store_true",
                         help="with --tp: split the activations between tensor-parallel regions over the sequence "
                              "dim (norms, residual adds and dropout on the shards; all-gather into each column-"
@@ -252,7 +257,7 @@ def _layout(args):
     from tracepp.runtime.mesh import Layout
 
     return Layout(pp=args.ranks, dp=args.dp, dp_mode=args.dp_mode, dp_shard=args.dp_shard, dp_order=args.dp_order,
-                  tp=args.tp, sequence_parallel=args.sequence_parallel)
+                  tp=args.tp, ep=args.ep, sequence_parallel=args.sequence_parallel)
 
 
 def _split_points(text):

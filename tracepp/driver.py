@@ -14,7 +14,7 @@ from tracepp.codegen.schedules import check_full_backward, stages_per_rank
 from tracepp.modelfile import load_model_file
 from tracepp.resplit import split_options
 from tracepp.runtime.mesh import Layout
-from tracepp.split import tensor_parallel
+from tracepp.split import expert_parallel, tensor_parallel
 from tracepp.split.partition import split
 from tracepp.trace import trace
 
@@ -36,6 +36,10 @@ def _plan(model_path: str, layout: Layout, num_stages: Optional[int], schedule: 
         tp_plan, walks = tensor_parallel.plan(graph, layout.tp, model_file.tp_plan, layout.sequence_parallel)
         tensor_parallel.apply(graph, tp_plan, walks)
         graph.tensor_parallel = tp_plan.to_json()
+    ep_plan, blocks = expert_parallel.plan(graph, layout.ep, layout.dp, tensor_parallel.fqn_map)  # 2c. experts
+    if ep_plan.blocks:
+        expert_parallel.apply(graph, ep_plan, blocks)
+        graph.expert_parallel = ep_plan.to_json()
     the_plan = build_plan(schedule, layout.pp, graph.num_stages, num_microbatches,    # 3. schedule
                           topology_of(graph), model_file.training).to_json()
     if layout.dp > 1:

@@ -1,0 +1,292 @@
+"""Expert parallelism read from the traced graph: the routed experts of each stage found, sharded over ``--ep``
+ranks, and each block of them rewritten to exchange its (token, expert) rows with an all-to-all.
+
+A block of routed experts is what a mixture-of-experts layer computes after its router: the rows of this
+rank's (token, expert) pairs sorted by expert, the cumulative count per expert (``offsets``), and a chain of
+grouped matmuls over the expert dim that share those offsets (gate/up, then down), written in any of the three
+spellings the FLOP count knows: ``torch._grouped_mm``, ``torch.nn.functional.grouped_mm`` and transformers'
+``grouped_mm_fallback``. The router, its top-k, the weighting of each expert's output and the sum over the k
+experts of a token stay where they are (on the token's own rank), and so do shared experts and dense layers:
+only the grouped matmuls move. Each block becomes::
+
+    local_rows, local_offsets, plan = tracepp.ep_dispatch(rows, offsets, num_experts, block)
+    ... the same grouped matmuls, on this rank's experts, with local_offsets ...
+    out = tracepp.ep_combine(expert_out, plan, rows.shape[0])
+
+and each expert weight (``[num_experts, ...]``) is sharded on its expert dim (``Shard(0)``): ep rank r holds
+experts ``[r * E / ep, (r + 1) * E / ep)``. Without ``--ep`` the blocks are still found, and their offsets pass
+through ``tracepp.moe_tokens`` so the run can report tokens per expert.
+
+Whatever does not fit is refused by name: an expert weight used outside grouped matmuls, per-row inputs
+inside the chain (expert biases gathered per row), a chain that does not end in one grouped matmul.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+import tracepp.runtime.expert_parallel  # noqa: F401  (registers torch.ops.tracepp.ep_*)
+from tracepp.split.cost import op_name, tensor_bytes
+from tracepp.split.partition import listed_module, node_modules
+
+aten = torch.ops.aten
+GROUPED_MM = ("aten::_grouped_mm", "aten::grouped_mm", "transformers::grouped_mm_fallback")
+_ROW_WISE = {  # ops a chain of expert matmuls may run between them: each row on its own
+    "aten::chunk", "aten::split", "aten::silu", "aten::gelu", "aten::relu", "aten::sigmoid", "aten::tanh",
+    "aten::mul", "aten::add", "aten::sub", "aten::div", "aten::neg", "aten::_to_copy", "aten::to", "aten::clamp",
+    "aten::clone", "aten::contiguous", "aten::_assert_tensor_metadata", "aten::alias", "aten::pow",
+    "aten::minimum", "aten::maximum", "aten::exp", "aten::erf", "aten::softplus", "_operator.getitem", "getitem",
+}
+_TRANSPOSES = {aten.transpose.int, aten.permute.default, aten.t.default, aten.numpy_T.default}
+
+
+class ExpertParallelError(ValueError):
+    """A model ``--ep`` cannot shard: the message names the op and the values that would work."""
+
+
+@dataclass
+class MoEBlock:
+    """One block of routed experts in a stage graph."""
+
+    name: str  # the module that owns the experts ("model.layers.3.mlp.experts")
+    offsets: fx.Node  # cumulative tokens per expert
+    matmuls: list  # the grouped matmuls, in graph order
+    weights: dict  # expert weight fqn -> its placeholder
+    num_experts: int
+    rows: fx.Node = None  # the first matmul's input: the sorted (token, expert) rows
+    refused: str = ""  # why --ep cannot shard it
+
+    @property
+    def out(self) -> fx.Node:
+        return self.matmuls[-1]
+
+
+@dataclass
+class EPPlan:
+    """Plain data for the manifest: the ep size, each expert weight's placement, each block's exchange."""
+
+    size: int
+    params: dict = field(default_factory=dict)  # fqn -> {"dim": 0, "experts": E, "shape": [...], "local": [...]}
+    blocks: list = field(default_factory=list)  # {"name", "stage", "experts", "rows", "row_bytes", ...}
+
+    def to_json(self) -> dict:
+        return {"size": self.size, "params": self.params, "blocks": self.blocks}
+
+
+def _val(node):
+    return node.meta.get("val") if isinstance(node, fx.Node) else None
+
+
+def _weight(node, fqn_of: dict):
+    """(fqn, placeholder) of a 3-D parameter a grouped matmul reads (itself or a transpose of it), else None."""
+    while isinstance(node, fx.Node) and node.target in _TRANSPOSES:
+        node = node.args[0]
+    if isinstance(node, fx.Node) and node.op == "placeholder" and node.name in fqn_of and _val(node).dim() == 3:
+        return fqn_of[node.name], node
+    return None
+
+
+def _module(node) -> str:
+    paths = [p for p in node_modules(node) if p and not p.startswith("_empty")]
+    return paths[-1] if paths else listed_module(node)
+
+
+def find_blocks(graph: fx.Graph, fqn_of: dict) -> list:
+    """The blocks of routed experts in a stage graph (``fqn_of``: placeholder name -> parameter FQN)."""
+    by_offsets: dict = {}
+    for node in graph.nodes:
+        if node.op != "call_function" or op_name(node) not in GROUPED_MM:
+            continue
+        offsets = node.args[2] if len(node.args) > 2 else node.kwargs.get("offs")
+        by_offsets.setdefault(offsets, []).append(node)
+    blocks = []
+    for offsets, matmuls in by_offsets.items():
+        weights, refused = {}, ""
+        for matmul in matmuls:
+            found = _weight(matmul.args[1], fqn_of)
+            if found is None:
+                refused = (f"{matmul.name} ({op_name(matmul)}) multiplies by {matmul.args[1]}, not an expert weight "
+                           f"parameter [experts, in, out]")
+                continue
+            weights[found[0]] = found[1]
+        counts = {int(_val(p).shape[0]) for p in weights.values()}
+        block = MoEBlock(_module(matmuls[0]), offsets, matmuls, weights, max(counts) if counts else 0,
+                         rows=matmuls[0].args[0], refused=refused)
+        if not offsets:
+            block.refused = f"{matmuls[0].name} ({op_name(matmuls[0])}) has no offsets: not a routed-expert matmul"
+        elif len(counts) > 1:
+            block.refused = f"the grouped matmuls sharing {offsets.name} read weights of {sorted(counts)} experts"
+        block.refused = block.refused or _check_chain(block)
+        blocks.append(block)
+    return blocks
+
+
+def _check_chain(block: MoEBlock) -> str:
+    """Why the rows between the block's first and last grouped matmul cannot move to the experts' rank, or ''."""
+    first, last = block.matmuls[0], block.out
+    after_first, before_last = _descendants(first), _ancestors(last)
+    between = [n for n in after_first & before_last if n is not last]
+    rows = _val(block.rows).shape[0] if isinstance(_val(block.rows), torch.Tensor) else None
+    for node in sorted(between, key=_position):
+        if node in block.matmuls:
+            continue
+        if op_name(node) not in _ROW_WISE and str(node.target) not in _ROW_WISE:
+            return f"{node.name} ({op_name(node)}) runs between the expert matmuls and is not a per-row op"
+        for arg in node.all_input_nodes:
+            val = _val(arg)
+            if arg in between or arg is first or not isinstance(val, torch.Tensor) or val.dim() == 0:
+                continue
+            if rows is not None and val.dim() >= 2 and val.shape[0] == rows:
+                return (f"{node.name} ({op_name(node)}) reads {arg.name}, one row per (token, expert) pair made "
+                        f"outside the expert matmuls (e.g. expert biases gathered per row)")
+    for fqn, placeholder in block.weights.items():
+        for user in placeholder.users:
+            if user not in block.matmuls and not (user.target in _TRANSPOSES and
+                                                  all(u in block.matmuls for u in user.users)):
+                return f"the expert weight {fqn} is also read by {user.name} ({op_name(user)})"
+    return ""
+
+
+def _position(node) -> int:
+    for index, other in enumerate(node.graph.nodes):
+        if other is node:
+            return index
+    return -1
+
+
+def _descendants(node) -> set:
+    seen, stack = set(), [node]
+    while stack:
+        for user in stack.pop().users:
+            if user not in seen:
+                seen.add(user)
+                stack.append(user)
+    return seen
+
+
+def _ancestors(node) -> set:
+    seen, stack = set(), [node]
+    while stack:
+        for arg in stack.pop().all_input_nodes:
+            if arg not in seen:
+                seen.add(arg)
+                stack.append(arg)
+    return seen
+
+
+def _divisors(n: int) -> list:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def plan(graph, ep: int, dp: int, fqn_map) -> tuple:
+    """(EPPlan, per stage its blocks) for ``--ep ep`` (``fqn_map(stage, graph)``: placeholder name -> FQN). Raises
+    :class:`ExpertParallelError` when ``ep`` > 1 and the model has no routed experts, a block cannot be moved, or
+    ``ep`` does not divide an expert count."""
+    per_stage = [find_blocks(stage.graph, fqn_map(stage, graph)) for stage in graph.stages]
+    result = EPPlan(size=ep)
+    blocks = [(index, block) for index, found in enumerate(per_stage) for block in found]
+    if ep > 1 and not blocks:
+        raise ExpertParallelError(
+            f"--ep {ep}: this model has no routed experts (grouped matmuls over an expert dim with per-expert "
+            f"offsets: torch._grouped_mm, torch.nn.functional.grouped_mm or transformers' grouped_mm_fallback); "
+            f"split without --ep (--dp {dp} alone replicates or shards it)")
+    for index, block in blocks:
+        if ep > 1 and block.refused:
+            raise ExpertParallelError(f"--ep {ep}: the routed experts of {block.name} (stage {index}) cannot be "
+                                      f"sharded: {block.refused}. Split without --ep")
+        if ep > 1 and block.num_experts % ep:
+            works = [k for k in _divisors(block.num_experts) if dp % k == 0]
+            raise ExpertParallelError(f"--ep {ep} does not divide the {block.num_experts} routed experts of "
+                                      f"{block.name}: use --ep in {works} (dividing both the experts and --dp {dp})")
+        rows = _val(block.rows)
+        row_bytes = tensor_bytes(rows) // max(int(rows.shape[0]), 1) if isinstance(rows, torch.Tensor) else 0
+        out_row = tensor_bytes(_val(block.out)) // max(int(_val(block.out).shape[0]), 1)
+        pairs = int(rows.shape[0]) if isinstance(rows, torch.Tensor) else 0
+        entry = {"name": block.name, "stage": index, "experts": block.num_experts, "local_experts":
+                 block.num_experts // ep if not block.refused else block.num_experts, "pairs": pairs,
+                 "weights": sorted(block.weights)}
+        if ep > 1:  # per microbatch, forward: rows out and back; on average (ep-1)/ep of them leave the rank
+            moved = pairs * (row_bytes + out_row) * (ep - 1) // ep
+            entry["all_to_all_bytes"] = {"forward": moved, "backward": moved}
+        if block.refused:
+            entry["refused"] = block.refused
+        result.blocks.append(entry)
+        if ep > 1:
+            for fqn, placeholder in block.weights.items():
+                shape = [int(s) for s in _val(placeholder).shape]
+                result.params[fqn] = {"dim": 0, "experts": block.num_experts, "shape": shape,
+                                      "local": [shape[0] // ep] + shape[1:]}
+    return result, per_stage
+
+
+def apply(graph, ep_plan: EPPlan, per_stage: list) -> None:
+    """Rewrite each block: its rows dispatched to the experts' ranks and combined back (``ep`` > 1), or its
+    offsets counted for the metrics (``ep`` 1); expert weights annotated with their local shape."""
+    ep = ep_plan.size
+    for stage, blocks in zip(graph.stages, per_stage):
+        g = stage.graph
+        for block in blocks:
+            if block.refused:
+                continue
+            if ep > 1:
+                _exchange(g, block, ep)
+            else:
+                _count(g, block)
+        g.lint()
+
+
+def _set_offsets(matmul, new) -> None:
+    if len(matmul.args) > 2:
+        matmul.args = matmul.args[:2] + (new,) + matmul.args[3:]
+    else:
+        matmul.kwargs = dict(matmul.kwargs, offs=new)
+
+
+def _count(g: fx.Graph, block: MoEBlock) -> None:
+    rows = int(_val(block.rows).shape[0])
+    with g.inserting_before(block.matmuls[0]):
+        counted = g.call_function(torch.ops.tracepp.moe_tokens.default, (block.offsets, rows, block.name))
+    counted.meta.update(_meta(block.matmuls[0]), val=_val(block.offsets))
+    for matmul in block.matmuls:
+        _set_offsets(matmul, counted)
+
+
+def _meta(like) -> dict:
+    return {k: v for k, v in like.meta.items() if k in ("stack_trace", "nn_module_stack", "source_fn_stack")}
+
+
+def _exchange(g: fx.Graph, block: MoEBlock, ep: int) -> None:
+    first, last = block.matmuls[0], block.out
+    rows_val, offsets_val = _val(block.rows), _val(block.offsets)
+    local = block.num_experts // ep
+    with g.inserting_before(first):
+        dispatched = g.call_function(torch.ops.tracepp.ep_dispatch.default,
+                                     (block.rows, block.offsets, block.num_experts, block.name))
+        local_rows = g.call_function(operator.getitem, (dispatched, 0))
+        local_offsets = g.call_function(operator.getitem, (dispatched, 1))
+        plan_node = g.call_function(operator.getitem, (dispatched, 2))
+    plan_val = offsets_val.new_empty((2, ep, local), dtype=torch.int64)
+    vals = (rows_val, offsets_val.new_empty((local,)), plan_val)
+    for node, val in ((dispatched, vals), (local_rows, vals[0]), (local_offsets, vals[1]), (plan_node, vals[2])):
+        node.meta.update(_meta(first), val=val)
+    first.replace_input_with(block.rows, local_rows)
+    for matmul in block.matmuls:
+        _set_offsets(matmul, local_offsets)
+    users = list(last.users)
+    with g.inserting_after(last):
+        combined = g.call_function(torch.ops.tracepp.ep_combine.default,
+                                   (last, plan_node, int(rows_val.shape[0])))
+    combined.meta.update(_meta(last), val=_val(last))
+    for user in users:
+        user.replace_input_with(last, combined)
+    for placeholder in block.weights.values():  # local annotations: this rank's experts
+        val = _val(placeholder)
+        placeholder.meta["val"] = val.new_empty((val.shape[0] // ep,) + tuple(val.shape[1:]))
+        for user in placeholder.users:
+            if user.target in _TRANSPOSES:
+                uval = _val(user)
+                user.meta["val"] = uval.new_empty((uval.shape[0] // ep,) + tuple(uval.shape[1:]))
+
