@@ -246,8 +246,9 @@ def segment_table(nodes: list, model: torch.nn.Module, flops: dict, needs_grad: 
     before it would send: ``cut_tensors``/``cut_bytes`` (tensor values made before, used at or after it; values a
     later stage can make again from the inputs are left out) and ``cut_grad_tensors``/``cut_grad_bytes`` (those
     that carry a gradient back); ``stage``: the stage its first node is on in this split (``stage_of``, when
-    given); ``tp``: ``per_segment(its nodes)`` where given (``split.tensor_parallel.segment_figures``: what
-    tensor parallelism would shard and add). A segment whose start no module names is merged into the one before it.
+    given); ``tp``: ``per_segment(its nodes, the values crossing the cut before it)`` where given
+    (``split.tensor_parallel.segment_figures``: what tensor parallelism would shard and add). A segment whose start
+    no module names is merged into the one before it.
     """
     blocks = repeated_blocks(model)
     keys = [segment_key(node_modules(node), blocks) for node in nodes]
@@ -270,11 +271,13 @@ def segment_table(nodes: list, model: torch.nn.Module, flops: dict, needs_grad: 
     for index, (start, end) in enumerate(zip(edges, edges[1:])):
         piece = _node_costs(nodes[start:end], flops, needs_grad, parameters)
         tensors = sent = grad_tensors = grad = 0
+        crossing = []
         if index:
             for node in nodes[:start]:
                 val = node.meta.get("val")
                 if last_use.get(node, -1) < start or not isinstance(val, torch.Tensor) or node in computable:
                     continue
+                crossing.append(node)
                 tensors += 1
                 sent += cost.tensor_bytes(val)
                 if needs_grad.get(node) and val.dtype.is_floating_point:
@@ -286,7 +289,7 @@ def segment_table(nodes: list, model: torch.nn.Module, flops: dict, needs_grad: 
                       "cut_grad_tensors": grad_tensors, "cut_grad_bytes": grad,
                       "stage": stage_of.get(nodes[start]) if stage_of is not None and start < len(nodes) else None})
         if per_segment is not None:
-            table[-1]["tp"] = per_segment(nodes[start:end])
+            table[-1]["tp"] = per_segment(nodes[start:end], crossing)
     return table
 
 
@@ -614,10 +617,12 @@ def _tensor_parallel_figures(graph, inputs, flops: dict, needs_grad: dict):
 
     fqn_of = {name: ref.fqn for name, ref in inputs.state.items() if ref.kind == "parameter"}
     try:
-        walks = tensor_parallel.whole_graph_walks(graph, fqn_of, needs_grad)
+        sequence = tensor_parallel.whole_graph_sequence(graph, inputs.root_inputs)
+        walks = tensor_parallel.whole_graph_walks(graph, fqn_of, needs_grad, sequence=sequence)
     except Exception:  # an op the walk does not expect: no tp figures, the split goes on
         return None
-    return lambda nodes: tensor_parallel.segment_figures(nodes, walks, flops, cost.tensor_bytes)
+    return lambda nodes, crossing=(): tensor_parallel.segment_figures(nodes, walks, flops, cost.tensor_bytes,
+                                                                      crossing)
 
 
 def split(traced, split_points: Optional[list] = None, num_stages: Optional[int] = None,

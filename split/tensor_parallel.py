@@ -1248,44 +1248,107 @@ def _rewrite(g: fx.Graph, walk: _Walk, tp: int, params: dict) -> None:
 TUNED_SIZES = (2, 4, 8)
 
 
-def whole_graph_walks(graph: fx.Graph, fqn_of: dict, needs_grad: dict, sizes=TUNED_SIZES) -> dict:
+def whole_graph_sequence(graph: fx.Graph, root_inputs: dict):
+    """The traced sequence length of the whole traced graph (as :func:`sequence_length` reads a split one): dim 1
+    of the first batched root input of two or more dims, or None."""
+    placeholders = {node.name: node for node in graph.nodes if node.op == "placeholder"}
+    for ref in root_inputs.values():
+        node = placeholders.get(ref.placeholder)
+        if ref.batched and node is not None and isinstance(_val(node), torch.Tensor) and _val(node).dim() >= 2:
+            return _sizes(_val(node))[1]
+    return None
+
+
+def whole_graph_walks(graph: fx.Graph, fqn_of: dict, needs_grad: dict, sizes=TUNED_SIZES, sequence=None) -> dict:
     """{tp: the settled walk of the whole traced graph}: the plan ``--tp tp`` would make, seen before any cut
-    (stage outputs are not gathered here; boundaries carry replicated values in any case)."""
+    (stage outputs are not gathered here). With ``sequence`` (the traced sequence length) each tp that divides
+    it also gets the walk ``--sequence-parallel`` would make (``entry["sequence_parallel"]``); a walk that
+    fails there leaves that tp without it."""
     out = {}
     for tp in sizes:
         walks, uses, _reasons = settle([(graph, fqn_of, needs_grad)], tp, {})
         dims = {fqn: next(iter(d)) for fqn, d in uses.items()}
-        out[tp] = {"walk": walks[0], "dims": dims, "attributed": set()}
+        out[tp] = {"walk": walks[0], "dims": dims, "attributed": set(), "needs_grad": needs_grad}
+        if sequence is None or (sympy.sympify(sequence).is_Integer and int(sequence) % tp):
+            continue
+        try:
+            walks, uses, _reasons = settle([(graph, fqn_of, needs_grad)], tp, {}, sequence=sequence)
+        except Exception:  # an op the sequence-parallel walk does not expect: tp without it is still priced
+            continue
+        out[tp]["sequence_parallel"] = {"walk": walks[0], "dims": {fqn: next(iter(d)) for fqn, d in uses.items()},
+                                        "attributed": set(), "needs_grad": needs_grad}
     return out
 
 
-def segment_figures(nodes: list, walks: dict, flops: dict, tensor_bytes) -> dict:
+def segment_figures(nodes: list, walks: dict, flops: dict, tensor_bytes, crossing=()) -> dict:
     """Per tp size, for one segment's nodes (the tuner prices a segment at tp with these): the forward FLOPs
-    computed on shards, the parameters sharded (counted at the segment of their first use), and the collectives
-    per microbatch: forward all-reduces (row-wise outputs, vocabulary lookups, sums over the pieces), backward
-    all-reduces (gradients of the replicated inputs of sharded ops) and all-gathers, each as [count, bytes]."""
+    computed on shards, the parameters sharded (counted at the segment of their first use), the collectives per
+    microbatch: forward all-reduces (row-wise outputs, vocabulary lookups, sums over the pieces), backward
+    all-reduces (gradients of the replicated inputs of sharded ops) and all-gathers, each as [count, bytes of
+    the whole tensors]; and ``sharded_activation_bytes``: the activations (floating values that carry a
+    gradient, as ``split.cost`` counts them) computed on shards, each rank holding 1/tp of them.
+
+    Where the whole graph was also walked with sequence parallelism, ``["sequence_parallel"]`` holds the same
+    figures for that plan plus ``sequence_activation_bytes`` (the activations sharded over the sequence:
+    norms, residuals, dropout between the regions; not the input of a column-parallel region, which its linears
+    keep all-gathered, whole, for their backward), ``reduce_scatter`` (the row-wise outputs and vocabulary
+    lookups, in place of their all-reduce) and ``all_gather_sequence`` (into each column-parallel region),
+    each [count, bytes of the whole tensors] (backward mirrors them: an all-gather and a reduce-scatter), and
+    ``cut_sequence_bytes`` / ``cut_sequence_grad_bytes``: of the values ``crossing`` the cut before this
+    segment (``split.partition.segment_table``'s), those a pipeline boundary would carry as sequence shards."""
     out = {}
     for tp, entry in walks.items():
-        walk, dims, attributed = entry["walk"], entry["dims"], entry["attributed"]
-        inside = set(nodes)
-        sharded_flops = sum(flops.get(n.name, 0) for n in nodes  # column-wise outputs are in walk.shard
-                            if n in walk.shard or walk.roles.get(n) == "rowwise")
-        params = bytes_ = 0
-        for node in nodes:
-            for arg in node.all_input_nodes:
-                fqn = walk._param(arg) if arg.op == "placeholder" else None
-                if fqn is not None and fqn not in attributed:
-                    attributed.add(fqn)
-                    if dims.get(fqn) is not None:
-                        params += _val(arg).numel()
-                        bytes_ += tensor_bytes(_val(arg))
-        reduce_fwd = [n for n in nodes if walk.roles.get(n) in ("rowwise", "vocab") or n in walk.sums]
-        copied = {arg for consumer, arg in walk.copies if consumer in inside} & walk.reduced_in_backward()
-        gathered = {arg for consumer, arg in walk.gathers if consumer in inside or (consumer.op == "output"
-                                                                                    and arg in inside)}
-        out[str(tp)] = {
-            "sharded_flops": int(sharded_flops), "sharded_params": int(params), "sharded_param_bytes": int(bytes_),
-            "all_reduce": [len(reduce_fwd), sum(tensor_bytes(_val(n)) for n in reduce_fwd)],
-            "all_reduce_backward": [len(copied), sum(tensor_bytes(_val(a)) for a in copied)],
-            "all_gather": [len(gathered), sum(tensor_bytes(_val(a)) for a in gathered)]}
+        out[str(tp)] = _figures(nodes, entry, flops, tensor_bytes)
+        if "sequence_parallel" in entry:
+            out[str(tp)]["sequence_parallel"] = _figures(nodes, entry["sequence_parallel"], flops, tensor_bytes,
+                                                         crossing)
     return out
+
+
+def _figures(nodes: list, entry: dict, flops: dict, tensor_bytes, crossing=None) -> dict:
+    """``segment_figures`` of one walk (``crossing`` given: the sequence-parallel walk, with its extra figures)."""
+    walk, dims, attributed, needs_grad = entry["walk"], entry["dims"], entry["attributed"], entry["needs_grad"]
+    inside = set(nodes)
+    sharded_flops = sum(flops.get(n.name, 0) for n in nodes  # column-wise outputs are in walk.shard
+                        if n in walk.shard or walk.roles.get(n) == "rowwise")
+    params = bytes_ = 0
+    for node in nodes:
+        for arg in node.all_input_nodes:
+            fqn = walk._param(arg) if arg.op == "placeholder" else None
+            if fqn is not None and fqn not in attributed:
+                attributed.add(fqn)
+                if dims.get(fqn) is not None:
+                    params += _val(arg).numel()
+                    bytes_ += tensor_bytes(_val(arg))
+
+    def activation(node) -> bool:
+        val = _val(node)
+        return bool(needs_grad.get(node)) and isinstance(val, torch.Tensor) and val.dtype.is_floating_point
+
+    def total(found) -> list:
+        found = list(found)
+        return [len(found), sum(tensor_bytes(_val(n)) for n in found)]
+
+    scattered = [n for n in nodes if n in walk.reduce_scatters]
+    reduce_fwd = [n for n in nodes if (walk.roles.get(n) in ("rowwise", "vocab") and n not in walk.reduce_scatters)
+                  or n in walk.sums]
+    copied = {arg for consumer, arg in walk.copies if consumer in inside} & walk.reduced_in_backward()
+    gathered = {arg for consumer, arg in walk.gathers if consumer in inside or (consumer.op == "output"
+                                                                                and arg in inside)}
+    figures = {
+        "sharded_flops": int(sharded_flops), "sharded_params": int(params), "sharded_param_bytes": int(bytes_),
+        "all_reduce": total(reduce_fwd), "all_reduce_backward": total(copied), "all_gather": total(gathered),
+        "sharded_activation_bytes": sum(tensor_bytes(_val(n)) for n in nodes
+                                        if n in walk.shard and walk.kind.get(n) != "seq" and activation(n))}
+    if crossing is None:
+        return figures
+    entering = dict.fromkeys(arg for consumer, arg in walk.sp_gathers if consumer in inside)
+    gathered_anywhere = {arg for _consumer, arg in walk.sp_gathers}
+    sent = [n for n in crossing if walk.kind.get(n) == "seq" and n in walk.shard]
+    figures.update({  # a region's input is kept all-gathered (whole) by its column-wise linears: not counted
+        "sequence_activation_bytes": sum(tensor_bytes(_val(n)) for n in nodes if walk.kind.get(n) == "seq"
+                                         and n in walk.shard and activation(n) and n not in gathered_anywhere),
+        "reduce_scatter": total(scattered), "all_gather_sequence": total(entering),
+        "cut_sequence_bytes": sum(tensor_bytes(_val(n)) for n in sent),
+        "cut_sequence_grad_bytes": sum(tensor_bytes(_val(n)) for n in sent if activation(n))})
+    return figures

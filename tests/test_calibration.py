@@ -411,3 +411,88 @@ def test_calibrate_fits_the_overhead_per_paired_step(tmp_path, monkeypatch):
     assert "paired step" in calibration.overhead["source"] and calibration.overhead["measured_step_s"] == 50.0
     assert any("the median of 3 paired steps' fits" in line for line in lines), lines
     assert load_calibration(str(tmp_path)).overhead["compute_scale"] == pytest.approx(1 / 3, rel=1e-3)
+
+
+def _tp_manifest(sequence_figures: bool = True):
+    """``_manifest`` with tensor-parallel figures at tp 2 on every segment (made up): the whole segment is
+    sharded; 600 of its 1000 activation bytes are computed on shards, 400 more are sharded by sequence
+    parallelism; one 2 MB all-reduce (tp alone) or reduce-scatter and all-gather (sequence parallelism)."""
+    manifest = _manifest()
+    for seg in manifest["segments"]:
+        figures = {"sharded_flops": 100, "sharded_params": 1000, "sharded_param_bytes": 4000,
+                   "all_reduce": [1, 2e6], "all_reduce_backward": [1, 2e6], "all_gather": [0, 0],
+                   "sharded_activation_bytes": 600}
+        if sequence_figures:
+            figures["sequence_parallel"] = dict(
+                figures, all_reduce=[0, 0], all_reduce_backward=[0, 0], sequence_activation_bytes=400,
+                reduce_scatter=[1, 2e6], all_gather_sequence=[1, 2e6], cut_sequence_bytes=seg["cut_bytes"],
+                cut_sequence_grad_bytes=seg["cut_grad_bytes"])
+        seg["tp"] = {"2": figures}
+    return manifest
+
+
+def _collective_calibration(manifest, all_gather_bandwidth):
+    # free compute overheads, free point-to-point links; ring steps of 1 MB/s for the all-reduce (and the
+    # reduce-scatter, which shares its step) and ``all_gather_bandwidth`` for the all-gather
+    calibration = _tuning_calibration(manifest)
+    calibration.comm["collectives"] = {
+        "all_reduce": {"step_latency_s": 0.0, "step_bandwidth_bytes_per_s": 1e6},
+        "all_gather": {"step_latency_s": 0.0, "step_bandwidth_bytes_per_s": all_gather_bandwidth}}
+    return calibration
+
+
+def test_tuner_prices_sequence_parallelism_and_chooses_it_when_memory_needs_it():
+    from tracepp.costs.search import collective_s, tp_costs
+
+    manifest = _tp_manifest()
+    # a ring reduce-scatter and an all-gather are tp - 1 steps of a 1/tp piece each: together an all-reduce
+    links = {"all_reduce": (0.0, 1e6), "all_gather": (0.0, 1e6)}
+    assert collective_s("reduce_scatter", 1, 2e6, 2, links) + collective_s("all_gather", 1, 2e6, 2, links) == \
+        pytest.approx(collective_s("all_reduce", 1, 2e6, 2, links)) == pytest.approx(2.0)
+    costs = {(0, "F"): 10.0, (0, "B"): 20.0, (1, "F"): 10.0, (1, "B"): 20.0}
+    plain = tp_costs(manifest, (0, 0, 1, 1), costs, 4, 2, links)
+    sequence = tp_costs(manifest, (0, 0, 1, 1), costs, 4, 2, links, sequence_parallel=True)
+    assert plain == pytest.approx(sequence)  # compute halved, 2 x 2 s of collectives each way, either way
+    assert plain[(0, "F")] == pytest.approx(5.0 + 4.0) and plain[(0, "B")] == pytest.approx(10.0 + 4.0)
+
+    # an all-gather twice as slow as the all-reduce's step: sequence parallelism costs 1 s more per collective
+    # pair, so without a limit tp 2 alone ranks first; its activations (600 of 1000 bytes per segment halved,
+    # against 1000 with sequence parallelism) need more memory
+    calibration = _collective_calibration(manifest, 0.5e6)
+    kept, dropped, _ = tune(manifest, calibration, schedules=["1f1b"], microbatch_counts=[4],
+                            optimizer_bytes_per_param=0, tp_sizes=[1, 2])
+    assert not dropped
+    layouts = [(c.tp, c.sequence_parallel) for c in kept]
+    assert sorted(layouts) == [(1, False), (2, False), (2, True)]
+    assert layouts.index((2, False)) < layouts.index((2, True))
+    peak = {(c.tp, c.sequence_parallel): c.peak_memory[0] for c in kept}
+    # rank 0: parameters and gradients of 2 segments (16000 at tp 1, halved at tp 2) + 2 microbatches of 4
+    # samples in flight (1F1B) x 2 segments x the activations left per rank
+    assert peak[(1, False)] == 16000 + 2 * 2 * 1000
+    assert peak[(2, False)] == 8000 + 2 * 2 * (1000 - 600 / 2)
+    assert peak[(2, True)] == 8000 + 2 * 2 * (1000 - 1000 / 2)
+    assert kept[0].to_json()["sequence_parallel"] is False
+    # a limit only sequence parallelism meets: it is chosen
+    kept, dropped, _ = tune(manifest, calibration, schedules=["1f1b"], microbatch_counts=[4],
+                            optimizer_bytes_per_param=0, tp_sizes=[1, 2], memory_limit=10500)
+    assert [(c.tp, c.sequence_parallel) for c in kept] == [(2, True)]
+    assert sorted((c.tp, c.sequence_parallel) for c in dropped) == [(1, False), (2, False)]
+    # the boundary carries the sequence shard: the plan's messages are half the bytes
+    from tracepp.costs.search import _messages
+    whole = _messages(manifest, (0, 0, 1, 1), 4, "fp32", False, 2, False)
+    shard = _messages(manifest, (0, 0, 1, 1), 4, "fp32", False, 2, True)
+    assert {k: v[1] / 2 for k, v in whole.items()} == {k: v[1] for k, v in shard.items()} and whole
+    own = _messages(manifest, (0, 0, 1, 1), 4, "fp32", True, 2, True)  # the folder's own split: its values
+    assert own == {(0, 1, "F"): (1, 64.0), (0, 1, "B"): (1, 64.0)}
+
+
+def test_tuner_without_activation_or_sequence_figures_keeps_the_old_prices():
+    # a split by an older tracepp: no activation figures (activations stay whole), no sequence-parallel walk
+    manifest = _tp_manifest(sequence_figures=False)
+    for seg in manifest["segments"]:
+        del seg["tp"]["2"]["sharded_activation_bytes"]
+    calibration = _collective_calibration(manifest, 1e6)
+    kept, _, _ = tune(manifest, calibration, schedules=["1f1b"], microbatch_counts=[4], optimizer_bytes_per_param=0,
+                      tp_sizes=[1, 2])
+    assert sorted((c.tp, c.sequence_parallel) for c in kept) == [(1, False), (2, False)]
+    assert next(c for c in kept if c.tp == 2).peak_memory[0] == 8000 + 2 * 2 * 1000

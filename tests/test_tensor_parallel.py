@@ -275,3 +275,104 @@ def test_sequence_parallel_refuses_what_it_cannot_split():
     with pytest.raises(ValueError, match=r"the traced sequence length 16 does not split into 3 equal shards; use a "
                                          r"sequence length that 3 divides, or --tp in \[2, 4, 8, 16\]"):
         check_model(model_path("tp_llama"), layout=Layout(pp=2, tp=3, sequence_parallel=True))
+
+
+# ---- the tuner's figures (split.tensor_parallel.segment_figures)
+
+_MLP_LM = '''
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+B, S, D, H, V = 4, 8, 16, 32, 64
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(D, H)
+        self.down = nn.Linear(H, D)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(V, D)
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.head = nn.Linear(D, V, bias=False)
+
+    def forward(self, idx):
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def model():
+    torch.manual_seed(0)
+    return Net()
+
+
+def example_inputs():
+    return (torch.randint(0, V, (B, S)),)
+
+
+def example_target():
+    return torch.randint(0, V, (B, S))
+
+
+def loss_fn(logits, target):
+    return F.cross_entropy(logits.reshape(-1, V), target.reshape(-1))
+'''
+
+
+def test_segment_figures_count_the_activations_tp_and_sequence_parallelism_shard(tmp_path):
+    # a hand count on a model small enough to count: per block (microbatch b = 2 of the batch of 4, sequence
+    # S = 8, width D = 16, hidden H = 32, fp32) the values that carry a gradient are up (b S H), relu (b S H),
+    # down (b S D) and the residual add (b S D). tp shards up and relu; sequence parallelism adds down's output
+    # (reduce-scattered over the sequence), not the add, whose sequence shard the next column-parallel region
+    # (the next block's up, or the head) all-gathers and keeps whole
+    path = tmp_path / "mlp_lm.py"
+    path.write_text(_MLP_LM)
+    manifest = check_model(str(path), num_microbatches=2, layout=Layout(pp=2), split_points=["blocks.1"])
+    b, S, D, H, V = 2, 8, 16, 32, 64
+    hidden, width = b * S * H * 4, b * S * D * 4
+    segments = {seg["begins"]: seg for seg in manifest["segments"]}
+    assert set(segments) == {None, "blocks.0", "blocks.1", "head"}
+    for name in ("blocks.0", "blocks.1"):
+        seg = segments[name]
+        assert seg["activation_bytes"] == 2 * hidden + 2 * width
+        for tp in ("2", "4", "8"):
+            figures = seg["tp"][tp]
+            assert figures["sharded_activation_bytes"] == 2 * hidden
+            assert figures["all_reduce"] == [1, width]  # down's partial sums
+            assert figures["all_reduce_backward"] == [1, width]  # the gradient of up's (whole) input
+            sp = figures["sequence_parallel"]
+            assert sp["sharded_activation_bytes"] == 2 * hidden and sp["sequence_activation_bytes"] == width
+            assert sp["all_reduce"] == [0, 0] and sp["all_reduce_backward"] == [0, 0]
+            assert sp["reduce_scatter"] == [1, width] and sp["all_gather_sequence"] == [1, width]
+    assert segments["blocks.1"]["cut_bytes"] == width  # the residual stream, sent as a sequence shard
+    assert segments["blocks.1"]["tp"]["2"]["sequence_parallel"]["cut_sequence_bytes"] == width
+    assert segments["blocks.1"]["tp"]["2"]["sequence_parallel"]["cut_sequence_grad_bytes"] == width
+    # the vocabulary-parallel embedding: its lookup reduce-scattered; its output is gathered by blocks.0's up
+    embed = segments[None]["tp"]["2"]
+    assert embed["all_reduce"] == [1, width] and embed["sequence_parallel"]["reduce_scatter"] == [1, width]
+    assert embed["sequence_parallel"]["sequence_activation_bytes"] == 0
+    # the head: its logits computed on vocabulary shards, its input all-gathered over the sequence
+    head = segments["head"]["tp"]["2"]
+    assert head["sharded_activation_bytes"] == b * S * V * 4
+    assert head["sequence_parallel"]["all_gather_sequence"] == [1, width]
+
+
+def test_a_sequence_tp_does_not_divide_records_no_sequence_parallel_figures(tmp_path):
+    # sequence 8: tp 2, 4 and 8 divide it; a sequence of 6 only tp 2 (the tuner prices no sequence parallelism
+    # at 4 or 8)
+    path = tmp_path / "mlp_lm.py"
+    path.write_text(_MLP_LM.replace("B, S, D, H, V = 4, 8,", "B, S, D, H, V = 4, 6,"))
+    manifest = check_model(str(path), num_microbatches=2, layout=Layout(pp=2), split_points=["blocks.1"])
+    for seg in manifest["segments"]:
+        assert "sequence_parallel" in seg["tp"]["2"]
+        assert "sequence_parallel" not in seg["tp"]["4"] and "sequence_parallel" not in seg["tp"]["8"]

@@ -70,15 +70,16 @@ def resplit(manifest: dict, out_dir: str, **changes) -> dict:
 
 
 def apply_tuned(manifest: dict, out_dir: str, best) -> dict:
-    """Split the folder again with ``best``'s schedule, stages, microbatches and split points (the driver,
-    with the model file and the other options the manifest records)."""
+    """Split the folder again with ``best``'s schedule, stages, microbatches, split points, tp and sequence
+    parallelism (the driver, with the model file and the other options the manifest records)."""
     from tracepp.costs.search import stage_of_segments
 
     own = stage_of_segments(manifest)
     if own is not None and tuple(own) == best.split:  # the same cuts: as the folder was split (markers included)
         recorded = (manifest.get("split_options") or {}).get("split_points")
         return resplit(manifest, out_dir, schedule=best.schedule, num_stages=best.num_stages,
-                       num_microbatches=best.num_microbatches, split_points=recorded, layout={"tp": best.tp})
+                       num_microbatches=best.num_microbatches, split_points=recorded,
+                       layout={"tp": best.tp, "sequence_parallel": best.sequence_parallel})
     return resplit(manifest, out_dir, schedule=best.schedule, num_stages=best.num_stages,
                    num_microbatches=best.num_microbatches, split_points=list(best.split_points),
-                   layout={"tp": best.tp})
+                   layout={"tp": best.tp, "sequence_parallel": best.sequence_parallel})

@@ -21,6 +21,16 @@ default) plus, at the worst moment of the simulated timeline, the activations of
 has run and whose backward (B, or I) has not, each a stage's activation bytes at that microbatch size
 (``split.cost``'s estimate: every floating value that needs a gradient; an upper bound). Candidates over
 ``--memory-limit`` are dropped.
+
+**Tensor parallelism** (``--tp-sizes``): each candidate is priced again at every tp size from the segment
+table's figures (``split.tensor_parallel.segment_figures``): the sharded share of the compute divided by tp, the
+collectives tp adds, the sharded parameters, gradients and optimizer state divided by tp, and the activations
+computed on shards divided by tp. Where the split recorded a sequence-parallel walk for that tp, the candidate
+is priced a second time with ``--sequence-parallel``: the activations between the regions are divided by tp as
+well (not the all-gathered input of a column-parallel region, which its linears keep whole), each row-wise
+all-reduce becomes a reduce-scatter and each region's input an all-gather (mirrored in backward), and the
+values that cross a pipeline cut as sequence shards send 1/tp of their bytes. A folder split by an older tracepp
+(no activation figures) keeps activations whole and is not priced with sequence parallelism.
 """
 from __future__ import annotations
 
@@ -50,6 +60,7 @@ class Candidate:
     stage_to_rank: list = field(default_factory=list)
     error: Optional[str] = None
     tp: int = 1  # tensor-parallel ranks per stage: the job runs ranks x tp processes (x dp)
+    sequence_parallel: bool = False  # with tp > 1: activations between the tp regions split over the sequence
 
     @property
     def stages_per_rank(self) -> int:
@@ -57,7 +68,7 @@ class Candidate:
 
     def to_json(self) -> dict:
         return {"schedule": self.schedule, "num_stages": self.num_stages, "num_microbatches": self.num_microbatches,
-                "tp": self.tp, "split_points": self.split_points, "split_source": self.split_source, "step_s": self.step_s,
+                "tp": self.tp, "sequence_parallel": self.sequence_parallel, "split_points": self.split_points, "split_source": self.split_source, "step_s": self.step_s,
                 "bubble": self.bubble, "peak_memory_bytes": {str(r): v for r, v in sorted(self.peak_memory.items())}}
 
 
@@ -143,74 +154,121 @@ def _split_points(manifest: dict, split: tuple) -> list:
     return [segments[i]["begins"] for i in range(1, len(split)) if split[i] != split[i - 1]]
 
 
-def _messages(manifest: dict, split: tuple, microbatch_size: float, precision: str, own: bool) -> dict:
+def _messages(manifest: dict, split: tuple, microbatch_size: float, precision: str, own: bool, tp: int = 1,
+              sequence_parallel: bool = False) -> dict:
+    """Boundary messages per microbatch of a split. With sequence parallelism each pipeline rank's tp ranks send
+    their counterparts the sequence shards of the values that cross a cut so (``cut_sequence_bytes`` of the
+    cut entering the consumer stage): 1/tp of those bytes."""
     if own:
-        return message_bytes(manifest, microbatch_size, precision)
-    scale = microbatch_size / traced_microbatch(manifest)
-    wire = 0.5 if precision in ("bf16", "fp16") else 1.0
-    out = {}
-    segments = manifest["segments"]
+        out = message_bytes(manifest, microbatch_size, precision)
+    else:
+        scale = microbatch_size / traced_microbatch(manifest)
+        wire = 0.5 if precision in ("bf16", "fp16") else 1.0
+        out = {}
+        segments = manifest["segments"]
+        for i in range(1, len(split)):
+            if split[i] != split[i - 1]:
+                seg = segments[i]
+                stage = split[i]
+                out[(stage - 1, stage, "F")] = (max(1, seg["cut_tensors"]), seg["cut_bytes"] * scale * wire)
+                out[(stage - 1, stage, "B")] = (max(1, seg.get("cut_grad_tensors", 1)),
+                                                seg["cut_grad_bytes"] * scale * wire)
+    if not sequence_parallel:
+        return out
+    kept = {}  # consumer stage -> (forward, backward) fraction of the cut before it left per rank
     for i in range(1, len(split)):
         if split[i] != split[i - 1]:
-            seg = segments[i]
-            stage = split[i]
-            out[(stage - 1, stage, "F")] = (max(1, seg["cut_tensors"]), seg["cut_bytes"] * scale * wire)
-            out[(stage - 1, stage, "B")] = (max(1, seg.get("cut_grad_tensors", 1)), seg["cut_grad_bytes"] * scale * wire)
-    return out
+            seg = manifest["segments"][i]
+            fig = _tp_figures(seg, tp, True)
+            kept[split[i]] = tuple(1.0 - (fig[key] / seg[total]) * (1 - 1 / tp) if seg[total] else 1.0
+                                   for key, total in (("cut_sequence_bytes", "cut_bytes"),
+                                                      ("cut_sequence_grad_bytes", "cut_grad_bytes")))
+    return {(producer, consumer, kind): (count, size * kept.get(consumer, (1.0, 1.0))[kind != "F"])
+            for (producer, consumer, kind), (count, size) in out.items()}
 
 
-def _tp_figures(seg: dict, tp: int) -> dict:
-    """A segment's tensor-parallel figures at ``tp`` (``split.tensor_parallel.segment_figures``); zeros at tp 1."""
+_NO_TP = {"sharded_flops": 0, "sharded_params": 0, "sharded_param_bytes": 0, "all_reduce": [0, 0],
+          "all_reduce_backward": [0, 0], "all_gather": [0, 0]}
+
+
+def _tp_figures(seg: dict, tp: int, sequence_parallel: bool = False) -> dict:
+    """A segment's tensor-parallel figures at ``tp`` (``split.tensor_parallel.segment_figures``; its
+    sequence-parallel ones with ``sequence_parallel``); zeros at tp 1."""
     if tp == 1:
-        return {"sharded_flops": 0, "sharded_params": 0, "sharded_param_bytes": 0, "all_reduce": [0, 0],
-                "all_reduce_backward": [0, 0], "all_gather": [0, 0]}
-    return seg["tp"][str(tp)]
+        return dict(_NO_TP)
+    figures = seg["tp"][str(tp)]
+    return figures["sequence_parallel"] if sequence_parallel else figures
+
+
+def sequence_parallel_priced(manifest: dict, tp: int) -> bool:
+    """Whether the split recorded sequence-parallel figures for ``tp`` on every segment (a split by an older
+    tracepp, a model without a sequence dim, or a sequence length ``tp`` does not divide has none)."""
+    return tp > 1 and all("sequence_parallel" in ((seg.get("tp") or {}).get(str(tp)) or {})
+                          for seg in manifest["segments"])
 
 
 def collective_links(calibration) -> dict:
     """{op: (latency s, bandwidth bytes/s) per ring step}: the calibrated all-reduce and all-gather of two ranks
     (``tracepp.costs.measure_comm.collectives_on_two``), else the point-to-point link of ranks 0 and 1 (a ring
-    step is one message; gloo's collectives on CPU measured 2-6x slower than that, see benchmarks.md)."""
+    step is one message; gloo's collectives on CPU measured 2-6x slower than that, see benchmarks.md). A
+    reduce-scatter's step is the all-reduce's (it sums as it goes: an all-reduce is a reduce-scatter then an
+    all-gather)."""
     fitted = (calibration.comm or {}).get("collectives") or {}
     links = {}
     for op in ("all_reduce", "all_gather"):
         entry = fitted.get(op)
         links[op] = ((float(entry["step_latency_s"]), entry["step_bandwidth_bytes_per_s"]) if entry
                      else calibration.link(0, 1))
+    links["reduce_scatter"] = links["all_reduce"]
     return links
 
 
 def collective_s(op: str, count: int, total_bytes: float, tp: int, link) -> float:
     """Ring collectives over ``tp`` ranks (``link``: (latency s, bandwidth bytes/s) per ring step, or
-    :func:`collective_links`' dict by op): an all-reduce is 2 (tp - 1) steps of a 1/tp piece, an all-gather
-    (tp - 1) steps; ``total_bytes`` is the whole tensors'."""
+    :func:`collective_links`' dict by op): an all-reduce is 2 (tp - 1) steps of a 1/tp piece, an all-gather and
+    a reduce-scatter (tp - 1) steps each, so the two cost what one all-reduce does; ``total_bytes`` is the whole
+    tensors'."""
     if tp == 1 or count == 0:
         return 0.0
-    latency, bandwidth = link[op] if isinstance(link, dict) else link
+    if isinstance(link, dict):  # a reduce-scatter's step is the all-reduce's where no link of its own is given
+        latency, bandwidth = link[op] if op in link else link["all_reduce"]
+    else:
+        latency, bandwidth = link
     steps = 2 * (tp - 1) if op == "all_reduce" else tp - 1
     wire = total_bytes / tp / bandwidth if bandwidth else 0.0
     return steps * (count * latency + wire)
 
 
+# (op, figure) per direction: sequence parallelism's reduce-scatters run as all-gathers backward and its
+# all-gathers into the regions as reduce-scatters
+_FORWARD = (("all_reduce", "all_reduce"), ("all_gather", "all_gather"), ("reduce_scatter", "reduce_scatter"),
+            ("all_gather", "all_gather_sequence"))
+_BACKWARD = (("all_reduce", "all_reduce_backward"), ("all_gather", "reduce_scatter"),
+             ("reduce_scatter", "all_gather_sequence"))
+
+
 def tp_costs(manifest: dict, split: tuple, costs: dict, microbatch_size: float, tp: int, link: tuple,
-             precision: str = "fp32") -> dict:
+             precision: str = "fp32", sequence_parallel: bool = False) -> dict:
     """``{(stage, kind): s}`` of a split priced at ``tp``: each segment's sharded share of its FLOPs divided by
     tp (the calibrated time scaled by FLOPs), and the collectives it adds: forward all-reduces and all-gathers
-    on F, the backward all-reduces on B and I."""
+    on F, the backward all-reduces on B and I; with ``sequence_parallel`` also its reduce-scatters and
+    all-gathers, on F and mirrored on B and I."""
     if tp == 1:
         return costs
     scale = microbatch_size / traced_microbatch(manifest)
     wire = 0.5 if precision in ("bf16", "fp16") else 1.0
     flops, sharded, forward, backward = {}, {}, {}, {}
+
+    def priced(fig, ops) -> float:
+        return sum(collective_s(op, fig[key][0], fig[key][1] * scale * wire, tp, link)
+                   for op, key in ops if key in fig)
+
     for seg, stage in zip(manifest["segments"], split):
-        fig = _tp_figures(seg, tp)
+        fig = _tp_figures(seg, tp, sequence_parallel)
         flops[stage] = flops.get(stage, 0) + (seg["forward_flops"] or 0)
         sharded[stage] = sharded.get(stage, 0) + fig["sharded_flops"]
-        forward[stage] = forward.get(stage, 0.0) + sum(
-            collective_s(op, fig[key][0], fig[key][1] * scale * wire, tp, link)
-            for op, key in (("all_reduce", "all_reduce"), ("all_gather", "all_gather")))
-        backward[stage] = backward.get(stage, 0.0) + collective_s(
-            "all_reduce", fig["all_reduce_backward"][0], fig["all_reduce_backward"][1] * scale * wire, tp, link)
+        forward[stage] = forward.get(stage, 0.0) + priced(fig, _FORWARD)
+        backward[stage] = backward.get(stage, 0.0) + priced(fig, _BACKWARD)
     out = {}
     for (stage, kind), seconds in costs.items():
         share = sharded.get(stage, 0) / flops[stage] if flops.get(stage) else 0.0
@@ -224,18 +282,22 @@ def tp_costs(manifest: dict, split: tuple, costs: dict, microbatch_size: float, 
 
 
 def _memory(manifest: dict, split: tuple, sim, stage_to_rank: list, microbatch_size: float, training: bool,
-            optimizer_bytes_per_param: int, tp: int = 1) -> dict:
+            optimizer_bytes_per_param: int, tp: int = 1, sequence_parallel: bool = False) -> dict:
     """Peak bytes per rank: static (parameters, gradients, optimizer state; the sharded ones divided by tp) +
-    live activations at the worst moment of the simulated timeline (not divided: an upper bound)."""
+    live activations at the worst moment of the simulated timeline: the segments' activation bytes, those
+    computed on shards divided by tp (with ``sequence_parallel`` also those sharded over the sequence); a
+    folder split without these figures keeps them whole (an upper bound)."""
     scale = microbatch_size / traced_microbatch(manifest)
     static, activation = {}, {}
     for seg, stage in zip(manifest["segments"], split):
-        fig = _tp_figures(seg, tp)
+        fig = _tp_figures(seg, tp, sequence_parallel)
         params = (seg["param_bytes"] or 0) - fig["sharded_param_bytes"] * (1 - 1 / tp)
         count = (seg["num_params"] or 0) - fig["sharded_params"] * (1 - 1 / tp)
         held = params + ((params + count * optimizer_bytes_per_param) if training else 0)
         static[stage] = static.get(stage, 0) + held
-        activation[stage] = activation.get(stage, 0) + (seg["activation_bytes"] or 0) * scale
+        sharded = fig.get("sharded_activation_bytes", 0) + fig.get("sequence_activation_bytes", 0)
+        activation[stage] = activation.get(stage, 0) + ((seg["activation_bytes"] or 0)
+                                                        - sharded * (1 - 1 / tp)) * scale
     peak = {}
     for rank, entries in sim.timeline.items():
         live, now, worst = set(), 0.0, 0.0
@@ -293,6 +355,8 @@ def tune(manifest: dict, calibration: Calibration, memory_limit: Optional[int] =
             known = sorted({int(k) for seg in segments for k in (seg.get("tp") or {})})
             raise ValueError(f"--tp-sizes {tp}: the split recorded tensor-parallel figures for tp in "
                              f"{[1] + known}; split the folder again with this tracepp to price others")
+    # each tp > 1 with and without sequence parallelism, where the split recorded its figures
+    layouts = [(tp, sp) for tp in tp_sizes for sp in (False, True) if not sp or sequence_parallel_priced(manifest, tp)]
     link = collective_links(calibration)
     own_split = stage_of_segments(manifest)
     own_topology = topology_from_manifest(manifest)
@@ -323,37 +387,37 @@ def tune(manifest: dict, calibration: Calibration, memory_limit: Optional[int] =
                         continue
                     costs = split_costs(calibration, list(split), size)  # at tp 1; each tp prices them anew
                     optimizer = split_optimizer(calibration, list(split))
-                    messages = _messages(manifest, split, size, precision, own)
-                    for tp in tp_sizes:
+                    for tp, sp in layouts:
                         candidate = Candidate(schedule, num_stages, num_microbatches, split,
-                                              _split_points(manifest, split), source, tp=tp)
-                        optimizer_s = {stage: seconds * _sharded_share(manifest, split, stage, tp)
+                                              _split_points(manifest, split), source, tp=tp, sequence_parallel=sp)
+                        optimizer_s = {stage: seconds * _sharded_share(manifest, split, stage, tp, sp)
                                        for stage, seconds in optimizer.items()}
+                        messages = _messages(manifest, split, size, precision, own, tp, sp)
                         prediction = predict_plan(built.actions, built.stage_to_rank, topology, num_microbatches,
-                                                  tp_costs(manifest, split, costs, size, tp, link, precision),
+                                                  tp_costs(manifest, split, costs, size, tp, link, precision, sp),
                                                   calibration, messages, optimizer_s, training, check=False)
                         candidate.step_s, candidate.bubble = prediction.step_s, prediction.bubble
                         candidate.stage_to_rank = list(built.stage_to_rank)
                         candidate.peak_memory = _memory(manifest, split, prediction.sim, built.stage_to_rank, size,
-                                                        training, optimizer_bytes_per_param, tp)
+                                                        training, optimizer_bytes_per_param, tp, sp)
                         if memory_limit is not None and max(candidate.peak_memory.values()) > memory_limit:
                             dropped.append(candidate)
                         else:
                             kept.append(candidate)
     order = {name: index for index, name in enumerate(SCHEDULE_TABLE)}
     kept.sort(key=lambda c: (round(c.step_s * c.tp, 12), order.get(c.schedule, 99), c.num_stages,
-                             c.num_microbatches, c.split, c.tp))
+                             c.num_microbatches, c.split, c.tp, c.sequence_parallel))
     return kept, dropped, failed
 
 
-def _sharded_share(manifest: dict, split: tuple, stage: int, tp: int) -> float:
+def _sharded_share(manifest: dict, split: tuple, stage: int, tp: int, sequence_parallel: bool = False) -> float:
     """The fraction of a stage's optimizer work left per rank at ``tp``: its parameters less the sharded ones'
     (tp - 1) / tp."""
     total = sharded = 0
     for seg, owner in zip(manifest["segments"], split):
         if owner == stage:
             total += seg["num_params"] or 0
-            sharded += _tp_figures(seg, tp)["sharded_params"]
+            sharded += _tp_figures(seg, tp, sequence_parallel)["sharded_params"]
     return 1.0 - (sharded / total) * (1 - 1 / tp) if total else 1.0
 
 
@@ -368,10 +432,10 @@ def format_tuning(kept: list, dropped: list, failed: list, top: int, memory_limi
     rows = []
     for rank_index, c in enumerate(kept[:top], 1):
         rows.append([rank_index, c.schedule, f"{c.num_stages} ({c.stages_per_rank}/rank)", c.num_microbatches, c.tp,
-                     ", ".join(c.split_points) + (f"  [{c.split_source}]" if c.split_source != "balancer" else ""),
+                     ("yes" if c.sequence_parallel else "no") if c.tp > 1 else "-", ", ".join(c.split_points) + (f"  [{c.split_source}]" if c.split_source != "balancer" else ""),
                      f"{c.step_s * 1000:.1f}", f"{c.bubble:.1%}",
                      " / ".join(_mb(v) for _, v in sorted(c.peak_memory.items()))])
-    headers = ["#", "schedule", "stages", "M", "tp", "split points", "step ms", "bubble", "peak MB per rank"]
+    headers = ["#", "schedule", "stages", "M", "tp", "sp", "split points", "step ms", "bubble", "peak MB per rank"]
     lines = [tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True)]
     searched = len(kept) + len(dropped) + len(failed)
     summary = f"{searched} candidates: {len(kept)} priced"
