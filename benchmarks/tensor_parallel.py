@@ -226,10 +226,24 @@ def sequence(root: str) -> dict:
                              "by_class": {kind: max(r["by_class"].get(kind, 0) for r in ranks)
                                           for kind in ("between", "inside", "vocabulary", "integer")}}
                         for pp, ranks in sorted(per_pp.items())}
+    # the column-parallel linears' inputs (saved as [tokens, hidden] for their matmul): with --sequence-parallel
+    # the all-gathered input, kept whole; Megatron-Core keeps the shard and gathers it again in backward
+    region_inputs = f"between [{module.BATCH // 2 * module.SEQ}, {module.D}] float32"
+    for key in runs:
+        tp = 2 if key != "tp1" else 1
+        for pp, entry in summary[key].items():
+            ranks = [r for r in runs[key] if str(r["pp_rank"]) == pp]
+            entry["region_input_bytes"] = max(r["by_shape"].get(region_inputs, {}).get("bytes", 0) for r in ranks)
+            if key == "tp2_sp":
+                entry["computed_if_region_inputs_kept_as_shards"] = int(
+                    entry["saved_bytes"] - entry["region_input_bytes"] * (1 - 1 / tp))
     for key in runs:
         for pp, entry in summary[key].items():
             one = summary["tp1"][pp]
             entry["ratio_to_tp1"] = round(entry["saved_bytes"] / one["saved_bytes"], 4)
+            if "computed_if_region_inputs_kept_as_shards" in entry:
+                entry["computed_ratio_if_region_inputs_kept_as_shards"] = round(
+                    entry["computed_if_region_inputs_kept_as_shards"] / one["saved_bytes"], 4)
             entry["class_ratio_to_tp1"] = {kind: round(v / one["by_class"][kind], 4) if one["by_class"][kind] else None
                                            for kind, v in entry["by_class"].items()}
         boundaries[key]["ratio_to_tp1"] = round(boundaries[key]["forward_bytes"] / boundaries["tp1"]["forward_bytes"], 4)
