@@ -1290,7 +1290,7 @@ def segment_figures(nodes: list, walks: dict, flops: dict, tensor_bytes, crossin
 
     Where the whole graph was also walked with sequence parallelism, ``["sequence_parallel"]`` holds the same
     figures for that plan plus ``sequence_activation_bytes`` (the activations sharded over the sequence:
-    norms, residuals, dropout between the regions; not the input of a column-parallel region, which its linears
+    norms and residual adds between the regions; not the input of a column-parallel region, which its linears
     keep all-gathered, whole, for their backward), ``reduce_scatter`` (the row-wise outputs and vocabulary
     lookups, in place of their all-reduce) and ``all_gather_sequence`` (into each column-parallel region),
     each [count, bytes of the whole tensors] (backward mirrors them: an all-gather and a reduce-scatter), and
