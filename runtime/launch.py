@@ -36,7 +36,7 @@ from .data import ORDERS, EvalBatches, TokenBatches, accepted_note, check_resume
 from .distributed import missing_dependency
 from .failure import EXIT_FAILED, FailureChannel, PipelineError, agree, say, stall_message
 from .loading import load_manifest
-from . import checkpoint, cpu_binding, host_memory, recompute, shm_p2p, tensor_parallel
+from . import checkpoint, cpu_binding, expert_parallel, host_memory, recompute, shm_p2p, tensor_parallel
 from .mesh import coordinates, full, mesh_layout, world_size
 from .optim import OPTIMIZERS, build_optimizer, build_scheduler, parameter_fqns, step_scheduler
 from .pipeline import Pipeline, check_precision, step_ended
@@ -401,9 +401,10 @@ def _minor_faults():
 
 
 def _report_step(pipe: Pipeline, args, step: int, result, elapsed: float, cpu_time: float, norm, skipped: bool,
-                 note: str, faults, job) -> tuple:
+                 note: str, faults, job, experts=None) -> tuple:
     """The reporting rank's line, ``--metrics`` record and TensorBoard scalars of one step; returns its (step,
-    loss, seconds, samples/s). ``job``: the loop's JobState (tokens per step, progress, board, learning rate)."""
+    loss, seconds, samples/s, expert load). ``job``: the loop's JobState (tokens per step, progress, board,
+    learning rate); ``experts``: ``Pipeline.expert_load()``."""
     training, device = pipe.training, pipe.device
     loss_value = float(result) if training and result is not None and not isinstance(result, list) else None
     samples = pipe.last_batch_size
@@ -413,6 +414,9 @@ def _report_step(pipe: Pipeline, args, step: int, result, elapsed: float, cpu_ti
     if not args.quiet and ((step + 1) % max(args.log_every, 1) == 0 or step + 1 == args.steps or step == 0):
         text = f"loss {loss_value:.6f} | " if loss_value is not None else ""
         text += f"grad norm {norm:.4f} | " if norm is not None else ""
+        if experts is not None:
+            text += f"experts max/mean {experts['imbalance']:.2f}" + (
+                f" dropped {experts['dropped']} | " if experts["dropped"] else " | ")
         rate = f"{tokens / elapsed:,.0f} tok/s" if tokens else f"{samples / elapsed:.1f} samples/s"
         print(f"step {step + 1}/{args.steps} | {text}{elapsed * 1000:.1f} ms | {rate} | "
               f"elapsed {clock(job.progress.elapsed())} | eta {clock(job.progress.eta(step + 1))}{note}", flush=True)
@@ -424,11 +428,17 @@ def _report_step(pipe: Pipeline, args, step: int, result, elapsed: float, cpu_ti
         record["lr"] = lr
     if norm is not None:
         record["grad_norm"] = norm
+    if experts is not None:  # the worst-balanced block of routed experts, over the global batch
+        record.update({"moe_tokens_per_expert_max": experts["max"], "moe_tokens_per_expert_mean": experts["mean"],
+                       "moe_imbalance": experts["imbalance"], "moe_dropped": experts["dropped"]})
     if job.source is not None:
         record.update(job.source.position(step))
     if job.board is not None:
         job.board.scalars(step + 1, {"train/loss": loss_value, "train/lr": lr, "train/grad_norm": norm,
                                      "train/tokens_per_s": record.get("tokens_per_s"), "train/step_time_s": elapsed,
+                                     "moe/imbalance": record.get("moe_imbalance"),
+                                     "moe/tokens_per_expert_max": record.get("moe_tokens_per_expert_max"),
+                                     "moe/dropped": record.get("moe_dropped"),
                                      **(job.source.scalars(step) if job.source is not None else {})})
     if args.metrics:
         if faults is not None:
@@ -442,7 +452,7 @@ def _report_step(pipe: Pipeline, args, step: int, result, elapsed: float, cpu_ti
         if pipe.world_size > 1:
             record["p2p"] = pipe.p2p_transport()
         _append_metrics(args.metrics, record)
-    return step, loss_value, elapsed, samples / elapsed
+    return step, loss_value, elapsed, samples / elapsed, experts
 
 
 def _append_metrics(path: str, record: dict) -> None:
@@ -498,6 +508,7 @@ def evaluate(pipe: Pipeline, batches) -> float:
         loss = pipe.eval_step(*loader.get(index))
         if loss is not None:
             total += float(loss)
+    expert_parallel.take_stats()  # evaluation's routing is not the training step's expert load
     return total / len(batches) if pipe.is_last_rank else None
 
 
@@ -570,6 +581,7 @@ def train(pipe: Pipeline, args) -> None:
                                                 optimizer, scheduler)
         else:
             stop = any_rank(args.stop.requested is not None, device)
+        experts = pipe.expert_load()  # tokens per routed expert (a collective; None without routed experts)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - start
@@ -579,7 +591,7 @@ def train(pipe: Pipeline, args) -> None:
             outputs.append(_replica_outputs(pipe, result))
         if reports:
             history.append(_report_step(pipe, args, step, result, elapsed, cpu_time, norm, skipped, note, faults,
-                                        job))
+                                        job, experts))
         step_ended(pipe, step)
         done = step + 1
         if evals is not None and args.eval_every and done % args.eval_every == 0 and done != args.steps and not stop:
@@ -784,6 +796,15 @@ def _on_nonfinite(pipe: Pipeline, args, step: int, loss, scaler) -> tuple:
     return False, " | non-finite"
 
 
+def _expert_rows(loads: list) -> list:
+    """The summary's routed-expert rows: the median and worst max/mean tokens per expert, pairs dropped."""
+    if not loads:
+        return []
+    ratios = sorted(load["imbalance"] for load in loads)
+    return [["experts max/mean tokens", f"{ratios[len(ratios) // 2]:.2f} median, {ratios[-1]:.2f} worst"],
+            ["(token, expert) pairs dropped", str(sum(load["dropped"] for load in loads))]]
+
+
 def _summary(pipe: Pipeline, args, history: list) -> None:
     manifest = pipe.manifest
     training = pipe.training
@@ -792,6 +813,7 @@ def _summary(pipe: Pipeline, args, history: list) -> None:
             ["last loss", f"{history[-1][1]:.6f}" if training else "-"],
             ["median step time (ms)", f"{times[len(times) // 2] * 1000:.1f}"],
             ["samples/s (median)", f"{sorted(h[3] for h in history)[len(history) // 2]:.1f}"],
+            *_expert_rows([h[4] for h in history if h[4] is not None]),
             ["ranks / stages", f"{pipe.world_size} / {len(manifest['stages'])}"],
             *([["data parallel", f"{pipe.layout.dp} replicas x {pipe.layout.pp} pipeline ranks, "
                                  f"{pipe.layout.dp_mode}"]] if pipe.layout.dp > 1 else []),

@@ -482,6 +482,40 @@ class Pipeline:
         norm = sums[0].sqrt()
         return torch.full_like(norm, float("nan")) if sums[1] > 0 else norm
 
+    def expert_load(self):
+        """Tokens per routed expert in the step just run, over the global batch (summed over the data-parallel
+        replicas), across every block of the pipeline: ``{"imbalance": the worst block's busiest expert over its
+        mean, "max": the tokens of the busiest expert of any block, "mean": tokens per expert (the largest
+        block mean), "dropped": (token, expert) pairs no expert took (0: dropless)}``, the same on every rank;
+        None for a model without routed experts. A collective: call it on every rank."""
+        if not (self.manifest.get("ep") or {}).get("blocks"):
+            return None
+        stats = expert_parallel.take_stats()
+        if self.mesh is not None and stats:  # each replica counted its own tokens
+            flat = torch.cat([torch.cat([counts.float(), torch.tensor([float(dropped)])])
+                              for counts, dropped in stats.values()]).to(self.device)
+            dist.all_reduce(flat, group=self.replicas.get_group())
+            offset, summed = 0, {}
+            for block, (counts, _dropped) in stats.items():
+                size = counts.numel()
+                summed[block] = (flat[offset:offset + size].cpu(), float(flat[offset + size]))
+                offset += size + 1
+            stats = summed
+        worst = torch.zeros(4, dtype=torch.float64)  # imbalance, max, mean, dropped (over this rank's blocks)
+        for counts, dropped in stats.values():
+            counts = counts.double()
+            mean = float(counts.mean())
+            worst[0] = max(float(worst[0]), float(counts.max()) / mean if mean > 0 else 0.0)
+            worst[1] = max(float(worst[1]), float(counts.max()))
+            worst[2] = max(float(worst[2]), mean)
+            worst[3] += dropped
+        if self.world_size > 1:  # the worst block of any pipeline rank (dropped: the most any rank saw)
+            result = worst.to(self.device, torch.float32)
+            dist.all_reduce(result, op=dist.ReduceOp.MAX)
+            worst = result.double().cpu()
+        return {"imbalance": float(worst[0]), "max": float(worst[1]), "mean": float(worst[2]),
+                "dropped": int(worst[3])}
+
     def scale_grads(self, factor) -> None:
         for param in self.parameters():
             if param.grad is not None:

@@ -1,0 +1,109 @@
+"""Expert parallelism, tiers 1-2: the routed experts found in the traced graph, the plan as plain data, the
+errors that name the values that would work, and the all-to-all ops' bookkeeping in one process."""
+import os
+
+import pytest
+import torch
+
+from tracepp.driver import check_model
+from tracepp.runtime.mesh import Layout
+from util import model_path
+
+ZOO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zoo")
+
+
+def _manifest(name: str, **layout):
+    return check_model(os.path.join(ZOO, name + ".py"), num_microbatches=2, layout=Layout(pp=2, **layout))
+
+
+def test_deepseek_v3_plan_shards_routed_experts_and_leaves_dense_and_shared_ones():
+    # 3 layers: the first dense, then 8 routed experts (top 2) with a shared expert; global batch 4 x 8 tokens,
+    # dp 2 x 2 microbatches: 8 tokens per microbatch, 16 (token, expert) pairs per block
+    manifest = _manifest("deepseek_v3", dp=2, ep=2)
+    ep = manifest["ep"]
+    assert ep["size"] == 2 and manifest["plan"]["mesh"]["ep"] == 2
+    assert sorted(ep["params"]) == [f"model.layers.{i}.mlp.experts.{w}" for i in (1, 2)
+                                    for w in ("down_proj", "gate_up_proj")]
+    assert ep["params"]["model.layers.1.mlp.experts.gate_up_proj"] == {
+        "dim": 0, "experts": 8, "shape": [8, 32, 32], "local": [4, 32, 32]}
+    assert [(b["name"], b["stage"], b["experts"], b["local_experts"], b["pairs"]) for b in ep["blocks"]] == [
+        ("model.layers.1.mlp.experts", 0, 8, 4, 16), ("model.layers.2.mlp.experts", 1, 8, 4, 16)]
+    # rows out (hidden 32, fp32) and back (32), half of them to the other rank, forward and backward
+    assert ep["blocks"][0]["all_to_all_bytes"] == {"forward": 16 * (128 + 128) // 2, "backward": 2048}
+    assert not any("shared_experts" in fqn or "layers.0" in fqn for fqn in ep["params"])
+
+
+@pytest.mark.parametrize("name,experts", [("mixtral", 4), ("qwen3_moe", 8)])
+def test_every_moe_family_is_found(name, experts):
+    manifest = _manifest(name, dp=2, ep=2)
+    blocks = manifest["ep"]["blocks"]
+    assert len(blocks) == 2 and {b["experts"] for b in blocks} == {experts}
+    assert all(entry["local"][0] == experts // 2 for entry in manifest["ep"]["params"].values())
+
+
+def test_without_ep_the_blocks_only_count_tokens(tmp_path):
+    from tracepp.driver import split_model
+
+    out = str(tmp_path / "out")
+    manifest = split_model(os.path.join(ZOO, "mixtral.py"), out, num_microbatches=2, layout=Layout(pp=2))
+    assert manifest["ep"]["size"] == 1 and manifest["ep"]["params"] == {} and len(manifest["ep"]["blocks"]) == 2
+    script = open(os.path.join(out, "rank0.py")).read()
+    assert "tracepp.moe_tokens.default" in script and "ep_dispatch" not in script
+
+
+def test_errors_name_the_values_that_would_work():
+    with pytest.raises(ValueError, match=r"--ep 2: this model has no routed experts .*split without --ep"):
+        check_model(model_path("tied_lm_dp"), num_microbatches=2, layout=Layout(pp=2, dp=2, ep=2))
+    with pytest.raises(ValueError, match=r"--ep 4 takes each stage's expert-parallel ranks from its --dp 2 "
+                                         r"data-parallel ranks, so it must divide --dp: use --ep in \[1, 2\]"):
+        _manifest("mixtral", dp=2, ep=4)
+    with pytest.raises(ValueError, match="use --dp-mode fsdp or ddp with --ep"):
+        _manifest("mixtral", dp=4, ep=2, dp_mode="hsdp", dp_shard=2)
+
+
+def test_an_expert_count_ep_does_not_divide_is_refused():
+    # 4 experts over --ep 3 (with --dp 3, which a 3-sample batch would allow): the plan names the working sizes
+    from tracepp.split import expert_parallel, tensor_parallel
+    from util import trace_and_split
+
+    _model_file, _traced, graph = trace_and_split(os.path.join(ZOO, "mixtral.py"))
+    with pytest.raises(ValueError, match=r"--ep 3 does not divide the 4 routed experts of model\.layers\.0\.mlp\."
+                                         r"experts: use --ep in \[1\] \(dividing both the experts and --dp 3\)"):
+        expert_parallel.plan(graph, 3, 3, tensor_parallel.fqn_map)
+
+
+def test_dispatch_and_combine_are_inverse_and_count_tokens_in_one_process():
+    from tracepp.runtime import expert_parallel
+
+    expert_parallel.set_group(None, 1, 0)
+    expert_parallel.take_stats()
+    rows = torch.randn(6, 3, requires_grad=True)
+    offsets = torch.tensor([2, 2, 5, 5], dtype=torch.int32)  # 5 pairs routed, the sixth to no expert (dropped)
+    local, local_offsets, plan = torch.ops.tracepp.ep_dispatch(rows, offsets, 4, "block")
+    assert local.shape == (5, 3) and local_offsets.tolist() == [2, 2, 5, 5]
+    out = torch.ops.tracepp.ep_combine(local * 3, plan, 6)
+    assert torch.equal(out[:5], rows[:5] * 3) and torch.equal(out[5], torch.zeros(3))
+    out.sum().backward()
+    assert rows.grad[:5].eq(3).all() and rows.grad[5].eq(0).all()
+    counts, dropped = expert_parallel.take_stats()["block"]
+    assert counts.tolist() == [2, 0, 3, 0] and dropped == 1
+
+
+def test_rows_received_from_each_source_are_regrouped_by_expert():
+    from tracepp.runtime.expert_parallel import _order
+
+    # source 0 sent 0 rows for local expert 0 and 2 for expert 1; source 1 sent 3 and 1
+    assert _order(torch.tensor([[0, 2], [3, 1]])).tolist() == [2, 3, 4, 0, 1, 5]
+    assert _order(torch.tensor([[1, 1], [1, 1]])).tolist() == [0, 2, 1, 3]
+
+
+def test_a_safetensors_reader_reads_only_the_rows_asked_for(tmp_path):
+    from safetensors.torch import save_file
+
+    from tracepp.runtime.weights import open_checkpoint
+
+    experts = torch.arange(4 * 3 * 2, dtype=torch.float32).reshape(4, 3, 2)
+    save_file({"w": experts, "b": torch.ones(5)}, str(tmp_path / "m.safetensors"))
+    reader = open_checkpoint(str(tmp_path / "m.safetensors"))
+    read = reader.read({"w": "w", "b": "b"}, {"w": (2, 4)})
+    assert torch.equal(read["w"], experts[2:4]) and torch.equal(read["b"], torch.ones(5))
