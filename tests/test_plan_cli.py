@@ -308,3 +308,29 @@ def test_resplit_keeps_user_files_and_drops_stale_ranks(tmp_path, capsys):
     assert cli_main(["split", model, "-o", str(foreign), "--ranks", "2"]) == 2
     assert "has no tracepp manifest.json; choose another -o" in capsys.readouterr().err
     assert os.listdir(foreign) == ["notes.txt"]
+
+
+def test_tune_prices_sequence_parallelism_and_apply_splits_with_it(tmp_path, capsys):
+    """`plan --tune --tp-sizes 1,2` lists tp 2 with and without sequence parallelism (the `sp` column); under a
+    memory limit only sequence parallelism meets, `--apply` re-splits with `--tp 2 --sequence-parallel`. Made-up
+    stage costs, free comms: no process runs."""
+    out = str(tmp_path / "out")
+    split_model(model_path("tp_llama"), out, schedule="1f1b", num_microbatches=2, split_points=["layers.2"],
+                layout=Layout(pp=2))
+    costs = tmp_path / "costs.json"
+    costs.write_text(json.dumps({"0F": 1.0, "0B": 2.0, "1F": 1.0, "1B": 2.0}))
+    assert cli_main(["calibrate", out, "--costs", str(costs), "--no-comm", "--no-fit"]) == 0
+    search = ["plan", out, "--tune", "--schedules", "1f1b", "--microbatch-counts", "2", "--tp-sizes", "1,2"]
+    capsys.readouterr()
+    assert cli_main(search) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line[:1].isdigit() and "1f1b" in line]
+    # #, schedule, stages, (k/rank), M, tp, sp, split points, step ms, bubble, peak MB per rank (a / b)
+    peak = {(row[5], row[6]): max(float(row[-3]), float(row[-1])) for row in rows}
+    assert set(peak) == {("1", "-"), ("2", "no"), ("2", "yes")}
+    assert peak[("2", "yes")] < peak[("2", "no")] < peak[("1", "-")]
+    limit = (peak[("2", "yes")] + peak[("2", "no")]) / 2
+    assert cli_main(search + ["--memory-limit", f"{limit:.4f}MB", "--apply"]) == 0
+    assert "--tp 2 --sequence-parallel" in capsys.readouterr().out
+    manifest = load_manifest(out)
+    assert manifest["plan"]["mesh"]["tp"] == 2 and manifest["plan"]["mesh"]["sequence_parallel"] is True
+    assert manifest["tp"]["sequence_parallel"]["sent"] == {"layers_1_out": 1}
