@@ -1,11 +1,14 @@
 """DeepSeek-V3 at full size (61 layers, the first 3 dense; 256 routed experts top-8 and 1 shared expert; MLA;
 vocabulary 129,280; about 671B parameters), built from its config (nothing downloaded), as a model file for
-``benchmarks/moe_plan.py``. tracepp plans it on meta tensors: nothing of its weights is ever allocated."""
+``benchmarks/moe_plan.py``. tracepp plans it on meta tensors: nothing of its weights is ever allocated.
+``DEEPSEEK_V3_BATCH``: the global batch (16 by default; 512 for 32 data-parallel replicas of 16 microbatches)."""
+import os
+
 import torch
 import torch.nn.functional as F
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-BATCH, SEQ, VOCAB = 16, 4096, 129280
+BATCH, SEQ, VOCAB = int(os.environ.get("DEEPSEEK_V3_BATCH", "16")), 4096, 129280
 
 
 def model():

@@ -24,7 +24,7 @@ import torch.utils._pytree as pytree
 import tracepp
 from tracepp.codegen.stage_code import globals_prelude, rank_code
 from tracepp.runtime.loading import MANIFEST_FORMAT
-from tracepp.runtime.mesh import describe, mesh_layout
+from tracepp.runtime.mesh import describe, mesh_layout, parameter_placements
 from tracepp.runtime.script_check import program_digest
 from tracepp.runtime.shapes import activation_key, activation_sent, gradient_key, gradient_sent
 from tracepp.split.cost import forward_flops
@@ -150,6 +150,11 @@ def build_manifest(model_file, traced, graph, plan, launch_command: str, options
         # with --tp: each parameter's shard dim (None: replicated over tp) and the collectives per stage
         "tp": graph.tensor_parallel or None,
         "ep": graph.expert_parallel or None,
+        # every parameter's placement over the whole mesh (dp, ep, tp) and the shape one rank holds
+        "placements": parameter_placements(mesh_layout(plan), {
+            ref.fqn: list(_program_tensor(traced.program, ref.fqn, ref.kind).shape)
+            for ref in graph.state.values() if ref.kind == "parameter"}, graph.tensor_parallel or {},
+            graph.expert_parallel or {}),
         # how `tracepp split` was called (model file path, ranks, stages, ...): what a re-split (the tuner's
         # --apply) repeats with other choices
         "split_options": dict(options or {}),

@@ -167,6 +167,36 @@ def describe(plan: dict) -> list:
             f"(global rank = {formula}){expert}"] + replicas_text(layout)
 
 
+def parameter_placements(layout: Layout, shapes: dict, tp_plan: dict, ep_plan: dict) -> dict:
+    """{fqn: {"dp": how the data-parallel ranks hold it, "ep": its expert-parallel shard dim or None, "tp": its
+    tensor-parallel shard dim or None, "per_rank": the shape one rank holds}} for every parameter (``shapes``:
+    its whole shape). FSDP shards dim 0 of what tp and ep leave over dp (the last rank's piece may be shorter);
+    routed experts stay outside FSDP, whole on each of the dp / ep ranks that hold them."""
+    out = {}
+    tp_params, ep_params = tp_plan.get("params", {}), ep_plan.get("params", {}) if layout.ep > 1 else {}
+    for fqn, shape in shapes.items():
+        local = list(shape)
+        tp_dim = (tp_params.get(fqn) or {}).get("dim") if layout.tp > 1 else None
+        ep_dim = (ep_params.get(fqn) or {}).get("dim")
+        if tp_dim is not None:
+            local[tp_dim] //= layout.tp
+        if ep_dim is not None:
+            local[ep_dim] //= layout.ep
+        if layout.dp == 1:
+            dp = None
+        elif ep_dim is not None:
+            dp = f"replicate over {layout.dp // layout.ep}" if layout.dp > layout.ep else "one copy"
+        elif layout.dp_mode == "ddp":
+            dp = f"replicate over {layout.dp}"
+        else:
+            over = layout.dp if layout.dp_mode == "fsdp" else layout.dp_shard
+            dp = f"shard(0) over {over}"
+            if local:
+                local[0] = -(-local[0] // over)
+        out[fqn] = {"dp": dp, "ep": ep_dim, "tp": tp_dim, "per_rank": local}
+    return out
+
+
 def build_mesh(layout: Layout, device: torch.device):
     """(the job's DeviceMesh, dims ("dp", "pp") (HSDP: ("dp_replicate", "dp_shard", "pp"); expert parallel:
     ("edp", "ep", "pp"), the ep ranks of a replica group consecutive), with a last dim "tp" under tensor

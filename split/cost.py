@@ -301,6 +301,32 @@ def stage_estimate(cost: SegmentCost, inflight: int, training: bool = True,
             "memory_bytes": cost.param_bytes + grad_bytes + optimizer_bytes + activation_bytes}
 
 
+def per_rank_estimate(stage: Stage, graph, layout, training: bool = True,
+                      optimizer_bytes_per_param: int = ADAM_STATE_BYTES_PER_PARAM) -> dict:
+    """A stage's estimate as one of its ranks holds it under ``layout`` (a ``runtime.mesh.Layout``): the
+    parameters from the stage graph's own annotations (after tensor and expert parallelism rewrote them to this
+    rank's shards: tp pieces, ep's experts), FSDP's (and HSDP's) share of the others over dp, their gradients
+    and optimizer state alike; the activations of the microbatches in flight as before."""
+    estimate = dict(stage.estimate)
+    experts = set((graph.expert_parallel or {}).get("params", {}))
+    shard = {"fsdp": layout.dp, "hsdp": layout.dp_shard or 1}.get(layout.dp_mode, 1) if layout.dp > 1 else 1
+    params = count = 0
+    placeholders = [n for n in stage.graph.nodes if n.op == "placeholder"]
+    for node, name in zip(placeholders, stage.state):
+        ref = graph.state[name]
+        if ref.kind != "parameter":
+            continue
+        val = node.meta.get("val")
+        divisor = 1 if ref.fqn in experts else shard  # experts stay outside FSDP: already 1/ep
+        params += tensor_bytes(val) / divisor
+        count += as_int(val.numel()) / divisor if isinstance(val, torch.Tensor) else 0
+    grads = params if training else 0
+    optimizer = count * optimizer_bytes_per_param if training else 0
+    estimate.update(param_bytes=int(params), grad_bytes=int(grads), optimizer_bytes=int(optimizer), per_rank=True,
+                    memory_bytes=int(params + grads + optimizer + estimate["activation_bytes"]))
+    return estimate
+
+
 def imbalance(amounts: list) -> Optional[float]:
     """max / mean of per-stage amounts (1.0 is perfect balance), None when there is nothing to compare."""
     if not amounts or not any(amounts):

@@ -853,18 +853,19 @@ def _regions(walk: _Walk) -> list:
             n = parent[n]
         return n
 
-    for node in walk.shard:
+    tp_sharded = [node for node in walk.shard if walk.kind.get(node) != "seq"]  # sequence shards join nothing
+    for node in tp_sharded:
         for arg in node.all_input_nodes:
-            if arg in walk.shard:
+            if arg in walk.shard and walk.kind.get(arg) != "seq":
                 parent[find(node)] = find(arg)
     groups: dict = {}
-    for node in walk.shard:
+    for node in tp_sharded:
         groups.setdefault(find(node), set()).add(node)
     for node, role in walk.roles.items():
         if role == "rowwise":
-            groups[find(walk.forms[node][0])].add(node)
+            groups.setdefault(find(walk.forms[node][0]), set()).add(node)
     for node in walk.sums:
-        groups[find(node.args[0])].add(node)
+        groups.setdefault(find(node.args[0]), set()).add(node)
     return list(groups.values())
 
 

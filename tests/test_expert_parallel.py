@@ -107,3 +107,26 @@ def test_a_safetensors_reader_reads_only_the_rows_asked_for(tmp_path):
     reader = open_checkpoint(str(tmp_path / "m.safetensors"))
     read = reader.read({"w": "w", "b": "b"}, {"w": (2, 4)})
     assert torch.equal(read["w"], experts[2:4]) and torch.equal(read["b"], torch.ones(5))
+
+
+def test_check_prints_each_ranks_memory_and_every_parameters_placement(capsys):
+    # the estimate per rank: the routed experts at 1/ep (outside FSDP), the rest FSDP's 1/dp
+    from tracepp.cli import main
+
+    assert main(["check", os.path.join(ZOO, "deepseek_v3.py"), "--dp", "2", "--ep", "2", "--microbatches", "2"]) == 0
+    text = capsys.readouterr().out
+    assert "bytes per rank: tensor-parallel pieces, this rank's routed experts (1/ep)" in text
+    assert "routed experts (ep=2): 4 expert weights sharded" in text
+    assert "model.layers.*.mlp.experts.gate_up_proj  (x2)             one copy         Shard(0)  -     [4, 32, 32]" \
+        in text
+    manifest = _manifest("deepseek_v3", dp=2, ep=2)
+    placements = manifest["placements"]
+    assert placements["model.layers.1.mlp.experts.down_proj"] == {"dp": "one copy", "ep": 0, "tp": None,
+                                                                  "per_rank": [4, 32, 16]}
+    assert placements["lm_head.weight"] == {"dp": "shard(0) over 2", "ep": None, "tp": None, "per_rank": [32, 32]}
+    # stage 1 (layer 2 with 8 experts, the norm and head): experts halved by ep, everything else by FSDP
+    fp32 = 4
+    state = {ref["fqn"]: ref["shape"] for ref in manifest["stages"][1]["state"] if ref["kind"] == "parameter"}
+    experts = sum(torch.Size(s).numel() for f, s in state.items() if ".experts." in f)
+    others = sum(torch.Size(s).numel() for f, s in state.items() if ".experts." not in f)
+    assert manifest["stages"][1]["estimate"]["param_bytes"] == fp32 * (experts // 2 + others // 2)

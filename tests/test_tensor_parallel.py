@@ -376,3 +376,14 @@ def test_a_sequence_tp_does_not_divide_records_no_sequence_parallel_figures(tmp_
     for seg in manifest["segments"]:
         assert "sequence_parallel" in seg["tp"]["2"]
         assert "sequence_parallel" not in seg["tp"]["4"] and "sequence_parallel" not in seg["tp"]["8"]
+
+
+def test_sequence_parallel_still_replicates_what_is_needed_whole(monkeypatch):
+    # the walk joins regions through tensor-parallel shards only: a router (logits needed whole by its softmax)
+    # and grouped-query attention with fewer key/value heads than tp stay replicated under --sequence-parallel
+    monkeypatch.setenv("TP_HF_FAMILY", "mixtral")
+    manifest = check_model(os.path.join(ZOO, "tp_hf.py"), num_microbatches=2,
+                           layout=Layout(pp=2, tp=2, sequence_parallel=True))
+    assert manifest["tp"]["params"]["model.layers.0.mlp.gate.weight"]["dim"] is None
+    manifest = check_model(model_path("tp_llama"), num_microbatches=2, layout=Layout(pp=2, tp=4, sequence_parallel=True))
+    assert all(manifest["tp"]["params"][f"layers.0.attn.{n}_proj.weight"]["dim"] is None for n in "qkvo")

@@ -65,7 +65,7 @@ def _check(args) -> int:
     from tracepp.report.checks import stage_warnings
     from tracepp.driver import check_model
     from tracepp.dynamic import parse_flags
-    from tracepp.report.stages import stage_table, tensor_parallel_table
+    from tracepp.report.stages import estimate_table, expert_parallel_table, stage_table, tensor_parallel_table
 
     _check_layout(args)
     points = _split_points(args.split_points)
@@ -74,10 +74,11 @@ def _check(args) -> int:
                            dynamic_shapes=parse_flags(args.dynamic) if args.dynamic else None, layout=_layout(args))
     _print_notes(manifest)
     print(stage_table(manifest))
-    table = tensor_parallel_table(manifest)
-    if table:
-        print()
-        print(table)
+    for table in (estimate_table(manifest) if manifest["plan"].get("mesh") else "", tensor_parallel_table(manifest),
+                  expert_parallel_table(manifest)):
+        if table:
+            print()
+            print(table)
     warnings = stage_warnings(manifest)
     print()
     for warning in warnings:
@@ -112,11 +113,13 @@ def _inspect(args) -> int:
     from tracepp.codegen.manifest import load_manifest
     from tracepp.report.plan import plan_report
     from tracepp.runtime.mesh import describe
-    from tracepp.report.stages import boundary_table, estimate_table, stage_table, tensor_parallel_table
+    from tracepp.report.stages import (boundary_table, estimate_table, expert_parallel_table, stage_table,
+                                       tensor_parallel_table)
 
     manifest = load_manifest(args.out)
     print(stage_table(manifest))
-    for section in (estimate_table(manifest), boundary_table(manifest), tensor_parallel_table(manifest)):
+    for section in (estimate_table(manifest), boundary_table(manifest), tensor_parallel_table(manifest),
+                    expert_parallel_table(manifest)):
         if section:
             print()
             print(section)

@@ -15,6 +15,7 @@ from tracepp.modelfile import load_model_file
 from tracepp.resplit import split_options
 from tracepp.runtime.mesh import Layout
 from tracepp.split import expert_parallel, tensor_parallel
+from tracepp.split.cost import per_rank_estimate
 from tracepp.split.partition import split
 from tracepp.trace import trace
 
@@ -40,6 +41,9 @@ def _plan(model_path: str, layout: Layout, num_stages: Optional[int], schedule: 
     if ep_plan.blocks:
         expert_parallel.apply(graph, ep_plan, blocks)
         graph.expert_parallel = ep_plan.to_json()
+    if layout.world_size > layout.pp:  # what each rank holds of its stages: tp pieces, its experts, FSDP shards
+        for stage in graph.stages:
+            stage.estimate = per_rank_estimate(stage, graph, layout, model_file.training)
     the_plan = build_plan(schedule, layout.pp, graph.num_stages, num_microbatches,    # 3. schedule
                           topology_of(graph), model_file.training).to_json()
     if layout.dp > 1:

@@ -83,6 +83,9 @@ def estimate_table(manifest: dict) -> str:
     text += ("\nimbalance (max/mean): time "
              + (f"{time_imbalance:.2f}" if time_imbalance is not None else "unknown (FLOPs not counted)")
              + (f", memory {memory_imbalance:.2f}" if memory_imbalance is not None else ""))
+    if all(e.get("per_rank") for e in estimates):
+        text += ("\n(bytes per rank: tensor-parallel pieces, this rank's routed experts (1/ep), FSDP's share of "
+                 "the rest over dp)")
     text += ("\n(time from forward FLOPs counted on the traced graph (docs/flops.md), backward = 2x forward, "
              "elementwise ops not counted; "
              "memory assumes Adam (two fp32 states per parameter) and counts every value that carries a "
@@ -151,4 +154,38 @@ def tensor_parallel_table(manifest: dict) -> str:
             comm.append(["", f"replicated: {reason}"])
     lines += ["", "collectives per microbatch forward (their mirror runs in backward):",
               tabulate(comm, headers=["stage", "collectives over the tp group"], tablefmt="simple")]
+    return "\n".join(lines)
+
+
+def expert_parallel_table(manifest: dict) -> str:
+    """The routed experts: each block's stage, experts per rank and (token, expert) pairs per microbatch, the
+    all-to-all bytes it moves; each expert weight's shape per rank, and every parameter's placement over the
+    mesh when the job spans more than the pipeline. Empty for a model without routed experts."""
+    ep = manifest.get("ep")
+    if not ep or not ep.get("blocks"):
+        return ""
+    size = ep["size"]
+    rows = []
+    for block in ep["blocks"]:
+        moved = block.get("all_to_all_bytes")
+        rows.append([block["name"], block["stage"], f"{block['local_experts']} of {block['experts']}", block["pairs"],
+                     f"{_bytes(moved['forward'])} / {_bytes(moved['backward'])}" if moved else "-",
+                     block.get("refused", "")])
+    title = (f"routed experts (ep={size}): {len(ep['params'])} expert weights sharded over the expert dim, tokens "
+             f"dispatched and combined by all-to-all (per microbatch, forward / backward, the rows that leave "
+             f"the rank)" if size > 1 else "routed experts (no --ep: every rank holds all of them; tokens per "
+                                            "expert are counted for the metrics)")
+    lines = [title, tabulate(rows, headers=["block", "stage", "experts per rank", "pairs/mb", "all-to-all",
+                                            "not sharded because"], tablefmt="simple")]
+    placements = manifest.get("placements") or {}
+    if size > 1 and placements:
+        grouped: dict = {}
+        for fqn, entry in placements.items():
+            key = (_pattern(fqn), entry["dp"] or "-", "-" if entry["ep"] is None else f"Shard({entry['ep']})",
+                   "-" if entry["tp"] is None else f"Shard({entry['tp']})", str(entry["per_rank"]))
+            grouped[key] = grouped.get(key, 0) + 1
+        lines += ["", "every parameter over the mesh (shape one rank holds):",
+                  tabulate([[pattern + (f"  (x{count})" if count > 1 else ""), dp, ep_dim, tp_dim, shape]
+                            for (pattern, dp, ep_dim, tp_dim, shape), count in grouped.items()],
+                           headers=["parameter", "dp", "ep", "tp", "per rank"], tablefmt="simple")]
     return "\n".join(lines)
