@@ -7,10 +7,11 @@ wrap-around pair (0, R-1) of a V placement, plays ping-pong with messages of eac
 tracepp runtime uses (its shared-memory rings between CPU ranks on one host, ``runtime/shm_p2p.py``, with
 ``--p2p auto``, the default; ``isend``/``irecv`` and ``wait`` on gloo; ``batch_isend_irecv`` on NCCL). A one-way time
 is half the median round trip; a least-squares line ``time = latency + bytes / bandwidth`` over the sizes gives
-each pair's latency and bandwidth. Ranks 0 and 1 then time the backend's all-reduce and all-gather at the same
-sizes (what a tensor-parallel group pays; ``collectives``, fitted per ring step). Rank 0 prints the table and
-writes ``{"backend", "serial", "world_size", "device", "pairs": {"0-1": {"latency_s", "bandwidth_bytes_per_s",
-"points"}}, "collectives": {"all_reduce": {...}, "all_gather": {...}}}``, the ``comm`` section of
+each pair's latency and bandwidth. Ranks 0 and 1 then time the backend's all-reduce, all-gather and all-to-all
+at the same sizes (what a tensor-parallel group and an expert-parallel exchange pay; ``collectives``, fitted per
+ring step or per message). Rank 0 prints the table and writes ``{"backend", "serial", "world_size", "device",
+"pairs": {"0-1": {"latency_s", "bandwidth_bytes_per_s", "points"}}, "collectives": {"all_reduce": {...},
+"all_gather": {...}, "all_to_all": {...}}}``, the ``comm`` section of
 ``calibration.json``. ``serial``: the backend completes a rank's p2p ops in FIFO order (NCCL) or not (gloo).
 """
 from __future__ import annotations
@@ -86,8 +87,10 @@ def fit(points: list) -> dict:
 
 
 def collective_points(op: str, group, size_bytes: int, rounds: int, device) -> float:
-    """The median time of ``op`` ("all_reduce" of a ``size_bytes`` tensor, or "all_gather" into one) over
-    ``group``, each call timed between barriers, the slowest member's median (every member calls it)."""
+    """The median time of ``op`` ("all_reduce" of a ``size_bytes`` tensor, "all_gather" into one, or
+    "all_to_all": an ``all_to_all_single`` of a whole ``size_bytes`` tensor with even splits, each member sending
+    1/members of it to every member) over ``group``, each call timed between barriers, the slowest member's
+    median (every member calls it)."""
     import torch
     import torch.distributed as dist
 
@@ -95,6 +98,8 @@ def collective_points(op: str, group, size_bytes: int, rounds: int, device) -> f
     whole = torch.zeros(max(members, size_bytes // 4), dtype=torch.float32, device=device)
     piece = torch.zeros(whole.numel() // members, dtype=torch.float32, device=device)
     parts = [torch.empty_like(piece) for _ in range(members)]
+    received = torch.empty(piece.numel() * members, dtype=torch.float32, device=device)
+    even = whole[:received.numel()]  # all_to_all_single's even splits need a multiple of the members
     times = []
     for index in range(rounds + 2):
         dist.barrier(group=group)
@@ -103,6 +108,8 @@ def collective_points(op: str, group, size_bytes: int, rounds: int, device) -> f
         start = time.perf_counter()
         if op == "all_reduce":
             dist.all_reduce(whole, group=group)
+        elif op == "all_to_all":
+            dist.all_to_all_single(received, even, group=group)
         else:
             dist.all_gather(parts, piece, group=group)
         if device.type == "cuda":
@@ -118,14 +125,18 @@ def collectives_on_two(sizes: list, rounds: int, device) -> dict:
     """Ranks 0 and 1's all-reduce and all-gather fitted per ring step (what tensor parallelism adds), for
     ``tracepp.costs.search.collective_s``: a 2-rank ring all-reduce is 2 steps of half the tensor, an all-gather 1,
     so the per-step latency is the fitted latency / steps and the per-step bandwidth the fitted bandwidth x
-    (steps / 2). Every rank calls it (the group is made on all of them); the others return {}."""
+    (steps / 2). And their all-to-all (``all_to_all_single`` of a whole tensor, even splits: what expert
+    parallelism's dispatch and combine run), for ``tracepp.costs.search.all_to_all_s``: over 2 ranks each sends
+    one message of half the tensor, so it is fitted as one step too (a message's latency and bandwidth; over
+    ep ranks the tuner prices ep - 1 such messages of 1/ep). Every rank calls it (the group is made on all of
+    them); the others return {}."""
     import torch.distributed as dist
 
     group = dist.new_group([0, 1])
     if dist.get_rank() not in (0, 1):
         return {}
     out = {"ranks": 2}
-    for op, steps in (("all_reduce", 2), ("all_gather", 1)):
+    for op, steps in (("all_reduce", 2), ("all_gather", 1), ("all_to_all", 1)):
         line = fit([(size, collective_points(op, group, size, rounds, device)) for size in sizes])
         bandwidth = line["bandwidth_bytes_per_s"]
         out[op] = {"step_latency_s": line["latency_s"] / steps,
