@@ -29,7 +29,7 @@ import torch
 import torch.fx as fx
 
 import tracepp.runtime.expert_parallel  # noqa: F401  (registers torch.ops.tracepp.ep_*)
-from tracepp.split.cost import op_name, tensor_bytes
+from tracepp.split.cost import as_int, op_name, tensor_bytes
 from tracepp.split.partition import listed_module, node_modules
 
 aten = torch.ops.aten
@@ -220,6 +220,46 @@ def plan(graph, ep: int, dp: int, fqn_map) -> tuple:
                 result.params[fqn] = {"dim": 0, "experts": block.num_experts, "shape": shape,
                                       "local": [shape[0] // ep] + shape[1:]}
     return result, per_stage
+
+
+def expert_figures(graph: fx.Graph, fqn_of: dict, flops: dict):
+    """``per_segment(nodes)`` for ``split.partition.segment_table``: what ``plan --tune --ep-sizes`` needs of the
+    routed experts in one segment of the whole traced graph (before any rewrite, so the same whatever ``--ep`` the
+    folder was split with), or {} where the segment has none:
+
+    ``params`` / ``param_bytes``: the routed expert weights (each counted once, in the segment of its block);
+    ``flops``: the forward FLOPs of their grouped matmuls for the traced microbatch; ``blocks``: per block its
+    ``name``, ``experts``, ``pairs`` (the (token, expert) rows of one microbatch on one rank), ``row_bytes`` (one
+    row into the first grouped matmul: what dispatch sends), ``out_row_bytes`` (one row out of the last: what
+    combine sends back) and ``refused`` (why ``--ep`` cannot shard it, or ""). From these the tuner prices any ep:
+    per microbatch and block, dispatch and combine each move ``pairs x row bytes x (ep - 1) / ep`` out of a rank
+    (the manifest's ``all_to_all_bytes`` at the split's ep)."""
+    blocks = find_blocks(graph, fqn_of)
+    first = {block.matmuls[0]: block for block in blocks}
+    seen: set = set()
+
+    def per_segment(nodes: list) -> dict:
+        found = [first[node] for node in nodes if node in first]
+        if not found:
+            return {}
+        out = {"params": 0, "param_bytes": 0, "flops": 0, "blocks": []}
+        for block in found:
+            for fqn, placeholder in sorted(block.weights.items()):
+                if fqn not in seen:
+                    seen.add(fqn)
+                    out["params"] += as_int(_val(placeholder).numel())
+                    out["param_bytes"] += tensor_bytes(_val(placeholder))
+            out["flops"] += sum(int(flops.get(m.name, 0)) for m in block.matmuls)
+            rows, result = _val(block.rows), _val(block.out)
+            pairs = as_int(rows.shape[0]) if isinstance(rows, torch.Tensor) else 0
+            out_rows = as_int(result.shape[0]) if isinstance(result, torch.Tensor) else 0
+            out["blocks"].append({
+                "name": block.name, "experts": block.num_experts, "pairs": pairs,
+                "row_bytes": tensor_bytes(rows) // pairs if pairs else 0,
+                "out_row_bytes": tensor_bytes(result) // out_rows if out_rows else 0, "refused": block.refused})
+        return out
+
+    return per_segment
 
 
 def apply(graph, ep_plan: EPPlan, per_stage: list) -> None:

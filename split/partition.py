@@ -237,7 +237,7 @@ def _node_costs(nodes: list, flops: dict, needs_grad: dict, counted_state: set) 
 
 
 def segment_table(nodes: list, model: torch.nn.Module, flops: dict, needs_grad: dict, parameters: set,
-                  computable: set, stage_of: Optional[dict] = None, per_segment=None) -> list:
+                  computable: set, stage_of: Optional[dict] = None, per_segment=None, experts=None) -> list:
     """The pieces a re-split may cut between, as plain data: the automatic balancer's segments (repeated blocks,
     top-level modules), each beginning at a module a split point can name, in execution order.
 
@@ -247,8 +247,10 @@ def segment_table(nodes: list, model: torch.nn.Module, flops: dict, needs_grad: 
     later stage can make again from the inputs are left out) and ``cut_grad_tensors``/``cut_grad_bytes`` (those
     that carry a gradient back); ``stage``: the stage its first node is on in this split (``stage_of``, when
     given); ``tp``: ``per_segment(its nodes, the values crossing the cut before it)`` where given
-    (``split.tensor_parallel.segment_figures``: what tensor parallelism would shard and add). A segment whose start
-    no module names is merged into the one before it.
+    (``split.tensor_parallel.segment_figures``: what tensor parallelism would shard and add); ``ep``:
+    ``experts(its nodes)`` where given and not empty (``split.expert_parallel.expert_figures``: its routed experts'
+    parameters, FLOPs and (token, expert) rows, for ``--ep-sizes``). A segment whose start no module names is
+    merged into the one before it.
     """
     blocks = repeated_blocks(model)
     keys = [segment_key(node_modules(node), blocks) for node in nodes]
@@ -290,6 +292,10 @@ def segment_table(nodes: list, model: torch.nn.Module, flops: dict, needs_grad: 
                       "stage": stage_of.get(nodes[start]) if stage_of is not None and start < len(nodes) else None})
         if per_segment is not None:
             table[-1]["tp"] = per_segment(nodes[start:end], crossing)
+        if experts is not None:
+            found = experts(nodes[start:end])
+            if found:
+                table[-1]["ep"] = found
     return table
 
 
@@ -625,6 +631,18 @@ def _tensor_parallel_figures(graph, inputs, flops: dict, needs_grad: dict):
                                                                       crossing)
 
 
+def _expert_figures(graph, inputs, flops: dict):
+    """``segment_table``'s per-segment routed-expert figures (the tuner's ``--ep-sizes``), or None where the
+    graph's blocks cannot be read."""
+    from tracepp.split import expert_parallel
+
+    fqn_of = {name: ref.fqn for name, ref in inputs.state.items() if ref.kind == "parameter"}
+    try:
+        return expert_parallel.expert_figures(graph, fqn_of, flops)
+    except Exception:  # an unexpected graph: no ep figures, the split goes on
+        return None
+
+
 def split(traced, split_points: Optional[list] = None, num_stages: Optional[int] = None,
           default_stages: int = 1, schedule: Optional[str] = None, num_microbatches: int = 1,
           training: bool = True) -> PipelineGraph:
@@ -657,7 +675,8 @@ def split(traced, split_points: Optional[list] = None, num_stages: Optional[int]
     stage_nodes, recomputed = _place_recomputation(compute, edges, computable, flops)
     try:
         segments = segment_table(compute, traced.model, flops, needs_grad, parameters, computable, stage_of,
-                                 _tensor_parallel_figures(graph, inputs, flops, needs_grad))
+                                 _tensor_parallel_figures(graph, inputs, flops, needs_grad),
+                                 _expert_figures(graph, inputs, flops))
     except Exception:  # the table only serves the tuner: never fail a split for it
         segments = []
     output_node = next(n for n in graph.nodes if n.op == "output")
