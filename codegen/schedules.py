@@ -104,19 +104,6 @@ def check_stages_divide(num_stages: int, num_ranks: int) -> None:
                          f"points that make such a number of stages")
 
 
-def check_full_backward(schedule: str, dp_mode: str, actions=None) -> None:
-    """FSDP and DDP reduce gradients at a stage's backward; a split backward (I then W) would reduce before W.
-    A named schedule is judged by the table, a CSV by its ``actions`` ({rank: [Action or text]})."""
-    if is_csv(schedule):
-        split = any(Action.parse(str(a)).kind in ("I", "W") for acts in (actions or {}).values() for a in acts)
-    else:
-        split = schedule_info(schedule).split_backward
-    if split:
-        whole = [name for name, info in SCHEDULE_TABLE.items() if not info.split_backward]
-        raise ValueError(f"schedule {schedule!r} splits the backward into I and W, which --dp-mode {dp_mode} cannot "
-                         f"reduce gradients around: with --dp use {', '.join(whole[:-1])} or {whole[-1]}")
-
-
 def placement(schedule: str, num_ranks: int, num_stages: int) -> list[int]:
     """Stage -> rank map for ``schedule``; raises ValueError for combos it cannot run.
 

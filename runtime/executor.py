@@ -62,7 +62,6 @@ class StageActivations:
     def __init__(self, spec: dict, module, is_last: bool):
         self.index = spec["index"]
         self.fn = module
-        self.params = [p for p in module.parameters() if p.requires_grad]
         self.root_leaf_indices = spec["root_leaf_indices"]
         self.received = spec["received"]  # [{producer, name, shape, dtype, requires_grad}]
         self.received_index = {(r["producer"], r["name"]): i for i, r in enumerate(self.received)}
@@ -80,6 +79,12 @@ class StageActivations:
         self.is_last = is_last
         self.weight_split = WeightSplit(self.params)  # zero-bubble I/W: the graph analysis, reused across microbatches
         self.reset(0)
+
+    @property
+    def params(self) -> list:
+        """The stage's trainable parameters as the module holds them now: under FSDP, the unsharded ones its
+        forward computed with (the leaves of this step's autograd graph), not the shards held between steps."""
+        return [p for p in self.fn.parameters() if p.requires_grad]
 
     def reset(self, num_microbatches: int) -> None:
         self.inputs = [[None] * len(self.received) for _ in range(num_microbatches)]
@@ -316,6 +321,13 @@ class WeightSplit:
         self._positions = ()  # each deferred entry's position in the preorder
         self._one_output = True  # every deferred entry has one gradient output
         self._eager_params = ()  # the parameters of the entries I runs whole
+
+    def use(self, params: list) -> None:
+        """The parameters the next backward reaches (FSDP swaps its unsharded ones in for the forward); the
+        analysis is redone when they are other objects than the last plan's."""
+        if len(params) != len(self.params) or any(a is not b for a, b in zip(params, self.params)):
+            self.params = params
+            self._signature = None
 
     def _plan(self, tensors: list, order: list, inputs: list) -> None:
         entries, self._full = _weight_entries(tensors, inputs, self.params)
@@ -775,12 +787,14 @@ class RankExecutor:
             runner.in_grads[mb] = self._input_grads(runner, mb, [t.grad for t in wanted])
             self._release(runner, mb)
         else:  # "input": gradients for received activations now, weights later (zero-bubble schedules)
-            if tensors and wanted and runner.params and self.split_weight_backward:
+            params = runner.params
+            if tensors and wanted and params and self.split_weight_backward:
+                runner.weight_split.use(params)
                 found, pending, keep = runner.weight_split.input_backward(tensors, grads, wanted)
             else:  # nothing to split off (or a compiled stage, one autograd node): W is a backward from the outputs
                 found = (_run_backward(tensors, grads, True, tuple(wanted), False)
                          if tensors and wanted else [None] * len(wanted))
-                pending, keep = WeightSplit.from_outputs(runner.params), True
+                pending, keep = WeightSplit.from_outputs(params), True
             runner.in_grads[mb] = self._input_grads(runner, mb, list(found))
             if keep:  # some weights need a backward from the outputs: keep them
                 runner.pending_weight[mb] = (pending, tensors, grads)

@@ -246,6 +246,28 @@ def wrap_stage(stage, mesh, layout: Layout, ignored=None):
     return stage
 
 
+def reduce_after_split_backward(stage) -> None:
+    """After a step of a schedule that splits the backward (I, then W): reduce the gradients every W has
+    accumulated, as FSDP's own post-backward would have after a whole backward (the way torch's pipelining
+    does it for FSDP2: the param groups' post_backward, then the root's final callback). Each backward of the
+    step ran with gradient sync off (:func:`set_last_backward` False)."""
+    stage.set_is_last_backward(True)
+    stage.set_reshard_after_backward(True)
+    stage.set_requires_gradient_sync(True)
+    from torch.distributed._composable.replicate_with_fsdp import ReplicateModule, replicate
+    from torch.distributed.fsdp import fully_shard
+
+    engine = replicate if isinstance(stage, ReplicateModule) else fully_shard
+    state = engine.state(stage)
+    for member in state._state_ctx.all_states:
+        groups = getattr(member, "_fsdp_param_groups", None)
+        if groups is None:  # torch before the plural list
+            groups = [member._fsdp_param_group] if member._fsdp_param_group is not None else []
+        for group in groups:
+            group.post_backward()
+    state._root_post_backward_final_callback()
+
+
 def set_last_backward(stage, is_last: bool) -> None:
     """Before a backward of a wrapped stage: reduce gradients and reshard only in the step's last one."""
     stage.set_is_last_backward(is_last)

@@ -223,6 +223,7 @@ class Pipeline:
         if not all_stages and self.world_size > 1 and self.device.type == "cpu":
             self.transport = self._connect(actions, p2p, shm_ring_mb)
         self.executor = self._executor(actions, releases, self.training)
+        self._split_backward = any(parse_action(text)[1] in ("I", "W") for text in self.executor.actions)
         if self.mesh is not None and self.training:
             self._last_backward = self._last_backward_microbatch(self.executor.actions)
             self.executor.before_backward = self._before_backward
@@ -325,7 +326,14 @@ class Pipeline:
         return last
 
     def _before_backward(self, stage_index: int, mb: int) -> None:
-        dp_mesh.set_last_backward(self.stages[stage_index], mb == self._last_backward[stage_index])
+        # a split backward (I then W) reduces after the step (_reduce_split_backward), every backward unsynced
+        last = mb == self._last_backward[stage_index] and not self._split_backward
+        dp_mesh.set_last_backward(self.stages[stage_index], last)
+
+    def _reduce_split_backward(self) -> None:
+        """Data parallel under a zero-bubble schedule: each stage's gradients reduced once the step's last W ran."""
+        for stage in self.stages.values():
+            dp_mesh.reduce_after_split_backward(stage)
 
     def _shared_groups(self) -> list:
         """One process group per set of ranks holding copies of shared parameters, created in the same order on
@@ -405,6 +413,8 @@ class Pipeline:
         executor.loss_scale = self.loss_scale
         self.last_batch_size = batches.batch_size * self.layout.dp
         result = executor.run_step(batches.leaves, batches.targets, batches.scales, batches.symbols)
+        if self.mesh is not None and self.training and self._split_backward and executor is self.executor:
+            self._reduce_split_backward()
         if not self.is_last_rank:
             return None
         if self.mesh is not None and isinstance(result, torch.Tensor):  # the global batch's loss: replicas' mean

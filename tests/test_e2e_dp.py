@@ -13,7 +13,7 @@ import torch
 from tracepp.driver import split_model
 from tracepp.modelfile import load_model_file
 from tracepp.runtime.mesh import Layout, coordinates, global_rank, mesh_layout, replicas_text
-from util import assert_state_close, assert_trained, model_path, run_ok, torchrun
+from util import assert_state_close, assert_trained, eager_train, model_path, run_ok, torchrun
 
 STEPS = 3
 CLIP = 1.0
@@ -86,7 +86,8 @@ def test_wrong_process_count_fails_on_every_rank(tmp_path):
     (dict(dp=2, num_microbatches=8), "--microbatches 8 does not fit a replica's 4 samples"),
     (dict(dp=4, dp_mode="hsdp", dp_shard=3), "--dp-mode hsdp needs --dp-shard K with K dividing --dp 4 (K = 1, 2, 4)"),
     (dict(dp=2, dp_mode="zero"), "--dp-mode 'zero' is not one of fsdp, ddp, hsdp"),
-    (dict(dp=2, schedule="zbv", split_points=["layers.1", "layers.2", "layers.3"]), "schedule 'zbv' splits the backward into I and W"),
+    (dict(dp=2, schedule="zbv", split_points=["layers.1", "layers.2", "layers.3"]),
+     "--dp 2 with schedule 'zbv' puts stages 0 and 3, which share embed.weight = head.weight, on rank 0"),
 ])
 def test_bad_layouts_are_refused_with_the_fix(tmp_path, kwargs, message):
     options, mesh = dict(schedule="1f1b", num_microbatches=2), dict(pp=2)
@@ -137,4 +138,23 @@ def test_dp_checkpoint_resume_matches_eager(tmp_path):
     result = run_ok(out, 4, "--steps", "3", "--resume", checkpoints, "--save", ckpt)
     assert "resumed from" in result.stdout
     expected, _norms, _losses = _eager_adamw(path, 3, clip=float("inf"))
+    assert_state_close(torch.load(ckpt), expected)
+
+
+@pytest.mark.parametrize("name,schedule,mode", [("tied_lm_dp", "interleaved-zb", "fsdp"),
+                                                ("residual_mlp_lm", "dualpipev", "ddp")])
+def test_zero_bubble_schedules_reduce_after_the_last_weight_backward(tmp_path, name, schedule, mode):
+    # a split backward (I, then W) runs every backward unsynced and reduces each stage's gradients after the
+    # step (FSDP's post-backward by hand, as torch's pipelining does); the W pass reaches the parameters FSDP
+    # unsharded for the forward
+    path, out = model_path(name), str(tmp_path / "out")
+    split_model(path, out, schedule=schedule, num_microbatches=2, split_points=["layers.1", "layers.2", "layers.3"],
+                layout=Layout(pp=2, dp=2, dp_mode=mode))
+    ckpt = str(tmp_path / "ckpt.pt")
+    if name == "tied_lm_dp":  # AdamW with clipping
+        run_ok(out, 4, "--steps", "3", "--clip-grad-norm", "1.0", "--save", ckpt)
+        expected = _eager_adamw(path, 3, 1.0)[0]
+    else:  # plain SGD
+        run_ok(out, 4, "--steps", "3", "--save", ckpt)
+        expected = eager_train(path, 3)
     assert_state_close(torch.load(ckpt), expected)

@@ -93,12 +93,9 @@ def _check_layout(args) -> None:
         raise ValueError(f"--ranks {args.ranks}: need at least 1 rank")
     if args.microbatches < 1:
         raise ValueError(f"--microbatches {args.microbatches}: need at least 1 microbatch")
-    from tracepp.codegen.schedules import (SCHEDULES, check_full_backward, check_stages_divide, is_csv,
-                                           placement)
+    from tracepp.codegen.schedules import SCHEDULES, check_stages_divide, is_csv, placement
 
     _layout(args).check()
-    if args.dp > 1 and args.schedule in SCHEDULES:
-        check_full_backward(args.schedule, args.dp_mode)
     if args.stages is None:
         return
     if args.stages < 1:
@@ -180,9 +177,10 @@ def _tune(args, manifest) -> int:
     schedules = [s.strip() for s in args.schedules.split(",")] if args.schedules else None
     counts = [int(m) for m in args.microbatch_counts.split(",")] if args.microbatch_counts else None
     tp_sizes = [int(t) for t in args.tp_sizes.split(",")] if args.tp_sizes else None
+    ep_sizes = [int(e) for e in args.ep_sizes.split(",")] if args.ep_sizes else None
     kept, dropped, failed = tune(manifest, calibration, memory_limit=limit, schedules=schedules,
                                  microbatch_counts=counts, optimizer_bytes_per_param=args.optimizer_bytes_per_param,
-                                 tp_sizes=tp_sizes)
+                                 tp_sizes=tp_sizes, ep_sizes=ep_sizes)
     print(format_tuning(kept, dropped, failed, args.top, limit, current_candidate(kept, dropped, manifest)))
     noise = calibration.noise_fraction()
     if noise is not None and kept:
@@ -196,7 +194,8 @@ def _tune(args, manifest) -> int:
         print(f"applying #1: --schedule {best.schedule} --stages {best.num_stages} --microbatches "
               f"{best.num_microbatches} --split-points {','.join(best.split_points)}"
               + (f" --tp {best.tp}" if best.tp > 1 else "")
-              + (" --sequence-parallel" if best.sequence_parallel else ""))
+              + (" --sequence-parallel" if best.sequence_parallel else "")
+              + (f" --ep {best.ep}" if best.ep > 1 else ""))
         written = apply_tuned(manifest, args.out, best)
         run = launch_command(_world(written["plan"]), args.out)
         print(f"wrote {args.out} ({written['plan']['schedule']}, {len(written['stages'])} stages, "
@@ -313,6 +312,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="--tune: also price every plan with these tensor-parallel sizes (e.g. 1,2,4; from a tp=1 "
                            "folder); plans are ranked by step time x processes, so tp wins where memory needs it "
                            "or it pays for its processes")
+    plan.add_argument("--ep-sizes", default=None, metavar="E,E",
+                      help="--tune: also price every plan with these expert-parallel sizes (e.g. 1,2,4; from a folder "
+                           "split at --dp N without --ep; each must divide N and every block's expert count): expert "
+                           "state 1/ep per rank, the all-to-all per microbatch against FSDP's gathering of the experts")
     plan.add_argument("--apply", action="store_true", help="--tune, then split OUT again with the best plan")
     plan.add_argument("--schedules", default=None, help="--tune: only these schedules (comma-separated)")
     plan.add_argument("--microbatch-counts", default=None, metavar="M,M",

@@ -10,7 +10,7 @@ from typing import Optional
 
 from tracepp.codegen.emit import build_manifest, emit
 from tracepp.codegen.plan import build_plan, topology_of
-from tracepp.codegen.schedules import check_full_backward, stages_per_rank
+from tracepp.codegen.schedules import stages_per_rank
 from tracepp.modelfile import load_model_file
 from tracepp.resplit import split_options
 from tracepp.runtime.mesh import Layout
@@ -47,7 +47,7 @@ def _plan(model_path: str, layout: Layout, num_stages: Optional[int], schedule: 
     the_plan = build_plan(schedule, layout.pp, graph.num_stages, num_microbatches,    # 3. schedule
                           topology_of(graph), model_file.training).to_json()
     if layout.dp > 1:
-        check_full_backward(schedule, layout.dp_mode, the_plan["actions"])
+        _check_shared_on_one_rank(graph, the_plan, schedule, layout)
     if layout.world_size > layout.pp:
         the_plan["mesh"] = layout.to_json()
     return model_file, traced, graph, the_plan
@@ -65,6 +65,22 @@ def split_model(model_path: str, out_dir: str, num_stages: Optional[int] = None,
     manifest = emit(out_dir, model_file, traced, graph, the_plan, launch_command(layout.world_size),  # 4. output
                     options)
     return manifest
+
+
+def _check_shared_on_one_rank(graph, the_plan: dict, schedule: str, layout: Layout) -> None:
+    """FSDP and DDP wrap each stage as one unit: a parameter two stages of one rank share (a tied embedding and
+    head on a V placement's first rank) cannot belong to two of them."""
+    to_rank = the_plan["stage_to_rank"]
+    for ref in graph.shared_state():
+        ranks = [to_rank[s] for s in ref.stages]
+        same = sorted({r for r in ranks if ranks.count(r) > 1})
+        if same:
+            stages = [s for s in ref.stages if to_rank[s] == same[0]]
+            raise ValueError(f"--dp {layout.dp} with schedule {schedule!r} puts stages {stages[0]} and {stages[1]}, "
+                             f"which share {' = '.join(ref.aliases)}, on rank {same[0]}: {layout.dp_mode} wraps each "
+                             f"stage as one unit and cannot hold one parameter twice. Use a schedule that places "
+                             f"them on different ranks (interleaved-zb, interleaved-1f1b, 1f1b), or untie the "
+                             f"weight")
 
 
 def launch_command(world_size: int, folder: Optional[str] = None) -> str:

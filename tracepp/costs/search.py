@@ -31,6 +31,32 @@ well (not the all-gathered input of a column-parallel region, which its linears 
 all-reduce becomes a reduce-scatter and each region's input an all-gather (mirrored in backward), and the
 values that cross a pipeline cut as sequence shards send 1/tp of their bytes. A folder split by an older tracepp
 (no activation figures) keeps activations whole and is not priced with sequence parallelism.
+
+**Expert parallelism** (``--ep-sizes``, from a folder split at ``--dp N`` without ``--ep``): each candidate is
+priced again at every ep size that divides N and every block's expert count, from the segment table's routed
+expert figures (``split.expert_parallel.expert_figures``):
+
+* memory per rank: the expert weights, their gradients and optimizer state divided by ep (outside FSDP, nothing
+  gathered). At ep 1 they are FSDP's like every other parameter, and this runtime's FSDP
+  (``reshard_after_forward=False``, ``runtime/mesh.py``) holds a stage's weights and gradients gathered whole
+  from its first forward to its last backward of the step, beside its 1/dp shard of the weights and optimizer
+  state: that is what a rank holds at the worst moment, and what :func:`held_bytes` counts for every parameter
+  at ``--dp`` (DDP: all of it, everywhere);
+* time per microbatch and block: the all-to-alls of dispatch (the per-expert counts, then the rows) and
+  combine, forward, and the two row exchanges again backward (:func:`all_to_all_s`: ep - 1 messages of 1/ep of
+  the rows a rank holds, priced from the all-to-all ``tracepp calibrate`` fits on ranks 0 and 1);
+* time per step and stage (beside its optimizer step): at ep 1 FSDP's all-gather of the expert weights and
+  reduce-scatter of their gradients over dp (once per step, as this runtime runs FSDP: not per microbatch); at
+  ep > 1 the all-reduce of the expert gradients over the dp / ep ranks holding the same experts (none at
+  ep = dp). dp's traffic for the other parameters is the same at every ep and, as before, not priced;
+* the optimizer step: its share of the calibrated seconds follows the parameters a rank updates;
+* compute: unchanged. With balanced routing a rank computes the same expert FLOPs at every ep: at ep 1 its own
+  microbatch's rows through all E experts, at ep > 1 the rows that ep ranks route to its E / ep experts (about
+  as many). What ep divides is the expert FLOPs *of the rows a rank routes* (1/ep of them run at home) and the
+  FLOPs *per expert weight a rank holds*, not the FLOPs a rank runs.
+
+Expert parallelism adds no process (it is carved out of dp), so ep sizes compete on step time alone; ties go to
+the smaller ep.
 """
 from __future__ import annotations
 
@@ -61,6 +87,7 @@ class Candidate:
     error: Optional[str] = None
     tp: int = 1  # tensor-parallel ranks per stage: the job runs ranks x tp processes (x dp)
     sequence_parallel: bool = False  # with tp > 1: activations between the tp regions split over the sequence
+    ep: int = 1  # expert-parallel ranks, carved out of dp (no more processes)
 
     @property
     def stages_per_rank(self) -> int:
@@ -68,7 +95,7 @@ class Candidate:
 
     def to_json(self) -> dict:
         return {"schedule": self.schedule, "num_stages": self.num_stages, "num_microbatches": self.num_microbatches,
-                "tp": self.tp, "sequence_parallel": self.sequence_parallel, "split_points": self.split_points, "split_source": self.split_source, "step_s": self.step_s,
+                "tp": self.tp, "sequence_parallel": self.sequence_parallel, "ep": self.ep, "split_points": self.split_points, "split_source": self.split_source, "step_s": self.step_s,
                 "bubble": self.bubble, "peak_memory_bytes": {str(r): v for r, v in sorted(self.peak_memory.items())}}
 
 
@@ -212,7 +239,7 @@ def collective_links(calibration) -> dict:
     (``tracepp.costs.measure_comm.collectives_on_two``), else the point-to-point link of ranks 0 and 1 (a ring
     step is one message; gloo's collectives on CPU measured 2-6x slower than that, see benchmarks.md). A
     reduce-scatter's step is the all-reduce's (it sums as it goes: an all-reduce is a reduce-scatter then an
-    all-gather)."""
+    all-gather). ``all_to_all``: one message of the calibrated 2-rank all-to-all (:func:`all_to_all_s`)."""
     fitted = (calibration.comm or {}).get("collectives") or {}
     links = {}
     for op in ("all_reduce", "all_gather"):
@@ -220,6 +247,9 @@ def collective_links(calibration) -> dict:
         links[op] = ((float(entry["step_latency_s"]), entry["step_bandwidth_bytes_per_s"]) if entry
                      else calibration.link(0, 1))
     links["reduce_scatter"] = links["all_reduce"]
+    entry = fitted.get("all_to_all")  # a calibration from before it was measured: one point-to-point message
+    links["all_to_all"] = ((float(entry["step_latency_s"]), entry["step_bandwidth_bytes_per_s"]) if entry
+                           else calibration.link(0, 1))
     return links
 
 
@@ -237,6 +267,152 @@ def collective_s(op: str, count: int, total_bytes: float, tp: int, link) -> floa
     steps = 2 * (tp - 1) if op == "all_reduce" else tp - 1
     wire = total_bytes / tp / bandwidth if bandwidth else 0.0
     return steps * (count * latency + wire)
+
+
+def all_to_all_s(count: int, total_bytes: float, ep: int, link) -> float:
+    """``count`` all-to-alls over ``ep`` ranks in which each rank holds ``total_bytes`` (summed over the calls)
+    with even splits, as expert parallelism's dispatch and combine run with balanced routing (``link``: (latency
+    s, bandwidth bytes/s) per message, or :func:`collective_links`' dict, whose ``all_to_all`` it takes).
+
+    The model: a pairwise exchange, ep - 1 messages of 1/ep of the bytes per call, one after another:
+    ``(ep - 1) x (latency + bytes / ep / bandwidth)``. Whatever the algorithm, a rank sends (ep - 1) / ep of its
+    rows and receives as many, so the bandwidth term holds for any schedule of the messages; a latency per message
+    is the upper bound of a backend that posts them one by one (gloo's ``alltoall`` sends to each peer in turn),
+    and the 2-rank fit it is priced from is exactly one such message (``measure_comm.collectives_on_two``). It is
+    the all-gather's form (ep - 1 steps of a 1/ep piece): the same bytes leave each rank."""
+    if ep == 1 or count == 0:
+        return 0.0
+    latency, bandwidth = link["all_to_all"] if isinstance(link, dict) else link
+    wire = total_bytes / ep / bandwidth if bandwidth else 0.0
+    return (ep - 1) * (count * latency + wire)
+
+
+def _expert_blocks(manifest: dict, split: tuple) -> dict:
+    """{stage: [block figures]} of a split (``segments[k]["ep"]["blocks"]``)."""
+    out: dict = {}
+    for seg, stage in zip(manifest["segments"], split):
+        out.setdefault(stage, []).extend((seg.get("ep") or {}).get("blocks", []))
+    return out
+
+
+def expert_exchange_s(manifest: dict, split: tuple, microbatch_size: float, ep: int, link,
+                      precision: str = "fp32") -> dict:
+    """{stage: (forward s, backward s)} per microbatch of the all-to-alls expert parallelism adds at ``ep``: per
+    block, forward the per-expert counts (int64), the rows to the experts (``pairs x row_bytes``) and their
+    outputs back (``pairs x out_row_bytes``); backward the gradients of both row exchanges. ``pairs`` scale with
+    the microbatch size; the rows travel in the activations' dtype (halved under bf16/fp16 precision)."""
+    if ep == 1:
+        return {}
+    scale = microbatch_size / traced_microbatch(manifest)
+    wire = 0.5 if precision in ("bf16", "fp16") else 1.0
+    out = {}
+    for stage, blocks in _expert_blocks(manifest, split).items():
+        forward = backward = 0.0
+        for block in blocks:
+            rows_in = block["pairs"] * block["row_bytes"] * scale * wire
+            rows_out = block["pairs"] * block["out_row_bytes"] * scale * wire
+            forward += all_to_all_s(1, block["experts"] * 8, ep, link)  # the counts, then the rows
+            forward += all_to_all_s(2, rows_in + rows_out, ep, link)
+            backward += all_to_all_s(2, rows_in + rows_out, ep, link)
+        out[stage] = (forward, backward)
+    return out
+
+
+def expert_bytes(manifest: dict, split: tuple) -> dict:
+    """{stage: (routed expert parameters, their bytes)} of a split."""
+    out: dict = {}
+    for seg, stage in zip(manifest["segments"], split):
+        fig = seg.get("ep") or {}
+        count, size = out.get(stage, (0, 0))
+        out[stage] = (count + fig.get("params", 0), size + fig.get("param_bytes", 0))
+    return out
+
+
+def _dp_shard(layout) -> int:
+    """How many ranks FSDP shards a stage's parameters over (1: DDP, or no dp)."""
+    if layout.dp == 1 or layout.dp_mode == "ddp":
+        return 1
+    return layout.dp if layout.dp_mode == "fsdp" else (layout.dp_shard or 1)
+
+
+def held_bytes(param_bytes: float, count: float, layout, training: bool, optimizer_bytes_per_param: int,
+               experts_over: int = 1) -> float:
+    """What a group of parameters costs one rank at the worst moment of a training step: weights, gradients and
+    optimizer state. ``experts_over`` > 1: routed experts sharded over that many ep ranks, outside FSDP: 1/ep of
+    each, nothing gathered. Otherwise by the data-parallel mode: whole on every rank without dp or with DDP; under
+    FSDP (HSDP: over its shard group) this runtime keeps a stage's weights gathered and its gradients whole from
+    the first forward to the last backward of a step (``reshard_after_forward=False``, gradient sync in the last
+    backward only), beside its 1/dp shard of the weights and the optimizer state: whole weights and gradients
+    plus 1/dp of weights and optimizer state."""
+    grads = param_bytes if training else 0.0
+    state = count * optimizer_bytes_per_param if training else 0.0
+    if experts_over > 1:
+        return (param_bytes + grads + state) / experts_over
+    shard = _dp_shard(layout)
+    if shard == 1:
+        return param_bytes + grads + state
+    return param_bytes + grads + (param_bytes + state) / shard
+
+
+def expert_step_s(manifest: dict, split: tuple, layout, ep: int, link) -> dict:
+    """{stage: s} per step of the data-parallel traffic of the routed experts at ``ep``: at ep 1 FSDP's
+    all-gather of the expert weights and reduce-scatter of their gradients over dp (HSDP: over its shard group,
+    then an all-reduce over the replicas; DDP: an all-reduce), once per step as this runtime runs FSDP
+    (``reshard_after_forward=False``); at ep > 1 the all-reduce of each rank's experts' gradients over the dp / ep
+    ranks that hold the same experts (``runtime/expert_parallel.reduce_expert_grads``; nothing at ep = dp)."""
+    out = {}
+    for stage, (_count, size) in expert_bytes(manifest, split).items():
+        if not size or layout.dp == 1:
+            continue
+        if ep > 1:
+            seconds = collective_s("all_reduce", 1, size / ep, layout.dp // ep, link)
+        elif layout.dp_mode == "ddp":
+            seconds = collective_s("all_reduce", 1, size, layout.dp, link)
+        else:
+            shard = _dp_shard(layout)
+            seconds = (collective_s("all_gather", 1, size, shard, link)
+                       + collective_s("reduce_scatter", 1, size, shard, link)
+                       + collective_s("all_reduce", 1, size / shard, layout.dp // shard, link))
+        out[stage] = seconds
+    return out
+
+
+def expert_sizes(manifest: dict, ep_sizes: Optional[list]) -> list:
+    """The ep sizes ``--ep-sizes`` may price for this folder, checked: each must divide the folder's ``--dp`` and
+    every routed block's expert count, on a folder split without ``--ep`` whose segment table records the blocks;
+    the error names the sizes that work."""
+    layout = mesh_layout(manifest["plan"])
+    if layout.ep > 1:  # priced as it was split; other sizes from its ep=1 split
+        if ep_sizes and sorted(set(ep_sizes)) != [layout.ep]:
+            raise ValueError(f"--ep-sizes {','.join(map(str, ep_sizes))}: this folder was split with --ep "
+                             f"{layout.ep}; calibrate and tune its ep=1 split (`tracepp split` with --dp {layout.dp} "
+                             f"and without --ep) to price other ep sizes")
+        return [layout.ep]
+    ep_sizes = sorted(set(ep_sizes or [1]))
+    if ep_sizes == [1]:
+        return ep_sizes
+    blocks = [block for seg in manifest["segments"] for block in (seg.get("ep") or {}).get("blocks", [])]
+    if not blocks:
+        raise ValueError(f"--ep-sizes {','.join(map(str, ep_sizes))}: this folder's segment table records no "
+                         f"routed experts (a model without them, or split by an older tracepp): split it again "
+                         f"with this tracepp, or tune without --ep-sizes")
+    refused = next((b for b in blocks if b.get("refused")), None)
+    if refused is not None:
+        raise ValueError(f"--ep-sizes: the routed experts of {refused['name']} cannot be sharded "
+                         f"({refused['refused']}): tune without --ep-sizes")
+    counts = sorted({block["experts"] for block in blocks})
+    works = [k for k in range(1, layout.dp + 1) if layout.dp % k == 0 and all(c % k == 0 for c in counts)]
+    if layout.dp_mode == "hsdp":
+        works = [1]
+    for ep in ep_sizes:
+        if ep not in works:
+            why = ("expert parallelism takes its ranks from the data-parallel ranks, which --dp-mode hsdp already "
+                   "splits in two" if layout.dp_mode == "hsdp" else
+                   f"an ep size must divide --dp {layout.dp} (expert parallelism is carved out of the data-parallel "
+                   f"ranks) and the {' and '.join(map(str, counts))} routed experts of every block")
+            raise ValueError(f"--ep-sizes {ep}: {why}; use ep sizes in {works}"
+                             + (" (or split with a larger --dp)" if layout.dp_mode != "hsdp" else ""))
+    return ep_sizes
 
 
 # (op, figure) per direction: sequence parallelism's reduce-scatters run as all-gathers backward and its
@@ -282,18 +458,27 @@ def tp_costs(manifest: dict, split: tuple, costs: dict, microbatch_size: float, 
 
 
 def _memory(manifest: dict, split: tuple, sim, stage_to_rank: list, microbatch_size: float, training: bool,
-            optimizer_bytes_per_param: int, tp: int = 1, sequence_parallel: bool = False) -> dict:
-    """Peak bytes per rank: static (parameters, gradients, optimizer state; the sharded ones divided by tp) +
-    live activations at the worst moment of the simulated timeline: the segments' activation bytes, those
-    computed on shards divided by tp (with ``sequence_parallel`` also those sharded over the sequence); a
-    folder split without these figures keeps them whole (an upper bound)."""
+            optimizer_bytes_per_param: int, tp: int = 1, sequence_parallel: bool = False, ep: int = 1,
+            layout=None) -> dict:
+    """Peak bytes per rank: static (parameters, gradients, optimizer state; the sharded ones divided by tp; under
+    ``layout``'s data parallelism and at ``ep`` as :func:`held_bytes` says) + live activations at the worst moment
+    of the simulated timeline: the segments' activation bytes, those computed on shards divided by tp (with
+    ``sequence_parallel`` also those sharded over the sequence); a folder split without these figures keeps them
+    whole (an upper bound). Activations are the same at every ep: with balanced routing the rows a rank receives
+    for its experts replace the rows it sent."""
+    from tracepp.runtime.mesh import Layout
+
+    layout = layout or Layout()
     scale = microbatch_size / traced_microbatch(manifest)
     static, activation = {}, {}
     for seg, stage in zip(manifest["segments"], split):
         fig = _tp_figures(seg, tp, sequence_parallel)
-        params = (seg["param_bytes"] or 0) - fig["sharded_param_bytes"] * (1 - 1 / tp)
-        count = (seg["num_params"] or 0) - fig["sharded_params"] * (1 - 1 / tp)
-        held = params + ((params + count * optimizer_bytes_per_param) if training else 0)
+        experts = seg.get("ep") or {}
+        expert_bytes_, expert_count = experts.get("param_bytes", 0), experts.get("params", 0)
+        params = (seg["param_bytes"] or 0) - fig["sharded_param_bytes"] * (1 - 1 / tp) - expert_bytes_
+        count = (seg["num_params"] or 0) - fig["sharded_params"] * (1 - 1 / tp) - expert_count
+        held = (held_bytes(params, count, layout, training, optimizer_bytes_per_param)
+                + held_bytes(expert_bytes_, expert_count, layout, training, optimizer_bytes_per_param, ep))
         static[stage] = static.get(stage, 0) + held
         sharded = fig.get("sharded_activation_bytes", 0) + fig.get("sequence_activation_bytes", 0)
         activation[stage] = activation.get(stage, 0) + ((seg["activation_bytes"] or 0)
@@ -316,11 +501,12 @@ def _memory(manifest: dict, split: tuple, sim, stage_to_rank: list, microbatch_s
 def tune(manifest: dict, calibration: Calibration, memory_limit: Optional[int] = None,
          schedules: Optional[list] = None, microbatch_counts: Optional[list] = None,
          optimizer_bytes_per_param: int = ADAM_BYTES_PER_PARAM, precision: str = "fp32",
-         tp_sizes: Optional[list] = None) -> tuple:
+         tp_sizes: Optional[list] = None, ep_sizes: Optional[list] = None) -> tuple:
     """Every candidate priced (see the module doc): (kept, sorted by predicted GPU-seconds per step, i.e. step
     time x processes, so a larger tp wins only where it pays for its processes; dropped over the memory limit;
     failed to plan, with the planner's reason). ``tp_sizes``: tensor-parallel sizes to price each candidate
-    at (default: the folder's own, 1)."""
+    at (default: the folder's own, 1); ``ep_sizes``: expert-parallel sizes (default 1; see
+    :func:`expert_sizes`)."""
     from tracepp.codegen.plan import build_plan
     from tracepp.codegen.schedules import SCHEDULE_TABLE
     from tracepp.codegen.manifest import topology_from_manifest
@@ -343,8 +529,6 @@ def tune(manifest: dict, calibration: Calibration, memory_limit: Optional[int] =
     batch = manifest["batch_size"]
     counts = microbatch_counts or _divisors(batch, MAX_MICROBATCHES)
     names = schedules or list(SCHEDULE_TABLE)
-    if layout.dp > 1:
-        names = [n for n in names if not SCHEDULE_TABLE[n].split_backward]
     if layout.tp > 1:
         raise ValueError("this folder was split with --tp: calibrate and tune its tp=1 split (`tracepp split` "
                          "without --tp), and price tp with --tp-sizes")
@@ -357,6 +541,7 @@ def tune(manifest: dict, calibration: Calibration, memory_limit: Optional[int] =
                              f"{[1] + known}; split the folder again with this tracepp to price others")
     # each tp > 1 with and without sequence parallelism, where the split recorded its figures
     layouts = [(tp, sp) for tp in tp_sizes for sp in (False, True) if not sp or sequence_parallel_priced(manifest, tp)]
+    ep_sizes = expert_sizes(manifest, ep_sizes)
     link = collective_links(calibration)
     own_split = stage_of_segments(manifest)
     own_topology = topology_from_manifest(manifest)
@@ -387,38 +572,55 @@ def tune(manifest: dict, calibration: Calibration, memory_limit: Optional[int] =
                         continue
                     costs = split_costs(calibration, list(split), size)  # at tp 1; each tp prices them anew
                     optimizer = split_optimizer(calibration, list(split))
-                    for tp, sp in layouts:
+                    for (tp, sp), ep in ((pair, ep) for pair in layouts for ep in ep_sizes):
                         candidate = Candidate(schedule, num_stages, num_microbatches, split,
-                                              _split_points(manifest, split), source, tp=tp, sequence_parallel=sp)
-                        optimizer_s = {stage: seconds * _sharded_share(manifest, split, stage, tp, sp)
+                                              _split_points(manifest, split), source, tp=tp, sequence_parallel=sp,
+                                              ep=ep)
+                        optimizer_s = {stage: seconds * _sharded_share(manifest, split, stage, tp, sp, ep, layout)
                                        for stage, seconds in optimizer.items()}
+                        for stage, seconds in expert_step_s(manifest, split, layout, ep, link).items():
+                            optimizer_s[stage] = optimizer_s.get(stage, 0.0) + seconds
                         messages = _messages(manifest, split, size, precision, own, tp, sp)
+                        priced = tp_costs(manifest, split, costs, size, tp, link, precision, sp)
+                        # expert FLOPs per rank are the same at every ep (the module doc): only the exchange is added
+                        exchange = expert_exchange_s(manifest, split, size, ep, link, precision)
+                        priced = {(stage, kind): seconds + (exchange[stage][0] if kind == "F" else
+                                                            exchange[stage][1] if kind in ("B", "I") else 0.0)
+                                  if stage in exchange else seconds for (stage, kind), seconds in priced.items()}
                         prediction = predict_plan(built.actions, built.stage_to_rank, topology, num_microbatches,
-                                                  tp_costs(manifest, split, costs, size, tp, link, precision, sp),
-                                                  calibration, messages, optimizer_s, training, check=False)
+                                                  priced, calibration, messages, optimizer_s, training, check=False)
                         candidate.step_s, candidate.bubble = prediction.step_s, prediction.bubble
                         candidate.stage_to_rank = list(built.stage_to_rank)
                         candidate.peak_memory = _memory(manifest, split, prediction.sim, built.stage_to_rank, size,
-                                                        training, optimizer_bytes_per_param, tp, sp)
+                                                        training, optimizer_bytes_per_param, tp, sp, ep, layout)
                         if memory_limit is not None and max(candidate.peak_memory.values()) > memory_limit:
                             dropped.append(candidate)
                         else:
                             kept.append(candidate)
     order = {name: index for index, name in enumerate(SCHEDULE_TABLE)}
     kept.sort(key=lambda c: (round(c.step_s * c.tp, 12), order.get(c.schedule, 99), c.num_stages,
-                             c.num_microbatches, c.split, c.tp, c.sequence_parallel))
+                             c.num_microbatches, c.split, c.tp, c.sequence_parallel, c.ep))
     return kept, dropped, failed
 
 
-def _sharded_share(manifest: dict, split: tuple, stage: int, tp: int, sequence_parallel: bool = False) -> float:
-    """The fraction of a stage's optimizer work left per rank at ``tp``: its parameters less the sharded ones'
-    (tp - 1) / tp."""
-    total = sharded = 0
+def _sharded_share(manifest: dict, split: tuple, stage: int, tp: int, sequence_parallel: bool = False, ep: int = 1,
+                   layout=None) -> float:
+    """The fraction of a stage's optimizer work left per rank at ``tp`` and ``ep``, against the calibrated folder
+    (tp 1, ep 1): the parameters a rank updates, the tp-sharded ones' (tp - 1) / tp less, and at ep > 1 the
+    routed experts 1/ep of them where FSDP gave each rank 1/dp (DDP: all) of them before."""
+    total = sharded = experts = 0
     for seg, owner in zip(manifest["segments"], split):
         if owner == stage:
             total += seg["num_params"] or 0
             sharded += _tp_figures(seg, tp, sequence_parallel)["sharded_params"]
-    return 1.0 - (sharded / total) * (1 - 1 / tp) if total else 1.0
+            experts += (seg.get("ep") or {}).get("params", 0) if ep > 1 else 0
+    if not total:
+        return 1.0
+    shard = _dp_shard(layout) if layout is not None else 1
+    held = (total - sharded * (1 - 1 / tp) - experts) / shard + experts / ep
+    if layout is not None and layout.ep > 1 and ep == layout.ep:  # an ep folder priced as it was calibrated
+        return 1.0 - (sharded / total) * (1 - 1 / tp)
+    return held / (total / shard)
 
 
 def _mb(value: float) -> str:
@@ -432,10 +634,11 @@ def format_tuning(kept: list, dropped: list, failed: list, top: int, memory_limi
     rows = []
     for rank_index, c in enumerate(kept[:top], 1):
         rows.append([rank_index, c.schedule, f"{c.num_stages} ({c.stages_per_rank}/rank)", c.num_microbatches, c.tp,
-                     ("yes" if c.sequence_parallel else "no") if c.tp > 1 else "-", ", ".join(c.split_points) + (f"  [{c.split_source}]" if c.split_source != "balancer" else ""),
+                     ("yes" if c.sequence_parallel else "no") if c.tp > 1 else "-", c.ep, ", ".join(c.split_points) + (f"  [{c.split_source}]" if c.split_source != "balancer" else ""),
                      f"{c.step_s * 1000:.1f}", f"{c.bubble:.1%}",
                      " / ".join(_mb(v) for _, v in sorted(c.peak_memory.items()))])
-    headers = ["#", "schedule", "stages", "M", "tp", "sp", "split points", "step ms", "bubble", "peak MB per rank"]
+    headers = ["#", "schedule", "stages", "M", "tp", "sp", "ep", "split points", "step ms", "bubble",
+               "peak MB per rank"]
     lines = [tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True)]
     searched = len(kept) + len(dropped) + len(failed)
     summary = f"{searched} candidates: {len(kept)} priced"
@@ -456,6 +659,6 @@ def current_candidate(kept: list, dropped: list, manifest: dict) -> Optional[Can
     own = stage_of_segments(manifest)
     for c in kept + dropped:
         if (c.schedule == plan["schedule"] and c.num_microbatches == plan["num_microbatches"] and c.tp == 1
-                and own is not None and c.split == tuple(own)):
+                and c.ep == 1 and own is not None and c.split == tuple(own)):
             return c
     return None
