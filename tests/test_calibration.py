@@ -496,3 +496,147 @@ def test_tuner_without_activation_or_sequence_figures_keeps_the_old_prices():
                       tp_sizes=[1, 2])
     assert sorted((c.tp, c.sequence_parallel) for c in kept) == [(1, False), (2, False)]
     assert next(c for c in kept if c.tp == 2).peak_memory[0] == 8000 + 2 * 2 * 1000
+
+
+def _ep_manifest(dp=4, mode="fsdp", experts=8):
+    """``_manifest`` at ``--dp dp`` with routed experts in every segment (made up): 800 of its 1000 parameters
+    (3200 of 4000 bytes) are one block's expert weights; 64 (token, expert) rows of 32 bytes each way per
+    microbatch of 4 samples."""
+    manifest = _manifest()
+    manifest["plan"]["mesh"] = {"dp": dp, "pp": 2, "mode": mode, "shard": 2 if mode == "hsdp" else None,
+                                "order": "pp-inner"}
+    for index, seg in enumerate(manifest["segments"]):
+        seg["ep"] = {"params": 800, "param_bytes": 3200, "flops": 50, "blocks": [
+            {"name": f"blocks.{index}.experts", "experts": experts, "pairs": 64, "row_bytes": 32,
+             "out_row_bytes": 32, "refused": ""}]}
+    return manifest
+
+
+def test_all_to_all_is_priced_as_ep_minus_one_messages_of_one_ep_th():
+    from tracepp.costs.search import all_to_all_s, collective_links
+
+    link = (0.001, 1e6)
+    assert all_to_all_s(1, 4e6, 1, link) == 0.0
+    assert all_to_all_s(1, 4e6, 2, link) == pytest.approx(0.001 + 2.0)  # the 2-rank fit: one message of half
+    assert all_to_all_s(1, 4e6, 4, link) == pytest.approx(3 * (0.001 + 1.0))
+    assert all_to_all_s(3, 4e6, 4, link) == pytest.approx(3 * (3 * 0.001 + 1.0))  # bytes summed over the calls
+    calibration = Calibration(comm={"serial": False, "pairs": {"0-1": {"latency_s": 5e-5,
+                                                                       "bandwidth_bytes_per_s": 1e9}},
+                                    "collectives": {"all_to_all": {"step_latency_s": 2e-4,
+                                                                   "step_bandwidth_bytes_per_s": 5e8}}})
+    assert collective_links(calibration)["all_to_all"] == (2e-4, 5e8)
+    del calibration.comm["collectives"]  # an older calibration: one point-to-point message
+    assert collective_links(calibration)["all_to_all"] == (5e-5, 1e9)
+
+
+def test_expert_parallel_pricing_memory_exchange_and_data_parallel_traffic():
+    from tracepp.costs.search import expert_exchange_s, expert_step_s, held_bytes, _sharded_share
+    from tracepp.runtime.mesh import Layout
+
+    manifest = _ep_manifest()
+    split = (0, 0, 1, 1)
+    links = {op: (0.0, 1e6) for op in ("all_reduce", "all_gather", "all_to_all")}
+    # per microbatch (4 samples, as traced) and stage (2 blocks): forward the counts (8 x int64) and the rows out
+    # and back (64 x 32 bytes each), backward the two row exchanges; 1/ep of each stays home
+    exchange = expert_exchange_s(manifest, split, 4, 2, links)
+    block_forward = (64 + 2 * 64 * 32) / 2 / 1e6
+    assert exchange[0] == pytest.approx((2 * block_forward, 2 * (2 * 64 * 32) / 2 / 1e6))
+    # what moves is the manifest's all_to_all_bytes: pairs x (row + out row) x (ep - 1) / ep each way
+    assert exchange[0][1] * 1e6 / 2 == 64 * (32 + 32) * (2 - 1) // 2
+    assert expert_exchange_s(manifest, split, 8, 4, links)[1][1] == pytest.approx(
+        2 * 3 * (2 * 2 * 64 * 32 / 4) / 1e6)  # twice the rows at 8 samples, 3 messages of 1/4
+    assert expert_exchange_s(manifest, split, 4, 1, links) == {}
+    # per step: FSDP gathers the experts (6400 bytes per stage) and reduce-scatters their gradients over dp 4 at
+    # ep 1; at ep 2 each pair of ranks holding the same experts all-reduces their 3200 bytes; at ep 4 nothing
+    fsdp = Layout(pp=2, dp=4)
+    assert expert_step_s(manifest, split, fsdp, 1, links)[0] == pytest.approx(2 * 3 * 6400 / 4 / 1e6)
+    assert expert_step_s(manifest, split, fsdp, 2, links)[0] == pytest.approx(2 * 1 * 3200 / 2 / 1e6)
+    assert expert_step_s(manifest, split, fsdp, 4, links)[0] == 0.0
+    assert expert_step_s(manifest, split, Layout(pp=2, dp=4, dp_mode="ddp"), 1, links)[0] == pytest.approx(
+        2 * 3 * 6400 / 4 / 1e6)  # DDP's all-reduce: the same ring bytes as FSDP's gather and scatter
+    # memory: FSDP keeps weights and gradients whole through the step beside its 1/dp of weights and state
+    assert held_bytes(6400, 1600, fsdp, True, 8) == 6400 + 6400 + (6400 + 12800) / 4
+    assert held_bytes(6400, 1600, fsdp, True, 8, experts_over=2) == (6400 + 6400 + 12800) / 2
+    assert held_bytes(6400, 1600, Layout(pp=2, dp=4, dp_mode="ddp"), True, 8) == 6400 + 6400 + 12800
+    assert held_bytes(6400, 1600, fsdp, False, 8) == 6400 + 6400 / 4
+    # the optimizer updates 1/dp of the experts under FSDP, 1/ep of them with ep: at dp 4, ep 2 updates more
+    assert _sharded_share(manifest, split, 0, 1, False, 2, fsdp) == pytest.approx((400 / 4 + 1600 / 2) / (2000 / 4))
+    assert _sharded_share(manifest, split, 0, 1, False, 4, fsdp) == pytest.approx(1.0)
+
+
+def test_tuner_prices_ep_sizes_and_a_memory_limit_chooses_one():
+    manifest = _ep_manifest()
+    calibration = _tuning_calibration(manifest)
+    kept, dropped, _ = tune(manifest, calibration, schedules=["1f1b"], microbatch_counts=[4], ep_sizes=[1, 2, 4])
+    assert not dropped and [c.ep for c in kept] == [1, 2, 4]  # free comms: a tie, the smaller ep first
+    assert len({round(c.step_s, 9) for c in kept}) == 1  # expert FLOPs per rank are the same at every ep
+    peak = {c.ep: c.peak_memory[0] for c in kept}
+    # rank 0 (stage 0: 2 segments): other parameters 1600 bytes (400) held as FSDP does; experts 6400 (1600); 1F1B
+    # keeps 2 microbatches x 2 segments x 1000 activation bytes
+    others = 1600 + 1600 + (1600 + 3200) / 4
+    assert peak[1] == int(others + 6400 + 6400 + (6400 + 12800) / 4 + 4000)
+    assert peak[2] == int(others + (6400 + 6400 + 12800) / 2 + 4000)
+    assert peak[4] == int(others + (6400 + 6400 + 12800) / 4 + 4000)
+    kept, dropped, _ = tune(manifest, calibration, schedules=["1f1b"], microbatch_counts=[4], ep_sizes=[1, 2, 4],
+                            memory_limit=(peak[2] + peak[4]) // 2)
+    assert [c.ep for c in kept] == [4] and sorted(c.ep for c in dropped) == [1, 2]
+    assert kept[0].to_json()["ep"] == 4
+    # with comms priced, the all-to-all per microbatch costs where FSDP's gathering per step did not
+    calibration.comm["collectives"] = {op: {"step_latency_s": 1e-3, "step_bandwidth_bytes_per_s": 1e6}
+                                       for op in ("all_reduce", "all_gather", "all_to_all")}
+    kept, _, _ = tune(manifest, calibration, schedules=["1f1b"], microbatch_counts=[4], ep_sizes=[1, 2, 4])
+    steps = {c.ep: c.step_s for c in kept}
+    assert steps[1] != steps[2] != steps[4]
+
+
+@pytest.mark.parametrize("layout,sizes,message", [
+    (dict(dp=4), [3], r"--ep-sizes 3: an ep size must divide --dp 4 .* use ep sizes in \[1, 2, 4\]"),
+    (dict(dp=4), [8], r"--ep-sizes 8: .*use ep sizes in \[1, 2, 4\]"),
+    (dict(dp=4, experts=6), [4], r"--ep-sizes 4: .*the 6 routed experts of every block; use ep sizes in \[1, 2\]"),
+    (dict(dp=4, mode="hsdp"), [2], r"--dp-mode hsdp already splits in two; use ep sizes in \[1\]"),
+])
+def test_ep_sizes_that_cannot_shard_are_refused_with_the_ones_that_can(layout, sizes, message):
+    manifest = _ep_manifest(**layout)
+    with pytest.raises(ValueError, match=message):
+        tune(manifest, _tuning_calibration(manifest), schedules=["1f1b"], microbatch_counts=[4], ep_sizes=sizes)
+
+
+def test_ep_sizes_need_the_routed_experts_in_the_segment_table():
+    manifest = _manifest()
+    manifest["plan"]["mesh"] = {"dp": 2, "pp": 2, "mode": "fsdp", "shard": None, "order": "pp-inner"}
+    with pytest.raises(ValueError, match="records no routed experts"):
+        tune(manifest, _tuning_calibration(manifest), schedules=["1f1b"], microbatch_counts=[4], ep_sizes=[1, 2])
+    manifest = _ep_manifest()
+    manifest["segments"][2]["ep"]["blocks"][0]["refused"] = "x (aten::gather) reads y, one row per pair"
+    with pytest.raises(ValueError, match=r"blocks.2.experts cannot be sharded \(x \(aten::gather\)"):
+        tune(manifest, _tuning_calibration(manifest), schedules=["1f1b"], microbatch_counts=[4], ep_sizes=[2])
+    manifest = _ep_manifest()
+    manifest["plan"]["mesh"]["ep"] = 2  # a folder split with --ep: priced as split, other sizes from its ep=1 split
+    kept, _, _ = tune(manifest, _tuning_calibration(manifest), schedules=["1f1b"], microbatch_counts=[4])
+    assert {c.ep for c in kept} == {2}
+    with pytest.raises(ValueError, match="split with --ep 2; calibrate and tune its ep=1 split"):
+        tune(manifest, _tuning_calibration(manifest), schedules=["1f1b"], microbatch_counts=[4], ep_sizes=[1, 2])
+
+
+def test_segment_table_records_the_routed_experts_as_the_ep_plan_counts_them():
+    """The tuner's figures per segment agree with the plan ``--ep 2`` makes of the same graph: the blocks, their
+    (token, expert) pairs, the all-to-all bytes and the expert weights; dense layers and shared experts are not
+    routed experts."""
+    import os
+
+    from tracepp.driver import check_model
+    from tracepp.runtime.mesh import Layout
+
+    zoo = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zoo", "deepseek_v3.py")
+    manifest = check_model(zoo, num_microbatches=2, layout=Layout(pp=2, dp=2, ep=2))
+    figures = [seg["ep"] for seg in manifest["segments"] if "ep" in seg]
+    blocks = [block for fig in figures for block in fig["blocks"]]
+    assert [b["name"] for b in blocks] == [b["name"] for b in manifest["ep"]["blocks"]]
+    for block, planned in zip(blocks, manifest["ep"]["blocks"]):
+        assert (block["pairs"], block["experts"], block["refused"]) == (planned["pairs"], planned["experts"], "")
+        moved = block["pairs"] * (block["row_bytes"] + block["out_row_bytes"]) * (2 - 1) // 2
+        assert moved == planned["all_to_all_bytes"]["forward"]
+    whole = {fqn: entry["shape"] for fqn, entry in manifest["ep"]["params"].items()}
+    assert sum(fig["params"] for fig in figures) == sum(a * b * c for a, b, c in whole.values())
+    assert sum(fig["param_bytes"] for fig in figures) == 4 * sum(a * b * c for a, b, c in whole.values())
+    assert all(fig["flops"] > 0 for fig in figures)

@@ -334,3 +334,35 @@ def test_tune_prices_sequence_parallelism_and_apply_splits_with_it(tmp_path, cap
     manifest = load_manifest(out)
     assert manifest["plan"]["mesh"]["tp"] == 2 and manifest["plan"]["mesh"]["sequence_parallel"] is True
     assert manifest["tp"]["sequence_parallel"]["sent"] == {"layers_1_out": 1}
+
+
+def test_tune_prices_ep_sizes_and_apply_splits_with_the_chosen_ep(tmp_path, capsys):
+    """`plan --tune --ep-sizes 1,2` on the zoo Mixtral at `--dp 2` lists ep 1 and ep 2 (the `ep` column); ep 2
+    holds the experts' weights, gradients and optimizer state in halves where FSDP keeps them gathered through the
+    step, so under a limit between the two only ep 2 fits and `--apply` re-splits with `--ep 2`; an ep size that
+    does not divide --dp is refused with the sizes that do. Made-up stage costs, free comms: no process runs."""
+    import os
+
+    out = str(tmp_path / "out")
+    zoo = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zoo", "mixtral.py")
+    split_model(zoo, out, schedule="1f1b", num_microbatches=2, layout=Layout(pp=2, dp=2))
+    costs = tmp_path / "costs.json"
+    costs.write_text(json.dumps({"0F": 1.0, "0B": 2.0, "1F": 1.0, "1B": 2.0}))
+    assert cli_main(["calibrate", out, "--costs", str(costs), "--no-comm", "--no-fit"]) == 0
+    search = ["plan", out, "--tune", "--schedules", "1f1b", "--microbatch-counts", "2", "--ep-sizes", "1,2"]
+    capsys.readouterr()
+    assert cli_main(search) == 0
+    text = capsys.readouterr().out
+    assert " ep " in text.splitlines()[0]
+    rows = [line.split() for line in text.splitlines() if line[:1].isdigit() and "1f1b" in line]
+    # #, schedule, stages, (k/rank), M, tp, sp, ep, split points, step ms, bubble, peak MB per rank (a / b)
+    peak = {row[7]: max(float(row[-3]), float(row[-1])) for row in rows}
+    assert set(peak) == {"1", "2"} and peak["2"] < peak["1"]
+    assert cli_main(search[:-1] + ["1,4"]) == 2
+    assert "--ep-sizes 4: an ep size must divide --dp 2" in capsys.readouterr().err
+    limit = (peak["1"] + peak["2"]) / 2
+    assert cli_main(search + ["--memory-limit", f"{limit:.4f}MB", "--apply"]) == 0
+    assert "--ep 2" in capsys.readouterr().out
+    manifest = load_manifest(out)
+    assert manifest["plan"]["mesh"]["ep"] == 2 and manifest["ep"]["size"] == 2
+    assert all(entry["local"][0] == 2 for entry in manifest["ep"]["params"].values())  # 4 experts over 2 ranks
