@@ -18,13 +18,15 @@ counts are deterministic: one run, no medians, no times (8 processes on this mac
 ``alltoall`` checks the price ``plan --tune --ep-sizes`` puts on an all-to-all (``tracepp.costs.search.
 all_to_all_s``: ep - 1 messages of 1/ep, from ranks 0 and 1's fitted all-to-all, as ``tracepp calibrate`` records
 it) against gloo's own ``all_to_all_single`` of the same tensors over all ranks of a torchrun of 2 and 4 processes
-(``benchmarks/ep_alltoall_worker.py``). With 2 processes the price is the fit itself; with 4 it extrapolates.
+(``benchmarks/ep_alltoall_worker.py``; ``--worlds 2,4,8`` for more). With 2 processes the price is the fit itself;
+with more it extrapolates.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import platform
 import subprocess
 import sys
 import tempfile
@@ -153,9 +155,9 @@ def memory(root: str) -> dict:
             "cores": os.cpu_count(), "expert_weights": len(experts), "summary": summary, "per_run": runs}
 
 
-def alltoall(root: str) -> dict:
-    out = {}
-    for world in (2, 4):
+def alltoall(root: str, worlds=(2, 4)) -> dict:
+    out = {"machine": platform.node(), "cores": os.cpu_count()}
+    for world in worlds:
         result = os.path.join(root, f"alltoall_{world}.json")
         _torchrun(world, "-m", "benchmarks.ep_alltoall_worker", "--json", result, env=_env())
         out[f"ep{world}"] = json.load(open(result))
@@ -166,12 +168,14 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.expert_parallel", description=__doc__.splitlines()[0])
     parser.add_argument("what", choices=["memory", "alltoall"])
     parser.add_argument("--out", default=os.path.join("benchmarks", "results"))
+    parser.add_argument("--worlds", default="2,4", help="alltoall: the process counts to measure (default 2,4)")
+    parser.add_argument("--name", default="", help="a suffix for the result file's name")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as root:
-        record = {"what": args.what, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-                  **{"memory": memory, "alltoall": alltoall}[args.what](root)}
+        run = memory(root) if args.what == "memory" else alltoall(root, [int(w) for w in args.worlds.split(",")])
+        record = {"what": args.what, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S"), **run}
     print(json.dumps({k: v for k, v in record.items() if k != "per_run"}, indent=1))
-    write_result(args.out, f"expert_parallel_{args.what}", record)
+    write_result(args.out, f"expert_parallel_{args.what}{args.name}", record)
     return 0
 
 
