@@ -207,6 +207,7 @@ class Pipeline:
                 stage = StageModule(spec, stage_functions[spec["index"]], state)
                 stage.autocast_dtype = self.compute_dtype
                 stage.local_shards = self.tp_mesh is not None or self.ep_mesh is not None
+                stage.sequence_shards = self.tp_mesh is not None and self.layout.sequence_parallel and not compile
                 self.stages[spec["index"]] = stage
         if self.mesh is not None:
             for stage in self.stages.values():

@@ -38,6 +38,7 @@ class StageModule(nn.Module):
         self.autocast_dtype = None  # set by the Pipeline for mixed precision
         self.local_shards = False  # tensor parallel: parameters are DTensors over tp, the function takes shards
         self.recompute = False  # activation checkpointing (recompute.apply): keep inputs, recompute in backward
+        self.sequence_shards = False  # sequence parallel: backward keeps the shards of gathered inputs
         self.device_type = next((t.device.type for t in state_by_fqn.values()), "cpu")
         self._state_paths = []
         for ref in spec["state"]:
@@ -64,7 +65,13 @@ class StageModule(nn.Module):
             context = contextlib.nullcontext()
         else:
             context = torch.autocast(self.device_type, dtype=self.autocast_dtype)
-        with context:
+        if self.sequence_shards and torch.is_grad_enabled() and not self.recompute:
+            from .tensor_parallel import shards_kept_for_backward
+
+            context_shards = shards_kept_for_backward()
+        else:
+            context_shards = contextlib.nullcontext()
+        with context, context_shards:
             if self.recompute and torch.is_grad_enabled():
                 return checkpoint(self.function, *self.state_tensors(), *inputs, use_reentrant=False)
             return self.function(*self.state_tensors(), *inputs)

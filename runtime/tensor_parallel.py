@@ -33,6 +33,9 @@ replicated parameters agree without communication. The group is set once by the 
 """
 from __future__ import annotations
 
+import contextlib
+import weakref
+
 import torch
 import torch.distributed as dist
 
@@ -94,6 +97,73 @@ def _gather(tensor: torch.Tensor, dim: int, groups: int = 1) -> torch.Tensor:
     return out
 
 
+_GATHERED: dict = {}  # data_ptr of a live sp_all_gather output -> (weakref to it, its shard, dim, groups)
+
+
+def _sequence_gather(tensor: torch.Tensor, dim: int, groups: int = 1) -> torch.Tensor:
+    """``sp_all_gather``: the shards joined; remembered, so that what backward keeps of it is the shard
+    (:func:`shards_kept_for_backward`)."""
+    out = _gather(tensor, dim, groups)
+    if _STATE["size"] > 1 and _STATE.get("record"):  # inside a forward under shards_kept_for_backward
+        pointer = out.data_ptr()
+        _GATHERED[pointer] = (weakref.ref(out, lambda _ref, p=pointer: _GATHERED.pop(p, None)),
+                              tensor.detach(), dim, groups)
+    return out
+
+
+def _pack(tensor: torch.Tensor):
+    entry = _GATHERED.get(tensor.data_ptr()) if tensor.device.type != "meta" else None
+    gathered = entry[0]() if entry is not None else None
+    if gathered is None or tensor.untyped_storage().data_ptr() != gathered.untyped_storage().data_ptr():
+        return tensor
+    _ref, shard, dim, groups = entry
+    return (shard, dim, groups, tensor.size(), tensor.stride(), tensor.storage_offset(), tensor.requires_grad)
+
+
+def _unpack(packed):
+    if isinstance(packed, torch.Tensor):
+        return packed
+    shard, dim, groups, size, stride, offset, _requires_grad = packed
+    return _gather(shard, dim, groups).as_strided(size, stride, offset)
+
+
+def shards_kept_for_backward():
+    """A context under which a stage's forward lets autograd keep the sequence shard of each ``sp_all_gather``
+    output it saves (a column-parallel linear's input), gathering it again when backward needs it, as
+    Megatron-Core does: what backward keeps between the regions is 1/tp of the activations, for one more
+    all-gather per region in backward. Hooks already set around the step (a measurement's) see what is kept."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    outer = top(False) if top is not None else None
+    if outer is None:
+        return _recording(torch.autograd.graph.saved_tensors_hooks(_pack, _unpack))
+    outer_pack, outer_unpack = outer
+
+    def pack(tensor):
+        packed = _pack(tensor)
+        if isinstance(packed, torch.Tensor):
+            return ("whole", outer_pack(packed))
+        return ("shard", outer_pack(packed[0]), packed[1:])
+
+    def unpack(packed):
+        if packed[0] == "whole":
+            return outer_unpack(packed[1])
+        return _unpack((outer_unpack(packed[1]),) + tuple(packed[2]))
+
+    return _recording(torch.autograd.graph.saved_tensors_hooks(pack, unpack))
+
+
+@contextlib.contextmanager
+def _recording(hooks):
+    """``hooks`` active, and sp_all_gather remembering its outputs' shards, for the span of a forward."""
+    _STATE["record"] = True
+    try:
+        with hooks:
+            yield
+    finally:
+        _STATE["record"] = False
+        _GATHERED.clear()
+
+
 def _reduce_scatter(tensor: torch.Tensor, dim: int, groups: int = 1) -> torch.Tensor:
     """The sum over the group of ``tensor``, this rank's piece of ``dim`` only."""
     size = _STATE["size"]
@@ -122,7 +192,8 @@ def _register():
     lib.define("tp_vocab_embedding(Tensor weight, Tensor indices, int padding_idx, bool reduce=True) -> Tensor")
 
     for name, forward in (("tp_copy", lambda x: x.clone()), ("tp_all_reduce", _all_reduce),
-                          ("tp_all_gather", _gather), ("tp_scatter", _local_piece), ("sp_all_gather", _gather),
+                          ("tp_all_gather", _gather), ("tp_scatter", _local_piece),
+                          ("sp_all_gather", _sequence_gather),
                           ("sp_reduce_scatter", _reduce_scatter)):
         lib.impl(name, forward, "CPU")
         lib.impl(name, forward, "CUDA")

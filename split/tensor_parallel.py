@@ -1291,8 +1291,9 @@ def segment_figures(nodes: list, walks: dict, flops: dict, tensor_bytes, crossin
 
     Where the whole graph was also walked with sequence parallelism, ``["sequence_parallel"]`` holds the same
     figures for that plan plus ``sequence_activation_bytes`` (the activations sharded over the sequence:
-    norms and residual adds between the regions; not the input of a column-parallel region, which its linears
-    keep all-gathered, whole, for their backward), ``reduce_scatter`` (the row-wise outputs and vocabulary
+    norms and residual adds between the regions, and the inputs of column-parallel regions, whose linears keep
+    the shard for backward and gather it again there: ``runtime.tensor_parallel.shards_kept_for_backward``),
+    ``reduce_scatter`` (the row-wise outputs and vocabulary
     lookups, in place of their all-reduce) and ``all_gather_sequence`` (into each column-parallel region),
     each [count, bytes of the whole tensors] (backward mirrors them: an all-gather and a reduce-scatter), and
     ``cut_sequence_bytes`` / ``cut_sequence_grad_bytes``: of the values ``crossing`` the cut before this
@@ -1344,11 +1345,10 @@ def _figures(nodes: list, entry: dict, flops: dict, tensor_bytes, crossing=None)
     if crossing is None:
         return figures
     entering = dict.fromkeys(arg for consumer, arg in walk.sp_gathers if consumer in inside)
-    gathered_anywhere = {arg for _consumer, arg in walk.sp_gathers}
     sent = [n for n in crossing if walk.kind.get(n) == "seq" and n in walk.shard]
-    figures.update({  # a region's input is kept all-gathered (whole) by its column-wise linears: not counted
+    figures.update({  # a region's input too: its linears keep the shard (gathered again in backward)
         "sequence_activation_bytes": sum(tensor_bytes(_val(n)) for n in nodes if walk.kind.get(n) == "seq"
-                                         and n in walk.shard and activation(n) and n not in gathered_anywhere),
+                                         and n in walk.shard and activation(n)),
         "reduce_scatter": total(scattered), "all_gather_sequence": total(entering),
         "cut_sequence_bytes": sum(tensor_bytes(_val(n)) for n in sent),
         "cut_sequence_grad_bytes": sum(tensor_bytes(_val(n)) for n in sent if activation(n))})

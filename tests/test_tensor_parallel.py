@@ -333,8 +333,8 @@ def test_segment_figures_count_the_activations_tp_and_sequence_parallelism_shard
     # a hand count on a model small enough to count: per block (microbatch b = 2 of the batch of 4, sequence
     # S = 8, width D = 16, hidden H = 32, fp32) the values that carry a gradient are up (b S H), relu (b S H),
     # down (b S D) and the residual add (b S D). tp shards up and relu; sequence parallelism adds down's output
-    # (reduce-scattered over the sequence), not the add, whose sequence shard the next column-parallel region
-    # (the next block's up, or the head) all-gathers and keeps whole
+    # (reduce-scattered over the sequence) and the add, whose sequence shard the next column-parallel region
+    # (the next block's up, or the head) all-gathers: its linear keeps the shard and gathers again in backward
     path = tmp_path / "mlp_lm.py"
     path.write_text(_MLP_LM)
     manifest = check_model(str(path), num_microbatches=2, layout=Layout(pp=2), split_points=["blocks.1"])
@@ -351,16 +351,17 @@ def test_segment_figures_count_the_activations_tp_and_sequence_parallelism_shard
             assert figures["all_reduce"] == [1, width]  # down's partial sums
             assert figures["all_reduce_backward"] == [1, width]  # the gradient of up's (whole) input
             sp = figures["sequence_parallel"]
-            assert sp["sharded_activation_bytes"] == 2 * hidden and sp["sequence_activation_bytes"] == width
+            assert sp["sharded_activation_bytes"] == 2 * hidden and sp["sequence_activation_bytes"] == 2 * width
             assert sp["all_reduce"] == [0, 0] and sp["all_reduce_backward"] == [0, 0]
             assert sp["reduce_scatter"] == [1, width] and sp["all_gather_sequence"] == [1, width]
     assert segments["blocks.1"]["cut_bytes"] == width  # the residual stream, sent as a sequence shard
     assert segments["blocks.1"]["tp"]["2"]["sequence_parallel"]["cut_sequence_bytes"] == width
     assert segments["blocks.1"]["tp"]["2"]["sequence_parallel"]["cut_sequence_grad_bytes"] == width
-    # the vocabulary-parallel embedding: its lookup reduce-scattered; its output is gathered by blocks.0's up
+    # the vocabulary-parallel embedding: its lookup reduce-scattered; its output (a sequence shard) is gathered
+    # by blocks.0's up, which keeps the shard
     embed = segments[None]["tp"]["2"]
     assert embed["all_reduce"] == [1, width] and embed["sequence_parallel"]["reduce_scatter"] == [1, width]
-    assert embed["sequence_parallel"]["sequence_activation_bytes"] == 0
+    assert embed["sequence_parallel"]["sequence_activation_bytes"] == width
     # the head: its logits computed on vocabulary shards, its input all-gathered over the sequence
     head = segments["head"]["tp"]["2"]
     assert head["sharded_activation_bytes"] == b * S * V * 4
