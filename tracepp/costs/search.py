@@ -276,10 +276,11 @@ def all_to_all_s(count: int, total_bytes: float, ep: int, link) -> float:
 
     The model: a pairwise exchange, ep - 1 messages of 1/ep of the bytes per call, one after another:
     ``(ep - 1) x (latency + bytes / ep / bandwidth)``. Whatever the algorithm, a rank sends (ep - 1) / ep of its
-    rows and receives as many, so the bandwidth term holds for any schedule of the messages; a latency per message
-    is the upper bound of a backend that posts them one by one (gloo's ``alltoall`` sends to each peer in turn),
-    and the 2-rank fit it is priced from is exactly one such message (``measure_comm.collectives_on_two``). It is
-    the all-gather's form (ep - 1 steps of a 1/ep piece): the same bytes leave each rank."""
+    rows and receives as many, so the bandwidth term holds for any schedule of the messages; a latency per message,
+    one message after another, is an upper bound where the backend overlaps them (gloo with a core per rank did:
+    the price was 1.4 - 2.0x its measured time at 4 and 8 ranks, ``benchmarks.expert_parallel alltoall``), and
+    the 2-rank fit it is priced from is exactly one such message (``measure_comm.collectives_on_two``). It is the
+    all-gather's form (ep - 1 steps of a 1/ep piece): the same bytes leave each rank."""
     if ep == 1 or count == 0:
         return 0.0
     latency, bandwidth = link["all_to_all"] if isinstance(link, dict) else link
