@@ -58,6 +58,7 @@ class MoEBlock:
     num_experts: int
     rows: fx.Node = None  # the first matmul's input: the sorted (token, expert) rows
     refused: str = ""  # why --ep cannot shard it
+    sentinel_fills: list = field(default_factory=list)  # masked_fill of rows routed to no expert (see _sentinel)
 
     @property
     def out(self) -> fx.Node:
@@ -133,6 +134,9 @@ def _check_chain(block: MoEBlock) -> str:
     for node in sorted(between, key=_position):
         if node in block.matmuls:
             continue
+        if op_name(node) == "aten::masked_fill" and _sentinel(node.args[1], block.num_experts):
+            block.sentinel_fills.append(node)  # rows past the last offset: never dispatched, so a no-op there
+            continue
         if op_name(node) not in _ROW_WISE and str(node.target) not in _ROW_WISE:
             return f"{node.name} ({op_name(node)}) runs between the expert matmuls and is not a per-row op"
         for arg in node.all_input_nodes:
@@ -148,6 +152,19 @@ def _check_chain(block: MoEBlock) -> str:
                                                   all(u in block.matmuls for u in user.users)):
                 return f"the expert weight {fqn} is also read by {user.name} ({op_name(user)})"
     return ""
+
+
+def _sentinel(mask, num_experts: int) -> bool:
+    """A mask of the rows routed to no expert (``expert_ids >= num_experts``, as transformers marks the
+    sentinels of its own expert parallelism), through views and unsqueezes."""
+    while isinstance(mask, fx.Node) and op_name(mask) in ("aten::unsqueeze", "aten::view", "aten::reshape",
+                                                          "aten::expand", "aten::_to_copy", "aten::to"):
+        mask = mask.args[0]
+    if not isinstance(mask, fx.Node) or len(mask.args) < 2 or not isinstance(mask.args[1], (int, float)):
+        return False
+    bound = mask.args[1]
+    return ((op_name(mask) == "aten::ge" and bound == num_experts)
+            or (op_name(mask) == "aten::gt" and bound == num_experts - 1))
 
 
 def _position(node) -> int:
@@ -313,6 +330,9 @@ def _exchange(g: fx.Graph, block: MoEBlock, ep: int) -> None:
     for node, val in ((dispatched, vals), (local_rows, vals[0]), (local_offsets, vals[1]), (plan_node, vals[2])):
         node.meta.update(_meta(first), val=val)
     first.replace_input_with(block.rows, local_rows)
+    for fill in block.sentinel_fills:  # the dispatched rows are all routed: nothing to mask
+        fill.replace_all_uses_with(fill.args[0])
+        g.erase_node(fill)
     for matmul in block.matmuls:
         _set_offsets(matmul, local_offsets)
     users = list(last.users)
