@@ -25,9 +25,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .process_state import shared
+
 _NAMESPACE = "tracepp"
-_STATE = {"group": None, "size": 1, "rank": 0}
-_STATS: dict = {}  # block name -> [per-expert token counts summed over the step's microbatches, dropped pairs]
+_STATE = shared("expert_parallel", {"group": None, "size": 1, "rank": 0})  # one per process (process_state)
+_STATS: dict = shared("expert_load", {})  # block -> [tokens per expert summed over the step's microbatches, dropped]
 
 
 def set_group(group, size: int, rank: int) -> None:

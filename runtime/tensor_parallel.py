@@ -39,8 +39,10 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from .process_state import shared
+
 _NAMESPACE = "tracepp"
-_STATE = {"group": None, "size": 1, "rank": 0}
+_STATE = shared("tensor_parallel", {"group": None, "size": 1, "rank": 0})  # one per process (process_state)
 
 
 def set_group(group, size: int, rank: int) -> None:
@@ -97,7 +99,8 @@ def _gather(tensor: torch.Tensor, dim: int, groups: int = 1) -> torch.Tensor:
     return out
 
 
-_GATHERED: dict = {}  # data_ptr of a live sp_all_gather output -> (weakref to it, its shard, dim, groups)
+_GATHERED: dict = shared("sequence_gathered", {})  # data_ptr of a live sp_all_gather output -> (weakref, shard,
+#                                                    dim, groups)
 
 
 def _sequence_gather(tensor: torch.Tensor, dim: int, groups: int = 1) -> torch.Tensor:

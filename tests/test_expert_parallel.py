@@ -130,3 +130,31 @@ def test_check_prints_each_ranks_memory_and_every_parameters_placement(capsys):
     experts = sum(torch.Size(s).numel() for f, s in state.items() if ".experts." in f)
     others = sum(torch.Size(s).numel() for f, s in state.items() if ".experts." not in f)
     assert manifest["stages"][1]["estimate"]["param_bytes"] == fp32 * (experts // 2 + others // 2)
+
+
+def test_every_copy_of_the_runtime_shares_the_ops_state(tmp_path):
+    # a rank process can import the folder's tracepp_runtime and, where tracepp is installed, tracepp.runtime;
+    # the custom ops are registered by whichever comes first, and must read the groups and token counts the
+    # runtime sets through the other (before: the tp group or the expert counts could land in the wrong copy)
+    import importlib.util
+    import sys
+
+    from tracepp.driver import split_model
+    from tracepp.runtime import expert_parallel, tensor_parallel
+
+    out = str(tmp_path / "out")
+    split_model(model_path("residual_mlp_lm"), out, layout=Layout(pp=2))
+    package = os.path.join(out, "tracepp_runtime")
+    spec = importlib.util.spec_from_file_location("tracepp_runtime_copy", os.path.join(package, "__init__.py"),
+                                                  submodule_search_locations=[package])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["tracepp_runtime_copy"] = module
+    try:
+        spec.loader.exec_module(module)
+        copy_tp = importlib.import_module("tracepp_runtime_copy.tensor_parallel")
+        copy_ep = importlib.import_module("tracepp_runtime_copy.expert_parallel")
+        assert copy_tp._STATE is tensor_parallel._STATE and copy_tp._GATHERED is tensor_parallel._GATHERED
+        assert copy_ep._STATE is expert_parallel._STATE and copy_ep._STATS is expert_parallel._STATS
+    finally:
+        for name in [n for n in sys.modules if n.startswith("tracepp_runtime_copy")]:
+            del sys.modules[name]
