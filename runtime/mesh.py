@@ -150,9 +150,10 @@ def describe(plan: dict) -> list:
     """What ``tracepp inspect`` and the rank-script headers show about the mesh (nothing without --dp/--tp)."""
     layout = mesh_layout(plan)
     dp, pp, tp = layout.dp, layout.pp, layout.tp
+    holders = (f"each expert's gradient reduced over the {dp // layout.ep} ranks holding it" if dp > layout.ep
+               else "each expert on one rank of the group")
     expert = (f"; experts over ep={layout.ep} of the dp ranks (consecutive dp indices, all-to-all of the "
-              f"routed tokens), each expert's gradient reduced over the {dp // layout.ep} ranks holding it"
-              if layout.ep > 1 else "")
+              f"routed tokens), {holders}" if layout.ep > 1 else "")
     if tp > 1:
         return [f"Mesh (dp={dp}, pp={pp}, tp={tp}): {dp * pp * tp} processes; tensor parallel inside each "
                 f"stage over {tp} consecutive ranks (global rank = (dp_index * pp + pp_rank) * tp + tp_index)"
