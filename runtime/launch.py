@@ -32,7 +32,6 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from .data import ORDERS, EvalBatches, TokenBatches, accepted_note, check_resumed, data_record
 from .distributed import missing_dependency
 from .failure import EXIT_FAILED, FailureChannel, PipelineError, agree, say, stall_message
 from .loading import load_manifest
@@ -43,6 +42,11 @@ from .pipeline import Pipeline, check_precision, step_ended
 from .job import Board, Progress, StopRequest, any_rank, check_tensorboard, clock
 from .prefetch import BatchPrefetcher
 from .weights import INIT_MODES
+
+
+# data.ORDERS, written here because runtime.data imports numpy, which must be importable before a rank can say it
+# is missing (_check_dependencies runs after the arguments are parsed); tests/test_data.py holds them equal
+DATA_ORDERS = ("random", "epoch")
 
 
 def parse_args(argv=None):
@@ -78,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "folder, a glob, or a weighted mixture (0.7:web/*.bin,0.3:code/ or 0.7 web/ 0.3 "
                              "code/); nanoGPT's uint16 .bin, llm.c's headered .bin (uint16/uint32) or .npy, "
                              "memory-mapped")
-    parser.add_argument("--data-order", default="random", choices=list(ORDERS),
+    parser.add_argument("--data-order", default="random", choices=list(DATA_ORDERS),
                         help="with --data: random draws each step's windows with replacement (nanoGPT); epoch "
                              "reads every non-overlapping window once per pass, shuffled per pass from --seed "
                              "(a mixture: each source its own passes)")
@@ -540,6 +544,8 @@ def train(pipe: Pipeline, args) -> None:
     _check_job_flags(pipe, args)
     if not hasattr(args, "stop"):  # a caller of train() other than main(): no signal handling
         args.stop = StopRequest()
+    from .data import EvalBatches, TokenBatches, data_record
+
     source = TokenBatches(args.data, manifest, args.seed, args.data_order) if args.data else None
     evals = EvalBatches(args.eval_data, manifest, args.eval_batches) if args.eval_data else None
     named = [(name, p) for name, p in pipe.named_parameters() if p.requires_grad]
@@ -718,6 +724,8 @@ def _resume(pipe: Pipeline, args, optimizer, scheduler, fqns: list) -> int:
         step, path, prepared, problem = None, None, None, str(error)
     agree(problem, group=group)
     checkpoint.load(prepared, optimizer, fqns)
+    from .data import accepted_note
+
     if pipe.is_last_rank and pipe.dp_index == 0 and pipe.tp_index == 0 and not args.quiet:
         print(f"resumed from {path} (step {step}); training steps {step + 1} to {args.steps}", flush=True)
         if accepted_note(args.data_record, step):
@@ -726,6 +734,8 @@ def _resume(pipe: Pipeline, args, optimizer, scheduler, fqns: list) -> int:
 
 
 def _check_resume(pipe: Pipeline, args, optimizer, scheduler, fqns: list, step: int, path: str) -> tuple:
+    from .data import check_resumed
+
     info = checkpoint.read_info(path)
     checkpoint.check_compatible(path, info, _checkpoint_info(pipe, optimizer))
     args.data_record = check_resumed(path, info.get("data"), args.data_record, step, args.accept_data_change)

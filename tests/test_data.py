@@ -382,3 +382,11 @@ def test_prepare_tokens_writes_llmc_shards_and_still_one_file_without_a_shard_si
     prepare.main([text, "-o", str(tmp_path / "flat")])
     assert sorted(os.listdir(tmp_path / "flat")) == ["train.bin", "val.bin"]
     assert TokenFile(str(tmp_path / "flat" / "train.bin")).format == "nanoGPT uint16"
+
+
+def test_run_py_offers_the_data_orders_data_knows():
+    # launch.py names them itself: runtime.data imports numpy, and a rank without numpy must reach the check
+    # that names it (tests/test_quick_start.py)
+    from tracepp.runtime import data, launch
+
+    assert launch.DATA_ORDERS == data.ORDERS
