@@ -126,5 +126,7 @@ class FailureChannel:
         thread, self._thread = self._thread, None
         if thread is not None:
             thread.join(timeout=_JOIN_S)
-            return not thread.is_alive()
+            if thread.is_alive():
+                return False
+        self.store = None  # its client closed now, while the interpreter is whole, not in shutdown's teardown
         return True

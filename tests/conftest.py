@@ -3,11 +3,13 @@
 Many tests split the same model file with the same options (a folder for each schedule, then again for the
 resume, the metrics, the error case). ``tracepp.driver.split_model`` is wrapped, before any test module imports
 it, so that a split already made in this session is copied instead of traced again: the copy is the same
-folder (nothing in it names the folder it was written to), and the manifest returned is a fresh copy. The key is
+folder (nothing in it names the folder it was written to; its runtime byte-compiled once), and the manifest
+returned is a fresh copy. The key is
 everything the split reads: the model file and the Python files beside it (their contents), the options, and
 the environment (model files read variables such as ``TP_HF_FAMILY``). ``TRACEPP_TEST_SPLIT_CACHE=0`` turns it
 off. A split that raises is never cached, so every error test traces.
 """
+import compileall
 import copy
 import hashlib
 import os
@@ -37,6 +39,13 @@ def _key(model_path: str, args: tuple, kwargs: dict) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def _byte_compile(folder: str) -> None:
+    """The folder's runtime and scripts compiled to bytecode once: every rank process of every test that copies the
+    folder reads it instead of compiling the runtime's modules again (PYTHONDONTWRITEBYTECODE=1 environments
+    never write it themselves). The copy keeps the sources' times, so the bytecode stays valid."""
+    compileall.compile_dir(folder, quiet=1)
+
+
 def split_model(model_path, out_dir, *args, **kwargs):
     """``tracepp.driver.split_model``, or a copy of the same split made earlier in the session into a folder
     that is new (a folder with files in it is split for real: emit's rules for what it replaces apply)."""
@@ -50,6 +59,7 @@ def split_model(model_path, out_dir, *args, **kwargs):
         shutil.copytree(cached, out_dir, dirs_exist_ok=True)
         return copy.deepcopy(manifest)
     manifest = _ORIGINAL(model_path, out_dir, *args, **kwargs)
+    _byte_compile(out_dir)
     if _ROOT is None:
         _ROOT = tempfile.mkdtemp(prefix="tracepp_split_cache_")
     cached = os.path.join(_ROOT, key)
