@@ -29,7 +29,9 @@ def torchrun(out_dir: str, nproc: int, *args: str, timeout: float = TORCHRUN_TIM
     that imports torch and rendezvouses before any rank starts, about 1.7 s of a 2-core machine per run and a
     third of a small test. ``real=True``, or ``TRACEPP_TEST_TORCHRUN=1`` for the whole suite, runs torchrun itself.
     Tests of torchrun's own part (--max-restarts, a signal to the agent, the README's commands) always do."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    # one compile worker per rank: inductor's default pool (a process per core, each importing torch) only
+    # competes with the other ranks on a 2-core machine (the compile tests 8 - 14 % faster, measured)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TORCHINDUCTOR_COMPILE_THREADS="1")
     env.update(env_extra or {})
     script = [os.path.join(out_dir, "run.py"), "--timeout", str(PEER_TIMEOUT_S), *args]
     if real or os.environ.get("TRACEPP_TEST_TORCHRUN") == "1":
