@@ -2,8 +2,13 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import tempfile
+import time
+import uuid
+from datetime import timedelta
 
 import torch
 
@@ -47,12 +52,6 @@ def start_ranks(script: list, nproc: int, env: dict, timeout: float) -> subproce
     channel meets it too), starts ``nproc`` ranks with torchrun's environment, and when one exits non-zero stops
     the rest (SIGTERM, then SIGKILL after 30 s) as torchrun does. Their output goes to one stdout and one stderr,
     interleaved, as under torchrun."""
-    import signal
-    import tempfile
-    import time
-    import uuid
-    from datetime import timedelta
-
     store = torch.distributed.TCPStore("127.0.0.1", 0, nproc, is_master=True, wait_for_workers=False,
                                        timeout=timedelta(seconds=timeout))
     common = dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), WORLD_SIZE=str(nproc),
@@ -84,8 +83,6 @@ def start_ranks(script: list, nproc: int, env: dict, timeout: float) -> subproce
 
 
 def _stop(ranks: list, sig, grace_s: float) -> None:
-    import time
-
     for rank in ranks:
         if rank.poll() is None:
             rank.send_signal(sig)
