@@ -25,6 +25,7 @@ import tracepp
 from tracepp.codegen.stage_code import globals_prelude, rank_code
 from tracepp.runtime.loading import MANIFEST_FORMAT
 from tracepp.runtime.mesh import describe, mesh_layout, parameter_placements
+from tracepp.runtime.run_options import RunOptions
 from tracepp.runtime.script_check import program_digest
 from tracepp.runtime.shapes import activation_key, activation_sent, gradient_key, gradient_sent
 from tracepp.split.cost import forward_flops
@@ -150,6 +151,10 @@ def build_manifest(model_file, traced, graph, plan, launch_command: str, options
         # with --tp: each parameter's shard dim (None: replicated over tp) and the collectives per stage
         "tp": graph.tensor_parallel or None,
         "ep": graph.expert_parallel or None,
+        # what each stage keeps per microbatch (counted on fake tensors) and each pipeline rank's peak with its parts
+        "memory": graph.memory or None,
+        # what run.py defaults to: the precision, activation checkpointing and optimizer the memory was planned for
+        "run_options": (options or {}).get("run_options") or RunOptions().to_json(),
         # every parameter's placement over the whole mesh (dp, ep, tp) and the shape one rank holds
         "placements": parameter_placements(mesh_layout(plan), {
             ref.fqn: list(_program_tensor(traced.program, ref.fqn, ref.kind).shape)

@@ -143,7 +143,9 @@ def _register():
                                 lib=lib)
 
     def dispatch_fake(rows, offsets, num_experts, block):
-        count = torch.library.get_ctx().new_dynamic_size()
+        # planning a stage's memory (tracepp.codegen.memory): balanced routing, a rank takes in as many rows as
+        # it sends; otherwise how many rows arrive depends on the data
+        count = rows.shape[0] if _STATE.get("planning") else torch.library.get_ctx().new_dynamic_size()
         size = _STATE["size"]
         return (rows.new_empty((count,) + tuple(rows.shape[1:])), offsets.new_empty(num_experts // size),
                 torch.empty((2, size, num_experts // size), dtype=torch.int64))
@@ -164,7 +166,7 @@ def _register():
 
     def combine_setup(ctx, inputs, output):
         ctx.save_for_backward(inputs[1])
-        ctx.kept = int(inputs[1][0].sum())
+        ctx.kept = inputs[0].shape[0] if _STATE.get("planning") else int(inputs[1][0].sum())
 
     def combine_backward(ctx, grad):
         plan, = ctx.saved_tensors

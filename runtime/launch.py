@@ -23,6 +23,7 @@ or, with this script as torchrun's launcher (a signal to it stops the ranks with
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -35,12 +36,14 @@ import torch.distributed as dist
 from .distributed import missing_dependency
 from .failure import EXIT_FAILED, FailureChannel, PipelineError, agree, say, stall_message
 from .loading import load_manifest
-from . import checkpoint, cpu_binding, expert_parallel, host_memory, recompute, shm_p2p, tensor_parallel
+from . import checkpoint, cpu_binding, expert_parallel, host_memory, memory_fit, recompute, shm_p2p, tensor_parallel
+from .memory import MeasuredPeak
 from .mesh import coordinates, full, mesh_layout, world_size
 from .optim import OPTIMIZERS, build_optimizer, build_scheduler, parameter_fqns, step_scheduler
 from .pipeline import Pipeline, check_precision, step_ended
 from .job import Board, Progress, StopRequest, any_rank, check_tensorboard, clock
 from .prefetch import BatchPrefetcher
+from .run_options import fill_defaults
 from .weights import INIT_MODES
 
 
@@ -60,8 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "python out/run.py --nproc-per-node R [torchrun options] -- [options]")
     parser.add_argument("--steps", type=int, default=3, help="training steps (default 3)")
     parser.add_argument("--lr", type=float, default=0.01, help="learning rate of the --optimizer (default 0.01)")
-    parser.add_argument("--optimizer", default="sgd", choices=list(OPTIMIZERS),
-                        help="optimizer when the model file has no optimizer(...) (default sgd)")
+    parser.add_argument("--optimizer", default=None, choices=list(OPTIMIZERS),
+                        help="optimizer when the model file has no optimizer(...) (default: what tracepp split "
+                             "planned, else sgd)")
     parser.add_argument("--weight-decay", type=float, default=0.0,
                         help="weight decay of --optimizer on parameters with 2+ dims (not biases/norms)")
     parser.add_argument("--warmup", type=int, default=0, metavar="N",
@@ -109,9 +113,20 @@ def build_parser() -> argparse.ArgumentParser:
                              "record every step")
     parser.add_argument("--save-safetensors", default=None, metavar="PATH",
                         help="write the trained weights as one safetensors file (tied weights once, HF layout)")
-    parser.add_argument("--activation-checkpointing", default="none", choices=list(recompute.MODES),
+    parser.add_argument("--activation-checkpointing", default=None, metavar="MODE",
                         help="recompute stage forwards during backward: none, full (every stage), selective "
-                             "(stages holding several microbatches' activations at once)")
+                             "(keep matmul, attention and collective outputs, recompute the rest), in-flight (full "
+                             "for the stages holding several microbatches at once), or one of none/full/selective "
+                             "per stage, comma-separated (default: what tracepp split planned, see run_options in "
+                             "manifest.json)")
+    parser.add_argument("--measure-memory", default=None, metavar="PATH",
+                        help="measure each rank's peak tensor memory over the run's steps and write it beside the "
+                             "plan's prediction to PATH (JSON); CPU counts every live tensor storage (slower "
+                             "steps), CUDA reads max_memory_allocated")
+    parser.add_argument("--memory-check", default="on", choices=["on", "off"],
+                        help="before the first step, compare the plan's peak per rank with the device's free "
+                             "memory: on CUDA a job that cannot fit stops on every rank naming the figures and the "
+                             "flags that would fit; on CPU it warns against the available RAM (default on)")
     parser.add_argument("--save", default=None, help="write the trained state_dict (original FQNs) here")
     parser.add_argument("--metrics", default=None, help="append one JSON line per step here")
     parser.add_argument("--save-outputs", default=None, metavar="PATH",
@@ -126,9 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--timeout", type=float, default=120.0,
                         help="seconds any communication may wait before the job fails (default 120)")
     parser.add_argument("--quiet", action="store_true", help="no per-step progress lines")
-    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
+    parser.add_argument("--precision", default=None, choices=["fp32", "bf16", "fp16"],
                         help="compute dtype: fp32 weights always; bf16/fp16 autocast compute and boundary tensors "
-                             "(fp16: GPU only, with a dynamic loss scale)")
+                             "(fp16: GPU only, with a dynamic loss scale; default: what tracepp split planned, "
+                             "else fp32)")
     parser.add_argument("--clip-grad-norm", type=float, default=None, metavar="MAX",
                         help="clip the global L2 gradient norm (all stages, tied weights once) to MAX")
     parser.add_argument("--on-nonfinite", default="stop", choices=["stop", "skip", "continue"],
@@ -262,6 +278,7 @@ def main(rank_script_rank: int, stage_functions: dict, actions: list, folder: st
          releases=None) -> None:
     args = parse_args(argv)
     manifest = load_manifest(folder)
+    fill_defaults(args, manifest)  # the precision, checkpointing and optimizer the split planned for
     rank = int(os.environ.get("RANK", str(rank_script_rank)))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     # before the process group starts gloo's threads; the cores go into --metrics
@@ -388,7 +405,8 @@ def _update(pipe: Pipeline, args, step: int, loss, scaler, needs_norm: bool, opt
     else:
         stop = any_rank(stop_here, pipe.device)
     if optimizer is not None and not skipped:
-        optimizer.step()
+        with getattr(args, "optimizer_context", contextlib.nullcontext)():
+            optimizer.step()
     step_scheduler(scheduler, step)
     pipe.zero_grad(set_to_none=True)
     return norm, skipped, note, stop
@@ -554,7 +572,10 @@ def train(pipe: Pipeline, args) -> None:
         optimizer = build_optimizer(user, named, name=args.optimizer, lr=args.lr, weight_decay=args.weight_decay)
         fqns = parameter_fqns(optimizer, named)
         scheduler = build_scheduler(user, optimizer, warmup=args.warmup, total_steps=args.steps)
+    recompute.check_mode(args.activation_checkpointing, len(manifest["stages"]))
     recompute.apply(pipe, args.activation_checkpointing)
+    if getattr(args, "memory_check", "on") == "on":
+        memory_fit.check(pipe, args)
     reports = pipe.is_last_rank and pipe.dp_index == 0 and pipe.tp_index == 0  # one replica prints (its loss is the global batch's)
     args.data_record = data_record(source)
     first_step = _resume(pipe, args, optimizer, scheduler, fqns) if args.resume else 0
@@ -573,6 +594,11 @@ def train(pipe: Pipeline, args) -> None:
     host_memory.configure(device)  # CPU ranks: freed tensors go back to the OS (see host_memory.py)
     batches = BatchPrefetcher(source or (lambda index: user_batch(user, index, training)), device)
     stopped = None
+    measure = None
+    if getattr(args, "measure_memory", None):
+        measure = MeasuredPeak(pipe)
+        measure.start()
+    args.optimizer_context = measure.optimizer if measure is not None else contextlib.nullcontext
     for step in range(first_step, args.steps):
         # on GPUs pinned and copied on a side stream; the step waits for the copy, so what of it is not done
         # by then is counted in the step time below
@@ -608,6 +634,8 @@ def train(pipe: Pipeline, args) -> None:
         if stop:
             stopped = done
             break
+    if measure is not None:
+        memory_fit.report(pipe, args, measure.stop())
     if stopped is not None:
         _stopped(pipe, args, stopped, reports)
     else:

@@ -37,7 +37,9 @@ class StageModule(nn.Module):
         self.function = function
         self.autocast_dtype = None  # set by the Pipeline for mixed precision
         self.local_shards = False  # tensor parallel: parameters are DTensors over tp, the function takes shards
-        self.recompute = False  # activation checkpointing (recompute.apply): keep inputs, recompute in backward
+        # activation checkpointing (recompute.apply): False, "full" (keep the inputs, recompute the forward in
+        # backward) or "selective" (keep the matmul, attention and collective outputs, recompute the rest)
+        self.recompute = False
         self.sequence_shards = False  # sequence parallel: backward keeps the shards of gathered inputs
         self.device_type = next((t.device.type for t in state_by_fqn.values()), "cpu")
         self._state_paths = []
@@ -73,5 +75,10 @@ class StageModule(nn.Module):
             context_shards = contextlib.nullcontext()
         with context, context_shards:
             if self.recompute and torch.is_grad_enabled():
+                if self.recompute == "selective":
+                    from .recompute import selective_context
+
+                    return checkpoint(self.function, *self.state_tensors(), *inputs, use_reentrant=False,
+                                      context_fn=selective_context)
                 return checkpoint(self.function, *self.state_tensors(), *inputs, use_reentrant=False)
             return self.function(*self.state_tensors(), *inputs)

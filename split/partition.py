@@ -236,6 +236,9 @@ def _node_costs(nodes: list, flops: dict, needs_grad: dict, counted_state: set) 
     return total
 
 
+SEGMENT = "tracepp_segment"  # node meta: the index of the segment (segment_table's row) the node belongs to
+
+
 def segment_table(nodes: list, model: torch.nn.Module, flops: dict, needs_grad: dict, parameters: set,
                   computable: set, stage_of: Optional[dict] = None, per_segment=None, experts=None) -> list:
     """The pieces a re-split may cut between, as plain data: the automatic balancer's segments (repeated blocks,
@@ -271,6 +274,8 @@ def segment_table(nodes: list, model: torch.nn.Module, flops: dict, needs_grad: 
             last_use[node] = len(nodes)
     table = []
     for index, (start, end) in enumerate(zip(edges, edges[1:])):
+        for node in nodes[start:end]:  # stage graphs copy it: the memory count gives each segment its bytes
+            node.meta[SEGMENT] = index
         piece = _node_costs(nodes[start:end], flops, needs_grad, parameters)
         tensors = sent = grad_tensors = grad = 0
         crossing = []

@@ -92,6 +92,7 @@ class PipelineGraph:
     flop_warnings: list = field(default_factory=list)  # one line per op without a FLOP formula
     tensor_parallel: dict = field(default_factory=dict)  # split.tensor_parallel.TPPlan.to_json() with --tp
     expert_parallel: dict = field(default_factory=dict)  # split.expert_parallel.EPPlan.to_json(): routed experts
+    memory: dict = field(default_factory=dict)  # codegen.memory.plan_memory: figures per stage, peak per rank
 
     @property
     def num_stages(self) -> int:

@@ -57,7 +57,7 @@ def three_step_checkpoint(split_out, tmp_path_factory):
 def test_adamw_groups_resume_and_activation_checkpointing_match_eager(split_out, three_step_checkpoint, tmp_path):
     expected = eager_adamw(MODEL, 6)
     whole = str(tmp_path / "whole.pt")
-    run_ok(split_out, 2, "--steps", "6", "--save", whole, "--activation-checkpointing", "selective")
+    run_ok(split_out, 2, "--steps", "6", "--save", whole, "--activation-checkpointing", "in-flight")
     assert_trained(torch.load(whole), MODEL)
     assert_state_close(torch.load(whole), expected)
 

@@ -10,7 +10,7 @@ import torch.nn as nn
 from tracepp.runtime import checkpoint
 from tracepp.runtime.optim import (OptimizerConfigError, build_optimizer, build_scheduler, parameter_fqns,
                                    step_scheduler, warmup_cosine)
-from tracepp.runtime.recompute import max_in_flight, stages_to_checkpoint
+from tracepp.runtime.recompute import max_in_flight, stage_modes, stages_to_checkpoint
 
 
 def _named():
@@ -81,16 +81,24 @@ def test_scheduler_that_raises_is_named():
         step_scheduler(scheduler, 2)
 
 
-def test_selective_checkpointing_skips_stages_holding_one_microbatch():
+def test_checkpointing_modes_choose_stages_and_their_kind():
     first = ["0F0", "0F1", "0SEND_F1>1", "0B0", "0F2", "0B1", "0B2"]
     last = ["1F0", "1B0", "1F1", "1B1", "1F2", "1B2"]
     assert max_in_flight(first, 0) == 2 and max_in_flight(last, 1) == 1
-    assert stages_to_checkpoint("selective", [0], first) == [0]
-    assert stages_to_checkpoint("selective", [1], last) == []
-    assert stages_to_checkpoint("full", [1], last) == [1]
-    assert stages_to_checkpoint("none", [0], first) == []
-    with pytest.raises(ValueError, match="'some' is not one of none, full, selective"):
+    # in-flight: whole recomputation where a stage holds several microbatches at once, none where it holds one
+    assert stages_to_checkpoint("in-flight", [0], first) == {0: "full"}
+    assert stages_to_checkpoint("in-flight", [1], last) == {}
+    assert stages_to_checkpoint("full", [1], last) == {1: "full"}
+    assert stages_to_checkpoint("selective", [1], last) == {1: "selective"}
+    assert stages_to_checkpoint("none", [0], first) == {}
+    # one mode per stage of the pipeline (what the tuner chooses)
+    assert stages_to_checkpoint("selective,none", [0], first, 2) == {0: "selective"}
+    assert stages_to_checkpoint("selective,full", [1], last, 2) == {1: "full"}
+    assert stage_modes("in-flight", 2, lambda s: first if s == 0 else last) == ["full", "none"]
+    with pytest.raises(ValueError, match="'some' is not one of none, full, selective, in-flight"):
         stages_to_checkpoint("some", [0], first)
+    with pytest.raises(ValueError, match="lists 3 stage modes; the pipeline has 2 stages"):
+        stages_to_checkpoint("full,none,none", [0], first, 2)
 
 
 def test_latest_checkpoint_skips_incomplete_and_refuses_empty(tmp_path):

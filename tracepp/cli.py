@@ -27,7 +27,8 @@ def _split(args) -> int:
     points = _split_points(args.split_points)
     manifest = split_model(args.model, args.out, num_stages=args.stages, schedule=args.schedule,
                            num_microbatches=args.microbatches, split_points=points,
-                           dynamic_shapes=parse_flags(args.dynamic) if args.dynamic else None, layout=_layout(args))
+                           dynamic_shapes=parse_flags(args.dynamic) if args.dynamic else None, layout=_layout(args),
+                           run=_run_options(args))
     from tracepp.modelfile import bundle_packages
     from tracepp.runtime.mesh import describe
     from tracepp.report.stages import stage_table
@@ -71,7 +72,8 @@ def _check(args) -> int:
     points = _split_points(args.split_points)
     manifest = check_model(args.model, num_stages=args.stages, schedule=args.schedule,
                            num_microbatches=args.microbatches, split_points=points,
-                           dynamic_shapes=parse_flags(args.dynamic) if args.dynamic else None, layout=_layout(args))
+                           dynamic_shapes=parse_flags(args.dynamic) if args.dynamic else None, layout=_layout(args),
+                           run=_run_options(args))
     _print_notes(manifest)
     print(stage_table(manifest))
     for table in (estimate_table(manifest) if manifest["plan"].get("mesh") else "", tensor_parallel_table(manifest),
@@ -96,6 +98,7 @@ def _check_layout(args) -> None:
     from tracepp.codegen.schedules import SCHEDULES, check_stages_divide, is_csv, placement
 
     _layout(args).check()
+    _run_options(args).check(args.stages)
     if args.stages is None:
         return
     if args.stages < 1:
@@ -252,6 +255,18 @@ def _add_split_options(parser) -> None:
     parser.add_argument("--dp-order", default="pp-inner", choices=["pp-inner", "dp-inner"],
                         help="pp-inner (default): consecutive global ranks form one pipeline; dp-inner: "
                              "consecutive ranks are replicas of one pipeline rank")
+    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
+                        help="the compute dtype the job will run in: memory is counted in it, and run.py defaults "
+                             "to it (default fp32)")
+    parser.add_argument("--activation-checkpointing", default="none", metavar="MODE",
+                        help="none, full, selective (keep matmul, attention and collective outputs, recompute the "
+                             "rest), in-flight (full where a stage holds several microbatches), or one of "
+                             "none/full/selective per stage, comma-separated: memory is counted with it, and run.py "
+                             "defaults to it (default none)")
+    parser.add_argument("--optimizer", default=None, choices=["sgd", "adamw"],
+                        help="the optimizer run.py builds when the model file has no optimizer(params): its state "
+                             "is counted in each rank's peak, and run.py defaults to it (default: the model file's, "
+                             "else sgd)")
 
 
 def _layout(args):
@@ -260,6 +275,14 @@ def _layout(args):
 
     return Layout(pp=args.ranks, dp=args.dp, dp_mode=args.dp_mode, dp_shard=args.dp_shard, dp_order=args.dp_order,
                   tp=args.tp, ep=args.ep, sequence_parallel=args.sequence_parallel)
+
+
+def _run_options(args):
+    """The one value of the training options that change memory (what run.py defaults to)."""
+    from tracepp.runtime.run_options import RunOptions
+
+    return RunOptions(precision=args.precision, activation_checkpointing=args.activation_checkpointing,
+                      optimizer=args.optimizer)
 
 
 def _split_points(text):

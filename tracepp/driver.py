@@ -8,12 +8,16 @@ import os
 import shlex
 from typing import Optional
 
+import torch
+
 from tracepp.codegen.emit import build_manifest, emit
+from tracepp.codegen.memory import plan_memory
 from tracepp.codegen.plan import build_plan, topology_of
 from tracepp.codegen.schedules import stages_per_rank
 from tracepp.modelfile import load_model_file
 from tracepp.resplit import split_options
 from tracepp.runtime.mesh import Layout
+from tracepp.runtime.run_options import RunOptions
 from tracepp.split import expert_parallel, tensor_parallel
 from tracepp.split.cost import per_rank_estimate
 from tracepp.split.partition import split
@@ -21,9 +25,10 @@ from tracepp.trace import trace
 
 
 def _plan(model_path: str, layout: Layout, num_stages: Optional[int], schedule: str, num_microbatches: int,
-          split_points: Optional[list], dynamic_shapes):
+          split_points: Optional[list], dynamic_shapes, run: RunOptions = RunOptions()):
     """Steps 1-3, shared by ``split`` and ``check``: (model file, traced program, stage graphs, plan)."""
     layout.check()
+    run.check()
     model_file = load_model_file(model_path)                                          # the user's contract
     if layout.dp > 1:  # each replica runs the pipeline on its slice: trace a microbatch of the replica's batch
         traced = _trace_replica(model_file, num_microbatches, dynamic_shapes, layout)
@@ -50,18 +55,20 @@ def _plan(model_path: str, layout: Layout, num_stages: Optional[int], schedule: 
         _check_shared_on_one_rank(graph, the_plan, schedule, layout)
     if layout.world_size > layout.pp:
         the_plan["mesh"] = layout.to_json()
+    graph.memory = memory_plan(model_file, traced, graph, the_plan, layout, run)            # 3b. memory per rank
     return model_file, traced, graph, the_plan
 
 
 def split_model(model_path: str, out_dir: str, num_stages: Optional[int] = None, schedule: str = "1f1b",
                 num_microbatches: int = 4, split_points: Optional[list] = None, dynamic_shapes=None,
-                layout: Layout = Layout(pp=2)) -> dict:
+                layout: Layout = Layout(pp=2), run: RunOptions = RunOptions()) -> dict:
     """``tracepp split``: the folder ``out_dir`` for ``layout`` (pipeline ranks, data, tensor and expert
-    parallelism: one value); returns its manifest."""
+    parallelism: one value) and ``run`` (the precision, activation checkpointing and optimizer its memory is
+    planned for, and run.py defaults to); returns its manifest."""
     model_file, traced, graph, the_plan = _plan(model_path, layout, num_stages, schedule, num_microbatches,
-                                                split_points, dynamic_shapes)
+                                                split_points, dynamic_shapes, run)
     options = split_options(model_path, layout, num_stages, schedule, num_microbatches, split_points,
-                            dynamic_shapes, graph)
+                            dynamic_shapes, graph, run)
     manifest = emit(out_dir, model_file, traced, graph, the_plan, launch_command(layout.world_size),  # 4. output
                     options)
     return manifest
@@ -92,11 +99,48 @@ def launch_command(world_size: int, folder: Optional[str] = None) -> str:
 
 def check_model(model_path: str, num_stages: Optional[int] = None, schedule: str = "1f1b",
                 num_microbatches: int = 4, split_points: Optional[list] = None, dynamic_shapes=None,
-                layout: Layout = Layout(pp=2)) -> dict:
+                layout: Layout = Layout(pp=2), run: RunOptions = RunOptions()) -> dict:
     """``tracepp check``: trace, split and plan as :func:`split_model` does, and return the manifest unwritten."""
     model_file, traced, graph, the_plan = _plan(model_path, layout, num_stages, schedule, num_microbatches,
-                                                split_points, dynamic_shapes)
-    return build_manifest(model_file, traced, graph, the_plan, launch_command(layout.world_size))
+                                                split_points, dynamic_shapes, run)
+    return build_manifest(model_file, traced, graph, the_plan, launch_command(layout.world_size),
+                          {"run_options": run.to_json()})
+
+
+def memory_plan(model_file, traced, graph, the_plan: dict, layout: Layout, run: RunOptions) -> dict:
+    """Step 3b: what each stage keeps and each rank's peak (``codegen.memory``) for the run options: the precision,
+    each stage's activation checkpointing (``in-flight`` resolved from the plan) and the optimizer run.py builds
+    (the model file's ``optimizer(params)``, else ``--optimizer``)."""
+    from tracepp.codegen.memory import MemoryOptions
+    from tracepp.runtime import recompute
+    from tracepp.runtime.actions import Action
+    from tracepp.runtime.optim import build_optimizer
+
+    actions = the_plan["actions"]
+    modes = recompute.stage_modes(run.activation_checkpointing, graph.num_stages,
+                                  lambda s: [str(a) for a in actions[the_plan["stage_to_rank"][s]]])
+    split_backward = any(Action.parse(str(a)).kind in ("I", "W") for rank in actions.values() for a in rank)
+    options = MemoryOptions(precision=run.precision, recompute=modes, split_backward=split_backward,
+                            tp=layout.tp, ep=layout.ep)
+    target = _microbatch_target(model_file, traced, layout) if model_file.training else None
+    loss_fn = getattr(model_file.module, "loss_fn", None)
+
+    def make_optimizer(named):
+        return build_optimizer(model_file.module, named, name=run.optimizer or "sgd")
+
+    return plan_memory(graph, traced.model, the_plan, layout, options, loss_fn, target, make_optimizer,
+                       model_file.training)
+
+
+def _microbatch_target(model_file, traced, layout: Layout):
+    """The target of one traced microbatch (its shape and dtype are what the last stage's loss sees)."""
+    import torch.utils._pytree as pytree
+
+    target = model_file.example_target()
+    global_batch = traced.batch_size * layout.dp
+    size = -(-global_batch // (traced.num_microbatches * layout.dp))
+    return pytree.tree_map_only(torch.Tensor, lambda t: t[:size] if t.dim() and t.shape[0] == global_batch else t,
+                                target)
 
 
 def _trace_replica(model_file, num_microbatches: int, dynamic_shapes, layout: Layout):

@@ -9,7 +9,7 @@ from tracepp.dynamic import DynamicFlags
 
 
 def split_options(model_path: str, layout, num_stages, schedule: str, num_microbatches: int, split_points,
-                  dynamic_shapes, graph=None) -> dict:
+                  dynamic_shapes, graph=None, run=None) -> dict:
     """What ``split_model`` was called with, as JSON (the manifest's ``split_options``): enough to split again
     with some choices changed (:func:`resplit`). ``stage_begins``: the module each stage after the first begins
     at, where the segment table names it."""
@@ -29,7 +29,7 @@ def split_options(model_path: str, layout, num_stages, schedule: str, num_microb
     return {"model": os.path.abspath(model_path), "layout": dataclasses.asdict(layout), "num_stages": num_stages,
             "schedule": str(schedule), "num_microbatches": num_microbatches,
             "split_points": split_points if split_points is None or isinstance(split_points, str) else list(split_points),
-            "dynamic": dynamic, "stage_begins": begins}
+            "dynamic": dynamic, "stage_begins": begins, "run_options": run.to_json() if run is not None else None}
 
 
 def recorded_layout(options: dict):
@@ -46,7 +46,8 @@ def recorded_layout(options: dict):
 
 def resplit(manifest: dict, out_dir: str, **changes) -> dict:
     """Split again as the manifest's ``split_options`` record, with ``changes`` (e.g. ``schedule``,
-    ``num_stages``, ``num_microbatches``, ``split_points``, and ``layout`` changes as a dict, e.g. ``{"tp": 2}``)
+    ``num_stages``, ``num_microbatches``, ``split_points``, ``layout`` changes as a dict, e.g. ``{"tp": 2}``, and
+    ``run`` changes to the run options, e.g. ``{"activation_checkpointing": "full,none"}``)
     into ``out_dir``; the model file is the recorded path, else the folder's own copy ``model_file.py``."""
     from tracepp.driver import split_model  # the driver imports split_options from here
 
@@ -54,7 +55,10 @@ def resplit(manifest: dict, out_dir: str, **changes) -> dict:
     if not options:
         raise ValueError("this folder's manifest does not record how it was split (made by an older tracepp): run "
                          "`tracepp split` again with the chosen options")
+    from tracepp.runtime.run_options import RunOptions
+
     layout = recorded_layout(options).replace(**changes.pop("layout", {}))
+    run = RunOptions.from_json(options.get("run_options")).replace(**changes.pop("run", {}))
     options.update(changes)
     model_path = options["model"]
     if not os.path.isfile(model_path):
@@ -66,7 +70,7 @@ def resplit(manifest: dict, out_dir: str, **changes) -> dict:
     flags = DynamicFlags(**{**dynamic["flags"], "dims": [tuple(d) for d in dynamic["flags"]["dims"]]}) if dynamic else None
     return split_model(model_path, out_dir, num_stages=options["num_stages"], schedule=options["schedule"],
                        num_microbatches=options["num_microbatches"], split_points=options["split_points"],
-                       dynamic_shapes=flags, layout=layout)
+                       dynamic_shapes=flags, layout=layout, run=run)
 
 
 def apply_tuned(manifest: dict, out_dir: str, best) -> dict:

@@ -1,0 +1,540 @@
+"""What each stage holds per microbatch, counted on fake tensors as the runtime runs it.
+
+:func:`profile_stages` runs every stage graph forward and backward on ``FakeTensorMode`` tensors (shapes and
+dtypes, no storage, no compute) the way a rank's executor does (``runtime/executor.py``): the received
+activations as fresh leaves over their receive buffers (cast from the wire dtype under mixed precision), the
+stage module of the runtime itself (``runtime/stages.StageModule``: autocast in the compute dtype, activation
+checkpointing, sequence-parallel shards), the loss on the last stage, the outputs freed once sent, autograd's
+own engine for the backward (zero-bubble schedules: the executor's own ``WeightSplit``, input gradients
+first, weight gradients later). :class:`~tracepp.runtime.memory.LiveMemory` counts every storage alive at each
+moment, each once. So what is counted is what autograd keeps, whatever the op: an SDPA kernel's log-sum-exp,
+not S x S scores; the bf16 copy of a weight autocast saves for its matmul; a checkpointed stage's inputs only.
+
+Per stage, for one microbatch (bytes; ``STAGE_FIELDS``): the receive buffers it takes, the forward's peak above
+what was live before it, what the forward leaves alive (``kept``: saved for backward and the outputs), the
+outputs freed once sent, the gradient buffers it receives, the backward's peak and what it leaves (the first
+backward of a step allocates the parameters' gradients; later ones add into them), the input gradients held
+until sent. Every live storage is also attributed to the graph node that made it (``kept_by_node``), which
+gives the tuner the kept bytes of each segment of the graph. Stages with the same graph (the repeated middle
+of a model) are profiled once.
+
+The timeline over a rank's actions that turns these into a peak per rank is :mod:`tracepp.codegen.peak`.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from tracepp.runtime import expert_parallel, tensor_parallel
+from tracepp.runtime.memory import LiveMemory, storages_of
+from tracepp.runtime.pipeline import PRECISIONS
+from tracepp.runtime.stages import StageModule
+from tracepp.split.cost import as_int
+from tracepp.split.partition import SEGMENT, STATE_FQN
+
+STAGE_FIELDS = ("received", "forward_peak", "kept", "outputs", "freed_at_send", "grad_received", "backward_peak",
+                "backward_peak_first", "after_backward", "after_backward_first", "input_grads", "grads",
+                "input_backward_peak", "after_input_backward", "weight_backward_peak", "weight_backward_peak_first",
+                "after_weight_backward", "after_weight_backward_first")
+
+
+@dataclass
+class MemoryOptions:
+    """What changes a stage's memory besides the graph: the compute ``precision`` (fp32, bf16, fp16), the
+    activation checkpointing of each stage (``recompute[stage]``: none, full, selective) and whether the plan
+    splits backwards into I and W (zero-bubble schedules)."""
+
+    precision: str = "fp32"
+    recompute: Optional[list] = None
+    split_backward: bool = False
+    tp: int = 1
+    ep: int = 1
+
+    def mode(self, stage_index: int) -> str:
+        return self.recompute[stage_index] if self.recompute else "none"
+
+
+def _nbytes(tensors) -> int:
+    seen, total = set(), 0
+    for leaf in pytree.tree_leaves(tensors):
+        if isinstance(leaf, torch.Tensor):
+            for storage in storages_of(leaf):
+                if id(storage) not in seen:
+                    seen.add(id(storage))
+                    total += storage.nbytes()
+    return total
+
+
+def _concrete_shape(val) -> list:
+    return [as_int(size) for size in val.shape]
+
+
+class _Labelled(fx.Interpreter):
+    """Runs a stage graph node by node, attributing each storage made to the node that made it; values are
+    dropped after their last use, as the generated code does."""
+
+    def __init__(self, module, tracker: LiveMemory):
+        super().__init__(module, garbage_collect_values=True)
+        self.tracker = tracker
+
+    def run_node(self, node):
+        with self.tracker.labelled(node.name):
+            return super().run_node(node)
+
+    def run(self, *args):
+        try:
+            return super().run(*args)
+        finally:  # a checkpoint's recomputation stops early by raising: its values must go, as a frame's would
+            self.env = {}
+
+
+def _runnable_graph(graph: fx.Graph) -> fx.GraphModule:
+    """A copy of the stage graph as the rank script runs it: autocast off where the model turned it off, export's
+    metadata asserts dropped (what ``codegen.stage_code`` does before printing)."""
+    from tracepp.codegen.stage_code import _autocast_off_regions, _drop_metadata_asserts
+
+    copy = fx.Graph()
+    output = copy.graph_copy(graph, {}, return_output_node=True)
+    copy.output(output[0] if isinstance(output, tuple) else output)
+    _autocast_off_regions(copy)
+    _drop_metadata_asserts(copy)
+    copy.lint()
+    return fx.GraphModule(torch.nn.Module(), copy)
+
+
+def _structure_key(stage, graph, options: MemoryOptions, is_last: bool) -> str:
+    """Stages whose graphs hold the same ops on the same shapes (a model's repeated middle) keep the same bytes."""
+    digest = hashlib.sha256(repr((options.precision, options.mode(stage.index), options.split_backward,
+                                  is_last)).encode())
+    for node in stage.graph.nodes:
+        val = node.meta.get("val")
+        text = (node.op, str(node.target), [str(a) if not isinstance(a, fx.Node) else "n" for a in node.args],
+                (str(val.dtype), [str(s) for s in val.shape], val.requires_grad)
+                if isinstance(val, torch.Tensor) else type(val).__name__)
+        if node.op == "placeholder":
+            ref = graph.state.get(node.name)
+            text += (ref.kind if ref is not None else "input",)
+        digest.update(repr(text).encode())
+    return digest.hexdigest()
+
+
+class _StageRun:
+    """One stage run as a rank's executor runs it (see the module doc), on fake tensors."""
+
+    def __init__(self, stage, graph, trainable: set, options: MemoryOptions, tracker: LiveMemory, loss_fn, target,
+                 out_spec, output_leaves, is_last: bool, sequence_shards: bool):
+        self.stage, self.graph, self.tracker = stage, graph, tracker
+        self.is_last = is_last
+        self.loss_fn, self.target, self.out_spec, self.output_leaves = loss_fn, target, out_spec, output_leaves
+        self.wire = PRECISIONS[options.precision]
+        placeholders = [n for n in stage.graph.nodes if n.op == "placeholder"]
+        state_nodes = placeholders[:len(stage.state)]
+        tensors, spec_state = {}, []
+        for node, name in zip(state_nodes, stage.state):
+            ref = graph.state[name]
+            val = node.meta["val"]
+            tensor = torch.empty(_concrete_shape(val), dtype=val.dtype)
+            if ref.kind == "parameter":
+                tensor = torch.nn.Parameter(tensor, requires_grad=ref.fqn in trainable)
+            fqn = node.meta.get(STATE_FQN, ref.fqn)
+            tensors.setdefault(fqn, tensor)
+            spec_state.append({"fqn": fqn, "kind": ref.kind, "persistent": ref.persistent})
+        interpreter = _Labelled(_runnable_graph(stage.graph), tracker)
+        self.module = StageModule({"index": stage.index, "state": spec_state},
+                                  lambda *args: interpreter.run(*args), tensors)
+        self.module.autocast_dtype = self.wire
+        self.module.recompute = options.mode(stage.index) if options.mode(stage.index) != "none" else False
+        self.pool = []  # receive buffers given back after a backward: the executor keeps them for reuse
+        self.module.sequence_shards = sequence_shards
+        self.params = [p for p in self.module.parameters() if p.requires_grad]
+        rest = placeholders[len(stage.state):]
+        roots, rest = rest[:len(stage.root_inputs)], rest[len(stage.root_inputs):]
+        received, sizes = rest[:len(stage.received)], rest[len(stage.received):]
+        self.roots = [torch.zeros(_concrete_shape(n.meta["val"]), dtype=n.meta["val"].dtype)
+                      if isinstance(n.meta.get("val"), torch.Tensor) else n.meta.get("val") for n in roots]
+        self.received_meta = [(n.meta["val"], graph.values[name].meta.requires_grad)
+                              for n, (_producer, name) in zip(received, stage.received)]
+        self.sizes = [as_int(n.meta["val"]) for n in sizes]
+        self.tracker.register([p for p in self.module.parameters()] + [b for b in self.module.buffers()],
+                              "parameters")
+        self.tracker.register(self.roots, "activations")
+        self.returned_only = []
+        output = next(n for n in stage.graph.nodes if n.op == "output")
+        self.returned_only = [isinstance(n, fx.Node) and len(n.users) == 1 and n.op != "placeholder"
+                              for n in output.args[0]]
+        self.split = options.split_backward
+        if self.split:
+            from tracepp.runtime.executor import WeightSplit
+
+            self.weight_split = WeightSplit(self.params)
+            self.weight_split.matmul_recipes = False  # its bit-for-bit check reads values fake tensors lack
+        self.in_flight = {}
+
+    def _wire(self, dtype):
+        return self.wire if self.wire is not None and dtype.is_floating_point else dtype
+
+    def receive(self, mb: int) -> list:
+        with self.tracker.labelled("received"):
+            buffers = [torch.empty(_concrete_shape(val), dtype=self._wire(val.dtype)) for val, _g in self.received_meta]
+        self.in_flight[mb] = {"buffers": buffers}
+        return buffers
+
+    def forward(self, mb: int) -> None:
+        state = self.in_flight.setdefault(mb, {"buffers": []})
+        inputs = list(state["buffers"])
+        grad_slots = [k for k, (_val, grad) in enumerate(self.received_meta) if grad]
+        for slot in grad_slots:
+            inputs[slot] = inputs[slot].detach().requires_grad_(True)
+        received = inputs
+        if self.wire is not None:
+            received = [value.to(val.dtype) for value, (val, _g) in zip(inputs, self.received_meta)]
+        out = self.module(*self.roots, *received, *self.sizes)
+        state.update(inputs=inputs, wanted=[inputs[k] for k in grad_slots], out=out, loss=None,
+                     out_meta=[(t.shape, t.dtype, t.requires_grad) if isinstance(t, torch.Tensor) else None
+                               for t in out])
+        if self.is_last:
+            leaves = [out[i] if kind == "value" else const for i, (kind, const) in enumerate(self.output_leaves)]
+            if self.wire is not None:
+                leaves = [t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in leaves]
+            if self.loss_fn is not None and self.target is not None:
+                output = pytree.tree_unflatten(leaves, self.out_spec)
+                with self.tracker.labelled("loss"):
+                    state["loss"] = self.loss_fn(output, self.target).float() * 0.5
+
+    def send(self, mb: int) -> None:
+        """The outputs the executor frees once sent (``RankExecutor._choose_deallocatable``)."""
+        out = self.in_flight[mb]["out"]
+        for pos, tensor in enumerate(out[:len(self.returned_only)]):
+            if not (isinstance(tensor, torch.Tensor) and self.returned_only[pos] and tensor.requires_grad):
+                continue
+            if tensor._base is not None or tensor.grad_fn is None or hasattr(tensor.grad_fn, "_saved_result"):
+                continue
+            tensor.data = torch.empty((0,), dtype=tensor.dtype)
+
+    def receive_grads(self, mb: int) -> None:
+        state = self.in_flight[mb]
+        with self.tracker.labelled("received"):
+            state["grad_buffers"] = [torch.empty(meta[0], dtype=self._wire(meta[1])) if meta and meta[2] else None
+                                     for meta in state["out_meta"]] if not self.is_last else []
+
+    def _tensors_and_grads(self, state):
+        from tracepp.runtime.executor import _run_backward  # noqa: F401  (the engine call used below)
+
+        if self.is_last:
+            return ([state["loss"]], [None]) if state["loss"] is not None else ([], [])
+        tensors, grads = [], []
+        for tensor, buffer in zip(state["out"], state["grad_buffers"]):
+            if buffer is not None:
+                tensors.append(tensor)
+                grads.append(buffer.to(tensor.dtype))
+        return tensors, grads
+
+    def _release(self, mb: int) -> None:
+        state = self.in_flight.pop(mb)
+        self.pool += state.get("buffers", []) + [b for b in state.get("grad_buffers", []) if b is not None]
+
+    def backward(self, mb: int, part: str = "full") -> None:
+        from tracepp.runtime.executor import WeightSplit, _run_backward
+
+        state = self.in_flight[mb]
+        if part == "weight":
+            pending, tensors, grads = state.pop("pending")
+            WeightSplit.weight_backward(pending, tensors, grads)
+            del pending, tensors, grads
+            self._release(mb)
+            return
+        tensors, grads = self._tensors_and_grads(state)
+        wanted = state["wanted"]
+        if part == "full":
+            if tensors:
+                _run_backward(tensors, grads, False, (), True)
+            found = [t.grad for t in wanted]
+            del tensors, grads
+            self._release(mb)
+        else:
+            if tensors and wanted and self.params:
+                self.weight_split.use(self.params)
+                found, pending, keep = self.weight_split.input_backward(tensors, grads, wanted)
+            else:
+                found = (_run_backward(tensors, grads, True, tuple(wanted), False) if tensors and wanted
+                         else [None] * len(wanted))
+                pending, keep = WeightSplit.from_outputs(self.params), True
+            state["pending"] = (pending, tensors, grads) if keep else (pending, None, None)
+            if not keep:
+                state["out"], state["loss"] = None, None
+            del tensors, grads, pending
+        self.input_grads = [g if g is not None else torch.zeros_like(w) for g, w in zip(found, wanted)]
+
+
+def _measure(tracker: LiveMemory, action) -> tuple:
+    """(peak above the bytes live before ``action()``, live bytes after minus before)."""
+    before = tracker.now
+    tracker.reset_peak()
+    action()
+    return tracker.peak - before, tracker.now - before
+
+
+def profile_stage(stage, graph, trainable: set, options: MemoryOptions, loss_fn=None, target=None,
+                  is_last: bool = False, training: bool = True, sequence_shards: bool = False) -> dict:
+    """One stage's figures (``STAGE_FIELDS``, bytes, one microbatch) and ``kept_by_node`` (node name -> bytes
+    it leaves alive after the forward), from two microbatches run forward, sent and run backward on fake
+    tensors: the first backward of a step allocates the gradients, the second adds into them."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
+    tracker = LiveMemory()
+    figures = dict.fromkeys(STAGE_FIELDS, 0)
+    with mode, tracker, _planning_collectives(options.tp, options.ep):
+        fake_target = None
+        if target is not None:
+            fake_target = pytree.tree_map_only(torch.Tensor, lambda t: torch.zeros(t.shape, dtype=t.dtype), target)
+        run = _StageRun(stage, graph, trainable, options, tracker, loss_fn, fake_target, graph.out_spec,
+                        graph.output_leaves, is_last, sequence_shards)
+        grad_context = contextlib.nullcontext() if training else torch.no_grad()
+        with grad_context:
+            before = tracker.now
+            for mb in (0, 1):
+                run.receive(mb)
+            figures["received"] = (tracker.now - before) // 2
+            figures["received_sizes"] = [_nbytes(b) for b in run.in_flight[0]["buffers"]]
+            figures["forward_peak"], figures["kept"] = _measure(tracker, lambda: run.forward(0))
+            live_after = tracker.live_by_label()
+            figures["outputs"] = _nbytes(run.in_flight[0]["out"]) if not is_last else 0
+            _measure(tracker, lambda: run.forward(1))
+        if not training:
+            figures["kept_by_position"] = _by_position(stage.graph, live_after)
+            return figures
+        if not is_last:
+            figures["freed_at_send"] = -_measure(tracker, lambda: run.send(0))[1]
+            run.send(1)
+            before = tracker.now
+            run.receive_grads(0)
+            run.receive_grads(1)
+            figures["grad_received"] = (tracker.now - before) // 2
+            figures["grad_received_sizes"] = [_nbytes(b) for b in run.in_flight[0]["grad_buffers"] if b is not None]
+        grads_before = _nbytes([p.grad for p in run.params])
+        if options.split_backward:
+            for mb, first in ((0, True), (1, False)):
+                peak, after = _measure(tracker, lambda: run.backward(mb, "input"))
+                figures["input_backward_peak"] = max(figures["input_backward_peak"], peak)
+                figures["after_input_backward"] = after
+                suffix = "_first" if first else ""
+                peak, after = _measure(tracker, lambda: run.backward(mb, "weight"))
+                figures["weight_backward_peak" + suffix], figures["after_weight_backward" + suffix] = peak, after
+                figures["input_grads"] = _nbytes(run.input_grads)
+                run.input_grads = None
+        else:
+            for mb, suffix in ((0, "_first"), (1, "")):
+                peak, after = _measure(tracker, lambda: run.backward(mb, "full"))
+                figures["backward_peak" + suffix], figures["after_backward" + suffix] = peak, after
+                figures["input_grads"] = _nbytes(run.input_grads)
+                run.input_grads = None
+        figures["grads"] = _nbytes([p.grad for p in run.params]) - grads_before
+    figures["kept_by_position"] = _by_position(stage.graph, live_after)
+    return figures
+
+
+def _by_position(graph: fx.Graph, by_label: dict) -> dict:
+    """Live bytes by the position of the node that made them in ``graph`` (stages with the same structure share
+    their figures, and a position names the same node in each); ``"loss"`` for the loss function's."""
+    position = {node.name: index for index, node in enumerate(graph.nodes)}
+    out: dict = {}
+    for label, nbytes in by_label.items():
+        key = "loss" if label == "loss" else position.get(label)
+        if key is not None and nbytes:
+            out[key] = out.get(key, 0) + nbytes
+    return out
+
+
+def kept_by_segment(stage, figures: dict) -> dict:
+    """segment index (``split.partition.SEGMENT``) -> bytes the stage's forward leaves for backward there; the
+    loss's go to the stage's last segment."""
+    nodes = list(stage.graph.nodes)
+    out: dict = {}
+    last = None
+    for key, nbytes in (figures.get("kept_by_position") or {}).items():
+        if key == "loss":
+            continue
+        segment = nodes[int(key)].meta.get(SEGMENT) if int(key) < len(nodes) else None
+        if segment is not None:
+            out[segment] = out.get(segment, 0) + nbytes
+    for node in nodes:
+        if node.meta.get(SEGMENT) is not None:
+            last = node.meta[SEGMENT]
+    loss = (figures.get("kept_by_position") or {}).get("loss", 0)
+    if loss and last is not None:
+        out[last] = out.get(last, 0) + loss
+    return out
+
+
+@contextlib.contextmanager
+def _planning_collectives(tp_size: int = 1, ep_size: int = 1):
+    """The tp and ep ops' fake implementations read the group sizes from the runtime's process state; planning
+    sets them to the layout's (the stage graphs already hold this rank's local shapes)."""
+    tp, ep = dict(tensor_parallel._STATE), dict(expert_parallel._STATE)
+    tensor_parallel._STATE.update(group=None, size=tp_size, rank=0)
+    expert_parallel._STATE.update(group=None, size=ep_size, rank=0, planning=True)
+    try:
+        yield
+    finally:
+        for state, old in ((tensor_parallel._STATE, tp), (expert_parallel._STATE, ep)):
+            state.clear()
+            state.update(old)
+
+
+def profile_stages(graph, model, loss_fn, target, options: MemoryOptions, training: bool = True,
+                   sequence_shards: bool = False) -> list:
+    """:func:`profile_stage` for every stage of ``graph`` (a :class:`~tracepp.split.pipeline_graph.PipelineGraph`):
+    ``model`` gives which parameters train, ``loss_fn`` and ``target`` (one microbatch's) the last stage's loss.
+    A stage that cannot run on fake tensors gets ``{"error": why}`` instead (the caller falls back)."""
+    trainable = {fqn for fqn, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
+    done, out = {}, []
+    last = graph.num_stages - 1
+    for stage in graph.stages:
+        key = _structure_key(stage, graph, options, stage.index == last)
+        if key not in done:
+            try:
+                done[key] = profile_stage(stage, graph, trainable, options, loss_fn,
+                                          target if stage.index == last else None, stage.index == last, training,
+                                          sequence_shards)
+            except Exception as error:  # noqa: BLE001  (never fail a split for its memory figure)
+                done[key] = {"error": f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"}
+        out.append(dict(done[key]))
+    return out
+
+
+# -- a plan's memory: every stage's figures, what each rank holds, its peak ---------------------------------------
+
+def stage_state(stage, graph, layout, trainable_fqns=None) -> dict:
+    """What a rank holds of one stage's parameters and buffers between steps, from the stage graph's placeholders
+    (already this rank's tp pieces and ep experts): ``param_bytes`` held (FSDP's 1/dp shard of the parameters it
+    manages, DDP's whole copy, routed experts whole: FSDP leaves them alone), ``unsharded_bytes`` (FSDP's gathered
+    copy of those it shards, held from the stage's first forward to its last backward), ``grad_bytes_at_rest``
+    (the trainable parameters' gradients after the step's reduction) and ``trainable``: ``[(fqn, numel held,
+    dtype)]`` for the optimizer."""
+    experts = set((graph.expert_parallel or {}).get("params", {})) if layout.ep > 1 else set()
+    fsdp = layout.dp > 1 and layout.dp_mode in ("fsdp", "hsdp")
+    shard = (layout.dp if layout.dp_mode == "fsdp" else (layout.dp_shard or 1)) if fsdp else 1
+    held = unsharded = grads = 0
+    trainable = []
+    placeholders = [n for n in stage.graph.nodes if n.op == "placeholder"][:len(stage.state)]
+    for node, name in zip(placeholders, stage.state):
+        ref = graph.state[name]
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            continue
+        nbytes = as_int(val.numel()) * val.element_size()
+        if ref.kind != "parameter":
+            held += nbytes
+            continue
+        sharded = fsdp and ref.fqn not in experts
+        own = -(-nbytes // shard) if sharded else nbytes
+        held += own
+        unsharded += nbytes if sharded else 0
+        if trainable_fqns is None or ref.fqn in trainable_fqns:
+            grads += own
+            trainable.append((node.meta.get(STATE_FQN, ref.fqn), -(-as_int(val.numel()) // (shard if sharded else 1)),
+                              val.dtype))
+    return {"param_bytes": held, "unsharded_bytes": unsharded, "grad_bytes_at_rest": grads, "trainable": trainable}
+
+
+def optimizer_figures(trainable: list, make_optimizer) -> dict:
+    """``{"state_bytes", "step_peak"}`` of the optimizer ``make_optimizer(named_params)`` builds for a rank's
+    trainable parameters (``[(fqn, numel, dtype)]``), from one step on fake tensors: the state it keeps, and the
+    temporaries of its step above that."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    if not trainable or make_optimizer is None:
+        return {"state_bytes": 0, "step_peak": 0}
+    tracker = LiveMemory()
+    with FakeTensorMode(allow_non_fake_inputs=True), tracker:
+        named = [(fqn, torch.nn.Parameter(torch.empty(numel, dtype=dtype))) for fqn, numel, dtype in trainable]
+        for _fqn, param in named:
+            param.grad = torch.zeros_like(param)
+        optimizer = make_optimizer(named)
+        with tracker.as_category("optimizer"):
+            before = tracker.now
+            tracker.reset_peak()
+            optimizer.step()
+            state = tracker.now - before
+            step_peak = tracker.peak - tracker.now
+    return {"state_bytes": int(state), "step_peak": int(max(step_peak, 0))}
+
+
+def _max_in_flight(actions: list, stage_index: int) -> int:
+    from tracepp.runtime.recompute import max_in_flight
+
+    return max_in_flight([str(a) for a in actions], stage_index)
+
+
+def plan_memory(graph, model, plan: dict, layout, options: MemoryOptions, loss_fn=None, target=None,
+                make_optimizer=None, training: bool = True) -> dict:
+    """The manifest's ``memory``: every stage's figures (:func:`profile_stages` and :func:`stage_state`), and per
+    pipeline rank its peak over the plan's timeline with its parts (``tracepp.codegen.peak``), the same on every
+    data- and tensor-parallel replica of that rank. Also sets each stage's ``estimate`` from the counted figures."""
+    from tracepp.codegen.peak import rank_peak
+
+    profiles = profile_stages(graph, model, loss_fn, target, options, training,
+                              sequence_shards=layout.tp > 1 and layout.sequence_parallel)
+    stage_to_rank = plan["stage_to_rank"]
+    trainable_fqns = {fqn for fqn, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
+    stages, trainable, notes = [], [], []
+    for stage, figures in zip(graph.stages, profiles):
+        state = stage_state(stage, graph, layout, trainable_fqns)
+        trainable.append(state.pop("trainable"))
+        entry = {k: v for k, v in figures.items() if k != "kept_by_position"}
+        entry.update(state)
+        entry["recompute"] = options.mode(stage.index)
+        if "error" in figures:
+            notes.append(f"stage {stage.index}: memory not counted on fake tensors ({figures['error']}); "
+                         f"its activations are the split's upper bound")
+            bound = stage.estimate.get("activation_bytes_per_microbatch", 0)
+            entry.update(dict.fromkeys(STAGE_FIELDS, 0), kept=bound, forward_peak=bound, backward_peak=bound,
+                         backward_peak_first=bound, after_backward=-bound, after_backward_first=-bound,
+                         input_backward_peak=bound, weight_backward_peak=bound, weight_backward_peak_first=bound)
+        entry["kept_by_segment"] = {str(k): v for k, v in kept_by_segment(stage, figures).items()}
+        stages.append(entry)
+    ranks, rank_numel = [], []
+    for rank in range(plan["num_ranks"]):
+        mine = {s: stages[s] for s, r in enumerate(stage_to_rank) if r == rank}
+        seen, held = set(), []
+        for s in mine:
+            for item in trainable[s]:
+                if item[0] not in seen:  # a weight two stages of this rank share is one parameter
+                    seen.add(item[0])
+                    held.append(item)
+        optimizer = optimizer_figures(held, make_optimizer) if training else {"state_bytes": 0, "step_peak": 0}
+        actions = plan["actions"].get(str(rank), plan["actions"].get(rank, []))
+        peak = rank_peak(actions, mine, optimizer, layout.dp_mode, layout.dp)
+        peak["optimizer"] = optimizer
+        ranks.append(peak)
+        rank_numel.append(sum(item[1] for item in held))
+    for stage, entry in zip(graph.stages, stages):
+        rank = stage_to_rank[stage.index]
+        actions = plan["actions"].get(str(rank), plan["actions"].get(rank, []))
+        inflight = _max_in_flight(actions, stage.index) if training else 1
+        share = sum(item[1] for item in trainable[stage.index]) / rank_numel[rank] if rank_numel[rank] else 0.0
+        estimate = dict(stage.estimate)
+        estimate.update(activation_bytes_per_microbatch=entry["kept"], inflight_microbatches=inflight,
+                        activation_bytes=entry["kept"] * inflight, param_bytes=entry["param_bytes"],
+                        grad_bytes=entry["grad_bytes_at_rest"] if training else 0,
+                        optimizer_bytes=int(ranks[rank]["optimizer"]["state_bytes"] * share), counted=True)
+        estimate["memory_bytes"] = (estimate["param_bytes"] + estimate["grad_bytes"] + estimate["optimizer_bytes"]
+                                    + estimate["activation_bytes"])
+        stage.estimate = estimate
+    return {"options": {"precision": options.precision, "recompute": [options.mode(s.index) for s in graph.stages],
+                        "split_backward": options.split_backward},
+            "method": METHOD, "stages": stages, "ranks": ranks, "notes": notes}
+
+
+METHOD = ("each stage run forward and backward on fake tensors as the rank's executor runs it (runtime "
+          "StageModule: autocast, checkpointing; autograd's engine), every live tensor storage counted once; each "
+          "rank's action list walked with those figures for the worst moment of a step after the first and of the "
+          "optimizer step (codegen/peak.py)")

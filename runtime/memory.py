@@ -1,0 +1,245 @@
+"""Live tensor memory of a process, counted per storage: what a plan's memory figure is held against.
+
+:class:`LiveMemory` is a ``TorchDispatchMode`` that counts every tensor storage an op returns (or reads for the
+first time) until the storage is freed, each storage once however many views share it, as torch's own
+``torch.distributed._tools.mem_tracker`` does: a weak reference per storage, its bytes subtracted when the
+storage goes. ``UntypedStorage.resize_`` (how FSDP2 frees and re-allocates its unsharded parameters) is followed
+while the mode is on. The same counter works on real tensors (``run.py --measure-memory`` on CPU; CUDA reads its
+allocator's ``max_memory_allocated`` instead) and on fake ones (the split's count of what a stage keeps for
+backward, ``tracepp.split.memory``).
+
+Storages carry a *category* (``parameters``, ``gradients``, ``optimizer``, or the default, ``activations``:
+everything a step makes) and an optional *label* (the graph node that made it). :meth:`LiveMemory.register`
+counts tensors made before the mode started (parameters, optimizer state) under a category, or moves known ones
+to another (a gradient, once autograd has accumulated it). At every new peak the per-category totals are
+copied, so the peak can be reported split into its parts.
+
+Standard library and torch only: the runtime is copied into every output folder.
+"""
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+import torch
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils.weak import WeakIdKeyDictionary
+
+CATEGORIES = ("parameters", "gradients", "optimizer", "activations")
+
+
+def storages_of(tensor: torch.Tensor) -> list:
+    """The untyped storages behind a tensor: its own, or those of the plain tensors inside a wrapper subclass
+    (a DTensor's local shard)."""
+    found, todo = [], [tensor]
+    while todo:
+        item = todo.pop()
+        if is_traceable_wrapper_subclass(item):
+            names, _ctx = item.__tensor_flatten__()
+            todo.extend(getattr(item, name) for name in names if isinstance(getattr(item, name), torch.Tensor))
+        else:
+            found.append(item.untyped_storage())
+    return found
+
+
+def _is_fake(tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(tensor, FakeTensor)
+
+
+class _Entry:
+    __slots__ = ("nbytes", "category", "label", "__weakref__")
+
+    def __init__(self, nbytes: int, category: str, label):
+        self.nbytes, self.category, self.label = nbytes, category, label
+
+
+class LiveMemory(TorchDispatchMode):
+    """Count live tensor storages while the mode is on (see the module doc). ``now``/``peak``: bytes;
+    ``by_category``: bytes per category now; ``peak_parts``: per category at the peak; ``label``: attributed
+    to storages made from now on (:meth:`labelled`)."""
+
+    def __init__(self):
+        super().__init__()
+        self._entries = WeakIdKeyDictionary()  # storage -> _Entry
+        self.now = 0
+        self.peak = 0
+        self.window_peak = 0  # the most live bytes since :meth:`open_window`
+        self.by_category = dict.fromkeys(CATEGORIES, 0)
+        self.peak_parts = dict(self.by_category)
+        self.default_category = "activations"
+        self.label = None
+        self._resize = None
+
+    # -- counting ---------------------------------------------------------------------------------------
+    def _add(self, storage, category: str) -> None:
+        entry = self._entries.get(storage)
+        if entry is not None:
+            if category != entry.category and category != self.default_category:
+                self.by_category[entry.category] -= entry.nbytes
+                entry.category = category
+                self.by_category[category] += entry.nbytes
+            return
+        nbytes = storage.nbytes()
+        entry = _Entry(nbytes, category, self.label)
+        self._entries[storage] = entry
+        weakref.finalize(storage, self._free, entry)
+        self._change(entry, nbytes)
+
+    def _change(self, entry: _Entry, delta: int) -> None:
+        self.now += delta
+        self.by_category[entry.category] = self.by_category.get(entry.category, 0) + delta
+        if self.now > self.window_peak:
+            self.window_peak = self.now
+        if self.now > self.peak:
+            self.peak = self.now
+            self.peak_parts = dict(self.by_category)
+
+    def _free(self, entry: _Entry) -> None:
+        self._change(entry, -entry.nbytes)
+        entry.nbytes = 0
+
+    def track(self, tensor, category=None) -> None:
+        """Count ``tensor``'s storages (if not yet counted) under ``category`` (default: the current one)."""
+        if isinstance(tensor, torch.Tensor):
+            for storage in storages_of(tensor):
+                self._add(storage, category or self.default_category)
+
+    def register(self, tensors, category: str) -> None:
+        """Count (or move to ``category``) every tensor in ``tensors`` (any nesting of lists, tuples, dicts)."""
+        for leaf in pytree.tree_leaves(tensors):
+            self.track(leaf, category)
+
+    def open_window(self) -> int:
+        """Start watching the most live bytes from now (``window_peak``) without touching the overall peak;
+        returns the live bytes now."""
+        self.window_peak = self.now
+        return self.now
+
+    def reset_peak(self) -> None:
+        """Start a new peak window at the current live bytes."""
+        self.peak = self.now
+        self.peak_parts = dict(self.by_category)
+
+    @contextlib.contextmanager
+    def labelled(self, label):
+        """Attribute storages made inside to ``label`` (e.g. the graph node being run)."""
+        before, self.label = self.label, label
+        try:
+            yield
+        finally:
+            self.label = before
+
+    @contextlib.contextmanager
+    def as_category(self, category: str):
+        """Count storages made inside under ``category`` (e.g. ``optimizer`` around ``optimizer.step()``)."""
+        before, self.default_category = self.default_category, category
+        try:
+            yield
+        finally:
+            self.default_category = before
+
+    def live_by_label(self) -> dict:
+        """label -> bytes of the live storages made under it."""
+        totals: dict = {}
+        for entry in list(self._entries.values()):
+            if entry.nbytes:
+                totals[entry.label] = totals.get(entry.label, 0) + entry.nbytes
+        return totals
+
+    # -- the mode ---------------------------------------------------------------------------------------
+    def __enter__(self):
+        self._resize = torch.UntypedStorage.resize_
+        original, entries = self._resize, self._entries
+
+        def resize_(storage, size):  # FSDP2 frees and re-allocates unsharded parameters this way
+            result = original(storage, size)
+            entry = entries.get(storage)
+            if entry is not None and storage.nbytes() != entry.nbytes:
+                delta = storage.nbytes() - entry.nbytes
+                entry.nbytes = storage.nbytes()
+                self._change(entry, delta)
+            return result
+
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._resize
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.distributed.tensor import DTensor
+
+        if any(t is DTensor for t in types):  # let DTensor run its local ops first: those are what is allocated
+            return NotImplemented
+        if func is torch.ops._c10d_functional.wait_tensor.default and _is_fake(args[0]):
+            out = args[0]  # a fake wait_tensor returns a new tensor; a real one returns its input
+        else:
+            out = func(*args, **(kwargs or {}))
+        for leaf in pytree.tree_leaves((args, kwargs, out)):
+            if isinstance(leaf, torch.Tensor):
+                self.track(leaf)
+        return out
+
+
+# -- run.py --measure-memory ----------------------------------------------------------------------------------
+
+CPU_METHOD = ("cpu: every live tensor storage counted once (runtime/memory.LiveMemory, a TorchDispatchMode with a "
+              "weak reference per storage, as torch's mem_tracker), from the first step to the last; parameters, "
+              "buffers and optimizer state included")
+CUDA_METHOD = "cuda: torch.cuda.max_memory_allocated over the run's steps (peak statistics reset before the first)"
+
+
+class MeasuredPeak:
+    """This rank's peak tensor memory over a run's steps (``run.py --measure-memory``), to hold the plan's figure
+    against. CPU: :class:`LiveMemory` around the steps, the parameters and buffers registered first, gradients
+    and optimizer state sorted into their own parts as they appear. CUDA: the allocator's own peak statistics
+    (no dispatch mode: nothing is slowed)."""
+
+    def __init__(self, pipe):
+        self.pipe = pipe
+        self.cuda = pipe.device.type == "cuda"
+        self.tracker = None
+        self._hooks = []
+        self.actions = []  # the last step's [action, peak above the bytes live before it, live after minus before]
+
+    def start(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.pipe.device)
+            torch.cuda.reset_peak_memory_stats(self.pipe.device)
+            return
+        self.tracker = LiveMemory()
+        params = list(self.pipe.parameters())
+        buffers = [b for stage in self.pipe.stages.values() for b in stage.buffers()]
+        self.tracker.register(params + buffers, "parameters")
+        for param in params:
+            if param.requires_grad and hasattr(param, "register_post_accumulate_grad_hook"):
+                self._hooks.append(param.register_post_accumulate_grad_hook(
+                    lambda p: self.tracker.track(p.grad, "gradients") if p.grad is not None else None))
+        self.tracker.__enter__()
+        self.pipe.register_step_hook(lambda _pipe, _step: self.actions.clear())
+        self.pipe.set_action_hook(self._action)
+
+    def _action(self, label: str, run) -> None:
+        before = self.tracker.open_window()
+        run()
+        self.actions.append([label, self.tracker.window_peak - before, self.tracker.now - before])
+
+    def optimizer(self):
+        """Around ``optimizer.step()``: what it makes is the optimizer's (state and temporaries)."""
+        return self.tracker.as_category("optimizer") if self.tracker is not None else contextlib.nullcontext()
+
+    def stop(self) -> dict:
+        if self.cuda:
+            torch.cuda.synchronize(self.pipe.device)
+            return {"peak_bytes": int(torch.cuda.max_memory_allocated(self.pipe.device)), "parts": None,
+                    "method": CUDA_METHOD}
+        self.tracker.__exit__(None, None, None)
+        self.pipe.set_action_hook(None)
+        for hook in self._hooks:
+            hook.remove()
+        return {"peak_bytes": int(self.tracker.peak), "parts": dict(self.tracker.peak_parts), "method": CPU_METHOD,
+                "actions": self.actions}

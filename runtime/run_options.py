@@ -1,0 +1,61 @@
+"""The training options that change a rank's memory, chosen at split time and defaulted to by run.py.
+
+``tracepp split --precision bf16 --activation-checkpointing selective --optimizer adamw`` plans memory for them
+(``tracepp inspect`` prints the peak per rank they give) and records them in the manifest as ``run_options``;
+``run.py`` uses them unless its own flags say otherwise, so the job that runs is the one that was planned.
+One value, like the parallel layout (``mesh.Layout``).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+OPTIMIZERS = ("sgd", "adamw")
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """``precision``: compute dtype (fp32, bf16, fp16; parameters stay fp32). ``activation_checkpointing``: a mode
+    of ``recompute`` (none, full, selective, in-flight, or one per stage, comma-separated). ``optimizer``: what
+    run.py's ``--optimizer`` builds when the model file has no ``optimizer(params)`` (sgd, adamw; None: sgd)."""
+
+    precision: str = "fp32"
+    activation_checkpointing: str = "none"
+    optimizer: Optional[str] = None
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Optional[dict]) -> "RunOptions":
+        return cls(**{k: v for k, v in (data or {}).items() if k in {f.name for f in dataclasses.fields(cls)}})
+
+    def replace(self, **changes) -> "RunOptions":
+        return dataclasses.replace(self, **changes)
+
+    def check(self, num_stages: Optional[int] = None) -> None:
+        from .recompute import check_mode
+
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"--precision {self.precision!r} is not one of {', '.join(PRECISIONS)}")
+        if self.optimizer is not None and self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"--optimizer {self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
+        check_mode(self.activation_checkpointing, num_stages)
+
+
+def manifest_options(manifest: dict) -> RunOptions:
+    """What the folder was planned for (fp32, no checkpointing, sgd for a folder split before these were recorded)."""
+    return RunOptions.from_json(manifest.get("run_options"))
+
+
+def fill_defaults(args, manifest: dict) -> None:
+    """run.py's ``--precision``, ``--activation-checkpointing`` and ``--optimizer`` left unset take the split's."""
+    planned = manifest_options(manifest)
+    if getattr(args, "precision", None) is None:
+        args.precision = planned.precision
+    if getattr(args, "activation_checkpointing", None) is None:
+        args.activation_checkpointing = planned.activation_checkpointing
+    if getattr(args, "optimizer", None) is None:
+        args.optimizer = planned.optimizer or "sgd"
