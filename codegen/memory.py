@@ -47,14 +47,18 @@ STAGE_FIELDS = ("received", "forward_peak", "kept", "outputs", "freed_at_send", 
 @dataclass
 class MemoryOptions:
     """What changes a stage's memory besides the graph: the compute ``precision`` (fp32, bf16, fp16), the
-    activation checkpointing of each stage (``recompute[stage]``: none, full, selective) and whether the plan
-    splits backwards into I and W (zero-bubble schedules)."""
+    activation checkpointing of each stage (``recompute[stage]``: none, full, selective), whether the plan
+    splits backwards into I and W (zero-bubble schedules), the tp and ep sizes (the collectives' fake
+    implementations read them), and with expert parallelism the routing's imbalance planned for: a rank receives
+    ``expert_imbalance`` times the rows it sends for its experts (dropless routing moves every row; with a
+    load-balancing loss the busiest expert of a block typically takes 1.1 to 1.5 times the mean)."""
 
     precision: str = "fp32"
     recompute: Optional[list] = None
     split_backward: bool = False
     tp: int = 1
     ep: int = 1
+    expert_imbalance: float = 1.25  # rows an expert-parallel rank receives, over the balanced count (EXPERT_IMBALANCE)
 
     def mode(self, stage_index: int) -> str:
         return self.recompute[stage_index] if self.recompute else "none"
@@ -291,52 +295,63 @@ def profile_stage(stage, graph, trainable: set, options: MemoryOptions, loss_fn=
     mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
     tracker = LiveMemory()
     figures = dict.fromkeys(STAGE_FIELDS, 0)
-    with mode, tracker, _planning_collectives(options.tp, options.ep):
+    with mode, tracker, _planning_collectives(options.tp, options.ep, options.expert_imbalance):
         fake_target = None
         if target is not None:
             fake_target = pytree.tree_map_only(torch.Tensor, lambda t: torch.zeros(t.shape, dtype=t.dtype), target)
         run = _StageRun(stage, graph, trainable, options, tracker, loss_fn, fake_target, graph.out_spec,
                         graph.output_leaves, is_last, sequence_shards)
+        # full backwards: the first of a step (it allocates the gradients), then one that adds into them; with
+        # zero-bubble schedules also input then weight backwards (a W first of a step, then one after a B)
+        count = 4 if options.split_backward else 2
         grad_context = contextlib.nullcontext() if training else torch.no_grad()
         with grad_context:
             before = tracker.now
-            for mb in (0, 1):
+            for mb in range(count):
                 run.receive(mb)
-            figures["received"] = (tracker.now - before) // 2
+            figures["received"] = (tracker.now - before) // count
             figures["received_sizes"] = [_nbytes(b) for b in run.in_flight[0]["buffers"]]
             figures["forward_peak"], figures["kept"] = _measure(tracker, lambda: run.forward(0))
             live_after = tracker.live_by_label()
             figures["outputs"] = _nbytes(run.in_flight[0]["out"]) if not is_last else 0
-            _measure(tracker, lambda: run.forward(1))
+            for mb in range(1, count):
+                _measure(tracker, lambda: run.forward(mb))
         if not training:
             figures["kept_by_position"] = _by_position(stage.graph, live_after)
             return figures
         if not is_last:
             figures["freed_at_send"] = -_measure(tracker, lambda: run.send(0))[1]
-            run.send(1)
+            for mb in range(1, count):
+                run.send(mb)
             before = tracker.now
-            run.receive_grads(0)
-            run.receive_grads(1)
-            figures["grad_received"] = (tracker.now - before) // 2
+            for mb in range(count):
+                run.receive_grads(mb)
+            figures["grad_received"] = (tracker.now - before) // count
             figures["grad_received_sizes"] = [_nbytes(b) for b in run.in_flight[0]["grad_buffers"] if b is not None]
+
+        def backward(mb: int, part: str, names: tuple) -> None:
+            peak, after = _measure(tracker, lambda: run.backward(mb, part))
+            figures[names[0]], figures[names[1]] = max(figures[names[0]], peak), after
+            if part != "weight":
+                figures["input_grads"] = _nbytes(run.input_grads)
+                run.input_grads = None
+
         grads_before = _nbytes([p.grad for p in run.params])
+        order = [(0, "full", "_first"), (1, "full", "")]
         if options.split_backward:
-            for mb, first in ((0, True), (1, False)):
-                peak, after = _measure(tracker, lambda: run.backward(mb, "input"))
-                figures["input_backward_peak"] = max(figures["input_backward_peak"], peak)
-                figures["after_input_backward"] = after
-                suffix = "_first" if first else ""
-                peak, after = _measure(tracker, lambda: run.backward(mb, "weight"))
-                figures["weight_backward_peak" + suffix], figures["after_weight_backward" + suffix] = peak, after
-                figures["input_grads"] = _nbytes(run.input_grads)
-                run.input_grads = None
-        else:
-            for mb, suffix in ((0, "_first"), (1, "")):
-                peak, after = _measure(tracker, lambda: run.backward(mb, "full"))
-                figures["backward_peak" + suffix], figures["after_backward" + suffix] = peak, after
-                figures["input_grads"] = _nbytes(run.input_grads)
-                run.input_grads = None
-        figures["grads"] = _nbytes([p.grad for p in run.params]) - grads_before
+            order = [(0, "input", ""), (0, "weight", "_first"), (1, "full", ""), ("zero", None, None),
+                     (2, "full", "_first"), (3, "input", ""), (3, "weight", "")]
+        for mb, part, suffix in order:
+            if mb == "zero":  # a new step: the gradients were taken by the optimizer
+                figures["grads"] = _nbytes([p.grad for p in run.params]) - grads_before
+                for param in run.params:
+                    param.grad = None
+                continue
+            names = {"full": ("backward_peak", "after_backward"), "input": ("input_backward_peak", "after_input_backward"),
+                     "weight": ("weight_backward_peak", "after_weight_backward")}[part]
+            backward(mb, part, (names[0] + suffix, names[1] + suffix))
+        if not options.split_backward:
+            figures["grads"] = _nbytes([p.grad for p in run.params]) - grads_before
     figures["kept_by_position"] = _by_position(stage.graph, live_after)
     return figures
 
@@ -375,12 +390,12 @@ def kept_by_segment(stage, figures: dict) -> dict:
 
 
 @contextlib.contextmanager
-def _planning_collectives(tp_size: int = 1, ep_size: int = 1):
+def _planning_collectives(tp_size: int = 1, ep_size: int = 1, imbalance: float = 1.0):
     """The tp and ep ops' fake implementations read the group sizes from the runtime's process state; planning
     sets them to the layout's (the stage graphs already hold this rank's local shapes)."""
     tp, ep = dict(tensor_parallel._STATE), dict(expert_parallel._STATE)
     tensor_parallel._STATE.update(group=None, size=tp_size, rank=0)
-    expert_parallel._STATE.update(group=None, size=ep_size, rank=0, planning=True)
+    expert_parallel._STATE.update(group=None, size=ep_size, rank=0, planning=max(imbalance, 1.0))
     try:
         yield
     finally:
@@ -415,12 +430,14 @@ def profile_stages(graph, model, loss_fn, target, options: MemoryOptions, traini
 def stage_state(stage, graph, layout, trainable_fqns=None) -> dict:
     """What a rank holds of one stage's parameters and buffers between steps, from the stage graph's placeholders
     (already this rank's tp pieces and ep experts): ``param_bytes`` held (FSDP's 1/dp shard of the parameters it
-    manages, DDP's whole copy, routed experts whole: FSDP leaves them alone), ``unsharded_bytes`` (FSDP's gathered
-    copy of those it shards, held from the stage's first forward to its last backward), ``grad_bytes_at_rest``
+    manages, DDP's whole copy, routed experts whole: FSDP leaves them alone), ``unsharded_bytes`` (the copy FSDP
+    gathers of those it shards, and DDP, on FSDP2's machinery, of those it replicates, held from the stage's first
+    forward on), ``grad_bytes_at_rest``
     (the trainable parameters' gradients after the step's reduction) and ``trainable``: ``[(fqn, numel held,
     dtype)]`` for the optimizer."""
     experts = set((graph.expert_parallel or {}).get("params", {})) if layout.ep > 1 else set()
-    fsdp = layout.dp > 1 and layout.dp_mode in ("fsdp", "hsdp")
+    wrapped = layout.dp > 1  # fully_shard (FSDP, HSDP) or replicate (DDP on FSDP2's machinery): both gather a copy
+    fsdp = wrapped and layout.dp_mode in ("fsdp", "hsdp")
     shard = (layout.dp if layout.dp_mode == "fsdp" else (layout.dp_shard or 1)) if fsdp else 1
     held = unsharded = grads = 0
     trainable = []
@@ -437,7 +454,7 @@ def stage_state(stage, graph, layout, trainable_fqns=None) -> dict:
         sharded = fsdp and ref.fqn not in experts
         own = -(-nbytes // shard) if sharded else nbytes
         held += own
-        unsharded += nbytes if sharded else 0
+        unsharded += nbytes if wrapped and ref.fqn not in experts else 0
         if trainable_fqns is None or ref.fqn in trainable_fqns:
             grads += own
             trainable.append((node.meta.get(STATE_FQN, ref.fqn), -(-as_int(val.numel()) // (shard if sharded else 1)),
@@ -512,7 +529,8 @@ def plan_memory(graph, model, plan: dict, layout, options: MemoryOptions, loss_f
                     held.append(item)
         optimizer = optimizer_figures(held, make_optimizer) if training else {"state_bytes": 0, "step_peak": 0}
         actions = plan["actions"].get(str(rank), plan["actions"].get(rank, []))
-        peak = rank_peak(actions, mine, optimizer, layout.dp_mode, layout.dp)
+        releases = (plan.get("releases") or {}).get(str(rank), (plan.get("releases") or {}).get(rank))
+        peak = rank_peak(actions, mine, optimizer, layout.dp_mode, layout.dp, releases)
         peak["optimizer"] = optimizer
         ranks.append(peak)
         rank_numel.append(sum(item[1] for item in held))

@@ -76,6 +76,8 @@ class _Timeline:
         return sum(self.live.values())
 
     def check(self, where: str, transient: int = 0, **extra) -> None:
+        """A candidate worst moment: what is live, plus ``transient`` bytes of the running action's temporaries
+        and ``extra`` bytes of other parts that live only during it."""
         total = self.total + transient + sum(extra.values())
         if total > self.peak:
             self.peak = total
@@ -89,15 +91,18 @@ class _Timeline:
         self.live[part] += value
 
 
-def rank_peak(actions: list, stages: dict, optimizer: dict, dp_mode=None, dp: int = 1) -> dict:
+def rank_peak(actions: list, stages: dict, optimizer: dict, dp_mode=None, dp: int = 1, releases=None) -> dict:
     """The worst moment of one rank (see the module doc). ``stages``: stage index -> its figures (the memory
     profile's fields, plus ``param_bytes``: what the rank holds of it between steps, ``unsharded_bytes``: FSDP's
     gathered copy of those it shards (0 without FSDP), ``grad_bytes_at_rest``: its gradients after the step's
     reduction). ``optimizer``: ``state_bytes`` and ``step_peak`` (the step's temporaries above them).
+    ``releases``: the rank's send-release points (``{action position: [send positions]}``, the plan's), where a
+    send's data may go; without them every send is held to the end of the step.
     Returns ``{"peak_bytes", "parts": {part: bytes}, "at": what runs then, "step_peak_bytes",
     "optimizer_peak_bytes"}``."""
     parsed = _parse(actions)
     fsdp = dp_mode in ("fsdp", "hsdp") and dp > 1
+    ddp = dp_mode == "ddp" and dp > 1
     static = {"parameters": sum(fig.get("param_bytes", 0) for fig in stages.values()),
               "optimizer": optimizer.get("state_bytes", 0),
               "received": pool_bytes(parsed, stages)}
@@ -113,26 +118,38 @@ def rank_peak(actions: list, stages: dict, optimizer: dict, dp_mode=None, dp: in
     sends_f = _sends_per_mb(parsed, "SEND_F")
     sends_b = _sends_per_mb(parsed, "SEND_B")
     sent_f, sent_b = {}, {}
+    held = {}  # send position -> (part, bytes) its data holds until released
+    release_at = {int(k): list(v) for k, v in (releases or {}).items()}
     grads_made = set()
     for position, action in enumerate(parsed):
+        for sent in release_at.get(position - 1, ()):  # released after the action before this one
+            part, nbytes = held.pop(sent, (None, 0))
+            if part is not None:
+                line.add(part, -nbytes)
         fig = stages.get(action.stage) or {}
         s, kind, label = action.stage, action.kind, str(action)
         if kind == "F":
-            if fsdp and first_f.get(s) == position and fig.get("unsharded_bytes"):
-                line.check(label + " (FSDP all-gather)", fig["unsharded_bytes"])  # the gathered flat buffer
+            gathering = 0
+            if (fsdp or ddp) and first_f.get(s) == position and fig.get("unsharded_bytes"):
+                # the stage's first forward of the step gathers its parameters: FSDP2's flat all-gather output
+                # lives through that forward beside the unsharded parameters copied out of it; DDP (replicate, on
+                # the same machinery) copies its parameters without the flat buffer (both measured on gloo)
                 line.add("fsdp_unsharded", fig["unsharded_bytes"])
-            line.check(label, fig.get("forward_peak", 0))
+                gathering = fig["unsharded_bytes"] if fsdp else 0
+            line.check(label, fig.get("forward_peak", 0), fsdp_unsharded=gathering)
             line.add("activations", fig.get("kept", 0))
         elif kind == "SEND_F":
+            # the executor drops its reference to an output at its last send; the send itself holds the data
+            # until the release point the plan gives it (gloo, NCCL; a shared-memory ring copies at once)
             key = (s, action.mb)
             sent_f[key] = sent_f.get(key, 0) + 1
             if sent_f[key] == sends_f.get(s, 1):
-                line.add("activations", -fig.get("freed_at_send", 0))
+                held[position] = ("activations", fig.get("freed_at_send", 0))
         elif kind == "SEND_B":
             key = (s, action.mb)
             sent_b[key] = sent_b.get(key, 0) + 1
             if sent_b[key] == sends_b.get(s, 1):
-                line.add("received", -fig.get("input_grads", 0))
+                held[position] = ("received", fig.get("input_grads", 0))
         elif kind in ("B", "I", "W"):
             first = s not in grads_made and kind != "I"
             suffix = "_first" if first else ""
@@ -149,17 +166,21 @@ def rank_peak(actions: list, stages: dict, optimizer: dict, dp_mode=None, dp: in
             if first:
                 grads_made.add(s)
                 line.add("gradients", grads)
-            held = fig.get("input_grads", 0) if kind in ("B", "I") and sends_b.get(s) else 0
-            line.add("received", held)
+            waiting = fig.get("input_grads", 0) if kind in ("B", "I") and sends_b.get(s) else 0
+            line.add("received", waiting)
             # the profile ran the stage's outputs freed at their send; a stage whose outputs stay on this rank
             # (read by a local stage) frees them only here
             unsent = 0 if sent or kind == "I" else fig.get("freed_at_send", 0)
-            line.add("activations", after - grads - held - unsent)
+            line.add("activations", after - grads - waiting - unsent)
             if fsdp and last_backward.get(s) == position and fig.get("unsharded_bytes"):
+                # its last backward reduce-scatters the gradients to this rank's 1/dp (no buffer above the
+                # backward's own peak was measured); the gathered parameters go when the step ends
                 grads_whole = fig.get("grads", 0)
-                line.check(label + " (FSDP reduce-scatter)", grads_whole)
                 line.add("gradients", fig.get("grad_bytes_at_rest", grads_whole) - grads_whole)
-                line.add("fsdp_unsharded", -fig["unsharded_bytes"])
+            if ddp and last_backward.get(s) == position and fig.get("unsharded_bytes"):
+                line.add("fsdp_unsharded", -fig["unsharded_bytes"])  # DDP frees its copy after the all-reduce
+    for part, nbytes in held.values():  # the sends waited on at the end of the step
+        line.add(part, -nbytes)
     step = dict(peak_bytes=line.peak, parts=line.parts, at=line.at)
     # the optimizer step: parameters, their gradients as reduced, the state and its temporaries
     at_rest = {"parameters": static["parameters"], "optimizer": static["optimizer"], "received": static["received"],

@@ -143,9 +143,12 @@ def _register():
                                 lib=lib)
 
     def dispatch_fake(rows, offsets, num_experts, block):
-        # planning a stage's memory (tracepp.codegen.memory): balanced routing, a rank takes in as many rows as
-        # it sends; otherwise how many rows arrive depends on the data
-        count = rows.shape[0] if _STATE.get("planning") else torch.library.get_ctx().new_dynamic_size()
+        # planning a stage's memory (tracepp.codegen.memory): a rank takes in the rows it sends times the planned
+        # imbalance of the routing (1: balanced), at most all ep ranks' rows; otherwise how many rows arrive
+        # depends on the data
+        factor = _STATE.get("planning")
+        count = (min(-(-rows.shape[0] * int(factor * 1000) // 1000), rows.shape[0] * _STATE["size"]) if factor
+                 else torch.library.get_ctx().new_dynamic_size())
         size = _STATE["size"]
         return (rows.new_empty((count,) + tuple(rows.shape[1:])), offsets.new_empty(num_experts // size),
                 torch.empty((2, size, num_experts // size), dtype=torch.int64))
@@ -167,9 +170,13 @@ def _register():
     def combine_setup(ctx, inputs, output):
         ctx.save_for_backward(inputs[1])
         ctx.kept = inputs[0].shape[0] if _STATE.get("planning") else int(inputs[1][0].sum())
+        ctx.received = inputs[0].shape[0]
 
     def combine_backward(ctx, grad):
         plan, = ctx.saved_tensors
+        if _STATE.get("planning"):  # on fake tensors: the rows go back to the experts, regrouped
+            moved = grad.new_empty((ctx.received,) + tuple(grad.shape[1:]))
+            return moved.clone(), None, None
         return _dispatch_rows(grad[:ctx.kept], plan), None, None
 
     torch.library.register_autograd(f"{_NAMESPACE}::ep_dispatch", dispatch_backward, setup_context=dispatch_setup,

@@ -19,6 +19,7 @@ Standard library and torch only: the runtime is copied into every output folder.
 from __future__ import annotations
 
 import contextlib
+import os
 import weakref
 
 import torch
@@ -41,6 +42,15 @@ def storages_of(tensor: torch.Tensor) -> list:
         else:
             found.append(item.untyped_storage())
     return found
+
+
+def _current_fake_mode():
+    """The FakeTensorMode on the dispatch mode stack, if any (the counting runs inside it when planning)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return next((mode for mode in reversed(_get_current_dispatch_mode_stack())
+                 if isinstance(mode, FakeTensorMode)), None)
 
 
 def _is_fake(tensor) -> bool:
@@ -69,9 +79,11 @@ class LiveMemory(TorchDispatchMode):
         self.window_peak = 0  # the most live bytes since :meth:`open_window`
         self.by_category = dict.fromkeys(CATEGORIES, 0)
         self.peak_parts = dict(self.by_category)
+        self.peak_label = None  # the label current at the peak (what ran then)
         self.default_category = "activations"
         self.label = None
         self._resize = None
+        self._fake_mode = None
 
     # -- counting ---------------------------------------------------------------------------------------
     def _add(self, storage, category: str) -> None:
@@ -96,6 +108,7 @@ class LiveMemory(TorchDispatchMode):
         if self.now > self.peak:
             self.peak = self.now
             self.peak_parts = dict(self.by_category)
+            self.peak_label = self.label
 
     def _free(self, entry: _Entry) -> None:
         self._change(entry, -entry.nbytes)
@@ -164,6 +177,7 @@ class LiveMemory(TorchDispatchMode):
             return result
 
         torch.UntypedStorage.resize_ = resize_
+        self._fake_mode = _current_fake_mode()  # None in a real run: every fake tensor met is another mode's
         return super().__enter__()
 
     def __exit__(self, *exc):
@@ -180,9 +194,16 @@ class LiveMemory(TorchDispatchMode):
         else:
             out = func(*args, **(kwargs or {}))
         for leaf in pytree.tree_leaves((args, kwargs, out)):
-            if isinstance(leaf, torch.Tensor):
+            if isinstance(leaf, torch.Tensor) and self._counts(leaf):
                 self.track(leaf)
         return out
+
+    def _counts(self, tensor) -> bool:
+        """Fake tensors count only under the fake mode the counting started in: a real run's DTensor computes
+        its sharding on fake tensors of its own, the first time it meets an op, which allocate nothing."""
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        return not isinstance(tensor, FakeTensor) or tensor.fake_mode is self._fake_mode
 
 
 # -- run.py --measure-memory ----------------------------------------------------------------------------------
@@ -220,17 +241,30 @@ class MeasuredPeak:
                 self._hooks.append(param.register_post_accumulate_grad_hook(
                     lambda p: self.tracker.track(p.grad, "gradients") if p.grad is not None else None))
         self.tracker.__enter__()
-        self.pipe.register_step_hook(lambda _pipe, _step: self.actions.clear())
+        self.pipe.register_step_hook(self._step_starts)
         self.pipe.set_action_hook(self._action)
+
+    def _step_starts(self, _pipe, step: int) -> None:
+        if os.environ.get("TRACEPP_DEBUG_MEMORY"):
+            print(f"[memory] rank {self.pipe.rank} step {step} starts with {self.tracker.now} live, peak so far "
+                  f"{self.tracker.peak} at {self.tracker.peak_label}, last actions {self.actions}:",
+                  sorted(self.tracker.live_by_label().items(), key=lambda kv: -kv[1])[:8], flush=True)
+        self.actions.clear()
 
     def _action(self, label: str, run) -> None:
         before = self.tracker.open_window()
-        run()
+        with self.tracker.labelled(label):
+            run()
         self.actions.append([label, self.tracker.window_peak - before, self.tracker.now - before])
 
+    @contextlib.contextmanager
     def optimizer(self):
         """Around ``optimizer.step()``: what it makes is the optimizer's (state and temporaries)."""
-        return self.tracker.as_category("optimizer") if self.tracker is not None else contextlib.nullcontext()
+        if self.tracker is None:
+            yield
+            return
+        with self.tracker.as_category("optimizer"), self.tracker.labelled("the optimizer step"):
+            yield
 
     def stop(self) -> dict:
         if self.cuda:
@@ -242,4 +276,5 @@ class MeasuredPeak:
         for hook in self._hooks:
             hook.remove()
         return {"peak_bytes": int(self.tracker.peak), "parts": dict(self.tracker.peak_parts), "method": CPU_METHOD,
+                "at": self.tracker.peak_label or "between actions (gradient sync, norm, clipping)",
                 "actions": self.actions}

@@ -114,7 +114,26 @@ def _sequence_gather(tensor: torch.Tensor, dim: int, groups: int = 1) -> torch.T
     return out
 
 
+def _is_fake(tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(tensor, FakeTensor)
+
+
+def _fake_key(tensor: torch.Tensor):
+    """Where fake tensors (planning a stage's memory, ``tracepp.codegen.memory``) have no data pointer: their
+    storage's identity."""
+    return ("fake", id(tensor.untyped_storage()))
+
+
 def _pack(tensor: torch.Tensor):
+    if _is_fake(tensor):
+        entry = _GATHERED.get(_fake_key(tensor))
+        gathered = entry[0]() if entry is not None else None
+        if gathered is None or gathered.untyped_storage() is not tensor.untyped_storage():
+            return tensor
+        _ref, shard, dim, groups = entry
+        return (shard, dim, groups, tensor.size(), tensor.stride(), tensor.storage_offset(), tensor.requires_grad)
     entry = _GATHERED.get(tensor.data_ptr()) if tensor.device.type != "meta" else None
     gathered = entry[0]() if entry is not None else None
     if gathered is None or tensor.untyped_storage().data_ptr() != gathered.untyped_storage().data_ptr():
@@ -127,6 +146,10 @@ def _unpack(packed):
     if isinstance(packed, torch.Tensor):
         return packed
     shard, dim, groups, size, stride, offset, _requires_grad = packed
+    if _is_fake(shard):  # planning: the gathered value's bytes, no collective
+        whole = list(shard.shape)
+        whole[dim] *= _STATE["size"]
+        return shard.new_empty(whole).as_strided(size, stride, offset)
     return _gather(shard, dim, groups).as_strided(size, stride, offset)
 
 
@@ -210,8 +233,17 @@ def _register():
 
     torch.library.register_fake(f"{_NAMESPACE}::tp_copy", lambda x: torch.empty_like(x), lib=lib)
     torch.library.register_fake(f"{_NAMESPACE}::tp_all_reduce", lambda x: torch.empty_like(x), lib=lib)
-    for name, factor in (("tp_all_gather", 1), ("sp_all_gather", 1), ("tp_scatter", -1), ("sp_reduce_scatter", -1)):
+    for name, factor in (("tp_all_gather", 1), ("tp_scatter", -1), ("sp_reduce_scatter", -1)):
         torch.library.register_fake(f"{_NAMESPACE}::{name}", resized(factor), lib=lib)
+
+    def sequence_gather_fake(x, dim, groups=1):  # remembered as the real one is (memory planning on fake tensors)
+        out = resized(1)(x, dim, groups)
+        if _STATE["size"] > 1 and _STATE.get("record") and _is_fake(out):
+            key = _fake_key(out)
+            _GATHERED[key] = (weakref.ref(out, lambda _ref, k=key: _GATHERED.pop(k, None)), x.detach(), dim, groups)
+        return out
+
+    torch.library.register_fake(f"{_NAMESPACE}::sp_all_gather", sequence_gather_fake, lib=lib)
 
     def copy_backward(_ctx, grad):  # the opaque op, not its body: a compiled backward keeps the collective whole
         return torch.ops.tracepp.tp_all_reduce.default(grad)
