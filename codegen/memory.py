@@ -23,6 +23,7 @@ The timeline over a rank's actions that turns these into a peak per rank is :mod
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 from dataclasses import dataclass
 from typing import Optional
@@ -50,15 +51,16 @@ class MemoryOptions:
     activation checkpointing of each stage (``recompute[stage]``: none, full, selective), whether the plan
     splits backwards into I and W (zero-bubble schedules), the tp and ep sizes (the collectives' fake
     implementations read them), and with expert parallelism the routing's imbalance planned for: a rank receives
-    ``expert_imbalance`` times the rows it sends for its experts (dropless routing moves every row; with a
-    load-balancing loss the busiest expert of a block typically takes 1.1 to 1.5 times the mean)."""
+    ``expert_imbalance`` times the rows it sends for its experts (1: balanced routing; dropless routing moves
+    every row, so a rank whose experts are busier than the mean receives more: run.py's metrics report the busiest
+    expert over the mean as ``experts max/mean``, which ``tracepp split --expert-imbalance`` takes)."""
 
     precision: str = "fp32"
     recompute: Optional[list] = None
     split_backward: bool = False
     tp: int = 1
     ep: int = 1
-    expert_imbalance: float = 1.25  # rows an expert-parallel rank receives, over the balanced count (EXPERT_IMBALANCE)
+    expert_imbalance: float = 1.0  # rows an expert-parallel rank receives, over the balanced count
 
     def mode(self, stage_index: int) -> str:
         return self.recompute[stage_index] if self.recompute else "none"
@@ -246,6 +248,11 @@ class _StageRun:
     def backward(self, mb: int, part: str = "full") -> None:
         from tracepp.runtime.executor import WeightSplit, _run_backward
 
+        if part == "weight" and mb not in self.in_flight:  # its I ran the whole backward (selective, as the executor)
+            return
+        if part == "input" and self.module.recompute == "selective":
+            self.backward(mb, "full")
+            return
         state = self.in_flight[mb]
         if part == "weight":
             pending, tensors, grads = state.pop("pending")
@@ -405,12 +412,12 @@ def _planning_collectives(tp_size: int = 1, ep_size: int = 1, imbalance: float =
 
 
 def profile_stages(graph, model, loss_fn, target, options: MemoryOptions, training: bool = True,
-                   sequence_shards: bool = False) -> list:
+                   sequence_shards: bool = False, cache=None) -> list:
     """:func:`profile_stage` for every stage of ``graph`` (a :class:`~tracepp.split.pipeline_graph.PipelineGraph`):
     ``model`` gives which parameters train, ``loss_fn`` and ``target`` (one microbatch's) the last stage's loss.
     A stage that cannot run on fake tensors gets ``{"error": why}`` instead (the caller falls back)."""
     trainable = {fqn for fqn, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
-    done, out = {}, []
+    done, out = (cache if cache is not None else {}), []
     last = graph.num_stages - 1
     for stage in graph.stages:
         key = _structure_key(stage, graph, options, stage.index == last)
@@ -476,13 +483,14 @@ def optimizer_figures(trainable: list, make_optimizer) -> dict:
         for _fqn, param in named:
             param.grad = torch.zeros_like(param)
         optimizer = make_optimizer(named)
+        name = type(optimizer).__name__
         with tracker.as_category("optimizer"):
             before = tracker.now
             tracker.reset_peak()
             optimizer.step()
             state = tracker.now - before
             step_peak = tracker.peak - tracker.now
-    return {"state_bytes": int(state), "step_peak": int(max(step_peak, 0))}
+    return {"state_bytes": int(state), "step_peak": int(max(step_peak, 0)), "name": name}
 
 
 def _max_in_flight(actions: list, stage_index: int) -> int:
@@ -491,17 +499,8 @@ def _max_in_flight(actions: list, stage_index: int) -> int:
     return max_in_flight([str(a) for a in actions], stage_index)
 
 
-def plan_memory(graph, model, plan: dict, layout, options: MemoryOptions, loss_fn=None, target=None,
-                make_optimizer=None, training: bool = True) -> dict:
-    """The manifest's ``memory``: every stage's figures (:func:`profile_stages` and :func:`stage_state`), and per
-    pipeline rank its peak over the plan's timeline with its parts (``tracepp.codegen.peak``), the same on every
-    data- and tensor-parallel replica of that rank. Also sets each stage's ``estimate`` from the counted figures."""
-    from tracepp.codegen.peak import rank_peak
-
-    profiles = profile_stages(graph, model, loss_fn, target, options, training,
-                              sequence_shards=layout.tp > 1 and layout.sequence_parallel)
-    stage_to_rank = plan["stage_to_rank"]
-    trainable_fqns = {fqn for fqn, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
+def _stage_entries(graph, profiles: list, layout, trainable_fqns: set, options: MemoryOptions) -> tuple:
+    """(each stage's manifest entry: its profile and what a rank holds of it; its trainable parameters; notes)."""
     stages, trainable, notes = [], [], []
     for stage, figures in zip(graph.stages, profiles):
         state = stage_state(stage, graph, layout, trainable_fqns)
@@ -518,27 +517,72 @@ def plan_memory(graph, model, plan: dict, layout, options: MemoryOptions, loss_f
                          input_backward_peak=bound, weight_backward_peak=bound, weight_backward_peak_first=bound)
         entry["kept_by_segment"] = {str(k): v for k, v in kept_by_segment(stage, figures).items()}
         stages.append(entry)
-    ranks, rank_numel = [], []
+    return stages, trainable, notes
+
+
+def _rank_peaks(plan: dict, stages: list, trainable: list, layout, make_optimizer, training: bool,
+                optimizers: dict) -> list:
+    """Each pipeline rank's peak (``codegen.peak.rank_peak``) with its optimizer's figures (``optimizers``:
+    rank -> figures, filled on first use and reused for other checkpointing)."""
+    from tracepp.codegen.peak import rank_peak
+
+    stage_to_rank = plan["stage_to_rank"]
+    ranks = []
     for rank in range(plan["num_ranks"]):
         mine = {s: stages[s] for s, r in enumerate(stage_to_rank) if r == rank}
-        seen, held = set(), []
-        for s in mine:
-            for item in trainable[s]:
-                if item[0] not in seen:  # a weight two stages of this rank share is one parameter
-                    seen.add(item[0])
-                    held.append(item)
-        optimizer = optimizer_figures(held, make_optimizer) if training else {"state_bytes": 0, "step_peak": 0}
+        if rank not in optimizers:
+            seen, held = set(), []
+            for s in mine:
+                for item in trainable[s]:
+                    if item[0] not in seen:  # a weight two stages of this rank share is one parameter
+                        seen.add(item[0])
+                        held.append(item)
+            figures = optimizer_figures(held, make_optimizer) if training else {"state_bytes": 0, "step_peak": 0}
+            optimizers[rank] = dict(figures, numel=sum(item[1] for item in held))
+        optimizer = optimizers[rank]
         actions = plan["actions"].get(str(rank), plan["actions"].get(rank, []))
         releases = (plan.get("releases") or {}).get(str(rank), (plan.get("releases") or {}).get(rank))
         peak = rank_peak(actions, mine, optimizer, layout.dp_mode, layout.dp, releases)
-        peak["optimizer"] = optimizer
+        peak["optimizer"] = {k: v for k, v in optimizer.items() if k != "numel"}
         ranks.append(peak)
-        rank_numel.append(sum(item[1] for item in held))
+    return ranks
+
+
+ALTERNATIVE_MODES = ("none", "selective", "full")
+
+
+def plan_memory(graph, model, plan: dict, layout, options: MemoryOptions, loss_fn=None, target=None,
+                make_optimizer=None, training: bool = True) -> dict:
+    """The manifest's ``memory``: every stage's figures (:func:`profile_stages` and :func:`stage_state`), and per
+    pipeline rank its peak over the plan's timeline with its parts (``tracepp.codegen.peak``), the same on every
+    data- and tensor-parallel replica of that rank; ``alternatives``: each rank's peak under every stage at
+    none, selective and full checkpointing (what run.py names when a job does not fit). Sets each stage's
+    ``estimate`` from the counted figures, and each segment's ``memory`` (kept bytes and temporaries per
+    checkpointing mode, the tuner's)."""
+    sequence_shards = layout.tp > 1 and layout.sequence_parallel
+    trainable_fqns = {fqn for fqn, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
+    cache: dict = {}
+    profiles = profile_stages(graph, model, loss_fn, target, options, training, sequence_shards, cache)
+    stages, trainable, notes = _stage_entries(graph, profiles, layout, trainable_fqns, options)
+    optimizers: dict = {}
+    ranks = _rank_peaks(plan, stages, trainable, layout, make_optimizer, training, optimizers)
+    alternatives, by_mode = {}, {}
+    for mode in ALTERNATIVE_MODES if training else ():
+        uniform = dataclasses.replace(options, recompute=[mode] * graph.num_stages)
+        other = profile_stages(graph, model, loss_fn, target, uniform, training, sequence_shards, cache)
+        entries, _trainable, _notes = _stage_entries(graph, other, layout, trainable_fqns, uniform)
+        by_mode[mode] = entries
+        if uniform.recompute != [options.mode(s.index) for s in graph.stages]:
+            alternatives[mode] = [r["peak_bytes"] for r in _rank_peaks(plan, entries, trainable, layout,
+                                                                        make_optimizer, training, optimizers)]
+    _segment_memory(graph, by_mode)
+    stage_to_rank = plan["stage_to_rank"]
     for stage, entry in zip(graph.stages, stages):
         rank = stage_to_rank[stage.index]
         actions = plan["actions"].get(str(rank), plan["actions"].get(rank, []))
         inflight = _max_in_flight(actions, stage.index) if training else 1
-        share = sum(item[1] for item in trainable[stage.index]) / rank_numel[rank] if rank_numel[rank] else 0.0
+        numel = optimizers[rank].get("numel", 0)
+        share = sum(item[1] for item in trainable[stage.index]) / numel if numel else 0.0
         estimate = dict(stage.estimate)
         estimate.update(activation_bytes_per_microbatch=entry["kept"], inflight_microbatches=inflight,
                         activation_bytes=entry["kept"] * inflight, param_bytes=entry["param_bytes"],
@@ -547,9 +591,32 @@ def plan_memory(graph, model, plan: dict, layout, options: MemoryOptions, loss_f
         estimate["memory_bytes"] = (estimate["param_bytes"] + estimate["grad_bytes"] + estimate["optimizer_bytes"]
                                     + estimate["activation_bytes"])
         stage.estimate = estimate
+    optimizer_name = next((r["optimizer"].get("name") for r in ranks if r["optimizer"].get("name")), None)
     return {"options": {"precision": options.precision, "recompute": [options.mode(s.index) for s in graph.stages],
-                        "split_backward": options.split_backward},
-            "method": METHOD, "stages": stages, "ranks": ranks, "notes": notes}
+                        "split_backward": options.split_backward, "optimizer": optimizer_name,
+                        "expert_imbalance": options.expert_imbalance if layout.ep > 1 else None},
+            "method": METHOD, "stages": stages, "ranks": ranks, "alternatives": alternatives, "notes": notes}
+
+
+SEGMENT_FIELDS = ("kept", "forward_peak", "backward_peak", "backward_peak_first")
+
+
+def _segment_memory(graph, by_mode: dict) -> None:
+    """Each segment of the split's table gets ``memory``: per checkpointing mode, the bytes its nodes keep per
+    microbatch (``kept``) and the temporaries of the stage it lies in (a stage's are about those of its largest
+    block, which the tuner takes for a stage of other segments)."""
+    if not graph.segments or not by_mode:
+        return
+    for index, segment in enumerate(graph.segments):
+        figures = {}
+        for mode, entries in by_mode.items():
+            stage = segment.get("stage")
+            entry = entries[stage] if stage is not None and stage < len(entries) else None
+            if entry is None:
+                continue
+            figures[mode] = {"kept": int(entry.get("kept_by_segment", {}).get(str(index), 0)),
+                             **{key: int(entry.get(key, 0)) for key in SEGMENT_FIELDS if key != "kept"}}
+        segment["memory"] = figures
 
 
 METHOD = ("each stage run forward and backward on fake tensors as the rank's executor runs it (runtime "

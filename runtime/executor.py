@@ -771,8 +771,16 @@ class RankExecutor:
 
     def _backward(self, runner: StageActivations, mb: int, part: str) -> None:
         if part == "weight":  # the second half of a split backward: weight gradients only
-            self._weight_backward(runner, *runner.pending_weight.pop(mb))
-            self._release(runner, mb)
+            pending = runner.pending_weight.pop(mb)
+            if pending is not None:  # None: its I ran the whole backward (see below)
+                self._weight_backward(runner, *pending)
+                self._release(runner, mb)
+            return
+        if part == "input" and getattr(runner.fn, "recompute", False) == "selective":
+            # selective checkpointing recomputes a region once and lets autograd run backward through it once
+            # (torch's SAC): this stage's I runs its whole backward and its W has nothing left to do
+            self._backward(runner, mb, "full")
+            runner.pending_weight[mb] = None
             return
         if self.before_backward is not None:
             self.before_backward(runner.index, mb)

@@ -66,7 +66,8 @@ def _check(args) -> int:
     from tracepp.report.checks import stage_warnings
     from tracepp.driver import check_model
     from tracepp.dynamic import parse_flags
-    from tracepp.report.stages import estimate_table, expert_parallel_table, stage_table, tensor_parallel_table
+    from tracepp.report.stages import (estimate_table, expert_parallel_table, memory_table, stage_table,
+                                       tensor_parallel_table)
 
     _check_layout(args)
     points = _split_points(args.split_points)
@@ -76,8 +77,8 @@ def _check(args) -> int:
                            run=_run_options(args))
     _print_notes(manifest)
     print(stage_table(manifest))
-    for table in (estimate_table(manifest) if manifest["plan"].get("mesh") else "", tensor_parallel_table(manifest),
-                  expert_parallel_table(manifest)):
+    for table in (estimate_table(manifest) if manifest["plan"].get("mesh") else "", memory_table(manifest),
+                  tensor_parallel_table(manifest), expert_parallel_table(manifest)):
         if table:
             print()
             print(table)
@@ -113,13 +114,18 @@ def _inspect(args) -> int:
     from tracepp.codegen.manifest import load_manifest
     from tracepp.report.plan import plan_report
     from tracepp.runtime.mesh import describe
-    from tracepp.report.stages import (boundary_table, estimate_table, expert_parallel_table, stage_table,
-                                       tensor_parallel_table)
+    from tracepp.report.stages import (boundary_table, estimate_table, expert_parallel_table, inspect_json,
+                                       memory_table, stage_table, tensor_parallel_table)
 
     manifest = load_manifest(args.out)
+    if args.json:
+        import json
+
+        print(json.dumps(inspect_json(manifest), indent=1))
+        return 0
     print(stage_table(manifest))
-    for section in (estimate_table(manifest), boundary_table(manifest), tensor_parallel_table(manifest),
-                    expert_parallel_table(manifest)):
+    for section in (estimate_table(manifest), memory_table(manifest), boundary_table(manifest),
+                    tensor_parallel_table(manifest), expert_parallel_table(manifest)):
         if section:
             print()
             print(section)
@@ -263,6 +269,10 @@ def _add_split_options(parser) -> None:
                              "rest), in-flight (full where a stage holds several microbatches), or one of "
                              "none/full/selective per stage, comma-separated: memory is counted with it, and run.py "
                              "defaults to it (default none)")
+    parser.add_argument("--expert-imbalance", type=float, default=1.0, metavar="X",
+                        help="with --ep: plan each rank's memory for receiving X times the balanced number of "
+                             "routed rows for its experts (the busiest expert over the mean, as run.py's metrics "
+                             "report 'experts max/mean'; default 1: balanced)")
     parser.add_argument("--optimizer", default=None, choices=["sgd", "adamw"],
                         help="the optimizer run.py builds when the model file has no optimizer(params): its state "
                              "is counted in each rank's peak, and run.py defaults to it (default: the model file's, "
@@ -282,7 +292,7 @@ def _run_options(args):
     from tracepp.runtime.run_options import RunOptions
 
     return RunOptions(precision=args.precision, activation_checkpointing=args.activation_checkpointing,
-                      optimizer=args.optimizer)
+                      optimizer=args.optimizer, expert_imbalance=args.expert_imbalance)
 
 
 def _split_points(text):
@@ -312,6 +322,9 @@ def build_parser() -> argparse.ArgumentParser:
     inspect = sub.add_parser("inspect", help="print the stage table and the plan of an output folder")
     inspect.add_argument("out")
     inspect.add_argument("--grid", action="store_true", help="also print every rank's action grid")
+    inspect.add_argument("--json", action="store_true",
+                         help="print the figures as JSON for scripts instead of tables: per stage its estimate and "
+                              "memory figures, per pipeline rank its peak (ranks[i].peak_bytes) and its parts")
     inspect.set_defaults(run=_inspect)
     from tracepp.runtime.replay import UNIT_COSTS
 

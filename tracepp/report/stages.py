@@ -83,13 +83,79 @@ def estimate_table(manifest: dict) -> str:
     text += ("\nimbalance (max/mean): time "
              + (f"{time_imbalance:.2f}" if time_imbalance is not None else "unknown (FLOPs not counted)")
              + (f", memory {memory_imbalance:.2f}" if memory_imbalance is not None else ""))
-    if all(e.get("per_rank") for e in estimates):
-        text += ("\n(bytes per rank: tensor-parallel pieces, this rank's routed experts (1/ep), FSDP's share of "
-                 "the rest over dp)")
+    if all(e.get("per_rank") for e in estimates) or manifest.get("memory"):
+        text += ("\n(bytes per rank between steps: tensor-parallel pieces, this rank's routed experts (1/ep), "
+                 "FSDP's share of the rest over dp)")
     text += ("\n(time from forward FLOPs counted on the traced graph (docs/flops.md), backward = 2x forward, "
-             "elementwise ops not counted; "
-             "memory assumes Adam (two fp32 states per parameter) and counts every value that carries a "
-             "gradient as kept for backward)")
+             "elementwise ops not counted; ")
+    if all(e.get("counted") for e in estimates):
+        text += ("activations: what autograd keeps for backward per microbatch, counted on fake tensors "
+                 f"({_options_text(manifest)}); the peak per rank is below)")
+    else:
+        text += ("memory assumes Adam (two fp32 states per parameter) and counts every value that carries a "
+                 "gradient as kept for backward)")
+    return text
+
+
+def _options_text(manifest: dict) -> str:
+    memory = manifest.get("memory") or {}
+    options = memory.get("options") or {}
+    run = manifest.get("run_options") or {}
+    modes = options.get("recompute") or []
+    checkpointing = modes[0] if modes and len(set(modes)) == 1 else ",".join(modes)
+    optimizer = options.get("optimizer") or run.get("optimizer") or "sgd"
+    return (f"precision {options.get('precision', 'fp32')}, activation checkpointing {checkpointing or 'none'}, "
+            f"optimizer {optimizer}")
+
+
+PART_HEADERS = (("parameters", "params"), ("gradients", "grads"), ("optimizer", "optimizer"),
+                ("fsdp_unsharded", "gathered"), ("activations", "activations"), ("received", "buffers"),
+                ("transient", "temporaries"))
+
+
+def memory_figures(manifest: dict) -> list:
+    """Per pipeline rank (the same on each of its data- and tensor-parallel replicas): ``{"rank", "peak_bytes",
+    "parts": {part: bytes}, "at", "step_peak_bytes", "optimizer_peak_bytes"}`` (``inspect --json``'s ``ranks``)."""
+    ranks = (manifest.get("memory") or {}).get("ranks") or []
+    return [{"rank": index, **{k: v for k, v in entry.items()}} for index, entry in enumerate(ranks)]
+
+
+def inspect_json(manifest: dict) -> dict:
+    """``tracepp inspect --json``: the figures of the tables, as plain data for scripts."""
+    memory = manifest.get("memory") or {}
+    return {"layout": manifest["plan"].get("mesh") or {"pp": manifest["plan"]["num_ranks"]},
+            "schedule": manifest["plan"]["schedule"], "num_microbatches": manifest["plan"]["num_microbatches"],
+            "run_options": manifest.get("run_options"), "memory_options": memory.get("options"),
+            "memory_method": memory.get("method"), "memory_notes": memory.get("notes", []),
+            "stages": [{"index": stage["index"], "rank": manifest["plan"]["stage_to_rank"][stage["index"]],
+                        "num_params": stage["num_params"], "forward_flops": stage.get("forward_flops"),
+                        "estimate": stage.get("estimate"),
+                        "memory": (memory.get("stages") or [None] * (stage["index"] + 1))[stage["index"]]}
+                       for stage in manifest["stages"]],
+            "ranks": memory_figures(manifest),
+            "alternatives": memory.get("alternatives")}
+
+
+def memory_table(manifest: dict) -> str:
+    """The peak memory of each pipeline rank over the plan's timeline, split into its parts (``codegen.peak``),
+    and when it happens; empty for a folder split before memory was counted."""
+    figures = memory_figures(manifest)
+    if not figures:
+        return ""
+    rows = []
+    for entry in figures:
+        parts = entry.get("parts") or {}
+        rows.append([entry["rank"], _bytes(entry["peak_bytes"])] + [_bytes(parts.get(key, 0)) for key, _h in PART_HEADERS]
+                    + [entry.get("at", "-")])
+    text = tabulate(rows, headers=["rank", "peak"] + [h for _k, h in PART_HEADERS] + ["at"], tablefmt="simple")
+    text = "peak memory per rank (a step after the first, and the optimizer step):\n" + text
+    text += ("\n(params: held between steps; grads: the parameters' gradients; gathered: FSDP's/DDP's unsharded "
+             "copy while the stage computes; activations: kept for backward by the microbatches in flight; buffers: "
+             "receive buffers and gradients waiting to be sent; temporaries: the running action's own; counted on "
+             f"fake tensors, {_options_text(manifest)}; see docs/memory.md)")
+    notes = (manifest.get("memory") or {}).get("notes") or []
+    for note in notes:
+        text += f"\nnote: {note}"
     return text
 
 
