@@ -292,14 +292,16 @@ def _measure(tracker: LiveMemory, action) -> tuple:
 
 
 def profile_stage(stage, graph, trainable: set, options: MemoryOptions, loss_fn=None, target=None,
-                  is_last: bool = False, training: bool = True, sequence_shards: bool = False) -> dict:
+                  is_last: bool = False, training: bool = True, sequence_shards: bool = False,
+                  fake: bool = True) -> dict:
     """One stage's figures (``STAGE_FIELDS``, bytes, one microbatch) and ``kept_by_node`` (node name -> bytes
     it leaves alive after the forward), from two microbatches run forward, sent and run backward on fake
     tensors: the first backward of a step allocates the gradients, the second adds into them."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
+    # ``fake=False`` runs the same on real (uninitialised) tensors: the tests hold the fake count against it
+    mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv()) if fake else contextlib.nullcontext()
     tracker = LiveMemory()
     figures = dict.fromkeys(STAGE_FIELDS, 0)
     with mode, tracker, _planning_collectives(options.tp, options.ep, options.expert_imbalance):

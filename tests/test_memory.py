@@ -1,0 +1,191 @@
+"""Memory you can plan on (issue 46), tiers 1 and 2: the live-storage counter against torch's CPU allocator, the
+fake-tensor count of a stage against the same run on real tensors, what checkpointing keeps, and the timeline of
+a rank (plain data). The end-to-end matrix against measured runs is tests/test_e2e_memory.py."""
+import pytest
+import torch
+
+from tracepp.codegen.memory import MemoryOptions, kept_by_segment, optimizer_figures, profile_stage
+from tracepp.codegen.peak import pool_bytes, rank_peak
+from tracepp.runtime.memory import LiveMemory
+from util import model_path
+
+
+# -- the counter ------------------------------------------------------------------------------------------------
+
+def test_a_storage_is_counted_once_and_until_it_is_freed():
+    tracker = LiveMemory()
+    with tracker:
+        a = torch.ones(1000)  # 4000 bytes
+        view = a[10:20].view(2, 5)  # a view: no new storage
+        b = a * 2
+        assert tracker.now == 8000 and tracker.peak == 8000
+        del a
+        assert tracker.now == 8000  # the view keeps the storage alive
+        del view, b
+    assert tracker.now == 0 and tracker.peak == 8000
+
+
+def test_resizing_a_storage_is_followed_as_fsdp_does_it():
+    tracker = LiveMemory()
+    with tracker:
+        a = torch.empty(256)
+        a.untyped_storage().resize_(0)
+        assert tracker.now == 0
+        a.untyped_storage().resize_(1024)
+        assert tracker.now == 1024
+    del a
+
+
+def test_the_counter_agrees_with_torchs_cpu_allocator():
+    """An independent reference: the profiler's allocator events (every block torch's CPU allocator hands out
+    and takes back), summed over a forward and backward, give the same peak above the start."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.LayerNorm(256),
+                                torch.nn.Linear(256, 64))
+    x = torch.randn(32, 64)
+
+    def step():
+        out = model(x).square().mean()
+        out.backward()
+        return out
+
+    step()  # the gradients exist: the measured step accumulates into them
+    tracker = LiveMemory()
+    tracker.register(list(model.parameters()) + [p.grad for p in model.parameters()] + [x], "parameters")
+    with tracker:
+        start = tracker.open_window()
+        step()
+        counted = tracker.window_peak - start
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]")
+    running, allocator = 0, 0
+    for _time, nbytes in events:
+        running += nbytes
+        allocator = max(allocator, running)
+    assert counted == allocator
+
+
+# -- a stage counted on fake tensors, against the same on real tensors ------------------------------------------
+
+@pytest.fixture(scope="module")
+def llama_split():
+    from tracepp.modelfile import load_model_file
+    from tracepp.split.partition import split
+    from tracepp.trace import trace
+
+    model_file = load_model_file(model_path("hf_llama"))
+    traced = trace(model_file, 2)
+    graph = split(traced, ["model.layers.1"], schedule="1f1b", num_microbatches=2)
+    target = model_file.example_target()[:2]
+    return model_file, traced, graph, target
+
+
+FIGURES = ("kept", "forward_peak", "freed_at_send", "backward_peak", "backward_peak_first", "after_backward",
+           "after_backward_first", "grads", "input_grads")
+
+
+@pytest.mark.parametrize("precision,mode,split_backward", [("fp32", "none", False), ("bf16", "selective", False),
+                                                           ("fp32", "full", True)])
+def test_fake_count_equals_the_same_run_on_real_tensors(llama_split, precision, mode, split_backward):
+    model_file, traced, graph, target = llama_split
+    trainable = {fqn for fqn, _p in traced.model.named_parameters()}
+    options = MemoryOptions(precision=precision, recompute=[mode, mode], split_backward=split_backward)
+    for stage in graph.stages:
+        last = stage.index == graph.num_stages - 1
+        args = (stage, graph, trainable, options, model_file.module.loss_fn, target if last else None, last)
+        fake, real = profile_stage(*args, fake=True), profile_stage(*args, fake=False)
+        assert "error" not in fake, fake
+        assert {k: fake[k] for k in STAGE_KEYS(fake)} == {k: real[k] for k in STAGE_KEYS(fake)}
+        assert fake["kept"] > 0 and fake["grads"] == sum(
+            p.numel() * 4 for fqn, p in traced.model.named_parameters()
+            if any(graph.state[name].fqn == fqn for name in stage.state))
+
+
+def STAGE_KEYS(figures: dict) -> list:
+    return [key for key in figures if key != "kept_by_position"]
+
+
+def test_checkpointing_keeps_less_and_the_segments_add_up(llama_split):
+    model_file, traced, graph, target = llama_split
+    trainable = {fqn for fqn, _p in traced.model.named_parameters()}
+    kept = {}
+    for mode in ("none", "selective", "full"):
+        figures = profile_stage(graph.stages[0], graph, trainable, MemoryOptions(recompute=[mode, mode]))
+        kept[mode] = figures["kept"]
+        by_segment = kept_by_segment(graph.stages[0], figures)
+        # what each segment's nodes keep, plus the stage's outputs and input casts, is what the stage keeps
+        assert sum(by_segment.values()) <= figures["kept"]
+        if mode == "none":
+            assert sum(by_segment.values()) >= 0.9 * figures["kept"]
+    assert kept["full"] < kept["selective"] < kept["none"]
+
+
+def test_the_optimizer_state_is_counted_from_one_fake_step():
+    trainable = [("a", 1000, torch.float32), ("b", 24, torch.float32)]
+    adamw = optimizer_figures(trainable, lambda named: torch.optim.AdamW([p for _n, p in named], lr=1e-3))
+    assert adamw["name"] == "AdamW" and adamw["state_bytes"] >= 2 * 4 * 1024  # exp_avg and exp_avg_sq, fp32
+    sgd = optimizer_figures(trainable, lambda named: torch.optim.SGD([p for _n, p in named], lr=0.1))
+    assert sgd["state_bytes"] == 0
+    momentum = optimizer_figures(trainable, lambda named: torch.optim.SGD([p for _n, p in named], lr=0.1,
+                                                                          momentum=0.9))
+    assert momentum["state_bytes"] == 4 * 1024
+
+
+# -- a rank's timeline (plain data) -------------------------------------------------------------------------------
+
+def _stage(**figures) -> dict:
+    base = dict(received=0, forward_peak=0, kept=0, outputs=0, freed_at_send=0, grad_received=0, backward_peak=0,
+                backward_peak_first=0, after_backward=0, after_backward_first=0, input_grads=0, grads=0,
+                param_bytes=0, unsharded_bytes=0, grad_bytes_at_rest=0)
+    base.update(figures)
+    return base
+
+
+def test_receive_buffers_are_pooled_by_size_as_the_executor_reuses_them():
+    figures = {1: _stage(received_sizes=[100], grad_received_sizes=[])}
+    # two microbatches in flight at once, then one at a time
+    actions = ["1RECV_F0<0", "1F0", "1RECV_F1<0", "1B0", "1F1", "1B1", "1RECV_F2<0", "1F2", "1B2"]
+    assert pool_bytes(actions, figures) == 200
+    # gradient buffers of the same size share the pool with activation buffers
+    figures = {0: _stage(received_sizes=[64], grad_received_sizes=[64])}
+    assert pool_bytes(["0RECV_F0<1", "0RECV_B0<2", "0B0", "0RECV_F1<1", "0RECV_B1<2", "0B1"], figures) == 128
+
+
+def test_the_peak_follows_the_microbatches_in_flight():
+    stage = _stage(forward_peak=20, kept=100, backward_peak_first=30, backward_peak=20, after_backward_first=-100 + 40,
+                   after_backward=-100, grads=40, grad_bytes_at_rest=40, param_bytes=40)
+    one_f_one_b = ["0F0", "0F1", "0F2", "0B0", "0F3", "0B1", "0B2", "0B3"]
+    result = rank_peak(one_f_one_b, {0: stage}, {"state_bytes": 80, "step_peak": 10})
+    # three forwards in flight at 0B0 (the first backward allocates the gradients), and again at 0B1 with them
+    assert result["peak_bytes"] == 40 + 80 + 40 + 300 + 20 and result["at"] == "0B1"
+    assert result["parts"]["activations"] == 300 and result["parts"]["transient"] == 20
+    gpipe = ["0F0", "0F1", "0F2", "0F3", "0B0", "0B1", "0B2", "0B3"]
+    assert rank_peak(gpipe, {0: stage}, {"state_bytes": 80, "step_peak": 10})["peak_bytes"] == 40 + 80 + 400 + 30
+    # the optimizer step: parameters, gradients, state and the step's temporaries
+    assert rank_peak(one_f_one_b, {0: stage}, {"state_bytes": 80, "step_peak": 10})["optimizer_peak_bytes"] == \
+        40 + 40 + 80 + 10
+
+
+def test_sends_hold_their_data_until_the_plan_releases_them():
+    stage = _stage(forward_peak=10, kept=100, freed_at_send=60, after_backward=-40, after_backward_first=-40)
+    actions = ["0F0", "0SEND_F0>1", "0F1", "0SEND_F1>1", "0RECV_B0<1", "0B0"]
+    held = rank_peak(actions, {0: stage}, {})  # no release points: the sends hold the outputs to the step's end
+    released = rank_peak(actions, {0: stage}, {}, releases={"2": [1]})  # 0SEND_F0 released after 0F1
+    assert held["peak_bytes"] - released["peak_bytes"] == 60
+
+
+def test_fsdp_gathers_a_stage_for_the_step_and_reduces_its_gradients_to_a_shard():
+    stage = _stage(forward_peak=10, kept=100, after_backward_first=-100 + 400, after_backward=-100, grads=400,
+                   param_bytes=200, unsharded_bytes=400, grad_bytes_at_rest=200)
+    actions = ["0F0", "0F1", "0B0", "0B1"]
+    result = rank_peak(actions, {0: stage}, {"state_bytes": 400}, dp_mode="fsdp", dp=2)
+    # the first forward: the flat all-gather output beside the unsharded parameters
+    assert result["step_peak_bytes"] >= 200 + 400 + 400 + 400 + 10
+    assert result["parts"]["fsdp_unsharded"] in (400, 800)
+    ddp = rank_peak(actions, {0: dict(stage, param_bytes=400, grad_bytes_at_rest=400)}, {"state_bytes": 800},
+                    dp_mode="ddp", dp=2)
+    assert ddp["parts"]["fsdp_unsharded"] == 400
