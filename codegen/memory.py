@@ -545,7 +545,7 @@ def _rank_peaks(plan: dict, stages: list, trainable: list, layout, make_optimize
         actions = plan["actions"].get(str(rank), plan["actions"].get(rank, []))
         releases = (plan.get("releases") or {}).get(str(rank), (plan.get("releases") or {}).get(rank))
         peak = rank_peak(actions, mine, optimizer, layout.dp_mode, layout.dp, releases)
-        peak["optimizer"] = {k: v for k, v in optimizer.items() if k != "numel"}
+        peak["optimizer"] = dict(optimizer)  # numel: the parameters it updates on this rank
         ranks.append(peak)
     return ranks
 

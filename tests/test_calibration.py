@@ -370,6 +370,43 @@ def test_memory_limit_prunes_what_does_not_fit():
         parse_bytes("lots")
 
 
+def _counted(manifest: dict) -> dict:
+    """The same manifest with the split's counted figures per segment and checkpointing mode (issue 46): each
+    segment keeps 1000 bytes per traced microbatch with none, 300 with selective, 0 with full (the stage's input
+    alone); its stage's temporaries 100 bytes forward, 200 backward, more when it recomputes."""
+    for segment in manifest["segments"]:
+        segment["memory"] = {
+            "none": {"kept": 1000, "forward_peak": 100, "backward_peak": 200, "backward_peak_first": 200},
+            "selective": {"kept": 300, "forward_peak": 100, "backward_peak": 700, "backward_peak_first": 700},
+            "full": {"kept": 0, "forward_peak": 100, "backward_peak": 1200, "backward_peak_first": 1200}}
+    return manifest
+
+
+def test_the_tuner_walks_each_ranks_timeline_and_checkpoints_the_stages_that_hold_most():
+    manifest = _counted(_manifest())
+    calibration = _tuning_calibration(manifest)
+    kept, _, _ = tune(manifest, calibration, schedules=["1f1b"], microbatch_counts=[4], optimizer_bytes_per_param=0)
+    counted = kept[0].peak_memory
+    # rank 0 under 1F1B: parameters (8000) and the outputs sent at the end of the step stay; two microbatches of
+    # 2000 bytes in flight and then the gradients (8000) with a backward's temporaries: more than the bound's
+    assert counted[0] > 8000 + 2 * 2000 and counted[1] > 8000 + 2000
+    # a limit under rank 0's peak: rank 0's stage (2 microbatches in flight) is checkpointed first, rank 1's
+    # (one at a time) is not, and the step pays for the recomputation
+    limit = counted[0] - 1000
+    fitted, dropped, _ = tune(manifest, calibration, schedules=["1f1b"], microbatch_counts=[4],
+                              optimizer_bytes_per_param=0, memory_limit=limit)
+    assert not dropped
+    best = fitted[0]
+    assert best.recompute[0] != "none" and best.recompute[1] == "none" and best.checkpointing.startswith(
+        best.recompute[0] + ",")
+    assert max(best.peak_memory.values()) <= limit and best.step_s > kept[0].step_s
+    assert best.to_json()["activation_checkpointing"] == best.checkpointing
+    # a limit nothing meets: dropped, whatever checkpointing does
+    _kept, dropped, _ = tune(manifest, calibration, schedules=["1f1b"], microbatch_counts=[4],
+                             optimizer_bytes_per_param=0, memory_limit=1000)
+    assert dropped and dropped[0].recompute == ["full", "full"]
+
+
 def test_segment_table_counts_the_gradient_tensors_a_cut_sends_back(tmp_path):
     """A cut crossed by a skip connection sends two tensors forward and two gradients back: the tuner prices
     both messages of each direction (the table once counted gradient bytes but not gradient tensors)."""

@@ -188,7 +188,8 @@ def _tune(args, manifest) -> int:
     tp_sizes = [int(t) for t in args.tp_sizes.split(",")] if args.tp_sizes else None
     ep_sizes = [int(e) for e in args.ep_sizes.split(",")] if args.ep_sizes else None
     kept, dropped, failed = tune(manifest, calibration, memory_limit=limit, schedules=schedules,
-                                 microbatch_counts=counts, optimizer_bytes_per_param=args.optimizer_bytes_per_param,
+                                 microbatch_counts=counts,
+                                 optimizer_bytes_per_param=_optimizer_bytes(args, manifest),
                                  tp_sizes=tp_sizes, ep_sizes=ep_sizes)
     print(format_tuning(kept, dropped, failed, args.top, limit, current_candidate(kept, dropped, manifest)))
     noise = calibration.noise_fraction()
@@ -204,12 +205,25 @@ def _tune(args, manifest) -> int:
               f"{best.num_microbatches} --split-points {','.join(best.split_points)}"
               + (f" --tp {best.tp}" if best.tp > 1 else "")
               + (" --sequence-parallel" if best.sequence_parallel else "")
-              + (f" --ep {best.ep}" if best.ep > 1 else ""))
+              + (f" --ep {best.ep}" if best.ep > 1 else "")
+              + (f" --activation-checkpointing {best.checkpointing}" if best.checkpointing != "none" else ""))
         written = apply_tuned(manifest, args.out, best)
         run = launch_command(_world(written["plan"]), args.out)
         print(f"wrote {args.out} ({written['plan']['schedule']}, {len(written['stages'])} stages, "
               f"{written['plan']['num_microbatches']} microbatches); run it: {run} --steps 3")
     return 0
+
+
+def _optimizer_bytes(args, manifest) -> float:
+    """--optimizer-bytes-per-param, else the state per parameter the split counted for its optimizer."""
+    if args.optimizer_bytes_per_param is not None:
+        return args.optimizer_bytes_per_param
+    from tracepp.costs.search import ADAM_BYTES_PER_PARAM
+
+    ranks = (manifest.get("memory") or {}).get("ranks") or []
+    state = sum(r.get("optimizer", {}).get("state_bytes", 0) for r in ranks)
+    numel = sum(r.get("optimizer", {}).get("numel", 0) for r in ranks)
+    return state / numel if numel else ADAM_BYTES_PER_PARAM
 
 
 def _calibrate(args) -> int:
@@ -356,8 +370,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--schedules", default=None, help="--tune: only these schedules (comma-separated)")
     plan.add_argument("--microbatch-counts", default=None, metavar="M,M",
                       help="--tune: only these microbatch counts (default: the batch's divisors up to 128)")
-    plan.add_argument("--optimizer-bytes-per-param", type=int, default=8,
-                      help="--tune: optimizer state per parameter in the memory estimate (default 8: Adam; SGD 0)")
+    plan.add_argument("--optimizer-bytes-per-param", type=float, default=None,
+                      help="--tune: optimizer state bytes per parameter in the memory estimate (default: what the "
+                           "split counted for its optimizer, see inspect; else 8, Adam's two fp32 states)")
     _add_calibrate_options(plan, in_plan=True)
     plan.set_defaults(run=_plan)
     calibrate = sub.add_parser("calibrate", help="measure comms, stage costs and runtime overheads on this "

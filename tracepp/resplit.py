@@ -83,7 +83,9 @@ def apply_tuned(manifest: dict, out_dir: str, best) -> dict:
         recorded = (manifest.get("split_options") or {}).get("split_points")
         return resplit(manifest, out_dir, schedule=best.schedule, num_stages=best.num_stages,
                        num_microbatches=best.num_microbatches, split_points=recorded,
-                       layout={"tp": best.tp, "sequence_parallel": best.sequence_parallel, "ep": best.ep})
+                       layout={"tp": best.tp, "sequence_parallel": best.sequence_parallel, "ep": best.ep},
+                       run={"activation_checkpointing": best.checkpointing})
     return resplit(manifest, out_dir, schedule=best.schedule, num_stages=best.num_stages,
                    num_microbatches=best.num_microbatches, split_points=list(best.split_points),
-                   layout={"tp": best.tp, "sequence_parallel": best.sequence_parallel, "ep": best.ep})
+                   layout={"tp": best.tp, "sequence_parallel": best.sequence_parallel, "ep": best.ep},
+                   run={"activation_checkpointing": best.checkpointing})

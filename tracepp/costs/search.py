@@ -88,6 +88,15 @@ class Candidate:
     tp: int = 1  # tensor-parallel ranks per stage: the job runs ranks x tp processes (x dp)
     sequence_parallel: bool = False  # with tp > 1: activations between the tp regions split over the sequence
     ep: int = 1  # expert-parallel ranks, carved out of dp (no more processes)
+    recompute: Optional[list] = None  # activation checkpointing per stage chosen to fit --memory-limit (None: none)
+
+    @property
+    def checkpointing(self) -> str:
+        """The ``--activation-checkpointing`` value of this plan: none, or one mode per stage."""
+        modes = self.recompute or []
+        if not modes or all(m == "none" for m in modes):
+            return "none"
+        return modes[0] if len(set(modes)) == 1 else ",".join(modes)
 
     @property
     def stages_per_rank(self) -> int:
@@ -95,7 +104,9 @@ class Candidate:
 
     def to_json(self) -> dict:
         return {"schedule": self.schedule, "num_stages": self.num_stages, "num_microbatches": self.num_microbatches,
-                "tp": self.tp, "sequence_parallel": self.sequence_parallel, "ep": self.ep, "split_points": self.split_points, "split_source": self.split_source, "step_s": self.step_s,
+                "tp": self.tp, "sequence_parallel": self.sequence_parallel, "ep": self.ep,
+                "activation_checkpointing": self.checkpointing, "split_points": self.split_points,
+                "split_source": self.split_source, "step_s": self.step_s,
                 "bubble": self.bubble, "peak_memory_bytes": {str(r): v for r, v in sorted(self.peak_memory.items())}}
 
 
@@ -460,30 +471,40 @@ def tp_costs(manifest: dict, split: tuple, costs: dict, microbatch_size: float, 
 
 def _memory(manifest: dict, split: tuple, sim, stage_to_rank: list, microbatch_size: float, training: bool,
             optimizer_bytes_per_param: int, tp: int = 1, sequence_parallel: bool = False, ep: int = 1,
-            layout=None) -> dict:
-    """Peak bytes per rank: static (parameters, gradients, optimizer state; the sharded ones divided by tp; under
-    ``layout``'s data parallelism and at ``ep`` as :func:`held_bytes` says) + live activations at the worst moment
-    of the simulated timeline: the segments' activation bytes, those computed on shards divided by tp (with
-    ``sequence_parallel`` also those sharded over the sequence); a folder split without these figures keeps them
-    whole (an upper bound). Activations are the same at every ep: with balanced routing the rows a rank receives
-    for its experts replace the rows it sent."""
+            layout=None, recompute=None, actions=None, releases=None) -> dict:
+    """Peak bytes per rank. With the split's counted figures (``segments[k]["memory"]``: what each segment keeps
+    per microbatch under each activation checkpointing mode, and its stage's temporaries) and the plan's actions,
+    each rank's timeline is walked as ``tracepp split`` walks its own plan (``codegen.peak.rank_peak``) with
+    stage figures made of the segments: kept bytes, temporaries, receive buffers and the outputs they free from
+    the cuts, the parameters, gradients and optimizer state as :func:`held_bytes` says (FSDP's gathered copy, 1/ep
+    of the experts), activations computed on tp shards divided by tp (:func:`_activation_share`). ``recompute``:
+    each stage's checkpointing (default none). A folder split without those figures: the old upper bound (every
+    value that carries a gradient, live from its forward to its backward in the simulated timeline)."""
     from tracepp.runtime.mesh import Layout
 
     layout = layout or Layout()
+    segments = manifest["segments"]
+    if actions is not None and all(seg.get("memory") for seg in segments):
+        figures, optimizer = stage_memory(manifest, split, microbatch_size, training, optimizer_bytes_per_param,
+                                          tp, sequence_parallel, ep, layout, recompute)
+        from tracepp.codegen.peak import rank_peak
+
+        peak = {}
+        for rank, rank_actions in actions.items():
+            rank = int(rank)
+            mine = {s: figures[s] for s, r in enumerate(stage_to_rank) if r == rank}
+            state = sum(optimizer.get(s, 0) for s in mine)
+            ranked = rank_peak(rank_actions, mine, {"state_bytes": state, "step_peak": 0}, layout.dp_mode, layout.dp,
+                               (releases or {}).get(rank, (releases or {}).get(str(rank))))
+            peak[rank] = int(ranked["peak_bytes"])
+        return peak
     scale = microbatch_size / traced_microbatch(manifest)
     static, activation = {}, {}
-    for seg, stage in zip(manifest["segments"], split):
-        fig = _tp_figures(seg, tp, sequence_parallel)
-        experts = seg.get("ep") or {}
-        expert_bytes_, expert_count = experts.get("param_bytes", 0), experts.get("params", 0)
-        params = (seg["param_bytes"] or 0) - fig["sharded_param_bytes"] * (1 - 1 / tp) - expert_bytes_
-        count = (seg["num_params"] or 0) - fig["sharded_params"] * (1 - 1 / tp) - expert_count
-        held = (held_bytes(params, count, layout, training, optimizer_bytes_per_param)
-                + held_bytes(expert_bytes_, expert_count, layout, training, optimizer_bytes_per_param, ep))
+    for seg, stage in zip(segments, split):
+        held = _held(seg, tp, sequence_parallel, ep, layout, training, optimizer_bytes_per_param)
         static[stage] = static.get(stage, 0) + held
-        sharded = fig.get("sharded_activation_bytes", 0) + fig.get("sequence_activation_bytes", 0)
-        activation[stage] = activation.get(stage, 0) + ((seg["activation_bytes"] or 0)
-                                                        - sharded * (1 - 1 / tp)) * scale
+        activation[stage] = activation.get(stage, 0) + (seg["activation_bytes"] or 0) * _activation_share(
+            seg, tp, sequence_parallel) * scale
     peak = {}
     for rank, entries in sim.timeline.items():
         live, now, worst = set(), 0.0, 0.0
@@ -497,6 +518,86 @@ def _memory(manifest: dict, split: tuple, sim, stage_to_rank: list, microbatch_s
             worst = max(worst, now)
         peak[rank] = int(sum(static.get(s, 0) for s, r in enumerate(stage_to_rank) if r == rank) + worst)
     return peak
+
+
+def _activation_share(seg: dict, tp: int, sequence_parallel: bool) -> float:
+    """The share of a segment's activations a rank keeps at ``tp``: those computed on shards (and, with sequence
+    parallelism, those between the regions) divided by tp (the split's walk records their bytes)."""
+    total = seg.get("activation_bytes") or 0
+    if tp == 1 or not total:
+        return 1.0
+    fig = _tp_figures(seg, tp, sequence_parallel)
+    sharded = fig.get("sharded_activation_bytes", 0) + fig.get("sequence_activation_bytes", 0)
+    return max(0.0, (total - sharded * (1 - 1 / tp)) / total)
+
+
+def _held(seg: dict, tp: int, sequence_parallel: bool, ep: int, layout, training: bool,
+          optimizer_bytes_per_param: int) -> float:
+    fig = _tp_figures(seg, tp, sequence_parallel)
+    experts = seg.get("ep") or {}
+    expert_bytes_, expert_count = experts.get("param_bytes", 0), experts.get("params", 0)
+    params = (seg["param_bytes"] or 0) - fig["sharded_param_bytes"] * (1 - 1 / tp) - expert_bytes_
+    count = (seg["num_params"] or 0) - fig["sharded_params"] * (1 - 1 / tp) - expert_count
+    return (held_bytes(params, count, layout, training, optimizer_bytes_per_param)
+            + held_bytes(expert_bytes_, expert_count, layout, training, optimizer_bytes_per_param, ep))
+
+
+def stage_memory(manifest: dict, split: tuple, microbatch_size: float, training: bool, optimizer_bytes_per_param: int,
+                 tp: int = 1, sequence_parallel: bool = False, ep: int = 1, layout=None, recompute=None) -> tuple:
+    """({stage: figures for ``codegen.peak.rank_peak``}, {stage: optimizer state bytes}) of a split, made of its
+    segments' counted figures (see :func:`_memory`); ``recompute[stage]``: none, selective or full."""
+    from tracepp.runtime.mesh import Layout
+
+    layout = layout or Layout()
+    segments = manifest["segments"]
+    scale = microbatch_size / traced_microbatch(manifest)
+    shard = _dp_shard(layout)
+    wrapped = layout.dp > 1
+    figures, optimizer = {}, {}
+    stages = sorted(set(split))
+    first_segment = {stage: split.index(stage) for stage in stages}
+    for stage in stages:
+        mode = (recompute[stage] if recompute else "none")
+        members = [seg for seg, owner in zip(segments, split) if owner == stage]
+        share = [_activation_share(seg, tp, sequence_parallel) for seg in members]
+        kept = sum(seg["memory"].get(mode, seg["memory"].get("none", {})).get("kept", 0) * f
+                   for seg, f in zip(members, share)) * scale
+        mean_share = sum(share) / len(share) if share else 1.0
+
+        def most(key):
+            return max(seg["memory"].get(mode, seg["memory"].get("none", {})).get(key, 0) for seg in members) \
+                * mean_share * scale
+
+        cut_in = segments[first_segment[stage]] if first_segment[stage] > 0 else None
+        nxt = first_segment.get(stage + 1)
+        cut_out = segments[nxt] if nxt is not None else None
+        wire = 1.0
+        received = (cut_in["cut_bytes"] or 0) * scale * wire if cut_in else 0
+        outputs = (cut_out["cut_bytes"] or 0) * scale if cut_out else 0
+        input_grads = (cut_in.get("cut_grad_bytes") or 0) * scale if cut_in else 0
+        grad_in = (cut_out.get("cut_grad_bytes") or 0) * scale * wire if cut_out else 0
+        params = experts = count = expert_count = 0.0
+        for seg in members:
+            fig = _tp_figures(seg, tp, sequence_parallel)
+            found = seg.get("ep") or {}
+            experts += found.get("param_bytes", 0) / ep
+            expert_count += found.get("params", 0) / ep
+            params += (seg["param_bytes"] or 0) - fig["sharded_param_bytes"] * (1 - 1 / tp) - found.get("param_bytes", 0)
+            count += (seg["num_params"] or 0) - fig["sharded_params"] * (1 - 1 / tp) - found.get("params", 0)
+        grads = (params + experts) if training else 0
+        figures[stage] = {
+            "kept": kept, "forward_peak": most("forward_peak"), "backward_peak": most("backward_peak"),
+            "backward_peak_first": most("backward_peak_first"), "freed_at_send": outputs,
+            "after_backward": -(kept - outputs) + input_grads, "after_backward_first": -(kept - outputs) + input_grads + grads,
+            "input_backward_peak": most("backward_peak"), "after_input_backward": -(kept - outputs) + input_grads,
+            "weight_backward_peak": most("backward_peak"), "weight_backward_peak_first": most("backward_peak_first"),
+            "after_weight_backward": 0, "after_weight_backward_first": grads,
+            "input_grads": input_grads, "grads": grads,
+            "received_sizes": [received] if received else [], "grad_received_sizes": [grad_in] if grad_in else [],
+            "param_bytes": params / shard + experts, "unsharded_bytes": params if wrapped else 0,
+            "grad_bytes_at_rest": (params / shard + experts) if training else 0}
+        optimizer[stage] = (count / shard + expert_count) * optimizer_bytes_per_param if training else 0
+    return figures, optimizer
 
 
 def tune(manifest: dict, calibration: Calibration, memory_limit: Optional[int] = None,
@@ -593,7 +694,19 @@ def tune(manifest: dict, calibration: Calibration, memory_limit: Optional[int] =
                         candidate.step_s, candidate.bubble = prediction.step_s, prediction.bubble
                         candidate.stage_to_rank = list(built.stage_to_rank)
                         candidate.peak_memory = _memory(manifest, split, prediction.sim, built.stage_to_rank, size,
-                                                        training, optimizer_bytes_per_param, tp, sp, ep, layout)
+                                                        training, optimizer_bytes_per_param, tp, sp, ep, layout,
+                                                        None, built.actions, built.releases)
+                        if memory_limit is not None and max(candidate.peak_memory.values()) > memory_limit:
+                            modes, peaks = choose_recompute(
+                                manifest, split, built, size, training, optimizer_bytes_per_param, tp, sp, ep,
+                                layout, memory_limit, priced)
+                            if peaks and any(mode != "none" for mode in modes):
+                                recomputed = recompute_costs(priced, modes)
+                                prediction = predict_plan(built.actions, built.stage_to_rank, topology,
+                                                          num_microbatches, recomputed, calibration, messages,
+                                                          optimizer_s, training, check=False)
+                                candidate.step_s, candidate.bubble = prediction.step_s, prediction.bubble
+                                candidate.recompute, candidate.peak_memory = modes, peaks
                         if memory_limit is not None and max(candidate.peak_memory.values()) > memory_limit:
                             dropped.append(candidate)
                         else:
@@ -602,6 +715,57 @@ def tune(manifest: dict, calibration: Calibration, memory_limit: Optional[int] =
     kept.sort(key=lambda c: (round(c.step_s * c.tp, 12), order.get(c.schedule, 99), c.num_stages,
                              c.num_microbatches, c.split, c.tp, c.sequence_parallel, c.ep))
     return kept, dropped, failed
+
+
+# the share of a stage's forward time its backward runs again: full checkpointing recomputes the whole forward,
+# torchtitan's selective policy the ops between the matmuls, attention and collectives (measured on CPU, Llama
+# hidden 512 and 1024: 0.22 - 0.47 of a forward, 0.80 - 0.99 for full; benchmarks/studies/recompute_cost.py)
+RECOMPUTE_SHARE = {"none": 0.0, "selective": 0.25, "full": 1.0}
+_NEXT_MODE = {"none": "selective", "selective": "full"}
+
+
+def recompute_costs(costs: dict, modes: list) -> dict:
+    """``{(stage, kind): s}`` with each stage's backward (B, or I where it is split) paying for the forward its
+    checkpointing (``modes[stage]``) recomputes: :data:`RECOMPUTE_SHARE` of its forward time."""
+    out = dict(costs)
+    for (stage, kind), seconds in costs.items():
+        if kind in ("B", "I") and stage < len(modes):
+            out[(stage, kind)] = seconds + RECOMPUTE_SHARE[modes[stage]] * costs.get((stage, "F"), 0.0)
+    return out
+
+
+def choose_recompute(manifest: dict, split: tuple, built, microbatch_size: float, training: bool,
+                     optimizer_bytes_per_param: int, tp: int, sequence_parallel: bool, ep: int, layout,
+                     memory_limit: int, costs: dict) -> tuple:
+    """Activation checkpointing per stage for a plan over ``memory_limit``: (modes, peak per rank). Starting from
+    none everywhere, while a rank is over the limit, one of its stages goes one step further (none -> selective
+    -> full): the one that saves the most of that rank's peak per second of recomputation it adds. A stage's need
+    follows from the schedule: the first stage of 1F1B keeps pp microbatches in flight, the last one, so the
+    first ones are checkpointed first. Stops when every rank fits or no stage is left to checkpoint."""
+    num_stages = len(set(split))
+    modes = ["none"] * num_stages
+    if not all(seg.get("memory") for seg in manifest["segments"]):  # split by an older tracepp: nothing counted
+        return modes, {}
+    peaks = _memory(manifest, split, None, built.stage_to_rank, microbatch_size, training, optimizer_bytes_per_param,
+                    tp, sequence_parallel, ep, layout, modes, built.actions, built.releases)
+    while max(peaks.values()) > memory_limit:
+        worst = max(peaks, key=peaks.get)
+        best = None
+        for stage in (s for s, r in enumerate(built.stage_to_rank) if r == worst and modes[s] in _NEXT_MODE):
+            trial = list(modes)
+            trial[stage] = _NEXT_MODE[modes[stage]]
+            found = _memory(manifest, split, None, built.stage_to_rank, microbatch_size, training,
+                            optimizer_bytes_per_param, tp, sequence_parallel, ep, layout, trial, built.actions,
+                            built.releases)
+            saved = peaks[worst] - found[worst]
+            added = (RECOMPUTE_SHARE[trial[stage]] - RECOMPUTE_SHARE[modes[stage]]) * costs.get((stage, "F"), 0.0)
+            score = saved / added if added > 0 else saved * 1e12
+            if saved > 0 and (best is None or score > best[0]):
+                best = (score, trial, found)
+        if best is None:
+            break
+        _score, modes, peaks = best
+    return modes, peaks
 
 
 def _sharded_share(manifest: dict, split: tuple, stage: int, tp: int, sequence_parallel: bool = False, ep: int = 1,
@@ -635,11 +799,12 @@ def format_tuning(kept: list, dropped: list, failed: list, top: int, memory_limi
     rows = []
     for rank_index, c in enumerate(kept[:top], 1):
         rows.append([rank_index, c.schedule, f"{c.num_stages} ({c.stages_per_rank}/rank)", c.num_microbatches, c.tp,
-                     ("yes" if c.sequence_parallel else "no") if c.tp > 1 else "-", c.ep, ", ".join(c.split_points) + (f"  [{c.split_source}]" if c.split_source != "balancer" else ""),
+                     ("yes" if c.sequence_parallel else "no") if c.tp > 1 else "-", c.ep, c.checkpointing,
+                     ", ".join(c.split_points) + (f"  [{c.split_source}]" if c.split_source != "balancer" else ""),
                      f"{c.step_s * 1000:.1f}", f"{c.bubble:.1%}",
                      " / ".join(_mb(v) for _, v in sorted(c.peak_memory.items()))])
-    headers = ["#", "schedule", "stages", "M", "tp", "sp", "ep", "split points", "step ms", "bubble",
-               "peak MB per rank"]
+    headers = ["#", "schedule", "stages", "M", "tp", "sp", "ep", "checkpointing", "split points", "step ms",
+               "bubble", "peak MB per rank"]
     lines = [tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True)]
     searched = len(kept) + len(dropped) + len(failed)
     summary = f"{searched} candidates: {len(kept)} priced"
