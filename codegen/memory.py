@@ -33,12 +33,15 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from tracepp.runtime import expert_parallel, tensor_parallel
+from tracepp.runtime.actions import Action
 from tracepp.runtime.memory import LiveMemory, storages_of
+from tracepp.runtime.shm_p2p import DEFAULT_RING_MB
 from tracepp.runtime.pipeline import PRECISIONS
 from tracepp.runtime.stages import StageModule
 from tracepp.split.cost import as_int
 from tracepp.split.partition import SEGMENT, STATE_FQN
 
+RING_BYTES = int(DEFAULT_RING_MB * 2**20)  # run.py --shm-ring-mb's default: one ring per pair of CPU ranks on a host
 STAGE_FIELDS = ("received", "forward_peak", "kept", "outputs", "freed_at_send", "grad_received", "backward_peak",
                 "backward_peak_first", "after_backward", "after_backward_first", "input_grads", "grads",
                 "input_backward_peak", "after_input_backward", "weight_backward_peak", "weight_backward_peak_first",
@@ -61,6 +64,7 @@ class MemoryOptions:
     tp: int = 1
     ep: int = 1
     expert_imbalance: float = 1.0  # rows an expert-parallel rank receives, over the balanced count
+    device: str = "cpu"  # where the job runs: what its collectives and optimizer allocate
 
     def mode(self, stage_index: int) -> str:
         return self.recompute[stage_index] if self.recompute else "none"
@@ -471,10 +475,11 @@ def stage_state(stage, graph, layout, trainable_fqns=None) -> dict:
     return {"param_bytes": held, "unsharded_bytes": unsharded, "grad_bytes_at_rest": grads, "trainable": trainable}
 
 
-def optimizer_figures(trainable: list, make_optimizer) -> dict:
+def optimizer_figures(trainable: list, make_optimizer, device: str = "cpu") -> dict:
     """``{"state_bytes", "step_peak"}`` of the optimizer ``make_optimizer(named_params)`` builds for a rank's
     trainable parameters (``[(fqn, numel, dtype)]``), from one step on fake tensors: the state it keeps, and the
-    temporaries of its step above that."""
+    temporaries of its step above that (on ``device`` cuda with torch's foreach kernels, as CUDA runs them: a
+    temporary as large as all the parameters)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     if not trainable or make_optimizer is None:
@@ -486,6 +491,10 @@ def optimizer_figures(trainable: list, make_optimizer) -> dict:
             param.grad = torch.zeros_like(param)
         optimizer = make_optimizer(named)
         name = type(optimizer).__name__
+        if device == "cuda":  # torch's optimizers take their foreach kernels on CUDA tensors (the fake ones are CPU)
+            for group in optimizer.param_groups:
+                if group.get("foreach") is None and not group.get("fused"):
+                    group["foreach"] = True
         with tracker.as_category("optimizer"):
             before = tracker.now
             tracker.reset_peak()
@@ -523,7 +532,7 @@ def _stage_entries(graph, profiles: list, layout, trainable_fqns: set, options: 
 
 
 def _rank_peaks(plan: dict, stages: list, trainable: list, layout, make_optimizer, training: bool,
-                optimizers: dict) -> list:
+                optimizers: dict, device: str = "cpu") -> list:
     """Each pipeline rank's peak (``codegen.peak.rank_peak``) with its optimizer's figures (``optimizers``:
     rank -> figures, filled on first use and reused for other checkpointing)."""
     from tracepp.codegen.peak import rank_peak
@@ -539,12 +548,17 @@ def _rank_peaks(plan: dict, stages: list, trainable: list, layout, make_optimize
                     if item[0] not in seen:  # a weight two stages of this rank share is one parameter
                         seen.add(item[0])
                         held.append(item)
-            figures = optimizer_figures(held, make_optimizer) if training else {"state_bytes": 0, "step_peak": 0}
+            figures = (optimizer_figures(held, make_optimizer, device) if training
+                       else {"state_bytes": 0, "step_peak": 0})
             optimizers[rank] = dict(figures, numel=sum(item[1] for item in held))
         optimizer = optimizers[rank]
         actions = plan["actions"].get(str(rank), plan["actions"].get(rank, []))
         releases = (plan.get("releases") or {}).get(str(rank), (plan.get("releases") or {}).get(rank))
-        peak = rank_peak(actions, mine, optimizer, layout.dp_mode, layout.dp, releases)
+        peak = rank_peak(actions, mine, optimizer, layout.dp_mode, layout.dp, releases, device)
+        if device == "cpu":  # shared-memory rings, one per rank this one receives from (outside torch's tensors)
+            parsed = [Action.parse(str(a)) for a in actions]
+            peers = {a.peer for a in parsed if a.kind in ("RECV_F", "RECV_B")}
+            peak["rings_bytes"] = len({stage_to_rank[p] for p in peers if p is not None} - {rank}) * RING_BYTES
         peak["optimizer"] = dict(optimizer)  # numel: the parameters it updates on this rank
         ranks.append(peak)
     return ranks
@@ -567,7 +581,7 @@ def plan_memory(graph, model, plan: dict, layout, options: MemoryOptions, loss_f
     profiles = profile_stages(graph, model, loss_fn, target, options, training, sequence_shards, cache)
     stages, trainable, notes = _stage_entries(graph, profiles, layout, trainable_fqns, options)
     optimizers: dict = {}
-    ranks = _rank_peaks(plan, stages, trainable, layout, make_optimizer, training, optimizers)
+    ranks = _rank_peaks(plan, stages, trainable, layout, make_optimizer, training, optimizers, options.device)
     alternatives, by_mode = {}, {}
     for mode in ALTERNATIVE_MODES if training else ():
         uniform = dataclasses.replace(options, recompute=[mode] * graph.num_stages)
@@ -576,7 +590,8 @@ def plan_memory(graph, model, plan: dict, layout, options: MemoryOptions, loss_f
         by_mode[mode] = entries
         if uniform.recompute != [options.mode(s.index) for s in graph.stages]:
             alternatives[mode] = [r["peak_bytes"] for r in _rank_peaks(plan, entries, trainable, layout,
-                                                                        make_optimizer, training, optimizers)]
+                                                                        make_optimizer, training, optimizers,
+                                                                        options.device)]
     _segment_memory(graph, by_mode)
     stage_to_rank = plan["stage_to_rank"]
     for stage, entry in zip(graph.stages, stages):
@@ -596,7 +611,8 @@ def plan_memory(graph, model, plan: dict, layout, options: MemoryOptions, loss_f
     optimizer_name = next((r["optimizer"].get("name") for r in ranks if r["optimizer"].get("name")), None)
     return {"options": {"precision": options.precision, "recompute": [options.mode(s.index) for s in graph.stages],
                         "split_backward": options.split_backward, "optimizer": optimizer_name,
-                        "expert_imbalance": options.expert_imbalance if layout.ep > 1 else None},
+                        "expert_imbalance": options.expert_imbalance if layout.ep > 1 else None,
+                        "device": options.device},
             "method": METHOD, "stages": stages, "ranks": ranks, "alternatives": alternatives, "notes": notes}
 
 

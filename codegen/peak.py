@@ -91,13 +91,20 @@ class _Timeline:
         self.live[part] += value
 
 
-def rank_peak(actions: list, stages: dict, optimizer: dict, dp_mode=None, dp: int = 1, releases=None) -> dict:
+# FSDP2's reduce-scatter beyond its flat input and 1/dp output: gloo's own temporary (measured on CPU, dp 2: the
+# whole reduce 1.63 - 1.81 x the gradients); NCCL reduces in place
+REDUCE_SCATTER_EXTRA = {"cpu": 0.3, "cuda": 0.0}
+
+
+def rank_peak(actions: list, stages: dict, optimizer: dict, dp_mode=None, dp: int = 1, releases=None,
+              device: str = "cpu") -> dict:
     """The worst moment of one rank (see the module doc). ``stages``: stage index -> its figures (the memory
     profile's fields, plus ``param_bytes``: what the rank holds of it between steps, ``unsharded_bytes``: FSDP's
     gathered copy of those it shards (0 without FSDP), ``grad_bytes_at_rest``: its gradients after the step's
     reduction). ``optimizer``: ``state_bytes`` and ``step_peak`` (the step's temporaries above them).
     ``releases``: the rank's send-release points (``{action position: [send positions]}``, the plan's), where a
-    send's data may go; without them every send is held to the end of the step.
+    send's data may go; without them every send is held to the end of the step. ``device``: where the job runs
+    (cpu: gloo, cuda: NCCL), for what the collectives allocate.
     Returns ``{"peak_bytes", "parts": {part: bytes}, "at": what runs then, "step_peak_bytes",
     "optimizer_peak_bytes"}``."""
     parsed = _parse(actions)
@@ -173,9 +180,14 @@ def rank_peak(actions: list, stages: dict, optimizer: dict, dp_mode=None, dp: in
             unsent = 0 if sent or kind == "I" else fig.get("freed_at_send", 0)
             line.add("activations", after - grads - waiting - unsent)
             if fsdp and last_backward.get(s) == position and fig.get("unsharded_bytes"):
-                # its last backward reduce-scatters the gradients to this rank's 1/dp (no buffer above the
-                # backward's own peak was measured); the gathered parameters go when the step ends
+                # its last backward reshards (the gathered parameters go), then reduce-scatters the gradients to
+                # this rank's 1/dp: a flat copy of them, the 1/dp output, and on gloo a temporary of its own
+                # (measured 1.63 - 1.81 x the gradients at dp 2 on gloo: REDUCE_SCATTER_EXTRA)
+                line.add("fsdp_unsharded", -fig["unsharded_bytes"])
                 grads_whole = fig.get("grads", 0)
+                extra = REDUCE_SCATTER_EXTRA.get(device, 0.0)
+                line.check(label + " (FSDP reduce-scatter)", 0,
+                           fsdp_unsharded=int(grads_whole * (1 + 1 / dp + extra)))
                 line.add("gradients", fig.get("grad_bytes_at_rest", grads_whole) - grads_whole)
             if ddp and last_backward.get(s) == position and fig.get("unsharded_bytes"):
                 line.add("fsdp_unsharded", -fig["unsharded_bytes"])  # DDP frees its copy after the all-reduce

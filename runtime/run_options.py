@@ -21,12 +21,15 @@ class RunOptions:
     of ``recompute`` (none, full, selective, in-flight, or one per stage, comma-separated). ``optimizer``: what
     run.py's ``--optimizer`` builds when the model file has no ``optimizer(params)`` (sgd, adamw; None: sgd).
     ``expert_imbalance``: an assumption about the data, not an option of the run: with expert parallelism the
-    rows a rank receives for its experts, over the balanced count (1.0), that memory is planned for."""
+    rows a rank receives for its experts, over the balanced count (1.0), that memory is planned for. ``device``:
+    where the job will run (cpu: gloo, cuda: NCCL), for what its collectives and optimizer allocate; run.py takes
+    CUDA wherever it is available."""
 
     precision: str = "fp32"
     activation_checkpointing: str = "none"
     optimizer: Optional[str] = None
     expert_imbalance: float = 1.0
+    device: str = "cpu"
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -46,6 +49,8 @@ class RunOptions:
         if self.optimizer is not None and self.optimizer not in OPTIMIZERS:
             raise ValueError(f"--optimizer {self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
         check_mode(self.activation_checkpointing, num_stages)
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"--device {self.device!r}: plan for cpu or cuda")
         if not 1.0 <= self.expert_imbalance:
             raise ValueError(f"--expert-imbalance {self.expert_imbalance}: give 1 (balanced routing) or more (the "
                              f"busiest expert over the mean, as run.py's metrics report it)")

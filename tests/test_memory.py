@@ -182,10 +182,14 @@ def test_fsdp_gathers_a_stage_for_the_step_and_reduces_its_gradients_to_a_shard(
     stage = _stage(forward_peak=10, kept=100, after_backward_first=-100 + 400, after_backward=-100, grads=400,
                    param_bytes=200, unsharded_bytes=400, grad_bytes_at_rest=200)
     actions = ["0F0", "0F1", "0B0", "0B1"]
-    result = rank_peak(actions, {0: stage}, {"state_bytes": 400}, dp_mode="fsdp", dp=2)
-    # the first forward: the flat all-gather output beside the unsharded parameters
-    assert result["step_peak_bytes"] >= 200 + 400 + 400 + 400 + 10
-    assert result["parts"]["fsdp_unsharded"] in (400, 800)
+    result = rank_peak(actions, {0: stage}, {"state_bytes": 400}, dp_mode="fsdp", dp=2, device="cuda")
+    # the first forward: the flat all-gather output beside the unsharded parameters (params 200, state 400)
+    first_forward = 200 + 400 + 400 + 400 + 10
+    # the last backward: activations gone, parameters resharded, the gradients' flat copy and the 1/dp output
+    reduce_scatter = 200 + 400 + 400 + 400 + 200
+    assert result["step_peak_bytes"] == max(first_forward, reduce_scatter)
+    on_gloo = rank_peak(actions, {0: stage}, {"state_bytes": 400}, dp_mode="fsdp", dp=2, device="cpu")
+    assert on_gloo["step_peak_bytes"] > result["step_peak_bytes"]
     ddp = rank_peak(actions, {0: dict(stage, param_bytes=400, grad_bytes_at_rest=400)}, {"state_bytes": 800},
                     dp_mode="ddp", dp=2)
     assert ddp["parts"]["fsdp_unsharded"] == 400

@@ -287,6 +287,10 @@ def _add_split_options(parser) -> None:
                         help="with --ep: plan each rank's memory for receiving X times the balanced number of "
                              "routed rows for its experts (the busiest expert over the mean, as run.py's metrics "
                              "report 'experts max/mean'; default 1: balanced)")
+    parser.add_argument("--device", default=None, choices=["cpu", "cuda"],
+                        help="where the job will run, for the memory plan: cuda (NCCL; torch's optimizers take "
+                             "their foreach kernels) or cpu (gloo, shared-memory rings); default: cuda if this "
+                             "machine has it, else cpu")
     parser.add_argument("--optimizer", default=None, choices=["sgd", "adamw"],
                         help="the optimizer run.py builds when the model file has no optimizer(params): its state "
                              "is counted in each rank's peak, and run.py defaults to it (default: the model file's, "
@@ -305,8 +309,11 @@ def _run_options(args):
     """The one value of the training options that change memory (what run.py defaults to)."""
     from tracepp.runtime.run_options import RunOptions
 
+    import torch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     return RunOptions(precision=args.precision, activation_checkpointing=args.activation_checkpointing,
-                      optimizer=args.optimizer, expert_imbalance=args.expert_imbalance)
+                      optimizer=args.optimizer, expert_imbalance=args.expert_imbalance, device=device)
 
 
 def _split_points(text):

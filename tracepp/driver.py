@@ -121,7 +121,7 @@ def memory_plan(model_file, traced, graph, the_plan: dict, layout: Layout, run: 
                                   lambda s: [str(a) for a in actions[the_plan["stage_to_rank"][s]]])
     split_backward = any(Action.parse(str(a)).kind in ("I", "W") for rank in actions.values() for a in rank)
     options = MemoryOptions(precision=run.precision, recompute=modes, split_backward=split_backward,
-                            tp=layout.tp, ep=layout.ep, expert_imbalance=run.expert_imbalance)
+                            tp=layout.tp, ep=layout.ep, expert_imbalance=run.expert_imbalance, device=run.device)
     target = _microbatch_target(model_file, traced, layout) if model_file.training else None
     loss_fn = getattr(model_file.module, "loss_fn", None)
 

@@ -495,7 +495,8 @@ def _memory(manifest: dict, split: tuple, sim, stage_to_rank: list, microbatch_s
             mine = {s: figures[s] for s, r in enumerate(stage_to_rank) if r == rank}
             state = sum(optimizer.get(s, 0) for s in mine)
             ranked = rank_peak(rank_actions, mine, {"state_bytes": state, "step_peak": 0}, layout.dp_mode, layout.dp,
-                               (releases or {}).get(rank, (releases or {}).get(str(rank))))
+                               (releases or {}).get(rank, (releases or {}).get(str(rank))),
+                               (manifest.get("run_options") or {}).get("device", "cpu"))
             peak[rank] = int(ranked["peak_bytes"])
         return peak
     scale = microbatch_size / traced_microbatch(manifest)
