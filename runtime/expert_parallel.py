@@ -11,6 +11,8 @@ per-expert token offsets, ``split/expert_parallel.py``) and rewrites it with two
   regrouped by local expert: ``local_rows`` and ``local_offsets`` feed the same grouped matmuls with this
   rank's experts only. ``plan`` holds the counts sent and received, for the way back. Backward: the gradient
   of ``local_rows`` goes back the same way (:func:`_exchange` reversed).
+* ``torch.ops.tracepp.ep_expert_ids(local_offsets, local_rows)``: the local expert of each received row (0 ..
+  experts/ep - 1), so a per-expert parameter gathered per row (an expert bias) is read on the expert's rank;
 * ``torch.ops.tracepp.ep_combine(local_rows, plan)``: the experts' outputs sent back to the ranks their tokens
   came from, in their original order; backward dispatches the gradient again.
 
@@ -186,6 +188,33 @@ def _register():
 
 
 _register()
+
+
+def _expert_ids(offsets: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """The local expert index of each of ``rows`` (grouped by local expert, ``offsets`` cumulative)."""
+    counts = _counts(offsets).to(offsets.device)
+    ids = torch.repeat_interleave(torch.arange(counts.numel(), device=offsets.device), counts)
+    if ids.numel() != rows.shape[0]:
+        raise RuntimeError(f"expert parallelism: {rows.shape[0]} rows for {ids.numel()} counted by the offsets")
+    return ids
+
+
+def _register_expert_ids():
+    """``ep_expert_ids`` (a library fragment of its own: an older runtime copy may hold the other ops)."""
+    if hasattr(getattr(torch.ops, _NAMESPACE), "ep_expert_ids"):
+        return
+    lib = torch.library.Library(_NAMESPACE, "FRAGMENT")
+    _register_expert_ids.lib = lib
+    lib.define("ep_expert_ids(Tensor offsets, Tensor rows) -> Tensor")
+    for device in ("CPU", "CUDA"):
+        lib.impl("ep_expert_ids", _expert_ids, device)
+    torch.library.register_fake(f"{_NAMESPACE}::ep_expert_ids",
+                                lambda offsets, rows: offsets.new_empty((rows.shape[0],), dtype=torch.int64), lib=lib)
+    torch.library.register_autograd(f"{_NAMESPACE}::ep_expert_ids", lambda ctx, grad: (None, None),
+                                    setup_context=lambda ctx, inputs, output: None, lib=lib)
+
+
+_register_expert_ids()
 
 
 # ---- this rank's experts

@@ -12,6 +12,13 @@ and rewrites the graph with these ops, so the rank script reads as Megatron's re
   slice of the gradient backward, where a sharded value meets an op that needs all of it (the head's logits);
 * ``torch.ops.tracepp.tp_scatter(x, dim, groups)``: this rank's slice forward, the slices joined backward: a
   whole value read beside pieces of the same dim (a position table added to a sequence shard);
+* ``torch.ops.tracepp.tp_head_group(x, dim, parts)``: of ``dim`` cut into ``parts`` equal groups (key/value
+  heads fewer than the ranks, ``parts`` dividing ``tp``), the one this rank's query heads need: rank r takes group
+  ``r * parts // tp``; backward puts the gradient in its place, zeros elsewhere, and sums it over the group (the
+  ranks that share a group each hold a part of its gradient);
+* ``torch.ops.tracepp.tp_owned_split(x, dim, sizes)``: a split of the sharded ``dim`` into pieces that each lie in
+  one rank's block (heads one by one): this rank's pieces from its block, the others empty; backward joins the
+  gradients of its pieces (StableLM's per-head norms run on each head's owner only);
 * ``torch.ops.tracepp.tp_vocab_embedding(weight, ids, padding_idx, reduce)``: an embedding whose rows (the
   vocabulary) are split over the group: each rank looks up the ids it holds, zeros the rest, and the sum
   over the group is the full lookup (``reduce=False``: the partial lookup, for ``sp_reduce_scatter``).
@@ -204,6 +211,22 @@ def _reduce_scatter(tensor: torch.Tensor, dim: int, groups: int = 1) -> torch.Te
     return out
 
 
+def _head_group(tensor: torch.Tensor, dim: int, parts: int) -> torch.Tensor:
+    """This rank's group of ``dim`` cut into ``parts`` (``parts`` divides the tp size), in storage of its own."""
+    size, rank = _STATE["size"], _STATE["rank"]
+    if size % parts or tensor.shape[dim] % parts:
+        raise RuntimeError(f"tp_head_group: {tensor.shape[dim]} heads in {parts} groups over --tp {size}: the "
+                           f"group count must divide both")
+    return tensor.chunk(parts, dim=dim)[rank * parts // size].clone(memory_format=torch.contiguous_format)
+
+
+def _head_group_backward(grad: torch.Tensor, shape, dim: int, parts: int) -> torch.Tensor:
+    size, rank = _STATE["size"], _STATE["rank"]
+    full = grad.new_zeros(shape)
+    full.chunk(parts, dim=dim)[rank * parts // size].copy_(grad)
+    return torch.ops.tracepp.tp_all_reduce.default(full)
+
+
 def _register():
     if hasattr(getattr(torch.ops, _NAMESPACE), "tp_copy"):
         return
@@ -286,7 +309,79 @@ def _register():
     lib.impl("tp_vocab_embedding", vocab_embedding, "CompositeImplicitAutograd")
 
 
+def _owned_pieces(tensor: torch.Tensor, dim: int, sizes) -> list:
+    """[(start in this rank's piece, length) or None] per piece of ``sizes`` (a split of the whole dim): the pieces
+    inside this rank's block (``tensor`` is it), None for the others."""
+    per, rank = tensor.shape[dim], _STATE["rank"]
+    low, out, start = rank * per, [], 0
+    for length in sizes:
+        inside = low <= start and start + length <= low + per
+        out.append((start - low, length) if inside else None)
+        start += length
+    return out
+
+
+def _owned_split(tensor: torch.Tensor, dim: int, sizes: list) -> list:
+    empty = list(tensor.shape)
+    empty[dim] = 0
+    return [tensor.narrow(dim, at[0], at[1]).clone(memory_format=torch.contiguous_format) if at is not None
+            else tensor.new_empty(empty) for at in _owned_pieces(tensor, dim, sizes)]
+
+
+def _register_heads():
+    """``tp_head_group`` and ``tp_owned_split`` (a library fragment of their own: a runtime copy of an older
+    tracepp may have registered the other ops in this process already)."""
+    if hasattr(getattr(torch.ops, _NAMESPACE), "tp_head_group"):
+        return
+    lib = torch.library.Library(_NAMESPACE, "FRAGMENT")
+    _register_heads.lib = lib
+    lib.define("tp_head_group(Tensor x, int dim, int parts) -> Tensor")
+    lib.define("tp_owned_split(Tensor x, int dim, int[] sizes) -> Tensor[]")
+    for device in ("CPU", "CUDA"):
+        lib.impl("tp_head_group", _head_group, device)
+        lib.impl("tp_owned_split", _owned_split, device)
+    torch.library.register_fake(f"{_NAMESPACE}::tp_owned_split",
+                                lambda x, dim, sizes: [x.new_empty([*x.shape[:dim], (at[1] if at else 0),
+                                                                    *x.shape[dim + 1:]])
+                                                       for at in _owned_pieces(x, dim, sizes)], lib=lib)
+
+    def owned_setup(ctx, inputs, output):
+        ctx.shape, ctx.dim = tuple(inputs[0].shape), inputs[1]
+        ctx.pieces = _owned_pieces(inputs[0], inputs[1], inputs[2])
+        ctx.like = inputs[0].new_empty(0)
+
+    def owned_backward(ctx, grads):  # this rank's pieces tile its block: their gradients, in order
+        parts = []
+        for at, grad in zip(ctx.pieces, grads):
+            if at is None:
+                continue
+            shape = list(ctx.shape)
+            shape[ctx.dim] = at[1]
+            parts.append(grad if grad is not None else ctx.like.new_zeros(shape))
+        return torch.cat(parts, dim=ctx.dim), None, None
+
+    torch.library.register_autograd(f"{_NAMESPACE}::tp_owned_split", owned_backward, setup_context=owned_setup,
+                                    lib=lib)
+
+    def head_group_fake(x, dim, parts):
+        shape = list(x.shape)
+        shape[dim] = shape[dim] // parts
+        return x.new_empty(shape)
+
+    torch.library.register_fake(f"{_NAMESPACE}::tp_head_group", head_group_fake, lib=lib)
+
+    def head_group_setup(ctx, inputs, output):
+        ctx.shape, ctx.dim, ctx.parts = tuple(inputs[0].shape), inputs[1], inputs[2]
+
+    def head_group_backward(ctx, grad):
+        return _head_group_backward(grad, ctx.shape, ctx.dim, ctx.parts), None, None
+
+    torch.library.register_autograd(f"{_NAMESPACE}::tp_head_group", head_group_backward,
+                                    setup_context=head_group_setup, lib=lib)
+
+
 _register()
+_register_heads()
 
 
 # ---- this rank's shards

@@ -17,8 +17,15 @@ and each expert weight (``[num_experts, ...]``) is sharded on its expert dim (``
 experts ``[r * E / ep, (r + 1) * E / ep)``. Without ``--ep`` the blocks are still found, and their offsets pass
 through ``tracepp.moe_tokens`` so the run can report tokens per expert.
 
+Expert biases (GPT-OSS: ``gate_up_proj_bias[expert_ids]``, a bias per expert gathered for each sorted row and
+added to the grouped matmul's output) move with their rows: after dispatch each row keeps the index of its local
+expert (``tracepp.ep_expert_ids(local_offsets, local_rows)``), the bias (``[experts, ...]``, sharded on its
+expert dim like the weights) is gathered with those indices on the expert's rank, and a bias added after the
+last grouped matmul stays where it is (on the token's rank, whole).
+
 Whatever does not fit is refused by name: an expert weight used outside grouped matmuls, per-row inputs
-inside the chain (expert biases gathered per row), a chain that does not end in one grouped matmul.
+inside the chain other than a per-expert parameter gathered by the sorted expert ids, a chain that does not end
+in one grouped matmul.
 """
 from __future__ import annotations
 
@@ -39,6 +46,8 @@ _ROW_WISE = {  # ops a chain of expert matmuls may run between them: each row on
     "aten::mul", "aten::add", "aten::sub", "aten::div", "aten::neg", "aten::_to_copy", "aten::to", "aten::clamp",
     "aten::clone", "aten::contiguous", "aten::_assert_tensor_metadata", "aten::alias", "aten::pow",
     "aten::minimum", "aten::maximum", "aten::exp", "aten::erf", "aten::softplus", "_operator.getitem", "getitem",
+    "aten::add_", "aten::mul_", "aten::sub_", "aten::div_", "aten::clamp_", "aten::clamp_min", "aten::clamp_max",
+    "aten::slice",  # of the features (GPT-OSS's interleaved gate and up: [..., ::2]), never of the rows
 }
 _TRANSPOSES = {aten.transpose.int, aten.permute.default, aten.t.default, aten.numpy_T.default}
 
@@ -59,6 +68,9 @@ class MoEBlock:
     rows: fx.Node = None  # the first matmul's input: the sorted (token, expert) rows
     refused: str = ""  # why --ep cannot shard it
     sentinel_fills: list = field(default_factory=list)  # masked_fill of rows routed to no expert (see _sentinel)
+    fqn_of: dict = None  # placeholder name -> parameter fqn of the stage
+    biases: dict = field(default_factory=dict)  # per-expert parameter fqn -> its placeholder (expert biases)
+    gathers: list = field(default_factory=list)  # index(bias, [sorted expert ids]) nodes read inside the chain
 
     @property
     def out(self) -> fx.Node:
@@ -115,7 +127,7 @@ def find_blocks(graph: fx.Graph, fqn_of: dict) -> list:
             weights[found[0]] = found[1]
         counts = {int(_val(p).shape[0]) for p in weights.values()}
         block = MoEBlock(_module(matmuls[0]), offsets, matmuls, weights, max(counts) if counts else 0,
-                         rows=matmuls[0].args[0], refused=refused)
+                         rows=matmuls[0].args[0], refused=refused, fqn_of=fqn_of)
         if not offsets:
             block.refused = f"{matmuls[0].name} ({op_name(matmuls[0])}) has no offsets: not a routed-expert matmul"
         elif len(counts) > 1:
@@ -139,19 +151,56 @@ def _check_chain(block: MoEBlock) -> str:
             continue
         if op_name(node) not in _ROW_WISE and str(node.target) not in _ROW_WISE:
             return f"{node.name} ({op_name(node)}) runs between the expert matmuls and is not a per-row op"
+        if op_name(node) == "aten::slice" and (node.args[1] if len(node.args) > 1 else 0) % _val(node).dim() == 0:
+            return f"{node.name} (aten::slice) cuts the rows between the expert matmuls"
         for arg in node.all_input_nodes:
             val = _val(arg)
             if arg in between or arg is first or not isinstance(val, torch.Tensor) or val.dim() == 0:
                 continue
             if rows is not None and val.dim() >= 2 and val.shape[0] == rows:
+                bias = _expert_bias(arg, block)
+                if bias is not None:  # a per-expert parameter gathered for each sorted row: moves with the rows
+                    block.biases[bias[0]] = bias[1]
+                    if arg not in block.gathers:
+                        block.gathers.append(arg)
+                    continue
                 return (f"{node.name} ({op_name(node)}) reads {arg.name}, one row per (token, expert) pair made "
-                        f"outside the expert matmuls (e.g. expert biases gathered per row)")
+                        f"outside the expert matmuls, which is not a per-expert parameter gathered by the sorted "
+                        f"expert ids")
     for fqn, placeholder in block.weights.items():
         for user in placeholder.users:
             if user not in block.matmuls and not (user.target in _TRANSPOSES and
                                                   all(u in block.matmuls for u in user.users)):
                 return f"the expert weight {fqn} is also read by {user.name} ({op_name(user)})"
+    for fqn, placeholder in block.biases.items():
+        for user in placeholder.users:
+            if user not in block.gathers:
+                return f"the expert bias {fqn} is also read by {user.name} ({op_name(user)}) outside the expert matmuls"
+        for gather in block.gathers:
+            if gather.args[0] is placeholder and any(u not in between for u in gather.users):
+                return f"{gather.name} (the rows of {fqn}) is also read outside the expert matmuls"
     return ""
+
+
+def _expert_bias(node, block: MoEBlock):
+    """(fqn, placeholder) when ``node`` is ``param[expert_ids]``: a parameter of one row per expert gathered by the
+    expert id of each sorted row (the sort's values, whose order the rows follow), else None."""
+    if node.target is not aten.index.Tensor or len(node.args[1]) != 1:
+        return None
+    param, (ids,) = node.args[0], node.args[1]
+    fqn_of = block.fqn_of or {}
+    if not (isinstance(param, fx.Node) and param.op == "placeholder" and param.name in fqn_of
+            and int(_val(param).shape[0]) == block.num_experts):
+        return None
+    while isinstance(ids, fx.Node) and op_name(ids) in ("aten::_to_copy", "aten::to", "aten::clamp", "aten::clamp_"):
+        ids = ids.args[0]
+    if not (isinstance(ids, fx.Node) and ids.target is operator.getitem and ids.args[1] == 0
+            and op_name(ids.args[0]) == "aten::sort"):
+        return None
+    order = [u for u in ids.args[0].users if u.target is operator.getitem and u.args[1] == 1]
+    if not order or not any(o in _ancestors(block.rows) for o in order):
+        return None  # the rows do not follow this sort
+    return fqn_of[param.name], param
 
 
 def _sentinel(mask, num_experts: int) -> bool:
@@ -225,6 +274,8 @@ def plan(graph, ep: int, dp: int, fqn_map) -> tuple:
         entry = {"name": block.name, "stage": index, "experts": block.num_experts, "local_experts":
                  block.num_experts // ep if not block.refused else block.num_experts, "pairs": pairs,
                  "weights": sorted(block.weights)}
+        if block.biases:
+            entry["biases"] = sorted(block.biases)
         if ep > 1:  # per microbatch, forward: rows out and back; on average (ep-1)/ep of them leave the rank
             moved = pairs * (row_bytes + out_row) * (ep - 1) // ep
             entry["all_to_all_bytes"] = {"forward": moved, "backward": moved}
@@ -232,7 +283,7 @@ def plan(graph, ep: int, dp: int, fqn_map) -> tuple:
             entry["refused"] = block.refused
         result.blocks.append(entry)
         if ep > 1:
-            for fqn, placeholder in block.weights.items():
+            for fqn, placeholder in list(block.weights.items()) + list(block.biases.items()):
                 shape = [int(s) for s in _val(placeholder).shape]
                 result.params[fqn] = {"dim": 0, "experts": block.num_experts, "shape": shape,
                                       "local": [shape[0] // ep] + shape[1:]}
@@ -330,6 +381,20 @@ def _exchange(g: fx.Graph, block: MoEBlock, ep: int) -> None:
     for node, val in ((dispatched, vals), (local_rows, vals[0]), (local_offsets, vals[1]), (plan_node, vals[2])):
         node.meta.update(_meta(first), val=val)
     first.replace_input_with(block.rows, local_rows)
+    if block.gathers:  # expert biases: gathered on the expert's rank by each received row's local expert
+        with g.inserting_after(plan_node):
+            ids = g.call_function(torch.ops.tracepp.ep_expert_ids.default, (local_offsets, local_rows))
+        ids.meta.update(_meta(first), val=offsets_val.new_empty((rows_val.shape[0],), dtype=torch.int64))
+        anchor = ids
+        for gather in block.gathers:
+            with g.inserting_after(anchor):
+                local = g.call_function(aten.index.Tensor, (gather.args[0], [ids]))
+            val = _val(gather)
+            local.meta.update(_meta(gather), val=val)
+            for user in list(gather.users):
+                user.replace_input_with(gather, local)
+            g.erase_node(gather)
+            anchor = local
     for fill in block.sentinel_fills:  # the dispatched rows are all routed: nothing to mask
         fill.replace_all_uses_with(fill.args[0])
         g.erase_node(fill)
@@ -342,7 +407,7 @@ def _exchange(g: fx.Graph, block: MoEBlock, ep: int) -> None:
     combined.meta.update(_meta(last), val=_val(last))
     for user in users:
         user.replace_input_with(last, combined)
-    for placeholder in block.weights.values():  # local annotations: this rank's experts
+    for placeholder in list(block.weights.values()) + list(block.biases.values()):  # annotations: this rank's experts
         val = _val(placeholder)
         placeholder.meta["val"] = val.new_empty((val.shape[0] // ep,) + tuple(val.shape[1:]))
         for user in placeholder.users:

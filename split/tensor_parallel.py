@@ -52,6 +52,7 @@ import torch
 import torch.fx as fx
 
 import tracepp.runtime.tensor_parallel  # noqa: F401  (registers torch.ops.tracepp.tp_*)
+from tracepp.split import torch_rules
 from tracepp.split.naming import frames
 from tracepp.split.partition import _gradient_flags
 
@@ -251,6 +252,10 @@ class _Walk:
         self.reduce_scatters: dict = {}  # row-wise linear / vocabulary lookup -> (dim, groups) of its output
         self.sp_gathers: list = []  # (column-wise linear, its sequence-sharded input)
         self.scatters: list = []  # (consumer, whole input, dim of the input, groups): cut to this rank's piece
+        self.head_groups: list = []  # (attention, whole key/value, head dim, head count): the group this rank needs
+        self.owned_splits: dict = {}  # split of the sharded dim into pieces within ranks -> the pieces' sizes
+        self.owned: dict = {}  # a piece (and what it goes through) -> the rank that computes it
+        self.owned_cats: dict = {}  # the cat joining the pieces -> (dim, origin): sharded again
         self.sends: dict = {}  # sequence-sharded value leaving the stage -> (dim, segments)
         self._claimed: set = set()  # (node, input) pairs a rule placed (no "whole" use recorded)
         self.last = last  # the last stage: its outputs go to the loss, whole
@@ -352,6 +357,16 @@ class _Walk:
         target = node.target
         if target in _IGNORED:
             return
+        if node in self.owned:  # a piece of an owned split: computed by the rank that holds it
+            for arg in node.all_input_nodes:
+                if arg not in self.owned and arg not in self.owned_splits and self.needs_grad.get(arg):
+                    self.copies.append((node, arg))  # only the owner's gradient is non-zero: summed over tp
+            self._use_whole(node)
+            return
+        if node in self.owned_cats:
+            dim, origin = self.owned_cats[node]
+            self._place(node, dim, None, origin)
+            return
         if self._alias(node):
             return
         form = self._linear_form(node)
@@ -364,10 +379,43 @@ class _Walk:
             self._embedding(node)
             return
         if sharded and not self._propagate(node, target, sharded):
-            if not (self.reasons and self.reasons[-1].startswith(f"{node.name} (")):
-                self._refuse(node, f"needs the whole of {', '.join(a.name for a in sharded)}")
-            self._gather_all(node)
+            said = len(self.reasons)
+            if self._by_torch(node, sharded):  # torch's own rule for the op (DTensor's propagator)
+                if said and self.reasons[-1].startswith(f"{node.name} ("):
+                    self.reasons.pop()
+            else:
+                if not (self.reasons and self.reasons[-1].startswith(f"{node.name} (")):
+                    self._refuse(node, f"needs the whole of {', '.join(a.name for a in sharded)}")
+                self._gather_all(node)
         self._use_whole(node)
+
+    def _by_torch(self, node, sharded) -> bool:
+        """An op the rules here do not place, placed by torch's own sharding rule for it (DTensor's propagator,
+        ``split/torch_rules.py``): the output sharded as it says, or a partial sum made whole by an all-reduce; a
+        whole input that carries no gradient is read at its piece. Values with segments or sequence shards are
+        not asked about (torch's placements cannot say what they are)."""
+        if self._kind_of(sharded) != "tp" or any(a in self.segs for a in sharded):
+            return False
+        ruling = torch_rules.ask(node, {a: self.shard[a] for a in sharded}, self.tp,
+                                 lambda arg: not self.needs_grad.get(arg) and self._param(arg) is None)
+        if ruling is None:
+            return False
+        for arg, dim in ruling.scatter.items():
+            self.scatters.append((node, arg, dim, 1))
+            self._claimed.add((node, arg))
+        for arg in node.all_input_nodes:  # a whole input beside pieces: its gradient is summed over tp
+            if arg not in self.shard and arg not in ruling.scatter and self.needs_grad.get(arg):
+                self.copies.append((node, arg))
+        origin = self._origin_of(sharded)
+        if ruling.partial:
+            self.sums[node] = None
+            return True
+        if isinstance(ruling.out, list):
+            self.items[node] = [(d, None) if d is not None else None for d in ruling.out]
+            self._place(node, next(d for d in ruling.out if d is not None), None, origin)
+        else:
+            self._place(node, ruling.out, None, origin)
+        return True
 
     def _alias(self, node) -> bool:
         """A transpose of a 2-D parameter (``W.T`` in ``x @ W.T``): read through to the parameter."""
@@ -486,8 +534,11 @@ class _Walk:
         if target is operator.getitem:
             entry = (self.items.get(node.args[0]) or [])
             if node.args[0] in self.items:
-                if node.args[1] >= len(entry) or entry[node.args[1]] is None:
+                if node.args[1] >= len(entry):
                     return False
+                if entry[node.args[1]] is None:  # an output torch's rule says is whole on every rank
+                    self._claimed.add((node, node.args[0]))
+                    return True
                 dim, segments = entry[node.args[1]]
                 self._place(node, dim, segments, self.origin.get(node.args[0], frozenset()),
                             self.kind.get(node.args[0]))
@@ -517,9 +568,11 @@ class _Walk:
             return self._elementwise(node, out_val)
         if target in _MATMULS:
             return self._batched_matmul(node)
+        if target is aten.baddbmm.default:
+            return self._baddbmm(node)
+        if target in _SDPA:
+            return self._attention(node)
         if first not in self.shard or len(sharded) != 1:
-            if target in _SDPA:
-                return self._attention(node)
             return False
         dim = self.shard[first]
         in_val = _val(first)
@@ -585,8 +638,6 @@ class _Walk:
                 return False
             self._carry(node, first)
             return True
-        if target in _SDPA:
-            return self._attention(node)
         return False
 
     def _norm(self, node, target, sharded) -> bool:
@@ -658,6 +709,8 @@ class _Walk:
                 if self.out_features.get(fqn) == size:
                     self.wants.setdefault(fqn, set()).update(wanted)
             if not origin or any(self.out_features.get(f) != size for f in origin):
+                if target in _SPLITS and not segments and self._owned_split(node, dim, size, ranges):
+                    return True
                 return self._refuse(node, f"cuts {size} sharded features at {cuts[1:-1]}, inside the pieces")
             return False
         pieces = []
@@ -706,6 +759,78 @@ class _Walk:
         bounds = _boundaries(sizes)
         return list(zip(bounds, bounds[1:]))
 
+    def _owned_split(self, node, dim: int, size: int, ranges) -> bool:
+        """A split of the sharded dim into pieces no larger than a rank's (StableLM's per-head LayerNorms: the
+        heads split one by one, each normalised by its own module of a ModuleList, then joined again): each piece
+        lies inside one rank's block, and that rank computes it while the others hold it empty (``tp_owned_split``);
+        what each piece goes through must be per-piece (casts, elementwise ops with operands broadcast along the
+        dim, norms over other dims) and end in one ``cat`` of the pieces in order along the dim, whose result is
+        sharded as the split's input was. A weight a piece reads is whole on every rank, its gradient summed over
+        tp (the other ranks' parts are zero)."""
+        if self.kind.get(node.args[0]) == "seq":
+            return False
+        per = size // self.tp
+        owners = []
+        for start, end in ranges:
+            owner = start // per
+            if end <= start or end > (owner + 1) * per:
+                return False
+            owners.append(owner)
+        items = {user.args[1]: user for user in node.users if user.target is operator.getitem}
+        if sorted(items) != list(range(len(ranges))) or len(items) != len(node.users):
+            return False
+        chain, ends = {}, []
+        for index in range(len(ranges)):
+            value = items[index]
+            chain[value] = owners[index]
+            while True:
+                users = list(value.users)
+                if len(users) != 1:
+                    return False
+                user = users[0]
+                if user.target is aten.cat.default:
+                    ends.append((value, user))
+                    break
+                if not self._per_piece(user, value, dim):
+                    return False
+                chain[user] = owners[index]
+                value = user
+        cats = {cat for _value, cat in ends}
+        if len(cats) != 1:
+            return False
+        cat = next(iter(cats))
+        ndim = _val(node.args[0]).dim()
+        if list(cat.args[0]) != [value for value, _cat in ends] or (cat.args[1] if len(cat.args) > 1 else 0) % ndim != dim:
+            return False
+        self.owned_splits[node] = [end - start for start, end in ranges]
+        self.owned.update(chain)
+        self.owned_cats[cat] = (dim, self.origin.get(node.args[0], frozenset()))
+        return True
+
+    def _per_piece(self, node, value, dim: int) -> bool:
+        """``node`` computes each element of ``value`` along ``dim`` on its own: a cast, an elementwise op whose
+        other operands are broadcast along ``dim``, a norm over other dims."""
+        target = node.target
+        ndim = _val(value).dim()
+        if target in _UNARY and target is not aten.dropout.default:
+            return node.args[0] is value
+        if target is aten.type_as.default:
+            return node.args[0] is value
+        if target in _NORMS:
+            return node.args[0] is value and dim < ndim - len(node.args[1])
+        if target in _ELEMENTWISE:
+            for arg in node.args:
+                if arg is value or not isinstance(arg, fx.Node):
+                    continue
+                val = _val(arg)
+                if not isinstance(val, torch.Tensor):
+                    continue
+                at = dim - (_val(node).dim() - val.dim())
+                if at >= 0 and not _equal(val.shape[at], 1):
+                    return False
+            return True
+        return False
+
     def _index(self, node, first, dim, in_val, out_val) -> bool:
         """``x[..., idx]``: advanced indexing of other dims keeps the sharded dim (it may move)."""
         indices = list(node.args[1])
@@ -724,11 +849,22 @@ class _Walk:
         parts = node.args[0]
         ndim = _val(parts[0]).dim()
         at = (node.args[1] if len(node.args) > 1 else 0) % ndim
-        dims = {self.shard.get(p) for p in parts}
-        if len(dims) != 1 or None in dims:
+        dims = {self.shard.get(p) for p in parts if p in self.shard}
+        if len(dims) != 1:
             return False
         dim = next(iter(dims))
         origin = self._origin_of(parts)
+        whole = [p for p in parts if p not in self.shard]
+        if whole:  # along another dim, a whole part as wide as the sharded dim (GPT-OSS's attention sinks beside
+            #        the scores of each head) is read at this rank's piece; its gradient pieces are gathered back
+            segments = {self.segs.get(p) for p in parts if p in self.shard}
+            groups = self.groups_of(next(iter(segments))) if len(segments) == 1 else 0
+            if at == dim or not groups or self._kind_of(parts) != "tp" or any(
+                    not _equal(_val(p).shape[dim], _val(parts[0] if parts[0] in self.shard else
+                                                         next(q for q in parts if q in self.shard)).shape[dim])
+                    for p in whole):
+                return False
+            self._read_whole(node, [(p, dim) for p in whole], groups)
         if at == dim:  # pieces of each part side by side: the parts are the segments
             segments = []
             for part in parts:
@@ -777,8 +913,8 @@ class _Walk:
                 if self._param(arg) is not None and not seq:
                     wide.append((arg, at))  # a weight as wide as the sharded dim: sharded with it
                     continue
-                if seq and self.groups_of(segments):
-                    cut.append((arg, at))  # a whole value beside sequence shards (a position table): its piece
+                if (seq or not self.needs_grad.get(arg)) and self.groups_of(segments):
+                    cut.append((arg, at))  # a whole value beside pieces (a position table, a mask): its piece
                     continue
                 return self._refuse(node, f"{arg.name} is whole and as wide as the sharded dim of "
                                           f"{', '.join(a.name for a in node.all_input_nodes if a in self.shard)}")
@@ -795,39 +931,118 @@ class _Walk:
                     self._kind_of(node.all_input_nodes))
         return True
 
-    def _batched_matmul(self, node) -> bool:
-        """``q @ k.transpose(-1, -2)`` of eager attention: operands sharded on the same batch dim (heads)."""
-        a, b = node.args[:2]
+    def _batched_matmul(self, node, operands=None) -> bool:
+        """``q @ k.transpose(-1, -2)`` of eager attention, ``bmm`` of heads merged with the batch (Bloom's
+        ``[batch * heads, seq, dim]``): operands sharded on the same batch dim (heads), with the same segments.
+        Neither operand's matrix dims may be the sharded one (that would be a contraction or a cut of the rows).
+        A whole operand as wide as that batch dim (a key repeated for grouped-query attention whose projection
+        stays whole) is read at this rank's piece (``tp_scatter``; its gradient is gathered), one broadcast
+        along it as it is (its gradient summed over tp)."""
+        a, b = operands or node.args[:2]
         if self._kind_of([a, b]) != "tp":
             return False
         out = _val(node).dim()
-        dims = set()
+        dims, segments = set(), set()
         for arg in (a, b):
             val = _val(arg)
             if arg in self.shard:
                 d = self.shard[arg]
-                if d >= val.dim() - 2 or arg in self.segs:
+                if d >= val.dim() - 2:
                     return False
                 dims.add(out - (val.dim() - d))
-        if len(dims) != 1:
+                segments.add(self.segs.get(arg))
+        if len(dims) != 1 or len(segments) != 1:
             return False
-        e = next(iter(dims))
+        e, segs = next(iter(dims)), next(iter(segments))
+        groups = self.groups_of(segs)
+        reads = []
         for arg in (a, b):
             if arg not in self.shard:
                 val = _val(arg)
                 at = e - (out - val.dim())
-                if at >= 0 and not _equal(val.shape[at], 1):
+                if at < 0 or _equal(val.shape[at], 1):
+                    reads.append((arg, None))
+                elif _equal(val.shape[at], _val(node).shape[e]) and groups:
+                    reads.append((arg, at))
+                else:
                     return False
-                if self.needs_grad.get(arg):
-                    self.copies.append((node, arg))
-        self._place(node, e, None, self._origin_of([a, b]))
+        self._read_whole(node, reads, groups)
+        self._place(node, e, segs, self._origin_of([a, b]))
         return True
 
-    def _attention(self, node) -> bool:
-        q, k, v = node.args[:3]
-        if any(t not in self.shard or self.shard[t] != _val(t).dim() - 3 or t in self.segs or t in self.kind
-               for t in (q, k, v)):
+    def _read_whole(self, node, reads, groups=1) -> None:
+        """Whole operands of an op on pieces: (input, dim) read at this rank's piece of ``dim`` (``tp_scatter``:
+        each rank takes its piece, the gradient pieces are gathered back), or (input, None) broadcast along the
+        sharded dim and read as it is (a gradient it carries is summed over tp: ``tp_copy``)."""
+        for arg, at in reads:
+            if at is not None:
+                self.scatters.append((node, arg, at, groups))
+                self._claimed.add((node, arg))
+            elif self.needs_grad.get(arg):
+                self.copies.append((node, arg))
+
+    def _baddbmm(self, node) -> bool:
+        """``baddbmm(input, b1, b2)`` (Bloom's ALiBi scores): a batched matmul over heads plus ``input``, which is
+        elementwise on the output: sharded with it, read at its piece (the ALiBi table, whole, per head), or
+        broadcast."""
+        bias = node.args[0]
+        if not self._batched_matmul(node, node.args[1:3]):
             return False
+        e, segs = self.shard[node], self.segs.get(node)
+        if bias in self.shard:
+            if self.shard[bias] + _val(node).dim() - _val(bias).dim() != e or self.segs.get(bias) != segs:
+                return self._unplace(node)
+            return True
+        val = _val(bias)
+        at = e - (_val(node).dim() - val.dim())
+        if at < 0 or _equal(val.shape[at], 1):
+            self._read_whole(node, [(bias, None)])
+        elif _equal(val.shape[at], _val(node).shape[e]) and self.groups_of(segs) and not self.needs_grad.get(bias):
+            self._read_whole(node, [(bias, at)], self.groups_of(segs))
+        else:
+            return self._unplace(node)
+        return True
+
+    def _unplace(self, node) -> bool:
+        """Undo a placement made before a later check failed (the edits recorded for ``node`` dropped)."""
+        self.shard.pop(node, None)
+        self.segs.pop(node, None)
+        self.origin.pop(node, None)
+        self.copies = [(c, a) for c, a in self.copies if c is not node]
+        self.scatters = [entry for entry in self.scatters if entry[0] is not node]
+        self._claimed = {(c, a) for c, a in self._claimed if c is not node}
+        return False
+
+    def _attention(self, node) -> bool:
+        """``scaled_dot_product_attention`` on heads sharded alike (dim -3). A whole key or value (its projection
+        stays whole: fewer key/value heads than --tp, multi-query) is read at the heads this rank's queries
+        need, as Megatron-Core replicates them: its piece when it has one head per query head or a multiple of
+        --tp heads (``tp_scatter``), its group when --tp is a multiple of its head count and ``enable_gqa`` pairs
+        groups of query heads with it (``tp_head_group``), as it is when it has one head (``tp_copy``)."""
+        q, k, v = node.args[:3]
+        if q not in self.shard or self.shard[q] != _val(q).dim() - 3 or q in self.segs or q in self.kind:
+            return False
+        gqa = node.kwargs.get("enable_gqa", False)
+        reads, groups = [], []
+        heads = int(_val(q).shape[-3]) if _ints([_val(q).shape[-3]]) else None
+        for t in (k, v):
+            if t in self.shard:
+                if self.shard[t] != _val(t).dim() - 3 or t in self.segs or t in self.kind:
+                    return False
+                continue
+            if heads is None or not _ints([_val(t).shape[-3]]):
+                return False
+            count = int(_val(t).shape[-3])
+            if count == heads or (gqa and count % self.tp == 0 and heads % count == 0):
+                reads.append((t, _val(t).dim() - 3))
+            elif gqa and count == 1:
+                reads.append((t, None))
+            elif gqa and self.tp % count == 0 and heads % count == 0:
+                groups.append((t, count))
+            else:
+                return self._refuse(node, f"{t.name} has {count} heads for {heads} query heads over --tp "
+                                          f"{self.tp}: neither one per query head, a multiple of --tp, nor a "
+                                          f"divisor of --tp")
         mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
         if isinstance(mask, fx.Node):
             if mask in self.shard:
@@ -837,9 +1052,15 @@ class _Walk:
                 mval = _val(mask)
                 at = 1 - (4 - mval.dim())
                 if at >= 0 and mval.shape[at] != 1:
-                    return False
-                if self.needs_grad.get(mask):
-                    self.copies.append((node, mask))
+                    if not _equal(mval.shape[at], heads) or self.needs_grad.get(mask):
+                        return False
+                    reads.append((mask, at))  # a mask per head (ALiBi, a relative bias): this rank's heads
+                elif self.needs_grad.get(mask):
+                    reads.append((mask, None))
+        self._read_whole(node, reads)
+        for t, count in groups:
+            self.head_groups.append((node, t, _val(t).dim() - 3, count))
+            self._claimed.add((node, t))
         self._place(node, self.shard[q], None, self._origin_of([q, k, v]))
         return True
 
@@ -865,7 +1086,8 @@ def _regions(walk: _Walk) -> list:
         if role == "rowwise":
             groups.setdefault(find(walk.forms[node][0]), set()).add(node)
     for node in walk.sums:
-        groups.setdefault(find(node.args[0]), set()).add(node)
+        source = next((a for a in node.all_input_nodes if a in walk.shard), node.args[0])
+        groups.setdefault(find(source), set()).add(node)
     return list(groups.values())
 
 
@@ -1184,6 +1406,11 @@ def _rewrite(g: fx.Graph, walk: _Walk, tp: int, params: dict) -> None:
             pieces[(arg, dim)] = _insert(g, anchor, TP.tp_scatter.default, [arg, dim] + ([groups] * (groups > 1)),
                                          _local_val(_val(arg), dim, tp), consumer)
         consumer.replace_input_with(arg, pieces[(arg, dim)])
+    for consumer, arg, dim, count in walk.head_groups:  # whole key/value heads: the group this rank's queries need
+        if (arg, dim, count) not in pieces:
+            pieces[(arg, dim, count)] = _insert(g, consumer, TP.tp_head_group.default, [arg, dim, count],
+                                                _local_val(_val(arg), dim, count), consumer)
+        consumer.replace_input_with(arg, pieces[(arg, dim, count)])
     for node, role in walk.roles.items():
         scatter = walk.reduce_scatters.get(node)  # sequence parallel: (dim, groups) of the reduce-scatter
         if role == "rowwise":
@@ -1210,6 +1437,9 @@ def _rewrite(g: fx.Graph, walk: _Walk, tp: int, params: dict) -> None:
         reduced = _after(g, node, TP.tp_all_reduce.default, [node])
         if count is not None:
             _after(g, reduced, aten.div.Tensor, [reduced, int(count) if count.is_Integer else count], node)
+    for node, sizes in walk.owned_splits.items():  # pieces within ranks: the owner computes each, the rest empty
+        node.target, node.args, node.kwargs = TP.tp_owned_split.default, (node.args[0], walk.shard[node.args[0]],
+                                                                          sizes), {}
     for node, pieces in walk.cuts.items():  # cuts of the sharded dim: the local parts
         source, dim = node.args[0], walk.shard[node.args[0]]
         if node.target is aten.slice.Tensor:
@@ -1234,8 +1464,8 @@ def _rewrite(g: fx.Graph, walk: _Walk, tp: int, params: dict) -> None:
             node.meta["val"] = _local_val(val, dim, tp)
         elif isinstance(val, (list, tuple)):
             entries = walk.items.get(node) or [(dim, None)] * len(val)
-            node.meta["val"] = type(val)(_local_val(v, d, tp) if (d is not None) else v
-                                         for v, (d, _s) in zip(val, entries))
+            node.meta["val"] = type(val)(_local_val(v, e[0], tp) if (e is not None and e[0] is not None) else v
+                                         for v, e in zip(val, entries))
     for ph in list(g.nodes):  # a sharded parameter's annotation (and its transpose's): its local shape
         fqn = walk._param(ph) if (ph.op == "placeholder" or ph in walk.aliases) else None
         dim = params.get(fqn, {}).get("dim") if fqn is not None else None

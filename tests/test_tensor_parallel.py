@@ -43,15 +43,20 @@ def test_llama_plan_is_megatrons():
     assert manifest["plan"]["mesh"]["tp"] == 2 and manifest["launch_command"].startswith("torchrun --nproc-per-node 4")
 
 
-def test_grouped_query_attention_with_fewer_kv_heads_than_tp_is_replicated_and_says_why():
-    # the zoo's Qwen3 has 2 query heads and 1 key/value head: tp 2 cannot give each rank whole kv heads
+def test_fewer_kv_heads_than_tp_shard_the_query_heads_and_replicate_the_kv_heads():
+    # the zoo's Qwen3 has 2 query heads and 1 key/value head: tp 2 cannot give each rank a kv head of its own, so
+    # (as Megatron-Core does) each rank computes its query head and the kv head whole; attention and o_proj shard
     manifest, params = _params(os.path.join(ZOO, "qwen3.py"))
-    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+    assert params["model.layers.0.self_attn.q_proj.weight"]["role"] == "colwise"
+    assert params["model.layers.0.self_attn.o_proj.weight"]["role"] == "rowwise"
+    for name in ("k_proj", "v_proj"):
         entry = params[f"model.layers.0.self_attn.{name}.weight"]
-        assert entry["dim"] is None and entry["why"].startswith("its output is needed whole by")
+        assert entry["dim"] is None and entry["why"].startswith("its output is needed whole by"), entry
     assert params["model.layers.0.mlp.down_proj.weight"]["role"] == "rowwise"  # the MLP still shards
     reasons = " ".join(manifest["tp"]["stages"][0]["replicated"])
     assert "fewer heads than --tp" in reasons and "grouped-query" in reasons
+    # the whole key/value head is read beside each rank's query head: its gradient is summed over tp
+    assert "all_reduce (backward)" in [c["op"] for c in manifest["tp"]["stages"][0]["collectives"]]
 
 
 def test_fused_qkv_shards_each_part_by_heads():
@@ -381,10 +386,11 @@ def test_a_sequence_tp_does_not_divide_records_no_sequence_parallel_figures(tmp_
 
 def test_sequence_parallel_still_replicates_what_is_needed_whole(monkeypatch):
     # the walk joins regions through tensor-parallel shards only: a router (logits needed whole by its softmax)
-    # and grouped-query attention with fewer key/value heads than tp stay replicated under --sequence-parallel
+    # stays replicated under --sequence-parallel, and so do key/value heads fewer than tp (the queries shard)
     monkeypatch.setenv("TP_HF_FAMILY", "mixtral")
     manifest = check_model(os.path.join(ZOO, "tp_hf.py"), num_microbatches=2,
                            layout=Layout(pp=2, tp=2, sequence_parallel=True))
     assert manifest["tp"]["params"]["model.layers.0.mlp.gate.weight"]["dim"] is None
     manifest = check_model(model_path("tp_llama"), num_microbatches=2, layout=Layout(pp=2, tp=4, sequence_parallel=True))
-    assert all(manifest["tp"]["params"][f"layers.0.attn.{n}_proj.weight"]["dim"] is None for n in "qkvo")
+    roles = {n: manifest["tp"]["params"][f"layers.0.attn.{n}_proj.weight"]["role"] for n in "qkvo"}
+    assert roles == {"q": "colwise", "k": "replicate", "v": "replicate", "o": "rowwise"}
