@@ -87,7 +87,9 @@ _SOFTMAX = {aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten.
 _SDPA = {aten.scaled_dot_product_attention.default}
 _MATMULS = {aten.matmul.default, aten.bmm.default}
 _TRANSPOSES = {aten.t.default, aten.numpy_T.default, aten.transpose.int, aten.permute.default}
-_IGNORED = {aten._assert_tensor_metadata.default}  # metadata checks: dropped by codegen
+_IGNORED = {aten._assert_tensor_metadata.default}
+_MIXED_CARRIES = {aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.transpose.int, aten.permute.default,
+                  aten._to_copy.default, aten.to.dtype, aten.clone.default, aten.contiguous.default, aten.alias.default}  # metadata checks: dropped by codegen
 _END = sys.maxsize  # a slice to the end
 
 
@@ -224,8 +226,14 @@ class _Walk:
     projections: each value's placement and the edits."""
 
     def __init__(self, graph: fx.Graph, fqn_of: dict, tp: int, forced: set, needs_grad: dict,
-                 fused: dict = None, sequence=None, received: dict = None, last: bool = False):
+                 fused: dict = None, sequence=None, received: dict = None, last: bool = False, mixed: dict = None):
         self.graph, self.fqn_of, self.tp, self.forced = graph, fqn_of, tp, forced
+        self.mixed_parts = mixed or {}  # fused weight fqn -> indices of its parts computed whole (learned)
+        self.mixed: dict = {}  # a fused output with whole parts (and what carries it) -> those parts' indices
+        self.mixed_linears: dict = {}  # such a linear -> (input, weight, bias, out_dim, segments, whole parts)
+        self.part: dict = {}  # a value cut from one part of a fused projection -> (weight fqn, part index)
+        self.item_parts: dict = {}  # a cut of a fused projection -> per output its (fqn, part index) or None
+        self.whole_parts: dict = {}  # fqn -> parts found needed whole in this pass (kv heads fewer than tp)
         self.needs_grad = needs_grad  # node -> carries a gradient (split.partition._gradient_flags)
         self.fused = fused or {}  # weight fqn -> segments of its output features (learned in an earlier pass)
         self.shard: dict = {}  # node -> sharded dim (absent: replicated)
@@ -289,6 +297,9 @@ class _Walk:
         self._use(arg, dim, segments)
 
     def _place(self, node, dim, segments=None, origin=frozenset(), kind=None) -> None:
+        parts = {self.part[a] for a in node.all_input_nodes if a in self.part}
+        if len(parts) == 1 and node not in self.part:
+            self.part[node] = next(iter(parts))
         self.shard[node] = dim
         if segments:
             self.segs[node] = tuple(segments)
@@ -319,6 +330,15 @@ class _Walk:
         """``node`` sharded as ``source`` is (on ``dim`` where the op moved it)."""
         self._place(node, self.shard[source] if dim is None else dim, self.segs.get(source),
                     self.origin.get(source, frozenset()), self.kind.get(source))
+        if source in self.mixed:
+            self.mixed[node] = self.mixed[source]
+
+    def _whole_part(self, value) -> None:
+        """``value``, cut from one part of a fused projection, is needed whole (a key/value part with fewer heads
+        than --tp): the next pass computes that part whole and shards the others."""
+        if value in self.part:
+            fqn, index = self.part[value]
+            self.whole_parts.setdefault(fqn, set()).add(index)
 
     def _gather(self, consumer, arg) -> None:
         self.gathers.append((consumer, arg))
@@ -467,6 +487,8 @@ class _Walk:
             return
         out_features = wval.shape[out_dim]
         segments = self.fused.get(fqn)
+        if fqn in self.mixed_parts and segments and fqn not in self.forced and not entering:
+            return self._mixed_linear(node, x, weight, bias, out_dim, fqn, segments)
         if fqn in self.forced or int(out_features) % self.tp:
             if fqn not in self.forced:
                 self.reasons.append(f"{fqn}: {out_features} output features, which --tp {self.tp} does not divide")
@@ -488,6 +510,22 @@ class _Walk:
             self.copies.append((node, x))
         self._claimed.add((node, x))
         self._place(node, _val(node).dim() - 1, segments, {fqn})
+
+    def _mixed_linear(self, node, x, weight, bias, out_dim, fqn, segments) -> None:
+        """A fused projection whose key/value parts have fewer heads than --tp (GPTBigCode's multi-query
+        ``c_attn``): the query part is column-wise on this rank's heads, the key/value parts are computed whole
+        (as Megatron-Core replicates key/value heads). The weight is whole on every rank; the rewrite computes
+        the sharded parts from this rank's rows (``tp_scatter`` of their slice: the gradient rows gathered back)
+        with the input through ``tp_copy``, and the whole parts from their rows and the input as it is."""
+        whole = frozenset(self.mixed_parts[fqn])
+        self.mixed_linears[node] = (x, weight, bias, out_dim, tuple(segments), whole)
+        self._use(weight, None)
+        if bias is not None:
+            self._use(bias, None)
+        self._claimed.update({(node, weight), (node, x)} | ({(node, bias)} if bias is not None else set()))
+        self._place(node, _val(node).dim() - 1, segments, {fqn})
+        self.mixed[node] = whole
+        self.out_features[fqn] = int(_val(weight).shape[out_dim])
 
     def _embedding(self, node) -> None:
         weight = node.args[0]
@@ -531,15 +569,24 @@ class _Walk:
 
     def _propagate(self, node, target, sharded) -> bool:
         out_val = _val(node)
+        if any(a in self.mixed for a in sharded) and not (
+                target in _MIXED_CARRIES or target in _SPLITS or target in _SLICES or target is operator.getitem):
+            for arg in sharded:
+                for fqn in self.origin.get(arg, ()) if arg in self.mixed else ():
+                    self.unfusable.setdefault(fqn, f"its parts, some whole, are read together by {target}{_at(node)}")
+            return self._refuse(node, "reads a fused projection's output with parts of both kinds")
         if target is operator.getitem:
             entry = (self.items.get(node.args[0]) or [])
             if node.args[0] in self.items:
                 if node.args[1] >= len(entry):
                     return False
-                if entry[node.args[1]] is None:  # an output torch's rule says is whole on every rank
+                if entry[node.args[1]] is None:  # an output whole on every rank (torch's rule, a whole part)
                     self._claimed.add((node, node.args[0]))
                     return True
                 dim, segments = entry[node.args[1]]
+                parts = self.item_parts.get(node.args[0])
+                if parts and parts[node.args[1]] is not None:
+                    self.part[node] = parts[node.args[1]]
                 self._place(node, dim, segments, self.origin.get(node.args[0], frozenset()),
                             self.kind.get(node.args[0]))
                 return True
@@ -602,6 +649,7 @@ class _Walk:
                 placed = None
             if placed is None or (target in _VIEWS and not self._size_arg_ok(node.args[1], placed[0],
                                                                               _sizes(out_val)[placed[0]])):
+                self._whole_part(first)
                 return self._refuse(node, f"reshapes a dim of {in_val.shape[dim]} sharded over --tp {self.tp} "
                                           f"into {list(out_val.shape)}, whose pieces would not be whole heads "
                                           f"(fewer heads than --tp, e.g. key/value heads of grouped-query "
@@ -683,6 +731,8 @@ class _Walk:
         segments = self.segs.get(first)
         origin = self.origin.get(first, frozenset())
         kind = self.kind.get(first)
+        if at != dim and first in self.mixed:
+            return self._refuse(node, "cuts a fused projection's output with whole parts along another dim")
         if at != dim:
             if target in _SPLITS:
                 count = len(_val(node)) if isinstance(_val(node), (list, tuple)) else 0
@@ -717,12 +767,37 @@ class _Walk:
         for start, end in ranges:
             inner = [b - a for a, b in zip(have, have[1:]) if a >= start and b <= end]
             pieces.append((dim, tuple(inner) if len(inner) > 1 else None))
+        fqn = next(iter(origin)) if len(origin) == 1 and segments else None
+        index_of = {start: k for k, start in enumerate(have[:-1])}
+        parts = [(fqn, index_of[start]) if fqn is not None and end - start == int(segments[index_of[start]])
+                 else None for start, end in ranges]
+        whole = self.mixed.get(first, frozenset())
+        if whole:  # a fused output whose whole parts every rank holds in full: local ranges of mixed sizes
+            local = [int(p) if k in whole else int(p) // self.tp for k, p in enumerate(segments)]
+            bounds = _boundaries(local)
+            if any(part is None for part in parts):
+                return self._refuse(node, "cuts a fused projection with whole parts inside its parts")
+            self.cuts[node] = [(bounds[k], bounds[k + 1]) for _fqn, k in parts]
+            pieces = [None if k in whole else (dim, None) for _fqn, k in parts]
+            if target not in _SPLITS:
+                if pieces[0] is None:
+                    return self._refuse(node, "takes a whole part of a fused projection by a slice")
+                self._place(node, dim, None, origin)
+                self.part[node] = parts[0]
+                return True
+            self.items[node] = pieces
+            self.item_parts[node] = parts
+            self._place(node, dim, None, origin)
+            return True
         self.cuts[node] = [(start // self.tp, end // self.tp) for start, end in ranges]
         if target in _SPLITS:
             self.items[node] = pieces
+            self.item_parts[node] = parts
             self._place(node, dim, None, origin)
         else:
             self._place(node, dim, pieces[0][1], origin)
+            if parts[0] is not None:
+                self.part[node] = parts[0]
         return True
 
     @staticmethod
@@ -1028,6 +1103,7 @@ class _Walk:
         for t in (k, v):
             if t in self.shard:
                 if self.shard[t] != _val(t).dim() - 3 or t in self.segs or t in self.kind:
+                    self._whole_part(t)  # a key/value part of a fused projection split inside its heads
                     return False
                 continue
             if heads is None or not _ints([_val(t).shape[-3]]):
@@ -1156,7 +1232,24 @@ def _learn_segments(walks: list, tp: int, fused: dict, narrow: dict) -> bool:
     return learned
 
 
-def settle(graphs: list, tp: int, notes: dict, fused: dict = None, sequence=None) -> tuple:
+def _learn_whole_parts(walks: list, fused: dict, mixed: dict, notes: dict, narrow: dict) -> bool:
+    """Fold the fused projections' parts found needed whole into ``mixed`` (a projection all of whose parts would
+    be whole is replicated instead, into ``narrow``). True when a projection gained a whole part."""
+    learned = False
+    for walk in walks:
+        for fqn, parts in walk.whole_parts.items():
+            if fqn in notes or fqn not in fused:
+                continue
+            have = set(mixed.get(fqn, ())) | parts
+            if len(have) >= len(fused[fqn]):
+                narrow.setdefault(fqn, "a fused projection none of whose parts has whole heads on each rank")
+            elif have != set(mixed.get(fqn, ())):
+                mixed[fqn] = have
+                learned = True
+    return learned
+
+
+def settle(graphs: list, tp: int, notes: dict, fused: dict = None, sequence=None, mixed: dict = None) -> tuple:
     """Walk ``graphs`` ([(fx graph, placeholder -> FQN, node -> needs a gradient[, boundary])], stages in order;
     ``boundary``: {"outputs": value names in output order, "received": {placeholder: value name}, "last": bool})
     until every parameter has one placement: learn the segments of fused projections from the cuts of their
@@ -1164,15 +1257,18 @@ def settle(graphs: list, tp: int, notes: dict, fused: dict = None, sequence=None
     before the stage's end, and walk again. With ``sequence`` (the traced sequence length: sequence
     parallelism) a stage's sequence-sharded outputs arrive as sequence shards on the stages that read them.
     Returns (walks, {fqn: set of dims}, per graph the reasons met); ``notes`` (fqn -> why replicated; the forced
-    set) and ``fused`` (fqn -> segments) are updated."""
+    set), ``fused`` (fqn -> segments) and ``mixed`` (fqn -> the parts of a fused projection computed whole: key/value
+    parts with fewer heads than tp, learned where a part is needed whole) are updated."""
     fused = {} if fused is None else fused
+    mixed = {} if mixed is None else mixed
     reasons = [{} for _ in graphs]  # per graph, every reason met in a pass that decided something, in order
     while True:
         walks, sent = [], {}
         for g, fqn_of, needs_grad, *rest in graphs:
             boundary = rest[0] if rest else {}
             received = {ph: sent[name] for ph, name in boundary.get("received", {}).items() if name in sent}
-            walk = _Walk(g, fqn_of, tp, set(notes), needs_grad, fused, sequence, received, boundary.get("last", True))
+            walk = _Walk(g, fqn_of, tp, set(notes), needs_grad, fused, sequence, received, boundary.get("last", True),
+                         mixed)
             outputs = list(g.output_node().args[0]) if boundary else []
             for node, name in zip(outputs, boundary.get("outputs", [])):
                 if node in walk.sends:
@@ -1181,6 +1277,8 @@ def settle(graphs: list, tp: int, notes: dict, fused: dict = None, sequence=None
         narrow: dict = {}
         if _learn_segments(walks, tp, fused, narrow) and not narrow:
             continue  # the cuts were walked without their segments: walk again before deciding anything
+        if _learn_whole_parts(walks, fused, mixed, notes, narrow):
+            continue  # a key/value part needed whole: compute it whole, shard the rest, and walk again
         uses: dict = {}
         segments: dict = {}
         for walk, seen in zip(walks, reasons):
@@ -1233,9 +1331,10 @@ def plan(graph, tp: int, overrides=None, sequence_parallel: bool = False) -> tup
     sequence = sequence_length(graph) if sequence_parallel else None
     if sequence_parallel:
         _check_sequence(sequence, tp)
+    mixed: dict = {}
     walks, uses, reasons = settle([(stage.graph, fqn_map(stage, graph), grad_flags(stage, graph),
                                     _boundary(stage, graph)) for stage in graph.stages], tp, notes,
-                                  sequence=sequence)
+                                  sequence=sequence, mixed=mixed)
     result = TPPlan(size=tp)
     if sequence_parallel:
         aliases = graph.symbol_aliases or {}
@@ -1252,6 +1351,11 @@ def plan(graph, tp: int, overrides=None, sequence_parallel: bool = False) -> tup
             bias = walk.forms[node][2] if role == "colwise" else None
             if bias is not None:
                 roles.setdefault(walk._param(bias), "colwise")
+    mixed_biases = {}
+    for walk in walks:
+        for _node, (_x, weight, bias, _d, _segments, whole) in walk.mixed_linears.items():
+            if bias is not None:
+                mixed_biases[walk._param(bias)] = whole
     for fqn, dims in sorted(uses.items()):
         dim = next(iter(dims))
         entry = {"dim": dim, "role": roles.get(fqn, "elementwise") if dim is not None else "replicate"}
@@ -1259,6 +1363,10 @@ def plan(graph, tp: int, overrides=None, sequence_parallel: bool = False) -> tup
             entry["segments"] = list(segments[fqn])
         if fqn in notes:
             entry["why"] = notes[fqn]
+        elif fqn in mixed or fqn in mixed_biases:
+            parts = sorted(mixed.get(fqn) or mixed_biases[fqn])
+            entry["why"] = (f"a fused projection whose parts {parts} (key/value heads fewer than --tp) are computed "
+                            f"whole; the other parts on this rank's heads, from its rows of this weight")
         result.params[fqn] = entry
     for pattern, how in (overrides or {}).items():
         if how == "replicate":
@@ -1360,6 +1468,58 @@ def _after(g: fx.Graph, node, target, args, like=None, local=(None, 1)) -> fx.No
     return new
 
 
+def _rewrite_mixed_linear(g: fx.Graph, node, form, tp: int) -> None:
+    """``linear(x, W, b)`` of a fused projection with whole parts, as one linear per run of parts of one kind
+    joined on the features: a sharded run reads ``tp_copy(x)`` and this rank's rows of its slice of W and b
+    (``tp_scatter``: their gradient rows are gathered back, so W's gradient is whole on every rank); a whole run
+    reads x and its rows as they are."""
+    x, weight, bias, out_dim, segments, whole = form
+    runs, start = [], 0
+    for k, size in enumerate(segments):
+        kind = k in whole
+        if runs and runs[-1][0] == kind:
+            runs[-1][2] += int(size)
+        else:
+            runs.append([kind, start, int(size)])
+        start += int(size)
+    copied = None
+    outputs = []
+    for kind, begin, length in runs:
+        rows = _insert(g, node, aten.slice.Tensor, [weight, out_dim, begin, begin + length],
+                       _sliced(_val(weight), out_dim, length), node)
+        if out_dim == 1:  # GPT-2's Conv1D layout [in, out]: the rows of a linear are its columns
+            rows = _insert(g, node, aten.t.default, [rows], _sliced(_val(weight), 0, length).t(), node)
+        part_bias = None
+        if bias is not None:
+            part_bias = _insert(g, node, aten.slice.Tensor, [bias, 0, begin, begin + length],
+                                _sliced(_val(bias), 0, length), node)
+        source = x
+        if not kind:
+            rows = _insert(g, node, TP.tp_scatter.default, [rows, 0], _local_val(_val(rows), 0, tp), node)
+            if part_bias is not None:
+                part_bias = _insert(g, node, TP.tp_scatter.default, [part_bias, 0],
+                                    _local_val(_val(part_bias), 0, tp), node)
+            if copied is None:
+                copied = _insert(g, node, TP.tp_copy.default, [x], _val(x), node)
+            source = copied
+        val = _val(node)
+        shape = list(val.shape)
+        shape[-1] = length if kind else length // tp
+        outputs.append(_insert(g, node, aten.linear.default, [source, rows] + ([part_bias] if part_bias is not None
+                                                                              else []), val.new_empty(shape), node))
+    shape = list(_val(node).shape)
+    shape[-1] = sum(int(_val(o).shape[-1]) for o in outputs)
+    joined = _insert(g, node, aten.cat.default, [outputs, -1], _val(node).new_empty(shape), node)
+    node.replace_all_uses_with(joined)
+    g.erase_node(node)
+
+
+def _sliced(val, dim: int, length: int):
+    shape = list(val.shape)
+    shape[dim] = length
+    return val.new_empty(shape)
+
+
 def _floor_text(size: str, tp: int) -> str:
     """A boundary dim's Python expression divided by tp, as the split prints sizes (``(s_seq//2)``); the batch
     check refuses a sequence tp does not divide before any rank computes with it."""
@@ -1437,6 +1597,8 @@ def _rewrite(g: fx.Graph, walk: _Walk, tp: int, params: dict) -> None:
         reduced = _after(g, node, TP.tp_all_reduce.default, [node])
         if count is not None:
             _after(g, reduced, aten.div.Tensor, [reduced, int(count) if count.is_Integer else count], node)
+    for node, form in walk.mixed_linears.items():  # a fused projection with whole parts: one linear per run of parts
+        _rewrite_mixed_linear(g, node, form, tp)
     for node, sizes in walk.owned_splits.items():  # pieces within ranks: the owner computes each, the rest empty
         node.target, node.args, node.kwargs = TP.tp_owned_split.default, (node.args[0], walk.shard[node.args[0]],
                                                                           sizes), {}
@@ -1460,7 +1622,12 @@ def _rewrite(g: fx.Graph, walk: _Walk, tp: int, params: dict) -> None:
                 sizes[dim] = sizes[dim] // tp
             node.args = (node.args[0], sizes) + tuple(node.args[2:])
         val = _val(node)
-        if isinstance(val, torch.Tensor):
+        if node in walk.mixed and isinstance(val, torch.Tensor):  # whole parts in full, the others' pieces
+            shape = list(val.shape)
+            shape[dim] = sum(int(p) if k in walk.mixed[node] else int(p) // tp
+                             for k, p in enumerate(walk.segs[node]))
+            node.meta["val"] = val.new_empty(shape)
+        elif isinstance(val, torch.Tensor):
             node.meta["val"] = _local_val(val, dim, tp)
         elif isinstance(val, (list, tuple)):
             entries = walk.items.get(node) or [(dim, None)] * len(val)
