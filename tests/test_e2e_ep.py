@@ -50,19 +50,28 @@ def _eager_expert_counts(path: str, step: int) -> list:
 
 
 @pytest.mark.parametrize("name,schedule,mode", [("mixtral", "1f1b", "fsdp"), ("qwen3_moe", "gpipe", "ddp"),
-                                                ("deepseek_v3", "interleaved-zb", "fsdp"), ("moe_sentinel", "1f1b", "fsdp")])
-def test_moe_families_pp2_dp2_ep2_train_equal_to_eager(tmp_path, name, schedule, mode):
+                                                ("deepseek_v3", "interleaved-zb", "fsdp"), ("moe_sentinel", "1f1b", "fsdp"),
+                                                ("gpt_oss", "1f1b", "fsdp")])
+def test_moe_families_pp2_dp2_ep2_train_equal_to_eager(tmp_path, monkeypatch, name, schedule, mode):
     # moe_sentinel (tests/models): a mask of the rows routed to no expert between the grouped matmuls, as
-    # transformers 5.17 writes its experts
+    # transformers 5.17 writes its experts; gpt_oss (tests/zoo/hf_family.py): a bias per expert gathered for each
+    # sorted row between the matmuls (it moves with the rows: each row keeps its local expert), its clamped SwiGLU
+    # on interleaved features and its attention sinks
     path = model_path(name) if name == "moe_sentinel" else os.path.join(ZOO, name + ".py")
+    if name == "gpt_oss":
+        monkeypatch.setenv("HF_FAMILY", name)
+        path = os.path.join(ZOO, "hf_family.py")
     out = str(tmp_path / "out")
     manifest = split_model(path, out, schedule=schedule, num_microbatches=2,
                            layout=Layout(pp=2, dp=2, ep=2, dp_mode=mode))
     assert manifest["launch_command"].startswith("torchrun --nproc-per-node 4 ")
     script = "".join(open(os.path.join(out, f"rank{r}.py")).read() for r in range(2))
     assert "torch.ops.tracepp.ep_dispatch.default" in script and "torch.ops.tracepp.ep_combine.default" in script
+    if name == "gpt_oss":
+        assert all(block["biases"] for block in manifest["ep"]["blocks"])
+        assert "torch.ops.tracepp.ep_expert_ids.default" in script
     ckpt, metrics = str(tmp_path / "ckpt.pt"), str(tmp_path / "metrics.jsonl")
-    _run(out, 4, "--steps", "3", "--save", ckpt, "--metrics", metrics)
+    _run(out, 4, "--steps", "3", "--save", ckpt, "--metrics", metrics, env={"HF_FAMILY": name})
     saved = torch.load(ckpt)
     assert_trained(saved, path)
     assert_state_close(saved, eager_train(path, 3))

@@ -114,6 +114,24 @@ def test_every_familys_tp_plan_trains_equal_to_eager_at_microbatch_size_1(tmp_pa
     assert_state_close(saved, eager_train(path, 3))
 
 
+def test_fewer_kv_heads_than_tp_shard_the_queries_and_train_equal_to_eager(tmp_path, monkeypatch):
+    # Llama with 4 query heads and 2 key/value heads at --tp 4 (4 processes, one pipeline rank): each rank computes
+    # its query head, the key/value projections stay whole and each rank reads the key/value head its query needs
+    # (tp_head_group beside enable_gqa's attention), as Megatron-Core replicates kv heads; o_proj is row-wise
+    monkeypatch.setenv("HF_FAMILY", "llama")
+    path, out = os.path.join(ZOO, "hf_family.py"), str(tmp_path / "out")
+    manifest = split_model(path, out, schedule="looped-bfs", num_microbatches=2, layout=Layout(pp=1, tp=4))
+    roles = {name: manifest["tp"]["params"][f"model.layers.0.self_attn.{name}.weight"]["role"]
+             for name in ("q_proj", "k_proj", "v_proj", "o_proj")}
+    assert roles == {"q_proj": "colwise", "k_proj": "replicate", "v_proj": "replicate", "o_proj": "rowwise"}
+    assert "torch.ops.tracepp.tp_head_group.default" in open(os.path.join(out, "rank0.py")).read()
+    ckpt = str(tmp_path / "ckpt.pt")
+    _run(out, 4, "--steps", "3", "--save", ckpt, env={"HF_FAMILY": "llama"})
+    saved = torch.load(ckpt)
+    assert_trained(saved, path)
+    assert_state_close(saved, eager_train(path, 3))
+
+
 def test_sequence_parallel_llama_trains_equal_to_eager_and_a_dynamic_sequence_tp_cannot_split_stops(
         tmp_path, monkeypatch):
     # pp2 x tp2 with --sequence-parallel, AdamW and clipping; then a dynamic sequence (16, 8, 12, 7): the first

@@ -394,3 +394,61 @@ def test_sequence_parallel_still_replicates_what_is_needed_whole(monkeypatch):
     manifest = check_model(model_path("tp_llama"), num_microbatches=2, layout=Layout(pp=2, tp=4, sequence_parallel=True))
     roles = {n: manifest["tp"]["params"][f"layers.0.attn.{n}_proj.weight"]["role"] for n in "qkvo"}
     assert roles == {"q": "colwise", "k": "replicate", "v": "replicate", "o": "rowwise"}
+
+
+def test_torch_rules_place_the_ops_the_walk_has_no_rule_for():
+    # DTensor's sharding propagator, asked with placements only (no process group): a stack of heads keeps
+    # them sharded, a sum over the sharded dim is a partial sum, a scan along it has no answer without a gather
+    import torch
+    import torch.fx as fx
+
+    from tracepp.split import torch_rules
+
+    aten = torch.ops.aten
+    g = fx.Graph()
+    a, b = g.placeholder("a"), g.placeholder("b")
+    a.meta["val"] = b.meta["val"] = torch.empty(2, 4, 8, 8)
+
+    def node(target, args, shape):
+        out = g.call_function(target, args)
+        out.meta["val"] = torch.empty(shape)
+        return out
+
+    stacked = torch_rules.ask(node(aten.stack.default, ([a, b], -1), (2, 4, 8, 8, 2)), {a: 1, b: 1}, 2,
+                              lambda arg: False)
+    assert stacked.out == 1 and not stacked.partial and not stacked.scatter
+    summed = torch_rules.ask(node(aten.sum.dim_IntList, (a, [1]), (2, 8, 8)), {a: 1}, 2, lambda arg: False)
+    assert summed.partial
+    assert torch_rules.ask(node(aten.cumsum.default, (a, 1), (2, 4, 8, 8)), {a: 1}, 2, lambda arg: False) is None
+    # a whole operand without a gradient beside the sharded one is read at its piece
+    added = torch_rules.ask(node(aten.atan2.default, (a, b), (2, 4, 8, 8)), {a: 1}, 2, lambda arg: arg is b)
+    assert added.out == 1 and added.scatter == {b: 1}
+    assert torch_rules.ask(node(aten.atan2.default, (a, b), (2, 4, 8, 8)), {a: 1}, 2, lambda arg: False) is None
+
+
+@pytest.mark.parametrize("family,share,sharded,why", [
+    ("bloom", 0.99, ["self_attention.query_key_value.weight", "self_attention.dense.weight"], None),  # ALiBi
+    ("cohere", 0.99, ["self_attn.q_proj.weight", "self_attn.o_proj.weight"], None),  # interleaved rotary: stack
+    ("stablelm", 0.99, ["self_attn.q_proj.weight", "self_attn.o_proj.weight"], None),  # per-head norms
+    ("gpt_bigcode", 0.84, ["attn.c_proj.weight"], ("attn.c_attn.weight", "(key/value heads fewer than --tp)"))])
+def test_families_written_their_own_way_shard_their_attention(monkeypatch, family, share, sharded, why):
+    # issue 47: heads read by baddbmm over [batch * heads] with a whole ALiBi table (Bloom), rotary interleaved by
+    # a stack of head-local slices (Cohere), per-head LayerNorms of a ModuleList over heads split one by one
+    # (StableLM), a multi-query fused c_attn whose key/value part stays whole (GPTBigCode)
+    import sys
+
+    sys.path.insert(0, REPO)
+    sys.path.insert(0, ZOO)
+    import hf_family
+    from benchmarks.studies.families import layer_shares
+
+    monkeypatch.setenv("HF_FAMILY", family)
+    manifest = check_model(os.path.join(ZOO, "hf_family.py"), num_microbatches=4, layout=Layout(pp=2, tp=2))
+    shares = layer_shares(manifest, hf_family.model_class(family)(hf_family.config(family)))
+    assert min(shares.values()) >= share, (shares, manifest["tp"]["stages"][0]["replicated"])
+    params = manifest["tp"]["params"]
+    layer = next(fqn for fqn in params if ".0." in fqn).split(".0.")[0] + ".0."
+    for name in sharded:
+        assert params[layer + name]["dim"] is not None, (name, params[layer + name])
+    if why is not None:
+        assert why[1] in params[layer + why[0]]["why"]
