@@ -1,0 +1,219 @@
+"""Any causal-LM family transformers ships, at a tiny size: ``HF_FAMILY`` names an entry of transformers'
+``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` (``llama``, ``gpt_oss``, ...). The config is the family's own config class
+with its defaults, shrunk by what each setting means (``tiny_config``): hidden 64, 2 to 4 layers (enough to
+hold every kind of layer the family interleaves), 4 query heads of 16, 2 key/value heads where the family has
+grouped-query attention (a multi-query family keeps its one), 4 routed experts top-2 where it has experts, a
+vocabulary of 128, every dropout off. Random weights, nothing downloaded.
+
+``benchmarks/studies/families.py`` runs every family through tracepp with this file; ``tests/test_families.py``
+trains a rotating few.
+"""
+import inspect
+import os
+
+import torch
+from zoo_common import causal_lm_loss, sgd, token_batch
+
+VOCAB = 128
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, LAYERS = 64, 4, 2, 16, 2
+FAMILY = os.environ.get("HF_FAMILY", "llama")
+
+# what a config setting means -> its tiny value (names as transformers' configs spell them)
+_HIDDEN = ("hidden_size", "n_embd", "d_model", "embed_dim", "model_dim", "dim", "n_embed", "word_embed_proj_dim",
+           "embedding_size", "hidden_dim")
+_LAYERS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers", "num_decoder_layers")
+_HEADS = ("num_attention_heads", "n_head", "num_heads", "n_heads", "decoder_attention_heads",
+          "encoder_attention_heads", "attention_heads")
+_KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "multi_query_group_num", "kv_n_heads",
+             "num_key_value_groups")
+_HEAD_DIMS = {"head_dim": HEAD_DIM, "attention_head_size": HEAD_DIM, "kv_channels": HEAD_DIM,
+              "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": HEAD_DIM, "q_lora_rank": 32,
+              "kv_lora_rank": 16, "index_head_dim": 16, "index_n_heads": 2, "qk_head_dim": 16}
+_FFN = ("intermediate_size", "ffn_dim", "n_inner", "inner_dim", "d_ff", "ffn_hidden_size", "decoder_ffn_dim",
+        "encoder_ffn_dim", "ffn_hidden_dim", "mlp_dim", "ff_dim")
+_MOE_FFN = ("moe_intermediate_size", "expert_intermediate_size", "shared_expert_intermediate_size",
+            "moe_ffn_hidden_size", "expert_hidden_size", "moe_hidden_size", "ffn_dim_moe")
+_EXPERTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts", "num_routed_experts",
+            "num_local_expert")
+_TOP_K = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "top_k", "moe_k", "num_selected_experts")
+_POSITIONS = ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "max_sequence_length",
+              "seq_length", "max_length")
+EXPERTS, TOP_K = 4, 2
+
+# families whose tiny config needs more than the rules above: the setting and why
+_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
+OVERRIDES = {
+    "deepseek_v2": {"rope_scaling": None},
+    "deepseek_v3": {"rope_scaling": None},
+    "dbrx": {"attn_config": {"rope_theta": 10000.0}},  # its default attention config has no rope_theta
+    # its default rope_parameters are empty, and the model reads one per layer type
+    "cohere_compass_text": {"rope_parameters": {"full_attention": _ROPE, "sliding_attention": _ROPE}},
+    "stablelm": {"qk_layernorm": True},  # its per-head q/k LayerNorms (a ModuleList), off by default
+    # its default has no layer types (the model reads one per layer) and its first 2 layers dense: a conv layer,
+    # an attention layer, then a mixture-of-experts layer
+    "lfm2_moe": {"num_hidden_layers": 3, "layer_types": ["conv", "full_attention", "conv"], "num_dense_layers": 1},
+    "mamba2": {"head_dim": 32, "n_groups": 1},  # heads x head_dim must equal expand x hidden; groups divide heads
+    "musicgen_decoder": {"num_codebooks": 1},  # one codebook: a sample is one row of tokens
+    "musicgen_melody_decoder": {"num_codebooks": 1},
+}
+
+
+def _per_layer(value, default_layers):
+    """A per-layer list of the family's default depth (``layer_types``): the shortest prefix (2 to 4 layers) that
+    holds every kind of layer it interleaves, or None when it is not one."""
+    if not isinstance(value, (list, tuple)) or not default_layers or len(value) != default_layers:
+        return None
+    kinds = []
+    for index, kind in enumerate(value):
+        if repr(kind) not in kinds:
+            kinds.append(repr(kind))
+    want = set(kinds)
+    for end in range(2, min(4, len(value)) + 1):
+        if {repr(k) for k in value[:end]} == want:
+            return list(value[:end])
+    firsts = [value[[repr(v) for v in value].index(kind)] for kind in kinds]  # one of each kind, in order
+    return firsts if len(firsts) >= 2 else list(value[:min(4, len(value))])
+
+
+def tiny_config(config_class):
+    """The family's own config with every size setting shrunk by what it means (the rules above)."""
+    values = _shrink(config_class().to_dict())
+    for key, value in OVERRIDES.get(config_class.model_type, {}).items():
+        if isinstance(value, dict) and isinstance(values.get(key), dict):
+            values[key] = dict(values[key], **value)
+        else:
+            values[key] = value
+    return config_class(**values)
+
+
+def _shrink(values: dict) -> dict:
+    """The settings of one config (or of a sub-config given as a dict: DBRX's ``attn_config``) that the rules
+    shrink; the others are left to the config's defaults."""
+    out = {}
+    layers_default = next((values[k] for k in _LAYERS if isinstance(values.get(k), int)), None)
+    layers = LAYERS
+    lists = {}
+    for key, value in values.items():
+        found = _per_layer(value, layers_default)
+        if found is not None:
+            lists[key] = found
+    if lists:
+        layers = max(len(v) for v in lists.values())
+    if lists and values.get("num_kv_shared_layers"):  # Gemma 3n: the last layers reuse the caches of the first
+        lists = {key: found + found for key, found in lists.items()}
+        layers *= 2
+    has_experts = any((isinstance(values.get(k), int) and values[k] > 1) or (k in values and values[k] is None
+                                                                             and any(t in values for t in _TOP_K))
+                      for k in _EXPERTS)
+    for key, value in values.items():
+        if isinstance(value, dict) and ("model_type" in value or key.endswith("_config")):
+            out[key] = _shrink(value)
+            continue
+        if isinstance(value, bool) or isinstance(value, dict):
+            continue
+        if key in lists:
+            out[key] = lists[key][:layers] + [lists[key][-1]] * (layers - len(lists[key]))
+        elif key in _TOP_K and value is None and has_experts:
+            out[key] = TOP_K
+        elif key in _EXPERTS and value is None and any(k in values for k in _TOP_K):
+            out[key] = EXPERTS  # a family whose default leaves its expert count unset (DOTS1)
+        elif key in _KV_HEADS and value is None and key != "num_key_value_groups":
+            out[key] = HEADS if values.get("kv_lora_rank") else KV_HEADS  # unset: one per query head by default
+        elif key in ("n_shared_experts", "num_shared_experts") and value is None and has_experts:
+            out[key] = 1  # unset where the family multiplies by it (DOTS1)
+        elif key == "head_dim" and value is None and not values.get("kv_lora_rank"):
+            out[key] = HEAD_DIM  # unset, and read as it is by some families (Ministral)
+        elif not isinstance(value, (int, float)) or value is None:
+            continue
+        elif key in _HIDDEN and isinstance(value, int):
+            out[key] = HIDDEN
+        elif key in _LAYERS:
+            out[key] = layers
+        elif key in _HEADS:
+            out[key] = HEADS
+        elif key in _KV_HEADS and values.get("kv_lora_rank"):  # latent attention: a key and value per head
+            out[key] = HEADS
+        elif key in _KV_HEADS:
+            out[key] = value if value == 1 and key != "num_key_value_groups" else KV_HEADS
+        elif key == "head_dim" and isinstance(value, int) and value == values.get("qk_rope_head_dim"):
+            out[key] = _HEAD_DIMS["qk_rope_head_dim"]  # multi-head latent attention: the rotary part's width
+        elif key in _HEAD_DIMS and isinstance(value, int):
+            out[key] = _HEAD_DIMS[key]
+        elif key in ("rotary_dim", "rotary_emb_dim", "rope_dim") and isinstance(value, int) and value > 8:
+            out[key] = 8
+        elif key in _FFN and isinstance(value, int):
+            out[key] = 2 * HIDDEN
+        elif key in _MOE_FFN and isinstance(value, int):
+            out[key] = 32
+        elif key in _EXPERTS and isinstance(value, int) and value > 1:
+            out[key] = EXPERTS
+        elif key in _TOP_K and isinstance(value, int) and value > 1:
+            out[key] = TOP_K
+        elif key in ("n_shared_experts", "num_shared_experts") and value:
+            out[key] = 1
+        elif key == "num_kv_shared_layers" and value:
+            out[key] = layers // 2
+        elif key in ("n_group", "num_expert_group") and value and value > 1:
+            out[key] = 2
+        elif key in ("topk_group", "topk_groups") and value and value > 1:
+            out[key] = 1
+        elif key in ("first_k_dense_replace", "first_k_dense") and value:
+            out[key] = 1
+        elif key == "vocab_size":
+            out[key] = VOCAB
+        elif key in _POSITIONS and isinstance(value, int) and value > 64:
+            out[key] = 64
+        elif key.endswith("_token_id") and isinstance(value, int) and value >= VOCAB:
+            out[key] = VOCAB - 1
+        elif ("dropout" in key or "pdrop" in key or key.endswith("_drop") or key in ("drop_rate",)) \
+                and isinstance(value, float):
+            out[key] = 0.0
+    return out
+
+
+def model_class(family: str = FAMILY):
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[family])
+
+
+def config(family: str = FAMILY):
+    """The tiny config of the class the causal LM takes (a composite family's text or decoder config: Llama 4's
+    ``Llama4TextConfig``, MusicGen's decoder), else the family's own."""
+    import transformers
+
+    own = transformers.CONFIG_MAPPING[family]
+    takes = getattr(model_class(family), "config_class", None) or own
+    return tiny_config(takes if isinstance(takes, type) and takes is not own else own)
+
+
+def model():
+    torch.manual_seed(0)
+    return model_class()(config())
+
+
+def _takes_use_cache() -> bool:
+    forward = inspect.signature(model_class().forward).parameters
+    return "use_cache" in forward or any(p.kind is p.VAR_KEYWORD for p in forward.values())
+
+
+def batch(step):
+    ids, target = token_batch(step, VOCAB)
+    return (ids,), ({"use_cache": False} if _takes_use_cache() else {}), target
+
+
+def example_inputs():
+    return batch(0)[0]
+
+
+def example_kwargs():
+    return batch(0)[1]
+
+
+def example_target():
+    return batch(0)[2]
+
+
+loss_fn = causal_lm_loss
+optimizer = sgd
