@@ -4,6 +4,8 @@
     python -m benchmarks.tensor_parallel memory [--out benchmarks/results]   # tp=1 vs tp=2, pp=2, per rank
     python -m benchmarks.tensor_parallel collectives [--out ...]            # the tuner's collective price vs gloo
     python -m benchmarks.tensor_parallel sequence [--out ...]               # activations and boundaries: tp1, tp2, tp2+SP
+    python -m benchmarks.tensor_parallel step [--cases tp2,tp2_sp,pp2_tp2,pp2_tp2_sp] [--rounds 3]
+                                                                          # step time against parallelize_module
 
 ``exact`` splits ``tests/models/tp_llama.py`` (grouped-query attention, tied embedding and head) with
 ``--ranks 2 --dp 2 --tp 2`` (FSDP2 over dp, DTensor shards over tp), trains 3 steps with the model file's AdamW
@@ -31,6 +33,20 @@ microbatch, from each manifest's ``values`` (shapes, dtypes; forward, and backwa
 gradient), with the collectives per stage from ``manifest["tp"]["stages"]``; (c) the tuner's activation figure
 for the same three layouts (``manifest["segments"][k]["tp"]``, per stage) beside the measurement. Byte counts
 are deterministic: one run, no medians, no times (4 processes on 2 cores).
+
+``step`` times tracepp's tensor parallelism against torch's own (``parallelize_module`` on DTensors with the plan
+a torchtitan user writes for Llama: ``benchmarks/tp_torch_worker.py``) on the same Hugging Face Llama
+(``benchmarks/hf_llama_model.py``: hidden 256, 8 heads / 4 kv heads, SwiGLU 768, 4 layers, vocabulary 4096, a
+batch of 4 x 128 tokens, SGD), in paired rounds (``benchmarks/paired.py``: the systems alternate, each run a
+fresh torchrun of warm-up + measured steps; the ratio is the median over rounds of the rounds' median step times).
+Cases: ``tp2`` and ``tp2_sp`` (``--sequence-parallel``) on 2 processes, one pipeline rank holding the whole model
+(tracepp ``--ranks 1 --tp 2 --microbatches 1``: one forward and backward of the full batch, as the peer); and
+``pp2_tp2``, ``pp2_tp2_sp`` on 4 processes, 1F1B over 4 microbatches, split at ``model.layers.2`` (the peer:
+hand-built stages, ``PipelineStage`` and ``Schedule1F1B`` around the same tp plan, torchtitan's recipe): on a
+2-core machine these measure contention. Both systems save their parameters after the last step; each is held
+against the other and against eager training of the unsplit model on the same batches (asserted within
+``--tolerance``, the max differences recorded). tracepp runs with ``--on-nonfinite continue`` (no gradient-norm
+check; the peer checks nothing) and its defaults otherwise.
 """
 from __future__ import annotations
 
@@ -257,17 +273,117 @@ def sequence(root: str) -> dict:
             "tuner_activation_figure_per_stage": predicted, "per_rank": runs}
 
 
+STEP_MODEL = os.path.join(HERE, "hf_llama_model.py")
+STEP_CASES = {"tp2": (1, False), "tp2_sp": (1, True), "pp2_tp2": (2, False), "pp2_tp2_sp": (2, True)}
+PP_MICROBATCHES = 4
+
+
+def step(root: str, cases: list, rounds: int, warmup: int, steps: int, tolerance: float, tiny: bool) -> dict:
+    from benchmarks import paired
+
+    extra = {"HF_LLAMA_BENCH_SIZE": "tiny"} if tiny else {}
+    environment = paired.env(**extra)
+    total = warmup + steps
+    eager = paired.eager_train(STEP_MODEL, total, extra)
+    out = {"model": "benchmarks/hf_llama_model.py" + (" (tiny)" if tiny else ""), "rounds": rounds,
+           "warmup_steps": warmup, "measured_steps": steps, "tolerance": tolerance, "cases": {}}
+    for case in cases:
+        pp, sp = STEP_CASES[case]
+        nproc = 2 * pp
+        folder = os.path.join(root, case)
+        options = ["--ranks", str(pp), "--tp", "2"] + (["--sequence-parallel"] if sp else [])
+        options += (["--microbatches", "1"] if pp == 1 else
+                    ["--schedule", "1f1b", "--microbatches", str(PP_MICROBATCHES), "--split-points", "model.layers.2"])
+        _run([sys.executable, "-m", "tracepp", "split", STEP_MODEL, "-o", folder, *options], environment)
+        print(f"{case}: {nproc} processes", flush=True)
+
+        def tracepp_run(round_index, folder=folder, nproc=nproc, case=case):
+            metrics, save = (os.path.join(root, f"{case}_tracepp_{round_index}{x}") for x in (".jsonl", ".pt"))
+            result = paired.run_logged(paired.torchrun(nproc, os.path.join(folder, "run.py"), "--steps", str(total),
+                                                       "--metrics", metrics, "--quiet", "--on-nonfinite", "continue",
+                                                       "--save", save),
+                                       metrics + ".log", environment, 900)
+            result["measured"] = paired.measured(paired.read_metrics(metrics), warmup, steps)
+            result["save"] = save
+            return result
+
+        def torch_run(round_index, nproc=nproc, case=case, pp=pp, sp=sp):
+            metrics, save = (os.path.join(root, f"{case}_torch_{round_index}{x}") for x in (".jsonl", ".pt"))
+            command = paired.torchrun(nproc, "-m", "benchmarks.tp_torch_worker", "--model-file", STEP_MODEL, "--tp", "2",
+                                      "--pp", str(pp), "--steps", str(total), "--metrics", metrics, "--save", save)
+            if pp > 1:
+                command += ["--microbatches", str(PP_MICROBATCHES)]
+            if sp:
+                command += ["--sequence-parallel"]
+            result = paired.run_logged(command, metrics + ".log", environment, 900)
+            result["measured"] = paired.measured(paired.read_metrics(metrics), warmup, steps)
+            result["save"] = save
+            return result
+
+        runs = paired.run_rounds({"tracepp": tracepp_run, "torch": torch_run}, rounds)
+        summary = paired.summarize(runs)
+        ours, theirs = torch.load(runs["tracepp"][0]["save"]), torch.load(runs["torch"][0]["save"])
+        between, where = paired.max_difference(ours, theirs)
+        to_eager = {name: paired.max_difference(torch.load(runs[name][0]["save"]), eager) for name in runs}
+        entry = {"processes": nproc, "pp": pp, "tp": 2, "sequence_parallel": sp,
+                 "tracepp_options": options + ["run.py --on-nonfinite continue"],
+                 "torch": "parallelize_module (benchmarks/tp_torch_worker.py)"
+                          + (", PipelineStage + Schedule1F1B" if pp > 1 else ""),
+                 "microbatches": PP_MICROBATCHES if pp > 1 else 1, "systems": summary,
+                 **paired.ratios(summary, "tracepp", "torch"),
+                 "max_abs_diff_tracepp_torch": between, "worst_parameter": where,
+                 "max_abs_diff_to_eager": {name: value[0] for name, value in to_eager.items()},
+                 "losses": {name: [line["loss"] for line in runs[name][0]["measured"]] for name in runs},
+                 "contention": nproc > (os.cpu_count() or 1)}
+        if between > tolerance or any(value[0] > tolerance for value in to_eager.values()):
+            raise AssertionError(f"{case}: parameters differ beyond {tolerance}: tracepp vs torch {between:.3g} "
+                                 f"({where}); against eager {to_eager}")
+        out["cases"][case] = entry
+    return out
+
+
+def _step_table(record: dict) -> str:
+    from tabulate import tabulate
+
+    rows = []
+    for case, e in record["cases"].items():
+        a, b = e["systems"]["tracepp"], e["systems"]["torch"]
+        rows.append([case, e["processes"], f"{a['step_s'] * 1000:.1f}", f"{b['step_s'] * 1000:.1f}",
+                     f"{e['ratio_paired']:.3f}", f"{a['cpu_s'] * 1000:.1f}", f"{b['cpu_s'] * 1000:.1f}",
+                     f"{e['cpu_ratio_paired']:.3f}", f"{e['max_abs_diff_tracepp_torch']:.2g}",
+                     "contention" if e["contention"] else ""])
+    return tabulate(rows, headers=["case", "procs", "tracepp ms", "torch ms", "tracepp/torch (paired)",
+                                   "tracepp cpu ms", "torch cpu ms", "cpu ratio", "max |diff|", ""])
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.tensor_parallel", description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=["exact", "memory", "collectives", "sequence"])
+    parser.add_argument("what", choices=["exact", "memory", "collectives", "sequence", "step"])
     parser.add_argument("--out", default=os.path.join("benchmarks", "results"))
+    parser.add_argument("--cases", default="tp2,tp2_sp,pp2_tp2,pp2_tp2_sp", help="step: which cases (see above)")
+    parser.add_argument("--rounds", type=int, default=3, help="step: paired rounds")
+    parser.add_argument("--warmup", type=int, default=3, help="step: warm-up steps dropped per run")
+    parser.add_argument("--steps", type=int, default=10, help="step: measured steps per run")
+    parser.add_argument("--tolerance", type=float, default=1e-4, help="step: largest parameter difference allowed")
+    parser.add_argument("--tiny", action="store_true", help="step: the model's tiny size (a check of the harness)")
+    parser.add_argument("--name", default="", help="a suffix for the result file's name (e.g. _contended)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as root:
+        if args.what == "step":
+            cases = args.cases.split(",")
+            unknown = [c for c in cases if c not in STEP_CASES]
+            if unknown:
+                parser.error(f"unknown case(s) {unknown}; choose from {', '.join(STEP_CASES)}")
+            body = step(root, cases, args.rounds, args.warmup, args.steps, args.tolerance, args.tiny)
+        else:
+            body = {"exact": exact, "memory": memory, "collectives": collectives, "sequence": sequence}[args.what](root)
         record = {"what": args.what, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-                  **{"exact": exact, "memory": memory, "collectives": collectives,
-                     "sequence": sequence}[args.what](root)}
-    print(json.dumps({k: v for k, v in record.items() if k != "per_rank"}, indent=1))
-    write_result(args.out, f"tensor_parallel_{args.what}", record)
+                  "cores": os.cpu_count(), **body}
+    if args.what == "step":
+        print(_step_table(record))
+    else:
+        print(json.dumps({k: v for k, v in record.items() if k != "per_rank"}, indent=1))
+    write_result(args.out, f"tensor_parallel_{args.what}{args.name}", record)
     return 0
 
 

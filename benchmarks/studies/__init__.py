@@ -8,6 +8,7 @@
 - ``exchange_cost``: what one message costs two computing ranks, gloo against shared-memory rings.
 - ``gpu_profile_stage``: a stage's kernel time next to the same layers as a plain module (GPU).
 - ``rank_script_digests``: digests of the generated programs, to show a refactor leaves them byte-identical.
+- ``tp_collectives_forms``: gloo's list forms of all-gather and reduce-scatter against the one-buffer forms.
 - ``timeline``: a measured step's time action by action next to the simulator's timeline.
 - ``weight_split``: the zero-bubble split backward's (I + W) against one full backward, per stage.
 """
