@@ -106,8 +106,7 @@ def _gather(tensor: torch.Tensor, dim: int, groups: int = 1) -> torch.Tensor:
     return out
 
 
-_GATHERED: dict = shared("sequence_gathered", {})  # data_ptr of a live sp_all_gather output -> (weakref, shard,
-#                                                    dim, groups)
+_GATHERED: dict = shared("sequence_gathered", {})  # data_ptr of a live sp_all_gather output -> (weakref, _Regather)
 
 
 def _sequence_gather(tensor: torch.Tensor, dim: int, groups: int = 1) -> torch.Tensor:
@@ -117,7 +116,7 @@ def _sequence_gather(tensor: torch.Tensor, dim: int, groups: int = 1) -> torch.T
     if _STATE["size"] > 1 and _STATE.get("record"):  # inside a forward under shards_kept_for_backward
         pointer = out.data_ptr()
         _GATHERED[pointer] = (weakref.ref(out, lambda _ref, p=pointer: _GATHERED.pop(p, None)),
-                              tensor.detach(), dim, groups)
+                              _Regather(tensor.detach(), dim, groups))
     return out
 
 
@@ -133,31 +132,62 @@ def _fake_key(tensor: torch.Tensor):
     return ("fake", id(tensor.untyped_storage()))
 
 
+class _Regather:
+    """One ``sp_all_gather`` output as backward keeps it: the shard, and the value gathered again the first time a
+    saved tensor needs it. A region's input is saved by each of its column-parallel linears (q, k and v; gate and
+    up): they share one of these, so backward gathers once per region, not once per linear. The gathered value is
+    held until every saving node has unpacked it (then only weakly: a later unpack, as zero-bubble's W may make,
+    gathers again if it is gone)."""
+
+    __slots__ = ("shard", "read", "dim", "groups", "pending", "held", "weak", "__weakref__")
+
+    def __init__(self, shard, dim: int, groups: int):
+        self.shard, self.dim, self.groups = shard, dim, groups
+        self.read = None  # set where outer saved-tensor hooks keep the shard: ``shard`` is their packed form
+        self.pending, self.held, self.weak = 0, None, None
+
+    def value(self) -> torch.Tensor:
+        gathered = self.held if self.held is not None else (self.weak() if self.weak is not None else None)
+        if gathered is None:
+            shard = self.read(self.shard) if self.read is not None else self.shard
+            if _is_fake(shard):  # planning: the gathered value's bytes, no collective
+                whole = list(shard.shape)
+                whole[self.dim] *= _STATE["size"]
+                gathered = shard.new_empty(whole)
+            else:
+                gathered = _gather(shard, self.dim, self.groups)
+            self.weak = weakref.ref(gathered)
+            if self.pending > 1:
+                self.held = gathered
+        self.pending -= 1
+        if self.pending <= 0:
+            self.held = None
+        return gathered
+
+
 def _pack(tensor: torch.Tensor):
     if _is_fake(tensor):
         entry = _GATHERED.get(_fake_key(tensor))
         gathered = entry[0]() if entry is not None else None
         if gathered is None or gathered.untyped_storage() is not tensor.untyped_storage():
             return tensor
-        _ref, shard, dim, groups = entry
-        return (shard, dim, groups, tensor.size(), tensor.stride(), tensor.storage_offset(), tensor.requires_grad)
+        regather = entry[1]
+        regather.pending += 1
+        return (regather, tensor.size(), tensor.stride(), tensor.storage_offset(), tensor.requires_grad)
     entry = _GATHERED.get(tensor.data_ptr()) if tensor.device.type != "meta" else None
     gathered = entry[0]() if entry is not None else None
     if gathered is None or tensor.untyped_storage().data_ptr() != gathered.untyped_storage().data_ptr():
         return tensor
-    _ref, shard, dim, groups = entry
-    return (shard, dim, groups, tensor.size(), tensor.stride(), tensor.storage_offset(), tensor.requires_grad)
+    regather = entry[1]
+    regather.pending += 1
+    return (regather, tensor.size(), tensor.stride(), tensor.storage_offset(), tensor.requires_grad)
 
 
 def _unpack(packed):
     if isinstance(packed, torch.Tensor):
         return packed
-    shard, dim, groups, size, stride, offset, _requires_grad = packed
-    if _is_fake(shard):  # planning: the gathered value's bytes, no collective
-        whole = list(shard.shape)
-        whole[dim] *= _STATE["size"]
-        return shard.new_empty(whole).as_strided(size, stride, offset)
-    return _gather(shard, dim, groups).as_strided(size, stride, offset)
+    regather, size, stride, offset, _requires_grad = packed
+    return regather.value().as_strided(size, stride, offset)
 
 
 def shards_kept_for_backward():
@@ -175,12 +205,15 @@ def shards_kept_for_backward():
         packed = _pack(tensor)
         if isinstance(packed, torch.Tensor):
             return ("whole", outer_pack(packed))
-        return ("shard", outer_pack(packed[0]), packed[1:])
+        regather = packed[0]
+        if regather.read is None:  # the first node to save it: the outer hooks take the shard, once
+            regather.shard, regather.read = outer_pack(regather.shard), outer_unpack
+        return ("shard", packed)
 
     def unpack(packed):
         if packed[0] == "whole":
             return outer_unpack(packed[1])
-        return _unpack((outer_unpack(packed[1]),) + tuple(packed[2]))
+        return _unpack(packed[1])
 
     return _recording(torch.autograd.graph.saved_tensors_hooks(pack, unpack))
 
@@ -277,7 +310,8 @@ def _register():
         out = resized(1)(x, dim, groups)
         if _STATE["size"] > 1 and _STATE.get("record") and _is_fake(out):
             key = _fake_key(out)
-            _GATHERED[key] = (weakref.ref(out, lambda _ref, k=key: _GATHERED.pop(k, None)), x.detach(), dim, groups)
+            _GATHERED[key] = (weakref.ref(out, lambda _ref, k=key: _GATHERED.pop(k, None)),
+                              _Regather(x.detach(), dim, groups))
         return out
 
     torch.library.register_fake(f"{_NAMESPACE}::sp_all_gather", sequence_gather_fake, lib=lib)
