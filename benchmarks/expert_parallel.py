@@ -2,6 +2,7 @@
 
     python -m benchmarks.expert_parallel memory   [--out benchmarks/results]   # pp2 x dp4, ep 1 / 2 / 4: 8 processes
     python -m benchmarks.expert_parallel alltoall [--out benchmarks/results]   # the tuner's price vs gloo, 2 and 4 ranks
+    python -m benchmarks.expert_parallel step [--rounds 3]                     # dp2 x ep2 step vs torchtitan's all-to-all
 
 ``memory`` splits the small Mixtral of ``benchmarks/mixtral_model.py`` (8 routed experts per layer, top-2, hidden
 128, 8 layers, vocabulary 256; a batch of 8 x 64 tokens) with ``--ranks 2 --dp 4`` (FSDP2) and ``--ep`` 1, 2 and
@@ -20,6 +21,20 @@ all_to_all_s``: ep - 1 messages of 1/ep, from ranks 0 and 1's fitted all-to-all,
 it) against gloo's own ``all_to_all_single`` of the same tensors over all ranks of a torchrun of 2 and 4 processes
 (``benchmarks/ep_alltoall_worker.py``; ``--worlds 2,4,8`` for more). With 2 processes the price is the fit itself;
 with more it extrapolates.
+
+``step`` times tracepp's expert parallelism against an all-to-all expert layer as torchtitan writes it
+(``benchmarks/ep_torch_worker.py``, ``benchmarks/ep_alltoall_moe.py``: torchtitan's own ``AllToAllTokenDispatcher``
+where torchtitan imports, else the same steps rewritten; grouped matmuls on local experts; FSDP2 over dp for the
+rest) on the same small Mixtral (``benchmarks/mixtral_model.py``), dp2 x ep2 on 2 processes, each rank a replica
+with half the batch (4 x 64 tokens) and half the experts: tracepp ``--ranks 1 --dp 2 --ep 2 --microbatches 1``
+with ``--on-nonfinite continue``. Paired rounds as ``benchmarks.tensor_parallel step`` (``benchmarks/paired.py``);
+both systems' parameters after the last step are held against each other and against eager training of the
+unsplit model on the global batch (asserted within ``--tolerance``). Where torchtitan imports, the rewrite is run
+once too and its parameters held against torchtitan's dispatcher's. The peer's grouped matmuls are
+``torch._grouped_mm`` (``--grouped-mm torch``: torchtitan's, and what eager Hugging Face runs on CPU); tracepp's
+rank scripts call the kernel the traced Mixtral calls, transformers' per-expert loop (``torch.export`` counts as
+compiling, and transformers falls back for fp32 there): ``--grouped-mm fallback`` gives the peer the same kernel.
+Every run ends with the two untimed steps of ``benchmarks/memory.py`` (peak memory per rank, ``c10d`` ops).
 """
 from __future__ import annotations
 
@@ -164,17 +179,113 @@ def alltoall(root: str, worlds=(2, 4)) -> dict:
     return out
 
 
+def step(root: str, rounds: int, warmup: int, steps: int, tolerance: float, dispatcher: str,
+         grouped_mm: str = "torch") -> dict:
+    from benchmarks import paired
+
+    from benchmarks.memory import MEMORY_STEPS, read_memory
+
+    environment = paired.env()
+    total = warmup + steps + MEMORY_STEPS  # the last two: the memory window, untimed
+    eager = paired.eager_train(MODEL, total)
+    folder = os.path.join(root, "dp2_ep2")
+    options = ["--ranks", "1", "--dp", "2", "--ep", "2", "--microbatches", "1"]
+    _run([sys.executable, "-m", "tracepp", "split", MODEL, "-o", folder, *options], environment)
+
+    def tracepp_run(round_index):
+        metrics, save, memory = (os.path.join(root, f"tracepp_{round_index}{x}") for x in (".jsonl", ".pt", "_mem"))
+        result = paired.run_logged(paired.torchrun(2, "-m", "benchmarks.tracepp_worker", folder, "--memory-dir", memory,
+                                                   "--", "--steps", str(total), "--metrics", metrics, "--quiet",
+                                                   "--on-nonfinite", "continue", "--save", save),
+                                   metrics + ".log", environment, 900)
+        result["measured"] = paired.measured(paired.read_metrics(metrics), warmup, steps)
+        result.update(save=save, memory=read_memory(memory))
+        return result
+
+    def torch_run(round_index, kind=dispatcher, count=total, tag="torch"):
+        metrics, save, memory = (os.path.join(root, f"{tag}_{round_index}{x}") for x in (".jsonl", ".pt", "_mem"))
+        result = paired.run_logged(paired.torchrun(2, "-m", "benchmarks.ep_torch_worker", "--model-file", MODEL,
+                                                   "--dispatcher", kind, "--grouped-mm", grouped_mm, "--steps",
+                                                   str(count), "--metrics", metrics, "--save", save, "--memory-dir",
+                                                   memory), metrics + ".log", environment, 900)
+        lines = paired.read_metrics(metrics)
+        result["measured"] = paired.measured(lines, warmup, steps)
+        result["dispatcher"] = lines[0].get("dispatcher") if lines else None
+        result.update(save=save, memory=read_memory(memory))
+        return result
+
+    runs = paired.run_rounds({"tracepp": tracepp_run, "torch": torch_run}, rounds)
+    summary = paired.summarize(runs)
+    ours, theirs = torch.load(runs["tracepp"][0]["save"]), torch.load(runs["torch"][0]["save"])
+    between, where = paired.max_difference(ours, theirs)
+    to_eager = {name: paired.max_difference(torch.load(runs[name][0]["save"]), eager) for name in runs}
+    used = runs["torch"][0]["dispatcher"]
+    rewrite_check = None
+    if used == "torchtitan":  # the rewrite (for machines without torchtitan) against torchtitan's own dispatcher
+        check = torch_run(0, "rewrite", total, "rewrite")
+        if not check["ok"]:
+            raise RuntimeError(f"the rewritten dispatcher failed: {check['error']}")
+        rewrite_check = paired.max_difference(torch.load(check["save"]), theirs)[0]
+    if between > tolerance or any(value[0] > tolerance for value in to_eager.values()):
+        raise AssertionError(f"parameters differ beyond {tolerance}: tracepp vs torch {between:.3g} ({where}); "
+                             f"against eager {to_eager}")
+    return {"model": "benchmarks/mixtral_model.py (8 experts top-2, hidden 128, intermediate 256, 8 layers, "
+                     "vocabulary 256, batch 8 x 64)", "processes": 2, "dp": 2, "ep": 2, "rounds": rounds,
+            "warmup_steps": warmup, "measured_steps": steps, "tolerance": tolerance,
+            "tracepp_options": options + ["run.py --on-nonfinite continue"],
+            "torch": f"benchmarks/ep_torch_worker.py: FSDP2 over dp, experts over ep by all_to_all_single, "
+                     f"dispatcher: {used}", "dispatcher": used,
+            "max_abs_diff_rewrite_vs_torchtitan_dispatcher": rewrite_check, "systems": summary,
+            **paired.ratios(summary, "tracepp", "torch"), "max_abs_diff_tracepp_torch": between,
+            "worst_parameter": where, "max_abs_diff_to_eager": {name: value[0] for name, value in to_eager.items()},
+            "losses": {name: [line["loss"] for line in runs[name][0]["measured"]] for name in runs},
+            "peer_grouped_mm": grouped_mm,
+            "peak_memory_mb_per_rank": {name: [m.get("peak_mb") for m in runs[name][0]["memory"]] for name in runs},
+            "comm_ops_per_step_rank0": {name: (runs[name][0]["memory"] or [{}])[0].get("comm_ops") for name in runs}}
+
+
+def _step_table(record: dict) -> str:
+    from tabulate import tabulate
+
+    a, b = record["systems"]["tracepp"], record["systems"]["torch"]
+    return tabulate([["dp2_ep2", 2, f"{a['step_s'] * 1000:.1f}", f"{b['step_s'] * 1000:.1f}",
+                      f"{record['ratio_paired']:.3f}", f"{a['cpu_s'] * 1000:.1f}", f"{b['cpu_s'] * 1000:.1f}",
+                      f"{record['cpu_ratio_paired']:.3f}", f"{record['max_abs_diff_tracepp_torch']:.2g}",
+                      f"{max(record['peak_memory_mb_per_rank']['tracepp'] or [0]):.1f} / "
+                      f"{max(record['peak_memory_mb_per_rank']['torch'] or [0]):.1f}",
+                      f"{record['dispatcher']}, {record['peer_grouped_mm']}"]],
+                    headers=["case", "procs", "tracepp ms", "torch ms", "tracepp/torch (paired)", "tracepp cpu ms",
+                             "torch cpu ms", "cpu ratio", "max |diff|", "peak MB tracepp / torch",
+                             "peer's dispatcher, grouped mm"])
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.expert_parallel", description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=["memory", "alltoall"])
+    parser.add_argument("what", choices=["memory", "alltoall", "step"])
+    parser.add_argument("--rounds", type=int, default=3, help="step: paired rounds")
+    parser.add_argument("--warmup", type=int, default=3, help="step: warm-up steps dropped per run")
+    parser.add_argument("--steps", type=int, default=10, help="step: measured steps per run")
+    parser.add_argument("--tolerance", type=float, default=1e-4, help="step: largest parameter difference allowed")
+    parser.add_argument("--dispatcher", default="auto", choices=["auto", "torchtitan", "rewrite"],
+                        help="step: the peer's token dispatcher (auto: torchtitan's where it imports)")
+    parser.add_argument("--grouped-mm", default="torch", choices=["torch", "fallback"],
+                        help="step: the peer's grouped matmul (torch: torch._grouped_mm, torchtitan's; fallback: "
+                             "transformers' per-expert loop, the kernel tracepp's traced Mixtral calls)")
     parser.add_argument("--out", default=os.path.join("benchmarks", "results"))
     parser.add_argument("--worlds", default="2,4", help="alltoall: the process counts to measure (default 2,4)")
     parser.add_argument("--name", default="", help="a suffix for the result file's name")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as root:
-        run = memory(root) if args.what == "memory" else alltoall(root, [int(w) for w in args.worlds.split(",")])
-        record = {"what": args.what, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S"), **run}
-    print(json.dumps({k: v for k, v in record.items() if k != "per_run"}, indent=1))
+        if args.what == "step":
+            run = step(root, args.rounds, args.warmup, args.steps, args.tolerance, args.dispatcher, args.grouped_mm)
+        else:
+            run = memory(root) if args.what == "memory" else alltoall(root, [int(w) for w in args.worlds.split(",")])
+        record = {"what": args.what, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+                  "cores": os.cpu_count(), **run}
+    if args.what == "step":
+        print(_step_table(record))
+    else:
+        print(json.dumps({k: v for k, v in record.items() if k != "per_run"}, indent=1))
     write_result(args.out, f"expert_parallel_{args.what}{args.name}", record)
     return 0
 

@@ -46,7 +46,9 @@ hand-built stages, ``PipelineStage`` and ``Schedule1F1B`` around the same tp pla
 2-core machine these measure contention. Both systems save their parameters after the last step; each is held
 against the other and against eager training of the unsplit model on the same batches (asserted within
 ``--tolerance``, the max differences recorded). tracepp runs with ``--on-nonfinite continue`` (no gradient-norm
-check; the peer checks nothing) and its defaults otherwise.
+check; the peer checks nothing) and its defaults otherwise. Every run ends with two untimed steps, the memory
+window of ``benchmarks/memory.py`` (tracepp through ``benchmarks/tracepp_worker.py``): the peak of live bytes one
+training step adds, per rank, and the ``c10d`` ops it issued.
 """
 from __future__ import annotations
 
@@ -283,7 +285,9 @@ def step(root: str, cases: list, rounds: int, warmup: int, steps: int, tolerance
 
     extra = {"HF_LLAMA_BENCH_SIZE": "tiny"} if tiny else {}
     environment = paired.env(**extra)
-    total = warmup + steps
+    from benchmarks.memory import MEMORY_STEPS, read_memory
+
+    total = warmup + steps + MEMORY_STEPS  # the last two: the memory window, untimed
     eager = paired.eager_train(STEP_MODEL, total, extra)
     out = {"model": "benchmarks/hf_llama_model.py" + (" (tiny)" if tiny else ""), "rounds": rounds,
            "warmup_steps": warmup, "measured_steps": steps, "tolerance": tolerance, "cases": {}}
@@ -298,26 +302,29 @@ def step(root: str, cases: list, rounds: int, warmup: int, steps: int, tolerance
         print(f"{case}: {nproc} processes", flush=True)
 
         def tracepp_run(round_index, folder=folder, nproc=nproc, case=case):
-            metrics, save = (os.path.join(root, f"{case}_tracepp_{round_index}{x}") for x in (".jsonl", ".pt"))
-            result = paired.run_logged(paired.torchrun(nproc, os.path.join(folder, "run.py"), "--steps", str(total),
-                                                       "--metrics", metrics, "--quiet", "--on-nonfinite", "continue",
-                                                       "--save", save),
+            metrics, save, memory = (os.path.join(root, f"{case}_tracepp_{round_index}{x}")
+                                     for x in (".jsonl", ".pt", "_mem"))
+            result = paired.run_logged(paired.torchrun(nproc, "-m", "benchmarks.tracepp_worker", folder, "--memory-dir",
+                                                       memory, "--", "--steps", str(total), "--metrics", metrics,
+                                                       "--quiet", "--on-nonfinite", "continue", "--save", save),
                                        metrics + ".log", environment, 900)
             result["measured"] = paired.measured(paired.read_metrics(metrics), warmup, steps)
-            result["save"] = save
+            result.update(save=save, memory=read_memory(memory))
             return result
 
         def torch_run(round_index, nproc=nproc, case=case, pp=pp, sp=sp):
-            metrics, save = (os.path.join(root, f"{case}_torch_{round_index}{x}") for x in (".jsonl", ".pt"))
+            metrics, save, memory = (os.path.join(root, f"{case}_torch_{round_index}{x}")
+                                     for x in (".jsonl", ".pt", "_mem"))
             command = paired.torchrun(nproc, "-m", "benchmarks.tp_torch_worker", "--model-file", STEP_MODEL, "--tp", "2",
-                                      "--pp", str(pp), "--steps", str(total), "--metrics", metrics, "--save", save)
+                                      "--pp", str(pp), "--steps", str(total), "--metrics", metrics, "--save", save,
+                                      "--memory-dir", memory)
             if pp > 1:
                 command += ["--microbatches", str(PP_MICROBATCHES)]
             if sp:
                 command += ["--sequence-parallel"]
             result = paired.run_logged(command, metrics + ".log", environment, 900)
             result["measured"] = paired.measured(paired.read_metrics(metrics), warmup, steps)
-            result["save"] = save
+            result.update(save=save, memory=read_memory(memory))
             return result
 
         runs = paired.run_rounds({"tracepp": tracepp_run, "torch": torch_run}, rounds)
@@ -334,6 +341,9 @@ def step(root: str, cases: list, rounds: int, warmup: int, steps: int, tolerance
                  "max_abs_diff_tracepp_torch": between, "worst_parameter": where,
                  "max_abs_diff_to_eager": {name: value[0] for name, value in to_eager.items()},
                  "losses": {name: [line["loss"] for line in runs[name][0]["measured"]] for name in runs},
+                 "peak_memory_mb_per_rank": {name: [m.get("peak_mb") for m in runs[name][0]["memory"]] for name in runs},
+                 "comm_ops_per_step_rank0": {name: (runs[name][0]["memory"] or [{}])[0].get("comm_ops")
+                                             for name in runs},
                  "contention": nproc > (os.cpu_count() or 1)}
         if between > tolerance or any(value[0] > tolerance for value in to_eager.values()):
             raise AssertionError(f"{case}: parameters differ beyond {tolerance}: tracepp vs torch {between:.3g} "
@@ -348,12 +358,15 @@ def _step_table(record: dict) -> str:
     rows = []
     for case, e in record["cases"].items():
         a, b = e["systems"]["tracepp"], e["systems"]["torch"]
+        memory = e["peak_memory_mb_per_rank"]
         rows.append([case, e["processes"], f"{a['step_s'] * 1000:.1f}", f"{b['step_s'] * 1000:.1f}",
                      f"{e['ratio_paired']:.3f}", f"{a['cpu_s'] * 1000:.1f}", f"{b['cpu_s'] * 1000:.1f}",
                      f"{e['cpu_ratio_paired']:.3f}", f"{e['max_abs_diff_tracepp_torch']:.2g}",
+                     f"{max(memory['tracepp'] or [0]):.1f} / {max(memory['torch'] or [0]):.1f}",
                      "contention" if e["contention"] else ""])
     return tabulate(rows, headers=["case", "procs", "tracepp ms", "torch ms", "tracepp/torch (paired)",
-                                   "tracepp cpu ms", "torch cpu ms", "cpu ratio", "max |diff|", ""])
+                                   "tracepp cpu ms", "torch cpu ms", "cpu ratio", "max |diff|",
+                                   "peak MB tracepp / torch", ""])
 
 
 def main(argv=None) -> int:

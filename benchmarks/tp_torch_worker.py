@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.gpt_model import load_model_file
+from benchmarks.memory import PeakMemory, write_memory
 
 
 def parse_args(argv=None):
@@ -57,6 +58,9 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--metrics", required=True)
     parser.add_argument("--save", default=None)
+    parser.add_argument("--memory-dir", default=None,
+                        help="peak memory of the last of the run's steps (benchmarks/memory.py; the last two steps are "
+                             "the memory window: leave them out of the timing)")
     parser.add_argument("--timeout", type=float, default=300.0)
     return parser.parse_args(argv)
 
@@ -167,8 +171,11 @@ def main(argv=None) -> None:
     params = [p for p in module.parameters() if p.requires_grad]
     optimizer = user.optimizer(params)
     reports = tp_index == 0 and pp_rank == args.pp - 1
+    memory = PeakMemory(torch.device("cpu")) if args.memory_dir else None
     for step in range(args.steps):
         inputs, kwargs, target = user.batch(step)
+        if memory is not None:
+            memory.at_step(step, args.steps)
         start, cpu_start = time.perf_counter(), time.process_time()
         if schedule is None:
             output = module(*inputs, **kwargs)
@@ -186,6 +193,8 @@ def main(argv=None) -> None:
             with open(args.metrics, "a") as handle:
                 handle.write(json.dumps({"step": step, "loss": float(loss.detach()), "step_time_s": elapsed,
                                          "cpu_time_s": cpu_time}) + "\n")
+    if memory is not None:
+        write_memory(args.memory_dir, rank, memory.stop())
     if args.save:
         full = {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
                 for name, p in module.named_parameters()}  # a collective over tp on every rank

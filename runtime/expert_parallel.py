@@ -272,9 +272,11 @@ def reduce_expert_grads(params: list, group, dp: int) -> None:
     grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params if p.grad is not None]
     if not grads:
         return
+    if group is None:  # ep = dp: no other rank holds these experts; the division alone, in place (no flat copy)
+        torch._foreach_div_(grads, float(dp))
+        return
     flat = torch.cat([g.reshape(-1) for g in grads])
-    if group is not None:
-        dist.all_reduce(flat, group=group)
+    dist.all_reduce(flat, group=group)
     flat.div_(dp)
     offset = 0
     for grad in grads:

@@ -520,10 +520,14 @@ class Pipeline:
             worst[1] = max(float(worst[1]), float(counts.max()))
             worst[2] = max(float(worst[2]), mean)
             worst[3] += dropped
-        if self.world_size > 1:  # the worst block of any pipeline rank (dropped: the most any rank saw)
+        if self.world_size > 1 and self.layout.pp > 1:
+            # the worst block of any pipeline rank (dropped: the most any rank saw); with one pipeline rank every
+            # rank holds the same blocks and, summed over the replicas above, the same counts
             result = worst.to(self.device, torch.float32)
             dist.all_reduce(result, op=dist.ReduceOp.MAX)
             worst = result.double().cpu()
+        else:
+            worst = worst.float().double()  # the same figures either way (float32, as the all-reduce carries them)
         return {"imbalance": float(worst[0]), "max": float(worst[1]), "mean": float(worst[2]),
                 "dropped": int(worst[3])}
 
