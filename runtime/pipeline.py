@@ -37,7 +37,7 @@ from .failure import PipelineError
 from .loading import load_manifest, load_rank_script
 from .script_check import check_programs, describe_program
 from . import mesh as dp_mesh
-from . import expert_parallel, tensor_parallel
+from . import expert_parallel, fast_ops, tensor_parallel
 from .stages import StageModule
 from .usercode import load_spec, load_user_module
 from .weights import load_rank_state
@@ -185,6 +185,8 @@ class Pipeline:
         for fn in stage_functions.values():  # factory ops in the stage code (torch.arange) follow the rank's device
             if "RUN_DEVICE" in getattr(fn, "__globals__", {}):
                 fn.__globals__["RUN_DEVICE"] = self.device
+            # its ops called without OpOverload's Python frame (fast_ops); dynamo traces torch's own objects
+            (fast_ops.unbind if compile else fast_ops.bind)(fn)
         # this rank's tensors only: from --load's checkpoint, or the model file's own initialisation
         pieces = [module.piece_for(manifest, size, index) for module, size, index, mesh in (
             (tensor_parallel, self.layout.tp, self.tp_index, self.tp_mesh),
