@@ -276,3 +276,45 @@ def test_cpu_binding_refused_by_the_platform_runs_unbound(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_RANK", "1")
     assert cpu_binding.bind("auto") is None
+
+
+def test_fast_ops_calls_the_same_ops_one_frame_shorter(monkeypatch):
+    # a rank script's functions share its module's globals: bind gives them a torch whose ops are the OpOverloads'
+    # C++ callables; autograd, dispatch modes and tracepp's own ops run as through OpOverload.__call__
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from tracepp.runtime import fast_ops
+
+    scope = {"torch": torch}
+    exec("def stage(x, w):\n"
+         "    y = torch.ops.aten.linear.default(torch.ops.tracepp.tp_copy.default(x), w)\n"
+         "    return torch.ops.aten.add.Tensor(y, torch.ops.aten.sum.default(y)), torch.float32\n", scope)
+    stage = scope["stage"]
+    x, w = torch.randn(3, 4, requires_grad=True), torch.randn(5, 4, requires_grad=True)
+    expected, _dtype = stage(x, w)
+    expected.sum().backward()
+    grads = (x.grad.clone(), w.grad.clone())
+    x.grad = w.grad = None
+    assert fast_ops.bind(stage) and isinstance(scope["torch"], fast_ops.FastTorch)
+    assert scope["torch"].ops.aten.linear.default is torch.ops.aten.linear.default._op
+    assert scope["torch"].ops.aten.linear is scope["torch"].ops.aten.linear  # looked up once
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Seen() as seen:
+        out, dtype = stage(x, w)
+    assert dtype is torch.float32 and torch.equal(out, expected)
+    assert "aten.linear.default" in seen.ops or "aten.mm.default" in seen.ops or "aten.addmm.default" in seen.ops
+    out.sum().backward()
+    assert torch.equal(x.grad, grads[0]) and torch.equal(w.grad, grads[1])
+    fast_ops.unbind(stage)
+    assert scope["torch"] is torch
+    monkeypatch.setenv("TRACEPP_FAST_OPS", "off")
+    assert not fast_ops.bind(stage) and scope["torch"] is torch

@@ -452,3 +452,32 @@ def test_families_written_their_own_way_shard_their_attention(monkeypatch, famil
         assert params[layer + name]["dim"] is not None, (name, params[layer + name])
     if why is not None:
         assert why[1] in params[layer + why[0]]["why"]
+
+
+
+def test_sequence_parallel_backward_gathers_a_regions_input_once(monkeypatch):
+    # q, k and v (or gate and up) each save the all-gathered input of their region: backward keeps its shard and
+    # gathers it again once for all of them, not once per linear (the gather stands in: 2 ranks faked)
+    import torch
+
+    from tracepp.runtime import tensor_parallel as tp
+
+    gathers = []
+
+    def gather(tensor, dim, groups=1):
+        gathers.append(tuple(tensor.shape))
+        return torch.cat([tensor, tensor], dim=dim)
+
+    monkeypatch.setattr(tp, "_gather", gather)
+    monkeypatch.setitem(tp._STATE, "size", 2)
+    monkeypatch.setitem(tp._STATE, "rank", 0)
+    shard = torch.randn(2, 3, 8)  # no gradient: its backward (a reduce-scatter) is not this test's
+    weights = [torch.randn(4, 8, requires_grad=True) for _ in range(3)]
+    with tp.shards_kept_for_backward():
+        whole = torch.ops.tracepp.sp_all_gather.default(shard, 1, 1)
+        out = sum(torch.nn.functional.linear(whole, w).sum() for w in weights)
+    assert len(gathers) == 1  # the forward's
+    out.backward()
+    assert len(gathers) == 2, gathers  # one more for the three weight gradients, not three
+    expected = torch.cat([shard, shard], dim=1).sum(dim=(0, 1)).expand(4, 8)
+    assert all(torch.allclose(w.grad, expected) for w in weights)
