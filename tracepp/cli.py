@@ -6,7 +6,7 @@
     tracepp check model.py [split options]      # trace, split, plan; print the stage table and warnings
     tracepp inspect out/
     tracepp plan out/ [--svg plan.svg] [--trace plan.json] [--costs measured.json] [--calibrate]
-                      [--tune [--memory-limit 20GB] [--top K] [--apply]]
+                      [--tune [--memory-limit 20GB] [--top K] [--measure K] [--apply]]
     tracepp calibrate out/ [--costs COSTS.json ...] [--comm COMM.json | --nproc N] [--fit-steps K | --no-fit]
                       [--repeats R] [--no-runtime] [--overhead busy|delay|scale] [--paired-steps P]
 """
@@ -144,7 +144,7 @@ def _plan(args) -> int:
     if args.calibrate:
         _calibrate(args)
     manifest = load_manifest(args.out)
-    if args.tune or args.apply:
+    if args.tune or args.apply or args.measure:
         return _tune(args, manifest)
     costs = load_costs(args.costs, len(manifest["stages"])) if args.costs else None
     print(plan_report(manifest, grid=True, costs=costs))
@@ -199,15 +199,19 @@ def _tune(args, manifest) -> int:
     if not kept:
         raise ValueError("no candidate fits" + (f" --memory-limit {args.memory_limit}" if limit else "")
                          + ": raise the limit, or add ranks")
+    best, rank = kept[0], 1
+    if args.measure:
+        best, rank = _measure(args, manifest, kept[:args.measure])
     if args.apply:
-        best = kept[0]
-        print(f"applying #1: --schedule {best.schedule} --stages {best.num_stages} --microbatches "
+        print(f"applying #{rank}: --schedule {best.schedule} --stages {best.num_stages} --microbatches "
               f"{best.num_microbatches} --split-points {','.join(best.split_points)}"
               + (f" --tp {best.tp}" if best.tp > 1 else "")
               + (" --sequence-parallel" if best.sequence_parallel else "")
               + (f" --ep {best.ep}" if best.ep > 1 else "")
               + (f" --activation-checkpointing {best.checkpointing}" if best.checkpointing != "none" else ""))
         written = apply_tuned(manifest, args.out, best)
+        if args.measure:
+            _write_measured(args)  # the split wrote OUT afresh
         run = launch_command(_world(written["plan"]), args.out)
         print(f"wrote {args.out} ({written['plan']['schedule']}, {len(written['stages'])} stages, "
               f"{written['plan']['num_microbatches']} microbatches); run it: {run} --steps 3")
@@ -224,6 +228,53 @@ def _optimizer_bytes(args, manifest) -> float:
     state = sum(r.get("optimizer", {}).get("state_bytes", 0) for r in ranks)
     numel = sum(r.get("optimizer", {}).get("numel", 0) for r in ranks)
     return state / numel if numel else ADAM_BYTES_PER_PARAM
+
+
+def _measure(args, manifest, candidates: list) -> tuple:
+    """``--measure K``: the plans split and run in paired rounds (``tracepp.costs.measure_plans``); prints
+    measured beside predicted, writes OUT/tune_measured.json; (the fastest measured plan, its predicted rank)."""
+    import tempfile
+
+    from tracepp.costs.measure_plans import DEFAULT_WARMUP, fastest, format_measured, measure, summarize
+    from tracepp.resplit import apply_tuned
+
+    if args.measure < 1 or args.measure_steps < 1 or args.measure_rounds < 1:
+        raise ValueError(f"--measure {args.measure} --measure-steps {args.measure_steps} --measure-rounds "
+                         f"{args.measure_rounds}: each must be at least 1")
+
+    def prepare(candidate, folder):
+        return _world(apply_tuned(manifest, folder, candidate)["plan"])
+
+    print(f"measuring the {len(candidates)} best predicted plan(s): {args.measure_rounds} paired round(s) of "
+          f"{DEFAULT_WARMUP} warm-up + {args.measure_steps} measured steps each")
+    with tempfile.TemporaryDirectory(prefix="tracepp_measure_") as work:
+        plans = measure(candidates, prepare, work, rounds=args.measure_rounds, steps=args.measure_steps)
+    rows = summarize(plans)
+    print(format_measured(rows))
+    for row in rows:
+        if row["error"]:
+            print(f"plan #{row['predicted_rank']} did not run: {row['error']}")
+    chosen = fastest(plans)
+    if chosen is None:
+        raise ValueError("none of the measured plans ran (see above): fix the error, or --apply without --measure")
+    note = ("the best predicted plan is also the fastest measured" if chosen.predicted_rank == 1 else
+            f"the fastest measured plan is #{chosen.predicted_rank} of the predicted order "
+            f"({chosen.measured_s * 1000:.1f} ms against #1's "
+            + (f"{plans[0].measured_s * 1000:.1f} ms)" if plans[0].measured_s else "failed run)"))
+    print(note)
+    args._measured_rows = rows  # written beside the plan after --apply (which splits OUT again)
+    _write_measured(args)
+    return chosen.candidate, chosen.predicted_rank
+
+
+def _write_measured(args) -> None:
+    import json
+
+    path = os.path.join(args.out, "tune_measured.json")
+    with open(path, "w") as handle:
+        json.dump({"rounds": args.measure_rounds, "measured_steps": args.measure_steps, "plans": args._measured_rows},
+                  handle, indent=1)
+    print(f"wrote {path}")
 
 
 def _calibrate(args) -> int:
@@ -373,7 +424,16 @@ def build_parser() -> argparse.ArgumentParser:
                       help="--tune: also price every plan with these expert-parallel sizes (e.g. 1,2,4; from a folder "
                            "split at --dp N without --ep; each must divide N and every block's expert count): expert "
                            "state 1/ep per rank, the all-to-all per microbatch against FSDP's gathering of the experts")
-    plan.add_argument("--apply", action="store_true", help="--tune, then split OUT again with the best plan")
+    plan.add_argument("--measure", type=int, default=0, metavar="K",
+                      help="--tune: run the K best predicted plans on this machine (each split into a folder of its "
+                           "own, a few steps each, in paired rounds whose order flips every round) and print what "
+                           "each measured beside its prediction; with --apply the fastest measured plan is applied")
+    plan.add_argument("--measure-steps", type=int, default=5, metavar="N",
+                      help="--measure: measured steps per run, after 2 warm-up steps (default 5)")
+    plan.add_argument("--measure-rounds", type=int, default=2, metavar="R",
+                      help="--measure: paired rounds, each running every plan once (default 2)")
+    plan.add_argument("--apply", action="store_true",
+                      help="--tune, then split OUT again with the best plan (with --measure: the fastest measured)")
     plan.add_argument("--schedules", default=None, help="--tune: only these schedules (comma-separated)")
     plan.add_argument("--microbatch-counts", default=None, metavar="M,M",
                       help="--tune: only these microbatch counts (default: the batch's divisors up to 128)")
