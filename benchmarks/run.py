@@ -545,6 +545,9 @@ def _derive(entry: dict) -> None:
     cpu_tp, cpu_th = ((entry.get(s) or {}).get("cpu_time_s") for s in ("tracepp", "torch"))
     entry["cpu_ratio_tracepp_over_torch"] = cpu_tp / cpu_th if cpu_tp and cpu_th else None
     entry["efficiency"] = ideal / tp if tp and ideal else None  # ideal/tracepp: 1.0 = the schedule's best
+    # ideal/torch: the lowest tracepp/torch any runtime running these stage functions could reach (plain autograd,
+    # no overhead, free comms): a tracepp/torch goal below it needs cheaper compute, not a leaner runtime
+    entry["ideal_over_torch"] = ideal / th if th and ideal else None
     entry["speedup_over_eager"] = eager / tp if tp and eager else None
     if entry["tracepp"].get("status") == "ok" and entry.get("torch", {}).get("status") == "ok":
         a, b = entry["tracepp"]["losses_first_run"], entry["torch"]["losses_first_run"]
@@ -587,7 +590,8 @@ def format_table(report: dict) -> str:
                          _ms(_time(e, "torch")), _ms(_time(e, "eager")),
                          _ms(_time(e, "ideal")), _fmt(e["tracepp"].get("tokens_per_s"), ",.0f"),
                          _fmt(e["torch"].get("tokens_per_s"), ",.0f"), _fmt(e["ratio_tracepp_over_torch"], ".2f"),
-                         _fmt(e.get("cpu_ratio_tracepp_over_torch"), ".2f"), _fmt(e["efficiency"], ".2f"),
+                         _fmt(e.get("cpu_ratio_tracepp_over_torch"), ".2f"), _fmt(e.get("ideal_over_torch"), ".2f"),
+                         _fmt(e["efficiency"], ".2f"),
                          _fmt(e.get("efficiency_stepwise"), ".2f"), _fmt(e["tracepp"].get("peak_mem_mb"), ".0f"),
                          _fmt(e["torch"].get("peak_mem_mb"), ".0f"), _fmt(e["eager"].get("peak_mem_mb"), ".0f")])
     if cuda:
@@ -596,7 +600,7 @@ def format_table(report: dict) -> str:
     else:
         headers = ["model", "R", "schedule", "M", "mb size", "tracepp ms", "predicted ms", "error %", "noise %",
                    "step error %", "torch ms", "eager ms", "ideal ms", "tracepp tok/s", "torch tok/s", "tracepp/torch",
-                   "cpu tracepp/torch", "ideal/tracepp", "step ideal/tracepp", "mem tracepp MB", "mem torch MB",
+                   "cpu tracepp/torch", "ideal/torch", "ideal/tracepp", "step ideal/tracepp", "mem tracepp MB", "mem torch MB",
                    "mem eager MB"]
     text = tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True)
     notes = [f"step time: median of measured steps (warm-up dropped) over alternating runs; tokens/s = "
@@ -610,6 +614,8 @@ def format_table(report: dict) -> str:
              "fitted to the other cases (leave one out); error = (predicted - tracepp) / tracepp; noise = "
              "(max - min) / median over the rounds of tracepp's step or of the ideal priced with each round's costs, "
              "whichever moved more: an error inside it is not the model's",
+             "ideal/torch: the ideal over torch's step, the lowest tracepp/torch a runtime with no overhead and free "
+             "comms could reach running these stage functions with plain autograd",
              "step error, step ideal/tracepp: medians over the paired steps (after the measured ones), each step "
              "priced with the stage costs its own ranks measured right before and after it",
              f"1-minute load average before each run: {_load_range(report)}",

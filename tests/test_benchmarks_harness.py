@@ -42,7 +42,7 @@ def test_tiny_suite_writes_every_system_and_field(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     # the table printed, with its headers and the case's row
     for header in ("tracepp ms", "predicted ms", "error %", "noise %", "step error %", "torch ms", "eager ms", "ideal ms",
-                   "tracepp/torch", "ideal/tracepp", "step ideal/tracepp", "mem tracepp MB"):
+                   "tracepp/torch", "ideal/torch", "ideal/tracepp", "step ideal/tracepp", "mem tracepp MB"):
         assert header in result.stdout
     assert "1f1b" in result.stdout and "problems:" not in result.stdout, result.stdout
     files = glob.glob(os.path.join(out, "*_cpu.json"))
@@ -65,6 +65,7 @@ def test_tiny_suite_writes_every_system_and_field(tmp_path):
     assert paired["errors"] == [] and len(paired["step_times"]) == 2 and len(paired["rounds"]) == 3
     assert all(set(costs) == {f"{s}{k}" for s in (0, 1) for k in "FBIW"} for costs in paired["rounds"])
     assert len(entry["ideal"]["stepwise"]) == 2 and isinstance(entry["efficiency_stepwise"], float)
+    assert entry["ideal_over_torch"] == entry["ideal"]["step_time_s"] / entry["torch"]["step_time_s"]
     # the calibrated simulator's prediction next to the measured step (one case: its overhead is its own fit)
     prediction = entry["prediction"]
     assert prediction["status"] == "ok" and prediction["step_time_s"] > 0 and prediction["fitted"] is True
