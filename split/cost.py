@@ -102,6 +102,7 @@ FORMULAS = {
     "flex_attention": _attention_flops,
     "aten::_grouped_mm": _grouped_mm_flops,
     "transformers::grouped_mm_fallback": _grouped_mm_flops,
+    "tracepp::grouped_mm": _grouped_mm_flops,  # the fallback as the rank scripts call it (split/expert_parallel.py)
 }
 def eager_flop_counter() -> FlopCounterMode:
     """``FlopCounterMode`` with the formulas it lacks (CPU sdpa, grouped matmuls): an eager count of a model's

@@ -40,7 +40,7 @@ from tracepp.split.cost import as_int, op_name, tensor_bytes
 from tracepp.split.partition import listed_module, node_modules
 
 aten = torch.ops.aten
-GROUPED_MM = ("aten::_grouped_mm", "aten::grouped_mm", "transformers::grouped_mm_fallback")
+GROUPED_MM = ("aten::_grouped_mm", "aten::grouped_mm", "transformers::grouped_mm_fallback", "tracepp::grouped_mm")
 _ROW_WISE = {  # ops a chain of expert matmuls may run between them: each row on its own
     "aten::chunk", "aten::split", "aten::silu", "aten::gelu", "aten::relu", "aten::sigmoid", "aten::tanh",
     "aten::mul", "aten::add", "aten::sub", "aten::div", "aten::neg", "aten::_to_copy", "aten::to", "aten::clamp",
@@ -337,6 +337,7 @@ def apply(graph, ep_plan: EPPlan, per_stage: list) -> None:
     for stage, blocks in zip(graph.stages, per_stage):
         g = stage.graph
         for block in blocks:
+            _eager_kernel(block)
             if block.refused:
                 continue
             if ep > 1:
@@ -344,6 +345,15 @@ def apply(graph, ep_plan: EPPlan, per_stage: list) -> None:
             else:
                 _count(g, block)
         g.lint()
+
+
+def _eager_kernel(block: MoEBlock) -> None:
+    """transformers' ``grouped_mm_fallback`` -> ``tracepp.grouped_mm``: transformers calls its per-expert loop
+    whenever it is traced in fp32 and ``torch._grouped_mm`` in eager; the op makes eager's choice at run time
+    (``runtime/expert_parallel.grouped_mm``), so the rank scripts run the kernel the model runs untraced."""
+    for matmul in block.matmuls:
+        if op_name(matmul) == "transformers::grouped_mm_fallback":
+            matmul.target = torch.ops.tracepp.grouped_mm.default
 
 
 def _set_offsets(matmul, new) -> None:

@@ -49,6 +49,33 @@ def test_without_ep_the_blocks_only_count_tokens(tmp_path):
     assert manifest["ep"]["size"] == 1 and manifest["ep"]["params"] == {} and len(manifest["ep"]["blocks"]) == 2
     script = open(os.path.join(out, "rank0.py")).read()
     assert "tracepp.moe_tokens.default" in script and "ep_dispatch" not in script
+    # the traced fallback loop runs as eager transformers chooses (tracepp.grouped_mm), not as the trace fell back
+    assert "torch.ops.tracepp.grouped_mm.default(" in script
+    assert "torch.ops.transformers.grouped_mm_fallback.default(" not in script
+
+
+def test_grouped_mm_runs_the_kernel_eager_transformers_runs_and_equals_the_loop():
+    import transformers.integrations.moe  # noqa: F401  (registers transformers::grouped_mm_fallback)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from tracepp.runtime import expert_parallel
+
+    torch.manual_seed(0)
+    for last in (10, 8):  # every row routed; two rows past the last offset (no expert took them)
+        rows, weight = torch.randn(10, 8, requires_grad=True), torch.randn(3, 8, 4, requires_grad=True)
+        offsets = torch.tensor([3, 7, last], dtype=torch.int32)
+        ours = torch.ops.tracepp.grouped_mm.default(rows, weight, offsets)
+        loop = torch.ops.transformers.grouped_mm_fallback(rows, weight, offsets)
+        plain = expert_parallel._loop_grouped_mm(rows, weight, offsets)
+        assert torch.equal(ours, loop) and torch.equal(plain, loop) and not ours[last:].any()
+        grad = torch.randn_like(ours)
+        for a, b in zip(torch.autograd.grad(ours, (rows, weight), grad), torch.autograd.grad(loop, (rows, weight), grad)):
+            assert torch.equal(a, b)  # rows no expert took get no gradient (the kernel leaves them unwritten)
+    assert expert_parallel.native_grouped_mm(rows, weight)  # CPU: the kernel, as eager transformers
+    assert not expert_parallel.native_grouped_mm(rows.half(), weight.half().to("meta"))
+    with FakeTensorMode():  # torch's shape function for the kernel takes bf16 only: fake tensors take the loop
+        assert torch.ops.tracepp.grouped_mm.default(torch.empty(10, 8), torch.empty(3, 8, 4),
+                                                    torch.empty(3, dtype=torch.int32)).shape == (10, 4)
 
 
 def test_errors_name_the_values_that_would_work():
