@@ -109,7 +109,7 @@ def main(argv=None) -> None:
         if memory is not None:
             memory.at_step(step, args.steps)
         start, cpu_start = time.perf_counter(), time.process_time()
-        loss = user.loss_fn(model(*inputs, **kwargs), target)
+        loss = user.loss_fn(model(*inputs, **kwargs), target)  # the output goes with the graph (as tracepp's)
         loss.backward()
         torch._foreach_div_([p.grad for p in experts_params if p.grad is not None], float(world))
         optimizer.step()

@@ -180,7 +180,7 @@ def alltoall(root: str, worlds=(2, 4)) -> dict:
 
 
 def step(root: str, rounds: int, warmup: int, steps: int, tolerance: float, dispatcher: str,
-         grouped_mm: str = "torch") -> dict:
+         grouped_mm: str = "torch", extra_args: tuple = ()) -> dict:
     from benchmarks import paired
 
     from benchmarks.memory import MEMORY_STEPS, read_memory
@@ -232,7 +232,7 @@ def step(root: str, rounds: int, warmup: int, steps: int, tolerance: float, disp
     return {"model": "benchmarks/mixtral_model.py (8 experts top-2, hidden 128, intermediate 256, 8 layers, "
                      "vocabulary 256, batch 8 x 64)", "processes": 2, "dp": 2, "ep": 2, "rounds": rounds,
             "warmup_steps": warmup, "measured_steps": steps, "tolerance": tolerance,
-            "tracepp_options": options + ["run.py --on-nonfinite continue"],
+            "tracepp_options": options + ["run.py --on-nonfinite continue", *extra_args],
             "torch": f"benchmarks/ep_torch_worker.py: FSDP2 over dp, experts over ep by all_to_all_single, "
                      f"dispatcher: {used}", "dispatcher": used,
             "max_abs_diff_rewrite_vs_torchtitan_dispatcher": rewrite_check, "systems": summary,
@@ -271,13 +271,15 @@ def main(argv=None) -> int:
     parser.add_argument("--grouped-mm", default="torch", choices=["torch", "fallback"],
                         help="step: the peer's grouped matmul (torch: torch._grouped_mm, torchtitan's; fallback: "
                              "transformers' per-expert loop, the kernel tracepp's traced Mixtral calls)")
+    parser.add_argument("--tracepp-args", default="", help="step: more flags for tracepp's run.py (e.g. '--cpu-bind none')")
     parser.add_argument("--out", default=os.path.join("benchmarks", "results"))
     parser.add_argument("--worlds", default="2,4", help="alltoall: the process counts to measure (default 2,4)")
     parser.add_argument("--name", default="", help="a suffix for the result file's name")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as root:
         if args.what == "step":
-            run = step(root, args.rounds, args.warmup, args.steps, args.tolerance, args.dispatcher, args.grouped_mm)
+            run = step(root, args.rounds, args.warmup, args.steps, args.tolerance, args.dispatcher, args.grouped_mm,
+                       tuple(args.tracepp_args.split()))
         else:
             run = memory(root) if args.what == "memory" else alltoall(root, [int(w) for w in args.worlds.split(",")])
         record = {"what": args.what, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S"),

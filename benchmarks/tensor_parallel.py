@@ -280,7 +280,8 @@ STEP_CASES = {"tp2": (1, False), "tp2_sp": (1, True), "pp2_tp2": (2, False), "pp
 PP_MICROBATCHES = 4
 
 
-def step(root: str, cases: list, rounds: int, warmup: int, steps: int, tolerance: float, tiny: bool) -> dict:
+def step(root: str, cases: list, rounds: int, warmup: int, steps: int, tolerance: float, tiny: bool,
+         extra_args: tuple = ()) -> dict:
     from benchmarks import paired
 
     extra = {"HF_LLAMA_BENCH_SIZE": "tiny"} if tiny else {}
@@ -306,7 +307,7 @@ def step(root: str, cases: list, rounds: int, warmup: int, steps: int, tolerance
                                      for x in (".jsonl", ".pt", "_mem"))
             result = paired.run_logged(paired.torchrun(nproc, "-m", "benchmarks.tracepp_worker", folder, "--memory-dir",
                                                        memory, "--", "--steps", str(total), "--metrics", metrics,
-                                                       "--quiet", "--on-nonfinite", "continue", "--save", save),
+                                                       "--quiet", "--on-nonfinite", "continue", "--save", save, *extra_args),
                                        metrics + ".log", environment, 900)
             result["measured"] = paired.measured(paired.read_metrics(metrics), warmup, steps)
             result.update(save=save, memory=read_memory(memory))
@@ -333,7 +334,7 @@ def step(root: str, cases: list, rounds: int, warmup: int, steps: int, tolerance
         between, where = paired.max_difference(ours, theirs)
         to_eager = {name: paired.max_difference(torch.load(runs[name][0]["save"]), eager) for name in runs}
         entry = {"processes": nproc, "pp": pp, "tp": 2, "sequence_parallel": sp,
-                 "tracepp_options": options + ["run.py --on-nonfinite continue"],
+                 "tracepp_options": options + ["run.py --on-nonfinite continue", *extra_args],
                  "torch": "parallelize_module (benchmarks/tp_torch_worker.py)"
                           + (", PipelineStage + Schedule1F1B" if pp > 1 else ""),
                  "microbatches": PP_MICROBATCHES if pp > 1 else 1, "systems": summary,
@@ -379,6 +380,7 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=10, help="step: measured steps per run")
     parser.add_argument("--tolerance", type=float, default=1e-4, help="step: largest parameter difference allowed")
     parser.add_argument("--tiny", action="store_true", help="step: the model's tiny size (a check of the harness)")
+    parser.add_argument("--tracepp-args", default="", help="step: more flags for tracepp's run.py (e.g. '--cpu-bind none')")
     parser.add_argument("--name", default="", help="a suffix for the result file's name (e.g. _contended)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as root:
@@ -387,7 +389,8 @@ def main(argv=None) -> int:
             unknown = [c for c in cases if c not in STEP_CASES]
             if unknown:
                 parser.error(f"unknown case(s) {unknown}; choose from {', '.join(STEP_CASES)}")
-            body = step(root, cases, args.rounds, args.warmup, args.steps, args.tolerance, args.tiny)
+            body = step(root, cases, args.rounds, args.warmup, args.steps, args.tolerance, args.tiny,
+                        tuple(args.tracepp_args.split()))
         else:
             body = {"exact": exact, "memory": memory, "collectives": collectives, "sequence": sequence}[args.what](root)
         record = {"what": args.what, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S"),

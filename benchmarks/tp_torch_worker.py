@@ -178,20 +178,21 @@ def main(argv=None) -> None:
             memory.at_step(step, args.steps)
         start, cpu_start = time.perf_counter(), time.process_time()
         if schedule is None:
-            output = module(*inputs, **kwargs)
-            loss = user.loss_fn(output, target)
+            loss = user.loss_fn(module(*inputs, **kwargs), target)  # the output goes with the graph (as tracepp's)
             loss.backward()
+            loss = loss.detach()
         else:
             losses = [] if pp_rank == 1 else None
             schedule.step(*(inputs if pp_rank == 0 else ()), target=target if pp_rank == 1 else None, losses=losses,
                           return_outputs=False)
             loss = torch.stack([l.detach() for l in losses]).mean() if losses is not None else None
+            del losses
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         elapsed, cpu_time = time.perf_counter() - start, time.process_time() - cpu_start
         if reports:
             with open(args.metrics, "a") as handle:
-                handle.write(json.dumps({"step": step, "loss": float(loss.detach()), "step_time_s": elapsed,
+                handle.write(json.dumps({"step": step, "loss": float(loss), "step_time_s": elapsed,
                                          "cpu_time_s": cpu_time}) + "\n")
     if memory is not None:
         write_memory(args.memory_dir, rank, memory.stop())

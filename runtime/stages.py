@@ -56,8 +56,12 @@ class StageModule(nn.Module):
 
     def state_tensors(self) -> list:
         """The tensors the stage function takes first, in the order of its parameters (with tensor parallelism,
-        this rank's shards: the stage function computes on plain local tensors)."""
-        tensors = [getattr(owner, name) for owner, name in self._state_paths]
+        this rank's shards: the stage function computes on plain local tensors). A parameter is read from its
+        owner's ``_parameters`` (where ``fully_shard`` swaps its unsharded one in; ``getattr`` reads it there too,
+        through ``nn.Module.__getattr__``: two Python calls per tensor and microbatch); buffers, and a name shadowed
+        by a plain attribute (``torch.func.functional_call``), with ``getattr``."""
+        tensors = [owner._parameters[name] if name in owner._parameters and name not in owner.__dict__
+                   else getattr(owner, name) for owner, name in self._state_paths]
         if self.local_shards:
             tensors = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
         return tensors
