@@ -579,6 +579,12 @@ def stage_source(stage: Stage, function_name: str, model_path: str = "", symbol_
     return "\n\n\n".join(parts), code.globals
 
 
+def loss_source(loss, model_path: str = "", symbol_aliases: Optional[dict] = None) -> tuple:
+    """(source, globals it needs) of ``loss_forward``: the traced loss function (``--cp``) printed as a stage is."""
+    stage = Stage(index=-1, graph=loss.graph, state=[], root_inputs=[], received=[], outputs=[], module_fqns=[])
+    return _print(prepare(stage, model_path), "loss_forward", symbol_aliases or {}, [])
+
+
 def globals_prelude(names: set) -> str:
     """Imports for the names fx's generated code refers to."""
     lines = []

@@ -266,6 +266,11 @@ def _add_split_options(parser) -> None:
                              "dim (norms, residual adds and dropout on the shards; all-gather into each column-"
                              "parallel region, reduce-scatter out of each row-parallel one), as Megatron-Core does: "
                              "each tp rank keeps and sends 1/tp of them")
+    parser.add_argument("--cp", type=int, default=1,
+                        help="context-parallel ranks per stage: spread each sample's sequence over C processes "
+                             "(2C chunks, rank r holding chunks r and 2C-1-r), keys and values all-gathered for "
+                             "attention, read from the traced graph (see docs/context-parallel.md); the job runs "
+                             "ranks x dp x cp x tp processes (default 1)")
     parser.add_argument("--dp", type=int, default=1,
                         help="data-parallel replicas of the pipeline: the job runs ranks x dp processes (default 1)")
     parser.add_argument("--dp-mode", default="fsdp", choices=["fsdp", "ddp", "hsdp"],
@@ -302,7 +307,7 @@ def _layout(args):
     from tracepp.runtime.mesh import Layout
 
     return Layout(pp=args.ranks, dp=args.dp, dp_mode=args.dp_mode, dp_shard=args.dp_shard, dp_order=args.dp_order,
-                  tp=args.tp, ep=args.ep, sequence_parallel=args.sequence_parallel)
+                  tp=args.tp, ep=args.ep, sequence_parallel=args.sequence_parallel, cp=args.cp)
 
 
 def _run_options(args):

@@ -18,10 +18,11 @@ from tracepp.modelfile import load_model_file
 from tracepp.resplit import split_options
 from tracepp.runtime.mesh import Layout
 from tracepp.runtime.run_options import RunOptions
-from tracepp.split import expert_parallel, tensor_parallel
+from tracepp.split import context_parallel, expert_parallel, tensor_parallel
 from tracepp.split.cost import per_rank_estimate
 from tracepp.split.partition import split
 from tracepp.trace import trace
+from tracepp.trace_loss import trace_loss
 
 
 def _plan(model_path: str, layout: Layout, num_stages: Optional[int], schedule: str, num_microbatches: int,
@@ -38,6 +39,11 @@ def _plan(model_path: str, layout: Layout, num_stages: Optional[int], schedule: 
     graph = split(traced, points, num_stages,                                         # 2. stage graphs
                   default_stages=layout.pp * stages_per_rank(schedule), schedule=schedule,
                   num_microbatches=num_microbatches, training=model_file.training)
+    if layout.cp > 1:                                                                 # 2a. context parallel
+        loss = trace_loss(model_file, graph) if model_file.training else None
+        cp_plan, walks, loss_walk = context_parallel.plan(graph, layout.cp, loss, model_file.training)
+        context_parallel.apply(graph, cp_plan, walks, loss, loss_walk)
+        graph.context_parallel, graph.loss = cp_plan.to_json(), loss
     if layout.tp > 1:                                                                 # 2b. tensor parallel
         tp_plan, walks = tensor_parallel.plan(graph, layout.tp, model_file.tp_plan, layout.sequence_parallel)
         tensor_parallel.apply(graph, tp_plan, walks)
