@@ -32,7 +32,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from tracepp.runtime import expert_parallel, tensor_parallel
+from tracepp.runtime import context_parallel, expert_parallel, tensor_parallel
 from tracepp.runtime.actions import Action
 from tracepp.runtime.memory import LiveMemory, storages_of
 from tracepp.runtime.shm_p2p import DEFAULT_RING_MB
@@ -65,6 +65,7 @@ class MemoryOptions:
     ep: int = 1
     expert_imbalance: float = 1.0  # rows an expert-parallel rank receives, over the balanced count
     device: str = "cpu"  # where the job runs: what its collectives and optimizer allocate
+    cp: int = 1
 
     def mode(self, stage_index: int) -> str:
         return self.recompute[stage_index] if self.recompute else "none"
@@ -308,7 +309,7 @@ def profile_stage(stage, graph, trainable: set, options: MemoryOptions, loss_fn=
     mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv()) if fake else contextlib.nullcontext()
     tracker = LiveMemory()
     figures = dict.fromkeys(STAGE_FIELDS, 0)
-    with mode, tracker, _planning_collectives(options.tp, options.ep, options.expert_imbalance):
+    with mode, tracker, _planning_collectives(options.tp, options.ep, options.expert_imbalance, options.cp):
         fake_target = None
         if target is not None:
             fake_target = pytree.tree_map_only(torch.Tensor, lambda t: torch.zeros(t.shape, dtype=t.dtype), target)
@@ -403,16 +404,17 @@ def kept_by_segment(stage, figures: dict) -> dict:
 
 
 @contextlib.contextmanager
-def _planning_collectives(tp_size: int = 1, ep_size: int = 1, imbalance: float = 1.0):
-    """The tp and ep ops' fake implementations read the group sizes from the runtime's process state; planning
+def _planning_collectives(tp_size: int = 1, ep_size: int = 1, imbalance: float = 1.0, cp_size: int = 1):
+    """The tp, ep and cp ops' fake implementations read the group sizes from the runtime's process state; planning
     sets them to the layout's (the stage graphs already hold this rank's local shapes)."""
-    tp, ep = dict(tensor_parallel._STATE), dict(expert_parallel._STATE)
+    tp, ep, cp = dict(tensor_parallel._STATE), dict(expert_parallel._STATE), dict(context_parallel._STATE)
     tensor_parallel._STATE.update(group=None, size=tp_size, rank=0)
     expert_parallel._STATE.update(group=None, size=ep_size, rank=0, planning=max(imbalance, 1.0))
+    context_parallel._STATE.update(group=None, size=cp_size, rank=0)
     try:
         yield
     finally:
-        for state, old in ((tensor_parallel._STATE, tp), (expert_parallel._STATE, ep)):
+        for state, old in ((tensor_parallel._STATE, tp), (expert_parallel._STATE, ep), (context_parallel._STATE, cp)):
             state.clear()
             state.update(old)
 

@@ -51,6 +51,15 @@ class Layout:
     def replace(self, **changes) -> "Layout":
         return dataclasses.replace(self, **changes)
 
+    def data_parallel(self) -> "Layout":
+        """The layout as FSDP/DDP see it: with context parallelism every cp rank holds the same parameters, and
+        their gradients are reduced over dp x cp, one data-parallel dim of dp * cp ranks (HSDP shards over
+        dp_shard x cp)."""
+        if self.cp == 1:
+            return self
+        return self.replace(dp=self.dp * self.cp, cp=1,
+                            dp_shard=self.dp_shard * self.cp if self.dp_shard else None)
+
     def to_json(self) -> dict:
         """The manifest's ``plan["mesh"]`` (the keys older manifests used for dp: mode, shard, order)."""
         out = {"dp": self.dp, "pp": self.pp, "mode": self.dp_mode, "shard": self.dp_shard, "order": self.dp_order}
@@ -213,9 +222,7 @@ def parameter_placements(layout: Layout, shapes: dict, tp_plan: dict, ep_plan: d
     its whole shape). FSDP shards dim 0 of what tp and ep leave over dp (the last rank's piece may be shorter);
     routed experts stay outside FSDP, whole on each of the dp / ep ranks that hold them."""
     out = {}
-    if layout.cp > 1:  # parameters are whole on every cp rank: data parallelism runs over dp x cp together
-        layout = layout.replace(dp=layout.dp * layout.cp, cp=1,
-                                dp_shard=layout.dp_shard * layout.cp if layout.dp_shard else None)
+    layout = layout.data_parallel()  # parameters are whole on every cp rank: dp x cp is one data-parallel dim
     tp_params, ep_params = tp_plan.get("params", {}), ep_plan.get("params", {}) if layout.ep > 1 else {}
     for fqn, shape in shapes.items():
         local = list(shape)

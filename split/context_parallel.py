@@ -1157,3 +1157,17 @@ class LossGraph:
                 node = next(n for n in self.graph.nodes if n.op == "placeholder" and n.name == name)
                 return sympy.sympify(_sizes(_val(node))[dim] / groups)
         return None
+
+
+def loss_callable(loss: LossGraph):
+    """``loss_fn(output, target)`` running the rewritten loss graph as the last rank's script does (for planning on
+    fake tensors: ``codegen.memory``)."""
+    import torch.utils._pytree as pytree
+
+    module = fx.GraphModule(torch.nn.Module(), loss.graph)
+
+    def loss_fn(output, target):
+        leaves = [leaf for leaf in pytree.tree_leaves(output) if isinstance(leaf, torch.Tensor)]
+        out = module(*leaves, *pytree.tree_leaves(target))
+        return out[0] if isinstance(out, (tuple, list)) else out
+    return loss_fn

@@ -54,7 +54,7 @@ def _plan(model_path: str, layout: Layout, num_stages: Optional[int], schedule: 
         graph.expert_parallel = ep_plan.to_json()
     if layout.world_size > layout.pp:  # what each rank holds of its stages: tp pieces, its experts, FSDP shards
         for stage in graph.stages:
-            stage.estimate = per_rank_estimate(stage, graph, layout, model_file.training)
+            stage.estimate = per_rank_estimate(stage, graph, layout.data_parallel(), model_file.training)
     the_plan = build_plan(schedule, layout.pp, graph.num_stages, num_microbatches,    # 3. schedule
                           topology_of(graph), model_file.training).to_json()
     if layout.dp > 1:
@@ -127,15 +127,18 @@ def memory_plan(model_file, traced, graph, the_plan: dict, layout: Layout, run: 
                                   lambda s: [str(a) for a in actions[the_plan["stage_to_rank"][s]]])
     split_backward = any(Action.parse(str(a)).kind in ("I", "W") for rank in actions.values() for a in rank)
     options = MemoryOptions(precision=run.precision, recompute=modes, split_backward=split_backward,
-                            tp=layout.tp, ep=layout.ep, expert_imbalance=run.expert_imbalance, device=run.device)
+                            tp=layout.tp, ep=layout.ep, expert_imbalance=run.expert_imbalance, device=run.device,
+                            cp=layout.cp)
     target = _microbatch_target(model_file, traced, layout) if model_file.training else None
     loss_fn = getattr(model_file.module, "loss_fn", None)
+    if graph.loss is not None:  # --cp: the loss as the last rank runs it (a sum and a count over the cp ranks)
+        loss_fn = context_parallel.loss_callable(graph.loss)
 
     def make_optimizer(named):
         return build_optimizer(model_file.module, named, name=run.optimizer or "sgd")
 
-    return plan_memory(graph, traced.model, the_plan, layout, options, loss_fn, target, make_optimizer,
-                       model_file.training)
+    return plan_memory(graph, traced.model, the_plan, layout.data_parallel(), options, loss_fn, target,
+                       make_optimizer, model_file.training)
 
 
 def _microbatch_target(model_file, traced, layout: Layout):
