@@ -151,6 +151,8 @@ def build_manifest(model_file, traced, graph, plan, launch_command: str, options
         # with --tp: each parameter's shard dim (None: replicated over tp) and the collectives per stage
         "tp": graph.tensor_parallel or None,
         "ep": graph.expert_parallel or None,
+        # with --cp: the sequence length, the chunk order, per stage the cuts and key/value gathers, the loss
+        "cp": graph.context_parallel or None,
         # what each stage keeps per microbatch (counted on fake tensors) and each pipeline rank's peak with its parts
         "memory": graph.memory or None,
         # what run.py defaults to: the precision, activation checkpointing and optimizer the memory was planned for

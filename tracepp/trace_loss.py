@@ -88,7 +88,7 @@ def trace_loss(model_file, graph) -> LossGraph:
     module = _Loss(model_file.module.loss_fn, graph.out_spec, graph.output_leaves, t_spec, len(fakes))
     try:
         program = torch.export.export(module, tuple(inputs),
-                                      dynamic_shapes=tuple(dynamic) if any(dynamic) else None)
+                                      dynamic_shapes=(tuple(dynamic),) if any(dynamic) else None)
     except Exception as error:  # noqa: BLE001 - the user's loss function: say where it broke
         raise ContextParallelError(f"--cp traces the model file's loss_fn to combine it over the cp ranks, and "
                                    f"torch.export could not: {type(error).__name__}: {str(error)[:400]}") from error
