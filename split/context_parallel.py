@@ -1015,7 +1015,236 @@ def _rewrite(g: fx.Graph, walk: _Walk, cp: int) -> None:
         if isinstance(val, (list, tuple)):
             node.meta["val"] = type(val)(_local_val(v, e[0], cp) if e is not None and isinstance(v, torch.Tensor)
                                          else v for v, e in zip(val, entries))
+    _Hoist(g, walk, cp).run()
     g.lint()
+
+
+_GATHER_THROUGH = {  # ops between a shard and its key/value gather that only repeat or regroup heads
+    aten.repeat_interleave.self_int, aten.expand.default, aten.unsqueeze.default, aten.view.default,
+    aten.reshape.default, aten._unsafe_view.default, aten.clone.default, aten.contiguous.default, aten.alias.default,
+}
+_CUT_UNARY = {aten.alias.default, aten.clone.default, aten.contiguous.default, aten.detach.default,
+              aten.lift_fresh_copy.default}
+
+
+class _Hoist:
+    """After the rewrite: each key/value all-gather moved up past the ops that only repeat heads (GQA's
+    ``repeat_kv``, ``repeat_interleave``), so it carries the key/value heads; each cut of a whole value moved up
+    to the positions it was made from (a rotary table's ``arange``, a mask's query positions: ``cp_positions``),
+    so the value is made for this rank's positions only and never whole."""
+
+    def __init__(self, g: fx.Graph, walk: _Walk, cp: int):
+        self.g, self.walk, self.cp = g, walk, cp
+        self.memo: dict = {}
+
+    def run(self) -> None:
+        for node in list(self.g.nodes):
+            if node.op == "call_function" and node.target is CP.cp_all_gather.default:
+                self._gather(node)
+        for node in list(self.g.nodes):
+            if node.op == "call_function" and node.target is CP.cp_shard.default and node.args[0].op != "placeholder":
+                x, dim = node.args[0], node.args[1]
+                groups = node.args[2] if len(node.args) > 2 else 1
+                made = self._cut_of(x, dim, groups, node)
+                if made is not node:
+                    node.replace_all_uses_with(made)
+                    self.g.erase_node(node)
+        changed = True
+        while changed:  # a metadata check alone keeps a whole value alive: both go, then what only they read
+            changed = False
+            for node in list(self.g.nodes):
+                if node.op == "call_function" and node.target in _IGNORED and len(node.args[0].users) == 1:
+                    self.g.erase_node(node)
+                    changed = True
+            changed = self.g.eliminate_dead_code() or changed
+
+    # -- gathers
+    def _gather(self, gather) -> None:
+        while True:
+            x = gather.args[0]
+            if x.op != "call_function" or x.target not in _GATHER_THROUGH or len(x.users) != 1:
+                return
+            y = x.args[0]
+            if not isinstance(y, fx.Node) or y not in self.walk.shard:
+                return
+            dim, groups = self.walk.shard[y]
+            with self.g.inserting_before(x):
+                moved = self.g.call_function(CP.cp_all_gather.default, (y, dim) + ((groups,) if groups > 1 else ()))
+            moved.meta.update({k: v for k, v in gather.meta.items() if k != "val"})
+            local = _val(y)
+            shape = list(local.shape)
+            shape[dim] = shape[dim] * self.cp
+            moved.meta["val"] = local.new_empty(shape)
+            x.replace_input_with(y, moved)
+            self._whole_sizes(x)
+            x.meta["val"] = _val(gather)
+            gather.replace_all_uses_with(x)
+            self.g.erase_node(gather)
+            gather = moved
+
+    def _whole_sizes(self, node) -> None:
+        """A view's or expand's size list back to the whole sequence (it now runs after the gather)."""
+        if node.target not in _VIEWS and node.target is not aten.expand.default:
+            return
+        dim = self.walk.shard[node][0]
+        sizes = list(node.args[1])
+        size = sizes[dim]
+        if isinstance(size, int) and size != -1:
+            sizes[dim] = size * self.cp
+        elif isinstance(size, fx.Node) and size.target is operator.floordiv:
+            sizes[dim] = size.args[0]
+        node.args = (node.args[0], sizes) + tuple(node.args[2:])
+
+    # -- cuts
+    def _cut_of(self, x, dim: int, groups: int, existing=None):
+        """A node computing this rank's positions of the whole value ``x`` on ``dim``: made from cut inputs where
+        ``x`` is computed position by position, else a ``cp_shard`` of ``x`` (``existing`` where given)."""
+        key = (x, dim, groups)
+        if key in self.memo:
+            return self.memo[key]
+        made = self._push(x, dim, groups)
+        if made is None:
+            if existing is None:
+                with self.g.inserting_after(x if x.op != "placeholder" else _last_placeholder(self.g)):
+                    existing = self.g.call_function(CP.cp_shard.default,
+                                                    (x, dim) + ((groups,) if groups > 1 else ()))
+                existing.meta.update({k: v for k, v in x.meta.items() if k in ("stack_trace", "nn_module_stack")})
+                existing.meta["val"] = _local_val(_val(x), dim, self.cp)
+            made = existing
+        self.memo[key] = made
+        return made
+
+    def _new(self, like, target, args, kwargs=None, val=None, dim=None):
+        with self.g.inserting_after(like):
+            node = self.g.call_function(target, tuple(args), dict(kwargs if kwargs is not None else like.kwargs))
+        node.meta.update({k: v for k, v in like.meta.items() if k in ("stack_trace", "nn_module_stack",
+                                                                      "source_fn_stack")})
+        node.meta["val"] = val if val is not None else _local_val(_val(like), dim, self.cp)
+        return node
+
+    def _push(self, x, dim: int, groups: int):
+        if x.op != "call_function" or not isinstance(_val(x), torch.Tensor):
+            return None
+        target = x.target
+        val = _val(x)
+        whole = _sizes(val)[dim]
+        if target is aten.arange.default and dim == 0 and groups == 1 and not x.kwargs.get("dtype") \
+                and isinstance(x.args[0], (int, fx.Node)):
+            return self._new(x, CP.cp_positions.default, [x.args[0]], {"device": x.kwargs.get("device")}, dim=0)
+        if target in _FACTORIES and target is not aten.arange.default and target is not aten.scalar_tensor.default:
+            at = 1 if target in (aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default,
+                                 aten.new_full.default) else 0
+            sizes = list(x.args[at])
+            if dim >= len(sizes):
+                return None
+            sizes[dim] = _local_size(self.g, sizes[dim], self.cp, x)
+            args = list(x.args)
+            args[at] = sizes
+            return self._new(x, target, args, dim=dim)
+        if _is_pointwise(target) or target in _KEEP or target in _CUT_UNARY:
+            if _mutates(target):
+                return None
+            n = val.dim()
+            args = []
+            for arg in x.args:
+                if isinstance(arg, fx.Node) and isinstance(_val(arg), torch.Tensor) and _val(arg).dim():
+                    at = dim - (n - _val(arg).dim())
+                    if at >= 0 and not _equal(_val(arg).shape[at], 1):
+                        if not _equal(_sizes(_val(arg))[at], whole):
+                            return None
+                        arg = self._cut_of(arg, at, groups)
+                args.append(arg)
+            return self._new(x, target, args, dim=dim)
+        if target is aten.unsqueeze.default:
+            at = x.args[1] % val.dim()
+            if at == dim:
+                return None
+            source = self._cut_of(x.args[0], dim - 1 if at < dim else dim, groups)
+            return self._new(x, target, [source, x.args[1]], dim=dim)
+        if target in (aten.transpose.int, aten.permute.default, aten.t.default):
+            ndim = val.dim()
+            if target is aten.permute.default:
+                source_dim = [d % ndim for d in x.args[1]][dim]
+            elif target is aten.transpose.int:
+                a, b = (d % ndim for d in x.args[1:3])
+                source_dim = b if dim == a else a if dim == b else dim
+            else:
+                source_dim = ndim - 1 - dim if ndim == 2 else dim
+            source = self._cut_of(x.args[0], source_dim, groups)
+            return self._new(x, target, [source] + list(x.args[1:]), dim=dim)
+        if target in _VIEWS or target is aten.expand.default:
+            source = x.args[0]
+            sval = _val(source)
+            if target is aten.expand.default:
+                at = dim - (val.dim() - sval.dim())
+                placed = (at, groups) if at >= 0 else None
+                if placed is not None and _equal(sval.shape[at], 1):
+                    placed = None  # expanded along the sequence: nothing to cut in the source
+            else:
+                placed = self.walk._view_dim(val, sval, dim, groups)
+                if placed is None:
+                    return None
+            if placed is not None:
+                source = self._cut_of(source, *placed)
+            sizes = list(x.args[1])
+            sizes[dim] = _local_size(self.g, sizes[dim], self.cp, x)
+            return self._new(x, target, [source, sizes] + list(x.args[2:]), dim=dim)
+        if target is aten.cat.default:
+            at = (x.args[1] if len(x.args) > 1 else 0) % val.dim()
+            if at == dim:
+                return None
+            parts = [self._cut_of(part, dim, groups) for part in x.args[0]]
+            return self._new(x, target, [parts] + list(x.args[1:]), dim=dim)
+        if target is aten.embedding.default:
+            ids = x.args[1]
+            if dim >= _val(ids).dim():
+                return None
+            return self._new(x, target, [x.args[0], self._cut_of(ids, dim, groups)] + list(x.args[2:]), dim=dim)
+        if target is aten.outer.default and groups == 1:
+            args = list(x.args)
+            args[dim] = self._cut_of(args[dim], 0, 1)
+            return self._new(x, target, args, dim=dim)
+        if target in _MATMULS:
+            a, b = x.args[:2]
+            va, vb = _val(a), _val(b)
+            if va.dim() < 2 or vb.dim() < 2:
+                return None
+            n = val.dim()
+            if dim == n - 2:
+                args = [self._cut_of(a, va.dim() - 2, groups), b]
+            elif dim == n - 1:
+                args = [a, self._cut_of(b, vb.dim() - 1, groups)]
+            else:
+                args = []
+                for arg, v in ((a, va), (b, vb)):
+                    at = dim - (n - v.dim())
+                    args.append(self._cut_of(arg, at, groups) if at >= 0 and not _equal(v.shape[at], 1) else arg)
+            return self._new(x, target, args, dim=dim)
+        if target is aten.index.Tensor:
+            return self._index(x, dim, groups)
+        return None
+
+    def _index(self, x, dim: int, groups: int):
+        source, indices = x.args[0], list(x.args[1])
+        used = [k for k, i in enumerate(indices) if i is not None]
+        if not used or used != list(range(len(used))):
+            return None  # only indices on the leading dims (the output: their broadcast, then the rest)
+        width = max(_val(i).dim() for i in indices if i is not None)
+        if dim < width:
+            new = []
+            for i in indices:
+                if isinstance(i, fx.Node) and _val(i).dim():
+                    at = dim - (width - _val(i).dim())
+                    if at >= 0 and not _equal(_val(i).shape[at], 1):
+                        i = self._cut_of(i, at, groups)
+                new.append(i)
+            return self._new(x, x.target, [source, new], dim=dim)
+        source = self._cut_of(source, dim - width + len(used), groups)
+        return self._new(x, x.target, [source, indices], dim=dim)
+
+
+def _last_placeholder(g: fx.Graph):
+    return [n for n in g.nodes if n.op == "placeholder"][-1]
 
 
 def _after(g: fx.Graph, node, target, args, like=None) -> fx.Node:
