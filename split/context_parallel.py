@@ -891,16 +891,34 @@ def _bytes(val) -> int:
 
 
 def _stage_record(walk: _Walk) -> dict:
-    gathered = list(dict.fromkeys(arg for _c, arg in walk.gathers))
     return {
-        "cut": sorted({arg.name for _c, arg, _d, _g in walk.cuts}),
-        "gathered": [{"value": arg.name, "shape": [str(s) for s in _val(arg).shape], "line": where(arg)}
-                     for arg in gathered],
-        "kv_bytes": sum(_bytes(_val(arg)) for arg in gathered),  # whole keys and values, per microbatch
         "reduced": [{"op": _op(n), "line": where(n)} for n in walk.sums],
         "causal": len(walk.causal),
         "sharded_values": sum(1 for n in walk.shard if n.op != "placeholder"),
     }
+
+
+def _exchange(g: fx.Graph, cp: int) -> dict:
+    """What a rewritten stage graph holds of context parallelism: the values cut to this rank's positions (by
+    the value they cut, after the cuts moved up to the positions) and its key/value all-gathers, each with its
+    whole shape; ``kv_bytes``: the whole keys and values gathered per microbatch forward (each rank receives
+    (cp - 1) / cp of them, and as many go back as dK/dV in backward's reduce-scatter)."""
+    cut, gathered, positions = [], [], 0
+    for node in g.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target is CP.cp_shard.default:
+            cut.append(node.args[0].name)
+        elif node.target is CP.cp_positions.default:
+            positions += 1
+        elif node.target is CP.cp_all_gather.default:
+            val = _val(node)
+            gathered.append({"value": node.args[0].name, "shape": [str(s) for s in val.shape],
+                             "dtype": str(val.dtype).replace("torch.", ""), "bytes": _bytes(val),
+                             "line": where(node)})
+    return {"cut": cut, "positions": positions, "gathered": gathered,
+            "kv_bytes": sum(item["bytes"] for item in gathered),
+            "kv_received_bytes_per_rank": sum(item["bytes"] for item in gathered) * (cp - 1) // cp}
 
 
 # ---- the rewrite
@@ -925,8 +943,9 @@ def apply(graph, cp_plan: CPPlan, walks: list, loss=None, loss_walk=None) -> Non
     """Rewrite every stage graph (and the loss's) in place to compute this rank's positions; a value sent as a
     shard crosses its boundary with its local shape (1/cp of the sequence)."""
     cp = cp_plan.size
-    for stage, walk in zip(graph.stages, walks):
+    for stage, walk, record in zip(graph.stages, walks, cp_plan.stages):
         _rewrite(stage.graph, walk, cp)
+        record.update(_exchange(stage.graph, cp))
     if loss is not None and loss_walk is not None:
         _rewrite(loss.graph, loss_walk, cp)
     for name, dim in cp_plan.sent.items():
@@ -1022,6 +1041,7 @@ def _rewrite(g: fx.Graph, walk: _Walk, cp: int) -> None:
 _GATHER_THROUGH = {  # ops between a shard and its key/value gather that only repeat or regroup heads
     aten.repeat_interleave.self_int, aten.expand.default, aten.unsqueeze.default, aten.view.default,
     aten.reshape.default, aten._unsafe_view.default, aten.clone.default, aten.contiguous.default, aten.alias.default,
+    aten.transpose.int, aten.permute.default,
 }
 _CUT_UNARY = {aten.alias.default, aten.clone.default, aten.contiguous.default, aten.detach.default,
               aten.lift_fresh_copy.default}

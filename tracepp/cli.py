@@ -77,8 +77,10 @@ def _check(args) -> int:
                            run=_run_options(args))
     _print_notes(manifest)
     print(stage_table(manifest))
+    from tracepp.report.context_parallel import context_parallel_table
+
     for table in (estimate_table(manifest) if manifest["plan"].get("mesh") else "", memory_table(manifest),
-                  tensor_parallel_table(manifest), expert_parallel_table(manifest)):
+                  tensor_parallel_table(manifest), expert_parallel_table(manifest), context_parallel_table(manifest)):
         if table:
             print()
             print(table)
@@ -124,8 +126,10 @@ def _inspect(args) -> int:
         print(json.dumps(inspect_json(manifest), indent=1))
         return 0
     print(stage_table(manifest))
+    from tracepp.report.context_parallel import context_parallel_table
+
     for section in (estimate_table(manifest), memory_table(manifest), boundary_table(manifest),
-                    tensor_parallel_table(manifest), expert_parallel_table(manifest)):
+                    tensor_parallel_table(manifest), expert_parallel_table(manifest), context_parallel_table(manifest)):
         if section:
             print()
             print(section)
