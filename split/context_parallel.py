@@ -1420,3 +1420,83 @@ def loss_callable(loss: LossGraph):
         out = module(*leaves, *pytree.tree_leaves(target))
         return out[0] if isinstance(out, (tuple, list)) else out
     return loss_fn
+
+
+# ---- what cp would change, per segment (the tuner's figures)
+
+def segment_figures(graph: fx.Graph, compute: list, segments: list, root_inputs: dict, fqn_of: dict,
+                    needs_grad: dict, flops: dict, computable: set, tensor_bytes) -> None:
+    """Add ``segments[k]["cp"]`` for ``plan --tune --cp-sizes``: the whole traced graph walked once (the
+    placements do not depend on the cp size), and per segment of the table (``split.partition.segment_table``,
+    nodes marked with their segment): ``sharded_flops`` (computed on sequence shards: 1/cp of them per rank;
+    attention's too, each rank's queries against every key), ``sequence_activation_bytes`` (the floating values
+    that carry a gradient and hold a shard: 1/cp kept per rank), ``kv_gather`` ([count, whole bytes] of the
+    key/value all-gathers, as moved up past head repeats: each rank receives (cp - 1)/cp of them forward and sends
+    as much back as dK/dV), ``sums`` ([count, bytes] of the partial sums all-reduced) and, of the values crossing
+    the cut before the segment, those sent as shards (``cut_sequence_bytes``, ``cut_sequence_grad_bytes``: 1/cp
+    of them per rank). A model the walk refuses gets ``{"refused": why}``; the traced ``sequence`` length says
+    which cp sizes cut it into 2 x cp chunks."""
+    from tracepp.split.partition import SEGMENT
+    from tracepp.split.tensor_parallel import whole_graph_sequence
+
+    seq = whole_graph_sequence(graph, root_inputs)
+    if seq is None or not segments:
+        return
+    try:
+        walk = _Walk(graph, seq, 2, needs_grad, {}, _expert_nodes(graph, fqn_of), True, True, fqn_of=fqn_of)
+    except Exception as error:  # noqa: BLE001 - the table only serves the tuner: never fail a split for it
+        walk, refused = None, f"{type(error).__name__}: {error}"
+    else:
+        refused = walk.refusals[0] if walk.refusals else None
+    text = str(seq)
+    if refused is not None or walk is None:
+        for seg in segments:
+            seg["cp"] = {"refused": refused, "sequence": text}
+        return
+    position = {node: index for index, node in enumerate(compute)}
+    last_use: dict = {}
+    for node in compute:
+        for arg in node.all_input_nodes:
+            if arg in position:
+                last_use[arg] = max(last_use.get(arg, -1), position[node])
+        if any(user.op == "output" for user in node.users):
+            last_use[node] = len(compute)
+    by_segment: dict = {}
+    for node in compute:
+        by_segment.setdefault(node.meta.get(SEGMENT), []).append(node)
+
+    def floating_grad(node) -> bool:
+        val = _val(node)
+        return bool(needs_grad.get(node)) and isinstance(val, torch.Tensor) and val.dtype.is_floating_point
+
+    for index, seg in enumerate(segments):
+        nodes = by_segment.get(index, [])
+        inside = set(nodes)
+        held = [n for n in nodes if n in walk.shard or n in walk.items]
+        gathered = dict.fromkeys(_gather_source(arg, walk) for consumer, arg in walk.gathers if consumer in inside)
+        sums = [n for n in nodes if n in walk.sums]
+        crossing = []
+        if index and nodes:
+            start = position[nodes[0]]
+            crossing = [n for n in compute[:start] if last_use.get(n, -1) >= start and n not in computable
+                        and isinstance(_val(n), torch.Tensor)]
+        sent = [n for n in crossing if n in walk.shard]
+        seg["cp"] = {
+            "sequence": text,
+            "sharded_flops": int(sum(flops.get(n.name, 0) for n in held)),
+            "sequence_activation_bytes": int(sum(tensor_bytes(_val(n)) for n in nodes if n in walk.shard
+                                                 and floating_grad(n))),
+            "kv_gather": [len(gathered), int(sum(tensor_bytes(_val(n)) for n in gathered))],
+            "sums": [len(sums), int(sum(tensor_bytes(_val(n)) for n in sums if isinstance(_val(n), torch.Tensor)))],
+            "cut_sequence_bytes": int(sum(tensor_bytes(_val(n)) for n in sent)),
+            "cut_sequence_grad_bytes": int(sum(tensor_bytes(_val(n)) for n in sent if floating_grad(n))),
+        }
+
+
+def _gather_source(arg, walk: _Walk):
+    """The value a key/value gather of ``arg`` moves up to (past the ops that only repeat heads): what
+    :class:`_Hoist` makes the all-gather carry."""
+    while (arg.op == "call_function" and arg.target in _GATHER_THROUGH and len(arg.users) == 1
+           and isinstance(arg.args[0], fx.Node) and arg.args[0] in walk.shard):
+        arg = arg.args[0]
+    return arg

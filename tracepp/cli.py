@@ -191,10 +191,11 @@ def _tune(args, manifest) -> int:
     counts = [int(m) for m in args.microbatch_counts.split(",")] if args.microbatch_counts else None
     tp_sizes = [int(t) for t in args.tp_sizes.split(",")] if args.tp_sizes else None
     ep_sizes = [int(e) for e in args.ep_sizes.split(",")] if args.ep_sizes else None
+    cp_sizes = [int(c) for c in args.cp_sizes.split(",")] if args.cp_sizes else None
     kept, dropped, failed = tune(manifest, calibration, memory_limit=limit, schedules=schedules,
                                  microbatch_counts=counts,
                                  optimizer_bytes_per_param=_optimizer_bytes(args, manifest),
-                                 tp_sizes=tp_sizes, ep_sizes=ep_sizes)
+                                 tp_sizes=tp_sizes, ep_sizes=ep_sizes, cp_sizes=cp_sizes)
     print(format_tuning(kept, dropped, failed, args.top, limit, current_candidate(kept, dropped, manifest)))
     noise = calibration.noise_fraction()
     if noise is not None and kept:
@@ -209,7 +210,7 @@ def _tune(args, manifest) -> int:
               f"{best.num_microbatches} --split-points {','.join(best.split_points)}"
               + (f" --tp {best.tp}" if best.tp > 1 else "")
               + (" --sequence-parallel" if best.sequence_parallel else "")
-              + (f" --ep {best.ep}" if best.ep > 1 else "")
+              + (f" --ep {best.ep}" if best.ep > 1 else "") + (f" --cp {best.cp}" if best.cp > 1 else "")
               + (f" --activation-checkpointing {best.checkpointing}" if best.checkpointing != "none" else ""))
         written = apply_tuned(manifest, args.out, best)
         run = launch_command(_world(written["plan"]), args.out)
@@ -382,6 +383,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="--tune: also price every plan with these expert-parallel sizes (e.g. 1,2,4; from a folder "
                            "split at --dp N without --ep; each must divide N and every block's expert count): expert "
                            "state 1/ep per rank, the all-to-all per microbatch against FSDP's gathering of the experts")
+    plan.add_argument("--cp-sizes", default=None, metavar="C,C",
+                      help="--tune: also price every plan with these context-parallel sizes (e.g. 1,2,4; from a folder "
+                           "split without --cp; 2C must divide the sequence): compute and sequence-held activations "
+                           "1/cp per rank, the key/value all-gathers (and dK/dV reduce-scatters) per microbatch, "
+                           "boundaries of 1/cp, cp times the processes")
     plan.add_argument("--apply", action="store_true", help="--tune, then split OUT again with the best plan")
     plan.add_argument("--schedules", default=None, help="--tune: only these schedules (comma-separated)")
     plan.add_argument("--microbatch-counts", default=None, metavar="M,M",
