@@ -5,6 +5,7 @@ communication. Root symbols (dynamic dims) are bound here from the batch's own s
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -146,10 +147,11 @@ class MicrobatchSplitter:
     def _check_sequence_shards(self, step: int, symbols: list) -> None:
         """With --sequence-parallel, every tp rank holds an equal share of each sequence: a dynamic sequence
         length must be a multiple of tp (a static one was checked at split time); with --cp, of 2 x cp (the
-        chunks of context parallelism), and of 2 x cp x tp with both."""
+        chunks of context parallelism), and with both of the least multiple of 2 x cp and cp x tp."""
         if self.context is not None:
             text, length_of, cp = self.context
-            multiple = 2 * cp * (self.sequence[2] if self.sequence is not None else 1)
+            tp = self.sequence[2] if self.sequence is not None else 1
+            multiple = math.lcm(2 * cp, cp * tp)  # 2 x cp chunks, and the 1/cp of a rank split over tp
             for bound in symbols:
                 length = length_of(bound)[0]
                 if length % multiple:

@@ -40,6 +40,7 @@ local one). The result, :class:`CPPlan`, is plain data for the manifest; :func:`
 from __future__ import annotations
 
 import operator
+import os
 from dataclasses import dataclass, field
 
 import sympy
@@ -49,8 +50,9 @@ import torch.fx as fx
 import tracepp.runtime.context_parallel  # noqa: F401  (registers torch.ops.tracepp.cp_*)
 from tracepp.split.cost import op_name
 from tracepp.split.expert_parallel import GROUPED_MM
-from tracepp.split.tensor_parallel import (_at, _equal, _floor_text, _local_val, _prod, _sizes, _val, fqn_map,
-                                           grad_flags, sequence_length, where)
+from tracepp.split.naming import frames
+from tracepp.split.tensor_parallel import (_equal, _floor_text, _local_val, _prod, _sizes, _val, fqn_map, grad_flags,
+                                           sequence_length)
 
 aten = torch.ops.aten
 CP = torch.ops.tracepp
@@ -107,6 +109,23 @@ class CPPlan:
                 "stages": self.stages, "sent": self.sent, "outputs": self.outputs, "loss": self.loss}
 
 
+_TORCH_DIR = os.path.dirname(torch.__file__)
+
+
+def where(node) -> str:
+    """``model.py:42``: the innermost frame of the node's stack trace outside torch (the model's own line, or its
+    library's, e.g. ``modeling_llama.py:123``), or ''."""
+    found = frames(node.meta.get("stack_trace")) if isinstance(node, fx.Node) else []
+    outside = [f for f in found if _TORCH_DIR not in f[0] and f"{os.sep}torch{os.sep}" not in f[0]]
+    frame = (outside or found or [None])[-1]
+    return f"{os.path.basename(frame[0])}:{frame[1]}" if frame else ""
+
+
+def _at(node) -> str:
+    line = where(node)
+    return f" at {line}" if line else ""
+
+
 def _op(node) -> str:
     target = node.target
     return getattr(target, "__name__", str(target)) if not isinstance(target, torch._ops.OpOverload) else \
@@ -125,6 +144,8 @@ def _arg(node, index: int, name: str, default=None):
     return node.kwargs.get(name, default)
 
 
+_CONVOLUTIONS = {aten.conv1d.default, aten.conv2d.default, aten.conv3d.default, aten.convolution.default,
+                 aten.conv1d.padding, aten.conv2d.padding, aten.conv_transpose1d.default}
 _ALONG = {  # ops along one dim (``dim`` is their second argument, top-k's third)
     aten.topk.default, aten.sort.default, aten.sort.stable, aten.argsort.default, aten.argsort.stable,
     aten.cumsum.default, aten.cumprod.default, aten.gather.default, aten.max.dim, aten.min.dim, aten.scatter.value,
@@ -340,6 +361,11 @@ class _Walk:
             return self._along(node, sharded)
         if target in (aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default, aten.new_full.default):
             return self._new_like(node)
+        if target in _CONVOLUTIONS and node.args[0] in self.shard and self.shard[node.args[0]][0] >= 2:
+            return self._refuse(node, "a convolution along the sequence dim: each position reads its neighbours, "
+                                      "which other cp ranks hold (a causal convolution as in Mamba would need the "
+                                      "previous chunk's last positions); keep it off the sequence, or split without "
+                                      "--cp")
         return False
 
     def _new_like(self, node) -> bool:
