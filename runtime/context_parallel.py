@@ -39,6 +39,24 @@ def set_group(group, size: int, rank: int) -> None:
     _STATE.update(group=group, size=size, rank=rank)
 
 
+def count_exchange(on: bool = True) -> None:
+    """Count the bytes this rank receives in the cp all-gathers and sends in the reduce-scatters from now on
+    (a measurement's: ``benchmarks/context_parallel.py``); :func:`exchanged` reads them."""
+    _STATE["counts"] = {"all_gather": 0, "reduce_scatter": 0, "all_gather_calls": 0, "reduce_scatter_calls": 0} \
+        if on else None
+
+
+def exchanged() -> dict:
+    return dict(_STATE.get("counts") or {})
+
+
+def _count(op: str, nbytes: int) -> None:
+    counts = _STATE.get("counts")
+    if counts is not None:
+        counts[op] += nbytes
+        counts[op + "_calls"] += 1
+
+
 def size() -> int:
     return _STATE["size"]
 
@@ -99,6 +117,7 @@ def _gather(x: torch.Tensor, dim: int, groups: int = 1) -> torch.Tensor:
         return x.clone()
     parts = [torch.empty_like(x) for _ in range(cp)]
     dist.all_gather(parts, x.contiguous(), group=_STATE["group"])
+    _count("all_gather", (cp - 1) * x.numel() * x.element_size())  # received from the other ranks
     views = [_grouped(part, dim, groups, 2) for part in parts]
     ordered = [views[c].narrow(dim + 1, 0, 1) for c in range(cp)]
     ordered += [views[2 * cp - 1 - c].narrow(dim + 1, 1, 1) for c in range(cp, 2 * cp)]
@@ -117,6 +136,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, groups: int = 1) -> torch.Tensor:
               for a, b in (chunk_order(cp, r) for r in range(cp))]
     out = torch.empty_like(inputs[0])
     dist.reduce_scatter(out, inputs, group=_STATE["group"])
+    _count("reduce_scatter", (cp - 1) * out.numel() * out.element_size())  # sent to the other ranks
     shape = list(x.shape)
     shape[dim] = shape[dim] // cp
     return out.reshape(shape)
