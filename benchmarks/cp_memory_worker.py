@@ -1,6 +1,6 @@
 """One training step of a tracepp folder through ``tracepp_runtime.Pipeline``, measuring what context parallelism
 changes on each rank: the bytes of activations kept for backward (``saved_tensors_hooks`` around the step, the
-storage behind each saved tensor counted once, parameters left out, classed by the saved tensor's last dim as
+storage behind each saved tensor counted once, parameters left out (FSDP's gathered copies too), classed by the saved tensor's last dim as
 ``benchmarks/tp_activation_worker.py`` does), and the bytes the cp all-gathers received and the reduce-scatters
 sent (the runtime's own counter, ``context_parallel.count_exchange``). Run by ``benchmarks/context_parallel.py
 memory``::
@@ -47,9 +47,15 @@ def main() -> None:
         params.add(local.untyped_storage().data_ptr())
     held, seen, by_class = [], {}, {}
 
+    def current_params() -> set:
+        """The parameters as the stages read them now: FSDP swaps in the gathered (unsharded) copies during a
+        stage's forward, whose storage is not the shard's."""
+        return params | {p.untyped_storage().data_ptr() for stage in pipe.stages.values() for p in stage.parameters()
+                         if not hasattr(p, "to_local")}
+
     def pack(tensor):
         held.append(tensor)  # alive to the step's end: its storage is not reused by a later allocation
-        if tensor.device.type == "meta" or tensor.untyped_storage().data_ptr() in params:
+        if tensor.device.type == "meta" or tensor.untyped_storage().data_ptr() in current_params():
             return tensor
         storage = tensor.untyped_storage()
         key = (storage.data_ptr(), storage.nbytes())

@@ -237,6 +237,7 @@ class Pipeline:
                 stage.autocast_dtype = self.compute_dtype
                 stage.local_shards = self.tp_mesh is not None or self.ep_mesh is not None
                 stage.sequence_shards = self.tp_mesh is not None and self.layout.sequence_parallel and not compile
+                stage.context_shards = self.cp_mesh is not None and not compile
                 self.stages[spec["index"]] = stage
         if self.mesh is not None:
             for stage in self.stages.values():

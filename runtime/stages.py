@@ -41,6 +41,7 @@ class StageModule(nn.Module):
         # backward) or "selective" (keep the matmul, attention and collective outputs, recompute the rest)
         self.recompute = False
         self.sequence_shards = False  # sequence parallel: backward keeps the shards of gathered inputs
+        self.context_shards = False  # context parallel: backward keeps this rank's shard of gathered keys/values
         self.device_type = next((t.device.type for t in state_by_fqn.values()), "cpu")
         self._state_paths = []
         for ref in spec["state"]:
@@ -73,7 +74,13 @@ class StageModule(nn.Module):
             context_shards = shards_kept_for_backward()
         else:
             context_shards = contextlib.nullcontext()
-        with context, context_shards:
+        if self.context_shards and torch.is_grad_enabled() and not self.recompute:
+            from .context_parallel import kv_shards_kept_for_backward
+
+            kv_shards = kv_shards_kept_for_backward()
+        else:
+            kv_shards = contextlib.nullcontext()
+        with context, context_shards, kv_shards:
             if self.recompute and torch.is_grad_enabled():
                 if self.recompute == "selective":
                     from .recompute import selective_context

@@ -939,9 +939,13 @@ def _exchange(g: fx.Graph, cp: int) -> dict:
             positions += 1
         elif node.target is CP.cp_all_gather.default:
             val = _val(node)
-            gathered.append({"value": node.args[0].name, "shape": [str(s) for s in val.shape],
-                             "dtype": str(val.dtype).replace("torch.", ""), "bytes": _bytes(val),
-                             "line": where(node)})
+            repeats = node.args[3] if len(node.args) > 3 else 1  # heads repeated after the exchange
+            shape = list(val.shape)
+            if repeats > 1:
+                shape[node.args[4]] = shape[node.args[4]] // repeats
+            gathered.append({"value": node.args[0].name, "shape": [str(s) for s in shape],
+                             "dtype": str(val.dtype).replace("torch.", ""), "bytes": _bytes(val) // repeats,
+                             "repeats": repeats, "line": where(node)})
     return {"cut": cut, "positions": positions, "gathered": gathered,
             "kv_bytes": sum(item["bytes"] for item in gathered),
             "kv_received_bytes_per_rank": sum(item["bytes"] for item in gathered) * (cp - 1) // cp}
@@ -1107,6 +1111,8 @@ class _Hoist:
     # -- gathers
     def _gather(self, gather) -> None:
         while True:
+            if self._repeat_heads(gather):
+                return
             x = gather.args[0]
             if x.op != "call_function" or x.target not in _GATHER_THROUGH or len(x.users) != 1:
                 return
@@ -1127,6 +1133,55 @@ class _Hoist:
             gather.replace_all_uses_with(x)
             self.g.erase_node(gather)
             gather = moved
+
+    def _repeat_heads(self, gather) -> bool:
+        """A gather of heads repeated for grouped-query attention (``repeat_interleave(n, dim=h)``, or
+        ``repeat_kv``'s ``unsqueeze -> expand -> reshape``): one gather of the key/value heads that repeats them
+        after the exchange (its ``repeats`` and ``head_dim``), so the bytes moved and the shard backward keeps are
+        the key/value heads'. True where it took the repeat in."""
+        x = gather.args[0]
+        if len(gather.args) > 3 or x.op != "call_function" or len(x.users) != 1:
+            return False
+        if x.target is aten.repeat_interleave.self_int:
+            source, repeats = x.args[0], x.args[1]
+            head = _arg(x, 2, "dim")
+            if not isinstance(repeats, int) or head is None or source not in self.walk.shard:
+                return False
+            head %= _val(source).dim()
+            chain = [x]
+        elif x.target in _VIEWS and isinstance(x.args[0], fx.Node) and x.args[0].target is aten.expand.default \
+                and len(x.args[0].users) == 1 and isinstance(x.args[0].args[0], fx.Node) \
+                and x.args[0].args[0].target is aten.unsqueeze.default and len(x.args[0].args[0].users) == 1:
+            expand, unsqueeze = x.args[0], x.args[0].args[0]
+            source = unsqueeze.args[0]
+            if source not in self.walk.shard:
+                return False
+            ndim = _val(source).dim()
+            at = unsqueeze.args[1] % (ndim + 1)
+            head = at - 1
+            repeats = _val(expand).shape[at]
+            merged = list(_val(source).shape)
+            if head < 0 or not isinstance(repeats, int) or head == self.walk.shard[source][0]:
+                return False
+            merged[head] = merged[head] * repeats
+            out = list(_val(x).shape)  # this rank's shape (the rewrite made it local)
+            if len(out) != ndim or any(not _equal(a, b) for a, b in zip(out, merged)):
+                return False
+            chain = [x, expand, unsqueeze]
+        else:
+            return False
+        dim, groups = self.walk.shard[source]
+        if head == dim:
+            return False
+        with self.g.inserting_before(gather):
+            fused = self.g.call_function(CP.cp_all_gather.default, (source, dim, groups, repeats, head))
+        fused.meta.update({k: v for k, v in gather.meta.items()})
+        gather.replace_all_uses_with(fused)
+        self.g.erase_node(gather)
+        for node in chain:
+            if not node.users:
+                self.g.erase_node(node)
+        return True
 
     def _whole_sizes(self, node) -> None:
         """A view's or expand's size list back to the whole sequence (it now runs after the gather)."""
