@@ -163,6 +163,7 @@ class _StageRun:
         self.module.recompute = options.mode(stage.index) if options.mode(stage.index) != "none" else False
         self.pool = []  # receive buffers given back after a backward: the executor keeps them for reuse
         self.module.sequence_shards = sequence_shards
+        self.module.context_shards = options.cp > 1  # keys and values kept as this rank's shard (runtime/context_parallel)
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         rest = placeholders[len(stage.state):]
         roots, rest = rest[:len(stage.root_inputs)], rest[len(stage.root_inputs):]
