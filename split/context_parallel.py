@@ -1086,6 +1086,7 @@ class _Hoist:
     def __init__(self, g: fx.Graph, walk: _Walk, cp: int):
         self.g, self.walk, self.cp = g, walk, cp
         self.memo: dict = {}
+        self.like = None
 
     def run(self) -> None:
         for node in list(self.g.nodes):
@@ -1095,6 +1096,7 @@ class _Hoist:
             if node.op == "call_function" and node.target is CP.cp_shard.default and node.args[0].op != "placeholder":
                 x, dim = node.args[0], node.args[1]
                 groups = node.args[2] if len(node.args) > 2 else 1
+                self.like = node  # a cut that moves up to an input keeps the line of the use it serves
                 made = self._cut_of(x, dim, groups, node)
                 if made is not node:
                     node.replace_all_uses_with(made)
@@ -1209,7 +1211,8 @@ class _Hoist:
                 with self.g.inserting_after(x if x.op != "placeholder" else _last_placeholder(self.g)):
                     existing = self.g.call_function(CP.cp_shard.default,
                                                     (x, dim) + ((groups,) if groups > 1 else ()))
-                existing.meta.update({k: v for k, v in x.meta.items() if k in ("stack_trace", "nn_module_stack")})
+                source = x if x.meta.get("stack_trace") or self.like is None else self.like
+                existing.meta.update({k: v for k, v in source.meta.items() if k in ("stack_trace", "nn_module_stack")})
                 existing.meta["val"] = _local_val(_val(x), dim, self.cp)
             made = existing
         self.memo[key] = made
