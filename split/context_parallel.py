@@ -225,6 +225,9 @@ class _Walk:
         if node.op == "output":
             for arg in node.args[0] if isinstance(node.args[0], (list, tuple)) else [node.args[0]]:
                 placed = self.shard.get(arg) if isinstance(arg, fx.Node) else None
+                if placed is not None and self.last and not self.training and not self.loss:
+                    self.gathers.append((node, arg))  # forward only: the model's outputs leave whole
+                    placed = None
                 self.outputs.append(placed)
                 if placed is not None:
                     self.sends[arg] = placed

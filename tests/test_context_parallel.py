@@ -164,3 +164,15 @@ def test_the_tuner_prices_cp():
     assert sorted(c.cp for c in kept) == [1, 2, 4] and all(c.to_json()["cp"] == c.cp for c in kept)
     with pytest.raises(ValueError, match=r"does not cut into 2 x cp chunks for cp in \[3\]; use cp in \[1, 2, 4, 8\]"):
         tune(manifest, calibration, schedules=["1f1b"], microbatch_counts=[4], cp_sizes=[1, 3])
+
+
+def test_a_forward_only_model_returns_its_outputs_whole(tmp_path):
+    # no loss_fn: the last stage's outputs are all-gathered over cp, so --save-outputs and eval see whole values
+    source = open(model_path("tp_llama")).read()
+    with open(tmp_path / "forward_llama.py", "w") as handle:
+        handle.write(source.split("\ndef example_target")[0] + "\n\ndef batch(step):\n    return (_data(step)[0],), {}, None\n")
+    manifest = check_model(str(tmp_path / "forward_llama.py"), num_microbatches=2, layout=Layout(pp=2, cp=2))
+    assert not manifest["training"]
+    last = manifest["cp"]["stages"][-1]
+    assert [g["shape"] for g in last["gathered"]][-1] == ["4", "16", "64"]  # the logits, whole
+    assert manifest["cp"]["outputs"] == [None]
