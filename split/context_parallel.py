@@ -183,8 +183,8 @@ class _Walk:
         self.causal: list = []  # sdpa nodes with is_causal: a mask from this rank's query positions
         self.sums: dict = {}  # node -> global count (mean) or None (sum): partial sum over the sequence
         self.losses: dict = {}  # loss node -> its reduction ("mean" | "sum")
-        self.sizes: list = []  # (node, sym_size of a shard's sequence dim): the local size, times cp
-        self.local_factories: dict = {}  # factory node in an expert block -> dims whose token count is local
+        self.sizes: list = []  # sym_size nodes of a shard's sequence dim: the local size, times cp (the whole)
+        self.local_factories: dict = {}  # factory node -> (dim, groups) it is made local on (expert rows, buffers)
         self.sends: dict = {}  # sharded output -> (dim, groups)
         self.outputs: list = []  # per output: (dim, groups) or None
         self.refusals: list = []
@@ -201,11 +201,6 @@ class _Walk:
 
     def _global(self, node, dim):
         return _sizes(_val(node))[dim]
-
-    def _inner(self, node) -> sympy.Expr:
-        """Elements of a shard's dim per position and sequence (1 for a plain sequence dim)."""
-        dim, groups = self.shard[node]
-        return sympy.simplify(self._global(node, dim) / (groups * self.seq))
 
     def _seq_dims(self, val) -> list:
         """The dims of a whole value whose size is the sequence length (candidates for a cut)."""
@@ -1057,8 +1052,11 @@ def _rewrite(g: fx.Graph, walk: _Walk, cp: int) -> None:
             sizes = list(node.args[1])
             sizes[dim] = _local_size(g, sizes[dim], cp, node)
             node.args = (node.args[0], sizes) + tuple(node.args[2:])
-        elif node.target is aten.unflatten.int:
-            pass
+        elif node.target is aten.unflatten.int:  # (x, dim, sizes): the sizes the unflattened dim becomes
+            start, sizes = node.args[1] % len(_val(node).shape), list(node.args[2])
+            if start <= dim < start + len(sizes):
+                sizes[dim - start] = _local_size(g, sizes[dim - start], cp, node)
+                node.args = (node.args[0], node.args[1], sizes)
         val = _val(node)
         if isinstance(val, torch.Tensor):
             node.meta["val"] = _local_val(val, dim, cp)
