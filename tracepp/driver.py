@@ -57,7 +57,7 @@ def _plan(model_path: str, layout: Layout, num_stages: Optional[int], schedule: 
             stage.estimate = per_rank_estimate(stage, graph, layout.data_parallel(), model_file.training)
     the_plan = build_plan(schedule, layout.pp, graph.num_stages, num_microbatches,    # 3. schedule
                           topology_of(graph), model_file.training).to_json()
-    if layout.dp > 1:
+    if layout.dp * layout.cp > 1:  # FSDP/DDP wrap the stages (over dp x cp with context parallelism)
         _check_shared_on_one_rank(graph, the_plan, schedule, layout)
     if layout.world_size > layout.pp:
         the_plan["mesh"] = layout.to_json()
@@ -89,7 +89,8 @@ def _check_shared_on_one_rank(graph, the_plan: dict, schedule: str, layout: Layo
         same = sorted({r for r in ranks if ranks.count(r) > 1})
         if same:
             stages = [s for s in ref.stages if to_rank[s] == same[0]]
-            raise ValueError(f"--dp {layout.dp} with schedule {schedule!r} puts stages {stages[0]} and {stages[1]}, "
+            what = f"--dp {layout.dp}" if layout.cp == 1 else f"--cp {layout.cp} (FSDP/DDP over dp x cp)"
+            raise ValueError(f"{what} with schedule {schedule!r} puts stages {stages[0]} and {stages[1]}, "
                              f"which share {' = '.join(ref.aliases)}, on rank {same[0]}: {layout.dp_mode} wraps each "
                              f"stage as one unit and cannot hold one parameter twice. Use a schedule that places "
                              f"them on different ranks (interleaved-zb, interleaved-1f1b, 1f1b), or untie the "
