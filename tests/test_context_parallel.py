@@ -176,3 +176,9 @@ def test_a_forward_only_model_returns_its_outputs_whole(tmp_path):
     last = manifest["cp"]["stages"][-1]
     assert [g["shape"] for g in last["gathered"]][-1] == ["4", "16", "64"]  # the logits, whole
     assert manifest["cp"]["outputs"] == [None]
+
+
+def test_a_tied_weight_on_one_rank_is_refused_as_fsdp_wraps_over_cp():
+    # zbv places stages 0 and 3 (the tied embedding and head) on rank 0; FSDP over dp x cp cannot hold it twice
+    with pytest.raises(ValueError, match=r"--cp 2 \(FSDP/DDP over dp x cp\) with schedule 'zbv' puts stages 0 and 3"):
+        check_model(model_path("tp_llama"), schedule="zbv", num_microbatches=4, layout=Layout(pp=2, cp=2))
