@@ -12,7 +12,8 @@ activation checkpointing, at cp 2 and 4, with dp 2 (FSDP, DDP, HSDP over
 dp x cp), with tp 2 and sequence parallelism, with a dynamic sequence, with ``--compile``; the Hugging Face
 families of ``tests/zoo/cp_hf.py`` (Llama, Qwen3, Gemma3 with a 5-token sliding window, GPT-2, Mixtral,
 DeepSeek-V3 MLA) with targets padded by ignore_index unevenly over the cp ranks, in sdpa and eager attention,
-with ``--ep 2`` taken from the cp ranks, with tp 2 and sequence parallelism, at cp 4.
+with ``--ep 2`` taken from the cp ranks, with tp 2 and sequence parallelism, at cp 4, with a ``[batch, seq]``
+padding mask passed as an input.
 
 ``memory`` measures what cp saves on the benchmark-size Llama (``TP_LLAMA_SIZE=bench``: hidden 512, 8 heads, 4
 key/value heads, SwiGLU 1536, vocabulary 8192, 4 layers) at pp 2, 1F1B, 2 microbatches of 4 samples x 64
@@ -111,6 +112,8 @@ def cases() -> list:
         _case("hf gemma3 pp1 cp4 padded (window 5 over chunks of 2)", "tests/zoo/cp_hf.py", dict(pp=1, cp=4),
               env={"CP_HF_FAMILY": "gemma3"}),
         _case("hf gpt2 pp2 cp4 padded", "tests/zoo/cp_hf.py", dict(pp=2, cp=4), env={"CP_HF_FAMILY": "gpt2"}),
+        _case("hf llama pp2 cp2 [batch, seq] attention_mask input", "tests/zoo/cp_hf.py", dict(pp=2, cp=2),
+              env={"CP_HF_FAMILY": "llama", "CP_HF_PAD": "0", "CP_HF_MASK": "1"}),
     ]
     return out
 

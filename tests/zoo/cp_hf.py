@@ -14,7 +14,9 @@ The targets are next tokens with ``ignore_index`` (-100) padding, 5 positions pe
 each (``CP_HF_PAD=0`` turns it off): with ``--cp`` the padding lands unevenly on the ranks (at cp 2 sample 0's
 padding is 4 tokens on rank 0 and 1 on rank 1), so a mean over each rank's own tokens would differ from eager's.
 Every sample has the same count, so the mean of any microbatch (or replica) is the batch's, as tracepp's
-pipeline assumes.
+pipeline assumes. ``CP_HF_MASK=1`` (with ``CP_HF_PAD=0``) passes a ``[batch, seq]`` padding ``attention_mask`` instead
+(each sample's last 3 positions, their targets ignored), from which the model builds its 4-D mask inside
+``forward``.
 """
 import os
 
@@ -25,6 +27,7 @@ VOCAB, SEQ, BATCH = 64, 16, 4
 FAMILY = os.environ.get("CP_HF_FAMILY", "llama")
 ATTENTION = os.environ.get("CP_HF_ATTENTION", "sdpa")
 PAD = os.environ.get("CP_HF_PAD", "1") == "1"
+MASK = os.environ.get("CP_HF_MASK", "0") == "1"  # pass a [batch, seq] attention_mask
 FAMILIES = ("llama", "qwen3", "gemma3", "gpt2", "mixtral", "deepseek_v3")
 LAYERS = {"gpt2": "transformer.h"}
 
@@ -74,7 +77,13 @@ def batch(step):
         # microbatch or replica mean is the batch's) but spread unevenly over the cp ranks' chunks
         for sample, start in enumerate((11, 0, 6, 3)):
             target[sample, start:start + 5] = -100
-    return (ids,), {"use_cache": False}, target
+    kwargs = {"use_cache": False}
+    if MASK:  # a [batch, seq] padding mask (the model builds its 4-D mask from it): each sample's last 3 positions
+        mask = torch.ones(BATCH, SEQ, dtype=torch.long)
+        mask[:, -3:] = 0
+        target[:, -3:] = -100
+        kwargs["attention_mask"] = mask
+    return (ids,), kwargs, target
 
 
 def example_inputs():
