@@ -348,6 +348,8 @@ def rank_script(manifest: dict, rank: int, graph, model_path: str, extract_block
         "",
         "",
         f"STAGE_FUNCTIONS = {{{functions}}}",
+        "# the repeated blocks each stage calls (activation checkpointing recomputes them one by one)",
+        f"STAGE_BLOCKS = {code.calls!r}",
         "",
         "",
         _shapes_function(manifest, rank_stages),

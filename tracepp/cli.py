@@ -290,13 +290,17 @@ def _add_split_options(parser) -> None:
                              "to it (default fp32)")
     parser.add_argument("--activation-checkpointing", default="none", metavar="MODE",
                         help="none, full, selective (keep matmul, attention and collective outputs, recompute the "
-                             "rest), in-flight (full where a stage holds several microbatches), or one of "
-                             "none/full/selective per stage, comma-separated: memory is counted with it, and run.py "
-                             "defaults to it (default none)")
+                             "rest), in-flight (full where a stage holds several microbatches), one of "
+                             "none/full/selective per stage, comma-separated, or auto (each stage's chosen to fit "
+                             "--memory-limit): memory is counted with it, and run.py defaults to it (default none)")
     parser.add_argument("--expert-imbalance", type=float, default=1.0, metavar="X",
                         help="with --ep: plan each rank's memory for receiving X times the balanced number of "
                              "routed rows for its experts (the busiest expert over the mean, as run.py's metrics "
                              "report 'experts max/mean'; default 1: balanced)")
+    parser.add_argument("--memory-limit", default=None, metavar="SIZE",
+                        help="the bytes a rank may hold at its peak (e.g. 80GB, 75GiB): with --activation-"
+                             "checkpointing auto each stage's checkpointing is chosen to fit it; otherwise a plan "
+                             "over it is refused, naming the ranks and what would fit")
     parser.add_argument("--device", default=None, choices=["cpu", "cuda"],
                         help="where the job will run, for the memory plan: cuda (NCCL; torch's optimizers take "
                              "their foreach kernels) or cpu (gloo, shared-memory rings); default: cuda if this "
@@ -321,9 +325,13 @@ def _run_options(args):
 
     import torch
 
+    from tracepp.costs.search import parse_bytes
+
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    limit = parse_bytes(args.memory_limit) if args.memory_limit else None
     return RunOptions(precision=args.precision, activation_checkpointing=args.activation_checkpointing,
-                      optimizer=args.optimizer, expert_imbalance=args.expert_imbalance, device=device)
+                      optimizer=args.optimizer, expert_imbalance=args.expert_imbalance, device=device,
+                      memory_limit=limit)
 
 
 def _split_points(text):

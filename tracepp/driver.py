@@ -61,8 +61,8 @@ def _plan(model_path: str, layout: Layout, num_stages: Optional[int], schedule: 
         _check_shared_on_one_rank(graph, the_plan, schedule, layout)
     if layout.world_size > layout.pp:
         the_plan["mesh"] = layout.to_json()
-    graph.memory = memory_plan(model_file, traced, graph, the_plan, layout, run)            # 3b. memory per rank
-    return model_file, traced, graph, the_plan
+    graph.memory, run = memory_plan(model_file, traced, graph, the_plan, layout, run)       # 3b. memory per rank
+    return model_file, traced, graph, the_plan, run
 
 
 def split_model(model_path: str, out_dir: str, num_stages: Optional[int] = None, schedule: str = "1f1b",
@@ -71,10 +71,11 @@ def split_model(model_path: str, out_dir: str, num_stages: Optional[int] = None,
     """``tracepp split``: the folder ``out_dir`` for ``layout`` (pipeline ranks, data, tensor and expert
     parallelism: one value) and ``run`` (the precision, activation checkpointing and optimizer its memory is
     planned for, and run.py defaults to); returns its manifest."""
-    model_file, traced, graph, the_plan = _plan(model_path, layout, num_stages, schedule, num_microbatches,
-                                                split_points, dynamic_shapes, run)
+    model_file, traced, graph, the_plan, planned = _plan(model_path, layout, num_stages, schedule,
+                                                         num_microbatches, split_points, dynamic_shapes, run)
     options = split_options(model_path, layout, num_stages, schedule, num_microbatches, split_points,
                             dynamic_shapes, graph, run)
+    options["run_options"], options["requested_run_options"] = planned.to_json(), run.to_json()
     manifest = emit(out_dir, model_file, traced, graph, the_plan, launch_command(layout.world_size),  # 4. output
                     options)
     return manifest
@@ -108,10 +109,10 @@ def check_model(model_path: str, num_stages: Optional[int] = None, schedule: str
                 num_microbatches: int = 4, split_points: Optional[list] = None, dynamic_shapes=None,
                 layout: Layout = Layout(pp=2), run: RunOptions = RunOptions()) -> dict:
     """``tracepp check``: trace, split and plan as :func:`split_model` does, and return the manifest unwritten."""
-    model_file, traced, graph, the_plan = _plan(model_path, layout, num_stages, schedule, num_microbatches,
-                                                split_points, dynamic_shapes, run)
+    model_file, traced, graph, the_plan, planned = _plan(model_path, layout, num_stages, schedule,
+                                                         num_microbatches, split_points, dynamic_shapes, run)
     return build_manifest(model_file, traced, graph, the_plan, launch_command(layout.world_size),
-                          {"run_options": run.to_json()})
+                          {"run_options": planned.to_json()})
 
 
 def memory_plan(model_file, traced, graph, the_plan: dict, layout: Layout, run: RunOptions) -> dict:
@@ -124,8 +125,9 @@ def memory_plan(model_file, traced, graph, the_plan: dict, layout: Layout, run: 
     from tracepp.runtime.optim import build_optimizer
 
     actions = the_plan["actions"]
-    modes = recompute.stage_modes(run.activation_checkpointing, graph.num_stages,
-                                  lambda s: [str(a) for a in actions[the_plan["stage_to_rank"][s]]])
+    modes = None if run.activation_checkpointing == "auto" else recompute.stage_modes(
+        run.activation_checkpointing, graph.num_stages,
+        lambda s: [str(a) for a in actions[the_plan["stage_to_rank"][s]]])
     split_backward = any(Action.parse(str(a)).kind in ("I", "W") for rank in actions.values() for a in rank)
     options = MemoryOptions(precision=run.precision, recompute=modes, split_backward=split_backward,
                             tp=layout.tp, ep=layout.ep, expert_imbalance=run.expert_imbalance, device=run.device,
@@ -138,8 +140,39 @@ def memory_plan(model_file, traced, graph, the_plan: dict, layout: Layout, run: 
     def make_optimizer(named):
         return build_optimizer(model_file.module, named, name=run.optimizer or "sgd")
 
-    return plan_memory(graph, traced.model, the_plan, layout.data_parallel(), options, loss_fn, target,
-                       make_optimizer, model_file.training)
+    memory = plan_memory(graph, traced.model, the_plan, layout.data_parallel(), options, loss_fn, target,
+                         make_optimizer, model_file.training, run.memory_limit)
+    chosen = memory.get("checkpointing")
+    if chosen is not None:  # --activation-checkpointing auto: what run.py applies is the choice
+        modes = chosen["modes"]
+        run = run.replace(activation_checkpointing=modes[0] if len(set(modes)) == 1 else ",".join(modes))
+    check_fits(memory, run)
+    return memory, run
+
+
+def check_fits(memory: dict, run: RunOptions) -> None:
+    """With ``--memory-limit``: refuse a plan whose peak on some rank is over it, naming the ranks, their peaks
+    and parts, and what would fit."""
+    limit = run.memory_limit
+    ranks = memory.get("ranks") or []
+    over = [(rank, entry) for rank, entry in enumerate(ranks) if entry["peak_bytes"] > (limit or float("inf"))]
+    if not over:
+        return
+    from tracepp.runtime.memory_fit import size_text as size
+
+    rank, entry = max(over, key=lambda item: item[1]["peak_bytes"])
+    parts = ", ".join(f"{name} {size(value)}" for name, value in entry["parts"].items() if value)
+    fits = [mode for mode, peaks in (memory.get("alternatives") or {}).items() if max(peaks) <= limit]
+    if run.activation_checkpointing == "auto":
+        advice = "even with every stage's checkpointing full it does not fit"
+    elif fits:
+        advice = f"--activation-checkpointing {' or '.join(fits)} fits (auto chooses per stage)"
+    else:
+        advice = "no activation checkpointing of every stage fits; --activation-checkpointing auto chooses per stage"
+    raise ValueError(f"--memory-limit {size(limit)}: {len(over)} of {len(ranks)} pipeline ranks do not fit; rank "
+                     f"{rank} peaks at {size(entry['peak_bytes'])} ({entry.get('at')}: {parts}). {advice}; "
+                     f"more pipeline ranks (--ranks), a larger --tp or --ep, or FSDP over more --dp ranks hold less per "
+                     f"rank (`tracepp inspect` after a split without the limit shows the parts)")
 
 
 def _microbatch_target(model_file, traced, layout: Layout):

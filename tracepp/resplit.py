@@ -58,7 +58,9 @@ def resplit(manifest: dict, out_dir: str, **changes) -> dict:
     from tracepp.runtime.run_options import RunOptions
 
     layout = recorded_layout(options).replace(**changes.pop("layout", {}))
-    run = RunOptions.from_json(options.get("run_options")).replace(**changes.pop("run", {}))
+    # what was asked (``auto`` checkpointing is chosen again for the new plan), else what was planned
+    run = RunOptions.from_json(options.get("requested_run_options") or options.get("run_options")).replace(
+        **changes.pop("run", {}))
     options.update(changes)
     model_path = options["model"]
     if not os.path.isfile(model_path):

@@ -65,6 +65,7 @@ from typing import Optional
 
 from tracepp.costs.model import (Calibration, message_bytes, predict_plan, same_model, segment_lines, split_costs,
                                  split_optimizer, stage_of_segments, traced_microbatch)
+from tracepp.codegen.memory import NEXT_MODE as _NEXT_MODE, RECOMPUTE_SHARE
 from tracepp.costs import context_parallel
 from tracepp.runtime.mesh import mesh_layout
 
@@ -725,13 +726,6 @@ def tune(manifest: dict, calibration: Calibration, memory_limit: Optional[int] =
     kept.sort(key=lambda c: (round(c.step_s * c.tp * c.cp, 12), order.get(c.schedule, 99), c.num_stages,
                              c.num_microbatches, c.split, c.tp, c.sequence_parallel, c.ep, c.cp))
     return kept, dropped, failed
-
-
-# the share of a stage's forward time its backward runs again: full checkpointing recomputes the whole forward,
-# torchtitan's selective policy the ops between the matmuls, attention and collectives (measured on CPU, Llama
-# hidden 512 and 1024: 0.22 - 0.47 of a forward, 0.80 - 0.99 for full; benchmarks/studies/recompute_cost.py)
-RECOMPUTE_SHARE = {"none": 0.0, "selective": 0.25, "full": 1.0}
-_NEXT_MODE = {"none": "selective", "selective": "full"}
 
 
 def recompute_costs(costs: dict, modes: list) -> dict:
