@@ -22,7 +22,7 @@ import torch
 import torch.utils._pytree as pytree
 
 import tracepp
-from tracepp.codegen.stage_code import globals_prelude, rank_code
+from tracepp.codegen.stage_code import globals_prelude, loss_source, rank_code
 from tracepp.runtime.loading import MANIFEST_FORMAT
 from tracepp.runtime.mesh import describe, mesh_layout, parameter_placements
 from tracepp.runtime.run_options import RunOptions
@@ -151,6 +151,8 @@ def build_manifest(model_file, traced, graph, plan, launch_command: str, options
         # with --tp: each parameter's shard dim (None: replicated over tp) and the collectives per stage
         "tp": graph.tensor_parallel or None,
         "ep": graph.expert_parallel or None,
+        # with --cp: the sequence length, the chunk order, per stage the cuts and key/value gathers, the loss
+        "cp": graph.context_parallel or None,
         # what each stage keeps per microbatch (counted on fake tensors) and each pipeline rank's peak with its parts
         "memory": graph.memory or None,
         # what run.py defaults to: the precision, activation checkpointing and optimizer the memory was planned for
@@ -323,8 +325,16 @@ def rank_script(manifest: dict, rank: int, graph, model_path: str, extract_block
     for stage, (_index, source) in zip(rank_stages, code.stages):
         modules = ", ".join(stage["module_fqns"]) or "-"
         sources.append(f"# ---- stage {stage['index']} ({modules})\n{source}")
-    prelude = globals_prelude(code.globals)
+    globals_used = set(code.globals)
     functions = ", ".join(f"{s['index']}: {s['function']}" for s in rank_stages)
+    if getattr(graph, "loss", None) is not None and any(s["index"] == len(manifest["stages"]) - 1
+                                                         for s in rank_stages):
+        source, names = loss_source(graph.loss, model_path, graph.symbol_aliases)  # --cp: the rewritten loss_fn
+        sources.append("# ---- the loss (the model file's loss_fn, traced: a mean over tokens is a sum and a count "
+                       "over the cp ranks)\n" + source)
+        globals_used |= names
+        functions += ', "loss": loss_forward'
+    prelude = globals_prelude(globals_used)
     return "\n".join([
         _header(manifest, rank, rank_stages),
         "import os",
@@ -338,6 +348,8 @@ def rank_script(manifest: dict, rank: int, graph, model_path: str, extract_block
         "",
         "",
         f"STAGE_FUNCTIONS = {{{functions}}}",
+        "# the repeated blocks each stage calls (activation checkpointing recomputes them one by one)",
+        f"STAGE_BLOCKS = {code.calls!r}",
         "",
         "",
         _shapes_function(manifest, rank_stages),

@@ -31,8 +31,9 @@ from typing import Optional
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from tracepp.runtime import expert_parallel, tensor_parallel
+from tracepp.runtime import context_parallel, expert_parallel, tensor_parallel
 from tracepp.runtime.actions import Action
 from tracepp.runtime.memory import LiveMemory, storages_of
 from tracepp.runtime.shm_p2p import DEFAULT_RING_MB
@@ -65,6 +66,7 @@ class MemoryOptions:
     ep: int = 1
     expert_imbalance: float = 1.0  # rows an expert-parallel rank receives, over the balanced count
     device: str = "cpu"  # where the job runs: what its collectives and optimizer allocate
+    cp: int = 1
 
     def mode(self, stage_index: int) -> str:
         return self.recompute[stage_index] if self.recompute else "none"
@@ -85,23 +87,98 @@ def _concrete_shape(val) -> list:
     return [as_int(size) for size in val.shape]
 
 
-class _Labelled(fx.Interpreter):
-    """Runs a stage graph node by node, attributing each storage made to the node that made it; values are
-    dropped after their last use, as the generated code does."""
+class _Labelled:
+    """Runs a stage graph node by node as its generated code does, attributing each storage made to the node that
+    made it; values are dropped after their last use. ``regions``: the runs of nodes the rank script calls as
+    block functions (``codegen.stage_code.find_blocks``), run through
+    the runtime's own wrapper of block functions (``recompute._checkpointed``), which checkpoints them one by one
+    as the stage's checkpointing says."""
 
-    def __init__(self, module, tracker: LiveMemory):
-        super().__init__(module, garbage_collect_values=True)
+    def __init__(self, module: fx.GraphModule, tracker: LiveMemory, regions=()):
+        from tracepp.runtime.recompute import _checkpointed
+
+        self.graph = module.graph
         self.tracker = tracker
+        self.nodes = [n for n in self.graph.nodes if n.op not in ("placeholder", "output")]
+        self.placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
+        self.output = next(n for n in self.graph.nodes if n.op == "output")
+        self.region_at, self.skipped = {}, set()
+        for block in regions:
+            self.region_at[block.nodes[0]] = (block, _checkpointed(self._region(block)))
+            self.skipped.update(block.nodes[1:] + block.hoisted)
 
-    def run_node(self, node):
+    def _call(self, node: fx.Node, env: dict):
+        args = fx.node.map_arg(node.args, env.__getitem__)
+        kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
         with self.tracker.labelled(node.name):
-            return super().run_node(node)
+            return node.target(*args, **kwargs)
+
+    @staticmethod
+    def _last_uses(nodes: list, keep: set) -> dict:
+        last: dict = {}
+        for node in nodes:
+            for arg in node.all_input_nodes:
+                last[arg] = node
+        drop: dict = {}
+        for value, user in last.items():
+            if value not in keep:
+                drop.setdefault(user, []).append(value)
+        return drop
+
+    def _region(self, block):
+        drop = self._last_uses(block.nodes, set(block.outputs))
+
+        def run(*inputs):
+            env = dict(zip(block.inputs, inputs))
+            for node in block.nodes:
+                env[node] = self._call(node, env)
+                for value in drop.get(node, ()):
+                    env.pop(value, None)
+            return tuple(env[output] for output in block.outputs)
+        return run
 
     def run(self, *args):
+        env = dict(zip(self.placeholders, args))
+        order = []
+        for node in self.nodes:  # a region runs where its first node is, after the sizes hoisted out of it
+            if node in self.skipped:
+                continue
+            if node in self.region_at:
+                block, _wrapped = self.region_at[node]
+                order += [("node", size) for size in block.hoisted] + [("region", node)]
+            else:
+                order.append(("node", node))
+        uses: dict = {}  # value -> the index of its last use in ``order`` (region inputs and the output too)
+        for index, (kind, item) in enumerate(order):
+            reads = self.region_at[item][0].inputs if kind == "region" else item.all_input_nodes
+            for value in reads:
+                uses[value] = index
+        drop: dict = {}
+        for value, index in uses.items():
+            drop.setdefault(index, []).append(value)
+        returned = set(self.output.all_input_nodes)
         try:
-            return super().run(*args)
-        finally:  # a checkpoint's recomputation stops early by raising: its values must go, as a frame's would
-            self.env = {}
+            for index, (kind, item) in enumerate(order):
+                if kind == "node":
+                    env[item] = self._call(item, env)
+                else:
+                    block, wrapped = self.region_at[item]
+                    for output, value in zip(block.outputs, wrapped(*[env[i] for i in block.inputs])):
+                        env[output] = value
+                for value in drop.get(index, ()):
+                    if value not in returned:
+                        env.pop(value, None)
+            return fx.node.map_arg(self.output.args[0], env.__getitem__)
+        finally:  # a checkpoint's recomputation stops early by raising: its values go, as a frame's would
+            env.clear()
+
+
+def block_regions(stage_graph: fx.Graph) -> list:
+    """The runs of ``stage_graph``'s nodes that its rank script calls as block functions (``find_blocks``: every
+    block is one, ``group_blocks``)."""
+    from tracepp.codegen.stage_code import find_blocks
+
+    return find_blocks(stage_graph)
 
 
 def _runnable_graph(graph: fx.Graph) -> fx.GraphModule:
@@ -122,9 +199,19 @@ def _structure_key(stage, graph, options: MemoryOptions, is_last: bool) -> str:
     """Stages whose graphs hold the same ops on the same shapes (a model's repeated middle) keep the same bytes."""
     digest = hashlib.sha256(repr((options.precision, options.mode(stage.index), options.split_backward,
                                   is_last)).encode())
+    def plain(value):  # names (a value's, a block's) do not change what is allocated; numbers and dtypes do
+        if isinstance(value, fx.Node):
+            return "node"
+        if isinstance(value, str):
+            return "name"
+        return str(value)
+
+    position = {node: index for index, node in enumerate(stage.graph.nodes)}
     for node in stage.graph.nodes:
         val = node.meta.get("val")
-        text = (node.op, str(node.target), [str(a) if not isinstance(a, fx.Node) else "n" for a in node.args],
+        text = (node.op, str(node.target) if node.op != "placeholder" else "",
+                repr(fx.node.map_aggregate(node.args, plain)), repr(fx.node.map_aggregate(node.kwargs, plain)),
+                [position[arg] for arg in node.all_input_nodes],
                 (str(val.dtype), [str(s) for s in val.shape], val.requires_grad)
                 if isinstance(val, torch.Tensor) else type(val).__name__)
         if node.op == "placeholder":
@@ -132,6 +219,18 @@ def _structure_key(stage, graph, options: MemoryOptions, is_last: bool) -> str:
             text += (ref.kind if ref is not None else "input",)
         digest.update(repr(text).encode())
     return digest.hexdigest()
+
+
+class _ShapesOnly(TorchDispatchMode):
+    """Ops whose fake implementation runs the CPU kernel on zeros, where that kernel refuses what the accelerator
+    takes (``histc`` of int32: Hugging Face MoE counts tokens per expert so off the CPU, and a model traced on
+    meta follows that branch): their outputs' shapes and dtypes only, which is all memory needs."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.histc.default:
+            return torch.empty((args[1] if len(args) > 1 else (kwargs or {}).get("bins", 100),),
+                               dtype=args[0].dtype, device=args[0].device)
+        return func(*args, **(kwargs or {}))
 
 
 class _StageRun:
@@ -155,13 +254,17 @@ class _StageRun:
             fqn = node.meta.get(STATE_FQN, ref.fqn)
             tensors.setdefault(fqn, tensor)
             spec_state.append({"fqn": fqn, "kind": ref.kind, "persistent": ref.persistent})
-        interpreter = _Labelled(_runnable_graph(stage.graph), tracker)
+        runnable = _runnable_graph(stage.graph)
+        regions = block_regions(runnable.graph)
+        interpreter = _Labelled(runnable, tracker, regions)
         self.module = StageModule({"index": stage.index, "state": spec_state},
                                   lambda *args: interpreter.run(*args), tensors)
+        self.module.recompute_blocks = bool(regions)
         self.module.autocast_dtype = self.wire
         self.module.recompute = options.mode(stage.index) if options.mode(stage.index) != "none" else False
         self.pool = []  # receive buffers given back after a backward: the executor keeps them for reuse
         self.module.sequence_shards = sequence_shards
+        self.module.context_shards = options.cp > 1  # keys and values kept as this rank's shard (runtime/context_parallel)
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         rest = placeholders[len(stage.state):]
         roots, rest = rest[:len(stage.root_inputs)], rest[len(stage.root_inputs):]
@@ -306,9 +409,11 @@ def profile_stage(stage, graph, trainable: set, options: MemoryOptions, loss_fn=
 
     # ``fake=False`` runs the same on real (uninitialised) tensors: the tests hold the fake count against it
     mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv()) if fake else contextlib.nullcontext()
-    tracker = LiveMemory()
+    tracker = LiveMemory(track_inputs=False)
     figures = dict.fromkeys(STAGE_FIELDS, 0)
-    with mode, tracker, _planning_collectives(options.tp, options.ep, options.expert_imbalance):
+    shapes_only = _ShapesOnly() if fake else contextlib.nullcontext()
+    with mode, shapes_only, tracker, _planning_collectives(options.tp, options.ep, options.expert_imbalance,
+                                                           options.cp):
         fake_target = None
         if target is not None:
             fake_target = pytree.tree_map_only(torch.Tensor, lambda t: torch.zeros(t.shape, dtype=t.dtype), target)
@@ -403,16 +508,17 @@ def kept_by_segment(stage, figures: dict) -> dict:
 
 
 @contextlib.contextmanager
-def _planning_collectives(tp_size: int = 1, ep_size: int = 1, imbalance: float = 1.0):
-    """The tp and ep ops' fake implementations read the group sizes from the runtime's process state; planning
+def _planning_collectives(tp_size: int = 1, ep_size: int = 1, imbalance: float = 1.0, cp_size: int = 1):
+    """The tp, ep and cp ops' fake implementations read the group sizes from the runtime's process state; planning
     sets them to the layout's (the stage graphs already hold this rank's local shapes)."""
-    tp, ep = dict(tensor_parallel._STATE), dict(expert_parallel._STATE)
+    tp, ep, cp = dict(tensor_parallel._STATE), dict(expert_parallel._STATE), dict(context_parallel._STATE)
     tensor_parallel._STATE.update(group=None, size=tp_size, rank=0)
     expert_parallel._STATE.update(group=None, size=ep_size, rank=0, planning=max(imbalance, 1.0))
+    context_parallel._STATE.update(group=None, size=cp_size, rank=0)
     try:
         yield
     finally:
-        for state, old in ((tensor_parallel._STATE, tp), (expert_parallel._STATE, ep)):
+        for state, old in ((tensor_parallel._STATE, tp), (expert_parallel._STATE, ep), (context_parallel._STATE, cp)):
             state.clear()
             state.update(old)
 
@@ -565,30 +671,42 @@ def _rank_peaks(plan: dict, stages: list, trainable: list, layout, make_optimize
 
 
 ALTERNATIVE_MODES = ("none", "selective", "full")
+# the share of a stage's forward its backward runs again: full checkpointing recomputes the whole forward,
+# torchtitan's selective policy the ops between the matmuls, attention and collectives (measured on CPU, Llama
+# hidden 512 and 1024: 0.22 - 0.47 of a forward, 0.80 - 0.99 for full; benchmarks/studies/recompute_cost.py)
+RECOMPUTE_SHARE = {"none": 0.0, "selective": 0.25, "full": 1.0}
+NEXT_MODE = {"none": "selective", "selective": "full"}
 
 
 def plan_memory(graph, model, plan: dict, layout, options: MemoryOptions, loss_fn=None, target=None,
-                make_optimizer=None, training: bool = True) -> dict:
+                make_optimizer=None, training: bool = True, memory_limit=None) -> dict:
     """The manifest's ``memory``: every stage's figures (:func:`profile_stages` and :func:`stage_state`), and per
     pipeline rank its peak over the plan's timeline with its parts (``tracepp.codegen.peak``), the same on every
     data- and tensor-parallel replica of that rank; ``alternatives``: each rank's peak under every stage at
     none, selective and full checkpointing (what run.py names when a job does not fit). Sets each stage's
     ``estimate`` from the counted figures, and each segment's ``memory`` (kept bytes and temporaries per
-    checkpointing mode, the tuner's)."""
+    checkpointing mode, the tuner's). ``options.recompute`` None: each stage's checkpointing is chosen so that
+    every rank fits ``memory_limit`` (:func:`choose_checkpointing`; ``checkpointing`` in the result)."""
     sequence_shards = layout.tp > 1 and layout.sequence_parallel
     trainable_fqns = {fqn for fqn, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
     cache: dict = {}
-    profiles = profile_stages(graph, model, loss_fn, target, options, training, sequence_shards, cache)
-    stages, trainable, notes = _stage_entries(graph, profiles, layout, trainable_fqns, options)
     optimizers: dict = {}
-    ranks = _rank_peaks(plan, stages, trainable, layout, make_optimizer, training, optimizers, options.device)
-    alternatives, by_mode = {}, {}
+    by_mode, trainable = {}, None
     for mode in ALTERNATIVE_MODES if training else ():
         uniform = dataclasses.replace(options, recompute=[mode] * graph.num_stages)
         other = profile_stages(graph, model, loss_fn, target, uniform, training, sequence_shards, cache)
-        entries, _trainable, _notes = _stage_entries(graph, other, layout, trainable_fqns, uniform)
-        by_mode[mode] = entries
-        if uniform.recompute != [options.mode(s.index) for s in graph.stages]:
+        by_mode[mode], trainable, _notes = _stage_entries(graph, other, layout, trainable_fqns, uniform)
+    chosen = None
+    if options.recompute is None and training:
+        chosen = choose_checkpointing(graph, plan, by_mode, trainable, layout, make_optimizer, optimizers,
+                                      options.device, memory_limit)
+        options = dataclasses.replace(options, recompute=chosen["modes"])
+    profiles = profile_stages(graph, model, loss_fn, target, options, training, sequence_shards, cache)
+    stages, trainable, notes = _stage_entries(graph, profiles, layout, trainable_fqns, options)
+    ranks = _rank_peaks(plan, stages, trainable, layout, make_optimizer, training, optimizers, options.device)
+    alternatives = {}
+    for mode, entries in by_mode.items():
+        if [mode] * graph.num_stages != [options.mode(s.index) for s in graph.stages]:
             alternatives[mode] = [r["peak_bytes"] for r in _rank_peaks(plan, entries, trainable, layout,
                                                                         make_optimizer, training, optimizers,
                                                                         options.device)]
@@ -613,7 +731,44 @@ def plan_memory(graph, model, plan: dict, layout, options: MemoryOptions, loss_f
                         "split_backward": options.split_backward, "optimizer": optimizer_name,
                         "expert_imbalance": options.expert_imbalance if layout.ep > 1 else None,
                         "device": options.device},
-            "method": METHOD, "stages": stages, "ranks": ranks, "alternatives": alternatives, "notes": notes}
+            "method": METHOD, "stages": stages, "ranks": ranks, "alternatives": alternatives, "notes": notes,
+            "checkpointing": chosen}
+
+
+def choose_checkpointing(graph, plan: dict, by_mode: dict, trainable: list, layout, make_optimizer,
+                         optimizers: dict, device: str, memory_limit) -> dict:
+    """Each stage's activation checkpointing so that every rank's peak fits ``memory_limit`` bytes: from none
+    everywhere, while a rank is over, one of its stages goes one step further (none -> selective -> full), the
+    one that saves the most of that rank's peak per FLOP it recomputes (``RECOMPUTE_SHARE`` of its forward). The
+    schedule decides the order: 1F1B's first stage keeps pp microbatches in flight and gains most, its last
+    stage keeps one. ``{"modes": [...], "fits": bool, "peaks": [...], "limit": bytes}``."""
+    shares, following = RECOMPUTE_SHARE, NEXT_MODE
+    stage_to_rank = plan["stage_to_rank"]
+    modes = ["none"] * graph.num_stages
+
+    def peaks_of(current: list) -> list:
+        entries = [by_mode[mode][s] for s, mode in enumerate(current)]
+        return [r["peak_bytes"] for r in _rank_peaks(plan, entries, trainable, layout, make_optimizer, True,
+                                                     optimizers, device)]
+
+    peaks = peaks_of(modes)
+    while memory_limit is not None and max(peaks) > memory_limit:
+        worst = max(range(len(peaks)), key=peaks.__getitem__)
+        best = None
+        for stage in (s for s, r in enumerate(stage_to_rank) if r == worst and modes[s] in following):
+            trial = list(modes)
+            trial[stage] = following[modes[stage]]
+            found = peaks_of(trial)
+            saved = peaks[worst] - found[worst]
+            flops = max(graph.stages[stage].estimate.get("forward_flops", 0), 1)
+            score = saved / ((shares[trial[stage]] - shares[modes[stage]]) * flops)
+            if saved > 0 and (best is None or score > best[0]):
+                best = (score, trial, found)
+        if best is None:
+            break
+        _score, modes, peaks = best
+    return {"modes": modes, "fits": memory_limit is None or max(peaks) <= memory_limit, "peaks": peaks,
+            "limit": memory_limit}
 
 
 SEGMENT_FIELDS = ("kept", "forward_peak", "backward_peak", "backward_peak_first")

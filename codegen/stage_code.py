@@ -14,8 +14,9 @@ Everything else is decided on the graph before fx prints it:
   for annotations (:func:`_name_symbols`);
 * provenance: each node's stack trace is trimmed to the model's own frames and its file paths made relative
   (``model.py``, ``transformers/models/llama/modeling_llama.py``), so the comments survive copying the folder;
-* repeated blocks (``model.layers.N``, ``transformer.h.N``) whose traced graphs are the same become one
-  function, printed by fx from the first block's nodes and called once per block (:func:`find_blocks`).
+* blocks (``model.layers.N``, ``transformer.h.N``) become functions: those whose traced graphs are the same share
+  one, printed by fx from the first block's nodes and called once per block (:func:`find_blocks`); activation
+  checkpointing recomputes a stage one block call at a time.
 """
 from __future__ import annotations
 
@@ -357,15 +358,13 @@ def _class_name(block: Block) -> str:
 
 
 def group_blocks(blocks: list, namespace: naming.Namespace) -> list:
-    """One :class:`BlockFunction` per structure shared by two or more blocks (blocks met once stay inline)."""
+    """One :class:`BlockFunction` per block structure: blocks that trace to the same graph share it, and a block
+    met once gets its own (activation checkpointing recomputes a stage block by block, so every block is a call
+    the runtime can checkpoint)."""
     by_key: dict = {}
     for block in blocks:
         by_key.setdefault(block.key, []).append(block)
-    functions = []
-    for members in by_key.values():
-        if len(members) >= 2:
-            functions.append(BlockFunction(namespace.create(_class_name(members[0])), members))
-    return functions
+    return [BlockFunction(namespace.create(_class_name(members[0])), members) for members in by_key.values()]
 
 
 def _parameter_names(function: BlockFunction) -> list:
@@ -543,6 +542,7 @@ class RankCode:
     blocks: list  # [(BlockFunction, source)]
     stages: list  # [(stage index, source)]
     globals: set
+    calls: dict = field(default_factory=dict)  # stage index -> {block function name: calls}, in call order
 
 
 def rank_code(stages: list, model_path: str = "", symbol_aliases: Optional[dict] = None,
@@ -562,12 +562,18 @@ def rank_code(stages: list, model_path: str = "", symbol_aliases: Optional[dict]
         source, names = _print(block_graph(function), function.name, symbol_aliases, [])
         block_sources.append((function, source))
         used |= names
-    stage_sources = []
+    stage_sources, calls = [], {}
     for stage, name, graph in graphs:
         source, names = _print(calling_graph(graph, functions), name, symbol_aliases, functions)
         stage_sources.append((stage.index, source))
         used |= names
-    return RankCode(block_sources, stage_sources, used - {function.name for function in functions})
+        counts = {}
+        for function in functions:
+            count = sum(1 for block in function.blocks if block.nodes[0].graph is graph)
+            if count:
+                counts[function.name] = count
+        calls[stage.index] = counts
+    return RankCode(block_sources, stage_sources, used - {function.name for function in functions}, calls)
 
 
 def stage_source(stage: Stage, function_name: str, model_path: str = "", symbol_aliases: Optional[dict] = None,
@@ -577,6 +583,12 @@ def stage_source(stage: Stage, function_name: str, model_path: str = "", symbol_
     code = rank_code([(stage, function_name)], model_path, symbol_aliases, extract_blocks)
     parts = [source for _function, source in code.blocks] + [source for _index, source in code.stages]
     return "\n\n\n".join(parts), code.globals
+
+
+def loss_source(loss, model_path: str = "", symbol_aliases: Optional[dict] = None) -> tuple:
+    """(source, globals it needs) of ``loss_forward``: the traced loss function (``--cp``) printed as a stage is."""
+    stage = Stage(index=-1, graph=loss.graph, state=[], root_inputs=[], received=[], outputs=[], module_fqns=[])
+    return _print(prepare(stage, model_path), "loss_forward", symbol_aliases or {}, [])
 
 
 def globals_prelude(names: set) -> str:

@@ -5,6 +5,7 @@ communication. Root symbols (dynamic dims) are bound here from the batch's own s
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -44,6 +45,10 @@ class MicrobatchSplitter:
         self.sequence = None  # with --sequence-parallel and a dynamic sequence: (its expression, its check, tp)
         if sequence is not None and not sequence.lstrip("-").isdigit():
             self.sequence = (sequence, compile_shape([sequence]), manifest["tp"]["size"])
+        cp = manifest.get("cp") or {}
+        self.context = None  # with --cp and a dynamic sequence: (its expression, its check, cp)
+        if cp and not str(cp["sequence"]).lstrip("-").isdigit():
+            self.context = (cp["sequence"], compile_shape([cp["sequence"]]), cp["size"])
 
     def split(self, step: int, args: tuple, kwargs: dict, target, device) -> Microbatches:
         """Check one step's batch against the trace (structure, constants, dtypes, ranks, static and symbolic
@@ -141,7 +146,23 @@ class MicrobatchSplitter:
 
     def _check_sequence_shards(self, step: int, symbols: list) -> None:
         """With --sequence-parallel, every tp rank holds an equal share of each sequence: a dynamic sequence
-        length must be a multiple of tp (a static one was checked at split time)."""
+        length must be a multiple of tp (a static one was checked at split time); with --cp, of 2 x cp (the
+        chunks of context parallelism), and with both of the least multiple of 2 x cp and cp x tp."""
+        if self.context is not None:
+            text, length_of, cp = self.context
+            tp = self.sequence[2] if self.sequence is not None else 1
+            multiple = math.lcm(2 * cp, cp * tp)  # 2 x cp chunks, and the 1/cp of a rank split over tp
+            for bound in symbols:
+                length = length_of(bound)[0]
+                if length % multiple:
+                    raise PipelineError(
+                        f"batch for step {step}: sequence length {length} ({text}) is not a multiple of {multiple}: "
+                        f"with --cp {cp} each sequence is cut into 2 x cp = {2 * cp} equal chunks (cp rank r holds "
+                        f"chunks r and {2 * cp - 1}-r)"
+                        + (f", each split again over --tp {self.sequence[2]} by --sequence-parallel"
+                           if self.sequence is not None else "")
+                        + f". Pad the batch to a multiple of {multiple} tokens, or split without --cp")
+            return
         if self.sequence is None:
             return
         text, length_of, tp = self.sequence

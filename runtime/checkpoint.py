@@ -9,7 +9,10 @@ Layout of ``--checkpoint-dir D``::
         COMPLETE               the completion marker, written last before the rename
 
 Keys: ``model.<fqn>`` (parameters and persistent buffers), ``optim.<fqn>.<state key>`` (e.g.
-``optim.embed.weight.exp_avg``) and ``rng.rank<R>``. Each rank writes and reads only the FQNs its stages hold,
+``optim.embed.weight.exp_avg``) and this rank's RNG as tensors and plain numbers (``rng.rank<R>.torch``, ``.cuda``:
+the generators' byte states; ``.python``: Python's 625 state words, ``.python_version``, ``.python_gauss``), no
+object pickled by tracepp. (DCP itself reads its metadata and any non-tensor entry with pickle: a checkpoint
+folder is trusted input, docs/long-jobs.md.) Each rank writes and reads only the FQNs its stages hold,
 so a checkpoint written by one split loads into another split or rank count (a tied weight held by two ranks
 is written once). The LR scheduler is restored by stepping a fresh one to the checkpoint's step (a schedule is
 a function of the step count) and checked against the learning rates saved per FQN. RNG states are restored
@@ -24,7 +27,7 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
+import math
 import random
 import re
 import shutil
@@ -141,18 +144,25 @@ def usable(directory: str, rank: int, world: int, group=None, report=print):
 
 # -- saving -------------------------------------------------------------------------------------------------
 
-def _rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+def _rng_entries(rank: int) -> dict:
+    """This rank's RNG states as checkpoint entries: tensors (torch's and CUDA's byte states, Python's state
+    words as int64) and plain numbers (Python's version and its cached Gaussian, NaN when there is none)."""
+    version, words, gauss = random.getstate()
+    key = f"rng.rank{rank}"
+    entries = {f"{key}.torch": torch.get_rng_state(), f"{key}.python": torch.tensor(words, dtype=torch.int64),
+               f"{key}.python_version": int(version), f"{key}.python_gauss": math.nan if gauss is None else gauss}
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
+        entries[f"{key}.cuda"] = torch.cuda.get_rng_state()
+    return entries
 
 
-def _set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+def _set_rng_state(flat: dict, key: str) -> None:
+    torch.set_rng_state(flat[f"{key}.torch"])
+    gauss = flat[f"{key}.python_gauss"]
+    random.setstate((int(flat[f"{key}.python_version"]), tuple(int(w) for w in flat[f"{key}.python"].tolist()),
+                     None if math.isnan(gauss) else float(gauss)))
+    if f"{key}.cuda" in flat and torch.cuda.is_available():
+        torch.cuda.set_rng_state(flat[f"{key}.cuda"])
 
 
 def optimizer_state_by_fqn(optimizer, fqns: list) -> tuple:
@@ -198,7 +208,7 @@ def save(directory: str, step: int, named_state: dict, optimizer, fqns: list, in
             if isinstance(value, torch.Tensor) and shapes.get(fqn) == tuple(value.shape):
                 value = view(fqn, value)
             flat[f"optim.{key}"] = value
-    flat[f"rng.rank{rank}"] = pickle.dumps(_rng_state())  # bytes: one opaque entry per rank
+    flat.update(_rng_entries(rank))  # tensors and plain numbers, under this rank's keys
     problem, sums = None, {}
     try:
         dcp.save(flat, checkpoint_id=temporary)
@@ -379,8 +389,11 @@ def prepare_load(path: str, named_state: dict, optimizer, fqns: list, rank: int,
             raise CheckpointError(f"checkpoint {path}: no optimizer state for {missing[:8]} while other parameters "
                                   f"have some: the optimizer state does not match the parameters")
     rng_key = f"rng.rank{rank}"
-    if same_world and rng_key in metadata:
-        flat[rng_key] = b""
+    if same_world and f"{rng_key}.torch" in metadata:
+        for key, entry in metadata.items():
+            if key.startswith(rng_key + "."):
+                flat[key] = (torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+                             if isinstance(entry, TensorStorageMetadata) else 0)
     return {"path": path, "flat": flat, "optimizer_keys": optimizer_keys, "rng_key": rng_key,
             "destinations": destinations}
 
@@ -395,8 +408,8 @@ def load(prepared: dict, optimizer, fqns: list) -> None:
     flat.update(prepared.get("destinations", {}))  # the DTensors the views wrote into
     if optimizer is not None and prepared["optimizer_keys"]:
         _load_optimizer(prepared["path"], optimizer, fqns, flat, prepared["optimizer_keys"])
-    if flat.get(prepared["rng_key"]):
-        _set_rng_state(pickle.loads(flat[prepared["rng_key"]]))
+    if f"{prepared['rng_key']}.torch" in flat:
+        _set_rng_state(flat, prepared["rng_key"])
 
 
 def _split_state_key(text: str, by_fqn: dict):

@@ -205,9 +205,10 @@ def check_world_size(manifest: dict) -> None:
     if world != expected:
         planned = (f"{expected} ranks" if expected == layout.pp else
                    f"{expected} processes ({layout.pp} pipeline ranks x {layout.dp} data-parallel replicas"
+                   + (f" x {layout.cp} context-parallel ranks" if layout.cp > 1 else "")
                    + (f" x {layout.tp} tensor-parallel ranks)" if layout.tp > 1 else ")"))
         fix = (f"re-split with `tracepp split ... --ranks {world}`" if expected == layout.pp else
-               f"re-split with --ranks R --dp N --tp T where R x N x T = {world}")
+               f"re-split with --ranks R --dp N --cp C --tp T where R x N x C x T = {world}")
         raise PipelineError(
             f"this pipeline was planned for {planned} but torchrun started {world}: "
             f"run `{manifest['launch_command']}` in the pipeline's folder, or {fix}"
@@ -576,7 +577,7 @@ def train(pipe: Pipeline, args) -> None:
     recompute.apply(pipe, args.activation_checkpointing)
     if getattr(args, "memory_check", "on") == "on":
         memory_fit.check(pipe, args)
-    reports = pipe.is_last_rank and pipe.dp_index == 0 and pipe.tp_index == 0  # one replica prints (its loss is the global batch's)
+    reports = pipe.is_last_rank and pipe.dp_index == 0 and pipe.tp_index == 0 and pipe.cp_index == 0  # one replica prints (its loss is the global batch's)
     args.data_record = data_record(source)
     first_step = _resume(pipe, args, optimizer, scheduler, fqns) if args.resume else 0
     if source is not None:
@@ -645,10 +646,10 @@ def train(pipe: Pipeline, args) -> None:
             _write_atomically(args.save_outputs, lambda temporary: torch.save(outputs, temporary))
         if args.save_safetensors:
             _save_safetensors(args.save_safetensors, manifest, rank, pipe.state_dict(), world, pipe.unused_state,
-                              include=pipe.dp_index == 0)
+                              include=pipe.dp_index == 0 and pipe.cp_index == 0)
         if args.save:
             _save(args.save, manifest, rank, pipe.state_dict(), world, pipe.unused_state,
-                  include=pipe.dp_index == 0)
+                  include=pipe.dp_index == 0 and pipe.cp_index == 0)
     if job.board is not None:
         job.board.close()
     if world > 1:
@@ -716,7 +717,7 @@ def _replica_outputs(pipe: Pipeline, result):
         parts = [None] * pipe.layout.dp
         dist.all_gather_object(parts, result, group=pipe.replicas.get_group())
         result = [output for part in parts for output in part]
-    return join_microbatches(result) if pipe.is_last_rank and pipe.dp_index == 0 and pipe.tp_index == 0 else None
+    return join_microbatches(result) if pipe.is_last_rank and pipe.dp_index == 0 and pipe.tp_index == 0 and pipe.cp_index == 0 else None
 
 
 def _checkpoint_info(pipe: Pipeline, optimizer, args=None) -> dict:
@@ -742,7 +743,7 @@ def _resume(pipe: Pipeline, args, optimizer, scheduler, fqns: list) -> int:
         error.every_rank_agrees = True
         raise
     if found is None:
-        if pipe.is_last_rank and pipe.dp_index == 0 and pipe.tp_index == 0 and not args.quiet:
+        if pipe.is_last_rank and pipe.dp_index == 0 and pipe.tp_index == 0 and pipe.cp_index == 0 and not args.quiet:
             print(f"--resume {args.resume}: no checkpoint yet; starting from step 0", flush=True)
         return 0
     try:
@@ -754,7 +755,7 @@ def _resume(pipe: Pipeline, args, optimizer, scheduler, fqns: list) -> int:
     checkpoint.load(prepared, optimizer, fqns)
     from .data import accepted_note
 
-    if pipe.is_last_rank and pipe.dp_index == 0 and pipe.tp_index == 0 and not args.quiet:
+    if pipe.is_last_rank and pipe.dp_index == 0 and pipe.tp_index == 0 and pipe.cp_index == 0 and not args.quiet:
         print(f"resumed from {path} (step {step}); training steps {step + 1} to {args.steps}", flush=True)
         if accepted_note(args.data_record, step):
             print(accepted_note(args.data_record, step), flush=True)

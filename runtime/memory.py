@@ -71,8 +71,11 @@ class LiveMemory(TorchDispatchMode):
     ``by_category``: bytes per category now; ``peak_parts``: per category at the peak; ``label``: attributed
     to storages made from now on (:meth:`labelled`)."""
 
-    def __init__(self):
+    def __init__(self, track_inputs: bool = True):
         super().__init__()
+        # inputs too: a tensor made before the mode started is counted when an op first reads it (planning, where
+        # every input was made under the mode or registered, counts outputs only: it is faster)
+        self.track_inputs = track_inputs
         self._entries = WeakIdKeyDictionary()  # storage -> _Entry
         self.now = 0
         self.peak = 0
@@ -193,7 +196,7 @@ class LiveMemory(TorchDispatchMode):
             out = args[0]  # a fake wait_tensor returns a new tensor; a real one returns its input
         else:
             out = func(*args, **(kwargs or {}))
-        for leaf in pytree.tree_leaves((args, kwargs, out)):
+        for leaf in pytree.tree_leaves((args, kwargs, out) if self.track_inputs else out):
             if isinstance(leaf, torch.Tensor) and self._counts(leaf):
                 self.track(leaf)
         return out

@@ -25,7 +25,7 @@ from .run_options import manifest_options
 GB = 1e9
 
 
-def _gb(value: float) -> str:
+def size_text(value: float) -> str:
     """Bytes in the unit that reads best (GB, MB or KB, decimal)."""
     for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
         if abs(value) >= size:
@@ -54,7 +54,7 @@ def mismatch(manifest: dict, args) -> list:
 
 
 def _parts_text(parts: dict) -> str:
-    return ", ".join(f"{name} {_gb(value)}" for name, value in parts.items() if value)
+    return ", ".join(f"{name} {size_text(value)}" for name, value in parts.items() if value)
 
 
 def _ways_out(manifest: dict, rank: int, room: float) -> str:
@@ -62,7 +62,7 @@ def _ways_out(manifest: dict, rank: int, room: float) -> str:
     options = []
     for mode, peaks in ((manifest.get("memory") or {}).get("alternatives") or {}).items():
         if rank < len(peaks) and peaks[rank] <= room:
-            options.append(f"`--activation-checkpointing {mode}` ({_gb(peaks[rank])})")
+            options.append(f"`--activation-checkpointing {mode}` ({size_text(peaks[rank])})")
     text = ("re-split with " + " or ".join(options) + "; or " if options else "re-split with ")
     return text + ("more --microbatches (fewer samples in flight), a larger --tp or --ep, or more --ranks; "
                    "`tracepp plan OUT --tune --memory-limit SIZE` searches them")
@@ -87,9 +87,9 @@ def check(pipe, args) -> None:
         room = free + torch.cuda.memory_allocated(pipe.device)
         problem = None
         if predicted > room:
-            problem = (f"rank {pipe.rank} (pipeline rank {pipe.pp_rank}) needs {_gb(predicted)} at its peak "
+            problem = (f"rank {pipe.rank} (pipeline rank {pipe.pp_rank}) needs {size_text(predicted)} at its peak "
                        f"({entry.get('at', '')}: {_parts_text(entry.get('parts') or {})}) but {pipe.device} can give "
-                       f"{_gb(room)} ({_gb(free)} free of {_gb(total)}, plus {_gb(room - free)} this rank holds): "
+                       f"{size_text(room)} ({size_text(free)} free of {size_text(total)}, plus {size_text(room - free)} this rank holds): "
                        + _ways_out(pipe.manifest, pipe.pp_rank, room))
         _agree(pipe, problem)
         return
@@ -101,8 +101,8 @@ def check(pipe, args) -> None:
         return
     per_host = max(peaks) * local  # the ranks on this host, each at most the largest peak
     if per_host > available:
-        say(pipe.rank, f"warning: the {local} ranks on this host need about {_gb(per_host)} of tensors at their "
-                       f"peaks (the plan's figures) and {_gb(available)} of RAM is available: the job may swap or "
+        say(pipe.rank, f"warning: the {local} ranks on this host need about {size_text(per_host)} of tensors at their "
+                       f"peaks (the plan's figures) and {size_text(available)} of RAM is available: the job may swap or "
                        f"be killed; " + _ways_out(pipe.manifest, pipe.pp_rank, available / max(local, 1)))
 
 
@@ -157,7 +157,7 @@ def report(pipe, args, measured: dict) -> None:
         json.dump(out, handle, indent=1)
     for item in gathered:
         predicted = item["predicted"]
-        text = (f"predicted {_gb(predicted['peak_bytes'])}, ratio {item['ratio']:.3f}" if predicted else
+        text = (f"predicted {size_text(predicted['peak_bytes'])}, ratio {item['ratio']:.3f}" if predicted else
                 "no prediction for these options")
         print(f"memory: rank {item['rank']} (pipeline rank {item['pp_rank']}): measured peak "
-              f"{_gb(item['measured']['peak_bytes'])}; {text}", flush=True)
+              f"{size_text(item['measured']['peak_bytes'])}; {text}", flush=True)

@@ -30,7 +30,9 @@ class Layout:
     ``dp`` data-parallel replicas with their ``dp_mode`` (fsdp, ddp, hsdp), HSDP's ``dp_shard`` and the
     ``dp_order`` of the ranks; ``tp`` tensor-parallel ranks per stage, with ``sequence_parallel`` activations
     between its regions; ``ep`` expert-parallel ranks, carved out of the data-parallel ones (``ep`` divides
-    ``dp``). The manifest records it as ``plan["mesh"]`` (:meth:`to_json`)."""
+    ``dp``, or ``dp x cp`` with context parallelism); ``cp`` context-parallel ranks per stage, each holding 1/cp
+    of every sample's sequence (docs/context-parallel.md). The manifest records it as ``plan["mesh"]``
+    (:meth:`to_json`)."""
 
     pp: int = 1
     dp: int = 1
@@ -40,13 +42,23 @@ class Layout:
     tp: int = 1
     ep: int = 1
     sequence_parallel: bool = False
+    cp: int = 1
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.pp * self.tp
+        return self.dp * self.pp * self.cp * self.tp
 
     def replace(self, **changes) -> "Layout":
         return dataclasses.replace(self, **changes)
+
+    def data_parallel(self) -> "Layout":
+        """The layout as FSDP/DDP see it: with context parallelism every cp rank holds the same parameters, and
+        their gradients are reduced over dp x cp, one data-parallel dim of dp * cp ranks (HSDP shards over
+        dp_shard x cp)."""
+        if self.cp == 1:
+            return self
+        return self.replace(dp=self.dp * self.cp, cp=1,
+                            dp_shard=self.dp_shard * self.cp if self.dp_shard else None)
 
     def to_json(self) -> dict:
         """The manifest's ``plan["mesh"]`` (the keys older manifests used for dp: mode, shard, order)."""
@@ -57,6 +69,8 @@ class Layout:
             out["ep"] = self.ep
         if self.sequence_parallel:
             out["sequence_parallel"] = True
+        if self.cp > 1:
+            out["cp"] = self.cp
         return out
 
     @classmethod
@@ -64,11 +78,12 @@ class Layout:
         mesh = mesh or {}
         return cls(pp=pp, dp=mesh.get("dp", 1), dp_mode=mesh.get("mode", "fsdp"), dp_shard=mesh.get("shard"),
                    dp_order=mesh.get("order", "pp-inner"), tp=mesh.get("tp", 1), ep=mesh.get("ep", 1),
-                   sequence_parallel=bool(mesh.get("sequence_parallel", False)))
+                   sequence_parallel=bool(mesh.get("sequence_parallel", False)), cp=mesh.get("cp", 1))
 
     def check(self) -> None:
         """Refuse a layout before anything is traced: the error names the numbers and the fix."""
-        for name, value in (("--ranks", self.pp), ("--dp", self.dp), ("--tp", self.tp), ("--ep", self.ep)):
+        for name, value in (("--ranks", self.pp), ("--dp", self.dp), ("--tp", self.tp), ("--ep", self.ep),
+                            ("--cp", self.cp)):
             if value < 1:
                 raise ValueError(f"{name} {value}: need at least 1")
         if self.dp_mode not in MODES:
@@ -88,7 +103,11 @@ class Layout:
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("--sequence-parallel splits the activations between tensor-parallel regions over the "
                              "tp ranks: use it with --tp T (T > 1)")
-        if self.dp % self.ep:
+        if self.cp > 1 and self.dp * self.cp % self.ep:
+            raise ValueError(f"--ep {self.ep} takes each stage's expert-parallel ranks from its --dp {self.dp} x --cp "
+                             f"{self.cp} ranks, so it must divide {self.dp * self.cp}: use --ep in "
+                             f"{_divisors(self.dp * self.cp)}")
+        if self.cp == 1 and self.dp % self.ep:
             raise ValueError(f"--ep {self.ep} takes each stage's expert-parallel ranks from its --dp {self.dp} "
                              f"data-parallel ranks, so it must divide --dp: use --ep in "
                              f"{_divisors(self.dp)}, or --dp a multiple of {self.ep}")
@@ -114,18 +133,19 @@ def world_size(layout: Layout) -> int:
     return layout.world_size
 
 
-def global_rank(layout: Layout, dp_index: int, pp_rank: int, tp_index: int = 0) -> int:
-    """Tensor parallelism is innermost: the tp ranks of one (dp, pp) place are consecutive (one node)."""
+def global_rank(layout: Layout, dp_index: int, pp_rank: int, tp_index: int = 0, cp_index: int = 0) -> int:
+    """Tensor parallelism is innermost, context parallelism next: the cp x tp ranks of one (dp, pp) place are
+    consecutive (one node), global rank = (base * cp + cp_index) * tp + tp_index."""
     if layout.dp_order == "dp-inner":
         base = pp_rank * layout.dp + dp_index
     else:
         base = dp_index * layout.pp + pp_rank
-    return base * layout.tp + tp_index
+    return (base * layout.cp + cp_index) * layout.tp + tp_index
 
 
 def coordinates(layout: Layout, rank: int) -> tuple:
-    """(dp_index, pp_rank) of a global rank (its tp index is :func:`tp_index`)."""
-    rank //= layout.tp
+    """(dp_index, pp_rank) of a global rank (its tp index is :func:`tp_index`, its cp index :func:`cp_index`)."""
+    rank //= layout.tp * layout.cp
     if layout.dp_order == "dp-inner":
         return rank % layout.dp, rank // layout.dp
     return rank // layout.pp, rank % layout.pp
@@ -135,9 +155,14 @@ def tp_index(layout: Layout, rank: int) -> int:
     return rank % layout.tp
 
 
-def ep_index(layout: Layout, dp_index: int) -> int:
-    """This replica's place in its expert-parallel group (consecutive dp indices share their experts)."""
-    return dp_index % layout.ep
+def cp_index(layout: Layout, rank: int) -> int:
+    return rank // layout.tp % layout.cp
+
+
+def ep_index(layout: Layout, dp_index: int, cp_index: int = 0) -> int:
+    """This replica's place in its expert-parallel group (consecutive dp indices share their experts; with
+    context parallelism, consecutive indices of the flattened dp x cp dim, dp_index * cp + cp_index)."""
+    return (dp_index * layout.cp + cp_index) % layout.ep
 
 
 def replicas_text(layout: Layout) -> list:
@@ -146,9 +171,32 @@ def replicas_text(layout: Layout) -> list:
             for pp in range(layout.pp)]
 
 
+def _describe_cp(layout: Layout) -> list:
+    """``describe``'s lines with context parallelism."""
+    dp, pp, cp, tp = layout.dp, layout.pp, layout.cp, layout.tp
+    how = {"fsdp": f"fully_shard of each stage over dp x cp ({dp * cp} ranks)",
+           "ddp": f"replicate (DDP) of each stage over dp x cp ({dp * cp} ranks)",
+           "hsdp": f"fully_shard over dp_shard x cp ({(layout.dp_shard or 1) * cp} ranks), replicated over "
+                   f"dp_replicate ({dp // (layout.dp_shard or 1)})"}[layout.dp_mode]
+    expert = (f"; experts over ep={layout.ep} of the dp x cp ranks (consecutive dp_index * cp + cp_index, "
+              f"all-to-all of the routed tokens)" if layout.ep > 1 else "")
+    tensor = f", tp={tp}" if tp > 1 else ""
+    formula = ("pp_rank * dp + dp_index" if layout.dp_order == "dp-inner" else "dp_index * pp + pp_rank")
+    lines = [f"Mesh (dp={dp}, pp={pp}, cp={cp}{tensor}): {layout.world_size} processes; context parallel: each "
+             f"sample's sequence in {2 * cp} chunks, cp rank r holding chunks r and {2 * cp - 1}-r; the cp ranks of "
+             f"a stage consecutive (global rank = (({formula}) * cp + cp_index)"
+             + (" * tp + tp_index" if tp > 1 else "") + f"); {how}{expert}"]
+    for pp_rank in range(pp):
+        ranks = [global_rank(layout, d, pp_rank, t, c) for d in range(dp) for c in range(cp) for t in range(tp)]
+        lines.append(f"pipeline rank {pp_rank}: global ranks {', '.join(map(str, ranks))}")
+    return lines
+
+
 def describe(plan: dict) -> list:
     """What ``tracepp inspect`` and the rank-script headers show about the mesh (nothing without --dp/--tp)."""
     layout = mesh_layout(plan)
+    if layout.cp > 1:
+        return _describe_cp(layout)
     dp, pp, tp = layout.dp, layout.pp, layout.tp
     holders = (f"each expert's gradient reduced over the {dp // layout.ep} ranks holding it" if dp > layout.ep
                else "each expert on one rank of the group")
@@ -174,6 +222,7 @@ def parameter_placements(layout: Layout, shapes: dict, tp_plan: dict, ep_plan: d
     its whole shape). FSDP shards dim 0 of what tp and ep leave over dp (the last rank's piece may be shorter);
     routed experts stay outside FSDP, whole on each of the dp / ep ranks that hold them."""
     out = {}
+    layout = layout.data_parallel()  # parameters are whole on every cp rank: dp x cp is one data-parallel dim
     tp_params, ep_params = tp_plan.get("params", {}), ep_plan.get("params", {}) if layout.ep > 1 else {}
     for fqn, shape in shapes.items():
         local = list(shape)
@@ -225,16 +274,54 @@ def build_mesh(layout: Layout, device: torch.device):
     return mesh, mesh["dp"]
 
 
+def build_cp_mesh(layout: Layout, device) -> dict:
+    """With context parallelism (``cp`` > 1): the job's meshes, on every rank. ``mesh``: dims ("dp", "cp",
+    "pp"[, "tp"]) (HSDP: ("dp_replicate", "dp_shard", "cp", "pp"[, "tp"])), ranks as :func:`global_rank`;
+    ``grads``: what FSDP/DDP wrap each stage over, dp x cp flattened ("dp_cp"; HSDP: ("dp_replicate",
+    "dp_shard_cp")), since every cp rank holds the same parameters and a part of each sample's gradient, as
+    torchtitan flattens dp_shard x cp; ``replicas``: the 1-D dp mesh (the loss is averaged over dp only: the cp
+    ranks of a replica compute the same loss); ``cp``, ``tp``: 1-D meshes; with ``ep`` > 1 ``ep`` and ``edp``
+    from a second mesh ("edp", "ep", "pp"[, "tp"]) over the same ranks, ep taking consecutive indices of the
+    flattened dp x cp dim."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    dp, pp, cp, tp = layout.dp, layout.pp, layout.cp, layout.tp
+    grid = torch.tensor([[[[global_rank(layout, d, p, t, c) for t in range(tp)] for p in range(pp)]
+                          for c in range(cp)] for d in range(dp)])  # (dp, cp, pp, tp)
+    names = ("cp", "pp") + (("tp",) if tp > 1 else ())
+    body = grid if tp > 1 else grid[..., 0]
+    out = {}
+    if layout.dp_mode == "hsdp":
+        shard = layout.dp_shard
+        mesh = DeviceMesh(device.type, body.reshape(dp // shard, shard, *body.shape[1:]),
+                          mesh_dim_names=("dp_replicate", "dp_shard") + names)
+        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+        out["grads"] = mesh["dp_replicate", "dp_shard_cp"]
+        out["replicas"] = mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    else:
+        mesh = DeviceMesh(device.type, body, mesh_dim_names=("dp",) + names)
+        out["grads"] = mesh["dp", "cp"]._flatten("dp_cp")
+        out["replicas"] = mesh["dp"]
+    out.update(mesh=mesh, cp=mesh["cp"], tp=mesh["tp"] if tp > 1 else None, ep=None, edp=None)
+    if layout.ep > 1:
+        flat = body.reshape(dp * cp, *body.shape[2:])
+        experts = DeviceMesh(device.type, flat.reshape(dp * cp // layout.ep, layout.ep, *flat.shape[1:]),
+                             mesh_dim_names=("edp", "ep", "pp") + (("tp",) if tp > 1 else ()))
+        out.update(ep=experts["ep"], edp=experts["edp"])
+    return out
+
+
 def dp_mesh(mesh, layout: Layout):
     """The sub-mesh data parallelism runs over: 1-D "dp", or HSDP's 2-D (replicate, shard)."""
     return mesh["dp_replicate", "dp_shard"] if layout.dp_mode == "hsdp" else mesh["dp"]
 
 
-def wrap_stage(stage, mesh, layout: Layout, ignored=None):
+def wrap_stage(stage, mesh, layout: Layout, ignored=None, sub=None):
     """Wrap one StageModule over the dp dim with torch's own engine; returns the same module. ``ignored``: the
     parameters it leaves alone (routed experts, already divided over ep: their gradients are reduced over the
-    ranks holding the same experts, ``expert_parallel.reduce_expert_grads``)."""
-    sub = dp_mesh(mesh, layout)
+    ranks holding the same experts, ``expert_parallel.reduce_expert_grads``). ``sub``: the mesh to wrap over
+    instead of the dp dim (with context parallelism, dp x cp: :func:`build_cp_mesh`'s ``grads``)."""
+    sub = dp_mesh(mesh, layout) if sub is None else sub
     ignored = set(ignored or ()) or None
     if layout.dp_mode == "ddp":
         from torch.distributed._composable.replicate_with_fsdp import replicate
@@ -279,7 +366,7 @@ def set_last_backward(stage, is_last: bool) -> None:
 def replication_factor(layout: Layout) -> int:
     """How many dp ranks hold the same gradient shard (their local norms must be counted once)."""
     if layout.dp_mode == "ddp":
-        return layout.dp
+        return layout.dp * layout.cp
     if layout.dp_mode == "hsdp":
         return layout.dp // layout.dp_shard
     return 1

@@ -37,7 +37,7 @@ from .failure import PipelineError
 from .loading import load_manifest, load_rank_script
 from .script_check import check_programs, describe_program
 from . import mesh as dp_mesh
-from . import expert_parallel, fast_ops, tensor_parallel
+from . import context_parallel, expert_parallel, fast_ops, tensor_parallel
 from .stages import StageModule
 from .usercode import load_spec, load_user_module
 from .weights import load_rank_state
@@ -55,6 +55,18 @@ def _chain(pieces: list):
     return piece
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _traced_loss(function):
+    """``loss_fn(output, target)`` calling the traced loss of a ``--cp`` folder with the output's tensor leaves
+    and the target's leaves (``STAGE_FUNCTIONS["loss"]`` of the last rank's script)."""
+    import torch.utils._pytree as pytree
+
+    def loss_fn(output, target):
+        leaves = [leaf for leaf in pytree.tree_leaves(output) if isinstance(leaf, torch.Tensor)]
+        out = function(*leaves, *pytree.tree_leaves(target))
+        return out[0] if isinstance(out, (tuple, list)) else out
+    return loss_fn
 
 _STEP_HOOKS: list = []
 
@@ -133,16 +145,26 @@ class Pipeline:
                                 f"{self.layout.ep} processes; run it with torchrun, or re-split without --ep")
         self.dp_index, self.pp_rank = dp_mesh.coordinates(self.layout, self.rank)
         self.tp_index = dp_mesh.tp_index(self.layout, self.rank)
+        self.cp_index = dp_mesh.cp_index(self.layout, self.rank)
+        if all_stages and self.layout.cp > 1:
+            raise PipelineError(f"{self.folder} was split with --cp {self.layout.cp}: each sample's sequence is "
+                                f"spread over {self.layout.cp} processes; run it with torchrun, or re-split without "
+                                f"--cp")
+        self.cp_mesh = None  # with --cp: its 1-D mesh (the sequence's ranks)
+        self.grad_mesh = None  # what FSDP/DDP wrap over: dp, or dp x cp with context parallelism
+        self.token_group = None  # the ranks whose tokens make the global batch (expert counts): dp, or dp x cp
         self.mesh = self.replicas = None  # the (dp, pp) DeviceMesh and its 1-D dp mesh, with --dp
         self.full_mesh = self.tp_mesh = None  # with --tp: the (dp, pp, tp) mesh and its 1-D tp mesh
         self.ep_mesh = self.expert_replicas = None  # with --ep: its 1-D ep mesh; the group holding the same experts
-        self.ep_index = dp_mesh.ep_index(self.layout, self.dp_index)
+        self.ep_index = dp_mesh.ep_index(self.layout, self.dp_index, self.cp_index)
         if all_stages:
             self.device = torch.device(device) if device is not None else torch.device("cpu")
             self.backend = None
         else:
             self.device, self.backend = init_distributed(self.rank, self.world_size, timeout_s, device)
-            if self.layout.dp > 1 or self.layout.tp > 1:
+            if self.layout.cp > 1:
+                self._build_cp_mesh()
+            elif self.layout.dp > 1 or self.layout.tp > 1:
                 self.full_mesh, replicas = dp_mesh.build_mesh(self.layout, self.device)
                 if self.layout.dp > 1:
                     self.mesh, self.replicas = self.full_mesh, replicas
@@ -159,6 +181,11 @@ class Pipeline:
         self.compute_dtype = PRECISIONS[precision]
         self.training = manifest["training"]
         self.user = load_user_module(self.folder, manifest)
+        if self.layout.cp > 1 and loss_fn is not None:
+            raise PipelineError(f"{self.folder} was split with --cp {self.layout.cp}: the model's output holds this "
+                                f"rank's positions only, and its loss is the model file's loss_fn as traced at split "
+                                f"time (a mean over tokens summed over the cp ranks); pass no loss_fn, or re-split "
+                                f"without --cp")
         if loss_fn is None and self.training:
             loss_fn = getattr(self.user, "loss_fn", None)
         self.loss_fn = loss_fn
@@ -179,6 +206,8 @@ class Pipeline:
                     releases = getattr(script, "RELEASES", None) if releases is None else releases
             self._check_program(actions, releases)
         self._plan_manifest = plan_manifest
+        if self.layout.cp > 1 and self.training and "loss" in stage_functions:  # the traced, combined loss
+            self.loss_fn = _traced_loss(stage_functions["loss"])
         stage_to_rank = plan_manifest["plan"]["stage_to_rank"]
         self.stage_indices = [s for s, r in enumerate(stage_to_rank) if r == self.pp_rank]
         self.is_last_rank = stage_to_rank[-1] == self.pp_rank
@@ -210,10 +239,11 @@ class Pipeline:
                 stage.autocast_dtype = self.compute_dtype
                 stage.local_shards = self.tp_mesh is not None or self.ep_mesh is not None
                 stage.sequence_shards = self.tp_mesh is not None and self.layout.sequence_parallel and not compile
+                stage.context_shards = self.cp_mesh is not None and not compile
                 self.stages[spec["index"]] = stage
         if self.mesh is not None:
             for stage in self.stages.values():
-                dp_mesh.wrap_stage(stage, self.mesh, self.layout, ignored=self.expert_params)
+                dp_mesh.wrap_stage(stage, self.mesh, self.layout, ignored=self.expert_params, sub=self.grad_mesh)
         self.compiled = compile
         if compile:
             self._compile_stages(compile_cache)
@@ -238,6 +268,23 @@ class Pipeline:
         self.last_batch_size = None
 
     # -- building -------------------------------------------------------------------------------------------
+    def _build_cp_mesh(self) -> None:
+        """Context parallel: the (dp, cp, pp[, tp]) mesh, FSDP/DDP over dp x cp, the cp, tp and ep groups."""
+        meshes = dp_mesh.build_cp_mesh(self.layout, self.device)
+        self.full_mesh = self.mesh = meshes["mesh"]
+        self.replicas, self.grad_mesh, self.cp_mesh = meshes["replicas"], meshes["grads"], meshes["cp"]
+        context_parallel.set_group(self.cp_mesh.get_group(), self.layout.cp, self.cp_index)
+        if self.layout.dp_mode != "hsdp":
+            self.token_group = self.grad_mesh.get_group()
+        if meshes["tp"] is not None:
+            self.tp_mesh = meshes["tp"]
+            tensor_parallel.set_group(self.tp_mesh.get_group(), self.layout.tp, self.tp_index)
+        if meshes["ep"] is not None:
+            self.ep_mesh = meshes["ep"]
+            expert_parallel.set_group(self.ep_mesh.get_group(), self.layout.ep, self.ep_index)
+            if self.layout.dp * self.layout.cp > self.layout.ep:
+                self.expert_replicas = meshes["edp"].get_group()
+
     def _check_program(self, actions, releases) -> None:
         """Every rank runs what its script says: gather every process's ACTIONS and RELEASES; where one differs
         from what ``tracepp split`` wrote, validate the whole plan or stop every rank (``script_check``)."""
@@ -287,7 +334,8 @@ class Pipeline:
         for text in actions:
             stage, kind, _mb, peer = parse_action(text)
             if kind.startswith(("SEND", "RECV")) and peer is not None:
-                target = dp_mesh.global_rank(self.layout, self.dp_index, stage_to_rank[peer], self.tp_index)
+                target = dp_mesh.global_rank(self.layout, self.dp_index, stage_to_rank[peer], self.tp_index,
+                                             self.cp_index)
                 (send_to if kind.startswith("SEND") else receive_from).add(target)
         self._peers = (send_to, receive_from)
         transport, note = shm_p2p.connect(self.rank, send_to, receive_from, int(ring_mb * 2**20), mode,
@@ -312,8 +360,8 @@ class Pipeline:
                                 split_weight_backward=not self.compiled and self.mesh is None,
                                 mark_dynamic=self.compiled)
         if self.full_mesh is not None:
-            executor.global_ranks = [dp_mesh.global_rank(self.layout, self.dp_index, pp, self.tp_index)
-                                     for pp in range(self.layout.pp)]
+            executor.global_ranks = [dp_mesh.global_rank(self.layout, self.dp_index, pp, self.tp_index,
+                                                         self.cp_index) for pp in range(self.layout.pp)]
             executor.pp_group = self.full_mesh["pp"].get_group()
         executor.transport = self.transport
         return executor
@@ -352,10 +400,11 @@ class Pipeline:
         for ranks, fqns in sorted(by_ranks.items()):
             for dp_index in range(self.layout.dp):  # one group per replica: its pipeline ranks holding a copy
                 for tp_index in range(self.layout.tp):  # (and per tp place: each holds its own shards)
-                    members = [dp_mesh.global_rank(self.layout, dp_index, r, tp_index) for r in ranks]
-                    group = dist.new_group(members)  # every rank calls new_group for every set, in sorted order
-                    if self.rank in members:
-                        groups.append((group, [params[f] for f in fqns if f in params]))
+                    for cp_index in range(self.layout.cp):  # (and per cp place: FSDP's shard of dp x cp)
+                        members = [dp_mesh.global_rank(self.layout, dp_index, r, tp_index, cp_index) for r in ranks]
+                        group = dist.new_group(members)  # every rank calls new_group for every set, in order
+                        if self.rank in members:
+                            groups.append((group, [params[f] for f in fqns if f in params]))
         return groups
 
     def _counted_once(self) -> list:
@@ -372,7 +421,8 @@ class Pipeline:
         for name, param in self.named_parameters():
             if owner.get(name, self.pp_rank) == self.pp_rank:
                 whole = tp > 1 and tensor_parallel.placement_of(self.manifest, name) is None
-                copies = (tp if whole else 1) * (self.layout.dp // self.layout.ep if id(param) in experts else dp)
+                holders = self.layout.dp * self.layout.cp // self.layout.ep
+                copies = (tp if whole else 1) * (holders if id(param) in experts else dp)
                 groups.setdefault(copies, []).append(param)
         return list(groups.items())
 
@@ -457,7 +507,8 @@ class Pipeline:
         so every copy takes the same optimizer step; with expert parallelism, reduce each expert's gradient over
         the ranks that hold it. Call once after the last ``step`` before the optimizer."""
         if self.ep_mesh is not None and self.training:
-            expert_parallel.reduce_expert_grads(self.expert_params, self.expert_replicas, self.layout.dp)
+            expert_parallel.reduce_expert_grads(self.expert_params, self.expert_replicas,
+                                                self.layout.dp * self.layout.cp)
         for group, params in self._shared:
             grads = []
             for param in params:
@@ -507,7 +558,7 @@ class Pipeline:
         if self.mesh is not None and stats:  # each replica counted its own tokens
             flat = torch.cat([torch.cat([counts.float(), torch.tensor([float(dropped)])])
                               for counts, dropped in stats.values()]).to(self.device)
-            dist.all_reduce(flat, group=self.replicas.get_group())
+            dist.all_reduce(flat, group=self.token_group or self.replicas.get_group())
             offset, summed = 0, {}
             for block, (counts, _dropped) in stats.items():
                 size = counts.numel()

@@ -1,7 +1,8 @@
 """Activation checkpointing of pipeline stages: ``--activation-checkpointing MODE``.
 
-A checkpointed stage runs its forward under ``torch.utils.checkpoint.checkpoint`` (non-reentrant), and the
-forward is recomputed during that microbatch's backward. The recomputation is the same computation, so
+A checkpointed stage runs its forward under ``torch.utils.checkpoint.checkpoint`` (non-reentrant), block by block
+where its code calls repeated blocks (each transformer layer on its own, as torchtitan does; whole otherwise), and
+the forward is recomputed during that microbatch's backward. The recomputation is the same computation, so
 gradients are bit-identical in fp32. MODE is one of:
 
 * ``none``: keep every activation autograd saves (default).
@@ -10,6 +11,8 @@ gradients are bit-identical in fp32. MODE is one of:
   outputs of the matmuls, of attention and of the collectives are kept, everything between them (norms,
   activations, rotary, elementwise ops) is recomputed in backward. Most of the memory of ``full`` is saved for a
   small part of its recomputation, and no collective runs twice.
+* ``every-K``: full checkpointing of every K-th block of each stage (the 1st, (K+1)-th, ...; torchtitan's
+  ``selective_ac_option = "K"``), the other blocks keeping everything.
 * ``in-flight``: ``full`` for the stages that hold more than one microbatch's activations at once in this rank's
   action list (e.g. every stage of a 1F1B pipeline but the last, which runs each backward right after its forward
   and would pay the recomputation for no memory).
@@ -18,7 +21,10 @@ gradients are bit-identical in fp32. MODE is one of:
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
+import re
 
 import torch
 
@@ -26,6 +32,12 @@ from .actions import Action
 
 STAGE_MODES = ("none", "full", "selective")
 MODES = STAGE_MODES + ("in-flight",)
+_EVERY = re.compile(r"^every-([1-9][0-9]*)$")  # full checkpointing of every K-th block of a stage
+
+
+def is_stage_mode(mode: str) -> bool:
+    """none, full, selective, or every-K (full checkpointing of the stage's 1st, (K+1)-th, ... block)."""
+    return mode in STAGE_MODES or _EVERY.match(mode) is not None
 
 
 def parse_action(text: str):
@@ -50,25 +62,25 @@ def max_in_flight(actions: list, stage_index: int) -> int:
 
 
 def check_mode(mode: str, num_stages=None) -> None:
-    """Refuse a mode that is not one of :data:`MODES` or a per-stage list of :data:`STAGE_MODES`."""
-    if mode in MODES:
+    """Refuse a mode that is not one of :data:`MODES`, every-K, or a per-stage list of those of one stage."""
+    if mode in MODES or is_stage_mode(mode):
         return
     parts = [part.strip() for part in mode.split(",")]
-    if len(parts) > 1 and all(part in STAGE_MODES for part in parts):
+    if len(parts) > 1 and all(is_stage_mode(part) for part in parts):
         if num_stages is not None and len(parts) != num_stages:
             raise ValueError(f"--activation-checkpointing {mode!r} lists {len(parts)} stage modes; the pipeline has "
                              f"{num_stages} stages: give one of {', '.join(STAGE_MODES)} per stage, or one of "
                              f"{', '.join(MODES)} for all")
         return
-    raise ValueError(f"--activation-checkpointing {mode!r} is not one of {', '.join(MODES)} (or one of "
-                     f"{', '.join(STAGE_MODES)} per stage, comma-separated)")
+    raise ValueError(f"--activation-checkpointing {mode!r} is not one of {', '.join(MODES)}, every-K (every K-th "
+                     f"block), or one of {', '.join(STAGE_MODES)}, every-K per stage, comma-separated")
 
 
 def stage_modes(mode: str, num_stages: int, actions_of=None) -> list:
     """The mode of every stage (none, full or selective) under ``mode``; ``actions_of(stage)`` gives the action
     list of the rank that runs a stage (for ``in-flight``)."""
     check_mode(mode, num_stages)
-    if mode in STAGE_MODES:
+    if is_stage_mode(mode):
         return [mode] * num_stages
     if mode == "in-flight":
         if actions_of is None:
@@ -83,7 +95,7 @@ def stages_to_checkpoint(mode: str, stage_indices, actions: list, num_stages=Non
     stage_indices = sorted(stage_indices)
     if mode == "in-flight":
         chosen = {s: "full" for s in stage_indices if max_in_flight(actions, s) > 1}
-    elif mode in STAGE_MODES:
+    elif is_stage_mode(mode):
         chosen = {s: mode for s in stage_indices}
     else:
         modes = [part.strip() for part in mode.split(",")]
@@ -97,8 +109,66 @@ def apply(pipe, mode: str) -> dict:
     """Turn on checkpointing for this rank's stages of ``pipe`` chosen by ``mode``; returns {stage: mode}."""
     chosen = stages_to_checkpoint(mode, pipe.stages, pipe.executor.actions, len(pipe.manifest["stages"]))
     for stage_index, stage_mode in chosen.items():
-        pipe.stages[stage_index].recompute = stage_mode
+        stage = pipe.stages[stage_index]
+        stage.recompute = stage_mode
+        stage.recompute_blocks = wrap_blocks(stage.function, stage_index)
     return chosen
+
+
+# -- checkpointing block by block --------------------------------------------------------------------------------
+#
+# A stage whose code calls repeated blocks (the rank script's block functions, ``STAGE_BLOCKS``) is checkpointed
+# block by block, as torchtitan does a transformer layer at a time: each block keeps its inputs, and backward
+# recomputes one block at a time (whole-stage checkpointing would recompute every block of the stage at once).
+# The rank script's block functions are wrapped once; the stage's forward says how (:func:`blocks_checkpointed`).
+
+_BLOCK_MODE: contextvars.ContextVar = contextvars.ContextVar("tracepp_block_checkpointing", default=None)
+
+
+def wrap_blocks(function, stage_index: int) -> bool:
+    """Wrap the block functions ``function``'s stage calls (its module's ``STAGE_BLOCKS``) so that they checkpoint
+    as the running stage says; False when the stage calls none (it is then checkpointed as a whole)."""
+    namespace = getattr(function, "__globals__", None)
+    calls = (namespace or {}).get("STAGE_BLOCKS", {}).get(stage_index)
+    if not calls:
+        return False
+    for name in calls:
+        block = namespace.get(name)
+        if block is not None and not getattr(block, "tracepp_checkpointed", False):
+            namespace[name] = _checkpointed(block)
+    return True
+
+
+def _checkpointed(block):
+    @functools.wraps(block)
+    def run(*args):
+        state = _BLOCK_MODE.get()
+        if state is None or not torch.is_grad_enabled():
+            return block(*args)
+        mode, count = state
+        index = count[0]
+        count[0] += 1
+        every = _EVERY.match(mode)
+        if mode == "full" or (every is not None and index % int(every.group(1)) == 0):
+            return checkpoint(block, *args, use_reentrant=False)
+        if mode == "selective":
+            return checkpoint(block, *args, use_reentrant=False, context_fn=selective_context)
+        return block(*args)
+
+    from torch.utils.checkpoint import checkpoint
+
+    run.tracepp_checkpointed = True
+    return run
+
+
+@contextlib.contextmanager
+def blocks_checkpointed(mode: str):
+    """Around a stage's forward: its block calls checkpoint under ``mode`` (counted from its first block)."""
+    token = _BLOCK_MODE.set((mode, [0]))
+    try:
+        yield
+    finally:
+        _BLOCK_MODE.reset(token)
 
 
 # -- the op-level policy -------------------------------------------------------------------------------------

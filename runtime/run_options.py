@@ -23,13 +23,16 @@ class RunOptions:
     ``expert_imbalance``: an assumption about the data, not an option of the run: with expert parallelism the
     rows a rank receives for its experts, over the balanced count (1.0), that memory is planned for. ``device``:
     where the job will run (cpu: gloo, cuda: NCCL), for what its collectives and optimizer allocate; run.py takes
-    CUDA wherever it is available."""
+    CUDA wherever it is available. ``memory_limit``: bytes a rank may hold at its peak: with
+    ``activation_checkpointing="auto"`` the split chooses each stage's checkpointing to fit it (and records the
+    choice, which run.py applies); with another mode the split refuses a plan over it."""
 
     precision: str = "fp32"
     activation_checkpointing: str = "none"
     optimizer: Optional[str] = None
     expert_imbalance: float = 1.0
     device: str = "cpu"
+    memory_limit: Optional[int] = None
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -48,7 +51,12 @@ class RunOptions:
             raise ValueError(f"--precision {self.precision!r} is not one of {', '.join(PRECISIONS)}")
         if self.optimizer is not None and self.optimizer not in OPTIMIZERS:
             raise ValueError(f"--optimizer {self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
-        check_mode(self.activation_checkpointing, num_stages)
+        if self.activation_checkpointing == "auto":
+            if self.memory_limit is None:
+                raise ValueError("--activation-checkpointing auto chooses each stage's checkpointing to fit a limit: "
+                                 "give --memory-limit SIZE (e.g. 80GB)")
+        else:
+            check_mode(self.activation_checkpointing, num_stages)
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"--device {self.device!r}: plan for cpu or cuda")
         if not 1.0 <= self.expert_imbalance:

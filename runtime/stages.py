@@ -40,7 +40,9 @@ class StageModule(nn.Module):
         # activation checkpointing (recompute.apply): False, "full" (keep the inputs, recompute the forward in
         # backward) or "selective" (keep the matmul, attention and collective outputs, recompute the rest)
         self.recompute = False
+        self.recompute_blocks = False  # checkpoint its block calls one by one (recompute.wrap_blocks)
         self.sequence_shards = False  # sequence parallel: backward keeps the shards of gathered inputs
+        self.context_shards = False  # context parallel: backward keeps this rank's shard of gathered keys/values
         self.device_type = next((t.device.type for t in state_by_fqn.values()), "cpu")
         self._state_paths = []
         for ref in spec["state"]:
@@ -77,7 +79,18 @@ class StageModule(nn.Module):
             context_shards = shards_kept_for_backward()
         else:
             context_shards = contextlib.nullcontext()
-        with context, context_shards:
+        if self.context_shards and torch.is_grad_enabled() and not self.recompute:
+            from .context_parallel import kv_shards_kept_for_backward
+
+            kv_shards = kv_shards_kept_for_backward()
+        else:
+            kv_shards = contextlib.nullcontext()
+        with context, context_shards, kv_shards:
+            if self.recompute and torch.is_grad_enabled() and self.recompute_blocks:
+                from .recompute import blocks_checkpointed
+
+                with blocks_checkpointed(self.recompute):
+                    return self.function(*self.state_tensors(), *inputs)
             if self.recompute and torch.is_grad_enabled():
                 if self.recompute == "selective":
                     from .recompute import selective_context

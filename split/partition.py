@@ -636,6 +636,21 @@ def _tensor_parallel_figures(graph, inputs, flops: dict, needs_grad: dict):
                                                                       crossing)
 
 
+def _context_parallel_figures(graph, compute: list, segments: list, inputs, flops: dict, needs_grad: dict,
+                              computable: set) -> None:
+    """Each segment's context-parallel figures (``segments[k]["cp"]``, the tuner's ``--cp-sizes``); none where
+    the whole graph cannot be walked."""
+    from tracepp.split import context_parallel
+
+    fqn_of = {name: ref.fqn for name, ref in inputs.state.items() if ref.kind == "parameter"}
+    try:
+        context_parallel.segment_figures(graph, compute, segments, inputs.root_inputs, fqn_of, needs_grad, flops,
+                                         computable, cost.tensor_bytes)
+    except Exception:  # an op the walk does not expect: no cp figures, the split goes on
+        for seg in segments:
+            seg.pop("cp", None)
+
+
 def _expert_figures(graph, inputs, flops: dict):
     """``segment_table``'s per-segment routed-expert figures (the tuner's ``--ep-sizes``), or None where the
     graph's blocks cannot be read."""
@@ -684,6 +699,7 @@ def split(traced, split_points: Optional[list] = None, num_stages: Optional[int]
                                  _expert_figures(graph, inputs, flops))
     except Exception:  # the table only serves the tuner: never fail a split for it
         segments = []
+    _context_parallel_figures(graph, compute, segments, inputs, flops, needs_grad, computable)
     output_node = next(n for n in graph.nodes if n.op == "output")
     names = naming.value_names(graph, _crossing(compute, stage_nodes, recomputed, output_node, traced.model),
                                inputs.symbol_names)

@@ -93,6 +93,8 @@ class PipelineGraph:
     tensor_parallel: dict = field(default_factory=dict)  # split.tensor_parallel.TPPlan.to_json() with --tp
     expert_parallel: dict = field(default_factory=dict)  # split.expert_parallel.EPPlan.to_json(): routed experts
     memory: dict = field(default_factory=dict)  # codegen.memory.plan_memory: figures per stage, peak per rank
+    context_parallel: dict = field(default_factory=dict)  # split.context_parallel.CPPlan.to_json() with --cp
+    loss: Any = None  # with --cp: the model file's loss_fn traced and rewritten (split.context_parallel.LossGraph)
 
     @property
     def num_stages(self) -> int:

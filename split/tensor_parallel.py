@@ -90,6 +90,7 @@ _TRANSPOSES = {aten.t.default, aten.numpy_T.default, aten.transpose.int, aten.pe
 _IGNORED = {aten._assert_tensor_metadata.default}
 _MIXED_CARRIES = {aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.transpose.int, aten.permute.default,
                   aten._to_copy.default, aten.to.dtype, aten.clone.default, aten.contiguous.default, aten.alias.default}  # metadata checks: dropped by codegen
+_CP_OPS = ("tracepp::cp_shard", "tracepp::cp_all_gather", "tracepp::cp_reduce_scatter", "tracepp::cp_all_reduce")
 _END = sys.maxsize  # a slice to the end
 
 
@@ -619,6 +620,12 @@ class _Walk:
             return self._baddbmm(node)
         if target in _SDPA:
             return self._attention(node)
+        if getattr(target, "name", lambda: "")() in _CP_OPS:  # --cp's collectives along the sequence: a shard of
+            dim = node.args[1] % _val(first).dim() if len(node.args) > 1 else None  # another dim passes through
+            if first not in self.shard or len(sharded) != 1 or dim == self.shard[first]:
+                return False
+            self._carry(node, first)
+            return True
         if first not in self.shard or len(sharded) != 1:
             return False
         dim = self.shard[first]
@@ -1329,6 +1336,10 @@ def plan(graph, tp: int, overrides=None, sequence_parallel: bool = False) -> tup
     aliases = {ref.fqn: ref.aliases for ref in graph.state.values()}
     notes = _forced_by_overrides(aliases, overrides)
     sequence = sequence_length(graph) if sequence_parallel else None
+    cp = (getattr(graph, "context_parallel", None) or {}).get("size", 1)
+    if sequence is not None and cp > 1:  # context parallel holds 1/cp of the sequence: sp splits that further
+        from torch.utils._sympy.functions import FloorDiv
+        sequence = sympy.Integer(int(sequence) // cp) if sympy.sympify(sequence).is_Integer else FloorDiv(sequence, cp)
     if sequence_parallel:
         _check_sequence(sequence, tp)
     mixed: dict = {}

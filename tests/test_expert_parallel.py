@@ -142,7 +142,7 @@ def test_check_prints_each_ranks_memory_and_every_parameters_placement(capsys):
 
     assert main(["check", os.path.join(ZOO, "deepseek_v3.py"), "--dp", "2", "--ep", "2", "--microbatches", "2"]) == 0
     text = capsys.readouterr().out
-    assert "bytes per rank: tensor-parallel pieces, this rank's routed experts (1/ep)" in text
+    assert "bytes per rank between steps: tensor-parallel pieces, this rank's routed experts (1/ep)" in text
     assert "routed experts (ep=2): 4 expert weights sharded" in text
     assert "model.layers.*.mlp.experts.gate_up_proj  (x2)             one copy         Shard(0)  -     [4, 32, 32]" \
         in text
@@ -156,7 +156,10 @@ def test_check_prints_each_ranks_memory_and_every_parameters_placement(capsys):
     state = {ref["fqn"]: ref["shape"] for ref in manifest["stages"][1]["state"] if ref["kind"] == "parameter"}
     experts = sum(torch.Size(s).numel() for f, s in state.items() if ".experts." in f)
     others = sum(torch.Size(s).numel() for f, s in state.items() if ".experts." not in f)
-    assert manifest["stages"][1]["estimate"]["param_bytes"] == fp32 * (experts // 2 + others // 2)
+    buffers = sum(torch.Size(ref["shape"]).numel() for ref in manifest["stages"][1]["state"]
+                  if ref["kind"] == "buffer")  # whole on every rank (the router's score bias, rotary's inv_freq)
+    assert buffers and manifest["stages"][1]["estimate"]["grad_bytes"] == fp32 * (experts // 2 + others // 2)
+    assert manifest["stages"][1]["estimate"]["param_bytes"] == fp32 * (experts // 2 + others // 2 + buffers)
 
 
 def test_every_copy_of_the_runtime_shares_the_ops_state(tmp_path):

@@ -77,8 +77,10 @@ def _check(args) -> int:
                            run=_run_options(args))
     _print_notes(manifest)
     print(stage_table(manifest))
+    from tracepp.report.context_parallel import context_parallel_table
+
     for table in (estimate_table(manifest) if manifest["plan"].get("mesh") else "", memory_table(manifest),
-                  tensor_parallel_table(manifest), expert_parallel_table(manifest)):
+                  tensor_parallel_table(manifest), expert_parallel_table(manifest), context_parallel_table(manifest)):
         if table:
             print()
             print(table)
@@ -124,8 +126,10 @@ def _inspect(args) -> int:
         print(json.dumps(inspect_json(manifest), indent=1))
         return 0
     print(stage_table(manifest))
+    from tracepp.report.context_parallel import context_parallel_table
+
     for section in (estimate_table(manifest), memory_table(manifest), boundary_table(manifest),
-                    tensor_parallel_table(manifest), expert_parallel_table(manifest)):
+                    tensor_parallel_table(manifest), expert_parallel_table(manifest), context_parallel_table(manifest)):
         if section:
             print()
             print(section)
@@ -187,10 +191,11 @@ def _tune(args, manifest) -> int:
     counts = [int(m) for m in args.microbatch_counts.split(",")] if args.microbatch_counts else None
     tp_sizes = [int(t) for t in args.tp_sizes.split(",")] if args.tp_sizes else None
     ep_sizes = [int(e) for e in args.ep_sizes.split(",")] if args.ep_sizes else None
+    cp_sizes = [int(c) for c in args.cp_sizes.split(",")] if args.cp_sizes else None
     kept, dropped, failed = tune(manifest, calibration, memory_limit=limit, schedules=schedules,
                                  microbatch_counts=counts,
                                  optimizer_bytes_per_param=_optimizer_bytes(args, manifest),
-                                 tp_sizes=tp_sizes, ep_sizes=ep_sizes)
+                                 tp_sizes=tp_sizes, ep_sizes=ep_sizes, cp_sizes=cp_sizes)
     print(format_tuning(kept, dropped, failed, args.top, limit, current_candidate(kept, dropped, manifest)))
     noise = calibration.noise_fraction()
     if noise is not None and kept:
@@ -207,7 +212,7 @@ def _tune(args, manifest) -> int:
               f"{best.num_microbatches} --split-points {','.join(best.split_points)}"
               + (f" --tp {best.tp}" if best.tp > 1 else "")
               + (" --sequence-parallel" if best.sequence_parallel else "")
-              + (f" --ep {best.ep}" if best.ep > 1 else "")
+              + (f" --ep {best.ep}" if best.ep > 1 else "") + (f" --cp {best.cp}" if best.cp > 1 else "")
               + (f" --activation-checkpointing {best.checkpointing}" if best.checkpointing != "none" else ""))
         written = apply_tuned(manifest, args.out, best)
         if args.measure:
@@ -317,6 +322,11 @@ def _add_split_options(parser) -> None:
                              "dim (norms, residual adds and dropout on the shards; all-gather into each column-"
                              "parallel region, reduce-scatter out of each row-parallel one), as Megatron-Core does: "
                              "each tp rank keeps and sends 1/tp of them")
+    parser.add_argument("--cp", type=int, default=1,
+                        help="context-parallel ranks per stage: spread each sample's sequence over C processes "
+                             "(2C chunks, rank r holding chunks r and 2C-1-r), keys and values all-gathered for "
+                             "attention, read from the traced graph (see docs/context-parallel.md); the job runs "
+                             "ranks x dp x cp x tp processes (default 1)")
     parser.add_argument("--dp", type=int, default=1,
                         help="data-parallel replicas of the pipeline: the job runs ranks x dp processes (default 1)")
     parser.add_argument("--dp-mode", default="fsdp", choices=["fsdp", "ddp", "hsdp"],
@@ -331,13 +341,17 @@ def _add_split_options(parser) -> None:
                              "to it (default fp32)")
     parser.add_argument("--activation-checkpointing", default="none", metavar="MODE",
                         help="none, full, selective (keep matmul, attention and collective outputs, recompute the "
-                             "rest), in-flight (full where a stage holds several microbatches), or one of "
-                             "none/full/selective per stage, comma-separated: memory is counted with it, and run.py "
-                             "defaults to it (default none)")
+                             "rest), in-flight (full where a stage holds several microbatches), one of "
+                             "none/full/selective per stage, comma-separated, or auto (each stage's chosen to fit "
+                             "--memory-limit): memory is counted with it, and run.py defaults to it (default none)")
     parser.add_argument("--expert-imbalance", type=float, default=1.0, metavar="X",
                         help="with --ep: plan each rank's memory for receiving X times the balanced number of "
                              "routed rows for its experts (the busiest expert over the mean, as run.py's metrics "
                              "report 'experts max/mean'; default 1: balanced)")
+    parser.add_argument("--memory-limit", default=None, metavar="SIZE",
+                        help="the bytes a rank may hold at its peak (e.g. 80GB, 75GiB): with --activation-"
+                             "checkpointing auto each stage's checkpointing is chosen to fit it; otherwise a plan "
+                             "over it is refused, naming the ranks and what would fit")
     parser.add_argument("--device", default=None, choices=["cpu", "cuda"],
                         help="where the job will run, for the memory plan: cuda (NCCL; torch's optimizers take "
                              "their foreach kernels) or cpu (gloo, shared-memory rings); default: cuda if this "
@@ -353,7 +367,7 @@ def _layout(args):
     from tracepp.runtime.mesh import Layout
 
     return Layout(pp=args.ranks, dp=args.dp, dp_mode=args.dp_mode, dp_shard=args.dp_shard, dp_order=args.dp_order,
-                  tp=args.tp, ep=args.ep, sequence_parallel=args.sequence_parallel)
+                  tp=args.tp, ep=args.ep, sequence_parallel=args.sequence_parallel, cp=args.cp)
 
 
 def _run_options(args):
@@ -362,9 +376,13 @@ def _run_options(args):
 
     import torch
 
+    from tracepp.costs.search import parse_bytes
+
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    limit = parse_bytes(args.memory_limit) if args.memory_limit else None
     return RunOptions(precision=args.precision, activation_checkpointing=args.activation_checkpointing,
-                      optimizer=args.optimizer, expert_imbalance=args.expert_imbalance, device=device)
+                      optimizer=args.optimizer, expert_imbalance=args.expert_imbalance, device=device,
+                      memory_limit=limit)
 
 
 def _split_points(text):
@@ -424,6 +442,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="--tune: also price every plan with these expert-parallel sizes (e.g. 1,2,4; from a folder "
                            "split at --dp N without --ep; each must divide N and every block's expert count): expert "
                            "state 1/ep per rank, the all-to-all per microbatch against FSDP's gathering of the experts")
+    plan.add_argument("--cp-sizes", default=None, metavar="C,C",
+                      help="--tune: also price every plan with these context-parallel sizes (e.g. 1,2,4; from a folder "
+                           "split without --cp; 2C must divide the sequence): compute and sequence-held activations "
+                           "1/cp per rank, the key/value all-gathers (and dK/dV reduce-scatters) per microbatch, "
+                           "boundaries of 1/cp, cp times the processes")
     plan.add_argument("--measure", type=int, default=0, metavar="K",
                       help="--tune: run the K best predicted plans on this machine (each split into a folder of its "
                            "own, a few steps each, in paired rounds whose order flips every round) and print what "

@@ -18,10 +18,11 @@ from tracepp.modelfile import load_model_file
 from tracepp.resplit import split_options
 from tracepp.runtime.mesh import Layout
 from tracepp.runtime.run_options import RunOptions
-from tracepp.split import expert_parallel, tensor_parallel
+from tracepp.split import context_parallel, expert_parallel, tensor_parallel
 from tracepp.split.cost import per_rank_estimate
 from tracepp.split.partition import split
 from tracepp.trace import trace
+from tracepp.trace_loss import trace_loss
 
 
 def _plan(model_path: str, layout: Layout, num_stages: Optional[int], schedule: str, num_microbatches: int,
@@ -38,6 +39,11 @@ def _plan(model_path: str, layout: Layout, num_stages: Optional[int], schedule: 
     graph = split(traced, points, num_stages,                                         # 2. stage graphs
                   default_stages=layout.pp * stages_per_rank(schedule), schedule=schedule,
                   num_microbatches=num_microbatches, training=model_file.training)
+    if layout.cp > 1:                                                                 # 2a. context parallel
+        loss = trace_loss(model_file, graph) if model_file.training else None
+        cp_plan, walks, loss_walk = context_parallel.plan(graph, layout.cp, loss, model_file.training)
+        context_parallel.apply(graph, cp_plan, walks, loss, loss_walk)
+        graph.context_parallel, graph.loss = cp_plan.to_json(), loss
     if layout.tp > 1:                                                                 # 2b. tensor parallel
         tp_plan, walks = tensor_parallel.plan(graph, layout.tp, model_file.tp_plan, layout.sequence_parallel)
         tensor_parallel.apply(graph, tp_plan, walks)
@@ -48,15 +54,15 @@ def _plan(model_path: str, layout: Layout, num_stages: Optional[int], schedule: 
         graph.expert_parallel = ep_plan.to_json()
     if layout.world_size > layout.pp:  # what each rank holds of its stages: tp pieces, its experts, FSDP shards
         for stage in graph.stages:
-            stage.estimate = per_rank_estimate(stage, graph, layout, model_file.training)
+            stage.estimate = per_rank_estimate(stage, graph, layout.data_parallel(), model_file.training)
     the_plan = build_plan(schedule, layout.pp, graph.num_stages, num_microbatches,    # 3. schedule
                           topology_of(graph), model_file.training).to_json()
-    if layout.dp > 1:
+    if layout.dp * layout.cp > 1:  # FSDP/DDP wrap the stages (over dp x cp with context parallelism)
         _check_shared_on_one_rank(graph, the_plan, schedule, layout)
     if layout.world_size > layout.pp:
         the_plan["mesh"] = layout.to_json()
-    graph.memory = memory_plan(model_file, traced, graph, the_plan, layout, run)            # 3b. memory per rank
-    return model_file, traced, graph, the_plan
+    graph.memory, run = memory_plan(model_file, traced, graph, the_plan, layout, run)       # 3b. memory per rank
+    return model_file, traced, graph, the_plan, run
 
 
 def split_model(model_path: str, out_dir: str, num_stages: Optional[int] = None, schedule: str = "1f1b",
@@ -65,10 +71,11 @@ def split_model(model_path: str, out_dir: str, num_stages: Optional[int] = None,
     """``tracepp split``: the folder ``out_dir`` for ``layout`` (pipeline ranks, data, tensor and expert
     parallelism: one value) and ``run`` (the precision, activation checkpointing and optimizer its memory is
     planned for, and run.py defaults to); returns its manifest."""
-    model_file, traced, graph, the_plan = _plan(model_path, layout, num_stages, schedule, num_microbatches,
-                                                split_points, dynamic_shapes, run)
+    model_file, traced, graph, the_plan, planned = _plan(model_path, layout, num_stages, schedule,
+                                                         num_microbatches, split_points, dynamic_shapes, run)
     options = split_options(model_path, layout, num_stages, schedule, num_microbatches, split_points,
                             dynamic_shapes, graph, run)
+    options["run_options"], options["requested_run_options"] = planned.to_json(), run.to_json()
     manifest = emit(out_dir, model_file, traced, graph, the_plan, launch_command(layout.world_size),  # 4. output
                     options)
     return manifest
@@ -83,7 +90,8 @@ def _check_shared_on_one_rank(graph, the_plan: dict, schedule: str, layout: Layo
         same = sorted({r for r in ranks if ranks.count(r) > 1})
         if same:
             stages = [s for s in ref.stages if to_rank[s] == same[0]]
-            raise ValueError(f"--dp {layout.dp} with schedule {schedule!r} puts stages {stages[0]} and {stages[1]}, "
+            what = f"--dp {layout.dp}" if layout.cp == 1 else f"--cp {layout.cp} (FSDP/DDP over dp x cp)"
+            raise ValueError(f"{what} with schedule {schedule!r} puts stages {stages[0]} and {stages[1]}, "
                              f"which share {' = '.join(ref.aliases)}, on rank {same[0]}: {layout.dp_mode} wraps each "
                              f"stage as one unit and cannot hold one parameter twice. Use a schedule that places "
                              f"them on different ranks (interleaved-zb, interleaved-1f1b, 1f1b), or untie the "
@@ -101,10 +109,10 @@ def check_model(model_path: str, num_stages: Optional[int] = None, schedule: str
                 num_microbatches: int = 4, split_points: Optional[list] = None, dynamic_shapes=None,
                 layout: Layout = Layout(pp=2), run: RunOptions = RunOptions()) -> dict:
     """``tracepp check``: trace, split and plan as :func:`split_model` does, and return the manifest unwritten."""
-    model_file, traced, graph, the_plan = _plan(model_path, layout, num_stages, schedule, num_microbatches,
-                                                split_points, dynamic_shapes, run)
+    model_file, traced, graph, the_plan, planned = _plan(model_path, layout, num_stages, schedule,
+                                                         num_microbatches, split_points, dynamic_shapes, run)
     return build_manifest(model_file, traced, graph, the_plan, launch_command(layout.world_size),
-                          {"run_options": run.to_json()})
+                          {"run_options": planned.to_json()})
 
 
 def memory_plan(model_file, traced, graph, the_plan: dict, layout: Layout, run: RunOptions) -> dict:
@@ -117,19 +125,54 @@ def memory_plan(model_file, traced, graph, the_plan: dict, layout: Layout, run: 
     from tracepp.runtime.optim import build_optimizer
 
     actions = the_plan["actions"]
-    modes = recompute.stage_modes(run.activation_checkpointing, graph.num_stages,
-                                  lambda s: [str(a) for a in actions[the_plan["stage_to_rank"][s]]])
+    modes = None if run.activation_checkpointing == "auto" else recompute.stage_modes(
+        run.activation_checkpointing, graph.num_stages,
+        lambda s: [str(a) for a in actions[the_plan["stage_to_rank"][s]]])
     split_backward = any(Action.parse(str(a)).kind in ("I", "W") for rank in actions.values() for a in rank)
     options = MemoryOptions(precision=run.precision, recompute=modes, split_backward=split_backward,
-                            tp=layout.tp, ep=layout.ep, expert_imbalance=run.expert_imbalance, device=run.device)
+                            tp=layout.tp, ep=layout.ep, expert_imbalance=run.expert_imbalance, device=run.device,
+                            cp=layout.cp)
     target = _microbatch_target(model_file, traced, layout) if model_file.training else None
     loss_fn = getattr(model_file.module, "loss_fn", None)
+    if graph.loss is not None:  # --cp: the loss as the last rank runs it (a sum and a count over the cp ranks)
+        loss_fn = context_parallel.loss_callable(graph.loss)
 
     def make_optimizer(named):
         return build_optimizer(model_file.module, named, name=run.optimizer or "sgd")
 
-    return plan_memory(graph, traced.model, the_plan, layout, options, loss_fn, target, make_optimizer,
-                       model_file.training)
+    memory = plan_memory(graph, traced.model, the_plan, layout.data_parallel(), options, loss_fn, target,
+                         make_optimizer, model_file.training, run.memory_limit)
+    chosen = memory.get("checkpointing")
+    if chosen is not None:  # --activation-checkpointing auto: what run.py applies is the choice
+        modes = chosen["modes"]
+        run = run.replace(activation_checkpointing=modes[0] if len(set(modes)) == 1 else ",".join(modes))
+    check_fits(memory, run)
+    return memory, run
+
+
+def check_fits(memory: dict, run: RunOptions) -> None:
+    """With ``--memory-limit``: refuse a plan whose peak on some rank is over it, naming the ranks, their peaks
+    and parts, and what would fit."""
+    limit = run.memory_limit
+    ranks = memory.get("ranks") or []
+    over = [(rank, entry) for rank, entry in enumerate(ranks) if entry["peak_bytes"] > (limit or float("inf"))]
+    if not over:
+        return
+    from tracepp.runtime.memory_fit import size_text as size
+
+    rank, entry = max(over, key=lambda item: item[1]["peak_bytes"])
+    parts = ", ".join(f"{name} {size(value)}" for name, value in entry["parts"].items() if value)
+    fits = [mode for mode, peaks in (memory.get("alternatives") or {}).items() if max(peaks) <= limit]
+    if run.activation_checkpointing == "auto":
+        advice = "even with every stage's checkpointing full it does not fit"
+    elif fits:
+        advice = f"--activation-checkpointing {' or '.join(fits)} fits (auto chooses per stage)"
+    else:
+        advice = "no activation checkpointing of every stage fits; --activation-checkpointing auto chooses per stage"
+    raise ValueError(f"--memory-limit {size(limit)}: {len(over)} of {len(ranks)} pipeline ranks do not fit; rank "
+                     f"{rank} peaks at {size(entry['peak_bytes'])} ({entry.get('at')}: {parts}). {advice}; "
+                     f"more pipeline ranks (--ranks), a larger --tp or --ep, or FSDP over more --dp ranks hold less per "
+                     f"rank (`tracepp inspect` after a split without the limit shows the parts)")
 
 
 def _microbatch_target(model_file, traced, layout: Layout):

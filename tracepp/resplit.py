@@ -58,7 +58,9 @@ def resplit(manifest: dict, out_dir: str, **changes) -> dict:
     from tracepp.runtime.run_options import RunOptions
 
     layout = recorded_layout(options).replace(**changes.pop("layout", {}))
-    run = RunOptions.from_json(options.get("run_options")).replace(**changes.pop("run", {}))
+    # what was asked (``auto`` checkpointing is chosen again for the new plan), else what was planned
+    run = RunOptions.from_json(options.get("requested_run_options") or options.get("run_options")).replace(
+        **changes.pop("run", {}))
     options.update(changes)
     model_path = options["model"]
     if not os.path.isfile(model_path):
@@ -75,7 +77,7 @@ def resplit(manifest: dict, out_dir: str, **changes) -> dict:
 
 def apply_tuned(manifest: dict, out_dir: str, best) -> dict:
     """Split the folder again with ``best``'s schedule, stages, microbatches, split points, tp, sequence
-    parallelism and ep (the driver, with the model file and the other options the manifest records)."""
+    parallelism, ep and cp (the driver, with the model file and the other options the manifest records)."""
     from tracepp.costs.search import stage_of_segments
 
     own = stage_of_segments(manifest)
@@ -83,9 +85,11 @@ def apply_tuned(manifest: dict, out_dir: str, best) -> dict:
         recorded = (manifest.get("split_options") or {}).get("split_points")
         return resplit(manifest, out_dir, schedule=best.schedule, num_stages=best.num_stages,
                        num_microbatches=best.num_microbatches, split_points=recorded,
-                       layout={"tp": best.tp, "sequence_parallel": best.sequence_parallel, "ep": best.ep},
+                       layout={"tp": best.tp, "sequence_parallel": best.sequence_parallel, "ep": best.ep,
+                               "cp": best.cp},
                        run={"activation_checkpointing": best.checkpointing})
     return resplit(manifest, out_dir, schedule=best.schedule, num_stages=best.num_stages,
                    num_microbatches=best.num_microbatches, split_points=list(best.split_points),
-                   layout={"tp": best.tp, "sequence_parallel": best.sequence_parallel, "ep": best.ep},
+                   layout={"tp": best.tp, "sequence_parallel": best.sequence_parallel, "ep": best.ep,
+                               "cp": best.cp},
                    run={"activation_checkpointing": best.checkpointing})

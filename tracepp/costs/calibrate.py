@@ -294,6 +294,10 @@ def calibrate(out_dir: str, costs_paths: Optional[list] = None, comm_path: Optio
         raise ValueError(f"{out_dir} was split with --tp {layout.tp}: calibrate the same split without --tp, then "
                          f"price tensor parallelism with `tracepp plan OUT --tune --tp-sizes 1,{layout.tp}` "
                          f"(docs/tensor-parallel.md)")
+    if layout.cp > 1:
+        raise ValueError(f"{out_dir} was split with --cp {layout.cp}: calibrate the same split without --cp, then "
+                         f"price context parallelism with `tracepp plan OUT --tune --cp-sizes 1,{layout.cp}` "
+                         f"(docs/context-parallel.md)")
     nproc = nproc or layout.pp * layout.dp
     calibration = Calibration(folder=folder_record(manifest))
     # 1. comm

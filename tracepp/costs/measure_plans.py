@@ -97,6 +97,7 @@ def format_measured(rows: list) -> str:
         p = row["plan"]
         layout = f"tp{p['tp']}" + ("+sp" if p["sequence_parallel"] else "") if p["tp"] > 1 else ""
         layout += f" ep{p['ep']}" if p["ep"] > 1 else ""
+        layout += f" cp{p['cp']}" if p.get("cp", 1) > 1 else ""
         measured = row["measured_s"]
         table.append([row["predicted_rank"], p["schedule"], p["num_stages"], p["num_microbatches"], layout or "-",
                       ", ".join(p["split_points"]), f"{row['predicted_s'] * 1000:.1f}",
@@ -104,7 +105,7 @@ def format_measured(rows: list) -> str:
                       f"{row['measured_over_predicted']:.2f}" if row["measured_over_predicted"] else "-",
                       row["measured_rank"] or "-",
                       f"{row['over_best_measured']:.3f}" if row["over_best_measured"] else "-"])
-    return tabulate(table, headers=["# predicted", "schedule", "stages", "M", "tp/ep", "split points", "predicted ms",
+    return tabulate(table, headers=["# predicted", "schedule", "stages", "M", "tp/ep/cp", "split points", "predicted ms",
                                     "measured ms", "measured/predicted", "# measured", "/ best measured"],
                     tablefmt="simple", disable_numparse=True)
 

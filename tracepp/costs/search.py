@@ -65,6 +65,8 @@ from typing import Optional
 
 from tracepp.costs.model import (Calibration, message_bytes, predict_plan, same_model, segment_lines, split_costs,
                                  split_optimizer, stage_of_segments, traced_microbatch)
+from tracepp.codegen.memory import NEXT_MODE as _NEXT_MODE, RECOMPUTE_SHARE
+from tracepp.costs import context_parallel
 from tracepp.runtime.mesh import mesh_layout
 
 MAX_MICROBATCHES = 128
@@ -88,6 +90,7 @@ class Candidate:
     tp: int = 1  # tensor-parallel ranks per stage: the job runs ranks x tp processes (x dp)
     sequence_parallel: bool = False  # with tp > 1: activations between the tp regions split over the sequence
     ep: int = 1  # expert-parallel ranks, carved out of dp (no more processes)
+    cp: int = 1  # context-parallel ranks per stage: the job runs ranks x tp x cp processes (x dp)
     recompute: Optional[list] = None  # activation checkpointing per stage chosen to fit --memory-limit (None: none)
 
     @property
@@ -104,7 +107,7 @@ class Candidate:
 
     def to_json(self) -> dict:
         return {"schedule": self.schedule, "num_stages": self.num_stages, "num_microbatches": self.num_microbatches,
-                "tp": self.tp, "sequence_parallel": self.sequence_parallel, "ep": self.ep,
+                "tp": self.tp, "sequence_parallel": self.sequence_parallel, "ep": self.ep, "cp": self.cp,
                 "activation_checkpointing": self.checkpointing, "split_points": self.split_points,
                 "split_source": self.split_source, "step_s": self.step_s,
                 "bubble": self.bubble, "peak_memory_bytes": {str(r): v for r, v in sorted(self.peak_memory.items())}}
@@ -604,7 +607,7 @@ def stage_memory(manifest: dict, split: tuple, microbatch_size: float, training:
 def tune(manifest: dict, calibration: Calibration, memory_limit: Optional[int] = None,
          schedules: Optional[list] = None, microbatch_counts: Optional[list] = None,
          optimizer_bytes_per_param: int = ADAM_BYTES_PER_PARAM, precision: str = "fp32",
-         tp_sizes: Optional[list] = None, ep_sizes: Optional[list] = None) -> tuple:
+         tp_sizes: Optional[list] = None, ep_sizes: Optional[list] = None, cp_sizes: Optional[list] = None) -> tuple:
     """Every candidate priced (see the module doc): (kept, sorted by predicted GPU-seconds per step, i.e. step
     time x processes, so a larger tp wins only where it pays for its processes; dropped over the memory limit;
     failed to plan, with the planner's reason). ``tp_sizes``: tensor-parallel sizes to price each candidate
@@ -645,6 +648,7 @@ def tune(manifest: dict, calibration: Calibration, memory_limit: Optional[int] =
     # each tp > 1 with and without sequence parallelism, where the split recorded its figures
     layouts = [(tp, sp) for tp in tp_sizes for sp in (False, True) if not sp or sequence_parallel_priced(manifest, tp)]
     ep_sizes = expert_sizes(manifest, ep_sizes)
+    cp_sizes = context_parallel.cp_sizes(manifest, cp_sizes)  # priced by tracepp/costs/context_parallel.py
     link = collective_links(calibration)
     own_split = stage_of_segments(manifest)
     own_topology = topology_from_manifest(manifest)
@@ -675,16 +679,22 @@ def tune(manifest: dict, calibration: Calibration, memory_limit: Optional[int] =
                         continue
                     costs = split_costs(calibration, list(split), size)  # at tp 1; each tp prices them anew
                     optimizer = split_optimizer(calibration, list(split))
-                    for (tp, sp), ep in ((pair, ep) for pair in layouts for ep in ep_sizes):
+                    for (tp, sp), ep, cp in ((pair, ep, cp) for pair in layouts for ep in ep_sizes for cp in cp_sizes):
                         candidate = Candidate(schedule, num_stages, num_microbatches, split,
                                               _split_points(manifest, split), source, tp=tp, sequence_parallel=sp,
-                                              ep=ep)
+                                              ep=ep, cp=cp)
+                        view = context_parallel.cp_view(manifest, cp, tp)  # cp's share of activations, tp's figures
+                        held_layout = context_parallel.cp_layout(layout, cp)  # FSDP's shards over dp x cp
                         optimizer_s = {stage: seconds * _sharded_share(manifest, split, stage, tp, sp, ep, layout)
+                                       * context_parallel.cp_optimizer_share(layout, cp)
                                        for stage, seconds in optimizer.items()}
                         for stage, seconds in expert_step_s(manifest, split, layout, ep, link).items():
                             optimizer_s[stage] = optimizer_s.get(stage, 0.0) + seconds
-                        messages = _messages(manifest, split, size, precision, own, tp, sp)
-                        priced = tp_costs(manifest, split, costs, size, tp, link, precision, sp)
+                        messages = context_parallel.cp_messages(
+                            manifest, split, _messages(manifest, split, size, precision, own, tp, sp), cp)
+                        priced = context_parallel.cp_costs(manifest, split,
+                                                           tp_costs(view, split, costs, size, tp, link, precision, sp),
+                                                           size, cp, link, tp, precision)
                         # expert FLOPs per rank are the same at every ep (the module doc): only the exchange is added
                         exchange = expert_exchange_s(manifest, split, size, ep, link, precision)
                         priced = {(stage, kind): seconds + (exchange[stage][0] if kind == "F" else
@@ -694,13 +704,13 @@ def tune(manifest: dict, calibration: Calibration, memory_limit: Optional[int] =
                                                   priced, calibration, messages, optimizer_s, training, check=False)
                         candidate.step_s, candidate.bubble = prediction.step_s, prediction.bubble
                         candidate.stage_to_rank = list(built.stage_to_rank)
-                        candidate.peak_memory = _memory(manifest, split, prediction.sim, built.stage_to_rank, size,
-                                                        training, optimizer_bytes_per_param, tp, sp, ep, layout,
+                        candidate.peak_memory = _memory(view, split, prediction.sim, built.stage_to_rank, size,
+                                                        training, optimizer_bytes_per_param, tp, sp, ep, held_layout,
                                                         None, built.actions, built.releases)
                         if memory_limit is not None and max(candidate.peak_memory.values()) > memory_limit:
                             modes, peaks = choose_recompute(
-                                manifest, split, built, size, training, optimizer_bytes_per_param, tp, sp, ep,
-                                layout, memory_limit, priced)
+                                view, split, built, size, training, optimizer_bytes_per_param, tp, sp, ep,
+                                held_layout, memory_limit, priced)
                             if peaks and any(mode != "none" for mode in modes):
                                 recomputed = recompute_costs(priced, modes)
                                 prediction = predict_plan(built.actions, built.stage_to_rank, topology,
@@ -713,16 +723,9 @@ def tune(manifest: dict, calibration: Calibration, memory_limit: Optional[int] =
                         else:
                             kept.append(candidate)
     order = {name: index for index, name in enumerate(SCHEDULE_TABLE)}
-    kept.sort(key=lambda c: (round(c.step_s * c.tp, 12), order.get(c.schedule, 99), c.num_stages,
-                             c.num_microbatches, c.split, c.tp, c.sequence_parallel, c.ep))
+    kept.sort(key=lambda c: (round(c.step_s * c.tp * c.cp, 12), order.get(c.schedule, 99), c.num_stages,
+                             c.num_microbatches, c.split, c.tp, c.sequence_parallel, c.ep, c.cp))
     return kept, dropped, failed
-
-
-# the share of a stage's forward time its backward runs again: full checkpointing recomputes the whole forward,
-# torchtitan's selective policy the ops between the matmuls, attention and collectives (measured on CPU, Llama
-# hidden 512 and 1024: 0.22 - 0.47 of a forward, 0.80 - 0.99 for full; benchmarks/studies/recompute_cost.py)
-RECOMPUTE_SHARE = {"none": 0.0, "selective": 0.25, "full": 1.0}
-_NEXT_MODE = {"none": "selective", "selective": "full"}
 
 
 def recompute_costs(costs: dict, modes: list) -> dict:
@@ -800,11 +803,11 @@ def format_tuning(kept: list, dropped: list, failed: list, top: int, memory_limi
     rows = []
     for rank_index, c in enumerate(kept[:top], 1):
         rows.append([rank_index, c.schedule, f"{c.num_stages} ({c.stages_per_rank}/rank)", c.num_microbatches, c.tp,
-                     ("yes" if c.sequence_parallel else "no") if c.tp > 1 else "-", c.ep, c.checkpointing,
+                     ("yes" if c.sequence_parallel else "no") if c.tp > 1 else "-", c.ep, c.cp, c.checkpointing,
                      ", ".join(c.split_points) + (f"  [{c.split_source}]" if c.split_source != "balancer" else ""),
                      f"{c.step_s * 1000:.1f}", f"{c.bubble:.1%}",
                      " / ".join(_mb(v) for _, v in sorted(c.peak_memory.items()))])
-    headers = ["#", "schedule", "stages", "M", "tp", "sp", "ep", "checkpointing", "split points", "step ms",
+    headers = ["#", "schedule", "stages", "M", "tp", "sp", "ep", "cp", "checkpointing", "split points", "step ms",
                "bubble", "peak MB per rank"]
     lines = [tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True)]
     searched = len(kept) + len(dropped) + len(failed)
@@ -826,6 +829,6 @@ def current_candidate(kept: list, dropped: list, manifest: dict) -> Optional[Can
     own = stage_of_segments(manifest)
     for c in kept + dropped:
         if (c.schedule == plan["schedule"] and c.num_microbatches == plan["num_microbatches"] and c.tp == 1
-                and c.ep == 1 and own is not None and c.split == tuple(own)):
+                and c.ep == 1 and c.cp == 1 and own is not None and c.split == tuple(own)):
             return c
     return None

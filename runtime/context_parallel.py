@@ -1,0 +1,313 @@
+"""Context parallelism: one sample's sequence spread over the ``cp`` ranks of a stage, and the ops the split
+inserts into the stage graphs (``split/context_parallel.py``) so that every rank computes exactly its part.
+
+**The chunk order.** Each sequence of ``S`` positions is cut into ``2 * cp`` chunks of ``L = S / (2 * cp)``;
+cp rank ``r`` holds chunks ``r`` and ``2 * cp - 1 - r`` (Llama 3's order), so under causal attention every rank
+has the same work: the early chunk attends to few keys, the late one to many. A dim of ``groups`` sequences side
+by side (a ``[batch * seq]`` token dim) holds that pair of chunks of each sequence, in sequence order.
+
+The ops (``torch.ops.tracepp.cp_*``), each with a fake implementation (shapes) and its autograd:
+
+* ``cp_shard(x, dim, groups)``: this rank's positions of a whole value (token ids, a rotary table, the rows of a
+  mask); backward puts the gradient back at those positions, zeros elsewhere (the gradient of a whole value is
+  a part of the sum over the cp ranks);
+* ``cp_positions(length, device)``: this rank's positions of a sequence of ``length``, as int64 (the query
+  positions of a causal mask);
+* ``cp_all_gather(x, dim, groups, repeats, head_dim)``: the keys or values of every cp rank, joined in sequence
+  order, their heads repeated after the exchange for grouped-query attention; backward sums the repeated heads and
+  reduce-scatters the gradient (each rank's queries contributed to every key's gradient). What attention keeps
+  of it for backward is this rank's shard (:func:`kv_shards_kept_for_backward`), gathered again in backward;
+* ``cp_reduce_scatter(x, dim, groups)``: the sum over the cp ranks of a whole value, this rank's positions
+  only (the gradient of ``cp_all_gather``); backward all-gathers;
+* ``cp_all_reduce(x)``: the sum over the cp ranks (a token sum, a token count); backward all-reduces too.
+
+Every backward is the adjoint of its forward over the whole group, so the sum of the cp ranks' parameter
+gradients is ``cp`` times the gradient of the loss every rank computes; the data-parallel engine averages them
+over dp x cp (``mesh.build_cp_mesh``). With no group set (one process) the ops are local. Imports torch only.
+"""
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from .process_state import shared
+
+_NAMESPACE = "tracepp"
+_STATE = shared("context_parallel", {"group": None, "size": 1, "rank": 0})  # one per process (process_state)
+
+
+def set_group(group, size: int, rank: int) -> None:
+    """The process group of this rank's context-parallel peers (the ``cp`` dim of the job's mesh)."""
+    _STATE.update(group=group, size=size, rank=rank)
+
+
+def count_exchange(on: bool = True) -> None:
+    """Count the bytes this rank receives in the cp all-gathers (forward; ``all_gather_backward``: the keys and values
+    gathered again for backward) and sends in the reduce-scatters from now on (a measurement's:
+    ``benchmarks/context_parallel.py``); :func:`exchanged` reads them."""
+    _STATE["counts"] = {"all_gather": 0, "reduce_scatter": 0, "all_gather_backward": 0, "all_gather_calls": 0,
+                        "reduce_scatter_calls": 0, "all_gather_backward_calls": 0} if on else None
+
+
+def exchanged() -> dict:
+    return dict(_STATE.get("counts") or {})
+
+
+def _count(op: str, nbytes: int) -> None:
+    counts = _STATE.get("counts")
+    if counts is not None:
+        counts[op] += nbytes
+        counts[op + "_calls"] += 1
+
+
+def size() -> int:
+    return _STATE["size"]
+
+
+def chunk_order(cp: int, rank: int) -> tuple:
+    """The two chunks (of ``2 * cp``) cp rank ``rank`` holds."""
+    return rank, 2 * cp - 1 - rank
+
+
+def positions(length, cp: int, rank: int, device=None) -> torch.Tensor:
+    """The positions (int64) of a sequence of ``length`` that cp rank ``rank`` of ``cp`` holds, in its order."""
+    chunk = length // (2 * cp)
+    first, second = chunk_order(cp, rank)
+    return torch.cat([torch.arange(first * chunk, (first + 1) * chunk, device=device),
+                      torch.arange(second * chunk, (second + 1) * chunk, device=device)])
+
+
+def check_length(length: int, cp: int, what: str) -> None:
+    if length % (2 * cp):
+        raise RuntimeError(f"{what}: a sequence of {length} positions does not cut into the 2 x cp = {2 * cp} equal "
+                           f"chunks context parallelism spreads over its {cp} ranks: pad it to a multiple of "
+                           f"{2 * cp}")
+
+
+def _grouped(tensor: torch.Tensor, dim: int, groups: int, chunks: int) -> torch.Tensor:
+    """``tensor`` with ``dim`` viewed as ``(groups, chunks, rest)``."""
+    shape = list(tensor.shape)
+    if shape[dim] % (groups * chunks):
+        raise RuntimeError(f"a context-parallel dim of {shape[dim]} ({groups} sequence(s)) does not cut into "
+                           f"{chunks} equal chunks: the sequence length must be a multiple of 2 x cp = "
+                           f"{2 * _STATE['size']}")
+    return tensor.reshape(shape[:dim] + [groups, chunks, shape[dim] // (groups * chunks)] + shape[dim + 1:])
+
+
+def _shard(x: torch.Tensor, dim: int, groups: int = 1) -> torch.Tensor:
+    """This rank's two chunks of each sequence in ``dim`` (differentiable ops only: autograd gives the backward,
+    zeros at the other ranks' positions)."""
+    cp, rank = _STATE["size"], _STATE["rank"]
+    if cp == 1:
+        return x.clone()
+    first, second = chunk_order(cp, rank)
+    view = _grouped(x, dim, groups, 2 * cp)
+    out = torch.cat([view.narrow(dim + 1, first, 1), view.narrow(dim + 1, second, 1)], dim=dim + 1)
+    shape = list(x.shape)
+    shape[dim] = shape[dim] // cp
+    return out.reshape(shape)
+
+
+def _positions(length, device=None) -> torch.Tensor:
+    return positions(length, _STATE["size"], _STATE["rank"], device)
+
+
+def _joined(x: torch.Tensor, dim: int, groups: int = 1, counted: str = "all_gather") -> torch.Tensor:
+    """Every rank's chunks joined in sequence order: chunk c < cp is rank c's first, chunk c >= cp is rank
+    (2 cp - 1 - c)'s second."""
+    cp = _STATE["size"]
+    if cp == 1:
+        return x.clone()
+    parts = [torch.empty_like(x) for _ in range(cp)]
+    dist.all_gather(parts, x.contiguous(), group=_STATE["group"])
+    _count(counted, (cp - 1) * x.numel() * x.element_size())  # received from the other ranks
+    views = [_grouped(part, dim, groups, 2) for part in parts]
+    ordered = [views[c].narrow(dim + 1, 0, 1) for c in range(cp)]
+    ordered += [views[2 * cp - 1 - c].narrow(dim + 1, 1, 1) for c in range(cp, 2 * cp)]
+    shape = list(x.shape)
+    shape[dim] = shape[dim] * cp
+    return torch.cat(ordered, dim=dim + 1).reshape(shape)
+
+
+def _repeated(x: torch.Tensor, repeats: int, head_dim: int) -> torch.Tensor:
+    return x.repeat_interleave(repeats, dim=head_dim) if repeats > 1 else x
+
+
+_GATHERED: dict = shared("context_gathered", {})  # key of a live cp_all_gather output -> (weakref, shard, args)
+
+
+def _is_fake(tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(tensor, FakeTensor)
+
+
+def _key(tensor: torch.Tensor):
+    """A gathered value's key: its data pointer, or for fake tensors (memory planning) its storage's identity."""
+    return ("fake", id(tensor.untyped_storage())) if _is_fake(tensor) else tensor.data_ptr()
+
+
+def _remember(out: torch.Tensor, shard: torch.Tensor, args: tuple) -> None:
+    """Inside a forward under :func:`kv_shards_kept_for_backward`: what backward keeps of ``out`` is ``shard``."""
+    if _STATE["size"] > 1 and _STATE.get("record") and (out.device.type != "meta" or _is_fake(out)):
+        key = _key(out)
+        _GATHERED[key] = (weakref.ref(out, lambda _ref, k=key: _GATHERED.pop(k, None)), shard.detach(), args)
+
+
+def _gather(x: torch.Tensor, dim: int, groups: int = 1, repeats: int = 1, head_dim: int = 0) -> torch.Tensor:
+    """``cp_all_gather``: the keys (or values) of every rank joined in sequence order, their heads repeated
+    ``repeats`` times on ``head_dim`` (grouped-query attention's repeat, after the exchange: the bytes moved are the
+    key/value heads'); remembered, so that what backward keeps of it is this rank's shard."""
+    out = _repeated(_joined(x, dim, groups), repeats, head_dim)
+    _remember(out, x, (dim, groups, repeats, head_dim))
+    return out
+
+
+def _pack(tensor: torch.Tensor):
+    entry = _GATHERED.get(_key(tensor)) if tensor.device.type != "meta" or _is_fake(tensor) else None
+    gathered = entry[0]() if entry is not None else None
+    if gathered is None or (gathered.untyped_storage() is not tensor.untyped_storage() if _is_fake(tensor) else
+                            gathered.untyped_storage().data_ptr() != tensor.untyped_storage().data_ptr()):
+        return tensor
+    _ref, shard, args = entry
+    return (shard, args, tensor.size(), tensor.stride(), tensor.storage_offset())
+
+
+def _unpack(packed):
+    if isinstance(packed, torch.Tensor):
+        return packed
+    shard, (dim, groups, repeats, head_dim), size, stride, offset = packed
+    if _is_fake(shard):  # planning: the gathered value's bytes, no collective
+        whole = list(shard.shape)
+        whole[dim] *= _STATE["size"]
+        whole[head_dim] *= repeats
+        return shard.new_empty(whole).as_strided(size, stride, offset)
+    return _repeated(_joined(shard, dim, groups, "all_gather_backward"), repeats, head_dim).as_strided(size, stride,
+                                                                                                          offset)
+
+
+def kv_shards_kept_for_backward():
+    """A context under which a stage's forward lets autograd keep this rank's shard of each key/value all-gather
+    output that attention saves (``q @ k.T`` keeps ``k``, ``probs @ v`` keeps ``v``), gathering it again when
+    backward needs it, as Megatron-Core's all-gather context parallelism does: what backward keeps of the keys and
+    values is 1/cp, for one more all-gather of each in backward. Hooks already set around the forward (sequence
+    parallelism's, a measurement's) see what is kept."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    outer = top(False) if top is not None else None
+    if outer is None:
+        return _recording(torch.autograd.graph.saved_tensors_hooks(_pack, _unpack))
+    outer_pack, outer_unpack = outer
+
+    def pack(tensor):
+        packed = _pack(tensor)
+        if isinstance(packed, torch.Tensor):
+            return ("whole", outer_pack(packed))
+        return ("shard", outer_pack(packed[0]), packed[1:])
+
+    def unpack(packed):
+        if packed[0] == "whole":
+            return outer_unpack(packed[1])
+        return _unpack((outer_unpack(packed[1]),) + tuple(packed[2]))
+
+    return _recording(torch.autograd.graph.saved_tensors_hooks(pack, unpack))
+
+
+@contextlib.contextmanager
+def _recording(hooks):
+    _STATE["record"] = True
+    try:
+        with hooks:
+            yield
+    finally:
+        _STATE["record"] = False
+        _GATHERED.clear()
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, groups: int = 1) -> torch.Tensor:
+    """The sum over the group of a whole value, at this rank's positions only."""
+    cp = _STATE["size"]
+    if cp == 1:
+        return x.clone()
+    view = _grouped(x, dim, groups, 2 * cp)
+    inputs = [torch.cat([view.narrow(dim + 1, a, 1), view.narrow(dim + 1, b, 1)], dim=dim + 1).contiguous()
+              for a, b in (chunk_order(cp, r) for r in range(cp))]
+    out = torch.empty_like(inputs[0])
+    dist.reduce_scatter(out, inputs, group=_STATE["group"])
+    _count("reduce_scatter", (cp - 1) * out.numel() * out.element_size())  # sent to the other ranks
+    shape = list(x.shape)
+    shape[dim] = shape[dim] // cp
+    return out.reshape(shape)
+
+
+def _all_reduce(x: torch.Tensor) -> torch.Tensor:
+    out = x.clone()
+    if _STATE["size"] > 1:
+        dist.all_reduce(out, group=_STATE["group"])
+    return out
+
+
+def _register():
+    if hasattr(getattr(torch.ops, _NAMESPACE), "cp_shard"):
+        return
+    lib = torch.library.Library(_NAMESPACE, "FRAGMENT")
+    _register.lib = lib  # keep the library alive for the life of the process
+    lib.define("cp_shard(Tensor x, int dim, int groups=1) -> Tensor")
+    lib.define("cp_positions(SymInt length, Device? device=None) -> Tensor")
+    lib.define("cp_all_gather(Tensor x, int dim, int groups=1, int repeats=1, int head_dim=0) -> Tensor")
+    lib.define("cp_reduce_scatter(Tensor x, int dim, int groups=1) -> Tensor")
+    lib.define("cp_all_reduce(Tensor x) -> Tensor")
+
+    # composites of differentiable ops: autograd, fake tensors and the compiler go through them as through any
+    # torch code (the rank and size are read when the op runs)
+    lib.impl("cp_shard", _shard, "CompositeImplicitAutograd")
+    lib.impl("cp_positions", _positions, "CompositeImplicitAutograd")
+    for name, forward in (("cp_all_gather", _gather), ("cp_reduce_scatter", _reduce_scatter),
+                          ("cp_all_reduce", _all_reduce)):
+        lib.impl(name, forward, "CPU")
+        lib.impl(name, forward, "CUDA")
+
+    def gather_fake(x, dim, groups=1, repeats=1, head_dim=0):  # remembered as the real one is (memory planning)
+        shape = list(x.shape)
+        shape[dim] = shape[dim] * _STATE["size"]
+        shape[head_dim] = shape[head_dim] * repeats
+        out = x.new_empty(shape)
+        _remember(out, x, (dim, groups, repeats, head_dim))
+        return out
+
+    def scatter_fake(x, dim, groups=1):
+        shape = list(x.shape)
+        shape[dim] = shape[dim] // _STATE["size"]
+        return x.new_empty(shape)
+
+    torch.library.register_fake(f"{_NAMESPACE}::cp_all_gather", gather_fake, lib=lib)
+    torch.library.register_fake(f"{_NAMESPACE}::cp_reduce_scatter", scatter_fake, lib=lib)
+    torch.library.register_fake(f"{_NAMESPACE}::cp_all_reduce", lambda x: torch.empty_like(x), lib=lib)
+
+    def keep_dims(ctx, inputs, output):
+        ctx.dim, ctx.groups = inputs[1], inputs[2] if len(inputs) > 2 else 1
+        ctx.repeats, ctx.head_dim = (inputs[3], inputs[4]) if len(inputs) > 4 else (1, 0)
+
+    def gather_backward(ctx, grad):  # each rank's queries contributed to every key: the sum, at its positions
+        if ctx.repeats > 1:  # the repeated heads' gradients summed into their key/value head
+            shape = list(grad.shape)
+            grad = grad.reshape(shape[:ctx.head_dim] + [shape[ctx.head_dim] // ctx.repeats, ctx.repeats]
+                                + shape[ctx.head_dim + 1:]).sum(ctx.head_dim + 1)
+        return torch.ops.tracepp.cp_reduce_scatter.default(grad, ctx.dim, ctx.groups), None, None, None, None
+
+    def scatter_backward(ctx, grad):
+        return torch.ops.tracepp.cp_all_gather.default(grad, ctx.dim, ctx.groups), None, None
+
+    def reduce_backward(_ctx, grad):  # every rank's copy of the sum reached its loss: their gradients add up
+        return torch.ops.tracepp.cp_all_reduce.default(grad)
+
+    torch.library.register_autograd(f"{_NAMESPACE}::cp_all_gather", gather_backward, setup_context=keep_dims,
+                                    lib=lib)
+    torch.library.register_autograd(f"{_NAMESPACE}::cp_reduce_scatter", scatter_backward, setup_context=keep_dims,
+                                    lib=lib)
+    torch.library.register_autograd(f"{_NAMESPACE}::cp_all_reduce", reduce_backward, lib=lib)
+
+
+_register()

@@ -1,0 +1,69 @@
+"""A tiny causal LM whose one layer mixes positions in a way context parallelism must refuse, by name, at split.
+
+``CP_REFUSE`` picks what the layer does besides causal attention:
+
+* ``cumsum``: a running sum along the sequence (a cumulative op across the cp ranks' chunks);
+* ``conv``: a causal 1-D convolution along the sequence (each position reads its neighbours);
+* ``gather``: the hidden states read at positions given by an index (a gather of positions);
+* ``mask``: attention with a ``[batch, 1, seq, seq]`` additive mask passed in by the caller (an input of the
+  model, which the split cannot cut: the model should build it inside ``forward`` or use ``is_causal``);
+* ``none``: plain causal attention (context parallelism splits it).
+"""
+import os
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+VOCAB, D, BATCH, SEQ = 32, 16, 4, 8
+MODE = os.environ.get("CP_REFUSE", "none")
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, D)
+        self.qkv = nn.Linear(D, 3 * D)
+        self.conv = nn.Conv1d(D, D, 3, padding=2)
+        self.head = nn.Linear(D, VOCAB)
+
+    def forward(self, idx, mask=None):
+        x = self.embed(idx)
+        if MODE == "cumsum":
+            x = x.cumsum(dim=1) / (torch.arange(x.shape[1], device=x.device) + 1.0).unsqueeze(-1)
+        elif MODE == "conv":
+            x = self.conv(x.transpose(1, 2))[..., :x.shape[1]].transpose(1, 2)
+        elif MODE == "gather":
+            x = x[:, torch.arange(x.shape[1] - 1, -1, -1, device=x.device)]
+        q, k, v = self.qkv(x).unsqueeze(1).chunk(3, dim=-1)
+        if MODE == "mask":
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.head(x + y.squeeze(1))
+
+
+def model():
+    torch.manual_seed(0)
+    return Model()
+
+
+def _data(step):
+    g = torch.Generator().manual_seed(step)
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=g), torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+
+
+def example_inputs():
+    idx = _data(0)[0]
+    if MODE == "mask":
+        causal = torch.full((SEQ, SEQ), float("-inf")).triu(1)
+        return idx, causal.expand(BATCH, 1, SEQ, SEQ).contiguous()
+    return (idx,)
+
+
+def example_target():
+    return _data(0)[1]
+
+
+def loss_fn(logits, target):
+    return F.cross_entropy(logits.reshape(-1, VOCAB), target.reshape(-1))

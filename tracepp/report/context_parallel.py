@@ -1,0 +1,43 @@
+"""``tracepp inspect`` and ``tracepp check`` with ``--cp``: how the sequence is spread and what the ranks exchange."""
+from __future__ import annotations
+
+from tabulate import tabulate
+
+
+def _megabytes(count: int) -> str:
+    return f"{count / 1e6:.3f} MB" if count >= 1e5 else f"{count:,} B"
+
+
+def context_parallel_table(manifest: dict) -> str:
+    """The chunk order, per stage the values made for this rank's positions and the key/value all-gathers (whole
+    bytes per microbatch, what each rank receives), the values sent between stages as shards, and the loss's sum
+    and count. Empty without --cp."""
+    cp = manifest.get("cp")
+    if not cp:
+        return ""
+    size = cp["size"]
+    lines = [f"context parallel (cp={size}): each sample's sequence of {cp['sequence']} positions in {2 * size} "
+             f"chunks, cp rank r holding chunks r and {2 * size - 1}-r; every value with the sequence dim holds 1/cp "
+             f"of it; attention all-gathers keys and values (backward reduce-scatters dK and dV)"]
+    rows = []
+    for index, stage in enumerate(cp["stages"]):
+        gathered = stage.get("gathered", [])
+        shapes = {}
+        for item in gathered:
+            key = f"{item['dtype']}[{', '.join(item['shape'])}]"
+            shapes[key] = shapes.get(key, 0) + 1
+        text = "; ".join(f"{n} x {shape}" for shape, n in shapes.items()) or "none"
+        rows.append([index, text, _megabytes(stage.get("kv_bytes", 0)),
+                     _megabytes(stage.get("kv_received_bytes_per_rank", 0)),
+                     len(stage.get("cut", [])) + stage.get("positions", 0), len(stage.get("reduced", []))])
+    lines.append(tabulate(rows, headers=["stage", "key/value all-gathers per microbatch (whole)", "whole bytes",
+                                         "received per rank", "made for its positions", "sums over seq"],
+                          tablefmt="simple"))
+    if cp.get("sent"):
+        lines.append("sent between stages as shards (1/cp of the bytes): " + ", ".join(sorted(cp["sent"])))
+    loss = cp.get("loss") or {}
+    if loss.get("reductions"):
+        reduced = ", ".join(f"{r['op']} ({r['reduction']}{', ' + r['line'] if r.get('line') else ''})"
+                            for r in loss["reductions"])
+        lines.append(f"loss: {reduced}: a sum and a count, each all-reduced over cp (exact with uneven padding)")
+    return "\n".join(lines)
