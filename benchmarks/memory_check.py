@@ -139,12 +139,34 @@ def _torchrun(out: str, world: int, args: list, env: dict) -> tuple:
     return result.returncode, result.stdout + result.stderr
 
 
+def table(result: dict) -> str:
+    """docs/memory.md's table from a result file: per case and rank, predicted and measured peak and their ratio,
+    and the range of kept-bytes ratios over its stages."""
+    lines = ["| case | ranks | rank: predicted / measured peak (ratio) | kept per microbatch, measured / counted | "
+             "within 10% |", "| --- | --- | --- | --- | --- |"]
+    for row in result["cases"]:
+        if not row.get("ranks"):
+            lines.append(f"| {row['case']} | {row['world']} | failed | - | no |")
+            continue
+        peaks = "; ".join(f"{r['rank']}: {r['predicted'] / 2**20:.1f} / {r['measured'] / 2**20:.1f} MiB "
+                          f"({r['ratio']:.3f})" for r in row["ranks"])
+        kept = [k["ratio"] for r in row["ranks"] for k in r["kept"] if k["ratio"]]
+        kept_text = f"{min(kept):.3f} - {max(kept):.3f}" if kept else "-"
+        lines.append(f"| {row['case']} | {row['world']} | {peaks} | {kept_text} | {'yes' if row['ok'] else 'no'} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     cases = _cases()
     parser.add_argument("--cases", default=",".join(cases), help="comma-separated case names")
     parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"))
+    parser.add_argument("--table", metavar="RESULT", help="print docs/memory.md's table from a result file")
     args = parser.parse_args(argv)
+    if args.table:
+        with open(args.table) as handle:
+            print(table(json.load(handle)))
+        return 0
     from benchmarks import write_result
 
     rows = []

@@ -137,11 +137,46 @@ def plan_case(name: str, root: str) -> dict:
     return record
 
 
+def table(result: dict) -> str:
+    """docs/memory.md's tables from a result file: the plans, then each beside what its peers published."""
+    lines = ["| model | layout | checkpointing per stage | peak per rank (max) | largest rank's parts (GB) | "
+             "planned in (wall / CPU / RSS) |", "| --- | --- | --- | --- | --- | --- |"]
+    peers = []
+    titles = {"deepseek_v3": "DeepSeek-V3", "llama3_405b": "Llama 3 405B", "kimi_k2": "Kimi-K2-shaped MoE"}
+    for name, row in zip(result.get("names") or CASES, result["cases"]):
+        title = titles.get(name, name)
+        if "error" in row:
+            lines.append(f"| {title} | - | - | failed: {row['error']} | - | {row['wall_s']} s |")
+            continue
+        mesh = row["layout"] or {}
+        layout = " x ".join(f"{dim} {mesh[dim]}" for dim in ("pp", "dp", "tp", "ep", "cp") if mesh.get(dim, 1) > 1)
+        modes = row["activation_checkpointing"].split(",")
+        runs, last = [], None
+        for mode in modes:  # full x 15, none
+            if runs and runs[-1][0] == mode:
+                runs[-1][1] += 1
+            else:
+                runs.append([mode, 1])
+        checkpointing = ", ".join(f"{mode} x {count}" if count > 1 else mode for mode, count in runs)
+        parts = ", ".join(f"{k} {v:g}" for k, v in row["parts_gb_of_the_largest"].items() if v)
+        lines.append(f"| {title} ({row['parameters_b']:g}B) | {layout}, {row['schedule']}, "
+                     f"{row['microbatches']} microbatches | {checkpointing} | {row['max_peak_gb']:g} GB "
+                     f"({'fits' if row['fits_80gb'] else 'over'} 80 GB) | {parts} | {row['wall_s']:g} s / "
+                     f"{row['cpu_s']:g} s / {row['peak_rss_gb']:g} GB |")
+        peers.append(f"- **{title}.** {row['peer']} {row['differences']}")
+    return "\n".join(lines) + "\n\n" + "\n".join(peers)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
     parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"))
+    parser.add_argument("--table", metavar="RESULT", help="print docs/memory.md's tables from a result file")
     args = parser.parse_args(argv)
+    if args.table:
+        with open(args.table) as handle:
+            print(table(json.load(handle)))
+        return 0
     rows = []
     with tempfile.TemporaryDirectory() as root:
         for name in args.cases.split(","):
@@ -150,7 +185,7 @@ def main(argv=None) -> int:
             print(f"{name}: {record.get('max_peak_gb', '-')} GB at most per rank "
                   f"({record.get('activation_checkpointing', record.get('error'))}); planned in {record['wall_s']} s "
                   f"wall, {record['cpu_s']} s CPU, {record['peak_rss_gb']} GB", flush=True)
-    path = write_result(args.out, "memory_plans", {"limit": LIMIT, "cases": rows})
+    path = write_result(args.out, "memory_plans", {"limit": LIMIT, "names": args.cases.split(","), "cases": rows})
     print(f"wrote {path}")
     return 0
 

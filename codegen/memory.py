@@ -87,6 +87,29 @@ def _concrete_shape(val) -> list:
     return [as_int(size) for size in val.shape]
 
 
+_SDPA = torch.ops.aten.scaled_dot_product_attention.default
+
+
+def cuda_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                   enable_gqa=False):
+    """``scaled_dot_product_attention`` as a CUDA device runs it, for the planning run on CPU fake tensors: on CPU
+    torch falls back to the math kernel wherever its flash kernel does not apply (a value head dim unlike the
+    query's, as MLA has; a mask), which keeps the S x S scores and their softmax for backward; on CUDA the
+    memory-efficient kernel takes those (flash where it can, keeping the same: the output and a log-sum-exp), so a
+    plan for ``--device cuda`` counts that. A boolean mask becomes the additive bias the kernel reads (torch does
+    the same), and grouped key/value heads are repeated to the query heads as the efficient kernel needs."""
+    if enable_gqa and key.shape[-3] != query.shape[-3]:
+        repeat = query.shape[-3] // key.shape[-3]
+        key, value = key.repeat_interleave(repeat, -3), value.repeat_interleave(repeat, -3)
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype).masked_fill(~attn_mask, float("-inf"))
+    if attn_mask is not None and attn_mask.dim() == 4 and attn_mask.dtype != query.dtype:
+        attn_mask = attn_mask.to(query.dtype)
+    return torch.ops.aten._scaled_dot_product_efficient_attention(
+        query, key, value, attn_mask, query.requires_grad or key.requires_grad or value.requires_grad,
+        dropout_p, is_causal, scale=scale)[0]
+
+
 class _Labelled:
     """Runs a stage graph node by node as its generated code does, attributing each storage made to the node that
     made it; values are dropped after their last use. ``regions``: the runs of nodes the rank script calls as
@@ -94,11 +117,12 @@ class _Labelled:
     the runtime's own wrapper of block functions (``recompute._checkpointed``), which checkpoints them one by one
     as the stage's checkpointing says."""
 
-    def __init__(self, module: fx.GraphModule, tracker: LiveMemory, regions=()):
+    def __init__(self, module: fx.GraphModule, tracker: LiveMemory, regions=(), device: str = "cpu"):
         from tracepp.runtime.recompute import _checkpointed
 
         self.graph = module.graph
         self.tracker = tracker
+        self.device = device
         self.nodes = [n for n in self.graph.nodes if n.op not in ("placeholder", "output")]
         self.placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
         self.output = next(n for n in self.graph.nodes if n.op == "output")
@@ -110,8 +134,11 @@ class _Labelled:
     def _call(self, node: fx.Node, env: dict):
         args = fx.node.map_arg(node.args, env.__getitem__)
         kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
+        target = node.target
+        if target is _SDPA and self.device == "cuda":  # the kernel CUDA runs, not the CPU fake's choice
+            target = cuda_attention
         with self.tracker.labelled(node.name):
-            return node.target(*args, **kwargs)
+            return target(*args, **kwargs)
 
     @staticmethod
     def _last_uses(nodes: list, keep: set) -> dict:
@@ -256,7 +283,7 @@ class _StageRun:
             spec_state.append({"fqn": fqn, "kind": ref.kind, "persistent": ref.persistent})
         runnable = _runnable_graph(stage.graph)
         regions = block_regions(runnable.graph)
-        interpreter = _Labelled(runnable, tracker, regions)
+        interpreter = _Labelled(runnable, tracker, regions, options.device)
         self.module = StageModule({"index": stage.index, "state": spec_state},
                                   lambda *args: interpreter.run(*args), tensors)
         self.module.recompute_blocks = bool(regions)

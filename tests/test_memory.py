@@ -193,3 +193,31 @@ def test_fsdp_gathers_a_stage_for_the_step_and_reduces_its_gradients_to_a_shard(
     ddp = rank_peak(actions, {0: dict(stage, param_bytes=400, grad_bytes_at_rest=400)}, {"state_bytes": 800},
                     dp_mode="ddp", dp=2)
     assert ddp["parts"]["fsdp_unsharded"] == 400
+
+
+@pytest.mark.parametrize("mask", [None, "bool"])
+def test_a_cuda_plan_counts_attention_as_the_efficient_kernel_keeps_it(mask):
+    # MLA's value heads are narrower than its query heads: CPU's flash kernel refuses them and torch runs the math
+    # kernel, which keeps the S x S scores for backward; CUDA's memory-efficient kernel keeps the output and a
+    # log-sum-exp. A plan for --device cuda (the planning run on CPU fake tensors) must count the latter
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from tracepp.codegen.memory import cuda_attention
+
+    heads, seq, scores = 4, 256, 4 * 256 * 256 * 4  # fp32 scores of one sample
+    kept = {}
+    for name, attention in (("cpu", torch.nn.functional.scaled_dot_product_attention), ("cuda", cuda_attention)):
+        with FakeTensorMode():
+            q, k = (torch.randn(1, heads, seq, 24, requires_grad=True) for _ in range(2))
+            v = torch.randn(1, heads, seq, 16, requires_grad=True)
+            bias = torch.ones(seq, seq, dtype=torch.bool).tril() if mask else None
+            tracker = LiveMemory(track_inputs=False)  # what the op makes, not the q, k, v it reads
+            with tracker:
+                out = attention(q, k, v, attn_mask=bias, is_causal=mask is None)
+                kept[name] = tracker.now
+            assert out.shape == (1, heads, seq, 16)
+            out.sum().backward()
+            assert q.grad.shape == q.shape and v.grad.shape == v.shape
+    assert kept["cpu"] >= scores
+    out_and_lse = heads * seq * 16 * 4 + heads * seq * 4
+    assert kept["cuda"] <= out_and_lse + (seq * seq * 4 if mask else 0) + 64  # (the bias made from a bool mask)
