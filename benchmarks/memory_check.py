@@ -142,7 +142,7 @@ def _torchrun(out: str, world: int, args: list, env: dict) -> tuple:
 def table(result: dict) -> str:
     """docs/memory.md's table from a result file: per case and rank, predicted and measured peak and their ratio,
     and the range of kept-bytes ratios over its stages."""
-    lines = ["| case | ranks | rank: predicted / measured peak (ratio) | kept per microbatch, measured / counted | "
+    lines = ["| case | ranks | rank: predicted / measured peak (measured / predicted) | kept per microbatch, measured / counted | "
              "within 10% |", "| --- | --- | --- | --- | --- |"]
     for row in result["cases"]:
         if not row.get("ranks"):

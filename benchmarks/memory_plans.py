@@ -58,8 +58,8 @@ PEERS = {
                        "directions are tracepp's dualpipev) and experts over 32 of the data-parallel ranks instead of "
                        "64. tracepp keeps fp32 master weights and fp32 gradients (FSDP2 without a mixed-precision "
                        "policy) where DeepSeek keeps bf16 copies and FP8 activations, so its figures are higher per "
-                       "parameter; the checkpointing the split chose (full on the stages that hold several "
-                       "microbatches, none on the last) stands in for DeepSeek's cheaper selective recomputation.",
+                       "parameter; the checkpointing the split chose (full but on the last two stages, which hold "
+                       "one and two microbatches under 1F1B) stands in for DeepSeek's cheaper selective recomputation.",
     },
     "llama3_405b": {
         "peer": "The Llama 3 Herd of Models (arXiv 2407.21783, table 4): 16,384 H100s at 8K sequences, TP 8, CP 1, "
