@@ -75,8 +75,10 @@ def test_wrong_process_count_fails_on_every_rank(tmp_path):
     result = torchrun(out, 2, "--steps", "1")
     assert result.returncode != 0
     text = result.stderr
+    # each rank checks on its own before any collective; torchrun's agent stops the other rank as soon as the
+    # first exits, so under load the slower one may be stopped before it prints (seen in the suite on 2 cores)
     assert text.count("planned for 4 processes (2 pipeline ranks x 2 data-parallel replicas) but torchrun "
-                      "started 2") == 2, text[-3000:]
+                      "started 2") >= 1, text[-3000:]
     assert "--nproc-per-node 4" in text
 
 

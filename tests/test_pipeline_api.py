@@ -137,3 +137,28 @@ def test_bf16_keeps_autocast_disabled_regions_in_fp32(tmp_path):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         expected = module.loss_fn(module.model()(*args, **kwargs), target)
     torch.testing.assert_close(loss.float(), expected.float(), rtol=1e-3, atol=0)
+
+
+@pytest.fixture(scope="module")
+def llama_folder(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("pipe_llama") / "out")
+    split_model(model_path("hf_llama"), out, schedule="1f1b", num_microbatches=2, layout=Layout(pp=2))
+    return out
+
+
+@pytest.mark.parametrize("mode", ["full", "selective", "every-2", "full,selective"])
+def test_every_checkpointing_mode_gives_the_unsplit_models_gradients(llama_folder, mode):
+    # full recomputes block by block (each model.layers.N function of the rank script), selective keeps the
+    # matmul/attention outputs (torchtitan's op policy), every-2 checkpoints every second block, a list per stage
+    from tracepp.runtime import recompute
+
+    pipe = Pipeline(llama_folder, all_stages=True)
+    chosen = recompute.apply(pipe, mode)
+    assert chosen, mode
+    model, expected_loss = _eager_grads(model_path("hf_llama"), 0)
+    args, kwargs, target = pipe.user.batch(0)
+    loss = pipe.step(args, kwargs, target)
+    torch.testing.assert_close(loss, expected_loss, rtol=0, atol=2e-6)
+    eager = dict(model.named_parameters(remove_duplicate=False))  # a tied head under either of its names
+    for name, param in pipe.named_parameters():
+        torch.testing.assert_close(param.grad, eager[name].grad, rtol=0, atol=2e-6)

@@ -61,6 +61,8 @@ def test_the_readme_main_job_trains_and_its_loss_falls(tmp_path):
     result = subprocess.run(" && ".join(parts[len(installs):]), shell=True, cwd=tmp_path, env=env,
                             capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    # the split planned the run run.py makes (its optimizer): no note that the memory figures are for another
+    assert "for other run options" not in result.stdout + result.stderr, result.stdout[-3000:] + result.stderr[-3000:]
     losses = [float(value) for value in re.findall(r"^step \d+/\d+ \| loss ([0-9.]+)", result.stdout, re.M)]
     assert len(losses) >= 10, result.stdout[-3000:]
     first, last_five = losses[0], sum(losses[-5:]) / 5
