@@ -221,3 +221,32 @@ def test_a_cuda_plan_counts_attention_as_the_efficient_kernel_keeps_it(mask):
     assert kept["cpu"] >= scores
     out_and_lse = heads * seq * 16 * 4 + heads * seq * 4
     assert kept["cuda"] <= out_and_lse + (seq * seq * 4 if mask else 0) + 64  # (the bias made from a bool mask)
+
+
+def test_memory_limit_refuses_with_what_would_fit_and_auto_chooses_under_it(tmp_path):
+    from tracepp.driver import split_model
+    from tracepp.runtime.mesh import Layout
+    from tracepp.runtime.run_options import RunOptions
+
+    path, options = model_path("hf_llama"), dict(schedule="1f1b", num_microbatches=4, layout=Layout(pp=2))
+    free = split_model(path, str(tmp_path / "free"), run=RunOptions(optimizer="adamw"), **options)
+    alternatives = free["memory"]["alternatives"]
+    none = max(rank["peak_bytes"] for rank in free["memory"]["ranks"])  # the split's own mode: none
+    full = max(alternatives["full"])  # the others
+    assert full < none
+    between = (full + none) // 2
+    with pytest.raises(ValueError) as refused:  # no checkpointing asked: the modes that fit are named
+        split_model(path, str(tmp_path / "a"), run=RunOptions(optimizer="adamw", memory_limit=between), **options)
+    assert "pipeline ranks do not fit" in str(refused.value) and "full fits" in str(refused.value)
+    chosen = split_model(path, str(tmp_path / "b"), run=RunOptions(optimizer="adamw", memory_limit=between,
+                                                                    activation_checkpointing="auto"), **options)
+    modes = chosen["run_options"]["activation_checkpointing"].split(",")
+    assert set(modes) <= {"none", "selective", "full"} and modes != ["none"]
+    assert max(rank["peak_bytes"] for rank in chosen["memory"]["ranks"]) <= between
+    state = min(sum(rank["parts"].get(k, 0) for k in ("parameters", "gradients", "optimizer"))
+                for rank in free["memory"]["ranks"])
+    with pytest.raises(ValueError) as refused:  # under the state alone: no checkpointing helps, and it says so
+        split_model(path, str(tmp_path / "c"), run=RunOptions(optimizer="adamw", memory_limit=state // 2,
+                                                               activation_checkpointing="auto"), **options)
+    assert "not even full on every stage" in str(refused.value)
+    assert "parameters, gradients and optimizer state alone are" in str(refused.value)

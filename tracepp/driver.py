@@ -146,13 +146,13 @@ def memory_plan(model_file, traced, graph, the_plan: dict, layout: Layout, run: 
     if chosen is not None:  # --activation-checkpointing auto: what run.py applies is the choice
         modes = chosen["modes"]
         run = run.replace(activation_checkpointing=modes[0] if len(set(modes)) == 1 else ",".join(modes))
-    check_fits(memory, run)
+    check_fits(memory, run, auto=chosen is not None)
     return memory, run
 
 
-def check_fits(memory: dict, run: RunOptions) -> None:
+def check_fits(memory: dict, run: RunOptions, auto: bool = False) -> None:
     """With ``--memory-limit``: refuse a plan whose peak on some rank is over it, naming the ranks, their peaks
-    and parts, and what would fit."""
+    and parts, and what would fit (``auto``: the checkpointing was chosen by ``--activation-checkpointing auto``)."""
     limit = run.memory_limit
     ranks = memory.get("ranks") or []
     over = [(rank, entry) for rank, entry in enumerate(ranks) if entry["peak_bytes"] > (limit or float("inf"))]
@@ -162,13 +162,15 @@ def check_fits(memory: dict, run: RunOptions) -> None:
 
     rank, entry = max(over, key=lambda item: item[1]["peak_bytes"])
     parts = ", ".join(f"{name} {size(value)}" for name, value in entry["parts"].items() if value)
-    fits = [mode for mode, peaks in (memory.get("alternatives") or {}).items() if max(peaks) <= limit]
-    if run.activation_checkpointing == "auto":
-        advice = "even with every stage's checkpointing full it does not fit"
-    elif fits:
+    alternatives = memory.get("alternatives") or {}
+    fits = [mode for mode, peaks in alternatives.items() if max(peaks) <= limit]
+    state = sum(entry["parts"].get(name, 0) for name in ("parameters", "gradients", "optimizer"))
+    least = f" (full: {size(max(alternatives['full']))} at most)" if alternatives.get("full") else ""
+    if fits and not auto:
         advice = f"--activation-checkpointing {' or '.join(fits)} fits (auto chooses per stage)"
-    else:
-        advice = "no activation checkpointing of every stage fits; --activation-checkpointing auto chooses per stage"
+    else:  # auto took full where it had to; no checkpointing makes it fit
+        advice = (f"no activation checkpointing fits, not even full on every stage{least}; this rank's parameters, "
+                  f"gradients and optimizer state alone are {size(state)}")
     raise ValueError(f"--memory-limit {size(limit)}: {len(over)} of {len(ranks)} pipeline ranks do not fit; rank "
                      f"{rank} peaks at {size(entry['peak_bytes'])} ({entry.get('at')}: {parts}). {advice}; "
                      f"more pipeline ranks (--ranks), a larger --tp or --ep, or FSDP over more --dp ranks hold less per "
