@@ -139,6 +139,11 @@ def _torchrun(out: str, world: int, args: list, env: dict) -> tuple:
     return result.returncode, result.stdout + result.stderr
 
 
+def _kept_ratios(record: dict) -> list:
+    """Measured over counted kept bytes, every stage of every rank of a case's record."""
+    return [k["ratio"] for r in record.get("ranks", []) for k in r["kept"] if k["ratio"]]
+
+
 def table(result: dict) -> str:
     """docs/memory.md's table from a result file: per case and rank, predicted and measured peak and their ratio,
     and the range of kept-bytes ratios over its stages."""
@@ -150,7 +155,7 @@ def table(result: dict) -> str:
             continue
         peaks = "; ".join(f"{r['rank']}: {r['predicted'] / 2**20:.1f} / {r['measured'] / 2**20:.1f} MiB "
                           f"({r['ratio']:.3f})" for r in row["ranks"])
-        kept = [k["ratio"] for r in row["ranks"] for k in r["kept"] if k["ratio"]]
+        kept = _kept_ratios(row)
         kept_text = f"{min(kept):.3f} - {max(kept):.3f}" if kept else "-"
         lines.append(f"| {row['case']} | {row['world']} | {peaks} | {kept_text} | {'yes' if row['ok'] else 'no'} |")
     return "\n".join(lines)
@@ -176,7 +181,7 @@ def main(argv=None) -> int:
             record.pop("saved", None)
             rows.append(record)
             ratios = ", ".join(f"{r['ratio']:.3f}" for r in record.get("ranks", []))
-            kept = [k["ratio"] for r in record.get("ranks", []) for k in r["kept"] if k["ratio"]]
+            kept = _kept_ratios(record)
             print(f"{name:48s} peak measured/predicted {ratios}; kept {min(kept, default=0):.3f}-"
                   f"{max(kept, default=0):.3f} {'ok' if record['ok'] else 'OFF: ' + '; '.join(record.get('problems') or [record.get('error', '')])}",
                   flush=True)

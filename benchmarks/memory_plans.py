@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from itertools import groupby
 
 from benchmarks import write_result
 
@@ -39,7 +40,7 @@ CASES = {
                      "--dp", "4", "--tp", "8", "--sequence-parallel"],
                     "Llama 3 405B, 8,192 tokens a sample, 512 ranks: tp 8 with sequence parallelism x pp 16 x dp 4 "
                     "(FSDP), 1F1B, 16 microbatches of 1 sample per replica (global batch 64)"),
-    "kimi_k2": ("kimi_k2_shape.py", {"KIMI_K2_BATCH": "1024", "KIMI_K2_SEQ": "4096"},
+    "kimi_k2": ("deepseek_v3_shape.py", {"DEEPSEEK_V3_SHAPE": "kimi_k2", "DEEPSEEK_V3_BATCH": "1024"},
                 ["--ranks", "16", "--stages", "16", "--schedule", "1f1b", "--microbatches", "16",
                  "--dp", "64", "--ep", "64"],
                 "Kimi-K2-shaped 1T MoE (61 layers, 384 routed experts top-8), 4,096 tokens a sample, 1,024 ranks: "
@@ -150,13 +151,7 @@ def table(result: dict) -> str:
             continue
         mesh = row["layout"] or {}
         layout = " x ".join(f"{dim} {mesh[dim]}" for dim in ("pp", "dp", "tp", "ep", "cp") if mesh.get(dim, 1) > 1)
-        modes = row["activation_checkpointing"].split(",")
-        runs, last = [], None
-        for mode in modes:  # full x 15, none
-            if runs and runs[-1][0] == mode:
-                runs[-1][1] += 1
-            else:
-                runs.append([mode, 1])
+        runs = [(mode, len(list(group))) for mode, group in groupby(row["activation_checkpointing"].split(","))]
         checkpointing = ", ".join(f"{mode} x {count}" if count > 1 else mode for mode, count in runs)
         parts = ", ".join(f"{k} {v:g}" for k, v in row["parts_gb_of_the_largest"].items() if v)
         lines.append(f"| {title} ({row['parameters_b']:g}B) | {layout}, {row['schedule']}, "
