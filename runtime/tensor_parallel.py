@@ -19,6 +19,9 @@ and rewrites the graph with these ops, so the rank script reads as Megatron's re
 * ``torch.ops.tracepp.tp_owned_split(x, dim, sizes)``: a split of the sharded ``dim`` into pieces that each lie in
   one rank's block (heads one by one): this rank's pieces from its block, the others empty; backward joins the
   gradients of its pieces (StableLM's per-head norms run on each head's owner only);
+* ``torch.ops.tracepp.tp_parts(x, dim, segments)``: ``tp_scatter`` of a whole value whose dim holds unequal
+  segments (a depthwise convolution's weight over a fused q, k, v): this rank's piece of each segment, side by side;
+  backward gathers the pieces back into the whole;
 * ``torch.ops.tracepp.tp_vocab_embedding(weight, ids, padding_idx, reduce)``: an embedding whose rows (the
   vocabulary) are split over the group: each rank looks up the ids it holds, zeros the rest, and the sum
   over the group is the full lookup (``reduce=False``: the partial lookup, for ``sp_reduce_scatter``).
@@ -376,18 +379,49 @@ def _owned_split(tensor: torch.Tensor, dim: int, sizes: list) -> list:
             else tensor.new_empty(empty) for at in _owned_pieces(tensor, dim, sizes)]
 
 
+def _parts_piece(tensor: torch.Tensor, dim: int, segments: list) -> torch.Tensor:
+    """This rank's piece of each of ``segments`` along ``dim``, side by side (a fused projection's rows)."""
+    if _STATE["size"] == 1:
+        return tensor.clone()
+    return shard(tensor, dim, _STATE["size"], _STATE["rank"], segments)
+
+
+def _parts_gather(tensor: torch.Tensor, dim: int, segments: list) -> torch.Tensor:
+    """The pieces of every rank joined back into the whole, each segment's pieces in place."""
+    if _STATE["size"] == 1:
+        return tensor.clone()
+    return original_layout(_gather(tensor, dim), dim, _STATE["size"], segments)
+
+
 def _register_heads():
-    """``tp_head_group`` and ``tp_owned_split`` (a library fragment of their own: a runtime copy of an older
-    tracepp may have registered the other ops in this process already)."""
+    """``tp_head_group``, ``tp_owned_split`` and ``tp_parts`` (a library fragment of their own: a runtime copy of
+    an older tracepp may have registered the other ops in this process already)."""
     if hasattr(getattr(torch.ops, _NAMESPACE), "tp_head_group"):
         return
     lib = torch.library.Library(_NAMESPACE, "FRAGMENT")
     _register_heads.lib = lib
     lib.define("tp_head_group(Tensor x, int dim, int parts) -> Tensor")
     lib.define("tp_owned_split(Tensor x, int dim, int[] sizes) -> Tensor[]")
+    lib.define("tp_parts(Tensor x, int dim, int[] segments) -> Tensor")
     for device in ("CPU", "CUDA"):
         lib.impl("tp_head_group", _head_group, device)
         lib.impl("tp_owned_split", _owned_split, device)
+        lib.impl("tp_parts", _parts_piece, device)
+
+    def parts_fake(x, dim, segments):
+        shape = list(x.shape)
+        shape[dim] = shape[dim] // _STATE["size"]
+        return x.new_empty(shape)
+
+    torch.library.register_fake(f"{_NAMESPACE}::tp_parts", parts_fake, lib=lib)
+
+    def parts_setup(ctx, inputs, output):
+        ctx.dim, ctx.segments = inputs[1], list(inputs[2])
+
+    def parts_backward(ctx, grad):  # every rank computed its pieces from the whole: the gradient pieces joined
+        return _parts_gather(grad, ctx.dim, ctx.segments), None, None
+
+    torch.library.register_autograd(f"{_NAMESPACE}::tp_parts", parts_backward, setup_context=parts_setup, lib=lib)
     torch.library.register_fake(f"{_NAMESPACE}::tp_owned_split",
                                 lambda x, dim, sizes: [x.new_empty([*x.shape[:dim], (at[1] if at else 0),
                                                                     *x.shape[dim + 1:]])

@@ -85,6 +85,7 @@ _SUMMABLE = {aten.mean.dim, aten.sum.dim_IntList}  # over the sharded dim: from 
 _NORMS = {aten.layer_norm.default: 1, aten.rms_norm.default: 1, aten.native_layer_norm.default: 1}  # shape arg
 _SOFTMAX = {aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default}
 _SDPA = {aten.scaled_dot_product_attention.default}
+_CONVS = {aten.conv1d.default, aten.conv2d.default}  # (input, weight, bias, stride, padding, dilation, groups)
 _MATMULS = {aten.matmul.default, aten.bmm.default}
 _TRANSPOSES = {aten.t.default, aten.numpy_T.default, aten.transpose.int, aten.permute.default}
 _IGNORED = {aten._assert_tensor_metadata.default}
@@ -265,6 +266,8 @@ class _Walk:
         self.owned_splits: dict = {}  # split of the sharded dim into pieces within ranks -> the pieces' sizes
         self.owned: dict = {}  # a piece (and what it goes through) -> the rank that computes it
         self.owned_cats: dict = {}  # the cat joining the pieces -> (dim, origin): sharded again
+        self.conv_groups: dict = {}  # depthwise convolution over sharded channels -> its local groups
+        self._made_of_params: dict = {}  # node -> computed from parameters alone (memo of _param_only)
         self.sends: dict = {}  # sequence-sharded value leaving the stage -> (dim, segments)
         self._claimed: set = set()  # (node, input) pairs a rule placed (no "whole" use recorded)
         self.last = last  # the last stage: its outputs go to the loss, whole
@@ -626,6 +629,8 @@ class _Walk:
                 return False
             self._carry(node, first)
             return True
+        if target in _CONVS:
+            return self._depthwise_conv(node)
         if first not in self.shard or len(sharded) != 1:
             return False
         dim = self.shard[first]
@@ -998,13 +1003,16 @@ class _Walk:
                 if (seq or not self.needs_grad.get(arg)) and self.groups_of(segments):
                     cut.append((arg, at))  # a whole value beside pieces (a position table, a mask): its piece
                     continue
+                if not seq and self._param_only(arg):
+                    cut.append((arg, at))  # made from weights alone (-exp(A_log), a bias per head): its piece
+                    continue
                 return self._refuse(node, f"{arg.name} is whole and as wide as the sharded dim of "
                                           f"{', '.join(a.name for a in node.all_input_nodes if a in self.shard)}")
             broadcast.append(arg)
         for arg, at in wide:
             self._claim(node, arg, at, segments)
         for arg, at in cut:
-            self.scatters.append((node, arg, at, self.groups_of(segments)))
+            self.scatters.append((node, arg, at, self.groups_of(segments) or tuple(segments)))
             self._claimed.add((node, arg))
         for arg in broadcast:  # each rank sees its share of the sharded dim: the gradient is summed over tp
             if self.needs_grad.get(arg):
@@ -1052,6 +1060,20 @@ class _Walk:
         self._place(node, e, segs, self._origin_of([a, b]))
         return True
 
+    def _param_only(self, node) -> bool:
+        """``node`` is computed from parameters alone (``-A_log.exp()``, a weight reshaped): whole on every rank
+        whatever the inputs, so reading it at a piece costs nothing forward (its gradient pieces are gathered)."""
+        if node in self._made_of_params:
+            return self._made_of_params[node]
+        found = False
+        if isinstance(node, fx.Node) and node not in self.shard:
+            if node.op == "placeholder":
+                found = node.name in self.fqn_of
+            elif node.op == "call_function" and node.all_input_nodes:
+                found = all(self._param_only(arg) for arg in node.all_input_nodes)
+        self._made_of_params[node] = found
+        return found
+
     def _read_whole(self, node, reads, groups=1) -> None:
         """Whole operands of an op on pieces: (input, dim) read at this rank's piece of ``dim`` (``tp_scatter``:
         each rank takes its piece, the gradient pieces are gathered back), or (input, None) broadcast along the
@@ -1062,6 +1084,30 @@ class _Walk:
                 self._claimed.add((node, arg))
             elif self.needs_grad.get(arg):
                 self.copies.append((node, arg))
+
+    def _depthwise_conv(self, node) -> bool:
+        """A depthwise convolution over sharded channels (``groups`` = channels: LFM2's short convolution, the causal
+        conv1d of Mamba and gated delta-net mixers) mixes each channel with itself only: it runs on this rank's
+        channels, the whole weight and bias read at their rows (``tp_scatter``; the gradient rows gathered back),
+        ``groups`` divided by tp."""
+        x, weight = node.args[0], node.args[1]
+        bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+        groups = node.args[6] if len(node.args) > 6 else node.kwargs.get("groups", 1)
+        if (x not in self.shard or self.shard[x] != 1 or self.kind.get(x) == "seq" or weight in self.shard
+                or (isinstance(bias, fx.Node) and bias in self.shard) or not isinstance(groups, int)):
+            return False
+        channels, wval = _val(x).shape[1], _val(weight)
+        parts = self.groups_of(self.segs.get(x))
+        if not parts and self._param_only(weight) and (not isinstance(bias, fx.Node) or self._param_only(bias)):
+            parts = tuple(self.segs[x])  # q, k and v channels of a fused projection: each read at its piece
+        if not (_ints([channels]) and groups == int(channels) and int(wval.shape[0]) == groups
+                and int(wval.shape[1]) == 1 and groups % self.tp == 0 and parts):
+            return self._refuse(node, f"a convolution over sharded channels that is not depthwise (groups {groups} "
+                                      f"of {channels} channels)")
+        self._read_whole(node, [(weight, 0)] + ([(bias, 0)] if isinstance(bias, fx.Node) else []), parts)
+        self.conv_groups[node] = groups // self.tp
+        self._place(node, 1, self.segs.get(x), self.origin.get(x, frozenset()))
+        return True
 
     def _baddbmm(self, node) -> bool:
         """``baddbmm(input, b1, b2)`` (Bloom's ALiBi scores): a batched matmul over heads plus ``input``, which is
@@ -1574,8 +1620,13 @@ def _rewrite(g: fx.Graph, walk: _Walk, tp: int, params: dict) -> None:
     for consumer, arg, dim, groups in walk.scatters:  # a whole value read beside pieces: this rank's piece
         if (arg, dim) not in pieces:
             anchor = arg.next if arg.op != "placeholder" else next(n for n in g.nodes if n.op != "placeholder")
-            pieces[(arg, dim)] = _insert(g, anchor, TP.tp_scatter.default, [arg, dim] + ([groups] * (groups > 1)),
-                                         _local_val(_val(arg), dim, tp), consumer)
+            if isinstance(groups, tuple):  # unequal segments: this rank's piece of each
+                pieces[(arg, dim)] = _insert(g, anchor, TP.tp_parts.default, [arg, dim, list(groups)],
+                                             _local_val(_val(arg), dim, tp), consumer)
+            else:
+                pieces[(arg, dim)] = _insert(g, anchor, TP.tp_scatter.default,
+                                             [arg, dim] + ([groups] * (groups > 1)), _local_val(_val(arg), dim, tp),
+                                             consumer)
         consumer.replace_input_with(arg, pieces[(arg, dim)])
     for consumer, arg, dim, count in walk.head_groups:  # whole key/value heads: the group this rank's queries need
         if (arg, dim, count) not in pieces:
@@ -1610,6 +1661,10 @@ def _rewrite(g: fx.Graph, walk: _Walk, tp: int, params: dict) -> None:
             _after(g, reduced, aten.div.Tensor, [reduced, int(count) if count.is_Integer else count], node)
     for node, form in walk.mixed_linears.items():  # a fused projection with whole parts: one linear per run of parts
         _rewrite_mixed_linear(g, node, form, tp)
+    for node, groups in walk.conv_groups.items():  # a depthwise convolution on this rank's channels
+        args = list(node.args) + [None, [1], [0], [1], 1][len(node.args) - 2:] if len(node.args) < 7 else list(node.args)
+        args[6] = groups
+        node.args, node.kwargs = tuple(args), {k: v for k, v in node.kwargs.items() if k != "groups"}
     for node, sizes in walk.owned_splits.items():  # pieces within ranks: the owner computes each, the rest empty
         node.target, node.args, node.kwargs = TP.tp_owned_split.default, (node.args[0], walk.shard[node.args[0]],
                                                                           sizes), {}

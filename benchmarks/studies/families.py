@@ -341,7 +341,8 @@ def outcome(record: dict) -> dict:
     pp, tp, ep = get("pp") or {}, get("tp") or {}, get("ep") or {}
     facts["exports"] = "export" in steps and "error" not in steps["export"] and not steps["export"].get("running")
     facts["pp_exact"] = bool(pp.get("exact"))
-    facts["kv_heads"] = get("build", {}).get("kv_heads")
+    build = get("build") or {}  # key/value heads: the config's count, else one per query head (multi-head)
+    facts["kv_heads"] = build.get("kv_heads") if build.get("kv_heads") is not None else build.get("heads")
     facts["min_share"] = tp.get("min_share")
     facts["tp_exact"] = bool(tp.get("exact"))
     facts["moe"] = bool(pp.get("moe_blocks"))

@@ -20,7 +20,7 @@ FAMILY = os.environ.get("HF_FAMILY", "llama")
 
 # what a config setting means -> its tiny value (names as transformers' configs spell them)
 _HIDDEN = ("hidden_size", "n_embd", "d_model", "embed_dim", "model_dim", "dim", "n_embed", "word_embed_proj_dim",
-           "embedding_size", "hidden_dim")
+           "embedding_size", "hidden_dim", "hidden_size_global")
 _LAYERS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers", "num_decoder_layers")
 _HEADS = ("num_attention_heads", "n_head", "num_heads", "n_heads", "decoder_attention_heads",
           "encoder_attention_heads", "attention_heads")
@@ -39,6 +39,13 @@ _TOP_K = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "top_k", "
 _POSITIONS = ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "max_sequence_length",
               "seq_length", "max_length")
 EXPERTS, TOP_K = 4, 2
+# the sizes of linear-attention, state-space and recurrent mixers (hybrid families): 8 Mamba heads of 16 (their
+# product is expand x hidden), 2 key and 4 value heads of 16 for gated delta-nets, a state of 16
+_MIXER = {"linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_num_heads": 4, "linear_key_head_dim": 16,
+          "linear_value_head_dim": 16, "linear_head_dim": 16, "mamba_n_heads": 8, "n_mamba_heads": 8,
+          "mamba_num_heads": 8, "mamba_d_head": 16, "mamba_head_dim": 16, "mamba_headdim": 16, "mamba_d_ssm": 128,
+          "mamba_d_state": 16, "ssm_state_size": 16, "mamba_dt_rank": 8, "time_step_rank": 8, "lru_width": 64,
+          "attention_head_dim": 16}
 
 # families whose tiny config needs more than the rules above: the setting and why
 _ROPE = {"rope_type": "default", "rope_theta": 10000.0}
@@ -52,7 +59,18 @@ OVERRIDES = {
     # its default has no layer types (the model reads one per layer) and its first 2 layers dense: a conv layer,
     # an attention layer, then a mixture-of-experts layer
     "lfm2_moe": {"num_hidden_layers": 3, "layer_types": ["conv", "full_attention", "conv"], "num_dense_layers": 1},
+    # its default makes every layer attention: a short-convolution layer and an attention layer, as LFM2 interleaves
+    "lfm2": {"num_hidden_layers": 2, "layer_types": ["conv", "full_attention"], "full_attn_idxs": [1]},
     "mamba2": {"head_dim": 32, "n_groups": 1},  # heads x head_dim must equal expand x hidden; groups divide heads
+    # its shared transformer is tied across its hybrid layers: two of them
+    "zamba": {"num_hidden_layers": 4, "layers_block_type": ["linear_attention", "hybrid", "linear_attention", "hybrid"]},
+    # its causal LM asks for is_decoder; its axial position embeddings must sum to the hidden size and their
+    # shape multiply to the sequence length (8) when training
+    "reformer": {"is_decoder": True, "axial_pos_embds_dim": [32, 32], "axial_pos_shape": [2, 4]},
+    # its default leaves the indexed attention's indexer unset (a division by None when built)
+    "qwen4_exp_text": {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 16, "indexer_budget": 8,
+                       "indexer_compress_ratio": 2},
+    "blt": {"encoder_hash_byte_group_vocab": 256},  # 500002 rows of byte-group hash embeddings by default
     "musicgen_decoder": {"num_codebooks": 1},  # one codebook: a sample is one row of tokens
     "musicgen_melody_decoder": {"num_codebooks": 1},
 }
@@ -67,6 +85,8 @@ def _per_layer(value, default_layers):
     for index, kind in enumerate(value):
         if repr(kind) not in kinds:
             kinds.append(repr(kind))
+    if len(kinds) > 4:  # not kinds of layer (LFM2's full_attn_idxs: the indices of its attention layers)
+        return None
     want = set(kinds)
     for end in range(2, min(4, len(value)) + 1):
         if {repr(k) for k in value[:end]} == want:
@@ -109,6 +129,10 @@ def _shrink(values: dict) -> dict:
         if isinstance(value, dict) and ("model_type" in value or key.endswith("_config")):
             out[key] = _shrink(value)
             continue
+        if key == "per_layer_config" and isinstance(value, dict):  # DOTS3: settings per layer, shrunk alike
+            out[key] = {layer: _shrink(entry) for layer, entry in value.items()
+                        if not layer.isdigit() or int(layer) < (layers_default or 0)}
+            continue
         if isinstance(value, bool) or isinstance(value, dict):
             continue
         if key in lists:
@@ -125,6 +149,8 @@ def _shrink(values: dict) -> dict:
             out[key] = HEAD_DIM  # unset, and read as it is by some families (Ministral)
         elif not isinstance(value, (int, float)) or value is None:
             continue
+        elif key in _MIXER and isinstance(value, int):
+            out[key] = _MIXER[key]
         elif key in _HIDDEN and isinstance(value, int):
             out[key] = HIDDEN
         elif key in _LAYERS:
@@ -145,6 +171,8 @@ def _shrink(values: dict) -> dict:
             out[key] = 2 * HIDDEN
         elif key in _MOE_FFN and isinstance(value, int):
             out[key] = 32
+        elif key.endswith("intermediate_size") and isinstance(value, int) and value > 2 * HIDDEN:
+            out[key] = 32 if any(w in key for w in ("expert", "moe", "shared")) else 2 * HIDDEN  # any other MLP
         elif key in _EXPERTS and isinstance(value, int) and value > 1:
             out[key] = EXPERTS
         elif key in _TOP_K and isinstance(value, int) and value > 1:
@@ -188,9 +216,18 @@ def config(family: str = FAMILY):
     return tiny_config(takes if isinstance(takes, type) and takes is not own else own)
 
 
+# what a family's model file does after building it, as its own docs say (the step and why)
+AFTER_BUILD = {
+    "xmod": lambda m: m.set_default_language("en_XX"),  # its adapters are per language: pick the default one
+}
+
+
 def model():
     torch.manual_seed(0)
-    return model_class()(config())
+    built = model_class()(config())
+    if FAMILY in AFTER_BUILD:
+        AFTER_BUILD[FAMILY](built)
+    return built
 
 
 def _takes_use_cache() -> bool:
