@@ -89,6 +89,7 @@ _CONVS = {aten.conv1d.default, aten.conv2d.default}  # (input, weight, bias, str
 _MATMULS = {aten.matmul.default, aten.bmm.default}
 _TRANSPOSES = {aten.t.default, aten.numpy_T.default, aten.transpose.int, aten.permute.default}
 _IGNORED = {aten._assert_tensor_metadata.default}
+_FRESH = {aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default, aten.new_full.default}  # (x, size)
 _MIXED_CARRIES = {aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.transpose.int, aten.permute.default,
                   aten._to_copy.default, aten.to.dtype, aten.clone.default, aten.contiguous.default, aten.alias.default}  # metadata checks: dropped by codegen
 _CP_OPS = ("tracepp::cp_shard", "tracepp::cp_all_gather", "tracepp::cp_reduce_scatter", "tracepp::cp_all_reduce")
@@ -109,6 +110,12 @@ class TPPlan:
         if self.sequence_parallel is not None:
             out["sequence_parallel"] = self.sequence_parallel
         return out
+
+
+def _writes(node) -> bool:
+    """``node`` writes into one of its inputs (an in-place op: its schema marks an argument written)."""
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
 
 
 def _val(node):
@@ -271,6 +278,7 @@ class _Walk:
         self.sends: dict = {}  # sequence-sharded value leaving the stage -> (dim, segments)
         self._claimed: set = set()  # (node, input) pairs a rule placed (no "whole" use recorded)
         self.last = last  # the last stage: its outputs go to the loss, whole
+        self.order = {node: i for i, node in enumerate(graph.nodes)}
         for node in graph.nodes:
             self._visit(node)
 
@@ -470,16 +478,24 @@ class _Walk:
             return args[1], args[2], args[0], 1
         if target in (aten.mm.default, aten.matmul.default) and len(args) == 2 and self._weight(args[1]):
             return args[0], args[1], None, 1
+        if (target in (aten.mm.default, aten.matmul.default) and len(args) == 2 and self._weight(args[0])
+                and self._param(args[1]) is None and _val(args[1]).dim() >= 2):
+            return args[1], args[0], None, 0  # W @ x (Mamba's dt_proj.weight @ dt): features on x's dim -2
         return None
 
     def _linear(self, node, x, weight, bias, out_dim: int) -> None:
         fqn = self._param(weight)
         wval = _val(weight)
         ndim = len(_val(x).shape)
+        left = node.args[0] is weight  # W @ x: the features on x's dim -2 and the output's
+        features = ndim - 2 if left else ndim - 1
         entering = x in self.shard and self.kind.get(x) == "seq"  # a sequence shard entering the region
+        if left and entering:
+            self._gather(node, x)
+            return
         if x in self.shard and not entering:
             segments = self.segs.get(x)
-            if self.shard[x] == ndim - 1 and fqn not in self.forced:
+            if self.shard[x] == features and fqn not in self.forced:
                 self.roles[node] = "rowwise"
                 self.forms[node] = (x, weight, bias, out_dim)
                 self._claim(node, weight, 1 - out_dim, segments)
@@ -513,7 +529,7 @@ class _Walk:
         else:
             self.copies.append((node, x))
         self._claimed.add((node, x))
-        self._place(node, _val(node).dim() - 1, segments, {fqn})
+        self._place(node, _val(node).dim() - (2 if left else 1), segments, {fqn})
 
     def _mixed_linear(self, node, x, weight, bias, out_dim, fqn, segments) -> None:
         """A fused projection whose key/value parts have fewer heads than --tp (GPTBigCode's multi-query
@@ -597,6 +613,10 @@ class _Walk:
             self._carry(node, node.args[0])
             return True
         first = node.args[0]
+        if target in _FRESH:
+            return self._fresh_buffer(node, first)
+        if target is aten.copy_.default:
+            return self._fill(node)
         if target is aten.cat.default:
             return self._cat(node)
         if target is aten.type_as.default:  # the second operand gives only its dtype
@@ -725,6 +745,79 @@ class _Walk:
                                       f"from the pieces)")
         count = _prod([_sizes(in_val)[d] for d in dims])
         self.sums[node] = count if target is aten.mean.dim else None
+        return True
+
+    def _fresh_buffer(self, node, x) -> bool:
+        """``x.new_empty(size)`` (new_zeros, new_full) as wide as sharded ``x`` on its sharded dim, filled by
+        ``copy_`` into slices of other dims (DeepSeek's MLA writes its keys' no-rotary and rotary parts into one):
+        allocated on this rank's piece when every write into it comes earlier in the graph and fits that piece
+        (a source sharded alike, or whole and broadcast along the dim); any other in-place use keeps it whole."""
+        dim, val, xval = self.shard[x], _val(node), _val(x)
+        if (self.kind.get(x) == "seq" or x in self.mixed or val.dim() != xval.dim()
+                or not _equal(val.shape[dim], xval.shape[dim])
+                or not self._size_arg_ok(node.args[1], dim, _sizes(val)[dim])):
+            return False
+        fills = []
+        for user in node.users:
+            views = [user] if user.target is aten.copy_.default else []
+            if user.target in _SLICES and user.args[0] is node:
+                at = (user.args[1] if len(user.args) > 1 else 0) % val.dim()
+                if at == dim:
+                    return False
+                views = list(user.users)
+                if not all(v.target is aten.copy_.default and v.args[0] is user for v in views):
+                    return False
+            elif not views and _writes(user):
+                return False  # another in-place write: not followed here
+            for write in views:
+                if write.args[0] is not node and write.args[0] is not user:
+                    return False
+                fills.append(write.args[1])
+        if not fills or any(self._fits(src, dim, val.dim(), self.segs.get(x)) is None for src in fills):
+            return False
+        self._place(node, dim, self.segs.get(x), self.origin.get(x, frozenset()))
+        return True
+
+    def _fits(self, src, dim: int, ndim: int, segments):
+        """How ``src`` is written into a piece of a buffer sharded on ``dim``: "sharded" (sharded alike), "broadcast"
+        (size 1 there), "expand" (an expand of such a value read by this write alone: expanded to the piece), or
+        None (it is not, or comes later in the graph)."""
+        if not isinstance(src, fx.Node):
+            return "broadcast"
+        if src in self.shard:
+            same = self.shard[src] + ndim - _val(src).dim() == dim and self.segs.get(src) == segments
+            return "sharded" if same and self.kind.get(src) != "seq" else None
+        sval = _val(src)
+        if not isinstance(sval, torch.Tensor):
+            return None
+        at = dim - (ndim - sval.dim())
+        if at < 0 or _equal(sval.shape[at], 1):
+            return "broadcast"
+        if src.target in _EXPANDS and len(src.users) == 1:
+            inner = _val(src.args[0])
+            at_in = at - (sval.dim() - inner.dim())
+            if at_in < 0 or _equal(inner.shape[at_in], 1):
+                return "expand"
+        return None
+
+    def _fill(self, node) -> bool:
+        """``copy_`` into a piece of a buffer allocated on this rank's piece (:meth:`_fresh_buffer`)."""
+        dst, src = node.args[0], node.args[1]
+        if dst not in self.shard or self.kind.get(dst) == "seq":
+            return False
+        dim, ndim = self.shard[dst], _val(dst).dim()
+        how = self._fits(src, dim, ndim, self.segs.get(dst))
+        if how is None:
+            return self._refuse(node, f"writes {getattr(src, 'name', src)} into a piece of a buffer sharded on dim "
+                                      f"{dim}")
+        if how == "expand":  # expanded to this rank's piece only; the gradient of what it expands summed over tp
+            self._place(src, dim - (ndim - _val(src).dim()), self.segs.get(dst))
+            if self.needs_grad.get(src.args[0]):
+                self.copies.append((src, src.args[0]))
+        elif how == "broadcast" and isinstance(src, fx.Node) and self.needs_grad.get(src):
+            self.copies.append((node, src))
+        self._claimed.add((node, src))
+        self._carry(node, dst)
         return True
 
     def _cut(self, node, target, first, dim, in_val) -> bool:
@@ -1006,6 +1099,9 @@ class _Walk:
                 if not seq and self._param_only(arg):
                     cut.append((arg, at))  # made from weights alone (-exp(A_log), a bias per head): its piece
                     continue
+                if not seq and self.groups_of(segments) and self._feeds_linear(node):
+                    cut.append((arg, at))  # a gate whose product goes to a linear (Gemma's per-layer inputs):
+                    continue  # its piece, the gradient pieces gathered back
                 return self._refuse(node, f"{arg.name} is whole and as wide as the sharded dim of "
                                           f"{', '.join(a.name for a in node.all_input_nodes if a in self.shard)}")
             broadcast.append(arg)
@@ -1059,6 +1155,18 @@ class _Walk:
         self._read_whole(node, reads, groups)
         self._place(node, e, segs, self._origin_of([a, b]))
         return True
+
+    def _feeds_linear(self, node, depth: int = 4) -> bool:
+        """``node``'s value reaches the input of a linear of a 2-D parameter through elementwise ops alone (a gated
+        product on its way to a row-wise projection), not the residual stream (which meets a norm first)."""
+        for user in node.users:
+            form = self._linear_form(user)
+            if form is not None and form[0] is node:
+                return True
+            if depth and (user.target in _UNARY or user.target in _ELEMENTWISE) and self._feeds_linear(user,
+                                                                                                     depth - 1):
+                return True
+        return False
 
     def _param_only(self, node) -> bool:
         """``node`` is computed from parameters alone (``-A_log.exp()``, a weight reshaped): whole on every rank
@@ -1181,9 +1289,11 @@ class _Walk:
                 mval = _val(mask)
                 at = 1 - (4 - mval.dim())
                 if at >= 0 and mval.shape[at] != 1:
-                    if not _equal(mval.shape[at], heads) or self.needs_grad.get(mask):
+                    if not _equal(mval.shape[at], heads):
                         return False
-                    reads.append((mask, at))  # a mask per head (ALiBi, a relative bias): this rank's heads
+                    # a mask per head (ALiBi, a relative bias, Doge's dynamic mask computed from the values):
+                    # this rank's heads; where it carries a gradient, the pieces' gradients are gathered back
+                    reads.append((mask, at))
                 elif self.needs_grad.get(mask):
                     reads.append((mask, None))
         self._read_whole(node, reads)
@@ -1302,7 +1412,80 @@ def _learn_whole_parts(walks: list, fused: dict, mixed: dict, notes: dict, narro
     return learned
 
 
+def _low_rank(walk: _Walk) -> list:
+    """The low-rank pairs sharded as such: per region whose column-wise linears narrow (fewer output features
+    than input) and whose row-wise linear widens again, ({weight FQN: why} of its column-wise linears, the
+    row-wise linears' FQNs). DeepSeek's
+    MLA is one (``q_a_proj`` 7168 -> 1536, a norm, ``q_b_proj`` 1536 -> 128 heads): sharded as a pair, the wide
+    output comes back whole and the attention that reads it per head runs whole; kept whole instead, the widening
+    linear becomes column-wise on the heads it makes, as Megatron-Core shards MLA. A narrow MLP (a shared expert
+    of 2048 under a hidden size of 7168) has the same shapes and is better sharded as a pair: :func:`settle`
+    measures which."""
+    out = []
+    for region in _regions(walk):
+        cols = [n for n in region if walk.roles.get(n) == "colwise"]
+        rows = [n for n in region if walk.roles.get(n) == "rowwise"]
+        if not cols or not rows:
+            continue
+
+        def features(node):
+            _x, weight, _b, out_dim = walk.forms[node]
+            shape = _val(weight).shape
+            return int(shape[1 - out_dim]), int(shape[out_dim])  # (in, out)
+
+        if all(features(n)[1] < features(n)[0] for n in cols) and all(features(n)[1] > features(n)[0]
+                                                                       for n in rows):
+            up = walk._param(walk.forms[rows[0]][1])
+            ups = {walk._param(walk.forms[n][1]) for n in rows}
+            found = {}
+            for node in sorted(cols, key=lambda n: n.name):
+                inp, outp = features(node)
+                found[walk._param(walk.forms[node][1])] = (
+                    f"a low-rank down-projection ({inp} -> {outp} features) before {up} widens again: kept whole "
+                    f"so that {up} shards the heads it makes")
+            out.append((found, ups))
+    return out
+
+
 def settle(graphs: list, tp: int, notes: dict, fused: dict = None, sequence=None, mixed: dict = None) -> tuple:
+    """:func:`_settle`, then, where it sharded low-rank pairs (:func:`_low_rank`), the same with the
+    down-projections of one kind of pair whole (the same module in every layer: ``*.self_attn.q_a_proj``), kind
+    by kind. A change is kept where every up-projection of the kind then shards the heads it makes (column-wise
+    to the end of its region): the attention that reads them runs on shards, and the all-reduce of the wide
+    output is gone. A narrow MLP (a shared expert under a larger hidden size) has the same shapes, but its
+    up-projection's output is needed whole by the residual add: it stays a row-wise pair. ``notes``, ``fused`` and
+    ``mixed`` end as the kept plan's."""
+    import re
+
+    fused = {} if fused is None else fused
+    mixed = {} if mixed is None else mixed
+    start = (dict(notes), dict(fused), {k: set(v) for k, v in mixed.items()})
+    best = _settle(graphs, tp, notes, fused, sequence, mixed)
+    kinds: dict = {}  # the pair's modules with layer numbers starred -> ({down fqn: why}, {up fqns})
+    for walk in best[0]:
+        for downs, ups in _low_rank(walk):
+            key = tuple(re.sub(r"\.\d+\.", ".*.", fqn) for fqn in downs)
+            entry = kinds.setdefault(key, ({}, set()))
+            entry[0].update({f: w for f, w in downs.items() if f not in notes})
+            entry[1].update(ups)
+    kept = {}
+    for downs, ups in kinds.values():
+        if not downs:
+            continue
+        trial = (dict(start[0], **kept, **downs), dict(start[1]), {k: set(v) for k, v in start[2].items()})
+        found = _settle(graphs, tp, *trial[:2], sequence, trial[2])
+        roles = {}
+        for walk in found[0]:
+            roles.update({walk._param(walk.forms[n][1]): r for n, r in walk.roles.items() if n in walk.forms})
+        if all(roles.get(fqn) == "colwise" and fqn not in trial[0] for fqn in ups):
+            best, kept = found, dict(kept, **downs)
+            for mine, theirs in zip((notes, fused, mixed), trial):
+                mine.clear()
+                mine.update(theirs)
+    return best
+
+
+def _settle(graphs: list, tp: int, notes: dict, fused: dict = None, sequence=None, mixed: dict = None) -> tuple:
     """Walk ``graphs`` ([(fx graph, placeholder -> FQN, node -> needs a gradient[, boundary])], stages in order;
     ``boundary``: {"outputs": value names in output order, "received": {placeholder: value name}, "last": bool})
     until every parameter has one placement: learn the segments of fused projections from the cuts of their
@@ -1639,7 +1822,7 @@ def _rewrite(g: fx.Graph, walk: _Walk, tp: int, params: dict) -> None:
             x, weight, bias, _out_dim = walk.forms[node]
             if node.target is aten.addmm.default:  # the bias is added once, after the sum
                 node.target = aten.mm.default
-            node.args = (x, weight)
+            node.args = (weight, x) if node.args[0] is weight else (x, weight)
             reduced = _after(g, node, *_reduction(node, scatter), local=(scatter, tp))
             if bias is not None:
                 if scatter is not None and walk.needs_grad.get(bias):  # each rank adds it to its own tokens
@@ -1682,7 +1865,7 @@ def _rewrite(g: fx.Graph, walk: _Walk, tp: int, params: dict) -> None:
     for node, dim in walk.shard.items():  # local sizes: in view/expand arguments and in the annotations
         if node in walk.reduce_scatters:  # its own value is the whole partial sum; the scatter after it is local
             continue
-        if node.target in _VIEWS or node.target in _EXPANDS:
+        if node.target in _VIEWS or node.target in _EXPANDS or node.target in _FRESH:
             sizes = list(node.args[1])
             if sizes[dim] != -1:
                 sizes[dim] = sizes[dim] // tp

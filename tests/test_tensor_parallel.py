@@ -430,11 +430,16 @@ def test_torch_rules_place_the_ops_the_walk_has_no_rule_for():
     ("bloom", 0.99, ["self_attention.query_key_value.weight", "self_attention.dense.weight"], None),  # ALiBi
     ("cohere", 0.99, ["self_attn.q_proj.weight", "self_attn.o_proj.weight"], None),  # interleaved rotary: stack
     ("stablelm", 0.99, ["self_attn.q_proj.weight", "self_attn.o_proj.weight"], None),  # per-head norms
-    ("gpt_bigcode", 0.84, ["attn.c_proj.weight"], ("attn.c_attn.weight", "(key/value heads fewer than --tp)"))])
+    ("gpt_bigcode", 0.84, ["attn.c_proj.weight"], ("attn.c_attn.weight", "(key/value heads fewer than --tp)")),
+    ("doge", 0.99, ["self_attn.q_proj.weight", "self_attn.dt_proj.weight", "self_attn.o_proj.weight"], None),
+    ("gemma4_text", 0.99, ["per_layer_input_gate.weight", "per_layer_projection.weight"], None),
+    ("falcon_mamba", 0.9, ["mixer.in_proj.weight", "mixer.dt_proj.weight", "mixer.out_proj.weight"], None)])
 def test_families_written_their_own_way_shard_their_attention(monkeypatch, family, share, sharded, why):
     # issue 47: heads read by baddbmm over [batch * heads] with a whole ALiBi table (Bloom), rotary interleaved by
     # a stack of head-local slices (Cohere), per-head LayerNorms of a ModuleList over heads split one by one
-    # (StableLM), a multi-query fused c_attn whose key/value part stays whole (GPTBigCode)
+    # (StableLM), a multi-query fused c_attn whose key/value part stays whole (GPTBigCode), a mask per head computed
+    # from the values and carrying a gradient (Doge), a per-layer input gating a projection (Gemma 4), Mamba's mixer:
+    # a depthwise causal conv over sharded channels and dt_proj.weight @ dt (Falcon-Mamba)
     import sys
 
     sys.path.insert(0, REPO)
@@ -481,3 +486,27 @@ def test_sequence_parallel_backward_gathers_a_regions_input_once(monkeypatch):
     assert len(gathers) == 2, gathers  # one more for the three weight gradients, not three
     expected = torch.cat([shard, shard], dim=1).sum(dim=(0, 1)).expand(4, 8)
     assert all(torch.allclose(w.grad, expected) for w in weights)
+
+
+def test_mla_keeps_its_down_projections_whole_and_shards_the_heads_they_make(monkeypatch):
+    # issue 47: DeepSeek-V3's attention as transformers writes it: q_a_proj -> norm -> q_b_proj and
+    # kv_a_proj_with_mqa -> norm -> kv_b_proj are low-rank pairs. Sharded as column/row pairs, their wide outputs
+    # come back whole and the attention runs whole; Megatron-Core keeps the down-projections whole so that the
+    # up-projections shard the heads they make. The keys' two parts are written with copy_ into a new_empty
+    # buffer: allocated on this rank's heads, the shared rotary key expanded to them.
+    import sys
+
+    sys.path.insert(0, ZOO)
+    monkeypatch.setenv("HF_FAMILY", "deepseek_v3")
+    manifest = check_model(os.path.join(ZOO, "hf_family.py"), num_microbatches=4, layout=Layout(pp=2, tp=2))
+    params = manifest["tp"]["params"]
+    for layer in (0, 1):
+        prefix = f"model.layers.{layer}.self_attn."
+        for name in ("q_a_proj", "kv_a_proj_with_mqa"):
+            entry = params[prefix + name + ".weight"]
+            assert entry["dim"] is None and "low-rank down-projection" in entry["why"], entry
+        for name in ("q_b_proj", "kv_b_proj"):
+            assert params[prefix + name + ".weight"]["role"] == "colwise"
+        assert params[prefix + "o_proj.weight"]["role"] == "rowwise"
+    assert params["model.layers.1.mlp.shared_experts.down_proj.weight"]["role"] == "rowwise"  # a narrow MLP: a pair
+    assert not any(stage["replicated"] for stage in manifest["tp"]["stages"]), manifest["tp"]["stages"]

@@ -170,8 +170,8 @@ def step_build(record: dict) -> None:
     record["kv_heads"] = next((getattr(text, k) for k in ("num_key_value_heads", "num_kv_heads", "n_kv_heads",
                                                         "multi_query_group_num") if isinstance(getattr(text, k, None),
                                                                                                 int)), None)
-    if record["kv_heads"] is None and getattr(text, "multi_query", False):
-        record["kv_heads"] = 1
+    if getattr(text, "multi_query", False) and not getattr(text, "new_decoder_architecture", False):
+        record["kv_heads"] = 1  # multi-query (GPTBigCode; Falcon, whose num_kv_heads it then ignores)
     record["heads"] = next((getattr(text, k) for k in ("num_attention_heads", "n_head", "num_heads", "n_heads")
                             if isinstance(getattr(text, k, None), int)), None)
 
