@@ -55,7 +55,9 @@ _ROPE = {"rope_type": "default", "rope_theta": 10000.0}
 OVERRIDES = {
     "deepseek_v2": {"rope_scaling": None},
     "deepseek_v3": {"rope_scaling": None},
-    "dbrx": {"attn_config": {"rope_theta": 10000.0}},  # its default attention config has no rope_theta
+    # its default attention config has no rope_theta, and no clip_qkv (a clamp to None, which torch refuses: the
+    # released DBRX clips q/k/v at 8)
+    "dbrx": {"attn_config": {"rope_theta": 10000.0, "clip_qkv": 8.0}},
     # its default rope_parameters are empty, and the model reads one per layer type
     "cohere_compass_text": {"rope_parameters": {"full_attention": _ROPE, "sliding_attention": _ROPE}},
     "stablelm": {"qk_layernorm": True},  # its per-head q/k LayerNorms (a ModuleList), off by default
@@ -73,6 +75,11 @@ OVERRIDES = {
     # its default leaves the indexed attention's indexer unset (a division by None when built)
     "qwen4_exp_text": {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 16, "indexer_budget": 8,
                        "indexer_compress_ratio": 2},
+    # its saved form interleaves an "mlp" entry after each layer and doubles the layer counts (the config halves
+    # them back), and its layers split into input, recurrent (looped) and output blocks whose counts must sum to
+    # the depth: one layer of each, sliding / full / sliding attention (its default has full attention every 4th)
+    "dory": {"num_hidden_layers": 3, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+             "n_input_layers": 1, "n_recurrent_layers": 1, "n_output_layers": 1},
     "blt": {"encoder_hash_byte_group_vocab": 256},  # 500002 rows of byte-group hash embeddings by default
     "musicgen_decoder": {"num_codebooks": 1},  # one codebook: a sample is one row of tokens
     "musicgen_melody_decoder": {"num_codebooks": 1},
