@@ -20,7 +20,8 @@ FAMILY = os.environ.get("HF_FAMILY", "llama")
 
 # what a config setting means -> its tiny value (names as transformers' configs spell them)
 _HIDDEN = ("hidden_size", "n_embd", "d_model", "embed_dim", "model_dim", "dim", "n_embed", "word_embed_proj_dim",
-           "embedding_size", "hidden_dim", "hidden_size_global")
+           "embedding_size", "hidden_dim", "hidden_size_global",
+           "backbone_hidden_size")  # a drafter's (Gemma 4 assistant's): the hidden size of the model it drafts for
 _LAYERS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers", "num_decoder_layers")
 _HEADS = ("num_attention_heads", "n_head", "num_heads", "n_heads", "decoder_attention_heads",
           "encoder_attention_heads", "attention_heads")
@@ -46,9 +47,11 @@ _MIXER = {"linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_num_he
           "mamba_num_heads": 8, "mamba_d_head": 16, "mamba_head_dim": 16, "mamba_headdim": 16, "mamba_d_ssm": 128,
           "mamba_d_state": 16, "ssm_state_size": 16, "mamba_dt_rank": 8, "time_step_rank": 8, "lru_width": 64,
           "attention_head_dim": 16}
-# per-layer inputs (Gemma 3n, Gemma 4): a second embedding table, of this vocabulary, of this width per layer;
+# per-layer inputs (Gemma 3n, Gemma 4): a second embedding table, of this vocabulary, of this width per layer; a
+# drafter's (Gemma 4 assistant's) clusters of the vocabulary (128 tokens: 8 of 16) and how many it scores;
 # LongCat-Flash's identity ("zero") experts beside its routed ones (512 routed and 256 zero: 4 and 2)
-_OTHER = {"vocab_size_per_layer_input": VOCAB, "hidden_size_per_layer_input": 16, "zero_expert_num": EXPERTS // 2}
+_OTHER = {"vocab_size_per_layer_input": VOCAB, "hidden_size_per_layer_input": 16, "num_centroids": 8,
+          "centroid_intermediate_top_k": 2, "zero_expert_num": EXPERTS // 2}
 
 # families whose tiny config needs more than the rules above: the setting and why
 _ROPE = {"rope_type": "default", "rope_theta": 10000.0}
@@ -86,6 +89,15 @@ OVERRIDES = {
 }
 
 
+# families whose own default config fails its own validation: the settings it is built with before shrinking
+DEFAULTS = {
+    # a drafter for Gemma 4 (Gemma4AssistantConfig): its default text config is Gemma 4's, with per-layer inputs
+    # it refuses (the released assistants have none)
+    "gemma4_assistant": {"text_config": {"model_type": "gemma4_text", "hidden_size_per_layer_input": 0,
+                                         "vocab_size_per_layer_input": 0}},
+}
+
+
 def _per_layer(value, default_layers):
     """A per-layer list of the family's default depth (``layer_types``): the shortest prefix (2 to 4 layers) that
     holds every kind of layer it interleaves, or None when it is not one."""
@@ -107,7 +119,13 @@ def _per_layer(value, default_layers):
 
 def tiny_config(config_class):
     """The family's own config with every size setting shrunk by what it means (the rules above)."""
-    values = _shrink(config_class().to_dict())
+    defaults = DEFAULTS.get(config_class.model_type, {})
+    values = _shrink(config_class(**defaults).to_dict())
+    for key, value in defaults.items():  # under what the rules shrank (a sub-config's settings they left are absent)
+        if isinstance(value, dict) and isinstance(values.get(key), dict):
+            values[key] = dict(value, **values[key])
+        else:
+            values.setdefault(key, value)
     for key, value in OVERRIDES.get(config_class.model_type, {}).items():
         if isinstance(value, dict) and isinstance(values.get(key), dict):
             values[key] = dict(values[key], **value)
@@ -129,7 +147,8 @@ def _shrink(values: dict) -> dict:
             lists[key] = found
     if lists:
         layers = max(len(v) for v in lists.values())
-    if lists and values.get("num_kv_shared_layers"):  # Gemma 3n: the last layers reuse the caches of the first
+    if lists and values.get("num_kv_shared_layers") and values["num_kv_shared_layers"] != layers_default:
+        # Gemma 3n: the last layers reuse the caches of the first (a drafter's every layer does: kept so)
         lists = {key: found + found for key, found in lists.items()}
         layers *= 2
     has_experts = any((isinstance(values.get(k), int) and values[k] > 1) or (k in values and values[k] is None
@@ -213,7 +232,7 @@ def _tiny(key, value, values: dict, layers: int, has_experts: bool):
     if key in ("n_shared_experts", "num_shared_experts") and value:
         return 1
     if key == "num_kv_shared_layers" and value:
-        return layers // 2
+        return layers if value == _default_layers(values) else layers // 2
     if key in ("n_group", "num_expert_group") and value and value > 1:
         return 2
     if key in ("topk_group", "topk_groups") and value and value > 1:
