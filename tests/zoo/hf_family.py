@@ -20,7 +20,8 @@ FAMILY = os.environ.get("HF_FAMILY", "llama")
 
 # what a config setting means -> its tiny value (names as transformers' configs spell them)
 _HIDDEN = ("hidden_size", "n_embd", "d_model", "embed_dim", "model_dim", "dim", "n_embed", "word_embed_proj_dim",
-           "embedding_size", "hidden_dim", "hidden_size_global")
+           "embedding_size", "hidden_dim", "hidden_size_global",
+           "backbone_hidden_size")  # a drafter's (Gemma 4 assistant's): the hidden size of the model it drafts for
 _LAYERS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers", "num_decoder_layers")
 _HEADS = ("num_attention_heads", "n_head", "num_heads", "n_heads", "decoder_attention_heads",
           "encoder_attention_heads", "attention_heads")
@@ -32,7 +33,7 @@ _HEAD_DIMS = {"head_dim": HEAD_DIM, "attention_head_size": HEAD_DIM, "kv_channel
 _FFN = ("intermediate_size", "ffn_dim", "n_inner", "inner_dim", "d_ff", "ffn_hidden_size", "decoder_ffn_dim",
         "encoder_ffn_dim", "ffn_hidden_dim", "mlp_dim", "ff_dim")
 _MOE_FFN = ("moe_intermediate_size", "expert_intermediate_size", "shared_expert_intermediate_size",
-            "moe_ffn_hidden_size", "expert_hidden_size", "moe_hidden_size", "ffn_dim_moe")
+            "moe_ffn_hidden_size", "expert_hidden_size", "moe_hidden_size", "ffn_dim_moe", "expert_ffn_hidden_size")
 _EXPERTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts", "num_routed_experts",
             "num_local_expert")
 _TOP_K = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "top_k", "moe_k", "num_selected_experts")
@@ -46,13 +47,20 @@ _MIXER = {"linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_num_he
           "mamba_num_heads": 8, "mamba_d_head": 16, "mamba_head_dim": 16, "mamba_headdim": 16, "mamba_d_ssm": 128,
           "mamba_d_state": 16, "ssm_state_size": 16, "mamba_dt_rank": 8, "time_step_rank": 8, "lru_width": 64,
           "attention_head_dim": 16}
+# per-layer inputs (Gemma 3n, Gemma 4): a second embedding table, of this vocabulary, of this width per layer; a
+# drafter's (Gemma 4 assistant's) clusters of the vocabulary (128 tokens: 8 of 16) and how many it scores;
+# LongCat-Flash's identity ("zero") experts beside its routed ones (512 routed and 256 zero: 4 and 2)
+_OTHER = {"vocab_size_per_layer_input": VOCAB, "hidden_size_per_layer_input": 16, "num_centroids": 8,
+          "centroid_intermediate_top_k": 2, "zero_expert_num": EXPERTS // 2}
 
 # families whose tiny config needs more than the rules above: the setting and why
 _ROPE = {"rope_type": "default", "rope_theta": 10000.0}
 OVERRIDES = {
     "deepseek_v2": {"rope_scaling": None},
     "deepseek_v3": {"rope_scaling": None},
-    "dbrx": {"attn_config": {"rope_theta": 10000.0}},  # its default attention config has no rope_theta
+    # its default attention config has no rope_theta, and no clip_qkv (a clamp to None, which torch refuses: the
+    # released DBRX clips q/k/v at 8)
+    "dbrx": {"attn_config": {"rope_theta": 10000.0, "clip_qkv": 8.0}},
     # its default rope_parameters are empty, and the model reads one per layer type
     "cohere_compass_text": {"rope_parameters": {"full_attention": _ROPE, "sliding_attention": _ROPE}},
     "stablelm": {"qk_layernorm": True},  # its per-head q/k LayerNorms (a ModuleList), off by default
@@ -70,9 +78,23 @@ OVERRIDES = {
     # its default leaves the indexed attention's indexer unset (a division by None when built)
     "qwen4_exp_text": {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 16, "indexer_budget": 8,
                        "indexer_compress_ratio": 2},
+    # its saved form interleaves an "mlp" entry after each layer and doubles the layer counts (the config halves
+    # them back), and its layers split into input, recurrent (looped) and output blocks whose counts must sum to
+    # the depth: one layer of each, sliding / full / sliding attention (its default has full attention every 4th)
+    "dory": {"num_hidden_layers": 3, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+             "n_input_layers": 1, "n_recurrent_layers": 1, "n_output_layers": 1},
     "blt": {"encoder_hash_byte_group_vocab": 256},  # 500002 rows of byte-group hash embeddings by default
     "musicgen_decoder": {"num_codebooks": 1},  # one codebook: a sample is one row of tokens
     "musicgen_melody_decoder": {"num_codebooks": 1},
+}
+
+
+# families whose own default config fails its own validation: the settings it is built with before shrinking
+DEFAULTS = {
+    # a drafter for Gemma 4 (Gemma4AssistantConfig): its default text config is Gemma 4's, with per-layer inputs
+    # it refuses (the released assistants have none)
+    "gemma4_assistant": {"text_config": {"model_type": "gemma4_text", "hidden_size_per_layer_input": 0,
+                                         "vocab_size_per_layer_input": 0}},
 }
 
 
@@ -97,7 +119,13 @@ def _per_layer(value, default_layers):
 
 def tiny_config(config_class):
     """The family's own config with every size setting shrunk by what it means (the rules above)."""
-    values = _shrink(config_class().to_dict())
+    defaults = DEFAULTS.get(config_class.model_type, {})
+    values = _shrink(config_class(**defaults).to_dict())
+    for key, value in defaults.items():  # under what the rules shrank (a sub-config's settings they left are absent)
+        if isinstance(value, dict) and isinstance(values.get(key), dict):
+            values[key] = dict(value, **values[key])
+        else:
+            values.setdefault(key, value)
     for key, value in OVERRIDES.get(config_class.model_type, {}).items():
         if isinstance(value, dict) and isinstance(values.get(key), dict):
             values[key] = dict(values[key], **value)
@@ -110,7 +138,7 @@ def _shrink(values: dict) -> dict:
     """The settings of one config (or of a sub-config given as a dict: DBRX's ``attn_config``) that the rules
     shrink; the others are left to the config's defaults."""
     out = {}
-    layers_default = next((values[k] for k in _LAYERS if isinstance(values.get(k), int)), None)
+    layers_default = _default_layers(values)
     layers = LAYERS
     lists = {}
     for key, value in values.items():
@@ -119,7 +147,8 @@ def _shrink(values: dict) -> dict:
             lists[key] = found
     if lists:
         layers = max(len(v) for v in lists.values())
-    if lists and values.get("num_kv_shared_layers"):  # Gemma 3n: the last layers reuse the caches of the first
+    if lists and values.get("num_kv_shared_layers") and values["num_kv_shared_layers"] != layers_default:
+        # Gemma 3n: the last layers reuse the caches of the first (a drafter's every layer does: kept so)
         lists = {key: found + found for key, found in lists.items()}
         layers *= 2
     has_experts = any((isinstance(values.get(k), int) and values[k] > 1) or (k in values and values[k] is None
@@ -136,67 +165,90 @@ def _shrink(values: dict) -> dict:
         if isinstance(value, bool) or isinstance(value, dict):
             continue
         if key in lists:
-            out[key] = lists[key][:layers] + [lists[key][-1]] * (layers - len(lists[key]))
-        elif key in _TOP_K and value is None and has_experts:
-            out[key] = TOP_K
-        elif key in _EXPERTS and value is None and any(k in values for k in _TOP_K):
-            out[key] = EXPERTS  # a family whose default leaves its expert count unset (DOTS1)
-        elif key in _KV_HEADS and value is None and key != "num_key_value_groups":
-            out[key] = HEADS if values.get("kv_lora_rank") else KV_HEADS  # unset: one per query head by default
-        elif key in ("n_shared_experts", "num_shared_experts") and value is None and has_experts:
-            out[key] = 1  # unset where the family multiplies by it (DOTS1)
-        elif key == "head_dim" and value is None and not values.get("kv_lora_rank"):
-            out[key] = HEAD_DIM  # unset, and read as it is by some families (Ministral)
-        elif not isinstance(value, (int, float)) or value is None:
+            found = lists[key][:layers] + [lists[key][-1]] * (layers - len(lists[key]))
+            # a size given per layer (Gemma 3n's intermediate_size) is shrunk layer by layer, as the size it is
+            shrunk = [_tiny(key, item, values, layers, has_experts) for item in found]
+            out[key] = [item if new is _KEEP else new for item, new in zip(found, shrunk)]
             continue
-        elif key in _MIXER and isinstance(value, int):
-            out[key] = _MIXER[key]
-        elif key in _HIDDEN and isinstance(value, int):
-            out[key] = HIDDEN
-        elif key in _LAYERS:
-            out[key] = layers
-        elif key in _HEADS:
-            out[key] = HEADS
-        elif key in _KV_HEADS and values.get("kv_lora_rank"):  # latent attention: a key and value per head
-            out[key] = HEADS
-        elif key in _KV_HEADS:
-            out[key] = value if value == 1 and key != "num_key_value_groups" else KV_HEADS
-        elif key == "head_dim" and isinstance(value, int) and value == values.get("qk_rope_head_dim"):
-            out[key] = _HEAD_DIMS["qk_rope_head_dim"]  # multi-head latent attention: the rotary part's width
-        elif key in _HEAD_DIMS and isinstance(value, int):
-            out[key] = _HEAD_DIMS[key]
-        elif key in ("rotary_dim", "rotary_emb_dim", "rope_dim") and isinstance(value, int) and value > 8:
-            out[key] = 8
-        elif key in _FFN and isinstance(value, int):
-            out[key] = 2 * HIDDEN
-        elif key in _MOE_FFN and isinstance(value, int):
-            out[key] = 32
-        elif key.endswith("intermediate_size") and isinstance(value, int) and value > 2 * HIDDEN:
-            out[key] = 32 if any(w in key for w in ("expert", "moe", "shared")) else 2 * HIDDEN  # any other MLP
-        elif key in _EXPERTS and isinstance(value, int) and value > 1:
-            out[key] = EXPERTS
-        elif key in _TOP_K and isinstance(value, int) and value > 1:
-            out[key] = TOP_K
-        elif key in ("n_shared_experts", "num_shared_experts") and value:
-            out[key] = 1
-        elif key == "num_kv_shared_layers" and value:
-            out[key] = layers // 2
-        elif key in ("n_group", "num_expert_group") and value and value > 1:
-            out[key] = 2
-        elif key in ("topk_group", "topk_groups") and value and value > 1:
-            out[key] = 1
-        elif key in ("first_k_dense_replace", "first_k_dense") and value:
-            out[key] = 1
-        elif key == "vocab_size":
-            out[key] = VOCAB
-        elif key in _POSITIONS and isinstance(value, int) and value > 64:
-            out[key] = 64
-        elif key.endswith("_token_id") and isinstance(value, int) and value >= VOCAB:
-            out[key] = VOCAB - 1
-        elif ("dropout" in key or "pdrop" in key or key.endswith("_drop") or key in ("drop_rate",)) \
-                and isinstance(value, float):
-            out[key] = 0.0
+        new = _tiny(key, value, values, layers, has_experts)
+        if new is not _KEEP:
+            out[key] = new
     return out
+
+
+def _default_layers(values: dict):
+    return next((values[k] for k in _LAYERS if isinstance(values.get(k), int)), None)
+
+
+_KEEP = object()  # no rule shrinks the setting: the config's default stays
+
+
+def _tiny(key, value, values: dict, layers: int, has_experts: bool):
+    """The tiny value of one setting (``values``: the settings of its config), or ``_KEEP``."""
+    if isinstance(value, bool):
+        return _KEEP
+    if key in _TOP_K and value is None and has_experts:
+        return TOP_K
+    if key in _EXPERTS and value is None and any(k in values for k in _TOP_K):
+        return EXPERTS  # a family whose default leaves its expert count unset (DOTS1)
+    if key in _KV_HEADS and value is None and key != "num_key_value_groups":
+        return HEADS if values.get("kv_lora_rank") else KV_HEADS  # unset: one per query head by default
+    if key in ("n_shared_experts", "num_shared_experts") and value is None and has_experts:
+        return 1  # unset where the family multiplies by it (DOTS1)
+    if key == "head_dim" and value is None and not values.get("kv_lora_rank"):
+        return HEAD_DIM  # unset, and read as it is by some families (Ministral)
+    if not isinstance(value, (int, float)) or value is None:
+        return _KEEP
+    if key in _MIXER and isinstance(value, int):
+        return _MIXER[key]
+    if key in _OTHER and isinstance(value, int) and value > 0:  # 0: the family has none (kept so)
+        return _OTHER[key]
+    if key in _HIDDEN and isinstance(value, int):
+        return HIDDEN
+    if key in _LAYERS:
+        return layers
+    if key in _HEADS:
+        return HEADS
+    if key in _KV_HEADS and values.get("kv_lora_rank"):  # latent attention: a key and value per head
+        return HEADS
+    if key in _KV_HEADS:
+        return value if value == 1 and key != "num_key_value_groups" else KV_HEADS
+    if key == "head_dim" and isinstance(value, int) and value == values.get("qk_rope_head_dim"):
+        return _HEAD_DIMS["qk_rope_head_dim"]  # multi-head latent attention: the rotary part's width
+    if key in _HEAD_DIMS and isinstance(value, int):
+        return _HEAD_DIMS[key]
+    if key in ("rotary_dim", "rotary_emb_dim", "rope_dim") and isinstance(value, int) and value > 8:
+        return 8
+    if key in _FFN and isinstance(value, int):
+        return 2 * HIDDEN
+    if key in _MOE_FFN and isinstance(value, int):
+        return 32
+    if key.endswith("intermediate_size") and isinstance(value, int) and value > 2 * HIDDEN:
+        return 32 if any(w in key for w in ("expert", "moe", "shared")) else 2 * HIDDEN  # any other MLP
+    if key in _EXPERTS and isinstance(value, int) and value > 1:
+        return EXPERTS
+    if key in _TOP_K and isinstance(value, int) and value > 1:
+        return TOP_K
+    if key in ("n_shared_experts", "num_shared_experts") and value:
+        return 1
+    if key == "num_kv_shared_layers" and value:
+        return layers if value == _default_layers(values) else layers // 2
+    if key in ("n_group", "num_expert_group") and value and value > 1:
+        return 2
+    if key in ("topk_group", "topk_groups") and value and value > 1:
+        return 1
+    if key in ("first_k_dense_replace", "first_k_dense") and value:
+        return 1
+    if key == "vocab_size":
+        return VOCAB
+    if key in _POSITIONS and isinstance(value, int) and value > 64:
+        return 64
+    if key.endswith("_token_id") and isinstance(value, int) and value >= VOCAB:
+        return VOCAB - 1
+    if ("dropout" in key or "pdrop" in key or key.endswith("_drop") or key in ("drop_rate",)) \
+            and isinstance(value, float):
+        return 0.0
+    return _KEEP
 
 
 def model_class(family: str = FAMILY):
