@@ -20,7 +20,7 @@ FAMILY = os.environ.get("HF_FAMILY", "llama")
 
 # what a config setting means -> its tiny value (names as transformers' configs spell them)
 _HIDDEN = ("hidden_size", "n_embd", "d_model", "embed_dim", "model_dim", "dim", "n_embed", "word_embed_proj_dim",
-           "embedding_size", "hidden_dim", "hidden_size_global",
+           "embedding_size", "hidden_dim", "hidden_size_global", "emb_dim",
            "backbone_hidden_size")  # a drafter's (Gemma 4 assistant's): the hidden size of the model it drafts for
 _LAYERS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers", "num_decoder_layers")
 _HEADS = ("num_attention_heads", "n_head", "num_heads", "n_heads", "decoder_attention_heads",
@@ -31,7 +31,7 @@ _HEAD_DIMS = {"head_dim": HEAD_DIM, "attention_head_size": HEAD_DIM, "kv_channel
               "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": HEAD_DIM, "q_lora_rank": 32,
               "kv_lora_rank": 16, "index_head_dim": 16, "index_n_heads": 2, "qk_head_dim": 16}
 _FFN = ("intermediate_size", "ffn_dim", "n_inner", "inner_dim", "d_ff", "ffn_hidden_size", "decoder_ffn_dim",
-        "encoder_ffn_dim", "ffn_hidden_dim", "mlp_dim", "ff_dim")
+        "encoder_ffn_dim", "ffn_hidden_dim", "mlp_dim", "ff_dim", "dim_ff", "dff", "intermediate_size_mlp")
 _MOE_FFN = ("moe_intermediate_size", "expert_intermediate_size", "shared_expert_intermediate_size",
             "moe_ffn_hidden_size", "expert_hidden_size", "moe_hidden_size", "ffn_dim_moe", "expert_ffn_hidden_size")
 _EXPERTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts", "num_routed_experts",
@@ -239,7 +239,7 @@ def _tiny(key, value, values: dict, layers: int, has_experts: bool):
         return 1
     if key in ("first_k_dense_replace", "first_k_dense") and value:
         return 1
-    if key == "vocab_size":
+    if key in ("vocab_size", "unpadded_vocab_size", "shape_vocab_size", "pronunciation_vocab_size"):
         return VOCAB
     if key in _POSITIONS and isinstance(value, int) and value > 64:
         return 64
