@@ -84,6 +84,10 @@ OVERRIDES = {
     "dory": {"num_hidden_layers": 3, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
              "n_input_layers": 1, "n_recurrent_layers": 1, "n_output_layers": 1},
     "blt": {"encoder_hash_byte_group_vocab": 256},  # 500002 rows of byte-group hash embeddings by default
+    # its weights start at std 1.0 (a loss of 20): 3 SGD steps at lr 0.1 then diverge, and eager against eager
+    # (float32 against float64, a batch whole against 2 microbatches) differs by 2.1 and 0.013, so no comparison
+    # can pass; at the usual 0.02 it trains as the others do
+    "cpmant": {"init_std": 0.02},
     "musicgen_decoder": {"num_codebooks": 1},  # one codebook: a sample is one row of tokens
     "musicgen_melody_decoder": {"num_codebooks": 1},
 }
