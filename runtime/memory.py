@@ -30,6 +30,24 @@ from torch.utils.weak import WeakIdKeyDictionary
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations")
 
 
+def concrete_int(value) -> int:
+    """A size that may be symbolic as a plain int: its traced hint; a data-dependent size has none (the tokens
+    routed to one expert, from ``nonzero``): its upper bound from the shape environment's value ranges (export
+    bounds it: every routed token to that expert), so a memory figure errs on the safe side; unbounded, its lower
+    bound (0 at least)."""
+    if not isinstance(value, torch.SymInt):
+        return int(value)
+    node = value.node
+    if node.hint is not None:
+        return int(node.hint)
+    import sympy
+
+    bounds = node.shape_env.bound_sympy(node.expr)
+    if isinstance(bounds.upper, sympy.Integer):
+        return int(bounds.upper)
+    return max(int(bounds.lower), 0) if isinstance(bounds.lower, sympy.Integer) else 0
+
+
 def storages_of(tensor: torch.Tensor) -> list:
     """The untyped storages behind a tensor: its own, or those of the plain tensors inside a wrapper subclass
     (a DTensor's local shard)."""
@@ -97,7 +115,7 @@ class LiveMemory(TorchDispatchMode):
                 entry.category = category
                 self.by_category[category] += entry.nbytes
             return
-        nbytes = storage.nbytes()
+        nbytes = concrete_int(storage.nbytes())
         entry = _Entry(nbytes, category, self.label)
         self._entries[storage] = entry
         weakref.finalize(storage, self._free, entry)

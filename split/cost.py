@@ -21,6 +21,7 @@ import torch
 import torch.fx as fx
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
+from tracepp.runtime.memory import concrete_int
 from tracepp.split.pipeline_graph import Stage
 
 ADAM_STATE_BYTES_PER_PARAM = 8  # exp_avg and exp_avg_sq, fp32 each
@@ -28,10 +29,9 @@ BACKWARD_FLOPS_FACTOR = 2  # backward of a matmul costs two matmuls (input and w
 
 
 def as_int(value) -> int:
-    """A concrete int for a size or FLOP count that may be symbolic (dynamic shapes): its traced hint."""
-    if isinstance(value, torch.SymInt):
-        return int(value.node.hint)
-    return int(value)
+    """A concrete int for a size or FLOP count that may be symbolic (dynamic shapes): its traced hint, or for a
+    data-dependent size its upper bound (:func:`tracepp.runtime.memory.concrete_int`)."""
+    return concrete_int(value)
 
 
 def tensor_bytes(val) -> int:

@@ -250,3 +250,23 @@ def test_memory_limit_refuses_with_what_would_fit_and_auto_chooses_under_it(tmp_
                                                                activation_checkpointing="auto"), **options)
     assert "not even full on every stage" in str(refused.value)
     assert "parameters, gradients and optimizer state alone are" in str(refused.value)
+
+
+def test_a_data_dependent_size_counts_at_its_upper_bound():
+    # JetMoE routes tokens with nonzero: its experts' row counts are unbacked symbols with no example value. The
+    # cost model and the memory counter used to call int(hint) on them (a TypeError, and a memory count that
+    # stopped subtracting freed storages); they count the bound export gives them instead
+    import torch
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from tracepp.runtime.memory import concrete_int
+    from tracepp.split.cost import as_int
+
+    env = ShapeEnv()
+    routed = env.create_unbacked_symint()
+    torch._check(routed >= 0)
+    torch._check(routed <= 32)
+    assert concrete_int(routed) == as_int(routed) == 32
+    assert concrete_int(routed * 4 + 8) == 136
+    assert concrete_int(env.create_unbacked_symint()) == 0  # unbounded above: its lower bound
+    assert concrete_int(7) == 7
