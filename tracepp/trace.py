@@ -233,6 +233,10 @@ def inline_grad_mode_regions(program: torch.export.ExportedProgram, model_path: 
             outputs = list(results) if isinstance(results, (tuple, list)) else [results]
             mapped = []
             for value in outputs:
+                same = _input_returned(value) if isinstance(value, torch.fx.Node) else None
+                if same is not None:  # eager returns the input itself (x.to(x.dtype)): its gradient flows on
+                    mapped.append(env[same])
+                    continue
                 value = env.get(value, value) if isinstance(value, torch.fx.Node) else value
                 if not grad_enabled and isinstance(value, torch.fx.Node):
                     detached = graph.call_function(torch.ops.aten.detach.default, (value,))
@@ -262,6 +266,31 @@ def inline_grad_mode_regions(program: torch.export.ExportedProgram, model_path: 
             raise TraceError(_nested_region_message(user, model_path))
     graph.lint()
     graph_module.recompile()
+
+
+def _input_returned(node: torch.fx.Node):
+    """The region's placeholder that ``node`` is in eager, or None. ``x.to(x.dtype)`` and ``.contiguous()`` of a
+    contiguous ``x`` return ``x`` itself, even under ``no_grad``: a region output made that way is the input, with
+    its gradient (Dots3's indexer returns ``hidden_states.to(dtype)`` beside its indices, and the gate reads it)."""
+    while node.op == "call_function":
+        if not node.args or not isinstance(node.args[0], torch.fx.Node):
+            return None
+        source = node.args[0]
+        out, into = node.meta.get("val"), source.meta.get("val")
+        if not (isinstance(out, torch.Tensor) and isinstance(into, torch.Tensor)):
+            return None
+        if node.target in (torch.ops.aten.to.dtype, torch.ops.aten.to.dtype_layout, torch.ops.aten.to.device):
+            at = {torch.ops.aten.to.dtype: 3, torch.ops.aten.to.device: 4}.get(node.target)
+            copy = node.kwargs.get("copy") or (at is not None and len(node.args) > at and node.args[at])
+            if copy or out.dtype != into.dtype or out.device != into.device:
+                return None
+        elif node.target is torch.ops.aten.contiguous.default:
+            if not into.is_contiguous():
+                return None
+        else:
+            return None
+        node = source
+    return node if node.op == "placeholder" else None
 
 
 def _nested_region_message(node: torch.fx.Node, model_path: str) -> str:

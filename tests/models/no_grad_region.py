@@ -1,7 +1,9 @@
 """A forward with a ``torch.no_grad()`` block on a parameter, split in 2.
 
 Export wraps the block in a ``wrap_with_set_grad_enabled`` higher-order op; tracepp inlines it (stages are
-flat functions) and detaches its outputs, so no gradient flows through ``scale`` as in eager mode.
+flat functions) and detaches its outputs, so no gradient flows through ``scale`` as in eager mode. ``same`` is
+``h.to(h.dtype)`` made in the block: eager returns ``h`` itself, gradient and all (Dots3's indexer returns its
+input so), so its gradient must flow on.
 """
 import torch
 import torch.nn as nn
@@ -19,8 +21,9 @@ class Net(nn.Module):
         h = torch.tanh(self.a(x))
         with torch.no_grad():
             scale = self.a.weight.abs().mean() + 1.0  # a statistic of a weight: no gradient through it
+            same = h.to(h.dtype)  # h itself: its gradient flows
         pipe_split()
-        return self.b(h * scale)
+        return self.b(h * scale + same)
 
 
 def model():
