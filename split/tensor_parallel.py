@@ -235,8 +235,11 @@ class _Walk:
     projections: each value's placement and the edits."""
 
     def __init__(self, graph: fx.Graph, fqn_of: dict, tp: int, forced: set, needs_grad: dict,
-                 fused: dict = None, sequence=None, received: dict = None, last: bool = False, mixed: dict = None):
+                 fused: dict = None, sequence=None, received: dict = None, last: bool = False, mixed: dict = None,
+                 whole_buffers: dict = None):
         self.graph, self.fqn_of, self.tp, self.forced = graph, fqn_of, tp, forced
+        self.whole_buffers = whole_buffers or {}  # names of values written in place where a shard cannot be: kept whole
+        self.buffers_wanted: dict = {}  # such a value found in this pass -> why
         self.mixed_parts = mixed or {}  # fused weight fqn -> indices of its parts computed whole (learned)
         self.mixed: dict = {}  # a fused output with whole parts (and what carries it) -> those parts' indices
         self.mixed_linears: dict = {}  # such a linear -> (input, weight, bias, out_dim, segments, whole parts)
@@ -407,6 +410,11 @@ class _Walk:
             self._use_whole(node)
             return
         sharded = [a for a in node.all_input_nodes if a in self.shard]
+        if node.name in self.whole_buffers and sharded:  # written in place later where a shard cannot be
+            self._refuse(node, self.whole_buffers[node.name])
+            self._gather_all(node)
+            self._use_whole(node)
+            return
         if target is aten.embedding.default and self._param(node.args[0]) is not None and not sharded:
             self._embedding(node)
             return
@@ -418,8 +426,33 @@ class _Walk:
             else:
                 if not (self.reasons and self.reasons[-1].startswith(f"{node.name} (")):
                     self._refuse(node, f"needs the whole of {', '.join(a.name for a in sharded)}")
+                self._want_whole_buffer(node)
                 self._gather_all(node)
         self._use_whole(node)
+
+    def _want_whole_buffer(self, node) -> None:
+        """An in-place op (``copy_`` into a slice, ``index_put_``) refused while what it writes is sharded: a gather
+        would take the write into a copy and lose it. The value it writes into (through its views) is asked to be
+        whole from where it is made, and the stages are walked again (:func:`_settle`)."""
+        schema = getattr(node.target, "_schema", None)
+        if schema is None:
+            return
+        for arg, spec in zip(node.args, schema.arguments):
+            if not (isinstance(arg, fx.Node) and arg in self.shard and spec.alias_info is not None
+                    and spec.alias_info.is_write):
+                continue
+            root = arg
+            while root.op == "call_function" and root.args and isinstance(root.args[0], fx.Node) and (
+                    root.target in _VIEWS or root.target in _SLICES or root.target in _TRANSPOSES
+                    or root.target in _EXPANDS or root.target in (aten.unsqueeze.default, aten.squeeze.dim,
+                                                                  aten.as_strided.default, aten.alias.default)):
+                root = root.args[0]
+            if root.op != "call_function":
+                raise ValueError(f"{node.name} ({node.target}){_at(node)} writes in place into {root.name}, an "
+                                 f"input of the stage sharded over --tp {self.tp}: tracepp cannot keep it whole; "
+                                 f"replicate the module that makes it with the model file's tp_plan")
+            self.buffers_wanted[root.name] = (f"written in place by {node.name} ({node.target}){_at(node)}, which "
+                                              f"cannot write a shard: kept whole")
 
     def _by_torch(self, node, sharded) -> bool:
         """An op the rules here do not place, placed by torch's own sharding rule for it (DTensor's propagator,
@@ -1498,18 +1531,23 @@ def _settle(graphs: list, tp: int, notes: dict, fused: dict = None, sequence=Non
     fused = {} if fused is None else fused
     mixed = {} if mixed is None else mixed
     reasons = [{} for _ in graphs]  # per graph, every reason met in a pass that decided something, in order
+    buffers = [{} for _ in graphs]  # per graph, values written in place where a shard cannot be: kept whole
     while True:
         walks, sent = [], {}
-        for g, fqn_of, needs_grad, *rest in graphs:
+        for index, (g, fqn_of, needs_grad, *rest) in enumerate(graphs):
             boundary = rest[0] if rest else {}
             received = {ph: sent[name] for ph, name in boundary.get("received", {}).items() if name in sent}
             walk = _Walk(g, fqn_of, tp, set(notes), needs_grad, fused, sequence, received, boundary.get("last", True),
-                         mixed)
+                         mixed, buffers[index])
             outputs = list(g.output_node().args[0]) if boundary else []
             for node, name in zip(outputs, boundary.get("outputs", [])):
                 if node in walk.sends:
                     sent[name] = walk.sends[node]
             walks.append(walk)
+        if any(not set(walk.buffers_wanted) <= set(kept) for walk, kept in zip(walks, buffers)):
+            for walk, kept in zip(walks, buffers):
+                kept.update(walk.buffers_wanted)
+            continue  # a value written in place must be whole from where it is made: walk again
         narrow: dict = {}
         if _learn_segments(walks, tp, fused, narrow) and not narrow:
             continue  # the cuts were walked without their segments: walk again before deciding anything

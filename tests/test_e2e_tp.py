@@ -237,3 +237,18 @@ def test_a_whole_gate_scaling_sharded_features_gets_its_gradient_summed(tmp_path
     saved = torch.load(ckpt)
     assert_trained(saved, path)
     assert_state_close(saved, eager_train(path, 3))
+
+
+def test_a_buffer_written_in_place_where_a_shard_cannot_be_is_whole_from_where_it_is_made(tmp_path):
+    # zeros_like of sharded heads, then a whole value (a sum over the heads) written into a slice of it: the write
+    # used to be refused with a gather of the buffer's slice, so it went into a copy and the buffer stayed zero
+    # (Kimi Linear's reference scan at tp 2: 1e-2 from eager). The buffer is now made whole and walked again
+    path, out = model_path("tp_inplace_buffer"), str(tmp_path / "out")
+    manifest = split_model(path, out, schedule="looped-bfs", num_microbatches=2, layout=Layout(pp=1, tp=2))
+    reasons = " ".join(manifest["tp"]["stages"][0]["replicated"])
+    assert "written in place by copy_" in reasons, reasons
+    ckpt = str(tmp_path / "ckpt.pt")
+    _run(out, 2, "--steps", "3", "--save", ckpt)
+    saved = torch.load(ckpt)
+    assert_trained(saved, path)
+    assert_state_close(saved, eager_train(path, 3))
