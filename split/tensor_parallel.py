@@ -112,6 +112,12 @@ class TPPlan:
         return out
 
 
+def _in_dim(weight_val, out_dim: int) -> int:
+    """The input-feature dim of a linear's weight: the other one of a 2-D weight, dim 1 of a 3-D ``[experts, in,
+    out]`` one (Llama 4's experts, each computed on every token by ``bmm``)."""
+    return 1 if weight_val.dim() == 3 else 1 - out_dim
+
+
 def _writes(node) -> bool:
     """``node`` writes into one of its inputs (an in-place op: its schema marks an argument written)."""
     schema = getattr(node.target, "_schema", None)
@@ -514,6 +520,9 @@ class _Walk:
         if (target in (aten.mm.default, aten.matmul.default) and len(args) == 2 and self._weight(args[0])
                 and self._param(args[1]) is None and _val(args[1]).dim() >= 2):
             return args[1], args[0], None, 0  # W @ x (Mamba's dt_proj.weight @ dt): features on x's dim -2
+        if (target in (aten.bmm.default, aten.matmul.default) and len(args) == 2 and self._param(args[1]) is not None
+                and _val(args[1]).dim() == 3 and _val(args[0]).dim() == 3):
+            return args[0], args[1], None, 2  # x @ W of a 3-D W [experts, in, out]: every expert on its rows
         return None
 
     def _linear(self, node, x, weight, bias, out_dim: int) -> None:
@@ -531,7 +540,7 @@ class _Walk:
             if self.shard[x] == features and fqn not in self.forced:
                 self.roles[node] = "rowwise"
                 self.forms[node] = (x, weight, bias, out_dim)
-                self._claim(node, weight, 1 - out_dim, segments)
+                self._claim(node, weight, _in_dim(wval, out_dim), segments)
                 self._scatter_output(node)
                 return
             if fqn not in self.forced:
@@ -1464,7 +1473,7 @@ def _low_rank(walk: _Walk) -> list:
         def features(node):
             _x, weight, _b, out_dim = walk.forms[node]
             shape = _val(weight).shape
-            return int(shape[1 - out_dim]), int(shape[out_dim])  # (in, out)
+            return int(shape[_in_dim(_val(weight), out_dim)]), int(shape[out_dim])  # (in, out)
 
         if all(features(n)[1] < features(n)[0] for n in cols) and all(features(n)[1] > features(n)[0]
                                                                        for n in rows):

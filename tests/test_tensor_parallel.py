@@ -433,13 +433,15 @@ def test_torch_rules_place_the_ops_the_walk_has_no_rule_for():
     ("gpt_bigcode", 0.84, ["attn.c_proj.weight"], ("attn.c_attn.weight", "(key/value heads fewer than --tp)")),
     ("doge", 0.99, ["self_attn.q_proj.weight", "self_attn.dt_proj.weight", "self_attn.o_proj.weight"], None),
     ("gemma4_text", 0.99, ["per_layer_input_gate.weight", "per_layer_projection.weight"], None),
-    ("falcon_mamba", 0.9, ["mixer.in_proj.weight", "mixer.dt_proj.weight", "mixer.out_proj.weight"], None)])
+    ("falcon_mamba", 0.9, ["mixer.in_proj.weight", "mixer.dt_proj.weight", "mixer.out_proj.weight"], None),
+    ("llama4_text", 0.99, ["feed_forward.experts.gate_up_proj", "feed_forward.experts.down_proj"], None)])
 def test_families_written_their_own_way_shard_their_attention(monkeypatch, family, share, sharded, why):
     # issue 47: heads read by baddbmm over [batch * heads] with a whole ALiBi table (Bloom), rotary interleaved by
     # a stack of head-local slices (Cohere), per-head LayerNorms of a ModuleList over heads split one by one
     # (StableLM), a multi-query fused c_attn whose key/value part stays whole (GPTBigCode), a mask per head computed
     # from the values and carrying a gradient (Doge), a per-layer input gating a projection (Gemma 4), Mamba's mixer:
-    # a depthwise causal conv over sharded channels and dt_proj.weight @ dt (Falcon-Mamba)
+    # a depthwise causal conv over sharded channels and dt_proj.weight @ dt (Falcon-Mamba), experts computed on
+    # every token by bmm with 3-D weights [experts, in, out] (Llama 4): each expert column- then row-wise
     import sys
 
     sys.path.insert(0, REPO)
