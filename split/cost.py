@@ -28,10 +28,9 @@ ADAM_STATE_BYTES_PER_PARAM = 8  # exp_avg and exp_avg_sq, fp32 each
 BACKWARD_FLOPS_FACTOR = 2  # backward of a matmul costs two matmuls (input and weight gradients)
 
 
-def as_int(value) -> int:
-    """A concrete int for a size or FLOP count that may be symbolic (dynamic shapes): its traced hint, or for a
-    data-dependent size its upper bound (:func:`tracepp.runtime.memory.concrete_int`)."""
-    return concrete_int(value)
+# a concrete int for a size or FLOP count that may be symbolic (dynamic shapes): its traced hint, or for a
+# data-dependent size its upper bound
+as_int = concrete_int
 
 
 def tensor_bytes(val) -> int:

@@ -118,10 +118,21 @@ def _in_dim(weight_val, out_dim: int) -> int:
     return 1 if weight_val.dim() == 3 else 1 - out_dim
 
 
-def _writes(node) -> bool:
-    """``node`` writes into one of its inputs (an in-place op: its schema marks an argument written)."""
+def _written(node) -> list:
+    """The arguments ``node`` writes into, positional or keyword (an in-place op or an ``out=`` variant: its schema
+    marks them written)."""
     schema = getattr(node.target, "_schema", None)
-    return schema is not None and any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+    if schema is None:
+        return []
+    return [node.args[i] if i < len(node.args) else node.kwargs[spec.name]
+            for i, spec in enumerate(schema.arguments)
+            if spec.alias_info is not None and spec.alias_info.is_write
+            and (i < len(node.args) or spec.name in node.kwargs)]
+
+
+def _writes(node) -> bool:
+    """``node`` writes into one of its inputs."""
+    return bool(_written(node))
 
 
 def _val(node):
@@ -287,7 +298,6 @@ class _Walk:
         self.sends: dict = {}  # sequence-sharded value leaving the stage -> (dim, segments)
         self._claimed: set = set()  # (node, input) pairs a rule placed (no "whole" use recorded)
         self.last = last  # the last stage: its outputs go to the loss, whole
-        self.order = {node: i for i, node in enumerate(graph.nodes)}
         for node in graph.nodes:
             self._visit(node)
 
@@ -440,12 +450,8 @@ class _Walk:
         """An in-place op (``copy_`` into a slice, ``index_put_``) refused while what it writes is sharded: a gather
         would take the write into a copy and lose it. The value it writes into (through its views) is asked to be
         whole from where it is made, and the stages are walked again (:func:`_settle`)."""
-        schema = getattr(node.target, "_schema", None)
-        if schema is None:
-            return
-        for arg, spec in zip(node.args, schema.arguments):
-            if not (isinstance(arg, fx.Node) and arg in self.shard and spec.alias_info is not None
-                    and spec.alias_info.is_write):
+        for arg in _written(node):
+            if not (isinstance(arg, fx.Node) and arg in self.shard):
                 continue
             root = arg
             while root.op == "call_function" and root.args and isinstance(root.args[0], fx.Node) and (
@@ -792,8 +798,9 @@ class _Walk:
     def _fresh_buffer(self, node, x) -> bool:
         """``x.new_empty(size)`` (new_zeros, new_full) as wide as sharded ``x`` on its sharded dim, filled by
         ``copy_`` into slices of other dims (DeepSeek's MLA writes its keys' no-rotary and rotary parts into one):
-        allocated on this rank's piece when every write into it comes earlier in the graph and fits that piece
-        (a source sharded alike, or whole and broadcast along the dim); any other in-place use keeps it whole."""
+        allocated on this rank's piece when every write into it fits that piece as the walk has placed its source so
+        far (sharded alike, or whole and broadcast along the dim; a source not yet walked counts as whole); any other
+        in-place use keeps it whole."""
         dim, val, xval = self.shard[x], _val(node), _val(x)
         if (self.kind.get(x) == "seq" or x in self.mixed or val.dim() != xval.dim()
                 or not _equal(val.shape[dim], xval.shape[dim])
@@ -823,7 +830,7 @@ class _Walk:
     def _fits(self, src, dim: int, ndim: int, segments):
         """How ``src`` is written into a piece of a buffer sharded on ``dim``: "sharded" (sharded alike), "broadcast"
         (size 1 there), "expand" (an expand of such a value read by this write alone: expanded to the piece), or
-        None (it is not, or comes later in the graph)."""
+        None (whole and as wide as the dim)."""
         if not isinstance(src, fx.Node):
             return "broadcast"
         if src in self.shard:
@@ -1463,18 +1470,17 @@ def _low_rank(walk: _Walk) -> list:
     linear becomes column-wise on the heads it makes, as Megatron-Core shards MLA. A narrow MLP (a shared expert
     of 2048 under a hidden size of 7168) has the same shapes and is better sharded as a pair: :func:`settle`
     measures which."""
+    def features(node):
+        _x, weight, _b, out_dim = walk.forms[node]
+        shape = _val(weight).shape
+        return int(shape[_in_dim(_val(weight), out_dim)]), int(shape[out_dim])  # (in, out)
+
     out = []
     for region in _regions(walk):
         cols = [n for n in region if walk.roles.get(n) == "colwise"]
         rows = [n for n in region if walk.roles.get(n) == "rowwise"]
         if not cols or not rows:
             continue
-
-        def features(node):
-            _x, weight, _b, out_dim = walk.forms[node]
-            shape = _val(weight).shape
-            return int(shape[_in_dim(_val(weight), out_dim)]), int(shape[out_dim])  # (in, out)
-
         if all(features(n)[1] < features(n)[0] for n in cols) and all(features(n)[1] > features(n)[0]
                                                                        for n in rows):
             up = walk._param(walk.forms[rows[0]][1])
