@@ -145,6 +145,7 @@ def build_manifest(model_file, traced, graph, plan, launch_command: str, options
         "symbols": graph.symbols,
         "batch_symbol": graph.batch_symbol,
         "plan": _plan_record(plan),
+        "random_ops": list(traced.random_ops),  # ops that draw random numbers (eager differs by their draws)
         "notes": list(traced.notes),  # what tracing noticed (e.g. a size baked in), printed by the CLI
         # what the FLOP count could not see, or assumed (split.cost.FlopCount); its warnings printed by the CLI
         "flop_count": dict(graph.flop_count, warnings=list(graph.flop_warnings)),

@@ -32,3 +32,53 @@ def test_unbalanced_stages_are_named_with_their_numbers():
         "of its slowest stage: move a split point (--split-points) so each stage holds a similar share"]
     balanced = {"stages": [_stage(0, 100, 1000), _stage(1, 150, 1500)], "values": {}}
     assert stage_warnings(balanced) == []
+
+
+RANDOM_MODEL = '''
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        x = F.dropout(self.a(x), p=0.0, training=True)  # draws nothing
+        q = x.view(x.shape[0], 1, 2, 4)
+        x = x + F.scaled_dot_product_attention(q, q, q).reshape(x.shape)  # dropout_p 0: draws nothing
+        x = F.dropout(x, p=0.25, training=True)
+        return self.b(x * torch.rand_like(x))
+
+
+def model():
+    torch.manual_seed(0)
+    return Net()
+
+
+def example_inputs():
+    return (torch.randn(4, 8),)
+
+
+def example_target():
+    return torch.zeros(4, 8)
+
+
+def loss_fn(out, target):
+    return (out - target).pow(2).mean()
+'''
+
+
+def test_random_ops_are_named_with_their_lines(tmp_path, capsys):
+    """A model that draws random numbers cannot equal eager number for number once pipelined (each rank draws
+    its own, a microbatch at a time): the split names each op that draws (and not those whose probability is
+    0) with its line, so a user comparing with eager knows why."""
+    path = tmp_path / "random_model.py"
+    path.write_text(RANDOM_MODEL)
+    assert main(["check", str(path), "--ranks", "2"]) == 0
+    printed = capsys.readouterr().out
+    note = next(line for line in printed.splitlines() if "draws random numbers" in line)
+    assert "(2 op(s): aten.dropout at random_model.py:16, aten.rand_like at random_model.py:17)" in note, note
+    assert "equals eager in distribution, not number for number" in note

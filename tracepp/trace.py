@@ -42,6 +42,7 @@ class Traced:
     example_leaves: list = field(default_factory=list)  # flattened full example batch
     dim_names: dict = field(default_factory=dict)  # (leaf index, dim) -> name of a dynamic dim ("seq")
     notes: list = field(default_factory=list)  # things the user should know (printed by the CLI)
+    random_ops: list = field(default_factory=list)  # the ops that draw random numbers ("aten.rand_like at m.py:9")
 
 
 def batch_size_of(leaves: list, where: str) -> int:
@@ -157,10 +158,50 @@ def trace(model_file: ModelFile, num_microbatches: int, dynamic_shapes: Any = No
         notes.append(f"the model does not trace with meta weights ({type(error).__name__}: "
                      f"{str(error).splitlines()[0] if str(error) else ''}); traced with real weights instead")
     inline_grad_mode_regions(program, model_file.path)
+    random_ops = random_draws(program)
+    if random_ops:
+        notes.append(random_note(random_ops, model_file.training))
     if _is_on_meta(model):
         _replace_meta_device(program, _input_device(leaves))
     dim_names = {(leaf_of_arg[arg], dim): name for (arg, dim), name in arg_dim_names.items() if arg in leaf_of_arg}
-    return Traced(program, model, model_file, num_microbatches, batch_size, batched, leaves, dim_names, notes)
+    return Traced(program, model, model_file, num_microbatches, batch_size, batched, leaves, dim_names, notes,
+                  random_ops)
+
+
+_OFF_WHEN = {"p": 0, "dropout_p": 0, "train": False}  # an argument that makes a random op draw nothing
+
+
+def random_draws(program: torch.export.ExportedProgram) -> list:
+    """Each op of the traced program that draws random numbers, as ``aten.exponential_ at
+    modeling_phimoe.py:477``, in graph order: an op torch tags ``nondeterministic_seeded`` (rand_like,
+    exponential_, bernoulli, dropout, attention with dropout), unless its arguments make it draw nothing (a
+    probability of 0, ``train=False``)."""
+    from tracepp.split.tensor_parallel import where
+
+    found = []
+    for node in program.graph.nodes:
+        tags = getattr(node.target, "tags", ())
+        if node.op != "call_function" or torch.Tag.nondeterministic_seeded not in tags:
+            continue
+        arguments = node.target._schema.arguments
+        given = {a.name: (node.args[i] if i < len(node.args) else node.kwargs.get(a.name, a.default_value))
+                 for i, a in enumerate(arguments)}
+        if any(name in given and given[name] == off for name, off in _OFF_WHEN.items()):
+            continue
+        line = where(node)
+        found.append(f"{node.target.name().replace('::', '.')}" + (f" at {line}" if line else ""))
+    return found
+
+
+def random_note(random_ops: list, training: bool) -> str:
+    """What a user reads when the model draws random numbers: which ops, and why a pipelined run equals eager in
+    distribution and not number for number."""
+    distinct = list(dict.fromkeys(random_ops))
+    shown = ", ".join(distinct[:4]) + (f" and {len(distinct) - 4} more" if len(distinct) > 4 else "")
+    return (f"the model draws random numbers{' in training' if training else ''} ({len(random_ops)} op(s): "
+            f"{shown}): each rank draws them for its own stages, one microbatch at a time, so a pipelined run "
+            f"equals eager in distribution, not number for number. To compare with eager training exactly, turn "
+            f"them off (dropout 0, or the model's deterministic branch, e.g. its router in eval mode)")
 
 
 def _leaf_index_of_args(model: torch.nn.Module, args: tuple, kwargs: dict) -> dict:

@@ -193,9 +193,14 @@ def step_export(record: dict) -> None:
     sys.path.insert(0, ZOO)
     import hf_family
 
-    model = hf_family.model()
+    from tracepp.trace import random_draws
+
+    model = hf_family.model(hold=False)  # as the family builds it: what draws random numbers in training
     args, kwargs, _target = hf_family.batch(0)
-    torch.export.export(model, tuple(a[:2] for a in args), kwargs)
+    random_ops = list(dict.fromkeys(random_draws(torch.export.export(model, tuple(a[:2] for a in args), kwargs))))
+    if random_ops:
+        record["random"] = random_ops[:4]
+        record["held_in_eval"] = list(hf_family.HELD_IN_EVAL.get(hf_family.FAMILY, ()))
 
 
 def step_pp(record: dict) -> None:
@@ -390,6 +395,13 @@ def _table_rows(records: list) -> list:
         where = f" ({facts['at']})" if facts["at"] else ""
         if not facts["failed_step"] and facts["whole"] and facts["min_share"] is not None and facts["min_share"] < 0.95:
             reason = "tp keeps whole: " + facts["whole"][0].replace("|", "\\|")
+        drawn = (steps.get("export") or {}).get("random")
+        if drawn:  # compared with the sampling modules in eval mode (hf_family.HELD_IN_EVAL), said beside the row
+            held = (steps.get("export") or {}).get("held_in_eval")
+            said = (f"draws random numbers in training ({', '.join(drawn)}): compared with its "
+                    f"{', '.join(held)} in eval mode" if held else
+                    f"draws random numbers in training ({', '.join(drawn)}): not comparable number for number")
+            reason = f"{said}; {reason}" if reason else said
         label = f"{facts['failed_step']}: " if facts["failed_step"] else ""
         if facts["outside"]:
             label = {"build": "outside tracepp (build): ", "eager": "outside tracepp (eager forward): ",

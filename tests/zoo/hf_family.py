@@ -280,11 +280,26 @@ AFTER_BUILD = {
 }
 
 
-def model():
+# modules whose training forward samples (tracepp names each op that draws random numbers, e.g. PhiMoE's
+# sparsemixer: aten.exponential_ for Gumbel sampling of its routes): held in eval mode, their deterministic branch,
+# so that eager and pipelined training can be compared number for number (a module name's last part)
+HELD_IN_EVAL = {"phimoe": ("router",)}
+
+
+def _hold_in_eval(module: torch.nn.Module) -> None:
+    module.train(False)
+    module.train = lambda mode=True: torch.nn.Module.train(module, False)  # model.train() leaves it in eval
+
+
+def model(hold: bool = True):
+    """The family's model; ``hold=False`` keeps the modules of ``HELD_IN_EVAL`` as the family builds them."""
     torch.manual_seed(0)
     built = model_class()(config())
     if FAMILY in AFTER_BUILD:
         AFTER_BUILD[FAMILY](built)
+    for name, module in built.named_modules():
+        if hold and name.rsplit(".", 1)[-1] in HELD_IN_EVAL.get(FAMILY, ()):
+            _hold_in_eval(module)
     return built
 
 
