@@ -89,6 +89,7 @@ _CONVS = {aten.conv1d.default, aten.conv2d.default}  # (input, weight, bias, str
 _MATMULS = {aten.matmul.default, aten.bmm.default}
 _TRANSPOSES = {aten.t.default, aten.numpy_T.default, aten.transpose.int, aten.permute.default}
 _IGNORED = {aten._assert_tensor_metadata.default}
+_TRIANGLES = {aten.tril.default, aten.triu.default}  # (x, diagonal): over the last two dims
 _FRESH = {aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default, aten.new_full.default}  # (x, size)
 _MIXED_CARRIES = {aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.transpose.int, aten.permute.default,
                   aten._to_copy.default, aten.to.dtype, aten.clone.default, aten.contiguous.default, aten.alias.default}  # metadata checks: dropped by codegen
@@ -182,7 +183,35 @@ def view_placement(in_sizes: list, out_sizes: list, dim: int, segments, tp: int)
     """(output dim, its segments or None) of a value sharded on ``dim`` (with ``segments``) through a view from
     ``in_sizes`` to ``out_sizes``, or None where the pieces would not stay whole. Handles the dim kept, split
     into heads (it must be the outer part), merged with the dims after it (it is the outer part) or with size-1
-    dims around it (a batch of one), and a merged dim of one segment per outer index split back."""
+    dims around it (a batch of one), a merged dim of one segment per outer index split back, and a dim split into
+    heads whose head count merges with the dims before it (``[batch, seq, heads * d] -> [batch * seq * heads, d]``:
+    the sharded dim is read as ``[heads, d]`` sharded on the heads)."""
+    found = _view_placement(in_sizes, out_sizes, dim, segments, tp)
+    size, before = in_sizes[dim], _prod(in_sizes[:dim])
+    if found is not None or segments or not _ints([size, before]) or int(before) == 0:
+        return found
+    for e in range(1, len(out_sizes) + 1):
+        bound = _prod(out_sizes[:e])
+        if not _ints([bound]) or int(bound) % int(before):
+            continue
+        heads = int(bound) // int(before)
+        if 1 < heads < int(size) and int(size) % heads == 0 and heads % tp == 0:
+            finer = list(in_sizes[:dim]) + [sympy.Integer(heads), sympy.Integer(int(size) // heads)] \
+                + list(in_sizes[dim + 1:])
+            found = _view_placement(finer, out_sizes, dim, None, tp)
+            if found is not None:
+                return found
+    return None
+
+
+def _view_placement(in_sizes: list, out_sizes: list, dim: int, segments, tp: int):
+    if segments and len(segments) > 1 and _ints(segments) and len({int(p) for p in segments}) == 1:
+        # k equal segments (a sharded dim merged with the dims before it: [batch, seq, heads] -> [rows]) are a
+        # [k, piece] view sharded on the piece: place the view from that ([rows] -> [batch, seq, heads] back)
+        finer = list(in_sizes[:dim]) + [len(segments), int(segments[0])] + list(in_sizes[dim + 1:])
+        found = _view_placement(finer, out_sizes, dim + 1, None, tp)
+        if found is not None:
+            return found
     size = in_sizes[dim]
     before = _prod(in_sizes[:dim])
     starts = [e for e in range(len(out_sizes)) if _equal(_prod(out_sizes[:e]), before)]
@@ -708,6 +737,11 @@ class _Walk:
             a, b = (d % ndim for d in node.args[1:3])
             self._carry(node, first, b if dim == a else a if dim == b else dim)
             return True
+        if target in _TRIANGLES:  # masks each matrix of the last two dims: local to any dim before them (torch's
+            if dim >= ndim - 2:   # own rule replicates)
+                return False
+            self._carry(node, first)
+            return True
         if target is aten.permute.default:
             order = [d % ndim for d in node.args[1]]
             self._carry(node, first, order.index(dim))
@@ -899,6 +933,8 @@ class _Walk:
         if kind == "seq":
             return self._refuse(node, "cuts the sequence dim of a sequence shard")
         size = in_val.shape[dim]
+        if self._want_parts(node, target, origin, segments, in_val, dim):
+            return False
         if target in (aten.select.int, aten.unbind.int) or not _ints([size]):
             return False
         size = int(size)
@@ -952,6 +988,31 @@ class _Walk:
             self._place(node, dim, pieces[0][1], origin)
             if parts[0] is not None:
                 self.part[node] = parts[0]
+        return True
+
+    def _want_parts(self, node, target, origin, segments, in_val, dim: int) -> bool:
+        """A cut of a dim a view made by splitting a projection's features into ``[parts, rest]`` (Moshi's gated
+        MLP: ``fc1(x).view(b, s, 2, -1)[..., 0, :]``), sharded on the parts: each part the cut takes is a range of
+        the projection's features, ``rest`` wide, which the projection is asked to keep as segments (learned,
+        then walked again: the view then shards each part)."""
+        sizes = [in_val.shape[d] for d in range(dim, in_val.dim())]
+        if segments or not origin or not _ints(sizes):
+            return False
+        size, rest = int(sizes[0]), int(_prod(sizes[1:]))
+        if rest == 1 or any(self.out_features.get(fqn) != size * rest for fqn in origin):
+            return False
+        if target is aten.select.int:
+            index = node.args[2] % size
+            ranges = [(index, index + 1)]
+        elif target is aten.unbind.int:
+            ranges = [(k, k + 1) for k in range(size)]
+        else:
+            ranges = self._ranges(node, target, size)
+        if not ranges:
+            return False
+        wanted = {0, size * rest} | {p * rest for r in ranges for p in r}
+        for fqn in origin:
+            self.wants.setdefault(fqn, set()).update(wanted)
         return True
 
     @staticmethod
@@ -1142,15 +1203,14 @@ class _Walk:
                 if self._param(arg) is not None and not seq:
                     wide.append((arg, at))  # a weight as wide as the sharded dim: sharded with it
                     continue
-                if (seq or not self.needs_grad.get(arg)) and self.groups_of(segments):
-                    cut.append((arg, at))  # a whole value beside pieces (a position table, a mask): its piece
+                if self.groups_of(segments):
+                    # a whole value beside pieces (a position table, a mask, a learned position bias per head,
+                    # a gate): its piece, the gradient pieces gathered back where it carries one
+                    cut.append((arg, at))
                     continue
                 if not seq and self._param_only(arg):
                     cut.append((arg, at))  # made from weights alone (-exp(A_log), a bias per head): its piece
                     continue
-                if not seq and self.groups_of(segments) and self._feeds_linear(node):
-                    cut.append((arg, at))  # a gate whose product goes to a linear (Gemma's per-layer inputs):
-                    continue  # its piece, the gradient pieces gathered back
                 return self._refuse(node, f"{arg.name} is whole and as wide as the sharded dim of "
                                           f"{', '.join(a.name for a in node.all_input_nodes if a in self.shard)}")
             broadcast.append(arg)
@@ -1204,18 +1264,6 @@ class _Walk:
         self._read_whole(node, reads, groups)
         self._place(node, e, segs, self._origin_of([a, b]))
         return True
-
-    def _feeds_linear(self, node, depth: int = 4) -> bool:
-        """``node``'s value reaches the input of a linear of a 2-D parameter through elementwise ops alone (a gated
-        product on its way to a row-wise projection), not the residual stream (which meets a norm first)."""
-        for user in node.users:
-            form = self._linear_form(user)
-            if form is not None and form[0] is node:
-                return True
-            if depth and (user.target in _UNARY or user.target in _ELEMENTWISE) and self._feeds_linear(user,
-                                                                                                     depth - 1):
-                return True
-        return False
 
     def _param_only(self, node) -> bool:
         """``node`` is computed from parameters alone (``-A_log.exp()``, a weight reshaped): whole on every rank

@@ -251,6 +251,17 @@ def test_views_follow_the_sharded_dim_at_every_batch_size():
     assert place([2, 8, 96], [2, 8, 12, 8], 2, (32, 32, 32)) == (2, (4, 4, 4))  # a fused projection into heads
     assert place([2, 8, 24], [2, 8, 3, 8], 2) is None  # 3 heads: rank pieces would cut a head in two
     assert place([16, 32], [2, 8, 32], 0, (8, 8)) == (1, None)  # tokens of 2 samples, each sharded, split back
+    # [batch, seq, heads] rows (Qwen3-Next's gated norm over [2 * 8 * 4, 16]), each sample's token's heads a
+    # segment, split back into [batch, seq, heads, head_dim]: the heads dim, at every batch size
+    assert place([64, 16], [2, 8, 4, 16], 0, (4,) * 16) == (2, None)
+    assert place([32, 16], [1, 8, 4, 16], 0, (4,) * 8) == (2, None)
+    assert place([64, 16], [2, 8, 64], 0, (4,) * 16) == (2, None)  # ... or into [batch, seq, heads * head_dim]
+    assert place([64, 16], [1024], 0, (4,) * 16) == (0, (64,) * 16)  # flattened: 16 segments of 4 heads x 16
+    # heads * head_dim split into rows of one head (OLMo hybrid's gate before its gated norm): each token's heads
+    # are a segment of the rows
+    assert place([2, 8, 64], [64, 16], 2) == (0, (4,) * 16)
+    assert place([2, 8, 64], [16, 64], 2) == (1, None)
+    assert place([2, 8, 24], [48, 8], 2) is None  # 3 heads of 8 in each token: 2 ranks would cut one in two
 
 
 # ---- sequence parallelism

@@ -68,8 +68,19 @@ def _where(error: BaseException) -> str:
     return f"{os.path.basename(frame.filename)}:{frame.lineno}" if frame is not None else ""
 
 
-def _layer_of(fqn: str):
-    match = re.search(r"\.(\d+)\.", "." + fqn)
+def _layer_list(model) -> str:
+    """The name of the model's decoder layers: the ModuleList holding the most parameters (``model.layers``, not
+    MusicGen's one embedding per codebook, ``model.decoder.embed_tokens.0``)."""
+    import torch
+
+    lists = [(sum(p.numel() for p in module.parameters()), name) for name, module in model.named_modules()
+             if isinstance(module, torch.nn.ModuleList)]
+    return max(lists)[1] if lists else ""
+
+
+def _layer_of(fqn: str, layers: str):
+    """The index in ``layers`` (the decoder layers' ModuleList) of the layer a parameter belongs to, or None."""
+    match = re.match(re.escape(layers) + r"\.(\d+)\.", fqn)
     return int(match.group(1)) if match else None
 
 
@@ -98,8 +109,9 @@ def layer_shares(manifest: dict, model) -> dict:
     shapes = {name: list(p.shape) for name, p in model.named_parameters()}
     apart = _expert_fqns(manifest, sizes, shapes)
     layers: dict = {}
+    listed = _layer_list(model)
     for fqn, entry in manifest["tp"]["params"].items():
-        layer = _layer_of(fqn)
+        layer = _layer_of(fqn, listed)
         if layer is None or fqn not in sizes or fqn in apart:
             continue
         total = layers.setdefault(layer, [0, 0])
