@@ -131,6 +131,16 @@ def _written(node) -> list:
             and (i < len(node.args) or spec.name in node.kwargs)]
 
 
+def _view_root(node):
+    """The value ``node`` is a view of (through reshapes, slices, transposes, expands): what an in-place write
+    into ``node`` changes."""
+    while node.op == "call_function" and node.args and isinstance(node.args[0], fx.Node) and (
+            node.target in _VIEWS or node.target in _SLICES or node.target in _TRANSPOSES or node.target in _EXPANDS
+            or node.target in (aten.unsqueeze.default, aten.squeeze.dim, aten.as_strided.default, aten.alias.default)):
+        node = node.args[0]
+    return node
+
+
 def _writes(node) -> bool:
     """``node`` writes into one of its inputs."""
     return bool(_written(node))
@@ -282,8 +292,10 @@ class _Walk:
 
     def __init__(self, graph: fx.Graph, fqn_of: dict, tp: int, forced: set, needs_grad: dict,
                  fused: dict = None, sequence=None, received: dict = None, last: bool = False, mixed: dict = None,
-                 whole_buffers: dict = None):
+                 whole_buffers: dict = None, gathered: dict = None):
         self.graph, self.fqn_of, self.tp, self.forced = graph, fqn_of, tp, forced
+        self.gathered = gathered or {}  # FQNs of low-rank down-projections sharded with their output gathered
+        self.gathered_out: dict = {}  # such a linear's output -> (its shard dim, segments): gathered for every user
         self.whole_buffers = whole_buffers or {}  # names of values written in place where a shard cannot be: kept whole
         self.buffers_wanted: dict = {}  # such a value found in this pass -> why
         self.mixed_parts = mixed or {}  # fused weight fqn -> indices of its parts computed whole (learned)
@@ -482,12 +494,7 @@ class _Walk:
         for arg in _written(node):
             if not (isinstance(arg, fx.Node) and arg in self.shard):
                 continue
-            root = arg
-            while root.op == "call_function" and root.args and isinstance(root.args[0], fx.Node) and (
-                    root.target in _VIEWS or root.target in _SLICES or root.target in _TRANSPOSES
-                    or root.target in _EXPANDS or root.target in (aten.unsqueeze.default, aten.squeeze.dim,
-                                                                  aten.as_strided.default, aten.alias.default)):
-                root = root.args[0]
+            root = _view_root(arg)
             if root.op != "call_function":
                 raise ValueError(f"{node.name} ({node.target}){_at(node)} writes in place into {root.name}, an "
                                  f"input of the stage sharded over --tp {self.tp}: tracepp cannot keep it whole; "
@@ -606,7 +613,12 @@ class _Walk:
         else:
             self.copies.append((node, x))
         self._claimed.add((node, x))
-        self._place(node, _val(node).dim() - (2 if left else 1), segments, {fqn})
+        dim = _val(node).dim() - (2 if left else 1)
+        if fqn in self.gathered and not segments:  # a low-rank down-projection: its narrow output made whole
+            self.gathered_out[node] = dim
+            self.gathers.extend((user, node) for user in node.users)
+            return
+        self._place(node, dim, segments, {fqn})
 
     def _mixed_linear(self, node, x, weight, bias, out_dim, fqn, segments) -> None:
         """A fused projection whose key/value parts have fewer heads than --tp (GPTBigCode's multi-query
@@ -1136,7 +1148,10 @@ class _Walk:
         return True
 
     def _cat(self, node) -> bool:
-        parts = node.args[0]
+        parts = [p for p in node.args[0] if not (_val(p).dim() == 1 and _equal(_val(p).shape[0], 0))]  # cat skips
+        #        a 1-D empty tensor (a cache that starts empty: XLM's keys)
+        if not parts:
+            return False
         ndim = _val(parts[0]).dim()
         at = (node.args[1] if len(node.args) > 1 else 0) % ndim
         dims = {self.shard.get(p) for p in parts if p in self.shard}
@@ -1150,7 +1165,7 @@ class _Walk:
             segments = {self.segs.get(p) for p in parts if p in self.shard}
             groups = self.groups_of(next(iter(segments))) if len(segments) == 1 else 0
             if at == dim or not groups or self._kind_of(parts) != "tp" or any(
-                    not _equal(_val(p).shape[dim], _val(parts[0] if parts[0] in self.shard else
+                    _val(p).dim() != ndim or not _equal(_val(p).shape[dim], _val(parts[0] if parts[0] in self.shard else
                                                          next(q for q in parts if q in self.shard)).shape[dim])
                     for p in whole):
                 return False
@@ -1435,7 +1450,8 @@ def _narrow_columns(walk: _Walk) -> dict:
     for region in _regions(walk):
         if any(walk.roles.get(n) == "rowwise" for n in region):
             continue
-        inside = [consumer for consumer, arg in walk.gathers if arg in region and consumer.op != "output"]
+        inside = [consumer for consumer, arg in walk.gathers if arg in region and consumer.op != "output"
+                  and arg not in walk.gathered_out]
         if not inside:
             continue
         why = f"its output is needed whole by {inside[0].target}{_at(inside[0])}"
@@ -1537,20 +1553,24 @@ def _low_rank(walk: _Walk) -> list:
             for node in sorted(cols, key=lambda n: n.name):
                 inp, outp = features(node)
                 found[walk._param(walk.forms[node][1])] = (
-                    f"a low-rank down-projection ({inp} -> {outp} features) before {up} widens again: kept whole "
-                    f"so that {up} shards the heads it makes")
+                    f"a low-rank down-projection ({inp} -> {outp} features) before {up} widens again: column-wise, "
+                    f"its {outp} output features all-gathered, so that {up} shards the heads it makes")
             out.append((found, ups))
     return out
 
 
-def settle(graphs: list, tp: int, notes: dict, fused: dict = None, sequence=None, mixed: dict = None) -> tuple:
+def settle(graphs: list, tp: int, notes: dict, fused: dict = None, sequence=None, mixed: dict = None,
+           gathered: dict = None) -> tuple:
     """:func:`_settle`, then, where it sharded low-rank pairs (:func:`_low_rank`), the same with the
-    down-projections of one kind of pair whole (the same module in every layer: ``*.self_attn.q_a_proj``), kind
-    by kind. A change is kept where every up-projection of the kind then shards the heads it makes (column-wise
-    to the end of its region): the attention that reads them runs on shards, and the all-reduce of the wide
-    output is gone. A narrow MLP (a shared expert under a larger hidden size) has the same shapes, but its
-    up-projection's output is needed whole by the residual add: it stays a row-wise pair. ``notes``, ``fused`` and
-    ``mixed`` end as the kept plan's."""
+    down-projections of one kind of pair gathered (the same module in every layer: ``*.self_attn.q_a_proj``):
+    column-wise, with their narrow output (the latent) all-gathered, so that the norm after them and the
+    up-projection read it whole; kind by kind. A change is kept where every up-projection of the kind then shards
+    the heads it makes (column-wise to the end of its region): the attention that reads them runs on shards, and
+    the all-reduce of the wide output is gone. (Megatron-Core keeps MLA's down-projections whole on every rank;
+    gathered, each rank holds 1/tp of them and computes 1/tp of their product, for one all-gather of the latent.)
+    A narrow MLP (a shared expert under a larger hidden size) has the same shapes, but its up-projection's output
+    is needed whole by the residual add: it stays a row-wise pair. ``notes``, ``fused``, ``mixed`` and
+    ``gathered`` (fqn -> why) end as the kept plan's."""
     import re
 
     fused = {} if fused is None else fused
@@ -1568,8 +1588,8 @@ def settle(graphs: list, tp: int, notes: dict, fused: dict = None, sequence=None
     for downs, ups in kinds.values():
         if not downs:
             continue
-        trial = (dict(start[0], **kept, **downs), dict(start[1]), {k: set(v) for k, v in start[2].items()})
-        found = _settle(graphs, tp, *trial[:2], sequence, trial[2])
+        trial = (dict(start[0]), dict(start[1]), {k: set(v) for k, v in start[2].items()})
+        found = _settle(graphs, tp, *trial[:2], sequence, trial[2], dict(kept, **downs))
         roles = {}
         for walk in found[0]:
             roles.update({walk._param(walk.forms[n][1]): r for n, r in walk.roles.items() if n in walk.forms})
@@ -1578,10 +1598,13 @@ def settle(graphs: list, tp: int, notes: dict, fused: dict = None, sequence=None
             for mine, theirs in zip((notes, fused, mixed), trial):
                 mine.clear()
                 mine.update(theirs)
+    if gathered is not None:
+        gathered.update(kept)
     return best
 
 
-def _settle(graphs: list, tp: int, notes: dict, fused: dict = None, sequence=None, mixed: dict = None) -> tuple:
+def _settle(graphs: list, tp: int, notes: dict, fused: dict = None, sequence=None, mixed: dict = None,
+            gathered: dict = None) -> tuple:
     """Walk ``graphs`` ([(fx graph, placeholder -> FQN, node -> needs a gradient[, boundary])], stages in order;
     ``boundary``: {"outputs": value names in output order, "received": {placeholder: value name}, "last": bool})
     until every parameter has one placement: learn the segments of fused projections from the cuts of their
@@ -1601,7 +1624,7 @@ def _settle(graphs: list, tp: int, notes: dict, fused: dict = None, sequence=Non
             boundary = rest[0] if rest else {}
             received = {ph: sent[name] for ph, name in boundary.get("received", {}).items() if name in sent}
             walk = _Walk(g, fqn_of, tp, set(notes), needs_grad, fused, sequence, received, boundary.get("last", True),
-                         mixed, buffers[index])
+                         mixed, buffers[index], gathered)
             outputs = list(g.output_node().args[0]) if boundary else []
             for node, name in zip(outputs, boundary.get("outputs", [])):
                 if node in walk.sends:
@@ -1673,9 +1696,10 @@ def plan(graph, tp: int, overrides=None, sequence_parallel: bool = False) -> tup
     if sequence_parallel:
         _check_sequence(sequence, tp)
     mixed: dict = {}
+    gathered: dict = {}
     walks, uses, reasons = settle([(stage.graph, fqn_map(stage, graph), grad_flags(stage, graph),
                                     _boundary(stage, graph)) for stage in graph.stages], tp, notes,
-                                  sequence=sequence, mixed=mixed)
+                                  sequence=sequence, mixed=mixed, gathered=gathered)
     result = TPPlan(size=tp)
     if sequence_parallel:
         aliases = graph.symbol_aliases or {}
@@ -1704,6 +1728,8 @@ def plan(graph, tp: int, overrides=None, sequence_parallel: bool = False) -> tup
             entry["segments"] = list(segments[fqn])
         if fqn in notes:
             entry["why"] = notes[fqn]
+        elif fqn in gathered:
+            entry["why"] = gathered[fqn]
         elif fqn in mixed or fqn in mixed_biases:
             parts = sorted(mixed.get(fqn) or mixed_biases[fqn])
             entry["why"] = (f"a fused projection whose parts {parts} (key/value heads fewer than --tp) are computed "
@@ -1879,39 +1905,74 @@ def _reduction(node, scatter) -> tuple:
     return TP.sp_reduce_scatter.default, [node, dim] + ([groups] * (groups > 1))
 
 
+def _reading(g: fx.Graph, pairs: list):
+    """(key, anchor) per (consumer, value) of ``pairs``: where the collective the consumer reads the value through
+    goes, and which consumers share it. Right after the value (one for all its readers), unless the value is
+    written in place (a buffer a scan fills through views): then after the writes before its first reader, one for
+    all; or, where a write comes after that reader too, one before each reader (each sees the writes before it, as
+    in eager)."""
+    order = {n: i for i, n in enumerate(g.nodes)}
+    written: dict = {}
+    for node in g.nodes:
+        for arg in _written(node):
+            if isinstance(arg, fx.Node):
+                root = _view_root(arg)
+                written[root] = max(written.get(root, -1), order[node])
+    first: dict = {}
+    for consumer, arg in pairs:
+        if consumer in order and (arg not in first or order[consumer] < order[first[arg]]):
+            first[arg] = consumer
+
+    def at(consumer, arg):
+        last = written.get(_view_root(arg))  # a write into the value or anything it is a view of
+        if last is None:
+            return arg, (arg.next if arg.op != "placeholder" else next(n for n in g.nodes if n.op != "placeholder"))
+        if last > order.get(first.get(arg), -1):
+            return (arg, consumer), consumer
+        return arg, first[arg]
+    return at
+
+
 def _rewrite(g: fx.Graph, walk: _Walk, tp: int, params: dict) -> None:
     copies: dict = {}
+    at = _reading(g, walk.copies)
     for consumer, arg in walk.copies:
-        if arg not in copies:
-            anchor = arg.next if arg.op != "placeholder" else next(n for n in g.nodes if n.op != "placeholder")
-            copies[arg] = _insert(g, anchor, TP.tp_copy.default, [arg], _val(arg), consumer)
-        consumer.replace_input_with(arg, copies[arg])
+        key, anchor = at(consumer, arg)
+        if key not in copies:
+            copies[key] = _insert(g, anchor, TP.tp_copy.default, [arg], _val(arg), consumer)
+        consumer.replace_input_with(arg, copies[key])
     gathered: dict = {}
+    at = _reading(g, walk.gathers)
     for consumer, arg in walk.gathers:
-        if arg not in gathered:
-            dim, groups = walk.shard[arg], walk.groups_of(walk.segs.get(arg)) if walk.kind.get(arg) else 1
-            gathered[arg] = _insert(g, arg.next, TP.tp_all_gather.default, [arg, dim] + ([groups] * (groups > 1)),
+        key, anchor = at(consumer, arg)
+        if key not in gathered:
+            dim = walk.shard[arg] if arg in walk.shard else walk.gathered_out[arg]
+            groups = walk.groups_of(walk.segs.get(arg)) if walk.kind.get(arg) else 1
+            gathered[key] = _insert(g, anchor, TP.tp_all_gather.default, [arg, dim] + ([groups] * (groups > 1)),
                                     _val(arg), arg)
-        consumer.replace_input_with(arg, gathered[arg])
+        consumer.replace_input_with(arg, gathered[key])
     entering: dict = {}
+    at = _reading(g, walk.sp_gathers)
     for consumer, arg in walk.sp_gathers:  # sequence shards into a column-parallel region
-        if arg not in entering:
+        key, anchor = at(consumer, arg)
+        if key not in entering:
             dim, groups = walk.shard[arg], walk.groups_of(walk.segs.get(arg))
-            entering[arg] = _insert(g, arg.next, TP.sp_all_gather.default, [arg, dim] + ([groups] * (groups > 1)),
+            entering[key] = _insert(g, anchor, TP.sp_all_gather.default, [arg, dim] + ([groups] * (groups > 1)),
                                     _val(arg), arg)
-        consumer.replace_input_with(arg, entering[arg])
+        consumer.replace_input_with(arg, entering[key])
     pieces: dict = {}
+    at = _reading(g, [(consumer, arg) for consumer, arg, _dim, _groups in walk.scatters])
     for consumer, arg, dim, groups in walk.scatters:  # a whole value read beside pieces: this rank's piece
-        if (arg, dim) not in pieces:
-            anchor = arg.next if arg.op != "placeholder" else next(n for n in g.nodes if n.op != "placeholder")
+        key, anchor = at(consumer, arg)
+        if (key, dim) not in pieces:
             if isinstance(groups, tuple):  # unequal segments: this rank's piece of each
-                pieces[(arg, dim)] = _insert(g, anchor, TP.tp_parts.default, [arg, dim, list(groups)],
+                pieces[(key, dim)] = _insert(g, anchor, TP.tp_parts.default, [arg, dim, list(groups)],
                                              _local_val(_val(arg), dim, tp), consumer)
             else:
-                pieces[(arg, dim)] = _insert(g, anchor, TP.tp_scatter.default,
+                pieces[(key, dim)] = _insert(g, anchor, TP.tp_scatter.default,
                                              [arg, dim] + ([groups] * (groups > 1)), _local_val(_val(arg), dim, tp),
                                              consumer)
-        consumer.replace_input_with(arg, pieces[(arg, dim)])
+        consumer.replace_input_with(arg, pieces[(key, dim)])
     for consumer, arg, dim, count in walk.head_groups:  # whole key/value heads: the group this rank's queries need
         if (arg, dim, count) not in pieces:
             pieces[(arg, dim, count)] = _insert(g, consumer, TP.tp_head_group.default, [arg, dim, count],

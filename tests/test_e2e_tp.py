@@ -252,3 +252,19 @@ def test_a_buffer_written_in_place_where_a_shard_cannot_be_is_whole_from_where_i
     saved = torch.load(ckpt)
     assert_trained(saved, path)
     assert_state_close(saved, eager_train(path, 3))
+
+
+def test_a_whole_buffer_filled_in_place_is_read_at_its_piece_after_its_writes(tmp_path):
+    # a scan fills a whole buffer in place, one position at a time, and the buffer is read at this rank's piece
+    # beside a column-parallel gate: the piece used to be taken right after zeros_like made the buffer, before the
+    # writes (RecurrentGemma's recurrent block at tp 2: 3e-2 from eager, silently)
+    path, out = model_path("tp_scan_buffer"), str(tmp_path / "out")
+    manifest = split_model(path, out, num_microbatches=2, layout=Layout(pp=1, tp=2))
+    roles = {fqn: entry["role"] for fqn, entry in manifest["tp"]["params"].items()}
+    assert roles["blocks.0.linear_y.weight"] == "colwise" and roles["blocks.0.linear_out.weight"] == "rowwise"
+    assert roles["blocks.0.linear_x.weight"] == "replicate"
+    ckpt = str(tmp_path / "ckpt.pt")
+    _run(out, 2, "--steps", "3", "--save", ckpt)
+    saved = torch.load(ckpt)
+    assert_trained(saved, path)
+    assert_state_close(saved, eager_train(path, 3))
