@@ -1218,13 +1218,18 @@ class _Walk:
                 if self._param(arg) is not None and not seq:
                     wide.append((arg, at))  # a weight as wide as the sharded dim: sharded with it
                     continue
-                if self.groups_of(segments):
-                    # a whole value beside pieces (a position table, a mask, a learned position bias per head,
-                    # a gate): its piece, the gradient pieces gathered back where it carries one
-                    cut.append((arg, at))
+                if (seq or not self.needs_grad.get(arg)) and self.groups_of(segments):
+                    cut.append((arg, at))  # a whole value beside pieces (a position table, a mask): its piece
                     continue
                 if not seq and self._param_only(arg):
                     cut.append((arg, at))  # made from weights alone (-exp(A_log), a bias per head): its piece
+                    continue
+                if not seq and self.groups_of(segments) and (out_dim < n - 1 or self._feeds_linear(node)):
+                    # one that carries a gradient, beside pieces of heads (CPM-Ant's learned position bias added
+                    # to the scores of each head) or gating a product on its way to a linear (Gemma's per-layer
+                    # inputs): its piece, the gradient pieces gathered back. Not the residual stream beside a
+                    # sharded output's features: that output is better made whole (a row-wise pair)
+                    cut.append((arg, at))
                     continue
                 return self._refuse(node, f"{arg.name} is whole and as wide as the sharded dim of "
                                           f"{', '.join(a.name for a in node.all_input_nodes if a in self.shard)}")
@@ -1279,6 +1284,18 @@ class _Walk:
         self._read_whole(node, reads, groups)
         self._place(node, e, segs, self._origin_of([a, b]))
         return True
+
+    def _feeds_linear(self, node, depth: int = 4) -> bool:
+        """``node``'s value reaches the input of a linear of a 2-D parameter through elementwise ops alone (a gated
+        product on its way to a row-wise projection), not the residual stream (which meets a norm first)."""
+        for user in node.users:
+            form = self._linear_form(user)
+            if form is not None and form[0] is node:
+                return True
+            if depth and (user.target in _UNARY or user.target in _ELEMENTWISE) and self._feeds_linear(user,
+                                                                                                     depth - 1):
+                return True
+        return False
 
     def _param_only(self, node) -> bool:
         """``node`` is computed from parameters alone (``-A_log.exp()``, a weight reshaped): whole on every rank
@@ -1590,10 +1607,17 @@ def settle(graphs: list, tp: int, notes: dict, fused: dict = None, sequence=None
             continue
         trial = (dict(start[0]), dict(start[1]), {k: set(v) for k, v in start[2].items()})
         found = _settle(graphs, tp, *trial[:2], sequence, trial[2], dict(kept, **downs))
-        roles = {}
+        roles, ending = {}, {}  # an up-projection's role, and whether its region ends in a row-wise linear
         for walk in found[0]:
             roles.update({walk._param(walk.forms[n][1]): r for n, r in walk.roles.items() if n in walk.forms})
-        if all(roles.get(fqn) == "colwise" and fqn not in trial[0] for fqn in ups):
+            for region in _regions(walk):
+                rowwise = any(walk.roles.get(n) == "rowwise" for n in region)
+                for n in region:
+                    if walk.roles.get(n) == "colwise":
+                        ending[walk._param(walk.forms[n][1])] = rowwise
+        # kept where each up-projection shards what it makes to a row-wise linear (the heads, to the output
+        # projection), not only to be gathered again (a narrow MLP's down-projection before a residual add)
+        if all(roles.get(fqn) == "colwise" and ending.get(fqn) and fqn not in trial[0] for fqn in ups):
             best, kept = found, dict(kept, **downs)
             for mine, theirs in zip((notes, fused, mixed), trial):
                 mine.clear()
@@ -1790,7 +1814,7 @@ def _collectives(walk: _Walk) -> list:
            for node, role in walk.roles.items() if role in ("rowwise", "vocab")]
     out += [_entry("all_gather (sequence)", arg) for arg in dict.fromkeys(arg for _c, arg in walk.sp_gathers)]
     out += [_entry("all_reduce", node) for node in walk.sums]
-    out += [_entry("all_gather", arg) for _consumer, arg in dict.fromkeys(walk.gathers)]
+    out += [_entry("all_gather", arg) for arg in dict.fromkeys(arg for _consumer, arg in walk.gathers)]
     out += [_entry("all_reduce (backward)", arg) for arg in walk.reduced_in_backward()]
     return out
 

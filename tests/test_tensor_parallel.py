@@ -501,12 +501,14 @@ def test_sequence_parallel_backward_gathers_a_regions_input_once(monkeypatch):
     assert all(torch.allclose(w.grad, expected) for w in weights)
 
 
-def test_mla_keeps_its_down_projections_whole_and_shards_the_heads_they_make(monkeypatch):
+def test_mla_gathers_its_down_projections_and_shards_the_heads_they_make(monkeypatch):
     # issue 47: DeepSeek-V3's attention as transformers writes it: q_a_proj -> norm -> q_b_proj and
     # kv_a_proj_with_mqa -> norm -> kv_b_proj are low-rank pairs. Sharded as column/row pairs, their wide outputs
-    # come back whole and the attention runs whole; Megatron-Core keeps the down-projections whole so that the
-    # up-projections shard the heads they make. The keys' two parts are written with copy_ into a new_empty
-    # buffer: allocated on this rank's heads, the shared rotary key expanded to them.
+    # come back whole and the attention runs whole. Megatron-Core keeps the down-projections whole so that the
+    # up-projections shard the heads they make; here they are column-wise with their narrow output (the latent)
+    # all-gathered, so each rank holds half of them and the up-projections still shard the heads. The keys' two
+    # parts are written with copy_ into a new_empty buffer: allocated on this rank's heads, the shared rotary key
+    # expanded to them.
     import sys
 
     sys.path.insert(0, ZOO)
@@ -517,9 +519,12 @@ def test_mla_keeps_its_down_projections_whole_and_shards_the_heads_they_make(mon
         prefix = f"model.layers.{layer}.self_attn."
         for name in ("q_a_proj", "kv_a_proj_with_mqa"):
             entry = params[prefix + name + ".weight"]
-            assert entry["dim"] is None and "low-rank down-projection" in entry["why"], entry
+            assert entry["role"] == "colwise" and "low-rank down-projection" in entry["why"], entry
+            assert "all-gathered" in entry["why"], entry
         for name in ("q_b_proj", "kv_b_proj"):
             assert params[prefix + name + ".weight"]["role"] == "colwise"
         assert params[prefix + "o_proj.weight"]["role"] == "rowwise"
     assert params["model.layers.1.mlp.shared_experts.down_proj.weight"]["role"] == "rowwise"  # a narrow MLP: a pair
     assert not any(stage["replicated"] for stage in manifest["tp"]["stages"]), manifest["tp"]["stages"]
+    gathered = [c["shape"][-1] for c in manifest["tp"]["stages"][0]["collectives"] if c["op"] == "all_gather"]
+    assert gathered == ["32", "24"], gathered  # stage 0 (layer 0): the q and kv latents, one all-gather each
