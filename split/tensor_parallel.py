@@ -1270,17 +1270,21 @@ class _Walk:
             return False
         e, segs = next(iter(dims)), next(iter(segments))
         groups = self.groups_of(segs)
-        reads = []
+        reads, claims = [], []
         for arg in (a, b):
             if arg not in self.shard:
                 val = _val(arg)
                 at = e - (out - val.dim())
                 if at < 0 or _equal(val.shape[at], 1):
                     reads.append((arg, None))
+                elif _equal(val.shape[at], _val(node).shape[e]) and self._param(arg) is not None and not segs:
+                    claims.append((arg, at))  # a weight per head (RecurrentGemma's block-diagonal gates): sharded
                 elif _equal(val.shape[at], _val(node).shape[e]) and groups:
                     reads.append((arg, at))
                 else:
                     return False
+        for arg, at in claims:
+            self._claim(node, arg, at)
         self._read_whole(node, reads, groups)
         self._place(node, e, segs, self._origin_of([a, b]))
         return True
@@ -1362,7 +1366,8 @@ class _Walk:
         at = e - (_val(node).dim() - val.dim())
         if at < 0 or _equal(val.shape[at], 1):
             self._read_whole(node, [(bias, None)])
-        elif _equal(val.shape[at], _val(node).shape[e]) and self.groups_of(segs) and not self.needs_grad.get(bias):
+        elif _equal(val.shape[at], _val(node).shape[e]) and self.groups_of(segs) and (
+                not self.needs_grad.get(bias) or self._param_only(bias)):  # a table, or a bias per head
             self._read_whole(node, [(bias, at)], self.groups_of(segs))
         else:
             return self._unplace(node)

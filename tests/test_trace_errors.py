@@ -118,3 +118,75 @@ def test_nested_graph_op_names_the_line_and_the_fix(tmp_path, capsys):
     assert code == 2, text
     assert "'cond'" in text and "cond_model.py" in text and "line 14" in text and "torch.where" in text, text
     assert "Traceback" not in text and "<eval_with_key>" not in text, text
+
+
+CUSTOM_BACKWARD = '''
+import torch
+import torch.nn as nn
+
+
+class Recomputed(torch.autograd.Function):
+    """Its forward runs without gradients; its backward recomputes them (as reversible layers do)."""
+
+    @staticmethod
+    def forward(ctx, x, layer):
+        ctx.save_for_backward(x)
+        ctx.layer = layer
+        with torch.no_grad():  # as Reformer's layers: the backward below is the only gradient
+            return layer(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        with torch.enable_grad():
+            x = x.detach().requires_grad_(True)
+            out = ctx.layer(x)
+            torch.autograd.backward(out, grad)
+        return x.grad, None
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner, self.head = nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.head(torch.tanh(Recomputed.apply(x, self.inner)))
+
+
+def model():
+    torch.manual_seed(0)
+    return Net()
+
+
+def example_inputs():
+    return (torch.randn(4, 8),)
+
+
+def example_target():
+    return torch.zeros(4, 4)
+
+
+def loss_fn(out, target):
+    return (out - target).pow(2).mean()
+'''
+
+
+def test_custom_backward_function_is_refused_with_its_name_and_the_fix(tmp_path, capsys):
+    # Reformer's reversible layers: an autograd.Function whose forward runs without gradients and whose backward
+    # recomputes them. torch.export keeps the forward only: split, the layers would never train (the run used to
+    # fail in backward with "element 0 of tensors does not require grad")
+    path = tmp_path / "custom_backward.py"
+    path.write_text(CUSTOM_BACKWARD)
+    code, text = run_cli(capsys, "check", str(path), "--ranks", "2")
+    assert code == 2, text
+    assert "Recomputed.apply at custom_backward.py:32 is a torch.autograd.Function with a backward of its own" in text
+    assert "the 2 parameters it uses (inner.bias, inner.weight) are read with gradients off inside it" in text, text
+    assert "run the layers inside it with gradients on" in text, text
+    # the fix it names: a forward that autograd records, which splits
+    path.write_text(CUSTOM_BACKWARD + """
+
+Recomputed.apply = staticmethod(lambda x, layer: layer(x))
+""")
+    code, text = run_cli(capsys, "check", str(path), "--ranks", "2")
+    assert code == 0, text

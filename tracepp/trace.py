@@ -224,6 +224,49 @@ def _hop_name(node: torch.fx.Node) -> str:
     return getattr(node.target, "_name", "") if node.op == "call_function" else ""
 
 
+def _custom_function(frame):
+    """The ``torch.autograd.Function`` subclass with a backward of its own that a stack frame's line calls
+    (``hidden_states = _ReversibleFunction.apply(``), looked up in the module of the frame's file, or None."""
+    import sys
+
+    file, _line, _function, code = frame
+    match = re.search(r"(\w+)\.apply\(", code)
+    if not match:
+        return None
+    module = next((m for m in list(sys.modules.values()) if getattr(m, "__file__", None) == file), None)
+    found = getattr(module, match.group(1), None)
+    if not (isinstance(found, type) and issubclass(found, torch.autograd.Function) and "backward" in vars(found)):
+        return None
+    applied = getattr(found.apply, "__func__", None)  # not the model file's ordinary forward in its place
+    return found if applied is torch.autograd.Function.apply.__func__ else None
+
+
+def _check_custom_backward(node, body, operands, parameters: dict, model_path: str) -> None:
+    """A grad-disabled region that uses parameters and runs inside an ``autograd.Function`` with a backward of its
+    own (Reformer's reversible layers: the forward without gradients, the backward recomputing them): export keeps
+    the forward only, so the traced model would never train those parameters. Refused with the function's name,
+    its line and the model-file fix."""
+    from tracepp.split.naming import frames
+
+    used = sorted({parameters[o.name] for o in operands if isinstance(o, torch.fx.Node) and o.name in parameters})
+    if not used:
+        return
+    for inner in body.graph.nodes:
+        for frame in frames(inner.meta.get("stack_trace")):
+            function = _custom_function(frame)
+            if function is None:
+                continue
+            where = f"{os.path.basename(frame[0])}:{frame[1]}"
+            raise TraceError(
+                f"{function.__name__}.apply at {where} is a torch.autograd.Function with a backward of its own, and "
+                f"the {len(used)} parameters it uses ({', '.join(used[:3])}{', ...' if len(used) > 3 else ''}) are "
+                f"read with gradients off inside it: its backward computes their gradients (e.g. by recomputing the "
+                f"layers, as reversible layers do). torch.export keeps the forward only, so split they would never "
+                f"train. In {model_path or 'the model file'}, give it a forward that autograd records: call the "
+                f"function's forward as ordinary code (`{function.__name__}.apply = staticmethod(...)`) and run the "
+                f"layers inside it with gradients on (without their torch.no_grad())")
+
+
 def inline_grad_mode_regions(program: torch.export.ExportedProgram, model_path: str = "") -> None:
     """Copy the bodies of export's grad-mode regions into the top-level graph, in place.
 
@@ -238,10 +281,15 @@ def inline_grad_mode_regions(program: torch.export.ExportedProgram, model_path: 
     graph_module = program.graph_module
     graph = graph_module.graph
     inlined = []
+    parameters = {spec.arg.name: spec.target for spec in program.graph_signature.input_specs
+                  if spec.kind == torch.export.graph_signature.InputKind.PARAMETER}
     for node in list(graph.nodes):
         name = _hop_name(node)
         if name == "wrap_with_set_grad_enabled":
             grad_enabled, body_node, operands = node.args[0], node.args[1], node.args[2:]
+            if not grad_enabled:
+                _check_custom_backward(node, getattr(graph_module, body_node.target), operands, parameters,
+                                       model_path)
         elif name == "wrap_with_autocast" and node.args[2] is False:
             grad_enabled, body_node, operands = True, node.args[4], node.args[5:]
         else:
