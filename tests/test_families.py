@@ -26,9 +26,10 @@ PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zoo", "hf_famil
 SEED = int(os.environ.get("TRACEPP_FAMILY_SEED", datetime.date.today().strftime("%Y%m%d")))
 # family -> the smallest share of a decoder layer's parameters --tp 2 shards (docs/families.md)
 DENSE = {"llama": 0.99, "apertus": 0.99, "arcee": 0.99, "bloom": 0.99, "cohere": 0.99, "stablelm": 0.99,
-         "gpt_bigcode": 0.84, "doge": 0.99, "gemma4_text": 0.99, "lfm2": 0.99, "deepseek_v3": 0.78,
-         "llama4_text": 0.99}
-MOE = ["gpt_oss", "afmoe", "aria_text"]
+         "gpt_bigcode": 0.84, "doge": 0.99, "gemma4_text": 0.99, "lfm2": 0.99, "deepseek_v3": 0.99,
+         "llama4_text": 0.99, "recurrent_gemma": 0.98, "cpmant": 0.99, "moshi": 0.99, "olmo_hybrid": 0.98,
+         "qwen3_5_text": 0.98, "xlm": 0.99}
+MOE = ["gpt_oss", "afmoe", "aria_text", "phimoe"]
 
 
 def _draw():

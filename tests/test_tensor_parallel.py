@@ -528,3 +528,20 @@ def test_mla_gathers_its_down_projections_and_shards_the_heads_they_make(monkeyp
     assert not any(stage["replicated"] for stage in manifest["tp"]["stages"]), manifest["tp"]["stages"]
     gathered = [c["shape"][-1] for c in manifest["tp"]["stages"][0]["collectives"] if c["op"] == "all_gather"]
     assert gathered == ["32", "24"], gathered  # stage 0 (layer 0): the q and kv latents, one all-gather each
+
+
+def test_per_head_weights_of_a_batched_matmul_shard_with_their_heads(monkeypatch):
+    # RecurrentGemma's recurrent gates: baddbmm(bias[:, None, :], x [heads, tokens, width], W [heads, width,
+    # width]) per head, on the heads of its column-parallel linear_x: each rank holds its heads' gate weights
+    # (dim 0) and reads its heads' biases
+    import sys
+
+    sys.path.insert(0, ZOO)
+    monkeypatch.setenv("HF_FAMILY", "recurrent_gemma")
+    manifest = check_model(os.path.join(ZOO, "hf_family.py"), num_microbatches=2, layout=Layout(pp=2, tp=2))
+    params = manifest["tp"]["params"]
+    prefix = "model.layers.0.temporal_block."
+    assert params[prefix + "linear_x.weight"]["role"] == "colwise"
+    for gate in ("input_gate_weight", "recurrent_gate_weight"):
+        assert params[prefix + "rg_lru." + gate]["dim"] == 0, params[prefix + "rg_lru." + gate]
+    assert not any("baddbmm" in reason for stage in manifest["tp"]["stages"] for reason in stage["replicated"])
