@@ -75,6 +75,7 @@ _ELEMENTWISE = {
     aten.add_.Tensor, aten.mul_.Tensor, aten.sub_.Tensor, aten.div_.Tensor, aten.masked_fill.Scalar,
     aten.masked_fill.Tensor, aten.pow.Tensor_Tensor, aten.rsub.Scalar, aten.rsub.Tensor, aten.div.Tensor_mode,
 }
+_CATS = {aten.cat.default, aten.concatenate.default}  # (tensors, dim): concatenate is cat's NumPy name
 _VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 _FLATTENS = {aten.flatten.using_ints}  # a view with no size list to rewrite
 _EXPANDS = {aten.expand.default, aten.broadcast_to.default}
@@ -89,7 +90,8 @@ _CONVS = {aten.conv1d.default, aten.conv2d.default}  # (input, weight, bias, str
 _MATMULS = {aten.matmul.default, aten.bmm.default}
 _TRANSPOSES = {aten.t.default, aten.numpy_T.default, aten.transpose.int, aten.permute.default}
 _IGNORED = {aten._assert_tensor_metadata.default}
-_TRIANGLES = {aten.tril.default, aten.triu.default}  # (x, diagonal): over the last two dims
+_TRIANGLES = {aten.tril.default, aten.triu.default}
+_PADS = {aten.pad.default, aten.constant_pad_nd.default}  # (x, pad, ...): pad lists the last dims' (before, after)  # (x, diagonal): over the last two dims
 _FRESH = {aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default, aten.new_full.default}  # (x, size)
 _MIXED_CARRIES = {aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.transpose.int, aten.permute.default,
                   aten._to_copy.default, aten.to.dtype, aten.clone.default, aten.contiguous.default, aten.alias.default}  # metadata checks: dropped by codegen
@@ -706,7 +708,7 @@ class _Walk:
             return self._fresh_buffer(node, first)
         if target is aten.copy_.default:
             return self._fill(node)
-        if target is aten.cat.default:
+        if target in _CATS:
             return self._cat(node)
         if target is aten.type_as.default:  # the second operand gives only its dtype
             if first in self.shard:
@@ -748,6 +750,11 @@ class _Walk:
         if target is aten.transpose.int:
             a, b = (d % ndim for d in node.args[1:3])
             self._carry(node, first, b if dim == a else a if dim == b else dim)
+            return True
+        if target in _PADS:  # pads the last len(pad) // 2 dims: local to any dim before them
+            if dim >= ndim - len(node.args[1]) // 2:
+                return False
+            self._carry(node, first)
             return True
         if target in _TRIANGLES:  # masks each matrix of the last two dims: local to any dim before them (torch's
             if dim >= ndim - 2:   # own rule replicates)
@@ -1090,7 +1097,7 @@ class _Walk:
                 if len(users) != 1:
                     return False
                 user = users[0]
-                if user.target is aten.cat.default:
+                if user.target in _CATS:
                     ends.append((value, user))
                     break
                 if not self._per_piece(user, value, dim):
@@ -1328,9 +1335,10 @@ class _Walk:
 
     def _depthwise_conv(self, node) -> bool:
         """A depthwise convolution over sharded channels (``groups`` = channels: LFM2's short convolution, the causal
-        conv1d of Mamba and gated delta-net mixers) mixes each channel with itself only: it runs on this rank's
-        channels, the whole weight and bias read at their rows (``tp_scatter``; the gradient rows gathered back),
-        ``groups`` divided by tp."""
+        conv1d of Mamba and gated delta-net mixers) mixes each channel with itself only, a grouped one (ZAYA's
+        convolution per head: 6 groups of 16 channels) each group's channels with each other: where this rank's
+        channels hold whole groups it runs on them, the whole weight and bias read at their rows (``tp_scatter``; the
+        gradient rows gathered back), ``groups`` divided by tp."""
         x, weight = node.args[0], node.args[1]
         bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
         groups = node.args[6] if len(node.args) > 6 else node.kwargs.get("groups", 1)
@@ -1341,10 +1349,12 @@ class _Walk:
         parts = self.groups_of(self.segs.get(x))
         if not parts and self._param_only(weight) and (not isinstance(bias, fx.Node) or self._param_only(bias)):
             parts = tuple(self.segs[x])  # q, k and v channels of a fused projection: each read at its piece
-        if not (_ints([channels]) and groups == int(channels) and int(wval.shape[0]) == groups
-                and int(wval.shape[1]) == 1 and groups % self.tp == 0 and parts):
-            return self._refuse(node, f"a convolution over sharded channels that is not depthwise (groups {groups} "
-                                      f"of {channels} channels)")
+        per = int(channels) // groups if _ints([channels]) and groups and int(channels) % groups == 0 else 0
+        pieces = [int(p) // self.tp for p in (self.segs.get(x) or [channels])] if per else []
+        if not (per and int(wval.shape[0]) == int(channels) and int(wval.shape[1]) == per and groups % self.tp == 0
+                and parts and all(p % per == 0 for p in pieces)):
+            return self._refuse(node, f"a convolution over sharded channels whose groups a rank's channels do not "
+                                      f"hold whole (groups {groups} of {channels} channels)")
         self._read_whole(node, [(weight, 0)] + ([(bias, 0)] if isinstance(bias, fx.Node) else []), parts)
         self.conv_groups[node] = groups // self.tp
         self._place(node, 1, self.segs.get(x), self.origin.get(x, frozenset()))

@@ -268,3 +268,18 @@ def test_a_whole_buffer_filled_in_place_is_read_at_its_piece_after_its_writes(tm
     saved = torch.load(ckpt)
     assert_trained(saved, path)
     assert_state_close(saved, eager_train(path, 3))
+
+
+def test_a_padded_grouped_convolution_and_concatenate_run_on_each_ranks_heads(tmp_path):
+    # F.pad of the time dim, a causal convolution with one group per head (ZAYA) and torch.concatenate (xLSTM's
+    # cat) keep each head's channels together: the mixer shards whole, and trains equal to eager
+    path, out = model_path("tp_conv_mixer"), str(tmp_path / "out")
+    manifest = split_model(path, out, num_microbatches=2, layout=Layout(pp=1, tp=2))
+    roles = {fqn: entry["role"] for fqn, entry in manifest["tp"]["params"].items()}
+    assert roles["blocks.0.proj.weight"] == "colwise" and roles["blocks.0.out.weight"] == "rowwise", roles
+    assert not manifest["tp"]["stages"][0]["replicated"], manifest["tp"]["stages"][0]["replicated"]
+    ckpt = str(tmp_path / "ckpt.pt")
+    _run(out, 2, "--steps", "3", "--save", ckpt)
+    saved = torch.load(ckpt)
+    assert_trained(saved, path)
+    assert_state_close(saved, eager_train(path, 3))
