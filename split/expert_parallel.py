@@ -41,7 +41,8 @@ from tracepp.split.partition import listed_module, node_modules
 
 aten = torch.ops.aten
 GROUPED_MM = ("aten::_grouped_mm", "aten::grouped_mm", "transformers::grouped_mm_fallback", "tracepp::grouped_mm")
-_ROW_WISE = {  # ops a chain of expert matmuls may run between them: each row on its own
+_ROW_WISE = {  # ops a chain of expert matmuls may run between them: each row on its own (beside every op torch
+    #            tags pointwise: Nemotron-H's squared ReLU)
     "aten::chunk", "aten::split", "aten::silu", "aten::gelu", "aten::relu", "aten::sigmoid", "aten::tanh",
     "aten::mul", "aten::add", "aten::sub", "aten::div", "aten::neg", "aten::_to_copy", "aten::to", "aten::clamp",
     "aten::clone", "aten::contiguous", "aten::_assert_tensor_metadata", "aten::alias", "aten::pow",
@@ -149,7 +150,8 @@ def _check_chain(block: MoEBlock) -> str:
         if op_name(node) == "aten::masked_fill" and _sentinel(node.args[1], block.num_experts):
             block.sentinel_fills.append(node)  # rows past the last offset: never dispatched, so a no-op there
             continue
-        if op_name(node) not in _ROW_WISE and str(node.target) not in _ROW_WISE:
+        pointwise = torch.Tag.pointwise in getattr(node.target, "tags", ())  # torch's own word: each element alone
+        if op_name(node) not in _ROW_WISE and str(node.target) not in _ROW_WISE and not pointwise:
             return f"{node.name} ({op_name(node)}) runs between the expert matmuls and is not a per-row op"
         if op_name(node) == "aten::slice" and (node.args[1] if len(node.args) > 1 else 0) % _val(node).dim() == 0:
             return f"{node.name} (aten::slice) cuts the rows between the expert matmuls"

@@ -188,3 +188,16 @@ def test_every_copy_of_the_runtime_shares_the_ops_state(tmp_path):
     finally:
         for name in [n for n in sys.modules if n.startswith("tracepp_runtime_copy")]:
             del sys.modules[name]
+
+
+def test_a_pointwise_op_between_the_expert_matmuls_moves_with_the_rows(monkeypatch):
+    # Nemotron-H's experts square their ReLU (aten.square) between the matmuls: torch tags the op pointwise, so each
+    # row is computed on its own and the op runs on the expert's rank (it used to be refused by name)
+    import sys
+
+    sys.path.insert(0, ZOO)
+    monkeypatch.setenv("HF_FAMILY", "nemotron_h")
+    manifest = check_model(os.path.join(ZOO, "hf_family.py"), num_microbatches=2, layout=Layout(pp=2, dp=2, ep=2))
+    blocks = manifest["ep"]["blocks"]
+    assert blocks and not any(block.get("refused") for block in blocks), blocks
+    assert all(entry["local"][0] == entry["experts"] // 2 for entry in manifest["ep"]["params"].values())

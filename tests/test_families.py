@@ -29,7 +29,7 @@ DENSE = {"llama": 0.99, "apertus": 0.99, "arcee": 0.99, "bloom": 0.99, "cohere":
          "gpt_bigcode": 0.84, "doge": 0.99, "gemma4_text": 0.99, "lfm2": 0.99, "deepseek_v3": 0.99,
          "llama4_text": 0.99, "recurrent_gemma": 0.98, "cpmant": 0.99, "moshi": 0.99, "olmo_hybrid": 0.98,
          "qwen3_5_text": 0.98, "xlm": 0.99}
-MOE = ["gpt_oss", "afmoe", "aria_text", "phimoe"]
+MOE = ["gpt_oss", "afmoe", "aria_text", "phimoe", "nemotron_h"]
 
 
 def _draw():
