@@ -1973,19 +1973,27 @@ def _reading(g: fx.Graph, pairs: list):
 
 
 def _rewrite(g: fx.Graph, walk: _Walk, tp: int, params: dict) -> None:
+    whole: dict = {}
+    for node, dim in walk.gathered_out.items():  # a gathered down-projection: every reader reads it whole
+        users = list(node.users)
+        whole[node] = _insert(g, node.next, TP.tp_all_gather.default, [node, dim], _val(node), node)
+        for user in users:
+            user.replace_input_with(node, whole[node])
     copies: dict = {}
-    at = _reading(g, walk.copies)
-    for consumer, arg in walk.copies:
+    walk_copies = [(consumer, whole.get(arg, arg)) for consumer, arg in walk.copies]
+    at = _reading(g, walk_copies)
+    for consumer, arg in walk_copies:
         key, anchor = at(consumer, arg)
         if key not in copies:
             copies[key] = _insert(g, anchor, TP.tp_copy.default, [arg], _val(arg), consumer)
         consumer.replace_input_with(arg, copies[key])
     gathered: dict = {}
-    at = _reading(g, walk.gathers)
-    for consumer, arg in walk.gathers:
+    walk_gathers = [(consumer, arg) for consumer, arg in walk.gathers if arg not in whole]
+    at = _reading(g, walk_gathers)
+    for consumer, arg in walk_gathers:
         key, anchor = at(consumer, arg)
         if key not in gathered:
-            dim = walk.shard[arg] if arg in walk.shard else walk.gathered_out[arg]
+            dim = walk.shard[arg]
             groups = walk.groups_of(walk.segs.get(arg)) if walk.kind.get(arg) else 1
             gathered[key] = _insert(g, anchor, TP.tp_all_gather.default, [arg, dim] + ([groups] * (groups > 1)),
                                     _val(arg), arg)
@@ -2000,8 +2008,9 @@ def _rewrite(g: fx.Graph, walk: _Walk, tp: int, params: dict) -> None:
                                     _val(arg), arg)
         consumer.replace_input_with(arg, entering[key])
     pieces: dict = {}
-    at = _reading(g, [(consumer, arg) for consumer, arg, _dim, _groups in walk.scatters])
-    for consumer, arg, dim, groups in walk.scatters:  # a whole value read beside pieces: this rank's piece
+    walk_scatters = [(consumer, whole.get(arg, arg), dim, groups) for consumer, arg, dim, groups in walk.scatters]
+    at = _reading(g, [(consumer, arg) for consumer, arg, _dim, _groups in walk_scatters])
+    for consumer, arg, dim, groups in walk_scatters:  # a whole value read beside pieces: this rank's piece
         key, anchor = at(consumer, arg)
         if (key, dim) not in pieces:
             if isinstance(groups, tuple):  # unequal segments: this rank's piece of each
@@ -2013,6 +2022,7 @@ def _rewrite(g: fx.Graph, walk: _Walk, tp: int, params: dict) -> None:
                                              consumer)
         consumer.replace_input_with(arg, pieces[(key, dim)])
     for consumer, arg, dim, count in walk.head_groups:  # whole key/value heads: the group this rank's queries need
+        arg = whole.get(arg, arg)
         if (arg, dim, count) not in pieces:
             pieces[(arg, dim, count)] = _insert(g, consumer, TP.tp_head_group.default, [arg, dim, count],
                                                 _local_val(_val(arg), dim, count), consumer)

@@ -283,3 +283,19 @@ def test_a_padded_grouped_convolution_and_concatenate_run_on_each_ranks_heads(tm
     saved = torch.load(ckpt)
     assert_trained(saved, path)
     assert_state_close(saved, eager_train(path, 3))
+
+
+def test_a_gathered_low_rank_latent_is_read_whole_by_every_reader(tmp_path):
+    # the queries' down-projection is column-wise with its 8-feature latent all-gathered, the up-projection
+    # column-wise on its heads: its input copy used to wrap the rank's piece of the latent (Kimi Linear's forget
+    # gate at tp 2: "mat1 and mat2 shapes cannot be multiplied" at the first step)
+    path, out = model_path("tp_low_rank"), str(tmp_path / "out")
+    manifest = split_model(path, out, num_microbatches=2, layout=Layout(pp=1, tp=2))
+    params = manifest["tp"]["params"]
+    assert params["blocks.0.q_a.weight"]["role"] == "colwise" and "all-gathered" in params["blocks.0.q_a.weight"]["why"]
+    assert params["blocks.0.q_b.weight"]["role"] == "colwise" and params["blocks.0.o.weight"]["role"] == "rowwise"
+    ckpt = str(tmp_path / "ckpt.pt")
+    _run(out, 2, "--steps", "3", "--save", ckpt)
+    saved = torch.load(ckpt)
+    assert_trained(saved, path)
+    assert_state_close(saved, eager_train(path, 3))
