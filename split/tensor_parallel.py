@@ -90,8 +90,8 @@ _CONVS = {aten.conv1d.default, aten.conv2d.default}  # (input, weight, bias, str
 _MATMULS = {aten.matmul.default, aten.bmm.default}
 _TRANSPOSES = {aten.t.default, aten.numpy_T.default, aten.transpose.int, aten.permute.default}
 _IGNORED = {aten._assert_tensor_metadata.default}
-_TRIANGLES = {aten.tril.default, aten.triu.default}
-_PADS = {aten.pad.default, aten.constant_pad_nd.default}  # (x, pad, ...): pad lists the last dims' (before, after)  # (x, diagonal): over the last two dims
+_TRIANGLES = {aten.tril.default, aten.triu.default}  # (x, diagonal): over the last two dims
+_PADS = {aten.pad.default, aten.constant_pad_nd.default}  # (x, pad, ...): pad lists the last dims' (before, after)
 _FRESH = {aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default, aten.new_full.default}  # (x, size)
 _MIXED_CARRIES = {aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.transpose.int, aten.permute.default,
                   aten._to_copy.default, aten.to.dtype, aten.clone.default, aten.contiguous.default, aten.alias.default}  # metadata checks: dropped by codegen
@@ -297,7 +297,7 @@ class _Walk:
                  whole_buffers: dict = None, gathered: dict = None):
         self.graph, self.fqn_of, self.tp, self.forced = graph, fqn_of, tp, forced
         self.gathered = gathered or {}  # FQNs of low-rank down-projections sharded with their output gathered
-        self.gathered_out: dict = {}  # such a linear's output -> (its shard dim, segments): gathered for every user
+        self.gathered_out: dict = {}  # such a linear's output -> its shard dim: gathered once, for every user
         self.whole_buffers = whole_buffers or {}  # names of values written in place where a shard cannot be: kept whole
         self.buffers_wanted: dict = {}  # such a value found in this pass -> why
         self.mixed_parts = mixed or {}  # fused weight fqn -> indices of its parts computed whole (learned)

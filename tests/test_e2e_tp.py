@@ -30,6 +30,16 @@ def _run(out: str, nproc: int, *args: str, env=None):
     return result
 
 
+def _trains_equal_to_eager(path: str, out: str, nproc: int, tmp_path, env=None) -> None:
+    """3 SGD steps of the folder on ``nproc`` ranks: the parameters moved, and equal to 3 eager steps of the
+    unsplit model within 2e-5."""
+    ckpt = str(tmp_path / "ckpt.pt")
+    _run(out, nproc, "--steps", "3", "--save", ckpt, env=env)
+    saved = torch.load(ckpt)
+    assert_trained(saved, path)
+    assert_state_close(saved, eager_train(path, 3))
+
+
 def test_llama_pp2_tp2_adamw_clip_resume_and_reshard(tmp_path):
     path = model_path("tp_llama")
     tp2, tp1 = str(tmp_path / "tp2"), str(tmp_path / "tp1")
@@ -77,11 +87,7 @@ def test_hugging_face_llama_pp2_tp2_matches_eager(tmp_path):
     params = manifest["tp"]["params"]
     attention = [e["role"] for fqn, e in params.items() if "self_attn.o_proj.weight" in fqn]
     assert attention and set(attention) == {"rowwise"}  # attention sharded by heads
-    ckpt = str(tmp_path / "ckpt.pt")
-    _run(out, 4, "--steps", "3", "--save", ckpt)
-    saved = torch.load(ckpt)
-    assert_trained(saved, path)
-    assert_state_close(saved, eager_train(path, 3))
+    _trains_equal_to_eager(path, out, 4, tmp_path)
 
 
 @pytest.mark.parametrize("family,sequence_parallel", [
@@ -108,11 +114,7 @@ def test_every_familys_tp_plan_trains_equal_to_eager_at_microbatch_size_1(tmp_pa
     if sequence_parallel:
         assert manifest["tp"]["sequence_parallel"]["sent"] and not any(
             stage["replicated"] for stage in manifest["tp"]["stages"])
-    ckpt = str(tmp_path / "ckpt.pt")
-    _run(out, 2, "--steps", "3", "--save", ckpt, env={"TP_HF_FAMILY": family})
-    saved = torch.load(ckpt)
-    assert_trained(saved, path)
-    assert_state_close(saved, eager_train(path, 3))
+    _trains_equal_to_eager(path, out, 2, tmp_path, env={"TP_HF_FAMILY": family})
 
 
 def test_fewer_kv_heads_than_tp_shard_the_queries_and_train_equal_to_eager(tmp_path, monkeypatch):
@@ -131,11 +133,7 @@ def test_fewer_kv_heads_than_tp_shard_the_queries_and_train_equal_to_eager(tmp_p
     attention = [line for line in script.splitlines() if "aten.scaled_dot_product_attention.default(" in line]
     assert attention and all("tp_head_group" in line or "tp_scatter" in line for line in attention), attention
     assert re.search(r'scaled_dot_product_attention: "f32\[2, 1, ', script)  # one query head per rank
-    ckpt = str(tmp_path / "ckpt.pt")
-    _run(out, 4, "--steps", "3", "--save", ckpt, env={"HF_FAMILY": "llama"})
-    saved = torch.load(ckpt)
-    assert_trained(saved, path)
-    assert_state_close(saved, eager_train(path, 3))
+    _trains_equal_to_eager(path, out, 4, tmp_path, env={"HF_FAMILY": "llama"})
 
 
 def test_sequence_parallel_llama_trains_equal_to_eager_and_a_dynamic_sequence_tp_cannot_split_stops(
@@ -232,11 +230,7 @@ def test_a_whole_gate_scaling_sharded_features_gets_its_gradient_summed(tmp_path
     ops = [c["op"] for stage in manifest["tp"]["stages"] for c in stage["collectives"]]
     # per layer: the up projection's input and the gate; and the (vocabulary-sharded) head's input
     assert ops.count("all_reduce (backward)") == 2 * 2 + 1
-    ckpt = str(tmp_path / "ckpt.pt")
-    _run(out, 4, "--steps", "3", "--save", ckpt)
-    saved = torch.load(ckpt)
-    assert_trained(saved, path)
-    assert_state_close(saved, eager_train(path, 3))
+    _trains_equal_to_eager(path, out, 4, tmp_path)
 
 
 def test_a_buffer_written_in_place_where_a_shard_cannot_be_is_whole_from_where_it_is_made(tmp_path):
@@ -247,11 +241,7 @@ def test_a_buffer_written_in_place_where_a_shard_cannot_be_is_whole_from_where_i
     manifest = split_model(path, out, schedule="looped-bfs", num_microbatches=2, layout=Layout(pp=1, tp=2))
     reasons = " ".join(manifest["tp"]["stages"][0]["replicated"])
     assert "written in place by copy_" in reasons, reasons
-    ckpt = str(tmp_path / "ckpt.pt")
-    _run(out, 2, "--steps", "3", "--save", ckpt)
-    saved = torch.load(ckpt)
-    assert_trained(saved, path)
-    assert_state_close(saved, eager_train(path, 3))
+    _trains_equal_to_eager(path, out, 2, tmp_path)
 
 
 def test_a_whole_buffer_filled_in_place_is_read_at_its_piece_after_its_writes(tmp_path):
@@ -263,11 +253,7 @@ def test_a_whole_buffer_filled_in_place_is_read_at_its_piece_after_its_writes(tm
     roles = {fqn: entry["role"] for fqn, entry in manifest["tp"]["params"].items()}
     assert roles["blocks.0.linear_y.weight"] == "colwise" and roles["blocks.0.linear_out.weight"] == "rowwise"
     assert roles["blocks.0.linear_x.weight"] == "replicate"
-    ckpt = str(tmp_path / "ckpt.pt")
-    _run(out, 2, "--steps", "3", "--save", ckpt)
-    saved = torch.load(ckpt)
-    assert_trained(saved, path)
-    assert_state_close(saved, eager_train(path, 3))
+    _trains_equal_to_eager(path, out, 2, tmp_path)
 
 
 def test_a_padded_grouped_convolution_and_concatenate_run_on_each_ranks_heads(tmp_path):
@@ -278,11 +264,7 @@ def test_a_padded_grouped_convolution_and_concatenate_run_on_each_ranks_heads(tm
     roles = {fqn: entry["role"] for fqn, entry in manifest["tp"]["params"].items()}
     assert roles["blocks.0.proj.weight"] == "colwise" and roles["blocks.0.out.weight"] == "rowwise", roles
     assert not manifest["tp"]["stages"][0]["replicated"], manifest["tp"]["stages"][0]["replicated"]
-    ckpt = str(tmp_path / "ckpt.pt")
-    _run(out, 2, "--steps", "3", "--save", ckpt)
-    saved = torch.load(ckpt)
-    assert_trained(saved, path)
-    assert_state_close(saved, eager_train(path, 3))
+    _trains_equal_to_eager(path, out, 2, tmp_path)
 
 
 def test_a_gathered_low_rank_latent_is_read_whole_by_every_reader(tmp_path):
@@ -294,8 +276,4 @@ def test_a_gathered_low_rank_latent_is_read_whole_by_every_reader(tmp_path):
     params = manifest["tp"]["params"]
     assert params["blocks.0.q_a.weight"]["role"] == "colwise" and "all-gathered" in params["blocks.0.q_a.weight"]["why"]
     assert params["blocks.0.q_b.weight"]["role"] == "colwise" and params["blocks.0.o.weight"]["role"] == "rowwise"
-    ckpt = str(tmp_path / "ckpt.pt")
-    _run(out, 2, "--steps", "3", "--save", ckpt)
-    saved = torch.load(ckpt)
-    assert_trained(saved, path)
-    assert_state_close(saved, eager_train(path, 3))
+    _trains_equal_to_eager(path, out, 2, tmp_path)

@@ -241,7 +241,7 @@ def _custom_function(frame):
     return found if applied is torch.autograd.Function.apply.__func__ else None
 
 
-def _check_custom_backward(node, body, operands, parameters: dict, model_path: str) -> None:
+def _check_custom_backward(body, operands, parameters: dict, model_path: str) -> None:
     """A grad-disabled region that uses parameters and runs inside an ``autograd.Function`` with a backward of its
     own (Reformer's reversible layers: the forward without gradients, the backward recomputing them): export keeps
     the forward only, so the traced model would never train those parameters. Refused with the function's name,
@@ -288,8 +288,7 @@ def inline_grad_mode_regions(program: torch.export.ExportedProgram, model_path: 
         if name == "wrap_with_set_grad_enabled":
             grad_enabled, body_node, operands = node.args[0], node.args[1], node.args[2:]
             if not grad_enabled:
-                _check_custom_backward(node, getattr(graph_module, body_node.target), operands, parameters,
-                                       model_path)
+                _check_custom_backward(getattr(graph_module, body_node.target), operands, parameters, model_path)
         elif name == "wrap_with_autocast" and node.args[2] is False:
             grad_enabled, body_node, operands = True, node.args[4], node.args[5:]
         else:
