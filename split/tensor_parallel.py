@@ -88,6 +88,7 @@ _SOFTMAX = {aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten.
 _SDPA = {aten.scaled_dot_product_attention.default}
 _CONVS = {aten.conv1d.default, aten.conv2d.default}  # (input, weight, bias, stride, padding, dilation, groups)
 _MATMULS = {aten.matmul.default, aten.bmm.default}
+_CONTRACTIONS = _MATMULS | {aten.mm.default, aten.einsum.default}
 _TRANSPOSES = {aten.t.default, aten.numpy_T.default, aten.transpose.int, aten.permute.default}
 _IGNORED = {aten._assert_tensor_metadata.default}
 _TRIANGLES = {aten.tril.default, aten.triu.default}  # (x, diagonal): over the last two dims
@@ -294,8 +295,9 @@ class _Walk:
 
     def __init__(self, graph: fx.Graph, fqn_of: dict, tp: int, forced: set, needs_grad: dict,
                  fused: dict = None, sequence=None, received: dict = None, last: bool = False, mixed: dict = None,
-                 whole_buffers: dict = None, gathered: dict = None):
+                 whole_buffers: dict = None, gathered: dict = None, pieces: dict = None):
         self.graph, self.fqn_of, self.tp, self.forced = graph, fqn_of, tp, forced
+        self.pieces = pieces or {}  # fqn -> dim: a parameter sharded where it is made (learned: _learn_pieces)
         self.gathered = gathered or {}  # FQNs of low-rank down-projections sharded with their output gathered
         self.gathered_out: dict = {}  # such a linear's output -> its shard dim: gathered once, for every user
         self.whole_buffers = whole_buffers or {}  # names of values written in place where a shard cannot be: kept whole
@@ -440,6 +442,10 @@ class _Walk:
             if node.name in self.received:  # a sequence shard sent by the stage before
                 dim, segments = self.received[node.name]
                 self._place(node, dim, segments, kind="seq")
+            fqn = self.fqn_of.get(node.name)
+            if fqn in self.pieces and fqn not in self.forced:  # read at its piece by what it makes: sharded
+                self._place(node, self.pieces[fqn])
+                self._use(node, self.pieces[fqn])
             return
         if node.op == "output":
             for arg in node.all_input_nodes:
@@ -511,8 +517,9 @@ class _Walk:
         not asked about (torch's placements cannot say what they are)."""
         if self._kind_of(sharded) != "tp" or any(a in self.segs for a in sharded):
             return False
+        contraction = node.target in _CONTRACTIONS  # a whole operand read at its piece: its gradient joined
         ruling = torch_rules.ask(node, {a: self.shard[a] for a in sharded}, self.tp,
-                                 lambda arg: not self.needs_grad.get(arg) and self._param(arg) is None)
+                                 lambda arg: (contraction or not self.needs_grad.get(arg)) and self._param(arg) is None)
         if ruling is None:
             return False
         for arg, dim in ruling.scatter.items():
@@ -1342,8 +1349,10 @@ class _Walk:
         x, weight = node.args[0], node.args[1]
         bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
         groups = node.args[6] if len(node.args) > 6 else node.kwargs.get("groups", 1)
-        if (x not in self.shard or self.shard[x] != 1 or self.kind.get(x) == "seq" or weight in self.shard
-                or (isinstance(bias, fx.Node) and bias in self.shard) or not isinstance(groups, int)):
+        held = [a for a in (weight, bias) if isinstance(a, fx.Node) and a in self.shard]  # sharded where made
+        if (x not in self.shard or self.shard[x] != 1 or self.kind.get(x) == "seq" or not isinstance(groups, int)
+                or any(self.shard[a] != 0 or a in self.segs or self.kind.get(a) == "seq" for a in held)
+                or (held and x in self.segs)):
             return False
         channels, wval = _val(x).shape[1], _val(weight)
         parts = self.groups_of(self.segs.get(x))
@@ -1355,7 +1364,7 @@ class _Walk:
                 and parts and all(p % per == 0 for p in pieces)):
             return self._refuse(node, f"a convolution over sharded channels whose groups a rank's channels do not "
                                       f"hold whole (groups {groups} of {channels} channels)")
-        self._read_whole(node, [(weight, 0)] + ([(bias, 0)] if isinstance(bias, fx.Node) else []), parts)
+        self._read_whole(node, [(a, 0) for a in (weight, bias) if isinstance(a, fx.Node) and a not in held], parts)
         self.conv_groups[node] = groups // self.tp
         self._place(node, 1, self.segs.get(x), self.origin.get(x, frozenset()))
         return True
@@ -1458,7 +1467,7 @@ def _regions(walk: _Walk) -> list:
         return n
 
     tp_sharded = [node for node in walk.shard if walk.kind.get(node) != "seq"]  # sequence shards join nothing
-    for node in tp_sharded:
+    for node in tp_sharded + list(walk.sums):  # a sum over pieces joins what it reads (a contraction: both sides)
         for arg in node.all_input_nodes:
             if arg in walk.shard and walk.kind.get(arg) != "seq":
                 parent[find(node)] = find(arg)
@@ -1469,8 +1478,7 @@ def _regions(walk: _Walk) -> list:
         if role == "rowwise":
             groups.setdefault(find(walk.forms[node][0]), set()).add(node)
     for node in walk.sums:
-        source = next((a for a in node.all_input_nodes if a in walk.shard), node.args[0])
-        groups.setdefault(find(source), set()).add(node)
+        groups.setdefault(find(node), set()).add(node)
     return list(groups.values())
 
 
@@ -1520,6 +1528,50 @@ def _forced_by_overrides(aliases: dict, overrides) -> dict:
             if how == "replicate" and any(fnmatch.fnmatchcase(name, pattern) for name in names):
                 notes[fqn] = f"tp_plan {pattern!r}"
     return notes
+
+
+def _piece_of(walk: _Walk, node, dim):
+    """(fqn, dim) of the one parameter that ``node`` is made from by ops of one input that keep its sizes apart from
+    dims of 1 (casts, ``exp``, ``neg``, ``unsqueeze``: Mamba's ``-exp(A_log.float())[None, :, None, :]``, a bias
+    ``[:, None]``), with ``dim`` of ``node`` traced back to the parameter's dim; else None."""
+    while True:
+        if node.op == "placeholder":
+            fqn = walk.fqn_of.get(node.name)
+            return (fqn, dim) if fqn is not None else None
+        if node.op != "call_function" or node.target in _TRANSPOSES or len(node.all_input_nodes) != 1:
+            return None
+        source = node.all_input_nodes[0]
+        out_val, in_val = _val(node), _val(source)
+        if not (isinstance(out_val, torch.Tensor) and isinstance(in_val, torch.Tensor)):
+            return None
+        outs = [i for i, size in enumerate(out_val.shape) if not _equal(size, 1)]
+        ins = [i for i, size in enumerate(in_val.shape) if not _equal(size, 1)]
+        if (len(outs) != len(ins) or dim not in outs
+                or not all(_equal(out_val.shape[a], in_val.shape[b]) for a, b in zip(outs, ins))):
+            return None
+        node, dim = source, ins[outs.index(dim)]
+
+
+def _learn_pieces(walks: list, pieces: dict, notes: dict) -> bool:
+    """Parameters that a pass reads only at this rank's piece, through values made from them alone (Mamba's
+    ``A_log``, ``D``, its convolution's weight, ``dt_proj``'s bias added on its own): sharded where they are made
+    (``pieces``: fqn -> dim), so each rank holds its piece and computes on it; the next pass walks them sharded.
+    One that is read whole elsewhere becomes "used sharded in one place and whole in another" and is replicated."""
+    learned = False
+    for walk in walks:
+        for _consumer, arg, dim, groups in walk.scatters:
+            if groups != 1 or not isinstance(dim, int) or not walk._param_only(arg):
+                continue
+            found = _piece_of(walk, arg, dim)
+            if found is None or found[0] in notes or found[0] in pieces:
+                continue
+            fqn, at = found
+            placeholder = next(n for n in walk.graph.nodes if n.op == "placeholder" and walk.fqn_of.get(n.name) == fqn)
+            size = _val(placeholder).shape[at]
+            if _ints([size]) and int(size) % walk.tp == 0:
+                pieces[fqn] = at
+                learned = True
+    return learned
 
 
 def _learn_segments(walks: list, tp: int, fused: dict, narrow: dict) -> bool:
@@ -1577,8 +1629,8 @@ def _low_rank(walk: _Walk) -> list:
         rows = [n for n in region if walk.roles.get(n) == "rowwise"]
         if not cols or not rows:
             continue
-        if all(features(n)[1] < features(n)[0] for n in cols) and all(features(n)[1] > features(n)[0]
-                                                                       for n in rows):
+        if (all(features(n)[1] < features(n)[0] for n in cols) and all(features(n)[1] >= features(n)[0] for n in rows)
+                and any(features(n)[1] > features(n)[0] for n in rows)):  # no reader narrows again, one widens
             up = walk._param(walk.forms[rows[0]][1])
             ups = {walk._param(walk.forms[n][1]) for n in rows}
             found = {}
@@ -1609,34 +1661,38 @@ def settle(graphs: list, tp: int, notes: dict, fused: dict = None, sequence=None
     mixed = {} if mixed is None else mixed
     start = (dict(notes), dict(fused), {k: set(v) for k, v in mixed.items()})
     best = _settle(graphs, tp, notes, fused, sequence, mixed)
-    kinds: dict = {}  # the pair's modules with layer numbers starred -> ({down fqn: why}, {up fqns})
-    for walk in best[0]:
-        for downs, ups in _low_rank(walk):
-            key = tuple(re.sub(r"\.\d+\.", ".*.", fqn) for fqn in downs)
-            entry = kinds.setdefault(key, ({}, set()))
-            entry[0].update({f: w for f, w in downs.items() if f not in notes})
-            entry[1].update(ups)
-    kept = {}
-    for downs, ups in kinds.values():
-        if not downs:
-            continue
-        trial = (dict(start[0]), dict(start[1]), {k: set(v) for k, v in start[2].items()})
-        found = _settle(graphs, tp, *trial[:2], sequence, trial[2], dict(kept, **downs))
-        roles, ending = {}, {}  # an up-projection's role, and whether its region ends in a row-wise linear
-        for walk in found[0]:
-            roles.update({walk._param(walk.forms[n][1]): r for n, r in walk.roles.items() if n in walk.forms})
-            for region in _regions(walk):
-                rowwise = any(walk.roles.get(n) == "rowwise" for n in region)
-                for n in region:
-                    if walk.roles.get(n) == "colwise":
-                        ending[walk._param(walk.forms[n][1])] = rowwise
-        # kept where each up-projection shards what it makes to a row-wise linear (the heads, to the output
-        # projection), not only to be gathered again (a narrow MLP's down-projection before a residual add)
-        if all(roles.get(fqn) == "colwise" and ending.get(fqn) and fqn not in trial[0] for fqn in ups):
-            best, kept = found, dict(kept, **downs)
-            for mine, theirs in zip((notes, fused, mixed), trial):
-                mine.clear()
-                mine.update(theirs)
+    kept, tried = {}, set()
+    while True:  # a kept kind can turn other layers' pairs into low-rank ones (DeepSeek-V3.2): found, tried again
+        kinds: dict = {}  # the pair's modules with layer numbers starred -> ({down fqn: why}, {up fqns})
+        for walk in best[0]:
+            for downs, ups in _low_rank(walk):
+                key = tuple(re.sub(r"\.\d+\.", ".*.", fqn) for fqn in downs)
+                entry = kinds.setdefault(key, ({}, set()))
+                entry[0].update({f: w for f, w in downs.items() if f not in notes and f not in tried})
+                entry[1].update(ups)
+        pending = [(downs, ups) for downs, ups in kinds.values() if downs]
+        if not pending:
+            break
+        for downs, ups in pending:
+            tried.update(downs)
+            trial = (dict(start[0]), dict(start[1]), {k: set(v) for k, v in start[2].items()})
+            found = _settle(graphs, tp, *trial[:2], sequence, trial[2], dict(kept, **downs))
+            roles, ending = {}, {}  # an up-projection's role, and whether its region ends reduced
+            for walk in found[0]:
+                roles.update({walk._param(walk.forms[n][1]): r for n, r in walk.roles.items() if n in walk.forms})
+                for region in _regions(walk):
+                    reduced = any(walk.roles.get(n) == "rowwise" or n in walk.sums for n in region)
+                    for n in region:
+                        if walk.roles.get(n) == "colwise":
+                            ending[walk._param(walk.forms[n][1])] = reduced
+            # kept where each up-projection shards what it makes to a row-wise linear (the heads, to the output
+            # projection) or a sum over its pieces (DeepSeek-V3.2's indexer: the heads' scores weighted and
+            # summed), not only to be gathered again (a narrow MLP's down-projection before a residual add)
+            if all(roles.get(fqn) == "colwise" and ending.get(fqn) and fqn not in trial[0] for fqn in ups):
+                best, kept = found, dict(kept, **downs)
+                for mine, theirs in zip((notes, fused, mixed), trial):
+                    mine.clear()
+                    mine.update(theirs)
     if gathered is not None:
         gathered.update(kept)
     return best
@@ -1657,13 +1713,14 @@ def _settle(graphs: list, tp: int, notes: dict, fused: dict = None, sequence=Non
     mixed = {} if mixed is None else mixed
     reasons = [{} for _ in graphs]  # per graph, every reason met in a pass that decided something, in order
     buffers = [{} for _ in graphs]  # per graph, values written in place where a shard cannot be: kept whole
+    pieces: dict = {}  # fqn -> dim: parameters whose values are read at their piece, sharded where they are made
     while True:
         walks, sent = [], {}
         for index, (g, fqn_of, needs_grad, *rest) in enumerate(graphs):
             boundary = rest[0] if rest else {}
             received = {ph: sent[name] for ph, name in boundary.get("received", {}).items() if name in sent}
             walk = _Walk(g, fqn_of, tp, set(notes), needs_grad, fused, sequence, received, boundary.get("last", True),
-                         mixed, buffers[index], gathered)
+                         mixed, buffers[index], gathered, pieces)
             outputs = list(g.output_node().args[0]) if boundary else []
             for node, name in zip(outputs, boundary.get("outputs", [])):
                 if node in walk.sends:
@@ -1673,6 +1730,8 @@ def _settle(graphs: list, tp: int, notes: dict, fused: dict = None, sequence=Non
             for walk, kept in zip(walks, buffers):
                 kept.update(walk.buffers_wanted)
             continue  # a value written in place must be whole from where it is made: walk again
+        if _learn_pieces(walks, pieces, notes):
+            continue  # a parameter read at its piece: sharded where it is made, and walk again
         narrow: dict = {}
         if _learn_segments(walks, tp, fused, narrow) and not narrow:
             continue  # the cuts were walked without their segments: walk again before deciding anything
