@@ -277,3 +277,33 @@ def test_a_gathered_low_rank_latent_is_read_whole_by_every_reader(tmp_path):
     assert params["blocks.0.q_a.weight"]["role"] == "colwise" and "all-gathered" in params["blocks.0.q_a.weight"]["why"]
     assert params["blocks.0.q_b.weight"]["role"] == "colwise" and params["blocks.0.o.weight"]["role"] == "rowwise"
     _trains_equal_to_eager(path, out, 2, tmp_path)
+
+
+def test_parameters_read_only_at_a_ranks_channels_are_held_as_pieces(tmp_path):
+    # Mamba-1's A_log (-exp(A_log)[None, :, None, :]), D, its depthwise convolution's weight and bias and dt_proj's
+    # bias added on its own are read only at this rank's channels: each rank holds its piece of them (they used to
+    # be whole on every rank, read at their piece), and the mixer trains equal to eager
+    path, out = model_path("tp_selective_scan"), str(tmp_path / "out")
+    manifest = split_model(path, out, num_microbatches=2, layout=Layout(pp=1, tp=2))
+    params = manifest["tp"]["params"]
+    for name in ("A_log", "D", "conv1d.weight", "conv1d.bias", "dt_proj.bias"):
+        assert params[f"blocks.0.{name}"]["dim"] == 0, (name, params[f"blocks.0.{name}"])
+    assert params["blocks.0.in_proj.weight"]["role"] == "colwise" and params["blocks.0.out_proj.weight"]["role"] == "rowwise"
+    assert manifest["tp"]["stages"][0]["share"]["params"] == 1.0
+    _trains_equal_to_eager(path, out, 2, tmp_path)
+
+
+def test_a_sparse_attention_indexer_keeps_the_attention_sharded_by_heads(tmp_path):
+    # DeepSeek-V3.2's indexer: the low-rank query latent is read by the attention's up-projection and by the
+    # indexer's, which does not widen; the heads' scores are summed over the heads with whole weights that carry a
+    # gradient (read at their piece: a partial sum, all-reduced). The down-projection is gathered and every
+    # up-projection shards its heads: the attention ends row-wise. (The indexer's reader used to keep the latent
+    # sharded: q_b row-wise, the attention whole, o column-wise and the residual stream sharded from there on.)
+    path, out = model_path("tp_indexer"), str(tmp_path / "out")
+    manifest = split_model(path, out, num_microbatches=2, layout=Layout(pp=1, tp=2))
+    roles = {fqn: entry["role"] for fqn, entry in manifest["tp"]["params"].items()}
+    for layer in (0, 1):
+        assert [roles[f"blocks.{layer}.{name}.weight"] for name in ("q_a", "q_b", "wq", "kv", "o")] == [
+            "colwise", "colwise", "colwise", "colwise", "rowwise"], roles
+        assert roles[f"blocks.{layer}.wk.weight"] == "replicate"  # one key head, normalised over its features
+    _trains_equal_to_eager(path, out, 2, tmp_path)

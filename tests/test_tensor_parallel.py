@@ -444,14 +444,16 @@ def test_torch_rules_place_the_ops_the_walk_has_no_rule_for():
     ("gpt_bigcode", 0.84, ["attn.c_proj.weight"], ("attn.c_attn.weight", "(key/value heads fewer than --tp)")),
     ("doge", 0.99, ["self_attn.q_proj.weight", "self_attn.dt_proj.weight", "self_attn.o_proj.weight"], None),
     ("gemma4_text", 0.99, ["per_layer_input_gate.weight", "per_layer_projection.weight"], None),
-    ("falcon_mamba", 0.9, ["mixer.in_proj.weight", "mixer.dt_proj.weight", "mixer.out_proj.weight"], None),
+    ("falcon_mamba", 0.99, ["mixer.in_proj.weight", "mixer.dt_proj.weight", "mixer.out_proj.weight", "mixer.A_log",
+                            "mixer.D", "mixer.conv1d.weight"], None),
     ("llama4_text", 0.99, ["feed_forward.experts.gate_up_proj", "feed_forward.experts.down_proj"], None)])
 def test_families_written_their_own_way_shard_their_attention(monkeypatch, family, share, sharded, why):
     # issue 47: heads read by baddbmm over [batch * heads] with a whole ALiBi table (Bloom), rotary interleaved by
     # a stack of head-local slices (Cohere), per-head LayerNorms of a ModuleList over heads split one by one
     # (StableLM), a multi-query fused c_attn whose key/value part stays whole (GPTBigCode), a mask per head computed
     # from the values and carrying a gradient (Doge), a per-layer input gating a projection (Gemma 4), Mamba's mixer:
-    # a depthwise causal conv over sharded channels and dt_proj.weight @ dt (Falcon-Mamba), experts computed on
+    # a depthwise causal conv over sharded channels and dt_proj.weight @ dt, A_log, D and the conv's weight held
+    # as pieces (Falcon-Mamba), experts computed on
     # every token by bmm with 3-D weights [experts, in, out] (Llama 4): each expert column- then row-wise
     import sys
 
@@ -528,6 +530,25 @@ def test_mla_gathers_its_down_projections_and_shards_the_heads_they_make(monkeyp
     assert not any(stage["replicated"] for stage in manifest["tp"]["stages"]), manifest["tp"]["stages"]
     gathered = [c["shape"][-1] for c in manifest["tp"]["stages"][0]["collectives"] if c["op"] == "all_gather"]
     assert gathered == ["32", "24"], gathered  # stage 0 (layer 0): the q and kv latents, one all-gather each
+
+
+def test_sparse_attention_indexer_keeps_every_layers_attention_sharded_by_heads(monkeypatch):
+    # DeepSeek-V3.2: the query latent is also read by the indexer's wq_b (as wide as the latent in the tiny config)
+    # whose heads' scores are summed over the heads. Its low-rank pair used to be refused in layer 0 (q_b row-wise,
+    # the attention whole, o_proj column-wise) and the residual stream stayed sharded in every later layer, up to
+    # the router that needs it whole
+    import sys
+
+    sys.path.insert(0, ZOO)
+    monkeypatch.setenv("HF_FAMILY", "deepseek_v32")
+    manifest = check_model(os.path.join(ZOO, "hf_family.py"), num_microbatches=4, layout=Layout(pp=2, tp=2))
+    params = manifest["tp"]["params"]
+    for layer in range(4):
+        prefix = f"model.layers.{layer}."
+        roles = [params[prefix + "self_attn." + name + ".weight"]["role"]
+                 for name in ("q_a_proj", "q_b_proj", "indexer.wq_b", "kv_b_proj", "o_proj")]
+        assert roles == ["colwise", "colwise", "colwise", "colwise", "rowwise"], (layer, roles)
+        assert params[prefix + "input_layernorm.weight"]["dim"] is None  # the residual stream whole
 
 
 def test_per_head_weights_of_a_batched_matmul_shard_with_their_heads(monkeypatch):
