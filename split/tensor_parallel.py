@@ -1559,6 +1559,12 @@ def _learn_pieces(walks: list, pieces: dict, notes: dict) -> bool:
     One that is read whole elsewhere becomes "used sharded in one place and whole in another" and is replicated."""
     learned = False
     for walk in walks:
+        for consumer, arg in walk.gathers:  # a piece made whole again (its reader's input was whole after all)
+            found = _piece_of(walk, arg, walk.shard.get(arg)) if arg in walk.shard else None
+            if found is not None and found[0] in pieces and found[0] not in notes:
+                notes[found[0]] = (f"read whole by {consumer.target}{_at(consumer)}, where the value it makes meets "
+                                   f"whole ones")
+                learned = True
         for _consumer, arg, dim, groups in walk.scatters:
             if groups != 1 or not isinstance(dim, int) or not walk._param_only(arg):
                 continue
