@@ -1412,14 +1412,19 @@ class _Walk:
         if q not in self.shard or self.shard[q] != _val(q).dim() - 3 or q in self.segs or q in self.kind:
             return False
         gqa = node.kwargs.get("enable_gqa", False)
-        reads, groups = [], []
+        reads, groups, regathered = [], [], []
         heads = int(_val(q).shape[-3]) if _ints([_val(q).shape[-3]]) else None
         for t in (k, v):
             if t in self.shard:
-                if self.shard[t] != _val(t).dim() - 3 or t in self.segs or t in self.kind:
+                if self.shard[t] == _val(t).dim() - 3 and t not in self.segs and t not in self.kind:
+                    continue
+                if t in self.part or t in self.kind:
                     self._whole_part(t)  # a key/value part of a fused projection split inside its heads
                     return False
-                continue
+                # a key or value sharded on another dim (ZAYA's value: halves of each head from two projections,
+                # each rank holding a piece of every head's features): every query head needs all of it, so it is
+                # gathered here and read whole at this rank's heads below; the queries stay on their heads
+                regathered.append(t)
             if heads is None or not _ints([_val(t).shape[-3]]):
                 return False
             count = int(_val(t).shape[-3])
@@ -1449,11 +1454,15 @@ class _Walk:
                     reads.append((mask, at))
                 elif self.needs_grad.get(mask):
                     reads.append((mask, None))
+        for t in regathered:
+            self._refuse(node, f"reads {t.name} sharded on dim {self.shard[t]}, not on its heads: gathered, then "
+                               f"read at this rank's heads")
+            self._gather(node, t)
         self._read_whole(node, reads)
         for t, count in groups:
             self.head_groups.append((node, t, _val(t).dim() - 3, count))
             self._claimed.add((node, t))
-        self._place(node, self.shard[q], None, self._origin_of([q, k, v]))
+        self._place(node, self.shard[q], None, self._origin_of([q] + [t for t in (k, v) if t not in regathered]))
         return True
 
 
@@ -1467,9 +1476,10 @@ def _regions(walk: _Walk) -> list:
         return n
 
     tp_sharded = [node for node in walk.shard if walk.kind.get(node) != "seq"]  # sequence shards join nothing
+    gathered = set(walk.gathers)  # a value made whole before an op (a value attention gathers) joins nothing there
     for node in tp_sharded + list(walk.sums):  # a sum over pieces joins what it reads (a contraction: both sides)
         for arg in node.all_input_nodes:
-            if arg in walk.shard and walk.kind.get(arg) != "seq":
+            if arg in walk.shard and walk.kind.get(arg) != "seq" and (node, arg) not in gathered:
                 parent[find(node)] = find(arg)
     groups: dict = {}
     for node in tp_sharded:
@@ -2053,6 +2063,7 @@ def _rewrite(g: fx.Graph, walk: _Walk, tp: int, params: dict) -> None:
             copies[key] = _insert(g, anchor, TP.tp_copy.default, [arg], _val(arg), consumer)
         consumer.replace_input_with(arg, copies[key])
     gathered: dict = {}
+    made_whole: dict = {}  # (consumer, sharded input) -> the gathered value it reads (a scatter below reads that)
     walk_gathers = [(consumer, arg) for consumer, arg in walk.gathers if arg not in whole]
     at = _reading(g, walk_gathers)
     for consumer, arg in walk_gathers:
@@ -2063,6 +2074,7 @@ def _rewrite(g: fx.Graph, walk: _Walk, tp: int, params: dict) -> None:
             gathered[key] = _insert(g, anchor, TP.tp_all_gather.default, [arg, dim] + ([groups] * (groups > 1)),
                                     _val(arg), arg)
         consumer.replace_input_with(arg, gathered[key])
+        made_whole[(consumer, arg)] = gathered[key]
     entering: dict = {}
     at = _reading(g, walk.sp_gathers)
     for consumer, arg in walk.sp_gathers:  # sequence shards into a column-parallel region
@@ -2073,7 +2085,8 @@ def _rewrite(g: fx.Graph, walk: _Walk, tp: int, params: dict) -> None:
                                     _val(arg), arg)
         consumer.replace_input_with(arg, entering[key])
     pieces: dict = {}
-    walk_scatters = [(consumer, whole.get(arg, arg), dim, groups) for consumer, arg, dim, groups in walk.scatters]
+    walk_scatters = [(consumer, made_whole.get((consumer, arg), whole.get(arg, arg)), dim, groups)
+                     for consumer, arg, dim, groups in walk.scatters]
     at = _reading(g, [(consumer, arg) for consumer, arg, _dim, _groups in walk_scatters])
     for consumer, arg, dim, groups in walk_scatters:  # a whole value read beside pieces: this rank's piece
         key, anchor = at(consumer, arg)
@@ -2087,7 +2100,7 @@ def _rewrite(g: fx.Graph, walk: _Walk, tp: int, params: dict) -> None:
                                              consumer)
         consumer.replace_input_with(arg, pieces[(key, dim)])
     for consumer, arg, dim, count in walk.head_groups:  # whole key/value heads: the group this rank's queries need
-        arg = whole.get(arg, arg)
+        arg = made_whole.get((consumer, arg), whole.get(arg, arg))
         if (arg, dim, count) not in pieces:
             pieces[(arg, dim, count)] = _insert(g, consumer, TP.tp_head_group.default, [arg, dim, count],
                                                 _local_val(_val(arg), dim, count), consumer)

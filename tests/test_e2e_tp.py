@@ -306,4 +306,22 @@ def test_a_sparse_attention_indexer_keeps_the_attention_sharded_by_heads(tmp_pat
         assert [roles[f"blocks.{layer}.{name}.weight"] for name in ("q_a", "q_b", "wq", "kv", "o")] == [
             "colwise", "colwise", "colwise", "colwise", "rowwise"], roles
         assert roles[f"blocks.{layer}.wk.weight"] == "replicate"  # one key head, normalised over its features
+
+
+def test_a_value_sharded_inside_its_heads_is_gathered_at_the_attention_alone(tmp_path):
+    # ZAYA's value heads are two projections side by side: at tp 2 each rank holds a piece of every value head's
+    # features, so the attention gathers the value and reads it at this rank's heads, the queries and keys staying
+    # on theirs. The attention used to gather all three, and q, k, v and o were all replicated (ZAYA: 0.90 -> 0.98)
+    path, out = model_path("tp_split_value"), str(tmp_path / "out")
+    manifest = split_model(path, out, num_microbatches=2, layout=Layout(pp=1, tp=2))
+    roles = {fqn: entry["role"] for fqn, entry in manifest["tp"]["params"].items()}
+    for block in (0, 1):
+        assert roles[f"blocks.{block}.q.weight"] == roles[f"blocks.{block}.k.weight"] == "colwise", roles
+        assert roles[f"blocks.{block}.o.weight"] == "rowwise", roles
+    # nothing else reads block 0's value projections: kept whole; block 1's gate keeps them column-wise, and its
+    # value is gathered, then cut to this rank's heads
+    assert roles["blocks.0.v_now.weight"] == roles["blocks.0.v_prev.weight"] == "replicate", roles
+    assert roles["blocks.1.v_now.weight"] == roles["blocks.1.v_prev.weight"] == "colwise", roles
+    script = open(os.path.join(out, "rank0.py")).read()
+    assert re.search(r"tp_scatter\.default\(tp_all_gather_default\w*, 1\)", script), script
     _trains_equal_to_eager(path, out, 2, tmp_path)
