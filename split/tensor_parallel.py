@@ -2154,6 +2154,8 @@ def _rewrite(g: fx.Graph, walk: _Walk, tp: int, params: dict) -> None:
     for node, dim in walk.shard.items():  # local sizes: in view/expand arguments and in the annotations
         if node in walk.reduce_scatters:  # its own value is the whole partial sum; the scatter after it is local
             continue
+        if node.op == "placeholder" and walk._param(node) is not None:  # a parameter held as a piece: below
+            continue
         if node.target in _VIEWS or node.target in _EXPANDS or node.target in _FRESH:
             sizes = list(node.args[1])
             if sizes[dim] != -1:
