@@ -1689,7 +1689,12 @@ def settle(graphs: list, tp: int, notes: dict, fused: dict = None, sequence=None
         pending = [(downs, ups) for downs, ups in kinds.values() if downs]
         if not pending:
             break
+        if len(pending) > 1:  # every kind at once first (MLA's q and kv pairs: each alone leaves the attention whole)
+            pending.insert(0, ({f: w for downs, _ups in pending for f, w in downs.items()},
+                               {f for _downs, ups in pending for f in ups}))
         for downs, ups in pending:
+            if set(downs) <= set(kept):
+                continue
             tried.update(downs)
             trial = (dict(start[0]), dict(start[1]), {k: set(v) for k, v in start[2].items()})
             found = _settle(graphs, tp, *trial[:2], sequence, trial[2], dict(kept, **downs))
@@ -1704,14 +1709,24 @@ def settle(graphs: list, tp: int, notes: dict, fused: dict = None, sequence=None
             # kept where each up-projection shards what it makes to a row-wise linear (the heads, to the output
             # projection) or a sum over its pieces (DeepSeek-V3.2's indexer: the heads' scores weighted and
             # summed), not only to be gathered again (a narrow MLP's down-projection before a residual add)
-            if all(roles.get(fqn) == "colwise" and ending.get(fqn) and fqn not in trial[0] for fqn in ups):
+            # and where the plan then meets no more ops that need a sharded value whole (a norm's modulation MLP,
+            # 64 -> 16 -> 64, has the shapes of a pair, but gathered it shards the residual stream it scales, up to
+            # the router and the experts that need it whole: AXK2)
+            if (all(roles.get(fqn) == "colwise" and ending.get(fqn) and fqn not in trial[0] for fqn in ups)
+                    and _refusals(found) <= _refusals(best)):
                 best, kept = found, dict(kept, **downs)
                 for mine, theirs in zip((notes, fused, mixed), trial):
                     mine.clear()
                     mine.update(theirs)
-    if gathered is not None:
-        gathered.update(kept)
+    if gathered is not None:  # those the kept plan made column-wise (an input sharded by then: row-wise)
+        roles = {walk._param(walk.forms[n][1]): r for walk in best[0] for n, r in walk.roles.items() if n in walk.forms}
+        gathered.update({fqn: why for fqn, why in kept.items() if roles.get(fqn) == "colwise"})
     return best
+
+
+def _refusals(settled: tuple) -> int:
+    """How many ops of a settled plan's final walks (:func:`_settle`'s answer) need a sharded value whole."""
+    return sum(len(walk.reasons) for walk in settled[0])
 
 
 def _settle(graphs: list, tp: int, notes: dict, fused: dict = None, sequence=None, mixed: dict = None,
