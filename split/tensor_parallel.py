@@ -71,7 +71,7 @@ _UNARY = {
 }
 _ELEMENTWISE = {
     aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.maximum.default,
-    aten.minimum.default, aten.where.self, aten.add.Scalar, aten.mul.Scalar, aten.sub.Scalar, aten.div.Scalar,
+    aten.minimum.default, aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf, aten.add.Scalar, aten.mul.Scalar, aten.sub.Scalar, aten.div.Scalar,
     aten.add_.Tensor, aten.mul_.Tensor, aten.sub_.Tensor, aten.div_.Tensor, aten.masked_fill.Scalar,
     aten.masked_fill.Tensor, aten.pow.Tensor_Tensor, aten.rsub.Scalar, aten.rsub.Tensor, aten.div.Tensor_mode,
 }
@@ -114,6 +114,11 @@ class TPPlan:
         if self.sequence_parallel is not None:
             out["sequence_parallel"] = self.sequence_parallel
         return out
+
+
+def _swapped(dim: int, ndim: int) -> int:
+    """``dim`` of a tensor after its last two dims are swapped."""
+    return dim if dim < ndim - 2 else 2 * ndim - 3 - dim
 
 
 def _in_dim(weight_val, out_dim: int) -> int:
@@ -362,8 +367,8 @@ class _Walk:
         fqn = self._param(node)
         if fqn is None:
             return
-        if node in self.aliases and dim is not None:  # a transposed 2-D weight: its dims swap
-            dim = 1 - dim
+        if node in self.aliases and dim is not None:  # a transposed weight: its last two dims swap
+            dim = _swapped(dim, _val(node).dim())
         self.uses.setdefault(fqn, set()).add(dim)
         if dim is not None and segments:
             self.param_segments[fqn] = tuple(int(s) for s in segments)
@@ -540,16 +545,21 @@ class _Walk:
         return True
 
     def _alias(self, node) -> bool:
-        """A transpose of a 2-D parameter (``W.T`` in ``x @ W.T``): read through to the parameter."""
+        """A transpose of a 2-D parameter's dims or of a 3-D one's last two (``W.T`` in ``x @ W.T``, experts'
+        ``bmm(x, W.transpose(1, 2))``: Inkling's shared experts): read through to the parameter."""
         if node.target not in _TRANSPOSES or not node.args or node.args[0] in self.aliases:
             return False
         source = node.args[0]
         if not (isinstance(source, fx.Node) and source.op == "placeholder" and source.name in self.fqn_of
-                and _val(source).dim() == 2):
+                and _val(source).dim() in (2, 3)):
             return False
-        if node.target is aten.transpose.int and sorted(d % 2 for d in node.args[1:3]) != [0, 1]:
+        ndim = _val(source).dim()
+        if node.target is aten.transpose.int and sorted(d % ndim for d in node.args[1:3]) != [ndim - 2, ndim - 1]:
             return False
-        if node.target is aten.permute.default and [d % 2 for d in node.args[1]] != [1, 0]:
+        if node.target is aten.permute.default and [d % ndim for d in node.args[1]] != list(range(ndim - 2)) + [
+                ndim - 1, ndim - 2]:
+            return False
+        if node.target in (aten.t.default, aten.numpy_T.default) and ndim != 2:
             return False
         self.aliases[node] = source
         return True
@@ -593,6 +603,15 @@ class _Walk:
                 self.forms[node] = (x, weight, bias, out_dim)
                 self._claim(node, weight, _in_dim(wval, out_dim), segments)
                 self._scatter_output(node)
+                return
+            if not left and self.shard[x] < features and not segments and fqn not in self.forced:
+                # rows sharded on a dim before the features (Inkling's per-head states @ a bank of profiles): each
+                # row's product is its own, the weight whole on every rank, its gradient summed over tp
+                for arg in (weight, bias):
+                    if isinstance(arg, fx.Node) and self.needs_grad.get(arg, True):
+                        self.copies.append((node, arg))
+                    self._claimed.add((node, arg))
+                self._carry(node, x)
                 return
             if fqn not in self.forced:
                 self._refuse(node, f"input sharded on dim {self.shard[x]}, not its features")
@@ -749,11 +768,23 @@ class _Walk:
             return True
         if target in _CONVS:
             return self._depthwise_conv(node)
+        if target is aten.gather.default:
+            return self._gather_along(node)
         if first not in self.shard or len(sharded) != 1:
             return False
         dim = self.shard[first]
         in_val = _val(first)
         ndim = in_val.dim()
+        if target is aten.unfold.default:  # windows along another dim, appended as a last dim (a short conv's lags)
+            if node.args[1] % ndim == dim:
+                return False
+            self._carry(node, first)
+            return True
+        if target is aten.flip.default:  # reversed along other dims
+            if dim in [d % ndim for d in node.args[1]]:
+                return False
+            self._carry(node, first)
+            return True
         if target is aten.transpose.int:
             a, b = (d % ndim for d in node.args[1:3])
             self._carry(node, first, b if dim == a else a if dim == b else dim)
@@ -1340,6 +1371,28 @@ class _Walk:
             elif self.needs_grad.get(arg):
                 self.copies.append((node, arg))
 
+    def _gather_along(self, node) -> bool:
+        """``gather(x, dim, index)`` along a dim other than the sharded one (Inkling's relative-position bias per head,
+        picked by distance): each output element reads its own row of x, so the output is sharded as x is; an index
+        as wide as x's sharded dim (whole, an expanded table) is read at this rank's piece."""
+        x, along, index = node.args[0], node.args[1], node.args[2]
+        if (x not in self.shard or self.kind.get(x) == "seq" or x in self.segs
+                or (node.args[3:] + tuple(node.kwargs.values())) not in ((), (False,))):  # sparse_grad=False
+            return False
+        d = self.shard[x]
+        if along % _val(x).dim() == d:
+            return False
+        if index in self.shard:
+            if self.shard[index] != d or self.segs.get(index) != self.segs.get(x):
+                return False
+        elif not _equal(_val(index).shape[d], _val(x).shape[d]) or self.needs_grad.get(index):
+            return False
+        else:
+            self.scatters.append((node, index, d, 1))
+            self._claimed.add((node, index))
+        self._carry(node, x)
+        return True
+
     def _depthwise_conv(self, node) -> bool:
         """A depthwise convolution over sharded channels (``groups`` = channels: LFM2's short convolution, the causal
         conv1d of Mamba and gated delta-net mixers) mixes each channel with itself only, a grouped one (ZAYA's
@@ -1543,17 +1596,35 @@ def _forced_by_overrides(aliases: dict, overrides) -> dict:
 def _piece_of(walk: _Walk, node, dim):
     """(fqn, dim) of the one parameter that ``node`` is made from by ops of one input that keep its sizes apart from
     dims of 1 (casts, ``exp``, ``neg``, ``unsqueeze``: Mamba's ``-exp(A_log.float())[None, :, None, :]``, a bias
-    ``[:, None]``), with ``dim`` of ``node`` traced back to the parameter's dim; else None."""
+    ``[:, None]``), transposes and views that split it into heads, with ``dim`` of ``node`` traced back to the
+    parameter's dim; else None."""
     while True:
         if node.op == "placeholder":
             fqn = walk.fqn_of.get(node.name)
             return (fqn, dim) if fqn is not None else None
-        if node.op != "call_function" or node.target in _TRANSPOSES or len(node.all_input_nodes) != 1:
+        if node.op != "call_function" or len(node.all_input_nodes) != 1:
             return None
         source = node.all_input_nodes[0]
         out_val, in_val = _val(node), _val(source)
         if not (isinstance(out_val, torch.Tensor) and isinstance(in_val, torch.Tensor)):
             return None
+        if node.target is aten.transpose.int:  # Inkling 2's static_weight.T.view(heads, -1, k)
+            a, b = (d % in_val.dim() for d in node.args[1:3])
+            node, dim = source, (b if dim == a else a if dim == b else dim)
+            continue
+        if node.target in (aten.t.default, aten.numpy_T.default) and in_val.dim() == 2:
+            node, dim = source, 1 - dim
+            continue
+        if node.target is aten.permute.default:
+            node, dim = source, node.args[1][dim] % in_val.dim()
+            continue
+        if node.target in _VIEWS:  # the input dim whose pieces the view makes this dim's
+            found = [d for d in range(in_val.dim())
+                     if view_placement(_sizes(in_val), _sizes(out_val), d, None, walk.tp) == (dim, None)]
+            if len(found) != 1:
+                return None
+            node, dim = source, found[0]
+            continue
         outs = [i for i, size in enumerate(out_val.shape) if not _equal(size, 1)]
         ins = [i for i, size in enumerate(in_val.shape) if not _equal(size, 1)]
         if (len(outs) != len(ins) or dim not in outs
@@ -2192,7 +2263,7 @@ def _rewrite(g: fx.Graph, walk: _Walk, tp: int, params: dict) -> None:
         fqn = walk._param(ph) if (ph.op == "placeholder" or ph in walk.aliases) else None
         dim = params.get(fqn, {}).get("dim") if fqn is not None else None
         if dim is not None:
-            ph.meta["val"] = _local_val(_val(ph), 1 - dim if ph in walk.aliases else dim, tp)
+            ph.meta["val"] = _local_val(_val(ph), _swapped(dim, _val(ph).dim()) if ph in walk.aliases else dim, tp)
     g.lint()
 
 

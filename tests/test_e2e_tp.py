@@ -327,3 +327,19 @@ def test_a_value_sharded_inside_its_heads_is_gathered_at_the_attention_alone(tmp
     script = open(os.path.join(out, "rank0.py")).read()
     assert re.search(r"tp_scatter\.default\(tp_all_gather_default\w*, 1\)", script), script
     _trains_equal_to_eager(path, out, 2, tmp_path)
+
+
+def test_per_head_tables_and_3d_expert_weights_shard_with_their_heads(tmp_path):
+    # Inkling's relative position bias per head (states sharded on their heads @ a bank [r, extent]: a linear over
+    # rows sharded before their features, the bank whole, its gradient summed), picked by distance with gather
+    # along the last dim and masked with where(cond, x, -inf); a short convolution over time by pad, unfold and flip
+    # with static taps read as taps.T.view(heads, d, k) (held as pieces); a shared expert of 3-D weights read
+    # through bmm(x, W.transpose(1, 2)) (column- then row-wise). All of it used to stay whole
+    path, out = model_path("tp_head_tables"), str(tmp_path / "out")
+    manifest = split_model(path, out, num_microbatches=2, layout=Layout(pp=1, tp=2))
+    params = manifest["tp"]["params"]
+    assert [params[f"blocks.0.{name}"]["role"] for name in ("r.weight", "gate", "up", "down", "o.weight")] == [
+        "colwise", "colwise", "colwise", "rowwise", "rowwise"], params
+    assert params["blocks.0.taps"]["dim"] == 1 and params.get("blocks.0.bank", {}).get("dim") is None
+    assert not manifest["tp"]["stages"][0]["replicated"], manifest["tp"]["stages"][0]["replicated"]
+    _trains_equal_to_eager(path, out, 2, tmp_path)
