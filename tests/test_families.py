@@ -28,7 +28,8 @@ SEED = int(os.environ.get("TRACEPP_FAMILY_SEED", datetime.date.today().strftime(
 DENSE = {"llama": 0.99, "apertus": 0.99, "arcee": 0.99, "bloom": 0.99, "cohere": 0.99, "stablelm": 0.99,
          "gpt_bigcode": 0.84, "doge": 0.99, "gemma4_text": 0.99, "lfm2": 0.99, "deepseek_v3": 0.99,
          "llama4_text": 0.99, "recurrent_gemma": 0.98, "cpmant": 0.99, "moshi": 0.99, "olmo_hybrid": 0.98,
-         "qwen3_5_text": 0.98, "xlm": 0.99}
+         "qwen3_5_text": 0.98, "xlm": 0.99, "jamba": 0.99, "zaya": 0.98, "inkling_text": 0.95, "falcon_mamba": 0.99,
+         "deepseek_v32": 0.93}
 MOE = ["gpt_oss", "afmoe", "aria_text", "phimoe", "nemotron_h"]
 
 
