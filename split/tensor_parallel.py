@@ -71,7 +71,8 @@ _UNARY = {
 }
 _ELEMENTWISE = {
     aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.maximum.default,
-    aten.minimum.default, aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf, aten.add.Scalar, aten.mul.Scalar, aten.sub.Scalar, aten.div.Scalar,
+    aten.minimum.default, aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf, aten.add.Scalar,
+    aten.mul.Scalar, aten.sub.Scalar, aten.div.Scalar,
     aten.add_.Tensor, aten.mul_.Tensor, aten.sub_.Tensor, aten.div_.Tensor, aten.masked_fill.Scalar,
     aten.masked_fill.Tensor, aten.pow.Tensor_Tensor, aten.rsub.Scalar, aten.rsub.Tensor, aten.div.Tensor_mode,
 }
@@ -1388,8 +1389,7 @@ class _Walk:
         elif not _equal(_val(index).shape[d], _val(x).shape[d]) or self.needs_grad.get(index):
             return False
         else:
-            self.scatters.append((node, index, d, 1))
-            self._claimed.add((node, index))
+            self._read_whole(node, [(index, d)])
         self._carry(node, x)
         return True
 
@@ -1594,14 +1594,13 @@ def _forced_by_overrides(aliases: dict, overrides) -> dict:
 
 
 def _piece_of(walk: _Walk, node, dim):
-    """(fqn, dim) of the one parameter that ``node`` is made from by ops of one input that keep its sizes apart from
+    """(placeholder, dim) of the one parameter that ``node`` is made from by ops of one input that keep its sizes apart from
     dims of 1 (casts, ``exp``, ``neg``, ``unsqueeze``: Mamba's ``-exp(A_log.float())[None, :, None, :]``, a bias
     ``[:, None]``), transposes and views that split it into heads, with ``dim`` of ``node`` traced back to the
     parameter's dim; else None."""
     while True:
         if node.op == "placeholder":
-            fqn = walk.fqn_of.get(node.name)
-            return (fqn, dim) if fqn is not None else None
+            return (node, dim) if node.name in walk.fqn_of else None
         if node.op != "call_function" or len(node.all_input_nodes) != 1:
             return None
         source = node.all_input_nodes[0]
@@ -1641,21 +1640,20 @@ def _learn_pieces(walks: list, pieces: dict, notes: dict) -> bool:
     learned = False
     for walk in walks:
         for consumer, arg in walk.gathers:  # a piece made whole again (its reader's input was whole after all)
-            found = _piece_of(walk, arg, walk.shard.get(arg)) if arg in walk.shard else None
-            if found is not None and found[0] in pieces and found[0] not in notes:
-                notes[found[0]] = (f"read whole by {consumer.target}{_at(consumer)}, where the value it makes meets "
-                                   f"whole ones")
+            found = _piece_of(walk, arg, walk.shard[arg]) if arg in walk.shard else None
+            fqn = walk.fqn_of[found[0].name] if found is not None else None
+            if fqn in pieces and fqn not in notes:
+                notes[fqn] = f"read whole by {consumer.target}{_at(consumer)}, where the value it makes meets whole ones"
                 learned = True
         for _consumer, arg, dim, groups in walk.scatters:
             if groups != 1 or not isinstance(dim, int) or not walk._param_only(arg):
                 continue
             found = _piece_of(walk, arg, dim)
-            if found is None or found[0] in notes or found[0] in pieces:
+            if found is None:
                 continue
-            fqn, at = found
-            placeholder = next(n for n in walk.graph.nodes if n.op == "placeholder" and walk.fqn_of.get(n.name) == fqn)
-            size = _val(placeholder).shape[at]
-            if _ints([size]) and int(size) % walk.tp == 0:
+            placeholder, at = found
+            fqn, size = walk.fqn_of[placeholder.name], _val(placeholder).shape[at]
+            if fqn not in notes and fqn not in pieces and _ints([size]) and int(size) % walk.tp == 0:
                 pieces[fqn] = at
                 learned = True
     return learned
@@ -1769,9 +1767,8 @@ def settle(graphs: list, tp: int, notes: dict, fused: dict = None, sequence=None
             tried.update(downs)
             trial = (dict(start[0]), dict(start[1]), {k: set(v) for k, v in start[2].items()})
             found = _settle(graphs, tp, *trial[:2], sequence, trial[2], dict(kept, **downs))
-            roles, ending = {}, {}  # an up-projection's role, and whether its region ends reduced
+            roles, ending = _linear_roles(found[0]), {}  # and whether an up-projection's region ends reduced
             for walk in found[0]:
-                roles.update({walk._param(walk.forms[n][1]): r for n, r in walk.roles.items() if n in walk.forms})
                 for region in _regions(walk):
                     reduced = any(walk.roles.get(n) == "rowwise" or n in walk.sums for n in region)
                     for n in region:
@@ -1790,9 +1787,14 @@ def settle(graphs: list, tp: int, notes: dict, fused: dict = None, sequence=None
                     mine.clear()
                     mine.update(theirs)
     if gathered is not None:  # those the kept plan made column-wise (an input sharded by then: row-wise)
-        roles = {walk._param(walk.forms[n][1]): r for walk in best[0] for n, r in walk.roles.items() if n in walk.forms}
+        roles = _linear_roles(best[0])
         gathered.update({fqn: why for fqn, why in kept.items() if roles.get(fqn) == "colwise"})
     return best
+
+
+def _linear_roles(walks: list) -> dict:
+    """{weight FQN: "colwise" | "rowwise"} of the linears the walks placed."""
+    return {walk._param(walk.forms[n][1]): r for walk in walks for n, r in walk.roles.items() if n in walk.forms}
 
 
 def _refusals(settled: tuple) -> int:

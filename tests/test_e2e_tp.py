@@ -288,7 +288,8 @@ def test_parameters_read_only_at_a_ranks_channels_are_held_as_pieces(tmp_path):
     params = manifest["tp"]["params"]
     for name in ("A_log", "D", "conv1d.weight", "conv1d.bias", "dt_proj.bias"):
         assert params[f"blocks.0.{name}"]["dim"] == 0, (name, params[f"blocks.0.{name}"])
-    assert params["blocks.0.in_proj.weight"]["role"] == "colwise" and params["blocks.0.out_proj.weight"]["role"] == "rowwise"
+    assert params["blocks.0.in_proj.weight"]["role"] == "colwise"
+    assert params["blocks.0.out_proj.weight"]["role"] == "rowwise"
     assert manifest["tp"]["stages"][0]["share"]["params"] == 1.0
     script = open(os.path.join(out, "rank0.py")).read()  # the local shape, halved once (it used to be twice)
     assert 'A_log: "f32[16, 4]"' in script, [line for line in script.splitlines() if "A_log:" in line]
