@@ -2,11 +2,14 @@
 
     python -m benchmarks.peer_tables benchmarks/results/<date>_tensor_parallel_step.json \\
         benchmarks/results/<date>_expert_parallel_step.json benchmarks/results/<date>_tune_sweep.json
+    python -m benchmarks.peer_tables benchmarks/results/<date>_cpu_quick.json ...   # suites run with --floor
 
 Prints one markdown table per file (the kind is read from its ``what``): per case tracepp's step, the peer's, the
 ratio (the median over paired rounds of the rounds' medians), the CPU-time ratio, the largest parameter
 difference between the systems and against eager training, peak memory per rank and the collectives of one step;
-for the sweep, the measured plans around the tuner's pick. Nothing is measured here.
+for the sweep, the measured plans around the tuner's pick; for quick suites run with ``--floor``, one table pooled over
+every file given: per case the paired steps' ideal / step of tracepp and of the floor loop (median and quartiles),
+and tracepp / floor per round. Nothing is measured here.
 """
 from __future__ import annotations
 
@@ -73,13 +76,57 @@ def table(record: dict) -> str:
     raise ValueError(f"not a result this prints: what={what!r}")
 
 
+def _spread(values: list) -> str:
+    """median [lower quartile - upper quartile] of ``values``."""
+    import statistics
+
+    ordered = sorted(values)
+    n = len(ordered)
+    return f"{statistics.median(ordered):.3f} [{ordered[n // 4]:.3f} - {ordered[(3 * n) // 4]:.3f}]"
+
+
+def floor_table(records: list) -> str:
+    """Quick suites run with ``--floor`` (benchmarks/run.py), pooled: each case's paired steps from every file."""
+    pooled: dict = {}
+    for record in records:
+        for entry in record["results"]:
+            floor = entry.get("floor") or {}
+            if not floor.get("stepwise") or not (entry.get("ideal") or {}).get("stepwise"):
+                continue
+            case = pooled.setdefault((entry["schedule"], entry["microbatches"], entry["model"]["name"]),
+                                     {"tracepp": [], "floor": [], "rounds": [], "same": True})
+            case["tracepp"] += [i / t for i, t in entry["ideal"]["stepwise"]]
+            case["floor"] += [i / t for i, t in floor["stepwise"]]
+            case["rounds"] += [t / f for t, f in zip(entry["tracepp"]["round_step_s"], floor["round_step_s"])
+                               if t and f]
+            case["same"] = case["same"] and entry.get("floor_same_losses") is True
+    rows = ["| schedule, M | paired steps | ideal / tracepp, per step | ideal / floor, per step | floor steps at >= 0.95 "
+            "of their ideal | tracepp / floor, per round | same losses |",
+            "| --- | --- | --- | --- | --- | --- | --- |"]
+    for (schedule, m, model), case in pooled.items():
+        name = f"{schedule}, {m}" + (f" ({model.split('_')[0]})" if not model.startswith("d") else "")
+        share = sum(value >= 0.95 for value in case["floor"]) / len(case["floor"])
+        rows.append(f"| {name} | {len(case['tracepp'])} / {len(case['floor'])} | {_spread(case['tracepp'])} | "
+                    f"{_spread(case['floor'])} | {share:.0%} | {_spread(case['rounds'])} | "
+                    f"{'yes' if case['same'] else 'NO'} |")
+    return "\n".join(rows)
+
+
 def main(argv=None) -> int:
+    suites = []
     for path in (argv if argv is not None else sys.argv[1:]):
         with open(path) as handle:
             record = json.load(handle)
+        if "results" in record:  # a benchmarks.run suite: pooled below
+            suites.append(path)
+            continue
         print(f"{path}:\n")
         print(table(record))
         print()
+    if suites:
+        records = [json.load(open(path)) for path in suites]
+        print(", ".join(suites) + " (pooled):\n")
+        print(floor_table(records))
     return 0
 
 

@@ -23,6 +23,11 @@ mixture-of-experts case: a Hugging Face Mixtral, 8 experts top-2, 1F1B on 2 rank
   the median of each round's ideal / tracepp), and ``efficiency_stepwise`` the median over every paired step of
   its ideal (priced with the costs measured around it) over its measured time: on a machine whose speed moves
   10 - 40% within minutes, the one ratio whose two sides see the same spell;
+* ``floor`` (``--floor``, CPU): tracepp's plan run by the thinnest loop (``benchmarks/floor_worker.py``: the same
+  stage functions with plain autograd, each rank's actions in the plan's order, tracepp's shared-memory messages,
+  one all-reduce per step, no runtime), next to tracepp in every round and with its own paired steps: how far from
+  the ideal a pipeline on this machine gets without tracepp's runtime (``floor_efficiency_stepwise``), and
+  ``tracepp_over_floor``, the median over rounds of tracepp's round over the floor's;
 * ``predicted``: the calibrated simulator (``tracepp.costs.model``, ``benchmarks/predict.py``): the same plan with
   the stage costs times the runtime factors (tracepp's executor over the plain stage functions, per kind, measured
   with the ideal's costs), the ping-pong's latency and bandwidth on every message, and the one overhead number of
@@ -94,6 +99,7 @@ class Settings:
     measured: int
     timeout: float
     paired: int = 0  # CPU: steps after the measured ones, each bracketed by in-run stage costs (tracepp_worker)
+    floor: bool = False  # CPU: also run benchmarks/floor_worker.py (tracepp's plan by the thinnest loop)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -229,7 +235,7 @@ def run_system(system: str, case: Case, model_path: str, out_dir: str, work: str
     metrics = os.path.join(work, tag + ".jsonl")
     memory_dir = os.path.join(work, tag + "_mem")
     log = os.path.join(work, tag + ".log")
-    paired = settings.paired + 1 if system == "tracepp" and settings.paired and device == "cpu" else 0
+    paired = settings.paired + 1 if system in ("tracepp", "floor") and settings.paired and device == "cpu" else 0
     first_paired = settings.warmup + settings.measured
     steps = first_paired + paired + MEMORY_STEPS  # the last ones: memory window, never timed
     paired_prefix = os.path.join(work, tag + "_paired")
@@ -239,6 +245,11 @@ def run_system(system: str, case: Case, model_path: str, out_dir: str, work: str
         cmd = _torchrun(case.run_ranks) + ["-m", "benchmarks.tracepp_worker", out_dir, "--memory-dir", memory_dir,
                                            *extra, "--", "--steps", str(steps), "--metrics", metrics, "--quiet",
                                            "--timeout", str(settings.timeout), *run_args]
+    elif system == "floor":
+        extra = (["--paired-steps", str(paired), "--paired-from", str(first_paired), "--paired-costs", paired_prefix]
+                 if paired else [])
+        cmd = _torchrun(case.run_ranks) + ["-m", "benchmarks.floor_worker", out_dir, "--steps", str(steps),
+                                           "--metrics", metrics, "--timeout", str(settings.timeout), *extra]
     elif system == "torch":
         cmd = _torchrun(case.run_ranks) + ["-m", "benchmarks.torch_worker", "--model-file", model_path,
                                            "--schedule", case.schedule, "--microbatches", str(case.microbatches),
@@ -345,12 +356,14 @@ def run_suite(cases: list, settings: Settings, device: str, threads: int, work: 
         except Exception as error:  # a case tracepp cannot plan is reported, not fatal
             split_error = f"{type(error).__name__}: {error}"
         systems = ["tracepp", "torch", "eager"] if device == "cpu" else ["tracepp", "eager"]
+        if device == "cpu" and settings.floor:
+            systems.insert(1, "floor")  # next to tracepp in every round: the pair whose ratio is read
         runs = {s: [] for s in systems}
-        round_costs, paired_runs = [], []
+        round_costs, paired_runs, floor_paired = [], [], []
         for round_index in range(settings.rounds):
-            order = systems[:2][::-1 if round_index % 2 else 1] + systems[2:]
+            order = systems[:-1][::-1 if round_index % 2 else 1] + systems[-1:]
             for system in order:
-                if system == "tracepp" and split_error:
+                if system in ("tracepp", "floor") and split_error:
                     continue
                 if system == "eager" and len(eager_runs.get(config, [])) >= settings.rounds:
                     continue  # eager does not depend on the schedule: measured with the config's first case
@@ -362,6 +375,8 @@ def run_suite(cases: list, settings: Settings, device: str, threads: int, work: 
                     found = (result.get("paired") or {}).get("rounds") or []
                     round_costs.append(_median_costs(found))
                     paired_runs.append(result.get("paired"))
+                if system == "floor":
+                    floor_paired.append(result.get("paired"))
                 (eager_runs.setdefault(config, []) if system == "eager" else runs[system]).append(result)
         entry["round_costs"] = round_costs
         entry["paired_runs"] = paired_runs
@@ -369,6 +384,8 @@ def run_suite(cases: list, settings: Settings, device: str, threads: int, work: 
                             else {"status": "unsupported", "error": split_error})
         if "torch" in runs:
             entry["torch"] = _merge(runs["torch"], tokens)
+        if "floor" in runs and not split_error:
+            entry["floor"] = dict(_merge(runs["floor"], tokens), paired_runs=floor_paired)
         entry["eager"] = _merge(eager_runs.get(config, []), tokens)
         if not split_error:
             folders[out_dir] = entry
@@ -468,6 +485,15 @@ def _ideal_from_round_costs(out_dir: str, entry: dict, measured: dict) -> None:
     if stepwise:
         ideal["stepwise"] = stepwise
         entry["efficiency_stepwise"] = statistics.median(i / t for i, t in stepwise)
+    floor = entry.get("floor") or {}
+    if floor.get("paired_runs"):  # the same for the floor loop's paired steps, priced with its own ranks' costs
+        from tracepp.costs.measure_in_run import bracketed
+
+        stepwise = [[ideal_step(manifest, costs, entry["optimizer_stage_s"])["ideal_step_s"], step]
+                    for paired in floor["paired_runs"] for costs, step in bracketed(paired)]
+        if stepwise:
+            floor["stepwise"] = stepwise
+            entry["floor_efficiency_stepwise"] = statistics.median(i / t for i, t in stepwise)
 
 
 def _median_costs(measurements: list):
@@ -549,6 +575,17 @@ def _derive(entry: dict) -> None:
     # no overhead, free comms): a tracepp/torch goal below it needs cheaper compute, not a leaner runtime
     entry["ideal_over_torch"] = ideal / th if th and ideal else None
     entry["speedup_over_eager"] = eager / tp if tp and eager else None
+    floor = entry.get("floor") or {}
+    if floor.get("status") == "ok" and tp:
+        # tracepp / floor: the median over rounds of the two runs of one round (adjacent in it), and the losses
+        rounds = [t / f for t, f in zip(entry["tracepp"].get("round_step_s") or [], floor.get("round_step_s") or [])
+                  if t and f]
+        entry["tracepp_over_floor"] = statistics.median(rounds) if rounds else None
+        entry["floor_efficiency"] = ideal / floor["step_time_s"] if ideal else None
+        a, b = entry["tracepp"]["losses_first_run"], floor["losses_first_run"]
+        common = min(len(a), len(b))
+        entry["floor_same_losses"] = bool(common and all(abs(x - y) <= 1e-4 * max(1.0, abs(y))
+                                                         for x, y in zip(a[:common], b[:common])))
     if entry["tracepp"].get("status") == "ok" and entry.get("torch", {}).get("status") == "ok":
         a, b = entry["tracepp"]["losses_first_run"], entry["torch"]["losses_first_run"]
         common = min(len(a), len(b))  # tracepp's CPU runs go on for their paired steps
@@ -635,7 +672,30 @@ def format_table(report: dict) -> str:
     mismatched = [e["case"] for e in report["results"] if e.get("same_losses") is False]
     if mismatched:
         problems.append("tracepp and torch losses differ in: " + ", ".join(mismatched))
-    return "\n".join([text, ""] + notes + (["", "problems:"] + problems if problems else []))
+    problems += [f"{e['case']} floor: {e['floor'].get('status')}: {e['floor'].get('error')}" for e in report["results"]
+                 if (e.get("floor") or {}).get("status") not in ("ok", None)]
+    mismatched = [e["case"] for e in report["results"] if e.get("floor_same_losses") is False]
+    if mismatched:
+        problems.append("tracepp and the floor loop's losses differ in: " + ", ".join(mismatched))
+    return "\n".join([text, ""] + notes + _floor_table(report) + (["", "problems:"] + problems if problems else []))
+
+
+def _floor_table(report: dict) -> list:
+    """The floor loop beside tracepp (``--floor``): the same plan and stage functions, run by the thinnest loop."""
+    from tabulate import tabulate
+
+    rows = [[e["schedule"], e["microbatches"], _ms(_time(e, "tracepp")), _ms(_time(e, "floor")),
+             _fmt(e.get("tracepp_over_floor"), ".3f"), _fmt(e.get("efficiency_stepwise"), ".2f"),
+             _fmt(e.get("floor_efficiency_stepwise"), ".2f"),
+             {True: "yes", False: "NO"}.get(e.get("floor_same_losses"), "-"), e["model"]["name"]]
+            for e in report["results"] if e.get("floor")]
+    if not rows:
+        return []
+    headers = ["schedule", "M", "tracepp ms", "floor ms", "tracepp/floor (rounds)", "step ideal/tracepp",
+               "step ideal/floor", "same losses", "model"]
+    return ["", "floor: tracepp's plan run by the thinnest loop (benchmarks/floor_worker.py: the same stage functions "
+            "with plain autograd, the same action order, tracepp's shared-memory transport, no checks, no collective)",
+            tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True)]
 
 
 def _load_range(report: dict) -> str:
@@ -707,6 +767,9 @@ def parse_args(argv=None):
     parser.add_argument("--filter", default=None, help="only cases whose name contains this text")
     parser.add_argument("--keep", action="store_true", help="keep the work folder (model files, outputs, logs)")
     parser.add_argument("--no-tune", action="store_true", help="--quick: skip the tuner's benchmark")
+    parser.add_argument("--floor", action="store_true",
+                        help="CPU: run each tracepp plan by the thinnest loop as well (benchmarks/floor_worker.py), "
+                             "next to tracepp in every round: what the gap to the ideal is without tracepp's runtime")
     parser.add_argument("--tune", action="store_true", help="run the tuner's benchmark (default with --quick)")
     parser.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # the CI harness test
     return parser.parse_args(argv)
@@ -735,7 +798,8 @@ def main(argv=None) -> int:
     quick = args.quick or args.tiny
     settings = Settings(rounds=args.rounds or (2 if quick else 3), warmup=args.warmup or (2 if quick else 3),
                         measured=args.steps or (5 if quick else 10), timeout=300.0 if quick else 900.0,
-                        paired=args.paired_steps if args.paired_steps is not None else (2 if args.tiny else 6))
+                        paired=args.paired_steps if args.paired_steps is not None else (2 if args.tiny else 6),
+                        floor=args.floor or args.tiny)
     if settings.rounds * settings.measured < 10:
         print(f"note: {settings.rounds} rounds x {settings.measured} steps = fewer than 10 measured steps per system")
     started = datetime.datetime.now()

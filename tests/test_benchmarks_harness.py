@@ -87,6 +87,13 @@ def test_tiny_suite_writes_every_system_and_field(tmp_path):
         assert isinstance(entry[key], float) and entry[key] > 0
     assert entry["same_losses"] is True  # same model, split, schedule, loss and SGD in both frontends
     assert entry["split_points"] == ["blocks.1"]
+    # the floor loop (on with --tiny): tracepp's plan without its runtime, trained to the same losses, its own
+    # paired steps priced with its own ranks' stage costs
+    floor = entry["floor"]
+    assert floor["status"] == "ok" and floor["measured_steps"] >= 10 and entry["floor_same_losses"] is True
+    assert len(floor["stepwise"]) == 2 and isinstance(entry["floor_efficiency_stepwise"], float)
+    assert entry["tracepp_over_floor"] == entry["tracepp"]["round_step_s"][0] / floor["round_step_s"][0]
+    assert "tracepp/floor (rounds)" in result.stdout
     # the chart: written when matplotlib is there, else skipped with a note
     try:
         import matplotlib  # noqa: F401
