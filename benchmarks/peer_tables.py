@@ -7,7 +7,8 @@
 Prints one markdown table per file (the kind is read from its ``what``): per case tracepp's step, the peer's, the
 ratio (the median over paired rounds of the rounds' medians), the CPU-time ratio, the largest parameter
 difference between the systems and against eager training, peak memory per rank and the collectives of one step;
-for the sweep, the measured plans around the tuner's pick; for quick suites run with ``--floor``, one table pooled over
+for the sweep, the measured plans around the tuner's pick; for ``benchmarks.studies.floor_pairs`` each case's median
+ratio of the paired steps; for quick suites run with ``--floor``, one table pooled over
 every file given: per case the paired steps' ideal / step of tracepp and of the floor loop (median and quartiles),
 and tracepp / floor per round. Nothing is measured here.
 """
@@ -72,6 +73,13 @@ def table(record: dict) -> str:
                     f"#{pick['measured_rank']}, {pick['over_best_measured']:.3f} x the best measured; --measure K: "
                     + ", ".join(f"K={k} {v['over_best_measured']:.3f}" for k, v in record["measure_k"].items())
                     + f"; Spearman {record['spearman_predicted_vs_measured']:.2f}")
+        return "\n".join(rows)
+    if what == "floor_pairs":  # benchmarks.studies.floor_pairs, one file per run of the quick cases
+        rows = ["| case | pairs | tracepp / floor, per pair | same losses |", "| --- | --- | --- | --- |"]
+        for case, found in record["cases"].items():
+            low, high = found["quartiles"]
+            rows.append(f"| {case} | {len(found['pairs'])} | {found['tracepp_over_floor']:.3f} [{low:.3f} - "
+                        f"{high:.3f}] | {'yes' if found['same_losses'] else 'NO'} |")
         return "\n".join(rows)
     raise ValueError(f"not a result this prints: what={what!r}")
 

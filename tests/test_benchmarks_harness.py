@@ -270,3 +270,25 @@ def test_action_costs_compares_each_kind_with_its_plain_cost_without_waits():
     assert result["step_s"] == pytest.approx(0.020) and result["head_s"] == pytest.approx(0.001)
     assert result["comm_s"] == pytest.approx(0.001) and result["gaps_s"] == pytest.approx(0.0004)
     assert result["tail_s"] == pytest.approx(0.020 - 0.001 - 0.014 - 0.0004)
+
+
+def test_floor_table_pools_the_paired_steps_of_every_suite_file():
+    """peer_tables' floor table: each case's paired steps from every file, medians and quartiles of ideal / step."""
+    from benchmarks.peer_tables import floor_table
+
+    def suite(scale):
+        entry = {"schedule": "gpipe", "microbatches": 4, "model": {"name": "d128_l8_b32_s32"},
+                 "ideal": {"stepwise": [[0.9 * scale, 1.0], [0.8 * scale, 1.0]]},
+                 "floor": {"stepwise": [[0.95, 1.0], [0.97, 1.0]], "round_step_s": [2.0]},
+                 "tracepp": {"round_step_s": [2.2]}, "floor_same_losses": True}
+        no_floor = dict(entry, floor={}, schedule="1f1b")  # a suite run without --floor: not a row
+        return {"results": [entry, no_floor]}
+
+    text = floor_table([suite(1.0), suite(1.1)])
+    rows = [line for line in text.splitlines() if line.startswith("| gpipe")]
+    assert len(rows) == 1 and "1f1b" not in text
+    cells = [cell.strip() for cell in rows[0].strip("|").split("|")]
+    # ideal / tracepp over 4 steps: 0.8, 0.88, 0.9, 0.99 -> median 0.89, quartiles at positions 1 and 3
+    assert cells[1] == "4 / 4" and cells[2] == "0.890 [0.880 - 0.990]"
+    assert cells[3] == "0.960 [0.950 - 0.970]" and cells[4] == "100%"
+    assert cells[5] == "1.100 [1.100 - 1.100]" and cells[6] == "yes"
