@@ -4,7 +4,8 @@
 
 The suite's ``--floor`` runs tracepp and the floor loop (``benchmarks/floor_worker.py``) as separate jobs, so their
 ratio carries the machine's drift between runs (rounds 10 - 40% apart on the project's VM). Here every rank holds both:
-tracepp's ``Pipeline`` on OUT_DIR (the public API, ``examples/own_loop.py``) and a ``FloorRank`` on the same folder
+tracepp's ``Pipeline`` on OUT_DIR (the public API, ``examples/own_loop.py``; imported from ``tracepp.runtime``, of which
+the folder's ``tracepp_runtime`` is a copy, so that it sees the CPU binding this process made) and a ``FloorRank`` on the same folder
 (its own copy of the stages, its own shared-memory rings), and runs their steps alternately, the order flipping every
 pair, a barrier between any two steps. A step is each side's pipeline step, plain SGD (``torch.optim.SGD``) over its
 rank's parameters, and one all-reduce of a scalar (the floor's loss; for tracepp its stop agreement, as run.py's
@@ -38,11 +39,10 @@ def main(argv=None) -> int:
     from tracepp.runtime.cpu_binding import bind
 
     bind("auto")  # before gloo's threads start, as run.py does
-    sys.path.insert(0, out_dir)
-    import tracepp_runtime
+    from tracepp.runtime.pipeline import Pipeline  # the runtime the folder's copy is made from: one binding state
     from benchmarks.floor_worker import FloorRank
 
-    pipe = tracepp_runtime.Pipeline(out_dir, check_finite=False, p2p="shm")  # the floor's transport
+    pipe = Pipeline(out_dir, check_finite=False)  # as run.py --on-nonfinite continue
     rank = dist.get_rank()
     floor = FloorRank(out_dir, rank, "shm", 300.0)
     tp_opt = torch.optim.SGD(list(pipe.parameters()), lr=args.lr)
