@@ -82,8 +82,9 @@ def sweep(work: str, rounds: int, warmup: int, steps: int, limit, log=print) -> 
         return world_size(mesh_layout(apply_tuned(manifest, folder, candidate)["plan"]))
 
     started = time.perf_counter()
+    # rounds of separate runs: the whole search space (70 - 90 plans) would not share processes
     plans = measure(candidates, prepare, os.path.join(work, "plans"), rounds=rounds, warmup=warmup, steps=steps,
-                    log=log)
+                    log=log, interleave=False)
     measure_s = time.perf_counter() - started
     rows = summarize(plans)
     ok = [row for row in rows if row["measured_s"] is not None]

@@ -7,11 +7,12 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
 from pytest import approx
 
 from tracepp.cli import main as cli_main
 from tracepp.codegen.manifest import load_manifest
-from tracepp.costs.measure_plans import MeasuredPlan, fastest, format_measured, run_order, summarize
+from tracepp.costs.measure_plans import MeasuredPlan, fastest, format_measured, interleavable, run_order, summarize
 from tracepp.costs.search import Candidate
 from tracepp.driver import split_model
 from tracepp.runtime.mesh import Layout
@@ -32,6 +33,29 @@ def test_the_order_flips_every_round():
     assert run_order(1, 2) == [[0], [0]]
 
 
+def test_plans_share_one_job_only_when_they_can():
+    def plan(k, processes=2, **fields):
+        candidate = _candidate("1f1b", 4, 0.1)
+        for name, value in fields.items():
+            setattr(candidate, name, value)
+        return MeasuredPlan(k, candidate, processes=processes)
+
+    gib = 2 ** 30
+    assert interleavable([plan(1), plan(2)], 8 * gib) is None
+    assert interleavable([plan(1)], 8 * gib) == "one plan"
+    assert "different process counts (2, 4)" in interleavable([plan(1), plan(2, processes=4)], 8 * gib)
+    four_stages = dict(processes=4, stage_to_rank=[0, 1, 2, 3])
+    assert "#2 is not pipeline parallel alone" in interleavable([plan(1, **four_stages), plan(2, tp=2, processes=4)],
+                                                                 None)
+    assert "#1 is not pipeline parallel alone" in interleavable([plan(1, processes=4), plan(2, **four_stages)],
+                                                                 None)  # 4 processes on 2 pipeline ranks: dp 2
+    assert "#2 is not pipeline parallel alone" in interleavable([plan(1), plan(2, ep=2)], None)
+    big = {0: 3 * gib, 1: 2 * gib}  # the largest rank counts: 3 GiB a plan, 6 together
+    assert "need 6.0 GiB together" in interleavable([plan(1, peak_memory=big), plan(2, peak_memory=big)], 8 * gib)
+    assert interleavable([plan(1, peak_memory=big), plan(2, peak_memory=big)], 16 * gib) is None
+    assert interleavable([plan(1, peak_memory=big), plan(2, peak_memory=big)], None) is None  # unknown: not checked
+
+
 def test_measured_beside_predicted_ranks_and_the_pick():
     plans = [MeasuredPlan(1, _candidate("1f1b", 8, 0.100), rounds=[_lines(0.14, 0.12, 0.13), _lines(0.15, 0.11, 0.13)]),
              MeasuredPlan(2, _candidate("gpipe", 4, 0.110), rounds=[_lines(0.10, 0.11, 0.12), _lines(0.12)]),
@@ -49,7 +73,8 @@ def test_measured_beside_predicted_ranks_and_the_pick():
     assert fastest([plans[2]]) is None
 
 
-def test_measure_runs_the_best_plans_and_apply_takes_the_fastest_measured(tmp_path, capsys):
+@pytest.mark.parametrize("method", ["auto", "rounds"])
+def test_measure_runs_the_best_plans_and_apply_takes_the_fastest_measured(tmp_path, capsys, method):
     out = str(tmp_path / "out")
     split_model(model_path("tied_lm_v"), out, schedule="1f1b", num_microbatches=2, split_points=["layers.2"],
                 layout=Layout(pp=2))
@@ -58,7 +83,8 @@ def test_measure_runs_the_best_plans_and_apply_takes_the_fastest_measured(tmp_pa
     assert cli_main(["calibrate", out, "--costs", str(costs), "--no-comm", "--no-fit"]) == 0
     capsys.readouterr()
     assert cli_main(["plan", out, "--tune", "--measure", "2", "--measure-steps", "1", "--measure-rounds", "1",
-                     "--apply", "--schedules", "1f1b,gpipe", "--microbatch-counts", "2,6"]) == 0
+                     "--measure-method", method, "--apply", "--schedules", "1f1b,gpipe",
+                     "--microbatch-counts", "2,6"]) == 0
     text = capsys.readouterr().out
     assert "measured/predicted" in text, text
     with open(os.path.join(out, "tune_measured.json")) as handle:
@@ -66,6 +92,8 @@ def test_measure_runs_the_best_plans_and_apply_takes_the_fastest_measured(tmp_pa
     rows = record["plans"]
     assert [row["predicted_rank"] for row in rows] == [1, 2]
     assert all(row["measured_s"] > 0 and row["measured_steps"] == 1 and row["error"] is None for row in rows), rows
+    # auto: two pipeline-parallel plans of 2 processes share one job, their steps in turn
+    assert {row["method"] for row in rows} == {"interleaved" if method == "auto" else "rounds"}, text
     best = min(rows, key=lambda row: row["measured_s"])
     assert f"applying #{best['predicted_rank']}: --schedule {best['plan']['schedule']}" in text, text
     plan = load_manifest(out)["plan"]

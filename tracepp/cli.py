@@ -250,10 +250,11 @@ def _measure(args, manifest, candidates: list) -> tuple:
     def prepare(candidate, folder):
         return _world(apply_tuned(manifest, folder, candidate)["plan"])
 
-    print(f"measuring the {len(candidates)} best predicted plan(s): {args.measure_rounds} paired round(s) of "
-          f"{DEFAULT_WARMUP} warm-up + {args.measure_steps} measured steps each")
+    print(f"measuring the {len(candidates)} best predicted plan(s): {args.measure_rounds} round(s) of "
+          f"{args.measure_steps} measured steps each, after {DEFAULT_WARMUP} warm-up steps")
     with tempfile.TemporaryDirectory(prefix="tracepp_measure_") as work:
-        plans = measure(candidates, prepare, work, rounds=args.measure_rounds, steps=args.measure_steps)
+        plans = measure(candidates, prepare, work, rounds=args.measure_rounds, steps=args.measure_steps,
+                        interleave=args.measure_method == "auto")
     rows = summarize(plans)
     print(format_measured(rows))
     for row in rows:
@@ -449,12 +450,17 @@ def build_parser() -> argparse.ArgumentParser:
                            "boundaries of 1/cp, cp times the processes")
     plan.add_argument("--measure", type=int, default=0, metavar="K",
                       help="--tune: run the K best predicted plans on this machine (each split into a folder of its "
-                           "own, a few steps each, in paired rounds whose order flips every round) and print what "
-                           "each measured beside its prediction; with --apply the fastest measured plan is applied")
+                           "own, a few steps each) and print what each measured beside its prediction; with --apply "
+                           "the fastest measured plan is applied")
     plan.add_argument("--measure-steps", type=int, default=5, metavar="N",
-                      help="--measure: measured steps per run, after 2 warm-up steps (default 5)")
+                      help="--measure: measured steps per round, after 2 warm-up steps (default 5)")
     plan.add_argument("--measure-rounds", type=int, default=2, metavar="R",
-                      help="--measure: paired rounds, each running every plan once (default 2)")
+                      help="--measure: rounds, each running every plan (default 2)")
+    plan.add_argument("--measure-method", default="auto", choices=["auto", "rounds"],
+                      help="--measure: auto (default): the plans' steps in turn in one job where they fit in memory "
+                           "together and are pipeline parallel alone (tells plans a few percent apart on a machine "
+                           "whose speed drifts), else rounds; rounds: a fresh run of each plan per round, the "
+                           "order flipping every round")
     plan.add_argument("--apply", action="store_true",
                       help="--tune, then split OUT again with the best plan (with --measure: the fastest measured)")
     plan.add_argument("--schedules", default=None, help="--tune: only these schedules (comma-separated)")
