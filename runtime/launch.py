@@ -413,6 +413,12 @@ def _update(pipe: Pipeline, args, step: int, loss, scaler, needs_norm: bool, opt
     return norm, skipped, note, stop
 
 
+def reports_for_job(pipe: Pipeline) -> bool:
+    """Whether this rank prints and writes the job's lines: the last stage's, first replica (its loss is the global
+    batch's), first tp and cp rank."""
+    return pipe.is_last_rank and pipe.dp_index == 0 and pipe.tp_index == 0 and pipe.cp_index == 0
+
+
 def _minor_faults():
     """This process's minor page faults so far (None where ``resource`` is missing): a step that faults in
     thousands of pages spends milliseconds in the kernel (about 3.7 us each on the project's VM)."""
@@ -577,7 +583,7 @@ def train(pipe: Pipeline, args) -> None:
     recompute.apply(pipe, args.activation_checkpointing)
     if getattr(args, "memory_check", "on") == "on":
         memory_fit.check(pipe, args)
-    reports = pipe.is_last_rank and pipe.dp_index == 0 and pipe.tp_index == 0 and pipe.cp_index == 0  # one replica prints (its loss is the global batch's)
+    reports = reports_for_job(pipe)
     args.data_record = data_record(source)
     first_step = _resume(pipe, args, optimizer, scheduler, fqns) if args.resume else 0
     if source is not None:
@@ -717,7 +723,7 @@ def _replica_outputs(pipe: Pipeline, result):
         parts = [None] * pipe.layout.dp
         dist.all_gather_object(parts, result, group=pipe.replicas.get_group())
         result = [output for part in parts for output in part]
-    return join_microbatches(result) if pipe.is_last_rank and pipe.dp_index == 0 and pipe.tp_index == 0 and pipe.cp_index == 0 else None
+    return join_microbatches(result) if reports_for_job(pipe) else None
 
 
 def _checkpoint_info(pipe: Pipeline, optimizer, args=None) -> dict:
@@ -743,7 +749,7 @@ def _resume(pipe: Pipeline, args, optimizer, scheduler, fqns: list) -> int:
         error.every_rank_agrees = True
         raise
     if found is None:
-        if pipe.is_last_rank and pipe.dp_index == 0 and pipe.tp_index == 0 and pipe.cp_index == 0 and not args.quiet:
+        if reports_for_job(pipe) and not args.quiet:
             print(f"--resume {args.resume}: no checkpoint yet; starting from step 0", flush=True)
         return 0
     try:
@@ -755,7 +761,7 @@ def _resume(pipe: Pipeline, args, optimizer, scheduler, fqns: list) -> int:
     checkpoint.load(prepared, optimizer, fqns)
     from .data import accepted_note
 
-    if pipe.is_last_rank and pipe.dp_index == 0 and pipe.tp_index == 0 and pipe.cp_index == 0 and not args.quiet:
+    if reports_for_job(pipe) and not args.quiet:
         print(f"resumed from {path} (step {step}); training steps {step + 1} to {args.steps}", flush=True)
         if accepted_note(args.data_record, step):
             print(accepted_note(args.data_record, step), flush=True)

@@ -69,7 +69,7 @@ def _build(folder: str, rest: list, rank: int, steps: int) -> dict:
     recompute.apply(pipe, args.activation_checkpointing)
     args.stop = launch.StopRequest()
     needs_norm = pipe.training and (args.clip_grad_norm is not None or args.on_nonfinite != "continue")
-    reports = pipe.is_last_rank and pipe.dp_index == 0 and pipe.tp_index == 0 and pipe.cp_index == 0
+    reports = launch.reports_for_job(pipe)
     return {"pipe": pipe, "args": args, "optimizer": optimizer, "scheduler": scheduler, "needs_norm": needs_norm,
             "reports": reports}
 

@@ -125,12 +125,16 @@ def _run_plan(folder: str, nproc: int, steps: int, metrics: str, timeout: float,
     """One run of a plan's folder; None, or what went wrong (the output's last lines)."""
     if os.path.exists(metrics):
         os.remove(metrics)
+    return _launch(_torchrun(nproc) + [os.path.join(folder, "run.py"), "--steps", str(steps), "--metrics", metrics,
+                                        "--quiet", *extra], timeout, threads)
+
+
+def _launch(command: list, timeout: float, threads: Optional[int]) -> Optional[str]:
+    """Run one torchrun job to its end; None, or what went wrong (the output's last lines)."""
     environment = dict(os.environ)
     if threads:
         environment["OMP_NUM_THREADS"] = str(threads)
     environment.setdefault("PYTHONWARNINGS", "ignore")
-    command = _torchrun(nproc) + [os.path.join(folder, "run.py"), "--steps", str(steps), "--metrics", metrics,
-                                   "--quiet", *extra]
     try:
         proc = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout,
                               env=environment)
@@ -181,19 +185,12 @@ def _measure_interleaved(plans: list, work: str, rounds: int, warmup: int, steps
     cycles after ``warmup``, kept as ``rounds`` groups of ``steps`` so each plan's per-round medians read as before.
     None, or what went wrong."""
     prefix = os.path.join(work, "interleaved")
-    environment = dict(os.environ, PYTHONWARNINGS=os.environ.get("PYTHONWARNINGS", "ignore"))
-    if threads:
-        environment["OMP_NUM_THREADS"] = str(threads)
     command = _torchrun(plans[0].processes) + ["-m", "tracepp.costs.measure_interleaved",
                                                *[p.folder for p in plans], "--warmup", str(warmup),
                                                "--steps", str(rounds * steps), "--metrics", prefix, "--", *extra]
-    try:
-        proc = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              timeout=timeout * len(plans), env=environment)
-    except subprocess.TimeoutExpired:
-        return f"did not finish in {timeout * len(plans):.0f} s"
-    if proc.returncode != 0:
-        return f"exit {proc.returncode}: " + "\n".join(proc.stdout.strip().splitlines()[-6:])
+    failed = _launch(command, timeout * len(plans), threads)
+    if failed is not None:
+        return failed
     found = []
     for k in range(1, len(plans) + 1):
         path = f"{prefix}.plan{k}.jsonl"
