@@ -233,8 +233,11 @@ def sequence(root: str) -> dict:
         with open(os.path.join(out, "manifest.json")) as handle:
             manifest = json.load(handle)
         boundaries[key] = _boundary(manifest)
-        if key == "tp1":
-            predicted = _predicted(manifest)
+        if key == "tp1":  # the tuner's figures: computed as `plan --tune --tp-sizes 1,2` would
+            from tracepp.codegen.manifest import load_manifest
+            from tracepp.tuner_figures import ensure
+
+            predicted = _predicted(ensure(load_manifest(out), out, tp_sizes=[2], say=lambda text: None))
     summary = {}
     for key in runs:
         per_pp = {}

@@ -621,15 +621,15 @@ def _unused_state(traced, inputs: _ProgramInputs) -> dict:
     return unused
 
 
-def _tensor_parallel_figures(graph, inputs, flops: dict, needs_grad: dict):
-    """``segment_table``'s per-segment tensor-parallel figures (the tuner's ``--tp-sizes``), or None where the
-    whole graph cannot be walked."""
+def _tensor_parallel_figures(graph, inputs, flops: dict, needs_grad: dict, sizes: tuple):
+    """``segment_table``'s per-segment tensor-parallel figures at each tp of ``sizes`` (the tuner's
+    ``--tp-sizes``), or None where the whole graph cannot be walked."""
     from tracepp.split import tensor_parallel
 
     fqn_of = {name: ref.fqn for name, ref in inputs.state.items() if ref.kind == "parameter"}
     try:
         sequence = tensor_parallel.whole_graph_sequence(graph, inputs.root_inputs)
-        walks = tensor_parallel.whole_graph_walks(graph, fqn_of, needs_grad, sequence=sequence)
+        walks = tensor_parallel.whole_graph_walks(graph, fqn_of, needs_grad, sizes=sizes, sequence=sequence)
     except Exception:  # an op the walk does not expect: no tp figures, the split goes on
         return None
     return lambda nodes, crossing=(): tensor_parallel.segment_figures(nodes, walks, flops, cost.tensor_bytes,
@@ -694,12 +694,9 @@ def split(traced, split_points: Optional[list] = None, num_stages: Optional[int]
     computable = _computable_from_roots(compute, inputs.state, needs_grad)
     stage_nodes, recomputed = _place_recomputation(compute, edges, computable, flops)
     try:
-        segments = segment_table(compute, traced.model, flops, needs_grad, parameters, computable, stage_of,
-                                 _tensor_parallel_figures(graph, inputs, flops, needs_grad),
-                                 _expert_figures(graph, inputs, flops))
+        segments = segment_table(compute, traced.model, flops, needs_grad, parameters, computable, stage_of)
     except Exception:  # the table only serves the tuner: never fail a split for it
         segments = []
-    _context_parallel_figures(graph, compute, segments, inputs, flops, needs_grad, computable)
     output_node = next(n for n in graph.nodes if n.op == "output")
     names = naming.value_names(graph, _crossing(compute, stage_nodes, recomputed, output_node, traced.model),
                                inputs.symbol_names)
@@ -716,7 +713,7 @@ def split(traced, split_points: Optional[list] = None, num_stages: Optional[int]
                                              inflight, training)
         stages.append(stage)
     unused_state = _unused_state(traced, inputs)
-    return PipelineGraph(stages, values, inputs.state, inputs.root_inputs, len(traced.batched_leaves),
+    result = PipelineGraph(stages, values, inputs.state, inputs.root_inputs, len(traced.batched_leaves),
                          program.call_spec.in_spec, program.call_spec.out_spec, output_leaves,
                          unused_state, inputs.symbols, inputs.batch_symbol,
                          {str(k): str(v) for k, v in inputs.symbol_names.items()},
@@ -724,6 +721,42 @@ def split(traced, split_points: Optional[list] = None, num_stages: Optional[int]
                              "producer": stage_of[node], "stages": where,
                              **tensor_meta(node.meta["val"], False, inputs.symbol_names).to_json()}
                           for node, where in recomputed.items()}, segments, counted.record(), counted.warnings())
+    # what tuner_figures needs of the whole traced graph, kept in memory only (never written)
+    result.whole = _Whole(traced.model, graph, inputs, flops, needs_grad, parameters, compute, computable, stage_of)
+    return result
+
+
+@dataclass
+class _Whole:
+    """The whole traced graph as the split read it: what :func:`tuner_figures` walks."""
+
+    model: torch.nn.Module
+    graph: fx.Graph
+    inputs: object
+    flops: dict
+    needs_grad: dict
+    parameters: set
+    compute: list
+    computable: set
+    stage_of: dict
+
+
+def tuner_figures(pipeline_graph, tp_sizes=(), cp: bool = False, ep: bool = False) -> list:
+    """The segment table with the figures ``plan --tune`` prices other layouts from, computed only when asked:
+    ``tp`` per size in ``tp_sizes`` (``split.tensor_parallel.segment_figures``), ``cp`` (context parallel,
+    ``split.context_parallel.segment_figures``) and ``ep`` (routed experts, ``split.expert_parallel``). A split
+    computes none of them (they walk the whole graph: minutes on a 671B model); the tuner asks for the ones its
+    ``--tp-sizes``, ``--cp-sizes`` and ``--ep-sizes`` need and caches them in the folder."""
+    whole = pipeline_graph.whole
+    per_segment = (_tensor_parallel_figures(whole.graph, whole.inputs, whole.flops, whole.needs_grad,
+                                            tuple(tp_sizes)) if tp_sizes else None)
+    experts = _expert_figures(whole.graph, whole.inputs, whole.flops) if ep else None
+    segments = segment_table(whole.compute, whole.model, whole.flops, whole.needs_grad, whole.parameters,
+                             whole.computable, whole.stage_of, per_segment, experts)
+    if cp:
+        _context_parallel_figures(whole.graph, whole.compute, segments, whole.inputs, whole.flops,
+                                  whole.needs_grad, whole.computable)
+    return segments
 
 
 def _describe(node: fx.Node) -> str:

@@ -663,10 +663,12 @@ def test_segment_table_records_the_routed_experts_as_the_ep_plan_counts_them():
 
     from tracepp.driver import check_model
     from tracepp.runtime.mesh import Layout
+    from tracepp.tuner_figures import segments_with_figures
 
     zoo = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zoo", "deepseek_v3.py")
     manifest = check_model(zoo, num_microbatches=2, layout=Layout(pp=2, dp=2, ep=2))
-    figures = [seg["ep"] for seg in manifest["segments"] if "ep" in seg]
+    segments = segments_with_figures(zoo, tp_sizes=(), ep=True, num_microbatches=2, layout=Layout(pp=2, dp=2, ep=2))
+    figures = [seg["ep"] for seg in segments if "ep" in seg]
     blocks = [block for fig in figures for block in fig["blocks"]]
     assert [b["name"] for b in blocks] == [b["name"] for b in manifest["ep"]["blocks"]]
     for block, planned in zip(blocks, manifest["ep"]["blocks"]):

@@ -295,6 +295,8 @@ def test_sequence_parallel_refuses_what_it_cannot_split():
 
 # ---- the tuner's figures (split.tensor_parallel.segment_figures)
 
+from tracepp.tuner_figures import segments_with_figures  # noqa: E402
+
 _MLP_LM = '''
 import torch
 import torch.nn as nn
@@ -353,10 +355,10 @@ def test_segment_figures_count_the_activations_tp_and_sequence_parallelism_shard
     # (the next block's up, or the head) all-gathers: its linear keeps the shard and gathers again in backward
     path = tmp_path / "mlp_lm.py"
     path.write_text(_MLP_LM)
-    manifest = check_model(str(path), num_microbatches=2, layout=Layout(pp=2), split_points=["blocks.1"])
+    table = segments_with_figures(str(path), num_microbatches=2, split_points=["blocks.1"])
     b, S, D, H, V = 2, 8, 16, 32, 64
     hidden, width = b * S * H * 4, b * S * D * 4
-    segments = {seg["begins"]: seg for seg in manifest["segments"]}
+    segments = {seg["begins"]: seg for seg in table}
     assert set(segments) == {None, "blocks.0", "blocks.1", "head"}
     for name in ("blocks.0", "blocks.1"):
         seg = segments[name]
@@ -389,8 +391,7 @@ def test_a_sequence_tp_does_not_divide_records_no_sequence_parallel_figures(tmp_
     # at 4 or 8)
     path = tmp_path / "mlp_lm.py"
     path.write_text(_MLP_LM.replace("B, S, D, H, V = 4, 8,", "B, S, D, H, V = 4, 6,"))
-    manifest = check_model(str(path), num_microbatches=2, layout=Layout(pp=2), split_points=["blocks.1"])
-    for seg in manifest["segments"]:
+    for seg in segments_with_figures(str(path), num_microbatches=2, split_points=["blocks.1"]):
         assert "sequence_parallel" in seg["tp"]["2"]
         assert "sequence_parallel" not in seg["tp"]["4"] and "sequence_parallel" not in seg["tp"]["8"]
 

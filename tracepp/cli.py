@@ -192,6 +192,9 @@ def _tune(args, manifest) -> int:
     tp_sizes = [int(t) for t in args.tp_sizes.split(",")] if args.tp_sizes else None
     ep_sizes = [int(e) for e in args.ep_sizes.split(",")] if args.ep_sizes else None
     cp_sizes = [int(c) for c in args.cp_sizes.split(",")] if args.cp_sizes else None
+    from tracepp.tuner_figures import ensure
+
+    manifest = ensure(manifest, args.out, tp_sizes, cp_sizes, ep_sizes)  # computed the first time they are asked
     kept, dropped, failed = tune(manifest, calibration, memory_limit=limit, schedules=schedules,
                                  microbatch_counts=counts,
                                  optimizer_bytes_per_param=_optimizer_bytes(args, manifest),
@@ -305,6 +308,10 @@ def _add_split_options(parser) -> None:
 
     parser.add_argument("--schedule", default="1f1b", help=f"{', '.join(SCHEDULES)}, or a .csv")
     parser.add_argument("--microbatches", type=int, default=4, help="microbatches per batch (default 4)")
+    parser.add_argument("--timings", nargs="?", const="-", default=None, metavar="FILE.json",
+                        help="print where planning's time and memory went, per step (load, trace, split, cp/tp/ep "
+                             "plans, schedule, memory, emit: wall s, CPU s, resident and peak GB) to stderr; with "
+                             "FILE.json also write them there")
     parser.add_argument("--split-points", default=None,
                         help="comma-separated module FQNs where a new stage begins (overrides the model file's); "
                              "'auto' cuts between repeated blocks by the cost model even if the file lists points")
@@ -526,6 +533,23 @@ def main(argv=None) -> int:
     except (ValueError, FileExistsError, FileNotFoundError) as error:  # our errors name the fix; no traceback
         print(f"tracepp {args.command}: error: {error}", file=sys.stderr)
         return 2
+    finally:
+        if getattr(args, "timings", None):
+            _report_timings(args.timings)
+
+
+def _report_timings(path: str) -> None:
+    """``--timings``: the driver's steps (``tracepp.phases``) to stderr, and as JSON to ``path`` unless it is -."""
+    import json
+
+    from tracepp import phases
+
+    steps = phases.taken()
+    print(phases.table(steps), file=sys.stderr)
+    if path != "-":
+        with open(path, "w") as handle:
+            json.dump({"steps": steps, "total_wall_s": round(sum(s["wall_s"] for s in steps if "/" not in s["name"]), 3),
+                       "peak_rss_bytes": max((s["peak_rss_bytes"] for s in steps), default=0)}, handle, indent=1)
 
 
 if __name__ == "__main__":

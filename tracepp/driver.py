@@ -14,6 +14,7 @@ from tracepp.codegen.emit import build_manifest, emit
 from tracepp.codegen.memory import plan_memory
 from tracepp.codegen.plan import build_plan, topology_of
 from tracepp.codegen.schedules import stages_per_rank
+from tracepp import phases
 from tracepp.modelfile import load_model_file
 from tracepp.resplit import split_options
 from tracepp.runtime.mesh import Layout
@@ -30,39 +31,55 @@ def _plan(model_path: str, layout: Layout, num_stages: Optional[int], schedule: 
     """Steps 1-3, shared by ``split`` and ``check``: (model file, traced program, stage graphs, plan)."""
     layout.check()
     run.check()
-    model_file = load_model_file(model_path)                                          # the user's contract
-    if layout.dp > 1:  # each replica runs the pipeline on its slice: trace a microbatch of the replica's batch
-        traced = _trace_replica(model_file, num_microbatches, dynamic_shapes, layout)
-    else:
-        traced = trace(model_file, num_microbatches, dynamic_shapes, on_meta="auto")  # 1. torch.export (meta if big)
-    points = None if split_points == "auto" else (split_points or model_file.split_points)
-    graph = split(traced, points, num_stages,                                         # 2. stage graphs
-                  default_stages=layout.pp * stages_per_rank(schedule), schedule=schedule,
-                  num_microbatches=num_microbatches, training=model_file.training)
+    model_file, traced, graph = trace_and_split(model_path, layout, num_stages, schedule, num_microbatches,
+                                                split_points, dynamic_shapes)
     if layout.cp > 1:                                                                 # 2a. context parallel
-        loss = trace_loss(model_file, graph) if model_file.training else None
-        cp_plan, walks, loss_walk = context_parallel.plan(graph, layout.cp, loss, model_file.training)
-        context_parallel.apply(graph, cp_plan, walks, loss, loss_walk)
-        graph.context_parallel, graph.loss = cp_plan.to_json(), loss
+        with phases.step("cp plan"):
+            loss = trace_loss(model_file, graph) if model_file.training else None
+            cp_plan, walks, loss_walk = context_parallel.plan(graph, layout.cp, loss, model_file.training)
+            context_parallel.apply(graph, cp_plan, walks, loss, loss_walk)
+            graph.context_parallel, graph.loss = cp_plan.to_json(), loss
     if layout.tp > 1:                                                                 # 2b. tensor parallel
-        tp_plan, walks = tensor_parallel.plan(graph, layout.tp, model_file.tp_plan, layout.sequence_parallel)
-        tensor_parallel.apply(graph, tp_plan, walks)
-        graph.tensor_parallel = tp_plan.to_json()
-    ep_plan, blocks = expert_parallel.plan(graph, layout.ep, layout.dp, tensor_parallel.fqn_map)  # 2c. experts
-    if ep_plan.blocks:
-        expert_parallel.apply(graph, ep_plan, blocks)
-        graph.expert_parallel = ep_plan.to_json()
-    if layout.world_size > layout.pp:  # what each rank holds of its stages: tp pieces, its experts, FSDP shards
-        for stage in graph.stages:
-            stage.estimate = per_rank_estimate(stage, graph, layout.data_parallel(), model_file.training)
-    the_plan = build_plan(schedule, layout.pp, graph.num_stages, num_microbatches,    # 3. schedule
-                          topology_of(graph), model_file.training).to_json()
-    if layout.dp * layout.cp > 1:  # FSDP/DDP wrap the stages (over dp x cp with context parallelism)
-        _check_shared_on_one_rank(graph, the_plan, schedule, layout)
-    if layout.world_size > layout.pp:
-        the_plan["mesh"] = layout.to_json()
-    graph.memory, run = memory_plan(model_file, traced, graph, the_plan, layout, run)       # 3b. memory per rank
+        with phases.step("tp plan"):
+            tp_plan, walks = tensor_parallel.plan(graph, layout.tp, model_file.tp_plan, layout.sequence_parallel)
+            tensor_parallel.apply(graph, tp_plan, walks)
+            graph.tensor_parallel = tp_plan.to_json()
+    with phases.step("ep plan"):
+        ep_plan, blocks = expert_parallel.plan(graph, layout.ep, layout.dp, tensor_parallel.fqn_map)  # 2c. experts
+        if ep_plan.blocks:
+            expert_parallel.apply(graph, ep_plan, blocks)
+            graph.expert_parallel = ep_plan.to_json()
+        if layout.world_size > layout.pp:  # what each rank holds of its stages: tp pieces, experts, FSDP shards
+            for stage in graph.stages:
+                stage.estimate = per_rank_estimate(stage, graph, layout.data_parallel(), model_file.training)
+    with phases.step("schedule"):
+        the_plan = build_plan(schedule, layout.pp, graph.num_stages, num_microbatches,    # 3. schedule
+                              topology_of(graph), model_file.training).to_json()
+        if layout.dp * layout.cp > 1:  # FSDP/DDP wrap the stages (over dp x cp with context parallelism)
+            _check_shared_on_one_rank(graph, the_plan, schedule, layout)
+        if layout.world_size > layout.pp:
+            the_plan["mesh"] = layout.to_json()
+    with phases.step("memory"):
+        graph.memory, run = memory_plan(model_file, traced, graph, the_plan, layout, run)   # 3b. memory per rank
     return model_file, traced, graph, the_plan, run
+
+
+def trace_and_split(model_path: str, layout: Layout, num_stages: Optional[int], schedule: str,
+                    num_microbatches: int, split_points: Optional[list], dynamic_shapes) -> tuple:
+    """Steps 1-2: (model file, traced program, stage graphs) before any parallel plan."""
+    with phases.step("load"):
+        model_file = load_model_file(model_path)                                      # the user's contract
+    with phases.step("trace"):
+        if layout.dp > 1:  # each replica runs the pipeline on its slice: trace a microbatch of the replica's batch
+            traced = _trace_replica(model_file, num_microbatches, dynamic_shapes, layout)
+        else:
+            traced = trace(model_file, num_microbatches, dynamic_shapes, on_meta="auto")  # 1. torch.export
+    points = None if split_points == "auto" else (split_points or model_file.split_points)
+    with phases.step("split"):
+        graph = split(traced, points, num_stages,                                     # 2. stage graphs
+                      default_stages=layout.pp * stages_per_rank(schedule), schedule=schedule,
+                      num_microbatches=num_microbatches, training=model_file.training)
+    return model_file, traced, graph
 
 
 def split_model(model_path: str, out_dir: str, num_stages: Optional[int] = None, schedule: str = "1f1b",
@@ -76,8 +93,9 @@ def split_model(model_path: str, out_dir: str, num_stages: Optional[int] = None,
     options = split_options(model_path, layout, num_stages, schedule, num_microbatches, split_points,
                             dynamic_shapes, graph, run)
     options["run_options"], options["requested_run_options"] = planned.to_json(), run.to_json()
-    manifest = emit(out_dir, model_file, traced, graph, the_plan, launch_command(layout.world_size),  # 4. output
-                    options)
+    with phases.step("emit"):
+        manifest = emit(out_dir, model_file, traced, graph, the_plan, launch_command(layout.world_size),  # 4. output
+                        options)
     return manifest
 
 

@@ -44,13 +44,10 @@ def recorded_layout(options: dict):
                   tp=options.get("tp", 1))
 
 
-def resplit(manifest: dict, out_dir: str, **changes) -> dict:
-    """Split again as the manifest's ``split_options`` record, with ``changes`` (e.g. ``schedule``,
-    ``num_stages``, ``num_microbatches``, ``split_points``, ``layout`` changes as a dict, e.g. ``{"tp": 2}``, and
-    ``run`` changes to the run options, e.g. ``{"activation_checkpointing": "full,none"}``)
-    into ``out_dir``; the model file is the recorded path, else the folder's own copy ``model_file.py``."""
-    from tracepp.driver import split_model  # the driver imports split_options from here
-
+def recorded_call(manifest: dict, out_dir: str, **changes) -> tuple:
+    """(model path, ``split_model``'s keyword arguments) as the manifest's ``split_options`` record them, with
+    ``changes`` (see :func:`resplit`); the model file is the recorded path, else the folder's own copy
+    ``model_file.py``."""
     options = dict(manifest.get("split_options") or {})
     if not options:
         raise ValueError("this folder's manifest does not record how it was split (made by an older tracepp): run "
@@ -70,9 +67,20 @@ def resplit(manifest: dict, out_dir: str, **changes) -> dict:
         raise ValueError("this folder was split with dynamic_shapes passed from Python, which the manifest cannot "
                          "record: split again yourself with the chosen options")
     flags = DynamicFlags(**{**dynamic["flags"], "dims": [tuple(d) for d in dynamic["flags"]["dims"]]}) if dynamic else None
-    return split_model(model_path, out_dir, num_stages=options["num_stages"], schedule=options["schedule"],
-                       num_microbatches=options["num_microbatches"], split_points=options["split_points"],
-                       dynamic_shapes=flags, layout=layout, run=run)
+    return model_path, dict(num_stages=options["num_stages"], schedule=options["schedule"],
+                            num_microbatches=options["num_microbatches"], split_points=options["split_points"],
+                            dynamic_shapes=flags, layout=layout, run=run)
+
+
+def resplit(manifest: dict, out_dir: str, **changes) -> dict:
+    """Split again as the manifest's ``split_options`` record, with ``changes`` (e.g. ``schedule``,
+    ``num_stages``, ``num_microbatches``, ``split_points``, ``layout`` changes as a dict, e.g. ``{"tp": 2}``, and
+    ``run`` changes to the run options, e.g. ``{"activation_checkpointing": "full,none"}``)
+    into ``out_dir``; the model file is the recorded path, else the folder's own copy ``model_file.py``."""
+    from tracepp.driver import split_model  # the driver imports split_options from here
+
+    model_path, call = recorded_call(manifest, out_dir, **changes)
+    return split_model(model_path, out_dir, **call)
 
 
 def apply_tuned(manifest: dict, out_dir: str, best) -> dict:

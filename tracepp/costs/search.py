@@ -643,8 +643,9 @@ def tune(manifest: dict, calibration: Calibration, memory_limit: Optional[int] =
     for tp in tp_sizes:
         if tp != 1 and any(str(tp) not in (seg.get("tp") or {}) for seg in segments):
             known = sorted({int(k) for seg in segments for k in (seg.get("tp") or {})})
-            raise ValueError(f"--tp-sizes {tp}: the split recorded tensor-parallel figures for tp in "
-                             f"{[1] + known}; split the folder again with this tracepp to price others")
+            raise ValueError(f"--tp-sizes {tp}: this folder holds tensor-parallel figures for tp in {[1] + known} "
+                             f"only (the whole graph could not be walked at tp {tp}: `tracepp check MODEL --tp {tp}` "
+                             f"says why); tune without tp {tp}")
     # each tp > 1 with and without sequence parallelism, where the split recorded its figures
     layouts = [(tp, sp) for tp in tp_sizes for sp in (False, True) if not sp or sequence_parallel_priced(manifest, tp)]
     ep_sizes = expert_sizes(manifest, ep_sizes)
