@@ -555,20 +555,122 @@ def profile_stages(graph, model, loss_fn, target, options: MemoryOptions, traini
     """:func:`profile_stage` for every stage of ``graph`` (a :class:`~tracepp.split.pipeline_graph.PipelineGraph`):
     ``model`` gives which parameters train, ``loss_fn`` and ``target`` (one microbatch's) the last stage's loss.
     A stage that cannot run on fake tensors gets ``{"error": why}`` instead (the caller falls back)."""
-    trainable = {fqn for fqn, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
-    done, out = (cache if cache is not None else {}), []
-    last = graph.num_stages - 1
-    for stage in graph.stages:
-        key = _structure_key(stage, graph, options, stage.index == last)
-        if key not in done:
+    profiles = StageProfiles(graph, model, loss_fn, target, options, training, sequence_shards, cache)
+    modes = [options.mode(stage.index) for stage in graph.stages]
+    profiles.prefetch(list(enumerate(modes)))
+    return [profiles.figures(index, mode) for index, mode in enumerate(modes)]
+
+
+class StageProfiles:
+    """Each stage's figures (:func:`profile_stage`) under a checkpointing mode, counted when first asked for:
+    stages with the same structure (a model's repeated middle) once, and the ones :meth:`prefetch` is given
+    several at a time in worker processes where they are many and large (:func:`plan_workers`)."""
+
+    def __init__(self, graph, model, loss_fn, target, options: MemoryOptions, training: bool = True,
+                 sequence_shards: bool = False, cache=None):
+        self.graph, self.loss_fn, self.target, self.options = graph, loss_fn, target, options
+        self.training, self.sequence_shards = training, sequence_shards
+        self.trainable = {fqn for fqn, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
+        self.done = cache if cache is not None else {}
+        self._keys: dict = {}
+
+    def _options(self, mode: str) -> MemoryOptions:
+        return dataclasses.replace(self.options, recompute=[mode] * self.graph.num_stages)
+
+    def key(self, index: int, mode: str) -> str:
+        if (index, mode) not in self._keys:
+            stage = self.graph.stages[index]
+            self._keys[(index, mode)] = _structure_key(stage, self.graph, self._options(mode),
+                                                       index == self.graph.num_stages - 1)
+        return self._keys[(index, mode)]
+
+    def count(self, index: int, mode: str) -> dict:
+        """One stage's figures under ``mode``, counted here."""
+        last = index == self.graph.num_stages - 1
+        try:
+            return profile_stage(self.graph.stages[index], self.graph, self.trainable, self._options(mode),
+                                 self.loss_fn, self.target if last else None, last, self.training,
+                                 self.sequence_shards)
+        except Exception as error:  # noqa: BLE001  (never fail a split for its memory figure)
+            return {"error": f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"}
+
+    def prefetch(self, wanted: list) -> None:
+        """Count the (stage index, mode) pairs of ``wanted`` not counted yet, each distinct structure once."""
+        jobs = {}
+        for index, mode in wanted:
+            key = self.key(index, mode)
+            if key not in self.done and key not in jobs:
+                jobs[key] = (index, mode)
+        if not jobs:
+            return
+        nodes = sum(len(self.graph.stages[index].graph.nodes) for index, _mode in jobs.values())
+        workers = plan_workers(len(jobs), nodes)
+        if workers > 1:
             try:
-                done[key] = profile_stage(stage, graph, trainable, options, loss_fn,
-                                          target if stage.index == last else None, stage.index == last, training,
-                                          sequence_shards)
-            except Exception as error:  # noqa: BLE001  (never fail a split for its memory figure)
-                done[key] = {"error": f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"}
-        out.append(dict(done[key]))
-    return out
+                found = _in_workers(self, list(jobs.values()), workers)
+            except Exception:  # noqa: BLE001 - a pool that cannot start: count them here
+                found = None
+            if found is not None:
+                self.done.update(zip(jobs, found))
+                return
+        for key, (index, mode) in jobs.items():
+            self.done[key] = self.count(index, mode)
+
+    def figures(self, index: int, mode: str) -> dict:
+        key = self.key(index, mode)
+        if key not in self.done:
+            self.done[key] = self.count(index, mode)
+        return dict(self.done[key])
+
+    def counted(self, index: int, mode: str) -> bool:
+        return self.key(index, mode) in self.done
+
+
+# the work a memory count is worth running in worker processes for: the nodes of the stage graphs to count
+# (a 7B Llama's stages of 8 layers hold about 2,000 each; the tests' models a few hundred)
+PARALLEL_NODES = 3000
+_JOBS = None  # the StageProfiles a worker process counts for (set before the pool forks)
+
+
+def plan_workers(jobs: int, nodes: int) -> int:
+    """How many processes count ``jobs`` stage profiles of ``nodes`` graph nodes in all: this machine's CPUs
+    (``TRACEPP_PLAN_WORKERS`` sets it; 1 counts everything in this process), where the work is worth a fork."""
+    import os
+
+    setting = os.environ.get("TRACEPP_PLAN_WORKERS")
+    if setting is not None:
+        return max(1, min(int(setting), jobs))
+    if jobs < 2 or nodes < PARALLEL_NODES or not hasattr(os, "fork"):
+        return 1
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(cpus, jobs, 8))
+
+
+def _count_job(job: tuple) -> dict:
+    index, mode = job
+    import torch as _torch
+
+    _torch.set_num_threads(1)
+    return _JOBS.count(index, mode)
+
+
+def _in_workers(profiles: StageProfiles, jobs: list, workers: int) -> list:
+    """:meth:`StageProfiles.count` of each job in ``workers`` forked processes (they inherit the stage graphs;
+    the figures come back as plain data), the largest stage graphs first."""
+    import multiprocessing
+
+    global _JOBS
+    order = sorted(range(len(jobs)), key=lambda i: -len(profiles.graph.stages[jobs[i][0]].graph.nodes))
+    _JOBS = profiles
+    try:
+        with multiprocessing.get_context("fork").Pool(workers) as pool:
+            results = pool.map(_count_job, [jobs[i] for i in order], chunksize=1)
+    finally:
+        _JOBS = None
+    found = [None] * len(jobs)
+    for position, result in zip(order, results):
+        found[position] = result
+    return found
 
 
 # -- a plan's memory: every stage's figures, what each rank holds, its peak ---------------------------------------
@@ -647,21 +749,73 @@ def _stage_entries(graph, profiles: list, layout, trainable_fqns: set, options: 
     """(each stage's manifest entry: its profile and what a rank holds of it; its trainable parameters; notes)."""
     stages, trainable, notes = [], [], []
     for stage, figures in zip(graph.stages, profiles):
-        state = stage_state(stage, graph, layout, trainable_fqns)
-        trainable.append(state.pop("trainable"))
-        entry = {k: v for k, v in figures.items() if k != "kept_by_position"}
-        entry.update(state)
-        entry["recompute"] = options.mode(stage.index)
-        if "error" in figures:
-            notes.append(f"stage {stage.index}: memory not counted on fake tensors ({figures['error']}); "
-                         f"its activations are the split's upper bound")
-            bound = stage.estimate.get("activation_bytes_per_microbatch", 0)
-            entry.update(dict.fromkeys(STAGE_FIELDS, 0), kept=bound, forward_peak=bound, backward_peak=bound,
-                         backward_peak_first=bound, after_backward=-bound, after_backward_first=-bound,
-                         input_backward_peak=bound, weight_backward_peak=bound, weight_backward_peak_first=bound)
-        entry["kept_by_segment"] = {str(k): v for k, v in kept_by_segment(stage, figures).items()}
+        entry, held, note = _stage_entry(graph, stage, figures, layout, trainable_fqns, options.mode(stage.index))
         stages.append(entry)
+        trainable.append(held)
+        notes += [note] if note else []
     return stages, trainable, notes
+
+
+def _stage_entry(graph, stage, figures: dict, layout, trainable_fqns: set, mode: str) -> tuple:
+    """(one stage's manifest entry under checkpointing ``mode``, its trainable parameters, a note or None)."""
+    state = stage_state(stage, graph, layout, trainable_fqns)
+    held = state.pop("trainable")
+    entry = {k: v for k, v in figures.items() if k != "kept_by_position"}
+    entry.update(state)
+    entry["recompute"] = mode
+    note = None
+    if "error" in figures:
+        note = (f"stage {stage.index}: memory not counted on fake tensors ({figures['error']}); "
+                f"its activations are the split's upper bound")
+        bound = stage.estimate.get("activation_bytes_per_microbatch", 0)
+        entry.update(dict.fromkeys(STAGE_FIELDS, 0), kept=bound, forward_peak=bound, backward_peak=bound,
+                     backward_peak_first=bound, after_backward=-bound, after_backward_first=-bound,
+                     input_backward_peak=bound, weight_backward_peak=bound, weight_backward_peak_first=bound)
+    entry["kept_by_segment"] = {str(k): v for k, v in kept_by_segment(stage, figures).items()}
+    return entry, held, note
+
+
+class _ByMode:
+    """``by_mode[mode][stage]``: a stage's manifest entry under a checkpointing mode, its profile counted when
+    first asked for (:class:`StageProfiles`)."""
+
+    def __init__(self, graph, profiles: StageProfiles, layout, trainable_fqns: set):
+        self.graph, self.profiles, self.layout, self.trainable_fqns = graph, profiles, layout, trainable_fqns
+        self._entries: dict = {}
+
+    def entry(self, index: int, mode: str) -> dict:
+        if (index, mode) not in self._entries:
+            figures = self.profiles.figures(index, mode)
+            self._entries[(index, mode)] = _stage_entry(self.graph, self.graph.stages[index], figures, self.layout,
+                                                        self.trainable_fqns, mode)[0]
+        return self._entries[(index, mode)]
+
+    def __getitem__(self, mode: str) -> list:
+        return _Stages(self, mode)
+
+    def complete(self, mode: str) -> bool:
+        """Whether every stage was counted under ``mode``."""
+        return all(self.profiles.counted(index, mode) for index in range(self.graph.num_stages))
+
+    def items(self):
+        return [(mode, self[mode]) for mode in ALTERNATIVE_MODES if self.complete(mode)]
+
+    def __bool__(self) -> bool:
+        return True
+
+
+class _Stages:
+    def __init__(self, by_mode: _ByMode, mode: str):
+        self.by_mode, self.mode = by_mode, mode
+
+    def __getitem__(self, index: int) -> dict:
+        return self.by_mode.entry(index, self.mode)
+
+    def __len__(self) -> int:
+        return self.by_mode.graph.num_stages
+
+    def __iter__(self):
+        return (self[index] for index in range(len(self)))
 
 
 def _rank_peaks(plan: dict, stages: list, trainable: list, layout, make_optimizer, training: bool,
@@ -706,7 +860,7 @@ NEXT_MODE = {"none": "selective", "selective": "full"}
 
 
 def plan_memory(graph, model, plan: dict, layout, options: MemoryOptions, loss_fn=None, target=None,
-                make_optimizer=None, training: bool = True, memory_limit=None) -> dict:
+                make_optimizer=None, training: bool = True, memory_limit=None, all_modes: bool = False) -> dict:
     """The manifest's ``memory``: every stage's figures (:func:`profile_stages` and :func:`stage_state`), and per
     pipeline rank its peak over the plan's timeline with its parts (``tracepp.codegen.peak``), the same on every
     data- and tensor-parallel replica of that rank; ``alternatives``: each rank's peak under every stage at
@@ -716,25 +870,29 @@ def plan_memory(graph, model, plan: dict, layout, options: MemoryOptions, loss_f
     every rank fits ``memory_limit`` (:func:`choose_checkpointing`; ``checkpointing`` in the result)."""
     sequence_shards = layout.tp > 1 and layout.sequence_parallel
     trainable_fqns = {fqn for fqn, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
-    cache: dict = {}
+    counts = StageProfiles(graph, model, loss_fn, target, options, training, sequence_shards)
+    by_mode = _ByMode(graph, counts, layout, trainable_fqns)
     optimizers: dict = {}
-    by_mode, trainable = {}, None
-    for mode in ALTERNATIVE_MODES if training else ():
-        uniform = dataclasses.replace(options, recompute=[mode] * graph.num_stages)
-        other = profile_stages(graph, model, loss_fn, target, uniform, training, sequence_shards, cache)
-        by_mode[mode], trainable, _notes = _stage_entries(graph, other, layout, trainable_fqns, uniform)
+    every = range(graph.num_stages)
+    trainable = [stage_state(stage, graph, layout, trainable_fqns)["trainable"] for stage in graph.stages]
+    if all_modes and training:  # the tuner's figures: every stage under every mode
+        counts.prefetch([(s, mode) for mode in ALTERNATIVE_MODES for s in every])
     chosen = None
     if options.recompute is None and training:
+        counts.prefetch([(s, "none") for s in every])
         chosen = choose_checkpointing(graph, plan, by_mode, trainable, layout, make_optimizer, optimizers,
                                       options.device, memory_limit)
         options = dataclasses.replace(options, recompute=chosen["modes"])
-    profiles = profile_stages(graph, model, loss_fn, target, options, training, sequence_shards, cache)
+    counts.prefetch([(s, options.mode(s)) for s in every])
+    profiles = [counts.figures(s, options.mode(s)) for s in every]
     stages, trainable, notes = _stage_entries(graph, profiles, layout, trainable_fqns, options)
     ranks = _rank_peaks(plan, stages, trainable, layout, make_optimizer, training, optimizers, options.device)
+    if memory_limit is not None and training and max(r["peak_bytes"] for r in ranks) > memory_limit:
+        counts.prefetch([(s, mode) for mode in ALTERNATIVE_MODES for s in every])  # to say what would fit
     alternatives = {}
     for mode, entries in by_mode.items():
         if [mode] * graph.num_stages != [options.mode(s.index) for s in graph.stages]:
-            alternatives[mode] = [r["peak_bytes"] for r in _rank_peaks(plan, entries, trainable, layout,
+            alternatives[mode] = [r["peak_bytes"] for r in _rank_peaks(plan, list(entries), trainable, layout,
                                                                         make_optimizer, training, optimizers,
                                                                         options.device)]
     _segment_memory(graph, by_mode)
@@ -759,7 +917,7 @@ def plan_memory(graph, model, plan: dict, layout, options: MemoryOptions, loss_f
                         "expert_imbalance": options.expert_imbalance if layout.ep > 1 else None,
                         "device": options.device},
             "method": METHOD, "stages": stages, "ranks": ranks, "alternatives": alternatives, "notes": notes,
-            "checkpointing": chosen}
+            "checkpointing": chosen, "modes_counted": [mode for mode, _entries in by_mode.items()]}
 
 
 def choose_checkpointing(graph, plan: dict, by_mode: dict, trainable: list, layout, make_optimizer,
@@ -779,6 +937,10 @@ def choose_checkpointing(graph, plan: dict, by_mode: dict, trainable: list, layo
                                                      optimizers, device)]
 
     peaks = peaks_of(modes)
+    if memory_limit is not None and max(peaks) > memory_limit:  # what the search will try, counted together
+        over = {rank for rank, peak in enumerate(peaks) if peak > memory_limit}
+        by_mode.profiles.prefetch([(s, mode) for s, r in enumerate(stage_to_rank) if r in over
+                                   for mode in ("selective", "full")])
     while memory_limit is not None and max(peaks) > memory_limit:
         worst = max(range(len(peaks)), key=peaks.__getitem__)
         best = None

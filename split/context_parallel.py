@@ -51,11 +51,23 @@ import tracepp.runtime.context_parallel  # noqa: F401  (registers torch.ops.trac
 from tracepp.split.cost import op_name
 from tracepp.split.expert_parallel import GROUPED_MM
 from tracepp.split.naming import frames
-from tracepp.split.tensor_parallel import (_equal, _floor_text, _local_val, _prod, _sizes, _val, fqn_map, grad_flags,
+from tracepp.split.tensor_parallel import (_equal, _floor_text, _local_val, _val, fqn_map, grad_flags,
                                            sequence_length)
+from tracepp.split.tensor_parallel import _prod as _prod_ints, _sizes as _sizes_ints
+
+
+def _sizes(val) -> list:
+    """A value's sizes as sympy numbers and expressions (this walk divides them)."""
+    return [sympy.sympify(s) for s in _sizes_ints(val)]
+
+
+def _prod(items):
+    return sympy.sympify(_prod_ints(items))
+
 
 aten = torch.ops.aten
 CP = torch.ops.tracepp
+WORK = {"visits": 0}  # nodes the walks have visited (tests count the work of a plan, not its time)
 
 _IGNORED = {aten._assert_tensor_metadata.default}
 _KEEP = {  # one tensor in, the same positions out (a shard carried as it is)
@@ -213,6 +225,7 @@ class _Walk:
 
     # -- the walk
     def _visit(self, node) -> None:
+        WORK["visits"] += 1
         if node.op == "placeholder":
             if node.name in self.received and self.received[node.name] is not None:
                 self._place(node, *self.received[node.name])
@@ -845,15 +858,29 @@ def plan(graph, cp: int, loss=None, training: bool = True) -> tuple:
     expr = sympy.sympify(seq)
     ours = {sym: sympy.Symbol(aliases[str(sym)]) for sym in expr.free_symbols if str(sym) in aliases}
     result = CPPlan(size=cp, sequence=str(expr.xreplace(ours)))
+    from tracepp.split import blocks
+    from tracepp.split.tensor_parallel import segment_begins
+
     walks, sent = [], {}
+    begins = segment_begins(graph)
     for stage in graph.stages:
         nodes = [n for n in stage.graph.nodes if n.op == "placeholder"]
         first = len(stage.state) + len(stage.root_inputs)
         received = {nodes[first + i].name: sent.get(name) for i, (_producer, name) in enumerate(stage.received)}
         fqn_of = fqn_map(stage, graph)
-        walk = _Walk(stage.graph, seq, cp, grad_flags(stage, graph), received,
-                     _expert_nodes(stage.graph, fqn_of), training, stage.index == graph.num_stages - 1,
-                     fqn_of=fqn_of)
+        flags = grad_flags(stage, graph)
+        experts = _expert_nodes(stage.graph, fqn_of)
+        last = stage.index == graph.num_stages - 1
+
+        def build(g, into, flags=flags, experts=experts, received=received, last=last, fqn_of=fqn_of):
+            mapped = {into(n): f for n, f in flags.items() if into(n) is not None}
+            return _Walk(g, seq, cp, mapped, received, {into(n) for n in experts} - {None}, training, last,
+                         fqn_of=fqn_of)
+
+        walk = blocks.walk_once(stage.graph, fqn_of, begins, build,
+                                lambda w: (w.shard, w.items, w.sums, w.local_factories),
+                                {"graph": stage.graph, "needs_grad": flags, "fqn_of": fqn_of,
+                                 "expert_nodes": experts, "received": received})
         outputs = list(stage.graph.output_node().args[0])
         for node, name in zip(outputs, stage.outputs):
             if isinstance(node, fx.Node) and node in walk.sends:

@@ -192,9 +192,19 @@ def count_flops(graph: fx.Graph) -> FlopCount:
     result = FlopCount()
     values = [node.meta.get("val") for node in graph.nodes]
     fake_mode = _fake_mode_of(values)
+    priced: dict = {}  # an op on the same shapes, dtypes and arguments costs the same: each is priced once
     for node in graph.nodes:
         if node.op != "call_function":
             continue
+        key = _signature(node)
+        if key is not None and key in priced:
+            flops, fails, missing = priced[key]
+            result.by_node[node.name] = flops
+            for counts, found in ((result.failed, fails), (result.no_formula, missing)):
+                if found:
+                    counts[found] = counts.get(found, 0) + 1
+            continue
+        failed_before, missing_before = dict(result.failed), dict(result.no_formula)
         name = op_name(node)
         flops = None
         try:
@@ -221,7 +231,35 @@ def count_flops(graph: fx.Graph) -> FlopCount:
                 result.no_formula[name] = result.no_formula.get(name, 0) + 1
             flops = 0
         result.by_node[node.name] = _concrete(flops, result.assumed)
+        if key is not None:
+            priced[key] = (result.by_node[node.name], name if result.failed != failed_before else None,
+                           name if result.no_formula != missing_before else None)
     return result
+
+
+def _signature(node: fx.Node):
+    """What a node's FLOP count depends on: its op and its arguments, tensors as (shape, dtype); None where an
+    argument is neither (never shared)."""
+    def plain(item):
+        if isinstance(item, fx.Node):
+            val = item.meta.get("val")
+            if isinstance(val, torch.Tensor):
+                return ("T", tuple(str(d) for d in val.shape), str(val.dtype))
+            if isinstance(val, (int, float, bool, torch.SymInt, torch.SymFloat)):
+                return ("V", str(val))
+            raise TypeError
+        if isinstance(item, (list, tuple)):
+            return tuple(plain(i) for i in item)
+        if isinstance(item, dict):
+            return tuple((k, plain(v)) for k, v in item.items())
+        if item is None or isinstance(item, (int, float, bool, str, torch.dtype, torch.device, torch.memory_format,
+                                             torch.layout)):
+            return repr(item)
+        raise TypeError
+    try:
+        return (str(node.target), plain(node.args), plain(node.kwargs), str(node.meta.get("val", "").__class__))
+    except TypeError:
+        return None
 
 
 def _concrete(value, assumed: dict) -> int:

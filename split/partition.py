@@ -621,7 +621,7 @@ def _unused_state(traced, inputs: _ProgramInputs) -> dict:
     return unused
 
 
-def _tensor_parallel_figures(graph, inputs, flops: dict, needs_grad: dict, sizes: tuple):
+def _tensor_parallel_figures(graph, inputs, flops: dict, needs_grad: dict, sizes: tuple, begins: dict = None):
     """``segment_table``'s per-segment tensor-parallel figures at each tp of ``sizes`` (the tuner's
     ``--tp-sizes``), or None where the whole graph cannot be walked."""
     from tracepp.split import tensor_parallel
@@ -629,7 +629,8 @@ def _tensor_parallel_figures(graph, inputs, flops: dict, needs_grad: dict, sizes
     fqn_of = {name: ref.fqn for name, ref in inputs.state.items() if ref.kind == "parameter"}
     try:
         sequence = tensor_parallel.whole_graph_sequence(graph, inputs.root_inputs)
-        walks = tensor_parallel.whole_graph_walks(graph, fqn_of, needs_grad, sizes=sizes, sequence=sequence)
+        walks = tensor_parallel.whole_graph_walks(graph, fqn_of, needs_grad, sizes=sizes, sequence=sequence,
+                                                  begins=begins)
     except Exception:  # an op the walk does not expect: no tp figures, the split goes on
         return None
     return lambda nodes, crossing=(): tensor_parallel.segment_figures(nodes, walks, flops, cost.tensor_bytes,
@@ -748,8 +749,9 @@ def tuner_figures(pipeline_graph, tp_sizes=(), cp: bool = False, ep: bool = Fals
     computes none of them (they walk the whole graph: minutes on a 671B model); the tuner asks for the ones its
     ``--tp-sizes``, ``--cp-sizes`` and ``--ep-sizes`` need and caches them in the folder."""
     whole = pipeline_graph.whole
+    begins = {index: seg.get("begins") for index, seg in enumerate(pipeline_graph.segments or [])}
     per_segment = (_tensor_parallel_figures(whole.graph, whole.inputs, whole.flops, whole.needs_grad,
-                                            tuple(tp_sizes)) if tp_sizes else None)
+                                            tuple(tp_sizes), begins) if tp_sizes else None)
     experts = _expert_figures(whole.graph, whole.inputs, whole.flops) if ep else None
     segments = segment_table(whole.compute, whole.model, whole.flops, whole.needs_grad, whole.parameters,
                              whole.computable, whole.stage_of, per_segment, experts)

@@ -42,6 +42,7 @@ The result, :class:`TPPlan`, is plain data for the manifest; :func:`apply` rewri
 from __future__ import annotations
 
 import fnmatch
+import functools
 import operator
 import os
 import sys
@@ -160,22 +161,36 @@ def _val(node):
 
 
 def _sizes(val) -> list:
-    return [sympy.sympify(s.node.expr) if isinstance(s, torch.SymInt) else sympy.Integer(int(s)) for s in val.shape]
+    """A value's sizes: Python ints where static, sympy expressions where symbolic (the per-node path compares
+    ints; algebra only where a dim is symbolic)."""
+    return [_symbolic(s.node.expr) if isinstance(s, torch.SymInt) else int(s) for s in val.shape]
+
+
+def _symbolic(expr):
+    expr = sympy.sympify(expr)
+    return int(expr) if expr.is_Integer else expr
 
 
 def _equal(a, b) -> bool:
+    if isinstance(a, (int, sympy.Integer)) and isinstance(b, (int, sympy.Integer)):
+        return int(a) == int(b)
+    return _equal_symbolic(a, b)
+
+
+@functools.lru_cache(maxsize=65536)
+def _equal_symbolic(a, b) -> bool:
     return sympy.expand(sympy.sympify(a) - sympy.sympify(b)) == 0
 
 
 def _prod(items):
-    out = sympy.Integer(1)
+    out = 1
     for item in items:
         out = out * item
-    return out
+    return _symbolic(out) if not isinstance(out, int) else out
 
 
 def _ints(items) -> bool:
-    return all(sympy.sympify(i).is_Integer for i in items)
+    return all(isinstance(i, int) or sympy.sympify(i).is_Integer for i in items)
 
 
 def where(node) -> str:
@@ -444,6 +459,7 @@ class _Walk:
 
     # -- the rules
     def _visit(self, node) -> None:
+        WORK["visits"] += 1
         if node.op == "placeholder":
             if node.name in self.received:  # a sequence shard sent by the stage before
                 dim, segments = self.received[node.name]
@@ -1237,7 +1253,7 @@ class _Walk:
         if not isinstance(sizes, (list, tuple)) or e >= len(sizes):
             return False
         at = sizes[e]
-        return at == -1 or (isinstance(at, int) and out_size.is_Integer and at == int(out_size))
+        return at == -1 or (isinstance(at, int) and _ints([out_size]) and at == int(out_size))
 
     def _elementwise(self, node, out_val) -> bool:
         n = out_val.dim()
@@ -1729,7 +1745,7 @@ def _low_rank(walk: _Walk) -> list:
 
 
 def settle(graphs: list, tp: int, notes: dict, fused: dict = None, sequence=None, mixed: dict = None,
-           gathered: dict = None) -> tuple:
+           gathered: dict = None, begins: dict = None) -> tuple:
     """:func:`_settle`, then, where it sharded low-rank pairs (:func:`_low_rank`), the same with the
     down-projections of one kind of pair gathered (the same module in every layer: ``*.self_attn.q_a_proj``):
     column-wise, with their narrow output (the latent) all-gathered, so that the norm after them and the
@@ -1745,7 +1761,7 @@ def settle(graphs: list, tp: int, notes: dict, fused: dict = None, sequence=None
     fused = {} if fused is None else fused
     mixed = {} if mixed is None else mixed
     start = (dict(notes), dict(fused), {k: set(v) for k, v in mixed.items()})
-    best = _settle(graphs, tp, notes, fused, sequence, mixed)
+    best = _settle(graphs, tp, notes, fused, sequence, mixed, begins=begins)
     kept, tried = {}, set()
     while True:  # a kept kind can turn other layers' pairs into low-rank ones (DeepSeek-V3.2): found, tried again
         kinds: dict = {}  # the pair's modules with layer numbers starred -> ({down fqn: why}, {up fqns})
@@ -1766,7 +1782,8 @@ def settle(graphs: list, tp: int, notes: dict, fused: dict = None, sequence=None
                 continue
             tried.update(downs)
             trial = (dict(start[0]), dict(start[1]), {k: set(v) for k, v in start[2].items()})
-            found = _settle(graphs, tp, *trial[:2], sequence, trial[2], dict(kept, **downs))
+            marked = dict(kept, **downs)  # folded blocks' copies join it (a left-out block gathered as its b3)
+            found = _settle(graphs, tp, *trial[:2], sequence, trial[2], marked, begins=begins)
             roles, ending = _linear_roles(found[0]), {}  # and whether an up-projection's region ends reduced
             for walk in found[0]:
                 for region in _regions(walk):
@@ -1782,7 +1799,7 @@ def settle(graphs: list, tp: int, notes: dict, fused: dict = None, sequence=None
             # the router and the experts that need it whole: AXK2)
             if (all(roles.get(fqn) == "colwise" and ending.get(fqn) and fqn not in trial[0] for fqn in ups)
                     and _refusals(found) <= _refusals(best)):
-                best, kept = found, dict(kept, **downs)
+                best, kept = found, marked
                 for mine, theirs in zip((notes, fused, mixed), trial):
                     mine.clear()
                     mine.update(theirs)
@@ -1802,8 +1819,58 @@ def _refusals(settled: tuple) -> int:
     return sum(len(walk.reasons) for walk in settled[0])
 
 
+WORK = {"visits": 0}  # nodes the walks have visited (tests count the work of a plan, not its time)
+
+
 def _settle(graphs: list, tp: int, notes: dict, fused: dict = None, sequence=None, mixed: dict = None,
-            gathered: dict = None) -> tuple:
+            gathered: dict = None, begins: dict = None) -> tuple:
+    """:func:`_settle_on` over the graphs with their runs of repeated blocks folded (``split.blocks``: each
+    distinct block walked once; ``begins``: segment index -> the module it begins at), the walks mapped back onto
+    every block; unfolded where a graph has no run, or where a run's middle is not decided as its second block."""
+    from tracepp.split import blocks
+
+    foldings = [blocks.fold(g, fqn_of, begins) if begins else None for g, fqn_of, *_rest in graphs]
+    if not any(foldings):
+        return _settle_on(graphs, tp, notes, fused, sequence, mixed, gathered)
+    start = (dict(notes), dict(fused or {}), {k: set(v) for k, v in (mixed or {}).items()},
+             dict(gathered or {}) if gathered is not None else None)
+    folded_graphs = []
+    for (g, fqn_of, needs_grad, *rest), folding in zip(graphs, foldings):
+        if folding is None:
+            folded_graphs.append((g, fqn_of, needs_grad, *rest))
+            continue
+        into = {original: new for new, original in folding.back.items()}
+        flags = {into[node]: flag for node, flag in needs_grad.items() if node in into}
+        folded_graphs.append((folding.graph, fqn_of, flags, *rest))
+    walks, uses, reasons = _settle_on(folded_graphs, tp, notes, fused, sequence, mixed, gathered)
+    if not all(folding is None or blocks.steady(folding, walk.shard, walk.kind, walk.segs, walk.roles)
+               for walk, folding in zip(walks, foldings)):  # not a steady state: walk every block
+        for mine, old in zip((notes, fused, mixed, gathered), start):
+            if mine is not None:
+                mine.clear()
+                mine.update(old)
+        return _settle_on(graphs, tp, notes, fused, sequence, mixed, gathered)
+    out_walks, out_reasons = [], []
+    for walk, seen, folding, (g, fqn_of, needs_grad, *_rest) in zip(walks, reasons, foldings, graphs):
+        if folding is None:
+            out_walks.append(walk)
+            out_reasons.append(seen)
+            continue
+        out_walks.append(blocks.expand_object(walk, folding, {"graph": g, "fqn_of": fqn_of,
+                                                                "needs_grad": needs_grad}))
+        out_reasons.append(dict.fromkeys(blocks.expand_texts(list(seen), folding)))
+        for learned in (notes, fused, mixed, gathered):
+            if learned is not None:
+                learned.update(blocks.expand_keys(learned, folding))
+    uses = {}
+    for walk in out_walks:
+        for fqn, dims in walk.uses.items():
+            uses.setdefault(fqn, set()).update(dims)
+    return out_walks, uses, out_reasons
+
+
+def _settle_on(graphs: list, tp: int, notes: dict, fused: dict = None, sequence=None, mixed: dict = None,
+               gathered: dict = None) -> tuple:
     """Walk ``graphs`` ([(fx graph, placeholder -> FQN, node -> needs a gradient[, boundary])], stages in order;
     ``boundary``: {"outputs": value names in output order, "received": {placeholder: value name}, "last": bool})
     until every parameter has one placement: learn the segments of fused projections from the cuts of their
@@ -1818,13 +1885,23 @@ def _settle(graphs: list, tp: int, notes: dict, fused: dict = None, sequence=Non
     reasons = [{} for _ in graphs]  # per graph, every reason met in a pass that decided something, in order
     buffers = [{} for _ in graphs]  # per graph, values written in place where a shard cannot be: kept whole
     pieces: dict = {}  # fqn -> dim: parameters whose values are read at their piece, sharded where they are made
+    from tracepp.split import blocks
+
+    # a stage graph of the same structure as the one before it (a pipeline's middle) is walked once: its walk is
+    # the one before, mapped, where it receives the same and learned the same of its parameters
+    signatures = [blocks.graph_signature(g) if blocks.ENABLED else index for index, (g, *_r) in enumerate(graphs)]
     while True:
         walks, sent = [], {}
         for index, (g, fqn_of, needs_grad, *rest) in enumerate(graphs):
             boundary = rest[0] if rest else {}
             received = {ph: sent[name] for ph, name in boundary.get("received", {}).items() if name in sent}
-            walk = _Walk(g, fqn_of, tp, set(notes), needs_grad, fused, sequence, received, boundary.get("last", True),
-                         mixed, buffers[index], gathered, pieces)
+            walk = None
+            if index and signatures[index] == signatures[index - 1]:
+                walk = _walk_like(walks[-1], graphs[index - 1], (g, fqn_of, needs_grad, *rest), received,
+                                  (notes, fused, mixed, gathered, pieces), buffers[index - 1], buffers[index])
+            if walk is None:
+                walk = _Walk(g, fqn_of, tp, set(notes), needs_grad, fused, sequence, received,
+                             boundary.get("last", True), mixed, buffers[index], gathered, pieces)
             outputs = list(g.output_node().args[0]) if boundary else []
             for node, name in zip(outputs, boundary.get("outputs", [])):
                 if node in walk.sends:
@@ -1861,6 +1938,39 @@ def _settle(graphs: list, tp: int, notes: dict, fused: dict = None, sequence=Non
         if not new:
             return walks, uses, reasons
         notes.update(new)
+
+
+def _walk_like(walk: _Walk, before: tuple, here: tuple, received: dict, learned: tuple, buffers_before: dict,
+               buffers_here: dict):
+    """The walk of the graph ``here`` as the walk of ``before`` (a graph of the same structure) mapped onto it, or
+    None where a walk could differ: it receives otherwise, is the last stage where the other is not, or the
+    facts learned of its parameters (replicated, fused segments, whole parts, pieces, low-rank pairs) or of its
+    values written in place are not the other's."""
+    from tracepp.split import blocks
+
+    g0, fqn0, _flags0, *rest0 = before
+    g1, fqn1, flags1, *rest1 = here
+    boundary0, boundary1 = (rest0[0] if rest0 else {}), (rest1[0] if rest1 else {})
+    if boundary0.get("last", True) != boundary1.get("last", True):
+        return None
+    nodes, strings = blocks.graph_maps(g0, g1, fqn0, fqn1)
+    if {strings.get(k, k): v for k, v in walk.received.items()} != received:
+        return None
+    if {strings.get(k, k): v for k, v in buffers_before.items()} != buffers_here:
+        return None
+    mine, theirs = set(fqn0.values()), set(fqn1.values())
+    for facts in learned:
+        if facts is None:
+            continue
+        seen = ({strings.get(k, k): blocks.rename_words(v, strings) for k, v in facts.items() if k in mine}
+                if isinstance(facts, dict) else None)
+        own = {k: v for k, v in facts.items() if k in theirs} if isinstance(facts, dict) else None
+        if seen != own:
+            return None
+    if any(flags1.get(nodes[node]) != flag for node, flag in walk.needs_grad.items() if node in nodes):
+        return None
+    return blocks.map_object(walk, nodes, strings, {"graph": g1, "fqn_of": fqn1, "needs_grad": flags1,
+                                                    "received": received})
 
 
 def sequence_length(graph):
@@ -1901,7 +2011,7 @@ def plan(graph, tp: int, overrides=None, sequence_parallel: bool = False) -> tup
     gathered: dict = {}
     walks, uses, reasons = settle([(stage.graph, fqn_map(stage, graph), grad_flags(stage, graph),
                                     _boundary(stage, graph)) for stage in graph.stages], tp, notes,
-                                  sequence=sequence, mixed=mixed, gathered=gathered)
+                                  sequence=sequence, mixed=mixed, gathered=gathered, begins=segment_begins(graph))
     result = TPPlan(size=tp)
     if sequence_parallel:
         aliases = graph.symbol_aliases or {}
@@ -1993,7 +2103,8 @@ def _collectives(walk: _Walk) -> list:
     out += [_entry("all_gather (sequence)", arg) for arg in dict.fromkeys(arg for _c, arg in walk.sp_gathers)]
     out += [_entry("all_reduce", node) for node in walk.sums]
     out += [_entry("all_gather", arg) for arg in dict.fromkeys(arg for _consumer, arg in walk.gathers)]
-    out += [_entry("all_reduce (backward)", arg) for arg in walk.reduced_in_backward()]
+    reduced = walk.reduced_in_backward()  # in the order the walk met them (a set's order is the nodes' ids')
+    out += [_entry("all_reduce (backward)", arg) for arg in dict.fromkeys(a for _c, a in walk.copies) if arg in reduced]
     return out
 
 
@@ -2218,7 +2329,7 @@ def _rewrite(g: fx.Graph, walk: _Walk, tp: int, params: dict) -> None:
             node.target = aten.sum.dim_IntList
         reduced = _after(g, node, TP.tp_all_reduce.default, [node])
         if count is not None:
-            _after(g, reduced, aten.div.Tensor, [reduced, int(count) if count.is_Integer else count], node)
+            _after(g, reduced, aten.div.Tensor, [reduced, int(count) if _ints([count]) else count], node)
     for node, form in walk.mixed_linears.items():  # a fused projection with whole parts: one linear per run of parts
         _rewrite_mixed_linear(g, node, form, tp)
     for node, groups in walk.conv_groups.items():  # a depthwise convolution on this rank's channels
@@ -2285,20 +2396,26 @@ def whole_graph_sequence(graph: fx.Graph, root_inputs: dict):
     return None
 
 
-def whole_graph_walks(graph: fx.Graph, fqn_of: dict, needs_grad: dict, sizes=TUNED_SIZES, sequence=None) -> dict:
+def segment_begins(pipeline_graph) -> dict:
+    """{segment index: the module it begins at} of the split's segment table (what ``split.blocks`` folds by)."""
+    return {index: seg.get("begins") for index, seg in enumerate(pipeline_graph.segments or [])}
+
+
+def whole_graph_walks(graph: fx.Graph, fqn_of: dict, needs_grad: dict, sizes=TUNED_SIZES, sequence=None,
+                      begins: dict = None) -> dict:
     """{tp: the settled walk of the whole traced graph}: the plan ``--tp tp`` would make, seen before any cut
     (stage outputs are not gathered here). With ``sequence`` (the traced sequence length) each tp that divides
     it also gets the walk ``--sequence-parallel`` would make (``entry["sequence_parallel"]``); a walk that
     fails there leaves that tp without it."""
     out = {}
     for tp in sizes:
-        walks, uses, _reasons = settle([(graph, fqn_of, needs_grad)], tp, {})
+        walks, uses, _reasons = settle([(graph, fqn_of, needs_grad)], tp, {}, begins=begins)
         dims = {fqn: next(iter(d)) for fqn, d in uses.items()}
         out[tp] = {"walk": walks[0], "dims": dims, "attributed": set(), "needs_grad": needs_grad}
         if sequence is None or (sympy.sympify(sequence).is_Integer and int(sequence) % tp):
             continue
         try:
-            walks, uses, _reasons = settle([(graph, fqn_of, needs_grad)], tp, {}, sequence=sequence)
+            walks, uses, _reasons = settle([(graph, fqn_of, needs_grad)], tp, {}, sequence=sequence, begins=begins)
         except Exception:  # an op the sequence-parallel walk does not expect: tp without it is still priced
             continue
         out[tp]["sequence_parallel"] = {"walk": walks[0], "dims": {fqn: next(iter(d)) for fqn, d in uses.items()},

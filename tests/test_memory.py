@@ -230,9 +230,12 @@ def test_memory_limit_refuses_with_what_would_fit_and_auto_chooses_under_it(tmp_
 
     path, options = model_path("hf_llama"), dict(schedule="1f1b", num_microbatches=4, layout=Layout(pp=2))
     free = split_model(path, str(tmp_path / "free"), run=RunOptions(optimizer="adamw"), **options)
-    alternatives = free["memory"]["alternatives"]
+    # a split counts its own checkpointing only (the other modes are counted when a limit needs them)
+    assert free["memory"]["alternatives"] == {} and free["memory"]["modes_counted"] == ["none"]
     none = max(rank["peak_bytes"] for rank in free["memory"]["ranks"])  # the split's own mode: none
-    full = max(alternatives["full"])  # the others
+    checkpointed = split_model(path, str(tmp_path / "full"), run=RunOptions(optimizer="adamw",
+                                                                            activation_checkpointing="full"), **options)
+    full = max(rank["peak_bytes"] for rank in checkpointed["memory"]["ranks"])
     assert full < none
     between = (full + none) // 2
     with pytest.raises(ValueError) as refused:  # no checkpointing asked: the modes that fit are named

@@ -194,7 +194,7 @@ def _tune(args, manifest) -> int:
     cp_sizes = [int(c) for c in args.cp_sizes.split(",")] if args.cp_sizes else None
     from tracepp.tuner_figures import ensure
 
-    manifest = ensure(manifest, args.out, tp_sizes, cp_sizes, ep_sizes)  # computed the first time they are asked
+    manifest = ensure(manifest, args.out, tp_sizes, cp_sizes, ep_sizes, limit)  # computed when first asked for
     kept, dropped, failed = tune(manifest, calibration, memory_limit=limit, schedules=schedules,
                                  microbatch_counts=counts,
                                  optimizer_bytes_per_param=_optimizer_bytes(args, manifest),

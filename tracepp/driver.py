@@ -27,7 +27,7 @@ from tracepp.trace_loss import trace_loss
 
 
 def _plan(model_path: str, layout: Layout, num_stages: Optional[int], schedule: str, num_microbatches: int,
-          split_points: Optional[list], dynamic_shapes, run: RunOptions = RunOptions()):
+          split_points: Optional[list], dynamic_shapes, run: RunOptions = RunOptions(), all_modes: bool = False):
     """Steps 1-3, shared by ``split`` and ``check``: (model file, traced program, stage graphs, plan)."""
     layout.check()
     run.check()
@@ -60,7 +60,8 @@ def _plan(model_path: str, layout: Layout, num_stages: Optional[int], schedule: 
         if layout.world_size > layout.pp:
             the_plan["mesh"] = layout.to_json()
     with phases.step("memory"):
-        graph.memory, run = memory_plan(model_file, traced, graph, the_plan, layout, run)   # 3b. memory per rank
+        graph.memory, run = memory_plan(model_file, traced, graph, the_plan, layout, run,   # 3b. memory per rank
+                                        all_modes)
     return model_file, traced, graph, the_plan, run
 
 
@@ -133,7 +134,8 @@ def check_model(model_path: str, num_stages: Optional[int] = None, schedule: str
                           {"run_options": planned.to_json()})
 
 
-def memory_plan(model_file, traced, graph, the_plan: dict, layout: Layout, run: RunOptions) -> dict:
+def memory_plan(model_file, traced, graph, the_plan: dict, layout: Layout, run: RunOptions,
+                all_modes: bool = False) -> dict:
     """Step 3b: what each stage keeps and each rank's peak (``codegen.memory``) for the run options: the precision,
     each stage's activation checkpointing (``in-flight`` resolved from the plan) and the optimizer run.py builds
     (the model file's ``optimizer(params)``, else ``--optimizer``)."""
@@ -159,7 +161,7 @@ def memory_plan(model_file, traced, graph, the_plan: dict, layout: Layout, run: 
         return build_optimizer(model_file.module, named, name=run.optimizer or "sgd")
 
     memory = plan_memory(graph, traced.model, the_plan, layout.data_parallel(), options, loss_fn, target,
-                         make_optimizer, model_file.training, run.memory_limit)
+                         make_optimizer, model_file.training, run.memory_limit, all_modes)
     chosen = memory.get("checkpointing")
     if chosen is not None:  # --activation-checkpointing auto: what run.py applies is the choice
         modes = chosen["modes"]

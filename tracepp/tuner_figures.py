@@ -17,45 +17,62 @@ import time
 from tracepp import phases
 
 
+MODES = ("none", "selective", "full")
+
+
 def computed(manifest: dict) -> dict:
-    """What the manifest holds: {"tp": [sizes], "cp": bool, "ep": bool}. A folder split by a tracepp that
-    computed them at every split has them in its segments without the record."""
+    """What the manifest holds: {"tp": [sizes], "cp": bool, "ep": bool, "memory": bool}. A folder split by a
+    tracepp that computed them at every split has them in its segments without the record."""
+    segments = manifest.get("segments") or []
+    memory = bool(segments) and all(set(MODES) <= set(seg.get("memory") or {}) for seg in segments)
     record = manifest.get("tuner_figures")
     if record is not None:
-        return {"tp": sorted(record.get("tp", [])), "cp": bool(record.get("cp")), "ep": bool(record.get("ep"))}
-    segments = manifest.get("segments") or []
+        return {"tp": sorted(record.get("tp", [])), "cp": bool(record.get("cp")), "ep": bool(record.get("ep")),
+                "memory": memory}
     sizes = set.intersection(*[{int(k) for k in (seg.get("tp") or {})} for seg in segments]) if segments else set()
     return {"tp": sorted(sizes), "cp": any("cp" in seg for seg in segments),
-            "ep": any("ep" in seg for seg in segments)}
+            "ep": any("ep" in seg for seg in segments), "memory": memory}
 
 
-def missing(manifest: dict, tp_sizes=None, cp_sizes=None, ep_sizes=None) -> dict:
-    """What the tune's sizes need that the manifest lacks: {"tp": [sizes], "cp": bool, "ep": bool}."""
+def missing(manifest: dict, tp_sizes=None, cp_sizes=None, ep_sizes=None, memory_limit=None) -> dict:
+    """What a tune with these sizes needs that the manifest lacks: {"tp": [sizes], "cp": bool, "ep": bool,
+    "memory": bool} (``memory``: with a ``memory_limit``, each segment's kept bytes and temporaries under every
+    checkpointing mode, which the tuner chooses each plan's checkpointing from; a forward-only folder has none)."""
     have = computed(manifest)
     tp = sorted({t for t in (tp_sizes or []) if t > 1} - set(have["tp"]))
     cp = any(c > 1 for c in (cp_sizes or [])) and not have["cp"]
     ep = any(e > 1 for e in (ep_sizes or [])) and not have["ep"]
-    return {"tp": tp, "cp": cp, "ep": ep}
+    memory = (memory_limit is not None and bool(manifest.get("training", True)) and not have["memory"]
+              and bool(manifest.get("memory")))
+    return {"tp": tp, "cp": cp, "ep": ep, "memory": memory}
 
 
-def ensure(manifest: dict, folder: str, tp_sizes=None, cp_sizes=None, ep_sizes=None, say=print) -> dict:
-    """The manifest with every figure the sizes need: computed now where missing, written back to
-    ``folder/manifest.json``. Returns the (updated) manifest."""
-    wanted = missing(manifest, tp_sizes, cp_sizes, ep_sizes)
-    if not (wanted["tp"] or wanted["cp"] or wanted["ep"]):
+def ensure(manifest: dict, folder: str, tp_sizes=None, cp_sizes=None, ep_sizes=None, memory_limit=None,
+           say=print) -> dict:
+    """The manifest with every figure a tune with these sizes (and ``memory_limit``) needs: computed now where
+    missing, written back to ``folder/manifest.json``. Returns the (updated) manifest."""
+    wanted = missing(manifest, tp_sizes, cp_sizes, ep_sizes, memory_limit)
+    if not any(wanted.values()):
         return manifest
-    from tracepp.driver import trace_and_split
+    from tracepp.driver import _plan, trace_and_split
     from tracepp.resplit import recorded_call
     from tracepp.split.partition import tuner_figures
 
     what = ", ".join(([f"tp {','.join(map(str, wanted['tp']))}"] if wanted["tp"] else [])
-                     + (["cp"] if wanted["cp"] else []) + (["ep"] if wanted["ep"] else []))
+                     + [kind for kind in ("cp", "ep") if wanted[kind]]
+                     + (["memory under every checkpointing mode"] if wanted["memory"] else []))
     say(f"computing the tuner's figures for {what} (once; cached in {os.path.join(folder, 'manifest.json')})")
     started = time.perf_counter()
     model_path, call = recorded_call(manifest, folder)
-    model_file, _traced, graph = trace_and_split(model_path, call["layout"], call["num_stages"], call["schedule"],
-                                                 call["num_microbatches"], call["split_points"],
-                                                 call["dynamic_shapes"])
+    if wanted["memory"]:  # the folder's whole plan again, every stage counted under every mode
+        model_file, _traced, graph, _plan_json, _run = _plan(model_path, call["layout"], call["num_stages"],
+                                                             call["schedule"], call["num_microbatches"],
+                                                             call["split_points"], call["dynamic_shapes"],
+                                                             call["run"], all_modes=True)
+    else:
+        model_file, _traced, graph = trace_and_split(model_path, call["layout"], call["num_stages"],
+                                                     call["schedule"], call["num_microbatches"],
+                                                     call["split_points"], call["dynamic_shapes"])
     if manifest.get("model_sha256") and model_file.sha256 != manifest["model_sha256"]:
         raise ValueError(f"{model_path} changed since {folder} was split (its sha256 differs from the manifest's): "
                          f"split again, then tune")
@@ -65,12 +82,14 @@ def ensure(manifest: dict, folder: str, tp_sizes=None, cp_sizes=None, ep_sizes=N
     if [s.get("begins") for s in segments] != [s.get("begins") for s in old]:
         raise ValueError(f"the segment table of {model_path} traced now differs from the one in {folder}: split "
                          f"again, then tune")
-    for mine, new in zip(old, segments):
+    for mine, new, counted in zip(old, segments, graph.segments):
         if wanted["tp"] and "tp" in new:
             mine.setdefault("tp", {}).update(new["tp"])
         for kind in ("cp", "ep"):
             if wanted[kind] and kind in new:
                 mine[kind] = new[kind]
+        if wanted["memory"] and "memory" in counted:
+            mine["memory"] = counted["memory"]
     have = computed(manifest)
     manifest["tuner_figures"] = {"tp": sorted(set(have["tp"]) | set(wanted["tp"])), "cp": have["cp"] or wanted["cp"],
                                  "ep": have["ep"] or wanted["ep"]}

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 VOCAB, D, HEADS, KV_HEADS, HIDDEN, LAYERS, BATCH, SEQ = 64, 32, 4, 2, 64, 4, 8, 16
 if os.environ.get("TP_LLAMA_SIZE") == "bench":
     VOCAB, D, HEADS, KV_HEADS, HIDDEN, LAYERS, BATCH, SEQ = 8192, 512, 8, 4, 1536, 4, 8, 64
+LAYERS = int(os.environ.get("TP_LLAMA_LAYERS", LAYERS))  # the work-count tests plan 8 and 32 layers
 HEAD_DIM = D // HEADS
 # TP_LLAMA_SEQ=dynamic: the sequence length changes per step (a dynamic dim), 7 at step 3 (odd: a tp 2
 # sequence-parallel split cannot shard it)

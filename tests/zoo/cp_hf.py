@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 VOCAB, SEQ, BATCH = 64, 16, 4
+LAYERS_COUNT = int(os.environ.get("CP_HF_LAYERS", "2"))  # deeper: the repeated-block checks
 FAMILY = os.environ.get("CP_HF_FAMILY", "llama")
 ATTENTION = os.environ.get("CP_HF_ATTENTION", "sdpa")
 PAD = os.environ.get("CP_HF_PAD", "1") == "1"
@@ -36,7 +37,7 @@ def model():
     import transformers as t
 
     torch.manual_seed(0)
-    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS_COUNT,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     if FAMILY == "gpt2":
         config = t.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0,
@@ -47,7 +48,7 @@ def model():
         built = t.MixtralForCausalLM
     elif FAMILY == "deepseek_v3":
         config = t.DeepseekV3Config(
-            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=LAYERS_COUNT,
             first_k_dense_replace=1, num_attention_heads=2, num_key_value_heads=2, q_lora_rank=16,
             kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, n_routed_experts=8,
             num_experts_per_tok=2, n_shared_experts=1, n_group=2, topk_group=1, max_position_embeddings=64,

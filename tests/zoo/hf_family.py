@@ -16,6 +16,7 @@ from zoo_common import causal_lm_loss, sgd, token_batch
 
 VOCAB = 128
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, LAYERS = 64, 4, 2, 16, 2
+LAYERS = int(os.environ.get("HF_LAYERS", LAYERS))  # deeper: the repeated-block checks (tests/test_blocks.py)
 FAMILY = os.environ.get("HF_FAMILY", "llama")
 
 # what a config setting means -> its tiny value (names as transformers' configs spell them)

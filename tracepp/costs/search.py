@@ -751,6 +751,10 @@ def choose_recompute(manifest: dict, split: tuple, built, microbatch_size: float
     modes = ["none"] * num_stages
     if not all(seg.get("memory") for seg in manifest["segments"]):  # split by an older tracepp: nothing counted
         return modes, {}
+    if not all({"none", "selective", "full"} <= set(seg["memory"]) for seg in manifest["segments"]):
+        raise ValueError("this folder's memory was counted under its own activation checkpointing only: the tuner "
+                         "needs every mode's figures (`tracepp plan OUT --tune` counts them first; from Python, "
+                         "tracepp.tuner_figures.ensure(manifest, OUT))")
     peaks = _memory(manifest, split, None, built.stage_to_rank, microbatch_size, training, optimizer_bytes_per_param,
                     tp, sequence_parallel, ep, layout, modes, built.actions, built.releases)
     while max(peaks.values()) > memory_limit:
