@@ -207,3 +207,50 @@ def loss_fn(logits, target):
 
 def sgd(params):
     return torch.optim.SGD(params, lr=0.1)
+
+
+def alibi_slopes(heads):
+    """ALiBi's per-head slopes (Press et al.; BLOOM's ``build_alibi_tensor`` for a power-of-two head count)."""
+    start = 2 ** (-(2 ** -(math.log2(heads) - 3)))
+    return torch.tensor([start ** (i + 1) for i in range(heads)])
+
+
+class AlibiBaddbmmAttention(nn.Module):
+    """Attention spelled as BLOOM and its descendants spell it: one fused ``query_key_value`` projection, heads merged
+    with the batch, the scores as ``baddbmm(alibi, q, k^T, beta=1, alpha=1/sqrt(d))`` where ``alibi`` is each head's
+    slope times the key position ``[b * heads, 1, keys]``, a causal mask, softmax, ``bmm`` with the values."""
+
+    def __init__(self, kv_heads=HEADS):
+        super().__init__()
+        self.query_key_value = nn.Linear(D, 3 * HEADS * HEAD_DIM)
+        self.dense = nn.Linear(HEADS * HEAD_DIM, D)
+        self.register_buffer("slopes", alibi_slopes(HEADS), persistent=False)
+
+    def forward(self, x, cos, sin):
+        B, T, _ = x.shape
+        fused = self.query_key_value(x).view(B, T, HEADS, 3, HEAD_DIM)
+        q, k, v = fused[..., 0, :], fused[..., 1, :], fused[..., 2, :]
+        q = q.transpose(1, 2).reshape(B * HEADS, T, HEAD_DIM)
+        k = k.permute(0, 2, 3, 1).reshape(B * HEADS, HEAD_DIM, T)
+        v = v.transpose(1, 2).reshape(B * HEADS, T, HEAD_DIM)
+        positions = torch.arange(T, device=x.device)
+        alibi = (self.slopes[:, None] * positions[None, :].to(self.slopes.dtype))[None].expand(B, HEADS, T)
+        alibi = alibi.reshape(B * HEADS, 1, T)
+        scores = alibi.baddbmm(batch1=q, batch2=k, beta=1.0, alpha=1.0 / math.sqrt(HEAD_DIM))
+        causal = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)
+        scores = scores.view(B, HEADS, T, T).masked_fill(causal, torch.finfo(scores.dtype).min)
+        probs = F.softmax(scores, dim=-1).view(B * HEADS, T, T)
+        context = torch.bmm(probs, v).view(B, HEADS, T, HEAD_DIM).transpose(1, 2).reshape(B, T, HEADS * HEAD_DIM)
+        return self.dense(context)
+
+
+class LayerNormMLP(nn.Module):
+    """BLOOM's MLP: ``dense_h_to_4h``, GELU, ``dense_4h_to_h``."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense_h_to_4h = nn.Linear(D, FFN)
+        self.dense_4h_to_h = nn.Linear(FFN, D)
+
+    def forward(self, x):
+        return self.dense_4h_to_h(F.gelu(self.dense_h_to_4h(x)))
