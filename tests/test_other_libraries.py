@@ -17,7 +17,6 @@ fixed:
 
 The wider survey, one model file per library, is ``benchmarks/studies/other_families.py`` (``docs/families.md``).
 """
-import os
 import sys
 
 import pytest

@@ -292,7 +292,8 @@ def _rows(records: list) -> list:
 def _goals_text(summary: dict) -> str:
     def line(what, entry, goal):
         share = f"{entry['share']:.1%}" if entry["share"] is not None else "-"
-        return f"| {what} | {entry['count']} of {entry['of']} ({share}) | {goal} | {', '.join(entry['missing']) or 'none'} |"
+        missing = ", ".join(entry["missing"]) or "none"
+        return f"| {what} | {entry['count']} of {entry['of']} ({share}) | {goal} | {missing} |"
 
     head = f"**Goals** over the {summary['models']} models whose steps have all run"
     if summary["outside"]:

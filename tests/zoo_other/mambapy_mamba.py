@@ -1,10 +1,10 @@
 """mambapy's Mamba (``mambapy.mamba``, pip ``mambapy``: a pure-PyTorch Mamba with a parallel scan), its own classes
-unchanged, under the language model mambapy's ``lm.py`` builds (an embedding, ``Mamba``, ``RMSNorm``, an untied head,
-its initialisation without muP): ``mambapy.lm`` itself does not import without ``mamba_ssm`` (its ``mamba2.py`` imports mamba_ssm's
-Triton kernels unconditionally), so its ``LM`` is written out here as it is there. d_model 64, 2 layers, d_state
-16, expand 2, conv 4, vocabulary 128. ``MAMBAPY_PSCAN=0`` (``mambapy_mamba_seq.py``) trains with the sequential
-scan (``pscan=False``) instead of mambapy's default parallel scan, a ``torch.autograd.Function`` with a backward of
-its own (``pscan.PScan``).
+unchanged, under the language model mambapy's ``lm.py`` builds (an embedding, ``Mamba``, ``RMSNorm``, an untied
+head, its initialisation without muP): ``mambapy.lm`` itself does not import without ``mamba_ssm`` (its
+``mamba2.py`` imports mamba_ssm's Triton kernels unconditionally), so its ``LM`` is written out here as it is there.
+d_model 64, 2 layers, d_state 16, expand 2, conv 4, vocabulary 128. ``MAMBAPY_PSCAN=0`` (``mambapy_mamba_seq.py``)
+trains with the sequential scan (``pscan=False``) instead of mambapy's default parallel scan, a
+``torch.autograd.Function`` with a backward of its own (``pscan.PScan``).
 """
 import math
 import os
