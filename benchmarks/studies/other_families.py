@@ -85,6 +85,62 @@ def refused_by_name(message: str) -> bool:
 
 # ---- one model, in its own process -----------------------------------------------------------------------------
 
+def _layer_list(model) -> str:
+    """The decoder layers' container: the ``ModuleList`` as the first table finds it, a ``ModuleDict`` keyed by
+    layer index (torchtitan's ``Decoder.layers``), or the ``nn.Sequential`` whose children of one class are the
+    blocks (PaLM-pytorch's ``PaLM``: embedding, blocks, norm, head); of these, the one holding the most parameters."""
+    import torch
+
+    best = (0, "")
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.ModuleList) or (
+                isinstance(module, torch.nn.ModuleDict) and module and all(k.isdigit() for k in module.keys())):
+            best = max(best, (sum(p.numel() for p in module.parameters()), name))
+        elif isinstance(module, torch.nn.Sequential):
+            kinds: dict = {}
+            for child in module.children():
+                kinds.setdefault(type(child), []).append(sum(p.numel() for p in child.parameters()))
+            blocks = max((sum(sizes) for sizes in kinds.values() if len(sizes) >= 2), default=0)
+            best = max(best, (blocks, name))
+    return best[1]
+
+
+def _layer_of(fqn: str, layers: str):
+    """``families._layer_of``, for a container at the root too (``1.fn.0.weight`` is layer 1)."""
+    if layers:
+        return families._layer_of(fqn, layers)
+    match = re.match(r"(\d+)\.", fqn)
+    return int(match.group(1)) if match else None
+
+
+def _blocks_only(model, layers: str) -> set:
+    """The indices of a root ``Sequential``'s children that are not blocks (not of its most common class: its
+    embedding, final norm and head), so they are not counted as layers."""
+    if layers:
+        return set()
+    children = list(model.children())
+    classes = [type(c) for c in children]
+    common = max(set(classes), key=classes.count)
+    return {i for i, c in enumerate(children) if type(c) is not common}
+
+
+_FIRST_TABLE_SHARES = families.layer_shares
+
+
+def _layer_shares(manifest: dict, model) -> dict:
+    """``families.layer_shares`` over the decoder layers ``_layer_list`` finds (a root ``Sequential``'s blocks
+    only, not its embedding and head)."""
+    listed = _layer_list(model)
+    skip = _blocks_only(model, listed)
+    original = families._layer_list, families._layer_of
+    families._layer_list, families._layer_of = (lambda m: listed), _layer_of
+    try:
+        shares = _FIRST_TABLE_SHARES(manifest, model)
+    finally:
+        families._layer_list, families._layer_of = original
+    return {k: v for k, v in shares.items() if k not in skip}
+
+
 def step_build(record: dict, name: str) -> None:
     model_file = _load(name)
     module = model_file.module
@@ -159,6 +215,7 @@ def run_one(name: str, cache: str, steps=STEPS) -> None:
             if step == "pp":
                 families.step_pp(entry, path_of(name))
             elif step == "tp":
+                families.layer_shares = _layer_shares  # the first table's, and a root Sequential's blocks
                 families.step_tp(entry, path_of(name), _load(name).model())
             elif step == "ep":
                 families.step_ep(entry, record["steps"]["pp"], path_of(name))
