@@ -108,7 +108,7 @@ def _layer_list(model) -> str:
 def _layer_of(fqn: str, layers: str):
     """``families._layer_of``, for a container at the root too (``1.fn.0.weight`` is layer 1)."""
     if layers:
-        return families._layer_of(fqn, layers)
+        return _FIRST_TABLE_LAYER_OF(fqn, layers)
     match = re.match(r"(\d+)\.", fqn)
     return int(match.group(1)) if match else None
 
@@ -124,7 +124,7 @@ def _blocks_only(model, layers: str) -> set:
     return {i for i, c in enumerate(children) if type(c) is not common}
 
 
-_FIRST_TABLE_SHARES = families.layer_shares
+_FIRST_TABLE_SHARES, _FIRST_TABLE_LAYER_OF = families.layer_shares, families._layer_of
 
 
 def _layer_shares(manifest: dict, model) -> dict:
