@@ -120,10 +120,13 @@ def layer_shares(manifest: dict, model) -> dict:
     return {layer: round(done / whole, 4) for layer, (done, whole) in sorted(layers.items()) if whole}
 
 
-def _run_and_compare(out: str, nproc: int, record: dict) -> None:
-    """3 steps of the folder on ``nproc`` ranks; the largest parameter difference from eager training."""
+def _run_and_compare(out: str, nproc: int, record: dict, path: str = PATH) -> None:
+    """3 steps of the folder on ``nproc`` ranks; the largest parameter difference from eager training of the model
+    file ``path`` (this study's ``hf_family.py`` unless given: ``other_families.py`` passes its own)."""
     import torch
     from util import eager_train, torchrun
+
+    from tracepp.modelfile import load_model_file
 
     ckpt = os.path.join(out, "trained.pt")
     result = torchrun(out, nproc, "--steps", str(TRAIN_STEPS), "--save", ckpt, "--quiet", timeout=RUN_TIMEOUT_S)
@@ -131,10 +134,11 @@ def _run_and_compare(out: str, nproc: int, record: dict) -> None:
         record["error"] = "the run failed: " + _last_error(result.stderr or result.stdout)
         return
     saved = torch.load(ckpt)
-    if "eager" not in _EAGER:  # the same 3 eager steps for every layout of this family
-        _EAGER["eager"] = eager_train(PATH, TRAIN_STEPS)
-    expected = _EAGER["eager"]
-    initial = {k: v.detach().clone() for k, v in _model().state_dict().items()}
+    if path not in _EAGER:  # the same 3 eager steps for every layout of this model
+        _EAGER[path] = eager_train(path, TRAIN_STEPS)
+    expected = _EAGER[path]
+    initial = {k: v.detach().clone() for k, v in
+               (_model() if path == PATH else load_model_file(path).model()).state_dict().items()}
     if sorted(saved) != sorted(expected):
         record["error"] = f"the saved parameters differ in names: {sorted(set(saved) ^ set(expected))[:5]}"
         return
@@ -215,35 +219,35 @@ def step_export(record: dict) -> None:
         record["held_in_eval"] = list(hf_family.HELD_IN_EVAL.get(hf_family.FAMILY, ()))
 
 
-def step_pp(record: dict) -> None:
+def step_pp(record: dict, path: str = PATH) -> None:
     from tracepp.driver import split_model
     from tracepp.runtime.mesh import Layout
 
     with tempfile.TemporaryDirectory() as folder:
         out = os.path.join(folder, "out")
-        manifest = split_model(PATH, out, num_microbatches=2, layout=Layout(pp=2))
+        manifest = split_model(path, out, num_microbatches=2, layout=Layout(pp=2))
         record["stages"] = len(manifest["stages"])
         blocks = (manifest.get("ep") or {}).get("blocks", [])
         record["moe_blocks"] = len(blocks)
         record["moe_refused"] = next((b["refused"] for b in blocks if b.get("refused")), "")
-        _run_and_compare(out, 2, record)
+        _run_and_compare(out, 2, record, path)
 
 
-def step_tp(record: dict) -> None:
+def step_tp(record: dict, path: str = PATH, model=None) -> None:
     import contextlib
     import io
 
     from tracepp.driver import check_model, split_model
     from tracepp.runtime.mesh import Layout
 
-    model = _model()
+    model = _model() if model is None else model
     shares, reasons = {}, []
     with tempfile.TemporaryDirectory() as folder:
         out = os.path.join(folder, "out")
         for size, microbatches in ((1, 4), (2, 2)):  # the run's own split gives microbatch size 1's plan
             with contextlib.redirect_stdout(io.StringIO()):
-                manifest = (split_model(PATH, out, num_microbatches=microbatches, layout=Layout(pp=2, tp=2))
-                            if size == 1 else check_model(PATH, num_microbatches=microbatches,
+                manifest = (split_model(path, out, num_microbatches=microbatches, layout=Layout(pp=2, tp=2))
+                            if size == 1 else check_model(path, num_microbatches=microbatches,
                                                           layout=Layout(pp=2, tp=2)))
             shares[str(size)] = layer_shares(manifest, model)
             for stage in manifest["tp"]["stages"]:
@@ -253,10 +257,10 @@ def step_tp(record: dict) -> None:
         record["layer_share"] = shares
         record["min_share"] = min((min(s.values()) for s in shares.values() if s), default=None)
         record["whole"] = reasons[:8]
-        _run_and_compare(out, 4, record)
+        _run_and_compare(out, 4, record, path)
 
 
-def step_ep(record: dict, pp: dict) -> None:
+def step_ep(record: dict, pp: dict, path: str = PATH) -> None:
     from tracepp.driver import split_model
     from tracepp.runtime.mesh import Layout
 
@@ -265,8 +269,8 @@ def step_ep(record: dict, pp: dict) -> None:
         return
     with tempfile.TemporaryDirectory() as folder:
         out = os.path.join(folder, "out")
-        split_model(PATH, out, num_microbatches=2, layout=Layout(pp=2, dp=2, ep=2))
-        _run_and_compare(out, 4, record)
+        split_model(path, out, num_microbatches=2, layout=Layout(pp=2, dp=2, ep=2))
+        _run_and_compare(out, 4, record, path)
 
 
 def _save(path: str, record: dict) -> None:

@@ -1,0 +1,256 @@
+"""Decoder pieces written the way libraries outside transformers write them (issue 57's four failure classes), for
+the model files ``tp_normalize_rmsnorm.py``, ``tp_gemma_mqa_fused.py`` and ``tp_fused_qkv_groups.py``:
+
+* ``NormalizeRMSNorm``: x-transformers' RMSNorm (``x_transformers.py``, ``RMSNorm``; lucidrains' repos write it
+  alike): ``F.normalize(x, dim=-1) * sqrt(dim) * g``, the mean of squares never spelled out;
+* ``GroupedFusedAttention``: lit-gpt's fused attention (``lit_gpt/model.py``, ``CausalSelfAttention``, before
+  litgpt 0.5 split q, k and v apart; Megatron-Core and torchtitan lay theirs out alike): one ``attn`` projection
+  whose output is viewed as ``[b, s, groups, heads_per_group + 2, head_dim]``, each key/value group's query heads,
+  then its key, then its value; the key and value expanded to the group's query heads;
+* ``GeGLU`` / ``SwiGLU``: lit-gpt's ``GemmaMLP`` / ``LLaMAMLP`` (``fc_1``, ``fc_2``, ``proj``).
+
+Plain PyTorch; tiny sizes (hidden 64, 4 query heads of 16, a vocabulary of 128, a batch of 4 x 16 tokens).
+"""
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+VOCAB, D, HEADS, HEAD_DIM, FFN, BATCH, SEQ = 128, 64, 4, 16, 128, 4, 16
+
+
+class NormalizeRMSNorm(nn.Module):
+    """x-transformers' RMSNorm: ``F.normalize`` (an L2 norm, clamped at eps) times sqrt(dim) is x / rms(x)."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.scale = dim ** 0.5
+        self.g = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return F.normalize(x, dim=-1) * self.scale * self.g
+
+
+class RMSNorm(nn.Module):
+    """lit-gpt's RMSNorm (``add_unit_offset`` as Gemma's): computed in fp32, the weight cast to fp32 too, the result
+    cast back to the input's dtype."""
+
+    def __init__(self, size, dim=-1, eps=1e-6, add_unit_offset=False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps, self.dim, self.add_unit_offset = eps, dim, add_unit_offset
+
+    def forward(self, x):
+        dtype = x.dtype
+        x = x.float()
+        norm_x = torch.mean(x * x, dim=self.dim, keepdim=True)
+        x_normed = x * torch.rsqrt(norm_x + self.eps)
+        weight = (1 + self.weight) if self.add_unit_offset else self.weight
+        return (x_normed * weight.float()).to(dtype=dtype)
+
+
+def rope_cache(seq, n_elem=HEAD_DIM, base=10000.0):
+    theta = 1.0 / (base ** (torch.arange(0, n_elem, 2).float() / n_elem))
+    idx_theta = torch.outer(torch.arange(seq).float(), theta).repeat(1, 2)
+    return torch.cos(idx_theta), torch.sin(idx_theta)
+
+
+def apply_rope(x, cos, sin):
+    head_size = x.size(-1)
+    x1, x2 = x[..., : head_size // 2], x[..., head_size // 2:]
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return (x * cos) + (rotated * sin)
+
+
+class GroupedFusedAttention(nn.Module):
+    """lit-gpt's CausalSelfAttention: ``n_query_groups`` key/value groups in one fused projection. ``layout="groups"``
+    (lit-gpt before 0.5, whose weight is ``attn``; Megatron-Core and torchtitan lay theirs out alike): the output
+    viewed as ``[b, s, groups, heads_per_group + 2, head_dim]``, each group's query heads, its key, its value, the key
+    and value expanded to the group's query heads. ``layout="parts"`` (litgpt 0.5, ``qkv``): all query heads, then
+    the keys, then the values, split apart; rotary on the first ``rope_n_elem`` features of each head and the rest
+    joined back with ``cat`` (empty when rotary covers the head); keys and values ``repeat_interleave``d."""
+
+    def __init__(self, groups, layout="groups", rope_n_elem=HEAD_DIM):
+        super().__init__()
+        self.groups, self.layout, self.rope_n_elem = groups, layout, rope_n_elem
+        shape = (HEADS + 2 * groups) * HEAD_DIM
+        self.attn = nn.Linear(D, shape, bias=False)
+        self.proj = nn.Linear(HEADS * HEAD_DIM, D, bias=False)
+
+    def forward(self, x, cos, sin):
+        B, T, C = x.size()
+        qkv = self.attn(x)
+        q_per_kv = HEADS // self.groups
+        if self.layout == "groups":
+            total_qkv = q_per_kv + 2  # each group has 1+ queries, 1 key, and 1 value
+            qkv = qkv.view(B, T, self.groups, total_qkv, HEAD_DIM)
+            qkv = qkv.permute(0, 2, 3, 1, 4)  # (B, n_query_groups, total_qkv, T, hs)
+            q, k, v = qkv.split((q_per_kv, 1, 1), dim=2)
+            if self.groups != HEADS:  # repeat k and v for grouped- and multi-query attention
+                k = k.expand(B, self.groups, q_per_kv, T, HEAD_DIM)
+                v = v.expand(B, self.groups, q_per_kv, T, HEAD_DIM)
+            q = q.reshape(B, -1, T, HEAD_DIM)  # (B, nh_q, T, hs)
+            k = k.reshape(B, -1, T, HEAD_DIM)  # (B, nh_k, T, hs)
+            v = v.reshape(B, -1, T, HEAD_DIM)  # (B, nh_v, T, hs)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        else:
+            query_size, key_size = HEADS * HEAD_DIM, self.groups * HEAD_DIM
+            q, k, v = qkv.split((query_size, key_size, key_size), dim=-1)
+            q = q.view(B, T, HEADS, HEAD_DIM).transpose(1, 2)  # (B, nh_q, T, hs)
+            k = k.view(B, T, self.groups, HEAD_DIM).transpose(1, 2)  # (B, nh_k, T, hs)
+            v = v.view(B, T, self.groups, HEAD_DIM).transpose(1, 2)  # (B, nh_v, T, hs)
+            n = self.rope_n_elem
+            q = torch.cat((apply_rope(q[..., :n], cos, sin), q[..., n:]), dim=-1)
+            k = torch.cat((apply_rope(k[..., :n], cos, sin), k[..., n:]), dim=-1)
+            if self.groups != HEADS:
+                k = k.repeat_interleave(q_per_kv, dim=1)
+                v = v.repeat_interleave(q_per_kv, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1.0 / math.sqrt(HEAD_DIM))
+        y = y.transpose(1, 2).reshape(B, T, HEADS * HEAD_DIM)
+        return self.proj(y)
+
+
+class SeparateAttention(nn.Module):
+    """x-transformers' Attention and Attend, reduced: ``to_q``, ``to_k``, ``to_v``, ``to_out``; grouped-query key/value
+    heads tiled to the query heads (einops' ``'b kvh n d -> b (r kvh) n d'``: query head h reads key/value head
+    h mod kv_heads), the scores and the output as ``einsum`` (``attend.py``: its default path), or with ``flash``
+    ``F.scaled_dot_product_attention`` on the tiled heads (its ``attn_flash=True`` path)."""
+
+    def __init__(self, kv_heads, flash=False):
+        super().__init__()
+        self.kv_heads, self.flash = kv_heads, flash
+        self.to_q = nn.Linear(D, HEADS * HEAD_DIM, bias=False)
+        self.to_k = nn.Linear(D, kv_heads * HEAD_DIM, bias=False)
+        self.to_v = nn.Linear(D, kv_heads * HEAD_DIM, bias=False)
+        self.to_out = nn.Linear(HEADS * HEAD_DIM, D, bias=False)
+
+    def forward(self, x, cos, sin):
+        B, T, _ = x.shape
+        q = self.to_q(x).view(B, T, HEADS, HEAD_DIM).transpose(1, 2)
+        k = self.to_k(x).view(B, T, self.kv_heads, HEAD_DIM).transpose(1, 2)
+        v = self.to_v(x).view(B, T, self.kv_heads, HEAD_DIM).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        r = HEADS // self.kv_heads
+        k, v = k.repeat(1, r, 1, 1), v.repeat(1, r, 1, 1)  # 'b kvh n d -> b (r kvh) n d'
+        if self.flash:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.to_out(out.transpose(1, 2).reshape(B, T, HEADS * HEAD_DIM))
+        sim = torch.einsum("b h i d, b h j d -> b h i j", q, k) * HEAD_DIM ** -0.5
+        causal = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)
+        attn = sim.masked_fill(causal, -torch.finfo(sim.dtype).max).softmax(dim=-1)
+        out = torch.einsum("b h i j, b h j d -> b h i d", attn, v)
+        return self.to_out(out.transpose(1, 2).reshape(B, T, HEADS * HEAD_DIM))
+
+
+class SwiGLU(nn.Module):
+    """lit-gpt's LLaMAMLP."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc_1 = nn.Linear(D, FFN, bias=False)
+        self.fc_2 = nn.Linear(D, FFN, bias=False)
+        self.proj = nn.Linear(FFN, D, bias=False)
+
+    def forward(self, x):
+        return self.proj(F.silu(self.fc_1(x)) * self.fc_2(x))
+
+
+class GeGLU(SwiGLU):
+    """lit-gpt's GemmaMLP (tanh-approximated GELU)."""
+
+    def forward(self, x):
+        return self.proj(F.gelu(self.fc_1(x), approximate="tanh") * self.fc_2(x))
+
+
+class Block(nn.Module):
+    def __init__(self, norm, attention, mlp):
+        super().__init__()
+        self.norm_1, self.attn, self.norm_2, self.mlp = norm(), attention(), norm(), mlp()
+
+    def forward(self, x, cos, sin):
+        x = x + self.attn(self.norm_1(x), cos, sin)
+        return x + self.mlp(self.norm_2(x))
+
+
+class Decoder(nn.Module):
+    """lit-gpt's GPT: ``transformer.wte``, ``transformer.h``, ``transformer.ln_f``, ``lm_head``."""
+
+    def __init__(self, layers, norm, attention, mlp, embed_scale=False):
+        super().__init__()
+        self.transformer = nn.ModuleDict({
+            "wte": nn.Embedding(VOCAB, D),
+            "h": nn.ModuleList([Block(norm, attention, mlp) for _ in range(layers)]),
+            "ln_f": norm()})
+        self.lm_head = nn.Linear(D, VOCAB, bias=False)
+        self.embed_scale = embed_scale
+
+    def forward(self, idx):
+        cos, sin = rope_cache(idx.shape[1])
+        x = self.transformer.wte(idx)
+        if self.embed_scale:  # Gemma scales the embeddings by sqrt(hidden)
+            x = x * torch.tensor(D ** 0.5, dtype=x.dtype)
+        for block in self.transformer.h:
+            x = block(x, cos, sin)
+        return self.lm_head(self.transformer.ln_f(x))
+
+
+def token_batch(step):
+    g = torch.Generator().manual_seed(300 + step)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
+    return (tokens[:, :-1],), {}, tokens[:, 1:]
+
+
+def loss_fn(logits, target):
+    return F.cross_entropy(logits.reshape(-1, VOCAB), target.reshape(-1))
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.1)
+
+
+def alibi_slopes(heads):
+    """ALiBi's per-head slopes (Press et al.; BLOOM's ``build_alibi_tensor`` for a power-of-two head count)."""
+    start = 2 ** (-(2 ** -(math.log2(heads) - 3)))
+    return torch.tensor([start ** (i + 1) for i in range(heads)])
+
+
+class AlibiBaddbmmAttention(nn.Module):
+    """Attention spelled as BLOOM and its descendants spell it: one fused ``query_key_value`` projection, heads merged
+    with the batch, the scores as ``baddbmm(alibi, q, k^T, beta=1, alpha=1/sqrt(d))`` where ``alibi`` is each head's
+    slope times the key position ``[b * heads, 1, keys]``, a causal mask, softmax, ``bmm`` with the values."""
+
+    def __init__(self, kv_heads=HEADS):
+        super().__init__()
+        self.query_key_value = nn.Linear(D, 3 * HEADS * HEAD_DIM)
+        self.dense = nn.Linear(HEADS * HEAD_DIM, D)
+        self.register_buffer("slopes", alibi_slopes(HEADS), persistent=False)
+
+    def forward(self, x, cos, sin):
+        B, T, _ = x.shape
+        fused = self.query_key_value(x).view(B, T, HEADS, 3, HEAD_DIM)
+        q, k, v = fused[..., 0, :], fused[..., 1, :], fused[..., 2, :]
+        q = q.transpose(1, 2).reshape(B * HEADS, T, HEAD_DIM)
+        k = k.permute(0, 2, 3, 1).reshape(B * HEADS, HEAD_DIM, T)
+        v = v.transpose(1, 2).reshape(B * HEADS, T, HEAD_DIM)
+        positions = torch.arange(T, device=x.device)
+        alibi = (self.slopes[:, None] * positions[None, :].to(self.slopes.dtype))[None].expand(B, HEADS, T)
+        alibi = alibi.reshape(B * HEADS, 1, T)
+        scores = alibi.baddbmm(batch1=q, batch2=k, beta=1.0, alpha=1.0 / math.sqrt(HEAD_DIM))
+        causal = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)
+        scores = scores.view(B, HEADS, T, T).masked_fill(causal, torch.finfo(scores.dtype).min)
+        probs = F.softmax(scores, dim=-1).view(B * HEADS, T, T)
+        context = torch.bmm(probs, v).view(B, HEADS, T, HEAD_DIM).transpose(1, 2).reshape(B, T, HEADS * HEAD_DIM)
+        return self.dense(context)
+
+
+class LayerNormMLP(nn.Module):
+    """BLOOM's MLP: ``dense_h_to_4h``, GELU, ``dense_4h_to_h``."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense_h_to_4h = nn.Linear(D, FFN)
+        self.dense_4h_to_h = nn.Linear(FFN, D)
+
+    def forward(self, x):
+        return self.dense_4h_to_h(F.gelu(self.dense_h_to_4h(x)))

@@ -1,0 +1,1 @@
+"""nanoGPT (github.com/karpathy/nanoGPT), vendored: ``model.py`` unchanged, with its MIT license."""

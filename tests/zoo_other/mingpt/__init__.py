@@ -1,0 +1,2 @@
+"""minGPT (github.com/karpathy/minGPT), vendored: ``mingpt/model.py`` and ``mingpt/utils.py`` unchanged, with its MIT
+license."""
