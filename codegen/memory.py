@@ -37,10 +37,11 @@ from tracepp.runtime import context_parallel, expert_parallel, tensor_parallel
 from tracepp.runtime.actions import Action
 from tracepp.runtime.memory import LiveMemory, storages_of
 from tracepp.runtime.shm_p2p import DEFAULT_RING_MB
-from tracepp.runtime.pipeline import PRECISIONS
+from tracepp.runtime import precision as precision_policy
 from tracepp.runtime.stages import StageModule
-from tracepp.split.cost import as_int
+from tracepp.split.cost import as_int, held_bytes
 from tracepp.split.partition import SEGMENT, STATE_FQN
+from tracepp.split.pipeline_graph import MASTER_DTYPE
 
 RING_BYTES = int(DEFAULT_RING_MB * 2**20)  # run.py --shm-ring-mb's default: one ring per pair of CPU ranks on a host
 STAGE_FIELDS = ("received", "forward_peak", "kept", "outputs", "freed_at_send", "grad_received", "backward_peak",
@@ -51,7 +52,9 @@ STAGE_FIELDS = ("received", "forward_peak", "kept", "outputs", "freed_at_send", 
 
 @dataclass
 class MemoryOptions:
-    """What changes a stage's memory besides the graph: the compute ``precision`` (fp32, bf16, fp16), the
+    """What changes a stage's memory besides the graph: the compute ``precision`` (fp32, bf16, fp16, fp8) and how
+    it applies (``mixed_precision``: params, where the graphs were traced with the parameters in the compute dtype and
+    a stage computes with their copy; autocast, fp32 parameters cast per op; ``runtime/precision.py``), the
     activation checkpointing of each stage (``recompute[stage]``: none, full, selective), whether the plan
     splits backwards into I and W (zero-bubble schedules), the tp and ep sizes (the collectives' fake
     implementations read them), and with expert parallelism the routing's imbalance planned for: a rank receives
@@ -60,6 +63,8 @@ class MemoryOptions:
     expert over the mean as ``experts max/mean``, which ``tracepp split --expert-imbalance`` takes)."""
 
     precision: str = "fp32"
+    mixed_precision: str = "params"  # params: the graphs were traced with the compute dtype's parameters; autocast
+    fp8_recipe: str = "tensorwise"
     recompute: Optional[list] = None
     split_backward: bool = False
     tp: int = 1
@@ -224,8 +229,8 @@ def _runnable_graph(graph: fx.Graph) -> fx.GraphModule:
 
 def _structure_key(stage, graph, options: MemoryOptions, is_last: bool) -> str:
     """Stages whose graphs hold the same ops on the same shapes (a model's repeated middle) keep the same bytes."""
-    digest = hashlib.sha256(repr((options.precision, options.mode(stage.index), options.split_backward,
-                                  is_last)).encode())
+    digest = hashlib.sha256(repr((options.precision, options.mixed_precision, options.mode(stage.index),
+                                  options.split_backward, is_last)).encode())
     def plain(value):  # names (a value's, a block's) do not change what is allocated; numbers and dtypes do
         if isinstance(value, fx.Node):
             return "node"
@@ -268,14 +273,17 @@ class _StageRun:
         self.stage, self.graph, self.tracker = stage, graph, tracker
         self.is_last = is_last
         self.loss_fn, self.target, self.out_spec, self.output_leaves = loss_fn, target, out_spec, output_leaves
-        self.wire = PRECISIONS[options.precision]
+        self.compute = compute = precision_policy.compute_dtype(options.precision)
+        autocast = options.mixed_precision == "autocast"
+        self.wire = compute if autocast else None  # params: boundaries travel as traced
         placeholders = [n for n in stage.graph.nodes if n.op == "placeholder"]
         state_nodes = placeholders[:len(stage.state)]
         tensors, spec_state = {}, []
         for node, name in zip(state_nodes, stage.state):
             ref = graph.state[name]
             val = node.meta["val"]
-            tensor = torch.empty(_concrete_shape(val), dtype=val.dtype)
+            # the rank holds the master weight (fp32) where the graph was traced with its compute copy
+            tensor = torch.empty(_concrete_shape(val), dtype=node.meta.get(MASTER_DTYPE) or val.dtype)
             if ref.kind == "parameter":
                 tensor = torch.nn.Parameter(tensor, requires_grad=ref.fqn in trainable)
             fqn = node.meta.get(STATE_FQN, ref.fqn)
@@ -287,7 +295,12 @@ class _StageRun:
         self.module = StageModule({"index": stage.index, "state": spec_state},
                                   lambda *args: interpreter.run(*args), tensors)
         self.module.recompute_blocks = bool(regions)
-        self.module.autocast_dtype = self.wire
+        self.module.autocast_dtype = compute if autocast else None
+        if not autocast and compute is not None:  # the copies a step computes with, made before its first forward
+            cast = precision_policy.CastWeights(list(self.module.parameters()), compute)
+            if cast:
+                self.module.cast_weights = cast
+                tracker.register(cast.make(), "parameters")
         self.module.recompute = options.mode(stage.index) if options.mode(stage.index) != "none" else False
         self.pool = []  # receive buffers given back after a backward: the executor keeps them for reuse
         self.module.sequence_shards = sequence_shards
@@ -312,7 +325,7 @@ class _StageRun:
         if self.split:
             from tracepp.runtime.executor import WeightSplit
 
-            self.weight_split = WeightSplit(self.params)
+            self.weight_split = WeightSplit(self.module.compute_parameters())
             self.weight_split.matmul_recipes = False  # its bit-for-bit check reads values fake tensors lack
         self.in_flight = {}
 
@@ -340,7 +353,7 @@ class _StageRun:
                                for t in out])
         if self.is_last:
             leaves = [out[i] if kind == "value" else const for i, (kind, const) in enumerate(self.output_leaves)]
-            if self.wire is not None:
+            if self.compute is not None:  # mixed precision: the loss in fp32
                 leaves = [t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in leaves]
             if self.loss_fn is not None and self.target is not None:
                 output = pytree.tree_unflatten(leaves, self.out_spec)
@@ -393,9 +406,11 @@ class _StageRun:
             WeightSplit.weight_backward(pending, tensors, grads)
             del pending, tensors, grads
             self._release(mb)
+            self.module.weights_used(False)
             return
         tensors, grads = self._tensors_and_grads(state)
         wanted = state["wanted"]
+        leaves = self.module.compute_parameters()  # the compute copies under --mixed-precision params
         if part == "full":
             if tensors:
                 _run_backward(tensors, grads, False, (), True)
@@ -403,17 +418,18 @@ class _StageRun:
             del tensors, grads
             self._release(mb)
         else:
-            if tensors and wanted and self.params:
-                self.weight_split.use(self.params)
+            if tensors and wanted and leaves:
+                self.weight_split.use(leaves)
                 found, pending, keep = self.weight_split.input_backward(tensors, grads, wanted)
             else:
                 found = (_run_backward(tensors, grads, True, tuple(wanted), False) if tensors and wanted
                          else [None] * len(wanted))
-                pending, keep = WeightSplit.from_outputs(self.params), True
+                pending, keep = WeightSplit.from_outputs(leaves), True
             state["pending"] = (pending, tensors, grads) if keep else (pending, None, None)
             if not keep:
                 state["out"], state["loss"] = None, None
             del tensors, grads, pending
+        self.module.weights_used(False)  # the copies' gradients into the masters' (fp32), as the executor does
         self.input_grads = [g if g is not None else torch.zeros_like(w) for g, w in zip(found, wanted)]
 
 
@@ -573,18 +589,24 @@ def profile_stages(graph, model, loss_fn, target, options: MemoryOptions, traini
 
 # -- a plan's memory: every stage's figures, what each rank holds, its peak ---------------------------------------
 
-def stage_state(stage, graph, layout, trainable_fqns=None) -> dict:
+def stage_state(stage, graph, layout, trainable_fqns=None, options: Optional[MemoryOptions] = None) -> dict:
     """What a rank holds of one stage's parameters and buffers between steps, from the stage graph's placeholders
     (already this rank's tp pieces and ep experts): ``param_bytes`` held (FSDP's 1/dp shard of the parameters it
-    manages, DDP's whole copy, routed experts whole: FSDP leaves them alone), ``unsharded_bytes`` (the copy FSDP
-    gathers of those it shards, and DDP, on FSDP2's machinery, of those it replicates, held from the stage's first
-    forward on), ``grad_bytes_at_rest``
-    (the trainable parameters' gradients after the step's reduction) and ``trainable``: ``[(fqn, numel held,
-    dtype)]`` for the optimizer."""
+    manages, DDP's whole copy, routed experts whole: FSDP leaves them alone), in the dtype the rank holds them in (the
+    fp32 master weights under ``--mixed-precision params``, whose graphs were traced in the compute dtype),
+    ``unsharded_bytes`` (the copy the stage computes with, held from its first forward to its last backward of the
+    step: the one FSDP gathers of those it shards, and DDP, on FSDP2's machinery, of those it replicates, in the
+    compute dtype under the params policy (float8 for the linears FSDP gathers so under fp8 with tensorwise
+    scaling), and without an engine the compute copy ``precision.CastWeights`` makes under that policy),
+    ``grad_bytes_at_rest`` (the trainable parameters' gradients after the step's reduction, in the masters' dtype)
+    and ``trainable``: ``[(fqn, numel held, dtype)]`` for the optimizer."""
     experts = set((graph.expert_parallel or {}).get("params", {})) if layout.ep > 1 else set()
     wrapped = layout.dp > 1  # fully_shard (FSDP, HSDP) or replicate (DDP on FSDP2's machinery): both gather a copy
     fsdp = wrapped and layout.dp_mode in ("fsdp", "hsdp")
     shard = (layout.dp if layout.dp_mode == "fsdp" else (layout.dp_shard or 1)) if fsdp else 1
+    # fp8 with tensorwise scaling under FSDP: torchao all-gathers the linears' weights in float8
+    float8_gather = (options is not None and options.precision == "fp8" and options.fp8_recipe == "tensorwise"
+                     and fsdp)
     held = unsharded = grads = 0
     trainable = []
     placeholders = [n for n in stage.graph.nodes if n.op == "placeholder"][:len(stage.state)]
@@ -593,19 +615,34 @@ def stage_state(stage, graph, layout, trainable_fqns=None) -> dict:
         val = node.meta.get("val")
         if not isinstance(val, torch.Tensor):
             continue
-        nbytes = as_int(val.numel()) * val.element_size()
+        nbytes = held_bytes(node)  # in the dtype the rank holds it in
+        computed = as_int(val.numel()) * val.element_size()  # in the dtype the stage computes with
         if ref.kind != "parameter":
             held += nbytes
             continue
         sharded = fsdp and ref.fqn not in experts
         own = -(-nbytes // shard) if sharded else nbytes
         held += own
-        unsharded += nbytes if wrapped and ref.fqn not in experts else 0
+        if wrapped and ref.fqn not in experts:
+            unsharded += as_int(val.numel()) if float8_gather and _float8_linear_weight(node) else computed
+        elif node.meta.get(MASTER_DTYPE) is not None:  # a compute copy made without an engine (CastWeights)
+            unsharded += computed
         if trainable_fqns is None or ref.fqn in trainable_fqns:
             grads += own
             trainable.append((node.meta.get(STATE_FQN, ref.fqn), -(-as_int(val.numel()) // (shard if sharded else 1)),
-                              val.dtype))
+                              node.meta.get(MASTER_DTYPE) or val.dtype))
     return {"param_bytes": held, "unsharded_bytes": unsharded, "grad_bytes_at_rest": grads, "trainable": trainable}
+
+
+def _float8_linear_weight(node) -> bool:
+    """A parameter placeholder read as the weight of an ``aten.linear`` that torchao's float8 takes
+    (``precision.fp8_eligible``): what fp8's FSDP all-gather moves in float8."""
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor) or val.dim() != 2 or any(
+            as_int(size) % precision_policy.FP8_ALIGNMENT for size in val.shape):
+        return False
+    return any(user.target is torch.ops.aten.linear.default and len(user.args) > 1 and user.args[1] is node
+               for user in node.users)
 
 
 def optimizer_figures(trainable: list, make_optimizer, device: str = "cpu") -> dict:
@@ -647,7 +684,7 @@ def _stage_entries(graph, profiles: list, layout, trainable_fqns: set, options: 
     """(each stage's manifest entry: its profile and what a rank holds of it; its trainable parameters; notes)."""
     stages, trainable, notes = [], [], []
     for stage, figures in zip(graph.stages, profiles):
-        state = stage_state(stage, graph, layout, trainable_fqns)
+        state = stage_state(stage, graph, layout, trainable_fqns, options)
         trainable.append(state.pop("trainable"))
         entry = {k: v for k, v in figures.items() if k != "kept_by_position"}
         entry.update(state)

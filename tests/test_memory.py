@@ -71,29 +71,42 @@ def test_the_counter_agrees_with_torchs_cpu_allocator():
 
 # -- a stage counted on fake tensors, against the same on real tensors ------------------------------------------
 
-@pytest.fixture(scope="module")
-def llama_split():
+def _llama_split(param_dtype=None):
     from tracepp.modelfile import load_model_file
     from tracepp.split.partition import split
     from tracepp.trace import trace
 
     model_file = load_model_file(model_path("hf_llama"))
-    traced = trace(model_file, 2)
+    traced = trace(model_file, 2, param_dtype=param_dtype)
     graph = split(traced, ["model.layers.1"], schedule="1f1b", num_microbatches=2)
     target = model_file.example_target()[:2]
     return model_file, traced, graph, target
+
+
+@pytest.fixture(scope="module")
+def llama_split():
+    return _llama_split()
+
+
+@pytest.fixture(scope="module")
+def llama_split_bf16():  # traced as --mixed-precision params trains: parameters and inputs in bf16
+    return _llama_split(torch.bfloat16)
 
 
 FIGURES = ("kept", "forward_peak", "freed_at_send", "backward_peak", "backward_peak_first", "after_backward",
            "after_backward_first", "grads", "input_grads")
 
 
-@pytest.mark.parametrize("precision,mode,split_backward", [("fp32", "none", False), ("bf16", "selective", False),
-                                                           ("fp32", "full", True)])
-def test_fake_count_equals_the_same_run_on_real_tensors(llama_split, precision, mode, split_backward):
-    model_file, traced, graph, target = llama_split
+@pytest.mark.parametrize("precision,mixed,mode,split_backward", [
+    ("fp32", "params", "none", False), ("bf16", "autocast", "selective", False), ("fp32", "params", "full", True),
+    ("bf16", "params", "none", False), ("bf16", "params", "selective", True)])
+def test_fake_count_equals_the_same_run_on_real_tensors(request, precision, mixed, mode, split_backward):
+    traced_in_bf16 = precision == "bf16" and mixed == "params"
+    model_file, traced, graph, target = request.getfixturevalue("llama_split_bf16" if traced_in_bf16
+                                                                else "llama_split")
     trainable = {fqn for fqn, _p in traced.model.named_parameters()}
-    options = MemoryOptions(precision=precision, recompute=[mode, mode], split_backward=split_backward)
+    options = MemoryOptions(precision=precision, mixed_precision=mixed, recompute=[mode, mode],
+                            split_backward=split_backward)
     for stage in graph.stages:
         last = stage.index == graph.num_stages - 1
         args = (stage, graph, trainable, options, model_file.module.loss_fn, target if last else None, last)

@@ -53,9 +53,11 @@ def ensure(manifest: dict, folder: str, tp_sizes=None, cp_sizes=None, ep_sizes=N
     say(f"computing the tuner's figures for {what} (once; cached in {os.path.join(folder, 'manifest.json')})")
     started = time.perf_counter()
     model_path, call = recorded_call(manifest, folder)
+    from tracepp.runtime.run_options import manifest_options
+
     model_file, _traced, graph = trace_and_split(model_path, call["layout"], call["num_stages"], call["schedule"],
                                                  call["num_microbatches"], call["split_points"],
-                                                 call["dynamic_shapes"])
+                                                 call["dynamic_shapes"], manifest_options(manifest).traced_dtype())
     if manifest.get("model_sha256") and model_file.sha256 != manifest["model_sha256"]:
         raise ValueError(f"{model_path} changed since {folder} was split (its sha256 differs from the manifest's): "
                          f"split again, then tune")
