@@ -75,12 +75,13 @@ def _cases():
 
 def forward_kept(measured: dict, manifest: dict) -> list:
     """[(stage, measured, predicted)]: the mean of what each forward of a stage left alive in the run's last step
-    (a wrapped stage's first forward of a step also gathers its parameters under FSDP or DDP: left out), against
-    the stage's counted ``kept`` bytes per microbatch."""
+    (a stage's first forward of a step also gathers its parameters under FSDP or DDP, or casts their compute copy
+    under ``--mixed-precision params``: left out), against the stage's counted ``kept`` bytes per microbatch."""
     from tracepp.runtime.actions import Action
 
     stages = manifest["memory"]["stages"]
-    wrapped = (manifest["plan"].get("mesh") or {}).get("dp", 1) > 1
+    wrapped = (manifest["plan"].get("mesh") or {}).get("dp", 1) > 1 or any(
+        stage.get("unsharded_bytes") for stage in stages)
     seen, left = set(), {}
     for label, _peak, delta in measured.get("actions") or []:
         action = Action.parse(label) if " " not in label else None

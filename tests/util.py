@@ -136,12 +136,23 @@ def eager_mixed_precision(path: str, steps: int, num_microbatches: int, dp: int 
     forward of the copy (``torch.func.functional_call``) with floating inputs cast to ``dtype``, the loss in fp32 on
     the fp32-cast outputs times the microbatch's share of its replica's batch, a backward, and the copy's gradients
     added into the replica's fp32 sum; the replicas' sums added in replica order and divided by ``dp``; optionally
-    ``clip_grad_norm_``; the optimizer (``model``: the model file's ``optimizer(params)``, else SGD at ``lr``;
-    ``sgd``) steps the fp32 masters. ``separate_tied``: each name of a tied weight (an embedding and a head) computes
+    ``clip_grad_norm_``; the optimizer (``model``: the model file's ``optimizer(...)`` and ``lr_scheduler(...)``,
+    else SGD at ``lr``; ``sgd``) steps the fp32 masters. ``separate_tied``: each name of a tied weight (an embedding and a head) computes
     with a copy of its own, their gradients summed in fp32, as a pipeline does whose stages hold the two uses (each
     stage's engine casts its own copy; Megatron all-reduces the two main gradients); False: one copy, whose
     gradient autograd sums in ``dtype``, as FSDP2 on the whole model. Returns (state_dict, [global-batch loss per
-    step])."""
+    step]). Runs on one thread, as the test ranks do (``OMP_NUM_THREADS=1``): a CPU kernel's reduction over several
+    threads (layer norm's weight gradient) sums in another order, which bf16 then rounds differently."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _eager_mixed_precision(path, steps, num_microbatches, dp, dtype, lr, clip, optimizer, initial,
+                                      separate_tied)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _eager_mixed_precision(path, steps, num_microbatches, dp, dtype, lr, clip, optimizer, initial, separate_tied):
     import torch.utils._pytree as pytree
     from torch.func import functional_call
 
@@ -153,8 +164,11 @@ def eager_mixed_precision(path: str, steps: int, num_microbatches: int, dp: int 
     params = [p for p in model.parameters() if p.requires_grad]
     # (name, master) of every copy a step makes: one per tied name with separate_tied, else one per parameter
     named = [(name, p) for name, p in model.named_parameters(remove_duplicate=not separate_tied) if p.requires_grad]
-    make = getattr(module, "optimizer", None) if optimizer == "model" else None
-    opt = make(params) if make is not None else torch.optim.SGD(params, lr=lr)
+    from tracepp.runtime.optim import build_optimizer, build_scheduler
+
+    hooks = module if optimizer == "model" else None  # the model file's optimizer(...) and lr_scheduler(...)
+    opt = build_optimizer(hooks, list(model.named_parameters()), name="sgd", lr=lr)
+    scheduler = build_scheduler(hooks, opt)
 
     def cast(value):
         return value.to(dtype) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
@@ -208,6 +222,8 @@ def eager_mixed_precision(path: str, steps: int, num_microbatches: int, dp: int 
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(params, clip)
         opt.step()
+        if scheduler is not None:
+            scheduler.step()
         opt.zero_grad(set_to_none=True)
         losses.append(total)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses

@@ -181,7 +181,7 @@ def trace(model_file: ModelFile, num_microbatches: int, dynamic_shapes: Any = No
         program = torch.export.export(model, mb_args, mb_kwargs, dynamic_shapes=export_shapes)
     except Exception as error:
         if not _is_on_meta(model):
-            raise TraceError(explain_export_failure(error, model, model_file.path)) from error
+            raise TraceError(_explain(error, model, model_file.path, param_dtype)) from error
         # forward may read a parameter's or buffer's value; try once with real weights before giving up
         model = model_file.model()
         if param_dtype is not None:
@@ -189,7 +189,7 @@ def trace(model_file: ModelFile, num_microbatches: int, dynamic_shapes: Any = No
         try:
             program = torch.export.export(model, mb_args, mb_kwargs, dynamic_shapes=export_shapes)
         except Exception as real_error:
-            raise TraceError(explain_export_failure(real_error, model, model_file.path)) from real_error
+            raise TraceError(_explain(real_error, model, model_file.path, param_dtype)) from real_error
         notes.append(f"the model does not trace with meta weights ({type(error).__name__}: "
                      f"{str(error).splitlines()[0] if str(error) else ''}); traced with real weights instead")
     inline_grad_mode_regions(program, model_file.path)
@@ -203,6 +203,22 @@ def trace(model_file: ModelFile, num_microbatches: int, dynamic_shapes: Any = No
     dim_names = {(leaf_of_arg[arg], dim): name for (arg, dim), name in arg_dim_names.items() if arg in leaf_of_arg}
     return Traced(program, model, model_file, num_microbatches, batch_size, batched, leaves, dim_names, notes,
                   random_ops, master_dtypes)
+
+
+def _explain(error: BaseException, model, path: str, param_dtype) -> str:
+    """:func:`explain_export_failure`, and under ``--mixed-precision params`` a dtype clash named as what it is: the
+    model computes with its weights' dtype and an fp32 tensor it never casts, which autocast would have unified."""
+    text = explain_export_failure(error, model, path)
+    message = str(error)
+    if param_dtype is not None and "dtype" in message.lower() and any(
+            name in message for name in ("BFloat16", "Half", "bfloat16", "float16")):
+        name = str(param_dtype).replace("torch.", "")
+        text = text.split("\n  what to try:")[0]  # not the code's shape: the dtypes it mixes
+        text += (f"\n  what to try (mixed precision): the model was traced as --mixed-precision params trains it, with its parameters "
+                 f"and floating inputs in {name} (buffers and tensors it makes stay fp32), and an op there mixes the "
+                 f"two: cast the fp32 tensor to the activations' dtype in the model (e.g. cos.to(q.dtype), as Hugging "
+                 f"Face models do), or split with --mixed-precision autocast (fp32 parameters, autocast per op)")
+    return text
 
 
 def _cast_inputs(leaves: list, dtype: Optional[torch.dtype]) -> list:
