@@ -71,6 +71,10 @@ class RunOptions:
         if self.precision == "fp8" and self.mixed_precision == "autocast":
             raise ValueError("--precision fp8 runs torchao's float8 linears with bf16 parameters cast once per step "
                              "(--mixed-precision params); with --mixed-precision autocast use --precision bf16")
+        if self.precision == "fp8" and self.device != "cuda":
+            raise ValueError("--precision fp8 trains torchao's float8 linears on a CUDA GPU (compute capability 8.9 or "
+                             f"more); this plan is for --device {self.device}: plan with --device cuda, or use "
+                             "--precision bf16")
         if self.optimizer is not None and self.optimizer not in OPTIMIZERS:
             raise ValueError(f"--optimizer {self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
         if self.activation_checkpointing == "auto":
