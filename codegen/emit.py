@@ -79,7 +79,8 @@ def build_manifest(model_file, traced, graph, plan, launch_command: str, options
     stages = []
     for stage in graph.stages:
         state = []
-        for name in stage.state:
+        placeholders = [n for n in stage.graph.nodes if n.op == "placeholder"]
+        for position, name in enumerate(stage.state):
             ref = graph.state[name]
             param = named_params.get(ref.fqn)
             value = _program_tensor(traced.program, ref.fqn, ref.kind)
@@ -92,6 +93,11 @@ def build_manifest(model_file, traced, graph, plan, launch_command: str, options
                      "numel": value.numel()}
             if held != value.dtype:  # --mixed-precision params: the stage code computes with this dtype's copy
                 entry["compute_dtype"] = str(value.dtype).replace("torch.", "")
+            node = placeholders[position] if position < len(placeholders) else None
+            if ref.kind == "parameter" and node is not None and any(
+                    user.target is torch.ops.aten.linear.default and len(user.args) > 1 and user.args[1] is node
+                    for user in node.users):
+                entry["linear_weight"] = True  # --precision fp8: what torchao's float8 takes (and gathers)
             state.append(entry)
         received = [dict(producer=p, name=n, **graph.values[n].meta.to_json()) for p, n in stage.received]
         output_node = next(n for n in stage.graph.nodes if n.op == "output")

@@ -115,6 +115,18 @@ def cuda_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
         dropout_p, is_causal, scale=scale)[0]
 
 
+def float8_linear(x, weight, bias=None):
+    """``aten.linear`` as torchao's float8 training allocates it, for the planning run of ``--precision fp8`` (CPU
+    fake tensors, no torchao): the float8 casts of the input and the weight live through the matmul beside its
+    output (in the input's dtype); autograd keeps what torchao's ``matmul_with_hp_or_float8_args`` saves, the
+    high-precision input and weight, as a bf16 linear does."""
+    if not precision_policy.fp8_eligible(weight):
+        return torch.ops.aten.linear.default(x, weight, bias)
+    x8 = torch.empty(x.shape, dtype=torch.float8_e4m3fn)  # noqa: F841  (held through the matmul, then freed)
+    w8 = torch.empty(weight.shape, dtype=torch.float8_e4m3fn)  # noqa: F841
+    return torch.ops.aten.linear.default(x, weight, bias)
+
+
 class _Labelled:
     """Runs a stage graph node by node as its generated code does, attributing each storage made to the node that
     made it; values are dropped after their last use. ``regions``: the runs of nodes the rank script calls as
@@ -122,12 +134,14 @@ class _Labelled:
     the runtime's own wrapper of block functions (``recompute._checkpointed``), which checkpoints them one by one
     as the stage's checkpointing says."""
 
-    def __init__(self, module: fx.GraphModule, tracker: LiveMemory, regions=(), device: str = "cpu"):
+    def __init__(self, module: fx.GraphModule, tracker: LiveMemory, regions=(), device: str = "cpu",
+                 float8: bool = False):
         from tracepp.runtime.recompute import _checkpointed
 
         self.graph = module.graph
         self.tracker = tracker
         self.device = device
+        self.float8 = float8  # --precision fp8: linears as torchao's float8 allocates them (float8_linear)
         self.nodes = [n for n in self.graph.nodes if n.op not in ("placeholder", "output")]
         self.placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
         self.output = next(n for n in self.graph.nodes if n.op == "output")
@@ -142,6 +156,8 @@ class _Labelled:
         target = node.target
         if target is _SDPA and self.device == "cuda":  # the kernel CUDA runs, not the CPU fake's choice
             target = cuda_attention
+        elif self.float8 and target is torch.ops.aten.linear.default:
+            target = float8_linear
         with self.tracker.labelled(node.name):
             return target(*args, **kwargs)
 
@@ -291,7 +307,7 @@ class _StageRun:
             spec_state.append({"fqn": fqn, "kind": ref.kind, "persistent": ref.persistent})
         runnable = _runnable_graph(stage.graph)
         regions = block_regions(runnable.graph)
-        interpreter = _Labelled(runnable, tracker, regions, options.device)
+        interpreter = _Labelled(runnable, tracker, regions, options.device, options.precision == "fp8")
         self.module = StageModule({"index": stage.index, "state": spec_state},
                                   lambda *args: interpreter.run(*args), tensors)
         self.module.recompute_blocks = bool(regions)

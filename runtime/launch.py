@@ -41,7 +41,7 @@ from .memory import MeasuredPeak
 from .mesh import coordinates, full, mesh_layout, world_size
 from .optim import OPTIMIZERS, build_optimizer, build_scheduler, parameter_fqns, step_scheduler
 from .pipeline import Pipeline, check_precision, step_ended
-from .precision import PRECISIONS, describe as describe_precision
+from .precision import PRECISIONS, describe as describe_precision, plain
 from .job import Board, Progress, StopRequest, any_rank, check_tensorboard, clock
 from .prefetch import BatchPrefetcher
 from .run_options import fill_defaults
@@ -223,7 +223,7 @@ def _gather_state_dict(manifest: dict, rank: int, state: dict, world: int, unuse
     """Every rank's state (``Pipeline.state_dict``) gathered on rank 0 and keyed by every original FQN (a tied
     weight's aliases name one tensor); None on the other ranks. ``include``: False on data-parallel replicas
     other than the first (same tensors)."""
-    mine = {name: tensor_parallel.whole(manifest, name, full(tensor)).detach().cpu()  # full: a collective
+    mine = {name: tensor_parallel.whole(manifest, name, plain(full(tensor))).detach().cpu()  # full: a collective
             for name, tensor in state.items()}
     if not include:
         mine = {}

@@ -192,6 +192,8 @@ class Pipeline:
             failure.every_rank_agrees = True  # every rank reads the same folder and flags
             raise failure from error
         self.fp8_recipe = manifest_options(manifest).fp8_recipe
+        # fp8: torchao's float8 matmul for the stage code's linears (imported here only: check_precision found it)
+        self.float8 = precision_policy.Float8Linears(self.fp8_recipe) if self.precision == "fp8" else None
         self.compute_dtype = PRECISIONS[self.precision]
         autocast = self.mixed_precision == "autocast"
         # autocast: boundary tensors travel in the compute dtype; params: as traced (already the compute dtype)
@@ -234,6 +236,8 @@ class Pipeline:
                 fn.__globals__["RUN_DEVICE"] = self.device
             # its ops called without OpOverload's Python frame (fast_ops); dynamo traces torch's own objects
             (fast_ops.unbind if compile else fast_ops.bind)(fn)
+            if self.float8 is not None:
+                self.float8.bind(fn)
         # this rank's tensors only: from --load's checkpoint, or the model file's own initialisation
         pieces = [module.piece_for(manifest, size, index) for module, size, index, mesh in (
             (tensor_parallel, self.layout.tp, self.tp_index, self.tp_mesh),
@@ -260,6 +264,8 @@ class Pipeline:
                 stage.context_shards = self.cp_mesh is not None and not compile
                 self.stages[spec["index"]] = stage
         policy = precision_policy.mp_policy(self.precision, self.mixed_precision)
+        if self.float8 is not None and self.mesh is not None and self.layout.dp_mode != "ddp":
+            self.float8.gathered_weights(self.stages, manifest)  # FSDP all-gathers them in float8 (tensorwise)
         if self.mesh is not None:
             for stage in self.stages.values():
                 dp_mesh.wrap_stage(stage, self.mesh, self.layout, ignored=self.expert_params, sub=self.grad_mesh,

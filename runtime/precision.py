@@ -31,6 +31,7 @@ when fp8 is asked for (the runtime needs torch alone otherwise).
 """
 from __future__ import annotations
 
+import types
 from typing import Optional
 
 import torch
@@ -178,30 +179,124 @@ def fp8_eligible(weight: torch.Tensor) -> bool:
 
 class Float8Linears:
     """``aten.linear(x, w, b)`` of a stage's parameters as torchao's float8 matmul (its ``Float8Linear.forward``
-    without the module: ``matmul_with_hp_or_float8_args``), for weights :func:`fp8_eligible` takes; other linears as
-    they were. Installed as the ``torch.ops.aten.linear.default`` the stage code calls (:meth:`bind`)."""
+    without the module: ``matmul_with_hp_or_float8_args`` with the ``LinearMMConfig`` Float8Linear builds), for
+    weights :func:`fp8_eligible` takes; other linears run as they were. :meth:`bind` installs it as the
+    ``torch.ops.aten.linear.default`` a rank script's functions call. ``emulate``: torchao's emulation of the
+    float8 matmuls in high precision (its tests' mode; the runtime refuses fp8 off CUDA)."""
 
-    def __init__(self, recipe: str):
+    def __init__(self, recipe: str, emulate: bool = False):
+        import dataclasses
+
         from torchao.float8.config import Float8LinearConfig
         from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
         from torchao.float8.float8_training_tensor import LinearMMConfig, ScaledMMConfig
 
-        self.config = Float8LinearConfig.from_recipe_name(recipe)
+        config = Float8LinearConfig.from_recipe_name(recipe)
+        self.config = dataclasses.replace(config, emulate=emulate) if emulate else config
         self.matmul = matmul_with_hp_or_float8_args
-        fast = self.config.gemm_config_output.use_fast_accum
-        # as Float8Linear builds its LinearMMConfig: output, grad_input and grad_weight gemms
+        c = self.config
+        # as Float8Linear.__init__ builds it: the output, grad_input and grad_weight gemms
         self.mm_config = LinearMMConfig(
-            ScaledMMConfig(False, fast, False, self.config.pad_inner_dim),
-            ScaledMMConfig(False, self.config.gemm_config_grad_input.use_fast_accum, False, self.config.pad_inner_dim),
-            ScaledMMConfig(False, self.config.gemm_config_grad_weight.use_fast_accum, False,
-                           self.config.pad_inner_dim))
+            ScaledMMConfig(c.emulate, c.gemm_config_output.use_fast_accum, False, c.pad_inner_dim),
+            ScaledMMConfig(c.emulate, c.gemm_config_grad_input.use_fast_accum, False, c.pad_inner_dim),
+            ScaledMMConfig(c.emulate, c.gemm_config_grad_weight.use_fast_accum, False, c.pad_inner_dim))
         self.plain = torch.ops.aten.linear.default
 
     def linear(self, x, weight, bias=None):
-        if not fp8_eligible(weight) or not x.is_cuda:
+        if not fp8_eligible(weight):
             return self.plain(x, weight, bias)
         out = self.matmul.apply(x, weight.t(), self.mm_config, self.config)
         return out if bias is None else out + bias.to(out.dtype)
+
+    def bind(self, function) -> None:
+        """Make ``function``'s module (a rank script: its stage and block functions) call :meth:`linear` for
+        ``torch.ops.aten.linear.default``; every other name as before (``fast_ops.FastTorch`` or torch)."""
+        scope = getattr(function, "__globals__", None)
+        if isinstance(scope, dict) and not isinstance(scope.get("torch"), _Float8Torch):
+            scope["torch"] = _Float8Torch(scope.get("torch", torch), self.linear)
+
+    def gathered_weights(self, stages: dict, manifest: dict) -> int:
+        """FSDP with tensorwise scaling: wrap each linear weight torchao's float8 takes (the manifest's
+        ``linear_weight``) as torchao's ``WeightWithDynamicFloat8CastTensor`` before ``fully_shard``, so FSDP
+        all-gathers it in float8 (``Float8LinearConfig.enable_fsdp_float8_all_gather``). Returns how many."""
+        from torchao.float8.config import ScalingGranularity
+        from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+        if self.config.cast_config_weight.scaling_granularity is not ScalingGranularity.TENSORWISE:
+            return 0  # torchao gathers in float8 for tensorwise scaling only
+        target = self.config.cast_config_weight.target_dtype
+        uses: dict = {}  # id(parameter) -> [(owner, name, read as a linear's weight there)] over this rank's stages
+        for index, stage in stages.items():
+            refs = manifest["stages"][index]["state"]
+            for ref, (owner, name) in zip(refs, stage._state_paths):
+                param = owner._parameters.get(name)
+                if param is not None:
+                    uses.setdefault(id(param), []).append((owner, name, bool(ref.get("linear_weight"))))
+        wrapped = 0
+        for places in uses.values():
+            owner, name, _linear = places[0]
+            param = owner._parameters[name]
+            if not all(linear for _o, _n, linear in places) or not fp8_eligible(param):
+                continue  # a weight some stage reads otherwise (a tied embedding) stays as it is
+            replacement = torch.nn.Parameter(WeightWithDynamicFloat8CastTensor(param.data, self.mm_config, target),
+                                             requires_grad=param.requires_grad)
+            for owner, name, _linear in places:
+                owner._parameters[name] = replacement
+            wrapped += 1
+        return wrapped
+
+
+class _Float8Ops:
+    """``torch.ops`` with ``aten.linear.default`` replaced (see :class:`_Float8Torch`)."""
+
+    def __init__(self, ops, linear):
+        self._ops, self._linear = ops, linear
+
+    def __getattr__(self, name):
+        value = getattr(self._ops, name)
+        if name == "aten":
+            value = _Float8Aten(value, self._linear)
+        setattr(self, name, value)
+        return value
+
+
+class _Float8Aten:
+    def __init__(self, aten, linear):
+        self._aten, self._linear = aten, linear
+
+    def __getattr__(self, name):
+        value = getattr(self._aten, name)
+        if name == "linear":
+            value = _Float8Packet(value, self._linear)
+        setattr(self, name, value)
+        return value
+
+
+class _Float8Packet:
+    def __init__(self, packet, linear):
+        self._packet, self.default = packet, linear
+
+    def __getattr__(self, name):
+        return getattr(self._packet, name)
+
+
+class _Float8Torch(types.ModuleType):
+    """``torch`` for a rank script under ``--precision fp8``: ``ops.aten.linear.default`` is the float8 linear, every
+    other name the script's own ``torch`` (torch, or ``fast_ops.FastTorch``)."""
+
+    def __init__(self, base, linear):
+        super().__init__("torch", torch.__doc__)
+        self._base = base
+        self.ops = _Float8Ops(base.ops, linear)
+
+    def __getattr__(self, name):
+        return getattr(self._base, name)
+
+
+def plain(tensor):
+    """A parameter as a plain tensor (torchao's float8-gathered weight wrapper unwrapped) for ``--save``."""
+    inner = getattr(tensor, "_tensor", None)
+    return inner if type(tensor).__name__ == "WeightWithDynamicFloat8CastTensor" and inner is not None else tensor
 
 
 def resolve(planned, requested: Optional[str]) -> tuple:

@@ -48,6 +48,7 @@ class StageModule(nn.Module):
         self.context_shards = False  # context parallel: backward keeps this rank's shard of gathered keys/values
         self.device_type = next((t.device.type for t in state_by_fqn.values()), "cpu")
         self._state_paths = []
+        self.state_fqns = [ref["fqn"] for ref in spec["state"]]  # beside _state_paths, in the function's order
         for ref in spec["state"]:
             owner, name = _owner(self, ref["fqn"])
             tensor = state_by_fqn[ref["fqn"]]

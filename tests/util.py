@@ -125,7 +125,7 @@ def eager_train(path: str, steps: int, lr: float = 0.01, initial=None) -> dict:
 
 def eager_mixed_precision(path: str, steps: int, num_microbatches: int, dp: int = 1, dtype=torch.bfloat16,
                           lr: float = 0.01, clip=None, optimizer: str = "model", initial=None,
-                          separate_tied: bool = True):
+                          separate_tied: bool = True, convert=None):
     """Eager training of the unsplit model under ``--mixed-precision params``' recipe, written out here (tracepp's
     runtime is not used): FSDP2's ``MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=float32)`` as
     ``fully_shard``/``replicate`` train with gradient accumulation (``test_precision.py`` holds this function equal
@@ -140,19 +140,21 @@ def eager_mixed_precision(path: str, steps: int, num_microbatches: int, dp: int 
     else SGD at ``lr``; ``sgd``) steps the fp32 masters. ``separate_tied``: each name of a tied weight (an embedding and a head) computes
     with a copy of its own, their gradients summed in fp32, as a pipeline does whose stages hold the two uses (each
     stage's engine casts its own copy; Megatron all-reduces the two main gradients); False: one copy, whose
-    gradient autograd sums in ``dtype``, as FSDP2 on the whole model. Returns (state_dict, [global-batch loss per
+    gradient autograd sums in ``dtype``, as FSDP2 on the whole model. ``convert(model)``: applied once the model is
+    built (torchao's ``convert_to_float8_training`` for fp8's recipe). Returns (state_dict, [global-batch loss per
     step]). Runs on one thread, as the test ranks do (``OMP_NUM_THREADS=1``): a CPU kernel's reduction over several
     threads (layer norm's weight gradient) sums in another order, which bf16 then rounds differently."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         return _eager_mixed_precision(path, steps, num_microbatches, dp, dtype, lr, clip, optimizer, initial,
-                                      separate_tied)
+                                      separate_tied, convert)
     finally:
         torch.set_num_threads(threads)
 
 
-def _eager_mixed_precision(path, steps, num_microbatches, dp, dtype, lr, clip, optimizer, initial, separate_tied):
+def _eager_mixed_precision(path, steps, num_microbatches, dp, dtype, lr, clip, optimizer, initial, separate_tied,
+                           convert=None):
     import torch.utils._pytree as pytree
     from torch.func import functional_call
 
@@ -161,6 +163,8 @@ def _eager_mixed_precision(path, steps, num_microbatches, dp, dtype, lr, clip, o
     model = model_file.model()
     if initial is not None:
         model.load_state_dict(initial)
+    if convert is not None:  # e.g. torchao's convert_to_float8_training (--precision fp8's recipe)
+        convert(model)
     params = [p for p in model.parameters() if p.requires_grad]
     # (name, master) of every copy a step makes: one per tied name with separate_tied, else one per parameter
     named = [(name, p) for name, p in model.named_parameters(remove_duplicate=not separate_tied) if p.requires_grad]
