@@ -57,6 +57,8 @@ def _cases():
         "llama-fsdp-dp2-interleaved-fp32-adamw": ("llama", 4, dict(schedule="interleaved-1f1b", num_stages=4,
                                                                    num_microbatches=2), Layout(pp=2, dp=2),
                                                   Run(optimizer="adamw")),
+        "llama-fsdp-dp2-1f1b-bf16-adamw": ("llama", 4, dict(schedule="1f1b", num_microbatches=2), Layout(pp=2, dp=2),
+                                           Run(precision="bf16", optimizer="adamw")),
         "gpt2-ddp-dp2-1f1b-bf16-full": ("gpt2", 4, dict(schedule="1f1b", num_microbatches=2),
                                         Layout(pp=2, dp=2, dp_mode="ddp"),
                                         Run(precision="bf16", activation_checkpointing="full")),
