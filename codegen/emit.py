@@ -226,6 +226,7 @@ def _header(manifest: dict, rank: int, rank_stages: list) -> str:
         f"World size: {mesh_layout(plan).world_size} | schedule: {plan['schedule']} ({plan.get('placement', '?')} placement) "
         f"| microbatches: {plan['num_microbatches']} | mode: {'training' if manifest['training'] else 'forward only'}",
         f"Launch (all ranks): {manifest['launch_command']}   # from this folder",
+        *_precision_lines(manifest),
         *_provenance(manifest, rank),
         *describe(plan),
         "",
@@ -251,6 +252,23 @@ def _header(manifest: dict, rank: int, rank_stages: list) -> str:
               "as edited, or every rank stops naming the line and the rule it breaks. For anything else re-run",
               "`tracepp split`. manifest.json holds the plan and the metadata."]
     return '"""' + "\n".join(lines) + '\n"""'
+
+
+def _precision_lines(manifest: dict) -> list:
+    """What the functions below compute in, where it is not what the rank holds (``--mixed-precision params``)."""
+    run = manifest.get("run_options") or {}
+    precision = run.get("precision", "fp32")
+    if precision == "fp32" or run.get("mixed_precision", "autocast") != "params":
+        return []
+    half = "bf16" if precision == "fp8" else precision
+    text = (f"Precision: {precision} (--mixed-precision params): the rank holds its parameters in fp32 (master weights); "
+            f"the functions below get their {half} copy, made once per step")
+    if precision == "fp8":
+        text += (f"; each torch.ops.aten.linear.default of a parameter runs as torchao's float8 matmul "
+                 f"({run.get('fp8_recipe', 'tensorwise')} scaling)")
+    import textwrap
+
+    return textwrap.wrap(text, 110)
 
 
 _RECV_PLACEMENTS = {
