@@ -807,7 +807,8 @@ def plan_memory(graph, model, plan: dict, layout, options: MemoryOptions, loss_f
                                     + estimate["activation_bytes"])
         stage.estimate = estimate
     optimizer_name = next((r["optimizer"].get("name") for r in ranks if r["optimizer"].get("name")), None)
-    return {"options": {"precision": options.precision, "recompute": [options.mode(s.index) for s in graph.stages],
+    return {"options": {"precision": options.precision, "mixed_precision": options.mixed_precision,
+                        "recompute": [options.mode(s.index) for s in graph.stages],
                         "split_backward": options.split_backward, "optimizer": optimizer_name,
                         "expert_imbalance": options.expert_imbalance if layout.ep > 1 else None,
                         "device": options.device},

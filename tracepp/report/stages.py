@@ -104,8 +104,10 @@ def _options_text(manifest: dict) -> str:
     modes = options.get("recompute") or []
     checkpointing = modes[0] if modes and len(set(modes)) == 1 else ",".join(modes)
     optimizer = options.get("optimizer") or run.get("optimizer") or "sgd"
-    return (f"precision {options.get('precision', 'fp32')}, activation checkpointing {checkpointing or 'none'}, "
-            f"optimizer {optimizer}")
+    precision = options.get('precision', 'fp32')
+    if precision != "fp32" and options.get("mixed_precision"):  # params: bf16 copies of fp32 masters; autocast
+        precision += f" ({options['mixed_precision']})"
+    return (f"precision {precision}, activation checkpointing {checkpointing or 'none'}, optimizer {optimizer}")
 
 
 PART_HEADERS = (("parameters", "params"), ("gradients", "grads"), ("optimizer", "optimizer"),
