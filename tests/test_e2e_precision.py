@@ -5,8 +5,8 @@ Equality with fp32 training is not the test: bf16 moves a parameter by its own r
 
 Where the pipeline runs the same ops in the same order as the reference, its parameters equal the reference's
 within ``TIGHT`` (1e-6; observed identical, bit for bit): pp2 with a tied embedding and head on two ranks and a
-resume from a checkpoint, dp2 with FSDP and global-norm clipping (pp2 x dp2), dp2 with DDP (one stage holding both
-tied uses). Where a parallel plan changes the order of a reduction, the difference is bf16's rounding of it:
+resume from a checkpoint, interleaved zero-bubble (I then W), dp2 with FSDP and global-norm clipping (pp2 x dp2),
+dp2 with DDP (one stage holding both tied uses). Where a parallel plan changes the order of a reduction, the difference is bf16's rounding of it:
 tensor parallelism sums two bf16 partial products of each row-parallel matmul (as Megatron does), expert
 parallelism runs the experts as grouped matmuls where Hugging Face's Mixtral loops over them, context parallelism
 merges attention over key/value chunks; there the parameters stay within ``ROUNDING`` (2%) of how far training moved
@@ -76,6 +76,16 @@ def test_pp2_tied_across_ranks_adamw_and_a_resume_equal_the_recipe(tmp_path):
     result = _run(out, 2, "--steps", str(STEPS), "--resume", checkpoints, "--save", resumed)
     assert "resumed from" in result.stdout
     assert max_state_diff(torch.load(resumed), expected) <= TIGHT
+
+
+def test_zero_bubble_split_backward_equals_the_recipe(tmp_path):
+    # interleaved-zb: the weight gradients of I/W land on the compute copies (matmul recipes included) and go into
+    # the fp32 masters after each W
+    path, out = model_path("tied_lm_adamw"), str(tmp_path / "out")
+    split_model(path, out, schedule="interleaved-zb", num_microbatches=2, layout=Layout(pp=2), run=BF16)
+    saved = _train(out, 2, tmp_path)
+    assert_trained(saved, path)
+    assert max_state_diff(saved, eager_mixed_precision(path, STEPS, 2)[0]) <= TIGHT
 
 
 def test_dp2_fsdp_with_clipping_equals_the_recipe(tmp_path):
