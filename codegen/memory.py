@@ -819,10 +819,12 @@ def plan_memory(graph, model, plan: dict, layout, options: MemoryOptions, loss_f
 def choose_checkpointing(graph, plan: dict, by_mode: dict, trainable: list, layout, make_optimizer,
                          optimizers: dict, device: str, memory_limit) -> dict:
     """Each stage's activation checkpointing so that every rank's peak fits ``memory_limit`` bytes: from none
-    everywhere, while a rank is over, one of its stages goes one step further (none -> selective -> full), the
-    one that saves the most of that rank's peak per FLOP it recomputes (``RECOMPUTE_SHARE`` of its forward). The
-    schedule decides the order: 1F1B's first stage keeps pp microbatches in flight and gains most, its last
-    stage keeps one. ``{"modes": [...], "fits": bool, "peaks": [...], "limit": bytes}``."""
+    everywhere, while a rank is over, one of its stages goes further (none -> selective -> full; straight to full
+    where selective saves nothing: it keeps every matmul's output, which bf16 stage code without autocast's casts
+    may not otherwise keep, e.g. the logits beside the loss's fp32 copy), the move that saves the most of that
+    rank's peak per FLOP it recomputes (``RECOMPUTE_SHARE`` of its forward). The schedule decides the order: 1F1B's
+    first stage keeps pp microbatches in flight and gains most, its last stage keeps one. ``{"modes": [...],
+    "fits": bool, "peaks": [...], "limit": bytes}``."""
     shares, following = RECOMPUTE_SHARE, NEXT_MODE
     stage_to_rank = plan["stage_to_rank"]
     modes = ["none"] * graph.num_stages
@@ -837,14 +839,17 @@ def choose_checkpointing(graph, plan: dict, by_mode: dict, trainable: list, layo
         worst = max(range(len(peaks)), key=peaks.__getitem__)
         best = None
         for stage in (s for s, r in enumerate(stage_to_rank) if r == worst and modes[s] in following):
-            trial = list(modes)
-            trial[stage] = following[modes[stage]]
-            found = peaks_of(trial)
-            saved = peaks[worst] - found[worst]
-            flops = max(graph.stages[stage].estimate.get("forward_flops", 0), 1)
-            score = saved / ((shares[trial[stage]] - shares[modes[stage]]) * flops)
-            if saved > 0 and (best is None or score > best[0]):
-                best = (score, trial, found)
+            further = following[modes[stage]]
+            while further is not None:  # the next mode, and the ones past it
+                trial = list(modes)
+                trial[stage] = further
+                found = peaks_of(trial)
+                saved = peaks[worst] - found[worst]
+                flops = max(graph.stages[stage].estimate.get("forward_flops", 0), 1)
+                score = saved / ((shares[further] - shares[modes[stage]]) * flops)
+                if saved > 0 and (best is None or score > best[0]):
+                    best = (score, trial, found)
+                further = following.get(further)
         if best is None:
             break
         _score, modes, peaks = best

@@ -283,3 +283,24 @@ def test_a_data_dependent_size_counts_at_its_upper_bound():
     assert concrete_int(routed * 4 + 8) == 136
     assert concrete_int(env.create_unbacked_symint()) == 0  # unbounded above: its lower bound
     assert concrete_int(7) == 7
+
+
+def test_auto_goes_straight_to_full_where_selective_saves_nothing():
+    # selective keeps every matmul's output; bf16 stage code without autocast's casts may keep less without it (the
+    # logits beside the loss's fp32 copy), so none -> selective can save nothing where full saves most: auto must
+    # not stop there (Llama 3 405B at tp 8 did, under --mixed-precision params)
+    from types import SimpleNamespace
+
+    from tracepp.codegen.memory import choose_checkpointing
+    from tracepp.runtime.mesh import Layout
+
+    def stage(kept):
+        return dict(kept=kept, forward_peak=0, backward_peak=0, backward_peak_first=0, after_backward=-kept,
+                    after_backward_first=-kept, grads=0, param_bytes=0, unsharded_bytes=0, grad_bytes_at_rest=0,
+                    received_sizes=[], grad_received_sizes=[], freed_at_send=0, input_grads=0)
+
+    by_mode = {"none": [stage(1000)], "selective": [stage(1200)], "full": [stage(100)]}
+    graph = SimpleNamespace(num_stages=1, stages=[SimpleNamespace(estimate={"forward_flops": 10})])
+    plan = {"stage_to_rank": [0], "num_ranks": 1, "actions": {"0": ["0F0", "0F1", "0B0", "0B1"]}}
+    chosen = choose_checkpointing(graph, plan, by_mode, [[]], Layout(pp=1), None, {}, "cuda", 1500)
+    assert chosen["modes"] == ["full"] and chosen["fits"] and chosen["peaks"] == [200]

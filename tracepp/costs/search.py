@@ -766,8 +766,9 @@ def choose_recompute(manifest: dict, split: tuple, built, microbatch_size: float
                      optimizer_bytes_per_param: int, tp: int, sequence_parallel: bool, ep: int, layout,
                      memory_limit: int, costs: dict) -> tuple:
     """Activation checkpointing per stage for a plan over ``memory_limit``: (modes, peak per rank). Starting from
-    none everywhere, while a rank is over the limit, one of its stages goes one step further (none -> selective
-    -> full): the one that saves the most of that rank's peak per second of recomputation it adds. A stage's need
+    none everywhere, while a rank is over the limit, one of its stages goes further (none -> selective -> full, or
+    straight to full where selective saves nothing): the move that saves the most of that rank's peak per second of
+    recomputation it adds. A stage's need
     follows from the schedule: the first stage of 1F1B keeps pp microbatches in flight, the last one, so the
     first ones are checkpointed first. Stops when every rank fits or no stage is left to checkpoint."""
     num_stages = len(set(split))
@@ -780,16 +781,19 @@ def choose_recompute(manifest: dict, split: tuple, built, microbatch_size: float
         worst = max(peaks, key=peaks.get)
         best = None
         for stage in (s for s, r in enumerate(built.stage_to_rank) if r == worst and modes[s] in _NEXT_MODE):
-            trial = list(modes)
-            trial[stage] = _NEXT_MODE[modes[stage]]
-            found = _memory(manifest, split, None, built.stage_to_rank, microbatch_size, training,
-                            optimizer_bytes_per_param, tp, sequence_parallel, ep, layout, trial, built.actions,
-                            built.releases)
-            saved = peaks[worst] - found[worst]
-            added = (RECOMPUTE_SHARE[trial[stage]] - RECOMPUTE_SHARE[modes[stage]]) * costs.get((stage, "F"), 0.0)
-            score = saved / added if added > 0 else saved * 1e12
-            if saved > 0 and (best is None or score > best[0]):
-                best = (score, trial, found)
+            further = _NEXT_MODE[modes[stage]]
+            while further is not None:  # the next mode and those past it (selective may save nothing where full does)
+                trial = list(modes)
+                trial[stage] = further
+                found = _memory(manifest, split, None, built.stage_to_rank, microbatch_size, training,
+                                optimizer_bytes_per_param, tp, sequence_parallel, ep, layout, trial, built.actions,
+                                built.releases)
+                saved = peaks[worst] - found[worst]
+                added = (RECOMPUTE_SHARE[further] - RECOMPUTE_SHARE[modes[stage]]) * costs.get((stage, "F"), 0.0)
+                score = saved / added if added > 0 else saved * 1e12
+                if saved > 0 and (best is None or score > best[0]):
+                    best = (score, trial, found)
+                further = _NEXT_MODE.get(further)
         if best is None:
             break
         _score, modes, peaks = best
