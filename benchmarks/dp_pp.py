@@ -1,7 +1,7 @@
 """Data parallel x pipeline parallel: tracepp's ``--dp`` against the same job built by hand from torch's pieces.
 
     python -m benchmarks.dp_pp [--rounds 3] [--steps 10] [--systems tracepp,torch] [--dp-mode fsdp|ddp]
-                               [--filter TEXT] [--out benchmarks/results]
+                               [--precision fp32|bf16] [--filter TEXT] [--out benchmarks/results]
 
 Run from the repository root. Every case is 2 pipeline ranks x 2 data-parallel replicas (4 processes, gloo,
 CPU) training the same GPT model file (``benchmarks/gpt_model.py``, split at the same block FQN) with the
@@ -21,6 +21,12 @@ global batch. The systems:
 * ``torch-manual``: stages built by hand as eager modules, as torchtitan does (``--split manual`` of
   torch_dp_worker.py: no fx interpreter), ``PipelineStage``, one FSDP unit per stage;
 * ``torchtitan``: torchtitan's recipe whole: hand-built stages and its per-block FSDP units; FSDP only.
+
+``--precision bf16``: tracepp splits with ``--precision bf16`` (its default ``--mixed-precision params``) and torch's
+systems wrap every FSDP unit with the same ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` and compute
+the loss on fp32-cast outputs (``torch_dp_worker.py --precision bf16``): the same recipe, so the trained parameters
+and the all-gather bytes are compared like for like (``comm_bytes_per_rank``: the bytes of each c10d op over plain
+tensors in the measured step, an all-gather's gathered buffer, a reduce-scatter's unreduced input).
 
 Runs alternate (the systems' order rotates every round), each run drops its warm-up steps, and the step time
 is the median of every measured step of every round; the range is the spread of the per-round medians.
@@ -61,6 +67,15 @@ SYSTEMS = ("tracepp", "tracepp-nocheck", "torch", "torch-blocks", "torch-manual"
 TORCH_LAYOUT = {"torch": ("tracer", "stage"), "torch-blocks": ("tracer", "block"),  # (--split, --fsdp-units)
                 "torch-manual": ("manual", "stage"), "torchtitan": ("manual", "block")}
 DEFAULT_SYSTEMS = ("tracepp", "torch")
+# --precision bf16: torch's tracer frontend (pipeline() + build_stage) keeps the traced fp32 boundary dtypes and
+# receives a bf16 activation into an fp32 buffer (its losses are NaN): the hand-built stages are the baseline
+BF16_SYSTEMS = ("tracepp", "torch-manual")
+TRACER_SYSTEMS = ("torch", "torch-blocks")
+
+
+def baseline(systems) -> str:
+    """The system the others are timed against: torch's tracer frontend, else the first of torch's others."""
+    return "torch" if "torch" in systems else next((s for s in systems if not s.startswith("tracepp")), "torch")
 PP, DP = 2, 2
 
 
@@ -72,24 +87,27 @@ class Case:
     pp: int = PP
     dp: int = DP
     mode: str = "fsdp"
+    precision: str = "fp32"
 
     @property
     def key(self) -> str:
-        return f"{self.config.name}_pp{self.pp}_dp{self.dp}_{self.mode}_{self.schedule}_m{self.microbatches}"
+        suffix = "" if self.precision == "fp32" else f"_{self.precision}"
+        return f"{self.config.name}_pp{self.pp}_dp{self.dp}_{self.mode}_{self.schedule}_m{self.microbatches}{suffix}"
 
     @property
     def processes(self) -> int:
         return self.pp * self.dp
 
 
-def default_cases(mode: str) -> list:
+def default_cases(mode: str, precision: str = "fp32") -> list:
     config = GPTConfig(d_model=256, n_layer=8, n_head=4, batch=32, seq=32)
-    return [Case(config, schedule, microbatches, mode=mode)
+    return [Case(config, schedule, microbatches, mode=mode, precision=precision)
             for schedule in ("gpipe", "1f1b") for microbatches in (4, 8)]
 
 
-def tiny_cases(mode: str) -> list:
-    return [Case(GPTConfig(d_model=32, n_layer=2, n_head=2, vocab=64, seq=8, batch=8), "1f1b", 2, mode=mode)]
+def tiny_cases(mode: str, precision: str = "fp32") -> list:
+    return [Case(GPTConfig(d_model=32, n_layer=2, n_head=2, vocab=64, seq=8, batch=8), "1f1b", 2, mode=mode,
+                 precision=precision)]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -108,7 +126,8 @@ def _command(system: str, case: Case, model_path: str, out_dir: str, steps: int,
                                            "--schedule", case.schedule, "--microbatches", str(case.microbatches),
                                            "--steps", str(steps), "--metrics", metrics, "--memory-dir", memory_dir,
                                            "--timeout", str(timeout), "--cpu-from-step", str(warmup),
-                                           "--split", TORCH_LAYOUT[system][0], "--fsdp-units", TORCH_LAYOUT[system][1]]
+                                           "--split", TORCH_LAYOUT[system][0], "--fsdp-units", TORCH_LAYOUT[system][1],
+                                           "--precision", case.precision]
     if save:
         cmd += ["--save", save]
     return cmd
@@ -164,6 +183,7 @@ def _summary(runs: list, tokens: int) -> dict:
     # the c10d ops each rank issued in its measured memory step (same profile as the memory; a count per op)
     first = next(r for r in runs if r["ok"])
     merged["comm_ops_per_rank"] = [m.get("comm_ops") for m in first["memory"]]
+    merged["comm_bytes_per_rank"] = [m.get("comm_bytes") for m in first["memory"]]
     return merged
 
 
@@ -188,6 +208,7 @@ def run_suite(cases: list, systems: list, settings: Settings, threads: int, peer
               log=print) -> dict:
     from tracepp.driver import split_model
     from tracepp.runtime.mesh import Layout
+    from tracepp.runtime.run_options import RunOptions
 
     started = time.perf_counter()
     results = []
@@ -199,12 +220,15 @@ def run_suite(cases: list, systems: list, settings: Settings, threads: int, peer
         out_dir = os.path.join(case_dir, "tracepp_out")
         entry = {"case": case.key, "model": config.to_json(), "pp": case.pp, "dp": case.dp, "dp_mode": case.mode,
                  "processes": case.processes, "schedule": case.schedule, "microbatches_per_replica": case.microbatches,
+                 "precision": case.precision,
                  "microbatch_size": config.batch // case.dp // case.microbatches, "global_batch": config.batch,
                  "tokens_per_step": tokens, "split_points": config.split_points(case.pp)}
         log(f"[{number}/{len(cases)}] {case.key} ({time.perf_counter() - started:.0f}s)")
         try:
             split_model(model_path, out_dir, schedule=case.schedule,
-                        num_microbatches=case.microbatches, split_points=config.split_points(case.pp), layout=Layout(pp=case.pp, dp=case.dp, dp_mode=case.mode))
+                        num_microbatches=case.microbatches, split_points=config.split_points(case.pp),
+                        layout=Layout(pp=case.pp, dp=case.dp, dp_mode=case.mode),
+                        run=RunOptions(precision=case.precision))
             split_error = None
         except Exception as error:  # reported, not fatal
             split_error = f"{type(error).__name__}: {error}"
@@ -246,10 +270,12 @@ def _time(entry: dict, system: str):
 
 def _derive(entry: dict, systems: list) -> None:
     entry["ratios_over_torch"] = {}
-    torch_time = _time(entry, "torch")
+    base = baseline(systems)
+    entry["baseline"] = base
+    torch_time = _time(entry, base)
     for system in systems:
         mine = _time(entry, system)
-        if system != "torch" and mine and torch_time:
+        if system != base and mine and torch_time:
             entry["ratios_over_torch"][system] = mine / torch_time
     entry["ratio_tracepp_over_torch"] = entry["ratios_over_torch"].get("tracepp")
 
@@ -257,7 +283,7 @@ def _derive(entry: dict, systems: list) -> None:
 # ----------------------------------------------------------------------------------------------------
 
 def _cpu_ratio(entry: dict, system: str):
-    mine, base = ((entry.get(s) or {}).get("cpu_s_per_step") for s in (system, "torch"))
+    mine, base = ((entry.get(s) or {}).get("cpu_s_per_step") for s in (system, entry.get("baseline", "torch")))
     return mine / base if mine and base else None
 
 
@@ -275,7 +301,8 @@ def format_table(report: dict) -> str:
         for system in systems:
             part = e.get(system) or {}
             rng = part.get("range_s")
-            ratio = e["ratios_over_torch"].get(system) if system != "torch" else (1.0 if _time(e, "torch") else None)
+            base = e.get("baseline", "torch")
+            ratio = e["ratios_over_torch"].get(system) if system != base else (1.0 if _time(e, base) else None)
             check = e["validation"].get(system)
             check_text = ("reference" if system == "tracepp" else
                           f"{check.get('max_abs_diff', float('nan')):.1e}{'' if check.get('same_losses') else ' LOSSES DIFFER'}"
@@ -284,10 +311,12 @@ def format_table(report: dict) -> str:
                          _ms(_time(e, system)), f"{_ms(rng[0])} - {_ms(rng[1])}" if rng else "-",
                          _fmt(part.get("tokens_per_s"), ",.0f"), _fmt(ratio, ".2f"),
                          _ms(part.get("cpu_s_per_step")), _fmt(_cpu_ratio(e, system), ".2f"), _mem(part), check_text])
-    headers = ["model", "schedule", "M/replica", "system", "step ms", "round medians ms", "tokens/s", "vs torch",
-               "CPU ms/step (4 ranks)", "CPU vs torch", "peak MB rank 0/1/2/3", "max |param diff|"]
+    base = baseline(systems)
+    headers = ["model", "schedule", "M/replica", "system", "step ms", "round medians ms", "tokens/s", f"vs {base}",
+               "CPU ms/step (4 ranks)", f"CPU vs {base}", "peak MB rank 0/1/2/3", "max |param diff|"]
     text = tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True)
-    notes = [f"pp {PP} x dp {DP} ({report['dp_mode']}), 4 processes, gloo, {report['threads_per_process']} intra-op "
+    notes = [f"pp {PP} x dp {DP} ({report['dp_mode']}, precision {report.get('precision', 'fp32')}), 4 processes, "
+             f"gloo, {report['threads_per_process']} intra-op "
              f"thread(s) each; {report['environment']['cpu_count']} CPU cores; load average "
              f"{report['loadavg_start']} at the start, {report['loadavg_end']} at the end, 1-minute load "
              f"{_load_span(report)} before/after the runs",
@@ -307,6 +336,17 @@ def format_table(report: dict) -> str:
                 comms.append(f"  {e['schedule']} M{e['microbatches_per_replica']} {system}: {text_ops}")
     if comms:
         notes += ["c10d ops issued per step, ranks 0 | 1 | 2 | 3 (one measured step):"] + comms
+    moved = []
+    for e in report["results"]:
+        for system in systems:
+            found = (e.get(system) or {}).get("comm_bytes_per_rank")
+            if found:
+                text_bytes = " | ".join(", ".join(f"{k.replace('c10d::', '')} {v:,}" for k, v in (rank or {}).items())
+                                        for rank in found)
+                moved.append(f"  {e['schedule']} M{e['microbatches_per_replica']} {system}: {text_bytes}")
+    if moved:
+        notes += ["bytes of the c10d ops over plain tensors per step (all-gather: gathered buffer; reduce-scatter: "
+                  "unreduced input), ranks 0 | 1 | 2 | 3:"] + moved
     problems = [f"{e['case']} {s}: {e[s].get('status')}: {e[s].get('error')}"
                 for e in report["results"] for s in systems if e.get(s, {}).get("status") not in ("ok", None)]
     return "\n".join([text, ""] + notes + (["", "problems:"] + problems if problems else []))
@@ -368,9 +408,12 @@ def _loadavg() -> str:
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(prog="python -m benchmarks.dp_pp", description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.path.join("benchmarks", "results"), help="where the JSON and PNG go")
-    parser.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
-                        help=f"comma-separated, from {', '.join(SYSTEMS)} (default {','.join(DEFAULT_SYSTEMS)})")
+    parser.add_argument("--systems", default=None,
+                        help=f"comma-separated, from {', '.join(SYSTEMS)} (default {','.join(DEFAULT_SYSTEMS)}; "
+                             f"with --precision bf16 {','.join(BF16_SYSTEMS)})")
     parser.add_argument("--dp-mode", default="fsdp", choices=["fsdp", "ddp"])
+    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
+                        help="bf16: tracepp's --precision bf16 against torch's FSDP with the same MixedPrecisionPolicy")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads of every process (default 1)")
     parser.add_argument("--rounds", type=int, default=3, help="runs per system per case (default 3)")
     parser.add_argument("--warmup", type=int, default=3, help="warm-up steps dropped per run (default 3)")
@@ -385,16 +428,22 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    chosen = args.systems or ",".join(BF16_SYSTEMS if args.precision == "bf16" else DEFAULT_SYSTEMS)
+    systems = [s.strip() for s in chosen.split(",") if s.strip()]
+    if args.precision == "bf16" and set(TRACER_SYSTEMS) & set(systems):
+        print(f"error: {', '.join(sorted(set(TRACER_SYSTEMS) & set(systems)))} (torch's pipeline() frontend) keep the "
+              f"traced fp32 boundary dtypes and receive bf16 activations into fp32 buffers: with --precision bf16 use "
+              f"torch-manual or torchtitan", file=sys.stderr)
+        return 2
     unknown = [s for s in systems if s not in SYSTEMS]
     if unknown or not systems:
-        print(f"error: --systems {args.systems!r}: pick from {', '.join(SYSTEMS)}", file=sys.stderr)
+        print(f"error: --systems {chosen!r}: pick from {', '.join(SYSTEMS)}", file=sys.stderr)
         return 2
     if args.dp_mode == "ddp" and {"torch-blocks", "torchtitan"} & set(systems):
         print("error: torch-blocks and torchtitan use FSDP's per-block units; drop them with --dp-mode ddp",
               file=sys.stderr)
         return 2
-    cases = tiny_cases(args.dp_mode) if args.tiny else default_cases(args.dp_mode)
+    cases = tiny_cases(args.dp_mode, args.precision) if args.tiny else default_cases(args.dp_mode, args.precision)
     if args.filter:
         cases = [c for c in cases if args.filter in c.key]
         if not cases:
@@ -418,7 +467,7 @@ def main(argv=None) -> int:
     methods = {e[s].get("memory_method") for e in suite["results"] for s in systems
                if s in e and e[s].get("memory_method")}
     report = {"started": started.strftime("%Y-%m-%d %H:%M:%S"), "device": "cpu", "systems": systems,
-              "dp_mode": args.dp_mode, "pp": PP, "dp": DP, "elapsed_s": suite["elapsed_s"],
+              "dp_mode": args.dp_mode, "precision": args.precision, "pp": PP, "dp": DP, "elapsed_s": suite["elapsed_s"],
               "settings": vars(settings), "threads_per_process": args.threads,
               "loadavg_start": loadavg_start, "loadavg_end": _loadavg(),
               "memory_method": "; ".join(sorted(methods)) or None,
@@ -428,7 +477,8 @@ def main(argv=None) -> int:
     table = format_table(report)
     print(table)
     os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"{started.strftime('%Y%m%d-%H%M%S')}_cpu_dp_pp{'_ddp' if args.dp_mode == 'ddp' else ''}")
+    stem = os.path.join(args.out, f"{started.strftime('%Y%m%d-%H%M%S')}_cpu_dp_pp{'_ddp' if args.dp_mode == 'ddp' else ''}"
+                                  f"{'_' + args.precision if args.precision != 'fp32' else ''}")
     with open(stem + ".json", "w") as handle:
         json.dump(report, handle, indent=1)
     print(f"wrote {stem}.json")

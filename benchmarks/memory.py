@@ -22,7 +22,8 @@ first op: tracepp's ``Pipeline.step``, torch's ``schedule.step``, eager's forwar
   memory and one-off allocations, so differences of a few MB are noise. Where clear_refs is not writable it
   is ``ru_maxrss`` growth, a lower bound.
 * CPU, alongside: ``comm_ops``, how many of each ``c10d::`` op (collective or point-to-point) the measured step
-  issued, from the same profile (a count, not a time).
+  issued, from the same profile (a count, not a time), and ``comm_bytes``, the bytes of the ops over plain
+  tensors (FSDP's all-gathers and reduce-scatters; :func:`comm_bytes`).
 * With ``cpu_from_step=K`` (the first timed step): ``cpu_s_per_step``, this process's CPU time (all its threads:
   ``time.process_time``) per step from step K's start to the memory window's, and ``wall_s_per_step`` over the
   same steps. On a machine shared with other jobs the CPU time is the steadier measure of the work a rank does;
@@ -84,6 +85,30 @@ def comm_ops(kineto_results, start_ns) -> dict:
         if event.name().startswith("c10d::") and event.start_ns() >= start_ns:
             counts[event.name()] = counts.get(event.name(), 0) + 1
     return dict(sorted(counts.items()))
+
+
+_DTYPE_BYTES = {"float": 4, "c10::BFloat16": 2, "c10::Half": 2, "double": 8, "long int": 8, "int": 4,
+                "signed char": 1, "unsigned char": 1, "bool": 1, "c10::Float8_e4m3fn": 1, "c10::Float8_e5m2": 1}
+
+
+def comm_bytes(kineto_results, start_ns) -> dict:
+    """Bytes each ``c10d::`` op that takes plain tensors moved from ``start_ns`` on (needs ``record_shapes``): per
+    op, the sum of the largest tensor argument of each call (an all-gather's gathered output, a reduce-scatter's
+    unreduced input), in that tensor's dtype: what FSDP's collectives carry. Ops over tensor lists are left out."""
+    totals: dict = {}
+    for event in kineto_results.events():
+        if not event.name().startswith("c10d::") or event.start_ns() < start_ns:
+            continue
+        sizes = []
+        for shape, dtype in zip(event.shapes(), event.dtypes()):
+            if shape and dtype in _DTYPE_BYTES:
+                numel = 1
+                for dim in shape:
+                    numel *= dim
+                sizes.append(numel * _DTYPE_BYTES[dtype])
+        if sizes:
+            totals[event.name()] = totals.get(event.name(), 0) + max(sizes)
+    return dict(sorted(totals.items()))
 
 
 def peak_growth_bytes(events: list, start_ns=None) -> tuple:
@@ -153,7 +178,7 @@ class PeakMemory:
             return
         from torch.profiler import ProfilerActivity, profile
 
-        self.profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self.profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True)
         self.profiler.start()
 
     def _mark(self) -> None:
@@ -182,7 +207,7 @@ class PeakMemory:
         peak, base = peak_growth_bytes(events, start)
         return {"peak_mb": peak / 2**20, "method": self.method, "profiled_live_mb_at_start": base / 2**20,
                 "memory_events": len(events), "rss_growth_mb": self.rss_growth_mb, "rss_method": self.rss_method,
-                "comm_ops": comm_ops(results, start), **cpu}
+                "comm_ops": comm_ops(results, start), "comm_bytes": comm_bytes(results, start), **cpu}
 
 
 def write_memory(directory: str, rank: int, result: dict) -> None:

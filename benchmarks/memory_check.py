@@ -57,6 +57,8 @@ def _cases():
         "llama-fsdp-dp2-interleaved-fp32-adamw": ("llama", 4, dict(schedule="interleaved-1f1b", num_stages=4,
                                                                    num_microbatches=2), Layout(pp=2, dp=2),
                                                   Run(optimizer="adamw")),
+        "llama-fsdp-dp2-1f1b-bf16-adamw": ("llama", 4, dict(schedule="1f1b", num_microbatches=2), Layout(pp=2, dp=2),
+                                           Run(precision="bf16", optimizer="adamw")),
         "gpt2-ddp-dp2-1f1b-bf16-full": ("gpt2", 4, dict(schedule="1f1b", num_microbatches=2),
                                         Layout(pp=2, dp=2, dp_mode="ddp"),
                                         Run(precision="bf16", activation_checkpointing="full")),
@@ -75,12 +77,13 @@ def _cases():
 
 def forward_kept(measured: dict, manifest: dict) -> list:
     """[(stage, measured, predicted)]: the mean of what each forward of a stage left alive in the run's last step
-    (a wrapped stage's first forward of a step also gathers its parameters under FSDP or DDP: left out), against
-    the stage's counted ``kept`` bytes per microbatch."""
+    (a stage's first forward of a step also gathers its parameters under FSDP or DDP, or casts their compute copy
+    under ``--mixed-precision params``: left out), against the stage's counted ``kept`` bytes per microbatch."""
     from tracepp.runtime.actions import Action
 
     stages = manifest["memory"]["stages"]
-    wrapped = (manifest["plan"].get("mesh") or {}).get("dp", 1) > 1
+    wrapped = (manifest["plan"].get("mesh") or {}).get("dp", 1) > 1 or any(
+        stage.get("unsharded_bytes") for stage in stages)
     seen, left = set(), {}
     for label, _peak, delta in measured.get("actions") or []:
         action = Action.parse(label) if " " not in label else None

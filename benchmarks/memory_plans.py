@@ -57,10 +57,11 @@ PEERS = {
                 "expert parallelism, selective (op) activation checkpointing, 4,096 tokens.",
         "differences": "The same shape of layout at a quarter of the GPUs: pp 16 (1F1B here; DualPipe's two "
                        "directions are tracepp's dualpipev) and experts over 32 of the data-parallel ranks instead of "
-                       "64. tracepp keeps fp32 master weights and fp32 gradients (FSDP2 without a mixed-precision "
-                       "policy) where DeepSeek keeps bf16 copies and FP8 activations, so its figures are higher per "
-                       "parameter; the checkpointing the split chose (full but on the last two stages, which hold "
-                       "one and two microbatches under 1F1B) stands in for DeepSeek's cheaper selective recomputation.",
+                       "64. tracepp trains as torchtitan does (fp32 master weights, gradients and optimizer state, "
+                       "FSDP2 gathering bf16 copies: MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)) where "
+                       "DeepSeek keeps FP8 activations and ZeRO-1, so its figures are higher per parameter; the "
+                       "checkpointing the split chose (full on the stages holding most microbatches, selective or "
+                       "none on the last) stands in for DeepSeek's cheaper selective recomputation.",
     },
     "llama3_405b": {
         "peer": "The Llama 3 Herd of Models (arXiv 2407.21783, table 4): 16,384 H100s at 8K sequences, TP 8, CP 1, "
@@ -75,8 +76,8 @@ PEERS = {
                 "ZeRO-1 data parallelism, selective recomputation (LayerNorm, SwiGLU, MLA up-projections), FP8 "
                 "storage of some activations and CPU offload of the rest; any multiple of 32 nodes.",
         "differences": "pp 16 here too; experts over ep 64 (6 of 384 per rank) where Kimi uses ep 16 (24 per rank): "
-                       "with fp32 master weights and gradients and no offload, 16-way expert parallelism would hold "
-                       "four times the expert state a rank can afford in 80 GB.",
+                       "with fp32 master weights, gradients and optimizer state and no offload, 16-way expert "
+                       "parallelism would hold four times the expert state a rank can afford in 80 GB.",
     },
 }
 

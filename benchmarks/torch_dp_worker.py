@@ -27,7 +27,10 @@ What tracepp's ``--dp N --dp-mode fsdp`` is compared against, built by hand the 
 * ``--dp-mode ddp``: ``replicate`` (DDP semantics on FSDP2's machinery) of the stage instead, as tracepp's
   ``--dp-mode ddp``;
 * SGD (``--lr``, as tracepp's default optimizer) over the rank's sharded parameters; each replica trains on
-  its contiguous ``dp_index``-th slice of the global batch ``batch(step)``.
+  its contiguous ``dp_index``-th slice of the global batch ``batch(step)``;
+* ``--precision bf16``: ``fully_shard``/``replicate`` with torchtitan's ``MixedPrecisionPolicy(param_dtype=bf16,
+  reduce_dtype=fp32)`` (what tracepp's ``--precision bf16`` applies) and the loss computed on the fp32-cast
+  output, as tracepp and torchtitan compute it.
 
 Timing, as tracepp's runtime times its ``--metrics`` step: on the last stage's rank of replica 0, wall time of
 ``schedule.step``, the global batch's loss (mean of the replicas' losses, one all-reduce over dp, as tracepp
@@ -64,6 +67,8 @@ def parse_args(argv=None):
     parser.add_argument("--split", default="tracer", choices=["tracer", "manual"],
                         help="tracer: pipeline() + SplitPoint.BEGINNING; manual: torchtitan's hand-built stages")
     parser.add_argument("--fsdp-units", default="stage", choices=["stage", "block"])
+    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
+                        help="bf16: MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32), loss on fp32 outputs")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--metrics", required=True)
@@ -107,16 +112,24 @@ class ManualStage(torch.nn.Module):
         return self.head(self.ln_f(x)) if self.head is not None else x
 
 
-def shard_stage(stage_module: torch.nn.Module, dp_mesh, units: str, mode: str = "fsdp") -> None:
+def shard_stage(stage_module: torch.nn.Module, dp_mesh, units: str, mode: str = "fsdp", precision: str = "fp32") -> None:
     """fully_shard over dp, reshard_after_forward=False (PP): the stage as one unit, or torchtitan's per block;
-    ``mode="ddp"``: ``replicate`` of the stage (one unit)."""
-    from torch.distributed.fsdp import fully_shard
+    ``mode="ddp"``: ``replicate`` of the stage (one unit). ``precision="bf16"``: torchtitan's mixed precision
+    policy on every unit."""
+    from functools import partial
 
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    if precision == "bf16":
+        fully_shard = partial(fully_shard, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                                          reduce_dtype=torch.float32))
     if mode == "ddp":
         if units != "stage":
             raise SystemExit("--dp-mode ddp wraps the stage as one unit: use --fsdp-units stage")
         from torch.distributed._composable.replicate_with_fsdp import replicate
-        replicate(stage_module, mesh=dp_mesh)
+        policy = {} if precision == "fp32" else {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                                                    reduce_dtype=torch.float32)}
+        replicate(stage_module, mesh=dp_mesh, **policy)
         return
 
     if units == "block":
@@ -154,7 +167,7 @@ def main(argv=None) -> None:
     if args.split == "manual":  # torchtitan's way: the stage is an eager nn.Module holding this stage's modules
         stage_module = ManualStage(model, split_points, pp_rank)
         del model
-        shard_stage(stage_module, mesh["dp"], args.fsdp_units, args.dp_mode)
+        shard_stage(stage_module, mesh["dp"], args.fsdp_units, args.dp_mode, args.precision)
         stage = pp.PipelineStage(stage_module, pp_rank, num_stages, device, group=mesh["pp"].get_group())
     else:
         inputs, kwargs, target = user.batch(0)
@@ -164,11 +177,11 @@ def main(argv=None) -> None:
         if pipe.num_stages != num_stages:
             raise SystemExit(f"torch split the model into {pipe.num_stages} stages, expected {num_stages}")
         stage_module = pipe.get_stage_module(pp_rank)
-        shard_stage(stage_module, mesh["dp"], args.fsdp_units, args.dp_mode)
+        shard_stage(stage_module, mesh["dp"], args.fsdp_units, args.dp_mode, args.precision)
         stage = pp.build_stage(stage_module, pp_rank, pipe.info(), device, group=mesh["pp"].get_group())
         del model, pipe
-    schedule = getattr(pp, SCHEDULES[args.schedule])(stage, args.microbatches, loss_fn=user.loss_fn,
-                                                      scale_grads=True)
+    loss_fn = user.loss_fn if args.precision == "fp32" else (lambda output, target: user.loss_fn(output.float(), target))
+    schedule = getattr(pp, SCHEDULES[args.schedule])(stage, args.microbatches, loss_fn=loss_fn, scale_grads=True)
     optimizer = torch.optim.SGD([p for p in stage_module.parameters() if p.requires_grad], lr=args.lr)
     has_first, has_last = pp_rank == 0, pp_rank == num_stages - 1
     reports = has_last and dp_index == 0

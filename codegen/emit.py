@@ -79,15 +79,26 @@ def build_manifest(model_file, traced, graph, plan, launch_command: str, options
     stages = []
     for stage in graph.stages:
         state = []
-        for name in stage.state:
+        placeholders = [n for n in stage.graph.nodes if n.op == "placeholder"]
+        for position, name in enumerate(stage.state):
             ref = graph.state[name]
             param = named_params.get(ref.fqn)
             value = _program_tensor(traced.program, ref.fqn, ref.kind)
-            state.append({"fqn": ref.fqn, "aliases": ref.aliases, "kind": ref.kind,
-                          "persistent": ref.persistent,
-                          "requires_grad": bool(param.requires_grad) if param is not None else False,
-                          "shape": list(value.shape), "dtype": str(value.dtype).replace("torch.", ""),
-                          "numel": value.numel()})
+            # the dtype the rank holds it in: its own (the master weight) where the program was traced with it cast
+            held = (getattr(traced, "master_dtypes", None) or {}).get(ref.fqn, value.dtype)
+            entry = {"fqn": ref.fqn, "aliases": ref.aliases, "kind": ref.kind,
+                     "persistent": ref.persistent,
+                     "requires_grad": bool(param.requires_grad) if param is not None else False,
+                     "shape": list(value.shape), "dtype": str(held).replace("torch.", ""),
+                     "numel": value.numel()}
+            if held != value.dtype:  # --mixed-precision params: the stage code computes with this dtype's copy
+                entry["compute_dtype"] = str(value.dtype).replace("torch.", "")
+            node = placeholders[position] if position < len(placeholders) else None
+            if ref.kind == "parameter" and node is not None and any(
+                    user.target is torch.ops.aten.linear.default and len(user.args) > 1 and user.args[1] is node
+                    for user in node.users):
+                entry["linear_weight"] = True  # --precision fp8: what torchao's float8 takes (and gathers)
+            state.append(entry)
         received = [dict(producer=p, name=n, **graph.values[n].meta.to_json()) for p, n in stage.received]
         output_node = next(n for n in stage.graph.nodes if n.op == "output")
         returned_only = [isinstance(n, torch.fx.Node) and len(n.users) == 1 and n.op != "placeholder"
@@ -111,6 +122,11 @@ def build_manifest(model_file, traced, graph, plan, launch_command: str, options
                  "batched": ref.batched, "stages": ref.stages, "shape": None, "dtype": None}
         if ref.meta is not None:
             entry.update(shape=ref.meta.to_json()["shape"], dtype=ref.meta.dtype)
+            leaf = traced.example_leaves[ref.leaf_index] if ref.leaf_index < len(traced.example_leaves) else None
+            if isinstance(leaf, torch.Tensor) and str(leaf.dtype).replace("torch.", "") != ref.meta.dtype:
+                # --mixed-precision params: a floating input traced in the compute dtype; the batch keeps its own
+                # (the runtime casts it, as FSDP2's cast_forward_inputs does)
+                entry.update(dtype=str(leaf.dtype).replace("torch.", ""), compute_dtype=ref.meta.dtype)
         else:  # a Python scalar: export baked its value into the graph, so every batch must repeat it
             leaf = traced.example_leaves[ref.leaf_index]
             if isinstance(leaf, (bool, int, float, str)):
@@ -210,6 +226,7 @@ def _header(manifest: dict, rank: int, rank_stages: list) -> str:
         f"World size: {mesh_layout(plan).world_size} | schedule: {plan['schedule']} ({plan.get('placement', '?')} placement) "
         f"| microbatches: {plan['num_microbatches']} | mode: {'training' if manifest['training'] else 'forward only'}",
         f"Launch (all ranks): {manifest['launch_command']}   # from this folder",
+        *_precision_lines(manifest),
         *_provenance(manifest, rank),
         *describe(plan),
         "",
@@ -235,6 +252,23 @@ def _header(manifest: dict, rank: int, rank_stages: list) -> str:
               "as edited, or every rank stops naming the line and the rule it breaks. For anything else re-run",
               "`tracepp split`. manifest.json holds the plan and the metadata."]
     return '"""' + "\n".join(lines) + '\n"""'
+
+
+def _precision_lines(manifest: dict) -> list:
+    """What the functions below compute in, where it is not what the rank holds (``--mixed-precision params``)."""
+    run = manifest.get("run_options") or {}
+    precision = run.get("precision", "fp32")
+    if precision == "fp32" or run.get("mixed_precision", "autocast") != "params":
+        return []
+    half = "bf16" if precision == "fp8" else precision
+    text = (f"Precision: {precision} (--mixed-precision params): the rank holds its parameters in fp32 (master weights); "
+            f"the functions below get their {half} copy, made once per step")
+    if precision == "fp8":
+        text += (f"; each torch.ops.aten.linear.default of a parameter runs as torchao's float8 matmul "
+                 f"({run.get('fp8_recipe', 'tensorwise')} scaling)")
+    import textwrap
+
+    return textwrap.wrap(text, 110)
 
 
 _RECV_PLACEMENTS = {
@@ -414,7 +448,7 @@ torchrun starts one process per rank; each runs rank<RANK>.py. Options (the same
   --steps K        training steps (default 3)        --lr LR        SGD learning rate (default 0.01)
   --save PATH      write the trained state_dict       --metrics PATH one JSON line per step
   --timeout S      fail instead of waiting longer than S seconds for a peer (default 120)
-  --precision fp32|bf16|fp16   compute dtype (fp32 master weights; fp16 on GPU only)
+  --precision fp32|bf16|fp16|fp8   compute dtype (default: the split's; fp32 master weights; fp16, fp8 on GPU)
   --clip-grad-norm MAX         clip the global gradient norm    --on-nonfinite stop|skip|continue
   --compile        torch.compile each stage (cache in compile_cache/, or --compile-cache DIR)
   --data F.bin --eval-data V.bin --eval-every N   token files   --tensorboard DIR   logs

@@ -37,10 +37,11 @@ from tracepp.runtime import context_parallel, expert_parallel, tensor_parallel
 from tracepp.runtime.actions import Action
 from tracepp.runtime.memory import LiveMemory, storages_of
 from tracepp.runtime.shm_p2p import DEFAULT_RING_MB
-from tracepp.runtime.pipeline import PRECISIONS
+from tracepp.runtime import precision as precision_policy
 from tracepp.runtime.stages import StageModule
-from tracepp.split.cost import as_int
+from tracepp.split.cost import as_int, held_bytes
 from tracepp.split.partition import SEGMENT, STATE_FQN
+from tracepp.split.pipeline_graph import MASTER_DTYPE
 
 RING_BYTES = int(DEFAULT_RING_MB * 2**20)  # run.py --shm-ring-mb's default: one ring per pair of CPU ranks on a host
 STAGE_FIELDS = ("received", "forward_peak", "kept", "outputs", "freed_at_send", "grad_received", "backward_peak",
@@ -51,7 +52,9 @@ STAGE_FIELDS = ("received", "forward_peak", "kept", "outputs", "freed_at_send", 
 
 @dataclass
 class MemoryOptions:
-    """What changes a stage's memory besides the graph: the compute ``precision`` (fp32, bf16, fp16), the
+    """What changes a stage's memory besides the graph: the compute ``precision`` (fp32, bf16, fp16, fp8) and how
+    it applies (``mixed_precision``: params, where the graphs were traced with the parameters in the compute dtype and
+    a stage computes with their copy; autocast, fp32 parameters cast per op; ``runtime/precision.py``), the
     activation checkpointing of each stage (``recompute[stage]``: none, full, selective), whether the plan
     splits backwards into I and W (zero-bubble schedules), the tp and ep sizes (the collectives' fake
     implementations read them), and with expert parallelism the routing's imbalance planned for: a rank receives
@@ -60,6 +63,8 @@ class MemoryOptions:
     expert over the mean as ``experts max/mean``, which ``tracepp split --expert-imbalance`` takes)."""
 
     precision: str = "fp32"
+    mixed_precision: str = "params"  # params: the graphs were traced with the compute dtype's parameters; autocast
+    fp8_recipe: str = "tensorwise"
     recompute: Optional[list] = None
     split_backward: bool = False
     tp: int = 1
@@ -110,6 +115,18 @@ def cuda_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
         dropout_p, is_causal, scale=scale)[0]
 
 
+def float8_linear(x, weight, bias=None):
+    """``aten.linear`` as torchao's float8 training allocates it, for the planning run of ``--precision fp8`` (CPU
+    fake tensors, no torchao): the float8 casts of the input and the weight live through the matmul beside its
+    output (in the input's dtype); autograd keeps what torchao's ``matmul_with_hp_or_float8_args`` saves, the
+    high-precision input and weight, as a bf16 linear does."""
+    if not precision_policy.fp8_eligible(weight):
+        return torch.ops.aten.linear.default(x, weight, bias)
+    x8 = torch.empty(x.shape, dtype=torch.float8_e4m3fn)  # noqa: F841  (held through the matmul, then freed)
+    w8 = torch.empty(weight.shape, dtype=torch.float8_e4m3fn)  # noqa: F841
+    return torch.ops.aten.linear.default(x, weight, bias)
+
+
 class _Labelled:
     """Runs a stage graph node by node as its generated code does, attributing each storage made to the node that
     made it; values are dropped after their last use. ``regions``: the runs of nodes the rank script calls as
@@ -117,12 +134,14 @@ class _Labelled:
     the runtime's own wrapper of block functions (``recompute._checkpointed``), which checkpoints them one by one
     as the stage's checkpointing says."""
 
-    def __init__(self, module: fx.GraphModule, tracker: LiveMemory, regions=(), device: str = "cpu"):
+    def __init__(self, module: fx.GraphModule, tracker: LiveMemory, regions=(), device: str = "cpu",
+                 float8: bool = False):
         from tracepp.runtime.recompute import _checkpointed
 
         self.graph = module.graph
         self.tracker = tracker
         self.device = device
+        self.float8 = float8  # --precision fp8: linears as torchao's float8 allocates them (float8_linear)
         self.nodes = [n for n in self.graph.nodes if n.op not in ("placeholder", "output")]
         self.placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
         self.output = next(n for n in self.graph.nodes if n.op == "output")
@@ -137,6 +156,8 @@ class _Labelled:
         target = node.target
         if target is _SDPA and self.device == "cuda":  # the kernel CUDA runs, not the CPU fake's choice
             target = cuda_attention
+        elif self.float8 and target is torch.ops.aten.linear.default:
+            target = float8_linear
         with self.tracker.labelled(node.name):
             return target(*args, **kwargs)
 
@@ -224,8 +245,8 @@ def _runnable_graph(graph: fx.Graph) -> fx.GraphModule:
 
 def _structure_key(stage, graph, options: MemoryOptions, is_last: bool) -> str:
     """Stages whose graphs hold the same ops on the same shapes (a model's repeated middle) keep the same bytes."""
-    digest = hashlib.sha256(repr((options.precision, options.mode(stage.index), options.split_backward,
-                                  is_last)).encode())
+    digest = hashlib.sha256(repr((options.precision, options.mixed_precision, options.mode(stage.index),
+                                  options.split_backward, is_last)).encode())
     def plain(value):  # names (a value's, a block's) do not change what is allocated; numbers and dtypes do
         if isinstance(value, fx.Node):
             return "node"
@@ -268,14 +289,17 @@ class _StageRun:
         self.stage, self.graph, self.tracker = stage, graph, tracker
         self.is_last = is_last
         self.loss_fn, self.target, self.out_spec, self.output_leaves = loss_fn, target, out_spec, output_leaves
-        self.wire = PRECISIONS[options.precision]
+        self.compute = compute = precision_policy.compute_dtype(options.precision)
+        autocast = options.mixed_precision == "autocast"
+        self.wire = compute if autocast else None  # params: boundaries travel as traced
         placeholders = [n for n in stage.graph.nodes if n.op == "placeholder"]
         state_nodes = placeholders[:len(stage.state)]
         tensors, spec_state = {}, []
         for node, name in zip(state_nodes, stage.state):
             ref = graph.state[name]
             val = node.meta["val"]
-            tensor = torch.empty(_concrete_shape(val), dtype=val.dtype)
+            # the rank holds the master weight (fp32) where the graph was traced with its compute copy
+            tensor = torch.empty(_concrete_shape(val), dtype=node.meta.get(MASTER_DTYPE) or val.dtype)
             if ref.kind == "parameter":
                 tensor = torch.nn.Parameter(tensor, requires_grad=ref.fqn in trainable)
             fqn = node.meta.get(STATE_FQN, ref.fqn)
@@ -283,11 +307,16 @@ class _StageRun:
             spec_state.append({"fqn": fqn, "kind": ref.kind, "persistent": ref.persistent})
         runnable = _runnable_graph(stage.graph)
         regions = block_regions(runnable.graph)
-        interpreter = _Labelled(runnable, tracker, regions, options.device)
+        interpreter = _Labelled(runnable, tracker, regions, options.device, options.precision == "fp8")
         self.module = StageModule({"index": stage.index, "state": spec_state},
                                   lambda *args: interpreter.run(*args), tensors)
         self.module.recompute_blocks = bool(regions)
-        self.module.autocast_dtype = self.wire
+        self.module.autocast_dtype = compute if autocast else None
+        if not autocast and compute is not None:  # the copies a step computes with, made before its first forward
+            cast = precision_policy.CastWeights(list(self.module.parameters()), compute)
+            if cast:
+                self.module.cast_weights = cast
+                tracker.register(cast.make(), "parameters")
         self.module.recompute = options.mode(stage.index) if options.mode(stage.index) != "none" else False
         self.pool = []  # receive buffers given back after a backward: the executor keeps them for reuse
         self.module.sequence_shards = sequence_shards
@@ -312,7 +341,7 @@ class _StageRun:
         if self.split:
             from tracepp.runtime.executor import WeightSplit
 
-            self.weight_split = WeightSplit(self.params)
+            self.weight_split = WeightSplit(self.module.compute_parameters())
             self.weight_split.matmul_recipes = False  # its bit-for-bit check reads values fake tensors lack
         self.in_flight = {}
 
@@ -340,7 +369,7 @@ class _StageRun:
                                for t in out])
         if self.is_last:
             leaves = [out[i] if kind == "value" else const for i, (kind, const) in enumerate(self.output_leaves)]
-            if self.wire is not None:
+            if self.compute is not None:  # mixed precision: the loss in fp32
                 leaves = [t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in leaves]
             if self.loss_fn is not None and self.target is not None:
                 output = pytree.tree_unflatten(leaves, self.out_spec)
@@ -393,9 +422,11 @@ class _StageRun:
             WeightSplit.weight_backward(pending, tensors, grads)
             del pending, tensors, grads
             self._release(mb)
+            self.module.weights_used(False)
             return
         tensors, grads = self._tensors_and_grads(state)
         wanted = state["wanted"]
+        leaves = self.module.compute_parameters()  # the compute copies under --mixed-precision params
         if part == "full":
             if tensors:
                 _run_backward(tensors, grads, False, (), True)
@@ -403,17 +434,18 @@ class _StageRun:
             del tensors, grads
             self._release(mb)
         else:
-            if tensors and wanted and self.params:
-                self.weight_split.use(self.params)
+            if tensors and wanted and leaves:
+                self.weight_split.use(leaves)
                 found, pending, keep = self.weight_split.input_backward(tensors, grads, wanted)
             else:
                 found = (_run_backward(tensors, grads, True, tuple(wanted), False) if tensors and wanted
                          else [None] * len(wanted))
-                pending, keep = WeightSplit.from_outputs(self.params), True
+                pending, keep = WeightSplit.from_outputs(leaves), True
             state["pending"] = (pending, tensors, grads) if keep else (pending, None, None)
             if not keep:
                 state["out"], state["loss"] = None, None
             del tensors, grads, pending
+        self.module.weights_used(False)  # the copies' gradients into the masters' (fp32), as the executor does
         self.input_grads = [g if g is not None else torch.zeros_like(w) for g, w in zip(found, wanted)]
 
 
@@ -675,18 +707,24 @@ def _in_workers(profiles: StageProfiles, jobs: list, workers: int) -> list:
 
 # -- a plan's memory: every stage's figures, what each rank holds, its peak ---------------------------------------
 
-def stage_state(stage, graph, layout, trainable_fqns=None) -> dict:
+def stage_state(stage, graph, layout, trainable_fqns=None, options: Optional[MemoryOptions] = None) -> dict:
     """What a rank holds of one stage's parameters and buffers between steps, from the stage graph's placeholders
     (already this rank's tp pieces and ep experts): ``param_bytes`` held (FSDP's 1/dp shard of the parameters it
-    manages, DDP's whole copy, routed experts whole: FSDP leaves them alone), ``unsharded_bytes`` (the copy FSDP
-    gathers of those it shards, and DDP, on FSDP2's machinery, of those it replicates, held from the stage's first
-    forward on), ``grad_bytes_at_rest``
-    (the trainable parameters' gradients after the step's reduction) and ``trainable``: ``[(fqn, numel held,
-    dtype)]`` for the optimizer."""
+    manages, DDP's whole copy, routed experts whole: FSDP leaves them alone), in the dtype the rank holds them in (the
+    fp32 master weights under ``--mixed-precision params``, whose graphs were traced in the compute dtype),
+    ``unsharded_bytes`` (the copy the stage computes with, held from its first forward to its last backward of the
+    step: the one FSDP gathers of those it shards, and DDP, on FSDP2's machinery, of those it replicates, in the
+    compute dtype under the params policy (float8 for the linears FSDP gathers so under fp8 with tensorwise
+    scaling), and without an engine the compute copy ``precision.CastWeights`` makes under that policy),
+    ``grad_bytes_at_rest`` (the trainable parameters' gradients after the step's reduction, in the masters' dtype)
+    and ``trainable``: ``[(fqn, numel held, dtype)]`` for the optimizer."""
     experts = set((graph.expert_parallel or {}).get("params", {})) if layout.ep > 1 else set()
     wrapped = layout.dp > 1  # fully_shard (FSDP, HSDP) or replicate (DDP on FSDP2's machinery): both gather a copy
     fsdp = wrapped and layout.dp_mode in ("fsdp", "hsdp")
     shard = (layout.dp if layout.dp_mode == "fsdp" else (layout.dp_shard or 1)) if fsdp else 1
+    # fp8 with tensorwise scaling under FSDP: torchao all-gathers the linears' weights in float8
+    float8_gather = (options is not None and options.precision == "fp8" and options.fp8_recipe == "tensorwise"
+                     and fsdp)
     held = unsharded = grads = 0
     trainable = []
     placeholders = [n for n in stage.graph.nodes if n.op == "placeholder"][:len(stage.state)]
@@ -695,19 +733,34 @@ def stage_state(stage, graph, layout, trainable_fqns=None) -> dict:
         val = node.meta.get("val")
         if not isinstance(val, torch.Tensor):
             continue
-        nbytes = as_int(val.numel()) * val.element_size()
+        nbytes = held_bytes(node)  # in the dtype the rank holds it in
+        computed = as_int(val.numel()) * val.element_size()  # in the dtype the stage computes with
         if ref.kind != "parameter":
             held += nbytes
             continue
         sharded = fsdp and ref.fqn not in experts
         own = -(-nbytes // shard) if sharded else nbytes
         held += own
-        unsharded += nbytes if wrapped and ref.fqn not in experts else 0
+        if wrapped and ref.fqn not in experts:
+            unsharded += as_int(val.numel()) if float8_gather and _float8_linear_weight(node) else computed
+        elif node.meta.get(MASTER_DTYPE) is not None:  # a compute copy made without an engine (CastWeights)
+            unsharded += computed
         if trainable_fqns is None or ref.fqn in trainable_fqns:
             grads += own
             trainable.append((node.meta.get(STATE_FQN, ref.fqn), -(-as_int(val.numel()) // (shard if sharded else 1)),
-                              val.dtype))
+                              node.meta.get(MASTER_DTYPE) or val.dtype))
     return {"param_bytes": held, "unsharded_bytes": unsharded, "grad_bytes_at_rest": grads, "trainable": trainable}
+
+
+def _float8_linear_weight(node) -> bool:
+    """A parameter placeholder read as the weight of an ``aten.linear`` that torchao's float8 takes
+    (``precision.fp8_eligible``): what fp8's FSDP all-gather moves in float8."""
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor) or val.dim() != 2 or any(
+            as_int(size) % precision_policy.FP8_ALIGNMENT for size in val.shape):
+        return False
+    return any(user.target is torch.ops.aten.linear.default and len(user.args) > 1 and user.args[1] is node
+               for user in node.users)
 
 
 def optimizer_figures(trainable: list, make_optimizer, device: str = "cpu") -> dict:
@@ -749,16 +802,17 @@ def _stage_entries(graph, profiles: list, layout, trainable_fqns: set, options: 
     """(each stage's manifest entry: its profile and what a rank holds of it; its trainable parameters; notes)."""
     stages, trainable, notes = [], [], []
     for stage, figures in zip(graph.stages, profiles):
-        entry, held, note = _stage_entry(graph, stage, figures, layout, trainable_fqns, options.mode(stage.index))
+        entry, held, note = _stage_entry(graph, stage, figures, layout, trainable_fqns, options.mode(stage.index),
+                                         options)
         stages.append(entry)
         trainable.append(held)
         notes += [note] if note else []
     return stages, trainable, notes
 
 
-def _stage_entry(graph, stage, figures: dict, layout, trainable_fqns: set, mode: str) -> tuple:
+def _stage_entry(graph, stage, figures: dict, layout, trainable_fqns: set, mode: str, options) -> tuple:
     """(one stage's manifest entry under checkpointing ``mode``, its trainable parameters, a note or None)."""
-    state = stage_state(stage, graph, layout, trainable_fqns)
+    state = stage_state(stage, graph, layout, trainable_fqns, options)
     held = state.pop("trainable")
     entry = {k: v for k, v in figures.items() if k != "kept_by_position"}
     entry.update(state)
@@ -779,15 +833,16 @@ class _ByMode:
     """``by_mode[mode][stage]``: a stage's manifest entry under a checkpointing mode, its profile counted when
     first asked for (:class:`StageProfiles`)."""
 
-    def __init__(self, graph, profiles: StageProfiles, layout, trainable_fqns: set):
+    def __init__(self, graph, profiles: StageProfiles, layout, trainable_fqns: set, options):
         self.graph, self.profiles, self.layout, self.trainable_fqns = graph, profiles, layout, trainable_fqns
+        self.options = options
         self._entries: dict = {}
 
     def entry(self, index: int, mode: str) -> dict:
         if (index, mode) not in self._entries:
             figures = self.profiles.figures(index, mode)
             self._entries[(index, mode)] = _stage_entry(self.graph, self.graph.stages[index], figures, self.layout,
-                                                        self.trainable_fqns, mode)[0]
+                                                        self.trainable_fqns, mode, self.options)[0]
         return self._entries[(index, mode)]
 
     def __getitem__(self, mode: str) -> list:
@@ -871,10 +926,10 @@ def plan_memory(graph, model, plan: dict, layout, options: MemoryOptions, loss_f
     sequence_shards = layout.tp > 1 and layout.sequence_parallel
     trainable_fqns = {fqn for fqn, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
     counts = StageProfiles(graph, model, loss_fn, target, options, training, sequence_shards)
-    by_mode = _ByMode(graph, counts, layout, trainable_fqns)
+    by_mode = _ByMode(graph, counts, layout, trainable_fqns, options)
     optimizers: dict = {}
     every = range(graph.num_stages)
-    trainable = [stage_state(stage, graph, layout, trainable_fqns)["trainable"] for stage in graph.stages]
+    trainable = [stage_state(stage, graph, layout, trainable_fqns, options)["trainable"] for stage in graph.stages]
     if all_modes and training:  # the tuner's figures: every stage under every mode
         counts.prefetch([(s, mode) for mode in ALTERNATIVE_MODES for s in every])
     chosen = None
@@ -912,7 +967,8 @@ def plan_memory(graph, model, plan: dict, layout, options: MemoryOptions, loss_f
                                     + estimate["activation_bytes"])
         stage.estimate = estimate
     optimizer_name = next((r["optimizer"].get("name") for r in ranks if r["optimizer"].get("name")), None)
-    return {"options": {"precision": options.precision, "recompute": [options.mode(s.index) for s in graph.stages],
+    return {"options": {"precision": options.precision, "mixed_precision": options.mixed_precision,
+                        "recompute": [options.mode(s.index) for s in graph.stages],
                         "split_backward": options.split_backward, "optimizer": optimizer_name,
                         "expert_imbalance": options.expert_imbalance if layout.ep > 1 else None,
                         "device": options.device},
@@ -923,10 +979,12 @@ def plan_memory(graph, model, plan: dict, layout, options: MemoryOptions, loss_f
 def choose_checkpointing(graph, plan: dict, by_mode: dict, trainable: list, layout, make_optimizer,
                          optimizers: dict, device: str, memory_limit) -> dict:
     """Each stage's activation checkpointing so that every rank's peak fits ``memory_limit`` bytes: from none
-    everywhere, while a rank is over, one of its stages goes one step further (none -> selective -> full), the
-    one that saves the most of that rank's peak per FLOP it recomputes (``RECOMPUTE_SHARE`` of its forward). The
-    schedule decides the order: 1F1B's first stage keeps pp microbatches in flight and gains most, its last
-    stage keeps one. ``{"modes": [...], "fits": bool, "peaks": [...], "limit": bytes}``."""
+    everywhere, while a rank is over, one of its stages goes further (none -> selective -> full; straight to full
+    where selective saves nothing: it keeps every matmul's output, which bf16 stage code without autocast's casts
+    may not otherwise keep, e.g. the logits beside the loss's fp32 copy), the move that saves the most of that
+    rank's peak per FLOP it recomputes (``RECOMPUTE_SHARE`` of its forward). The schedule decides the order: 1F1B's
+    first stage keeps pp microbatches in flight and gains most, its last stage keeps one. ``{"modes": [...],
+    "fits": bool, "peaks": [...], "limit": bytes}``."""
     shares, following = RECOMPUTE_SHARE, NEXT_MODE
     stage_to_rank = plan["stage_to_rank"]
     modes = ["none"] * graph.num_stages
@@ -945,14 +1003,17 @@ def choose_checkpointing(graph, plan: dict, by_mode: dict, trainable: list, layo
         worst = max(range(len(peaks)), key=peaks.__getitem__)
         best = None
         for stage in (s for s, r in enumerate(stage_to_rank) if r == worst and modes[s] in following):
-            trial = list(modes)
-            trial[stage] = following[modes[stage]]
-            found = peaks_of(trial)
-            saved = peaks[worst] - found[worst]
-            flops = max(graph.stages[stage].estimate.get("forward_flops", 0), 1)
-            score = saved / ((shares[trial[stage]] - shares[modes[stage]]) * flops)
-            if saved > 0 and (best is None or score > best[0]):
-                best = (score, trial, found)
+            further = following[modes[stage]]
+            while further is not None:  # the next mode, and the ones past it
+                trial = list(modes)
+                trial[stage] = further
+                found = peaks_of(trial)
+                saved = peaks[worst] - found[worst]
+                flops = max(graph.stages[stage].estimate.get("forward_flops", 0), 1)
+                score = saved / ((shares[further] - shares[modes[stage]]) * flops)
+                if saved > 0 and (best is None or score > best[0]):
+                    best = (score, trial, found)
+                further = following.get(further)
         if best is None:
             break
         _score, modes, peaks = best

@@ -10,9 +10,10 @@ are pooled) and of the optimizer step, each split into:
 * ``gradients``: the parameters' gradients (allocated by a stage's first backward of the step, whole under FSDP
   until its last backward reduce-scatters them to 1/dp);
 * ``optimizer``: the optimizer's state, and at the optimizer step its temporaries;
-* ``fsdp_unsharded``: FSDP's gathered parameters from a stage's first forward to its last backward (this runtime
-  wraps each stage with ``reshard_after_forward=False``), and its all-gather and reduce-scatter buffers while
-  they run;
+* ``fsdp_unsharded``: the parameters a stage computes with, from its first forward to its last backward: FSDP's
+  gathered copy (this runtime wraps each stage with ``reshard_after_forward=False``), in the compute dtype under
+  ``--mixed-precision params`` (so is DDP's cast copy, and without data parallelism the copy ``CastWeights``
+  makes), and its all-gather and reduce-scatter buffers while they run;
 * ``activations``: what the forwards of the microbatches in flight left for their backwards (saved tensors,
   outputs not yet sent, cast copies, the expert dispatch buffers among them);
 * ``received``: the receive buffers (pooled by shape, as the executor reuses them) and the input gradients
@@ -109,7 +110,6 @@ def rank_peak(actions: list, stages: dict, optimizer: dict, dp_mode=None, dp: in
     "optimizer_peak_bytes"}``."""
     parsed = _parse(actions)
     fsdp = dp_mode in ("fsdp", "hsdp") and dp > 1
-    ddp = dp_mode == "ddp" and dp > 1
     static = {"parameters": sum(fig.get("param_bytes", 0) for fig in stages.values()),
               "optimizer": optimizer.get("state_bytes", 0),
               "received": pool_bytes(parsed, stages)}
@@ -137,10 +137,11 @@ def rank_peak(actions: list, stages: dict, optimizer: dict, dp_mode=None, dp: in
         s, kind, label = action.stage, action.kind, str(action)
         if kind == "F":
             gathering = 0
-            if (fsdp or ddp) and first_f.get(s) == position and fig.get("unsharded_bytes"):
+            if first_f.get(s) == position and fig.get("unsharded_bytes"):
                 # the stage's first forward of the step gathers its parameters: FSDP2's flat all-gather output
                 # lives through that forward beside the unsharded parameters copied out of it; DDP (replicate, on
-                # the same machinery) copies its parameters without the flat buffer (both measured on gloo)
+                # the same machinery) copies its parameters without the flat buffer (both measured on gloo); without
+                # data parallelism, --mixed-precision params casts its compute copy (precision.CastWeights)
                 line.add("fsdp_unsharded", fig["unsharded_bytes"])
                 gathering = fig["unsharded_bytes"] if fsdp else 0
             line.check(label, fig.get("forward_peak", 0), fsdp_unsharded=gathering)
@@ -189,8 +190,10 @@ def rank_peak(actions: list, stages: dict, optimizer: dict, dp_mode=None, dp: in
                 line.check(label + " (FSDP reduce-scatter)", 0,
                            fsdp_unsharded=int(grads_whole * (1 + 1 / dp + extra)))
                 line.add("gradients", fig.get("grad_bytes_at_rest", grads_whole) - grads_whole)
-            if ddp and last_backward.get(s) == position and fig.get("unsharded_bytes"):
-                line.add("fsdp_unsharded", -fig["unsharded_bytes"])  # DDP frees its copy after the all-reduce
+            if not fsdp and last_backward.get(s) == position and fig.get("unsharded_bytes"):
+                # DDP frees its copy after the all-reduce; the params policy's compute copy goes after the last
+                # backward too (RankExecutor: the stage's last use of its weights)
+                line.add("fsdp_unsharded", -fig["unsharded_bytes"])
     for part, nbytes in held.values():  # the sends waited on at the end of the step
         line.add(part, -nbytes)
     step = dict(peak_bytes=line.peak, parts=line.parts, at=line.at)

@@ -84,7 +84,8 @@ class StageActivations:
     def params(self) -> list:
         """The stage's trainable parameters as the module holds them now: under FSDP, the unsharded ones its
         forward computed with (the leaves of this step's autograd graph), not the shards held between steps."""
-        return [p for p in self.fn.parameters() if p.requires_grad]
+        compute = getattr(self.fn, "compute_parameters", None)
+        return compute() if compute is not None else [p for p in self.fn.parameters() if p.requires_grad]
 
     def reset(self, num_microbatches: int) -> None:
         self.inputs = [[None] * len(self.received) for _ in range(num_microbatches)]
@@ -438,7 +439,8 @@ class RankExecutor:
     ``releases``: {action position: [send positions safe to wait on after it]}: the rank script's ``RELEASES``,
     computed at plan time by the replay engine (``replay.ReplayResult.releases``); None or ``{}``: every send
     is waited on at the end of the step (always safe). This rank's list is all the executor reads of the plan. ``wire_dtype``: floating boundary tensors are sent and
-    received in this dtype (mixed precision) instead of the traced one. ``loss_scale``: the loss is multiplied
+    received in this dtype (``--mixed-precision autocast``) instead of the traced one. ``input_dtype``: the model's
+    floating inputs are cast to it (``--mixed-precision params``: the stage code was traced so). ``loss_scale``: the loss is multiplied
     by it before backward (fp16); the returned loss is not. ``check_finite``: record, per stage and
     microbatch, whether its floating outputs were finite (read by :meth:`nonfinite_outputs`).
     ``split_weight_backward``: False runs W as a backward from the outputs (for compiled stages, whose
@@ -449,7 +451,7 @@ class RankExecutor:
     def __init__(self, manifest: dict, rank: int, stage_modules: dict, actions: list, device: torch.device,
                  loss_fn, timeout_s: float, out_spec, training: bool, shapes=None, releases=None,
                  wire_dtype=None, loss_scale=None, check_finite=False, split_weight_backward=True,
-                 mark_dynamic=False):
+                 mark_dynamic=False, input_dtype=None):
         import torch.utils._pytree as pytree
 
         self.pytree = pytree
@@ -468,6 +470,7 @@ class RankExecutor:
         self.free_buffers: dict = {}  # (shape, dtype) -> [tensor]: receive buffers reused across microbatches
         self.send_works: dict = {}  # action position -> works of that send, until released
         self.wire_dtype = wire_dtype
+        self.input_dtype = input_dtype
         self.loss_scale = loss_scale
         self.check_finite = check_finite
         self.split_weight_backward = split_weight_backward
@@ -532,6 +535,11 @@ class RankExecutor:
         """Closures in action order; each carries the positions of earlier sends it may release after it."""
         release_at = {int(k): list(v) for k, v in (releases or {}).items()}
         program, batch = [], []
+        last_use = {}  # stage -> the position of its last compute action: its compute weights may go after it
+        for position, text in enumerate(actions):
+            stage, kind, _mb, _peer = parse_action(text)
+            if kind in ("F", "B", "I", "W"):
+                last_use[stage] = position
 
         def emit(fn, covered):
             label = " ".join(actions[q] for q in covered)
@@ -550,11 +558,18 @@ class RankExecutor:
                 emit(self._comm_batch(batch), [p for p, _build in batch])
                 batch = []
             runner = self.stages[stage]
+            last = last_use[stage] == position
+            done = runner.fn.weights_used if getattr(runner.fn, "cast_weights", None) else None
             if kind == "F":
                 fn = lambda r=runner, m=mb: self._forward(r, m)  # noqa: E731
+                if last and done is not None:  # forward only: the step's last use of the stage's weights
+                    fn = lambda r=runner, m=mb, done=done: (self._forward(r, m), done(True))  # noqa: E731
             else:
                 part = _BACKWARD_PART[kind]
                 fn = lambda r=runner, m=mb, part=part: self._backward(r, m, part)  # noqa: E731
+                if done is not None:  # the gradients on the compute copies go into the masters' (fp32)
+                    fn = lambda r=runner, m=mb, part=part, last=last, done=done: (  # noqa: E731
+                        self._backward(r, m, part), done(last))
             emit(fn, [position])
         if batch:
             emit(self._comm_batch(batch), [p for p, _build in batch])
@@ -756,7 +771,7 @@ class RankExecutor:
             self._choose_deallocatable(runner, out)
         if runner.is_last:
             leaves_out = [out[i] if kind == "value" else const for i, (kind, const) in enumerate(self.output_leaves)]
-            if self.wire_dtype is not None:  # the loss is computed in fp32
+            if self.wire_dtype is not None or self.input_dtype is not None:  # mixed precision: the loss in fp32
                 leaves_out = [t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
                               for t in leaves_out]
             output = self.pytree.tree_unflatten(leaves_out, self.out_spec)
@@ -859,6 +874,10 @@ class RankExecutor:
         """Run every action once. On the last stage's rank returns the full-batch loss (a tensor) when targets
         and a loss function are given, else the list of per-microbatch outputs; None on other ranks."""
         num_microbatches = len(mb_leaves)
+        if self.input_dtype is not None:  # the model's floating inputs, as the stage code was traced
+            from .precision import cast_floating
+
+            mb_leaves = [[cast_floating(leaf, self.input_dtype) for leaf in leaves] for leaves in mb_leaves]
         self.mb_leaves, self.targets, self.scales = mb_leaves, targets, scales
         self.mb_shapes = self._step_shapes(symbols)
         self.step_loss = torch.zeros((), device=self.device)
@@ -880,6 +899,9 @@ class RankExecutor:
         for works in self.send_works.values():
             self._wait(works)
         self.send_works = {}
+        for runner in self.stages.values():  # every compute copy goes at the end of the step, whatever ran
+            if getattr(runner.fn, "cast_weights", None):
+                runner.fn.weights_used(True)
         if self.last_stage in self.stages:
             return self.step_loss if self.has_loss else self.outputs
         return None

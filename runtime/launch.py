@@ -7,7 +7,7 @@ non-finite handling), scale for fp16, step the optimizer, print and write metric
 Command line (the same on every rank, as torchrun passes it)::
 
     torchrun --nproc-per-node R out/run.py [--steps K] [--lr LR] [--save ckpt.pt] [--metrics m.jsonl]
-        [--timeout SECONDS] [--precision fp32|bf16|fp16] [--clip-grad-norm MAX]
+        [--timeout SECONDS] [--precision fp32|bf16|fp16|fp8] [--clip-grad-norm MAX]
         [--on-nonfinite stop|skip|continue] [--compile] [--compile-cache DIR]
         [--optimizer sgd|adamw] [--weight-decay WD] [--warmup N] [--checkpoint-dir D --save-every N]
         [--resume D] [--save-safetensors PATH] [--activation-checkpointing none|full|selective]
@@ -41,6 +41,7 @@ from .memory import MeasuredPeak
 from .mesh import coordinates, full, mesh_layout, world_size
 from .optim import OPTIMIZERS, build_optimizer, build_scheduler, parameter_fqns, step_scheduler
 from .pipeline import Pipeline, check_precision, step_ended
+from .precision import PRECISIONS, describe as describe_precision, plain
 from .job import Board, Progress, StopRequest, any_rank, check_tensorboard, clock
 from .prefetch import BatchPrefetcher
 from .run_options import fill_defaults
@@ -141,10 +142,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--timeout", type=float, default=120.0,
                         help="seconds any communication may wait before the job fails (default 120)")
     parser.add_argument("--quiet", action="store_true", help="no per-step progress lines")
-    parser.add_argument("--precision", default=None, choices=["fp32", "bf16", "fp16"],
-                        help="compute dtype: fp32 weights always; bf16/fp16 autocast compute and boundary tensors "
-                             "(fp16: GPU only, with a dynamic loss scale; default: what tracepp split planned, "
-                             "else fp32)")
+    parser.add_argument("--precision", default=None, choices=list(PRECISIONS),
+                        help="compute dtype (default: what tracepp split planned, see run_options in manifest.json): "
+                             "fp32 master weights always; a folder split with --mixed-precision params (the "
+                             "default) runs in the dtype its stage code was traced in (bf16 or fp8, fp16), one "
+                             "split with fp32 or --mixed-precision autocast at fp32, or bf16/fp16 under autocast "
+                             "(fp16: GPU only, with a dynamic loss scale; fp8: a GPU of compute capability 8.9+ "
+                             "and torchao)")
     parser.add_argument("--clip-grad-norm", type=float, default=None, metavar="MAX",
                         help="clip the global L2 gradient norm (all stages, tied weights once) to MAX")
     parser.add_argument("--on-nonfinite", default="stop", choices=["stop", "skip", "continue"],
@@ -219,7 +223,7 @@ def _gather_state_dict(manifest: dict, rank: int, state: dict, world: int, unuse
     """Every rank's state (``Pipeline.state_dict``) gathered on rank 0 and keyed by every original FQN (a tied
     weight's aliases name one tensor); None on the other ranks. ``include``: False on data-parallel replicas
     other than the first (same tensors)."""
-    mine = {name: tensor_parallel.whole(manifest, name, full(tensor)).detach().cpu()  # full: a collective
+    mine = {name: tensor_parallel.whole(manifest, name, plain(full(tensor))).detach().cpu()  # full: a collective
             for name, tensor in state.items()}
     if not include:
         mine = {}
@@ -291,7 +295,12 @@ def main(rank_script_rank: int, stage_functions: dict, actions: list, folder: st
         check_world_size(manifest)
         _check_dependencies(world)
         check_tensorboard(args.tensorboard)
-        check_precision(args.precision, _planned_device())
+        try:
+            check_precision(args.precision, _planned_device())
+        except ValueError as error:  # the same on every rank: one says it
+            failure = PipelineError(str(error))
+            failure.every_rank_agrees = True
+            raise failure from error
         pipe = Pipeline(folder, rank=rank, timeout_s=args.timeout, precision=args.precision,
                         compile=args.compile, compile_cache=args.compile_cache, stage_functions=stage_functions,
                         actions=actions, shapes=shapes, releases=releases,
@@ -356,12 +365,7 @@ class DynamicLossScale:
 
 
 def _banner(pipe: Pipeline, args) -> str:
-    if pipe.precision == "fp32":
-        return "precision fp32: parameters, compute, boundary tensors, loss and gradients fp32"
-    half = pipe.precision
-    text = (f"precision {half}: parameters fp32 (master weights), compute {half} (autocast per stage), "
-            f"boundary tensors sent as {half}, loss fp32, shared-weight gradients reduced in fp32")
-    return text + (", dynamic loss scale" if half == "fp16" else "")
+    return describe_precision(pipe.precision, pipe.mixed_precision, pipe.fp8_recipe)
 
 
 def user_batch(user, step: int, training: bool):

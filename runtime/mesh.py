@@ -316,21 +316,24 @@ def dp_mesh(mesh, layout: Layout):
     return mesh["dp_replicate", "dp_shard"] if layout.dp_mode == "hsdp" else mesh["dp"]
 
 
-def wrap_stage(stage, mesh, layout: Layout, ignored=None, sub=None):
+def wrap_stage(stage, mesh, layout: Layout, ignored=None, sub=None, mp_policy=None):
     """Wrap one StageModule over the dp dim with torch's own engine; returns the same module. ``ignored``: the
     parameters it leaves alone (routed experts, already divided over ep: their gradients are reduced over the
     ranks holding the same experts, ``expert_parallel.reduce_expert_grads``). ``sub``: the mesh to wrap over
-    instead of the dp dim (with context parallelism, dp x cp: :func:`build_cp_mesh`'s ``grads``)."""
+    instead of the dp dim (with context parallelism, dp x cp: :func:`build_cp_mesh`'s ``grads``). ``mp_policy``:
+    FSDP2's ``MixedPrecisionPolicy`` (``--mixed-precision params``: the parameters gathered and computed in bf16,
+    the gradients reduced in fp32; ``precision.mp_policy``), None for none."""
     sub = dp_mesh(mesh, layout) if sub is None else sub
     ignored = set(ignored or ()) or None
+    policy = {} if mp_policy is None else {"mp_policy": mp_policy}
     if layout.dp_mode == "ddp":
         from torch.distributed._composable.replicate_with_fsdp import replicate
-        replicate(stage, mesh=sub, ignored_params=ignored)
+        replicate(stage, mesh=sub, ignored_params=ignored, **policy)
     else:
         from torch.distributed.fsdp import fully_shard
         # The stage function reads its parameters directly, not through the blocks' forward, so the stage is
         # the one FSDP unit (a block's own hooks would never run).
-        fully_shard(stage, mesh=sub, reshard_after_forward=False, ignored_params=ignored)
+        fully_shard(stage, mesh=sub, reshard_after_forward=False, ignored_params=ignored, **policy)
     return stage
 
 

@@ -38,6 +38,8 @@ from .loading import load_manifest, load_rank_script
 from .script_check import check_programs, describe_program
 from . import mesh as dp_mesh
 from . import context_parallel, expert_parallel, fast_ops, tensor_parallel
+from . import precision as precision_policy
+from .run_options import manifest_options
 from .stages import StageModule
 from .usercode import load_spec, load_user_module
 from .weights import load_rank_state
@@ -54,7 +56,7 @@ def _chain(pieces: list):
         return tensor
     return piece
 
-PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+PRECISIONS = dict(precision_policy.COMPUTE_DTYPES)  # precision -> the dtype it computes in (fp8: bf16 outside linears)
 
 
 def _traced_loss(function):
@@ -103,15 +105,21 @@ def check_precision(precision: str, device: torch.device) -> None:
     if precision == "fp16" and device.type != "cuda":
         raise ValueError("--precision fp16 needs a GPU (it trains with a loss scaler for CUDA's fp16); "
                          "on CPU use --precision bf16 or fp32")
+    if precision == "fp8":
+        problem = precision_policy.fp8_problem(device)
+        if problem is not None:
+            raise ValueError(problem)
 
 
 class Pipeline:
     """This rank's part of a tracepp pipeline (see the module docstring for a loop).
 
     ``folder``: the output folder of ``tracepp split``. ``rank``: default ``$RANK``. ``device``: default
-    ``cuda:$LOCAL_RANK`` where CUDA is available, else CPU. ``precision``: ``fp32``, ``bf16`` or ``fp16``:
-    parameters stay fp32; each stage's forward runs under ``torch.autocast`` in that dtype, floating boundary
-    tensors travel in it, the loss is computed in fp32. ``compile``: ``torch.compile`` each stage module
+    ``cuda:$LOCAL_RANK`` where CUDA is available, else CPU. ``precision``: ``fp32``, ``bf16``, ``fp16`` or ``fp8``
+    (default: what the folder was split for, ``run_options``), applied as the folder's ``--mixed-precision`` says
+    (``precision.py``): the parameters stay fp32 (the master weights) and are cast to the compute dtype once per
+    step (FSDP2's ``MixedPrecisionPolicy``: gathered and computed in bf16, gradients reduced in fp32), or, for
+    stage code traced in fp32, each stage's forward runs under ``torch.autocast``; the loss is computed in fp32. ``compile``: ``torch.compile`` each stage module
     (dynamic dims from the manifest marked dynamic); ``compile_cache``: inductor's cache folder. ``all_stages``:
     every stage in this one process, no communication (for measurement and debugging); ``actions`` overrides
     the action list (``"0F0"``, ``"0B0"``, ...). ``stage_functions``, ``actions``, ``shapes`` and ``releases``
@@ -125,7 +133,7 @@ class Pipeline:
     or ``"per-module"`` (only this rank's modules, seeded by FQN: for models too big for one process).
     """
 
-    def __init__(self, folder: str, *, rank=None, device=None, timeout_s: float = 120.0, precision: str = "fp32",
+    def __init__(self, folder: str, *, rank=None, device=None, timeout_s: float = 120.0, precision=None,
                  compile: bool = False, compile_cache=None, all_stages: bool = False, stage_functions=None,
                  actions=None, shapes=None, releases=None, loss_fn=None, check_finite: bool = True,
                  load=None, init: str = "model", p2p: str = "auto", shm_ring_mb: float = shm_p2p.DEFAULT_RING_MB):
@@ -176,9 +184,21 @@ class Pipeline:
                     expert_parallel.set_group(self.ep_mesh.get_group(), self.layout.ep, self.ep_index)
                     if self.layout.dp > self.layout.ep:
                         self.expert_replicas = self.full_mesh["edp"].get_group()
-        check_precision(precision, self.device)
-        self.precision = precision
-        self.compute_dtype = PRECISIONS[precision]
+        try:
+            self.precision, self.mixed_precision = precision_policy.resolve(manifest_options(manifest), precision)
+            check_precision(self.precision, self.device)
+        except ValueError as error:
+            failure = PipelineError(str(error))
+            failure.every_rank_agrees = True  # every rank reads the same folder and flags
+            raise failure from error
+        self.fp8_recipe = manifest_options(manifest).fp8_recipe
+        # fp8: torchao's float8 matmul for the stage code's linears (imported here only: check_precision found it)
+        self.float8 = precision_policy.Float8Linears(self.fp8_recipe) if self.precision == "fp8" else None
+        self.compute_dtype = PRECISIONS[self.precision]
+        autocast = self.mixed_precision == "autocast"
+        # autocast: boundary tensors travel in the compute dtype; params: as traced (already the compute dtype)
+        self._wire_dtype = self.compute_dtype if autocast else None
+        self._input_dtype = None if autocast else self.compute_dtype
         self.training = manifest["training"]
         self.user = load_user_module(self.folder, manifest)
         if self.layout.cp > 1 and loss_fn is not None:
@@ -216,6 +236,8 @@ class Pipeline:
                 fn.__globals__["RUN_DEVICE"] = self.device
             # its ops called without OpOverload's Python frame (fast_ops); dynamo traces torch's own objects
             (fast_ops.unbind if compile else fast_ops.bind)(fn)
+            if self.float8 is not None:
+                self.float8.bind(fn)
         # this rank's tensors only: from --load's checkpoint, or the model file's own initialisation
         pieces = [module.piece_for(manifest, size, index) for module, size, index, mesh in (
             (tensor_parallel, self.layout.tp, self.tp_index, self.tp_mesh),
@@ -236,14 +258,24 @@ class Pipeline:
         for spec in manifest["stages"]:
             if spec["index"] in self.stage_indices:
                 stage = StageModule(spec, stage_functions[spec["index"]], state)
-                stage.autocast_dtype = self.compute_dtype
+                stage.autocast_dtype = self.compute_dtype if autocast else None
                 stage.local_shards = self.tp_mesh is not None or self.ep_mesh is not None
                 stage.sequence_shards = self.tp_mesh is not None and self.layout.sequence_parallel and not compile
                 stage.context_shards = self.cp_mesh is not None and not compile
                 self.stages[spec["index"]] = stage
+        policy = precision_policy.mp_policy(self.precision, self.mixed_precision)
+        if self.float8 is not None and self.mesh is not None and self.layout.dp_mode != "ddp":
+            self.float8.gathered_weights(self.stages, manifest)  # FSDP all-gathers them in float8 (tensorwise)
         if self.mesh is not None:
             for stage in self.stages.values():
-                dp_mesh.wrap_stage(stage, self.mesh, self.layout, ignored=self.expert_params, sub=self.grad_mesh)
+                dp_mesh.wrap_stage(stage, self.mesh, self.layout, ignored=self.expert_params, sub=self.grad_mesh,
+                                   mp_policy=policy)
+        if policy is not None:  # what no FSDP/DDP engine casts: every parameter without dp, routed experts with it
+            experts = {id(p) for p in self.expert_params}
+            for stage in self.stages.values():
+                own = [p for p in stage.parameters() if self.mesh is None or id(p) in experts]
+                cast = precision_policy.CastWeights(own, self.compute_dtype)
+                stage.cast_weights = cast if cast else None
         self.compiled = compile
         if compile:
             self._compile_stages(compile_cache)
@@ -322,7 +354,9 @@ class Pipeline:
             # start (dynamo would specialise an int on first sight); tensors get their symbolic dims marked
             # by the executor before each call
             sizes = bool(self.manifest["stages"][index].get("sym_inputs"))
-            if stage.local_shards:  # tensor parallel: the DTensor parameters become shards outside the compiled code
+            if stage.local_shards or stage.cast_weights is not None:
+                # tensor parallel: the DTensor parameters become shards outside the compiled code; params policy:
+                # the compute copies are made there
                 stage.function = torch.compile(stage.function, dynamic=True if sizes else None)
             else:
                 stage.compile(dynamic=True if sizes else None)
@@ -356,7 +390,8 @@ class Pipeline:
     def _executor(self, actions, releases, training: bool) -> RankExecutor:
         executor = RankExecutor(self._plan_manifest, self.pp_rank, self.stages, actions, self.device, self.loss_fn,
                                 self._timeout_s, self._out_spec, training, self._shapes, releases=releases,
-                                wire_dtype=self.compute_dtype, check_finite=self._check_finite,
+                                wire_dtype=self._wire_dtype, input_dtype=self._input_dtype,
+                                check_finite=self._check_finite,
                                 split_weight_backward=not self.compiled and self.mesh is None,
                                 mark_dynamic=self.compiled)
         if self.full_mesh is not None:

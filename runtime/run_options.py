@@ -11,13 +11,17 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
-PRECISIONS = ("fp32", "bf16", "fp16")
+from .precision import FP8_RECIPES, MIXED_MODES, PRECISIONS
+
 OPTIMIZERS = ("sgd", "adamw")
 
 
 @dataclass(frozen=True)
 class RunOptions:
-    """``precision``: compute dtype (fp32, bf16, fp16; parameters stay fp32). ``activation_checkpointing``: a mode
+    """``precision``: compute dtype (fp32, bf16, fp16, fp8: bf16 with float8 linears); ``mixed_precision``: how a
+    precision below fp32 is applied (``runtime/precision.py``): ``params`` (parameters cast to the compute dtype once
+    per step, fp32 masters and reductions; the stage code is traced so) or ``autocast`` (fp32 parameters, autocast per
+    op; traced in fp32); ``fp8_recipe``: torchao's scaling under fp8 (tensorwise, rowwise). ``activation_checkpointing``: a mode
     of ``recompute`` (none, full, selective, in-flight, or one per stage, comma-separated). ``optimizer``: what
     run.py's ``--optimizer`` builds when the model file has no ``optimizer(params)`` (sgd, adamw; None: sgd).
     ``expert_imbalance``: an assumption about the data, not an option of the run: with expert parallelism the
@@ -28,6 +32,8 @@ class RunOptions:
     choice, which run.py applies); with another mode the split refuses a plan over it."""
 
     precision: str = "fp32"
+    mixed_precision: str = "params"
+    fp8_recipe: str = "tensorwise"
     activation_checkpointing: str = "none"
     optimizer: Optional[str] = None
     expert_imbalance: float = 1.0
@@ -39,7 +45,16 @@ class RunOptions:
 
     @classmethod
     def from_json(cls, data: Optional[dict]) -> "RunOptions":
-        return cls(**{k: v for k, v in (data or {}).items() if k in {f.name for f in dataclasses.fields(cls)}})
+        known = {k: v for k, v in (data or {}).items() if k in {f.name for f in dataclasses.fields(cls)}}
+        if data and "mixed_precision" not in data:  # split before the params policy: traced in fp32, autocast
+            known["mixed_precision"] = "autocast"
+        return cls(**known)
+
+    def traced_dtype(self):
+        """The dtype the folder's parameters were traced in (None: their own; ``precision.traced_dtype``)."""
+        from .precision import traced_dtype
+
+        return traced_dtype(self.precision, self.mixed_precision)
 
     def replace(self, **changes) -> "RunOptions":
         return dataclasses.replace(self, **changes)
@@ -49,6 +64,17 @@ class RunOptions:
 
         if self.precision not in PRECISIONS:
             raise ValueError(f"--precision {self.precision!r} is not one of {', '.join(PRECISIONS)}")
+        if self.mixed_precision not in MIXED_MODES:
+            raise ValueError(f"--mixed-precision {self.mixed_precision!r} is not one of {', '.join(MIXED_MODES)}")
+        if self.fp8_recipe not in FP8_RECIPES:
+            raise ValueError(f"--fp8-recipe {self.fp8_recipe!r} is not one of {', '.join(FP8_RECIPES)}")
+        if self.precision == "fp8" and self.mixed_precision == "autocast":
+            raise ValueError("--precision fp8 runs torchao's float8 linears with bf16 parameters cast once per step "
+                             "(--mixed-precision params); with --mixed-precision autocast use --precision bf16")
+        if self.precision == "fp8" and self.device != "cuda":
+            raise ValueError("--precision fp8 trains torchao's float8 linears on a CUDA GPU (compute capability 8.9 or "
+                             f"more); this plan is for --device {self.device}: plan with --device cuda, or use "
+                             "--precision bf16")
         if self.optimizer is not None and self.optimizer not in OPTIMIZERS:
             raise ValueError(f"--optimizer {self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
         if self.activation_checkpointing == "auto":

@@ -35,7 +35,10 @@ class StageModule(nn.Module):
         super().__init__()
         self.stage_index = spec["index"]
         self.function = function
-        self.autocast_dtype = None  # set by the Pipeline for mixed precision
+        self.autocast_dtype = None  # set by the Pipeline for --mixed-precision autocast
+        # --mixed-precision params without an FSDP/DDP engine casting them (precision.CastWeights): the compute
+        # copies of the parameters, made once per step
+        self.cast_weights = None
         self.local_shards = False  # tensor parallel: parameters are DTensors over tp, the function takes shards
         # activation checkpointing (recompute.apply): False, "full" (keep the inputs, recompute the forward in
         # backward) or "selective" (keep the matmul, attention and collective outputs, recompute the rest)
@@ -45,6 +48,7 @@ class StageModule(nn.Module):
         self.context_shards = False  # context parallel: backward keeps this rank's shard of gathered keys/values
         self.device_type = next((t.device.type for t in state_by_fqn.values()), "cpu")
         self._state_paths = []
+        self.state_fqns = [ref["fqn"] for ref in spec["state"]]  # beside _state_paths, in the function's order
         for ref in spec["state"]:
             owner, name = _owner(self, ref["fqn"])
             tensor = state_by_fqn[ref["fqn"]]
@@ -64,9 +68,27 @@ class StageModule(nn.Module):
         by a plain attribute (``torch.func.functional_call``), with ``getattr``."""
         tensors = [owner._parameters[name] if name in owner._parameters and name not in owner.__dict__
                    else getattr(owner, name) for owner, name in self._state_paths]
+        if self.cast_weights is not None:
+            tensors = self.cast_weights.swap(tensors)
         if self.local_shards:
             tensors = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
         return tensors
+
+    def compute_parameters(self) -> list:
+        """The trainable tensors a backward of this step reaches: the compute copies where :class:`CastWeights
+        <tracepp.runtime.precision.CastWeights>` holds them, else the parameters as the module holds them now (under
+        FSDP, the unsharded ones it swapped in)."""
+        params = [p for p in self.parameters() if p.requires_grad]
+        cast = self.cast_weights
+        if cast is None or cast.copies is None:
+            return params
+        return [cast.copies[cast.slot[id(p)]] if id(p) in cast.slot else p for p in params]
+
+    def weights_used(self, release: bool) -> None:
+        """After a backward (or the step's last use of the weights, ``release``): the compute copies' gradients
+        added into the fp32 masters' and, with ``release``, the copies dropped."""
+        if self.cast_weights is not None:
+            (self.cast_weights.release if release else self.cast_weights.accumulate)()
 
     def forward(self, *inputs):
         if self.autocast_dtype is None:

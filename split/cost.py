@@ -33,6 +33,18 @@ BACKWARD_FLOPS_FACTOR = 2  # backward of a matmul costs two matmuls (input and w
 as_int = concrete_int
 
 
+def held_bytes(node) -> int:
+    """Bytes a rank holds of a state placeholder: in its master dtype where the program was traced with it cast to
+    the compute dtype (``pipeline_graph.MASTER_DTYPE``, ``--mixed-precision params``), else as traced."""
+    from tracepp.split.pipeline_graph import MASTER_DTYPE
+
+    val = node.meta.get("val")
+    master = node.meta.get(MASTER_DTYPE)
+    if master is None or not isinstance(val, torch.Tensor):
+        return tensor_bytes(val)
+    return tensor_bytes(val) // val.element_size() * master.itemsize
+
+
 def tensor_bytes(val) -> int:
     """Bytes of one traced tensor value (fake or meta), 0 for anything else."""
     if not isinstance(val, torch.Tensor):

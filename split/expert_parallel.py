@@ -36,7 +36,7 @@ import torch
 import torch.fx as fx
 
 import tracepp.runtime.expert_parallel  # noqa: F401  (registers torch.ops.tracepp.ep_*)
-from tracepp.split.cost import as_int, op_name, tensor_bytes
+from tracepp.split.cost import as_int, held_bytes, op_name, tensor_bytes
 from tracepp.split.partition import listed_module, node_modules
 
 aten = torch.ops.aten
@@ -318,7 +318,7 @@ def expert_figures(graph: fx.Graph, fqn_of: dict, flops: dict):
                 if fqn not in seen:
                     seen.add(fqn)
                     out["params"] += as_int(_val(placeholder).numel())
-                    out["param_bytes"] += tensor_bytes(_val(placeholder))
+                    out["param_bytes"] += held_bytes(placeholder)
             out["flops"] += sum(int(flops.get(m.name, 0)) for m in block.matmuls)
             rows, result = _val(block.rows), _val(block.out)
             pairs = as_int(rows.shape[0]) if isinstance(rows, torch.Tensor) else 0

@@ -229,7 +229,7 @@ def _node_costs(nodes: list, flops: dict, needs_grad: dict, counted_state: set) 
                 seen.add(arg.name)
                 val = arg.meta.get("val")
                 total.num_params += val.numel() if isinstance(val, torch.Tensor) else 0
-                total.param_bytes += cost.tensor_bytes(val)
+                total.param_bytes += cost.held_bytes(arg)
         val = node.meta.get("val")
         if needs_grad.get(node) and isinstance(val, torch.Tensor) and val.dtype.is_floating_point:
             total.activation_bytes += cost.tensor_bytes(val)

@@ -7,6 +7,9 @@ from typing import Any, Optional
 import torch
 
 AUTOCAST_OFF = "tracepp_autocast_off"  # node meta: inlined from a torch.autocast(enabled=False) region
+# parameter placeholder meta under --mixed-precision params: the dtype the rank holds it in (its master weight, fp32),
+# where the program was traced with it cast to the compute dtype (bf16): what it costs to hold, not to compute with
+MASTER_DTYPE = "tracepp_master_dtype"
 
 
 @dataclass

@@ -54,6 +54,7 @@ import torch.fx as fx
 
 import tracepp.runtime.tensor_parallel  # noqa: F401  (registers torch.ops.tracepp.tp_*)
 from tracepp.split import torch_rules
+from tracepp.split.cost import held_bytes
 from tracepp.split.naming import frames
 from tracepp.split.partition import _gradient_flags
 
@@ -2463,7 +2464,7 @@ def _figures(nodes: list, entry: dict, flops: dict, tensor_bytes, crossing=None)
                 attributed.add(fqn)
                 if dims.get(fqn) is not None:
                     params += _val(arg).numel()
-                    bytes_ += tensor_bytes(_val(arg))
+                    bytes_ += held_bytes(arg)
 
     def activation(node) -> bool:
         val = _val(node)

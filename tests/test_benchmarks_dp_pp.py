@@ -45,3 +45,28 @@ def test_tiny_dp_pp_writes_both_systems(tmp_path):
     check = entry["validation"]["torch"]
     assert check["same_losses"] is True, check  # same model, split, schedule, slices, loss and SGD
     assert check["max_abs_diff"] < 1e-5, check
+
+
+def test_tiny_dp_pp_bf16_gathers_what_fsdp_with_the_same_policy_gathers(tmp_path):
+    """``--precision bf16``: tracepp against torch's hand-built stages wrapped with the same
+    ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``: the same trained parameters (the same recipe,
+    bit for bit), and per rank the same bytes all-gathered (bf16: half the bytes its fp32 reduce-scatter carries)."""
+    out = str(tmp_path / "results")
+    command = [sys.executable, "-m", "benchmarks.dp_pp", "--tiny", "--precision", "bf16", "--rounds", "1",
+               "--warmup", "1", "--steps", "2", "--timeout", "60", "--run-timeout", "150", "--out", out]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=330, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "vs torch-manual" in result.stdout
+    (path,) = glob.glob(os.path.join(out, "*_cpu_dp_pp_bf16.json"))
+    report = json.load(open(path))
+    assert report["systems"] == ["tracepp", "torch-manual"] and report["precision"] == "bf16"
+    (entry,) = report["results"]
+    check = entry["validation"]["torch-manual"]
+    assert check["same_losses"] is True and check["max_abs_diff"] == 0.0, check
+    mine, theirs = entry["tracepp"]["comm_bytes_per_rank"], entry["torch-manual"]["comm_bytes_per_rank"]
+    for ours, torchs in zip(mine, theirs):
+        gathered = [v for k, v in ours.items() if "allgather" in k]
+        scattered = [v for k, v in ours.items() if "reduce_scatter" in k]
+        assert gathered == [v for k, v in torchs.items() if "allgather" in k]
+        assert gathered[0] * 2 == scattered[0]  # the same parameters: gathered in bf16, reduced in fp32

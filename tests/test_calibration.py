@@ -596,6 +596,11 @@ def test_expert_parallel_pricing_memory_exchange_and_data_parallel_traffic():
     assert held_bytes(6400, 1600, fsdp, True, 8, experts_over=2) == (6400 + 6400 + 12800) / 2
     assert held_bytes(6400, 1600, Layout(pp=2, dp=4, dp_mode="ddp"), True, 8) == 6400 + 6400 + 12800
     assert held_bytes(6400, 1600, fsdp, False, 8) == 6400 + 6400 / 4
+    # --mixed-precision params at bf16: FSDP gathers the bf16 copy (half the fp32 weights); DDP and no dp hold the
+    # copy beside the fp32 weights; experts (outside FSDP) their 1/ep of it
+    assert held_bytes(6400, 1600, fsdp, True, 8, copy=0.5) == 3200 + 6400 + (6400 + 12800) / 4
+    assert held_bytes(6400, 1600, Layout(pp=2, dp=4, dp_mode="ddp"), True, 8, copy=0.5) == 6400 + 6400 + 12800 + 3200
+    assert held_bytes(6400, 1600, fsdp, True, 8, experts_over=2, copy=0.5) == (6400 + 6400 + 12800 + 3200) / 2
     # the optimizer updates 1/dp of the experts under FSDP, 1/ep of them with ep: at dp 4, ep 2 updates more
     assert _sharded_share(manifest, split, 0, 1, False, 2, fsdp) == pytest.approx((400 / 4 + 1600 / 2) / (2000 / 4))
     assert _sharded_share(manifest, split, 0, 1, False, 4, fsdp) == pytest.approx(1.0)

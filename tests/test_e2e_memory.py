@@ -3,9 +3,10 @@ walked over the plan's timeline) against the peak the run measures (``run.py --m
 storage counted on CPU), within 10%; and what each forward keeps for backward, per microbatch, against what the
 run's forwards left; fp32 runs trained equal to eager.
 
-Six cases of ``benchmarks/memory_check.py``'s matrix (the rest run there): dense Llama, GPT-2, Mixtral and a small
-DeepSeek-V3; fp32 and bf16; activation checkpointing none, full, selective and every-2; GPipe, 1F1B, interleaved
-and zero-bubble; FSDP over ``--dp 2``, ``--tp 2 --sequence-parallel`` and ``--dp 2 --ep 2``; SGD and AdamW.
+Seven cases of ``benchmarks/memory_check.py``'s matrix (the rest run there): dense Llama, GPT-2, Mixtral and a small
+DeepSeek-V3; fp32 and bf16 (``--mixed-precision params``: fp32 masters, the bf16 copy a stage computes with, FSDP
+gathering it in bf16 and reducing in fp32); activation checkpointing none, full, selective and every-2; GPipe, 1F1B,
+interleaved and zero-bubble; FSDP over ``--dp 2``, ``--tp 2 --sequence-parallel`` and ``--dp 2 --ep 2``; SGD and AdamW.
 """
 import json
 import os
@@ -19,7 +20,7 @@ from util import assert_state_close, assert_trained, torchrun
 pytestmark = pytest.mark.timeout(600)
 CASES = ["llama-gpipe-bf16-full-adamw", "gpt2-interleaved-zero-bubble-fp32-selective", "deepseek_v3-1f1b-fp32-none",
          "llama-fsdp-dp2-interleaved-fp32-adamw", "llama-tp2-sequence-parallel-1f1b-bf16-selective",
-         "mixtral-dp2-ep2-1f1b-fp32"]
+         "mixtral-dp2-ep2-1f1b-fp32", "llama-fsdp-dp2-1f1b-bf16-adamw"]
 
 
 def _launch(out: str, world: int, args: list, env: dict) -> tuple:

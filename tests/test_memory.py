@@ -71,29 +71,42 @@ def test_the_counter_agrees_with_torchs_cpu_allocator():
 
 # -- a stage counted on fake tensors, against the same on real tensors ------------------------------------------
 
-@pytest.fixture(scope="module")
-def llama_split():
+def _llama_split(param_dtype=None):
     from tracepp.modelfile import load_model_file
     from tracepp.split.partition import split
     from tracepp.trace import trace
 
     model_file = load_model_file(model_path("hf_llama"))
-    traced = trace(model_file, 2)
+    traced = trace(model_file, 2, param_dtype=param_dtype)
     graph = split(traced, ["model.layers.1"], schedule="1f1b", num_microbatches=2)
     target = model_file.example_target()[:2]
     return model_file, traced, graph, target
+
+
+@pytest.fixture(scope="module")
+def llama_split():
+    return _llama_split()
+
+
+@pytest.fixture(scope="module")
+def llama_split_bf16():  # traced as --mixed-precision params trains: parameters and inputs in bf16
+    return _llama_split(torch.bfloat16)
 
 
 FIGURES = ("kept", "forward_peak", "freed_at_send", "backward_peak", "backward_peak_first", "after_backward",
            "after_backward_first", "grads", "input_grads")
 
 
-@pytest.mark.parametrize("precision,mode,split_backward", [("fp32", "none", False), ("bf16", "selective", False),
-                                                           ("fp32", "full", True)])
-def test_fake_count_equals_the_same_run_on_real_tensors(llama_split, precision, mode, split_backward):
-    model_file, traced, graph, target = llama_split
+@pytest.mark.parametrize("precision,mixed,mode,split_backward", [
+    ("fp32", "params", "none", False), ("bf16", "autocast", "selective", False), ("fp32", "params", "full", True),
+    ("bf16", "params", "none", False), ("bf16", "params", "selective", True)])
+def test_fake_count_equals_the_same_run_on_real_tensors(request, precision, mixed, mode, split_backward):
+    traced_in_bf16 = precision == "bf16" and mixed == "params"
+    model_file, traced, graph, target = request.getfixturevalue("llama_split_bf16" if traced_in_bf16
+                                                                else "llama_split")
     trainable = {fqn for fqn, _p in traced.model.named_parameters()}
-    options = MemoryOptions(precision=precision, recompute=[mode, mode], split_backward=split_backward)
+    options = MemoryOptions(precision=precision, mixed_precision=mixed, recompute=[mode, mode],
+                            split_backward=split_backward)
     for stage in graph.stages:
         last = stage.index == graph.num_stages - 1
         args = (stage, graph, trainable, options, model_file.module.loss_fn, target if last else None, last)
@@ -273,3 +286,24 @@ def test_a_data_dependent_size_counts_at_its_upper_bound():
     assert concrete_int(routed * 4 + 8) == 136
     assert concrete_int(env.create_unbacked_symint()) == 0  # unbounded above: its lower bound
     assert concrete_int(7) == 7
+
+
+def test_auto_goes_straight_to_full_where_selective_saves_nothing():
+    # selective keeps every matmul's output; bf16 stage code without autocast's casts may keep less without it (the
+    # logits beside the loss's fp32 copy), so none -> selective can save nothing where full saves most: auto must
+    # not stop there (Llama 3 405B at tp 8 did, under --mixed-precision params)
+    from types import SimpleNamespace
+
+    from tracepp.codegen.memory import choose_checkpointing
+    from tracepp.runtime.mesh import Layout
+
+    def stage(kept):
+        return dict(kept=kept, forward_peak=0, backward_peak=0, backward_peak_first=0, after_backward=-kept,
+                    after_backward_first=-kept, grads=0, param_bytes=0, unsharded_bytes=0, grad_bytes_at_rest=0,
+                    received_sizes=[], grad_received_sizes=[], freed_at_send=0, input_grads=0)
+
+    by_mode = {"none": [stage(1000)], "selective": [stage(1200)], "full": [stage(100)]}
+    graph = SimpleNamespace(num_stages=1, stages=[SimpleNamespace(estimate={"forward_flops": 10})])
+    plan = {"stage_to_rank": [0], "num_ranks": 1, "actions": {"0": ["0F0", "0F1", "0B0", "0B1"]}}
+    chosen = choose_checkpointing(graph, plan, by_mode, [[]], Layout(pp=1), None, {}, "cuda", 1500)
+    assert chosen["modes"] == ["full"] and chosen["fits"] and chosen["peaks"] == [200]

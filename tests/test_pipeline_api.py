@@ -81,11 +81,15 @@ def test_step_and_action_hooks(tied_folder):
     assert [a for a in actions if "F" in a] == per_step * 2 and len(actions) == 2 * 2 * len(per_step)
 
 
-def test_fp16_refused_on_cpu_and_unknown_precision():
+def test_fp16_and_fp8_refused_on_cpu_and_unknown_precision():
     with pytest.raises(ValueError, match="fp16 needs a GPU .* use --precision bf16 or fp32"):
         check_precision("fp16", torch.device("cpu"))
-    with pytest.raises(ValueError, match="precision 'fp8' is not one of fp32, bf16, fp16"):
+    with pytest.raises(ValueError, match="--precision fp8 trains the linears in float8 with torchao, which needs a "
+                                         "CUDA GPU of compute capability 8.9 or more .* this job runs on cpu: use "
+                                         "--precision bf16"):
         check_precision("fp8", torch.device("cpu"))
+    with pytest.raises(ValueError, match="precision 'fp4' is not one of fp32, bf16, fp16, fp8"):
+        check_precision("fp4", torch.device("cpu"))
 
 
 def test_bf16_step_of_an_hf_llama_matches_eager_autocast(tmp_path):

@@ -123,6 +123,120 @@ def eager_train(path: str, steps: int, lr: float = 0.01, initial=None) -> dict:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def eager_mixed_precision(path: str, steps: int, num_microbatches: int, dp: int = 1, dtype=torch.bfloat16,
+                          lr: float = 0.01, clip=None, optimizer: str = "model", initial=None,
+                          separate_tied: bool = True, convert=None):
+    """Eager training of the unsplit model under ``--mixed-precision params``' recipe, written out here (tracepp's
+    runtime is not used): FSDP2's ``MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=float32)`` as
+    ``fully_shard``/``replicate`` train with gradient accumulation (``test_precision.py`` holds this function equal
+    to FSDP2 itself on one process).
+
+    Each step: one copy of the parameters in ``dtype`` (buffers as they are), detached leaves; the global batch cut
+    into ``dp`` contiguous replica slices, each into ``num_microbatches`` contiguous microbatches; per microbatch a
+    forward of the copy (``torch.func.functional_call``) with floating inputs cast to ``dtype``, the loss in fp32 on
+    the fp32-cast outputs times the microbatch's share of its replica's batch, a backward, and the copy's gradients
+    added into the replica's fp32 sum; the replicas' sums added in replica order and divided by ``dp``; optionally
+    ``clip_grad_norm_``; the optimizer (``model``: the model file's ``optimizer(...)`` and ``lr_scheduler(...)``,
+    else SGD at ``lr``; ``sgd``) steps the fp32 masters. ``separate_tied``: each name of a tied weight (an embedding and a head) computes
+    with a copy of its own, their gradients summed in fp32, as a pipeline does whose stages hold the two uses (each
+    stage's engine casts its own copy; Megatron all-reduces the two main gradients); False: one copy, whose
+    gradient autograd sums in ``dtype``, as FSDP2 on the whole model. ``convert(model)``: applied once the model is
+    built (torchao's ``convert_to_float8_training`` for fp8's recipe). Returns (state_dict, [global-batch loss per
+    step]). Runs on one thread, as the test ranks do (``OMP_NUM_THREADS=1``): a CPU kernel's reduction over several
+    threads (layer norm's weight gradient) sums in another order, which bf16 then rounds differently."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _eager_mixed_precision(path, steps, num_microbatches, dp, dtype, lr, clip, optimizer, initial,
+                                      separate_tied, convert)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _eager_mixed_precision(path, steps, num_microbatches, dp, dtype, lr, clip, optimizer, initial, separate_tied,
+                           convert=None):
+    import torch.utils._pytree as pytree
+    from torch.func import functional_call
+
+    model_file = load_model_file(path)
+    module = model_file.module
+    model = model_file.model()
+    if initial is not None:
+        model.load_state_dict(initial)
+    if convert is not None:  # e.g. torchao's convert_to_float8_training (--precision fp8's recipe)
+        convert(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    # (name, master) of every copy a step makes: one per tied name with separate_tied, else one per parameter
+    named = [(name, p) for name, p in model.named_parameters(remove_duplicate=not separate_tied) if p.requires_grad]
+    from tracepp.runtime.optim import build_optimizer, build_scheduler
+
+    hooks = module if optimizer == "model" else None  # the model file's optimizer(...) and lr_scheduler(...)
+    opt = build_optimizer(hooks, list(model.named_parameters()), name="sgd", lr=lr)
+    scheduler = build_scheduler(hooks, opt)
+
+    def cast(value):
+        return value.to(dtype) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+
+    losses = []
+    for step in range(steps):
+        if hasattr(module, "batch"):
+            args, kwargs, target = module.batch(step)
+        else:
+            args, kwargs, target = model_file.example_inputs(), model_file.example_kwargs(), module.example_target()
+        leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+        size = next(leaf.shape[0] for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.dim())
+        with torch.no_grad():
+            copies = {name: p.detach().to(dtype).requires_grad_(True) for name, p in named}
+        replica_sums, total = [], 0.0
+        for replica in range(dp):
+            per = size // dp
+            sums = [None] * len(named)
+            mb_size = per // num_microbatches
+            for mb in range(num_microbatches):
+                begin = replica * per + mb * mb_size
+
+                def piece(value):
+                    if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == size:
+                        return value[begin:begin + mb_size]
+                    return value
+                mb_args, mb_kwargs = pytree.tree_unflatten([cast(piece(leaf)) for leaf in leaves], spec)
+                output = functional_call(model, copies, tuple(mb_args), dict(mb_kwargs),
+                                         tie_weights=not separate_tied)
+                output = pytree.tree_map_only(torch.Tensor, lambda t: t.float() if t.is_floating_point() else t,
+                                              output)
+                loss = module.loss_fn(output, pytree.tree_map(piece, target)).float() * (mb_size / per)
+                loss.backward()
+                total += float(loss.detach()) / dp
+                with torch.no_grad():
+                    for k, (name, _p) in enumerate(named):
+                        grad = copies[name].grad
+                        copies[name].grad = None
+                        if grad is not None:
+                            sums[k] = grad.float() if sums[k] is None else sums[k].add_(grad)
+            replica_sums.append(sums)
+        with torch.no_grad():
+            for k, (_name, param) in enumerate(named):
+                found = [sums[k] for sums in replica_sums if sums[k] is not None]
+                if found:
+                    grad = found[0]
+                    for other in found[1:]:
+                        grad = grad + other
+                    grad = grad / dp if dp > 1 else grad
+                    param.grad = grad if param.grad is None else param.grad + grad  # a tied weight's names
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(params, clip)
+        opt.step()
+        if scheduler is not None:
+            scheduler.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(total)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
+
+
+def max_state_diff(actual: dict, expected: dict) -> float:
+    return max((actual[k].float() - expected[k].float()).abs().max().item() for k in expected)
+
+
 def assert_state_close(actual: dict, expected: dict, atol: float = 2e-5) -> None:
     assert sorted(actual) == sorted(expected), f"keys differ: {sorted(set(actual) ^ set(expected))}"
     worst = {k: (actual[k].float() - expected[k].float()).abs().max().item() for k in expected}

@@ -344,9 +344,19 @@ def _add_split_options(parser) -> None:
     parser.add_argument("--dp-order", default="pp-inner", choices=["pp-inner", "dp-inner"],
                         help="pp-inner (default): consecutive global ranks form one pipeline; dp-inner: "
                              "consecutive ranks are replicas of one pipeline rank")
-    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
+    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16", "fp8"],
                         help="the compute dtype the job will run in: memory is counted in it, and run.py defaults "
-                             "to it (default fp32)")
+                             "to it; below fp32 the master weights, optimizer state and gradient reductions stay fp32 "
+                             "(fp8: bf16 with torchao's float8 linears, GPU only; default fp32)")
+    parser.add_argument("--mixed-precision", default="params", choices=["params", "autocast"],
+                        help="how a precision below fp32 applies: params (default) traces and runs the model with its "
+                             "parameters cast to the compute dtype once per step, as FSDP2's MixedPrecisionPolicy("
+                             "param_dtype=bf16, reduce_dtype=fp32): bf16 gathered and computed, no per-op casts; "
+                             "autocast keeps fp32 parameters and casts per op (torch.autocast), for a model that mixes "
+                             "its weights' dtype with fp32 tensors it never casts or needs autocast's fp32 ops")
+    parser.add_argument("--fp8-recipe", default="tensorwise", choices=["tensorwise", "rowwise"],
+                        help="with --precision fp8: torchao's float8 scaling (tensorwise also all-gathers the weights "
+                             "in float8 under FSDP; default tensorwise)")
     parser.add_argument("--activation-checkpointing", default="none", metavar="MODE",
                         help="none, full, selective (keep matmul, attention and collective outputs, recompute the "
                              "rest), in-flight (full where a stage holds several microbatches), one of "
@@ -388,7 +398,8 @@ def _run_options(args):
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     limit = parse_bytes(args.memory_limit) if args.memory_limit else None
-    return RunOptions(precision=args.precision, activation_checkpointing=args.activation_checkpointing,
+    return RunOptions(precision=args.precision, mixed_precision=args.mixed_precision, fp8_recipe=args.fp8_recipe,
+                      activation_checkpointing=args.activation_checkpointing,
                       optimizer=args.optimizer, expert_imbalance=args.expert_imbalance, device=device,
                       memory_limit=limit)
 

@@ -32,7 +32,7 @@ def _plan(model_path: str, layout: Layout, num_stages: Optional[int], schedule: 
     layout.check()
     run.check()
     model_file, traced, graph = trace_and_split(model_path, layout, num_stages, schedule, num_microbatches,
-                                                split_points, dynamic_shapes)
+                                                split_points, dynamic_shapes, run.traced_dtype())
     if layout.cp > 1:                                                                 # 2a. context parallel
         with phases.step("cp plan"):
             loss = trace_loss(model_file, graph) if model_file.training else None
@@ -66,15 +66,17 @@ def _plan(model_path: str, layout: Layout, num_stages: Optional[int], schedule: 
 
 
 def trace_and_split(model_path: str, layout: Layout, num_stages: Optional[int], schedule: str,
-                    num_microbatches: int, split_points: Optional[list], dynamic_shapes) -> tuple:
-    """Steps 1-2: (model file, traced program, stage graphs) before any parallel plan."""
+                    num_microbatches: int, split_points: Optional[list], dynamic_shapes, param_dtype=None) -> tuple:
+    """Steps 1-2: (model file, traced program, stage graphs) before any parallel plan. ``param_dtype``: trace with
+    the parameters (and floating inputs) cast to it (``--mixed-precision params``; ``trace.trace``)."""
     with phases.step("load"):
         model_file = load_model_file(model_path)                                      # the user's contract
     with phases.step("trace"):
         if layout.dp > 1:  # each replica runs the pipeline on its slice: trace a microbatch of the replica's batch
-            traced = _trace_replica(model_file, num_microbatches, dynamic_shapes, layout)
+            traced = _trace_replica(model_file, num_microbatches, dynamic_shapes, layout, param_dtype)
         else:
-            traced = trace(model_file, num_microbatches, dynamic_shapes, on_meta="auto")  # 1. torch.export
+            traced = trace(model_file, num_microbatches, dynamic_shapes, on_meta="auto",  # 1. torch.export
+                           param_dtype=param_dtype)
     points = None if split_points == "auto" else (split_points or model_file.split_points)
     with phases.step("split"):
         graph = split(traced, points, num_stages,                                     # 2. stage graphs
@@ -149,7 +151,8 @@ def memory_plan(model_file, traced, graph, the_plan: dict, layout: Layout, run: 
         run.activation_checkpointing, graph.num_stages,
         lambda s: [str(a) for a in actions[the_plan["stage_to_rank"][s]]])
     split_backward = any(Action.parse(str(a)).kind in ("I", "W") for rank in actions.values() for a in rank)
-    options = MemoryOptions(precision=run.precision, recompute=modes, split_backward=split_backward,
+    options = MemoryOptions(precision=run.precision, mixed_precision=run.mixed_precision,
+                            fp8_recipe=run.fp8_recipe, recompute=modes, split_backward=split_backward,
                             tp=layout.tp, ep=layout.ep, expert_imbalance=run.expert_imbalance, device=run.device,
                             cp=layout.cp)
     target = _microbatch_target(model_file, traced, layout) if model_file.training else None
@@ -208,7 +211,7 @@ def _microbatch_target(model_file, traced, layout: Layout):
                                 target)
 
 
-def _trace_replica(model_file, num_microbatches: int, dynamic_shapes, layout: Layout):
+def _trace_replica(model_file, num_microbatches: int, dynamic_shapes, layout: Layout, param_dtype=None):
     """Trace with the microbatch a replica runs (global batch / dp / microbatches); the manifest's batch size
     is then the replica's."""
     import dataclasses
@@ -224,5 +227,5 @@ def _trace_replica(model_file, num_microbatches: int, dynamic_shapes, layout: La
     if num_microbatches > per_replica:
         raise ValueError(f"--microbatches {num_microbatches} does not fit a replica's {per_replica} samples "
                          f"(global batch {global_batch} / --dp {layout.dp}): choose 1..{per_replica}")
-    traced = trace(model_file, num_microbatches * layout.dp, dynamic_shapes, on_meta="auto")
+    traced = trace(model_file, num_microbatches * layout.dp, dynamic_shapes, on_meta="auto", param_dtype=param_dtype)
     return dataclasses.replace(traced, num_microbatches=num_microbatches, batch_size=per_replica)

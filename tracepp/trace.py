@@ -20,7 +20,7 @@ from typing import Any, Optional
 import torch
 import torch.utils._pytree as pytree
 
-from tracepp.split.pipeline_graph import AUTOCAST_OFF
+from tracepp.split.pipeline_graph import AUTOCAST_OFF, MASTER_DTYPE
 from tracepp.dynamic import DynamicFlags, export_dynamic_shapes, names_from_model_spec
 from tracepp.modelfile import ModelFile, ModelFileError
 
@@ -43,6 +43,9 @@ class Traced:
     dim_names: dict = field(default_factory=dict)  # (leaf index, dim) -> name of a dynamic dim ("seq")
     notes: list = field(default_factory=list)  # things the user should know (printed by the CLI)
     random_ops: list = field(default_factory=list)  # the ops that draw random numbers ("aten.rand_like at m.py:9")
+    # --mixed-precision params: the parameters' own dtypes (fqn -> dtype) where the program was traced with them
+    # cast to the compute dtype (the rank holds them so: the master weights)
+    master_dtypes: dict = field(default_factory=dict)
 
 
 def batch_size_of(leaves: list, where: str) -> int:
@@ -124,8 +127,36 @@ def _export(model, args, kwargs, dynamic_shapes):
         return torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes)
 
 
-def trace(model_file: ModelFile, num_microbatches: int, dynamic_shapes: Any = None, on_meta=False) -> Traced:
+def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> dict:
+    """Cast ``model``'s floating parameters to ``dtype`` in place (buffers stay: FSDP2's ``param_dtype`` casts
+    parameters only); returns fqn -> the dtype each had (every alias of a tied weight)."""
+    named = list(model.named_parameters(remove_duplicate=False))
+    before = {fqn: param.dtype for fqn, param in named}  # every alias, before its tied twin is cast
+    done = set()
+    for _fqn, param in named:
+        if param.is_floating_point() and param.dtype != dtype and id(param) not in done:
+            done.add(id(param))
+            param.data = param.data.to(dtype)
+    return {fqn: dtype_ for fqn, dtype_ in before.items() if dtype_ != dtype and dtype_.is_floating_point}
+
+
+def _mark_masters(program: torch.export.ExportedProgram, master_dtypes: dict) -> None:
+    """Each parameter placeholder traced in the compute dtype records the dtype the rank holds it in."""
+    targets = {spec.arg.name: spec.target for spec in program.graph_signature.input_specs
+               if spec.kind == torch.export.graph_signature.InputKind.PARAMETER}
+    for node in program.graph.nodes:
+        if node.op == "placeholder" and targets.get(node.name) in master_dtypes:
+            node.meta[MASTER_DTYPE] = master_dtypes[targets[node.name]]
+
+
+def trace(model_file: ModelFile, num_microbatches: int, dynamic_shapes: Any = None, on_meta=False,
+          param_dtype: Optional[torch.dtype] = None) -> Traced:
+    """``param_dtype`` (``--mixed-precision params`` below fp32): the model is traced as it trains under FSDP2's
+    ``MixedPrecisionPolicy(param_dtype=...)``: its floating parameters and floating inputs cast to it, buffers as they
+    are, so every dtype the program records (a norm's ``.to(input_dtype)``, the boundaries) is the one training
+    computes in."""
     model, notes = build_model(model_file, on_meta)
+    master_dtypes = cast_parameters(model, param_dtype) if param_dtype is not None else {}
     args, kwargs = model_file.example_inputs(), model_file.example_kwargs()
     leaves, spec = pytree.tree_flatten((args, kwargs))
     batch_size = batch_size_of(leaves, f"{model_file.path}: example_inputs()")
@@ -135,7 +166,8 @@ def trace(model_file: ModelFile, num_microbatches: int, dynamic_shapes: Any = No
             f"choose 1..{batch_size}"
         )
     batched = [isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape[0] == batch_size for leaf in leaves]
-    mb_args, mb_kwargs = pytree.tree_unflatten(first_microbatch(leaves, batched, batch_size, num_microbatches), spec)
+    mb_args, mb_kwargs = pytree.tree_unflatten(_cast_inputs(first_microbatch(leaves, batched, batch_size,
+                                                                            num_microbatches), param_dtype), spec)
     mb_args, mb_kwargs = tuple(mb_args), dict(mb_kwargs)
     if dynamic_shapes is None and model_file.dynamic_shapes is None and batch_size % num_microbatches:
         # unequal microbatches need a symbolic batch dim; declaring it is what the user would do anyway
@@ -153,22 +185,27 @@ def trace(model_file: ModelFile, num_microbatches: int, dynamic_shapes: Any = No
     if dynamic_batch and -(-batch_size // num_microbatches) == 1 and batch_size >= 2:
         # export specialises a size-1 dim to the constant 1; the trace is symbolic in the batch anyway,
         # so trace two samples
-        mb_args, mb_kwargs = pytree.tree_unflatten(first_microbatch(leaves, batched, batch_size, batch_size // 2), spec)
+        mb_args, mb_kwargs = pytree.tree_unflatten(_cast_inputs(first_microbatch(leaves, batched, batch_size,
+                                                                                batch_size // 2), param_dtype), spec)
         mb_args, mb_kwargs = tuple(mb_args), dict(mb_kwargs)
     try:
         program = _export(model, mb_args, mb_kwargs, export_shapes)
     except Exception as error:
         if not _is_on_meta(model):
-            raise TraceError(explain_export_failure(error, model, model_file.path)) from error
+            raise TraceError(_explain(error, model, model_file.path, param_dtype)) from error
         # forward may read a parameter's or buffer's value; try once with real weights before giving up
         model = model_file.model()
+        if param_dtype is not None:
+            cast_parameters(model, param_dtype)
         try:
             program = _export(model, mb_args, mb_kwargs, export_shapes)
         except Exception as real_error:
-            raise TraceError(explain_export_failure(real_error, model, model_file.path)) from real_error
+            raise TraceError(_explain(real_error, model, model_file.path, param_dtype)) from real_error
         notes.append(f"the model does not trace with meta weights ({type(error).__name__}: "
                      f"{str(error).splitlines()[0] if str(error) else ''}); traced with real weights instead")
     inline_grad_mode_regions(program, model_file.path)
+    if master_dtypes:
+        _mark_masters(program, master_dtypes)
     random_ops = random_draws(program)
     if random_ops:
         notes.append(random_note(random_ops, model_file.training))
@@ -176,7 +213,32 @@ def trace(model_file: ModelFile, num_microbatches: int, dynamic_shapes: Any = No
         _replace_meta_device(program, _input_device(leaves))
     dim_names = {(leaf_of_arg[arg], dim): name for (arg, dim), name in arg_dim_names.items() if arg in leaf_of_arg}
     return Traced(program, model, model_file, num_microbatches, batch_size, batched, leaves, dim_names, notes,
-                  random_ops)
+                  random_ops, master_dtypes)
+
+
+def _explain(error: BaseException, model, path: str, param_dtype) -> str:
+    """:func:`explain_export_failure`, and under ``--mixed-precision params`` a dtype clash named as what it is: the
+    model computes with its weights' dtype and an fp32 tensor it never casts, which autocast would have unified."""
+    text = explain_export_failure(error, model, path)
+    message = str(error)
+    if param_dtype is not None and "dtype" in message.lower() and any(
+            name in message for name in ("BFloat16", "Half", "bfloat16", "float16")):
+        name = str(param_dtype).replace("torch.", "")
+        text = text.split("\n  what to try:")[0]  # not the code's shape: the dtypes it mixes
+        text += (f"\n  what to try (mixed precision): the model was traced as --mixed-precision params trains it, with its parameters "
+                 f"and floating inputs in {name} (buffers and tensors it makes stay fp32), and an op there mixes the "
+                 f"two: cast the fp32 tensor to the activations' dtype in the model (e.g. cos.to(q.dtype), as Hugging "
+                 f"Face models do), or split with --mixed-precision autocast (fp32 parameters, autocast per op)")
+    return text
+
+
+def _cast_inputs(leaves: list, dtype: Optional[torch.dtype]) -> list:
+    """The model's floating inputs in ``dtype``, as FSDP2's ``cast_forward_inputs`` casts a root module's (the runtime
+    casts each batch so, ``RankExecutor.input_dtype``)."""
+    if dtype is None:
+        return leaves
+    return [leaf.to(dtype) if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() else leaf
+            for leaf in leaves]
 
 
 _OFF_WHEN = {"p": 0, "dropout_p": 0, "train": False}  # an argument that makes a random op draw nothing

@@ -64,6 +64,9 @@ def ensure(manifest: dict, folder: str, tp_sizes=None, cp_sizes=None, ep_sizes=N
     say(f"computing the tuner's figures for {what} (once; cached in {os.path.join(folder, 'manifest.json')})")
     started = time.perf_counter()
     model_path, call = recorded_call(manifest, folder)
+    from tracepp.runtime.run_options import manifest_options
+
+    dtype = manifest_options(manifest).traced_dtype()
     if wanted["memory"]:  # the folder's whole plan again, every stage counted under every mode
         model_file, _traced, graph, _plan_json, _run = _plan(model_path, call["layout"], call["num_stages"],
                                                              call["schedule"], call["num_microbatches"],
@@ -72,7 +75,7 @@ def ensure(manifest: dict, folder: str, tp_sizes=None, cp_sizes=None, ep_sizes=N
     else:
         model_file, _traced, graph = trace_and_split(model_path, call["layout"], call["num_stages"],
                                                      call["schedule"], call["num_microbatches"],
-                                                     call["split_points"], call["dynamic_shapes"])
+                                                     call["split_points"], call["dynamic_shapes"], dtype)
     if manifest.get("model_sha256") and model_file.sha256 != manifest["model_sha256"]:
         raise ValueError(f"{model_path} changed since {folder} was split (its sha256 differs from the manifest's): "
                          f"split again, then tune")

@@ -73,7 +73,7 @@ class StageCallables:
     differentiable outputs, their output gradients); the output gradients come from one full backward of the
     whole model made at construction."""
 
-    def __init__(self, folder: str, device="cpu", precision: str = "fp32", max_microbatches: int = 4,
+    def __init__(self, folder: str, device="cpu", precision=None, max_microbatches: int = 4,
                  step: int = 0):
         from tracepp.runtime.launch import user_batch
         from tracepp.runtime.pipeline import Pipeline
@@ -166,7 +166,7 @@ class StageCostMeter:
     same kinds through tracepp's executor, so both see the same machine; ``tracepp.costs.measure_in_run`` with a run's
     own steps, each rank timing its own ``stages`` without ``naive_weight``)."""
 
-    def __init__(self, folder: str, *, device="cpu", precision: str = "fp32", max_microbatches: int = 4,
+    def __init__(self, folder: str, *, device="cpu", precision=None, max_microbatches: int = 4,
                  clock: str = "wall", step: int = 0, stages=None, naive_weight: bool = True):
         self.timer = CLOCKS[clock]
         self.clock = clock
@@ -269,7 +269,7 @@ class RuntimeCostMeter:
     a single ``I``/``W`` microbatch only the first is timed."""
 
     def __init__(self, folder: str, device="cpu", max_microbatches: int = 4, clock: str = "wall",
-                 precision: str = "fp32"):
+                 precision=None):
         from tracepp.codegen.manifest import load_manifest
         from tracepp.runtime.launch import user_batch
         from tracepp.runtime.pipeline import Pipeline
@@ -357,7 +357,7 @@ class RuntimeCostMeter:
 
 
 def measure_runtime_costs(folder: str, *, device="cpu", rounds: int = 5, max_microbatches: int = 4,
-                          precision: str = "fp32", clock: str = "wall") -> dict:
+                          precision=None, clock: str = "wall") -> dict:
     """``{"costs": plain, "runtime_costs": tracepp's}`` (both ``{"0F": s, ...}``) from alternating rounds of
     :class:`StageCostMeter` and :class:`RuntimeCostMeter`, so both see the same spells of the machine; their
     per-kind ratios are the calibration's ``runtime_factors`` (``tracepp.costs.model.runtime_factors``)."""
@@ -373,7 +373,7 @@ def measure_runtime_costs(folder: str, *, device="cpu", rounds: int = 5, max_mic
 
 
 def measure_stage_times(folder: str, *, device="cpu", rounds: int = 5, max_microbatches: int = 4,
-                        precision: str = "fp32", clock: str = "wall", step: int = 0) -> dict:
+                        precision=None, clock: str = "wall", step: int = 0) -> dict:
     """Every sample behind :func:`measure_stage_costs` (:meth:`StageCostMeter.result`)."""
     meter = StageCostMeter(folder, device=device, precision=precision, max_microbatches=max_microbatches,
                            clock=clock, step=step)
@@ -383,7 +383,7 @@ def measure_stage_times(folder: str, *, device="cpu", rounds: int = 5, max_micro
 
 
 def measure_stage_costs(folder: str, *, device="cpu", rounds: int = 5, max_microbatches: int = 4,
-                        precision: str = "fp32", clock: str = "wall") -> dict:
+                        precision=None, clock: str = "wall") -> dict:
     """``{"0F": s, "0B": s, "0I": s, "0W": s, "1F": s, ...}``: seconds per microbatch of each stage's forward,
     full backward, input-gradient and weight-gradient halves, measured with plain autograd in this process (see
     the module docstring); the format ``tracepp plan --costs`` reads (``tracepp.costs.costs_file``). Forward-only
@@ -399,7 +399,8 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--microbatches", type=int, default=4, help="microbatches timed per round (default 4)")
-    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
+    parser.add_argument("--precision", default=None, choices=["fp32", "bf16", "fp16", "fp8"],
+                        help="default: what the folder was split for")
     parser.add_argument("--clock", default="wall", choices=sorted(CLOCKS))
     args = parser.parse_args(argv)
     costs = measure_stage_costs(args.folder, device=args.device, rounds=args.rounds,

@@ -350,23 +350,40 @@ def _dp_shard(layout) -> int:
     return layout.dp if layout.dp_mode == "fsdp" else (layout.dp_shard or 1)
 
 
+def compute_copy_share(manifest: dict):
+    """Bytes of the copy a stage computes with per byte of the weights a rank holds, under ``--mixed-precision
+    params`` (bf16 over fp32 masters: 0.5), from the manifest's state entries (``compute_dtype``); None where the
+    stages compute with the parameters themselves (fp32, autocast): FSDP then gathers them whole, in their dtype."""
+    import torch
+
+    for stage in manifest.get("stages", []):
+        for ref in stage.get("state", []):
+            if ref.get("compute_dtype"):
+                held = getattr(torch, ref["dtype"]).itemsize
+                return getattr(torch, ref["compute_dtype"]).itemsize / held
+    return None
+
+
 def held_bytes(param_bytes: float, count: float, layout, training: bool, optimizer_bytes_per_param: int,
-               experts_over: int = 1) -> float:
+               experts_over: int = 1, copy=None) -> float:
     """What a group of parameters costs one rank at the worst moment of a training step: weights, gradients and
     optimizer state. ``experts_over`` > 1: routed experts sharded over that many ep ranks, outside FSDP: 1/ep of
     each, nothing gathered. Otherwise by the data-parallel mode: whole on every rank without dp or with DDP; under
     FSDP (HSDP: over its shard group) this runtime keeps a stage's weights gathered and its gradients whole from
     the first forward to the last backward of a step (``reshard_after_forward=False``, gradient sync in the last
     backward only), beside its 1/dp shard of the weights and the optimizer state: whole weights and gradients
-    plus 1/dp of weights and optimizer state."""
+    plus 1/dp of weights and optimizer state. ``copy`` (:func:`compute_copy_share`): under ``--mixed-precision
+    params`` the gathered weights are the compute copy (half of fp32's at bf16), and without FSDP that copy is made
+    beside the weights."""
     grads = param_bytes if training else 0.0
     state = count * optimizer_bytes_per_param if training else 0.0
+    cast = param_bytes * copy if copy else 0.0
     if experts_over > 1:
-        return (param_bytes + grads + state) / experts_over
+        return (param_bytes + grads + state + cast) / experts_over
     shard = _dp_shard(layout)
     if shard == 1:
-        return param_bytes + grads + state
-    return param_bytes + grads + (param_bytes + state) / shard
+        return param_bytes + grads + state + cast
+    return param_bytes * (copy or 1.0) + grads + (param_bytes + state) / shard
 
 
 def expert_step_s(manifest: dict, split: tuple, layout, ep: int, link) -> dict:
@@ -505,7 +522,8 @@ def _memory(manifest: dict, split: tuple, sim, stage_to_rank: list, microbatch_s
     scale = microbatch_size / traced_microbatch(manifest)
     static, activation = {}, {}
     for seg, stage in zip(segments, split):
-        held = _held(seg, tp, sequence_parallel, ep, layout, training, optimizer_bytes_per_param)
+        held = _held(seg, tp, sequence_parallel, ep, layout, training, optimizer_bytes_per_param,
+                     compute_copy_share(manifest))
         static[stage] = static.get(stage, 0) + held
         activation[stage] = activation.get(stage, 0) + (seg["activation_bytes"] or 0) * _activation_share(
             seg, tp, sequence_parallel) * scale
@@ -536,14 +554,14 @@ def _activation_share(seg: dict, tp: int, sequence_parallel: bool) -> float:
 
 
 def _held(seg: dict, tp: int, sequence_parallel: bool, ep: int, layout, training: bool,
-          optimizer_bytes_per_param: int) -> float:
+          optimizer_bytes_per_param: int, copy=None) -> float:
     fig = _tp_figures(seg, tp, sequence_parallel)
     experts = seg.get("ep") or {}
     expert_bytes_, expert_count = experts.get("param_bytes", 0), experts.get("params", 0)
     params = (seg["param_bytes"] or 0) - fig["sharded_param_bytes"] * (1 - 1 / tp) - expert_bytes_
     count = (seg["num_params"] or 0) - fig["sharded_params"] * (1 - 1 / tp) - expert_count
-    return (held_bytes(params, count, layout, training, optimizer_bytes_per_param)
-            + held_bytes(expert_bytes_, expert_count, layout, training, optimizer_bytes_per_param, ep))
+    return (held_bytes(params, count, layout, training, optimizer_bytes_per_param, copy=copy)
+            + held_bytes(expert_bytes_, expert_count, layout, training, optimizer_bytes_per_param, ep, copy))
 
 
 def stage_memory(manifest: dict, split: tuple, microbatch_size: float, training: bool, optimizer_bytes_per_param: int,
@@ -557,6 +575,7 @@ def stage_memory(manifest: dict, split: tuple, microbatch_size: float, training:
     scale = microbatch_size / traced_microbatch(manifest)
     shard = _dp_shard(layout)
     wrapped = layout.dp > 1
+    copy = compute_copy_share(manifest)  # --mixed-precision params: the compute copy's bytes per master byte
     figures, optimizer = {}, {}
     stages = sorted(set(split))
     first_segment = {stage: split.index(stage) for stage in stages}
@@ -598,7 +617,11 @@ def stage_memory(manifest: dict, split: tuple, microbatch_size: float, training:
             "after_weight_backward": 0, "after_weight_backward_first": grads,
             "input_grads": input_grads, "grads": grads,
             "received_sizes": [received] if received else [], "grad_received_sizes": [grad_in] if grad_in else [],
-            "param_bytes": params / shard + experts, "unsharded_bytes": params if wrapped else 0,
+            # what the stage computes with from its first forward to its last backward: FSDP's (DDP's) gathered
+            # copy, in the compute dtype under the params policy, whose cast copy exists without dp too (and of the
+            # routed experts, which FSDP leaves alone)
+            "param_bytes": params / shard + experts,
+            "unsharded_bytes": (params * (copy or 1.0) if wrapped else params * (copy or 0.0)) + experts * (copy or 0.0),
             "grad_bytes_at_rest": (params / shard + experts) if training else 0}
         optimizer[stage] = (count / shard + expert_count) * optimizer_bytes_per_param if training else 0
     return figures, optimizer
@@ -743,8 +766,9 @@ def choose_recompute(manifest: dict, split: tuple, built, microbatch_size: float
                      optimizer_bytes_per_param: int, tp: int, sequence_parallel: bool, ep: int, layout,
                      memory_limit: int, costs: dict) -> tuple:
     """Activation checkpointing per stage for a plan over ``memory_limit``: (modes, peak per rank). Starting from
-    none everywhere, while a rank is over the limit, one of its stages goes one step further (none -> selective
-    -> full): the one that saves the most of that rank's peak per second of recomputation it adds. A stage's need
+    none everywhere, while a rank is over the limit, one of its stages goes further (none -> selective -> full, or
+    straight to full where selective saves nothing): the move that saves the most of that rank's peak per second of
+    recomputation it adds. A stage's need
     follows from the schedule: the first stage of 1F1B keeps pp microbatches in flight, the last one, so the
     first ones are checkpointed first. Stops when every rank fits or no stage is left to checkpoint."""
     num_stages = len(set(split))
@@ -761,16 +785,19 @@ def choose_recompute(manifest: dict, split: tuple, built, microbatch_size: float
         worst = max(peaks, key=peaks.get)
         best = None
         for stage in (s for s, r in enumerate(built.stage_to_rank) if r == worst and modes[s] in _NEXT_MODE):
-            trial = list(modes)
-            trial[stage] = _NEXT_MODE[modes[stage]]
-            found = _memory(manifest, split, None, built.stage_to_rank, microbatch_size, training,
-                            optimizer_bytes_per_param, tp, sequence_parallel, ep, layout, trial, built.actions,
-                            built.releases)
-            saved = peaks[worst] - found[worst]
-            added = (RECOMPUTE_SHARE[trial[stage]] - RECOMPUTE_SHARE[modes[stage]]) * costs.get((stage, "F"), 0.0)
-            score = saved / added if added > 0 else saved * 1e12
-            if saved > 0 and (best is None or score > best[0]):
-                best = (score, trial, found)
+            further = _NEXT_MODE[modes[stage]]
+            while further is not None:  # the next mode and those past it (selective may save nothing where full does)
+                trial = list(modes)
+                trial[stage] = further
+                found = _memory(manifest, split, None, built.stage_to_rank, microbatch_size, training,
+                                optimizer_bytes_per_param, tp, sequence_parallel, ep, layout, trial, built.actions,
+                                built.releases)
+                saved = peaks[worst] - found[worst]
+                added = (RECOMPUTE_SHARE[further] - RECOMPUTE_SHARE[modes[stage]]) * costs.get((stage, "F"), 0.0)
+                score = saved / added if added > 0 else saved * 1e12
+                if saved > 0 and (best is None or score > best[0]):
+                    best = (score, trial, found)
+                further = _NEXT_MODE.get(further)
         if best is None:
             break
         _score, modes, peaks = best

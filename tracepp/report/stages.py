@@ -104,8 +104,10 @@ def _options_text(manifest: dict) -> str:
     modes = options.get("recompute") or []
     checkpointing = modes[0] if modes and len(set(modes)) == 1 else ",".join(modes)
     optimizer = options.get("optimizer") or run.get("optimizer") or "sgd"
-    return (f"precision {options.get('precision', 'fp32')}, activation checkpointing {checkpointing or 'none'}, "
-            f"optimizer {optimizer}")
+    precision = options.get('precision', 'fp32')
+    if precision != "fp32" and options.get("mixed_precision"):  # params: bf16 copies of fp32 masters; autocast
+        precision += f" ({options['mixed_precision']})"
+    return (f"precision {precision}, activation checkpointing {checkpointing or 'none'}, optimizer {optimizer}")
 
 
 PART_HEADERS = (("parameters", "params"), ("gradients", "grads"), ("optimizer", "optimizer"),
@@ -149,8 +151,8 @@ def memory_table(manifest: dict) -> str:
                     + [entry.get("at", "-")])
     text = tabulate(rows, headers=["rank", "peak"] + [h for _k, h in PART_HEADERS] + ["at"], tablefmt="simple")
     text = "peak memory per rank (a step after the first, and the optimizer step):\n" + text
-    text += ("\n(params: held between steps; grads: the parameters' gradients; gathered: FSDP's/DDP's unsharded "
-             "copy while the stage computes; activations: kept for backward by the microbatches in flight; buffers: "
+    text += ("\n(params: held between steps; grads: the parameters' gradients; gathered: the copy the stage "
+             "computes with (FSDP's/DDP's, or the bf16 cast of --mixed-precision params); activations: kept for backward by the microbatches in flight; buffers: "
              "receive buffers and gradients waiting to be sent; temporaries: the running action's own; counted on "
              f"fake tensors, {_options_text(manifest)}; see docs/memory.md)")
     notes = (manifest.get("memory") or {}).get("notes") or []
