@@ -283,9 +283,10 @@ class Pipeline:
         self.last_batch_size = None
         self._all_stages = all_stages
         if self.run_differs and not all_stages and self.rank == 0:  # named once, here (the fit check then says nothing)
-            print(f"[tracepp] note: this run's {'; '.join(self.run_differs)} differs from what tracepp split planned "
-                  f"(manifest.json run_options): the plan's memory figures are for the split's, so they are not "
-                  f"checked against this device; split again with these options to count them", flush=True)
+            print(f"[tracepp] note: this run's options are not those tracepp split planned (manifest.json "
+                  f"run_options): {'; '.join(self.run_differs)}. The plan's memory figures are for the split's, so "
+                  f"they are not checked against this device; split again with these options to count them",
+                  flush=True)
         if memory_check != "off":
             self.check_memory(memory_check, memory_reserve)
 
