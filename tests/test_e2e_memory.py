@@ -1,11 +1,13 @@
-"""Memory you can plan on (issue 46), tier 3: each rank's peak predicted at split time (counted on fake tensors,
-walked over the plan's timeline) against the peak the run measures (``run.py --measure-memory``: every live tensor
-storage counted on CPU), within 10%; and what each forward keeps for backward, per microbatch, against what the
-run's forwards left; fp32 runs trained equal to eager.
+"""Memory you can plan on (issues 46, 59), tier 3: each rank's peak predicted at split time (counted on fake tensors,
+walked over the plan's timeline) against the peak the run measures with a meter that shares no code with the count
+(``run.py --measure-memory``: torch's MemTracker on CPU), within 10%; and what each forward keeps for backward, per
+microbatch, against what the run's forwards left; fp32 runs trained equal to eager; and a loop of one's own through
+``Pipeline(folder)`` runs the precision and checkpointing the split planned.
 
-Six cases of ``benchmarks/memory_check.py``'s matrix (the rest run there): dense Llama, GPT-2, Mixtral and a small
+Seven cases of ``benchmarks/memory_check.py``'s matrix (the rest run there): dense Llama, GPT-2, Mixtral and a small
 DeepSeek-V3; fp32 and bf16; activation checkpointing none, full, selective and every-2; GPipe, 1F1B, interleaved
-and zero-bubble; FSDP over ``--dp 2``, ``--tp 2 --sequence-parallel`` and ``--dp 2 --ep 2``; SGD and AdamW.
+and zero-bubble; FSDP over ``--dp 2``, ``--tp 2 --sequence-parallel``, ``--cp 2`` and ``--dp 2 --ep 2``; SGD and
+AdamW.
 """
 import json
 import os
@@ -19,7 +21,7 @@ from util import HERE, TORCHRUN_TIMEOUT_S, assert_state_close, assert_trained, s
 pytestmark = pytest.mark.timeout(600)
 CASES = ["llama-gpipe-bf16-full-adamw", "gpt2-interleaved-zero-bubble-fp32-selective", "deepseek_v3-1f1b-fp32-none",
          "llama-fsdp-dp2-interleaved-fp32-adamw", "llama-tp2-sequence-parallel-1f1b-bf16-selective",
-         "mixtral-dp2-ep2-1f1b-fp32"]
+         "mixtral-dp2-ep2-1f1b-fp32", "llama-cp2-1f1b-adamw"]
 
 
 def _launch(out: str, world: int, args: list, env: dict) -> tuple:
