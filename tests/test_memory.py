@@ -353,3 +353,34 @@ def test_a_stage_that_cannot_be_counted_makes_its_ranks_figure_a_bound(tmp_path,
                     run=RunOptions(memory_limit=ranks[0]["peak_bytes"] + 1), **options)
     assert main(["inspect", str(tmp_path / "out")]) == 0
     assert "(bound)" in capsys.readouterr().out
+
+
+def test_the_runs_meter_agrees_with_the_counter_and_keeps_nothing_alive(tmp_path):
+    # run.py --measure-memory's meter (torch's MemTracker, device totals) against the count's own counter on the same
+    # real steps, input and weight backwards split (autograd.grad with inputs=, which MemTracker's module hooks broke).
+    # Its module tracker also kept every microbatch's input gradients alive: the second step's peak grew
+    import gc
+
+    from tracepp.driver import split_model
+    from tracepp.runtime import Pipeline
+    from tracepp.runtime.memory import MeasuredPeak
+    from tracepp.runtime.mesh import Layout
+
+    out = str(tmp_path / "out")
+    split_model(model_path("tied_lm"), out, schedule="1f1b", num_microbatches=2, layout=Layout(pp=2))
+    actions = [a for mb in range(2) for a in (f"0F{mb}", f"1F{mb}", f"1I{mb}", f"1W{mb}", f"0I{mb}", f"0W{mb}")]
+    pipe = Pipeline(out, all_stages=True, actions=actions)
+    meter, counter = MeasuredPeak(pipe), LiveMemory()
+    counter.register(list(pipe.parameters()) + [b for s in pipe.stages.values() for b in s.buffers()], "parameters")
+    meter.start()
+    peaks = []
+    with counter:
+        for step in range(3):
+            args, kwargs, target = pipe.user.batch(step)
+            pipe.step(args, kwargs, target)
+            pipe.zero_grad()
+            gc.collect()
+            peaks.append(counter.peak)
+    measured = meter.stop()
+    assert measured["peak_bytes"] == counter.peak > 0 and "MemTracker" in measured["method"]
+    assert peaks[1] == peaks[2]  # nothing kept from one step to the next
