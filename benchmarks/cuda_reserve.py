@@ -265,19 +265,22 @@ def main(argv=None) -> int:
         json.dump(result, handle, indent=1)
     gb = 1e9
     if "context_bytes" in nccl:
-        print(f"{nccl['device']}, torch {nccl['torch']}, NCCL {nccl['nccl']}: context {nccl['context_bytes'] / gb:.3f} GB; "
-              f"NCCL first communicator {nccl['nccl_first_communicator_bytes'] / gb:.3f} GB, warm-up "
-              f"{nccl['nccl_warm_up_bytes'] / gb:.3f} GB, each further {nccl['nccl_further_communicator_bytes'] / gb:.3f} GB")
+        print(f"{nccl['device']}, torch {nccl['torch']}, NCCL {nccl['nccl']}: context "
+              f"{nccl['context_bytes'] / gb:.3f} GB; NCCL first communicator "
+              f"{nccl['nccl_first_communicator_bytes'] / gb:.3f} GB, warm-up {nccl['nccl_warm_up_bytes'] / gb:.3f} GB, "
+              f"each further {nccl['nccl_further_communicator_bytes'] / gb:.3f} GB")
     else:
         print(f"context and NCCL: {nccl.get('skipped') or nccl.get('error')}")
     for run in runs:
         if run.get("max_allocated"):
             print(f"training ({run['mode']}): max allocated {run['max_allocated'] / gb:.3f} GB (plan "
-                  f"{run['predicted_peak_bytes'] / gb:.3f} GB, ratio {run['measured_over_predicted']:.3f}), max reserved "
-                  f"{run['max_reserved'] / gb:.3f} GB (+{run['fragmentation_share'] * 100:.1f}%), beyond the reserve "
-                  f"{run['beyond_reserved_bytes'] / gb:.3f} GB, allocator retries {run['alloc_retries']}")
+                  f"{run['predicted_peak_bytes'] / gb:.3f} GB, ratio {run['measured_over_predicted']:.3f}), "
+                  f"max reserved {run['max_reserved'] / gb:.3f} GB (+{run['fragmentation_share'] * 100:.1f}%), "
+                  f"beyond the reserve {run['beyond_reserved_bytes'] / gb:.3f} GB, allocator retries "
+                  f"{run['alloc_retries']}")
         else:
-            print(f"training ({run['mode']}): {'ok (no CUDA figures)' if run.get('ok') else run.get('error', '')[-500:]}")
+            outcome = "ok (no CUDA figures)" if run.get("ok") else run.get("error", "")[-500:]
+            print(f"training ({run['mode']}): {outcome}")
     print(f"suggested --memory-reserve: {(result['suggestion'] or {}).get('memory_reserve')}; wrote {path} in "
           f"{result['wall_s']} s")
     return 0 if all(run.get("ok") for run in runs) else 1

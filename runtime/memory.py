@@ -331,6 +331,7 @@ class MeasuredPeak:
         self.tracker.__exit__(None, None, None)
         self.pipe.set_action_hook(None)
         device = max(peak, key=lambda dev: peak[dev].get("Total", 0)) if peak else None
-        parts = {getattr(kind, "value", str(kind)): int(value) for kind, value in (peak.get(device) or {}).items() if kind != "Total"}
+        parts = {getattr(kind, "value", str(kind)): int(value)
+                 for kind, value in (peak.get(device) or {}).items() if kind != "Total"}
         return {"peak_bytes": int((peak.get(device) or {}).get("Total", 0)), "parts": parts, "method": CPU_METHOD,
                 "at": self.peak_at or "between actions (gradient sync, norm, clipping)", "actions": self.actions}

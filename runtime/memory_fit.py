@@ -131,7 +131,8 @@ def check(pipe, mode: str = "on", reserve=None, differs=(), unnamed=()) -> None:
         kept = reserve_bytes(reserve, predicted)
         problem = None
         if predicted + kept > room:
-            problem = (f"rank {pipe.rank} (pipeline rank {pipe.pp_rank}) needs {size_text(predicted)} at its peak{bound} "
+            problem = (f"rank {pipe.rank} (pipeline rank {pipe.pp_rank}) needs {size_text(predicted)} at its "
+                       f"peak{bound} "
                        f"({entry.get('at', '')}: {_parts_text(entry.get('parts') or {})}) and {size_text(kept)} kept "
                        f"for NCCL's buffers and the allocator's fragmentation (--memory-reserve "
                        f"{reserve or CUDA_RESERVE}) but {pipe.device} can give {size_text(room)} ({size_text(free)} "

@@ -4,7 +4,8 @@ Run under torchrun, one process per rank, from a script of your own::
 
     import sys; sys.path.insert(0, "out")          # the output folder holds tracepp_runtime
     import tracepp_runtime
-    pipe = tracepp_runtime.Pipeline("out")         # this rank's stages, weights from model() or --load
+    pipe = tracepp_runtime.Pipeline("out")         # this rank's stages, weights from model() or --load; the
+                                                   # split's precision and checkpointing; its memory checked
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
     for step in range(steps):
         loss = pipe.step(args, kwargs, target)     # a tensor on the last stage's rank, None elsewhere
@@ -118,8 +119,9 @@ class Pipeline:
     (the split records one per stage); ``pipe.checkpointing`` says which of this rank's stages recompute.
     ``memory_check``: ``on`` (default) compares the plan's peak with this device before anything runs and stops
     every rank when one cannot hold it, ``warn`` only says so, ``off`` skips it (:meth:`check_memory`);
-    ``memory_reserve``: what the CUDA check keeps free for NCCL and fragmentation. ``compile``: ``torch.compile`` each stage module
-    (dynamic dims from the manifest marked dynamic); ``compile_cache``: inductor's cache folder. ``all_stages``:
+    ``memory_reserve``: what the CUDA check keeps free for NCCL and fragmentation. ``compile``: ``torch.compile``
+    each stage module (dynamic dims from the manifest marked dynamic); ``compile_cache``: inductor's cache folder.
+    ``all_stages``:
     every stage in this one process, no communication (for measurement and debugging); ``actions`` overrides
     the action list (``"0F0"``, ``"0B0"``, ...). ``stage_functions``, ``actions``, ``shapes`` and ``releases``
     are what a rank script passes; left out, they are read from ``rank{rank}.py`` (its ``RELEASES`` only with
@@ -453,8 +455,8 @@ class Pipeline:
     def check_memory(self, mode: str = "on", reserve=None, optimizer=None) -> None:
         """Does the plan's peak fit (``memory_fit.check``)? A collective: every rank stops, naming the figures, if one
         does not. ``mode``: ``on`` refuses, ``warn`` only says so, ``off`` skips. ``reserve``: on CUDA what is kept
-        for the CUDA context, NCCL's buffers and the caching allocator's fragmentation (``"2GB"``, ``"10%"`` of the
-        peak, or ``"1GB+10%"``; default ``memory_fit.CUDA_RESERVE``). ``optimizer``: the one the loop builds, where
+        free beside the peak for NCCL's buffers and the caching allocator's fragmentation (``"2GB"``, ``"10%"`` of
+        the peak, or ``"1GB+10%"``; default ``memory_fit.CUDA_RESERVE``). ``optimizer``: the one the loop builds, where
         the model file has none (sgd, adamw), when it is not the split's. The constructor runs it (its
         ``memory_check`` and ``memory_reserve``); run.py runs it after building its optimizer."""
         if mode == "off" or self._all_stages or not self.training:

@@ -1,4 +1,4 @@
-""""Fits" means fits (issue 59), tier 1: the fit check of run.py and ``Pipeline(folder)`` on plain data: the run options a
+"""Fits means fits (issue 59), tier 1: the fit check of run.py and ``Pipeline(folder)`` on plain data: the run options a
 job runs with (the split's unless given, a differing one named), the CUDA reserve (a documented default, a flag), the
 CPU check that refuses a host whose ranks cannot hold their peaks (unless --memory-check warn), and a rank whose
 figure is a bound saying so."""

@@ -7,9 +7,10 @@ counted peak per rank against the peak measured in the run (``run.py --measure-m
 names, for the independent meter's matrix (``benchmarks/memory_check.py``): ``granite`` (its embedding, residual,
 attention and logit multipliers), ``glm`` (partial rotary, fused gate/up), ``helium``, ``seed_oss`` (biased
 q/k/v) and ``olmoe`` (64 experts in its config, 8 here, top 2, q/k norms). Hidden 64, 4 decoder layers, sequences
-of 32 tokens, a batch of 8 by default; ``MEMORY_HIDDEN`` and ``MEMORY_SEQ`` give a size where activations weigh
-(hidden 256, 256 tokens: a microbatch's activations above the stage's weights and optimizer state). A microbatch
-routes enough (token, expert) pairs that random routing is near balanced. Random weights, nothing downloaded, dropout off. No ``optimizer(params)``: the split's
+of 32 tokens, a batch of 8, a vocabulary of 128 by default; ``MEMORY_HIDDEN`` and ``MEMORY_SEQ`` give a size where
+activations weigh (hidden 256, 256 tokens: a microbatch's activations above the stage's weights and optimizer
+state), ``MEMORY_VOCAB`` another vocabulary. A microbatch routes enough (token, expert) pairs that random routing is
+near balanced. Random weights, nothing downloaded, dropout off. No ``optimizer(params)``: the split's
 ``--optimizer`` (or run.py's) decides, so the tests choose SGD or AdamW.
 """
 import os
