@@ -8,8 +8,8 @@ Every case splits ``tests/models/memory_zoo.py`` (``MEMORY_FAMILY``: Llama, GPT-
 trains 2 steps under torchrun on gloo with ``run.py --measure-memory`` (torch's own MemTracker on CPU, its device
 total from the first step to the last: a meter that shares no code with the plan's count), and records per rank:
 the predicted peak (``manifest["memory"]["ranks"]``) and the measured one, their ratio, where each happened, and
-per stage the mean of what its forwards left alive (what autograd keeps for backward: the tracker's live total
-after each forward less before it) against the counted ``kept`` bytes. The matrix: the nine families; fp32 and
+per stage what its forwards left alive (what autograd keeps for backward: the storages the tracker saw a forward
+make that are still alive after it, the least over the stage's forwards) against the counted ``kept`` bytes. The matrix: the nine families; fp32 and
 bf16; activation checkpointing none, full, selective and every-2; GPipe, 1F1B, interleaved 1F1B and zero-bubble;
 FSDP, DDP, ``--tp 2 --sequence-parallel``, ``--cp 2`` and ``--cp 4`` (with tp 2 + SP, with dp 2) and
 ``--dp 2 --ep 2``; SGD and AdamW. Byte counts are deterministic on a given torch: one run each, no medians. The
@@ -118,24 +118,25 @@ def _cases():
 
 
 def forward_kept(measured: dict, manifest: dict) -> list:
-    """[(stage, measured, predicted)]: the mean of what each forward of a stage left alive in the run's last step
-    (a wrapped stage's first forward of a step also gathers its parameters under FSDP or DDP: left out), against
-    the stage's counted ``kept`` bytes per microbatch."""
+    """[(stage, measured, predicted)]: the least of what each forward of a stage made and left alive in the run's
+    last step (a wrapped stage's first forward of a step also gathers its parameters under FSDP or DDP: left out; a
+    forward during which an earlier collective's buffer is made and outlives it leaves that too, which the least
+    leaves out), against the stage's counted ``kept`` bytes per microbatch."""
     from tracepp.runtime.actions import Action
 
     stages = manifest["memory"]["stages"]
     mesh = manifest["plan"].get("mesh") or {}
     wrapped = mesh.get("dp", 1) * mesh.get("cp", 1) > 1  # FSDP/DDP over dp, or over dp x cp with cp
     seen, left = set(), {}
-    for label, _peak, delta in measured.get("actions") or []:
+    for label, _peak, delta, *made in measured.get("actions") or []:
         action = Action.parse(label) if " " not in label else None
         if action is None or action.kind != "F":
             continue
         first = action.stage not in seen
         seen.add(action.stage)
-        if not (wrapped and first):
-            left.setdefault(action.stage, []).append(delta)
-    return [(stage, sum(deltas) / len(deltas), stages[stage]["kept"]) for stage, deltas in sorted(left.items())]
+        if not (wrapped and first):  # what the forward made and left alive, where the meter says
+            left.setdefault(action.stage, []).append(made[0] if made else delta)
+    return [(stage, min(deltas), stages[stage]["kept"]) for stage, deltas in sorted(left.items())]
 
 
 def check_case(name: str, case: tuple, folder: str, launch) -> dict:

@@ -283,7 +283,7 @@ class MeasuredPeak:
         self.pipe = pipe
         self.cuda = pipe.device.type == "cuda"
         self.tracker = None
-        self.actions = []  # the last step's [action, None, live bytes after minus before]
+        self.actions = []  # the last step's [action, None, live bytes after minus before, made and alive]
         self.peak_at = None
 
     def start(self) -> None:
@@ -304,12 +304,22 @@ class MeasuredPeak:
     def _step_starts(self, _pipe, step: int) -> None:
         self.actions.clear()
 
+    def _live(self) -> set:
+        """The tracker's records of the storages alive now (MemTracker's own table)."""
+        return {id(info) for info, _ref in list(self.tracker._WINFO.values()) if info.mem_consumed}
+
+    def _made(self, before: set) -> int:
+        return sum(info.mem_consumed for info, _ref in list(self.tracker._WINFO.values())
+                   if info.mem_consumed and id(info) not in before)
+
     def _action(self, label: str, run) -> None:
-        before, peak = self._total("current"), self._total("peak")
+        before, peak, live = self._total("current"), self._total("peak"), self._live()
         run()
         if self._total("peak") > peak:
             self.peak_at = label
-        self.actions.append([label, None, self._total("current") - before])
+        # live after minus before, and what the action made that is still alive (a send's buffer that completes
+        # during a later action is freed there: the first moves with such timing, the second does not)
+        self.actions.append([label, None, self._total("current") - before, self._made(live)])
 
     @contextlib.contextmanager
     def optimizer(self):
