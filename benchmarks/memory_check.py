@@ -3,14 +3,17 @@
     python -m benchmarks.memory_check [--cases NAME,...] [--out benchmarks/results]
 
 Every case splits ``tests/models/memory_zoo.py`` (``MEMORY_FAMILY``: Llama, GPT-2, Mixtral, DeepSeek-V3 at hidden
-64, 4 layers, 32 tokens a sample) with its layout and run options, trains 2 steps under torchrun on gloo with
-``run.py --measure-memory`` (every live tensor storage counted once on CPU, from the first step to the last), and
-records per rank: the predicted peak (``manifest["memory"]["ranks"]``) and the measured one, their ratio, where
-each happened, and per stage the mean of what its forwards left alive (what autograd keeps for backward, as the
-run measures it action by action) against the counted ``kept`` bytes. The matrix: the four families; fp32 and
+64, 4 layers, 32 tokens a sample; Granite, GLM, Helium, Seed-OSS and OLMoE, families no other test names, at hidden
+256 and 256 tokens, where a microbatch's activations outweigh a stage's weights) with its layout and run options,
+trains 2 steps under torchrun on gloo with ``run.py --measure-memory`` (torch's own MemTracker on CPU, its device
+total from the first step to the last: a meter that shares no code with the plan's count), and records per rank:
+the predicted peak (``manifest["memory"]["ranks"]``) and the measured one, their ratio, where each happened, and
+per stage what its forwards left alive (what autograd keeps for backward: the storages the tracker saw a forward
+make that are still alive after it, the least over the stage's forwards) against the counted ``kept`` bytes. The matrix: the nine families; fp32 and
 bf16; activation checkpointing none, full, selective and every-2; GPipe, 1F1B, interleaved 1F1B and zero-bubble;
-FSDP, DDP, ``--tp 2 --sequence-parallel`` and ``--dp 2 --ep 2``; SGD and AdamW. Byte counts are deterministic on
-a given torch: one run each, no medians. The test suite runs six of these cases (tests/test_e2e_memory.py).
+FSDP, DDP, ``--tp 2 --sequence-parallel``, ``--cp 2`` and ``--cp 4`` (with tp 2 + SP, with dp 2) and
+``--dp 2 --ep 2``; SGD and AdamW. Byte counts are deterministic on a given torch: one run each, no medians. The
+test suite runs seven of these cases (tests/test_e2e_memory.py).
 """
 from __future__ import annotations
 
@@ -24,6 +27,22 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 MODEL = os.path.join(REPO, "tests", "models", "memory_zoo.py")
 TOLERANCE = 0.10
+MID = {"MEMORY_HIDDEN": "256", "MEMORY_SEQ": "256"}  # the model file's sizes (default: hidden 64, 32 tokens)
+SIZES = ("MEMORY_HIDDEN", "MEMORY_SEQ", "MEMORY_VOCAB")
+
+
+def case_env(case: tuple) -> dict:
+    """The environment the model file reads for a case: its family and sizes (the defaults' variables unset)."""
+    return {"MEMORY_FAMILY": case[0], **(case[5] if len(case) > 5 else {})}
+
+
+def set_case_env(case: tuple) -> dict:
+    """Put a case's environment into this process (the split reads it; the split cache keys on it)."""
+    env = case_env(case)
+    for name in SIZES:
+        os.environ.pop(name, None)
+    os.environ.update(env)
+    return env
 
 
 def _cases():
@@ -31,7 +50,7 @@ def _cases():
     from tracepp.runtime.run_options import RunOptions as Run
 
     pp2 = Layout(pp=2)
-    return {  # name: (family, world, split options, layout, run options)
+    return {  # name: (family, world, split options, layout, run options[, model sizes])
         "llama-1f1b-fp32-none": ("llama", 2, dict(schedule="1f1b", num_microbatches=4), pp2, Run()),
         "llama-gpipe-bf16-full-adamw": ("llama", 2, dict(schedule="gpipe", num_microbatches=4), pp2,
                                         Run(precision="bf16", activation_checkpointing="full", optimizer="adamw")),
@@ -72,28 +91,56 @@ def _cases():
         "deepseek_v3-dp2-ep2-1f1b-bf16-full": ("deepseek_v3", 4, dict(schedule="1f1b", num_microbatches=2),
                                                Layout(pp=2, dp=2, ep=2),
                                                Run(precision="bf16", activation_checkpointing="full")),
+        "llama-cp2-1f1b-adamw": ("llama", 4, dict(schedule="1f1b", num_microbatches=4), Layout(pp=2, cp=2),
+                                 Run(optimizer="adamw")),
+        # families no other test names, at a size where activations weigh (hidden 256, 256 tokens a sample)
+        "granite-1f1b-bf16-selective-adamw": ("granite", 2, dict(schedule="1f1b", num_microbatches=4), pp2,
+                                              Run(precision="bf16", activation_checkpointing="selective",
+                                                  optimizer="adamw"),
+                                              MID),
+        "helium-cp2-1f1b-adamw": ("helium", 4, dict(schedule="1f1b", num_microbatches=4), Layout(pp=2, cp=2),
+                                  Run(optimizer="adamw"), MID),
+        "helium-cp4-1f1b-adamw": ("helium", 8, dict(schedule="1f1b", num_microbatches=4), Layout(pp=2, cp=4),
+                                  Run(optimizer="adamw"), MID),
+        "helium-cp2-tp2-sequence-parallel-1f1b-adamw": ("helium", 8, dict(schedule="1f1b", num_microbatches=4),
+                                                        Layout(pp=2, cp=2, tp=2, sequence_parallel=True),
+                                                        Run(optimizer="adamw"), MID),
+        "helium-cp2-fsdp-dp2-1f1b-adamw": ("helium", 8, dict(schedule="1f1b", num_microbatches=2),
+                                           Layout(pp=2, cp=2, dp=2), Run(optimizer="adamw"), MID),
+        "glm-tp2-sequence-parallel-1f1b-bf16-selective": ("glm", 4, dict(schedule="1f1b", num_microbatches=4),
+                                                          Layout(pp=2, tp=2, sequence_parallel=True),
+                                                          Run(precision="bf16",
+                                                              activation_checkpointing="selective"), MID),
+        "seed_oss-fsdp-dp2-interleaved-adamw": ("seed_oss", 4, dict(schedule="interleaved-1f1b", num_stages=4,
+                                                                    num_microbatches=2), Layout(pp=2, dp=2),
+                                                Run(optimizer="adamw"), MID),
+        "olmoe-dp2-ep2-1f1b-bf16": ("olmoe", 4, dict(schedule="1f1b", num_microbatches=2), Layout(pp=2, dp=2, ep=2),
+                                    Run(precision="bf16"), MID),
     }
 
 
 def forward_kept(measured: dict, manifest: dict) -> list:
-    """[(stage, measured, predicted)]: the mean of what each forward of a stage left alive in the run's last step
-    (a stage's first forward of a step also gathers its parameters under FSDP or DDP, or casts their compute copy
-    under ``--mixed-precision params``: left out), against the stage's counted ``kept`` bytes per microbatch."""
+    """[(stage, measured, predicted)]: the least of what each forward of a stage made and left alive in the run's
+    last step (a wrapped stage's first forward of a step also gathers its parameters under FSDP or DDP, or casts their
+    compute copy under ``--mixed-precision params``: left out; a forward during which an earlier collective's buffer
+    is made and outlives it leaves that too, which the least leaves out), against the stage's counted ``kept`` bytes
+    per microbatch."""
     from tracepp.runtime.actions import Action
 
     stages = manifest["memory"]["stages"]
-    wrapped = (manifest["plan"].get("mesh") or {}).get("dp", 1) > 1 or any(
-        stage.get("unsharded_bytes") for stage in stages)
+    mesh = manifest["plan"].get("mesh") or {}
+    # FSDP/DDP over dp (or dp x cp with cp), or the compute copy CastWeights makes under --mixed-precision params
+    wrapped = mesh.get("dp", 1) * mesh.get("cp", 1) > 1 or any(stage.get("unsharded_bytes") for stage in stages)
     seen, left = set(), {}
-    for label, _peak, delta in measured.get("actions") or []:
+    for label, _peak, delta, *made in measured.get("actions") or []:
         action = Action.parse(label) if " " not in label else None
         if action is None or action.kind != "F":
             continue
         first = action.stage not in seen
         seen.add(action.stage)
-        if not (wrapped and first):
-            left.setdefault(action.stage, []).append(delta)
-    return [(stage, sum(deltas) / len(deltas), stages[stage]["kept"]) for stage, deltas in sorted(left.items())]
+        if not (wrapped and first):  # what the forward made and left alive, where the meter says
+            left.setdefault(action.stage, []).append(made[0] if made else delta)
+    return [(stage, min(deltas), stages[stage]["kept"]) for stage, deltas in sorted(left.items())]
 
 
 def check_case(name: str, case: tuple, folder: str, launch) -> dict:
@@ -101,15 +148,16 @@ def check_case(name: str, case: tuple, folder: str, launch) -> dict:
     and compare. The record says ``ok`` when every rank's peak and every stage's kept bytes are within 10%."""
     from tracepp.driver import split_model
 
-    family, world, options, layout, run = case
+    family, world, options, layout, run = case[:5]
     out = os.path.join(folder, name)
-    os.environ["MEMORY_FAMILY"] = family  # the model file reads it; the split cache keys on the environment
+    env = set_case_env(case)  # the model file reads them; the split cache keys on the environment
     manifest = split_model(MODEL, out, layout=layout, run=run, **options)
     report, saved = os.path.join(folder, f"{name}.memory.json"), os.path.join(folder, f"{name}.pt")
-    code, output = launch(out, world, ["--steps", "2", "--quiet", "--measure-memory", report, "--save", saved],
-                          {"MEMORY_FAMILY": family})
+    code, output = launch(out, world, ["--steps", "2", "--quiet", "--measure-memory", report, "--save", saved], env)
     record = {"case": name, "family": family, "world": world, "layout": layout.to_json(), "run": run.to_json(),
-              "schedule": options["schedule"], "notes": manifest["memory"]["notes"], "returncode": code}
+              "sizes": {k: v for k, v in env.items() if k != "MEMORY_FAMILY"},
+              "schedule": options["schedule"], "notes": manifest["memory"]["notes"], "returncode": code,
+              "bound": [r for r, entry in enumerate(manifest["memory"]["ranks"]) if entry.get("bound")]}
     if code != 0:
         record.update(ok=False, error=output[-3000:])
         return record
@@ -137,8 +185,9 @@ def _torchrun(out: str, world: int, args: list, env: dict) -> tuple:
 
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
                os.path.join(out, "run.py"), *args]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600,
-                            env=dict(os.environ, OMP_NUM_THREADS="1", **env))
+    base = {k: v for k, v in os.environ.items() if k not in SIZES}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=1500,
+                            env=dict(base, OMP_NUM_THREADS="1", **env))
     return result.returncode, result.stdout + result.stderr
 
 

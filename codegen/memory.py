@@ -232,13 +232,16 @@ def block_regions(stage_graph: fx.Graph) -> list:
 def _runnable_graph(graph: fx.Graph) -> fx.GraphModule:
     """A copy of the stage graph as the rank script runs it: autocast off where the model turned it off, export's
     metadata asserts dropped (what ``codegen.stage_code`` does before printing)."""
-    from tracepp.codegen.stage_code import _autocast_off_regions, _drop_metadata_asserts
+    from tracepp.codegen.stage_code import _RunDeviceType, _autocast_off_regions, _drop_metadata_asserts
 
     copy = fx.Graph()
     output = copy.graph_copy(graph, {}, return_output_node=True)
     copy.output(output[0] if isinstance(output, tuple) else output)
     _autocast_off_regions(copy)
     _drop_metadata_asserts(copy)
+    for node in copy.nodes:  # the rank script's autocast device, ``RUN_DEVICE.type``: the fake tensors' device here
+        if node.op == "call_function" and node.args and isinstance(node.args[0], _RunDeviceType):
+            node.update_arg(0, "cpu")
     copy.lint()
     return fx.GraphModule(torch.nn.Module(), copy)
 
@@ -716,8 +719,10 @@ def stage_state(stage, graph, layout, trainable_fqns=None, options: Optional[Mem
     step: the one FSDP gathers of those it shards, and DDP, on FSDP2's machinery, of those it replicates, in the
     compute dtype under the params policy (float8 for the linears FSDP gathers so under fp8 with tensorwise
     scaling), and without an engine the compute copy ``precision.CastWeights`` makes under that policy),
-    ``grad_bytes_at_rest`` (the trainable parameters' gradients after the step's reduction, in the masters' dtype)
-    and ``trainable``: ``[(fqn, numel held, dtype)]`` for the optimizer."""
+    ``grad_bytes_at_rest`` (the trainable parameters' gradients after the step's reduction, in the masters' dtype),
+    ``gathered_bytes`` (FSDP's flat all-gather output and reduce-scatter input: the parameters it shards, each padded
+    on dim 0 to a multiple of the shard count, as FSDP2 pads them; every 1/dp figure here is that padded shard) and
+    ``trainable``: ``[(fqn, numel held, dtype)]`` for the optimizer."""
     experts = set((graph.expert_parallel or {}).get("params", {})) if layout.ep > 1 else set()
     wrapped = layout.dp > 1  # fully_shard (FSDP, HSDP) or replicate (DDP on FSDP2's machinery): both gather a copy
     fsdp = wrapped and layout.dp_mode in ("fsdp", "hsdp")
@@ -725,7 +730,7 @@ def stage_state(stage, graph, layout, trainable_fqns=None, options: Optional[Mem
     # fp8 with tensorwise scaling under FSDP: torchao all-gathers the linears' weights in float8
     float8_gather = (options is not None and options.precision == "fp8" and options.fp8_recipe == "tensorwise"
                      and fsdp)
-    held = unsharded = grads = 0
+    held = unsharded = gathered = grads = 0
     trainable = []
     placeholders = [n for n in stage.graph.nodes if n.op == "placeholder"][:len(stage.state)]
     for node, name in zip(placeholders, stage.state):
@@ -739,7 +744,13 @@ def stage_state(stage, graph, layout, trainable_fqns=None, options: Optional[Mem
             held += nbytes
             continue
         sharded = fsdp and ref.fqn not in experts
-        own = -(-nbytes // shard) if sharded else nbytes
+        own, numel = nbytes, as_int(val.numel())
+        if sharded:  # FSDP2 shards dim 0, padded to a multiple of the shard count (torch.chunk's first piece)
+            rows = as_int(val.shape[0]) if val.dim() else 1
+            per_row = numel // rows if rows else 0
+            numel = -(-rows // shard) * per_row
+            own = numel * (node.meta.get(MASTER_DTYPE) or val.dtype).itemsize
+            gathered += numel * shard * val.element_size()  # the flat all-gather output and reduce-scatter input hold the padding too
         held += own
         if wrapped and ref.fqn not in experts:
             unsharded += as_int(val.numel()) if float8_gather and _float8_linear_weight(node) else computed
@@ -747,9 +758,9 @@ def stage_state(stage, graph, layout, trainable_fqns=None, options: Optional[Mem
             unsharded += computed
         if trainable_fqns is None or ref.fqn in trainable_fqns:
             grads += own
-            trainable.append((node.meta.get(STATE_FQN, ref.fqn), -(-as_int(val.numel()) // (shard if sharded else 1)),
-                              node.meta.get(MASTER_DTYPE) or val.dtype))
-    return {"param_bytes": held, "unsharded_bytes": unsharded, "grad_bytes_at_rest": grads, "trainable": trainable}
+            trainable.append((node.meta.get(STATE_FQN, ref.fqn), numel, node.meta.get(MASTER_DTYPE) or val.dtype))
+    return {"param_bytes": held, "unsharded_bytes": unsharded, "gathered_bytes": gathered, "grad_bytes_at_rest": grads,
+            "trainable": trainable}
 
 
 def _float8_linear_weight(node) -> bool:
@@ -820,7 +831,8 @@ def _stage_entry(graph, stage, figures: dict, layout, trainable_fqns: set, mode:
     note = None
     if "error" in figures:
         note = (f"stage {stage.index}: memory not counted on fake tensors ({figures['error']}); "
-                f"its activations are the split's upper bound")
+                f"its activations are the split's upper bound, and its rank's peak is a bound, not a count")
+        entry["bound"] = True
         bound = stage.estimate.get("activation_bytes_per_microbatch", 0)
         entry.update(dict.fromkeys(STAGE_FIELDS, 0), kept=bound, forward_peak=bound, backward_peak=bound,
                      backward_peak_first=bound, after_backward=-bound, after_backward_first=-bound,
@@ -897,6 +909,9 @@ def _rank_peaks(plan: dict, stages: list, trainable: list, layout, make_optimize
         actions = plan["actions"].get(str(rank), plan["actions"].get(rank, []))
         releases = (plan.get("releases") or {}).get(str(rank), (plan.get("releases") or {}).get(rank))
         peak = rank_peak(actions, mine, optimizer, layout.dp_mode, layout.dp, releases, device)
+        bound = sorted(s for s in mine if mine[s].get("bound"))
+        if bound:  # a stage that could not run on fake tensors: its figures are the split's upper bound
+            peak["bound"], peak["bound_stages"] = True, bound
         if device == "cpu":  # shared-memory rings, one per rank this one receives from (outside torch's tensors)
             parsed = [Action.parse(str(a)) for a in actions]
             peers = {a.peer for a in parsed if a.kind in ("RECV_F", "RECV_B")}

@@ -101,8 +101,9 @@ def rank_peak(actions: list, stages: dict, optimizer: dict, dp_mode=None, dp: in
               device: str = "cpu") -> dict:
     """The worst moment of one rank (see the module doc). ``stages``: stage index -> its figures (the memory
     profile's fields, plus ``param_bytes``: what the rank holds of it between steps, ``unsharded_bytes``: FSDP's
-    gathered copy of those it shards (0 without FSDP), ``grad_bytes_at_rest``: its gradients after the step's
-    reduction). ``optimizer``: ``state_bytes`` and ``step_peak`` (the step's temporaries above them).
+    gathered copy of those it shards (0 without FSDP), ``gathered_bytes``: its flat all-gather buffer, the shards
+    padded on dim 0 as FSDP2 pads them (default: ``unsharded_bytes``), ``grad_bytes_at_rest``: its gradients after
+    the step's reduction). ``optimizer``: ``state_bytes`` and ``step_peak`` (the step's temporaries above them).
     ``releases``: the rank's send-release points (``{action position: [send positions]}``, the plan's), where a
     send's data may go; without them every send is held to the end of the step. ``device``: where the job runs
     (cpu: gloo, cuda: NCCL), for what the collectives allocate.
@@ -143,7 +144,7 @@ def rank_peak(actions: list, stages: dict, optimizer: dict, dp_mode=None, dp: in
                 # the same machinery) copies its parameters without the flat buffer (both measured on gloo); without
                 # data parallelism, --mixed-precision params casts its compute copy (precision.CastWeights)
                 line.add("fsdp_unsharded", fig["unsharded_bytes"])
-                gathering = fig["unsharded_bytes"] if fsdp else 0
+                gathering = (fig.get("gathered_bytes") or fig["unsharded_bytes"]) if fsdp else 0  # padded to dp
             line.check(label, fig.get("forward_peak", 0), fsdp_unsharded=gathering)
             line.add("activations", fig.get("kept", 0))
         elif kind == "SEND_F":
@@ -187,8 +188,9 @@ def rank_peak(actions: list, stages: dict, optimizer: dict, dp_mode=None, dp: in
                 line.add("fsdp_unsharded", -fig["unsharded_bytes"])
                 grads_whole = fig.get("grads", 0)
                 extra = REDUCE_SCATTER_EXTRA.get(device, 0.0)
+                padded = grads_whole * (fig.get("gathered_bytes") or fig["unsharded_bytes"]) / fig["unsharded_bytes"]
                 line.check(label + " (FSDP reduce-scatter)", 0,
-                           fsdp_unsharded=int(grads_whole * (1 + 1 / dp + extra)))
+                           fsdp_unsharded=int(padded * (1 + 1 / dp + extra)))
                 line.add("gradients", fig.get("grad_bytes_at_rest", grads_whole) - grads_whole)
             if not fsdp and last_backward.get(s) == position and fig.get("unsharded_bytes"):
                 # DDP frees its copy after the all-reduce; the params policy's compute copy goes after the last

@@ -1,11 +1,13 @@
 """Train a tracepp output folder with your own loop: AdamW, a cosine LR schedule, clipping, evaluation.
 
-    tracepp split examples/gpt.py -o out --ranks 2 --schedule 1f1b --microbatches 4
+    tracepp split examples/gpt.py -o out --ranks 2 --schedule 1f1b --microbatches 4 --optimizer adamw
     torchrun --nproc-per-node 2 examples/own_loop.py out --steps 20 --lr 3e-3 --save out/own.pt
 
 Every rank runs this script. ``tracepp_runtime.Pipeline(folder)`` builds this rank's stages (weights from
-``out/weights/``); the loop is plain PyTorch around ``pipe.step``. The batches come from the model file's
-``batch(step)`` here (``pipe.user`` is that module); any data loader works if every rank passes the same
+``out/weights/``) and runs the job the split planned: its precision, its activation checkpointing per stage, and the
+memory fit check before the first step (docs/guide.md); the loop is plain PyTorch around ``pipe.step``. The plan
+counted the optimizer given to the split (``--optimizer adamw`` for this loop's AdamW). The batches come from the
+model file's ``batch(step)`` here (``pipe.user`` is that module); any data loader works if every rank passes the same
 batch. The last stage's rank prints the loss; ``--save`` writes one state_dict under the original FQNs.
 """
 import argparse

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from .distributed import missing_dependency
 from .failure import EXIT_FAILED, FailureChannel, PipelineError, agree, say, stall_message
 from .loading import load_manifest
-from . import checkpoint, cpu_binding, expert_parallel, host_memory, memory_fit, recompute, shm_p2p, tensor_parallel
+from . import checkpoint, cpu_binding, expert_parallel, host_memory, memory_fit, shm_p2p, tensor_parallel
 from .memory import MeasuredPeak
 from .mesh import coordinates, full, mesh_layout, world_size
 from .optim import OPTIMIZERS, build_optimizer, build_scheduler, parameter_fqns, step_scheduler
@@ -122,12 +122,18 @@ def build_parser() -> argparse.ArgumentParser:
                              "manifest.json)")
     parser.add_argument("--measure-memory", default=None, metavar="PATH",
                         help="measure each rank's peak tensor memory over the run's steps and write it beside the "
-                             "plan's prediction to PATH (JSON); CPU counts every live tensor storage (slower "
-                             "steps), CUDA reads max_memory_allocated")
-    parser.add_argument("--memory-check", default="on", choices=["on", "off"],
+                             "plan's prediction to PATH (JSON), with a meter that shares no code with the plan's "
+                             "count: on CPU torch's MemTracker (device totals; slower steps), on CUDA "
+                             "max_memory_allocated")
+    parser.add_argument("--memory-check", default="on", choices=list(memory_fit.MEMORY_CHECKS),
                         help="before the first step, compare the plan's peak per rank with the device's free "
-                             "memory: on CUDA a job that cannot fit stops on every rank naming the figures and the "
-                             "flags that would fit; on CPU it warns against the available RAM (default on)")
+                             "memory (CUDA) or the ranks of a host with its available RAM (CPU): on (default) stops "
+                             "every rank when one cannot fit, naming the figures and the flags that would fit; warn "
+                             "says so and runs; off skips it")
+    parser.add_argument("--memory-reserve", default=None, metavar="SIZE[+PCT%]",
+                        help=f"CUDA: what the fit check keeps free beside the plan's peak for NCCL's buffers and the "
+                             f"caching allocator's fragmentation: a size (2GB), a share of the peak (10%%), or both "
+                             f"(default {memory_fit.CUDA_RESERVE.replace('%', '%%')})")
     parser.add_argument("--save", default=None, help="write the trained state_dict (original FQNs) here")
     parser.add_argument("--metrics", default=None, help="append one JSON line per step here")
     parser.add_argument("--save-outputs", default=None, metavar="PATH",
@@ -302,6 +308,7 @@ def main(rank_script_rank: int, stage_functions: dict, actions: list, folder: st
             failure.every_rank_agrees = True
             raise failure from error
         pipe = Pipeline(folder, rank=rank, timeout_s=args.timeout, precision=args.precision,
+                        activation_checkpointing=args.activation_checkpointing, memory_check="off",
                         compile=args.compile, compile_cache=args.compile_cache, stage_functions=stage_functions,
                         actions=actions, shapes=shapes, releases=releases,
                         check_finite=args.on_nonfinite != "continue", load=args.load, init=args.init,
@@ -583,10 +590,9 @@ def train(pipe: Pipeline, args) -> None:
         optimizer = build_optimizer(user, named, name=args.optimizer, lr=args.lr, weight_decay=args.weight_decay)
         fqns = parameter_fqns(optimizer, named)
         scheduler = build_scheduler(user, optimizer, warmup=args.warmup, total_steps=args.steps)
-    recompute.check_mode(args.activation_checkpointing, len(manifest["stages"]))
-    recompute.apply(pipe, args.activation_checkpointing)
-    if getattr(args, "memory_check", "on") == "on":
-        memory_fit.check(pipe, args)
+    # the precision and checkpointing are the Pipeline's (the split's unless run.py's flags say otherwise); the fit
+    # check runs here, once the optimizer run.py builds is known
+    pipe.check_memory(getattr(args, "memory_check", "on"), getattr(args, "memory_reserve", None), args.optimizer)
     reports = reports_for_job(pipe)
     args.data_record = data_record(source)
     first_step = _resume(pipe, args, optimizer, scheduler, fqns) if args.resume else 0

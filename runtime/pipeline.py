@@ -4,7 +4,8 @@ Run under torchrun, one process per rank, from a script of your own::
 
     import sys; sys.path.insert(0, "out")          # the output folder holds tracepp_runtime
     import tracepp_runtime
-    pipe = tracepp_runtime.Pipeline("out")         # this rank's stages, weights from model() or --load
+    pipe = tracepp_runtime.Pipeline("out")         # this rank's stages, weights from model() or --load; the
+                                                   # split's precision and checkpointing; its memory checked
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
     for step in range(steps):
         loss = pipe.step(args, kwargs, target)     # a tensor on the last stage's rank, None elsewhere
@@ -37,7 +38,7 @@ from .failure import PipelineError
 from .loading import load_manifest, load_rank_script
 from .script_check import check_programs, describe_program
 from . import mesh as dp_mesh
-from . import context_parallel, expert_parallel, fast_ops, tensor_parallel
+from . import context_parallel, expert_parallel, fast_ops, memory_fit, recompute, run_options, tensor_parallel
 from . import precision as precision_policy
 from .run_options import manifest_options
 from .stages import StageModule
@@ -115,12 +116,19 @@ class Pipeline:
     """This rank's part of a tracepp pipeline (see the module docstring for a loop).
 
     ``folder``: the output folder of ``tracepp split``. ``rank``: default ``$RANK``. ``device``: default
-    ``cuda:$LOCAL_RANK`` where CUDA is available, else CPU. ``precision``: ``fp32``, ``bf16``, ``fp16`` or ``fp8``
-    (default: what the folder was split for, ``run_options``), applied as the folder's ``--mixed-precision`` says
-    (``precision.py``): the parameters stay fp32 (the master weights) and are cast to the compute dtype once per
-    step (FSDP2's ``MixedPrecisionPolicy``: gathered and computed in bf16, gradients reduced in fp32), or, for
-    stage code traced in fp32, each stage's forward runs under ``torch.autocast``; the loss is computed in fp32. ``compile``: ``torch.compile`` each stage module
-    (dynamic dims from the manifest marked dynamic); ``compile_cache``: inductor's cache folder. ``all_stages``:
+    ``cuda:$LOCAL_RANK`` where CUDA is available, else CPU. The job is the one the split planned and counted
+    (``manifest["run_options"]``, as run.py runs it): ``precision`` and ``activation_checkpointing`` default to the
+    split's, and one given here that differs is named once at start-up (the plan's memory figures are then not
+    checked). ``precision``: ``fp32``, ``bf16``, ``fp16`` or ``fp8``, applied as the folder's ``--mixed-precision``
+    says (``precision.py``): the parameters stay fp32 (the master weights) and are cast to the compute dtype once per
+    step (FSDP2's ``MixedPrecisionPolicy``: gathered and computed in bf16, gradients reduced in fp32), or, for stage
+    code traced in fp32, each stage's forward runs under ``torch.autocast``; the loss is computed in fp32.
+    ``activation_checkpointing``: a mode of ``recompute`` (the split records one per stage); ``pipe.checkpointing``
+    says which of this rank's stages recompute. ``memory_check``: ``on`` (default) compares the plan's peak with this
+    device before anything runs and stops every rank when one cannot hold it, ``warn`` only says so, ``off`` skips it
+    (:meth:`check_memory`); ``memory_reserve``: what the CUDA check keeps free for NCCL and fragmentation.
+    ``compile``: ``torch.compile`` each stage module (dynamic dims from the manifest marked dynamic);
+    ``compile_cache``: inductor's cache folder. ``all_stages``:
     every stage in this one process, no communication (for measurement and debugging); ``actions`` overrides
     the action list (``"0F0"``, ``"0B0"``, ...). ``stage_functions``, ``actions``, ``shapes`` and ``releases``
     are what a rank script passes; left out, they are read from ``rank{rank}.py`` (its ``RELEASES`` only with
@@ -134,11 +142,16 @@ class Pipeline:
     """
 
     def __init__(self, folder: str, *, rank=None, device=None, timeout_s: float = 120.0, precision=None,
+                 activation_checkpointing=None, memory_check: str = "on", memory_reserve=None,
                  compile: bool = False, compile_cache=None, all_stages: bool = False, stage_functions=None,
                  actions=None, shapes=None, releases=None, loss_fn=None, check_finite: bool = True,
                  load=None, init: str = "model", p2p: str = "auto", shm_ring_mb: float = shm_p2p.DEFAULT_RING_MB):
         self.folder = os.path.abspath(folder)
         self.manifest = manifest = load_manifest(self.folder)
+        # the job the split planned: its precision and checkpointing unless given here (run_options.chosen)
+        self.run_options, self.run_differs = run_options.chosen(
+            manifest, precision=precision, activation_checkpointing=activation_checkpointing)
+        precision = self.run_options.precision
         self.world_size = 1 if all_stages else int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = 0 if all_stages else int(os.environ.get("RANK", "0") if rank is None else rank)
         # data parallel: self.rank is the global rank, self.pp_rank this process's place in its pipeline
@@ -288,6 +301,9 @@ class Pipeline:
         if not all_stages and self.world_size > 1 and self.device.type == "cpu":
             self.transport = self._connect(actions, p2p, shm_ring_mb)
         self.executor = self._executor(actions, releases, self.training)
+        mode = self.run_options.activation_checkpointing
+        recompute.check_mode(mode, len(manifest["stages"]))
+        self.checkpointing = recompute.apply(self, mode)  # {stage: mode} of this rank's checkpointed stages
         self._split_backward = any(parse_action(text)[1] in ("I", "W") for text in self.executor.actions)
         if self.mesh is not None and self.training:
             self._last_backward = self._last_backward_microbatch(self.executor.actions)
@@ -298,6 +314,14 @@ class Pipeline:
         self._hooks: list = []
         self.steps_run = 0
         self.last_batch_size = None
+        self._all_stages = all_stages
+        if self.run_differs and not all_stages and self.rank == 0:  # named once, here (the fit check then says nothing)
+            print(f"[tracepp] note: this run's options are not those tracepp split planned (manifest.json "
+                  f"run_options): {'; '.join(self.run_differs)}. The plan's memory figures are for the split's, so "
+                  f"they are not checked against this device; split again with these options to count them",
+                  flush=True)
+        if memory_check != "off":
+            self.check_memory(memory_check, memory_reserve)
 
     # -- building -------------------------------------------------------------------------------------------
     def _build_cp_mesh(self) -> None:
@@ -460,6 +484,21 @@ class Pipeline:
                 copies = (tp if whole else 1) * (holders if id(param) in experts else dp)
                 groups.setdefault(copies, []).append(param)
         return list(groups.items())
+
+    # -- the plan's memory against this device ---------------------------------------------------------------
+    def check_memory(self, mode: str = "on", reserve=None, optimizer=None) -> None:
+        """Does the plan's peak fit (``memory_fit.check``)? A collective: every rank stops, naming the figures, if one
+        does not. ``mode``: ``on`` refuses, ``warn`` only says so, ``off`` skips. ``reserve``: on CUDA what is kept
+        free beside the peak for NCCL's buffers and the caching allocator's fragmentation (``"2GB"``, ``"10%"`` of
+        the peak, or ``"1GB+10%"``; default ``memory_fit.CUDA_RESERVE``). ``optimizer``: the one the loop builds, where
+        the model file has none (sgd, adamw), when it is not the split's. The constructor runs it (its
+        ``memory_check`` and ``memory_reserve``); run.py runs it after building its optimizer."""
+        if mode == "off" or self._all_stages or not self.training:
+            return
+        unnamed = []  # the constructor named its own differences
+        if optimizer is not None and not hasattr(self.user, "optimizer"):
+            unnamed = run_options.chosen(self.manifest, optimizer=optimizer)[1]
+        memory_fit.check(self, mode, reserve, differs=self.run_differs + unnamed, unnamed=unnamed)
 
     # -- the step API ---------------------------------------------------------------------------------------
     def register_step_hook(self, hook):

@@ -18,6 +18,9 @@ gradients are bit-identical in fp32. MODE is one of:
   and would pay the recomputation for no memory).
 * one mode per stage of the pipeline, comma-separated (``full,selective,none,none``): what ``tracepp plan --tune``
   chooses under ``--memory-limit``, and what ``tracepp split --activation-checkpointing`` records for run.py.
+
+``Pipeline(folder)`` applies the split's mode (``run_options``) itself (:func:`apply`), as run.py's does: a loop of
+your own gets the checkpointing the plan counted without calling anything here.
 """
 from __future__ import annotations
 

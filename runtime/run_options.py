@@ -95,6 +95,23 @@ def manifest_options(manifest: dict) -> RunOptions:
     return RunOptions.from_json(manifest.get("run_options"))
 
 
+def chosen(manifest: dict, **given) -> tuple:
+    """The run options a job runs with: the split's (``run_options``), each of ``given`` (``precision``,
+    ``activation_checkpointing``, ``optimizer``) that is not None in its place. Returns ``(RunOptions, differs)``:
+    ``differs`` names each given option that is not what the split planned (``precision fp32 (planned bf16)``).
+    The one place the runtime reads "the precision" and "the checkpointing" of a folder: run.py and
+    ``Pipeline(folder)`` both call it."""
+    planned = manifest_options(manifest)
+    changes = {name: value for name, value in given.items() if value is not None}
+    run = planned.replace(**changes)
+    differs = []
+    for name, value in changes.items():
+        was = getattr(planned, name) if name != "optimizer" else (planned.optimizer or "sgd")
+        if value != was:
+            differs.append(f"{name.replace('_', ' ')} {value} (planned {was})")
+    return run, differs
+
+
 def fill_defaults(args, manifest: dict) -> None:
     """run.py's ``--precision``, ``--activation-checkpointing`` and ``--optimizer`` left unset take the split's."""
     planned = manifest_options(manifest)

@@ -154,11 +154,8 @@ def llama_folder(tmp_path_factory):
 def test_every_checkpointing_mode_gives_the_unsplit_models_gradients(llama_folder, mode):
     # full recomputes block by block (each model.layers.N function of the rank script), selective keeps the
     # matmul/attention outputs (torchtitan's op policy), every-2 checkpoints every second block, a list per stage
-    from tracepp.runtime import recompute
-
-    pipe = Pipeline(llama_folder, all_stages=True)
-    chosen = recompute.apply(pipe, mode)
-    assert chosen, mode
+    pipe = Pipeline(llama_folder, all_stages=True, activation_checkpointing=mode)
+    assert pipe.checkpointing, mode
     model, expected_loss = _eager_grads(model_path("hf_llama"), 0)
     args, kwargs, target = pipe.user.batch(0)
     loss = pipe.step(args, kwargs, target)
@@ -166,3 +163,40 @@ def test_every_checkpointing_mode_gives_the_unsplit_models_gradients(llama_folde
     eager = dict(model.named_parameters(remove_duplicate=False))  # a tied head under either of its names
     for name, param in pipe.named_parameters():
         torch.testing.assert_close(param.grad, eager[name].grad, rtol=0, atol=2e-6)
+
+
+class _RecomputedOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts ``aten.rsqrt`` (RMSNorm's forward op; its backward formula does not call it) run inside autograd's
+    backward: each one is a forward recomputed by activation checkpointing."""
+
+    def __init__(self):
+        super().__init__()
+        self.recomputed = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.rsqrt.default and torch._C._current_graph_task_id() != -1:
+            self.recomputed += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_pipeline_runs_the_precision_and_checkpointing_the_split_planned(tmp_path):
+    """Issue 59: ``Pipeline(folder)`` takes them from ``run_options`` as run.py does; an explicit argument wins."""
+    from tracepp.runtime.run_options import RunOptions
+
+    out = str(tmp_path / "out")
+    split_model(model_path("hf_llama"), out, schedule="1f1b", num_microbatches=2, layout=Layout(pp=2),
+                run=RunOptions(precision="bf16", activation_checkpointing="selective,none"))
+    pipe = Pipeline(out, all_stages=True)
+    assert pipe.precision == "bf16" and pipe.compute_dtype is torch.bfloat16
+    assert pipe.checkpointing == {0: "selective"} and pipe.run_differs == []
+    args, kwargs, target = pipe.user.batch(0)
+    with _RecomputedOps() as counter:
+        pipe.step(args, kwargs, target)
+    assert counter.recomputed > 0  # stage 0's norms ran again in backward
+    plain = Pipeline(out, all_stages=True, precision="fp32", activation_checkpointing="none")
+    assert plain.precision == "fp32" and plain.checkpointing == {}
+    assert plain.run_differs == ["precision fp32 (planned bf16)",
+                                 "activation checkpointing none (planned selective,none)"]
+    with _RecomputedOps() as counter:
+        plain.step(args, kwargs, target)
+    assert counter.recomputed == 0

@@ -52,6 +52,8 @@ def _print_notes(manifest: dict) -> None:
         print(f"note: {note}")
     for warning in manifest.get("flop_count", {}).get("warnings", []):
         print(f"warning: {warning}", file=sys.stderr)
+    for warning in (manifest.get("memory") or {}).get("notes") or []:  # a rank's peak that is a bound, not a count
+        print(f"warning: memory: {warning}", file=sys.stderr)
 
 
 def _world(plan: dict) -> int:

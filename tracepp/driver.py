@@ -169,6 +169,15 @@ def memory_plan(model_file, traced, graph, the_plan: dict, layout: Layout, run: 
     if chosen is not None:  # --activation-checkpointing auto: what run.py applies is the choice
         modes = chosen["modes"]
         run = run.replace(activation_checkpointing=modes[0] if len(set(modes)) == 1 else ",".join(modes))
+    bound = [index for index, entry in enumerate(memory.get("ranks") or []) if entry.get("bound")]
+    if bound and run.memory_limit is not None:
+        from tracepp.runtime.memory_fit import size_text
+
+        memory["notes"].append(
+            f"--memory-limit {size_text(run.memory_limit)} decided on a bound for pipeline rank "
+            f"{', '.join(map(str, bound))}: a stage there could not be counted on fake tensors (see its note), so its "
+            f"peak is the split's upper bound; the checkpointing "
+            f"{'chosen' if chosen is not None else 'given'} may recompute more than the job needs")
     check_fits(memory, run, auto=chosen is not None)
     return memory, run
 
@@ -194,8 +203,10 @@ def check_fits(memory: dict, run: RunOptions, auto: bool = False) -> None:
     else:  # auto took full where it had to; no checkpointing makes it fit
         advice = (f"no activation checkpointing fits, not even full on every stage{least}; this rank's parameters, "
                   f"gradients and optimizer state alone are {size(state)}")
+    bound = (f", a bound: stage {', '.join(map(str, entry.get('bound_stages') or []))} could not be counted on fake "
+             f"tensors, so this decides on the split's upper bound" if entry.get("bound") else "")
     raise ValueError(f"--memory-limit {size(limit)}: {len(over)} of {len(ranks)} pipeline ranks do not fit; rank "
-                     f"{rank} peaks at {size(entry['peak_bytes'])} ({entry.get('at')}: {parts}). {advice}; "
+                     f"{rank} peaks at {size(entry['peak_bytes'])} ({entry.get('at')}: {parts}{bound}). {advice}; "
                      f"more pipeline ranks (--ranks), a larger --tp or --ep, or FSDP over more --dp ranks hold less per "
                      f"rank (`tracepp inspect` after a split without the limit shows the parts)")
 

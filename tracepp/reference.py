@@ -26,7 +26,7 @@ def _flag_row(action: argparse.Action) -> str:
         shown = ""
     else:
         shown = f"`{default}`"
-    text = (action.help or "").replace("|", "\\|").replace("\n", " ")
+    text = (action.help or "").replace("%%", "%").replace("|", "\\|").replace("\n", " ")  # argparse's %% is %
     if "%(default)" in text:
         text = text.replace("%(default)s", str(default))
     return f"| {names} | {shown} | {text} |"

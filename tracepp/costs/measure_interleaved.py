@@ -45,7 +45,7 @@ def parse_args(argv=None):
 
 def _build(folder: str, rest: list, rank: int, steps: int) -> dict:
     """run.py's set-up of one folder (``launch.main`` and the start of ``launch.train``) without its loop."""
-    from tracepp.runtime import launch, recompute
+    from tracepp.runtime import launch
     from tracepp.runtime.loading import load_manifest
     from tracepp.runtime.optim import build_optimizer, build_scheduler
     from tracepp.runtime.pipeline import Pipeline
@@ -56,7 +56,8 @@ def _build(folder: str, rest: list, rank: int, steps: int) -> dict:
     fill_defaults(args, manifest)
     if args.precision == "fp16":  # run.py's dynamic loss scale is per job: not kept per plan here
         raise SystemExit(f"{folder}: fp16 plans are measured in rounds of their own runs (--measure-method rounds)")
-    pipe = Pipeline(folder, rank=rank, timeout_s=args.timeout, precision=args.precision, compile=args.compile,
+    pipe = Pipeline(folder, rank=rank, timeout_s=args.timeout, precision=args.precision,
+                    activation_checkpointing=args.activation_checkpointing, memory_check="off", compile=args.compile,
                     compile_cache=args.compile_cache, check_finite=args.on_nonfinite != "continue", load=args.load,
                     init=args.init, p2p=args.p2p, shm_ring_mb=args.shm_ring_mb)
     named = [(name, p) for name, p in pipe.named_parameters() if p.requires_grad]
@@ -65,8 +66,6 @@ def _build(folder: str, rest: list, rank: int, steps: int) -> dict:
         optimizer = build_optimizer(pipe.user, named, name=args.optimizer, lr=args.lr,
                                     weight_decay=args.weight_decay)
         scheduler = build_scheduler(pipe.user, optimizer, warmup=args.warmup, total_steps=args.steps)
-    recompute.check_mode(args.activation_checkpointing, len(manifest["stages"]))
-    recompute.apply(pipe, args.activation_checkpointing)
     args.stop = launch.StopRequest()
     needs_norm = pipe.training and (args.clip_grad_norm is not None or args.on_nonfinite != "continue")
     reports = launch.reports_for_job(pipe)

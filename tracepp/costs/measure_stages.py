@@ -81,8 +81,9 @@ class StageCallables:
 
         self.device = torch.device(device)
         _host_memory_as_ranks(self.device)
+        # plain stages: the cost model prices recomputation itself (codegen.memory.RECOMPUTE_SHARE)
         pipe = Pipeline(folder, all_stages=True, device=self.device, precision=precision, check_finite=False,
-                        actions=[])
+                        actions=[], activation_checkpointing="none")
         self.pipe = pipe
         self.manifest = manifest = pipe.manifest
         self.training = manifest["training"]
@@ -291,7 +292,8 @@ class RuntimeCostMeter:
             return [f"{s}{kind}{mb}" for s, kind in order]
 
         def pipeline(action_list: list):
-            return Pipeline(folder, all_stages=True, device=self.device, precision=precision, actions=action_list)
+            return Pipeline(folder, all_stages=True, device=self.device, precision=precision, actions=action_list,
+                            activation_checkpointing="none")
 
         if available >= 2:  # microbatches 2k run F + B, 2k + 1 run F + I + W, in one pipeline
             count = min(max_microbatches, available // 2)

@@ -117,9 +117,12 @@ PART_HEADERS = (("parameters", "params"), ("gradients", "grads"), ("optimizer", 
 
 def memory_figures(manifest: dict) -> list:
     """Per pipeline rank (the same on each of its data- and tensor-parallel replicas): ``{"rank", "peak_bytes",
-    "parts": {part: bytes}, "at", "step_peak_bytes", "optimizer_peak_bytes"}`` (``inspect --json``'s ``ranks``)."""
+    "parts": {part: bytes}, "at", "step_peak_bytes", "optimizer_peak_bytes", "bound"}`` (``inspect --json``'s
+    ``ranks``); ``bound`` is True where a stage of the rank could not be counted on fake tensors (its figure is then
+    an upper bound, ``bound_stages`` says which), False where every figure is counted."""
     ranks = (manifest.get("memory") or {}).get("ranks") or []
-    return [{"rank": index, **{k: v for k, v in entry.items()}} for index, entry in enumerate(ranks)]
+    return [{"rank": index, **{k: v for k, v in entry.items()}, "bound": bool(entry.get("bound"))}
+            for index, entry in enumerate(ranks)]
 
 
 def inspect_json(manifest: dict) -> dict:
@@ -147,7 +150,10 @@ def memory_table(manifest: dict) -> str:
     rows = []
     for entry in figures:
         parts = entry.get("parts") or {}
-        rows.append([entry["rank"], _bytes(entry["peak_bytes"])] + [_bytes(parts.get(key, 0)) for key, _h in PART_HEADERS]
+        peak = _bytes(entry["peak_bytes"])
+        if entry.get("bound"):  # a stage of this rank was not counted: its figure is an upper bound
+            peak = f"<= {peak} (bound)"
+        rows.append([entry["rank"], peak] + [_bytes(parts.get(key, 0)) for key, _h in PART_HEADERS]
                     + [entry.get("at", "-")])
     text = tabulate(rows, headers=["rank", "peak"] + [h for _k, h in PART_HEADERS] + ["at"], tablefmt="simple")
     text = "peak memory per rank (a step after the first, and the optimizer step):\n" + text
@@ -155,6 +161,11 @@ def memory_table(manifest: dict) -> str:
              "computes with (FSDP's/DDP's, or the bf16 cast of --mixed-precision params); activations: kept for backward by the microbatches in flight; buffers: "
              "receive buffers and gradients waiting to be sent; temporaries: the running action's own; counted on "
              f"fake tensors, {_options_text(manifest)}; see docs/memory.md)")
+    bound = [f"{entry['rank']} (stages {', '.join(map(str, entry.get('bound_stages') or []))})"
+             for entry in figures if entry.get("bound")]
+    if bound:
+        text += (f"\nbound: the peak of rank {', '.join(bound)} is an upper bound, not a count: a stage could not run "
+                 f"on fake tensors (its note below says why), so its activations are the split's estimate")
     notes = (manifest.get("memory") or {}).get("notes") or []
     for note in notes:
         text += f"\nnote: {note}"
