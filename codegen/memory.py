@@ -1012,8 +1012,9 @@ def choose_checkpointing(graph, plan: dict, by_mode: dict, trainable: list, layo
     peaks = peaks_of(modes)
     if memory_limit is not None and max(peaks) > memory_limit:  # what the search will try, counted together
         over = {rank for rank, peak in enumerate(peaks) if peak > memory_limit}
-        by_mode.profiles.prefetch([(s, mode) for s, r in enumerate(stage_to_rank) if r in over
-                                   for mode in ("selective", "full")])
+        if hasattr(by_mode, "profiles"):  # a plan's lazily counted modes (a dict of figures: already counted)
+            by_mode.profiles.prefetch([(s, mode) for s, r in enumerate(stage_to_rank) if r in over
+                                       for mode in ("selective", "full")])
     while memory_limit is not None and max(peaks) > memory_limit:
         worst = max(range(len(peaks)), key=peaks.__getitem__)
         best = None

@@ -324,6 +324,8 @@ class _Walk:
             return self._move(node, sharded)
         if target in (aten.expand.default, aten.broadcast_to.default):
             return self._expand(node)
+        if target is aten.expand_as.default:
+            return self._expand_as(node)
         if target is aten.repeat_interleave.self_int:
             dim = _arg(node, 2, "dim")
             first = node.args[0]
@@ -491,6 +493,23 @@ class _Walk:
         dim, groups = self.shard[first]
         e = dim + _val(node).dim() - _val(first).dim()
         self._place(node, e, groups)
+        return True
+
+    def _expand_as(self, node) -> bool:
+        """``x.expand_as(other)``: the output has ``other``'s local shape, so it holds where both are sharded on the
+        same dim (aligned from the right), or ``x`` is whole with size 1 there (F.normalize's norm, ``[b, s, 1]``
+        expanded to the features, keeps each position's row)."""
+        first, other = node.args[0], node.args[1]
+        if not isinstance(other, fx.Node) or other not in self.shard:
+            return False
+        dim, groups = self.shard[other]
+        offset = _val(other).dim() - _val(first).dim()
+        if first in self.shard:
+            if self.shard[first] != (dim - offset, groups):
+                return False
+        elif dim - offset >= 0 and not _equal(_val(first).shape[dim - offset], 1):
+            return False
+        self._place(node, dim, groups)
         return True
 
     def _slice(self, node, sharded) -> bool:

@@ -2193,6 +2193,7 @@ def _rewrite_mixed_linear(g: fx.Graph, node, form, tp: int) -> None:
     joined = _insert(g, node, aten.cat.default, [outputs, -1], _val(node).new_empty(shape), node)
     node.replace_all_uses_with(joined)
     g.erase_node(node)
+    return joined
 
 
 def _sliced(val, dim: int, length: int):
@@ -2331,17 +2332,20 @@ def _rewrite(g: fx.Graph, walk: _Walk, tp: int, params: dict) -> None:
         reduced = _after(g, node, TP.tp_all_reduce.default, [node])
         if count is not None:
             _after(g, reduced, aten.div.Tensor, [reduced, int(count) if _ints([count]) else count], node)
+    joined_from = {}  # the cat that now stands for a fused projection's linear -> that linear (its placement)
     for node, form in walk.mixed_linears.items():  # a fused projection with whole parts: one linear per run of parts
-        _rewrite_mixed_linear(g, node, form, tp)
+        joined_from[_rewrite_mixed_linear(g, node, form, tp)] = node
     for node, groups in walk.conv_groups.items():  # a depthwise convolution on this rank's channels
         args = list(node.args) + [None, [1], [0], [1], 1][len(node.args) - 2:] if len(node.args) < 7 else list(node.args)
         args[6] = groups
         node.args, node.kwargs = tuple(args), {k: v for k, v in node.kwargs.items() if k != "groups"}
     for node, sizes in walk.owned_splits.items():  # pieces within ranks: the owner computes each, the rest empty
-        node.target, node.args, node.kwargs = TP.tp_owned_split.default, (node.args[0], walk.shard[node.args[0]],
-                                                                          sizes), {}
+        source = node.args[0]
+        node.target, node.args, node.kwargs = TP.tp_owned_split.default, (
+            source, walk.shard[joined_from.get(source, source)], sizes), {}
     for node, pieces in walk.cuts.items():  # cuts of the sharded dim: the local parts
-        source, dim = node.args[0], walk.shard[node.args[0]]
+        source = node.args[0]
+        dim = walk.shard[joined_from.get(source, source)]
         if node.target is aten.slice.Tensor:
             (start, end), = pieces
             node.args, node.kwargs = (source, dim, start, end), {}

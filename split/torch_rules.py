@@ -119,7 +119,11 @@ def ask(node: fx.Node, dims: dict, tp: int, may_scatter) -> Ruling | None:
     out = answer.output_spec
     if isinstance(out, DTensorSpec):
         placement = out.placements[0]
-        if isinstance(placement, Partial) and placement.reduce_op == "sum":
+        # a plain sum only: torch's subclasses keep reduce_op "sum" for reductions that are not one (_NormPartial:
+        # (sum of x^p)^(1/p), an F.normalize's L2 norm; the masked lookups of a vocabulary-sharded embedding): read as
+        # a sum, the ranks' norms were all-reduced and the plan trained silently wrong. No ruling: the walk makes the
+        # input whole where it needs it
+        if type(placement) is Partial and placement.reduce_op == "sum":
             ruling = Ruling(None, partial=True, scatter=scatter)
         elif isinstance(placement, Shard):
             ruling = Ruling(placement.dim, scatter=scatter)
