@@ -47,7 +47,7 @@ def planned_peaks(manifest: dict):
 # is already out of the free memory the check reads. TO BE MEASURED on a GPU (benchmarks/cuda_reserve.py): until
 # then a conservative figure, above what torch 2.x's NCCL communicators (about 0.1 - 0.5 GB each with default
 # buffers) and the allocator's fragmentation on training steps (5 - 10 % of the peak) are reported to hold.
-CUDA_RESERVE = "2GB+10%"
+CUDA_RESERVE = "2GB+11%"  # measured: benchmarks/results/20261128-192900_cuda_reserve.json
 MEMORY_CHECKS = ("on", "warn", "off")
 
 
