@@ -173,6 +173,10 @@ def _symbolic(expr):
 
 
 def _equal(a, b) -> bool:
+    if isinstance(a, torch.SymInt):  # a raw size of a value (val.shape[d]): its expression, hashable for the cache
+        a = _symbolic(a.node.expr)
+    if isinstance(b, torch.SymInt):
+        b = _symbolic(b.node.expr)
     if isinstance(a, (int, sympy.Integer)) and isinstance(b, (int, sympy.Integer)):
         return int(a) == int(b)
     return _equal_symbolic(a, b)
