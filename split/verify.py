@@ -539,7 +539,9 @@ def _verify_stage(graph, stage, original, walk, size, traced, values, sent, gene
         for item in have:
             found = _differs(item, want)
             if found:
-                mismatch = Mismatch(stage.index, f"output {name}", error=found[0], scale=found[1])
+                made = list(walk.graph.output_node().args[0])[index]
+                mismatch = Mismatch(stage.index, f"output {name}", error=found[0], scale=found[1],
+                                    fqns=_feeding(walk, made) if isinstance(made, fx.Node) else [])
                 break
         if mismatch:
             break
