@@ -66,8 +66,9 @@ class Mismatch:
 
     def text(self) -> str:
         where = f" ({self.op}{' at ' + self.at if self.at else ''})" if self.op else ""
-        return (f"stage {self.stage}: {self.what}{where} differs from the unsharded graph by {self.error:.3g} "
-                f"(largest magnitude {self.scale:.3g})")
+        how = (f"by {self.error:.3g} (largest magnitude {self.scale:.3g})" if self.error != float("inf") else
+               "in its shape, its integer values or where it is finite")
+        return f"stage {self.stage}: {self.what}{where} differs from the unsharded graph {how}"
 
 
 # ---- snapshots of the stage graphs before the rewrite
