@@ -45,7 +45,10 @@ def _plan(model_path: str, layout: Layout, num_stages: Optional[int], schedule: 
             context_parallel.apply(graph, cp_plan, walks, loss, loss_walk)
             graph.context_parallel, graph.loss = cp_plan.to_json(), loss
     if layout.tp > 1:                                                                 # 2b. tensor parallel
-        saved = tp_verify.snapshot(graph) if verify != "off" else None
+        saved = None
+        if verify != "off":
+            with phases.step("verify snapshot"):  # the stage graphs before the rewrite (verification's reference)
+                saved = tp_verify.snapshot(graph)
         with phases.step("tp plan"):
             tp_plan, walks = tensor_parallel.plan(graph, layout.tp, model_file.tp_plan, layout.sequence_parallel)
             tensor_parallel.apply(graph, tp_plan, walks)
