@@ -28,7 +28,7 @@ def _split(args) -> int:
     manifest = split_model(args.model, args.out, num_stages=args.stages, schedule=args.schedule,
                            num_microbatches=args.microbatches, split_points=points,
                            dynamic_shapes=parse_flags(args.dynamic) if args.dynamic else None, layout=_layout(args),
-                           run=_run_options(args))
+                           run=_run_options(args), verify=args.verify)
     from tracepp.modelfile import bundle_packages
     from tracepp.runtime.mesh import describe
     from tracepp.report.stages import stage_table
@@ -76,7 +76,7 @@ def _check(args) -> int:
     manifest = check_model(args.model, num_stages=args.stages, schedule=args.schedule,
                            num_microbatches=args.microbatches, split_points=points,
                            dynamic_shapes=parse_flags(args.dynamic) if args.dynamic else None, layout=_layout(args),
-                           run=_run_options(args))
+                           run=_run_options(args), verify=args.verify)
     _print_notes(manifest)
     print(stage_table(manifest))
     from tracepp.report.context_parallel import context_parallel_table
@@ -332,6 +332,12 @@ def _add_split_options(parser) -> None:
                              "dim (norms, residual adds and dropout on the shards; all-gather into each column-"
                              "parallel region, reduce-scatter out of each row-parallel one), as Megatron-Core does: "
                              "each tp rank keeps and sends 1/tp of them")
+    parser.add_argument("--verify", default="on", choices=["on", "strict", "off"],
+                        help="with --tp: run each stage's rewritten program for every tp rank in this process against "
+                             "the unsharded stage on a microbatch, forward and backward (float64), before anything is "
+                             "written; on (default): a value that differs is made whole (the parameters feeding it "
+                             "replicated) and the plan made again; strict: refuse instead, naming the op and line; "
+                             "off: skip (see docs/tensor-parallel.md)")
     parser.add_argument("--cp", type=int, default=1,
                         help="context-parallel ranks per stage: spread each sample's sequence over C processes "
                              "(2C chunks, rank r holding chunks r and 2C-1-r), keys and values all-gathered for "

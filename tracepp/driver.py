@@ -20,6 +20,7 @@ from tracepp.resplit import split_options
 from tracepp.runtime.mesh import Layout
 from tracepp.runtime.run_options import RunOptions
 from tracepp.split import context_parallel, expert_parallel, tensor_parallel
+from tracepp.split import verify as tp_verify
 from tracepp.split.cost import per_rank_estimate
 from tracepp.split.partition import split
 from tracepp.trace import trace
@@ -27,8 +28,12 @@ from tracepp.trace_loss import trace_loss
 
 
 def _plan(model_path: str, layout: Layout, num_stages: Optional[int], schedule: str, num_microbatches: int,
-          split_points: Optional[list], dynamic_shapes, run: RunOptions = RunOptions(), all_modes: bool = False):
-    """Steps 1-3, shared by ``split`` and ``check``: (model file, traced program, stage graphs, plan)."""
+          split_points: Optional[list], dynamic_shapes, run: RunOptions = RunOptions(), all_modes: bool = False,
+          verify: str = "on"):
+    """Steps 1-3, shared by ``split`` and ``check``: (model file, traced program, stage graphs, plan). ``verify``:
+    on (a tp plan that does not compute what the model does is repaired), strict (refused), off (not run)."""
+    if verify not in tp_verify.MODES:
+        raise ValueError(f"--verify {verify!r}: use one of {', '.join(tp_verify.MODES)}")
     layout.check()
     run.check()
     model_file, traced, graph = trace_and_split(model_path, layout, num_stages, schedule, num_microbatches,
@@ -40,10 +45,19 @@ def _plan(model_path: str, layout: Layout, num_stages: Optional[int], schedule: 
             context_parallel.apply(graph, cp_plan, walks, loss, loss_walk)
             graph.context_parallel, graph.loss = cp_plan.to_json(), loss
     if layout.tp > 1:                                                                 # 2b. tensor parallel
+        saved = None
+        if verify != "off":
+            with phases.step("verify snapshot"):  # the stage graphs before the rewrite (verification's reference)
+                saved = tp_verify.snapshot(graph)
         with phases.step("tp plan"):
             tp_plan, walks = tensor_parallel.plan(graph, layout.tp, model_file.tp_plan, layout.sequence_parallel)
             tensor_parallel.apply(graph, tp_plan, walks)
-            graph.tensor_parallel = tp_plan.to_json()
+        if verify != "off":                                                           # 2b'. the plan verified
+            with phases.step("verify"):
+                tp_plan, record = _verify_tp(graph, saved, tp_plan, walks, traced, model_file, layout, verify)
+        graph.tensor_parallel = tp_plan.to_json()
+        if verify != "off":
+            graph.tensor_parallel["verified"] = record
     with phases.step("ep plan"):
         ep_plan, blocks = expert_parallel.plan(graph, layout.ep, layout.dp, tensor_parallel.fqn_map)  # 2c. experts
         if ep_plan.blocks:
@@ -63,6 +77,25 @@ def _plan(model_path: str, layout: Layout, num_stages: Optional[int], schedule: 
         graph.memory, run = memory_plan(model_file, traced, graph, the_plan, layout, run,   # 3b. memory per rank
                                         all_modes)
     return model_file, traced, graph, the_plan, run
+
+
+def _verify_tp(graph, saved, tp_plan, walks, traced, model_file, layout: Layout, mode: str) -> tuple:
+    """Step 2b': the applied tp plan run for every tp rank against the stage graphs before the rewrite
+    (``split.verify``); a mismatch repaired (the parameters feeding it made whole, planned again) or refused
+    (``strict``). Returns (the plan, its record for the manifest); what was repaired becomes a note."""
+    def replan(extra: dict) -> tuple:
+        tp_verify.restore(graph, saved)
+        overrides = dict(model_file.tp_plan or {}, **extra)
+        new_plan, new_walks = tensor_parallel.plan(graph, layout.tp, overrides, layout.sequence_parallel)
+        tensor_parallel.apply(graph, new_plan, new_walks)
+        return new_plan, new_walks
+
+    if layout.cp > 1:
+        return tp_plan, {"status": "not verified", "why": "--tp with --cp: the verifier runs tp ranks only"}
+    tp_plan, _walks, record, notes = tp_verify.verify_and_repair(graph, saved, tp_plan, walks, traced, replan, mode,
+                                                                  model_file.training)
+    traced.notes.extend(notes)
+    return tp_plan, record
 
 
 def trace_and_split(model_path: str, layout: Layout, num_stages: Optional[int], schedule: str,
@@ -87,12 +120,13 @@ def trace_and_split(model_path: str, layout: Layout, num_stages: Optional[int], 
 
 def split_model(model_path: str, out_dir: str, num_stages: Optional[int] = None, schedule: str = "1f1b",
                 num_microbatches: int = 4, split_points: Optional[list] = None, dynamic_shapes=None,
-                layout: Layout = Layout(pp=2), run: RunOptions = RunOptions()) -> dict:
+                layout: Layout = Layout(pp=2), run: RunOptions = RunOptions(), verify: str = "on") -> dict:
     """``tracepp split``: the folder ``out_dir`` for ``layout`` (pipeline ranks, data, tensor and expert
     parallelism: one value) and ``run`` (the precision, activation checkpointing and optimizer its memory is
     planned for, and run.py defaults to); returns its manifest."""
     model_file, traced, graph, the_plan, planned = _plan(model_path, layout, num_stages, schedule,
-                                                         num_microbatches, split_points, dynamic_shapes, run)
+                                                         num_microbatches, split_points, dynamic_shapes, run,
+                                                         verify=verify)
     options = split_options(model_path, layout, num_stages, schedule, num_microbatches, split_points,
                             dynamic_shapes, graph, run)
     options["run_options"], options["requested_run_options"] = planned.to_json(), run.to_json()
@@ -128,10 +162,11 @@ def launch_command(world_size: int, folder: Optional[str] = None) -> str:
 
 def check_model(model_path: str, num_stages: Optional[int] = None, schedule: str = "1f1b",
                 num_microbatches: int = 4, split_points: Optional[list] = None, dynamic_shapes=None,
-                layout: Layout = Layout(pp=2), run: RunOptions = RunOptions()) -> dict:
+                layout: Layout = Layout(pp=2), run: RunOptions = RunOptions(), verify: str = "on") -> dict:
     """``tracepp check``: trace, split and plan as :func:`split_model` does, and return the manifest unwritten."""
     model_file, traced, graph, the_plan, planned = _plan(model_path, layout, num_stages, schedule,
-                                                         num_microbatches, split_points, dynamic_shapes, run)
+                                                         num_microbatches, split_points, dynamic_shapes, run,
+                                                         verify=verify)
     return build_manifest(model_file, traced, graph, the_plan, launch_command(layout.world_size),
                           {"run_options": planned.to_json()})
 

@@ -190,6 +190,23 @@ def _pattern(fqn: str) -> str:
     return re.sub(r"(^|\.)\d+(?=\.)", r"\1*", fqn)
 
 
+def verified_lines(record) -> list:
+    """The plan's verification (``split.verify``): verified, repaired (what was made whole, at which op and line, and
+    the share it cost), or not verified and why."""
+    if not record:
+        return ["verification: off (--verify off, or a split older than it)"]
+    text = {"verified": "verified: every stage's ranks computed what the unsharded stage does (float64, forward and "
+                        "backward)",
+            "repaired": "repaired, then verified",
+            "not verified": f"not verified: {record.get('why', '')}"}.get(record["status"], record["status"])
+    lines = [f"verification: {text}"]
+    for repair in record.get("repairs") or []:
+        at = f" at {repair['at']}" if repair.get("at") else ""
+        lines.append(f"  made whole for {repair['op']}{at} ({repair['value']}): {', '.join(repair['made_whole'])}; "
+                     f"parameters sharded {repair['share_before']:.1%} -> {repair['share_after']:.1%}")
+    return lines
+
+
 def tensor_parallel_table(manifest: dict) -> str:
     """With --tp: each parameter's placement (repeated blocks collapsed to one row), the collectives each stage's
     forward adds, and why anything that could have been sharded was not. Empty without --tp."""
@@ -216,6 +233,7 @@ def tensor_parallel_table(manifest: dict) -> str:
                        for (pattern, role, placement, shape, why), count in rows.items()],
                       headers=["parameter", "role", "placement", "shape per rank", "replicated because"],
                       tablefmt="simple")]
+    lines += verified_lines(tp.get("verified"))
     shares = [[index, f"{stage['share']['params']:.1%}", f"{stage['share']['flops']:.1%}"]
               for index, stage in enumerate(tp["stages"]) if "share" in stage]
     if shares:

@@ -1,0 +1,669 @@
+"""Every tensor-parallel plan checked before anything is written: each stage's rewritten program run for every tp
+rank, in this one process, against the stage graph as it was before the rewrite, forward and backward.
+
+``tracepp split --tp T`` (and ``check``) calls :func:`verify_and_repair` after ``tensor_parallel.apply``:
+
+* **What runs.** The stages in order, on one microbatch: the model file's example batch (its first microbatch) for
+  the root inputs, the model's own parameters and buffers where they are real (random ones where the model is on
+  meta tensors), each stage's received values from the unsharded run of the stages before it. Everything floating
+  runs in float64 (every floating dtype argument of the graphs is read as float64), so both programs compute in
+  the same precision and only the order of the sums differs.
+* **How the ranks run.** The rewritten graph is one program for every tp rank (SPMD). It is interpreted once with
+  each value a list of ``T`` per-rank values: an ordinary op runs on each rank's operands; tracepp's collectives
+  (``runtime/tensor_parallel.py``: ``tp_copy``, ``tp_all_reduce``, ``tp_all_gather``, ``tp_scatter``,
+  ``sp_all_gather``, ``sp_reduce_scatter``, ``tp_vocab_embedding``, ``tp_head_group``, ``tp_parts``; and the local
+  ``tp_owned_split``) are computed across the list by an autograd function whose backward is the runtime's: a
+  ``tp_copy`` sums its ranks' gradients, a ``tp_all_reduce`` passes each rank's through, and so on. Each rank has
+  leaves of its own (its parameter pieces, its copy of each input), so autograd gives each rank's gradients as the
+  job would compute them.
+* **What is compared.** The stage's outputs, the gradients of its received inputs and of its parameters (a sharded
+  parameter's pieces joined in the model's layout, ``original_layout``; a replicated one on every rank), against the
+  unsharded graph on the same inputs and output gradients: equal within ``RTOL`` of the largest magnitude of the
+  value (float64: the sharded sums differ from the whole ones by rounding only).
+* **On a mismatch.** The first value that differs, in graph order, of those the rewrite kept and whose placement
+  is known (sharded pieces joined; partial sums before their all-reduce are skipped), names the op and the model's
+  source line. :func:`verify_and_repair` makes the parameters whose shards feed that value whole (as a model file's
+  ``tp_plan`` ``"replicate"`` does), plans again and verifies again, for at most ``ROUNDS`` rounds; ``strict``
+  refuses instead.
+
+A stage whose parameters and inputs hold more than ``LIMIT`` elements (a real-size model traced on meta tensors) is
+not run; a stage graph equal in structure to one verified already (``split.blocks.graph_signature``: a pipeline's
+middle stages) runs unsharded only, to feed the next. What was done is recorded as ``manifest["tp"]["verified"]``.
+"""
+from __future__ import annotations
+
+import copy
+import re
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from tracepp.runtime import tensor_parallel as tp_runtime
+
+RTOL = 1e-6  # of the largest magnitude of the reference value: float64 sums in another order agree to ~1e-15
+LIMIT = 50_000_000  # elements (parameters, buffers and inputs) of a stage run here; above it: not verified
+ROUNDS = 4  # plans verified before a repair gives up
+MODES = ("on", "strict", "off")
+TP = torch.ops.tracepp
+
+
+class NotVerified(Exception):
+    """The stage could not be run here (too big, an op this interpreter does not know, random ops)."""
+
+
+@dataclass
+class Mismatch:
+    stage: int
+    what: str  # "the value of mul_3", "the gradient of layers.0.attn.q.weight", "output 0"
+    node: str = ""  # the op's node name in the stage graph
+    op: str = ""  # its target, readable
+    at: str = ""  # model.py:42, or ''
+    error: float = 0.0
+    scale: float = 0.0
+    fqns: list = field(default_factory=list)  # the sharded parameters feeding it: made whole by a repair
+
+    def text(self) -> str:
+        where = f" ({self.op}{' at ' + self.at if self.at else ''})" if self.op else ""
+        how = (f"by {self.error:.3g} (largest magnitude {self.scale:.3g})" if self.error != float("inf") else
+               "in its shape, its integer values or where it is finite")
+        return f"stage {self.stage}: {self.what}{where} differs from the unsharded graph {how}"
+
+
+# ---- snapshots of the stage graphs before the rewrite
+
+def snapshot(graph) -> tuple:
+    """What ``tensor_parallel.apply`` changes: each stage graph and each boundary value's shape."""
+    return ([copy.deepcopy(stage.graph) for stage in graph.stages],
+            {name: list(value.meta.shape) for name, value in graph.values.items()})
+
+
+def restore(graph, saved: tuple) -> None:
+    """The stage graphs as :func:`snapshot` saw them (a fresh copy: the snapshot stays as it was)."""
+    graphs, shapes = saved
+    for stage, g in zip(graph.stages, graphs):
+        stage.graph = copy.deepcopy(g)
+    for name, shape in shapes.items():
+        graph.values[name].meta.shape = list(shape)
+
+
+# ---- the collectives across the ranks' values
+
+def _pieces(t, dim, groups, size):
+    shape = list(t.shape)
+    return t.reshape(shape[:dim] + [groups, shape[dim] // groups] + shape[dim + 1:])
+
+
+def _piece(t, dim, groups, size, rank):
+    """Rank ``rank``'s piece of ``dim`` (of each of its ``groups`` segments): ``_local_piece``."""
+    shape = list(t.shape)
+    shape[dim] //= size
+    return _pieces(t, dim, groups, size).chunk(size, dim=dim + 1)[rank].reshape(shape)
+
+
+def _join(parts, dim, groups):
+    """The ranks' pieces joined along ``dim``, each segment's pieces side by side: ``_gather``."""
+    if groups == 1:
+        return torch.cat(parts, dim=dim)
+    shape = list(parts[0].shape)
+    shape[dim] *= len(parts)
+    return torch.cat([_pieces(p, dim, groups, len(parts)) for p in parts], dim=dim + 1).reshape(shape)
+
+
+def _sum(values):
+    out = values[0]
+    for v in values[1:]:
+        out = out + v
+    return out
+
+
+class _Across(torch.autograd.Function):
+    """One collective over the ranks' values: ``forward(list) -> list`` and the runtime's ``backward(list) -> list``."""
+
+    @staticmethod
+    def forward(ctx, forward, backward, *values):
+        ctx.backward = backward
+        outs = forward(list(values))
+        ctx.like = [(o.shape, o.dtype) for o in outs]
+        fresh, seen = [], set()  # each output a tensor of its own (not an input, not another output)
+        for o in outs:
+            fresh.append(o.clone() if id(o) in seen or any(o is v for v in values) else o)
+            seen.add(id(o))
+        return tuple(fresh)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        grads = [g if g is not None else torch.zeros(shape, dtype=dtype) for g, (shape, dtype) in zip(grads, ctx.like)]
+        with torch.no_grad():
+            return (None, None, *ctx.backward(grads))
+
+
+def _across(values, forward, backward):
+    return list(_Across.apply(forward, backward, *values))
+
+
+def _collective(target, values, args, size):
+    """``target`` over the ranks: ``values`` is the list of the ranks' first operands, ``args`` the rest."""
+    ranks = range(size)
+    if target is TP.tp_copy.default:
+        return _across(values, lambda xs: [x.clone() for x in xs], lambda gs: [_sum(gs)] * size)
+    if target is TP.tp_all_reduce.default:
+        return _across(values, lambda xs: [_sum(xs)] * size, lambda gs: list(gs))
+    dim = args[0] if args else None
+    if target in (TP.tp_all_gather.default, TP.tp_scatter.default, TP.sp_all_gather.default,
+                  TP.sp_reduce_scatter.default):
+        groups = args[1] if len(args) > 1 else 1
+        if target is TP.tp_all_gather.default:
+            return _across(values, lambda xs: [_join(xs, dim, groups)] * size,
+                           lambda gs: [_piece(g, dim, groups, size, r) for r, g in zip(ranks, gs)])
+        if target is TP.tp_scatter.default:
+            return _across(values, lambda xs: [_piece(x, dim, groups, size, r) for r, x in zip(ranks, xs)],
+                           lambda gs: [_join(gs, dim, groups)] * size)
+        if target is TP.sp_all_gather.default:
+            return _across(values, lambda xs: [_join(xs, dim, groups)] * size,
+                           lambda gs: [_piece(_sum(gs), dim, groups, size, r) for r in ranks])
+        return _across(values, lambda xs: [_piece(_sum(xs), dim, groups, size, r) for r in ranks],
+                       lambda gs: [_join(gs, dim, groups)] * size)
+    if target is TP.tp_head_group.default:
+        parts = args[1]
+
+        def placed(g, r, shape):
+            full = g.new_zeros(shape)
+            full.chunk(parts, dim=dim)[r * parts // size].copy_(g)
+            return full
+
+        shapes = [v.shape for v in values]
+        return _across(values, lambda xs: [x.chunk(parts, dim=dim)[r * parts // size].clone() for r, x in zip(ranks, xs)],
+                       lambda gs: [_sum([placed(g, r, s) for r, g, s in zip(ranks, gs, shapes)])] * size)
+    if target is TP.tp_parts.default:
+        segments = list(args[1])
+        return _across(values, lambda xs: [tp_runtime.shard(x, dim, size, r, segments) for r, x in zip(ranks, xs)],
+                       lambda gs: [tp_runtime.original_layout(torch.cat(gs, dim=dim), dim, size, segments)] * size)
+    raise NotVerified(f"{target} has no simulation here")
+
+
+_COLLECTIVES = {"tp_copy", "tp_all_reduce", "tp_all_gather", "tp_scatter", "sp_all_gather", "sp_reduce_scatter",
+                "tp_head_group", "tp_parts"}
+
+
+class _Ranks:
+    """``_STATE`` of the runtime set to one rank of ``size`` (the local ops read it: ``tp_owned_split``, the
+    vocabulary lookup's rows)."""
+
+    def __init__(self, size: int, rank: int):
+        self.size, self.rank = size, rank
+
+    def __enter__(self):
+        state = tp_runtime._STATE
+        self.old = dict(state)
+        state.update(size=self.size, rank=self.rank, group=None)
+
+    def __exit__(self, *exc):
+        tp_runtime._STATE.clear()
+        tp_runtime._STATE.update(self.old)
+
+
+def _float64(item):
+    if isinstance(item, torch.dtype) and item.is_floating_point:
+        return torch.float64
+    return item
+
+
+def run(g: fx.Graph, inputs: list, size: int) -> dict:
+    """Interpret ``g`` with every value a list of ``size`` per-rank values; ``inputs``: per placeholder such a list.
+    Returns {node name: list}."""
+    env: dict = {}
+    placeholders = iter(inputs)
+
+    def at(rank):
+        def one(item):
+            if isinstance(item, fx.Node):
+                return env[item.name][rank]
+            return _float64(item)
+        return one
+
+    for node in g.nodes:
+        if node.op == "placeholder":
+            env[node.name] = next(placeholders)
+        elif node.op == "output":
+            env[node.name] = [fx.node.map_aggregate(node.args[0], at(r)) for r in range(size)]
+        elif node.op == "call_function":
+            target = node.target
+            name = getattr(target, "namespace", None) == "tracepp" and target.name().split("::")[-1].split(".")[0]
+            if name in _COLLECTIVES:
+                values = [env[node.args[0].name][r] for r in range(size)]
+                env[node.name] = _collective(target, values, list(node.args[1:]), size)
+                continue
+            if name == "tp_vocab_embedding":
+                weight, ids, padding = node.args[:3]
+                reduce = node.args[3] if len(node.args) > 3 else True
+                outs = []
+                for r in range(size):
+                    with _Ranks(size, r):
+                        outs.append(target(env[weight.name][r], env[ids.name][r], padding, False))
+                env[node.name] = _collective(TP.tp_all_reduce.default, outs, [], size) if reduce else outs
+                continue
+            if name and name != "tp_owned_split":
+                raise NotVerified(f"{target} has no simulation here")
+            outs = []
+            for r in range(size):
+                args = fx.node.map_aggregate(node.args, at(r))
+                kwargs = fx.node.map_aggregate(node.kwargs, at(r))
+                with _Ranks(size, r):
+                    outs.append(target(*args, **kwargs))
+            env[node.name] = outs
+        else:
+            raise NotVerified(f"a {node.op} node ({node.name}) has no simulation here")
+    return env
+
+
+# ---- inputs
+
+def _hint(value) -> int:
+    if isinstance(value, int):
+        return value
+    if isinstance(value, torch.SymInt):
+        hint = value.node.hint
+        if hint is None:
+            raise NotVerified(f"a size ({value}) has no example value")
+        return int(hint)
+    return int(value)
+
+
+def _concrete(val) -> list:
+    return [_hint(s) for s in val.shape]
+
+
+def _random_like(val, generator) -> torch.Tensor:
+    shape = _concrete(val)
+    if val.dtype.is_floating_point:
+        return torch.randn(shape, generator=generator, dtype=torch.float64)
+    if val.dtype == torch.bool:
+        return torch.ones(shape, dtype=torch.bool)
+    return torch.zeros(shape, dtype=val.dtype)
+
+
+def _state_tensor(traced, ref):
+    """The model's own tensor for a state reference (None where it is on meta or not found)."""
+    model = traced.model
+    for getter in (model.get_parameter, model.get_buffer):
+        try:
+            tensor = getter(ref.fqn)
+        except (AttributeError, TypeError):
+            continue
+        return None if tensor.is_meta else tensor
+    tensor = getattr(traced.program, "constants", {}).get(ref.fqn)
+    return None if tensor is None or getattr(tensor, "is_meta", True) else tensor
+
+
+def _root_value(traced, ref, val):
+    """The example batch's leaf, cut to the traced microbatch (its first samples)."""
+    leaves = traced.example_leaves
+    if ref.leaf_index >= len(leaves) or not isinstance(leaves[ref.leaf_index], torch.Tensor):
+        return None
+    tensor = leaves[ref.leaf_index]
+    shape = _concrete(val)
+    if ref.batched and tensor.dim() and tensor.shape[0] >= shape[0]:
+        tensor = tensor[:shape[0]]
+    return tensor if list(tensor.shape) == shape and not tensor.is_meta else None
+
+
+def _cast(t):
+    return t.detach().to(torch.float64) if t.is_floating_point() else t.detach()
+
+
+# ---- comparison
+
+def _differs(have, want):
+    """(error, scale) where ``have`` is not ``want`` within RTOL, else None."""
+    if not isinstance(want, torch.Tensor) or not isinstance(have, torch.Tensor):
+        return None
+    if have.shape != want.shape:
+        return (float("inf"), 0.0)
+    if not want.is_floating_point():
+        return None if torch.equal(have, want) else (float("inf"), 0.0)
+    have, want = have.detach().double(), want.detach().double()
+    finite = torch.isfinite(want)
+    if not torch.equal(finite, torch.isfinite(have)):
+        return (float("inf"), 0.0)
+    if not finite.any():
+        return None
+    error = (have - want)[finite].abs().max().item()
+    scale = want[finite].abs().max().item()
+    return (error, scale) if error > RTOL * scale + 1e-12 else None
+
+
+def _whole(walk, node, values, size):
+    """The whole value of a rewritten ``node`` from its ranks' ``values``, or None where its placement is not
+    known here (a partial sum before its all-reduce, a fused value with whole parts, a list of pieces)."""
+    if node in walk.roles or node in walk.sums or node in walk.mixed or node in walk.owned_splits:
+        return None
+    if node in walk.shard:
+        if not all(isinstance(v, torch.Tensor) for v in values):
+            return None
+        dim, segs = walk.shard[node], walk.segs.get(node)
+        if walk.kind.get(node) == "seq":
+            groups = walk.groups_of(segs)
+            return _join(values, dim, groups) if groups else None
+        return tp_runtime.original_layout(torch.cat(values, dim=dim), dim, size, list(segs) if segs else None)
+    return values  # replicated: every rank's own
+
+
+def _first_difference(stage_index, original, rewritten_env, reference_env, walk, size):
+    """The first value of the original graph, in order, whose ranks' values do not reassemble to the reference."""
+    nodes = {node.name: node for node in walk.graph.nodes}
+    for node in original.nodes:
+        if node.op != "call_function" or node.name not in rewritten_env or node.name not in nodes:
+            continue
+        want = reference_env[node.name][0]
+        if not isinstance(want, torch.Tensor) or not want.is_floating_point():
+            continue
+        here = _whole(walk, nodes[node.name], rewritten_env[node.name], size)
+        if here is None:
+            continue
+        for have in (here if isinstance(here, list) else [here]):
+            found = _differs(have, want)
+            if found:
+                mine = nodes[node.name]
+                # an input that is a partial reduction all-reduced as a sum (not compared: its ranks hold parts) is
+                # where the value went wrong: name that op
+                culprit = _partial_input(mine, walk, {n.name for n in original.nodes})
+                named = culprit if culprit is not None else mine
+                return Mismatch(stage_index, f"the value of {node.name}", named.name, _op(named),
+                                _where(named) or _where(node), found[0], found[1], _feeding(walk, mine))
+    return None
+
+
+def _partial_input(node, walk, original_names: set):
+    """The partial reduction (``walk.sums``) ``node`` reads, through the collectives the rewrite put after it."""
+    queue = list(node.all_input_nodes)
+    while queue:
+        item = queue.pop(0)
+        if item in walk.sums:
+            return item
+        if item.name not in original_names:  # inserted by the rewrite: look through it
+            queue.extend(item.all_input_nodes)
+    return None
+
+
+def _op(node) -> str:
+    target = node.target
+    return getattr(target, "__name__", None) if not hasattr(target, "name") else str(target)
+
+
+def _where(node) -> str:
+    from tracepp.split.tensor_parallel import where
+    return where(node)
+
+
+def _feeding(walk, node, limit: int = 200) -> list:
+    """The sharded parameters whose pieces make ``node``: the column-wise weights its sharded inputs come from
+    (``walk.origin``), else the sharded parameters upstream of it, nearest first."""
+    found: dict = {}
+    for item in [node] + list(node.all_input_nodes):
+        for fqn in walk.origin.get(item, ()):
+            found[fqn] = True
+    if found:
+        return list(found)
+    seen, queue = set(), [node]
+    while queue and len(seen) < limit:
+        item = queue.pop(0)
+        if item in seen:
+            continue
+        seen.add(item)
+        fqn = walk.fqn_of.get(item.name) if item.op == "placeholder" else None
+        if fqn is not None and item in walk.shard:
+            found[fqn] = True
+        for fqn in walk.origin.get(item, ()):
+            found[fqn] = True
+        if found:
+            return list(found)
+        queue.extend(item.all_input_nodes)
+    return list(found)
+
+
+# ---- one plan
+
+def verify(graph, saved: tuple, tp_plan, walks, traced, training: bool = True) -> dict:
+    """Run every stage as planned against its snapshot (:func:`snapshot`); returns {"status": "verified" |
+    "mismatch" | "not verified", "why", "mismatch": Mismatch or None, "stages": per stage what was done}."""
+    size = tp_plan.size
+    originals, _shapes = saved
+    generator = torch.Generator().manual_seed(0)
+    sent = (tp_plan.sequence_parallel or {}).get("sent") or {}
+    values: dict = {}  # boundary value name -> its whole value (from the unsharded run)
+    done, seen = [], {}
+    if getattr(traced, "random_ops", None):
+        return {"status": "not verified", "why": f"the model draws random numbers ({traced.random_ops[0]}): the "
+                                                 f"ranks' draws differ from one process's", "mismatch": None,
+                "stages": []}
+    for stage, original, walk in zip(graph.stages, originals, walks):
+        try:
+            result = _verify_stage(graph, stage, original, walk, size, traced, values, sent, generator, seen,
+                                   training, tp_plan.params)
+        except NotVerified as error:
+            result = {"status": "not verified", "why": str(error)}
+        except Exception as error:  # an op that does not run here: say so, do not fail the split
+            result = {"status": "not verified", "why": f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"}
+        done.append(result)
+        if result.get("mismatch") is not None:
+            return {"status": "mismatch", "why": result["mismatch"].text(), "mismatch": result["mismatch"],
+                    "stages": done}
+        if result["status"] == "not verified":
+            break  # the later stages' inputs are not known
+    skipped = [f"stage {i}: {r['why']}" for i, r in enumerate(done) if r["status"] == "not verified"]
+    if skipped or len(done) < len(graph.stages):
+        return {"status": "not verified", "why": "; ".join(skipped) or "not run", "mismatch": None, "stages": done}
+    return {"status": "verified", "why": "", "mismatch": None, "stages": done}
+
+
+def _verify_stage(graph, stage, original, walk, size, traced, values, sent, generator, seen, training,
+                  plan_params) -> dict:
+    from tracepp.split import blocks
+
+    placeholders = [n for n in original.nodes if n.op == "placeholder"]
+    first = len(stage.state) + len(stage.root_inputs)
+    received = {placeholders[first + i].name: name for i, (_p, name) in enumerate(stage.received)}
+    state = dict(zip([n.name for n in placeholders], stage.state))
+    roots = dict(zip([n.name for n in placeholders[len(stage.state):]], stage.root_inputs))
+    count = sum(_prod(_concrete(n.meta["val"])) for n in placeholders if isinstance(n.meta.get("val"), torch.Tensor))
+    if count > LIMIT:
+        raise NotVerified(f"{count / 1e6:.0f}M elements of parameters and inputs, more than the {LIMIT / 1e6:.0f}M "
+                          f"run here")
+    whole_inputs, grads_wanted = [], []
+    for node in placeholders:
+        val = node.meta.get("val")
+        if node.name in state:
+            ref = graph.state[state[node.name]]
+            tensor = _state_tensor(traced, ref)
+            tensor = _cast(tensor) if tensor is not None else _random_like(val, generator)
+            wants = ref.kind == "parameter" and tensor.is_floating_point() and training
+        elif node.name in roots:
+            tensor = _root_value(traced, graph.root_inputs[roots[node.name]], val)
+            tensor = _cast(tensor) if tensor is not None else _random_like(val, generator)
+            wants = False
+        elif node.name in received:
+            name = received[node.name]
+            if name not in values:
+                raise NotVerified(f"{name} was not computed")
+            tensor = values[name]
+            wants = graph.values[name].meta.requires_grad and tensor.is_floating_point() and training
+        elif isinstance(val, torch.Tensor):
+            tensor, wants = _random_like(val, generator), False
+        else:
+            tensor, wants = _hint(val) if val is not None else None, False
+        whole_inputs.append(tensor)
+        grads_wanted.append(wants)
+    # the unsharded run
+    leaves = [t.clone().requires_grad_(w) if isinstance(t, torch.Tensor) else t
+              for t, w in zip(whole_inputs, grads_wanted)]
+    reference = run(original, [[t] for t in leaves], 1)
+    outputs = list(reference[original.output_node().name][0])
+    for out, name in zip(outputs, stage.outputs):
+        values[name] = out.detach() if isinstance(out, torch.Tensor) else out
+    signature = blocks.graph_signature(original)
+    if signature in seen:
+        return {"status": "verified", "why": f"the same graph as stage {seen[signature]}"}
+    out_grads = [torch.randn(o.shape, generator=generator, dtype=o.dtype)
+                 if isinstance(o, torch.Tensor) and o.requires_grad else None for o in outputs]
+    pairs = [(o, g) for o, g in zip(outputs, out_grads) if g is not None]
+    if pairs:
+        torch.autograd.backward([o for o, _g in pairs], [g for _o, g in pairs])
+    # the ranks' run
+    rewritten = [n for n in walk.graph.nodes if n.op == "placeholder"]
+    ranked = []
+    for node, tensor, wants in zip(rewritten, whole_inputs, grads_wanted):
+        if not isinstance(tensor, torch.Tensor):
+            ranked.append([tensor] * size)
+            continue
+        fqn = walk.fqn_of.get(node.name)
+        entry = plan_params.get(fqn) or {}
+        name = received.get(node.name)
+        if entry.get("dim") is not None:
+            pieces = [tp_runtime.shard(tensor, entry["dim"], size, r, entry.get("segments")) for r in range(size)]
+        elif name in sent:
+            pieces = [_piece(tensor, sent[name], _sent_groups(walk, node), size, r) for r in range(size)]
+        else:
+            pieces = [tensor.clone() for _ in range(size)]
+        ranked.append([p.detach().clone().requires_grad_(wants) for p in pieces])
+    try:
+        env = run(walk.graph, ranked, size)
+    except NotVerified:
+        raise
+    result_outputs = env[walk.graph.output_node().name]
+    mismatch = None
+    for index, (name, want) in enumerate(zip(stage.outputs, outputs)):
+        have = [result_outputs[r][index] for r in range(size)]
+        if name in sent:
+            have = [_join(have, sent[name], _sent_groups_out(walk, index))]
+        for item in have:
+            found = _differs(item, want)
+            if found:
+                made = list(walk.graph.output_node().args[0])[index]
+                mismatch = Mismatch(stage.index, f"output {name}", error=found[0], scale=found[1],
+                                    fqns=_feeding(walk, made) if isinstance(made, fx.Node) else [])
+                break
+        if mismatch:
+            break
+    if mismatch is None and pairs:
+        grads = []
+        for index, (name, g) in enumerate(zip(stage.outputs, out_grads)):
+            if g is None:
+                continue
+            for r in range(size):
+                o = result_outputs[r][index]
+                grads.append((o, _piece(g, sent[name], _sent_groups_out(walk, index), size, r) if name in sent else g))
+        torch.autograd.backward([o for o, _g in grads], [g for _o, g in grads])
+        for node, leaf, pieces, wants in zip(rewritten, leaves, ranked, grads_wanted):
+            if not wants:
+                continue
+            fqn = walk.fqn_of.get(node.name)
+            entry = plan_params.get(fqn) or {}
+            got = [p.grad if p.grad is not None else torch.zeros_like(p) for p in pieces]
+            want = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+            name = received.get(node.name)
+            if entry.get("dim") is not None:
+                got = [tp_runtime.original_layout(torch.cat(got, dim=entry["dim"]), entry["dim"], size,
+                                                  entry.get("segments"))]
+            elif name in sent:
+                got = [_join(got, sent[name], _sent_groups(walk, node))]
+            for item in got:
+                found = _differs(item, want)
+                if found:
+                    what = f"the gradient of {fqn}" if fqn else f"the gradient of input {name or node.name}"
+                    mismatch = Mismatch(stage.index, what, error=found[0], scale=found[1],
+                                        fqns=[fqn] if fqn and entry.get("dim") is not None else [])
+                    break
+            if mismatch:
+                break
+    if mismatch is not None:
+        first = _first_difference(stage.index, original, env, reference, walk, size)
+        if first is not None:
+            first.what = f"{first.what} (and so {mismatch.what})"
+            mismatch = first
+        return {"status": "mismatch", "mismatch": mismatch}
+    seen[signature] = stage.index
+    return {"status": "verified", "why": ""}
+
+
+def _sent_groups(walk, node) -> int:
+    segments = (walk.received.get(node.name) or (None, None))[1]
+    return walk.groups_of(segments) or 1
+
+
+def _sent_groups_out(walk, index) -> int:
+    node = list(walk.graph.output_node().args[0])[index]
+    segments = (walk.sends.get(node) or (None, None))[1]
+    return walk.groups_of(segments) or 1
+
+
+def _prod(items) -> int:
+    out = 1
+    for item in items:
+        out *= item
+    return out
+
+
+# ---- the split's step
+
+def _share_from(tp_plan, graph) -> float:
+    numel: dict = {}
+    for stage in graph.stages:
+        names = [n for n in stage.graph.nodes if n.op == "placeholder"][:len(stage.state)]
+        for node, ref_name in zip(names, stage.state):
+            ref = graph.state[ref_name]
+            if ref.kind == "parameter":
+                numel[ref.fqn] = _prod(_concrete(node.meta["val"])) * (
+                    tp_plan.size if (tp_plan.params.get(ref.fqn) or {}).get("dim") is not None else 1)
+    total = sum(numel.values())
+    sharded = sum(n for fqn, n in numel.items() if (tp_plan.params.get(fqn) or {}).get("dim") is not None)
+    return sharded / total if total else 0.0
+
+
+def verify_and_repair(graph, saved: tuple, tp_plan, walks, traced, replan, mode: str = "on",
+                      training: bool = True) -> tuple:
+    """Verify the applied plan; on a mismatch (``mode`` "on") make the parameters feeding the first differing
+    value whole, ``replan(extra)`` ({fqn: "replicate"} added to the model file's tp_plan: returns the applied
+    (tp_plan, walks)), and verify again; ``strict`` raises. Returns (tp_plan, walks, the record for the manifest,
+    notes for the user)."""
+    started = time.perf_counter()
+    repairs, notes, extra = [], [], {}
+    threads = torch.get_num_threads()
+    for _round in range(ROUNDS):
+        torch.set_num_threads(1)  # tiny ops: one thread (two spin 15x longer on a loaded machine)
+        try:
+            result = verify(graph, saved, tp_plan, walks, traced, training)
+        finally:
+            torch.set_num_threads(threads)
+        if result["status"] != "mismatch":
+            break
+        mismatch = result["mismatch"]
+        # a repeated block's parameter: its copies in every block (the same plan in each) made whole at once
+        fix = list(dict.fromkeys(re.sub(r"(^|\.)\d+(?=\.)", r"\1*", fqn) for fqn in mismatch.fqns))
+        fix = [pattern for pattern in fix if pattern not in extra]
+        if mode == "strict" or not fix:
+            entries = ", ".join(f"{fqn!r}: 'replicate'" for fqn in fix[:2])
+            how = (f"make {', '.join(fix[:4])} whole (tp_plan = {{{entries}}} in the model file), or split with "
+                   f"--verify on to let the split do it" if fix else "split without --tp, or report it")
+            raise ValueError(f"--tp {tp_plan.size}: the plan does not compute what the model does: "
+                             f"{mismatch.text()}. Fix: {how}")
+        before = _share_from(tp_plan, graph)
+        extra.update({fqn: "replicate" for fqn in fix})
+        tp_plan, walks = replan(dict(extra))
+        after = _share_from(tp_plan, graph)
+        op = f"{mismatch.op}{' at ' + mismatch.at if mismatch.at else ''}" or mismatch.what
+        repairs.append({"op": mismatch.op, "at": mismatch.at, "value": mismatch.what, "made_whole": fix,
+                        "share_before": round(before, 4), "share_after": round(after, 4)})
+        notes.append(f"--tp {tp_plan.size}: verification found {mismatch.text()}; made {', '.join(fix[:4])}"
+                     f"{' and more' if len(fix) > 4 else ''} whole for {op}: parameters sharded {before:.1%} -> "
+                     f"{after:.1%}")
+    else:
+        result = {"status": "not verified", "why": f"still differs after {ROUNDS} repairs"}
+    record = {"status": "repaired" if repairs and result["status"] == "verified" else result["status"],
+              "why": result.get("why", ""), "seconds": round(time.perf_counter() - started, 3)}
+    if repairs:
+        record["repairs"] = repairs
+    if record["status"] == "not verified":
+        notes.append(f"--tp {tp_plan.size}: the plan was not verified: {record['why']}")
+    return tp_plan, walks, record, notes

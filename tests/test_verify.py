@@ -1,0 +1,137 @@
+"""Issue 57, item 1 for tensor parallelism: every tp plan is verified at split time (``split/verify.py``): each stage's
+rewritten program runs for every tp rank in this one process against the unsharded stage, forward and backward.
+
+A correct plan verifies (tp_llama with and without sequence parallelism, a transformers Llama); a wrong rule
+injected into the planner (a partial norm read as a plain sum, a gather along the wrong dim) is caught, repaired by
+making the parameters feeding the differing value whole, and refused under ``--verify strict`` naming the op.
+"""
+import inspect
+import os
+import textwrap
+
+import pytest
+import torch
+
+from tracepp.driver import check_model
+from tracepp.runtime.mesh import Layout
+from tracepp.split import tensor_parallel, torch_rules, verify
+from util import REPO, model_path
+
+pytestmark = pytest.mark.timeout(600)
+
+LLAMA = model_path("tp_llama")
+NORMALIZE = model_path("tp_normalize_rmsnorm")
+
+
+def _check(path, mode="on", pp=2, **layout):
+    return check_model(path, schedule="1f1b" if pp > 1 else "looped-bfs", num_microbatches=4,
+                       layout=Layout(pp=pp, **layout), verify=mode)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_a_correct_plan_verifies(sequence_parallel):
+    manifest = _check(LLAMA, tp=2, sequence_parallel=sequence_parallel)
+    record = manifest["tp"]["verified"]
+    assert record["status"] == "verified", record
+    assert "repairs" not in record
+
+
+def test_a_transformers_llama_verifies(monkeypatch):
+    monkeypatch.setenv("HF_FAMILY", "llama")
+    manifest = _check(os.path.join(REPO, "tests", "zoo", "hf_family.py"), tp=2)
+    assert manifest["tp"]["verified"]["status"] == "verified", manifest["tp"]["verified"]
+
+
+def test_verify_off_records_nothing():
+    manifest = _check(LLAMA, mode="off", tp=2)
+    assert "verified" not in manifest["tp"]
+
+
+def _partial_norm_read_as_a_sum(monkeypatch):
+    """The rule as it was before issue 57: any ``Partial`` whose reduce_op reads "sum" taken as a plain sum (torch's
+    ``_NormPartial`` of ``F.normalize``'s L2 norm included): the ranks' norms all-reduced."""
+    source = textwrap.dedent(inspect.getsource(torch_rules.ask))
+    assert "type(placement) is Partial and" in source
+    namespace = dict(torch_rules.__dict__)
+    exec(compile(source.replace("type(placement) is Partial and", "isinstance(placement, Partial) and"),
+                 torch_rules.__file__, "exec"), namespace)
+    monkeypatch.setattr(torch_rules, "ask", namespace["ask"])
+
+
+def test_a_partial_norm_read_as_a_sum_is_caught_and_repaired(monkeypatch):
+    _partial_norm_read_as_a_sum(monkeypatch)
+    wrong = _check(NORMALIZE, mode="off", pp=1, tp=2)  # the injected rule does shard the residual stream
+    assert wrong["tp"]["params"]["transformer.h.0.attn.to_out.weight"]["dim"] == 0
+    manifest = _check(NORMALIZE, pp=1, tp=2)
+    record = manifest["tp"]["verified"]
+    assert record["status"] == "repaired", record
+    repair, = record["repairs"]
+    assert "linalg_vector_norm" in repair["op"] and repair["at"] == "lib_style.py:32", repair
+    assert repair["made_whole"] == ["transformer.h.*.attn.to_out.weight"]
+    assert repair["share_after"] < repair["share_before"]
+    assert manifest["tp"]["params"]["transformer.h.0.attn.to_out.weight"]["dim"] is None
+    assert any("made transformer.h.*.attn.to_out.weight whole" in note for note in manifest["notes"])
+    from tracepp.report.stages import tensor_parallel_table
+    assert "made whole for aten.linalg_vector_norm.default at lib_style.py:32" in tensor_parallel_table(manifest)
+
+
+def test_a_partial_norm_read_as_a_sum_is_refused_under_strict(monkeypatch):
+    _partial_norm_read_as_a_sum(monkeypatch)
+    with pytest.raises(ValueError, match=r"linalg_vector_norm.default at lib_style.py:32.*Fix: make "
+                                         r"transformer.h.\*.attn.to_out.weight whole"):
+        _check(NORMALIZE, mode="strict", pp=1, tp=2)
+
+
+def _gather_off_by_one(monkeypatch):
+    """A rewrite that gathers the logits along the dim before their sharded one."""
+    original = tensor_parallel._rewrite
+
+    def rewrite(g, walk, tp, params):
+        original(g, walk, tp, params)
+        for node in g.nodes:
+            if node.target is torch.ops.tracepp.tp_all_gather.default and node.args[1] > 0:
+                node.args = (node.args[0], node.args[1] - 1) + tuple(node.args[2:])
+
+    monkeypatch.setattr(tensor_parallel, "_rewrite", rewrite)
+
+
+def test_a_shard_dim_off_by_one_is_caught_and_repaired(monkeypatch):
+    _gather_off_by_one(monkeypatch)
+    with pytest.raises(ValueError, match=r"output .* differs from the unsharded graph in its shape.*Fix: make head.weight whole"):
+        _check(LLAMA, mode="strict", tp=2)
+    manifest = _check(LLAMA, tp=2)
+    record = manifest["tp"]["verified"]
+    assert record["status"] == "repaired", record
+    assert record["repairs"][0]["made_whole"] == ["head.weight"]
+    assert manifest["tp"]["params"]["head.weight"]["dim"] is None
+
+
+def test_a_stage_too_big_to_run_is_not_verified(monkeypatch):
+    monkeypatch.setattr(verify, "LIMIT", 100)
+    manifest = _check(LLAMA, tp=2)
+    record = manifest["tp"]["verified"]
+    assert record["status"] == "not verified" and "more than the 0M run here" in record["why"], record
+    assert any("was not verified" in note for note in manifest["notes"])
+
+
+def test_the_simulated_ops_cut_as_the_runtime_does():
+    """The forward pieces the verifier takes per rank are the runtime's own (``_local_piece``, ``tp_head_group``,
+    ``tp_parts``), and joining them gives back the whole (``_gather``'s order, segments of a sequence dim)."""
+    from tracepp.runtime import tensor_parallel as runtime
+
+    x = torch.arange(2 * 12 * 6, dtype=torch.float64).reshape(2, 12, 6)
+    for groups in (1, 2, 3):
+        pieces = []
+        for rank in range(2):
+            with verify._Ranks(2, rank):
+                pieces.append(runtime._local_piece(x, 1, groups))
+            assert torch.equal(verify._piece(x, 1, groups, 2, rank), pieces[-1])
+        assert torch.equal(verify._join(pieces, 1, groups), x)
+    for rank in range(4):
+        with verify._Ranks(4, rank):
+            want_group = runtime._head_group(x, 1, 2)
+            want_parts = runtime._parts_piece(x, 1, [4, 8])
+        got = verify._collective(torch.ops.tracepp.tp_head_group.default, [x] * 4, [1, 2], 4)[rank]
+        assert torch.equal(got, want_group)
+        got = verify._collective(torch.ops.tracepp.tp_parts.default, [x] * 4, [1, [4, 8]], 4)[rank]
+        assert torch.equal(got, want_parts)
