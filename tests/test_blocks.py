@@ -45,6 +45,7 @@ def test_four_times_the_layers_cost_the_cp_walk_no_more_work(monkeypatch):
     assert manifest["cp"]["size"] == 2
 
 
+@pytest.mark.timeout(900)  # each case plans its model twice (folded and not): 40 - 90 s alone, more beside other work
 @pytest.mark.parametrize("case", [
     ("tp_llama", {"TP_LLAMA_LAYERS": "14"}, dict(pp=3, tp=2, sequence_parallel=True)),
     ("zoo/hf_family.py", {"HF_FAMILY": "mixtral", "HF_LAYERS": "12"}, dict(pp=2, tp=2, sequence_parallel=True)),
