@@ -111,28 +111,34 @@ def _signature(nodes: list, before: list, fqn_of: dict, begins: Optional[str]) -
     position = {node: index for index, node in enumerate(nodes)}
     previous = {node: index for index, node in enumerate(before)}
 
-    def ref(item):
-        if isinstance(item, fx.Node):
-            if item in position:
-                return ("i", position[item])
-            if item in previous:
-                return ("p", previous[item])
-            if item.op == "placeholder":
-                relative = _relative(_state_name(item, fqn_of), begins)
-                return ("w", relative) if relative is not None else ("x", item.name)
-            return ("x", item.name)
-        if isinstance(item, (list, tuple)):
-            return (type(item).__name__,) + tuple(ref(i) for i in item)
-        if isinstance(item, dict):
-            return ("d",) + tuple((k, ref(v)) for k, v in item.items())
-        if isinstance(item, slice):
-            return ("s", ref(item.start), ref(item.stop), ref(item.step))
-        return repr(item)
+    def node_ref(item):
+        if item in position:
+            return ("i", position[item])
+        if item in previous:
+            return ("p", previous[item])
+        if item.op == "placeholder":
+            relative = _relative(_state_name(item, fqn_of), begins)
+            return ("w", relative) if relative is not None else ("x", item.name)
+        return ("x", item.name)
 
     out, local = [], {}
     for node in nodes:
-        out.append((node.op, str(node.target), ref(node.args), ref(node.kwargs), _shape(node.meta.get("val"), local)))
+        out.append((node.op, str(node.target), _structure(node.args, node_ref), _structure(node.kwargs, node_ref),
+                    _shape(node.meta.get("val"), local)))
     return tuple(out)
+
+
+def _structure(item, node_ref):
+    """An argument's structure, hashable: containers kept, each node as ``node_ref`` names it, the rest by repr."""
+    if isinstance(item, fx.Node):
+        return node_ref(item)
+    if isinstance(item, (list, tuple)):
+        return (type(item).__name__,) + tuple(_structure(i, node_ref) for i in item)
+    if isinstance(item, dict):
+        return ("d",) + tuple((k, _structure(v, node_ref)) for k, v in item.items())
+    if isinstance(item, slice):
+        return ("s", _structure(item.start, node_ref), _structure(item.stop, node_ref), _structure(item.step, node_ref))
+    return repr(item)
 
 
 def fold(graph: fx.Graph, fqn_of: dict, begins: dict) -> Optional[Folded]:
@@ -416,20 +422,12 @@ def graph_signature(graph: fx.Graph) -> tuple:
     shape; two stage graphs of the same layers' kinds (a pipeline's middle) have the same."""
     position = {node: index for index, node in enumerate(graph.nodes)}
 
-    def ref(item):
-        if isinstance(item, fx.Node):
-            return ("n", position[item])
-        if isinstance(item, (list, tuple)):
-            return (type(item).__name__,) + tuple(ref(i) for i in item)
-        if isinstance(item, dict):
-            return ("d",) + tuple((k, ref(v)) for k, v in item.items())
-        if isinstance(item, slice):
-            return ("s", ref(item.start), ref(item.stop), ref(item.step))
-        return repr(item)
+    def node_ref(item):
+        return ("n", position[item])
 
     local: dict = {}
-    return tuple((node.op, str(node.target) if node.op != "placeholder" else "", ref(node.args), ref(node.kwargs),
-                  _shape(node.meta.get("val"), local)) for node in graph.nodes)
+    return tuple((node.op, str(node.target) if node.op != "placeholder" else "", _structure(node.args, node_ref),
+                  _structure(node.kwargs, node_ref), _shape(node.meta.get("val"), local)) for node in graph.nodes)
 
 
 def graph_maps(source: fx.Graph, target: fx.Graph, fqn_of_source: dict, fqn_of_target: dict) -> tuple:

@@ -7,7 +7,7 @@ from tracepp.runtime.mesh import Layout
 from tracepp.modelfile import load_model_file
 from tracepp.runtime import Pipeline, register_step_hook
 from tracepp.runtime.pipeline import check_precision
-from util import model_path
+from util import RecomputedOps, model_path
 
 
 @pytest.fixture(scope="module")
@@ -165,20 +165,6 @@ def test_every_checkpointing_mode_gives_the_unsplit_models_gradients(llama_folde
         torch.testing.assert_close(param.grad, eager[name].grad, rtol=0, atol=2e-6)
 
 
-class _RecomputedOps(torch.utils._python_dispatch.TorchDispatchMode):
-    """Counts ``aten.rsqrt`` (RMSNorm's forward op; its backward formula does not call it) run inside autograd's
-    backward: each one is a forward recomputed by activation checkpointing."""
-
-    def __init__(self):
-        super().__init__()
-        self.recomputed = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten.rsqrt.default and torch._C._current_graph_task_id() != -1:
-            self.recomputed += 1
-        return func(*args, **(kwargs or {}))
-
-
 def test_the_pipeline_runs_the_precision_and_checkpointing_the_split_planned(tmp_path):
     """Issue 59: ``Pipeline(folder)`` takes them from ``run_options`` as run.py does; an explicit argument wins."""
     from tracepp.runtime.run_options import RunOptions
@@ -190,13 +176,13 @@ def test_the_pipeline_runs_the_precision_and_checkpointing_the_split_planned(tmp
     assert pipe.precision == "bf16" and pipe.compute_dtype is torch.bfloat16
     assert pipe.checkpointing == {0: "selective"} and pipe.run_differs == []
     args, kwargs, target = pipe.user.batch(0)
-    with _RecomputedOps() as counter:
+    with RecomputedOps() as counter:
         pipe.step(args, kwargs, target)
     assert counter.recomputed > 0  # stage 0's norms ran again in backward
     plain = Pipeline(out, all_stages=True, precision="fp32", activation_checkpointing="none")
     assert plain.precision == "fp32" and plain.checkpointing == {}
     assert plain.run_differs == ["precision fp32 (planned bf16)",
                                  "activation checkpointing none (planned selective,none)"]
-    with _RecomputedOps() as counter:
+    with RecomputedOps() as counter:
         plain.step(args, kwargs, target)
     assert counter.recomputed == 0

@@ -338,3 +338,17 @@ def run_stages_sequentially(traced, graph, model, args, kwargs, target=None, los
                 fqn = graph.state[name].fqn
                 grads[fqn] = copy.grad if fqn not in grads else grads[fqn] + copy.grad
     return output, loss, grads
+
+
+class RecomputedOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts ``aten.rsqrt`` (RMSNorm's forward op; its backward formula does not call it) run inside autograd's
+    backward: each one is a forward recomputed by activation checkpointing."""
+
+    def __init__(self):
+        super().__init__()
+        self.recomputed = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.rsqrt.default and torch._C._current_graph_task_id() != -1:
+            self.recomputed += 1
+        return func(*args, **(kwargs or {}))

@@ -483,6 +483,24 @@ def write_table(cache: str, out: str, doc: str) -> dict:
     return summary
 
 
+def run_each(names: list, args, module: str, extra: list = (), env_of=None) -> None:
+    """Each of ``names`` in a process of its own (``python -m module --one NAME``) within ``args.timeout``, its
+    cached record's ``args.redo`` steps dropped first: the studies' driver loop."""
+    redo = [s for s in args.redo.split(",") if s]
+    for name in names:
+        path = os.path.join(args.cache, name + ".json")
+        if redo and os.path.exists(path):
+            record = json.load(open(path))
+            for step in redo:
+                record.get("steps", {}).pop(step, None)
+            _save(path, record)
+        command = [sys.executable, "-m", module, "--one", name, "--cache", args.cache, *extra]
+        try:
+            subprocess.run(command, cwd=REPO, timeout=args.timeout, env=env_of(name) if env_of else None)
+        except subprocess.TimeoutExpired:
+            print(f"{name}: timed out after {args.timeout} s", flush=True)
+
+
 def main(argv=None) -> int:
     global STEPS
     parser = argparse.ArgumentParser(prog="python -m benchmarks.studies.families")
@@ -506,20 +524,8 @@ def main(argv=None) -> int:
         unknown = sorted(set(chosen) - set(families()))
         if unknown:
             parser.error(f"unknown families {unknown}: choose from {families()}")
-        redo = [s for s in args.redo.split(",") if s]
-        for family in chosen:
-            path = os.path.join(args.cache, family + ".json")
-            if redo and os.path.exists(path):
-                record = json.load(open(path))
-                for step in redo:
-                    record.get("steps", {}).pop(step, None)
-                _save(path, record)
-            command = [sys.executable, "-m", "benchmarks.studies.families", "--one", family, "--cache", args.cache,
-                       "--until", args.until]
-            try:
-                subprocess.run(command, cwd=REPO, timeout=args.timeout, env=dict(os.environ, HF_FAMILY=family))
-            except subprocess.TimeoutExpired:
-                print(f"{family}: timed out after {args.timeout} s", flush=True)
+        run_each(chosen, args, "benchmarks.studies.families", ["--until", args.until],
+                 lambda family: dict(os.environ, HF_FAMILY=family))
     write_table(args.cache, args.out, args.doc)
     return 0
 

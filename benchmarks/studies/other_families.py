@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import re
-import subprocess
 import sys
 import tempfile
 import time
@@ -417,19 +416,7 @@ def main(argv=None) -> int:
         unknown = sorted(set(chosen) - set(models()))
         if unknown:
             parser.error(f"unknown models {unknown}: choose from {models()}")
-        redo = [s for s in args.redo.split(",") if s]
-        for name in chosen:
-            path = os.path.join(args.cache, name + ".json")
-            if redo and os.path.exists(path):
-                record = json.load(open(path))
-                for step in redo:
-                    record.get("steps", {}).pop(step, None)
-                families._save(path, record)
-            command = [sys.executable, "-m", "benchmarks.studies.other_families", "--one", name, "--cache", args.cache]
-            try:
-                subprocess.run(command, cwd=REPO, timeout=args.timeout)
-            except subprocess.TimeoutExpired:
-                print(f"{name}: timed out after {args.timeout} s", flush=True)
+        families.run_each(chosen, args, "benchmarks.studies.other_families")
     write_table(args.cache, args.out, args.doc)
     return 0
 
