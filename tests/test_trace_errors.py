@@ -190,3 +190,29 @@ Recomputed.apply = staticmethod(lambda x, layer: layer(x))
 """)
     code, text = run_cli(capsys, "check", str(path), "--ranks", "2")
     assert code == 0, text
+
+
+def test_each_nodes_stack_trace_is_the_one_torch_fx_records(monkeypatch):
+    """trace._export takes each node's stack trace from the frames fx keeps only (issue 56: 22% of a 671B model's
+    trace went to symbolizing frames fx then dropped): on a Hugging Face Llama every node's ``stack_trace`` is the
+    string fx's own capture writes, and the split's source-line messages read the same text."""
+    pytest.importorskip("transformers")
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tracepp import trace
+
+    config = LlamaConfig(use_cache=False, vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    model = LlamaForCausalLM(config)
+    ids = torch.randint(0, 64, (1, 8))
+
+    def stacks(how: str) -> dict:
+        monkeypatch.setenv("TRACEPP_FX_STACKS", how)
+        program = trace._export(model, (ids,), {}, None)
+        return {node.name: node.meta.get("stack_trace") for node in program.graph.nodes}
+
+    theirs, ours = stacks("torch"), stacks("kept")
+    assert theirs == ours
+    recorded = [text for text in ours.values() if text]
+    assert len(recorded) > 100 and all("modeling_llama.py" in text for text in recorded[:50])

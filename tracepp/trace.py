@@ -10,9 +10,11 @@ user's terms: the module and source line that broke the graph, and what to try.
 """
 from __future__ import annotations
 
+import contextlib
 import operator
 import os
 import re
+import sys
 import traceback
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -118,13 +120,71 @@ def _is_on_meta(model: torch.nn.Module) -> bool:
 
 def _export(model, args, kwargs, dynamic_shapes):
     """``torch.export.export``, its graph modules' Python code generated only when first run (export recompiles its
-    graph several times on the way, and the split never runs the whole program: 13% of a 671B model's trace)."""
+    graph several times on the way, and the split never runs the whole program: 13% of a 671B model's trace), and
+    each node's stack trace taken from the frames fx keeps only (:class:`_KeptFrames`)."""
     try:
         from torch.fx._lazy_graph_module import _use_lazy_graph_module
     except ImportError:  # a torch without lazy graph modules: export as it is
+        lazy = contextlib.nullcontext()
+    else:
+        lazy = _use_lazy_graph_module(True)
+    with lazy, _kept_frames():
         return torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes)
-    with _use_lazy_graph_module(True):
-        return torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes)
+
+
+class _KeptFrames:
+    """What ``torch.fx``'s tracer records as each node's ``stack_trace``, with the work on the frames it then drops
+    left out. fx takes ``CapturedTraceback.extract().summary()`` per node: every frame of the stack (about a hundred
+    in a Hugging Face model under export) symbolized and its source line read, then keeps the frames from the
+    outermost ``forward`` on that are not in torch's ``uninteresting_files()`` (``TracerBase._filter_traceback_frames``):
+    22% of a 671B model's trace. This returns that outermost ``forward`` frame and the interesting frames after it,
+    and fx's filter, run on them, keeps exactly what it kept before (``tests/test_trace.py`` compares the two)."""
+
+    __slots__ = ("frames",)
+
+    def __init__(self, frames):
+        self.frames = frames
+
+    @staticmethod
+    def extract(*, script=False, cpp=False, skip=0):
+        frame = sys._getframe(1 + skip)
+        stack = []
+        while frame is not None:
+            stack.append((frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name))
+            frame = frame.f_back
+        stack.reverse()
+        return _KeptFrames(stack)
+
+    def summary(self):
+        from torch.fx.experimental.symbolic_shapes import uninteresting_files
+
+        first = next((i for i, (_file, _line, name) in enumerate(self.frames) if name == "forward"), None)
+        if first is None:  # fx keeps no frame of a stack without a forward
+            return traceback.StackSummary()
+        boring = uninteresting_files()
+        kept = [self.frames[first]] + [f for f in self.frames[first + 1:] if f[0] not in boring]
+        return traceback.StackSummary.from_list([traceback.FrameSummary(*frame) for frame in kept])
+
+
+@contextlib.contextmanager
+def _kept_frames():
+    """:class:`_KeptFrames` in place of ``torch.fx.proxy``'s ``CapturedTraceback`` while export traces, where that
+    torch takes its stacks the way it describes (else fx's own capture)."""
+    import torch.fx.proxy as fx_proxy
+
+    tracer = getattr(fx_proxy, "TracerBase", None)
+    if (getattr(fx_proxy, "CapturedTraceback", None) is None
+            or getattr(tracer, "_record_forward_stack_traces_only", False)
+            or not hasattr(tracer, "_filter_traceback_frames")
+            or os.environ.get("TRACEPP_FX_STACKS") == "torch"):
+        yield
+        return
+    original = fx_proxy.CapturedTraceback
+    fx_proxy.CapturedTraceback = _KeptFrames
+    try:
+        yield
+    finally:
+        fx_proxy.CapturedTraceback = original
 
 
 def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> dict:
