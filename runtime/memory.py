@@ -210,8 +210,8 @@ class LiveMemory(TorchDispatchMode):
 
         if any(t is DTensor for t in types):  # let DTensor run its local ops first: those are what is allocated
             return NotImplemented
-        if func is torch.ops._c10d_functional.wait_tensor.default and _is_fake(args[0]):
-            out = args[0]  # a fake wait_tensor returns a new tensor; a real one returns its input
+        if func is torch.ops._c10d_functional.wait_tensor.default and (_is_fake(args[0]) or args[0].is_meta):
+            out = args[0]  # a fake (or meta) wait_tensor returns a new tensor; a real one returns its input
         else:
             out = func(*args, **(kwargs or {}))
         for leaf in pytree.tree_leaves((args, kwargs, out) if self.track_inputs else out):

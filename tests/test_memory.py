@@ -118,6 +118,50 @@ def test_fake_count_equals_the_same_run_on_real_tensors(request, precision, mixe
             if any(graph.state[name].fqn == fqn for name in stage.state))
 
 
+@pytest.mark.parametrize("mode,split_backward", [("none", False), ("selective", True), ("full", False)])
+def test_meta_count_equals_the_fake_count(llama_split, mode, split_backward):
+    """Planning for CUDA counts a stage on meta tensors where every op allocates the same on any device (issue 56:
+    a 671B model's memory step 22 -> 12 s): the same figures as on CPU fake tensors, stage by stage, the last
+    stage's loss included when forced; and the split's own choice takes meta there."""
+    from tracepp.codegen import memory
+
+    model_file, traced, graph, target = llama_split
+    trainable = {fqn for fqn, _p in traced.model.named_parameters()}
+    options = MemoryOptions(precision="bf16", recompute=[mode, mode], split_backward=split_backward, device="cuda")
+    for stage in graph.stages:
+        last = stage.index == graph.num_stages - 1
+        args = (stage, graph, trainable, options, model_file.module.loss_fn, target if last else None, last)
+        on_meta, on_fake = profile_stage(*args, meta=True), profile_stage(*args, meta=False)
+        assert {k: on_meta[k] for k in STAGE_KEYS(on_fake)} == {k: on_fake[k] for k in STAGE_KEYS(on_fake)}
+        assert on_fake["kept"] > 0
+    why = memory._on_meta_why_not(graph.stages[0].graph, options, None)
+    assert why is None, why
+    assert memory._on_meta_why_not(graph.stages[1].graph, options, model_file.module.loss_fn) == \
+        "the model file's loss"
+    assert memory._on_meta_why_not(graph.stages[0].graph, MemoryOptions(recompute=[mode, mode]), None) == \
+        "attention on CPU"  # on meta tensors torch runs its math kernel, on CPU ones its flash kernel
+    assert memory._on_meta_why_not(graph.stages[0].graph, MemoryOptions(
+        precision="bf16", mixed_precision="autocast", recompute=[mode, mode], device="cuda"), None) == "autocast"
+
+
+def test_a_stage_with_an_op_that_chooses_by_device_is_counted_on_fake_tensors():
+    """``dropout`` decomposes to ``native_dropout`` on CUDA and to a mask product on CPU (and so on meta): a stage
+    holding it (or any composite op not known to decompose the same everywhere) is counted on fake tensors."""
+    from tracepp.codegen import memory
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return torch.nn.functional.dropout(self.linear(x), 0.1, training=True)
+
+    program = torch.export.export(Block(), (torch.randn(2, 8),))
+    why = memory._on_meta_why_not(program.graph, MemoryOptions(device="cuda"), None)
+    assert why == "aten::dropout may choose its kernel by device", why
+
+
 def STAGE_KEYS(figures: dict) -> list:
     return [key for key in figures if key != "kept_by_position"]
 
