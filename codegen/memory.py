@@ -963,14 +963,18 @@ class _Stages:
 
 
 def _rank_peaks(plan: dict, stages: list, trainable: list, layout, make_optimizer, training: bool,
-                optimizers: dict, device: str = "cpu") -> list:
+                optimizers: dict, device: str = "cpu", only: Optional[set] = None) -> list:
     """Each pipeline rank's peak (``codegen.peak.rank_peak``) with its optimizer's figures (``optimizers``:
-    rank -> figures, filled on first use and reused for other checkpointing)."""
+    rank -> figures, filled on first use and reused for other checkpointing). ``only``: these ranks' (None for the
+    others, whose stages' entries may be None)."""
     from tracepp.codegen.peak import rank_peak
 
     stage_to_rank = plan["stage_to_rank"]
     ranks = []
     for rank in range(plan["num_ranks"]):
+        if only is not None and rank not in only:
+            ranks.append(None)
+            continue
         mine = {s: stages[s] for s, r in enumerate(stage_to_rank) if r == rank}
         if rank not in optimizers:
             seen, held = set(), []
@@ -1081,10 +1085,17 @@ def choose_checkpointing(graph, plan: dict, by_mode: dict, trainable: list, layo
     stage_to_rank = plan["stage_to_rank"]
     modes = ["none"] * graph.num_stages
 
+    of_rank = [[s for s, r in enumerate(stage_to_rank) if r == rank] for rank in range(plan["num_ranks"])]
+    known: dict = {}  # (rank, its stages' modes) -> its peak: a trial changes one stage, so one rank's peak
+
     def peaks_of(current: list) -> list:
-        entries = [by_mode[mode][s] for s, mode in enumerate(current)]
-        return [r["peak_bytes"] for r in _rank_peaks(plan, entries, trainable, layout, make_optimizer, True,
-                                                     optimizers, device)]
+        keys = [(rank, tuple(current[s] for s in stages)) for rank, stages in enumerate(of_rank)]
+        wanted = {rank for rank, key in enumerate(keys) if key not in known}
+        if wanted:
+            entries = [by_mode[mode][s] if stage_to_rank[s] in wanted else None for s, mode in enumerate(current)]
+            found = _rank_peaks(plan, entries, trainable, layout, make_optimizer, True, optimizers, device, wanted)
+            known.update((keys[rank], found[rank]["peak_bytes"]) for rank in wanted)
+        return [known[key] for key in keys]
 
     peaks = peaks_of(modes)
     if memory_limit is not None and max(peaks) > memory_limit:  # what the search will try, counted together

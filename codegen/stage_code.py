@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import dis
+import functools
 import operator
 import os
 import re
@@ -173,6 +174,7 @@ def _short_path(path: str, model_dir: str) -> str:
     return path
 
 
+@functools.lru_cache(maxsize=4096)  # a model's repeated layers record the same stacks: one per op of a layer
 def _readable_trace(trace: str, model_dir: str) -> str:
     trace = _user_stack(trace)
     return re.sub(r'File "([^"]+)"', lambda m: f'File "{_short_path(m.group(1), model_dir)}"', trace)
@@ -526,13 +528,18 @@ def _tidy(source: str) -> str:
 
 
 def _globals_read(source: str, known: set) -> set:
-    """The global names the function's byte code loads, among those fx (or we) put in its scope."""
+    return _names_loaded(source) & known
+
+
+@functools.lru_cache(maxsize=256)  # a block function is printed alike for every rank that calls it
+def _names_loaded(source: str) -> frozenset:
+    """The global names the function's byte code loads (``_globals_read``: among those fx or we put in its scope)."""
     found, todo = set(), [compile(source, "<stage>", "exec")]
     while todo:
         code = todo.pop()
         found.update(ins.argval for ins in dis.get_instructions(code) if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME"))
         todo.extend(const for const in code.co_consts if hasattr(const, "co_code"))
-    return found & known
+    return frozenset(found)
 
 
 @dataclass
