@@ -740,7 +740,7 @@ class StageProfiles:
 
 # the work a memory count is worth running in worker processes for: the nodes of the stage graphs to count
 # (a 7B Llama's stages of 8 layers hold about 2,000 each; the tests' models a few hundred)
-PARALLEL_NODES = 3000
+PARALLEL_NODES = 1500
 _JOBS = None  # the StageProfiles a worker process counts for (set before the pool forks)
 
 
@@ -871,13 +871,29 @@ def optimizer_figures(trainable: list, make_optimizer, device: str = "cpu") -> d
             for group in optimizer.param_groups:
                 if group.get("foreach") is None and not group.get("fused"):
                     group["foreach"] = True
-        with tracker.as_category("optimizer"):
-            before = tracker.now
-            tracker.reset_peak()
-            optimizer.step()
-            state = tracker.now - before
-            step_peak = tracker.peak - tracker.now
-    return {"state_bytes": int(state), "step_peak": int(max(step_peak, 0)), "name": name}
+        key = _optimizer_key(optimizer)
+        if key not in _OPTIMIZER_STEPS:  # ranks holding the same stages hold the same groups of the same shapes
+            with tracker.as_category("optimizer"):
+                before = tracker.now
+                tracker.reset_peak()
+                optimizer.step()
+                _OPTIMIZER_STEPS[key] = (int(tracker.now - before), int(max(tracker.peak - tracker.now, 0)))
+    state, step_peak = _OPTIMIZER_STEPS[key]
+    return {"state_bytes": state, "step_peak": step_peak, "name": name}
+
+
+_OPTIMIZER_STEPS: dict = {}  # _optimizer_key -> (state bytes, step peak)
+
+
+def _optimizer_key(optimizer) -> tuple:
+    """What one step's bytes depend on: the optimizer's class, and per parameter group its options (foreach,
+    fused, amsgrad, ...) and its parameters' sizes and dtypes, in order (not their names or values)."""
+    def plain(value):
+        return value if isinstance(value, (bool, int, float, str, type(None))) else repr(value)
+
+    return (type(optimizer).__qualname__, tuple(
+        (tuple(sorted((k, plain(v)) for k, v in group.items() if k != "params")),
+         tuple((p.numel(), p.dtype) for p in group["params"])) for group in optimizer.param_groups))
 
 
 def _max_in_flight(actions: list, stage_index: int) -> int:
