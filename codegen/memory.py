@@ -37,6 +37,7 @@ from tracepp.runtime import context_parallel, expert_parallel, tensor_parallel
 from tracepp.runtime.actions import Action
 from tracepp.runtime.memory import LiveMemory, storages_of
 from tracepp.runtime.shm_p2p import DEFAULT_RING_MB
+from tracepp.codegen.workers import forked_map, workers_for
 from tracepp.runtime import precision as precision_policy
 from tracepp.runtime.stages import StageModule
 from tracepp.split.cost import as_int, held_bytes
@@ -277,17 +278,22 @@ META_SAFE_COMPOSITES = frozenset({
 })
 
 
-def _on_meta_why_not(stage_graph: fx.Graph, options: "MemoryOptions", loss_fn) -> Optional[str]:
+def _on_meta_why_not(stage_graph: fx.Graph, options: "MemoryOptions", loss=None) -> Optional[str]:
     """None where one stage's count may run on meta tensors rather than fake ones (the same bytes, a third of the
-    time: ``profile_stage``), else why not: autocast (its CPU dispatch key does not see meta tensors), a loss of the
-    model file's own (code the graph does not show), or an op that could choose its kernel by device."""
-    import operator
-
+    time: ``profile_stage``), else why not: autocast (its CPU dispatch key does not see meta tensors), or an op that
+    could choose its kernel by device, in the stage graph or in the model file's loss (``loss``: a graph of it,
+    :func:`_loss_graph`, or why it has none)."""
     if options.mixed_precision == "autocast" and precision_policy.compute_dtype(options.precision) is not None:
         return "autocast"
-    if loss_fn is not None:
-        return "the model file's loss"
-    for node in stage_graph.nodes:
+    if isinstance(loss, str):
+        return loss
+    return _ops_why_not(stage_graph, options) or (_ops_why_not(loss, options) if loss is not None else None)
+
+
+def _ops_why_not(graph: fx.Graph, options: "MemoryOptions") -> Optional[str]:
+    import operator
+
+    for node in graph.nodes:
         if node.op != "call_function" or node.target is operator.getitem:
             continue
         target = node.target
@@ -302,6 +308,33 @@ def _on_meta_why_not(stage_graph: fx.Graph, options: "MemoryOptions", loss_fn) -
                 and name not in META_SAFE_COMPOSITES):
             return f"{name} may choose its kernel by device"
     return None
+
+
+def _loss_graph(loss_fn, stage, graph, target, compute):
+    """The model file's ``loss_fn`` as the last stage calls it, traced before dispatch (``make_fx`` with
+    ``pre_dispatch``: composite ops kept) on meta tensors of the stage's output and the target: its ops, for
+    :func:`_on_meta_why_not`. A string (why not) where it cannot be traced so (it reads a value, say)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def meta_of(value, floating_to=None):
+        dtype = floating_to if floating_to is not None and value.dtype.is_floating_point else value.dtype
+        return torch.empty(_concrete_shape(value), dtype=dtype, device="meta")
+
+    returned = list(stage.graph.output_node().args[0])
+    leaves = []
+    for position, (kind, const) in enumerate(graph.output_leaves):
+        value = returned[position] if position < len(returned) else None
+        val = value.meta.get("val") if isinstance(value, fx.Node) else None
+        leaves.append(meta_of(val, compute) if kind == "value" and isinstance(val, torch.Tensor) else
+                      (const if kind != "value" else value))
+    target = pytree.tree_map_only(torch.Tensor, meta_of, target)
+    spec = graph.out_spec
+    try:
+        traced = make_fx(lambda outputs, target: loss_fn(pytree.tree_unflatten(outputs, spec), target),
+                         pre_dispatch=True)(leaves, target)
+    except Exception as error:  # noqa: BLE001
+        return f"the model file's loss does not trace on meta tensors ({type(error).__name__})"
+    return traced.graph
 
 
 def _structure_key(stage, graph, options: MemoryOptions, is_last: bool) -> str:
@@ -531,8 +564,13 @@ def profile_stage(stage, graph, trainable: set, options: MemoryOptions, loss_fn=
     again on fake tensors. ``meta``: None chooses so, False never, True insists (the tests compare the two).
     ``fake=False`` runs the same on real (uninitialised) tensors: the tests hold the fake count against it."""
     args = (stage, graph, trainable, options, loss_fn, target, is_last, training, sequence_shards)
-    loss = loss_fn if is_last and target is not None else None  # the loss runs on the last stage only
-    if fake and meta is not False and (meta or _on_meta_why_not(stage.graph, options, loss) is None):
+    def why_not():
+        loss = None
+        if is_last and loss_fn is not None and target is not None:  # the loss runs on the last stage only
+            loss = _loss_graph(loss_fn, stage, graph, target, precision_policy.compute_dtype(options.precision))
+        return _on_meta_why_not(stage.graph, options, loss)
+
+    if fake and meta is not False and (meta or why_not() is None):
         try:
             return _profile_stage(*args, "meta")
         except Exception:  # noqa: BLE001 - what meta tensors cannot run, fake ones can
@@ -676,7 +714,7 @@ def profile_stages(graph, model, loss_fn, target, options: MemoryOptions, traini
 class StageProfiles:
     """Each stage's figures (:func:`profile_stage`) under a checkpointing mode, counted when first asked for:
     stages with the same structure (a model's repeated middle) once, and the ones :meth:`prefetch` is given
-    several at a time in worker processes where they are many and large (:func:`plan_workers`)."""
+    several at a time in worker processes where they are many and large (``codegen.workers``)."""
 
     def __init__(self, graph, model, loss_fn, target, options: MemoryOptions, training: bool = True,
                  sequence_shards: bool = False, cache=None):
@@ -716,7 +754,7 @@ class StageProfiles:
         if not jobs:
             return
         nodes = sum(len(self.graph.stages[index].graph.nodes) for index, _mode in jobs.values())
-        workers = plan_workers(len(jobs), nodes)
+        workers = workers_for(len(jobs), nodes)
         if workers > 1:
             try:
                 found = _in_workers(self, list(jobs.values()), workers)
@@ -738,51 +776,11 @@ class StageProfiles:
         return self.key(index, mode) in self.done
 
 
-# the work a memory count is worth running in worker processes for: the nodes of the stage graphs to count
-# (a 7B Llama's stages of 8 layers hold about 2,000 each; the tests' models a few hundred)
-PARALLEL_NODES = 1500
-_JOBS = None  # the StageProfiles a worker process counts for (set before the pool forks)
-
-
-def plan_workers(jobs: int, nodes: int) -> int:
-    """How many processes count ``jobs`` stage profiles of ``nodes`` graph nodes in all: this machine's CPUs
-    (``TRACEPP_PLAN_WORKERS`` sets it; 1 counts everything in this process), where the work is worth a fork."""
-    import os
-
-    setting = os.environ.get("TRACEPP_PLAN_WORKERS")
-    if setting is not None:
-        return max(1, min(int(setting), jobs))
-    if jobs < 2 or nodes < PARALLEL_NODES or not hasattr(os, "fork"):
-        return 1
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(cpus, jobs, 8))
-
-
-def _count_job(job: tuple) -> dict:
-    index, mode = job
-    import torch as _torch
-
-    _torch.set_num_threads(1)
-    return _JOBS.count(index, mode)
-
-
 def _in_workers(profiles: StageProfiles, jobs: list, workers: int) -> list:
     """:meth:`StageProfiles.count` of each job in ``workers`` forked processes (they inherit the stage graphs;
     the figures come back as plain data), the largest stage graphs first."""
-    import multiprocessing
-
-    global _JOBS
-    order = sorted(range(len(jobs)), key=lambda i: -len(profiles.graph.stages[jobs[i][0]].graph.nodes))
-    _JOBS = profiles
-    try:
-        with multiprocessing.get_context("fork").Pool(workers) as pool:
-            results = pool.map(_count_job, [jobs[i] for i in order], chunksize=1)
-    finally:
-        _JOBS = None
-    found = [None] * len(jobs)
-    for position, result in zip(order, results):
-        found[position] = result
-    return found
+    return forked_map(lambda job: profiles.count(*job), jobs, workers,
+                      weight=lambda job: len(profiles.graph.stages[job[0]].graph.nodes))
 
 
 # -- a plan's memory: every stage's figures, what each rank holds, its peak ---------------------------------------
@@ -1162,7 +1160,7 @@ def _segment_memory(graph, by_mode: dict) -> None:
         segment["memory"] = figures
 
 
-METHOD = ("each stage run forward and backward on fake tensors as the rank's executor runs it (runtime "
+METHOD = ("each stage run forward and backward on fake (or meta) tensors as the rank's executor runs it (runtime "
           "StageModule: autocast, checkpointing; autograd's engine), every live tensor storage counted once; each "
           "rank's action list walked with those figures for the worst moment of a step after the first and of the "
           "optimizer step (codegen/peak.py)")

@@ -1,6 +1,8 @@
 """Memory you can plan on (issue 46), tiers 1 and 2: the live-storage counter against torch's CPU allocator, the
 fake-tensor count of a stage against the same run on real tensors, what checkpointing keeps, and the timeline of
 a rank (plain data). The end-to-end matrix against measured runs is tests/test_e2e_memory.py."""
+import json
+
 import pytest
 import torch
 
@@ -136,8 +138,15 @@ def test_meta_count_equals_the_fake_count(llama_split, mode, split_backward):
         assert on_fake["kept"] > 0
     why = memory._on_meta_why_not(graph.stages[0].graph, options, None)
     assert why is None, why
-    assert memory._on_meta_why_not(graph.stages[1].graph, options, model_file.module.loss_fn) == \
-        "the model file's loss"
+    last = graph.stages[-1]
+    loss = memory._loss_graph(model_file.module.loss_fn, last, graph, target, torch.bfloat16)
+    assert any("cross_entropy" in str(node.target) for node in loss.nodes)  # traced before dispatch
+    assert memory._on_meta_why_not(last.graph, options, loss) is None  # cross entropy decomposes alike everywhere
+
+    def reads_a_value(output, target):
+        return output.logits.float().mean() * float(target.sum().item() > 0)
+    why = memory._on_meta_why_not(last.graph, options, memory._loss_graph(reads_a_value, last, graph, target, None))
+    assert why.startswith("the model file's loss does not trace on meta tensors"), why
     assert memory._on_meta_why_not(graph.stages[0].graph, MemoryOptions(recompute=[mode, mode]), None) == \
         "attention on CPU"  # on meta tensors torch runs its math kernel, on CPU ones its flash kernel
     assert memory._on_meta_why_not(graph.stages[0].graph, MemoryOptions(
@@ -466,3 +475,21 @@ def test_the_runs_meter_agrees_with_the_counter_and_keeps_nothing_alive(tmp_path
     measured = meter.stop()
     assert measured["peak_bytes"] == counter.peak > 0 and "MemTracker" in measured["method"]
     assert peaks[1] == peaks[2]  # nothing kept from one step to the next
+
+
+def test_forked_workers_count_and_print_what_one_process_does(tmp_path, monkeypatch, capsys):
+    """Large splits count their stages' memory and print their rank scripts in forked workers
+    (``codegen.workers``; ``TRACEPP_PLAN_WORKERS`` forces it here): the same manifest figures and the same scripts
+    as one process makes."""
+    from tracepp.cli import main
+
+    folders = {}
+    for workers in ("1", "2"):
+        monkeypatch.setenv("TRACEPP_PLAN_WORKERS", workers)
+        out = tmp_path / f"workers{workers}"
+        assert main(["split", model_path("hf_llama"), "-o", str(out), "--ranks", "2", "--optimizer", "adamw",
+                     "--activation-checkpointing", "auto", "--memory-limit", "1GB"]) == 0
+        capsys.readouterr()
+        manifest = json.loads((out / "manifest.json").read_text())
+        folders[workers] = (manifest["memory"], [(out / f"rank{r}.py").read_text() for r in range(2)])
+    assert folders["1"] == folders["2"]
