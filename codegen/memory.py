@@ -861,23 +861,22 @@ def optimizer_figures(trainable: list, make_optimizer, device: str = "cpu") -> d
     tracker = LiveMemory()
     with FakeTensorMode(allow_non_fake_inputs=True), tracker:
         named = [(fqn, torch.nn.Parameter(torch.empty(numel, dtype=dtype))) for fqn, numel, dtype in trainable]
-        for _fqn, param in named:
-            param.grad = torch.zeros_like(param)
         optimizer = make_optimizer(named)
-        name = type(optimizer).__name__
         if device == "cuda":  # torch's optimizers take their foreach kernels on CUDA tensors (the fake ones are CPU)
             for group in optimizer.param_groups:
                 if group.get("foreach") is None and not group.get("fused"):
                     group["foreach"] = True
         key = _optimizer_key(optimizer)
-        if key not in _OPTIMIZER_STEPS:  # ranks holding the same stages hold the same groups of the same shapes
+        if key not in _OPTIMIZER_STEPS:  # ranks holding alike stages group alike and step alike: counted once
+            for _fqn, param in named:
+                param.grad = torch.zeros_like(param)
             with tracker.as_category("optimizer"):
                 before = tracker.now
                 tracker.reset_peak()
                 optimizer.step()
                 _OPTIMIZER_STEPS[key] = (int(tracker.now - before), int(max(tracker.peak - tracker.now, 0)))
     state, step_peak = _OPTIMIZER_STEPS[key]
-    return {"state_bytes": state, "step_peak": step_peak, "name": name}
+    return {"state_bytes": state, "step_peak": step_peak, "name": type(optimizer).__name__}
 
 
 _OPTIMIZER_STEPS: dict = {}  # _optimizer_key -> (state bytes, step peak)

@@ -199,6 +199,16 @@ def test_the_optimizer_state_is_counted_from_one_fake_step():
     momentum = optimizer_figures(trainable, lambda named: torch.optim.SGD([p for _n, p in named], lr=0.1,
                                                                           momentum=0.9))
     assert momentum["state_bytes"] == 4 * 1024
+    # one step per distinct group structure: other names, the same shapes and groups -> the same figures; another
+    # shape or another grouping is stepped again
+    def decayed(named):
+        return torch.optim.AdamW([{"params": [p for n, p in named if n.endswith("a")], "weight_decay": 0.1},
+                                  {"params": [p for n, p in named if not n.endswith("a")], "weight_decay": 0.0}])
+    renamed = optimizer_figures([("x.a", 1000, torch.float32), ("x.b", 24, torch.float32)], decayed)
+    assert renamed == optimizer_figures([("y.a", 1000, torch.float32), ("y.b", 24, torch.float32)], decayed)
+    assert renamed["state_bytes"] == adamw["state_bytes"]
+    bigger = optimizer_figures([("z.a", 2000, torch.float32), ("z.b", 24, torch.float32)], decayed)
+    assert bigger["state_bytes"] == adamw["state_bytes"] + 2 * 4 * 1000
 
 
 # -- a rank's timeline (plain data) -------------------------------------------------------------------------------
