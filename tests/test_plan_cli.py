@@ -368,3 +368,16 @@ def test_tune_prices_ep_sizes_and_apply_splits_with_the_chosen_ep(tmp_path, caps
     manifest = load_manifest(out)
     assert manifest["plan"]["mesh"]["ep"] == 2 and manifest["ep"]["size"] == 2
     assert all(entry["local"][0] == 2 for entry in manifest["ep"]["params"].values())  # 4 experts over 2 ranks
+    # other ep sizes on the folder split with --ep 2: refused by the plan alone, before any tuner figure is computed
+    import tracepp.tuner_figures
+
+    def no_figures(*_args, **_kwargs):
+        raise AssertionError("tuner figures computed before the --ep-sizes refusal")
+
+    original, tracepp.tuner_figures.ensure = tracepp.tuner_figures.ensure, no_figures
+    try:
+        capsys.readouterr()
+        assert cli_main(search) == 2
+    finally:
+        tracepp.tuner_figures.ensure = original
+    assert "--ep-sizes 1,2: this folder was split with --ep 2" in capsys.readouterr().err

@@ -194,8 +194,10 @@ def _tune(args, manifest) -> int:
     tp_sizes = [int(t) for t in args.tp_sizes.split(",")] if args.tp_sizes else None
     ep_sizes = [int(e) for e in args.ep_sizes.split(",")] if args.ep_sizes else None
     cp_sizes = [int(c) for c in args.cp_sizes.split(",")] if args.cp_sizes else None
+    from tracepp.costs.search import ep_of_split
     from tracepp.tuner_figures import ensure
 
+    ep_of_split(manifest, ep_sizes)  # a refusal the plan alone decides comes before any figure is computed
     manifest = ensure(manifest, args.out, tp_sizes, cp_sizes, ep_sizes, limit)  # computed when first asked for
     kept, dropped, failed = tune(manifest, calibration, memory_limit=limit, schedules=schedules,
                                  microbatch_counts=counts,

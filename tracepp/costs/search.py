@@ -409,17 +409,28 @@ def expert_step_s(manifest: dict, split: tuple, layout, ep: int, link) -> dict:
     return out
 
 
+def ep_of_split(manifest: dict, ep_sizes: Optional[list]) -> Optional[list]:
+    """``[ep]`` for a folder split with ``--ep`` (priced as it was split), None for one split without; ``--ep-sizes``
+    asking a folder split with ``--ep`` for other sizes is refused, naming the split that prices them. Reads the
+    plan only: ``plan --tune`` checks it before computing any figure."""
+    layout = mesh_layout(manifest["plan"])
+    if layout.ep <= 1:
+        return None
+    if ep_sizes and sorted(set(ep_sizes)) != [layout.ep]:
+        raise ValueError(f"--ep-sizes {','.join(map(str, ep_sizes))}: this folder was split with --ep "
+                         f"{layout.ep}; calibrate and tune its ep=1 split (`tracepp split` with --dp {layout.dp} "
+                         f"and without --ep) to price other ep sizes")
+    return [layout.ep]
+
+
 def expert_sizes(manifest: dict, ep_sizes: Optional[list]) -> list:
     """The ep sizes ``--ep-sizes`` may price for this folder, checked: each must divide the folder's ``--dp`` and
     every routed block's expert count, on a folder split without ``--ep`` whose segment table records the blocks;
     the error names the sizes that work."""
+    split_with = ep_of_split(manifest, ep_sizes)
+    if split_with is not None:
+        return split_with
     layout = mesh_layout(manifest["plan"])
-    if layout.ep > 1:  # priced as it was split; other sizes from its ep=1 split
-        if ep_sizes and sorted(set(ep_sizes)) != [layout.ep]:
-            raise ValueError(f"--ep-sizes {','.join(map(str, ep_sizes))}: this folder was split with --ep "
-                             f"{layout.ep}; calibrate and tune its ep=1 split (`tracepp split` with --dp {layout.dp} "
-                             f"and without --ep) to price other ep sizes")
-        return [layout.ep]
     ep_sizes = sorted(set(ep_sizes or [1]))
     if ep_sizes == [1]:
         return ep_sizes
