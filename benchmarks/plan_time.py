@@ -95,7 +95,7 @@ CASES = {
 # tune cases: (the split case whose folder is tuned, plan --tune options)
 TUNES = {
     "tune_dsv3": ("dsv3_16", ["--memory-limit", "80GB"]),  # its ep sizes need an ep=1 split: refused at --ep 32
-    "tune_llama405b": ("llama405b", ["--tp-sizes", "1,8", "--memory-limit", "80GB"]),
+    "tune_llama405b": ("llama405b_tp8", ["--memory-limit", "80GB"]),  # at tp 8: its tp=1 split does not fit
 }
 
 NOMINAL_FLOPS = 4e14  # the stage costs of the tune's calibration: FLOPs at 400 TFLOP/s (the search is timed)
@@ -152,6 +152,9 @@ def tune_case(name: str, root: str) -> dict:
     split_name, options = TUNES[name]
     folder = os.path.join(root, split_name)
     _model, env_extra, _options, case = CASES[split_name]
+    if not os.path.isfile(os.path.join(folder, "manifest.json")):
+        return {"case": f"plan --tune on {case}", "error": f"no folder to tune: the {split_name} split was refused "
+                                                            f"or not run"}
     with open(os.path.join(folder, "manifest.json")) as handle:
         manifest = json.load(handle)
     costs = {}
