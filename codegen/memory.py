@@ -33,11 +33,11 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from tracepp.codegen.workers import forked_map, workers_for
 from tracepp.runtime import context_parallel, expert_parallel, tensor_parallel
 from tracepp.runtime.actions import Action
 from tracepp.runtime.memory import LiveMemory, storages_of
 from tracepp.runtime.shm_p2p import DEFAULT_RING_MB
-from tracepp.codegen.workers import forked_map, workers_for
 from tracepp.runtime import precision as precision_policy
 from tracepp.runtime.stages import StageModule
 from tracepp.split.cost import as_int, held_bytes
@@ -565,11 +565,11 @@ def profile_stage(stage, graph, trainable: set, options: MemoryOptions, loss_fn=
     ``fake=False`` runs the same on real (uninitialised) tensors: the tests hold the fake count against it."""
     args = (stage, graph, trainable, options, loss_fn, target, is_last, training, sequence_shards)
     def why_not():
+        if sequence_shards:  # measured: a 7B Llama's stages under tp 2 + SP count 2 - 3% apart (bf16): fake
+            return "sequence parallelism"
         loss = None
         if is_last and loss_fn is not None and target is not None:  # the loss runs on the last stage only
             loss = _loss_graph(loss_fn, stage, graph, target, precision_policy.compute_dtype(options.precision))
-        if sequence_shards:  # measured: a 7B Llama's stages under tp 2 + SP count 2 - 3% apart (bf16): fake
-            return "sequence parallelism"
         return _on_meta_why_not(stage.graph, options, loss)
 
     if fake and meta is not False and (meta or why_not() is None):

@@ -138,7 +138,8 @@ class _KeptFrames:
     in a Hugging Face model under export) symbolized and its source line read, then keeps the frames from the
     outermost ``forward`` on that are not in torch's ``uninteresting_files()`` (``TracerBase._filter_traceback_frames``):
     22% of a 671B model's trace. This returns that outermost ``forward`` frame and the interesting frames after it,
-    and fx's filter, run on them, keeps exactly what it kept before (``tests/test_trace.py`` compares the two)."""
+    and fx's filter, run on them, keeps exactly what it kept before (``tests/test_trace_errors.py`` compares the
+    two)."""
 
     __slots__ = ("frames",)
 
