@@ -275,6 +275,9 @@ META_SAFE_COMPOSITES = frozenset({
     "aten::divide.Tensor", "aten::subtract.Tensor", "aten::greater.Scalar", "aten::less.Scalar", "aten::argsort",
     "aten::repeat_interleave.self_int", "aten::layer_norm", "aten::softmax.int", "aten::log_softmax.int",
     "aten::cross_entropy_loss",
+    # tracepp's own composites of the same device-independent ops (``runtime/tensor_parallel.py``,
+    # ``context_parallel.py``); ``tracepp::grouped_mm`` chooses torch's kernel by device and is not here
+    "tracepp::tp_vocab_embedding", "tracepp::cp_shard", "tracepp::cp_positions",
 })
 
 
@@ -565,11 +568,10 @@ def profile_stage(stage, graph, trainable: set, options: MemoryOptions, loss_fn=
     ``fake=False`` runs the same on real (uninitialised) tensors: the tests hold the fake count against it."""
     args = (stage, graph, trainable, options, loss_fn, target, is_last, training, sequence_shards)
     def why_not():
-        if sequence_shards:  # measured: a 7B Llama's stages under tp 2 + SP count 2 - 3% apart (bf16): fake
-            return "sequence parallelism"
         loss = None
         if is_last and loss_fn is not None and target is not None:  # the loss runs on the last stage only
-            loss = _loss_graph(loss_fn, stage, graph, target, precision_policy.compute_dtype(options.precision))
+            with _planning_collectives(options.tp, options.ep, options.expert_imbalance, options.cp):  # cp: sharded
+                loss = _loss_graph(loss_fn, stage, graph, target, precision_policy.compute_dtype(options.precision))
         return _on_meta_why_not(stage.graph, options, loss)
 
     if fake and meta is not False and (meta or why_not() is None):

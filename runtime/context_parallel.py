@@ -140,19 +140,21 @@ _GATHERED: dict = shared("context_gathered", {})  # key of a live cp_all_gather 
 
 
 def _is_fake(tensor) -> bool:
+    """A value without data: a fake or meta tensor (planning a stage's memory, ``tracepp.codegen.memory``)."""
     from torch._subclasses.fake_tensor import FakeTensor
 
-    return isinstance(tensor, FakeTensor)
+    return isinstance(tensor, FakeTensor) or tensor.device.type == "meta"
 
 
 def _key(tensor: torch.Tensor):
-    """A gathered value's key: its data pointer, or for fake tensors (memory planning) its storage's identity."""
+    """A gathered value's key: its data pointer, or for fake and meta tensors (memory planning) its storage's
+    identity."""
     return ("fake", id(tensor.untyped_storage())) if _is_fake(tensor) else tensor.data_ptr()
 
 
 def _remember(out: torch.Tensor, shard: torch.Tensor, args: tuple) -> None:
     """Inside a forward under :func:`kv_shards_kept_for_backward`: what backward keeps of ``out`` is ``shard``."""
-    if _STATE["size"] > 1 and _STATE.get("record") and (out.device.type != "meta" or _is_fake(out)):
+    if _STATE["size"] > 1 and _STATE.get("record"):
         key = _key(out)
         _GATHERED[key] = (weakref.ref(out, lambda _ref, k=key: _GATHERED.pop(k, None)), shard.detach(), args)
 
@@ -167,7 +169,7 @@ def _gather(x: torch.Tensor, dim: int, groups: int = 1, repeats: int = 1, head_d
 
 
 def _pack(tensor: torch.Tensor):
-    entry = _GATHERED.get(_key(tensor)) if tensor.device.type != "meta" or _is_fake(tensor) else None
+    entry = _GATHERED.get(_key(tensor))
     gathered = entry[0]() if entry is not None else None
     if gathered is None or (gathered.untyped_storage() is not tensor.untyped_storage() if _is_fake(tensor) else
                             gathered.untyped_storage().data_ptr() != tensor.untyped_storage().data_ptr()):

@@ -124,14 +124,14 @@ def _sequence_gather(tensor: torch.Tensor, dim: int, groups: int = 1) -> torch.T
 
 
 def _is_fake(tensor) -> bool:
+    """A value without data: a fake or meta tensor (planning a stage's memory, ``tracepp.codegen.memory``)."""
     from torch._subclasses.fake_tensor import FakeTensor
 
-    return isinstance(tensor, FakeTensor)
+    return isinstance(tensor, FakeTensor) or tensor.device.type == "meta"
 
 
 def _fake_key(tensor: torch.Tensor):
-    """Where fake tensors (planning a stage's memory, ``tracepp.codegen.memory``) have no data pointer: their
-    storage's identity."""
+    """Where fake and meta tensors have no data pointer: their storage's identity."""
     return ("fake", id(tensor.untyped_storage()))
 
 
@@ -177,7 +177,7 @@ def _pack(tensor: torch.Tensor):
         regather = entry[1]
         regather.pending += 1
         return (regather, tensor.size(), tensor.stride(), tensor.storage_offset(), tensor.requires_grad)
-    entry = _GATHERED.get(tensor.data_ptr()) if tensor.device.type != "meta" else None
+    entry = _GATHERED.get(tensor.data_ptr())
     gathered = entry[0]() if entry is not None else None
     if gathered is None or tensor.untyped_storage().data_ptr() != gathered.untyped_storage().data_ptr():
         return tensor

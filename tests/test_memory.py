@@ -505,17 +505,29 @@ def test_forked_workers_count_and_print_what_one_process_does(tmp_path, monkeypa
     assert folders["1"] == folders["2"]
 
 
-def test_sequence_parallel_stages_are_counted_on_fake_tensors(llama_split, monkeypatch):
-    """Under tp + sequence parallelism a 7B Llama's stages counted 2 - 3% apart on meta and fake tensors (bf16,
-    4,096 tokens; equal at this test's size): such stages are counted on fake tensors, the others on meta."""
+@pytest.mark.parametrize("layout", [dict(pp=2, tp=2, sequence_parallel=True), dict(pp=2, cp=2)])
+def test_meta_count_keeps_the_shards_that_a_fake_count_keeps(layout, monkeypatch):
+    """Under sequence parallelism backward keeps each gathered input's sequence shard, under cp each gathered key
+    and value's shard (runtime/tensor_parallel.py, context_parallel.py), gathering again in backward. Meta tensors
+    were not remembered as gathered, so a count on them kept the whole values: a 7B Llama's stages counted 256 MiB
+    over the fake count (issue 56). Every stage of a tp + SP and a cp split, counted both ways, the same; and such
+    stages are counted on meta."""
     from tracepp.codegen import memory
+    from tracepp.driver import _plan
+    from tracepp.runtime.mesh import Layout
+    from tracepp.runtime.run_options import RunOptions
 
-    model_file, traced, graph, _target = llama_split
-    trainable = {fqn for fqn, _p in traced.model.named_parameters()}
-    seen = []
+    compared, chosen = [], []
     original = memory._profile_stage
-    monkeypatch.setattr(memory, "_profile_stage", lambda *args: seen.append(args[-1]) or original(*args))
-    options = MemoryOptions(precision="bf16", recompute=["none", "none"], device="cuda")
-    memory.profile_stage(graph.stages[0], graph, trainable, options)
-    memory.profile_stage(graph.stages[0], graph, trainable, options, sequence_shards=True)
-    assert seen == ["meta", "fake"]
+
+    def both(*args):
+        chosen.append(args[-1])
+        on_meta, on_fake = original(*args[:-1], "meta"), original(*args[:-1], "fake")
+        compared.append(({k: on_meta[k] for k in STAGE_KEYS(on_fake)}, {k: on_fake[k] for k in STAGE_KEYS(on_fake)}))
+        return on_fake
+    monkeypatch.setattr(memory, "_profile_stage", both)
+    run = RunOptions(precision="bf16", device="cuda", optimizer="adamw")
+    _plan(model_path("hf_llama"), Layout(**layout), None, "1f1b", 2, None, None, run, verify="off")
+    assert len(compared) == 2 and set(chosen) == {"meta"}
+    for on_meta, on_fake in compared:
+        assert on_meta == on_fake
