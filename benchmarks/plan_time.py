@@ -6,7 +6,8 @@ process of its own, timed per step, and ``plan --tune`` searching its space on t
 
 Every split runs as a user planning for 80 GB GPUs would: ``--precision bf16 --optimizer adamw --device cuda
 --activation-checkpointing auto --memory-limit 80GB`` (each stage's checkpointing chosen to fit; a layout that
-cannot fit is refused, and the refusal is timed like a plan). Per case: the process's wall time, CPU time and
+cannot fit is refused, and the refusal is timed like a plan), but for the folder a tune prices tensor parallelism
+on (split at tp 1 without a limit: ``calibrate`` takes tp=1 splits only). Per case: the process's wall time, CPU time and
 peak resident set (``os.wait4``), and the driver's steps (``tracepp split --timings``: load, trace, split, cp, tp
 and ep plans, schedule, memory, emit). Tune cases run ``plan --tune`` on a folder split before (its calibration
 made from the stages' FLOPs at a nominal 400 TFLOP/s: the search, not the prediction, is what is timed) and
@@ -36,7 +37,7 @@ LLAMA = "llama_shapes.py"
 DSV3 = "deepseek_v3_shape.py"
 GOAL_S, GOAL_GB, TUNE_GOAL_S = 60.0, 2.0, 120.0
 
-# name -> (model file, environment, split options, what it is)
+# name -> (model file, environment, split options, what it is[, run options in place of MEMORY])
 CASES = {
     "llama7b": (LLAMA, {"TRACEPP_LLAMA": "7b", "TRACEPP_LLAMA_SEQ": "4096", "TRACEPP_LLAMA_BATCH": "8"},
                 ["--ranks", "4", "--schedule", "1f1b", "--microbatches", "8"],
@@ -70,6 +71,12 @@ CASES = {
                           ["--ranks", "16", "--stages", "16", "--schedule", "1f1b", "--microbatches", "16", "--dp",
                            "2", "--tp", "8", "--sequence-parallel", "--cp", "2"],
                           "Llama 3 405B, 8,192 tokens, pp 16 x dp 2 x cp 2 x tp 8 + SP"),
+    "llama405b_tunable": (LLAMA, {"TRACEPP_LLAMA": "405b", "TRACEPP_LLAMA_SEQ": "8192", "TRACEPP_LLAMA_BATCH": "64"},
+                          ["--ranks", "16", "--stages", "16", "--schedule", "1f1b", "--microbatches", "16", "--dp",
+                           "4"],
+                          "Llama 3 405B, pp 16 x dp 4, planned without a memory limit (the folder `plan --tune "
+                          "--tp-sizes 1,8` prices: calibrate takes a tp=1 split)",
+                          ["--precision", "bf16", "--optimizer", "adamw", "--device", "cuda"]),
     "dsv3_16": (DSV3, {"DEEPSEEK_V3_BATCH": "512"},
                 ["--ranks", "16", "--stages", "16", "--schedule", "1f1b", "--microbatches", "16", "--dp", "32",
                  "--ep", "32"],
@@ -95,7 +102,7 @@ CASES = {
 # tune cases: (the split case whose folder is tuned, plan --tune options)
 TUNES = {
     "tune_dsv3": ("dsv3_16", ["--memory-limit", "80GB"]),  # its ep sizes need an ep=1 split: refused at --ep 32
-    "tune_llama405b": ("llama405b_tp8", ["--memory-limit", "80GB"]),  # at tp 8: its tp=1 split does not fit
+    "tune_llama405b": ("llama405b_tunable", ["--tp-sizes", "1,8", "--memory-limit", "80GB"]),
 }
 
 NOMINAL_FLOPS = 4e14  # the stage costs of the tune's calibration: FLOPs at 400 TFLOP/s (the search is timed)
@@ -122,10 +129,11 @@ def _run(command: list, env_extra: dict, timeout_s: float = 900) -> dict:
 
 
 def split_case(name: str, root: str) -> dict:
-    model, env_extra, options, case = CASES[name]
+    model, env_extra, options, case, *run = CASES[name]
     out = os.path.join(root, name)
     timings = os.path.join(root, f"{name}_timings.json")
-    command = [sys.executable, "-m", "tracepp", "split", os.path.join(HERE, model), "-o", out, *options, *MEMORY,
+    command = [sys.executable, "-m", "tracepp", "split", os.path.join(HERE, model), "-o", out, *options,
+               *(run[0] if run else MEMORY),
                "--timings", timings]
     ran = _run(command, env_extra)
     record = {"case": case, "command": " ".join(command[3:-2]), "environment": env_extra,
@@ -151,7 +159,7 @@ def split_case(name: str, root: str) -> dict:
 def tune_case(name: str, root: str) -> dict:
     split_name, options = TUNES[name]
     folder = os.path.join(root, split_name)
-    _model, env_extra, _options, case = CASES[split_name]
+    _model, env_extra, _options, case, *_run = CASES[split_name]
     if not os.path.isfile(os.path.join(folder, "manifest.json")):
         return {"case": f"plan --tune on {case}", "error": f"no folder to tune: the {split_name} split was refused "
                                                             f"or not run"}

@@ -76,9 +76,9 @@ class _Timeline:
     def total(self) -> int:
         return sum(self.live.values())
 
-    def check(self, where: str, transient: int = 0, **extra) -> None:
+    def check(self, where, transient: int = 0, **extra) -> None:
         """A candidate worst moment: what is live, plus ``transient`` bytes of the running action's temporaries
-        and ``extra`` bytes of other parts that live only during it."""
+        and ``extra`` bytes of other parts that live only during it. ``where``: its text, or the action."""
         total = self.total + transient + sum(extra.values())
         if total > self.peak:
             self.peak = total
@@ -135,7 +135,7 @@ def rank_peak(actions: list, stages: dict, optimizer: dict, dp_mode=None, dp: in
             if part is not None:
                 line.add(part, -nbytes)
         fig = stages.get(action.stage) or {}
-        s, kind, label = action.stage, action.kind, str(action)
+        s, kind, label = action.stage, action.kind, action  # made text only where it is the worst moment
         if kind == "F":
             gathering = 0
             if first_f.get(s) == position and fig.get("unsharded_bytes"):
@@ -189,7 +189,7 @@ def rank_peak(actions: list, stages: dict, optimizer: dict, dp_mode=None, dp: in
                 grads_whole = fig.get("grads", 0)
                 extra = REDUCE_SCATTER_EXTRA.get(device, 0.0)
                 padded = grads_whole * (fig.get("gathered_bytes") or fig["unsharded_bytes"]) / fig["unsharded_bytes"]
-                line.check(label + " (FSDP reduce-scatter)", 0,
+                line.check(f"{label} (FSDP reduce-scatter)", 0,
                            fsdp_unsharded=int(padded * (1 + 1 / dp + extra)))
                 line.add("gradients", fig.get("grad_bytes_at_rest", grads_whole) - grads_whole)
             if not fsdp and last_backward.get(s) == position and fig.get("unsharded_bytes"):
@@ -198,7 +198,7 @@ def rank_peak(actions: list, stages: dict, optimizer: dict, dp_mode=None, dp: in
                 line.add("fsdp_unsharded", -fig["unsharded_bytes"])
     for part, nbytes in held.values():  # the sends waited on at the end of the step
         line.add(part, -nbytes)
-    step = dict(peak_bytes=line.peak, parts=line.parts, at=line.at)
+    step = dict(peak_bytes=line.peak, parts=line.parts, at=str(line.at))
     # the optimizer step: parameters, their gradients as reduced, the state and its temporaries
     at_rest = {"parameters": static["parameters"], "optimizer": static["optimizer"], "received": static["received"],
                "gradients": sum(fig.get("grad_bytes_at_rest", fig.get("grads", 0)) for fig in stages.values())}

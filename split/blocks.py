@@ -17,6 +17,7 @@ layers, no hidden state collected for the output).
 """
 from __future__ import annotations
 
+import contextlib
 import re
 from dataclasses import dataclass, field
 from typing import Optional
@@ -28,6 +29,33 @@ SEGMENT = "tracepp_segment"  # (as split.partition.SEGMENT; partition imports th
 ENABLED = True  # False walks every block (the tests hold the folded plans against it)
 KEEP = 3  # copies of a run kept before its last: b1 (the run's first, read from what comes before), b2, b3
 MIN_LEFT_OUT = 1
+
+
+_MEMO: Optional[dict] = None  # inside :func:`remembered`: (what, ids of the arguments) -> (the arguments, answer)
+
+
+@contextlib.contextmanager
+def remembered():
+    """Within it, :func:`fold`, :func:`graph_signature` and :func:`graph_maps` answer once per argument (by
+    identity): for a planner that settles the same unchanged graphs many times (``tensor_parallel.settle``'s
+    trials of low-rank pairs: 15 settles of DeepSeek-V3's 16 stage graphs). The graphs must not change inside."""
+    global _MEMO
+    outer = _MEMO
+    if outer is None:
+        _MEMO = {}
+    try:
+        yield
+    finally:
+        _MEMO = outer
+
+
+def _memo(what: str, compute, *args):
+    if _MEMO is None:
+        return compute(*args)
+    key = (what,) + tuple(id(a) for a in args)
+    if key not in _MEMO:
+        _MEMO[key] = (args, compute(*args))  # the arguments held: their ids stay theirs
+    return _MEMO[key][1]
 
 
 @dataclass
@@ -147,6 +175,10 @@ def fold(graph: fx.Graph, fqn_of: dict, begins: dict) -> Optional[Folded]:
     the module the segment begins at (``model.layers.7``)."""
     if not ENABLED:
         return None
+    return _memo("fold", _fold, graph, fqn_of, begins)
+
+
+def _fold(graph: fx.Graph, fqn_of: dict, begins: dict) -> Optional[Folded]:
     segments = _segments(graph)
     if len(segments) < KEEP + 2:
         return None
@@ -420,6 +452,10 @@ def expand_keys(mapping: dict, folded: Folded) -> dict:
 def graph_signature(graph: fx.Graph) -> tuple:
     """The structure of a whole graph: every node's op, target, arguments (other nodes by position) and value
     shape; two stage graphs of the same layers' kinds (a pipeline's middle) have the same."""
+    return _memo("signature", _graph_signature, graph)
+
+
+def _graph_signature(graph: fx.Graph) -> tuple:
     position = {node: index for index, node in enumerate(graph.nodes)}
 
     def node_ref(item):
@@ -433,6 +469,10 @@ def graph_signature(graph: fx.Graph) -> tuple:
 def graph_maps(source: fx.Graph, target: fx.Graph, fqn_of_source: dict, fqn_of_target: dict) -> tuple:
     """(node map, string map) from one graph to another of the same signature: nodes by position, their names,
     and the FQNs of the parameters read at the same placeholder."""
+    return _memo("maps", _graph_maps, source, target, fqn_of_source, fqn_of_target)
+
+
+def _graph_maps(source: fx.Graph, target: fx.Graph, fqn_of_source: dict, fqn_of_target: dict) -> tuple:
     nodes = dict(zip(source.nodes, target.nodes))
     strings = {a.name: b.name for a, b in nodes.items()}
     for a, b in nodes.items():

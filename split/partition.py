@@ -14,6 +14,7 @@ boundary values, stage graphs, unused state.
 from __future__ import annotations
 
 import difflib
+import functools
 import re
 from dataclasses import dataclass
 from typing import Optional
@@ -46,6 +47,7 @@ _STATE_KINDS = {InputKind.PARAMETER: "parameter", InputKind.BUFFER: "buffer",
                 InputKind.CONSTANT_TENSOR: "constant"}
 
 
+@functools.lru_cache(maxsize=65536)  # every node of a layer names the same few paths: each is normalised once
 def module_path(raw: str) -> str:
     """Normalise an nn_module_stack path to the FQN ``named_modules()`` uses.
 

@@ -1761,6 +1761,14 @@ def settle(graphs: list, tp: int, notes: dict, fused: dict = None, sequence=None
     A narrow MLP (a shared expert under a larger hidden size) has the same shapes, but its up-projection's output
     is needed whole by the residual add: it stays a row-wise pair. ``notes``, ``fused``, ``mixed`` and
     ``gathered`` (fqn -> why) end as the kept plan's."""
+    from tracepp.split import blocks
+
+    with blocks.remembered():  # every trial settles the same graphs: folded and compared once
+        return _settle_trials(graphs, tp, notes, fused, sequence, mixed, gathered, begins)
+
+
+def _settle_trials(graphs: list, tp: int, notes: dict, fused: dict, sequence, mixed: dict, gathered: dict,
+                   begins: dict) -> tuple:
     import re
 
     fused = {} if fused is None else fused

@@ -56,12 +56,70 @@ def _static(val) -> bool:
     return isinstance(val, torch.Tensor) and all(isinstance(s, int) for s in val.shape)
 
 
+_ANSWERS: dict = {}  # what torch said, by everything it was told (:func:`_question`): a model's layers ask alike
+_MAX_ANSWERS = 100_000
+
+
 def ask(node: fx.Node, dims: dict, tp: int, may_scatter) -> Ruling | None:
     """DTensor's ruling on ``node`` when the values in ``dims`` (node -> shard dim) are sharded and every other
     tensor input is whole; ``may_scatter(input)``: whether a whole input may be read at its piece. None where torch
-    has no rule, would move a sharded input, or the ruling does not hold on the local shapes."""
+    has no rule, would move a sharded input, or the ruling does not hold on the local shapes. Answers are
+    remembered by the question (the op, its arguments' shapes, strides, dtypes and placements): the same op of
+    every layer is asked once."""
     if not isinstance(node.target, torch._ops.OpOverload):
         return None
+    question = _question(node, dims, tp, may_scatter)
+    if question is None:
+        return _ask(node, dims, tp, may_scatter)
+    key, inputs = question
+    if key not in _ANSWERS:
+        if len(_ANSWERS) > _MAX_ANSWERS:
+            _ANSWERS.clear()
+        ruling = _ask(node, dims, tp, may_scatter)
+        position = {arg: index for index, arg in enumerate(inputs)}
+        _ANSWERS[key] = None if ruling is None else (
+            tuple(ruling.out) if isinstance(ruling.out, list) else ruling.out, ruling.partial,
+            tuple((position[arg], dim) for arg, dim in ruling.scatter.items()))
+    answer = _ANSWERS[key]
+    if answer is None:
+        return None
+    out, partial, scatter = answer
+    return Ruling(list(out) if isinstance(out, tuple) else out, partial, {inputs[i]: dim for i, dim in scatter})
+
+
+def _question(node: fx.Node, dims: dict, tp: int, may_scatter):
+    """(a hashable key of everything :func:`_ask` reads of ``node``, its node inputs in the order read), or None
+    where an argument cannot be a key (a symbolic shape, an unhashable constant)."""
+    inputs: list = []
+
+    def ref(arg):
+        if isinstance(arg, fx.Node):
+            val = arg.meta.get("val")
+            if not _static(val):
+                raise _NoRule
+            inputs.append(arg)
+            sharded = arg in dims
+            return ("t", tuple(val.shape), tuple(val.stride()), val.dtype, dims[arg] if sharded else None,
+                    None if sharded else bool(may_scatter(arg)))
+        if isinstance(arg, (list, tuple)):
+            return (type(arg).__name__,) + tuple(ref(a) for a in arg)
+        return ("c", type(arg).__name__, arg)
+
+    out = node.meta.get("val")
+    outs = out if isinstance(out, (list, tuple)) else [out]
+    if not all(_static(v) for v in outs):
+        return None
+    try:
+        key = (node.target, tp, tuple(ref(a) for a in node.args),
+               tuple((k, ref(v)) for k, v in node.kwargs.items()),
+               tuple((tuple(v.shape), v.dtype) for v in outs), isinstance(out, (list, tuple)))
+        hash(key)
+    except (_NoRule, TypeError):
+        return None
+    return key, inputs
+
+
+def _ask(node: fx.Node, dims: dict, tp: int, may_scatter) -> Ruling | None:
     mesh = _mesh(tp)
     if mesh is None:
         return None

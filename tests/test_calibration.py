@@ -407,6 +407,34 @@ def test_the_tuner_walks_each_ranks_timeline_and_checkpoints_the_stages_that_hol
     assert dropped and dropped[0].recompute == ["full", "full"]
 
 
+def test_checkpointing_trials_price_only_the_rank_they_change(monkeypatch):
+    """Issue 56: a trial checkpoints a stage of the worst rank, and a stage's figures depend on its own mode only:
+    the trial walks that rank's timeline alone (the 671B tune's 90 plans: 100 -> 39 s), and chooses what walking
+    every rank chose."""
+    from tracepp.codegen import peak
+    from tracepp.costs import search
+
+    manifest = _counted(_manifest())
+    calibration = _tuning_calibration(manifest)
+    kept, _, _ = tune(manifest, calibration, schedules=["1f1b"], microbatch_counts=[4], optimizer_bytes_per_param=0)
+    limit = kept[0].peak_memory[0] - 1000
+    walked = []
+    original = peak.rank_peak
+    monkeypatch.setattr(peak, "rank_peak", lambda *a, **k: walked.append(1) or original(*a, **k))
+
+    def run():
+        walked.clear()
+        fitted, _, _ = tune(manifest, calibration, schedules=["1f1b"], microbatch_counts=[4],
+                            optimizer_bytes_per_param=0, memory_limit=limit)
+        return [(c.recompute, c.peak_memory, c.step_s) for c in fitted], len(walked)
+    chosen, walks = run()
+    memory = search._memory
+    monkeypatch.setattr(search, "_memory", lambda *a, **k: memory(*a, **dict(k, ranks=None)))
+    every_rank, walks_every_rank = run()
+    assert chosen == every_rank and chosen[0][0][0] != "none"
+    assert walks < walks_every_rank
+
+
 def test_segment_table_counts_the_gradient_tensors_a_cut_sends_back(tmp_path):
     """A cut crossed by a skip connection sends two tensors forward and two gradients back: the tuner prices
     both messages of each direction (the table once counted gradient bytes but not gradient tensors)."""

@@ -438,6 +438,44 @@ def test_torch_rules_place_the_ops_the_walk_has_no_rule_for():
     assert torch_rules.ask(node(aten.atan2.default, (a, b), (2, 4, 8, 8)), {a: 1}, 2, lambda arg: False) is None
 
 
+def test_torch_rules_answer_each_question_once(monkeypatch):
+    """Issue 56: a model's layers ask torch the same questions (DeepSeek-V3 at tp 8: 651 asks, 5 s of its 16 s tp
+    plan). An answer is remembered by the op, its arguments' shapes, strides, dtypes and placements and whether
+    each whole input may be read at its piece, and mapped onto the nodes of the next asker; any difference asks
+    again."""
+    import torch
+    import torch.fx as fx
+
+    from tracepp.split import torch_rules
+
+    aten = torch.ops.aten
+    asked = []
+    original = torch_rules._ask
+    monkeypatch.setattr(torch_rules, "_ask", lambda *args: asked.append(args[0]) or original(*args))
+    monkeypatch.setattr(torch_rules, "_ANSWERS", {})
+    g = fx.Graph()
+
+    def value(name, shape):
+        out = g.placeholder(name)
+        out.meta["val"] = torch.empty(shape)
+        return out
+
+    def atan2(x, y):
+        out = g.call_function(aten.atan2.default, (x, y))
+        out.meta["val"] = torch.empty(2, 4, 8, 8)
+        return out
+
+    a, b, c, d = (value(name, (2, 4, 8, 8)) for name in "abcd")
+    first = torch_rules.ask(atan2(a, b), {a: 1}, 2, lambda arg: arg is b)
+    second = torch_rules.ask(atan2(c, d), {c: 1}, 2, lambda arg: arg is d)  # another layer's: the same question
+    assert (first.out, first.scatter) == (1, {b: 1}) and (second.out, second.scatter) == (1, {d: 1})
+    assert len(asked) == 1
+    assert torch_rules.ask(atan2(c, d), {c: 1}, 2, lambda arg: False) is None  # may not scatter: asked again
+    assert torch_rules.ask(atan2(c, d), {c: 2}, 2, lambda arg: arg is d).out == 2  # another placement: again
+    assert torch_rules.ask(atan2(c, d), {c: 1}, 4, lambda arg: arg is d).scatter == {d: 1}  # another tp: again
+    assert len(asked) == 4
+
+
 @pytest.mark.parametrize("family,share,sharded,why", [
     ("bloom", 0.99, ["self_attention.query_key_value.weight", "self_attention.dense.weight"], None),  # ALiBi
     ("cohere", 0.99, ["self_attn.q_proj.weight", "self_attn.o_proj.weight"], None),  # interleaved rotary: stack

@@ -144,27 +144,36 @@ class _KeptFrames:
     __slots__ = ("frames",)
 
     def __init__(self, frames):
-        self.frames = frames
+        self.frames = frames  # what fx keeps, outermost first (the outermost ``forward`` first), or None: nothing
 
     @staticmethod
     def extract(*, script=False, cpp=False, skip=0):
+        """One walk up the stack: the interesting frames (not in ``uninteresting_files()``) and, at each
+        ``forward``, how many of them lie inside it; the outermost ``forward`` met decides what is kept."""
+        from torch.fx.experimental.symbolic_shapes import uninteresting_files  # lru-cached
+
+        boring = uninteresting_files()
         frame = sys._getframe(1 + skip)
-        stack = []
+        interesting, outermost = [], None
         while frame is not None:
-            stack.append((frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name))
+            code = frame.f_code
+            if code.co_name == "forward":
+                outermost = ((code.co_filename, frame.f_lineno, "forward"), len(interesting))
+            if code.co_filename not in boring:
+                interesting.append((code.co_filename, frame.f_lineno, code.co_name))
             frame = frame.f_back
-        stack.reverse()
-        return _KeptFrames(stack)
+        if outermost is None:  # fx keeps no frame of a stack without a forward
+            return _KeptFrames(None)
+        forward, inside = outermost
+        kept = interesting[:inside]
+        kept.append(forward)
+        kept.reverse()
+        return _KeptFrames(kept)
 
     def summary(self):
-        from torch.fx.experimental.symbolic_shapes import uninteresting_files
-
-        first = next((i for i, (_file, _line, name) in enumerate(self.frames) if name == "forward"), None)
-        if first is None:  # fx keeps no frame of a stack without a forward
+        if self.frames is None:
             return traceback.StackSummary()
-        boring = uninteresting_files()
-        kept = [self.frames[first]] + [f for f in self.frames[first + 1:] if f[0] not in boring]
-        return traceback.StackSummary.from_list([traceback.FrameSummary(*frame) for frame in kept])
+        return traceback.StackSummary.from_list([traceback.FrameSummary(*frame) for frame in self.frames])
 
 
 @contextlib.contextmanager

@@ -502,7 +502,7 @@ def tp_costs(manifest: dict, split: tuple, costs: dict, microbatch_size: float, 
 
 def _memory(manifest: dict, split: tuple, sim, stage_to_rank: list, microbatch_size: float, training: bool,
             optimizer_bytes_per_param: int, tp: int = 1, sequence_parallel: bool = False, ep: int = 1,
-            layout=None, recompute=None, actions=None, releases=None) -> dict:
+            layout=None, recompute=None, actions=None, releases=None, ranks=None) -> dict:
     """Peak bytes per rank. With the split's counted figures (``segments[k]["memory"]``: what each segment keeps
     per microbatch under each activation checkpointing mode, and its stage's temporaries) and the plan's actions,
     each rank's timeline is walked as ``tracepp split`` walks its own plan (``codegen.peak.rank_peak``) with
@@ -510,7 +510,8 @@ def _memory(manifest: dict, split: tuple, sim, stage_to_rank: list, microbatch_s
     the cuts, the parameters, gradients and optimizer state as :func:`held_bytes` says (FSDP's gathered copy, 1/ep
     of the experts), activations computed on tp shards divided by tp (:func:`_activation_share`). ``recompute``:
     each stage's checkpointing (default none). A folder split without those figures: the old upper bound (every
-    value that carries a gradient, live from its forward to its backward in the simulated timeline)."""
+    value that carries a gradient, live from its forward to its backward in the simulated timeline). ``ranks``:
+    only these ranks' peaks, with the counted figures (a stage's figures depend on its own checkpointing only)."""
     from tracepp.runtime.mesh import Layout
 
     layout = layout or Layout()
@@ -523,6 +524,8 @@ def _memory(manifest: dict, split: tuple, sim, stage_to_rank: list, microbatch_s
         peak = {}
         for rank, rank_actions in actions.items():
             rank = int(rank)
+            if ranks is not None and rank not in ranks:
+                continue
             mine = {s: figures[s] for s, r in enumerate(stage_to_rank) if r == rank}
             state = sum(optimizer.get(s, 0) for s in mine)
             ranked = rank_peak(rank_actions, mine, {"state_bytes": state, "step_peak": 0}, layout.dp_mode, layout.dp,
@@ -800,9 +803,10 @@ def choose_recompute(manifest: dict, split: tuple, built, microbatch_size: float
             while further is not None:  # the next mode and those past it (selective may save nothing where full does)
                 trial = list(modes)
                 trial[stage] = further
-                found = _memory(manifest, split, None, built.stage_to_rank, microbatch_size, training,
-                                optimizer_bytes_per_param, tp, sequence_parallel, ep, layout, trial, built.actions,
-                                built.releases)
+                found = dict(peaks)  # the trial changes the worst rank's stage: the other ranks' peaks stand
+                found.update(_memory(manifest, split, None, built.stage_to_rank, microbatch_size, training,
+                                     optimizer_bytes_per_param, tp, sequence_parallel, ep, layout, trial,
+                                     built.actions, built.releases, ranks={worst}))
                 saved = peaks[worst] - found[worst]
                 added = (RECOMPUTE_SHARE[further] - RECOMPUTE_SHARE[modes[stage]]) * costs.get((stage, "F"), 0.0)
                 score = saved / added if added > 0 else saved * 1e12
