@@ -97,7 +97,35 @@ class _Timeline:
 REDUCE_SCATTER_EXTRA = {"cpu": 0.3, "cuda": 0.0}
 
 
-def rank_peak(actions: list, stages: dict, optimizer: dict, dp_mode=None, dp: int = 1, releases=None,
+class RankActions:
+    """One rank's actions parsed, with what :func:`rank_peak` reads of their order (each stage's first forward and
+    last backward, the sends per microbatch, the release points) and the receive pool per set of buffer sizes:
+    made once where many walks share the actions (the tuner's checkpointing trials)."""
+
+    __slots__ = ("parsed", "first_f", "last_backward", "sends_f", "sends_b", "release_at", "_pools")
+
+    def __init__(self, actions: list, releases=None):
+        self.parsed = _parse(actions)
+        self.first_f, self.last_backward = {}, {}
+        for position, action in enumerate(self.parsed):
+            if action.kind in ("B", "W"):
+                self.last_backward[action.stage] = position
+            if action.kind == "F":
+                self.first_f.setdefault(action.stage, position)
+        self.sends_f = _sends_per_mb(self.parsed, "SEND_F")
+        self.sends_b = _sends_per_mb(self.parsed, "SEND_B")
+        self.release_at = {int(k): list(v) for k, v in (releases or {}).items()}
+        self._pools: dict = {}
+
+    def pool(self, stages: dict) -> int:
+        key = tuple((s, tuple(fig.get("received_sizes") or ()), tuple(fig.get("grad_received_sizes") or ()))
+                    for s, fig in sorted(stages.items()))
+        if key not in self._pools:
+            self._pools[key] = pool_bytes(self.parsed, stages)
+        return self._pools[key]
+
+
+def rank_peak(actions, stages: dict, optimizer: dict, dp_mode=None, dp: int = 1, releases=None,
               device: str = "cpu") -> dict:
     """The worst moment of one rank (see the module doc). ``stages``: stage index -> its figures (the memory
     profile's fields, plus ``param_bytes``: what the rank holds of it between steps, ``unsharded_bytes``: FSDP's
@@ -107,27 +135,20 @@ def rank_peak(actions: list, stages: dict, optimizer: dict, dp_mode=None, dp: in
     ``releases``: the rank's send-release points (``{action position: [send positions]}``, the plan's), where a
     send's data may go; without them every send is held to the end of the step. ``device``: where the job runs
     (cpu: gloo, cuda: NCCL), for what the collectives allocate.
+    ``actions``: a list, or a :class:`RankActions` (made with the releases: ``releases`` is then not read).
     Returns ``{"peak_bytes", "parts": {part: bytes}, "at": what runs then, "step_peak_bytes",
     "optimizer_peak_bytes"}``."""
-    parsed = _parse(actions)
+    ranked = actions if isinstance(actions, RankActions) else RankActions(actions, releases)
+    parsed, first_f, last_backward = ranked.parsed, ranked.first_f, ranked.last_backward
+    sends_f, sends_b, release_at = ranked.sends_f, ranked.sends_b, ranked.release_at
     fsdp = dp_mode in ("fsdp", "hsdp") and dp > 1
     static = {"parameters": sum(fig.get("param_bytes", 0) for fig in stages.values()),
               "optimizer": optimizer.get("state_bytes", 0),
-              "received": pool_bytes(parsed, stages)}
+              "received": ranked.pool(stages)}
     line = _Timeline(static)
     line.check("start of the step")
-    first_f = {}
-    last_backward = {}
-    for position, action in enumerate(parsed):
-        if action.kind in ("B", "W"):
-            last_backward[action.stage] = position
-        if action.kind == "F":
-            first_f.setdefault(action.stage, position)
-    sends_f = _sends_per_mb(parsed, "SEND_F")
-    sends_b = _sends_per_mb(parsed, "SEND_B")
     sent_f, sent_b = {}, {}
     held = {}  # send position -> (part, bytes) its data holds until released
-    release_at = {int(k): list(v) for k, v in (releases or {}).items()}
     grads_made = set()
     for position, action in enumerate(parsed):
         for sent in release_at.get(position - 1, ()):  # released after the action before this one

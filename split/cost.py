@@ -412,15 +412,22 @@ def choose_cuts(segments: list, num_stages: int, memory_of) -> list:
     for end in range(1, count + 1):
         cost = span(0, end)
         best[0][end] = (cost.forward_flops, memory_of(0, cost))
+    flops = [p.forward_flops for p in prefix]
     for stage_index in range(1, num_stages):
         for end in range(stage_index + 1, count + 1):
-            for start in range(stage_index, end):
+            # the last stage's first segment from the nearest down: its FLOPs only grow, so once they alone pass
+            # the best found no earlier start can do better; among equal candidates the earliest start wins (<=)
+            for start in range(end - 1, stage_index - 1, -1):
+                if flops[end] - flops[start] > best[stage_index][end][0]:
+                    break
                 before = best[stage_index - 1][start]
                 if before == worst:
                     continue
-                cost = span(start, end)
-                candidate = (max(before[0], cost.forward_flops), max(before[1], memory_of(stage_index, cost)))
-                if candidate < best[stage_index][end]:
+                most = max(before[0], flops[end] - flops[start])
+                if most > best[stage_index][end][0]:
+                    continue  # more FLOPs than the best so far: worse whatever its memory (not counted)
+                candidate = (most, max(before[1], memory_of(stage_index, span(start, end))))
+                if candidate <= best[stage_index][end]:
                     best[stage_index][end], cut_at[stage_index][end] = candidate, start
     cuts, end = [], count
     for stage_index in range(num_stages - 1, 0, -1):

@@ -712,3 +712,15 @@ def test_segment_table_records_the_routed_experts_as_the_ep_plan_counts_them():
     assert sum(fig["params"] for fig in figures) == sum(a * b * c for a, b, c in whole.values())
     assert sum(fig["param_bytes"] for fig in figures) == 4 * sum(a * b * c for a, b, c in whole.values())
     assert all(fig["flops"] > 0 for fig in figures)
+
+
+def test_a_long_plan_prints_shortened():
+    """A 405B plan has 64 stages: its checkpointing prints as runs and its cuts as the first, the last and a count
+    (what `plan --apply` writes is the whole list)."""
+    from tracepp.costs.search import _cuts_text, _runs_text
+
+    assert _runs_text(["selective"] * 59 + ["none"] * 5) == "selective x59, none x5"
+    assert _runs_text(["full", "none"]) == "full,none"
+    cuts = [f"model.layers.{i}" for i in range(1, 126, 2)]
+    assert _cuts_text(cuts) == "model.layers.1, model.layers.3 ... model.layers.125 (63 cuts)"
+    assert _cuts_text(cuts[:2]) == "model.layers.1, model.layers.3"

@@ -502,7 +502,7 @@ def tp_costs(manifest: dict, split: tuple, costs: dict, microbatch_size: float, 
 
 def _memory(manifest: dict, split: tuple, sim, stage_to_rank: list, microbatch_size: float, training: bool,
             optimizer_bytes_per_param: int, tp: int = 1, sequence_parallel: bool = False, ep: int = 1,
-            layout=None, recompute=None, actions=None, releases=None, ranks=None) -> dict:
+            layout=None, recompute=None, actions=None, releases=None, ranks=None, cache=None) -> dict:
     """Peak bytes per rank. With the split's counted figures (``segments[k]["memory"]``: what each segment keeps
     per microbatch under each activation checkpointing mode, and its stage's temporaries) and the plan's actions,
     each rank's timeline is walked as ``tracepp split`` walks its own plan (``codegen.peak.rank_peak``) with
@@ -511,15 +511,17 @@ def _memory(manifest: dict, split: tuple, sim, stage_to_rank: list, microbatch_s
     of the experts), activations computed on tp shards divided by tp (:func:`_activation_share`). ``recompute``:
     each stage's checkpointing (default none). A folder split without those figures: the old upper bound (every
     value that carries a gradient, live from its forward to its backward in the simulated timeline). ``ranks``:
-    only these ranks' peaks, with the counted figures (a stage's figures depend on its own checkpointing only)."""
+    only these ranks' peaks, with the counted figures (a stage's figures depend on its own checkpointing only);
+    ``cache``: :func:`stage_memory`'s, for calls that differ in ``recompute`` only."""
     from tracepp.runtime.mesh import Layout
 
     layout = layout or Layout()
     segments = manifest["segments"]
     if actions is not None and all(seg.get("memory") for seg in segments):
+        wanted = None if ranks is None else {s for s, r in enumerate(stage_to_rank) if r in ranks}
         figures, optimizer = stage_memory(manifest, split, microbatch_size, training, optimizer_bytes_per_param,
-                                          tp, sequence_parallel, ep, layout, recompute)
-        from tracepp.codegen.peak import rank_peak
+                                          tp, sequence_parallel, ep, layout, recompute, wanted, cache)
+        from tracepp.codegen.peak import RankActions, rank_peak
 
         peak = {}
         for rank, rank_actions in actions.items():
@@ -528,9 +530,13 @@ def _memory(manifest: dict, split: tuple, sim, stage_to_rank: list, microbatch_s
                 continue
             mine = {s: figures[s] for s, r in enumerate(stage_to_rank) if r == rank}
             state = sum(optimizer.get(s, 0) for s in mine)
+            rank_releases = (releases or {}).get(rank, (releases or {}).get(str(rank)))
+            if cache is not None:  # the actions parsed once for every trial
+                if ("actions", rank) not in cache:
+                    cache[("actions", rank)] = RankActions(rank_actions, rank_releases)
+                rank_actions = cache[("actions", rank)]
             ranked = rank_peak(rank_actions, mine, {"state_bytes": state, "step_peak": 0}, layout.dp_mode, layout.dp,
-                               (releases or {}).get(rank, (releases or {}).get(str(rank))),
-                               (manifest.get("run_options") or {}).get("device", "cpu"))
+                               rank_releases, (manifest.get("run_options") or {}).get("device", "cpu"))
             peak[rank] = int(ranked["peak_bytes"])
         return peak
     scale = microbatch_size / traced_microbatch(manifest)
@@ -579,9 +585,12 @@ def _held(seg: dict, tp: int, sequence_parallel: bool, ep: int, layout, training
 
 
 def stage_memory(manifest: dict, split: tuple, microbatch_size: float, training: bool, optimizer_bytes_per_param: int,
-                 tp: int = 1, sequence_parallel: bool = False, ep: int = 1, layout=None, recompute=None) -> tuple:
+                 tp: int = 1, sequence_parallel: bool = False, ep: int = 1, layout=None, recompute=None,
+                 stages=None, cache: Optional[dict] = None) -> tuple:
     """({stage: figures for ``codegen.peak.rank_peak``}, {stage: optimizer state bytes}) of a split, made of its
-    segments' counted figures (see :func:`_memory`); ``recompute[stage]``: none, selective or full."""
+    segments' counted figures (see :func:`_memory`); ``recompute[stage]``: none, selective or full. ``stages``:
+    only these; ``cache``: (stage, mode) -> its answer, for a caller that asks again with only some stages' modes
+    changed (the other arguments the same)."""
     from tracepp.runtime.mesh import Layout
 
     layout = layout or Layout()
@@ -591,10 +600,13 @@ def stage_memory(manifest: dict, split: tuple, microbatch_size: float, training:
     wrapped = layout.dp > 1
     copy = compute_copy_share(manifest)  # --mixed-precision params: the compute copy's bytes per master byte
     figures, optimizer = {}, {}
-    stages = sorted(set(split))
-    first_segment = {stage: split.index(stage) for stage in stages}
-    for stage in stages:
+    every = sorted(set(split))
+    first_segment = {stage: split.index(stage) for stage in every}
+    for stage in (every if stages is None else sorted(stages)):
         mode = (recompute[stage] if recompute else "none")
+        if cache is not None and (stage, mode) in cache:
+            figures[stage], optimizer[stage] = cache[(stage, mode)]
+            continue
         members = [seg for seg, owner in zip(segments, split) if owner == stage]
         share = [_activation_share(seg, tp, sequence_parallel) for seg in members]
         kept = sum(seg["memory"].get(mode, seg["memory"].get("none", {})).get("kept", 0) * f
@@ -638,6 +650,8 @@ def stage_memory(manifest: dict, split: tuple, microbatch_size: float, training:
             "unsharded_bytes": (params * (copy or 1.0) if wrapped else params * (copy or 0.0)) + experts * (copy or 0.0),
             "grad_bytes_at_rest": (params / shard + experts) if training else 0}
         optimizer[stage] = (count / shard + expert_count) * optimizer_bytes_per_param if training else 0
+        if cache is not None:
+            cache[(stage, mode)] = (figures[stage], optimizer[stage])
     return figures, optimizer
 
 
@@ -738,28 +752,33 @@ def tune(manifest: dict, calibration: Calibration, memory_limit: Optional[int] =
                         priced = {(stage, kind): seconds + (exchange[stage][0] if kind == "F" else
                                                             exchange[stage][1] if kind in ("B", "I") else 0.0)
                                   if stage in exchange else seconds for (stage, kind), seconds in priced.items()}
-                        prediction = predict_plan(built.actions, built.stage_to_rank, topology, num_microbatches,
-                                                  priced, calibration, messages, optimizer_s, training, check=False)
-                        candidate.step_s, candidate.bubble = prediction.step_s, prediction.bubble
+                        def predict(step_costs):
+                            prediction = predict_plan(built.actions, built.stage_to_rank, topology, num_microbatches,
+                                                      step_costs, calibration, messages, optimizer_s, training,
+                                                      check=False)
+                            candidate.step_s, candidate.bubble = prediction.step_s, prediction.bubble
+                            return prediction
+
                         candidate.stage_to_rank = list(built.stage_to_rank)
-                        candidate.peak_memory = _memory(view, split, prediction.sim, built.stage_to_rank, size,
-                                                        training, optimizer_bytes_per_param, tp, sp, ep, held_layout,
-                                                        None, built.actions, built.releases)
+                        # with counted figures the memory is the ranks' timelines (no simulation): a plan is
+                        # simulated once, with the checkpointing it fits by, and one that fits by none is not
+                        # simulated at all unless it is the folder's own (``current_candidate`` prints its time)
+                        sim = None if _counted(view) else predict(priced).sim
+                        candidate.peak_memory = _memory(view, split, sim, built.stage_to_rank, size, training,
+                                                        optimizer_bytes_per_param, tp, sp, ep, held_layout, None,
+                                                        built.actions, built.releases)
+                        step_costs = priced
                         if memory_limit is not None and max(candidate.peak_memory.values()) > memory_limit:
                             modes, peaks = choose_recompute(
                                 view, split, built, size, training, optimizer_bytes_per_param, tp, sp, ep,
                                 held_layout, memory_limit, priced)
                             if peaks and any(mode != "none" for mode in modes):
-                                recomputed = recompute_costs(priced, modes)
-                                prediction = predict_plan(built.actions, built.stage_to_rank, topology,
-                                                          num_microbatches, recomputed, calibration, messages,
-                                                          optimizer_s, training, check=False)
-                                candidate.step_s, candidate.bubble = prediction.step_s, prediction.bubble
+                                step_costs, sim = recompute_costs(priced, modes), None
                                 candidate.recompute, candidate.peak_memory = modes, peaks
-                        if memory_limit is not None and max(candidate.peak_memory.values()) > memory_limit:
-                            dropped.append(candidate)
-                        else:
-                            kept.append(candidate)
+                        fits = memory_limit is None or max(candidate.peak_memory.values()) <= memory_limit
+                        if sim is None and (fits or _is_folder_plan(candidate, manifest)):
+                            predict(step_costs)
+                        (kept if fits else dropped).append(candidate)
     order = {name: index for index, name in enumerate(SCHEDULE_TABLE)}
     kept.sort(key=lambda c: (round(c.step_s * c.tp * c.cp, 12), order.get(c.schedule, 99), c.num_stages,
                              c.num_microbatches, c.split, c.tp, c.sequence_parallel, c.ep, c.cp))
@@ -793,8 +812,9 @@ def choose_recompute(manifest: dict, split: tuple, built, microbatch_size: float
         raise ValueError("this folder's memory was counted under its own activation checkpointing only: the tuner "
                          "needs every mode's figures (`tracepp plan OUT --tune` counts them first; from Python, "
                          "tracepp.tuner_figures.ensure(manifest, OUT))")
+    cache: dict = {}  # each stage's figures per mode, computed once
     peaks = _memory(manifest, split, None, built.stage_to_rank, microbatch_size, training, optimizer_bytes_per_param,
-                    tp, sequence_parallel, ep, layout, modes, built.actions, built.releases)
+                    tp, sequence_parallel, ep, layout, modes, built.actions, built.releases, cache=cache)
     while max(peaks.values()) > memory_limit:
         worst = max(peaks, key=peaks.get)
         best = None
@@ -806,7 +826,7 @@ def choose_recompute(manifest: dict, split: tuple, built, microbatch_size: float
                 found = dict(peaks)  # the trial changes the worst rank's stage: the other ranks' peaks stand
                 found.update(_memory(manifest, split, None, built.stage_to_rank, microbatch_size, training,
                                      optimizer_bytes_per_param, tp, sequence_parallel, ep, layout, trial,
-                                     built.actions, built.releases, ranks={worst}))
+                                     built.actions, built.releases, ranks={worst}, cache=cache))
                 saved = peaks[worst] - found[worst]
                 added = (RECOMPUTE_SHARE[further] - RECOMPUTE_SHARE[modes[stage]]) * costs.get((stage, "F"), 0.0)
                 score = saved / added if added > 0 else saved * 1e12
@@ -850,8 +870,9 @@ def format_tuning(kept: list, dropped: list, failed: list, top: int, memory_limi
     rows = []
     for rank_index, c in enumerate(kept[:top], 1):
         rows.append([rank_index, c.schedule, f"{c.num_stages} ({c.stages_per_rank}/rank)", c.num_microbatches, c.tp,
-                     ("yes" if c.sequence_parallel else "no") if c.tp > 1 else "-", c.ep, c.cp, c.checkpointing,
-                     ", ".join(c.split_points) + (f"  [{c.split_source}]" if c.split_source != "balancer" else ""),
+                     ("yes" if c.sequence_parallel else "no") if c.tp > 1 else "-", c.ep, c.cp,
+                     _runs_text(c.checkpointing.split(",")), _cuts_text(c.split_points)
+                     + (f"  [{c.split_source}]" if c.split_source != "balancer" else ""),
                      f"{c.step_s * 1000:.1f}", f"{c.bubble:.1%}",
                      " / ".join(_mb(v) for _, v in sorted(c.peak_memory.items()))])
     headers = ["#", "schedule", "stages", "M", "tp", "sp", "ep", "cp", "checkpointing", "split points", "step ms",
@@ -871,11 +892,40 @@ def format_tuning(kept: list, dropped: list, failed: list, top: int, memory_limi
     return "\n".join(lines)
 
 
+LONG = 6  # more entries than this print shortened (a 405B plan has 64 stages: `plan --apply` writes them all)
+
+
+def _runs_text(modes: list) -> str:
+    """Stage modes as printed: ``none,full`` as they are; a long list as runs, ``selective x59, none x5``."""
+    if len(modes) <= LONG:
+        return ",".join(modes)
+    runs: list = []
+    for mode in modes:
+        if runs and runs[-1][0] == mode:
+            runs[-1][1] += 1
+        else:
+            runs.append([mode, 1])
+    return ", ".join(f"{mode} x{count}" for mode, count in runs)
+
+
+def _cuts_text(points: list) -> str:
+    if len(points) <= LONG:
+        return ", ".join(points)
+    return f"{', '.join(points[:2])} ... {points[-1]} ({len(points)} cuts)"
+
+
 def current_candidate(kept: list, dropped: list, manifest: dict) -> Optional[Candidate]:
+    return next((c for c in kept + dropped if _is_folder_plan(c, manifest)), None)
+
+
+def _is_folder_plan(c: Candidate, manifest: dict) -> bool:
+    """Whether ``c`` is the plan the folder was split with (its schedule, microbatches and split, tp, ep, cp 1)."""
     plan = manifest["plan"]
     own = stage_of_segments(manifest)
-    for c in kept + dropped:
-        if (c.schedule == plan["schedule"] and c.num_microbatches == plan["num_microbatches"] and c.tp == 1
-                and c.ep == 1 and c.cp == 1 and own is not None and c.split == tuple(own)):
-            return c
-    return None
+    return (c.schedule == plan["schedule"] and c.num_microbatches == plan["num_microbatches"] and c.tp == 1
+            and c.ep == 1 and c.cp == 1 and own is not None and c.split == tuple(own))
+
+
+def _counted(manifest: dict) -> bool:
+    """Whether the split counted each segment's memory (``_memory`` walks the ranks' timelines, not a simulation)."""
+    return all(seg.get("memory") for seg in manifest["segments"])
