@@ -159,7 +159,7 @@ def split_case(name: str, root: str) -> dict:
 def tune_case(name: str, root: str) -> dict:
     split_name, options = TUNES[name]
     folder = os.path.join(root, split_name)
-    _model, env_extra, _options, case, *_run = CASES[split_name]
+    _model, env_extra, _options, case, *_rest = CASES[split_name]
     if not os.path.isfile(os.path.join(folder, "manifest.json")):
         return {"case": f"plan --tune on {case}", "error": f"no folder to tune: the {split_name} split was refused "
                                                             f"or not run"}

@@ -204,13 +204,19 @@ def count_flops(graph: fx.Graph) -> FlopCount:
     result = FlopCount()
     values = [node.meta.get("val") for node in graph.nodes]
     fake_mode = _fake_mode_of(values)
-    priced: dict = {}  # an op on the same shapes, dtypes and arguments costs the same: each is priced once
+    local: dict = {}  # an op on the same shapes, dtypes and arguments costs the same: each is priced once
     for node in graph.nodes:
         if node.op != "call_function":
             continue
         key = _signature(node)
-        if key is not None and key in priced:
-            flops, fails, missing = priced[key]
+        # torch's ops on static shapes price the same in every graph (the whole model's, each stage's, the
+        # manifest's): remembered across graphs; a symbolic dim ("s0") may stand for another size in another
+        # trace, and another library's op may behave otherwise another time: those in this graph only
+        if len(_PRICED) > _MAX_PRICED:
+            _PRICED.clear()
+        found = None if key is None else local.get(key, _PRICED.get(key))
+        if found is not None:
+            flops, fails, missing = found
             result.by_node[node.name] = flops
             for counts, found in ((result.failed, fails), (result.no_formula, missing)):
                 if found:
@@ -244,20 +250,32 @@ def count_flops(graph: fx.Graph) -> FlopCount:
             flops = 0
         result.by_node[node.name] = _concrete(flops, result.assumed)
         if key is not None:
-            priced[key] = (result.by_node[node.name], name if result.failed != failed_before else None,
-                           name if result.no_formula != missing_before else None)
+            shared = key[-1] and (name in FORMULAS or name.startswith("aten::"))
+            (_PRICED if shared else local)[key] = (result.by_node[node.name],
+                                                  name if result.failed != failed_before else None,
+                                                  name if result.no_formula != missing_before else None)
     return result
+
+
+_PRICED: dict = {}  # count_flops' prices of torch's ops on static shapes, by signature
+_MAX_PRICED = 200_000
 
 
 def _signature(node: fx.Node):
     """What a node's FLOP count depends on: its op and its arguments, tensors as (shape, dtype); None where an
-    argument is neither (never shared)."""
+    argument is neither (never shared). Its last item says whether every size in it is an int (static)."""
+    symbolic = []
+
     def plain(item):
         if isinstance(item, fx.Node):
             val = item.meta.get("val")
             if isinstance(val, torch.Tensor):
+                if not all(isinstance(d, int) for d in val.shape):
+                    symbolic.append(item)
                 return ("T", tuple(str(d) for d in val.shape), str(val.dtype))
             if isinstance(val, (int, float, bool, torch.SymInt, torch.SymFloat)):
+                if isinstance(val, (torch.SymInt, torch.SymFloat)):
+                    symbolic.append(item)
                 return ("V", str(val))
             raise TypeError
         if isinstance(item, (list, tuple)):
@@ -269,9 +287,14 @@ def _signature(node: fx.Node):
             return repr(item)
         raise TypeError
     try:
-        return (str(node.target), plain(node.args), plain(node.kwargs), str(node.meta.get("val", "").__class__))
+        key = (str(node.target), plain(node.args), plain(node.kwargs), str(node.meta.get("val", "").__class__))
     except TypeError:
         return None
+    out = node.meta.get("val")
+    outs = out if isinstance(out, (list, tuple)) else [out]
+    static = not symbolic and all(not isinstance(v, torch.Tensor) or all(isinstance(d, int) for d in v.shape)
+                                  for v in outs)
+    return key + (static,)
 
 
 def _concrete(value, assumed: dict) -> int:
