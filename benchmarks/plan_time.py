@@ -180,9 +180,10 @@ def tune_case(name: str, root: str) -> dict:
     ran = _run(command, env_extra)
     record = {"case": f"plan --tune on {case}", "command": " ".join(command[3:]), "environment": env_extra,
               **{k: ran[k] for k in ("wall_s", "cpu_s", "peak_rss_gb", "returncode")}}
-    priced = re.search(r"(\d+) candidates: (\d+) priced", ran["stdout"])
-    record["plans_priced"] = int(priced.group(1)) if priced else None  # every candidate is priced; some dropped
-    record["plans_kept"] = int(priced.group(2)) if priced else None
+    priced = re.search(r"(\d+) candidates: (\d+) plans priced(?: \((\d+) within)?", ran["stdout"])
+    record["candidates"] = int(priced.group(1)) if priced else None  # priced, and those the planner refused
+    record["plans_priced"] = int(priced.group(2)) if priced else None
+    record["plans_kept"] = int(priced.group(3) or priced.group(2)) if priced else None
     figures = re.search(r"computed in ([\d.]+) s", ran["stdout"])
     record["figures_s"] = float(figures.group(1)) if figures else 0.0
     if ran["returncode"] != 0:

@@ -879,9 +879,9 @@ def format_tuning(kept: list, dropped: list, failed: list, top: int, memory_limi
                "bubble", "peak MB per rank"]
     lines = [tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True)]
     searched = len(kept) + len(dropped) + len(failed)
-    summary = f"{searched} candidates: {len(kept)} priced"
+    summary = f"{searched} candidates: {len(kept) + len(dropped)} plans priced"
     if memory_limit is not None:
-        summary += f", {len(dropped)} over --memory-limit {_mb(memory_limit)} MB"
+        summary += f" ({len(kept)} within --memory-limit {_mb(memory_limit)} MB, {len(dropped)} over it)"
     if failed:
         summary += f", {len(failed)} the planner refused (e.g. {failed[0].schedule} M={failed[0].num_microbatches}: " \
                    f"{failed[0].error.split(';')[0]})"
