@@ -82,7 +82,7 @@ class Candidate:
     split: tuple  # stage of each segment
     split_points: list  # module FQNs where stages 1.. begin
     split_source: str  # "balancer", "calibrated times", "this folder"
-    step_s: float = 0.0
+    step_s: float = 0.0  # predicted; a plan over --memory-limit is not simulated (0.0) unless it is the folder's own
     bubble: float = 0.0
     peak_memory: dict = field(default_factory=dict)  # rank -> bytes
     stage_to_rank: list = field(default_factory=list)
