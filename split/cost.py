@@ -205,18 +205,18 @@ def count_flops(graph: fx.Graph) -> FlopCount:
     values = [node.meta.get("val") for node in graph.nodes]
     fake_mode = _fake_mode_of(values)
     local: dict = {}  # an op on the same shapes, dtypes and arguments costs the same: each is priced once
+    # torch's ops on static shapes price the same in every graph (the whole model's, each stage's, the manifest's):
+    # remembered across graphs (_PRICED); a symbolic dim ("s0") may stand for another size in another trace, and
+    # another library's op may behave otherwise another time: those in this graph only
+    if len(_PRICED) > _MAX_PRICED:
+        _PRICED.clear()
     for node in graph.nodes:
         if node.op != "call_function":
             continue
         key = _signature(node)
-        # torch's ops on static shapes price the same in every graph (the whole model's, each stage's, the
-        # manifest's): remembered across graphs; a symbolic dim ("s0") may stand for another size in another
-        # trace, and another library's op may behave otherwise another time: those in this graph only
-        if len(_PRICED) > _MAX_PRICED:
-            _PRICED.clear()
-        found = None if key is None else local.get(key, _PRICED.get(key))
-        if found is not None:
-            flops, fails, missing = found
+        cached = None if key is None else local.get(key, _PRICED.get(key))
+        if cached is not None:
+            flops, fails, missing = cached
             result.by_node[node.name] = flops
             for counts, found in ((result.failed, fails), (result.no_formula, missing)):
                 if found:
