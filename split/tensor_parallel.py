@@ -53,7 +53,7 @@ import torch
 import torch.fx as fx
 
 import tracepp.runtime.tensor_parallel  # noqa: F401  (registers torch.ops.tracepp.tp_*)
-from tracepp.split import torch_rules
+from tracepp.split import plan_cost, torch_rules
 from tracepp.split.cost import held_bytes
 from tracepp.split.naming import frames
 from tracepp.split.partition import _gradient_flags
@@ -1816,10 +1816,65 @@ def _settle_trials(graphs: list, tp: int, notes: dict, fused: dict, sequence, mi
                 for mine, theirs in zip((notes, fused, mixed), trial):
                     mine.clear()
                     mine.update(theirs)
+    best = _whole_where_cheaper(graphs, tp, (notes, fused, mixed), sequence, begins, start, kept, best)
     if gathered is not None:  # those the kept plan made column-wise (an input sharded by then: row-wise)
         roles = _linear_roles(best[0])
         gathered.update({fqn: why for fqn, why in kept.items() if roles.get(fqn) == "colwise"})
     return best
+
+
+_KIND_TRIALS = 8  # kinds of elementwise-sharded parameters tried whole one by one, at most
+
+
+def _whole_where_cheaper(graphs: list, tp: int, learned: tuple, sequence, begins: dict, start: tuple, kept: dict,
+                         best: tuple) -> tuple:
+    """The settled plan ``best``, or a cheaper one (``split.plan_cost``: bytes moved plus FLOPs left replicated)
+    with parameters it shards outside any linear kept whole. A norm's weight is sharded wherever the value it
+    scales is; a walk that meets the residual stream whole beside it can shard the stream instead, and then every
+    linear that reads it goes row-wise: an all-reduce of each wide MLP input where Megatron all-reduces one
+    ``[b, s, h]`` (litgpt's RMSNorm, ``x * weight.float()``). Every such kind (the module with layer numbers
+    starred) whole at once first, then kind by kind (``_KIND_TRIALS`` at most); a trial is kept where it costs
+    less. ``learned`` (notes, fused, mixed) end as the kept plan's; each kept parameter's note says what it saved."""
+    kinds = plan_cost.elementwise_kinds(best[0], _param_roles(best[0]))
+    if not kinds:
+        return best
+    price = plan_cost.cost(best[0])
+    trials = [list(kinds)] + ([[kind] for kind in kinds][:_KIND_TRIALS] if len(kinds) > 1 else [])
+    chosen: dict = {}
+    for trial_kinds in trials:
+        if all(kind in chosen for kind in trial_kinds):
+            continue
+        wanted = dict(chosen, **{kind: kinds[kind] for kind in trial_kinds})
+        forced = {fqn: "" for fqns in wanted.values() for fqn in fqns}
+        trial = (dict(start[0], **forced), dict(start[1]), {k: set(v) for k, v in start[2].items()})
+        found = _settle(graphs, tp, *trial[:2], sequence, trial[2], dict(kept), begins=begins)
+        found_price = plan_cost.cost(found[0])
+        if found_price >= price:
+            continue
+        why = (f"kept whole: sharded with the value it scales, the plan cost {price:,.0f} bytes per microbatch "
+               f"(collectives, and FLOPs left replicated as bytes: split/plan_cost.py); whole, {found_price:,.0f}")
+        trial[0].update({fqn: why for fqn in forced})
+        best, price, chosen = found, found_price, wanted
+        for mine, theirs in zip(learned, trial):
+            mine.clear()
+            mine.update(theirs)
+        if len(wanted) == len(kinds):
+            break
+    return best
+
+
+def _param_roles(walks: list) -> dict:
+    """{FQN: "colwise" | "rowwise" | "vocab"} of the weights (and column-wise biases) of the linears and embeddings
+    the walks placed."""
+    roles: dict = {}
+    for walk in walks:
+        for node, role in walk.roles.items():
+            weight = node.args[0] if role == "vocab" else walk.forms[node][1]
+            roles[walk._param(weight)] = role
+            bias = walk.forms[node][2] if role == "colwise" else None
+            if bias is not None:
+                roles.setdefault(walk._param(bias), "colwise")
+    return roles
 
 
 def _linear_roles(walks: list) -> dict:
@@ -2031,16 +2086,10 @@ def plan(graph, tp: int, overrides=None, sequence_parallel: bool = False) -> tup
         expr = sympy.sympify(sequence)
         ours = {sym: sympy.Symbol(aliases[str(sym)]) for sym in expr.free_symbols if str(sym) in aliases}
         result.sequence_parallel = {"sequence": str(expr.xreplace(ours)), "sent": {}}
-    roles: dict = {}
+    roles = _param_roles(walks)
     segments: dict = {}
     for walk in walks:
         segments.update(walk.param_segments)
-        for node, role in walk.roles.items():
-            weight = node.args[0] if role == "vocab" else walk.forms[node][1]
-            roles[walk._param(weight)] = role
-            bias = walk.forms[node][2] if role == "colwise" else None
-            if bias is not None:
-                roles.setdefault(walk._param(bias), "colwise")
     mixed_biases = {}
     for walk in walks:
         for _node, (_x, weight, bias, _d, _segments, whole) in walk.mixed_linears.items():
@@ -2069,8 +2118,11 @@ def plan(graph, tp: int, overrides=None, sequence_parallel: bool = False) -> tup
                                  f"traced graph (its input is {'sharded' if entry['role'] == 'rowwise' else 'whole'}"
                                  f" there); use 'replicate' or drop the entry")
     for stage, walk, seen in zip(graph.stages, walks, reasons):
+        layers = plan_cost.layer_bytes(walk)
         result.stages.append({"collectives": _collectives(walk), "replicated": list(seen)[:20],
-                              "share": _share(walk, result.params, node_flops(stage.graph))})
+                              "share": _share(walk, result.params, node_flops(stage.graph)),
+                              "bytes": plan_cost.moved_bytes(walk),
+                              "layers": {layer: list(figures) for layer, figures in layers.items()}})
         if sequence_parallel:
             for node, name in zip(stage.graph.output_node().args[0], stage.outputs):
                 if node in walk.sends:

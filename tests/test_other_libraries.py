@@ -68,9 +68,6 @@ def test_gemma_mqa_fused_qkv_plans_at_tp2_and_trains_equal_to_eager(tmp_path):
     _train_against_eager(GEMMA, out, 2, tmp_path)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "issue 57 (plans by cost): the plan keeps the residual stream sharded on its features after the fused qkv with "
-    "its whole key/value head: the GeGLU's fc_1 comes out row-wise, not column-wise as Megatron's"))
 def test_gemma_mqa_fused_qkv_geglu_shards_as_megatron():
     manifest = check_model(GEMMA, num_microbatches=4, layout=Layout(pp=2, tp=2))
     params = manifest["tp"]["params"]
@@ -91,13 +88,6 @@ def _layer_bytes(path: str) -> dict:
     return out
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "issue 57: twice the traffic: with litgpt's fused qkv (q, k, v parts side by side) and lit-gpt's RMSNorm reading "
-    "its weight through a no-op weight.float() (aten.to.dtype), the --tp 2 plan shards the norm weight "
-    "(elementwise Shard(0)) and keeps the residual stream sharded on its features: fc_1/fc_2 row-wise (all-reduces "
-    "of [1, 16, 128]), proj column-wise, 'h_0_out (aten.add.Tensor) at lib_style.py:173: to_5 is whole and as wide "
-    "as the sharded dim of linear_4'; 20480 and 24704 bytes per microbatch forward in layers 0 and 1, 2.5x and 3.0x "
-    "Megatron's 8192 (without the cast, or with the per-group layout, the plan is Megatron's)"))
 def test_fused_qkv_llama_tp2_moves_no_more_than_megatron():
     per_layer = _layer_bytes(FUSED)
     assert len(per_layer) == 2

@@ -239,6 +239,7 @@ def tensor_parallel_table(manifest: dict) -> str:
     if shares:
         lines += ["", "sharded share per stage (of its parameters; of its forward FLOPs, computed on shards):",
                   tabulate(shares, headers=["stage", "parameters", "FLOPs"], tablefmt="simple")]
+    lines += _bytes_beside_megatron(tp["stages"])
     comm = []
     for index, stage in enumerate(tp["stages"]):
         counts: dict = {}
@@ -252,6 +253,31 @@ def tensor_parallel_table(manifest: dict) -> str:
     lines += ["", "collectives per microbatch forward (their mirror runs in backward):",
               tabulate(comm, headers=["stage", "collectives over the tp group"], tablefmt="simple")]
     return "\n".join(lines)
+
+
+def _bytes_beside_megatron(stages: list) -> list:
+    """Each stage's tp traffic per microbatch (``split.plan_cost``: forward and backward, as ring collectives move
+    it), layer by layer beside Megatron's plan for the same layer where that plan applies (a decoder layer: an
+    all-reduce of its ``[b, s, h]`` after the attention and after the MLP, forward and backward); repeated layers
+    with equal figures on one row."""
+    rows = []
+    for index, stage in enumerate(stages):
+        if "bytes" not in stage:
+            return []  # a split older than these figures
+        layers: dict = {}
+        for layer, (moved, megatron) in stage.get("layers", {}).items():
+            key = (_pattern(layer + ".x")[:-2], moved, megatron)
+            layers[key] = layers.get(key, 0) + 1
+        rows.append([index, "(whole stage)", _bytes(stage["bytes"]), "", ""])
+        for (pattern, moved, megatron), count in layers.items():
+            ratio = f"{moved / megatron:.2f}x" if megatron else ""
+            rows.append(["", pattern + (f"  (x{count})" if count > 1 else ""), _bytes(moved),
+                         _bytes(megatron) if megatron else "n/a", ratio])
+    if not rows:
+        return []
+    return ["", "tp traffic per microbatch, forward and backward as ring collectives move it, beside Megatron's plan "
+                "(2 + 2 all-reduces of each decoder layer's [b, s, h]):",
+            tabulate(rows, headers=["stage", "layer", "this plan", "Megatron's", "ratio"], tablefmt="simple")]
 
 
 def expert_parallel_table(manifest: dict) -> str:

@@ -1,0 +1,148 @@
+"""What a tensor-parallel placement costs, so that :mod:`split.tensor_parallel` chooses among valid placements by
+cost rather than by how much it shards.
+
+A settled walk (``tensor_parallel._Walk``: each value's placement and the collectives it adds) is priced per
+microbatch as two figures:
+
+* **bytes moved**, forward and backward, of the collectives the rewrite adds, as ring collectives move them
+  (per rank, up to the common factor ``(tp - 1) / tp``): an all-reduce twice its tensor's bytes, an all-gather
+  or a reduce-scatter once. A row-wise linear's output is all-reduced forward (reduce-scattered under sequence
+  parallelism, all-gathered back in backward); a sum over a sharded dim is all-reduced; a value gathered whole is
+  all-gathered; the gradient of a whole value read by sharded ops (``tp_copy``) is all-reduced backward; a whole
+  value read at this rank's piece (``tp_scatter``) has its gradient pieces all-gathered.
+* **FLOPs left replicated**: the forward FLOPs of the ops every rank computes whole (``split.cost``'s counts);
+  each rank repeats ``(tp - 1) / tp`` of them.
+
+:func:`cost` folds the two into bytes: a FLOP left replicated costs ``1 / FLOPS_PER_BYTE`` bytes.
+``FLOPS_PER_BYTE`` is what one H100 computes in the time its NVLink moves a byte of an all-reduce (about
+990 TFLOP/s bf16 dense against about 450 GB/s of bus bandwidth): for a layer of hidden size ``h`` Megatron's
+plan and a plan that keeps the residual stream sharded compute the same matmuls sharded, and the second moves
+more bytes; a plan that leaves a matmul whole to save an all-reduce pays for it in FLOPs.
+
+Megatron's plan for a decoder layer (:func:`layer_bytes`) is the reference ``inspect`` prints beside each of a
+stage's layers: two all-reduces of ``[b, s, h]`` forward (the attention's and the MLP's row-wise outputs) and
+two backward (the gradients of their whole inputs): 8 ``b s h`` elements' bytes as ring collectives move them.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+
+from tracepp.split.cost import node_flops, tensor_bytes
+
+FLOPS_PER_BYTE = 2000  # an H100's bf16 dense FLOP/s over its NVLink all-reduce bus bandwidth, rounded down
+
+
+def _bytes(node) -> int:
+    return tensor_bytes(node.meta.get("val"))
+
+
+def _moves(walk):
+    """(the node a collective belongs to, bytes it moves per microbatch forward and backward, ring-weighted) for
+    every collective ``walk``'s plan adds."""
+    for node, role in walk.roles.items():
+        if role in ("rowwise", "vocab"):  # all-reduced, or reduce-scattered (and gathered back in backward)
+            yield node, 2 * _bytes(node)
+    for node in walk.sums:
+        yield node, 2 * _bytes(node)
+    for consumer, arg in {arg: (consumer, arg) for consumer, arg in walk.gathers}.values():
+        yield (consumer if consumer.op != "output" else arg), _bytes(arg)
+    for consumer, arg in {arg: (consumer, arg) for consumer, arg in walk.sp_gathers}.values():
+        yield consumer, 2 * _bytes(arg)  # all-gathered forward, reduce-scattered backward
+    reduced = walk.reduced_in_backward()
+    for consumer, arg in {arg: (consumer, arg) for consumer, arg in walk.copies if arg in reduced}.values():
+        yield consumer, 2 * _bytes(arg)
+    for consumer, arg in {arg: (consumer, arg) for consumer, arg, _dim, _groups in walk.scatters
+                          if walk.needs_grad.get(arg)}.values():
+        yield consumer, _bytes(arg)  # the gradient pieces all-gathered
+    for node, (x, weight, bias, out_dim, segments, whole) in walk.mixed_linears.items():
+        # a fused projection with whole parts: its sharded parts read x through tp_copy and this rank's rows of
+        # their slices of the weight and bias through tp_scatter (their gradient rows gathered back)
+        if walk.needs_grad.get(x):
+            yield node, 2 * _bytes(x)
+        sharded = sum(int(size) for k, size in enumerate(segments) if k not in whole)
+        for param in (weight, bias):
+            val = param.meta.get("val") if param is not None else None
+            if val is not None and walk.needs_grad.get(param):
+                yield node, _bytes(param) * sharded // int(val.shape[out_dim if param is weight else 0])
+
+
+def moved_bytes(walk) -> int:
+    """Bytes per microbatch (forward and backward, ring-weighted) of the collectives ``walk``'s plan adds."""
+    return sum(moved for _node, moved in _moves(walk))
+
+
+def replicated_flops(walk) -> int:
+    """Forward FLOPs per microbatch of the ops ``walk``'s plan leaves whole on every rank."""
+    flops = node_flops(walk.graph)
+    return sum(flops.get(node.name, 0) for node in walk.graph.nodes
+               if node not in walk.shard and walk.roles.get(node) != "rowwise")
+
+
+def cost(walks: list) -> float:
+    """A settled plan's price in bytes per microbatch: bytes moved plus FLOPs each rank repeats, as bytes."""
+    moved = sum(moved_bytes(walk) for walk in walks)
+    repeated = sum(replicated_flops(walk) * (walk.tp - 1) / walk.tp for walk in walks)
+    return moved + repeated / FLOPS_PER_BYTE
+
+
+def elementwise_kinds(walks: list, roles: dict) -> dict:
+    """{kind: [FQNs]} of the parameters the walks shard outside a linear or an embedding (a norm's weight, a
+    per-feature scale: sharded because the value they scale is), grouped by module with layer numbers starred
+    (``transformer.h.*.norm_2.weight``). ``roles``: {fqn: role} of the linears and embeddings."""
+    kinds: dict = {}
+    for walk in walks:
+        for fqn, dims in walk.uses.items():
+            if fqn in roles or None in dims or fqn in walk.forced:
+                continue
+            kinds.setdefault(re.sub(r"\.\d+\.", ".*.", fqn), set()).add(fqn)
+    return {kind: sorted(fqns) for kind, fqns in sorted(kinds.items())}
+
+
+_LAYER = re.compile(r"^(.*\.\d+)$")
+_ATTENTION = {"aten.scaled_dot_product_attention.default", "aten._softmax.default", "aten.softmax.int"}
+
+
+def _layer_of(node):
+    """The repeated block a node belongs to: the outermost numbered module on its module stack
+    (``model.layers.3`` for a node of ``model.layers.3.mlp.experts.5``), or None."""
+    from tracepp.split.partition import node_modules
+
+    for path in node_modules(node):
+        if _LAYER.match(path):
+            return path
+    return None
+
+
+def layer_bytes(walk) -> dict:
+    """{layer: (bytes ``walk``'s plan moves in it per microbatch, Megatron's bytes for it or None)} over the stage's
+    repeated blocks (:func:`_layer_of`). Megatron's plan applies to a decoder layer (one with an attention): its
+    attention and MLP each column-wise in, row-wise out, an all-reduce of the layer's ``[b, s, h]`` after each
+    forward and one of each region's input gradient backward: 8 ``b s h`` elements as ring collectives move them
+    (the layer's ``[b, s, h]``: its last value read after it). Megatron-Core divides the key/value groups among
+    the tp ranks: a layer with fewer groups than tp (computed whole here: a fused projection's whole parts, a
+    head group or a key/value read at a rank's piece by the attention) has no Megatron plan to compare with."""
+    layers: dict = {}
+    for node in walk.graph.nodes:
+        layer = _layer_of(node) if node.op == "call_function" else None
+        if layer is not None:
+            layers.setdefault(layer, []).append(node)
+    moved = dict.fromkeys(layers, 0)
+    for node, count in _moves(walk):
+        layer = _layer_of(node)
+        if layer in moved:
+            moved[layer] += count
+    fewer_groups = set(walk.mixed_linears) | {consumer for consumer, *_rest in walk.head_groups} | {
+        consumer for consumer, *_rest in walk.scatters if str(consumer.target) in _ATTENTION}
+    out = {}
+    for layer, nodes in layers.items():
+        inside = set(nodes)
+        megatron = None
+        if any(str(n.target) in _ATTENTION for n in nodes) and not inside & fewer_groups:
+            leaving = [n for n in nodes if isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dim() == 3
+                       and n.meta["val"].dtype.is_floating_point and any(u not in inside for u in n.users)]
+            if leaving:
+                megatron = 8 * _bytes(leaving[-1])
+        out[layer] = (moved[layer], megatron)
+    return out
