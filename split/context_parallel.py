@@ -91,6 +91,7 @@ _MATMULS = {aten.matmul.default, aten.bmm.default, aten.mm.default}
 _FACTORIES = {aten.arange.default, aten.arange.start, aten.arange.start_step, aten.zeros.default,
               aten.ones.default, aten.empty.memory_format, aten.full.default, aten.new_zeros.default,
               aten.new_ones.default, aten.new_empty.default, aten.new_full.default, aten.scalar_tensor.default}
+_ARANGES = {aten.arange.default, aten.arange.start, aten.arange.start_step}
 _LOSSES = {aten.cross_entropy_loss.default: (2, 3), aten.nll_loss.default: (2, 3),  # (weight, reduction) args
            aten.nll_loss_nd.default: (2, 3), aten.nll_loss2d.default: (2, 3), aten.mse_loss.default: (None, 2),
            aten.l1_loss.default: (None, 2), aten.smooth_l1_loss.default: (None, 2), aten.huber_loss.default: (None, 2),
@@ -1279,10 +1280,9 @@ class _Hoist:
         target = x.target
         val = _val(x)
         whole = _sizes(val)[dim]
-        if target is aten.arange.default and dim == 0 and groups == 1 and not x.kwargs.get("dtype") \
-                and isinstance(x.args[0], (int, fx.Node)):
-            return self._new(x, CP.cp_positions.default, [x.args[0]], {"device": x.kwargs.get("device")}, dim=0)
-        if target in _FACTORIES and target is not aten.arange.default and target is not aten.scalar_tensor.default:
+        if target in _ARANGES:
+            return self._arange(x) if dim == 0 and groups == 1 else None
+        if target in _FACTORIES and target is not aten.scalar_tensor.default:
             at = 1 if target in (aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default,
                                  aten.new_full.default) else 0
             sizes = list(x.args[at])
@@ -1374,6 +1374,28 @@ class _Hoist:
         if target is aten.index.Tensor:
             return self._index(x, dim, groups)
         return None
+
+    def _arange(self, x):
+        """``arange(start, end, step)`` at this rank's positions: ``start + step * cp_positions(length)``, cast to
+        its dtype (nanoGPT's ``torch.arange(0, t, dtype=torch.long)``); None where start or step is not an int."""
+        args = list(x.args)
+        start, end, step = (0, args[0], 1) if x.target is aten.arange.default else \
+            (args[0], args[1], args[2] if len(args) > 2 else 1)
+        if not isinstance(start, int) or not isinstance(step, int):
+            return None
+        length = end if (start, step) == (0, 1) else _int(_sizes(_val(x))[0])
+        if not isinstance(length, (int, fx.Node)):
+            return None
+        local = _local_val(_val(x), 0, self.cp)
+        positions = local.new_empty(local.shape, dtype=torch.int64)
+        made = self._new(x, CP.cp_positions.default, [length], {"device": x.kwargs.get("device")}, val=positions)
+        if step != 1:
+            made = self._new(made, aten.mul.Tensor, [made, step], {}, val=positions)
+        if start != 0:
+            made = self._new(made, aten.add.Tensor, [made, start], {}, val=positions)
+        if local.dtype is not torch.int64:
+            made = self._new(made, aten._to_copy.default, [made], {"dtype": local.dtype}, val=local)
+        return made
 
     def _index(self, x, dim: int, groups: int):
         source, indices = x.args[0], list(x.args[1])

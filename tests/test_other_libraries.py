@@ -58,6 +58,16 @@ def test_normalize_rmsnorm_cp2_trains_equal_to_eager(tmp_path):
     _train_against_eager(NORMALIZE_CP, out, 2, tmp_path)
 
 
+def test_learned_positions_from_arange_with_a_start_cp2_trains_equal_to_eager(tmp_path):
+    # the crash (TypeError: 'int' object is not iterable, nanoGPT and minGPT at --cp 2): nanoGPT's positions
+    # torch.arange(0, t, dtype=torch.long), an aten.arange.start, were cut as a factory of sizes; now they are made for
+    # this rank's positions (cp_positions), as torch.arange(t) is
+    path = model_path("cp_learned_positions")
+    out = str(tmp_path / "out")
+    split_model(path, out, schedule="gpipe", num_microbatches=2, layout=Layout(pp=1, cp=2))
+    _train_against_eager(path, out, 2, tmp_path)
+
+
 def test_gemma_mqa_fused_qkv_plans_at_tp2_and_trains_equal_to_eager(tmp_path):
     # the crash (KeyError: cat_default in _rewrite): the fused qkv with its one key/value head whole is rewritten as
     # one linear per run of parts joined by a cat, and the split of q, k, v after it read its source's placement
