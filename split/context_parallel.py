@@ -20,10 +20,11 @@ token dim has one sequence per sample). Walking each stage graph in order:
   the shard meets it, and the cut is moved up to the positions it was made from where it can be (so a mask is
   built for this rank's query rows only);
 * **attention**: ``scaled_dot_product_attention`` (its aten form, GQA with repeated heads or ``enable_gqa``,
-  MLA's), and eager ``q @ k.T -> (+ mask) -> softmax -> @ v``: the keys and values are all-gathered over cp in
-  sequence order (``cp_all_gather``; backward reduce-scatters dK and dV), moved up past head repeats so the
-  gather carries the key/value heads only; the local queries attend with the mask cut to their rows; ``is_causal``
-  becomes a mask from this rank's query positions (``cp_positions``);
+  MLA's), and eager ``q @ k.T -> (+ mask) -> softmax -> @ v`` (or ``baddbmm(bias, q, k.T)``, the bias cut to the
+  query rows where it has them): the keys and values are all-gathered over cp in sequence order
+  (``cp_all_gather``; backward reduce-scatters dK and dV), moved up past head repeats so the gather carries the
+  key/value heads only; the local queries attend with the mask cut to their rows; ``is_causal`` becomes a mask
+  from this rank's query positions (``cp_positions``);
 * **a sum or mean over the sequence** is computed from partial sums: the local sum, ``cp_all_reduce``, divided
   by the whole count; the loss (``cross_entropy``, ``nll_loss``, ``mse_loss``..., traced from the model file's
   ``loss_fn``) with ``reduction='mean'`` becomes a sum and a count, both all-reduced, so targets with
@@ -314,6 +315,8 @@ class _Walk:
             return self._attention(node, sharded)
         if target in _MATMULS:
             return self._matmul(node, sharded)
+        if target is aten.baddbmm.default:
+            return self._baddbmm(node)
         if target in _LOSSES:
             return self._loss(node, sharded)
         if _is_pointwise(target):
@@ -668,11 +671,13 @@ class _Walk:
         self._place(node, e, groups)
         return True
 
-    def _matmul(self, node, sharded) -> bool:
+    def _matmul(self, node, sharded, a=None, b=None) -> bool:
         """``a @ b``: a shard on a batch dim or on ``a``'s rows is carried; attention's scores (``a``'s rows and
         ``b``'s columns both positions) and ``probs @ v`` (``b``'s rows positions, ``a``'s columns whole) gather
-        ``b`` over cp; both operands sharded on the contracted dim give a partial sum."""
-        a, b = node.args[:2]
+        ``b`` over cp; both operands sharded on the contracted dim give a partial sum. ``a``, ``b``: the operands
+        where they are not the node's first two arguments."""
+        if a is None:
+            a, b = node.args[:2]
         out_val = _val(node)
         n = out_val.dim()
         va, vb = _val(a), _val(b)
@@ -719,6 +724,26 @@ class _Walk:
             self.sums[node] = None
             return True
         return False
+
+    def _baddbmm(self, node) -> bool:
+        """``baddbmm(bias, a, b)``: ``a @ b`` placed as a matmul (BLOOM's attention scores, ``q @ k^T`` over heads
+        merged with the batch: the keys gathered), and the bias added to its result as a pointwise operand: read at
+        this rank's positions where it has a sequence dim (cut to the query rows), whole where it is per key (ALiBi's
+        ``[b * heads, 1, keys]``, against the gathered keys). A product summed over positions is refused: each
+        rank's part would add the bias."""
+        bias, a, b = node.args[:3]
+        if not self._matmul(node, [x for x in (a, b) if x in self.shard], a, b) or node not in self.shard:
+            return False
+        e, groups = self.shard[node]
+        val = _val(bias)
+        at = e - (_val(node).dim() - val.dim())
+        if bias in self.shard:
+            return self.shard[bias] == (at, groups)
+        if at >= 0 and not _equal(val.shape[at], 1):
+            if not _equal(_sizes(val)[at], self._global(node, e)):
+                return False
+            self._cut(node, bias, at, groups)
+        return True
 
     def _attention(self, node, sharded) -> bool:
         q, k, v = node.args[:3]
