@@ -81,6 +81,7 @@ _KEEP = {  # one tensor in, the same positions out (a shard carried as it is)
 _VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 _TRANSPOSES = {aten.t.default, aten.numpy_T.default, aten.transpose.int, aten.permute.default}
 _SLICES = {aten.slice.Tensor, aten.narrow.default, aten.select.int}
+_COMPLEX_VIEWS = {aten.view_as_complex.default, aten.view_as_real.default}  # the last dim's pairs <-> complex numbers
 _SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int,
            aten.tensor_split.sections, aten.tensor_split.indices}
 _SUMS = {aten.sum.dim_IntList, aten.mean.dim, aten.sum.default, aten.mean.default}
@@ -323,8 +324,8 @@ class _Walk:
             return self._pointwise(node)
         if target in _VIEWS or target in (aten.flatten.using_ints, aten.unflatten.int):
             return self._view(node, sharded)
-        if target in _TRANSPOSES or target in (aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
-                                               aten.squeeze.default, aten.movedim.int):
+        if target in _TRANSPOSES or target in _COMPLEX_VIEWS or target in (
+                aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.movedim.int):
             return self._move(node, sharded)
         if target in (aten.expand.default, aten.broadcast_to.default):
             return self._expand(node)
@@ -481,6 +482,9 @@ class _Walk:
         elif target is aten.unsqueeze.default:
             at = node.args[1] % (ndim + 1)
             dim = dim + 1 if at <= dim else dim
+        elif target in _COMPLEX_VIEWS:  # only the last dim regrouped: (re, im) pairs <-> complex numbers
+            if target is aten.view_as_complex.default and dim == ndim - 1:
+                return False
         else:  # squeeze
             sizes = _sizes(_val(first))
             ats = (node.args[1] if isinstance(node.args[1], (list, tuple)) else [node.args[1]]) \
