@@ -11,8 +11,8 @@ token dim has one sequence per sample). Walking each stage graph in order:
   with the sequence dim cuts the ids to this rank's positions (``cp_shard``), as does any floating batched input
   with the sequence dim (``inputs_embeds``) where an op that carries a gradient first reads it;
 * ops that keep positions apart carry the shard: every pointwise op (``torch.Tag.pointwise``), casts, views that
-  keep the sequence whole inside one dim (split into heads, merged with the batch or the features, split back),
-  transposes, linears and matmuls over other dims, norms and softmaxes over the features, reductions over other
+  keep the sequence whole inside one dim (split into heads, merged with the batch or the features, split back;
+  ``view_as_complex`` and ``view_as_real``, which regroup the last dim only), transposes, linears and matmuls over other dims, norms and softmaxes over the features, reductions over other
   dims, slices, splits and concatenations of other dims, ``repeat_interleave`` of heads, embeddings of sharded
   ids, indexing of whole tables by sharded positions (``cos[position_ids]``);
 * a **whole value met beside a shard** (a rotary table, a learned position embedding's lookup, the rows of a
