@@ -11,8 +11,8 @@ token dim has one sequence per sample). Walking each stage graph in order:
   with the sequence dim cuts the ids to this rank's positions (``cp_shard``), as does any floating batched input
   with the sequence dim (``inputs_embeds``) where an op that carries a gradient first reads it;
 * ops that keep positions apart carry the shard: every pointwise op (``torch.Tag.pointwise``), casts, views that
-  keep the sequence whole inside one dim (split into heads, merged with the batch or the features, split back),
-  transposes, linears and matmuls over other dims, norms and softmaxes over the features, reductions over other
+  keep the sequence whole inside one dim (split into heads, merged with the batch or the features, split back;
+  ``view_as_complex`` and ``view_as_real``, which regroup the last dim only), transposes, linears and matmuls over other dims, norms and softmaxes over the features, reductions over other
   dims, slices, splits and concatenations of other dims, ``repeat_interleave`` of heads, embeddings of sharded
   ids, indexing of whole tables by sharded positions (``cos[position_ids]``);
 * a **whole value met beside a shard** (a rotary table, a learned position embedding's lookup, the rows of a
@@ -20,10 +20,11 @@ token dim has one sequence per sample). Walking each stage graph in order:
   the shard meets it, and the cut is moved up to the positions it was made from where it can be (so a mask is
   built for this rank's query rows only);
 * **attention**: ``scaled_dot_product_attention`` (its aten form, GQA with repeated heads or ``enable_gqa``,
-  MLA's), and eager ``q @ k.T -> (+ mask) -> softmax -> @ v``: the keys and values are all-gathered over cp in
-  sequence order (``cp_all_gather``; backward reduce-scatters dK and dV), moved up past head repeats so the
-  gather carries the key/value heads only; the local queries attend with the mask cut to their rows; ``is_causal``
-  becomes a mask from this rank's query positions (``cp_positions``);
+  MLA's), and eager ``q @ k.T -> (+ mask) -> softmax -> @ v`` (or ``baddbmm(bias, q, k.T)``, the bias cut to the
+  query rows where it has them): the keys and values are all-gathered over cp in sequence order
+  (``cp_all_gather``; backward reduce-scatters dK and dV), moved up past head repeats so the gather carries the
+  key/value heads only; the local queries attend with the mask cut to their rows; ``is_causal`` becomes a mask
+  from this rank's query positions (``cp_positions``);
 * **a sum or mean over the sequence** is computed from partial sums: the local sum, ``cp_all_reduce``, divided
   by the whole count; the loss (``cross_entropy``, ``nll_loss``, ``mse_loss``..., traced from the model file's
   ``loss_fn``) with ``reduction='mean'`` becomes a sum and a count, both all-reduced, so targets with
@@ -80,6 +81,7 @@ _KEEP = {  # one tensor in, the same positions out (a shard carried as it is)
 _VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 _TRANSPOSES = {aten.t.default, aten.numpy_T.default, aten.transpose.int, aten.permute.default}
 _SLICES = {aten.slice.Tensor, aten.narrow.default, aten.select.int}
+_COMPLEX_VIEWS = {aten.view_as_complex.default, aten.view_as_real.default}  # the last dim's pairs <-> complex numbers
 _SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int,
            aten.tensor_split.sections, aten.tensor_split.indices}
 _SUMS = {aten.sum.dim_IntList, aten.mean.dim, aten.sum.default, aten.mean.default}
@@ -91,6 +93,7 @@ _MATMULS = {aten.matmul.default, aten.bmm.default, aten.mm.default}
 _FACTORIES = {aten.arange.default, aten.arange.start, aten.arange.start_step, aten.zeros.default,
               aten.ones.default, aten.empty.memory_format, aten.full.default, aten.new_zeros.default,
               aten.new_ones.default, aten.new_empty.default, aten.new_full.default, aten.scalar_tensor.default}
+_ARANGES = {aten.arange.default, aten.arange.start, aten.arange.start_step}
 _LOSSES = {aten.cross_entropy_loss.default: (2, 3), aten.nll_loss.default: (2, 3),  # (weight, reduction) args
            aten.nll_loss_nd.default: (2, 3), aten.nll_loss2d.default: (2, 3), aten.mse_loss.default: (None, 2),
            aten.l1_loss.default: (None, 2), aten.smooth_l1_loss.default: (None, 2), aten.huber_loss.default: (None, 2),
@@ -313,14 +316,16 @@ class _Walk:
             return self._attention(node, sharded)
         if target in _MATMULS:
             return self._matmul(node, sharded)
+        if target is aten.baddbmm.default:
+            return self._baddbmm(node)
         if target in _LOSSES:
             return self._loss(node, sharded)
         if _is_pointwise(target):
             return self._pointwise(node)
         if target in _VIEWS or target in (aten.flatten.using_ints, aten.unflatten.int):
             return self._view(node, sharded)
-        if target in _TRANSPOSES or target in (aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
-                                               aten.squeeze.default, aten.movedim.int):
+        if target in _TRANSPOSES or target in _COMPLEX_VIEWS or target in (
+                aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.movedim.int):
             return self._move(node, sharded)
         if target in (aten.expand.default, aten.broadcast_to.default):
             return self._expand(node)
@@ -477,6 +482,9 @@ class _Walk:
         elif target is aten.unsqueeze.default:
             at = node.args[1] % (ndim + 1)
             dim = dim + 1 if at <= dim else dim
+        elif target in _COMPLEX_VIEWS:  # only the last dim regrouped: (re, im) pairs <-> complex numbers
+            if target is aten.view_as_complex.default and dim == ndim - 1:
+                return False
         else:  # squeeze
             sizes = _sizes(_val(first))
             ats = (node.args[1] if isinstance(node.args[1], (list, tuple)) else [node.args[1]]) \
@@ -667,11 +675,13 @@ class _Walk:
         self._place(node, e, groups)
         return True
 
-    def _matmul(self, node, sharded) -> bool:
+    def _matmul(self, node, sharded, a=None, b=None) -> bool:
         """``a @ b``: a shard on a batch dim or on ``a``'s rows is carried; attention's scores (``a``'s rows and
         ``b``'s columns both positions) and ``probs @ v`` (``b``'s rows positions, ``a``'s columns whole) gather
-        ``b`` over cp; both operands sharded on the contracted dim give a partial sum."""
-        a, b = node.args[:2]
+        ``b`` over cp; both operands sharded on the contracted dim give a partial sum. ``a``, ``b``: the operands
+        where they are not the node's first two arguments."""
+        if a is None:
+            a, b = node.args[:2]
         out_val = _val(node)
         n = out_val.dim()
         va, vb = _val(a), _val(b)
@@ -718,6 +728,26 @@ class _Walk:
             self.sums[node] = None
             return True
         return False
+
+    def _baddbmm(self, node) -> bool:
+        """``baddbmm(bias, a, b)``: ``a @ b`` placed as a matmul (BLOOM's attention scores, ``q @ k^T`` over heads
+        merged with the batch: the keys gathered), and the bias added to its result as a pointwise operand: read at
+        this rank's positions where it has a sequence dim (cut to the query rows), whole where it is per key (ALiBi's
+        ``[b * heads, 1, keys]``, against the gathered keys). A product summed over positions is refused: each
+        rank's part would add the bias."""
+        bias, a, b = node.args[:3]
+        if not self._matmul(node, [x for x in (a, b) if x in self.shard], a, b) or node not in self.shard:
+            return False
+        e, groups = self.shard[node]
+        val = _val(bias)
+        at = e - (_val(node).dim() - val.dim())
+        if bias in self.shard:
+            return self.shard[bias] == (at, groups)
+        if at >= 0 and not _equal(val.shape[at], 1):
+            if not _equal(_sizes(val)[at], self._global(node, e)):
+                return False
+            self._cut(node, bias, at, groups)
+        return True
 
     def _attention(self, node, sharded) -> bool:
         q, k, v = node.args[:3]
@@ -1279,10 +1309,9 @@ class _Hoist:
         target = x.target
         val = _val(x)
         whole = _sizes(val)[dim]
-        if target is aten.arange.default and dim == 0 and groups == 1 and not x.kwargs.get("dtype") \
-                and isinstance(x.args[0], (int, fx.Node)):
-            return self._new(x, CP.cp_positions.default, [x.args[0]], {"device": x.kwargs.get("device")}, dim=0)
-        if target in _FACTORIES and target is not aten.arange.default and target is not aten.scalar_tensor.default:
+        if target in _ARANGES:
+            return self._arange(x) if dim == 0 and groups == 1 else None
+        if target in _FACTORIES and target is not aten.scalar_tensor.default:
             at = 1 if target in (aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default,
                                  aten.new_full.default) else 0
             sizes = list(x.args[at])
@@ -1374,6 +1403,28 @@ class _Hoist:
         if target is aten.index.Tensor:
             return self._index(x, dim, groups)
         return None
+
+    def _arange(self, x):
+        """``arange(start, end, step)`` at this rank's positions: ``start + step * cp_positions(length)``, cast to
+        its dtype (nanoGPT's ``torch.arange(0, t, dtype=torch.long)``); None where start or step is not an int."""
+        args = list(x.args)
+        start, end, step = (0, args[0], 1) if x.target is aten.arange.default else \
+            (args[0], args[1], args[2] if len(args) > 2 else 1)
+        if not isinstance(start, int) or not isinstance(step, int):
+            return None
+        length = end if (start, step) == (0, 1) else _int(_sizes(_val(x))[0])
+        if not isinstance(length, (int, fx.Node)):
+            return None
+        local = _local_val(_val(x), 0, self.cp)
+        positions = local.new_empty(local.shape, dtype=torch.int64)
+        made = self._new(x, CP.cp_positions.default, [length], {"device": x.kwargs.get("device")}, val=positions)
+        if step != 1:
+            made = self._new(made, aten.mul.Tensor, [made, step], {}, val=positions)
+        if start != 0:
+            made = self._new(made, aten.add.Tensor, [made, start], {}, val=positions)
+        if local.dtype is not torch.int64:
+            made = self._new(made, aten._to_copy.default, [made], {"dtype": local.dtype}, val=local)
+        return made
 
     def _index(self, x, dim: int, groups: int):
         source, indices = x.args[0], list(x.args[1])

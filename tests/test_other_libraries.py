@@ -13,8 +13,13 @@ symptom measured, so they flip to failures (to be unmarked) once fixed:
   than Megatron's 2 all-reduces of ``[b, s, h]`` forward (today: 2.5x and 3.0x, the residual stream kept sharded),
   and train equal to eager; with the fused projection laid out per key/value group (Megatron's, torchtitan's) it
   already does;
-* attention spelled as ``baddbmm`` with an ALiBi bias (BLOOM's spelling): ``--cp 2`` must place it (today: refused,
-  "baddbmm ... mixes the positions of the sequence").
+* attention spelled as ``baddbmm`` with an ALiBi bias (BLOOM's spelling, and the paper's per query and key): ``--cp 2``
+  places it and trains equal to eager (it was refused, "baddbmm ... mixes the positions of the sequence": the walk
+  had no rule for ``baddbmm``);
+* rotary positions as torchtitan applies them (``view_as_complex``, a complex ``freqs_cis`` buffer): ``--cp 2``
+  trains equal to eager (it was refused: "view_as_complex ... mixes the positions of the sequence");
+* learned positions from ``torch.arange(0, t, dtype=torch.long)`` (nanoGPT's, minGPT's): ``--cp 2`` trains equal to
+  eager (it crashed: ``TypeError: 'int' object is not iterable``).
 
 The wider survey, one model file per library, is ``benchmarks/studies/other_families.py`` (``docs/families.md``).
 """
@@ -56,6 +61,26 @@ def test_normalize_rmsnorm_cp2_trains_equal_to_eager(tmp_path):
     out = str(tmp_path / "out")
     split_model(NORMALIZE_CP, out, schedule="looped-bfs", num_microbatches=2, layout=Layout(pp=1, cp=2))
     _train_against_eager(NORMALIZE_CP, out, 2, tmp_path)
+
+
+def test_learned_positions_from_arange_with_a_start_cp2_trains_equal_to_eager(tmp_path):
+    # the crash (TypeError: 'int' object is not iterable, nanoGPT and minGPT at --cp 2): nanoGPT's positions
+    # torch.arange(0, t, dtype=torch.long), an aten.arange.start, were cut as a factory of sizes; now they are made for
+    # this rank's positions (cp_positions), as torch.arange(t) is
+    path = model_path("cp_learned_positions")
+    out = str(tmp_path / "out")
+    split_model(path, out, schedule="gpipe", num_microbatches=2, layout=Layout(pp=1, cp=2))
+    _train_against_eager(path, out, 2, tmp_path)
+
+
+def test_complex_rotary_cp2_trains_equal_to_eager(tmp_path):
+    # the refusal ('view_as_complex ... mixes the positions of the sequence', torchtitan's Llama 3 at --cp 2): the
+    # complex views regroup the last dim only, so the shard carries through them and the complex table is cut to this
+    # rank's positions where the rotation multiplies it in
+    path = model_path("cp_complex_rope")
+    out = str(tmp_path / "out")
+    split_model(path, out, schedule="gpipe", num_microbatches=2, layout=Layout(pp=1, cp=2))
+    _train_against_eager(path, out, 2, tmp_path)
 
 
 def test_gemma_mqa_fused_qkv_plans_at_tp2_and_trains_equal_to_eager(tmp_path):
@@ -108,10 +133,6 @@ def test_fused_qkv_llama_tp2_trains_equal_to_eager(tmp_path):
     _train_against_eager(FUSED, out, 2, tmp_path)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "issue 57: refused: 'baddbmm (baddbmm) at lib_style.py:239: mixes the positions of the sequence in a way context "
-    "parallelism cannot split (reshape (positions on dim 1), reshape_1 (positions on dim 2) are sequence shards)': "
-    "attention spelled as baddbmm(alibi, q, k^T) over heads merged with the batch has no cp rule (q @ k.T has)"))
 def test_alibi_baddbmm_attention_cp2_trains_equal_to_eager(tmp_path):
     path = model_path("cp_alibi_baddbmm")
     out = str(tmp_path / "out")

@@ -218,10 +218,13 @@ def alibi_slopes(heads):
 class AlibiBaddbmmAttention(nn.Module):
     """Attention spelled as BLOOM and its descendants spell it: one fused ``query_key_value`` projection, heads merged
     with the batch, the scores as ``baddbmm(alibi, q, k^T, beta=1, alpha=1/sqrt(d))`` where ``alibi`` is each head's
-    slope times the key position ``[b * heads, 1, keys]``, a causal mask, softmax, ``bmm`` with the values."""
+    slope times the key position ``[b * heads, 1, keys]``, a causal mask, softmax, ``bmm`` with the values. With
+    ``relative``, the bias as the ALiBi paper writes it, each head's slope times the distance ``key - query``, one
+    value per query and key ``[b * heads, queries, keys]``."""
 
-    def __init__(self, kv_heads=HEADS):
+    def __init__(self, kv_heads=HEADS, relative=False):
         super().__init__()
+        self.relative = relative
         self.query_key_value = nn.Linear(D, 3 * HEADS * HEAD_DIM)
         self.dense = nn.Linear(HEADS * HEAD_DIM, D)
         self.register_buffer("slopes", alibi_slopes(HEADS), persistent=False)
@@ -234,8 +237,12 @@ class AlibiBaddbmmAttention(nn.Module):
         k = k.permute(0, 2, 3, 1).reshape(B * HEADS, HEAD_DIM, T)
         v = v.transpose(1, 2).reshape(B * HEADS, T, HEAD_DIM)
         positions = torch.arange(T, device=x.device)
-        alibi = (self.slopes[:, None] * positions[None, :].to(self.slopes.dtype))[None].expand(B, HEADS, T)
-        alibi = alibi.reshape(B * HEADS, 1, T)
+        if self.relative:
+            distance = (positions[None, :] - positions[:, None]).to(self.slopes.dtype)
+            alibi = (self.slopes[:, None, None] * distance)[None].expand(B, HEADS, T, T).reshape(B * HEADS, T, T)
+        else:
+            alibi = (self.slopes[:, None] * positions[None, :].to(self.slopes.dtype))[None].expand(B, HEADS, T)
+            alibi = alibi.reshape(B * HEADS, 1, T)
         scores = alibi.baddbmm(batch1=q, batch2=k, beta=1.0, alpha=1.0 / math.sqrt(HEAD_DIM))
         causal = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)
         scores = scores.view(B, HEADS, T, T).masked_fill(causal, torch.finfo(scores.dtype).min)
