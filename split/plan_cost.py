@@ -102,6 +102,8 @@ def elementwise_kinds(walks: list, roles: dict) -> dict:
 
 _LAYER = re.compile(r"^(.*\.\d+)$")
 _ATTENTION = {"aten.scaled_dot_product_attention.default", "aten._softmax.default", "aten.softmax.int"}
+_READS_HEADS = {"aten.scaled_dot_product_attention.default", "aten.matmul.default", "aten.bmm.default",
+                "aten.baddbmm.default", "aten.einsum.default"}  # attention's products over the heads
 
 
 def _layer_of(node):
@@ -134,7 +136,7 @@ def layer_bytes(walk) -> dict:
         if layer in moved:
             moved[layer] += count
     fewer_groups = set(walk.mixed_linears) | {consumer for consumer, *_rest in walk.head_groups} | {
-        consumer for consumer, *_rest in walk.scatters if str(consumer.target) in _ATTENTION}
+        consumer for consumer, *_rest in walk.scatters if str(consumer.target) in _READS_HEADS}
     out = {}
     for layer, nodes in layers.items():
         inside = set(nodes)

@@ -780,6 +780,8 @@ class _Walk:
             return self._batched_matmul(node)
         if target is aten.baddbmm.default:
             return self._baddbmm(node)
+        if target is aten.einsum.default:
+            return self._einsum(node)
         if target in _SDPA:
             return self._attention(node)
         if getattr(target, "name", lambda: "")() in _CP_OPS:  # --cp's collectives along the sequence: a shard of
@@ -1464,6 +1466,52 @@ class _Walk:
             self._read_whole(node, [(bias, at)], self.groups_of(segs))
         else:
             return self._unplace(node)
+        return True
+
+    def _einsum(self, node) -> bool:
+        """``einsum(equation, operands)`` spelling attention (x-transformers' and einops' ``b h i d, b h j d ->
+        b h i j``, then ``b h i j, b h j d -> b h i d``): the sharded operands sharded on one label (the heads)
+        that the output keeps (a batch label, not one summed over), with the same segments: the output is sharded
+        on it. A whole operand with that label (a key repeated to the query heads) is read at this rank's piece, a
+        weight with it is sharded with it, one without it is read as it is."""
+        equation, operands = node.args[0], list(node.args[1])
+        if not isinstance(equation, str) or "..." in equation or "->" not in equation:
+            return False
+        inputs, output = equation.replace(" ", "").split("->")
+        specs = inputs.split(",")
+        if len(specs) != len(operands) or self._kind_of(operands) != "tp":
+            return False
+        labels, segments = set(), set()
+        for spec, arg in zip(specs, operands):
+            if arg in self.shard:
+                if len(spec) != _val(arg).dim():
+                    return False
+                labels.add(spec[self.shard[arg]])
+                segments.add(self.segs.get(arg))
+        if len(labels) != 1 or len(segments) != 1:
+            return False
+        label, segs = labels.pop(), segments.pop()
+        if output.count(label) != 1 or any(spec.count(label) > 1 for spec in specs):
+            return False  # summed over (a contraction of the sharded dim), or a diagonal
+        e, size = output.index(label), _val(node).shape[output.index(label)]
+        reads, claims = [], []
+        for spec, arg in zip(specs, operands):
+            if arg in self.shard:
+                continue
+            at = spec.find(label)
+            val = _val(arg)
+            if at < 0 or _equal(val.shape[at], 1):
+                reads.append((arg, None))
+            elif _equal(val.shape[at], size) and self._param(arg) is not None and not segs:
+                claims.append((arg, at))
+            elif _equal(val.shape[at], size) and self.groups_of(segs):
+                reads.append((arg, at))
+            else:
+                return False
+        for arg, at in claims:
+            self._claim(node, arg, at)
+        self._read_whole(node, reads, self.groups_of(segs))
+        self._place(node, e, segs, self._origin_of(operands))
         return True
 
     def _unplace(self, node) -> bool:

@@ -138,3 +138,17 @@ def test_alibi_baddbmm_attention_cp2_trains_equal_to_eager(tmp_path):
     out = str(tmp_path / "out")
     split_model(path, out, schedule="looped-bfs", num_microbatches=2, layout=Layout(pp=1, cp=2))
     _train_against_eager(path, out, 2, tmp_path)
+
+
+def test_einsum_attention_shards_by_heads():
+    # x-transformers' attention: einsum("b h i d, b h j d -> b h i j") and back, keys and values tiled to the
+    # query heads with repeat. The einsums run on this rank's heads (the tiled keys read at their piece), so the
+    # query and output projections shard as Megatron's; the key/value projections stay whole: tiled, a rank's
+    # query heads read every key/value head
+    manifest = check_model(NORMALIZE_TP, num_microbatches=4, layout=Layout(pp=2, tp=2))
+    params = manifest["tp"]["params"]
+    assert params["transformer.h.0.attn.to_q.weight"]["role"] == "colwise"
+    assert params["transformer.h.0.attn.to_out.weight"]["role"] == "rowwise"
+    assert params["transformer.h.0.mlp.fc_1.weight"]["role"] == "colwise"
+    assert "repeat" in params["transformer.h.0.attn.to_k.weight"]["why"]
+    assert all(stage["share"]["params"] >= 0.9 for stage in manifest["tp"]["stages"])
