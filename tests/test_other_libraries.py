@@ -1,18 +1,19 @@
 """Issue 57: decoder code written the way libraries outside transformers write it (``tests/models/lib_style.py``), tier
-3 and plan checks. Each test asserts the right behaviour; those that still fail are ``xfail(strict=True)`` with the
-symptom measured, so they flip to failures (to be unmarked) once fixed:
+3 and plan checks, each written when the study found the failure, each passing since its fix:
 
 * x-transformers' RMSNorm, ``F.normalize(x, dim=-1) * sqrt(dim) * g``: ``--tp 2`` trains equal to eager (it was
   silently wrong: torch's ``_NormPartial`` for ``linalg_vector_norm`` was read as a sum and the ranks' L2 norms
   all-reduced; split/torch_rules.py now takes only a plain ``Partial`` as a sum); ``--cp 2`` places it (it was
-  refused: ``expand_as`` had no cp rule);
+  refused: ``expand_as`` had no cp rule); its einsum attention (keys tiled to the query heads with ``repeat``) runs on
+  each rank's heads (it was whole: einsum had no tp rule, and the plan shared 0.33 of each layer);
 * a Gemma-style config (one key/value group, litgpt's fused qkv, GeGLU): ``tracepp check --tp 2`` plans it and the
-  plan trains equal to eager (it crashed: ``KeyError: cat_default`` in ``_rewrite``); its GeGLU is not yet sharded
-  as Megatron's (xfail);
+  plan trains equal to eager (it crashed: ``KeyError: cat_default`` in ``_rewrite``), and its GeGLU is sharded as
+  Megatron's (it was row-wise, the residual stream kept sharded: see the next);
 * a Llama-style model with litgpt's fused qkv: its ``--tp 2`` plan must move no more bytes per microbatch per layer
-  than Megatron's 2 all-reduces of ``[b, s, h]`` forward (today: 2.5x and 3.0x, the residual stream kept sharded),
-  and train equal to eager; with the fused projection laid out per key/value group (Megatron's, torchtitan's) it
-  already does;
+  than Megatron's 2 all-reduces of ``[b, s, h]`` forward, and train equal to eager (it moved 2.5x and 3.0x: the
+  norm weight, read through ``weight.float()``, was sharded and kept the residual stream sharded on its features;
+  plans are now chosen by cost, ``split/plan_cost.py``); laid out per key/value group (Megatron's, torchtitan's) it
+  always did;
 * attention spelled as ``baddbmm`` with an ALiBi bias (BLOOM's spelling, and the paper's per query and key): ``--cp 2``
   places it and trains equal to eager (it was refused, "baddbmm ... mixes the positions of the sequence": the walk
   had no rule for ``baddbmm``);
