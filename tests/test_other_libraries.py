@@ -153,3 +153,11 @@ def test_einsum_attention_shards_by_heads():
     assert params["transformer.h.0.mlp.fc_1.weight"]["role"] == "colwise"
     assert "repeat" in params["transformer.h.0.attn.to_k.weight"]["why"]
     assert all(stage["share"]["params"] >= 0.9 for stage in manifest["tp"]["stages"])
+
+
+@pytest.mark.parametrize("name", ["cp_learned_positions", "cp_complex_rope", "cp_alibi_baddbmm", "cp_normalize_rmsnorm"])
+def test_cp2_places_each_spelling(name):
+    # the plan step of the end-to-end cp tests above (the slower tier): nanoGPT's arange(0, t) positions (a crash),
+    # torchtitan's complex rotary, BLOOM's and the ALiBi paper's baddbmm scores, x-transformers' F.normalize (refused)
+    manifest = check_model(model_path(name), num_microbatches=2, schedule="gpipe", layout=Layout(pp=1, cp=2))
+    assert manifest["cp"]["size"] == 2
