@@ -127,3 +127,25 @@ def test_alibi_baddbmm_attention_cp2_trains_equal_to_eager(tmp_path):
     out = str(tmp_path / "out")
     split_model(path, out, schedule="looped-bfs", num_microbatches=2, layout=Layout(pp=1, cp=2))
     _train_against_eager(path, out, 2, tmp_path)
+
+
+# -- issue 59: the plain pipeline split of three libraries' decoders (docs/families.md, second table) -----------
+
+OLMO = model_path("olmo_core_autocast")
+AUTOCAST_BF16 = model_path("autocast_bf16_region")
+
+
+def test_olmo_core_nested_autocast_off_regions_train_equal_to_eager_at_pp2(tmp_path):
+    # refused before: OLMo-core computes its rotary table under autocast(enabled=False) inside the
+    # autocast(enabled=False) region that applies it, and only one level of export's regions was inlined
+    out = str(tmp_path / "out")
+    split_model(OLMO, out, num_microbatches=2, layout=Layout(pp=2))
+    _train_against_eager(OLMO, out, 2, tmp_path)
+
+
+def test_enabled_bf16_autocast_region_trains_equal_to_eager_autocast_at_pp2(tmp_path):
+    # refused before ("remove enabled torch.autocast regions"): the region is traced again under its autocast, so
+    # the casts autocast inserts are ops of the stage graph
+    out = str(tmp_path / "out")
+    split_model(AUTOCAST_BF16, out, num_microbatches=2, layout=Layout(pp=2))
+    _train_against_eager(AUTOCAST_BF16, out, 2, tmp_path)

@@ -116,7 +116,7 @@ def test_nested_graph_op_names_the_line_and_the_fix(tmp_path, capsys):
     path.write_text(COND_MODEL)
     code, text = run_cli(capsys, "split", str(path), "-o", str(tmp_path / "out"), "--ranks", "2")
     assert code == 2, text
-    assert "'cond'" in text and "cond_model.py" in text and "line 14" in text and "torch.where" in text, text
+    assert "'cond' at cond_model.py:14" in text and "torch.where" in text, text
     assert "Traceback" not in text and "<eval_with_key>" not in text, text
 
 

@@ -254,3 +254,135 @@ class LayerNormMLP(nn.Module):
 
     def forward(self, x):
         return self.dense_4h_to_h(F.gelu(self.dense_h_to_4h(x)))
+
+
+class OLMoRMSNorm(nn.Module):
+    """OLMo-core's RMSNorm (``olmo_core/nn/layer_norm.py``, ``full_precision``): the whole norm under
+    ``torch.autocast(enabled=False)``, in fp32, the weight ``type_as`` the input, the result cast back."""
+
+    def __init__(self, size, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x):
+        with torch.autocast(enabled=False, device_type=x.device.type):
+            og_dtype = x.dtype
+            x = x.float()
+            variance = x.pow(2).mean(-1, keepdim=True)
+            x = x * torch.rsqrt(variance + self.eps)
+            x = self.weight.type_as(x) * x
+            return x.to(og_dtype)
+
+
+class OLMoRotaryEmbedding(nn.Module):
+    """OLMo-core's RotaryEmbedding (``olmo_core/nn/rope.py``, ``full_precision``, no cache): ``forward`` applies it
+    under ``torch.autocast(enabled=False)``, and the sin/cos table it reads there is computed by
+    ``_get_rotary_embedding`` under an ``autocast(enabled=False)`` of its own: one region inside another."""
+
+    def __init__(self, head_size=HEAD_DIM, theta=500_000):
+        super().__init__()
+        self.dim, self.theta = head_size, theta
+
+    def _get_rotary_embedding(self, seq_len, device):
+        with torch.autocast(device.type, enabled=False):
+            inv_freq = 1.0 / (self.theta ** (torch.arange(0, self.dim, 2, device=device, dtype=torch.float) / self.dim))
+            seq = torch.arange(seq_len, device=device, dtype=torch.float)
+            freqs = torch.einsum("i , j -> i j", seq, inv_freq)
+            positions = torch.cat((freqs, freqs), dim=-1)
+            pos_sin, pos_cos = positions.sin(), positions.cos()
+        return pos_sin, pos_cos
+
+    def _rotate_half(self, x):
+        B, nh, T, hs = x.size()
+        x1, x2 = x.view(B, nh, T, 2, hs // 2).unbind(dim=-2)
+        return torch.cat((-x2, x1), dim=-1)
+
+    def _apply_rotary_pos_emb(self, pos_sin, pos_cos, t):
+        return ((t * pos_cos) + (self._rotate_half(t) * pos_sin)).to(t.dtype)
+
+    def forward(self, q, k):
+        q_, k_ = q.float(), k.float()
+        with torch.autocast(q.device.type, enabled=False):
+            pos_sin, pos_cos = self._get_rotary_embedding(k_.size(2), q_.device)
+            pos_sin, pos_cos = pos_sin.type_as(q_), pos_cos.type_as(q_)
+            q_ = self._apply_rotary_pos_emb(pos_sin[None, None, :, :], pos_cos[None, None, :, :], q_)
+            k_ = self._apply_rotary_pos_emb(pos_sin[None, None, :, :], pos_cos[None, None, :, :], k_)
+        return q_.type_as(q), k_.type_as(k)
+
+
+class OLMoAttention(nn.Module):
+    """OLMo-core's Attention as OLMo 2 configures it: ``w_q``, ``w_k``, ``w_v``, ``w_out`` without bias, the query and
+    key norms over all heads (``q_norm``, ``k_norm``), rotary positions, grouped-query heads for the causal SDPA."""
+
+    def __init__(self, kv_heads=2):
+        super().__init__()
+        self.kv_heads = kv_heads
+        self.w_q = nn.Linear(D, HEADS * HEAD_DIM, bias=False)
+        self.w_k = nn.Linear(D, kv_heads * HEAD_DIM, bias=False)
+        self.w_v = nn.Linear(D, kv_heads * HEAD_DIM, bias=False)
+        self.w_out = nn.Linear(HEADS * HEAD_DIM, D, bias=False)
+        self.q_norm = OLMoRMSNorm(HEADS * HEAD_DIM)
+        self.k_norm = OLMoRMSNorm(kv_heads * HEAD_DIM)
+        self.rope = OLMoRotaryEmbedding()
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q, k, v = self.q_norm(self.w_q(x)), self.k_norm(self.w_k(x)), self.w_v(x)
+        q = q.view(B, T, HEADS, HEAD_DIM).transpose(1, 2)
+        k = k.view(B, T, self.kv_heads, HEAD_DIM).transpose(1, 2)
+        v = v.view(B, T, self.kv_heads, HEAD_DIM).transpose(1, 2)
+        q, k = self.rope(q, k)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.w_out(out.transpose(1, 2).reshape(B, T, HEADS * HEAD_DIM))
+
+
+class OLMoFeedForward(nn.Module):
+    """OLMo-core's FeedForward: ``w2(silu(w1(x)) * w3(x))``."""
+
+    def __init__(self):
+        super().__init__()
+        self.w1 = nn.Linear(D, FFN, bias=False)
+        self.w2 = nn.Linear(FFN, D, bias=False)
+        self.w3 = nn.Linear(D, FFN, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class OLMoReorderedNormBlock(nn.Module):
+    """OLMo-core's ReorderedNormTransformerBlock (OLMo 2): the norms after attention and after the MLP."""
+
+    def __init__(self):
+        super().__init__()
+        self.attention, self.attention_norm = OLMoAttention(), OLMoRMSNorm(D)
+        self.feed_forward, self.feed_forward_norm = OLMoFeedForward(), OLMoRMSNorm(D)
+
+    def forward(self, x):
+        h = x + self.attention_norm(self.attention(x))
+        return h + self.feed_forward_norm(self.feed_forward(h))
+
+
+class OLMoLMHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm, self.w_out = OLMoRMSNorm(D), nn.Linear(D, VOCAB, bias=False)
+
+    def forward(self, x):
+        return self.w_out(self.norm(x))
+
+
+class OLMoTransformer(nn.Module):
+    """OLMo-core's Transformer: ``embeddings``, ``blocks`` (a ModuleDict keyed by layer index), ``lm_head``."""
+
+    def __init__(self, layers=2):
+        super().__init__()
+        self.embeddings = nn.Embedding(VOCAB, D)
+        self.blocks = nn.ModuleDict({str(i): OLMoReorderedNormBlock() for i in range(layers)})
+        self.lm_head = OLMoLMHead()
+
+    def forward(self, input_ids):
+        h = self.embeddings(input_ids)
+        for block in self.blocks.values():
+            h = block(h)
+        return self.lm_head(h)
