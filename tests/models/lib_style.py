@@ -386,3 +386,107 @@ class OLMoTransformer(nn.Module):
         for block in self.blocks.values():
             h = block(h)
         return self.lm_head(h)
+
+
+class TitanFusedQKVLinear(nn.Module):
+    """torchtitan's FusedQKVLinear (``torchtitan/models/common/attention.py``, the default of its Llama 3): one ``wqkv``
+    linear whose output is viewed as ``[b, s, kv_heads, heads_per_kv + 2, head_dim]`` and split into q, k, v. Its
+    checkpoints are in the unfused layout: a ``state_dict`` post-hook replaces ``wqkv.weight`` by new ``wq``, ``wk``,
+    ``wv`` tensors cut from it, and a ``load_state_dict`` pre-hook joins them back, so ``state_dict()`` names tensors
+    the module does not hold."""
+
+    def __init__(self, kv_heads=2):
+        super().__init__()
+        self.head_dim, self.heads_per_kv = HEAD_DIM, HEADS // kv_heads
+        self.r_dim = self.heads_per_kv + 2
+        self.wqkv = nn.Linear(D, kv_heads * self.r_dim * HEAD_DIM, bias=False)
+        self.register_state_dict_post_hook(self._split_qkv_on_save)
+        self.register_load_state_dict_pre_hook(self._merge_qkv_on_load)
+
+    def forward(self, x):
+        bs, seqlen, _ = x.shape
+        qkv = self.wqkv(x).view(bs, seqlen, -1, self.r_dim, self.head_dim)
+        xq, xk, xv = torch.split(qkv, [self.heads_per_kv, 1, 1], dim=-2)
+        return (xq.reshape(bs, seqlen, -1, self.head_dim).contiguous(),
+                xk.reshape(bs, seqlen, -1, self.head_dim).contiguous(),
+                xv.reshape(bs, seqlen, -1, self.head_dim).contiguous())
+
+    @staticmethod
+    def _split_qkv_on_save(module, state_dict, prefix, local_metadata):
+        hd, hpk, r = module.head_dim, module.heads_per_kv, module.r_dim
+        key = f"{prefix}wqkv.weight"
+        if key not in state_dict:
+            return
+        tensor = state_dict.pop(key)
+        w = tensor.reshape(tensor.shape[0] // (r * hd), r, hd, tensor.shape[1])
+        state_dict[f"{prefix}wq.weight"] = w[:, :hpk].reshape(-1, tensor.shape[1]).contiguous()
+        state_dict[f"{prefix}wk.weight"] = w[:, hpk].reshape(-1, tensor.shape[1]).contiguous()
+        state_dict[f"{prefix}wv.weight"] = w[:, hpk + 1].reshape(-1, tensor.shape[1]).contiguous()
+
+    @staticmethod
+    def _merge_qkv_on_load(module, state_dict, prefix, *args):
+        hd, hpk = module.head_dim, module.heads_per_kv
+        keys = [f"{prefix}{w}.weight" for w in ("wq", "wk", "wv")]
+        if not all(k in state_dict for k in keys):
+            return
+        wq, wk, wv = (state_dict.pop(k) for k in keys)
+        n_kv, tail = wk.shape[0] // hd, wq.shape[1]
+        state_dict[f"{prefix}wqkv.weight"] = torch.cat(
+            [wq.reshape(n_kv, hpk, hd, tail), wk.reshape(n_kv, 1, hd, tail), wv.reshape(n_kv, 1, hd, tail)],
+            dim=1).reshape(-1, tail)
+
+
+class TitanAttention(nn.Module):
+    """torchtitan's GQAttention with its fused ``qkv_linear``, rotary positions and SDPA over ``[b, s, heads, hd]``."""
+
+    def __init__(self, kv_heads=2):
+        super().__init__()
+        self.qkv_linear = TitanFusedQKVLinear(kv_heads)
+        self.wo = nn.Linear(HEADS * HEAD_DIM, D, bias=False)
+
+    def forward(self, x, cos, sin):
+        xq, xk, xv = self.qkv_linear(x)
+        xq, xk, xv = xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2)
+        xq, xk = apply_rope(xq, cos, sin), apply_rope(xk, cos, sin)
+        out = F.scaled_dot_product_attention(xq, xk, xv, is_causal=True, enable_gqa=True)
+        return self.wo(out.transpose(1, 2).flatten(2))
+
+
+class TitanFeedForward(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w1 = nn.Linear(D, FFN, bias=False)
+        self.w2 = nn.Linear(FFN, D, bias=False)
+        self.w3 = nn.Linear(D, FFN, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TitanBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attention_norm, self.attention = nn.RMSNorm(D, eps=1e-6), TitanAttention()
+        self.ffn_norm, self.feed_forward = nn.RMSNorm(D, eps=1e-6), TitanFeedForward()
+
+    def forward(self, x, cos, sin):
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class TitanDecoder(nn.Module):
+    """torchtitan's Llama 3 Decoder: ``tok_embeddings``, ``layers`` (a ModuleDict keyed by layer index), ``norm``,
+    ``output``."""
+
+    def __init__(self, layers=2):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(VOCAB, D)
+        self.layers = nn.ModuleDict({str(i): TitanBlock() for i in range(layers)})
+        self.norm, self.output = nn.RMSNorm(D, eps=1e-6), nn.Linear(D, VOCAB, bias=False)
+
+    def forward(self, tokens):
+        cos, sin = rope_cache(tokens.shape[1])
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h, cos, sin)
+        return self.output(self.norm(h))
