@@ -490,3 +490,106 @@ class TitanDecoder(nn.Module):
         for layer in self.layers.values():
             h = layer(h, cos, sin)
         return self.output(self.norm(h))
+
+
+class PScan(torch.autograd.Function):
+    """mambapy's parallel scan (``mambapy/pscan.py``, ``PScan``): ``H[t] = A[t] * H[t-1] + X[t]`` computed in place on
+    views of clones of its inputs, with a backward of its own (the reverse scan of the gradient). Its sweeps are a
+    plain loop here (mambapy's Blelloch sweeps update views in place alike): each step reads ``X[:, :, t - 1]`` and
+    then updates ``X[:, :, t]``, a view of the same tensor, which autograd could not differentiate; eager autograd
+    never records it (a Function's forward runs without gradients) and calls ``backward`` instead."""
+
+    @staticmethod
+    def scan(A, X):
+        for t in range(1, X.size(2)):
+            X[:, :, t].add_(A[:, :, t].mul(X[:, :, t - 1]))
+
+    @staticmethod
+    def forward(ctx, A_in, X_in):
+        # cloning is required because of the in-place ops
+        A = A_in.clone().transpose(2, 1)  # (B, D, L, N)
+        X = X_in.clone().transpose(2, 1)
+        PScan.scan(A, X)
+        ctx.save_for_backward(A_in, X)
+        return X.transpose(2, 1)
+
+    @staticmethod
+    def backward(ctx, grad_output_in):
+        A_in, X = ctx.saved_tensors
+        grad_output = grad_output_in.clone().transpose(2, 1)
+        A = F.pad(A_in.transpose(2, 1)[:, :, 1:], (0, 0, 0, 1))  # shifted one step to the left
+        for t in range(grad_output.size(2) - 2, -1, -1):  # the reverse scan, in place
+            grad_output[:, :, t].add_(A[:, :, t].mul(grad_output[:, :, t + 1]))
+        Q = torch.zeros_like(X)
+        Q[:, :, 1:].add_(X[:, :, :-1] * grad_output[:, :, 1:])
+        return Q.transpose(2, 1), grad_output.transpose(2, 1)
+
+
+pscan = PScan.apply
+
+
+class MambaBlock(nn.Module):
+    """mambapy's MambaBlock (``mambapy/mamba.py``): ``in_proj``, a causal depthwise ``conv1d``, ``x_proj``,
+    ``dt_proj``, ``A_log``, ``D``, ``out_proj``; its selective scan through ``pscan`` (mambapy's default) or, with
+    ``use_pscan=False``, its sequential loop."""
+
+    def __init__(self, d_state=8, expand=2, d_conv=4, dt_rank=4, use_pscan=True):
+        super().__init__()
+        self.d_inner, self.d_state, self.dt_rank, self.use_pscan = expand * D, d_state, dt_rank, use_pscan
+        self.in_proj = nn.Linear(D, 2 * self.d_inner, bias=False)
+        self.conv1d = nn.Conv1d(self.d_inner, self.d_inner, d_conv, groups=self.d_inner, padding=d_conv - 1)
+        self.x_proj = nn.Linear(self.d_inner, dt_rank + 2 * d_state, bias=False)
+        self.dt_proj = nn.Linear(dt_rank, self.d_inner, bias=True)
+        A = torch.arange(1, d_state + 1, dtype=torch.float32).repeat(self.d_inner, 1)
+        self.A_log = nn.Parameter(torch.log(A))
+        self.D = nn.Parameter(torch.ones(self.d_inner))
+        self.out_proj = nn.Linear(self.d_inner, D, bias=False)
+
+    def forward(self, x):
+        _, L, _ = x.shape
+        x, z = self.in_proj(x).chunk(2, dim=-1)
+        x = F.silu(self.conv1d(x.transpose(1, 2))[:, :, :L].transpose(1, 2))
+        y = self.ssm(x)
+        return self.out_proj(y * F.silu(z))
+
+    def ssm(self, x):
+        A = -torch.exp(self.A_log.float())
+        delta, B, C = torch.split(self.x_proj(x), [self.dt_rank, self.d_state, self.d_state], dim=-1)
+        delta = F.softplus(self.dt_proj(delta))
+        deltaA = torch.exp(delta.unsqueeze(-1) * A)  # (B, L, ED, N)
+        BX = (delta.unsqueeze(-1) * B.unsqueeze(2)) * x.unsqueeze(-1)
+        if self.use_pscan:
+            hs = pscan(deltaA, BX)
+        else:
+            h, hs = torch.zeros_like(BX[:, 0]), []
+            for t in range(x.size(1)):
+                h = deltaA[:, t] * h + BX[:, t]
+                hs.append(h)
+            hs = torch.stack(hs, dim=1)
+        return (hs @ C.unsqueeze(-1)).squeeze(3) + self.D * x
+
+
+class MambaResidualBlock(nn.Module):
+    def __init__(self, use_pscan=True):
+        super().__init__()
+        self.mixer, self.norm = MambaBlock(use_pscan=use_pscan), nn.RMSNorm(D, eps=1e-5)
+
+    def forward(self, x):
+        return self.mixer(self.norm(x)) + x
+
+
+class MambaLM(nn.Module):
+    """mambapy's ``lm.LM``: ``embedding``, ``mamba.layers``, ``norm_f``, an untied ``lm_head``."""
+
+    def __init__(self, layers=2, use_pscan=True):
+        super().__init__()
+        self.embedding = nn.Embedding(VOCAB, D)
+        self.mamba = nn.Module()
+        self.mamba.layers = nn.ModuleList([MambaResidualBlock(use_pscan) for _ in range(layers)])
+        self.norm_f, self.lm_head = nn.RMSNorm(D, eps=1e-5), nn.Linear(D, VOCAB, bias=False)
+
+    def forward(self, tokens):
+        x = self.embedding(tokens)
+        for layer in self.mamba.layers:
+            x = layer(x)
+        return self.lm_head(self.norm_f(x))
