@@ -16,6 +16,11 @@ symptom measured, so they flip to failures (to be unmarked) once fixed:
 * attention spelled as ``baddbmm`` with an ALiBi bias (BLOOM's spelling): ``--cp 2`` must place it (today: refused,
   "baddbmm ... mixes the positions of the sequence").
 
+Issue 59, the plain pipeline split (``--ranks 2``) of three libraries' decoders, each written as the library writes
+it: OLMo-core's ``autocast(enabled=False)`` regions nested in one another, an enabled bf16 autocast region (its casts
+made ops of the graph), torchtitan's fused qkv saved through state_dict hooks. (mambapy's parallel scan is refused by
+name: ``tests/test_trace_errors.py``.)
+
 The wider survey, one model file per library, is ``benchmarks/studies/other_families.py`` (``docs/families.md``).
 """
 import sys
