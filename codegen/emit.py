@@ -29,9 +29,18 @@ from tracepp.runtime.mesh import describe, mesh_layout, parameter_placements
 from tracepp.runtime.run_options import RunOptions
 from tracepp.runtime.script_check import program_digest
 from tracepp.runtime.shapes import activation_key, activation_sent, gradient_key, gradient_sent
+from tracepp.runtime.weights import held_state
 from tracepp.split.cost import forward_flops
 
 RUNTIME_PACKAGE = "tracepp_runtime"
+
+
+def _saves_another_layout(model: torch.nn.Module) -> bool:
+    """Whether ``model.state_dict()`` differs from the tensors its modules hold (a name added or gone, or another
+    tensor under a name): a module's state_dict hook saves another layout (torchtitan's fused qkv)."""
+    held = held_state(model)
+    saved = model.state_dict(keep_vars=True)
+    return saved.keys() != held.keys() or any(saved[fqn] is not tensor for fqn, tensor in held.items())
 
 
 def _spec_text(spec):
@@ -155,7 +164,9 @@ def build_manifest(model_file, traced, graph, plan, launch_command: str, options
         "recomputed": graph.recomputed,
         "segments": graph.segments,  # where a re-split may cut and what each piece costs (the tuner)
         "shared": [{"fqn": ref.fqn, "aliases": ref.aliases, "stages": ref.stages} for ref in graph.shared_state()],
-        "state_dict_keys": list(model.state_dict().keys()),
+        "state_dict_keys": list(held_state(model)),  # what the ranks hold, by every FQN
+        # the model's modules save another layout than they hold (state_dict hooks): --save writes theirs
+        "state_dict_hooks": _saves_another_layout(model),
         # read by no stage: rank 0 materialises them only to write them back with --save
         "unused_state": [{"fqn": fqn, "shape": list(tensor.shape), "dtype": str(tensor.dtype).replace("torch.", "")}
                          for fqn, tensor in graph.unused_state.items()],

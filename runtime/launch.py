@@ -45,6 +45,7 @@ from .precision import PRECISIONS, describe as describe_precision, plain
 from .job import Board, Progress, StopRequest, any_rank, check_tensorboard, clock
 from .prefetch import BatchPrefetcher
 from .run_options import fill_defaults
+from . import weights
 from .weights import INIT_MODES
 
 
@@ -225,10 +226,12 @@ def check_world_size(manifest: dict) -> None:
         )
 
 
-def _gather_state_dict(manifest: dict, rank: int, state: dict, world: int, unused=None, include: bool = True):
+def _gather_state_dict(manifest: dict, rank: int, state: dict, world: int, unused=None, include: bool = True,
+                       user=None):
     """Every rank's state (``Pipeline.state_dict``) gathered on rank 0 and keyed by every original FQN (a tied
     weight's aliases name one tensor); None on the other ranks. ``include``: False on data-parallel replicas
-    other than the first (same tensors)."""
+    other than the first (same tensors). A model whose modules save another layout than they hold (manifest
+    ``state_dict_hooks``) gets its own ``state_dict()``'s layout, through its hooks (``user``: the model file)."""
     mine = {name: tensor_parallel.whole(manifest, name, plain(full(tensor))).detach().cpu()  # full: a collective
             for name, tensor in state.items()}
     if not include:
@@ -249,6 +252,8 @@ def _gather_state_dict(manifest: dict, rank: int, state: dict, world: int, unuse
     for fqn in manifest["state_dict_keys"]:
         canonical = next((c for c, names in aliases.items() if fqn in names and c in merged), fqn)
         result[fqn] = merged[canonical]
+    if manifest.get("state_dict_hooks") and user is not None:
+        result = weights.in_model_layout(user, result)
     return result
 
 
@@ -260,9 +265,10 @@ def _write_atomically(path: str, write) -> None:
     os.replace(temporary, path)
 
 
-def _save(path: str, manifest: dict, rank: int, state: dict, world: int, unused=None, include: bool = True) -> None:
-    """``--save``: one state_dict keyed by every original FQN, written by rank 0."""
-    result = _gather_state_dict(manifest, rank, state, world, unused, include)
+def _save(path: str, manifest: dict, rank: int, state: dict, world: int, unused=None, include: bool = True,
+          user=None) -> None:
+    """``--save``: one state_dict keyed by every original FQN (in the model's own layout), written by rank 0."""
+    result = _gather_state_dict(manifest, rank, state, world, unused, include, user)
     if result is not None:
         _write_atomically(path, lambda temporary: torch.save(result, temporary))
 
@@ -662,10 +668,10 @@ def train(pipe: Pipeline, args) -> None:
             _write_atomically(args.save_outputs, lambda temporary: torch.save(outputs, temporary))
         if args.save_safetensors:
             _save_safetensors(args.save_safetensors, manifest, rank, pipe.state_dict(), world, pipe.unused_state,
-                              include=pipe.dp_index == 0 and pipe.cp_index == 0)
+                              include=pipe.dp_index == 0 and pipe.cp_index == 0, user=pipe.user)
         if args.save:
             _save(args.save, manifest, rank, pipe.state_dict(), world, pipe.unused_state,
-                  include=pipe.dp_index == 0 and pipe.cp_index == 0)
+                  include=pipe.dp_index == 0 and pipe.cp_index == 0, user=pipe.user)
     if job.board is not None:
         job.board.close()
     if world > 1:
@@ -806,7 +812,7 @@ def _check_resume(pipe: Pipeline, args, optimizer, scheduler, fqns: list, step: 
 
 
 def _save_safetensors(path: str, manifest: dict, rank: int, state: dict, world: int, unused=None,
-                      include: bool = True) -> None:
+                      include: bool = True, user=None) -> None:
     """Like ``--save`` but one safetensors file; a tied weight is written once, under its first FQN in the
     model's state_dict order (``model.embed_tokens.weight``, not ``lm_head.weight``), as Hugging Face does."""
     if rank == 0:
@@ -814,7 +820,7 @@ def _save_safetensors(path: str, manifest: dict, rank: int, state: dict, world: 
             import safetensors.torch  # noqa: F401
         except ImportError as error:
             raise PipelineError("--save-safetensors needs the safetensors package: pip install safetensors") from error
-    full_state = _gather_state_dict(manifest, rank, state, world, unused, include)
+    full_state = _gather_state_dict(manifest, rank, state, world, unused, include, user)
     if full_state is None:
         return
     import safetensors.torch

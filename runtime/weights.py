@@ -149,6 +149,44 @@ def _from_model(folder: str, model, wanted: dict, device: torch.device, piece=No
     return state
 
 
+def held_state(model: torch.nn.Module) -> dict:
+    """FQN -> tensor for every parameter and persistent buffer the model's modules hold, under every FQN (a tied
+    weight under each alias), in ``state_dict()`` order: what ``state_dict()`` gives before its hooks. A module's
+    state_dict hooks may save other tensors under other names (torchtitan's fused qkv saves new ``wq``, ``wk``,
+    ``wv`` tensors cut from the ``wqkv`` it holds); those are not the model's state, only its saved layout."""
+    state = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        prefix = f"{prefix}." if prefix else ""
+        for name, param in module._parameters.items():
+            if param is not None:
+                state[prefix + name] = param
+        for name, buffer in module._buffers.items():
+            if buffer is not None and name not in module._non_persistent_buffers_set:
+                state[prefix + name] = buffer
+    return state
+
+
+def in_model_layout(user, state: dict) -> dict:
+    """``state`` (:func:`held_state`'s keys) as the model's own ``state_dict()`` saves it, hooks included: the model
+    built with parameters on meta, each held tensor put in its place, then its ``state_dict()``. For a model whose
+    modules save another layout than they hold (manifest ``state_dict_hooks``), so that ``--save`` writes what
+    ``model().load_state_dict`` reads."""
+    model = build_without_parameters(user)
+    for fqn, tensor in state.items():
+        owner_name, _, name = fqn.rpartition(".")
+        owner = model.get_submodule(owner_name)
+        if name in owner._parameters:
+            owner._parameters[name] = torch.nn.Parameter(tensor, requires_grad=False)
+        elif name in owner._buffers:
+            owner._buffers[name] = tensor
+    saved = {fqn: tensor.detach() for fqn, tensor in model.state_dict().items()}
+    missing = [fqn for fqn, tensor in saved.items() if tensor.is_meta]
+    if missing:
+        raise PipelineError(f"--save: the model's state_dict() names {len(missing)} tensor(s) the pipeline does not "
+                            f"hold ({_short(missing)}): its state_dict hooks read a tensor the split did not record")
+    return saved
+
+
 @contextlib.contextmanager
 def _parameters_on_meta():
     """Inside, every parameter a module registers is moved to the meta device (buffers stay real)."""

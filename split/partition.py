@@ -611,10 +611,14 @@ def _state_placeholder(name: str, ref: StateRef, fqn: str) -> str:
 
 def _unused_state(traced, inputs: _ProgramInputs) -> dict:
     """FQN -> tensor of the state no stage reads (kept for --save); drops unused alias placeholders (the tied
-    copy export left behind) from ``inputs.state``."""
+    copy export left behind) from ``inputs.state``. The state is what the model's modules hold (``held_state``),
+    not what a state_dict hook saves in its place (torchtitan's fused qkv saves ``wq``/``wk``/``wv`` cut from the
+    ``wqkv`` the stages read)."""
+    from tracepp.runtime.weights import held_state
+
     used_ids = {id(inputs.fqn_to_tensor.get(ref.fqn)) for ref in inputs.state.values() if ref.stages}
     unused = {}
-    for fqn, tensor in traced.model.state_dict(keep_vars=True).items():
+    for fqn, tensor in held_state(traced.model).items():
         if id(tensor) not in used_ids:
             unused[fqn] = tensor.detach().clone()
     for name, ref in list(inputs.state.items()):

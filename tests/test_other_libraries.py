@@ -22,6 +22,11 @@
 * learned positions from ``torch.arange(0, t, dtype=torch.long)`` (nanoGPT's, minGPT's): ``--cp 2`` trains equal to
   eager (it crashed: ``TypeError: 'int' object is not iterable``).
 
+Issue 57, the plain pipeline split (``--ranks 2``) of three libraries' decoders, each written as the library writes
+it: OLMo-core's ``autocast(enabled=False)`` regions nested in one another, an enabled bf16 autocast region (its casts
+made ops of the graph), torchtitan's fused qkv saved through state_dict hooks. (mambapy's parallel scan is refused by
+name: ``tests/test_trace_errors.py``.)
+
 The wider survey, one model file per library, is ``benchmarks/studies/other_families.py`` (``docs/families.md``).
 """
 import sys
@@ -30,6 +35,7 @@ import pytest
 import torch
 
 from tracepp.driver import check_model, split_model
+from tracepp.modelfile import load_model_file
 from tracepp.runtime.mesh import Layout
 from util import REPO, assert_state_close, assert_trained, eager_train, model_path, torchrun
 
@@ -161,3 +167,37 @@ def test_cp2_places_each_spelling(name):
     # torchtitan's complex rotary, BLOOM's and the ALiBi paper's baddbmm scores, x-transformers' F.normalize (refused)
     manifest = check_model(model_path(name), num_microbatches=2, schedule="gpipe", layout=Layout(pp=1, cp=2))
     assert manifest["cp"]["size"] == 2
+
+
+# -- issue 57: the plain pipeline split of three libraries' decoders (docs/families.md, second table) -----------
+
+OLMO = model_path("olmo_core_autocast")
+AUTOCAST_BF16 = model_path("autocast_bf16_region")
+
+
+def test_olmo_core_nested_autocast_off_regions_train_equal_to_eager_at_pp2(tmp_path):
+    # refused before: OLMo-core computes its rotary table under autocast(enabled=False) inside the
+    # autocast(enabled=False) region that applies it, and only one level of export's regions was inlined
+    out = str(tmp_path / "out")
+    split_model(OLMO, out, num_microbatches=2, layout=Layout(pp=2))
+    _train_against_eager(OLMO, out, 2, tmp_path)
+
+
+def test_enabled_bf16_autocast_region_trains_equal_to_eager_autocast_at_pp2(tmp_path):
+    # refused before ("remove enabled torch.autocast regions"): the region is traced again under its autocast, so
+    # the casts autocast inserts are ops of the stage graph
+    out = str(tmp_path / "out")
+    split_model(AUTOCAST_BF16, out, num_microbatches=2, layout=Layout(pp=2))
+    _train_against_eager(AUTOCAST_BF16, out, 2, tmp_path)
+
+
+def test_torchtitan_fused_qkv_saved_through_state_dict_hooks_trains_equal_to_eager_at_pp2(tmp_path):
+    # failed before: "'layers.0.attention.qkv_linear.wq.weight' has no value": the split took the tensors the
+    # state_dict hook makes for state no stage reads, and the ranks looked them up as attributes of model()
+    path = model_path("torchtitan_fused_qkv")
+    out = str(tmp_path / "out")
+    split_model(path, out, num_microbatches=2, layout=Layout(pp=2))
+    _train_against_eager(path, out, 2, tmp_path)  # in the model's own layout: wq, wk, wv
+    reloaded = load_model_file(path).model()
+    reloaded.load_state_dict(torch.load(str(tmp_path / "trained.pt")))  # through its load_state_dict hook
+    assert_state_close(reloaded.state_dict(), eager_train(path, 3))

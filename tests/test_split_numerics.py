@@ -122,6 +122,20 @@ def test_no_grad_region_is_inlined_and_detached():
     assert crossing and not any(v.meta.requires_grad for v in crossing)
 
 
+@pytest.mark.parametrize("name,layer", [("olmo_core_autocast", "blocks.1"), ("autocast_bf16_region", "layers.1")])
+def test_autocast_regions_nested_and_enabled_are_flat_and_match_eager(name, layer):
+    # OLMo-core's autocast(enabled=False) regions nested in one another (refused before: one level was inlined),
+    # and an enabled bf16 region, traced again so the casts autocast inserts are ops of the graph
+    model_file, traced, graph = trace_and_split(model_path(name), split_points=[layer])
+    nodes = [n for stage in graph.stages for n in stage.graph.nodes]
+    assert not any("wrap_with_autocast" in str(n.target) or n.op == "get_attr" for n in nodes)
+    if name == "autocast_bf16_region":
+        casts = [n for n in nodes if n.target is torch.ops.aten._to_copy.default
+                 and n.kwargs.get("dtype") == torch.bfloat16]
+        assert casts, "the casts autocast inserts are not in the stage graphs"
+    _assert_matches_eager(model_file, traced, graph)
+
+
 @pytest.mark.parametrize("raw,fqn", [
     ("model.layers.1", "model.layers.1"),  # what torch 2.13's export records
     ("L['self'].model.layers[1]", "model.layers.1"),

@@ -116,7 +116,7 @@ def test_nested_graph_op_names_the_line_and_the_fix(tmp_path, capsys):
     path.write_text(COND_MODEL)
     code, text = run_cli(capsys, "split", str(path), "-o", str(tmp_path / "out"), "--ranks", "2")
     assert code == 2, text
-    assert "'cond'" in text and "cond_model.py" in text and "line 14" in text and "torch.where" in text, text
+    assert "'cond' at cond_model.py:14" in text and "torch.where" in text, text
     assert "Traceback" not in text and "<eval_with_key>" not in text, text
 
 
@@ -216,3 +216,79 @@ def test_each_nodes_stack_trace_is_the_one_torch_fx_records(monkeypatch):
     assert theirs == ours
     recorded = [text for text in ours.values() if text]
     assert len(recorded) > 100 and all("modeling_llama.py" in text for text in recorded[:50])
+
+
+def test_custom_function_autograd_cannot_differentiate_is_refused_by_name(tmp_path, capsys):
+    # mambapy's parallel scan: a torch.autograd.Function with a backward of its own whose forward scans in place on
+    # views. torch.export keeps the forward only, and autograd cannot differentiate it: the run used to fail in
+    # backward ("one of the variables needed for gradient computation has been modified by an inplace operation")
+    code, text = run_cli(capsys, "split", model_path("mamba_pscan"), "-o", str(tmp_path / "out"), "--ranks", "2")
+    assert code == 2, text
+    assert "PScan.apply at lib_style.py:" in text and "with a backward of its own" in text, text
+    assert "its in-place ops (aten.add_.Tensor at lib_style.py:" in text, text
+    assert "MambaConfig(pscan=False)" in text and "Traceback" not in text, text
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_custom_function_without_pscan_splits(tmp_path, capsys, monkeypatch):
+    # the fix the refusal names: the model's path without the function (mambapy's pscan=False) splits
+    monkeypatch.setenv("MAMBA_PSCAN", "0")
+    code, text = run_cli(capsys, "check", model_path("mamba_pscan"), "--ranks", "2")
+    assert code == 0, text
+
+
+CUSTOM_GELU = '''
+import torch
+import torch.nn as nn
+
+
+class GeLUFunction(torch.autograd.Function):
+    """BLOOM's GeLU (transformers' modeling_bloom.py): the tanh approximation with a backward of its own."""
+
+    @staticmethod
+    def forward(ctx, input):
+        ctx.save_for_backward(input)
+        return input * 0.5 * (1.0 + torch.tanh(0.79788456 * input * (1 + 0.044715 * input * input)))
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (x,) = ctx.saved_tensors
+        tanh_out = torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x))
+        ff = 0.5 * x * ((1 - tanh_out * tanh_out) * (0.79788456 + 0.1070322243 * x * x)) + 0.5 * (1 + tanh_out)
+        return ff * grad_output
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.b(GeLUFunction.apply(self.a(x)))
+
+
+def model():
+    torch.manual_seed(0)
+    return Net()
+
+
+def example_inputs():
+    return (torch.randn(4, 8),)
+
+
+def example_target():
+    return torch.zeros(4, 4)
+
+
+def loss_fn(out, target):
+    return (out - target).pow(2).mean()
+'''
+
+
+def test_custom_function_autograd_differentiates_is_split_with_a_note(tmp_path, capsys):
+    # BLOOM's GeLU: its forward differentiates, so the split goes on, saying whose backward is not kept
+    path = tmp_path / "custom_gelu.py"
+    path.write_text(CUSTOM_GELU)
+    code, text = run_cli(capsys, "check", str(path), "--ranks", "2")
+    assert code == 0, text
+    assert "GeLUFunction.apply at custom_gelu.py:28: torch.autograd.Function(s) with a backward of their own" in text

@@ -130,6 +130,25 @@ def _checkpoint_state(path):
     return state
 
 
+def test_state_saved_through_state_dict_hooks_is_not_held_state():
+    """torchtitan's fused qkv holds ``wqkv`` and its state_dict hook saves ``wq``/``wk``/``wv`` cut from it: the held
+    state (what the split records and the ranks train) is ``wqkv``; the manifest says the saved layout differs, and
+    ``in_model_layout`` gives the model's own ``state_dict()`` from the held tensors. A tied weight is held under
+    both names, and its model saves no other layout."""
+    from tracepp.codegen.emit import _saves_another_layout
+
+    user = load_model_file(model_path("torchtitan_fused_qkv")).module
+    model = user.model()
+    held = weights.held_state(model)
+    assert "layers.0.attention.qkv_linear.wqkv.weight" in held
+    assert not any(".wq." in fqn or ".wk." in fqn or ".wv." in fqn for fqn in held)
+    assert _saves_another_layout(model)
+    saved = weights.in_model_layout(user, {fqn: tensor.detach().clone() for fqn, tensor in held.items()})
+    assert_state_close(saved, model.state_dict(), atol=0)
+    tied = load_model_file(model_path("tied_lm")).model()
+    assert {"embed.weight", "head.weight"} <= set(weights.held_state(tied)) and not _saves_another_layout(tied)
+
+
 def test_checkpoint_readers_return_what_is_asked(tmp_path):
     from safetensors.torch import save_file
     import torch.distributed.checkpoint as dcp

@@ -274,6 +274,8 @@ def trace(model_file: ModelFile, num_microbatches: int, dynamic_shapes: Any = No
         notes.append(f"the model does not trace with meta weights ({type(error).__name__}: "
                      f"{str(error).splitlines()[0] if str(error) else ''}); traced with real weights instead")
     inline_grad_mode_regions(program, model_file.path)
+    if model_file.training:
+        notes.extend(check_custom_functions(program, model, model_file.path))
     if master_dtypes:
         _mark_masters(program, master_dtypes)
     random_ops = random_draws(program)
@@ -410,81 +412,215 @@ def _check_custom_backward(body, operands, parameters: dict, model_path: str) ->
                 f"layers inside it with gradients on (without their torch.no_grad())")
 
 
+def _function_forwards(file: str) -> list:
+    """``(class, first line, last line)`` of the ``forward`` of each ``torch.autograd.Function`` subclass with a
+    backward of its own in the module loaded from ``file``. A class whose ``apply`` was replaced (the model file's
+    fix for such functions: its forward run as ordinary code) is not one."""
+    module = next((m for m in list(sys.modules.values()) if getattr(m, "__file__", None) == file), None)
+    found = []
+    for value in list(vars(module).values()) if module is not None else ():
+        if not (isinstance(value, type) and issubclass(value, torch.autograd.Function)
+                and "backward" in vars(value) and "forward" in vars(value)):
+            continue
+        if getattr(value.apply, "__func__", None) is not torch.autograd.Function.apply.__func__:
+            continue
+        code = getattr(getattr(vars(value)["forward"], "__func__", vars(value)["forward"]), "__code__", None)
+        lines = [number for _start, _end, number in code.co_lines() if number is not None] if code else []
+        if code is not None and code.co_filename == file and lines:
+            found.append((value, code.co_firstlineno, max(lines)))
+    return found
+
+
+def _custom_function_regions(graph: torch.fx.Graph) -> list:
+    """Each run of nodes export traced inside the ``forward`` of one call of a ``torch.autograd.Function`` with a
+    backward of its own: ``(function class, caller frame or None, nodes)``, in graph order."""
+    from tracepp.split.naming import frames
+
+    def inside(stack_trace):  # (function, the frames calling its forward) or None; once per distinct stack
+        trace = frames(stack_trace)
+        for index, frame in enumerate(trace):
+            if frame[2] != "forward":
+                continue
+            if frame[0] not in forwards:
+                forwards[frame[0]] = _function_forwards(frame[0])
+            function = next((cls for cls, first, last in forwards[frame[0]] if first <= frame[1] <= last), None)
+            if function is not None:
+                return function, tuple(trace[:index])
+        return None
+
+    regions, current, forwards, seen = [], None, {}, {}
+    for node in graph.nodes:
+        found = None
+        if node.op == "call_function":
+            stack_trace = node.meta.get("stack_trace") or ""
+            if stack_trace not in seen:
+                seen[stack_trace] = inside(stack_trace)
+            if seen[stack_trace] is not None:
+                function, callers = seen[stack_trace]
+                key = (function, callers, tuple(node.meta.get("nn_module_stack") or ()))
+                found = (key, function, callers[-1] if callers else None)
+        if found is None:
+            current = None
+            continue
+        if current is None or current[0] != found[0]:
+            current = [found[0], found[1], found[2], []]
+            regions.append(current)
+        current[3].append(node)
+    return [(function, caller, nodes) for _key, function, caller, nodes in regions]
+
+
+def _needs_grad(program: torch.export.ExportedProgram, model: torch.nn.Module) -> set:
+    """The nodes of the program whose value carries a gradient in training: floating values computed from a
+    trainable parameter (not through a detach)."""
+    trainable = {fqn for fqn, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
+    targets = {spec.arg.name: spec.target for spec in program.graph_signature.input_specs
+               if spec.kind == torch.export.graph_signature.InputKind.PARAMETER}
+    found = set()
+    for node in program.graph.nodes:
+        value = node.meta.get("val")
+        floating = isinstance(value, torch.Tensor) and value.is_floating_point()
+        if node.op == "placeholder":
+            if targets.get(node.name) in trainable and floating:
+                found.add(node)
+        elif node.op == "call_function" and node.target is not torch.ops.aten.detach.default:
+            if any(arg in found for arg in node.all_input_nodes) and (floating or node.target is operator.getitem):
+                found.add(node)
+    return found
+
+
+def check_custom_functions(program: torch.export.ExportedProgram, model: torch.nn.Module, model_path: str) -> list:
+    """``torch.autograd.Function``s with a backward of their own: torch.export keeps the forward only, so split,
+    the gradient through one is autograd's derivative of its forward. Each call is run forward and backward on the
+    traced (fake) values: where autograd cannot differentiate the forward (mambapy's parallel scan updates in place
+    views of tensors it read before, as its backward allows and autograd does not), the split is refused with the
+    function, its in-place op and line, and the fix; else a note says whose backward is not kept."""
+    regions = _custom_function_regions(program.graph)
+    if not regions:
+        return []
+    from torch._guards import detect_fake_mode
+    from tracepp.split.tensor_parallel import where
+
+    needs_grad = _needs_grad(program, model) if model.training else set()
+    kept = []
+    for function, caller, nodes in regions:
+        called = f"{function.__name__}.apply" + (f" at {os.path.basename(caller[0])}:{caller[1]}" if caller else "")
+        if called not in kept:
+            kept.append(called)
+        if not any(node in needs_grad for node in nodes):
+            continue
+        error = _differentiate(nodes, needs_grad, detect_fake_mode)
+        if error is None:
+            continue
+        in_place = [n for n in nodes if isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable]
+        ops = (f": its in-place ops ({in_place[0].target.name().replace('::', '.')} at {where(in_place[0])}"
+               + (f" and {len(in_place) - 1} more" if len(in_place) > 1 else "") + ") update tensors its gradient "
+               f"needs") if in_place else ""
+        raise TraceError(
+            f"{called} is a torch.autograd.Function ({function.__module__}.{function.__qualname__}) with a backward "
+            f"of its own; torch.export keeps its forward only, and autograd cannot differentiate that forward{ops} "
+            f"({error}). Split, the model would not train. In {model_path or 'the model file'}, take the model's "
+            f"path without the function (a library's reference implementation, e.g. mambapy's "
+            f"MambaConfig(pscan=False)), or give the function a forward autograd can differentiate (no tensor updated "
+            f"in place after it is read: each step's result in a new tensor)")
+    shown = ", ".join(kept[:3]) + (f" and {len(kept) - 3} more" if len(kept) > 3 else "")
+    return [f"{shown}: torch.autograd.Function(s) with a backward of their own; torch.export keeps their forward "
+            f"only, so split, the gradient through them is autograd's derivative of that forward, not their own "
+            f"backward (equal where the backward is that derivative)"]
+
+
+def _differentiate(nodes: list, needs_grad: set, detect_fake_mode):
+    """Run ``nodes`` (one call's forward) on fake inputs, those that carry a gradient in training requiring it, and
+    backward from every output that carries one: the first line of autograd's error, or None when it differentiates
+    (or when the nodes cannot be run apart: nothing to say then)."""
+    inside = set(nodes)
+    inputs = list(dict.fromkeys(a for n in nodes for a in n.all_input_nodes if a not in inside))
+    values = [a.meta.get("val") for a in inputs]
+    mode = detect_fake_mode([v for v in values if isinstance(v, torch.Tensor)])
+    if mode is None or any(not isinstance(v, (torch.Tensor, torch.SymInt, int, float, bool)) for v in values):
+        return None
+    try:
+        with mode, torch.enable_grad():
+            env, leaves = {}, []
+            for node, value in zip(inputs, values):
+                if isinstance(value, torch.Tensor):
+                    value = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
+                    if node in needs_grad:
+                        value.requires_grad_(True)
+                        leaves.append(value)
+                env[node] = value
+            for node in nodes:
+                args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
+                env[node] = node.target(*args, **kwargs)
+            outputs = [env[n] for n in nodes if any(u not in inside for u in n.users)]
+            outputs = [o for o in pytree.tree_leaves(outputs) if isinstance(o, torch.Tensor) and o.requires_grad]
+            if not (outputs and leaves):
+                return None
+    except Exception:
+        return None
+    try:
+        with mode:
+            torch.autograd.grad(outputs, leaves, [torch.ones_like(o) for o in outputs], allow_unused=True)
+    except RuntimeError as error:
+        return str(error).splitlines()[0].split(". Hint:")[0][:300]
+    return None
+
+
 def inline_grad_mode_regions(program: torch.export.ExportedProgram, model_path: str = "") -> None:
-    """Copy the bodies of export's grad-mode regions into the top-level graph, in place.
+    """Copy the bodies of export's grad-mode and autocast regions into the top-level graph, in place.
 
     Export wraps code run under ``torch.no_grad()`` (e.g. Hugging Face's rotary embedding) in a
-    ``wrap_with_set_grad_enabled`` higher-order op whose body is a submodule, and ``autocast(enabled=False)``
-    in ``wrap_with_autocast``. A stage is one flat generated function with no submodules, so the body is
-    inlined; outputs of a grad-disabled region are detached, which is exactly what running it under no_grad
-    gives. A disabled-autocast region's nodes are marked ``AUTOCAST_OFF``: the stage code generator turns
-    autocast off around them, so under ``--precision bf16`` they still run in fp32 (HF's rotary tables). Any other
-    higher-order op (torch.cond, an enabled autocast region) is reported, since its body cannot be split.
+    ``wrap_with_set_grad_enabled`` higher-order op whose body is a submodule, and code run under ``torch.autocast``
+    in ``wrap_with_autocast``; a region inside another is a higher-order op inside the outer body (OLMo-core's
+    rotary embedding computes its table under ``autocast(enabled=False)`` inside another such region). A stage is
+    one flat generated function with no submodules, so every body is inlined, the innermost first. Outputs of a
+    grad-disabled region are detached, which is exactly what running it under no_grad gives. An autocast region
+    that is disabled computes exactly the ops of its body: its nodes are marked ``AUTOCAST_OFF``, and the stage
+    code generator turns autocast off around them, so under ``--precision bf16`` they still run in fp32 (HF's rotary
+    tables). An enabled one whose body gives every value the dtype export recorded without autocast's casts (no op
+    it lists meets a tensor of another dtype) is its body too. Any other enabled one is traced again under its
+    autocast, so the casts autocast inserts become ops of the graph (``aten._to_copy``), marked ``AUTOCAST_OFF`` so
+    that nothing casts them again. Any other higher-order op (torch.cond) is reported, since its body cannot be
+    split.
     """
     graph_module = program.graph_module
-    graph = graph_module.graph
-    inlined = []
     parameters = {spec.arg.name: spec.target for spec in program.graph_signature.input_specs
                   if spec.kind == torch.export.graph_signature.InputKind.PARAMETER}
+    _inline_regions(graph_module, parameters, model_path)
+    graph_module.graph.lint()
+    graph_module.recompile()
+
+
+_REGIONS = ("wrap_with_set_grad_enabled", "wrap_with_autocast")
+
+
+def _inline_regions(graph_module: torch.fx.GraphModule, parameters: dict, model_path: str) -> None:
+    """:func:`inline_grad_mode_regions` on one graph (the program's, or a region's body): each region's body made
+    flat first (its own regions inlined into it), then copied in place of the region. ``parameters``: placeholder
+    name -> the parameter's FQN, for the placeholders of ``graph_module`` that are parameters."""
+    graph = graph_module.graph
+    inlined = []
     for node in list(graph.nodes):
         name = _hop_name(node)
-        if name == "wrap_with_set_grad_enabled":
-            grad_enabled, body_node, operands = node.args[0], node.args[1], node.args[2:]
-            if not grad_enabled:
-                _check_custom_backward(getattr(graph_module, body_node.target), operands, parameters, model_path)
-        elif name == "wrap_with_autocast" and node.args[2] is False:
-            grad_enabled, body_node, operands = True, node.args[4], node.args[5:]
-        else:
+        if name not in _REGIONS:
             continue
-        autocast_off = name == "wrap_with_autocast"
-        body = getattr(graph_module, body_node.target)
-        env: dict = {}
-        outer_stack = node.meta.get("nn_module_stack") or {}
-        with graph.inserting_before(node):
-            body_placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
-            for placeholder, operand in zip(body_placeholders, operands):
-                env[placeholder] = operand
-            results = None
-            for inner in body.graph.nodes:
-                if inner.op == "placeholder":
-                    continue
-                if inner.op == "output":
-                    results = inner.args[0]
-                    break
-                if inner.op == "get_attr":
-                    raise TraceError(_nested_region_message(node, model_path))
-                copied = graph.node_copy(inner, lambda n: env[n])
-                # keep the enclosing modules, so split points and stage balancing see the full module path
-                copied.meta["nn_module_stack"] = {**outer_stack, **(inner.meta.get("nn_module_stack") or {})}
-                if autocast_off:  # stage code runs it with autocast off, as eager does (--precision bf16)
-                    copied.meta[AUTOCAST_OFF] = True
-                if not copied.meta.get("stack_trace"):
-                    copied.meta["stack_trace"] = node.meta.get("stack_trace")
-                env[inner] = copied
-            outputs = list(results) if isinstance(results, (tuple, list)) else [results]
-            mapped = []
-            for value in outputs:
-                same = _input_returned(value) if isinstance(value, torch.fx.Node) else None
-                if same is not None:  # eager returns the input itself (x.to(x.dtype)): its gradient flows on
-                    mapped.append(env[same])
-                    continue
-                value = env.get(value, value) if isinstance(value, torch.fx.Node) else value
-                if not grad_enabled and isinstance(value, torch.fx.Node):
-                    detached = graph.call_function(torch.ops.aten.detach.default, (value,))
-                    detached.meta = {key: value.meta[key] for key in ("val", "nn_module_stack", "stack_trace")
-                                     if key in value.meta}
-                    value = detached
-                mapped.append(value)
-        users = list(node.users)
-        if isinstance(results, (tuple, list)):
-            for user in users:
-                if not (user.op == "call_function" and user.target is operator.getitem):
-                    raise TraceError(_nested_region_message(node, model_path))
-                user.replace_all_uses_with(mapped[user.args[1]])
-                graph.erase_node(user)
+        if name == "wrap_with_set_grad_enabled":
+            grad_enabled, body_node, operands, autocast = node.args[0], node.args[1], node.args[2:], None
         else:
-            node.replace_all_uses_with(mapped[0])
-        graph.erase_node(node)
+            grad_enabled, body_node, operands, autocast = True, node.args[4], node.args[5:], node.args[:4]
+        body = getattr(graph_module, body_node.target)
+        placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
+        _inline_regions(body, {p.name: parameters[o.name] for p, o in zip(placeholders, operands)
+                               if isinstance(o, torch.fx.Node) and o.name in parameters}, model_path)
+        if not grad_enabled:
+            _check_custom_backward(body, operands, parameters, model_path)
+        autocast_off = False
+        if autocast is not None:
+            device_type, dtype, enabled, cache_enabled = autocast
+            autocast_off = not enabled
+            if enabled and not _autocast_casts_nothing(body, operands, device_type):
+                body = _with_autocast_casts(body, operands, node, graph_module, model_path)
+                autocast_off = True
+        _copy_body(graph, node, body, operands, grad_enabled, autocast_off, graph_module, model_path)
         if not body_node.users:
             graph.erase_node(body_node)
             inlined.append(body_node.target)
@@ -494,9 +630,146 @@ def inline_grad_mode_regions(program: torch.export.ExportedProgram, model_path: 
     for node in graph.nodes:
         if node.op == "get_attr" and isinstance(getattr(graph_module, node.target, None), torch.fx.GraphModule):
             user = next(iter(node.users), node)
-            raise TraceError(_nested_region_message(user, model_path))
-    graph.lint()
-    graph_module.recompile()
+            raise TraceError(_nested_region_message(user, model_path, graph_module))
+
+
+def _copy_body(graph: torch.fx.Graph, node: torch.fx.Node, body: torch.fx.GraphModule, operands, grad_enabled: bool,
+               autocast_off: bool, graph_module: torch.fx.GraphModule, model_path: str) -> None:
+    """Copy the (flat) ``body`` of the region ``node`` into ``graph`` before it, and use its results in its place."""
+    env: dict = {}
+    outer_stack = node.meta.get("nn_module_stack") or {}
+    with graph.inserting_before(node):
+        body_placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
+        for placeholder, operand in zip(body_placeholders, operands):
+            env[placeholder] = operand
+        results = None
+        for inner in body.graph.nodes:
+            if inner.op == "placeholder":
+                continue
+            if inner.op == "output":
+                results = inner.args[0]
+                break
+            if inner.op == "get_attr":
+                raise TraceError(_nested_region_message(next(iter(inner.users), node), model_path, body))
+            copied = graph.node_copy(inner, lambda n: env[n])
+            # keep the enclosing modules, so split points and stage balancing see the full module path
+            copied.meta["nn_module_stack"] = {**outer_stack, **(inner.meta.get("nn_module_stack") or {})}
+            if autocast_off:  # stage code runs it with autocast off, as eager does (--precision bf16)
+                copied.meta[AUTOCAST_OFF] = True
+            if not copied.meta.get("stack_trace"):
+                copied.meta["stack_trace"] = node.meta.get("stack_trace")
+            env[inner] = copied
+        outputs = list(results) if isinstance(results, (tuple, list)) else [results]
+        mapped = []
+        for value in outputs:
+            same = _input_returned(value) if isinstance(value, torch.fx.Node) else None
+            if same is not None:  # eager returns the input itself (x.to(x.dtype)): its gradient flows on
+                mapped.append(env[same])
+                continue
+            value = env.get(value, value) if isinstance(value, torch.fx.Node) else value
+            if not grad_enabled and isinstance(value, torch.fx.Node):
+                detached = graph.call_function(torch.ops.aten.detach.default, (value,))
+                detached.meta = {key: value.meta[key] for key in ("val", "nn_module_stack", "stack_trace")
+                                 if key in value.meta}
+                value = detached
+            mapped.append(value)
+    if isinstance(results, (tuple, list)):
+        for user in list(node.users):
+            if not (user.op == "call_function" and user.target is operator.getitem):
+                raise TraceError(_nested_region_message(node, model_path, graph_module))
+            user.replace_all_uses_with(mapped[user.args[1]])
+            graph.erase_node(user)
+    else:
+        node.replace_all_uses_with(mapped[0])
+    graph.erase_node(node)
+
+
+def _dtypes(value) -> list:
+    return [leaf.dtype if isinstance(leaf, torch.Tensor) else None for leaf in pytree.tree_leaves(value)]
+
+
+class _CastFound(Exception):
+    pass
+
+
+def _autocast_casts_nothing(body: torch.fx.GraphModule, operands, device_type: str) -> bool:
+    """Whether every node of an enabled autocast region's ``body``, run on the traced (fake) values without
+    autocast, gives the dtypes export recorded under it: then no op autocast lists met a tensor of another dtype
+    (autocast's casts change the dtype of what the op returns), and the body alone computes the region."""
+    from torch._guards import detect_fake_mode
+
+    values = [o.meta.get("val") if isinstance(o, torch.fx.Node) else o for o in operands]
+    if any(isinstance(o, torch.fx.Node) and value is None for o, value in zip(operands, values)):
+        return False
+    mode = detect_fake_mode(values)
+    if mode is None:
+        return False
+
+    class Compare(torch.fx.Interpreter):
+        def run_node(self, n):
+            result = super().run_node(n)
+            if n.op == "call_function" and "val" in n.meta and _dtypes(result) != _dtypes(n.meta["val"]):
+                raise _CastFound(n.name)
+            return result
+
+    try:
+        with mode, torch.autocast(device_type, enabled=False):
+            Compare(body).run(*values)
+    except _CastFound:
+        return False
+    except Exception:  # an op that needs autocast's casts to run at all (dtypes it mixes)
+        return False
+    return True
+
+
+def _with_autocast_casts(body: torch.fx.GraphModule, operands, node: torch.fx.Node,
+                         graph_module: torch.fx.GraphModule, model_path: str) -> torch.fx.GraphModule:
+    """``body`` traced again (on the traced fake values) under the autocast of its region ``node``, below autocast,
+    so that each cast autocast inserts is an op of the returned graph; each op keeps the stack trace and modules of
+    the node it comes from. Refused where it cannot be traced so."""
+    from torch._guards import detect_fake_mode
+    from torch.fx import traceback as fx_traceback
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    device_type, dtype, _enabled, cache_enabled = node.args[:4]
+    values = [o.meta.get("val") if isinstance(o, torch.fx.Node) else o for o in operands]
+
+    def run(*args):
+        with torch.autocast(device_type, dtype=dtype, enabled=True, cache_enabled=cache_enabled):
+            return tuple(pytree.tree_leaves(torch.fx.Interpreter(body).run(*args)))
+
+    try:
+        with detect_fake_mode(values) or contextlib.nullcontext(), fx_traceback.preserve_node_meta():
+            traced = make_fx(run, tracing_mode="real")(*values)
+    except Exception as error:
+        line = _region_line(node, graph_module)
+        dtype_name = str(dtype).replace("torch.", "")
+        raise TraceError(
+            f"torch.autocast({device_type!r}, dtype={dtype_name}) at {line or 'a line of ' + (model_path or 'the model')}"
+            f" computes ops in {dtype_name}, and tracepp could not make the casts autocast inserts there ops of the "
+            f"graph ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}): cast explicitly in "
+            f"the model instead (x.to(torch.{dtype_name}) before the matmuls, the result back after), or remove the "
+            f"autocast region from forward() and train with --precision") from error
+    traced.graph.eliminate_dead_code()
+    return traced
+
+
+def _region_line(node: torch.fx.Node, graph_module: torch.fx.GraphModule) -> str:
+    """``file.py:42``: the model's line a region (or any higher-order op) runs, from its own stack trace, else from
+    its body's or its results' (export records none on the region node itself)."""
+    traces = [node.meta.get("stack_trace")]
+    body = next((getattr(graph_module, a.target, None) for a in node.args
+                 if isinstance(a, torch.fx.Node) and a.op == "get_attr"), None)
+    if isinstance(body, torch.fx.GraphModule):
+        traces += [n.meta.get("stack_trace") for n in body.graph.nodes]
+    traces += [user.meta.get("stack_trace") for user in node.users]
+    for trace in traces:
+        lines = re.findall(r'File "([^"]+)", line (\d+)', trace or "")
+        user = [(file, line) for file, line in lines if "site-packages/torch/" not in file
+                and not file.startswith("<") and os.path.dirname(file) != os.path.dirname(__file__)]
+        if user:
+            return f"{os.path.basename(user[-1][0])}:{user[-1][1]}"
+    return ""
 
 
 def _input_returned(node: torch.fx.Node):
@@ -524,15 +797,13 @@ def _input_returned(node: torch.fx.Node):
     return node if node.op == "placeholder" else None
 
 
-def _nested_region_message(node: torch.fx.Node, model_path: str) -> str:
-    trace_lines = (node.meta.get("stack_trace") or "").strip().splitlines()
-    user_lines = [line.strip() for line in trace_lines if line.strip().startswith('File "')
-                  and "site-packages/torch" not in line and not line.strip().startswith('File "<')]
-    where = f" ({user_lines[-1]})" if user_lines else ""
+def _nested_region_message(node: torch.fx.Node, model_path: str, graph_module=None) -> str:
+    line = _region_line(node, graph_module) if graph_module is not None else ""
+    where = f" at {line}" if line else ""
     op = _hop_name(node) or str(node.target)
     return (f"the traced graph of {model_path or 'the model'} holds a higher-order op '{op}'{where} whose body is "
             f"a nested graph; tracepp splits flat graphs only: replace torch.cond/control-flow ops with "
-            f"torch.where, and remove enabled torch.autocast regions from forward()")
+            f"torch.where")
 
 
 def _failure_site(error: BaseException, model: torch.nn.Module, model_path: str):
