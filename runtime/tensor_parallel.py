@@ -67,10 +67,11 @@ def _all_reduce(tensor: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _pieces(tensor: torch.Tensor, dim: int, groups: int) -> torch.Tensor:
-    """``tensor`` with ``dim`` split into ``(groups, rest)``: the rank pieces are chunks of ``rest``."""
+def _pieces(tensor: torch.Tensor, dim: int, groups: int, whole: bool = True) -> torch.Tensor:
+    """``tensor`` with ``dim`` split into ``(groups, rest)``: for a ``whole`` value the rank pieces are chunks of
+    ``rest``; a rank's own piece (``whole=False``, one being joined) need only split into its segments."""
     shape = list(tensor.shape)
-    if shape[dim] % (groups * _STATE["size"]):
+    if shape[dim] % (groups * (_STATE["size"] if whole else 1)):
         raise RuntimeError(f"a sequence-parallel dim of {shape[dim]} ({groups} segment(s)) does not split into "
                            f"{_STATE['size']} equal pieces: the sequence length must be a multiple of --tp "
                            f"{_STATE['size']} with --sequence-parallel (pad the batch, or split without "
@@ -104,7 +105,7 @@ def _gather(tensor: torch.Tensor, dim: int, groups: int = 1) -> torch.Tensor:
     shape = list(tensor.shape)
     shape[dim] *= size
     out = tensor.new_empty(shape)
-    torch.cat([_pieces(part, dim, groups) for part in parts], dim=dim + 1, out=out.view(
+    torch.cat([_pieces(part, dim, groups, whole=False) for part in parts], dim=dim + 1, out=out.view(
         list(tensor.shape[:dim]) + [groups, shape[dim] // groups] + list(tensor.shape[dim + 1:])))
     return out
 

@@ -318,3 +318,20 @@ def test_fast_ops_calls_the_same_ops_one_frame_shorter(monkeypatch):
     assert scope["torch"] is torch
     monkeypatch.setenv("TRACEPP_FAST_OPS", "off")
     assert not fast_ops.bind(stage) and scope["torch"] is torch
+
+
+def test_tp_gather_joins_segment_pieces_smaller_than_the_group(monkeypatch):
+    # x-transformers at --tp 2: a key of 2 heads in 2 segments, read at each rank's piece (one head of each segment);
+    # the gradient's all-gather refused its 2-wide pieces as if each had to split into 2 segments of 2 ranks
+    from tracepp.runtime import tensor_parallel as rt
+
+    whole = torch.arange(8.0).reshape(2, 4)  # dim 1: segments [0, 1] and [2, 3]; rank r holds element r of each
+    local = [whole[:, [0, 2]], whole[:, [1, 3]]]
+
+    def all_gather(parts, tensor, group=None):
+        for part, piece in zip(parts, local):
+            part.copy_(piece)
+
+    monkeypatch.setitem(rt._STATE, "size", 2)
+    monkeypatch.setattr(rt.dist, "all_gather", all_gather)
+    assert torch.equal(rt._gather(local[0].contiguous(), 1, 2), whole)
