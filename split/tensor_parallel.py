@@ -2092,13 +2092,14 @@ def _walk_like(walk: _Walk, before: tuple, here: tuple, received: dict, learned:
 def sequence_length(graph):
     """The traced sequence length (an int or a sympy expression): dim 1 of the first batched root input of two
     or more dims (the token ids), or None."""
-    for ref in graph.root_inputs.values():
+    for name, ref in graph.root_inputs.items():
         if not (ref.batched and ref.meta is not None and len(ref.meta.shape) >= 2):
             continue
-        for stage in graph.stages:
-            for node in stage.graph.nodes:
-                if node.op == "placeholder" and node.name == ref.placeholder:
-                    return _sizes(_val(node))[1]
+        for stage in graph.stages:  # a stage's placeholders: its state, then its root inputs in stage.root_inputs'
+            placeholders = [n for n in stage.graph.nodes if n.op == "placeholder"]  # order (named anew: a root
+            node = dict(zip(stage.root_inputs, placeholders[len(stage.state):])).get(name)  # `input` is `input_1`)
+            if node is not None:
+                return _sizes(_val(node))[1]
     return None
 
 
