@@ -1379,6 +1379,8 @@ class _Walk:
         if isinstance(node, fx.Node) and node not in self.shard:
             if node.op == "placeholder":
                 found = node.name in self.fqn_of
+            elif node.target is aten.type_as.default:  # the second operand gives only its dtype (OLMo-core's
+                found = self._param_only(node.args[0])  # norm: ``weight.type_as(x)``)
             elif node.op == "call_function" and node.all_input_nodes:
                 found = all(self._param_only(arg) for arg in node.all_input_nodes)
         self._made_of_params[node] = found
@@ -1481,22 +1483,22 @@ class _Walk:
         specs = inputs.split(",")
         if len(specs) != len(operands) or self._kind_of(operands) != "tp":
             return False
-        labels, segments = set(), set()
-        for spec, arg in zip(specs, operands):
-            if arg in self.shard:
-                if len(spec) != _val(arg).dim():
-                    return False
-                labels.add(spec[self.shard[arg]])
-                segments.add(self.segs.get(arg))
-        if len(labels) != 1 or len(segments) != 1:
+        sharded = [(spec, arg) for spec, arg in zip(specs, operands) if arg in self.shard]
+        if any(len(spec) != _val(arg).dim() for spec, arg in sharded):
             return False
-        label, segs = labels.pop(), segments.pop()
-        if output.count(label) != 1 or any(spec.count(label) > 1 for spec in specs):
-            return False  # summed over (a contraction of the sharded dim), or a diagonal
+        # the first operand sharded on a label the output keeps sets the placement (the queries, the scores); one
+        # sharded otherwise (keys tiled to the query heads: their heads in segments) is gathered and read whole
+        anchor = next((arg for spec, arg in sharded if output.count(spec[self.shard[arg]]) == 1), None)
+        if anchor is None:
+            return False  # summed over (a contraction of the sharded dim)
+        label, segs = specs[operands.index(anchor)][self.shard[anchor]], self.segs.get(anchor)
+        if any(spec.count(label) > 1 for spec in specs):
+            return False  # a diagonal
+        apart = [arg for spec, arg in sharded if spec[self.shard[arg]] != label or self.segs.get(arg) != segs]
         e, size = output.index(label), _val(node).shape[output.index(label)]
         reads, claims = [], []
         for spec, arg in zip(specs, operands):
-            if arg in self.shard:
+            if arg in self.shard and arg not in apart:
                 continue
             at = spec.find(label)
             val = _val(arg)
@@ -1508,10 +1510,12 @@ class _Walk:
                 reads.append((arg, at))
             else:
                 return False
+        for arg in apart:
+            self._gather(node, arg)
         for arg, at in claims:
             self._claim(node, arg, at)
         self._read_whole(node, reads, self.groups_of(segs))
-        self._place(node, e, segs, self._origin_of(operands))
+        self._place(node, e, segs, self._origin_of([a for a in operands if a in self.shard and a not in apart]))
         return True
 
     def _unplace(self, node) -> bool:

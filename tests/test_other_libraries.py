@@ -42,6 +42,7 @@ from util import REPO, assert_state_close, assert_trained, eager_train, model_pa
 pytestmark = pytest.mark.timeout(600)
 
 NORMALIZE_TP = model_path("tp_normalize_rmsnorm")
+NORMALIZE_WHOLE_ATTENTION = model_path("tp_normalize_whole_attention")  # the norm on a sharded stream
 NORMALIZE_CP = model_path("cp_normalize_rmsnorm")
 GEMMA = model_path("tp_gemma_mqa_fused")
 FUSED = model_path("tp_fused_qkv_llama")
@@ -60,8 +61,8 @@ def _train_against_eager(path: str, out: str, nproc: int, tmp_path) -> None:
 
 def test_normalize_rmsnorm_tp2_trains_equal_to_eager(tmp_path):
     out = str(tmp_path / "out")
-    split_model(NORMALIZE_TP, out, schedule="looped-bfs", num_microbatches=4, layout=Layout(pp=1, tp=2))
-    _train_against_eager(NORMALIZE_TP, out, 2, tmp_path)
+    split_model(NORMALIZE_WHOLE_ATTENTION, out, schedule="looped-bfs", num_microbatches=4, layout=Layout(pp=1, tp=2))
+    _train_against_eager(NORMALIZE_WHOLE_ATTENTION, out, 2, tmp_path)
 
 
 def test_normalize_rmsnorm_cp2_trains_equal_to_eager(tmp_path):

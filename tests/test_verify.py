@@ -20,7 +20,7 @@ from util import REPO, model_path
 pytestmark = pytest.mark.timeout(600)
 
 LLAMA = model_path("tp_llama")
-NORMALIZE = model_path("tp_normalize_rmsnorm")
+NORMALIZE = model_path("tp_normalize_whole_attention")  # the norm over the sharded residual stream
 
 
 def _check(path, mode="on", pp=2, **layout):

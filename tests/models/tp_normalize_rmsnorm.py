@@ -3,9 +3,9 @@
 query heads, 2 key/value heads tiled to the query heads) and its default ``einsum`` path; rotary positions, a
 SwiGLU MLP; 2 layers, hidden 64, 16 tokens.
 
-The tp plan keeps this attention whole (the tiled repeat and the einsum have no rule), so ``to_out`` is
-column-wise and the residual stream is sharded on its features from there: the next norm's ``F.normalize`` meets
-a sharded value. ``--tp 2`` must train equal to eager: the L2 norm over features is not a sum of the ranks' norms.
+Its einsum attention runs on each rank's heads (the tiled keys and values read whole at each rank's piece), so the
+residual stream stays whole; ``tp_normalize_whole_attention`` keeps the attention whole as tracepp once did, which
+puts the norm on a sharded value. ``--tp 2`` must train equal to eager.
 """
 import functools
 

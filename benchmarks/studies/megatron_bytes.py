@@ -1,0 +1,103 @@
+"""Each family's ``--tp 2`` traffic beside Megatron's plan for the same layers (issue 57's goal: at most 1.0x where
+Megatron's plan applies), for every model of the two family tables (``docs/families.md``): transformers' causal-LM
+families (``tests/zoo/hf_family.py``) and the decoder code of other libraries (``tests/zoo_other``).
+
+For each model, in its own process with a time limit: ``tracepp check --ranks 2 --tp 2`` (2 microbatches of 2
+samples, no verification: the plan is what is measured), then from the manifest each decoder layer's bytes per
+microbatch (``split.plan_cost``: forward and backward, as ring collectives move them) and Megatron's for that layer
+(an all-reduce of its ``[b, s, h]`` after the attention and after the MLP, forward and backward), where that plan
+applies (a layer with an attention and at least as many key/value groups as tp). The worst layer's ratio is kept::
+
+    nice -n 10 python -m benchmarks.studies.megatron_bytes [--models llama,nanogpt] [--timeout 300]
+
+writes ``benchmarks/results/<time>_megatron_bytes.json`` and prints a table (families over 1.0x, and how many
+layers have no Megatron plan to compare with, by reason).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, REPO)
+
+_ONE = r"""
+import json, os, sys
+sys.path[:0] = [{zoo!r}, {tests!r}]
+from tracepp.driver import check_model
+from tracepp.runtime.mesh import Layout
+manifest = check_model({path!r}, num_microbatches=2, layout=Layout(pp=2, tp=2), verify="off")
+layers = {{}}
+for index, stage in enumerate(manifest["tp"]["stages"]):
+    for layer, figures in stage.get("layers", {{}}).items():
+        layers[layer] = figures
+print("RESULT " + json.dumps({{"layers": layers, "share": [s["share"]["params"] for s in manifest["tp"]["stages"]]}}))
+"""
+
+
+def models() -> list:
+    """(name, model file, environment) for every family of both tables."""
+    from benchmarks.studies import families, other_families
+
+    out = [(name, families.PATH, {"HF_FAMILY": name}) for name in families.families()]
+    out += [(name, other_families.path_of(name), {}) for name in other_families.models()]
+    return out
+
+
+def measure(name: str, path: str, env: dict, timeout: float) -> dict:
+    code = _ONE.format(zoo=os.path.dirname(path), tests=os.path.join(REPO, "tests"), path=path)
+    started = time.time()
+    try:
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
+                              env=dict(os.environ, **env), cwd="/tmp")
+    except subprocess.TimeoutExpired:
+        return {"model": name, "error": f"over {timeout:.0f} s"}
+    line = next((l for l in done.stdout.splitlines() if l.startswith("RESULT ")), None)
+    if line is None:
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return {"model": name, "error": tail[:300]}
+    found = json.loads(line[len("RESULT "):])
+    ratios = [moved / megatron for moved, megatron in found["layers"].values() if megatron]
+    return {"model": name, "seconds": round(time.time() - started, 1), "layers": found["layers"],
+            "share": found["share"], "worst": max(ratios) if ratios else None,
+            "compared": len(ratios), "not_compared": len(found["layers"]) - len(ratios)}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default=None, help="comma-separated names (default: every family)")
+    parser.add_argument("--timeout", type=float, default=300.0)
+    args = parser.parse_args(argv)
+    chosen = models()
+    if args.models:
+        wanted = set(args.models.split(","))
+        chosen = [m for m in chosen if m[0] in wanted]
+    records = []
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    out = os.path.join(REPO, "benchmarks", "results", f"{stamp}_megatron_bytes.json")
+    for name, path, env in chosen:
+        record = measure(name, path, env, args.timeout)
+        records.append(record)
+        worst = record.get("worst")
+        print(f"{name}: " + (record["error"] if "error" in record else
+                             f"worst layer {worst:.2f}x Megatron" if worst is not None else
+                             f"no layer with a Megatron plan ({record['not_compared']} layers)"), flush=True)
+        with open(out, "w") as handle:  # after every model: a stopped run keeps what it measured
+            json.dump({"what": "tp 2 bytes per microbatch per decoder layer beside Megatron's plan",
+                       "models": len(chosen), "records": records}, handle, indent=1)
+    compared = [r for r in records if r.get("worst") is not None]
+    over = sorted((r for r in compared if r["worst"] > 1.0 + 1e-9), key=lambda r: -r["worst"])
+    print(f"\n{len(compared)} models with a layer Megatron's plan applies to; {len(compared) - len(over)} at or under "
+          f"1.0x; over: " + (", ".join(f"{r['model']} {r['worst']:.2f}x" for r in over) or "none"))
+    print(f"no comparable layer: {', '.join(r['model'] for r in records if r.get('worst') is None and 'error' not in r)}")
+    print(f"errors: {', '.join(r['model'] for r in records if 'error' in r) or 'none'}")
+    print(f"results: {os.path.relpath(out, REPO)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
