@@ -204,3 +204,14 @@ def test_torchtitan_fused_qkv_saved_through_state_dict_hooks_trains_equal_to_eag
     reloaded = load_model_file(path).model()
     reloaded.load_state_dict(torch.load(str(tmp_path / "trained.pt")))  # through its load_state_dict hook
     assert_state_close(reloaded.state_dict(), eager_train(path, 3))
+
+
+def test_olmo_core_norm_weight_read_through_type_as_shards_the_layer():
+    # OLMo-core's RMSNorm scales by weight.type_as(x): a value made from the weight alone (type_as reads only x's
+    # dtype). Taken for one made from x, the q/k norms over all heads were refused and the attention kept whole
+    # (the study's OLMo-core: 0.55 of each layer)
+    manifest = check_model(OLMO, num_microbatches=2, layout=Layout(pp=2, tp=2))
+    params = manifest["tp"]["params"]
+    assert params["blocks.0.attention.w_q.weight"]["role"] == "colwise"
+    assert params["blocks.0.attention.w_out.weight"]["role"] == "rowwise"
+    assert all(stage["share"]["params"] >= 0.95 for stage in manifest["tp"]["stages"])
