@@ -53,6 +53,15 @@ class NotVerified(Exception):
     """The stage could not be run here (too big, an op this interpreter does not know, random ops)."""
 
 
+class RanksFailed(Exception):
+    """An op of the rewritten program raised on the ranks' values (a view of the whole size over a shard): the
+    plan is wrong there, as surely as where a value differs."""
+
+    def __init__(self, node, error):
+        super().__init__(f"{node.name}: {type(error).__name__}: {str(error).splitlines()[0][:200]}")
+        self.node, self.error = node, error
+
+
 @dataclass
 class Mismatch:
     stage: int
@@ -63,9 +72,12 @@ class Mismatch:
     error: float = 0.0
     scale: float = 0.0
     fqns: list = field(default_factory=list)  # the sharded parameters feeding it: made whole by a repair
+    failure: str = ""  # the error the ranks' program raised there (where the unsharded one ran)
 
     def text(self) -> str:
         where = f" ({self.op}{' at ' + self.at if self.at else ''})" if self.op else ""
+        if self.failure:
+            return f"stage {self.stage}: {self.what}{where} fails on the ranks' shards: {self.failure}"
         how = (f"by {self.error:.3g} (largest magnitude {self.scale:.3g})" if self.error != float("inf") else
                "in its shape, its integer values or where it is finite")
         return f"stage {self.stage}: {self.what}{where} differs from the unsharded graph {how}"
@@ -251,7 +263,12 @@ def run(g: fx.Graph, inputs: list, size: int) -> dict:
                 args = fx.node.map_aggregate(node.args, at(r))
                 kwargs = fx.node.map_aggregate(node.kwargs, at(r))
                 with _Ranks(size, r):
-                    outs.append(target(*args, **kwargs))
+                    try:
+                        outs.append(target(*args, **kwargs))
+                    except Exception as error:
+                        if size == 1:
+                            raise
+                        raise RanksFailed(node, error) from error
             env[node.name] = outs
         else:
             raise NotVerified(f"a {node.op} node ({node.name}) has no simulation here")
@@ -529,8 +546,12 @@ def _verify_stage(graph, stage, original, walk, size, traced, values, sent, gene
         ranked.append([p.detach().clone().requires_grad_(wants) for p in pieces])
     try:
         env = run(walk.graph, ranked, size)
-    except NotVerified:
-        raise
+    except RanksFailed as failed:  # the unsharded program ran: the plan is wrong at this op
+        node = failed.node
+        error = failed.error
+        return {"status": "mismatch", "mismatch": Mismatch(
+            stage.index, f"the value of {node.name}", node.name, _op(node), _where(node), float("inf"), 0.0,
+            _feeding(walk, node), f"{type(error).__name__}: {str(error).splitlines()[0][:200]}")}
     result_outputs = env[walk.graph.output_node().name]
     mismatch = None
     for index, (name, want) in enumerate(zip(stage.outputs, outputs)):

@@ -136,3 +136,33 @@ def test_the_simulated_ops_cut_as_the_runtime_does():
         assert torch.equal(got, want_group)
         got = verify._collective(torch.ops.tracepp.tp_parts.default, [x] * 4, [1, [4, 8]], 4)[rank]
         assert torch.equal(got, want_parts)
+
+
+def _whole_view_over_a_shard(monkeypatch):
+    """A rewrite that leaves the view merging the heads before a row-wise linear at its whole size (PaLM's einsum
+    attention once met this: a view of the whole width over each rank's heads)."""
+    original = tensor_parallel._rewrite
+
+    def rewrite(g, walk, tp, params):
+        original(g, walk, tp, params)
+        for node in g.nodes:
+            x = node.args[0] if node.target is torch.ops.aten.linear.default and node.args else None
+            if walk.roles.get(node) == "rowwise" and getattr(x, "target", None) in (
+                    torch.ops.aten.view.default, torch.ops.aten.reshape.default):
+                sizes = list(x.args[1])
+                sizes[-1] = sizes[-1] * tp
+                x.args = (x.args[0], sizes)
+                return
+
+    monkeypatch.setattr(tensor_parallel, "_rewrite", rewrite)
+
+
+def test_an_op_that_fails_on_the_shards_is_caught_and_repaired(monkeypatch):
+    # the ranks' program raising where the unsharded one runs is a wrong plan, not "not verified"
+    _whole_view_over_a_shard(monkeypatch)
+    with pytest.raises(ValueError, match=r"fails on the ranks' shards: RuntimeError: shape .* is invalid"):
+        _check(LLAMA, mode="strict", tp=2)
+    manifest = _check(LLAMA, tp=2)
+    record = manifest["tp"]["verified"]
+    assert record["status"] == "repaired", record
+    assert all("reshape" in repair["op"] or "view" in repair["op"] for repair in record["repairs"]), record
