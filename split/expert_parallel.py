@@ -14,8 +14,13 @@ only the grouped matmuls move. Each block becomes::
     out = tracepp.ep_combine(expert_out, plan, rows.shape[0])
 
 and each expert weight (``[num_experts, ...]``) is sharded on its expert dim (``Shard(0)``): ep rank r holds
-experts ``[r * E / ep, (r + 1) * E / ep)``. Without ``--ep`` the blocks are still found, and their offsets pass
-through ``tracepp.moe_tokens`` so the run can report tokens per expert.
+experts ``[r * E / ep, (r + 1) * E / ep)``. The weight is the grouped matmul's operand followed back through casts
+and views that keep the expert dim whole (torchtitan's ``w.bfloat16().transpose(-2, -1)`` of weights stored
+``[experts, out, in]``); a parameter whose experts lie on another dim, brought to dim 0 by a permute, is sharded
+on that dim (the plan's ``"dim"``). Where the matmuls cast the rows apart (torchtitan's gate and up each call
+``x.bfloat16()``), the rows they all cast from are dispatched once and the casts run after the dispatch.
+Without ``--ep`` the blocks are still found, and their offsets pass through ``tracepp.moe_tokens`` so the run can
+report tokens per expert.
 
 Expert biases (GPT-OSS: ``gate_up_proj_bias[expert_ids]``, a bias per expert gathered for each sorted row and
 added to the grouped matmul's output) move with their rows: after dispatch each row keeps the index of its local
@@ -30,6 +35,7 @@ in one grouped matmul.
 from __future__ import annotations
 
 import operator
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -37,6 +43,7 @@ import torch.fx as fx
 
 import tracepp.runtime.expert_parallel  # noqa: F401  (registers torch.ops.tracepp.ep_*)
 from tracepp.split.cost import as_int, held_bytes, op_name, tensor_bytes
+from tracepp.split.naming import frames
 from tracepp.split.partition import listed_module, node_modules
 
 aten = torch.ops.aten
@@ -48,9 +55,10 @@ _ROW_WISE = {  # ops a chain of expert matmuls may run between them: each row on
     "aten::clone", "aten::contiguous", "aten::_assert_tensor_metadata", "aten::alias", "aten::pow",
     "aten::minimum", "aten::maximum", "aten::exp", "aten::erf", "aten::softplus", "_operator.getitem", "getitem",
     "aten::add_", "aten::mul_", "aten::sub_", "aten::div_", "aten::clamp_", "aten::clamp_min", "aten::clamp_max",
+    "aten::type_as",
     "aten::slice",  # of the features (GPT-OSS's interleaved gate and up: [..., ::2]), never of the rows
 }
-_TRANSPOSES = {aten.transpose.int, aten.permute.default, aten.t.default, aten.numpy_T.default}
+_TORCH_DIR = os.path.dirname(torch.__file__)
 
 
 class ExpertParallelError(ValueError):
@@ -72,6 +80,8 @@ class MoEBlock:
     fqn_of: dict = None  # placeholder name -> parameter fqn of the stage
     biases: dict = field(default_factory=dict)  # per-expert parameter fqn -> its placeholder (expert biases)
     gathers: list = field(default_factory=list)  # index(bias, [sorted expert ids]) nodes read inside the chain
+    expert_dims: dict = field(default_factory=dict)  # expert weight fqn -> its expert dim (the matmuls' dim 0)
+    weight_paths: list = field(default_factory=list)  # (node, expert dim): casts and views of the weights
 
     @property
     def out(self) -> fx.Node:
@@ -94,13 +104,82 @@ def _val(node):
     return node.meta.get("val") if isinstance(node, fx.Node) else None
 
 
-def _weight(node, fqn_of: dict):
-    """(fqn, placeholder) of a 3-D parameter a grouped matmul reads (itself or a transpose of it), else None."""
-    while isinstance(node, fx.Node) and node.target in _TRANSPOSES:
-        node = node.args[0]
-    if isinstance(node, fx.Node) and node.op == "placeholder" and node.name in fqn_of and _val(node).dim() == 3:
-        return fqn_of[node.name], node
+# what a grouped matmul's expert weight operand may pass through from its parameter: the same weight, its expert
+# dim kept apart from the others (torchtitan: ``w.bfloat16().transpose(-2, -1)``, its weights stored [experts,
+# out, in] like one nn.Linear per expert)
+_WEIGHT_CASTS = ("aten::to", "aten::_to_copy", "aten::type_as", "aten::clone", "aten::contiguous", "aten::alias")
+_ROW_CASTS = _WEIGHT_CASTS  # and what the rows may pass through into each grouped matmul (``x.bfloat16()``)
+
+
+@dataclass
+class ExpertWeight:
+    """A grouped matmul's expert weight operand, followed back to its parameter."""
+
+    fqn: str
+    placeholder: fx.Node
+    dim: int  # the parameter's expert dim (the grouped matmul's dim 0)
+    path: list  # (node, its expert dim), from the parameter's first view or cast to the matmul's operand
+
+
+def _expert_dim_before(node, dim: int):
+    """The dim of ``node``'s input that is ``node``'s output dim ``dim``, when ``node`` is a cast or a view that
+    moves whole dims (a transpose, a permute), else None."""
+    if op_name(node) in _WEIGHT_CASTS:
+        return dim
+    val = _val(node)
+    rank = val.dim() if isinstance(val, torch.Tensor) else None
+    if rank is None:
+        return None
+    if node.target is aten.transpose.int:
+        a, b = (int(d) % rank for d in node.args[1:3])
+        return b if dim == a else a if dim == b else dim
+    if node.target is aten.permute.default:
+        return int(node.args[1][dim]) % rank
+    if node.target in (aten.t.default, aten.numpy_T.default):
+        return rank - 1 - dim
     return None
+
+
+def _weight(node, fqn_of: dict):
+    """The :class:`ExpertWeight` a grouped matmul multiplies by: a 3-D parameter, itself or through casts and views
+    that keep its expert dim whole (the operand's dim 0, any dim of the parameter), else None."""
+    dim, path = 0, []
+    while isinstance(node, fx.Node) and node.op == "call_function":
+        before = _expert_dim_before(node, dim)
+        if before is None or not isinstance(node.args[0], fx.Node):
+            return None
+        path.append((node, dim))
+        node, dim = node.args[0], before
+    if isinstance(node, fx.Node) and node.op == "placeholder" and node.name in fqn_of and _val(node).dim() == 3:
+        return ExpertWeight(fqn_of[node.name], node, dim, path[::-1])
+    return None
+
+
+def _rows_of(matmuls: list):
+    """The rows the block's grouped matmuls read: the first matmul's input, or where several matmuls read the
+    rows apart (torchtitan's gate and up: ``_grouped_mm(x.bfloat16(), w1...)``, ``_grouped_mm(x.bfloat16(),
+    w3...)``) the node they all cast from; None when they read different rows."""
+    entries = [m for m in matmuls if not any(a in matmuls for a in _ancestors(m))]
+    chains = []
+    for matmul in entries:
+        chain, node = [], matmul.args[0]
+        while isinstance(node, fx.Node):
+            chain.append(node)
+            if op_name(node) not in _ROW_CASTS or not isinstance(node.args[0], fx.Node):
+                break
+            node = node.args[0]
+        chains.append(chain)
+    common = [n for n in chains[0] if all(n in chain for chain in chains[1:])]
+    return common[0] if common else None
+
+
+def _at(node) -> str:
+    """`` at model.py:42``: the innermost frame of the node's stack trace outside torch (the model's own line, or
+    its library's), or ''."""
+    found = frames(node.meta.get("stack_trace")) if isinstance(node, fx.Node) else []
+    outside = [f for f in found if _TORCH_DIR not in f[0] and f"{os.sep}torch{os.sep}" not in f[0]]
+    frame = (outside or found or [None])[-1]
+    return f" at {os.path.basename(frame[0])}:{frame[1]}" if frame else ""
 
 
 def _module(node) -> str:
@@ -118,17 +197,29 @@ def find_blocks(graph: fx.Graph, fqn_of: dict) -> list:
         by_offsets.setdefault(offsets, []).append(node)
     blocks = []
     for offsets, matmuls in by_offsets.items():
-        weights, refused = {}, ""
+        weights, expert_weights, refused = {}, [], ""
         for matmul in matmuls:
             found = _weight(matmul.args[1], fqn_of)
             if found is None:
-                refused = (f"{matmul.name} ({op_name(matmul)}) multiplies by {matmul.args[1]}, not an expert weight "
-                           f"parameter [experts, in, out]")
+                refused = (f"{matmul.name} ({op_name(matmul)}) multiplies by {matmul.args[1]}"
+                           f"{_at(matmul)}, which is not an expert weight parameter (3-D, its expert dim "
+                           f"the grouped matmul's dim 0) nor one through casts, transposes or permutes")
                 continue
-            weights[found[0]] = found[1]
-        counts = {int(_val(p).shape[0]) for p in weights.values()}
+            weights[found.fqn] = found.placeholder
+            expert_weights.append(found)
+        dims = {w.fqn: w.dim for w in expert_weights}
+        counts = {int(_val(w.placeholder).shape[w.dim]) for w in expert_weights}
+        rows = _rows_of(matmuls)
+        paths = list(dict.fromkeys(step for w in expert_weights for step in w.path))  # a view two matmuls read: once
         block = MoEBlock(_module(matmuls[0]), offsets, matmuls, weights, max(counts) if counts else 0,
-                         rows=matmuls[0].args[0], refused=refused, fqn_of=fqn_of)
+                         rows=rows if rows is not None else matmuls[0].args[0], refused=refused, fqn_of=fqn_of,
+                         expert_dims=dims, weight_paths=paths)
+        twice = sorted({w.fqn for w in expert_weights if dims[w.fqn] != w.dim})
+        if twice and not block.refused:
+            block.refused = f"the expert weight {twice[0]} is multiplied with its experts on two different dims"
+        if rows is None and not block.refused:
+            block.refused = (f"the grouped matmuls sharing {offsets.name} read different rows: "
+                             f"{', '.join(f'{m.name} reads {m.args[0]}{_at(m)}' for m in matmuls)}")
         if not offsets:
             block.refused = f"{matmuls[0].name} ({op_name(matmuls[0])}) has no offsets: not a routed-expert matmul"
         elif len(counts) > 1:
@@ -139,10 +230,10 @@ def find_blocks(graph: fx.Graph, fqn_of: dict) -> list:
 
 
 def _check_chain(block: MoEBlock) -> str:
-    """Why the rows between the block's first and last grouped matmul cannot move to the experts' rank, or ''."""
-    first, last = block.matmuls[0], block.out
-    after_first, before_last = _descendants(first), _ancestors(last)
-    between = [n for n in after_first & before_last if n is not last]
+    """Why the rows between the block's rows and its last grouped matmul cannot move to the experts' rank, or ''."""
+    last = block.out
+    after_rows, before_last = _descendants(block.rows), _ancestors(last)
+    between = [n for n in after_rows & before_last if n is not last]
     rows = _val(block.rows).shape[0] if isinstance(_val(block.rows), torch.Tensor) else None
     for node in sorted(between, key=_position):
         if node in block.matmuls:
@@ -155,9 +246,13 @@ def _check_chain(block: MoEBlock) -> str:
             return f"{node.name} ({op_name(node)}) runs between the expert matmuls and is not a per-row op"
         if op_name(node) == "aten::slice" and (node.args[1] if len(node.args) > 1 else 0) % _val(node).dim() == 0:
             return f"{node.name} (aten::slice) cuts the rows between the expert matmuls"
+        outside = [u for u in node.users if u not in between and u is not last and not _checks_dtype_only(u)]
+        if outside:
+            return (f"{node.name} ({op_name(node)}){_at(node)} runs on the rows between the expert matmuls and is "
+                    f"also read by {outside[0].name} ({op_name(outside[0])}){_at(outside[0])} outside them")
         for arg in node.all_input_nodes:
             val = _val(arg)
-            if arg in between or arg is first or not isinstance(val, torch.Tensor) or val.dim() == 0:
+            if arg in between or arg is block.rows or not isinstance(val, torch.Tensor) or val.dim() == 0:
                 continue
             if rows is not None and val.dim() >= 2 and val.shape[0] == rows:
                 bias = _expert_bias(arg, block)
@@ -169,11 +264,16 @@ def _check_chain(block: MoEBlock) -> str:
                 return (f"{node.name} ({op_name(node)}) reads {arg.name}, one row per (token, expert) pair made "
                         f"outside the expert matmuls, which is not a per-expert parameter gathered by the sorted "
                         f"expert ids")
+    path = {node for node, _dim in block.weight_paths}
     for fqn, placeholder in block.weights.items():
-        for user in placeholder.users:
-            if user not in block.matmuls and not (user.target in _TRANSPOSES and
-                                                  all(u in block.matmuls for u in user.users)):
-                return f"the expert weight {fqn} is also read by {user.name} ({op_name(user)})"
+        stack = [placeholder]
+        while stack:  # the weight, its casts and views: read by each other and by the grouped matmuls alone
+            node = stack.pop()
+            for user in node.users:
+                if user in path:
+                    stack.append(user)
+                elif not ((user in block.matmuls and user.args[1] is node) or _checks_dtype_only(user)):
+                    return f"the expert weight {fqn} is also read by {user.name} ({op_name(user)}){_at(user)}"
     for fqn, placeholder in block.biases.items():
         for user in placeholder.users:
             if user not in block.gathers:
@@ -182,6 +282,15 @@ def _check_chain(block: MoEBlock) -> str:
             if gather.args[0] is placeholder and any(u not in between for u in gather.users):
                 return f"{gather.name} (the rows of {fqn}) is also read outside the expert matmuls"
     return ""
+
+
+def _checks_dtype_only(node) -> bool:
+    """``aten._assert_tensor_metadata`` of a dtype, device or layout (what ``x.to(dtype)`` leaves in the graph),
+    true of this rank's experts as of all of them; not one of a size or strides."""
+    if node.target is not aten._assert_tensor_metadata.default:
+        return False
+    sizes = list(node.args[1:3]) + [node.kwargs.get("size"), node.kwargs.get("stride")]
+    return all(size is None for size in sizes)
 
 
 def _expert_bias(node, block: MoEBlock):
@@ -286,9 +395,10 @@ def plan(graph, ep: int, dp: int, fqn_map) -> tuple:
         result.blocks.append(entry)
         if ep > 1:
             for fqn, placeholder in list(block.weights.items()) + list(block.biases.items()):
-                shape = [int(s) for s in _val(placeholder).shape]
-                result.params[fqn] = {"dim": 0, "experts": block.num_experts, "shape": shape,
-                                      "local": [shape[0] // ep] + shape[1:]}
+                shape, dim = [int(s) for s in _val(placeholder).shape], block.expert_dims.get(fqn, 0)
+                local = list(shape)
+                local[dim] //= ep
+                result.params[fqn] = {"dim": dim, "experts": block.num_experts, "shape": shape, "local": local}
     return result, per_stage
 
 
@@ -381,6 +491,7 @@ def _meta(like) -> dict:
 def _exchange(g: fx.Graph, block: MoEBlock, ep: int) -> None:
     first, last = block.matmuls[0], block.out
     rows_val, offsets_val = _val(block.rows), _val(block.offsets)
+    between = _descendants(block.rows) & (_ancestors(last) | {last})
     local = block.num_experts // ep
     with g.inserting_before(first):
         dispatched = g.call_function(torch.ops.tracepp.ep_dispatch.default,
@@ -392,7 +503,16 @@ def _exchange(g: fx.Graph, block: MoEBlock, ep: int) -> None:
     vals = (rows_val, offsets_val.new_empty((local,)), plan_val)
     for node, val in ((dispatched, vals), (local_rows, vals[0]), (local_offsets, vals[1]), (plan_node, vals[2])):
         node.meta.update(_meta(first), val=val)
-    first.replace_input_with(block.rows, local_rows)
+    for user in list(block.rows.users):  # every grouped matmul of the block reads the rows received
+        if user in between:
+            user.replace_input_with(block.rows, local_rows)
+    position = {node: index for index, node in enumerate(g.nodes)}
+    early = {n for n in between if position[n] < position[dispatched]}  # the rows' casts made before the first
+    early |= {u for n in early for u in n.users if _checks_dtype_only(u)}  # matmul (x.bfloat16()): after dispatch
+    anchor = plan_node
+    for node in sorted(early, key=position.get):
+        anchor.append(node)
+        anchor = node
     if block.gathers:  # expert biases: gathered on the expert's rank by each received row's local expert
         with g.inserting_after(plan_node):
             ids = g.call_function(torch.ops.tracepp.ep_expert_ids.default, (local_offsets, local_rows))
@@ -419,11 +539,10 @@ def _exchange(g: fx.Graph, block: MoEBlock, ep: int) -> None:
     combined.meta.update(_meta(last), val=_val(last))
     for user in users:
         user.replace_input_with(last, combined)
-    for placeholder in list(block.weights.values()) + list(block.biases.values()):  # annotations: this rank's experts
-        val = _val(placeholder)
-        placeholder.meta["val"] = val.new_empty((val.shape[0] // ep,) + tuple(val.shape[1:]))
-        for user in placeholder.users:
-            if user.target in _TRANSPOSES:
-                uval = _val(user)
-                user.meta["val"] = uval.new_empty((uval.shape[0] // ep,) + tuple(uval.shape[1:]))
+    annotated = [(p, block.expert_dims.get(fqn, 0)) for fqn, p in list(block.weights.items()) +
+                 list(block.biases.items())]
+    for node, dim in annotated + block.weight_paths:  # annotations: this rank's experts
+        shape = list(_val(node).shape)
+        shape[dim] //= ep
+        node.meta["val"] = _val(node).new_empty(shape)
 

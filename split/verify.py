@@ -222,6 +222,19 @@ def _float64(item):
     return item
 
 
+def _grouped_mm(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
+    """``aten._grouped_mm`` in float64, which torch's kernel does not take: one ``mm`` per group of rows (a 2-D
+    ``mat_a`` by a 3-D ``mat_b`` with offsets, as routed experts call it), rows past the last offset zero."""
+    if mat_a.dim() != 2 or mat_b.dim() != 3 or offs is None or bias is not None:
+        raise NotVerified("aten._grouped_mm other than rows by a 3-D weight with offsets has no float64 simulation")
+    from tracepp.runtime.expert_parallel import _loop_grouped_mm
+
+    return _loop_grouped_mm(mat_a, mat_b, offs)
+
+
+_FLOAT64_OPS = {torch.ops.aten._grouped_mm.default: _grouped_mm}  # ops whose kernels take no float64
+
+
 def run(g: fx.Graph, inputs: list, size: int) -> dict:
     """Interpret ``g`` with every value a list of ``size`` per-rank values; ``inputs``: per placeholder such a list.
     Returns {node name: list}."""
@@ -258,6 +271,7 @@ def run(g: fx.Graph, inputs: list, size: int) -> dict:
                 continue
             if name and name != "tp_owned_split":
                 raise NotVerified(f"{target} has no simulation here")
+            target = _FLOAT64_OPS.get(target, target)
             outs = []
             for r in range(size):
                 args = fx.node.map_aggregate(node.args, at(r))

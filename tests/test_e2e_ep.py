@@ -4,7 +4,9 @@ Mixtral, Qwen3-MoE and DeepSeek-V3 (MLA, a dense first layer, a shared expert, g
 to eager under three schedules (interleaved zero-bubble's split backward through the all-to-all included) and
 both data-parallel engines; tokens per expert in --metrics equal an eager
 count of the router's choices; AdamW with clipping; checkpoints resume on the same mesh, from ep2 into ep1 and
-back, and --load of a safetensors file reads each rank's experts; tensor parallelism on the same stages.
+back, and --load of a safetensors file reads each rank's experts; tensor parallelism on the same stages; expert
+weights stored with the expert dim second or last (brought to the grouped matmul by permutes) sharded on that dim
+and saved, checkpointed and loaded in the model's layout.
 """
 import json
 import os
@@ -153,3 +155,30 @@ def test_compiled_stages_keep_the_all_to_all_opaque(tmp_path):
     ckpt = str(tmp_path / "ckpt.pt")
     _run(out, 2, "--steps", "2", "--compile", "--save", ckpt)
     assert_state_close(torch.load(ckpt), eager_train(path, 2))
+
+
+def test_experts_stored_on_any_dim_shard_there_and_checkpoint_in_the_models_layout(tmp_path):
+    # tests/models/moe_expert_dims.py: torchtitan's experts with w1 stored [dim, hidden, experts] and w2 [dim, experts,
+    # hidden], brought to [experts, in, out] by permutes: each ep rank holds its experts of each weight's own expert
+    # dim (Shard(2), Shard(1), Shard(0)); dp2 x ep2, one stage (2 processes). Saved whole in the model's layout, in
+    # the step-1 DCP checkpoint as in the safetensors file, and --load of that file (each rank cutting its experts)
+    from safetensors.torch import load_file
+
+    from tracepp.runtime.weights import open_checkpoint
+
+    path, out = model_path("moe_expert_dims"), str(tmp_path / "out")
+    manifest = split_model(path, out, num_microbatches=2, split_points="auto", num_stages=1,
+                           layout=Layout(pp=1, dp=2, ep=2))
+    params = manifest["ep"]["params"]
+    assert {fqn.rsplit(".", 1)[1]: (p["dim"], p["local"]) for fqn, p in params.items()} == {
+        "w1_DFE": (2, [32, 32, 2]), "w2_DEF": (1, [32, 2, 32]), "w3_EFD": (0, [2, 32, 32])}
+    ckpts, final = str(tmp_path / "ckpt"), str(tmp_path / "final.safetensors")
+    _run(out, 2, "--steps", "2", "--checkpoint-dir", ckpts, "--save-every", "1", "--save-safetensors", final)
+    assert_trained(load_file(final), path)
+    assert_state_close(load_file(final), eager_train(path, 2))
+    reader = open_checkpoint(os.path.join(ckpts, "step_1"))
+    step1 = reader.read({fqn: "model." + fqn for fqn in params})  # DCP keys: "model." + FQN
+    assert_state_close(step1, {fqn: value for fqn, value in eager_train(path, 1).items() if fqn in params})
+    loaded = str(tmp_path / "loaded.pt")
+    _run(out, 2, "--steps", "1", "--load", final, "--save", loaded)
+    assert_state_close(torch.load(loaded), _eager_adamw_from(path, load_file(final), step=0))

@@ -1,9 +1,11 @@
 """Expert parallelism, tiers 1-2: the routed experts found in the traced graph, the plan as plain data, the
 errors that name the values that would work, and the all-to-all ops' bookkeeping in one process."""
 import os
+import re
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from tracepp.driver import check_model
 from tracepp.runtime.mesh import Layout
@@ -201,3 +203,57 @@ def test_a_pointwise_op_between_the_expert_matmuls_moves_with_the_rows(monkeypat
     blocks = manifest["ep"]["blocks"]
     assert blocks and not any(block.get("refused") for block in blocks), blocks
     assert all(entry["local"][0] == entry["experts"] // 2 for entry in manifest["ep"]["params"].values())
+
+
+class _Experts(torch.nn.Module):
+    """Routed experts as torchtitan computes them (``torch._grouped_mm(x.bfloat16(), w.bfloat16().transpose(-2,
+    -1))``, gate and up each casting the rows), with the expert dim of ``w1`` and ``w2`` stored elsewhere; ``how``
+    adds what expert parallelism must refuse."""
+
+    def __init__(self, how: str = ""):
+        super().__init__()
+        self.how = how
+        self.w1 = torch.nn.Parameter(torch.randn(16, 32, 4))  # [in, out, experts]: permute(2, 0, 1)
+        self.w2 = torch.nn.Parameter(torch.randn(16, 4, 32))  # [out, experts, in]: permute(1, 2, 0)
+        self.w3 = torch.nn.Parameter(torch.randn(4, 32, 16))  # [experts, out, in]: torchtitan's
+
+    def forward(self, rows, offsets):
+        w1 = self.w1.reshape(16, 32, 4) if self.how == "reshape" else self.w1
+        gate = torch._grouped_mm(rows.bfloat16(), w1.bfloat16().permute(2, 0, 1).contiguous(), offs=offsets)
+        cast = rows.bfloat16()
+        up = torch._grouped_mm(cast, self.w3.bfloat16().transpose(-2, -1), offs=offsets)
+        out = torch._grouped_mm(F.silu(gate) * up, self.w2.permute(1, 2, 0).bfloat16(), offs=offsets).float()
+        if self.how == "weight read":
+            out = out + self.w3.sum()
+        if self.how == "rows read":
+            out = out + cast.float().sum(-1, keepdim=True)
+        return out
+
+
+def _blocks(how: str = ""):
+    from tracepp.split import expert_parallel
+
+    program = torch.export.export(_Experts(how), (torch.randn(12, 16), torch.tensor([3, 6, 9, 12], dtype=torch.int32)))
+    fqn_of = {spec.arg.name: spec.target for spec in program.graph_signature.input_specs if spec.target}
+    return expert_parallel.find_blocks(program.graph, fqn_of)
+
+
+def test_expert_weights_through_casts_transposes_and_permutes_shard_on_their_expert_dim():
+    # torchtitan's weights are [experts, out, in] multiplied through .bfloat16().transpose(-2, -1) (refused before:
+    # "multiplies by transpose_2, not an expert weight parameter"); any dim may be the experts' so long as views
+    # and casts bring it to the grouped matmul's dim 0 whole. Gate and up cast the rows apart: the rows dispatched
+    # are the fp32 rows both cast
+    (block,) = _blocks()
+    assert not block.refused and block.num_experts == 4
+    assert block.expert_dims == {"w1": 2, "w2": 1, "w3": 0}
+    assert block.rows.op == "placeholder" and block.rows.name == "rows"
+
+
+@pytest.mark.parametrize("how,message", [
+    ("reshape", r"multiplies by contiguous at test_expert_parallel\.py:\d+, which is not an expert weight parameter"),
+    ("weight read", r"the expert weight w3 is also read by sum_1 \(aten::sum\) at test_expert_parallel\.py:\d+"),
+    ("rows read", r"to_\d+ \(aten::to\) at test_expert_parallel\.py:\d+ runs on the rows between the expert matmuls "
+                  r"and is also read by to_\d+ \(aten::to\) at test_expert_parallel\.py:\d+ outside them")])
+def test_what_expert_parallelism_cannot_move_is_named_with_its_line(how, message):
+    (block,) = _blocks(how)
+    assert re.search(message, block.refused), block.refused

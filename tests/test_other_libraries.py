@@ -21,6 +21,11 @@
   trains equal to eager (it was refused: "view_as_complex ... mixes the positions of the sequence");
 * learned positions from ``torch.arange(0, t, dtype=torch.long)`` (nanoGPT's, minGPT's): ``--cp 2`` trains equal to
   eager (it crashed: ``TypeError: 'int' object is not iterable``).
+* routed experts as torchtitan writes them (``tests/models/torchtitan_moe.py``: weights ``[experts, out, in]``
+  multiplied by ``torch._grouped_mm(x.bfloat16(), w.bfloat16().transpose(-2, -1))``, gate and up casting the rows
+  apart): ``--ep 2`` trains equal to eager at pp2 x dp2 x ep2 (it was refused: "multiplies by transpose_2, not an
+  expert weight parameter"); its ``--tp 2`` plan is verified (it was "not verified": the verifier's float64 has no
+  grouped-matmul kernel) and ``--cp 2`` refuses torchtitan's ``scatter_add`` by name.
 
 Issue 57, the plain pipeline split (``--ranks 2``) of three libraries' decoders, each written as the library writes
 it: OLMo-core's ``autocast(enabled=False)`` regions nested in one another, an enabled bf16 autocast region (its casts
@@ -29,6 +34,7 @@ name: ``tests/test_trace_errors.py``.)
 
 The wider survey, one model file per library, is ``benchmarks/studies/other_families.py`` (``docs/families.md``).
 """
+import json
 import sys
 
 import pytest
@@ -215,3 +221,65 @@ def test_olmo_core_norm_weight_read_through_type_as_shards_the_layer():
     assert params["blocks.0.attention.w_q.weight"]["role"] == "colwise"
     assert params["blocks.0.attention.w_out.weight"]["role"] == "rowwise"
     assert all(stage["share"]["params"] >= 0.95 for stage in manifest["tp"]["stages"])
+
+
+TITAN_MOE = model_path("torchtitan_moe")
+
+
+def _inner_experts_counts(path: str, step: int) -> list:
+    """Per MoE layer, the tokens each routed expert takes in eager ``step`` (the counts torchtitan's inner experts
+    receive, over the whole global batch)."""
+    model_file = load_model_file(path)
+    model, counts = model_file.model(), []
+    hooks = [m.register_forward_pre_hook(lambda _m, args: counts.append(args[1].tolist()))
+             for name, m in model.named_modules() if name.endswith(".inner_experts")]
+    args, kwargs, _target = model_file.module.batch(step)
+    with torch.no_grad():
+        model(*args, **kwargs)
+    for hook in hooks:
+        hook.remove()
+    return counts
+
+
+def test_torchtitan_routed_experts_train_at_pp2_dp2_ep2_equal_to_eager(tmp_path):
+    # refused before ("_grouped_mm_2 (aten::_grouped_mm) multiplies by transpose_2, not an expert weight parameter"):
+    # torchtitan multiplies by w.bfloat16().transpose(-2, -1) of weights stored [experts, out, in], and its gate and
+    # up matmuls each cast the rows apart (x.bfloat16() twice): the weights are followed back through the cast and
+    # the transpose, and the rows are dispatched once, before their casts
+    out, metrics = str(tmp_path / "out"), str(tmp_path / "metrics.jsonl")
+    manifest = split_model(TITAN_MOE, out, num_microbatches=2, layout=Layout(pp=2, dp=2, ep=2))
+    assert sorted(manifest["ep"]["params"]) == sorted(
+        f"layers.{i}.moe.routed_experts.inner_experts.{w}" for i in (0, 1) for w in ("w1_EFD", "w2_EDF", "w3_EFD"))
+    assert all(entry["dim"] == 0 and entry["local"] == [2, 32, 32] for entry in manifest["ep"]["params"].values())
+    script = open(f"{out}/rank0.py").read()
+    assert script.count("torch.ops.tracepp.ep_dispatch.default(") == 1  # one block on stage 0, one dispatch
+    ckpt = str(tmp_path / "trained.pt")
+    result = torchrun(out, 4, "--steps", "3", "--save", ckpt, "--metrics", metrics, "--quiet")
+    assert result.returncode == 0, f"torchrun failed:\n{result.stdout}\n{result.stderr[-6000:]}"
+    saved = torch.load(ckpt)
+    assert_trained(saved, TITAN_MOE)
+    assert_state_close(saved, eager_train(TITAN_MOE, 3))
+    with open(metrics) as handle:
+        first = json.loads(handle.readline())
+    blocks = _inner_experts_counts(TITAN_MOE, 0)
+    assert first["moe_tokens_per_expert_max"] == max(max(c) for c in blocks) and first["moe_dropped"] == 0
+
+
+def test_torchtitan_moe_plans_its_experts_at_ep2_verifies_tp2_and_cp2_is_refused_by_name():
+    # ep: every expert weight sharded on its expert dim, one dispatch per block of the fp32 rows both gate and up
+    # cast; tp leaves the 3-D expert weights whole (the shared expert is Megatron's), and the plan is verified (it
+    # was "not verified": torch's grouped matmul takes no float64, the verifier's precision; it runs one mm per
+    # expert there); cp names torchtitan's scatter_add of the expert rows back to their tokens (the flattened
+    # batch x sequence dim)
+    ep = check_model(TITAN_MOE, num_microbatches=2, layout=Layout(pp=2, dp=2, ep=2))["ep"]
+    assert len(ep["params"]) == 6 and all(p["dim"] == 0 and p["local"] == [2, 32, 32] for p in ep["params"].values())
+    assert [(b["name"], b["local_experts"], b.get("refused")) for b in ep["blocks"]] == [
+        (f"layers.{i}.moe.routed_experts.inner_experts", 2, None) for i in (0, 1)]
+    assert ep["blocks"][0]["all_to_all_bytes"]["forward"] == 16 * (32 * 4 + 32 * 2) // 2  # fp32 rows in, bf16 out
+    manifest = check_model(TITAN_MOE, num_microbatches=2, layout=Layout(pp=2, tp=2))
+    assert manifest["tp"]["verified"]["status"] == "verified", manifest["tp"]["verified"]
+    tp = manifest["tp"]["params"]
+    assert tp["layers.0.moe.shared_experts.w1.weight"]["role"] == "colwise"
+    assert tp["layers.0.moe.routed_experts.inner_experts.w1_EFD"] == {"dim": None, "role": "replicate"}
+    with pytest.raises(Exception, match=r"scatter_add \(scatter_add\) at torchtitan_moe\.py:\d+"):
+        check_model(TITAN_MOE, num_microbatches=2, layout=Layout(pp=2, cp=2))
