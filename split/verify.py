@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
+from tracepp.runtime import context_parallel as cp_runtime
 from tracepp.runtime import tensor_parallel as tp_runtime
 
 RTOL = 1e-6  # of the largest magnitude of the reference value: float64 sums in another order agree to ~1e-15
@@ -55,7 +56,7 @@ class NotVerified(Exception):
 
 @dataclass
 class Mismatch:
-    stage: int
+    stage: object  # the stage's index, or a label ("the loss")
     what: str  # "the value of mul_3", "the gradient of layers.0.attn.q.weight", "output 0"
     node: str = ""  # the op's node name in the stage graph
     op: str = ""  # its target, readable
@@ -63,12 +64,16 @@ class Mismatch:
     error: float = 0.0
     scale: float = 0.0
     fqns: list = field(default_factory=list)  # the sharded parameters feeding it: made whole by a repair
+    failed: str = ""  # the error where the rewritten program does not run on the ranks' values
 
     def text(self) -> str:
         where = f" ({self.op}{' at ' + self.at if self.at else ''})" if self.op else ""
         how = (f"by {self.error:.3g} (largest magnitude {self.scale:.3g})" if self.error != float("inf") else
                "in its shape, its integer values or where it is finite")
-        return f"stage {self.stage}: {self.what}{where} differs from the unsharded graph {how}"
+        label = f"stage {self.stage}" if isinstance(self.stage, int) else self.stage
+        if self.failed:
+            return f"{label}: {self.what}{where} fails on the ranks' values ({self.failed})"
+        return f"{label}: {self.what}{where} differs from the unsharded graph {how}"
 
 
 # ---- snapshots of the stage graphs before the rewrite
@@ -188,20 +193,75 @@ _COLLECTIVES = {"tp_copy", "tp_all_reduce", "tp_all_gather", "tp_scatter", "sp_a
 
 
 class _Ranks:
-    """``_STATE`` of the runtime set to one rank of ``size`` (the local ops read it: ``tp_owned_split``, the
-    vocabulary lookup's rows)."""
+    """The runtimes' ``_STATE`` set to one rank (the local ops read it): tp rank ``rank`` of ``size``
+    (``tp_owned_split``, the vocabulary lookup's rows) and cp rank ``cp_rank`` of ``cp`` (``cp_shard``,
+    ``cp_positions``)."""
 
-    def __init__(self, size: int, rank: int):
-        self.size, self.rank = size, rank
+    def __init__(self, size: int, rank: int, cp: int = 1, cp_rank: int = 0):
+        self.size, self.rank, self.cp, self.cp_rank = size, rank, cp, cp_rank
 
     def __enter__(self):
-        state = tp_runtime._STATE
-        self.old = dict(state)
-        state.update(size=self.size, rank=self.rank, group=None)
+        self.old = dict(tp_runtime._STATE), dict(cp_runtime._STATE)
+        tp_runtime._STATE.update(size=self.size, rank=self.rank, group=None)
+        cp_runtime._STATE.update(size=self.cp, rank=self.cp_rank, group=None, record=False)
 
     def __exit__(self, *exc):
-        tp_runtime._STATE.clear()
-        tp_runtime._STATE.update(self.old)
+        for state, old in zip((tp_runtime._STATE, cp_runtime._STATE), self.old):
+            state.clear()
+            state.update(old)
+
+
+# ---- context parallelism's collectives: 2 cp chunks per sequence, rank r holding chunks r and 2cp-1-r
+
+def _cp_piece(t, dim, groups, cp, rank):
+    """Rank ``rank``'s chunks of ``dim``: the runtime's own cut (``cp_shard``)."""
+    with _Ranks(1, 0, cp, rank):
+        return cp_runtime._shard(t, dim, groups)
+
+
+def _cp_join(parts, dim, groups):
+    """The ranks' chunks joined in sequence order (the runtime's ``_joined``): chunk c < cp is rank c's first,
+    chunk c >= cp rank 2cp-1-c's second."""
+    cp, shape = len(parts), list(parts[0].shape)
+    if cp == 1:
+        return parts[0]
+    views = [p.reshape(shape[:dim] + [groups, 2, shape[dim] // (2 * groups)] + shape[dim + 1:]) for p in parts]
+    ordered = [views[c].narrow(dim + 1, 0, 1) for c in range(cp)]
+    ordered += [views[2 * cp - 1 - c].narrow(dim + 1, 1, 1) for c in range(cp, 2 * cp)]
+    shape[dim] *= cp
+    return torch.cat(ordered, dim=dim + 1).reshape(shape)
+
+
+def _heads_summed(g, repeats, head_dim):
+    if repeats == 1:
+        return g
+    shape = list(g.shape)
+    return g.reshape(shape[:head_dim] + [shape[head_dim] // repeats, repeats] + shape[head_dim + 1:]).sum(head_dim + 1)
+
+
+def _cp_collective(target, values, args, cp):
+    """A cp collective over the cp ranks' values, forward and the runtime's backward (an all-gather's gradient
+    reduce-scattered, a reduce-scatter's all-gathered, an all-reduce's all-reduced)."""
+    ranks = range(cp)
+    if target is TP.cp_all_reduce.default:
+        return _across(values, lambda xs: [_sum(xs)] * cp, lambda gs: [_sum(gs)] * cp)
+    dim, groups = args[0], args[1] if len(args) > 1 else 1
+    if target is TP.cp_all_gather.default:
+        repeats, head = (args[2], args[3]) if len(args) > 3 else (1, 0)
+
+        def gather(xs):
+            whole = _cp_join(xs, dim, groups)
+            return [whole.repeat_interleave(repeats, dim=head) if repeats > 1 else whole] * cp
+        return _across(values, gather, lambda gs: [_cp_piece(_sum([_heads_summed(g, repeats, head) for g in gs]),
+                                                             dim, groups, cp, r) for r in ranks])
+    if target is TP.cp_reduce_scatter.default:
+        return _across(values, lambda xs: [_cp_piece(_sum(xs), dim, groups, cp, r) for r in ranks],
+                       lambda gs: [_cp_join(gs, dim, groups)] * cp)
+    raise NotVerified(f"{target} has no simulation here")
+
+
+_CP_COLLECTIVES = {"cp_all_gather", "cp_reduce_scatter", "cp_all_reduce"}
+_LOCAL = {"tp_owned_split", "cp_shard", "cp_positions"}  # read the rank from _STATE
 
 
 def _float64(item):
@@ -210,11 +270,15 @@ def _float64(item):
     return item
 
 
-def run(g: fx.Graph, inputs: list, size: int) -> dict:
-    """Interpret ``g`` with every value a list of ``size`` per-rank values; ``inputs``: per placeholder such a list.
-    Returns {node name: list}."""
+def run(g: fx.Graph, inputs: list, size: int, cp: int = 1) -> dict:
+    """Interpret ``g`` with every value a list of ``size x cp`` per-rank values (tp rank t of cp rank c at
+    ``c * size + t``: each collective over its own group); ``inputs``: per placeholder such a list. Returns {node
+    name: list}. An op that raises carries its node and the values so far (``verify_node``, ``verify_env``)."""
     env: dict = {}
     placeholders = iter(inputs)
+    count = size * cp
+    tp_groups = [list(range(c * size, (c + 1) * size)) for c in range(cp)]
+    cp_groups = [list(range(t, count, size)) for t in range(size)]
 
     def at(rank):
         def one(item):
@@ -223,39 +287,61 @@ def run(g: fx.Graph, inputs: list, size: int) -> dict:
             return _float64(item)
         return one
 
+    def over(groups, each):
+        outs = [None] * count
+        for group in groups:
+            for index, value in zip(group, each(group)):
+                outs[index] = value
+        return outs
+
     for node in g.nodes:
-        if node.op == "placeholder":
-            env[node.name] = next(placeholders)
-        elif node.op == "output":
-            env[node.name] = [fx.node.map_aggregate(node.args[0], at(r)) for r in range(size)]
-        elif node.op == "call_function":
-            target = node.target
-            name = getattr(target, "namespace", None) == "tracepp" and target.name().split("::")[-1].split(".")[0]
-            if name in _COLLECTIVES:
-                values = [env[node.args[0].name][r] for r in range(size)]
-                env[node.name] = _collective(target, values, list(node.args[1:]), size)
-                continue
-            if name == "tp_vocab_embedding":
-                weight, ids, padding = node.args[:3]
-                reduce = node.args[3] if len(node.args) > 3 else True
-                outs = []
-                for r in range(size):
-                    with _Ranks(size, r):
-                        outs.append(target(env[weight.name][r], env[ids.name][r], padding, False))
-                env[node.name] = _collective(TP.tp_all_reduce.default, outs, [], size) if reduce else outs
-                continue
-            if name and name != "tp_owned_split":
-                raise NotVerified(f"{target} has no simulation here")
-            outs = []
-            for r in range(size):
-                args = fx.node.map_aggregate(node.args, at(r))
-                kwargs = fx.node.map_aggregate(node.kwargs, at(r))
-                with _Ranks(size, r):
-                    outs.append(target(*args, **kwargs))
-            env[node.name] = outs
-        else:
-            raise NotVerified(f"a {node.op} node ({node.name}) has no simulation here")
+        try:
+            _step(node, env, at, over, placeholders, size, cp, tp_groups, cp_groups)
+        except Exception as error:
+            if not hasattr(error, "verify_node"):
+                error.verify_node, error.verify_env = node, env
+            raise
     return env
+
+
+def _step(node, env, at, over, placeholders, size, cp, tp_groups, cp_groups) -> None:
+    count = size * cp
+    if node.op == "placeholder":
+        env[node.name] = next(placeholders)
+    elif node.op == "output":
+        env[node.name] = [fx.node.map_aggregate(node.args[0], at(r)) for r in range(count)]
+    elif node.op == "call_function":
+        target = node.target
+        name = getattr(target, "namespace", None) == "tracepp" and target.name().split("::")[-1].split(".")[0]
+        if name in _COLLECTIVES:
+            env[node.name] = over(tp_groups, lambda group: _collective(
+                target, [env[node.args[0].name][r] for r in group], list(node.args[1:]), size))
+            return
+        if name in _CP_COLLECTIVES:
+            env[node.name] = over(cp_groups, lambda group: _cp_collective(
+                target, [env[node.args[0].name][r] for r in group], list(node.args[1:]), cp))
+            return
+        if name == "tp_vocab_embedding":
+            weight, ids, padding = node.args[:3]
+            reduce = node.args[3] if len(node.args) > 3 else True
+            outs = []
+            for r in range(count):
+                with _Ranks(size, r % size, cp, r // size):
+                    outs.append(target(env[weight.name][r], env[ids.name][r], padding, False))
+            env[node.name] = over(tp_groups, lambda group: _collective(
+                TP.tp_all_reduce.default, [outs[r] for r in group], [], size)) if reduce else outs
+            return
+        if name and name not in _LOCAL:
+            raise NotVerified(f"{target} has no simulation here")
+        outs = []
+        for r in range(count):
+            args = fx.node.map_aggregate(node.args, at(r))
+            kwargs = fx.node.map_aggregate(node.kwargs, at(r))
+            with _Ranks(size, r % size, cp, r // size):
+                outs.append(target(*args, **kwargs))
+        env[node.name] = outs
+    else:
+        raise NotVerified(f"a {node.op} node ({node.name}) has no simulation here")
 
 
 # ---- inputs
@@ -458,58 +544,80 @@ def verify(graph, saved: tuple, tp_plan, walks, traced, training: bool = True) -
     return {"status": "verified", "why": "", "mismatch": None, "stages": done}
 
 
+class Inputs:
+    """A stage's inputs for both runs: per placeholder of the graph before the rewrite its whole value (float64)
+    and whether its gradient is compared; ``received``: placeholder name -> boundary value name."""
+
+    def __init__(self, graph, stage, original, traced, values: dict, generator, training: bool):
+        placeholders = [n for n in original.nodes if n.op == "placeholder"]
+        first = len(stage.state) + len(stage.root_inputs)
+        self.received = {placeholders[first + i].name: name for i, (_p, name) in enumerate(stage.received)}
+        state = dict(zip([n.name for n in placeholders], stage.state))
+        roots = dict(zip([n.name for n in placeholders[len(stage.state):]], stage.root_inputs))
+        count = sum(_prod(_concrete(n.meta["val"])) for n in placeholders
+                    if isinstance(n.meta.get("val"), torch.Tensor))
+        if count > LIMIT:
+            raise NotVerified(f"{count / 1e6:.0f}M elements of parameters and inputs, more than the "
+                              f"{LIMIT / 1e6:.0f}M run here")
+        self.tensors, self.wanted = [], []
+        for node in placeholders:
+            val = node.meta.get("val")
+            if node.name in state:
+                ref = graph.state[state[node.name]]
+                tensor = _state_tensor(traced, ref)
+                tensor = _cast(tensor) if tensor is not None else _random_like(val, generator)
+                wants = ref.kind == "parameter" and tensor.is_floating_point() and training
+            elif node.name in roots:
+                tensor = _root_value(traced, graph.root_inputs[roots[node.name]], val)
+                tensor = _cast(tensor) if tensor is not None else _random_like(val, generator)
+                wants = False
+            elif node.name in self.received:
+                name = self.received[node.name]
+                if name not in values:
+                    raise NotVerified(f"{name} was not computed")
+                tensor = values[name]
+                wants = graph.values[name].meta.requires_grad and tensor.is_floating_point() and training
+            elif isinstance(val, torch.Tensor):
+                tensor, wants = _random_like(val, generator), False
+            else:
+                tensor, wants = _hint(val) if val is not None else None, False
+            self.tensors.append(tensor)
+            self.wanted.append(wants)
+
+
+def reference(original, inputs: list, wanted: list, names: list, values: dict, generator, seeds=None):
+    """The unsharded run of ``original`` on ``inputs`` (the whole values; a gradient kept where ``wanted``) and its
+    backward from random output gradients (``seeds(outputs)``: given ones). Sets ``values`` of the outputs
+    ``names``; returns (leaves, env, outputs, output gradients)."""
+    leaves = [t.clone().requires_grad_(w) if isinstance(t, torch.Tensor) else t for t, w in zip(inputs, wanted)]
+    env = run(original, [[t] for t in leaves], 1)
+    outputs = list(env[original.output_node().name][0])
+    for out, name in zip(outputs, names):
+        values[name] = out.detach() if isinstance(out, torch.Tensor) else out
+    if seeds is not None:
+        seeds = seeds(outputs)
+    else:
+        seeds = [torch.randn(o.shape, generator=generator, dtype=o.dtype)
+                 if isinstance(o, torch.Tensor) and o.requires_grad else None for o in outputs]
+    pairs = [(o, g) for o, g in zip(outputs, seeds) if g is not None and o.requires_grad]
+    if pairs:
+        torch.autograd.backward([o for o, _g in pairs], [g for _o, g in pairs])
+    return leaves, env, outputs, seeds
+
+
 def _verify_stage(graph, stage, original, walk, size, traced, values, sent, generator, seen, training,
                   plan_params) -> dict:
     from tracepp.split import blocks
 
-    placeholders = [n for n in original.nodes if n.op == "placeholder"]
-    first = len(stage.state) + len(stage.root_inputs)
-    received = {placeholders[first + i].name: name for i, (_p, name) in enumerate(stage.received)}
-    state = dict(zip([n.name for n in placeholders], stage.state))
-    roots = dict(zip([n.name for n in placeholders[len(stage.state):]], stage.root_inputs))
-    count = sum(_prod(_concrete(n.meta["val"])) for n in placeholders if isinstance(n.meta.get("val"), torch.Tensor))
-    if count > LIMIT:
-        raise NotVerified(f"{count / 1e6:.0f}M elements of parameters and inputs, more than the {LIMIT / 1e6:.0f}M "
-                          f"run here")
-    whole_inputs, grads_wanted = [], []
-    for node in placeholders:
-        val = node.meta.get("val")
-        if node.name in state:
-            ref = graph.state[state[node.name]]
-            tensor = _state_tensor(traced, ref)
-            tensor = _cast(tensor) if tensor is not None else _random_like(val, generator)
-            wants = ref.kind == "parameter" and tensor.is_floating_point() and training
-        elif node.name in roots:
-            tensor = _root_value(traced, graph.root_inputs[roots[node.name]], val)
-            tensor = _cast(tensor) if tensor is not None else _random_like(val, generator)
-            wants = False
-        elif node.name in received:
-            name = received[node.name]
-            if name not in values:
-                raise NotVerified(f"{name} was not computed")
-            tensor = values[name]
-            wants = graph.values[name].meta.requires_grad and tensor.is_floating_point() and training
-        elif isinstance(val, torch.Tensor):
-            tensor, wants = _random_like(val, generator), False
-        else:
-            tensor, wants = _hint(val) if val is not None else None, False
-        whole_inputs.append(tensor)
-        grads_wanted.append(wants)
+    inputs = Inputs(graph, stage, original, traced, values, generator, training)
+    whole_inputs, grads_wanted, received = inputs.tensors, inputs.wanted, inputs.received
     # the unsharded run
-    leaves = [t.clone().requires_grad_(w) if isinstance(t, torch.Tensor) else t
-              for t, w in zip(whole_inputs, grads_wanted)]
-    reference = run(original, [[t] for t in leaves], 1)
-    outputs = list(reference[original.output_node().name][0])
-    for out, name in zip(outputs, stage.outputs):
-        values[name] = out.detach() if isinstance(out, torch.Tensor) else out
+    leaves, reference_env, outputs, out_grads = reference(original, whole_inputs, grads_wanted, stage.outputs,
+                                                          values, generator)
     signature = blocks.graph_signature(original)
     if signature in seen:
         return {"status": "verified", "why": f"the same graph as stage {seen[signature]}"}
-    out_grads = [torch.randn(o.shape, generator=generator, dtype=o.dtype)
-                 if isinstance(o, torch.Tensor) and o.requires_grad else None for o in outputs]
-    pairs = [(o, g) for o, g in zip(outputs, out_grads) if g is not None]
-    if pairs:
-        torch.autograd.backward([o for o, _g in pairs], [g for _o, g in pairs])
+    pairs = [g for g in out_grads if g is not None]
     # the ranks' run
     rewritten = [n for n in walk.graph.nodes if n.op == "placeholder"]
     ranked = []
@@ -578,7 +686,7 @@ def _verify_stage(graph, stage, original, walk, size, traced, values, sent, gene
             if mismatch:
                 break
     if mismatch is not None:
-        first = _first_difference(stage.index, original, env, reference, walk, size)
+        first = _first_difference(stage.index, original, env, reference_env, walk, size)
         if first is not None:
             first.what = f"{first.what} (and so {mismatch.what})"
             mismatch = first
