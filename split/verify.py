@@ -436,16 +436,17 @@ def _whole(walk, node, values, size):
     return values  # replicated: every rank's own
 
 
-def _first_difference(stage_index, original, rewritten_env, reference_env, walk, size):
-    """The first value of the original graph, in order, whose ranks' values do not reassemble to the reference."""
+def _first_difference(stage_index, original, rewritten_env, reference_env, walk, size, cp: int = 1):
+    """The first value of the original graph, in order, whose ranks' values do not reassemble to the reference
+    (with ``cp``: each cp rank's tp ranks to that cp rank's)."""
     nodes = {node.name: node for node in walk.graph.nodes}
-    for node in original.nodes:
+    for node, c in ((node, c) for node in original.nodes for c in range(cp)):
         if node.op != "call_function" or node.name not in rewritten_env or node.name not in nodes:
             continue
-        want = reference_env[node.name][0]
+        want = reference_env[node.name][c]
         if not isinstance(want, torch.Tensor) or not want.is_floating_point():
             continue
-        here = _whole(walk, nodes[node.name], rewritten_env[node.name], size)
+        here = _whole(walk, nodes[node.name], rewritten_env[node.name][c * size:(c + 1) * size], size)
         if here is None:
             continue
         for have in (here if isinstance(here, list) else [here]):
@@ -511,9 +512,10 @@ def _feeding(walk, node, limit: int = 200) -> list:
 
 # ---- one plan
 
-def verify(graph, saved: tuple, tp_plan, walks, traced, training: bool = True) -> dict:
-    """Run every stage as planned against its snapshot (:func:`snapshot`); returns {"status": "verified" |
-    "mismatch" | "not verified", "why", "mismatch": Mismatch or None, "stages": per stage what was done}."""
+def verify(graph, saved: tuple, tp_plan, walks, traced, training: bool = True, cp: int = 1) -> dict:
+    """Run every stage as planned against its snapshot (:func:`snapshot`; with ``cp`` > 1 the cp-rewritten stages,
+    run for every cp rank); returns {"status": "verified" | "mismatch" | "not verified", "why", "mismatch":
+    Mismatch or None, "stages": per stage what was done}."""
     size = tp_plan.size
     originals, _shapes = saved
     generator = torch.Generator().manual_seed(0)
@@ -527,7 +529,7 @@ def verify(graph, saved: tuple, tp_plan, walks, traced, training: bool = True) -
     for stage, original, walk in zip(graph.stages, originals, walks):
         try:
             result = _verify_stage(graph, stage, original, walk, size, traced, values, sent, generator, seen,
-                                   training, tp_plan.params)
+                                   training, tp_plan.params, cp)
         except NotVerified as error:
             result = {"status": "not verified", "why": str(error)}
         except Exception as error:  # an op that does not run here: say so, do not fail the split
@@ -575,8 +577,9 @@ class Inputs:
                 name = self.received[node.name]
                 if name not in values:
                     raise NotVerified(f"{name} was not computed")
-                tensor = values[name]
-                wants = graph.values[name].meta.requires_grad and tensor.is_floating_point() and training
+                tensor = values[name]  # with cp: a list over the cp ranks
+                probe = tensor[0] if isinstance(tensor, list) else tensor
+                wants = graph.values[name].meta.requires_grad and probe.is_floating_point() and training
             elif isinstance(val, torch.Tensor):
                 tensor, wants = _random_like(val, generator), False
             else:
@@ -585,108 +588,125 @@ class Inputs:
             self.wanted.append(wants)
 
 
-def reference(original, inputs: list, wanted: list, names: list, values: dict, generator, seeds=None):
+def reference(original, inputs: list, wanted: list, names: list, values: dict, generator, seeds=None, cp: int = 1):
     """The unsharded run of ``original`` on ``inputs`` (the whole values; a gradient kept where ``wanted``) and its
     backward from random output gradients (``seeds(outputs)``: given ones). Sets ``values`` of the outputs
-    ``names``; returns (leaves, env, outputs, output gradients)."""
-    leaves = [t.clone().requires_grad_(w) if isinstance(t, torch.Tensor) else t for t, w in zip(inputs, wanted)]
-    env = run(original, [[t] for t in leaves], 1)
-    outputs = list(env[original.output_node().name][0])
-    for out, name in zip(outputs, names):
-        values[name] = out.detach() if isinstance(out, torch.Tensor) else out
+    ``names``; returns (leaves, env, outputs, output gradients). With ``cp`` > 1 ``original`` is a cp-rewritten
+    graph run for every cp rank (an input: a list of the cp ranks' values, or one value for all), and each of
+    leaves, outputs, gradients and ``values`` is a list over the cp ranks."""
+    per = [t if isinstance(t, list) else [t] * cp for t in inputs]
+    leaves = [[x.clone().requires_grad_(w) if isinstance(x, torch.Tensor) else x for x in xs]
+              for xs, w in zip(per, wanted)]
+    env = run(original, leaves, 1, cp)
+    outputs = [list(out) for out in env[original.output_node().name]]
+    for index, name in enumerate(names):
+        got = [out[index].detach() if isinstance(out[index], torch.Tensor) else out[index] for out in outputs]
+        values[name] = got if cp > 1 else got[0]
     if seeds is not None:
-        seeds = seeds(outputs)
+        seeds = [seeds(out) for out in outputs]
     else:
-        seeds = [torch.randn(o.shape, generator=generator, dtype=o.dtype)
-                 if isinstance(o, torch.Tensor) and o.requires_grad else None for o in outputs]
-    pairs = [(o, g) for o, g in zip(outputs, seeds) if g is not None and o.requires_grad]
+        seeds = [[torch.randn(o.shape, generator=generator, dtype=o.dtype)
+                  if isinstance(o, torch.Tensor) and o.requires_grad else None for o in out] for out in outputs]
+    pairs = [(o, g) for out, gs in zip(outputs, seeds) for o, g in zip(out, gs) if g is not None and o.requires_grad]
     if pairs:
         torch.autograd.backward([o for o, _g in pairs], [g for _o, g in pairs])
+    if cp == 1:
+        return [xs[0] for xs in leaves], env, outputs[0], seeds[0]
     return leaves, env, outputs, seeds
 
 
 def _verify_stage(graph, stage, original, walk, size, traced, values, sent, generator, seen, training,
-                  plan_params) -> dict:
+                  plan_params, cp: int = 1) -> dict:
+    """One stage's tp rewrite against ``original``; with ``cp`` > 1 ``original`` is the cp-rewritten stage, run for
+    every cp rank, and the rewrite for every (tp, cp) pair (tp rank t of cp rank c at ``c * size + t``), each cp
+    rank's tp ranks compared with that cp rank's run."""
     from tracepp.split import blocks
 
     inputs = Inputs(graph, stage, original, traced, values, generator, training)
-    whole_inputs, grads_wanted, received = inputs.tensors, inputs.wanted, inputs.received
-    # the unsharded run
-    leaves, reference_env, outputs, out_grads = reference(original, whole_inputs, grads_wanted, stage.outputs,
-                                                          values, generator)
+    received = inputs.received
+    leaves, reference_env, outputs, out_grads = reference(original, inputs.tensors, inputs.wanted, stage.outputs,
+                                                          values, generator, cp=cp)
+    if cp == 1:  # every value a list over the cp ranks from here on
+        leaves, outputs, out_grads = [[leaf] for leaf in leaves], [outputs], [out_grads]
     signature = blocks.graph_signature(original)
     if signature in seen:
         return {"status": "verified", "why": f"the same graph as stage {seen[signature]}"}
-    pairs = [g for g in out_grads if g is not None]
+    pairs = [g for gs in out_grads for g in gs if g is not None]
     # the ranks' run
     rewritten = [n for n in walk.graph.nodes if n.op == "placeholder"]
     ranked = []
-    for node, tensor, wants in zip(rewritten, whole_inputs, grads_wanted):
-        if not isinstance(tensor, torch.Tensor):
-            ranked.append([tensor] * size)
+    for node, tensors, wants in zip(rewritten, leaves, inputs.wanted):
+        if not isinstance(tensors[0], torch.Tensor):
+            ranked.append([tensors[0]] * size * cp)
             continue
         fqn = walk.fqn_of.get(node.name)
         entry = plan_params.get(fqn) or {}
         name = received.get(node.name)
-        if entry.get("dim") is not None:
-            pieces = [tp_runtime.shard(tensor, entry["dim"], size, r, entry.get("segments")) for r in range(size)]
-        elif name in sent:
-            pieces = [_piece(tensor, sent[name], _sent_groups(walk, node), size, r) for r in range(size)]
-        else:
-            pieces = [tensor.clone() for _ in range(size)]
+        pieces = []
+        for tensor in (t.detach() for t in tensors):
+            if entry.get("dim") is not None:
+                pieces += [tp_runtime.shard(tensor, entry["dim"], size, r, entry.get("segments"))
+                           for r in range(size)]
+            elif name in sent:
+                pieces += [_piece(tensor, sent[name], _sent_groups(walk, node), size, r) for r in range(size)]
+            else:
+                pieces += [tensor.clone() for _ in range(size)]
         ranked.append([p.detach().clone().requires_grad_(wants) for p in pieces])
-    try:
-        env = run(walk.graph, ranked, size)
-    except NotVerified:
-        raise
+    env = run(walk.graph, ranked, size, cp)
     result_outputs = env[walk.graph.output_node().name]
     mismatch = None
-    for index, (name, want) in enumerate(zip(stage.outputs, outputs)):
-        have = [result_outputs[r][index] for r in range(size)]
-        if name in sent:
-            have = [_join(have, sent[name], _sent_groups_out(walk, index))]
-        for item in have:
-            found = _differs(item, want)
-            if found:
-                made = list(walk.graph.output_node().args[0])[index]
-                mismatch = Mismatch(stage.index, f"output {name}", error=found[0], scale=found[1],
-                                    fqns=_feeding(walk, made) if isinstance(made, fx.Node) else [])
+    for c in range(cp):
+        for index, (name, want) in enumerate(zip(stage.outputs, outputs[c])):
+            have = [result_outputs[c * size + r][index] for r in range(size)]
+            if name in sent:
+                have = [_join(have, sent[name], _sent_groups_out(walk, index))]
+            for item in have:
+                found = _differs(item, want)
+                if found:
+                    made = list(walk.graph.output_node().args[0])[index]
+                    mismatch = Mismatch(stage.index, f"output {name}" + (f" at cp rank {c}" if cp > 1 else ""),
+                                        error=found[0], scale=found[1],
+                                        fqns=_feeding(walk, made) if isinstance(made, fx.Node) else [])
+                    break
+            if mismatch:
                 break
         if mismatch:
             break
     if mismatch is None and pairs:
         grads = []
-        for index, (name, g) in enumerate(zip(stage.outputs, out_grads)):
-            if g is None:
-                continue
-            for r in range(size):
-                o = result_outputs[r][index]
-                grads.append((o, _piece(g, sent[name], _sent_groups_out(walk, index), size, r) if name in sent else g))
+        for c in range(cp):
+            for index, (name, g) in enumerate(zip(stage.outputs, out_grads[c])):
+                if g is None:
+                    continue
+                for r in range(size):
+                    o = result_outputs[c * size + r][index]
+                    grads.append((o, _piece(g, sent[name], _sent_groups_out(walk, index), size, r)
+                                  if name in sent else g))
         torch.autograd.backward([o for o, _g in grads], [g for _o, g in grads])
-        for node, leaf, pieces, wants in zip(rewritten, leaves, ranked, grads_wanted):
+        for node, tensors, pieces, wants in zip(rewritten, leaves, ranked, inputs.wanted):
             if not wants:
                 continue
             fqn = walk.fqn_of.get(node.name)
             entry = plan_params.get(fqn) or {}
-            got = [p.grad if p.grad is not None else torch.zeros_like(p) for p in pieces]
-            want = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
             name = received.get(node.name)
-            if entry.get("dim") is not None:
-                got = [tp_runtime.original_layout(torch.cat(got, dim=entry["dim"]), entry["dim"], size,
-                                                  entry.get("segments"))]
-            elif name in sent:
-                got = [_join(got, sent[name], _sent_groups(walk, node))]
-            for item in got:
-                found = _differs(item, want)
+            for c, leaf in enumerate(tensors):
+                got = [p.grad if p.grad is not None else torch.zeros_like(p) for p in pieces[c * size:(c + 1) * size]]
+                want = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+                if entry.get("dim") is not None:
+                    got = [tp_runtime.original_layout(torch.cat(got, dim=entry["dim"]), entry["dim"], size,
+                                                      entry.get("segments"))]
+                elif name in sent:
+                    got = [_join(got, sent[name], _sent_groups(walk, node))]
+                found = next((f for f in map(lambda item: _differs(item, want), got) if f), None)
                 if found:
                     what = f"the gradient of {fqn}" if fqn else f"the gradient of input {name or node.name}"
-                    mismatch = Mismatch(stage.index, what, error=found[0], scale=found[1],
-                                        fqns=[fqn] if fqn and entry.get("dim") is not None else [])
+                    mismatch = Mismatch(stage.index, what + (f" at cp rank {c}" if cp > 1 else ""), error=found[0],
+                                        scale=found[1], fqns=[fqn] if fqn and entry.get("dim") is not None else [])
                     break
             if mismatch:
                 break
     if mismatch is not None:
-        first = _first_difference(stage.index, original, env, reference_env, walk, size)
+        first = _first_difference(stage.index, original, env, reference_env, walk, size, cp)
         if first is not None:
             first.what = f"{first.what} (and so {mismatch.what})"
             mismatch = first
@@ -730,7 +750,7 @@ def _share_from(tp_plan, graph) -> float:
 
 
 def verify_and_repair(graph, saved: tuple, tp_plan, walks, traced, replan, mode: str = "on",
-                      training: bool = True) -> tuple:
+                      training: bool = True, cp: int = 1) -> tuple:
     """Verify the applied plan; on a mismatch (``mode`` "on") make the parameters feeding the first differing
     value whole, ``replan(extra)`` ({fqn: "replicate"} added to the model file's tp_plan: returns the applied
     (tp_plan, walks)), and verify again; ``strict`` raises. Returns (tp_plan, walks, the record for the manifest,
@@ -741,7 +761,7 @@ def verify_and_repair(graph, saved: tuple, tp_plan, walks, traced, replan, mode:
     for _round in range(ROUNDS):
         torch.set_num_threads(1)  # tiny ops: one thread (two spin 15x longer on a loaded machine)
         try:
-            result = verify(graph, saved, tp_plan, walks, traced, training)
+            result = verify(graph, saved, tp_plan, walks, traced, training, cp)
         finally:
             torch.set_num_threads(threads)
         if result["status"] != "mismatch":

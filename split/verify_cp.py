@@ -323,8 +323,8 @@ def check(graph, saved: tuple, cp_plan, walks, loss, loss_walk, traced, target, 
               "seconds": round(time.perf_counter() - started, 3),
               "ran": [r["what"] + (f" ({r['why']})" if r.get("why") else "") for r in result["stages"]]}
     if tp > 1:
-        record["scope"] = (f"the cp rewrite, on the stages before tp's (cp ranks only); tp's rewrite on top of it "
-                           f"is recorded under tp")
+        record["scope"] = ("the cp rewrite against the unsharded stages (cp ranks; tp's rewrite of it is checked "
+                           "per (tp, cp) rank pair: tp.verified)")
     notes = []
     if record["status"] == "not verified":
         notes.append(f"--cp {cp_plan.size}: the plan was not verified: {record['why']}")

@@ -101,10 +101,11 @@ def _verify_tp(graph, saved, tp_plan, walks, traced, model_file, layout: Layout,
         tensor_parallel.apply(graph, new_plan, new_walks)
         return new_plan, new_walks
 
-    if layout.cp > 1:
-        return tp_plan, {"status": "not verified", "why": "--tp with --cp: the verifier runs tp ranks only"}
     tp_plan, _walks, record, notes = tp_verify.verify_and_repair(graph, saved, tp_plan, walks, traced, replan, mode,
-                                                                  model_file.training)
+                                                                  model_file.training, layout.cp)
+    if layout.cp > 1:  # the reference is the cp-rewritten stages (verified against the model's: cp.verified)
+        record["scope"] = (f"tp's rewrite of the cp-rewritten stages, every (tp, cp) rank pair against the {layout.cp} "
+                           f"cp ranks' run of those stages; with cp.verified, tp x cp against the unsharded stages")
     traced.notes.extend(notes)
     return tp_plan, record
 
