@@ -29,6 +29,10 @@ rank, in this one process, against the stage graph as it was before the rewrite,
 A stage whose parameters and inputs hold more than ``LIMIT`` elements (a real-size model traced on meta tensors) is
 not run; a stage graph equal in structure to one verified already (``split.blocks.graph_signature``: a pipeline's
 middle stages) runs unsharded only, to feed the next. What was done is recorded as ``manifest["tp"]["verified"]``.
+
+The interpreter (:func:`run`) runs a grid of tp x cp ranks, each collective over its own group; context
+parallelism's collectives are simulated here too (``_cp_collective``). With ``--cp`` the tp verification's reference
+is the cp-rewritten stages run for every cp rank; ``split/verify_cp.py`` verifies the cp rewrite itself.
 """
 from __future__ import annotations
 

@@ -34,7 +34,7 @@ def test_a_correct_cp_plan_verifies_and_inspect_prints_it():
     record = manifest["cp"]["verified"]
     assert record["status"] == "verified", record
     assert record["ran"] == ["stage 0", "stage 1", "the loss"]
-    assert "verification: verified: every stage's cp ranks and the loss's computed what the unsharded stage does" \
+    assert "verification: verified: every stage's and the loss's cp ranks computed what the unsharded stage does" \
         in context_parallel_table(manifest)
     assert "verified" not in (manifest.get("tp") or {})
 

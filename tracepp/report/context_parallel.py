@@ -37,7 +37,7 @@ def context_parallel_table(manifest: dict) -> str:
                           tablefmt="simple"))
     record = cp.get("verified")
     ran = (record or {}).get("ran") or []
-    lines += verified_lines(record, "every stage's cp ranks" + (" and the loss's" if "the loss" in ran else ""))
+    lines += verified_lines(record, "every stage's" + (" and the loss's" if "the loss" in ran else "") + " cp ranks")
     if record and record.get("scope"):
         lines.append(f"  verified: {record['scope']}")
     if cp.get("sent"):
