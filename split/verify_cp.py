@@ -62,11 +62,10 @@ def _replacement(node, names: set):
     return divided[0] if len(divided) == 1 else final
 
 
-def _expected(node, walk, ref_env, names: set, cp: int):
+def _expected(node, shard: dict, made: dict, ref_env, names: set, cp: int):
     """(what, per rank the value ``node`` should hold, or a whole value its ranks' values join to, how to join)
-    for a node of the rewritten graph, or None where it is not compared."""
-    shard = {n.name: p for n, p in walk.shard.items()}
-    made = {n.name: k for n, k in (getattr(walk, "made_for", None) or {}).items()}
+    for a node of the rewritten graph, or None where it is not compared. ``shard``: node name -> (dim, groups) of
+    the walk's sequence shards; ``made``: node name -> (whole value, dim, groups) it is this rank's positions of."""
     if node.name in names:
         want = ref_env.get(node.name, [None])[0]
         return (f"the value of {node.name}", want, shard.get(node.name)) if isinstance(want, torch.Tensor) else None
@@ -113,6 +112,8 @@ def _first_difference(label, original, env, ref_env, walk, rewritten: fx.Graph, 
     names = {n.name for n in original.nodes}
     partial = {n.name for n in walk.sums} | {n.name for n in walk.losses}
     token_local = {n.name for n in walk.expert_nodes}  # routed experts: each rank's tokens sorted its own way
+    shard = {n.name: p for n, p in walk.shard.items()}
+    made = {n.name: k for n, k in (getattr(walk, "made_for", None) or {}).items()}
     for node in rewritten.nodes:
         if node.op != "call_function" or node.name not in env or node.name in token_local:
             continue
@@ -122,7 +123,7 @@ def _first_difference(label, original, env, ref_env, walk, rewritten: fx.Graph, 
             if final is None or final.name not in env:
                 continue
             have = env[final.name]
-        expected = _expected(node, walk, ref_env, names, cp)
+        expected = _expected(node, shard, made, ref_env, names, cp)
         if expected is None:
             continue
         what, want, placed = expected
