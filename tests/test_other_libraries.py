@@ -167,6 +167,7 @@ def test_cp2_places_each_spelling(name):
     # torchtitan's complex rotary, BLOOM's and the ALiBi paper's baddbmm scores, x-transformers' F.normalize (refused)
     manifest = check_model(model_path(name), num_microbatches=2, schedule="gpipe", layout=Layout(pp=1, cp=2))
     assert manifest["cp"]["size"] == 2
+    assert manifest["cp"]["verified"]["status"] == "verified", manifest["cp"]["verified"]  # split/verify_cp.py
 
 
 # -- issue 57: the plain pipeline split of three libraries' decoders (docs/families.md, second table) -----------
