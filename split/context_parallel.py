@@ -1293,6 +1293,9 @@ class _Hoist:
                 existing.meta["val"] = _local_val(_val(x), dim, self.cp)
             made = existing
         self.memo[key] = made
+        if not hasattr(self.walk, "made_for"):
+            self.walk.made_for = {}
+        self.walk.made_for[made] = key  # what it computes, for the verifier (``split/verify_cp.py``)
         return made
 
     def _new(self, like, target, args, kwargs=None, val=None, dim=None):

@@ -29,6 +29,10 @@ rank, in this one process, against the stage graph as it was before the rewrite,
 A stage whose parameters and inputs hold more than ``LIMIT`` elements (a real-size model traced on meta tensors) is
 not run; a stage graph equal in structure to one verified already (``split.blocks.graph_signature``: a pipeline's
 middle stages) runs unsharded only, to feed the next. What was done is recorded as ``manifest["tp"]["verified"]``.
+
+The interpreter (:func:`run`) runs a grid of tp x cp ranks, each collective over its own group; context
+parallelism's collectives are simulated here too (``_cp_collective``). With ``--cp`` the tp verification's reference
+is the cp-rewritten stages run for every cp rank; ``split/verify_cp.py`` verifies the cp rewrite itself.
 """
 from __future__ import annotations
 
@@ -40,6 +44,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
+from tracepp.runtime import context_parallel as cp_runtime
 from tracepp.runtime import tensor_parallel as tp_runtime
 
 RTOL = 1e-6  # of the largest magnitude of the reference value: float64 sums in another order agree to ~1e-15
@@ -53,18 +58,9 @@ class NotVerified(Exception):
     """The stage could not be run here (too big, an op this interpreter does not know, random ops)."""
 
 
-class RanksFailed(Exception):
-    """An op of the rewritten program raised on the ranks' values (a view of the whole size over a shard): the
-    plan is wrong there, as surely as where a value differs."""
-
-    def __init__(self, node, error):
-        super().__init__(f"{node.name}: {type(error).__name__}: {str(error).splitlines()[0][:200]}")
-        self.node, self.error = node, error
-
-
 @dataclass
 class Mismatch:
-    stage: int
+    stage: object  # the stage's index, or a label ("the loss")
     what: str  # "the value of mul_3", "the gradient of layers.0.attn.q.weight", "output 0"
     node: str = ""  # the op's node name in the stage graph
     op: str = ""  # its target, readable
@@ -72,15 +68,16 @@ class Mismatch:
     error: float = 0.0
     scale: float = 0.0
     fqns: list = field(default_factory=list)  # the sharded parameters feeding it: made whole by a repair
-    failure: str = ""  # the error the ranks' program raised there (where the unsharded one ran)
+    failed: str = ""  # the error where the rewritten program does not run on the ranks' values
 
     def text(self) -> str:
         where = f" ({self.op}{' at ' + self.at if self.at else ''})" if self.op else ""
-        if self.failure:
-            return f"stage {self.stage}: {self.what}{where} fails on the ranks' shards: {self.failure}"
         how = (f"by {self.error:.3g} (largest magnitude {self.scale:.3g})" if self.error != float("inf") else
                "in its shape, its integer values or where it is finite")
-        return f"stage {self.stage}: {self.what}{where} differs from the unsharded graph {how}"
+        label = f"stage {self.stage}" if isinstance(self.stage, int) else self.stage
+        if self.failed:
+            return f"{label}: {self.what}{where} fails on the ranks' values ({self.failed})"
+        return f"{label}: {self.what}{where} differs from the unsharded graph {how}"
 
 
 # ---- snapshots of the stage graphs before the rewrite
@@ -200,20 +197,75 @@ _COLLECTIVES = {"tp_copy", "tp_all_reduce", "tp_all_gather", "tp_scatter", "sp_a
 
 
 class _Ranks:
-    """``_STATE`` of the runtime set to one rank of ``size`` (the local ops read it: ``tp_owned_split``, the
-    vocabulary lookup's rows)."""
+    """The runtimes' ``_STATE`` set to one rank (the local ops read it): tp rank ``rank`` of ``size``
+    (``tp_owned_split``, the vocabulary lookup's rows) and cp rank ``cp_rank`` of ``cp`` (``cp_shard``,
+    ``cp_positions``)."""
 
-    def __init__(self, size: int, rank: int):
-        self.size, self.rank = size, rank
+    def __init__(self, size: int, rank: int, cp: int = 1, cp_rank: int = 0):
+        self.size, self.rank, self.cp, self.cp_rank = size, rank, cp, cp_rank
 
     def __enter__(self):
-        state = tp_runtime._STATE
-        self.old = dict(state)
-        state.update(size=self.size, rank=self.rank, group=None)
+        self.old = dict(tp_runtime._STATE), dict(cp_runtime._STATE)
+        tp_runtime._STATE.update(size=self.size, rank=self.rank, group=None)
+        cp_runtime._STATE.update(size=self.cp, rank=self.cp_rank, group=None, record=False)
 
     def __exit__(self, *exc):
-        tp_runtime._STATE.clear()
-        tp_runtime._STATE.update(self.old)
+        for state, old in zip((tp_runtime._STATE, cp_runtime._STATE), self.old):
+            state.clear()
+            state.update(old)
+
+
+# ---- context parallelism's collectives: 2 cp chunks per sequence, rank r holding chunks r and 2cp-1-r
+
+def _cp_piece(t, dim, groups, cp, rank):
+    """Rank ``rank``'s chunks of ``dim``: the runtime's own cut (``cp_shard``)."""
+    with _Ranks(1, 0, cp, rank):
+        return cp_runtime._shard(t, dim, groups)
+
+
+def _cp_join(parts, dim, groups):
+    """The ranks' chunks joined in sequence order (the runtime's ``_joined``): chunk c < cp is rank c's first,
+    chunk c >= cp rank 2cp-1-c's second."""
+    cp, shape = len(parts), list(parts[0].shape)
+    if cp == 1:
+        return parts[0]
+    views = [p.reshape(shape[:dim] + [groups, 2, shape[dim] // (2 * groups)] + shape[dim + 1:]) for p in parts]
+    ordered = [views[c].narrow(dim + 1, 0, 1) for c in range(cp)]
+    ordered += [views[2 * cp - 1 - c].narrow(dim + 1, 1, 1) for c in range(cp, 2 * cp)]
+    shape[dim] *= cp
+    return torch.cat(ordered, dim=dim + 1).reshape(shape)
+
+
+def _heads_summed(g, repeats, head_dim):
+    if repeats == 1:
+        return g
+    shape = list(g.shape)
+    return g.reshape(shape[:head_dim] + [shape[head_dim] // repeats, repeats] + shape[head_dim + 1:]).sum(head_dim + 1)
+
+
+def _cp_collective(target, values, args, cp):
+    """A cp collective over the cp ranks' values, forward and the runtime's backward (an all-gather's gradient
+    reduce-scattered, a reduce-scatter's all-gathered, an all-reduce's all-reduced)."""
+    ranks = range(cp)
+    if target is TP.cp_all_reduce.default:
+        return _across(values, lambda xs: [_sum(xs)] * cp, lambda gs: [_sum(gs)] * cp)
+    dim, groups = args[0], args[1] if len(args) > 1 else 1
+    if target is TP.cp_all_gather.default:
+        repeats, head = (args[2], args[3]) if len(args) > 3 else (1, 0)
+
+        def gather(xs):
+            whole = _cp_join(xs, dim, groups)
+            return [whole.repeat_interleave(repeats, dim=head) if repeats > 1 else whole] * cp
+        return _across(values, gather, lambda gs: [_cp_piece(_sum([_heads_summed(g, repeats, head) for g in gs]),
+                                                             dim, groups, cp, r) for r in ranks])
+    if target is TP.cp_reduce_scatter.default:
+        return _across(values, lambda xs: [_cp_piece(_sum(xs), dim, groups, cp, r) for r in ranks],
+                       lambda gs: [_cp_join(gs, dim, groups)] * cp)
+    raise NotVerified(f"{target} has no simulation here")
+
+
+_CP_COLLECTIVES = {"cp_all_gather", "cp_reduce_scatter", "cp_all_reduce"}
+_LOCAL = {"tp_owned_split", "cp_shard", "cp_positions"}  # read the rank from _STATE
 
 
 def _float64(item):
@@ -235,11 +287,15 @@ def _grouped_mm(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
 _FLOAT64_OPS = {torch.ops.aten._grouped_mm.default: _grouped_mm}  # ops whose kernels take no float64
 
 
-def run(g: fx.Graph, inputs: list, size: int) -> dict:
-    """Interpret ``g`` with every value a list of ``size`` per-rank values; ``inputs``: per placeholder such a list.
-    Returns {node name: list}."""
+def run(g: fx.Graph, inputs: list, size: int, cp: int = 1) -> dict:
+    """Interpret ``g`` with every value a list of ``size x cp`` per-rank values (tp rank t of cp rank c at
+    ``c * size + t``: each collective over its own group); ``inputs``: per placeholder such a list. Returns {node
+    name: list}. An op that raises carries its node and the values so far (``verify_node``, ``verify_env``)."""
     env: dict = {}
     placeholders = iter(inputs)
+    count = size * cp
+    tp_groups = [list(range(c * size, (c + 1) * size)) for c in range(cp)]
+    cp_groups = [list(range(t, count, size)) for t in range(size)]
 
     def at(rank):
         def one(item):
@@ -248,45 +304,62 @@ def run(g: fx.Graph, inputs: list, size: int) -> dict:
             return _float64(item)
         return one
 
+    def over(groups, each):
+        outs = [None] * count
+        for group in groups:
+            for index, value in zip(group, each(group)):
+                outs[index] = value
+        return outs
+
     for node in g.nodes:
-        if node.op == "placeholder":
-            env[node.name] = next(placeholders)
-        elif node.op == "output":
-            env[node.name] = [fx.node.map_aggregate(node.args[0], at(r)) for r in range(size)]
-        elif node.op == "call_function":
-            target = node.target
-            name = getattr(target, "namespace", None) == "tracepp" and target.name().split("::")[-1].split(".")[0]
-            if name in _COLLECTIVES:
-                values = [env[node.args[0].name][r] for r in range(size)]
-                env[node.name] = _collective(target, values, list(node.args[1:]), size)
-                continue
-            if name == "tp_vocab_embedding":
-                weight, ids, padding = node.args[:3]
-                reduce = node.args[3] if len(node.args) > 3 else True
-                outs = []
-                for r in range(size):
-                    with _Ranks(size, r):
-                        outs.append(target(env[weight.name][r], env[ids.name][r], padding, False))
-                env[node.name] = _collective(TP.tp_all_reduce.default, outs, [], size) if reduce else outs
-                continue
-            if name and name != "tp_owned_split":
-                raise NotVerified(f"{target} has no simulation here")
-            target = _FLOAT64_OPS.get(target, target)
-            outs = []
-            for r in range(size):
-                args = fx.node.map_aggregate(node.args, at(r))
-                kwargs = fx.node.map_aggregate(node.kwargs, at(r))
-                with _Ranks(size, r):
-                    try:
-                        outs.append(target(*args, **kwargs))
-                    except Exception as error:
-                        if size == 1:
-                            raise
-                        raise RanksFailed(node, error) from error
-            env[node.name] = outs
-        else:
-            raise NotVerified(f"a {node.op} node ({node.name}) has no simulation here")
+        try:
+            _step(node, env, at, over, placeholders, size, cp, tp_groups, cp_groups)
+        except Exception as error:
+            if not hasattr(error, "verify_node"):
+                error.verify_node, error.verify_env = node, env
+            raise
     return env
+
+
+def _step(node, env, at, over, placeholders, size, cp, tp_groups, cp_groups) -> None:
+    count = size * cp
+    if node.op == "placeholder":
+        env[node.name] = next(placeholders)
+    elif node.op == "output":
+        env[node.name] = [fx.node.map_aggregate(node.args[0], at(r)) for r in range(count)]
+    elif node.op == "call_function":
+        target = node.target
+        name = getattr(target, "namespace", None) == "tracepp" and target.name().split("::")[-1].split(".")[0]
+        if name in _COLLECTIVES:
+            env[node.name] = over(tp_groups, lambda group: _collective(
+                target, [env[node.args[0].name][r] for r in group], list(node.args[1:]), size))
+            return
+        if name in _CP_COLLECTIVES:
+            env[node.name] = over(cp_groups, lambda group: _cp_collective(
+                target, [env[node.args[0].name][r] for r in group], list(node.args[1:]), cp))
+            return
+        if name == "tp_vocab_embedding":
+            weight, ids, padding = node.args[:3]
+            reduce = node.args[3] if len(node.args) > 3 else True
+            outs = []
+            for r in range(count):
+                with _Ranks(size, r % size, cp, r // size):
+                    outs.append(target(env[weight.name][r], env[ids.name][r], padding, False))
+            env[node.name] = over(tp_groups, lambda group: _collective(
+                TP.tp_all_reduce.default, [outs[r] for r in group], [], size)) if reduce else outs
+            return
+        if name and name not in _LOCAL:
+            raise NotVerified(f"{target} has no simulation here")
+        target = _FLOAT64_OPS.get(target, target)
+        outs = []
+        for r in range(count):
+            args = fx.node.map_aggregate(node.args, at(r))
+            kwargs = fx.node.map_aggregate(node.kwargs, at(r))
+            with _Ranks(size, r % size, cp, r // size):
+                outs.append(target(*args, **kwargs))
+        env[node.name] = outs
+    else:
+        raise NotVerified(f"a {node.op} node ({node.name}) has no simulation here")
 
 
 # ---- inputs
@@ -381,16 +454,17 @@ def _whole(walk, node, values, size):
     return values  # replicated: every rank's own
 
 
-def _first_difference(stage_index, original, rewritten_env, reference_env, walk, size):
-    """The first value of the original graph, in order, whose ranks' values do not reassemble to the reference."""
+def _first_difference(stage_index, original, rewritten_env, reference_env, walk, size, cp: int = 1):
+    """The first value of the original graph, in order, whose ranks' values do not reassemble to the reference
+    (with ``cp``: each cp rank's tp ranks to that cp rank's)."""
     nodes = {node.name: node for node in walk.graph.nodes}
-    for node in original.nodes:
+    for node, c in ((node, c) for node in original.nodes for c in range(cp)):
         if node.op != "call_function" or node.name not in rewritten_env or node.name not in nodes:
             continue
-        want = reference_env[node.name][0]
+        want = reference_env[node.name][c]
         if not isinstance(want, torch.Tensor) or not want.is_floating_point():
             continue
-        here = _whole(walk, nodes[node.name], rewritten_env[node.name], size)
+        here = _whole(walk, nodes[node.name], rewritten_env[node.name][c * size:(c + 1) * size], size)
         if here is None:
             continue
         for have in (here if isinstance(here, list) else [here]):
@@ -456,9 +530,10 @@ def _feeding(walk, node, limit: int = 200) -> list:
 
 # ---- one plan
 
-def verify(graph, saved: tuple, tp_plan, walks, traced, training: bool = True) -> dict:
-    """Run every stage as planned against its snapshot (:func:`snapshot`); returns {"status": "verified" |
-    "mismatch" | "not verified", "why", "mismatch": Mismatch or None, "stages": per stage what was done}."""
+def verify(graph, saved: tuple, tp_plan, walks, traced, training: bool = True, cp: int = 1) -> dict:
+    """Run every stage as planned against its snapshot (:func:`snapshot`; with ``cp`` > 1 the cp-rewritten stages,
+    run for every cp rank); returns {"status": "verified" | "mismatch" | "not verified", "why", "mismatch":
+    Mismatch or None, "stages": per stage what was done}."""
     size = tp_plan.size
     originals, _shapes = saved
     generator = torch.Generator().manual_seed(0)
@@ -472,7 +547,7 @@ def verify(graph, saved: tuple, tp_plan, walks, traced, training: bool = True) -
     for stage, original, walk in zip(graph.stages, originals, walks):
         try:
             result = _verify_stage(graph, stage, original, walk, size, traced, values, sent, generator, seen,
-                                   training, tp_plan.params)
+                                   training, tp_plan.params, cp)
         except NotVerified as error:
             result = {"status": "not verified", "why": str(error)}
         except Exception as error:  # an op that does not run here: say so, do not fail the split
@@ -489,131 +564,177 @@ def verify(graph, saved: tuple, tp_plan, walks, traced, training: bool = True) -
     return {"status": "verified", "why": "", "mismatch": None, "stages": done}
 
 
+class Inputs:
+    """A stage's inputs for both runs: per placeholder of the graph before the rewrite its whole value (float64)
+    and whether its gradient is compared; ``received``: placeholder name -> boundary value name."""
+
+    def __init__(self, graph, stage, original, traced, values: dict, generator, training: bool):
+        placeholders = [n for n in original.nodes if n.op == "placeholder"]
+        first = len(stage.state) + len(stage.root_inputs)
+        self.received = {placeholders[first + i].name: name for i, (_p, name) in enumerate(stage.received)}
+        state = dict(zip([n.name for n in placeholders], stage.state))
+        roots = dict(zip([n.name for n in placeholders[len(stage.state):]], stage.root_inputs))
+        count = sum(_prod(_concrete(n.meta["val"])) for n in placeholders
+                    if isinstance(n.meta.get("val"), torch.Tensor))
+        if count > LIMIT:
+            raise NotVerified(f"{count / 1e6:.0f}M elements of parameters and inputs, more than the "
+                              f"{LIMIT / 1e6:.0f}M run here")
+        self.tensors, self.wanted = [], []
+        for node in placeholders:
+            val = node.meta.get("val")
+            if node.name in state:
+                ref = graph.state[state[node.name]]
+                tensor = _state_tensor(traced, ref)
+                tensor = _cast(tensor) if tensor is not None else _random_like(val, generator)
+                wants = ref.kind == "parameter" and tensor.is_floating_point() and training
+            elif node.name in roots:
+                tensor = _root_value(traced, graph.root_inputs[roots[node.name]], val)
+                tensor = _cast(tensor) if tensor is not None else _random_like(val, generator)
+                wants = False
+            elif node.name in self.received:
+                name = self.received[node.name]
+                if name not in values:
+                    raise NotVerified(f"{name} was not computed")
+                tensor = values[name]  # with cp: a list over the cp ranks
+                probe = tensor[0] if isinstance(tensor, list) else tensor
+                wants = graph.values[name].meta.requires_grad and probe.is_floating_point() and training
+            elif isinstance(val, torch.Tensor):
+                tensor, wants = _random_like(val, generator), False
+            else:
+                tensor, wants = _hint(val) if val is not None else None, False
+            self.tensors.append(tensor)
+            self.wanted.append(wants)
+
+
+def reference(original, inputs: list, wanted: list, names: list, values: dict, generator, seeds=None, cp: int = 1):
+    """The unsharded run of ``original`` on ``inputs`` (the whole values; a gradient kept where ``wanted``) and its
+    backward from random output gradients (``seeds(outputs)``: given ones). Sets ``values`` of the outputs
+    ``names``; returns (leaves, env, outputs, output gradients). With ``cp`` > 1 ``original`` is a cp-rewritten
+    graph run for every cp rank (an input: a list of the cp ranks' values, or one value for all), and each of
+    leaves, outputs, gradients and ``values`` is a list over the cp ranks."""
+    per = [t if isinstance(t, list) else [t] * cp for t in inputs]
+    leaves = [[x.clone().requires_grad_(w) if isinstance(x, torch.Tensor) else x for x in xs]
+              for xs, w in zip(per, wanted)]
+    env = run(original, leaves, 1, cp)
+    outputs = [list(out) for out in env[original.output_node().name]]
+    for index, name in enumerate(names):
+        got = [out[index].detach() if isinstance(out[index], torch.Tensor) else out[index] for out in outputs]
+        values[name] = got if cp > 1 else got[0]
+    if seeds is not None:
+        seeds = [seeds(out) for out in outputs]
+    else:
+        seeds = [[torch.randn(o.shape, generator=generator, dtype=o.dtype)
+                  if isinstance(o, torch.Tensor) and o.requires_grad else None for o in out] for out in outputs]
+    pairs = [(o, g) for out, gs in zip(outputs, seeds) for o, g in zip(out, gs) if g is not None and o.requires_grad]
+    if pairs:
+        torch.autograd.backward([o for o, _g in pairs], [g for _o, g in pairs])
+    if cp == 1:
+        return [xs[0] for xs in leaves], env, outputs[0], seeds[0]
+    return leaves, env, outputs, seeds
+
+
 def _verify_stage(graph, stage, original, walk, size, traced, values, sent, generator, seen, training,
-                  plan_params) -> dict:
+                  plan_params, cp: int = 1) -> dict:
+    """One stage's tp rewrite against ``original``; with ``cp`` > 1 ``original`` is the cp-rewritten stage, run for
+    every cp rank, and the rewrite for every (tp, cp) pair (tp rank t of cp rank c at ``c * size + t``), each cp
+    rank's tp ranks compared with that cp rank's run."""
     from tracepp.split import blocks
 
-    placeholders = [n for n in original.nodes if n.op == "placeholder"]
-    first = len(stage.state) + len(stage.root_inputs)
-    received = {placeholders[first + i].name: name for i, (_p, name) in enumerate(stage.received)}
-    state = dict(zip([n.name for n in placeholders], stage.state))
-    roots = dict(zip([n.name for n in placeholders[len(stage.state):]], stage.root_inputs))
-    count = sum(_prod(_concrete(n.meta["val"])) for n in placeholders if isinstance(n.meta.get("val"), torch.Tensor))
-    if count > LIMIT:
-        raise NotVerified(f"{count / 1e6:.0f}M elements of parameters and inputs, more than the {LIMIT / 1e6:.0f}M "
-                          f"run here")
-    whole_inputs, grads_wanted = [], []
-    for node in placeholders:
-        val = node.meta.get("val")
-        if node.name in state:
-            ref = graph.state[state[node.name]]
-            tensor = _state_tensor(traced, ref)
-            tensor = _cast(tensor) if tensor is not None else _random_like(val, generator)
-            wants = ref.kind == "parameter" and tensor.is_floating_point() and training
-        elif node.name in roots:
-            tensor = _root_value(traced, graph.root_inputs[roots[node.name]], val)
-            tensor = _cast(tensor) if tensor is not None else _random_like(val, generator)
-            wants = False
-        elif node.name in received:
-            name = received[node.name]
-            if name not in values:
-                raise NotVerified(f"{name} was not computed")
-            tensor = values[name]
-            wants = graph.values[name].meta.requires_grad and tensor.is_floating_point() and training
-        elif isinstance(val, torch.Tensor):
-            tensor, wants = _random_like(val, generator), False
-        else:
-            tensor, wants = _hint(val) if val is not None else None, False
-        whole_inputs.append(tensor)
-        grads_wanted.append(wants)
-    # the unsharded run
-    leaves = [t.clone().requires_grad_(w) if isinstance(t, torch.Tensor) else t
-              for t, w in zip(whole_inputs, grads_wanted)]
-    reference = run(original, [[t] for t in leaves], 1)
-    outputs = list(reference[original.output_node().name][0])
-    for out, name in zip(outputs, stage.outputs):
-        values[name] = out.detach() if isinstance(out, torch.Tensor) else out
+    inputs = Inputs(graph, stage, original, traced, values, generator, training)
+    received = inputs.received
+    leaves, reference_env, outputs, out_grads = reference(original, inputs.tensors, inputs.wanted, stage.outputs,
+                                                          values, generator, cp=cp)
+    if cp == 1:  # every value a list over the cp ranks from here on
+        leaves, outputs, out_grads = [[leaf] for leaf in leaves], [outputs], [out_grads]
     signature = blocks.graph_signature(original)
     if signature in seen:
         return {"status": "verified", "why": f"the same graph as stage {seen[signature]}"}
-    out_grads = [torch.randn(o.shape, generator=generator, dtype=o.dtype)
-                 if isinstance(o, torch.Tensor) and o.requires_grad else None for o in outputs]
-    pairs = [(o, g) for o, g in zip(outputs, out_grads) if g is not None]
-    if pairs:
-        torch.autograd.backward([o for o, _g in pairs], [g for _o, g in pairs])
+    pairs = [g for gs in out_grads for g in gs if g is not None]
     # the ranks' run
     rewritten = [n for n in walk.graph.nodes if n.op == "placeholder"]
     ranked = []
-    for node, tensor, wants in zip(rewritten, whole_inputs, grads_wanted):
-        if not isinstance(tensor, torch.Tensor):
-            ranked.append([tensor] * size)
+    for node, tensors, wants in zip(rewritten, leaves, inputs.wanted):
+        if not isinstance(tensors[0], torch.Tensor):
+            ranked.append([tensors[0]] * size * cp)
             continue
         fqn = walk.fqn_of.get(node.name)
         entry = plan_params.get(fqn) or {}
         name = received.get(node.name)
-        if entry.get("dim") is not None:
-            pieces = [tp_runtime.shard(tensor, entry["dim"], size, r, entry.get("segments")) for r in range(size)]
-        elif name in sent:
-            pieces = [_piece(tensor, sent[name], _sent_groups(walk, node), size, r) for r in range(size)]
-        else:
-            pieces = [tensor.clone() for _ in range(size)]
+        pieces = []
+        for tensor in (t.detach() for t in tensors):
+            if entry.get("dim") is not None:
+                pieces += [tp_runtime.shard(tensor, entry["dim"], size, r, entry.get("segments"))
+                           for r in range(size)]
+            elif name in sent:
+                pieces += [_piece(tensor, sent[name], _sent_groups(walk, node), size, r) for r in range(size)]
+            else:
+                pieces += [tensor.clone() for _ in range(size)]
         ranked.append([p.detach().clone().requires_grad_(wants) for p in pieces])
     try:
-        env = run(walk.graph, ranked, size)
-    except RanksFailed as failed:  # the unsharded program ran: the plan is wrong at this op
-        node = failed.node
-        error = failed.error
+        env = run(walk.graph, ranked, size, cp)
+    except NotVerified:
+        raise
+    except Exception as error:  # the unsharded program ran: the plan is wrong at this op
+        node = getattr(error, "verify_node", None)
+        if node is None or node.op != "call_function":
+            raise
         return {"status": "mismatch", "mismatch": Mismatch(
             stage.index, f"the value of {node.name}", node.name, _op(node), _where(node), float("inf"), 0.0,
-            _feeding(walk, node), f"{type(error).__name__}: {str(error).splitlines()[0][:200]}")}
+            _feeding(walk, node), failed=f"{type(error).__name__}: {str(error).splitlines()[0][:200]}")}
     result_outputs = env[walk.graph.output_node().name]
     mismatch = None
-    for index, (name, want) in enumerate(zip(stage.outputs, outputs)):
-        have = [result_outputs[r][index] for r in range(size)]
-        if name in sent:
-            have = [_join(have, sent[name], _sent_groups_out(walk, index))]
-        for item in have:
-            found = _differs(item, want)
-            if found:
-                made = list(walk.graph.output_node().args[0])[index]
-                mismatch = Mismatch(stage.index, f"output {name}", error=found[0], scale=found[1],
-                                    fqns=_feeding(walk, made) if isinstance(made, fx.Node) else [])
+    for c in range(cp):
+        for index, (name, want) in enumerate(zip(stage.outputs, outputs[c])):
+            have = [result_outputs[c * size + r][index] for r in range(size)]
+            if name in sent:
+                have = [_join(have, sent[name], _sent_groups_out(walk, index))]
+            for item in have:
+                found = _differs(item, want)
+                if found:
+                    made = list(walk.graph.output_node().args[0])[index]
+                    mismatch = Mismatch(stage.index, f"output {name}" + (f" at cp rank {c}" if cp > 1 else ""),
+                                        error=found[0], scale=found[1],
+                                        fqns=_feeding(walk, made) if isinstance(made, fx.Node) else [])
+                    break
+            if mismatch:
                 break
         if mismatch:
             break
     if mismatch is None and pairs:
         grads = []
-        for index, (name, g) in enumerate(zip(stage.outputs, out_grads)):
-            if g is None:
-                continue
-            for r in range(size):
-                o = result_outputs[r][index]
-                grads.append((o, _piece(g, sent[name], _sent_groups_out(walk, index), size, r) if name in sent else g))
+        for c in range(cp):
+            for index, (name, g) in enumerate(zip(stage.outputs, out_grads[c])):
+                if g is None:
+                    continue
+                for r in range(size):
+                    o = result_outputs[c * size + r][index]
+                    grads.append((o, _piece(g, sent[name], _sent_groups_out(walk, index), size, r)
+                                  if name in sent else g))
         torch.autograd.backward([o for o, _g in grads], [g for _o, g in grads])
-        for node, leaf, pieces, wants in zip(rewritten, leaves, ranked, grads_wanted):
+        for node, tensors, pieces, wants in zip(rewritten, leaves, ranked, inputs.wanted):
             if not wants:
                 continue
             fqn = walk.fqn_of.get(node.name)
             entry = plan_params.get(fqn) or {}
-            got = [p.grad if p.grad is not None else torch.zeros_like(p) for p in pieces]
-            want = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
             name = received.get(node.name)
-            if entry.get("dim") is not None:
-                got = [tp_runtime.original_layout(torch.cat(got, dim=entry["dim"]), entry["dim"], size,
-                                                  entry.get("segments"))]
-            elif name in sent:
-                got = [_join(got, sent[name], _sent_groups(walk, node))]
-            for item in got:
-                found = _differs(item, want)
+            for c, leaf in enumerate(tensors):
+                got = [p.grad if p.grad is not None else torch.zeros_like(p) for p in pieces[c * size:(c + 1) * size]]
+                want = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+                if entry.get("dim") is not None:
+                    got = [tp_runtime.original_layout(torch.cat(got, dim=entry["dim"]), entry["dim"], size,
+                                                      entry.get("segments"))]
+                elif name in sent:
+                    got = [_join(got, sent[name], _sent_groups(walk, node))]
+                found = next((f for f in map(lambda item: _differs(item, want), got) if f), None)
                 if found:
                     what = f"the gradient of {fqn}" if fqn else f"the gradient of input {name or node.name}"
-                    mismatch = Mismatch(stage.index, what, error=found[0], scale=found[1],
-                                        fqns=[fqn] if fqn and entry.get("dim") is not None else [])
+                    mismatch = Mismatch(stage.index, what + (f" at cp rank {c}" if cp > 1 else ""), error=found[0],
+                                        scale=found[1], fqns=[fqn] if fqn and entry.get("dim") is not None else [])
                     break
             if mismatch:
                 break
     if mismatch is not None:
-        first = _first_difference(stage.index, original, env, reference, walk, size)
+        first = _first_difference(stage.index, original, env, reference_env, walk, size, cp)
         if first is not None:
             first.what = f"{first.what} (and so {mismatch.what})"
             mismatch = first
@@ -657,7 +778,7 @@ def _share_from(tp_plan, graph) -> float:
 
 
 def verify_and_repair(graph, saved: tuple, tp_plan, walks, traced, replan, mode: str = "on",
-                      training: bool = True) -> tuple:
+                      training: bool = True, cp: int = 1) -> tuple:
     """Verify the applied plan; on a mismatch (``mode`` "on") make the parameters feeding the first differing
     value whole, ``replan(extra)`` ({fqn: "replicate"} added to the model file's tp_plan: returns the applied
     (tp_plan, walks)), and verify again; ``strict`` raises. Returns (tp_plan, walks, the record for the manifest,
@@ -668,7 +789,7 @@ def verify_and_repair(graph, saved: tuple, tp_plan, walks, traced, replan, mode:
     for _round in range(ROUNDS):
         torch.set_num_threads(1)  # tiny ops: one thread (two spin 15x longer on a loaded machine)
         try:
-            result = verify(graph, saved, tp_plan, walks, traced, training)
+            result = verify(graph, saved, tp_plan, walks, traced, training, cp)
         finally:
             torch.set_num_threads(threads)
         if result["status"] != "mismatch":

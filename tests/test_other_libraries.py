@@ -176,6 +176,7 @@ def test_cp2_places_each_spelling(name):
     # and a model built as nn.Sequential (PaLM), whose input a stage graph names input_1 (refused: "no batched input")
     manifest = check_model(model_path(name), num_microbatches=2, schedule="gpipe", layout=Layout(pp=1, cp=2))
     assert manifest["cp"]["size"] == 2
+    assert manifest["cp"]["verified"]["status"] == "verified", manifest["cp"]["verified"]  # split/verify_cp.py
 
 
 # -- issue 57: the plain pipeline split of three libraries' decoders (docs/families.md, second table) -----------

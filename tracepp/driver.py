@@ -21,6 +21,7 @@ from tracepp.runtime.mesh import Layout
 from tracepp.runtime.run_options import RunOptions
 from tracepp.split import context_parallel, expert_parallel, tensor_parallel
 from tracepp.split import verify as tp_verify
+from tracepp.split import verify_cp as cp_verify
 from tracepp.split.cost import per_rank_estimate
 from tracepp.split.partition import split
 from tracepp.trace import trace
@@ -42,8 +43,18 @@ def _plan(model_path: str, layout: Layout, num_stages: Optional[int], schedule: 
         with phases.step("cp plan"):
             loss = trace_loss(model_file, graph) if model_file.training else None
             cp_plan, walks, loss_walk = context_parallel.plan(graph, layout.cp, loss, model_file.training)
+            if verify != "off":
+                with phases.step("verify snapshot"):  # the stage graphs and the loss before the rewrite
+                    saved = cp_verify.snapshot(graph, loss)
             context_parallel.apply(graph, cp_plan, walks, loss, loss_walk)
             graph.context_parallel, graph.loss = cp_plan.to_json(), loss
+        if verify != "off":                                                           # 2a'. the plan verified
+            with phases.step("cp verify"):
+                target = _microbatch_target(model_file, traced, layout) if model_file.training else None
+                record, notes = cp_verify.check(graph, saved, cp_plan, walks, loss, loss_walk, traced, target,
+                                                verify, model_file.training, layout.tp)
+                traced.notes.extend(notes)
+            graph.context_parallel["verified"] = record
     if layout.tp > 1:                                                                 # 2b. tensor parallel
         saved = None
         if verify != "off":
@@ -90,10 +101,11 @@ def _verify_tp(graph, saved, tp_plan, walks, traced, model_file, layout: Layout,
         tensor_parallel.apply(graph, new_plan, new_walks)
         return new_plan, new_walks
 
-    if layout.cp > 1:
-        return tp_plan, {"status": "not verified", "why": "--tp with --cp: the verifier runs tp ranks only"}
     tp_plan, _walks, record, notes = tp_verify.verify_and_repair(graph, saved, tp_plan, walks, traced, replan, mode,
-                                                                  model_file.training)
+                                                                  model_file.training, layout.cp)
+    if layout.cp > 1:  # the reference is the cp-rewritten stages (verified against the model's: cp.verified)
+        record["scope"] = (f"tp's rewrite of the cp-rewritten stages, every (tp, cp) rank pair against the {layout.cp} "
+                           f"cp ranks' run of those stages; with cp.verified, tp x cp against the unsharded stages")
     traced.notes.extend(notes)
     return tp_plan, record
 

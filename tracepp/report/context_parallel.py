@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from tabulate import tabulate
 
+from tracepp.report.stages import verified_lines
+
 
 def _megabytes(count: int) -> str:
     return f"{count / 1e6:.3f} MB" if count >= 1e5 else f"{count:,} B"
@@ -33,6 +35,11 @@ def context_parallel_table(manifest: dict) -> str:
     lines.append(tabulate(rows, headers=["stage", "key/value all-gathers per microbatch (whole)", "whole bytes",
                                          "received per rank", "made for its positions", "sums over seq"],
                           tablefmt="simple"))
+    record = cp.get("verified")
+    ran = (record or {}).get("ran") or []
+    lines += verified_lines(record, "every stage's" + (" and the loss's" if "the loss" in ran else "") + " cp ranks")
+    if record and record.get("scope"):
+        lines.append(f"  verified: {record['scope']}")
     if cp.get("sent"):
         lines.append("sent between stages as shards (1/cp of the bytes): " + ", ".join(sorted(cp["sent"])))
     loss = cp.get("loss") or {}

@@ -190,13 +190,12 @@ def _pattern(fqn: str) -> str:
     return re.sub(r"(^|\.)\d+(?=\.)", r"\1*", fqn)
 
 
-def verified_lines(record) -> list:
-    """The plan's verification (``split.verify``): verified, repaired (what was made whole, at which op and line, and
-    the share it cost), or not verified and why."""
+def verified_lines(record, what: str = "every stage's ranks") -> list:
+    """The plan's verification (``split.verify``, ``split.verify_cp``): verified, repaired (what was made whole, at
+    which op and line, and the share it cost), or not verified and why. ``what``: who ran."""
     if not record:
         return ["verification: off (--verify off, or a split older than it)"]
-    text = {"verified": "verified: every stage's ranks computed what the unsharded stage does (float64, forward and "
-                        "backward)",
+    text = {"verified": f"verified: {what} computed what the unsharded stage does (float64, forward and backward)",
             "repaired": "repaired, then verified",
             "not verified": f"not verified: {record.get('why', '')}"}.get(record["status"], record["status"])
     lines = [f"verification: {text}"]

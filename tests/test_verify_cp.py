@@ -1,0 +1,170 @@
+"""Every context-parallel plan is verified at split time (``split/verify_cp.py``): each stage's cp-rewritten program
+and the rewritten loss run for every cp rank in this one process against the graphs before the rewrite, forward and
+backward; with ``--tp`` too, tp's rewrite of the cp-rewritten stages runs for every (tp, cp) rank pair.
+
+Correct plans verify (tp_llama, a model with complex rotary positions, ALiBi through ``baddbmm``, a transformers
+Llama with padded targets, tp x cp with sequence parallelism); a wrong cp rule put into the rewrite (positions cut
+as one contiguous chunk instead of chunks r and 2cp-1-r, a key all-gather left out) is refused naming the op and the
+model's line, under ``--verify on`` and ``strict`` alike; ``--verify off`` records nothing.
+"""
+import os
+
+import pytest
+import torch
+
+from tracepp.driver import check_model
+from tracepp.runtime import context_parallel as cp_runtime
+from tracepp.runtime.mesh import Layout
+from tracepp.split import context_parallel, tensor_parallel, verify
+from util import REPO, model_path
+
+pytestmark = pytest.mark.timeout(600)
+
+LLAMA = model_path("tp_llama")
+
+
+def _check(path, mode="on", pp=2, **layout):
+    return check_model(path, schedule="1f1b", num_microbatches=2, layout=Layout(pp=pp, **layout), verify=mode)
+
+
+def test_a_correct_cp_plan_verifies_and_inspect_prints_it():
+    from tracepp.report.context_parallel import context_parallel_table
+
+    manifest = _check(LLAMA, cp=2)
+    record = manifest["cp"]["verified"]
+    assert record["status"] == "verified", record
+    assert record["ran"] == ["stage 0", "stage 1", "the loss"]
+    assert "verification: verified: every stage's and the loss's cp ranks computed what the unsharded stage does" \
+        in context_parallel_table(manifest)
+    assert "verified" not in (manifest.get("tp") or {})
+
+
+@pytest.mark.parametrize("name", ["cp_complex_rope", "cp_alibi_baddbmm"])
+def test_cp_models_verify(name):
+    record = _check(model_path(name), cp=2)["cp"]["verified"]
+    assert record["status"] == "verified", record
+
+
+def test_a_transformers_llama_with_padded_targets_verifies_at_cp4(monkeypatch):
+    monkeypatch.setenv("CP_HF_FAMILY", "llama")  # ignore_index padding spread unevenly over the ranks
+    record = _check(os.path.join(REPO, "tests", "zoo", "cp_hf.py"), cp=4)["cp"]["verified"]
+    assert record["status"] == "verified" and "the loss" in record["ran"], record
+
+
+def test_tp_x_cp_is_verified_per_rank_pair():
+    manifest = _check(LLAMA, cp=2, tp=2, sequence_parallel=True)
+    assert manifest["cp"]["verified"]["status"] == "verified", manifest["cp"]["verified"]
+    record = manifest["tp"]["verified"]
+    assert record["status"] == "verified", record
+    assert "every (tp, cp) rank pair" in record["scope"]
+
+
+def test_a_tp_gather_off_by_one_under_cp_is_caught_and_repaired(monkeypatch):
+    original = tensor_parallel._rewrite
+
+    def rewrite(g, walk, tp, params):
+        original(g, walk, tp, params)
+        for node in g.nodes:
+            if node.target is torch.ops.tracepp.tp_all_gather.default and node.args[1] > 0:
+                node.args = (node.args[0], node.args[1] - 1) + tuple(node.args[2:])
+
+    monkeypatch.setattr(tensor_parallel, "_rewrite", rewrite)
+    with pytest.raises(ValueError, match=r"--tp 2: .*output head_out at cp rank 0 differs .*Fix: make head.weight "
+                                         r"whole"):
+        _check(LLAMA, mode="strict", cp=2, tp=2)
+    record = _check(LLAMA, cp=2, tp=2)["tp"]["verified"]
+    assert record["status"] == "repaired" and record["repairs"][0]["made_whole"] == ["head.weight"], record
+
+
+def _positions_in_one_chunk(monkeypatch):
+    """A rewrite that builds the rotary positions as one contiguous chunk of S/cp (0..7 on every rank) instead of
+    the rank's chunks r and 2cp-1-r."""
+    original = context_parallel._rewrite
+
+    def rewrite(g, walk, cp):
+        original(g, walk, cp)
+        for node in g.nodes:
+            if node.target is torch.ops.tracepp.cp_positions.default:
+                node.target, node.args = torch.ops.aten.arange.default, (node.args[0] // cp,)
+                break
+
+    monkeypatch.setattr(context_parallel, "_rewrite", rewrite)
+
+
+@pytest.mark.parametrize("mode", ["on", "strict"])
+def test_positions_cut_at_the_wrong_chunk_are_refused_naming_the_op(monkeypatch, mode):
+    _positions_in_one_chunk(monkeypatch)
+    with pytest.raises(ValueError, match=r"--cp 2: the plan does not compute what the model does: stage 0: the value "
+                                         r"of cp_positions_default_\d+ \(this rank's positions of arange\) .*"
+                                         r"\(aten.arange.default at tp_llama.py:\d+\) differs"):
+        _check(LLAMA, mode=mode, cp=2)
+
+
+def test_verify_off_records_nothing(monkeypatch):
+    _positions_in_one_chunk(monkeypatch)
+    manifest = _check(LLAMA, mode="off", cp=2)
+    assert "verified" not in manifest["cp"]
+
+
+def test_a_key_gather_left_out_is_refused_naming_attention(monkeypatch):
+    original = context_parallel._rewrite
+
+    def rewrite(g, walk, cp):
+        original(g, walk, cp)
+        for node in g.nodes:
+            if node.target is torch.ops.tracepp.cp_all_gather.default:
+                node.replace_all_uses_with(node.args[0])
+                g.erase_node(node)
+                break
+
+    monkeypatch.setattr(context_parallel, "_rewrite", rewrite)
+    with pytest.raises(ValueError, match=r"stage 0: the value of scaled_dot_product_attention "
+                                         r"\(aten.scaled_dot_product_attention.default at tp_llama.py:\d+\) fails on "
+                                         r"the ranks' values"):
+        _check(LLAMA, cp=2)
+
+
+def test_a_stage_too_big_to_run_is_not_verified(monkeypatch):
+    monkeypatch.setattr(verify, "LIMIT", 100)
+    manifest = _check(LLAMA, cp=2)
+    record = manifest["cp"]["verified"]
+    assert record["status"] == "not verified" and "more than the 0M run here" in record["why"], record
+    assert any("--cp 2: the plan was not verified" in note for note in manifest["notes"])
+
+
+def test_a_repeated_stage_runs_unsharded_only(monkeypatch):
+    monkeypatch.setenv("CP_HF_LAYERS", "4")
+    manifest = check_model(os.path.join(REPO, "tests", "zoo", "cp_hf.py"), schedule="interleaved-1f1b", num_stages=4,
+                           split_points="auto", num_microbatches=2, layout=Layout(pp=2, cp=2))
+    record = manifest["cp"]["verified"]
+    assert record["status"] == "verified", record
+    assert "stage 2 (the same graph as stage 1)" in record["ran"], record
+
+
+def test_the_simulated_cp_ops_are_the_runtimes():
+    """The verifier's cut is the runtime's ``cp_shard``, its join the inverse in the runtime's chunk order, and each
+    simulated collective's backward the adjoint of its forward over the group (what the runtime's autograd is)."""
+    x = torch.randn(2, 3 * 8, 4, dtype=torch.float64)
+    for cp, groups in ((2, 1), (2, 3), (4, 1)):
+        pieces = [verify._cp_piece(x, 1, groups, cp, r) for r in range(cp)]
+        assert torch.equal(verify._cp_join(pieces, 1, groups), x)
+        if groups == 1:
+            for r in range(cp):
+                want = x[:, cp_runtime.positions(24, cp, r)]
+                assert torch.equal(pieces[r], want)
+                with verify._Ranks(1, 0, cp, r):
+                    assert torch.equal(torch.ops.tracepp.cp_positions.default(24), cp_runtime.positions(24, cp, r))
+    cp = 2
+    ops = ((torch.ops.tracepp.cp_all_gather.default, [1, 1, 2, 2]), (torch.ops.tracepp.cp_reduce_scatter.default, [1]),
+           (torch.ops.tracepp.cp_all_reduce.default, []))
+    for target, args in ops:
+        shape = [2, 8, 3] if target is not torch.ops.tracepp.cp_reduce_scatter.default else [2, 16, 3]
+        xs = [torch.randn(shape, dtype=torch.float64, requires_grad=True) for _ in range(cp)]
+        outs = verify._cp_collective(target, xs, args, cp)
+        seeds = [torch.randn_like(o) for o in outs]
+        torch.autograd.backward(outs, seeds)
+        forward = sum((o * s).sum() for o, s in zip(outs, seeds))
+        adjoint = sum((x * x.grad).sum() for x in xs)
+        assert torch.allclose(forward, adjoint), target
+    gathered = verify._cp_collective(ops[0][0], [verify._cp_piece(x, 1, 1, 2, r) for r in range(2)], [1, 1, 2, 2], 2)
+    assert torch.equal(gathered[1], x.repeat_interleave(2, dim=2))
