@@ -117,6 +117,21 @@ def _layer_of(node):
     return None
 
 
+def _products_operands(node) -> list:
+    """The operands an attention product multiplies (a key or value read at a rank's heads is one; a bias added to
+    the scores, Bloom's ALiBi table in ``baddbmm``, is not)."""
+    target = str(node.target)
+    if target not in _READS_HEADS:
+        return []
+    if target == "aten.einsum.default":
+        return list(node.args[1])
+    if target == "aten.baddbmm.default":
+        return list(node.args[1:3])
+    if target == "aten.scaled_dot_product_attention.default":
+        return list(node.args[1:3])
+    return list(node.args[:2])
+
+
 def layer_bytes(walk) -> dict:
     """{layer: (bytes ``walk``'s plan moves in it per microbatch, Megatron's bytes for it or None)} over the stage's
     repeated blocks (:func:`_layer_of`). Megatron's plan applies to a decoder layer (one with an attention): its
@@ -136,7 +151,7 @@ def layer_bytes(walk) -> dict:
         if layer in moved:
             moved[layer] += count
     fewer_groups = set(walk.mixed_linears) | {consumer for consumer, *_rest in walk.head_groups} | {
-        consumer for consumer, *_rest in walk.scatters if str(consumer.target) in _READS_HEADS}
+        consumer for consumer, arg, *_rest in walk.scatters if arg in _products_operands(consumer)}
     out = {}
     for layer, nodes in layers.items():
         inside = set(nodes)
