@@ -137,7 +137,7 @@ class _Across(torch.autograd.Function):
         ctx.like = [(o.shape, o.dtype) for o in outs]
         fresh, seen = [], set()  # each output a tensor of its own (not an input, not another output)
         for o in outs:
-            fresh.append(o.clone() if id(o) in seen or any(o is v for v in values) else o)
+            fresh.append(o.clone() if id(o) in seen or o._is_view() or any(o is v for v in values) else o)
             seen.add(id(o))
         return tuple(fresh)
 
