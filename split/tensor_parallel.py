@@ -1821,18 +1821,16 @@ def settle(graphs: list, tp: int, notes: dict, fused: dict = None, sequence=None
 
 def _settle_trials(graphs: list, tp: int, notes: dict, fused: dict, sequence, mixed: dict, gathered: dict,
                    begins: dict) -> tuple:
-    import re
-
     fused = {} if fused is None else fused
     mixed = {} if mixed is None else mixed
-    start = (dict(notes), dict(fused), {k: set(v) for k, v in mixed.items()})
+    start = _copied((notes, fused, mixed))
     best = _settle(graphs, tp, notes, fused, sequence, mixed, begins=begins)
     kept, tried = {}, set()
     while True:  # a kept kind can turn other layers' pairs into low-rank ones (DeepSeek-V3.2): found, tried again
         kinds: dict = {}  # the pair's modules with layer numbers starred -> ({down fqn: why}, {up fqns})
         for walk in best[0]:
             for downs, ups in _low_rank(walk):
-                key = tuple(re.sub(r"\.\d+\.", ".*.", fqn) for fqn in downs)
+                key = tuple(plan_cost.kind_of(fqn) for fqn in downs)
                 entry = kinds.setdefault(key, ({}, set()))
                 entry[0].update({f: w for f, w in downs.items() if f not in notes and f not in tried})
                 entry[1].update(ups)
@@ -1846,7 +1844,7 @@ def _settle_trials(graphs: list, tp: int, notes: dict, fused: dict, sequence, mi
             if set(downs) <= set(kept):
                 continue
             tried.update(downs)
-            trial = (dict(start[0]), dict(start[1]), {k: set(v) for k, v in start[2].items()})
+            trial = _copied(start)
             marked = dict(kept, **downs)  # folded blocks' copies join it (a left-out block gathered as its b3)
             found = _settle(graphs, tp, *trial[:2], sequence, trial[2], marked, begins=begins)
             roles, ending = _linear_roles(found[0]), {}  # and whether an up-projection's region ends reduced
@@ -1875,6 +1873,12 @@ def _settle_trials(graphs: list, tp: int, notes: dict, fused: dict, sequence, mi
     return best
 
 
+def _copied(learned: tuple) -> tuple:
+    """A copy of what a settle learns and updates in place (notes, fused segments, mixed parts), for a trial."""
+    notes, fused, mixed = learned
+    return dict(notes), dict(fused), {k: set(v) for k, v in mixed.items()}
+
+
 _KIND_TRIALS = 8  # kinds of elementwise-sharded parameters tried whole one by one, at most
 
 
@@ -1898,7 +1902,8 @@ def _whole_where_cheaper(graphs: list, tp: int, learned: tuple, sequence, begins
             continue
         wanted = dict(chosen, **{kind: kinds[kind] for kind in trial_kinds})
         forced = {fqn: "" for fqns in wanted.values() for fqn in fqns}
-        trial = (dict(start[0], **forced), dict(start[1]), {k: set(v) for k, v in start[2].items()})
+        trial = _copied(start)
+        trial[0].update(forced)
         found = _settle(graphs, tp, *trial[:2], sequence, trial[2], dict(kept), begins=begins)
         found_price = plan_cost.cost(found[0])
         if found_price >= price:
