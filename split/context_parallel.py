@@ -49,6 +49,7 @@ import torch
 import torch.fx as fx
 
 import tracepp.runtime.context_parallel  # noqa: F401  (registers torch.ops.tracepp.cp_*)
+from tracepp.split import rules
 from tracepp.split.cost import op_name
 from tracepp.split.expert_parallel import GROUPED_MM
 from tracepp.split.naming import frames
@@ -70,36 +71,6 @@ aten = torch.ops.aten
 CP = torch.ops.tracepp
 WORK = {"visits": 0}  # nodes the walks have visited (tests count the work of a plan, not its time)
 
-_IGNORED = {aten._assert_tensor_metadata.default}
-_KEEP = {  # one tensor in, the same positions out (a shard carried as it is)
-    aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default, aten.clone.default,
-    aten.contiguous.default, aten.alias.default, aten.detach.default, aten.lift_fresh_copy.default,
-    aten.dropout.default, aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default,
-    aten.full_like.default, aten.rand_like.default, aten.randn_like.default, aten.type_as.default,
-    aten.bernoulli.p, aten.feature_dropout.default,
-}
-_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
-_TRANSPOSES = {aten.t.default, aten.numpy_T.default, aten.transpose.int, aten.permute.default}
-_SLICES = {aten.slice.Tensor, aten.narrow.default, aten.select.int}
-_COMPLEX_VIEWS = {aten.view_as_complex.default, aten.view_as_real.default}  # the last dim's pairs <-> complex numbers
-_SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int,
-           aten.tensor_split.sections, aten.tensor_split.indices}
-_SUMS = {aten.sum.dim_IntList, aten.mean.dim, aten.sum.default, aten.mean.default}
-_NORMS = {aten.layer_norm.default: 1, aten.rms_norm.default: 1, aten.native_layer_norm.default: 1}
-_SOFTMAX = {aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default,
-            aten._safe_softmax.default}
-_SDPA = {aten.scaled_dot_product_attention.default}
-_MATMULS = {aten.matmul.default, aten.bmm.default, aten.mm.default}
-_FACTORIES = {aten.arange.default, aten.arange.start, aten.arange.start_step, aten.zeros.default,
-              aten.ones.default, aten.empty.memory_format, aten.full.default, aten.new_zeros.default,
-              aten.new_ones.default, aten.new_empty.default, aten.new_full.default, aten.scalar_tensor.default}
-_ARANGES = {aten.arange.default, aten.arange.start, aten.arange.start_step}
-_LOSSES = {aten.cross_entropy_loss.default: (2, 3), aten.nll_loss.default: (2, 3),  # (weight, reduction) args
-           aten.nll_loss_nd.default: (2, 3), aten.nll_loss2d.default: (2, 3), aten.mse_loss.default: (None, 2),
-           aten.l1_loss.default: (None, 2), aten.smooth_l1_loss.default: (None, 2), aten.huber_loss.default: (None, 2),
-           aten.binary_cross_entropy_with_logits.default: (2, 4), aten.binary_cross_entropy.default: (2, 3)}
-_IGNORE_INDEX = {aten.cross_entropy_loss.default: 4, aten.nll_loss.default: 4, aten.nll_loss_nd.default: 4,
-                 aten.nll_loss2d.default: 4}
 
 
 class ContextParallelError(ValueError):
@@ -159,25 +130,6 @@ def _arg(node, index: int, name: str, default=None):
     return node.kwargs.get(name, default)
 
 
-_CONVOLUTIONS = {aten.conv1d.default, aten.conv2d.default, aten.conv3d.default, aten.convolution.default,
-                 aten.conv1d.padding, aten.conv2d.padding, aten.conv_transpose1d.default}
-_ALONG = {  # ops along one dim (``dim`` is their second argument, top-k's third)
-    aten.topk.default, aten.sort.default, aten.sort.stable, aten.argsort.default, aten.argsort.stable,
-    aten.cumsum.default, aten.cumprod.default, aten.gather.default, aten.max.dim, aten.min.dim, aten.scatter.value,
-    aten.scatter.src, aten.scatter_.value, aten.scatter_.src, aten.scatter_add.default, aten.scatter_add_.default,
-    aten.scatter_reduce.two, aten.scatter_reduce_.two, aten.cummax.default, aten.cummin.default,
-    aten.logcumsumexp.default,
-}
-_POINTWISE = {  # elementwise ops torch does not tag pointwise
-    aten.floor_divide.default, aten.floor_divide.Scalar, aten.__and__.Tensor, aten.__and__.Scalar,
-    aten.__or__.Tensor, aten.__or__.Scalar, aten.__xor__.Tensor, aten.__xor__.Scalar, aten.masked_fill_.Scalar,
-    aten.masked_fill_.Tensor, aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar, aten.fill_.Scalar,
-    aten.fill_.Tensor, aten.copy_.default, aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.where.self,
-}
-
-
-def _is_pointwise(target) -> bool:
-    return target in _POINTWISE or torch.Tag.pointwise in getattr(target, "tags", ())
 
 
 class _Walk:
@@ -243,7 +195,7 @@ class _Walk:
                 if placed is not None:
                     self.sends[arg] = placed
             return
-        if node.op != "call_function" or node.target in _IGNORED:
+        if node.op != "call_function" or node.target in rules.IGNORED:
             return
         sharded = [a for a in node.all_input_nodes if a in self.shard]
         if not sharded and node.target is operator.getitem and node.args[0] in self.items:
@@ -304,7 +256,7 @@ class _Walk:
             if self.shard[node.args[0]][0] == dim:
                 self.sizes.append(node)
             return True
-        if target in _KEEP:
+        if target in rules.KEEP or target in rules.LIKE:
             first = node.args[0]
             if first not in self.shard:
                 return False
@@ -312,19 +264,19 @@ class _Walk:
                 self._place(node, *self.shard[first])
                 return True
             return False
-        if target in _SDPA:
+        if target in rules.SDPA:
             return self._attention(node, sharded)
-        if target in _MATMULS:
+        if target in rules.PRODUCTS:
             return self._matmul(node, sharded)
         if target is aten.baddbmm.default:
             return self._baddbmm(node)
-        if target in _LOSSES:
+        if target in rules.LOSSES:
             return self._loss(node, sharded)
-        if _is_pointwise(target):
+        if rules.is_pointwise(target):
             return self._pointwise(node)
-        if target in _VIEWS or target in (aten.flatten.using_ints, aten.unflatten.int):
+        if target in rules.VIEWS or target in (aten.flatten.using_ints, aten.unflatten.int):
             return self._view(node, sharded)
-        if target in _TRANSPOSES or target in _COMPLEX_VIEWS or target in (
+        if target in rules.TRANSPOSES or target in rules.COMPLEX_VIEWS or target in (
                 aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.movedim.int):
             return self._move(node, sharded)
         if target in (aten.expand.default, aten.broadcast_to.default):
@@ -347,15 +299,15 @@ class _Walk:
                 return False
             self._place(node, at, groups)
             return True
-        if target in _SLICES or target in _SPLITS:
+        if target in rules.SLICES or target in rules.CUTS:
             return self._slice(node, sharded)
         if target in (aten.cat.default, aten.stack.default):
             return self._cat(node, sharded)
-        if target in _SUMS or _reduces(target):
+        if target in rules.SUMS or _reduces(target):
             return self._reduce(node, sharded)
-        if target in _NORMS:
+        if target in rules.NORMS:
             return self._norm(node, sharded)
-        if target in _SOFTMAX:
+        if target in rules.SOFTMAX:
             first = node.args[0]
             if sharded != [first] or node.args[1] % _val(first).dim() == self.shard[first][0]:
                 return False
@@ -375,11 +327,11 @@ class _Walk:
             return True
         if target is aten.index.Tensor:
             return self._index(node, sharded)
-        if target in _ALONG:
+        if target in rules.ALONG:
             return self._along(node, sharded)
         if target in (aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default, aten.new_full.default):
             return self._new_like(node)
-        if target in _CONVOLUTIONS and node.args[0] in self.shard and self.shard[node.args[0]][0] >= 2:
+        if target in rules.CONVOLUTIONS and node.args[0] in self.shard and self.shard[node.args[0]][0] >= 2:
             return self._refuse(node, "a convolution along the sequence dim: each position reads its neighbours, "
                                       "which other cp ranks hold (a causal convolution as in Mamba would need the "
                                       "previous chunk's last positions); keep it off the sequence, or split without "
@@ -482,7 +434,7 @@ class _Walk:
         elif target is aten.unsqueeze.default:
             at = node.args[1] % (ndim + 1)
             dim = dim + 1 if at <= dim else dim
-        elif target in _COMPLEX_VIEWS:  # only the last dim regrouped: (re, im) pairs <-> complex numbers
+        elif target in rules.COMPLEX_VIEWS:  # only the last dim regrouped: (re, im) pairs <-> complex numbers
             if target is aten.view_as_complex.default and dim == ndim - 1:
                 return False
         else:  # squeeze
@@ -530,7 +482,7 @@ class _Walk:
         target = node.target
         if target in (aten.chunk.default, aten.unbind.int):
             at = _arg(node, 2 if target is aten.chunk.default else 1, "dim", 0) % ndim
-        elif target is aten.select.int or target in _SLICES:
+        elif target is aten.select.int or target in rules.SLICES:
             at = _arg(node, 1, "dim", 0) % ndim
         else:
             at = _arg(node, 2, "dim", 0) % ndim
@@ -544,7 +496,7 @@ class _Walk:
             return self._refuse(node, f"takes part of the sequence dim of {first.name}: positions held by other "
                                       f"cp ranks; shift or trim sequences in the batch (batch(step), the target), "
                                       f"not inside the model")
-        if target in _SPLITS:
+        if target in rules.CUTS:
             out = _val(node)
             count = len(out) if isinstance(out, (list, tuple)) else 0
             out_dim = dim - 1 if target is aten.unbind.int and at < dim else dim
@@ -593,7 +545,7 @@ class _Walk:
         if dim not in dims:
             self._place(node, dim if keep else dim - sum(1 for d in dims if d < dim), groups)
             return True
-        if target not in _SUMS:
+        if target not in rules.SUMS:
             return self._refuse(node, f"a {_op(node)} over the sequence dim: only a sum or a mean can be "
                                       f"combined from the cp ranks' parts")
         count = _prod([_sizes(val)[d] for d in dims])
@@ -785,13 +737,13 @@ class _Walk:
     def _loss(self, node, sharded) -> bool:
         """A loss over sharded tokens: per-token (reduction none) carries the shard; a mean becomes a sum and a
         count, a sum a partial sum, both summed over cp."""
-        weight_at, reduction_at = _LOSSES[node.target]
+        weight_at, reduction_at = rules.LOSSES[node.target]
         first, target = node.args[0], node.args[1]
         if first not in self.shard:
             return False
         dim, groups = self.shard[first]
         ndim = _val(first).dim()
-        classes = node.target in _IGNORE_INDEX
+        classes = node.target in rules.IGNORE_INDEX
         if classes and (dim == 1 and ndim > 1):
             return self._refuse(node, "the class dim of the loss is the sequence dim")
         if isinstance(target, fx.Node):
@@ -854,7 +806,7 @@ class _Walk:
 
     def _local_factory(self, node, like) -> None:
         """A factory value (``arange`` of the rows) in an expert block, as long as a shard's dim: made local."""
-        if node.op == "call_function" and node.target in _FACTORIES:
+        if node.op == "call_function" and node.target in rules.FACTORIES:
             self.local_factories[node] = self.shard[like]
             self._place(node, *self.shard[like])
 
@@ -1124,7 +1076,7 @@ def _rewrite(g: fx.Graph, walk: _Walk, cp: int) -> None:
     for node, (dim, _groups) in list(walk.shard.items()):  # local sizes: view/expand arguments, annotations
         if node.op == "placeholder" and node.name not in walk.received:
             continue  # a floating input cut at its first use: the input itself stays whole
-        if node.target in _VIEWS or node.target in (aten.expand.default, aten.broadcast_to.default):
+        if node.target in rules.VIEWS or node.target in (aten.expand.default, aten.broadcast_to.default):
             sizes = list(node.args[1])
             sizes[dim] = _local_size(g, sizes[dim], cp, node)
             node.args = (node.args[0], sizes) + tuple(node.args[2:])
@@ -1182,7 +1134,7 @@ class _Hoist:
         while changed:  # a metadata check alone keeps a whole value alive: both go, then what only they read
             changed = False
             for node in list(self.g.nodes):
-                if node.op == "call_function" and node.target in _IGNORED and len(node.args[0].users) == 1:
+                if node.op == "call_function" and node.target in rules.IGNORED and len(node.args[0].users) == 1:
                     self.g.erase_node(node)
                     changed = True
             changed = self.g.eliminate_dead_code() or changed
@@ -1228,7 +1180,7 @@ class _Hoist:
                 return False
             head %= _val(source).dim()
             chain = [x]
-        elif x.target in _VIEWS and isinstance(x.args[0], fx.Node) and x.args[0].target is aten.expand.default \
+        elif x.target in rules.VIEWS and isinstance(x.args[0], fx.Node) and x.args[0].target is aten.expand.default \
                 and len(x.args[0].users) == 1 and isinstance(x.args[0].args[0], fx.Node) \
                 and x.args[0].args[0].target is aten.unsqueeze.default and len(x.args[0].args[0].users) == 1:
             expand, unsqueeze = x.args[0], x.args[0].args[0]
@@ -1264,7 +1216,7 @@ class _Hoist:
 
     def _whole_sizes(self, node) -> None:
         """A view's or expand's size list back to the whole sequence (it now runs after the gather)."""
-        if node.target not in _VIEWS and node.target is not aten.expand.default:
+        if node.target not in rules.VIEWS and node.target is not aten.expand.default:
             return
         dim = self.walk.shard[node][0]
         sizes = list(node.args[1])
@@ -1312,9 +1264,9 @@ class _Hoist:
         target = x.target
         val = _val(x)
         whole = _sizes(val)[dim]
-        if target in _ARANGES:
+        if target in rules.ARANGES:
             return self._arange(x) if dim == 0 and groups == 1 else None
-        if target in _FACTORIES and target is not aten.scalar_tensor.default:
+        if target in rules.FACTORIES and target is not aten.scalar_tensor.default:
             at = 1 if target in (aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default,
                                  aten.new_full.default) else 0
             sizes = list(x.args[at])
@@ -1324,7 +1276,7 @@ class _Hoist:
             args = list(x.args)
             args[at] = sizes
             return self._new(x, target, args, dim=dim)
-        if _is_pointwise(target) or target in _KEEP or target in _CUT_UNARY:
+        if rules.is_pointwise(target) or target in rules.KEEP or target in rules.LIKE or target in _CUT_UNARY:
             if _mutates(target):
                 return None
             n = val.dim()
@@ -1355,7 +1307,7 @@ class _Hoist:
                 source_dim = ndim - 1 - dim if ndim == 2 else dim
             source = self._cut_of(x.args[0], source_dim, groups)
             return self._new(x, target, [source] + list(x.args[1:]), dim=dim)
-        if target in _VIEWS or target is aten.expand.default:
+        if target in rules.VIEWS or target is aten.expand.default:
             source = x.args[0]
             sval = _val(source)
             if target is aten.expand.default:
@@ -1387,7 +1339,7 @@ class _Hoist:
             args = list(x.args)
             args[dim] = self._cut_of(args[dim], 0, 1)
             return self._new(x, target, args, dim=dim)
-        if target in _MATMULS:
+        if target in rules.PRODUCTS:
             a, b = x.args[:2]
             va, vb = _val(a), _val(b)
             if va.dim() < 2 or vb.dim() < 2:
@@ -1507,7 +1459,7 @@ def _symbol_node(g: fx.Graph, seq, before) -> fx.Node:
 
 def _loss_sum(g: fx.Graph, node, how: str) -> None:
     """A loss over this rank's tokens: its sum and (for a mean) its count, each summed over cp."""
-    weight_at, reduction_at = _LOSSES[node.target]
+    weight_at, reduction_at = rules.LOSSES[node.target]
     args = list(node.args)
     while len(args) <= reduction_at:
         args.append(_default(node.target, len(args)))
@@ -1545,8 +1497,8 @@ def _count(g: fx.Graph, node, weight_at, before) -> fx.Node:
         return made
 
     target_node = node.args[1]
-    if node.target in _IGNORE_INDEX:
-        ignore = _arg(node, _IGNORE_INDEX[node.target], "ignore_index", -100)
+    if node.target in rules.IGNORE_INDEX:
+        ignore = _arg(node, rules.IGNORE_INDEX[node.target], "ignore_index", -100)
         kept = call(aten.ne.Scalar, target_node, ignore)
         kept.meta["val"] = _val(target_node).new_empty(_val(target_node).shape, dtype=torch.bool)
         weight = _arg(node, weight_at, "weight")

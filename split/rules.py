@@ -1,0 +1,489 @@
+"""The op rules every parallel plan reads: what each op computes, registered once, and where a value sharded on one
+dim comes out of it.
+
+tracepp places tensor parallelism (heads and features), sequence parallelism and context parallelism (positions) and
+expert parallelism (rows) by walking a stage graph in order and asking, at every op, where a sharded input's dim
+goes. That question has one answer per op whatever the mesh dimension is, and it is answered here:
+
+* **families** (the sets below): what an op computes. Elementwise (casts, unary, binary, torch's pointwise tag),
+  views and moves, reductions with the kind of partial result they leave over a sharded dim, contractions,
+  attention in its spellings, gathers, scatters and indexing, ops along one dim (softmax, scans, sorts), norms,
+  convolutions, factories, losses, and tracepp's own collectives;
+* **dim maps** (the functions): the output dim of a shard through a move (:func:`moved_dim`), a reduction
+  (:func:`reduction`, :func:`partial_kind`), an op along a dim (:func:`along_dim`), a broadcast operand
+  (:func:`aligned_dim`), a cut (:func:`cut_dim`), and a view (:func:`view_of_pieces` for pieces of a dim, the
+  sequence's view is ``context_parallel``'s ``_view_dim``).
+
+The planners (``tensor_parallel``, ``context_parallel``, ``expert_parallel``) do not restate these: they choose the
+seeds (which values start sharded), what a whole operand beside a shard becomes (cut to the rank's piece, read
+whole with its gradient summed, or gathered) and what a rule's "no" costs; ``plan_cost`` prices the result and
+``verify`` / ``verify_cp`` check it. ``tests/test_rules.py`` checks every dim map against torch running the op.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import sympy
+import torch
+import torch.fx as fx
+
+from tracepp.split.naming import frames
+
+aten = torch.ops.aten
+
+# ---- families: what an op computes
+
+IGNORED = {aten._assert_tensor_metadata.default}
+CASTS = {  # one tensor in, the same values (or a copy) out
+    aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default, aten.clone.default,
+    aten.contiguous.default, aten.alias.default, aten.detach.default, aten.lift_fresh_copy.default,
+}
+DROPOUTS = {aten.dropout.default, aten.bernoulli.p, aten.feature_dropout.default}
+KEEP = CASTS | DROPOUTS | {aten.type_as.default}  # one tensor in, the same positions out
+LIKE = {aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default, aten.full_like.default,
+        aten.rand_like.default, aten.randn_like.default}  # a new tensor of another's shape: placed as it is
+UNARY = CASTS | {  # elementwise, one tensor in
+    aten.silu.default, aten.gelu.default, aten.relu.default, aten.tanh.default, aten.sigmoid.default,
+    aten.neg.default, aten.exp.default, aten.rsqrt.default, aten.sqrt.default, aten.pow.Tensor_Scalar,
+    aten.square.default, aten.abs.default, aten.erf.default, aten.dropout.default, aten.silu_.default,
+    aten.gelu_.default, aten.relu_.default, aten.tanh_.default, aten.sigmoid_.default, aten.log.default,
+    aten.reciprocal.default, aten.softplus.default, aten.leaky_relu.default, aten.clamp.default,
+    aten.hardtanh.default, aten.sin.default, aten.cos.default, aten.mish.default, aten.elu.default,
+}
+BINARY = {  # elementwise, broadcasting operands
+    aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.maximum.default,
+    aten.minimum.default, aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf, aten.add.Scalar,
+    aten.mul.Scalar, aten.sub.Scalar, aten.div.Scalar,
+    aten.add_.Tensor, aten.mul_.Tensor, aten.sub_.Tensor, aten.div_.Tensor, aten.masked_fill.Scalar,
+    aten.masked_fill.Tensor, aten.pow.Tensor_Tensor, aten.rsub.Scalar, aten.rsub.Tensor, aten.div.Tensor_mode,
+}
+_UNTAGGED_POINTWISE = {  # elementwise ops torch does not tag pointwise
+    aten.floor_divide.default, aten.floor_divide.Scalar, aten.__and__.Tensor, aten.__and__.Scalar,
+    aten.__or__.Tensor, aten.__or__.Scalar, aten.__xor__.Tensor, aten.__xor__.Scalar, aten.masked_fill_.Scalar,
+    aten.masked_fill_.Tensor, aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar, aten.fill_.Scalar,
+    aten.fill_.Tensor, aten.copy_.default, aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.where.self,
+}
+
+VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+FLATTENS = {aten.flatten.using_ints}  # a view with no size list to rewrite
+UNFLATTENS = {aten.unflatten.int}
+EXPANDS = {aten.expand.default, aten.broadcast_to.default}
+TRANSPOSES = {aten.t.default, aten.numpy_T.default, aten.transpose.int, aten.permute.default}
+COMPLEX_VIEWS = {aten.view_as_complex.default, aten.view_as_real.default}  # the last dim's pairs <-> complex numbers
+MOVES = TRANSPOSES | COMPLEX_VIEWS | {  # the same elements, dims moved, added or dropped (:func:`moved_dim`)
+    aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.movedim.int}
+SLICES = {aten.slice.Tensor, aten.narrow.default, aten.select.int}
+SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int}
+TENSOR_SPLITS = {aten.tensor_split.sections, aten.tensor_split.indices}
+CUTS = SPLITS | TENSOR_SPLITS  # several outputs, each a range of one dim
+CATS = {aten.cat.default, aten.concatenate.default}  # (tensors, dim): concatenate is cat's NumPy name
+STACKS = {aten.stack.default}
+FRESH = {aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default, aten.new_full.default}  # (x, size)
+ARANGES = {aten.arange.default, aten.arange.start, aten.arange.start_step}
+FACTORIES = ARANGES | FRESH | {aten.zeros.default, aten.ones.default, aten.empty.memory_format, aten.full.default,
+                               aten.scalar_tensor.default}
+
+# reductions: what a reduction over the sharded dim leaves on each rank, a partial result of this kind
+PARTIAL = {
+    aten.sum.dim_IntList: "sum", aten.sum.default: "sum", aten.mean.dim: "mean", aten.mean.default: "mean",
+    aten.amax.default: "max", aten.amin.default: "min", aten.max.dim: "max", aten.min.dim: "min",
+    aten.linalg_vector_norm.default: "norm", aten.prod.dim_int: "product", aten.prod.default: "product",
+    aten.logsumexp.default: "logsumexp", aten.var.correction: "variance", aten.std.correction: "variance",
+    aten.any.dim: "any", aten.all.dim: "all", aten.argmax.default: "arg", aten.argmin.default: "arg",
+}
+SUMMED = {"sum", "mean"}  # partial kinds combined by an all-reduce sum (a mean divided by the whole count)
+SUMS = {target for target, kind in PARTIAL.items() if kind in SUMMED}
+REDUCTIONS_BY_DIM = {aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.amin.default}  # (x, dims, keepdim)
+NORMS = {aten.layer_norm.default: 1, aten.rms_norm.default: 1, aten.native_layer_norm.default: 1}  # shape arg
+SOFTMAX = {aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default,
+           aten._safe_softmax.default}
+
+# contractions and attention
+MATMULS = {aten.matmul.default, aten.bmm.default}  # batched: heads (or the batch) carried
+MM = {aten.mm.default}
+PRODUCTS = MATMULS | MM  # a @ b of 2-D or batched operands
+CONTRACTIONS = MATMULS | MM | {aten.einsum.default}
+BADDBMM = {aten.baddbmm.default}  # a bias plus a batched product (ALiBi scores)
+SDPA = {aten.scaled_dot_product_attention.default}
+ATTENTION_PRODUCTS = SDPA | MATMULS | BADDBMM | {aten.einsum.default}  # attention's products over the heads
+ATTENTION_NORMALIZERS = SDPA | {aten._softmax.default, aten.softmax.int}
+
+# along one dim, gathers, scatters, convolutions
+ALONG = {  # ops along one dim (``dim`` is their second argument, top-k's third)
+    aten.topk.default, aten.sort.default, aten.sort.stable, aten.argsort.default, aten.argsort.stable,
+    aten.cumsum.default, aten.cumprod.default, aten.gather.default, aten.max.dim, aten.min.dim, aten.scatter.value,
+    aten.scatter.src, aten.scatter_.value, aten.scatter_.src, aten.scatter_add.default, aten.scatter_add_.default,
+    aten.scatter_reduce.two, aten.scatter_reduce_.two, aten.cummax.default, aten.cummin.default,
+    aten.logcumsumexp.default,
+}
+TRIANGLES = {aten.tril.default, aten.triu.default}  # (x, diagonal): over the last two dims
+PADS = {aten.pad.default, aten.constant_pad_nd.default}  # (x, pad, ...): pad lists the last dims' (before, after)
+CONVS = {aten.conv1d.default, aten.conv2d.default}  # (input, weight, bias, stride, padding, dilation, groups)
+CONVOLUTIONS = CONVS | {aten.conv3d.default, aten.convolution.default, aten.conv1d.padding, aten.conv2d.padding,
+                        aten.conv_transpose1d.default}
+
+LOSSES = {aten.cross_entropy_loss.default: (2, 3), aten.nll_loss.default: (2, 3),  # (weight, reduction) args
+          aten.nll_loss_nd.default: (2, 3), aten.nll_loss2d.default: (2, 3), aten.mse_loss.default: (None, 2),
+          aten.l1_loss.default: (None, 2), aten.smooth_l1_loss.default: (None, 2), aten.huber_loss.default: (None, 2),
+          aten.binary_cross_entropy_with_logits.default: (2, 4), aten.binary_cross_entropy.default: (2, 3)}
+IGNORE_INDEX = {aten.cross_entropy_loss.default: 4, aten.nll_loss.default: 4, aten.nll_loss_nd.default: 4,
+                aten.nll_loss2d.default: 4}
+
+# tracepp's collectives (runtime/tensor_parallel.py, runtime/context_parallel.py)
+TP_COLLECTIVES = ("tp_copy", "tp_all_reduce", "tp_all_gather", "tp_scatter", "sp_all_gather", "sp_reduce_scatter")
+CP_COLLECTIVES = ("tracepp::cp_shard", "tracepp::cp_all_gather", "tracepp::cp_reduce_scatter",
+                  "tracepp::cp_all_reduce")
+
+
+def is_pointwise(target) -> bool:
+    """Elementwise: torch tags it pointwise, or it is one of the ops torch leaves untagged."""
+    return target in _UNTAGGED_POINTWISE or torch.Tag.pointwise in getattr(target, "tags", ())
+
+
+def name_of(target) -> str:
+    """``aten.scaled_dot_product_attention.default``: the spelling ``plan_cost`` and the manifest key ops by."""
+    return str(target)
+
+
+# ---- where in the model's source
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+
+
+def where(node) -> str:
+    """``model.py:42``: the innermost frame of the node's stack trace outside torch (the model's own line, or its
+    library's, e.g. ``modeling_llama.py:123``), or ''."""
+    found = frames(node.meta.get("stack_trace")) if isinstance(node, fx.Node) else []
+    outside = [f for f in found if _TORCH_DIR not in f[0] and f"{os.sep}torch{os.sep}" not in f[0]]
+    frame = (outside or found or [None])[-1]
+    return f"{os.path.basename(frame[0])}:{frame[1]}" if frame else ""
+
+
+def at(node) -> str:
+    """`` at model.py:42``, or '' where the node has no source line."""
+    line = where(node)
+    return f" at {line}" if line else ""
+
+
+def op_name(node) -> str:
+    """``scaled_dot_product_attention`` / ``split.Tensor``: an op as a message names it."""
+    target = node.target
+    return getattr(target, "__name__", str(target)) if not isinstance(target, torch._ops.OpOverload) else \
+        f"{target._schema.name.split('::')[-1]}.{target._overloadname}".replace(".default", "")
+
+
+# ---- shapes
+
+def val(node):
+    """The traced value (``meta["val"]``) of a node, or None."""
+    return node.meta.get("val") if isinstance(node, fx.Node) else None
+
+
+def sizes(value) -> list:
+    """A value's sizes: Python ints where static, sympy expressions where symbolic (the per-node path compares
+    ints; algebra only where a dim is symbolic)."""
+    return [symbolic(s.node.expr) if isinstance(s, torch.SymInt) else int(s) for s in value.shape]
+
+
+def symbolic(expr):
+    """An int for an integer expression, else the sympy expression."""
+    expr = sympy.sympify(expr)
+    return int(expr) if expr.is_Integer else expr
+
+
+def equal(a, b) -> bool:
+    """Two sizes equal: ints, SymInts or sympy expressions (compared expanded, cached)."""
+    if isinstance(a, torch.SymInt):  # a raw size of a value (val.shape[d]): its expression, hashable for the cache
+        a = symbolic(a.node.expr)
+    if isinstance(b, torch.SymInt):
+        b = symbolic(b.node.expr)
+    if isinstance(a, (int, sympy.Integer)) and isinstance(b, (int, sympy.Integer)):
+        return int(a) == int(b)
+    return _equal_symbolic(a, b)
+
+
+@functools.lru_cache(maxsize=65536)
+def _equal_symbolic(a, b) -> bool:
+    return sympy.expand(sympy.sympify(a) - sympy.sympify(b)) == 0
+
+
+def prod(items):
+    out = 1
+    for item in items:
+        out = out * item
+    return symbolic(out) if not isinstance(out, int) else out
+
+
+def ints(items) -> bool:
+    """Every size a (sympy) integer."""
+    return all(isinstance(i, int) or sympy.sympify(i).is_Integer for i in items)
+
+
+def arg(node, index: int, name: str, default=None):
+    """Argument ``index`` of the node's call, or its keyword ``name``, or ``default``."""
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+# ---- dim maps: where a shard of ``dim`` goes through an op (None: the op reads across that dim)
+
+def moved_dim(node, dim: int):
+    """The output dim of ``node.args[0]``'s dim ``dim`` through a move (:data:`MOVES`), or None where the op regroups
+    that dim (a complex view of the last dim's pairs, a squeeze of it)."""
+    target, first = node.target, node.args[0]
+    ndim = val(first).dim()
+    if target is aten.transpose.int:
+        a, b = (d % ndim for d in node.args[1:3])
+        return b if dim == a else a if dim == b else dim
+    if target in (aten.t.default, aten.numpy_T.default):
+        return ndim - 1 - dim if ndim == 2 else dim
+    if target is aten.permute.default:
+        return [d % ndim for d in node.args[1]].index(dim)
+    if target is aten.movedim.int:
+        order = list(range(ndim))
+        src, dst = node.args[1] % ndim, node.args[2] % ndim
+        order.insert(dst, order.pop(src))
+        return order.index(dim)
+    if target is aten.unsqueeze.default:
+        where_ = node.args[1] % (ndim + 1)
+        return dim + 1 if where_ <= dim else dim
+    if target in COMPLEX_VIEWS:  # only the last dim regrouped: (re, im) pairs <-> complex numbers
+        if target is aten.view_as_complex.default and dim == ndim - 1:
+            return None
+        return dim
+    if target in (aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default):
+        shape = sizes(val(first))
+        ats = (node.args[1] if isinstance(node.args[1], (list, tuple)) else [node.args[1]]) \
+            if len(node.args) > 1 else list(range(ndim))
+        ats = [a % ndim for a in ats if equal(shape[a % ndim], 1)]
+        if dim in ats:
+            return None
+        return dim - sum(1 for a in ats if a < dim)
+    raise KeyError(f"{target} is not a move")
+
+
+def reduction(node) -> tuple:
+    """``(dims, keepdim)`` of a reduction (:data:`PARTIAL`): the input's dims it reduces (all where it names none)."""
+    target = node.target
+    ndim = val(node.args[0]).dim()
+    if target in (aten.sum.default, aten.mean.default, aten.prod.default, aten.argmax.default,
+                  aten.argmin.default) and arg(node, 1, "dim") is None:
+        return list(range(ndim)), bool(arg(node, 2, "keepdim", False)) if target in (
+            aten.argmax.default, aten.argmin.default) else False
+    if target is aten.linalg_vector_norm.default:
+        dims, keep = arg(node, 2, "dim"), arg(node, 3, "keepdim", False)
+    elif target is aten.var.correction or target is aten.std.correction:
+        dims, keep = arg(node, 1, "dim"), arg(node, 3, "keepdim", False)
+    else:
+        dims, keep = arg(node, 1, "dim"), arg(node, 2, "keepdim", False)
+    if dims is None or dims == []:
+        dims = list(range(ndim))
+    elif not isinstance(dims, (list, tuple)):
+        dims = [dims]
+    return [d % ndim for d in dims], bool(keep)
+
+
+def reduced_dim(node, dim: int):
+    """Through a reduction: ``dim``'s place in the output where the reduction keeps it, or None where it reduces
+    over ``dim`` (each rank then holds a partial result of :func:`partial_kind`)."""
+    dims, keep = reduction(node)
+    if dim in dims:
+        return None
+    return dim if keep else dim - sum(1 for d in dims if d < dim)
+
+
+def partial_kind(node) -> str:
+    """What a reduction over a sharded dim leaves on each rank: "sum"/"mean" (an all-reduce sum combines them),
+    "max", "min", "norm" (a p-norm: combined as the p-norm of the ranks' norms), "product", ..."""
+    kind = PARTIAL[node.target]
+    if kind == "norm":
+        order = arg(node, 1, "ord", 2)
+        return f"norm{order:g}" if isinstance(order, (int, float)) else "norm"
+    return kind
+
+
+def along_dim(node) -> int:
+    """The dim an op along one dim works along (softmax, a scan, a sort, top-k, a gather/scatter, flip's first, an
+    unfold's windows), as a non-negative index of its input."""
+    target = node.target
+    ndim = val(node.args[0]).dim()
+    if target is aten.topk.default:
+        return arg(node, 2, "dim", -1) % ndim
+    if target is aten.flip.default:
+        return [d % ndim for d in node.args[1]][0]
+    return arg(node, 1, "dim", -1) % ndim
+
+
+def last_dims(node) -> int:
+    """How many trailing dims an op reads across: a triangle's matrix (2), a pad's padded dims, a norm's shape."""
+    if node.target in TRIANGLES:
+        return 2
+    if node.target in PADS:
+        return len(node.args[1]) // 2
+    if node.target in NORMS:
+        return len(node.args[1])
+    raise KeyError(f"{node.target} reads no trailing dims")
+
+
+def aligned_dim(out_ndim: int, out_dim: int, value):
+    """The dim of a broadcasting operand ``value`` lined up with the output's ``out_dim`` (sizes align from the
+    right), or None where the operand broadcasts along it (absent there, or of size 1)."""
+    if not isinstance(value, torch.Tensor) or value.dim() == 0:
+        return None
+    at_ = out_dim - (out_ndim - value.dim())
+    if at_ < 0 or equal(value.shape[at_], 1):
+        return None
+    return at_
+
+
+def cut_dim(node) -> int:
+    """The dim a slice, narrow, select, split, chunk, unbind or tensor_split cuts (non-negative)."""
+    target = node.target
+    ndim = val(node.args[0]).dim()
+    if target is aten.chunk.default:
+        return arg(node, 2, "dim", 0) % ndim
+    if target is aten.unbind.int:
+        return arg(node, 1, "dim", 0) % ndim
+    if target in SLICES:
+        return arg(node, 1, "dim", 0) % ndim
+    return arg(node, 2, "dim", 0) % ndim
+
+
+# ---- in-place writes
+
+def written(node) -> list:
+    """The arguments ``node`` writes into, positional or keyword (an in-place op or an ``out=`` variant: its schema
+    marks them written)."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return []
+    return [node.args[i] if i < len(node.args) else node.kwargs[spec.name]
+            for i, spec in enumerate(schema.arguments)
+            if spec.alias_info is not None and spec.alias_info.is_write
+            and (i < len(node.args) or spec.name in node.kwargs)]
+
+
+def view_root(node):
+    """The value ``node`` is a view of (through reshapes, slices, transposes, expands): what an in-place write
+    into ``node`` changes."""
+    while node.op == "call_function" and node.args and isinstance(node.args[0], fx.Node) and (
+            node.target in VIEWS or node.target in SLICES or node.target in TRANSPOSES or node.target in EXPANDS
+            or node.target in (aten.unsqueeze.default, aten.squeeze.dim, aten.as_strided.default, aten.alias.default)):
+        node = node.args[0]
+    return node
+
+
+def writes(node) -> bool:
+    """``node`` writes into one of its inputs."""
+    return bool(written(node))
+
+
+# ---- a view of pieces of a dim (tensor parallelism's heads, segments of a fused projection, a sequence shard's
+# samples)
+
+def boundaries(segments) -> list:
+    """[0, s0, s0+s1, ...] of a segment list."""
+    out, total = [0], 0
+    for size in segments:
+        total += int(size)
+        out.append(total)
+    return out
+
+
+def view_placement(in_sizes: list, out_sizes: list, dim: int, segments, tp: int):
+    """(output dim, its segments or None) of a value sharded on ``dim`` (with ``segments``) through a view from
+    ``in_sizes`` to ``out_sizes``, or None where the pieces would not stay whole. Handles the dim kept, split
+    into heads (it must be the outer part), merged with the dims after it (it is the outer part) or with size-1
+    dims around it (a batch of one), a merged dim of one segment per outer index split back, and a dim split into
+    heads whose head count merges with the dims before it (``[batch, seq, heads * d] -> [batch * seq * heads, d]``:
+    the sharded dim is read as ``[heads, d]`` sharded on the heads)."""
+    found = _view_placement(in_sizes, out_sizes, dim, segments, tp)
+    size, before = in_sizes[dim], prod(in_sizes[:dim])
+    if found is not None or segments or not ints([size, before]) or int(before) == 0:
+        return found
+    for e in range(1, len(out_sizes) + 1):
+        bound = prod(out_sizes[:e])
+        if not ints([bound]) or int(bound) % int(before):
+            continue
+        heads = int(bound) // int(before)
+        if 1 < heads < int(size) and int(size) % heads == 0 and heads % tp == 0:
+            finer = list(in_sizes[:dim]) + [sympy.Integer(heads), sympy.Integer(int(size) // heads)] \
+                + list(in_sizes[dim + 1:])
+            found = _view_placement(finer, out_sizes, dim, None, tp)
+            if found is not None:
+                return found
+    return None
+
+
+def _view_placement(in_sizes: list, out_sizes: list, dim: int, segments, tp: int):
+    if segments and len(segments) > 1 and ints(segments) and len({int(p) for p in segments}) == 1:
+        # k equal segments (a sharded dim merged with the dims before it: [batch, seq, heads] -> [rows]) are a
+        # [k, piece] view sharded on the piece: place the view from that ([rows] -> [batch, seq, heads] back)
+        finer = list(in_sizes[:dim]) + [len(segments), int(segments[0])] + list(in_sizes[dim + 1:])
+        found = _view_placement(finer, out_sizes, dim + 1, None, tp)
+        if found is not None:
+            return found
+    size = in_sizes[dim]
+    before = prod(in_sizes[:dim])
+    starts = [e for e in range(len(out_sizes)) if equal(prod(out_sizes[:e]), before)]
+    # size-1 dims give several candidates (a batch of one in front, a single head): the one that keeps as many
+    # inner size-1 dims before the sharded dim as the input has (leading ones, a batch of one, do not count)
+    units = _inner_units(in_sizes[:dim])
+    same = [e for e in starts if _inner_units(out_sizes[:e]) == units]
+    starts = ([e for e in same if not equal(out_sizes[e], 1)] or same
+              or [e for e in starts if not equal(out_sizes[e], 1)])
+    parts = list(segments) if segments else [size]
+    if not starts:
+        return _merged_with_outer(in_sizes, out_sizes, dim, parts)
+    for e in starts[:1]:
+        out = out_sizes[e]
+        if equal(out, size):
+            return e, segments
+        if not (ints([size, out]) and ints(parts)):
+            return None
+        size_i, out_i = int(size), int(out)
+        if out_i < size_i and size_i % out_i == 0:  # split: the sharded dim is the outer part
+            inner = size_i // out_i
+            if (segments and len(parts) == out_i and all(int(p) == inner for p in parts) and e + 1 < len(out_sizes)
+                    and equal(out_sizes[e + 1], inner)):  # [b*s] of per-sample segments -> [b, s]
+                return e + 1, None
+            if any(int(p) % inner for p in parts):
+                return None
+            new = [int(p) // inner for p in parts]
+            if any(p % tp for p in new):
+                return None
+            return e, (tuple(new) if len(new) > 1 else None)
+        if out_i > size_i and out_i % size_i == 0:  # merge: the sharded dim is the outer part
+            inner = out_i // size_i
+            return e, (tuple(int(p) * inner for p in parts) if len(parts) > 1 else None)
+        return None
+    return None
+
+
+def _inner_units(sizes: list) -> int:
+    """Size-1 dims after the first larger one (a single head, not a batch of one)."""
+    first = next((i for i, s in enumerate(sizes) if not equal(s, 1)), len(sizes))
+    return sum(1 for s in sizes[first:] if equal(s, 1))
+
+
+def _merged_with_outer(in_sizes: list, out_sizes: list, dim: int, parts: list):
+    """A sharded dim merged with the dims before it ([batch, seq] of tokens flattened to [batch * seq]): the
+    merged dim holds one copy of the pieces per outer index, i.e. segments; None where the view does not merge."""
+    size = in_sizes[dim]
+    for e in range(len(out_sizes)):
+        outer = prod(out_sizes[:e])
+        for k in range(dim):
+            if not equal(prod(in_sizes[:k]), outer):
+                continue
+            copies = prod(in_sizes[k:dim])
+            if not ints([copies, size, out_sizes[e]] + parts) or int(copies) < 2:
+                continue
+            if int(out_sizes[e]) % (int(copies) * int(size)):
+                continue
+            inner = int(out_sizes[e]) // (int(copies) * int(size))
+            if not any(equal(prod(in_sizes[dim + 1:dim + 1 + m]), inner) for m in range(len(in_sizes) - dim)):
+                continue
+            return e, tuple([int(p) * inner for p in parts] * int(copies))
+    return None

@@ -1,0 +1,445 @@
+"""The tensor-parallel walk's rules for contractions: linears (column-wise, row-wise, fused projections with mixed
+parts), embeddings (vocabulary-parallel), batched products and attention in its spellings (sdpa, matmul + softmax,
+baddbmm, einsum), gathers and depthwise convolutions: a mixin of ``tp_walk._Walk``."""
+from __future__ import annotations
+
+
+import torch
+import torch.fx as fx
+
+from tracepp.split import rules
+from tracepp.split.rules import equal as _equal, ints as _ints, sizes as _sizes, val as _val
+
+aten = torch.ops.aten
+TP = torch.ops.tracepp
+
+
+def _swapped(dim: int, ndim: int) -> int:
+    """``dim`` of a tensor after its last two dims are swapped."""
+    return dim if dim < ndim - 2 else 2 * ndim - 3 - dim
+
+
+def _in_dim(weight_val, out_dim: int) -> int:
+    """The input-feature dim of a linear's weight: the other one of a 2-D weight, dim 1 of a 3-D ``[experts, in,
+    out]`` one (Llama 4's experts, each computed on every token by ``bmm``)."""
+    return 1 if weight_val.dim() == 3 else 1 - out_dim
+
+
+class _ContractionRules:
+    """Linears, embeddings, products and attention (methods of ``tp_walk._Walk``)."""
+
+    def _weight(self, node) -> bool:
+        return self._param(node) is not None and _val(node).dim() == 2
+
+    def _linear_form(self, node):
+        """(input, weight node, bias node or None, the weight node's output-feature dim) of a linear of a 2-D
+        parameter in any spelling export keeps, else None."""
+        target, args = node.target, node.args
+        if target is aten.linear.default and self._weight(args[1]):
+            return args[0], args[1], (args[2] if len(args) > 2 else None), 0
+        if (target is aten.addmm.default and self._weight(args[2]) and not node.kwargs
+                and _val(args[1]).dim() == 2 and _val(args[0]).dim() == 1):
+            return args[1], args[2], args[0], 1
+        if target in (aten.mm.default, aten.matmul.default) and len(args) == 2 and self._weight(args[1]):
+            return args[0], args[1], None, 1
+        if (target in (aten.mm.default, aten.matmul.default) and len(args) == 2 and self._weight(args[0])
+                and self._param(args[1]) is None and _val(args[1]).dim() >= 2):
+            return args[1], args[0], None, 0  # W @ x (Mamba's dt_proj.weight @ dt): features on x's dim -2
+        if (target in (aten.bmm.default, aten.matmul.default) and len(args) == 2 and self._param(args[1]) is not None
+                and _val(args[1]).dim() == 3 and _val(args[0]).dim() == 3):
+            return args[0], args[1], None, 2  # x @ W of a 3-D W [experts, in, out]: every expert on its rows
+        return None
+
+    def _linear(self, node, x, weight, bias, out_dim: int) -> None:
+        fqn = self._param(weight)
+        wval = _val(weight)
+        ndim = len(_val(x).shape)
+        left = node.args[0] is weight  # W @ x: the features on x's dim -2 and the output's
+        features = ndim - 2 if left else ndim - 1
+        entering = x in self.shard and self.kind.get(x) == "seq"  # a sequence shard entering the region
+        if left and entering:
+            self._gather(node, x)
+            return
+        if x in self.shard and not entering:
+            segments = self.segs.get(x)
+            if self.shard[x] == features and fqn not in self.forced:
+                self.roles[node] = "rowwise"
+                self.forms[node] = (x, weight, bias, out_dim)
+                self._claim(node, weight, _in_dim(wval, out_dim), segments)
+                self._scatter_output(node)
+                return
+            if not left and self.shard[x] < features and not segments and fqn not in self.forced:
+                # rows sharded on a dim before the features (Inkling's per-head states @ a bank of profiles): each
+                # row's product is its own, the weight whole on every rank, its gradient summed over tp
+                for arg in (weight, bias):
+                    if isinstance(arg, fx.Node) and self.needs_grad.get(arg, True):
+                        self.copies.append((node, arg))
+                    self._claimed.add((node, arg))
+                self._carry(node, x)
+                return
+            if fqn not in self.forced:
+                self._refuse(node, f"input sharded on dim {self.shard[x]}, not its features")
+            self._gather_all(node)
+            return
+        out_features = wval.shape[out_dim]
+        segments = self.fused.get(fqn)
+        if fqn in self.mixed_parts and segments and fqn not in self.forced and not entering:
+            return self._mixed_linear(node, x, weight, bias, out_dim, fqn, segments)
+        if fqn in self.forced or int(out_features) % self.tp:
+            if fqn not in self.forced:
+                self.reasons.append(f"{fqn}: {out_features} output features, which --tp {self.tp} does not divide")
+            if entering:
+                self._gather(node, x)
+            return
+        self.roles[node] = "colwise"
+        self.forms[node] = (x, weight, bias, out_dim)
+        self.out_features[fqn] = int(out_features)
+        self._claim(node, weight, out_dim, segments)
+        if bias is not None:
+            self._claim(node, bias, 0, segments)
+        if entering:  # gathered over the sequence forward, its gradient reduce-scattered backward
+            if self.groups_of(self.segs.get(x)):
+                self.sp_gathers.append((node, x))
+            else:
+                self._gather(node, x)
+        else:
+            self.copies.append((node, x))
+        self._claimed.add((node, x))
+        dim = _val(node).dim() - (2 if left else 1)
+        if fqn in self.gathered and not segments:  # a low-rank down-projection: its narrow output made whole
+            self.gathered_out[node] = dim
+            self.gathers.extend((user, node) for user in node.users)
+            return
+        self._place(node, dim, segments, {fqn})
+
+    def _mixed_linear(self, node, x, weight, bias, out_dim, fqn, segments) -> None:
+        """A fused projection whose key/value parts have fewer heads than --tp (GPTBigCode's multi-query
+        ``c_attn``): the query part is column-wise on this rank's heads, the key/value parts are computed whole
+        (as Megatron-Core replicates key/value heads). The weight is whole on every rank; the rewrite computes
+        the sharded parts from this rank's rows (``tp_scatter`` of their slice: the gradient rows gathered back)
+        with the input through ``tp_copy``, and the whole parts from their rows and the input as it is."""
+        whole = frozenset(self.mixed_parts[fqn])
+        self.mixed_linears[node] = (x, weight, bias, out_dim, tuple(segments), whole)
+        self._use(weight, None)
+        if bias is not None:
+            self._use(bias, None)
+        self._claimed.update({(node, weight), (node, x)} | ({(node, bias)} if bias is not None else set()))
+        self._place(node, _val(node).dim() - 1, segments, {fqn})
+        self.mixed[node] = whole
+        self.out_features[fqn] = int(_val(weight).shape[out_dim])
+
+    def _embedding(self, node) -> None:
+        weight = node.args[0]
+        fqn = self._param(weight)
+        extra = list(node.args[3:]) + [v for k, v in node.kwargs.items() if k != "padding_idx"]
+        rows = _val(weight).shape[0]
+        if fqn in self.forced or any(extra) or _val(weight).dim() != 2 or int(rows) % self.tp:
+            if fqn not in self.forced:
+                self.reasons.append(f"{fqn}: vocabulary of {rows} rows, which --tp {self.tp} does not divide"
+                                    if int(rows) % self.tp else f"{fqn}: a sparse or frequency-scaled embedding")
+            self._use(weight, None)
+            return
+        self.roles[node] = "vocab"
+        self._claim(node, weight, 0)
+        self._scatter_output(node)
+
+    def _sequence_dim(self, val):
+        """(dim, segments) of the sequence in a value (its tokens), or None: a dim of the traced sequence length
+        other than the last (the features), or a leading [batch * seq] dim of per-sample segments."""
+        if self.sequence is None or not isinstance(val, torch.Tensor) or val.dim() < 2:
+            return None
+        sizes = _sizes(val)
+        seq = self.sequence
+        for d in range(val.dim() - 1):
+            if _equal(sizes[d], seq):
+                return (d, None) if not _ints([seq]) or int(seq) % self.tp == 0 else None
+        if _ints([sizes[0], seq]) and int(sizes[0]) % int(seq) == 0 and int(seq) % self.tp == 0:
+            count = int(sizes[0]) // int(seq)
+            return 0, (tuple([int(seq)] * count) if count > 1 else None)
+        return None
+
+    def _scatter_output(self, node) -> None:
+        """Sequence parallelism: a row-wise output or a vocabulary lookup (partial sums) is reduce-scattered over
+        the sequence instead of all-reduced, and the activations after it are sequence shards."""
+        found = self._sequence_dim(_val(node))
+        if found is None:
+            return
+        dim, segments = found
+        self.reduce_scatters[node] = (dim, self.groups_of(segments))
+        self._place(node, dim, segments, kind="seq")
+
+    def _batched_matmul(self, node, operands=None) -> bool:
+        """``q @ k.transpose(-1, -2)`` of eager attention, ``bmm`` of heads merged with the batch (Bloom's
+        ``[batch * heads, seq, dim]``): operands sharded on the same batch dim (heads), with the same segments.
+        Neither operand's matrix dims may be the sharded one (that would be a contraction or a cut of the rows).
+        A whole operand as wide as that batch dim (a key repeated for grouped-query attention whose projection
+        stays whole) is read at this rank's piece (``tp_scatter``; its gradient is gathered), one broadcast
+        along it as it is (its gradient summed over tp)."""
+        a, b = operands or node.args[:2]
+        if self._kind_of([a, b]) != "tp":
+            return False
+        out = _val(node).dim()
+        dims, segments = set(), set()
+        for arg in (a, b):
+            val = _val(arg)
+            if arg in self.shard:
+                d = self.shard[arg]
+                if d >= val.dim() - 2:
+                    return False
+                dims.add(out - (val.dim() - d))
+                segments.add(self.segs.get(arg))
+        if len(dims) != 1 or len(segments) != 1:
+            return False
+        e, segs = next(iter(dims)), next(iter(segments))
+        groups = self.groups_of(segs)
+        reads, claims = [], []
+        for arg in (a, b):
+            if arg not in self.shard:
+                val = _val(arg)
+                at = e - (out - val.dim())
+                if at < 0 or _equal(val.shape[at], 1):
+                    reads.append((arg, None))
+                elif _equal(val.shape[at], _val(node).shape[e]) and self._param(arg) is not None and not segs:
+                    claims.append((arg, at))  # a weight per head (RecurrentGemma's block-diagonal gates): sharded
+                elif _equal(val.shape[at], _val(node).shape[e]) and groups:
+                    reads.append((arg, at))
+                else:
+                    return False
+        for arg, at in claims:
+            self._claim(node, arg, at)
+        self._read_whole(node, reads, groups)
+        self._place(node, e, segs, self._origin_of([a, b]))
+        return True
+
+    def _feeds_linear(self, node, depth: int = 4) -> bool:
+        """``node``'s value reaches the input of a linear of a 2-D parameter through elementwise ops alone (a gated
+        product on its way to a row-wise projection), not the residual stream (which meets a norm first)."""
+        for user in node.users:
+            form = self._linear_form(user)
+            if form is not None and form[0] is node:
+                return True
+            if depth and (user.target in rules.UNARY or user.target in rules.BINARY) and self._feeds_linear(user,
+                                                                                                     depth - 1):
+                return True
+        return False
+
+    def _param_only(self, node) -> bool:
+        """``node`` is computed from parameters alone (``-A_log.exp()``, a weight reshaped): whole on every rank
+        whatever the inputs, so reading it at a piece costs nothing forward (its gradient pieces are gathered)."""
+        if node in self._made_of_params:
+            return self._made_of_params[node]
+        found = False
+        if isinstance(node, fx.Node) and node not in self.shard:
+            if node.op == "placeholder":
+                found = node.name in self.fqn_of
+            elif node.target is aten.type_as.default:  # the second operand gives only its dtype (OLMo-core's
+                found = self._param_only(node.args[0])  # norm: ``weight.type_as(x)``)
+            elif node.op == "call_function" and node.all_input_nodes:
+                found = all(self._param_only(arg) for arg in node.all_input_nodes)
+        self._made_of_params[node] = found
+        return found
+
+    def _read_whole(self, node, reads, groups=1) -> None:
+        """Whole operands of an op on pieces: (input, dim) read at this rank's piece of ``dim`` (``tp_scatter``:
+        each rank takes its piece, the gradient pieces are gathered back), or (input, None) broadcast along the
+        sharded dim and read as it is (a gradient it carries is summed over tp: ``tp_copy``)."""
+        for arg, at in reads:
+            if at is not None:
+                self.scatters.append((node, arg, at, groups))
+                self._claimed.add((node, arg))
+            elif self.needs_grad.get(arg):
+                self.copies.append((node, arg))
+
+    def _gather_along(self, node) -> bool:
+        """``gather(x, dim, index)`` along a dim other than the sharded one (Inkling's relative-position bias per head,
+        picked by distance): each output element reads its own row of x, so the output is sharded as x is; an index
+        as wide as x's sharded dim (whole, an expanded table) is read at this rank's piece."""
+        x, along, index = node.args[0], node.args[1], node.args[2]
+        if (x not in self.shard or self.kind.get(x) == "seq" or x in self.segs
+                or (node.args[3:] + tuple(node.kwargs.values())) not in ((), (False,))):  # sparse_grad=False
+            return False
+        d = self.shard[x]
+        if along % _val(x).dim() == d:
+            return False
+        if index in self.shard:
+            if self.shard[index] != d or self.segs.get(index) != self.segs.get(x):
+                return False
+        elif not _equal(_val(index).shape[d], _val(x).shape[d]) or self.needs_grad.get(index):
+            return False
+        else:
+            self._read_whole(node, [(index, d)])
+        self._carry(node, x)
+        return True
+
+    def _depthwise_conv(self, node) -> bool:
+        """A depthwise convolution over sharded channels (``groups`` = channels: LFM2's short convolution, the causal
+        conv1d of Mamba and gated delta-net mixers) mixes each channel with itself only, a grouped one (ZAYA's
+        convolution per head: 6 groups of 16 channels) each group's channels with each other: where this rank's
+        channels hold whole groups it runs on them, the whole weight and bias read at their rows (``tp_scatter``; the
+        gradient rows gathered back), ``groups`` divided by tp."""
+        x, weight = node.args[0], node.args[1]
+        bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+        groups = node.args[6] if len(node.args) > 6 else node.kwargs.get("groups", 1)
+        held = [a for a in (weight, bias) if isinstance(a, fx.Node) and a in self.shard]  # sharded where made
+        if (x not in self.shard or self.shard[x] != 1 or self.kind.get(x) == "seq" or not isinstance(groups, int)
+                or any(self.shard[a] != 0 or a in self.segs or self.kind.get(a) == "seq" for a in held)
+                or (held and x in self.segs)):
+            return False
+        channels, wval = _val(x).shape[1], _val(weight)
+        parts = self.groups_of(self.segs.get(x))
+        if not parts and self._param_only(weight) and (not isinstance(bias, fx.Node) or self._param_only(bias)):
+            parts = tuple(self.segs[x])  # q, k and v channels of a fused projection: each read at its piece
+        per = int(channels) // groups if _ints([channels]) and groups and int(channels) % groups == 0 else 0
+        pieces = [int(p) // self.tp for p in (self.segs.get(x) or [channels])] if per else []
+        if not (per and int(wval.shape[0]) == int(channels) and int(wval.shape[1]) == per and groups % self.tp == 0
+                and parts and all(p % per == 0 for p in pieces)):
+            return self._refuse(node, f"a convolution over sharded channels whose groups a rank's channels do not "
+                                      f"hold whole (groups {groups} of {channels} channels)")
+        self._read_whole(node, [(a, 0) for a in (weight, bias) if isinstance(a, fx.Node) and a not in held], parts)
+        self.conv_groups[node] = groups // self.tp
+        self._place(node, 1, self.segs.get(x), self.origin.get(x, frozenset()))
+        return True
+
+    def _baddbmm(self, node) -> bool:
+        """``baddbmm(input, b1, b2)`` (Bloom's ALiBi scores): a batched matmul over heads plus ``input``, which is
+        elementwise on the output: sharded with it, read at its piece (the ALiBi table, whole, per head), or
+        broadcast."""
+        bias = node.args[0]
+        if not self._batched_matmul(node, node.args[1:3]):
+            return False
+        e, segs = self.shard[node], self.segs.get(node)
+        if bias in self.shard:
+            if self.shard[bias] + _val(node).dim() - _val(bias).dim() != e or self.segs.get(bias) != segs:
+                return self._unplace(node)
+            return True
+        val = _val(bias)
+        at = e - (_val(node).dim() - val.dim())
+        if at < 0 or _equal(val.shape[at], 1):
+            self._read_whole(node, [(bias, None)])
+        elif _equal(val.shape[at], _val(node).shape[e]) and self.groups_of(segs) and (
+                not self.needs_grad.get(bias) or self._param_only(bias)):  # a table, or a bias per head
+            self._read_whole(node, [(bias, at)], self.groups_of(segs))
+        else:
+            return self._unplace(node)
+        return True
+
+    def _einsum(self, node) -> bool:
+        """``einsum(equation, operands)`` spelling attention (x-transformers' and einops' ``b h i d, b h j d ->
+        b h i j``, then ``b h i j, b h j d -> b h i d``): the sharded operands sharded on one label (the heads)
+        that the output keeps (a batch label, not one summed over), with the same segments: the output is sharded
+        on it. A whole operand with that label (a key repeated to the query heads) is read at this rank's piece, a
+        weight with it is sharded with it, one without it is read as it is."""
+        equation, operands = node.args[0], list(node.args[1])
+        if not isinstance(equation, str) or "..." in equation or "->" not in equation:
+            return False
+        inputs, output = equation.replace(" ", "").split("->")
+        specs = inputs.split(",")
+        if len(specs) != len(operands) or self._kind_of(operands) != "tp":
+            return False
+        sharded = [(spec, arg) for spec, arg in zip(specs, operands) if arg in self.shard]
+        if any(len(spec) != _val(arg).dim() for spec, arg in sharded):
+            return False
+        # the first operand sharded on a label the output keeps sets the placement (the queries, the scores); one
+        # sharded otherwise (keys tiled to the query heads: their heads in segments) is gathered and read whole
+        anchor = next((arg for spec, arg in sharded if output.count(spec[self.shard[arg]]) == 1), None)
+        if anchor is None:
+            return False  # summed over (a contraction of the sharded dim)
+        label, segs = specs[operands.index(anchor)][self.shard[anchor]], self.segs.get(anchor)
+        if any(spec.count(label) > 1 for spec in specs):
+            return False  # a diagonal
+        apart = [arg for spec, arg in sharded if spec[self.shard[arg]] != label or self.segs.get(arg) != segs]
+        e, size = output.index(label), _val(node).shape[output.index(label)]
+        reads, claims = [], []
+        for spec, arg in zip(specs, operands):
+            if arg in self.shard and arg not in apart:
+                continue
+            at = spec.find(label)
+            val = _val(arg)
+            if at < 0 or _equal(val.shape[at], 1):
+                reads.append((arg, None))
+            elif _equal(val.shape[at], size) and self._param(arg) is not None and not segs:
+                claims.append((arg, at))
+            elif _equal(val.shape[at], size) and self.groups_of(segs):
+                reads.append((arg, at))
+            else:
+                return False
+        for arg in apart:
+            self._gather(node, arg)
+        for arg, at in claims:
+            self._claim(node, arg, at)
+        self._read_whole(node, reads, self.groups_of(segs))
+        self._place(node, e, segs, self._origin_of([a for a in operands if a in self.shard and a not in apart]))
+        return True
+
+    def _unplace(self, node) -> bool:
+        """Undo a placement made before a later check failed (the edits recorded for ``node`` dropped)."""
+        self.shard.pop(node, None)
+        self.segs.pop(node, None)
+        self.origin.pop(node, None)
+        self.copies = [(c, a) for c, a in self.copies if c is not node]
+        self.scatters = [entry for entry in self.scatters if entry[0] is not node]
+        self._claimed = {(c, a) for c, a in self._claimed if c is not node}
+        return False
+
+    def _attention(self, node) -> bool:
+        """``scaled_dot_product_attention`` on heads sharded alike (dim -3). A whole key or value (its projection
+        stays whole: fewer key/value heads than --tp, multi-query) is read at the heads this rank's queries
+        need, as Megatron-Core replicates them: its piece when it has one head per query head or a multiple of
+        --tp heads (``tp_scatter``), its group when --tp is a multiple of its head count and ``enable_gqa`` pairs
+        groups of query heads with it (``tp_head_group``), as it is when it has one head (``tp_copy``)."""
+        q, k, v = node.args[:3]
+        if q not in self.shard or self.shard[q] != _val(q).dim() - 3 or q in self.segs or q in self.kind:
+            return False
+        gqa = node.kwargs.get("enable_gqa", False)
+        reads, groups, regathered = [], [], []
+        heads = int(_val(q).shape[-3]) if _ints([_val(q).shape[-3]]) else None
+        for t in (k, v):
+            if t in self.shard:
+                if self.shard[t] == _val(t).dim() - 3 and t not in self.segs and t not in self.kind:
+                    continue
+                if t in self.part or t in self.kind:
+                    self._whole_part(t)  # a key/value part of a fused projection split inside its heads
+                    return False
+                # a key or value sharded on another dim (ZAYA's value: halves of each head from two projections,
+                # each rank holding a piece of every head's features): every query head needs all of it, so it is
+                # gathered here and read whole at this rank's heads below; the queries stay on their heads
+                regathered.append(t)
+            if heads is None or not _ints([_val(t).shape[-3]]):
+                return False
+            count = int(_val(t).shape[-3])
+            if count == heads or (gqa and count % self.tp == 0 and heads % count == 0):
+                reads.append((t, _val(t).dim() - 3))
+            elif gqa and count == 1:
+                reads.append((t, None))
+            elif gqa and self.tp % count == 0 and heads % count == 0:
+                groups.append((t, count))
+            else:
+                return self._refuse(node, f"{t.name} has {count} heads for {heads} query heads over --tp "
+                                          f"{self.tp}: neither one per query head, a multiple of --tp, nor a "
+                                          f"divisor of --tp")
+        mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+        if isinstance(mask, fx.Node):
+            if mask in self.shard:
+                if self.shard[mask] + 4 - _val(mask).dim() != 1:
+                    return False
+            else:
+                mval = _val(mask)
+                at = 1 - (4 - mval.dim())
+                if at >= 0 and mval.shape[at] != 1:
+                    if not _equal(mval.shape[at], heads):
+                        return False
+                    # a mask per head (ALiBi, a relative bias, Doge's dynamic mask computed from the values):
+                    # this rank's heads; where it carries a gradient, the pieces' gradients are gathered back
+                    reads.append((mask, at))
+                elif self.needs_grad.get(mask):
+                    reads.append((mask, None))
+        for t in regathered:
+            self._refuse(node, f"reads {t.name} sharded on dim {self.shard[t]}, not on its heads: gathered, then "
+                               f"read at this rank's heads")
+            self._gather(node, t)
+        self._read_whole(node, reads)
+        for t, count in groups:
+            self.head_groups.append((node, t, _val(t).dim() - 3, count))
+            self._claimed.add((node, t))
+        self._place(node, self.shard[q], None, self._origin_of([q] + [t for t in (k, v) if t not in regathered]))
+        return True

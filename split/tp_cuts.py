@@ -1,0 +1,373 @@
+"""The tensor-parallel walk's rules for cuts and joins of a sharded dim (split, slice, index, cat, an owned split's
+pieces) and for buffers filled in place (``new_empty`` + ``copy_``): a mixin of ``tp_walk._Walk``."""
+from __future__ import annotations
+
+import operator
+import sys
+
+import torch
+import torch.fx as fx
+
+from tracepp.split import rules
+from tracepp.split.rules import equal as _equal, ints as _ints, prod as _prod, sizes as _sizes, val as _val
+
+aten = torch.ops.aten
+TP = torch.ops.tracepp
+
+_END = sys.maxsize  # a slice to the end
+
+
+class _CutRules:
+    """Cuts, joins and filled buffers of a sharded dim (methods of ``tp_walk._Walk``)."""
+
+    def _fresh_buffer(self, node, x) -> bool:
+        """``x.new_empty(size)`` (new_zeros, new_full) as wide as sharded ``x`` on its sharded dim, filled by
+        ``copy_`` into slices of other dims (DeepSeek's MLA writes its keys' no-rotary and rotary parts into one):
+        allocated on this rank's piece when every write into it fits that piece as the walk has placed its source so
+        far (sharded alike, or whole and broadcast along the dim; a source not yet walked counts as whole); any other
+        in-place use keeps it whole."""
+        dim, val, xval = self.shard[x], _val(node), _val(x)
+        if (self.kind.get(x) == "seq" or x in self.mixed or val.dim() != xval.dim()
+                or not _equal(val.shape[dim], xval.shape[dim])
+                or not self._size_arg_ok(node.args[1], dim, _sizes(val)[dim])):
+            return False
+        fills = []
+        for user in node.users:
+            views = [user] if user.target is aten.copy_.default else []
+            if user.target in rules.SLICES and user.args[0] is node:
+                at = (user.args[1] if len(user.args) > 1 else 0) % val.dim()
+                if at == dim:
+                    return False
+                views = list(user.users)
+                if not all(v.target is aten.copy_.default and v.args[0] is user for v in views):
+                    return False
+            elif not views and rules.writes(user):
+                return False  # another in-place write: not followed here
+            for write in views:
+                if write.args[0] is not node and write.args[0] is not user:
+                    return False
+                fills.append(write.args[1])
+        if not fills or any(self._fits(src, dim, val.dim(), self.segs.get(x)) is None for src in fills):
+            return False
+        self._place(node, dim, self.segs.get(x), self.origin.get(x, frozenset()))
+        return True
+
+    def _fits(self, src, dim: int, ndim: int, segments):
+        """How ``src`` is written into a piece of a buffer sharded on ``dim``: "sharded" (sharded alike), "broadcast"
+        (size 1 there), "expand" (an expand of such a value read by this write alone: expanded to the piece), or
+        None (whole and as wide as the dim)."""
+        if not isinstance(src, fx.Node):
+            return "broadcast"
+        if src in self.shard:
+            same = self.shard[src] + ndim - _val(src).dim() == dim and self.segs.get(src) == segments
+            return "sharded" if same and self.kind.get(src) != "seq" else None
+        sval = _val(src)
+        if not isinstance(sval, torch.Tensor):
+            return None
+        at = dim - (ndim - sval.dim())
+        if at < 0 or _equal(sval.shape[at], 1):
+            return "broadcast"
+        if src.target in rules.EXPANDS and len(src.users) == 1:
+            inner = _val(src.args[0])
+            at_in = at - (sval.dim() - inner.dim())
+            if at_in < 0 or _equal(inner.shape[at_in], 1):
+                return "expand"
+        return None
+
+    def _fill(self, node) -> bool:
+        """``copy_`` into a piece of a buffer allocated on this rank's piece (:meth:`_fresh_buffer`)."""
+        dst, src = node.args[0], node.args[1]
+        if dst not in self.shard or self.kind.get(dst) == "seq":
+            return False
+        dim, ndim = self.shard[dst], _val(dst).dim()
+        how = self._fits(src, dim, ndim, self.segs.get(dst))
+        if how is None:
+            return self._refuse(node, f"writes {getattr(src, 'name', src)} into a piece of a buffer sharded on dim "
+                                      f"{dim}")
+        if how == "expand":  # expanded to this rank's piece only; the gradient of what it expands summed over tp
+            self._place(src, dim - (ndim - _val(src).dim()), self.segs.get(dst))
+            if self.needs_grad.get(src.args[0]):
+                self.copies.append((src, src.args[0]))
+        elif how == "broadcast" and isinstance(src, fx.Node) and self.needs_grad.get(src):
+            self.copies.append((node, src))
+        self._claimed.add((node, src))
+        self._carry(node, dst)
+        return True
+
+    def _cut(self, node, target, first, dim, in_val) -> bool:
+        """split / chunk / unbind / slice / narrow / select: along another dim the sharding is kept; along the
+        sharded dim each output must be whole parts of the value's segments (a fused projection's q, k, v): a cut
+        elsewhere asks the projection for segments (learned, then walked again)."""
+        ndim = in_val.dim()
+        args = node.args
+        if target in rules.SLICES:
+            at = (args[1] if len(args) > 1 else node.kwargs.get("dim", 0)) % ndim
+        elif target is aten.chunk.default or target is aten.unbind.int:
+            at = (args[2] if len(args) > 2 else (args[1] if target is aten.unbind.int and len(args) > 1 else
+                                                 node.kwargs.get("dim", 0))) % ndim
+        else:
+            at = (args[2] if len(args) > 2 else node.kwargs.get("dim", 0)) % ndim
+        segments = self.segs.get(first)
+        origin = self.origin.get(first, frozenset())
+        kind = self.kind.get(first)
+        if at != dim and first in self.mixed:
+            return self._refuse(node, "cuts a fused projection's output with whole parts along another dim")
+        if at != dim:
+            if target in rules.SPLITS:
+                count = len(_val(node)) if isinstance(_val(node), (list, tuple)) else 0
+                out_dim = dim - 1 if target is aten.unbind.int and at < dim else dim
+                self.items[node] = [(out_dim, segments)] * count
+                self._place(node, out_dim, segments, origin, kind)
+                return True
+            self._place(node, dim - 1 if target is aten.select.int and at < dim else dim, segments, origin, kind)
+            return True
+        if kind == "seq":
+            return self._refuse(node, "cuts the sequence dim of a sequence shard")
+        size = in_val.shape[dim]
+        if self._want_parts(node, target, origin, segments, in_val, dim):
+            return False
+        if target in (aten.select.int, aten.unbind.int) or not _ints([size]):
+            return False
+        size = int(size)
+        ranges = self._ranges(node, target, size)
+        if ranges is None:
+            return self._refuse(node, "a cut of the sharded dim with a step or a computed size")
+        have = rules.boundaries(segments or [size])
+        cuts = sorted({p for r in ranges for p in r})
+        if not set(cuts) <= set(have):
+            wanted = set(cuts) | set(have)
+            for fqn in origin:
+                if self.out_features.get(fqn) == size:
+                    self.wants.setdefault(fqn, set()).update(wanted)
+            if not origin or any(self.out_features.get(f) != size for f in origin):
+                if target in rules.SPLITS and not segments and self._owned_split(node, dim, size, ranges):
+                    return True
+                return self._refuse(node, f"cuts {size} sharded features at {cuts[1:-1]}, inside the pieces")
+            return False
+        pieces = []
+        for start, end in ranges:
+            inner = [b - a for a, b in zip(have, have[1:]) if a >= start and b <= end]
+            pieces.append((dim, tuple(inner) if len(inner) > 1 else None))
+        fqn = next(iter(origin)) if len(origin) == 1 and segments else None
+        index_of = {start: k for k, start in enumerate(have[:-1])}
+        parts = [(fqn, index_of[start]) if fqn is not None and end - start == int(segments[index_of[start]])
+                 else None for start, end in ranges]
+        whole = self.mixed.get(first, frozenset())
+        if whole:  # a fused output whose whole parts every rank holds in full: local ranges of mixed sizes
+            local = [int(p) if k in whole else int(p) // self.tp for k, p in enumerate(segments)]
+            bounds = rules.boundaries(local)
+            if any(part is None for part in parts):
+                return self._refuse(node, "cuts a fused projection with whole parts inside its parts")
+            self.cuts[node] = [(bounds[k], bounds[k + 1]) for _fqn, k in parts]
+            pieces = [None if k in whole else (dim, None) for _fqn, k in parts]
+            if target not in rules.SPLITS:
+                if pieces[0] is None:
+                    return self._refuse(node, "takes a whole part of a fused projection by a slice")
+                self._place(node, dim, None, origin)
+                self.part[node] = parts[0]
+                return True
+            self.items[node] = pieces
+            self.item_parts[node] = parts
+            self._place(node, dim, None, origin)
+            return True
+        self.cuts[node] = [(start // self.tp, end // self.tp) for start, end in ranges]
+        if target in rules.SPLITS:
+            self.items[node] = pieces
+            self.item_parts[node] = parts
+            self._place(node, dim, None, origin)
+        else:
+            self._place(node, dim, pieces[0][1], origin)
+            if parts[0] is not None:
+                self.part[node] = parts[0]
+        return True
+
+    def _want_parts(self, node, target, origin, segments, in_val, dim: int) -> bool:
+        """A cut of a dim a view made by splitting a projection's features into ``[parts, rest]`` (Moshi's gated
+        MLP: ``fc1(x).view(b, s, 2, -1)[..., 0, :]``), sharded on the parts: each part the cut takes is a range of
+        the projection's features, ``rest`` wide, which the projection is asked to keep as segments (learned,
+        then walked again: the view then shards each part)."""
+        sizes = [in_val.shape[d] for d in range(dim, in_val.dim())]
+        if segments or not origin or not _ints(sizes):
+            return False
+        size, rest = int(sizes[0]), int(_prod(sizes[1:]))
+        if rest == 1 or any(self.out_features.get(fqn) != size * rest for fqn in origin):
+            return False
+        if target is aten.select.int:
+            index = node.args[2] % size
+            ranges = [(index, index + 1)]
+        elif target is aten.unbind.int:
+            ranges = [(k, k + 1) for k in range(size)]
+        else:
+            ranges = self._ranges(node, target, size)
+        if not ranges:
+            return False
+        wanted = {0, size * rest} | {p * rest for r in ranges for p in r}
+        for fqn in origin:
+            self.wants.setdefault(fqn, set()).update(wanted)
+        return True
+
+    @staticmethod
+    def _ranges(node, target, size: int):
+        """The [start, end) ranges of the sharded dim each output of a cut takes (global), or None."""
+        args = node.args
+        if target is aten.slice.Tensor:
+            start = args[2] if len(args) > 2 else node.kwargs.get("start", 0)
+            end = args[3] if len(args) > 3 else node.kwargs.get("end", _END)
+            step = args[4] if len(args) > 4 else node.kwargs.get("step", 1)
+            if step != 1 or not all(v is None or isinstance(v, int) for v in (start, end)):
+                return None
+            start, end = (0 if start is None else start), (size if end is None else end)
+            start = max(0, min(size, start + size if start < 0 else start))
+            end = max(start, min(size, end + size if end < 0 else end))
+            return [(start, end)]
+        if target is aten.narrow.default:
+            start, length = args[2], args[3]
+            if not (isinstance(start, int) and isinstance(length, int)):
+                return None
+            start = start + size if start < 0 else start
+            return [(start, start + length)]
+        if target is aten.chunk.default:
+            each = -(-size // args[1])
+            sizes = [min(each, size - k) for k in range(0, size, each)]
+        elif target is aten.split.Tensor:
+            if not isinstance(args[1], int):
+                return None
+            sizes = [min(args[1], size - k) for k in range(0, size, args[1])]
+        else:
+            sizes = list(args[1])
+            if not all(isinstance(s, int) for s in sizes):
+                return None
+        bounds = rules.boundaries(sizes)
+        return list(zip(bounds, bounds[1:]))
+
+    def _owned_split(self, node, dim: int, size: int, ranges) -> bool:
+        """A split of the sharded dim into pieces no larger than a rank's (StableLM's per-head LayerNorms: the
+        heads split one by one, each normalised by its own module of a ModuleList, then joined again): each piece
+        lies inside one rank's block, and that rank computes it while the others hold it empty (``tp_owned_split``);
+        what each piece goes through must be per-piece (casts, elementwise ops with operands broadcast along the
+        dim, norms over other dims) and end in one ``cat`` of the pieces in order along the dim, whose result is
+        sharded as the split's input was. A weight a piece reads is whole on every rank, its gradient summed over
+        tp (the other ranks' parts are zero)."""
+        if self.kind.get(node.args[0]) == "seq":
+            return False
+        per = size // self.tp
+        owners = []
+        for start, end in ranges:
+            owner = start // per
+            if end <= start or end > (owner + 1) * per:
+                return False
+            owners.append(owner)
+        items = {user.args[1]: user for user in node.users if user.target is operator.getitem}
+        if sorted(items) != list(range(len(ranges))) or len(items) != len(node.users):
+            return False
+        chain, ends = {}, []
+        for index in range(len(ranges)):
+            value = items[index]
+            chain[value] = owners[index]
+            while True:
+                users = list(value.users)
+                if len(users) != 1:
+                    return False
+                user = users[0]
+                if user.target in rules.CATS:
+                    ends.append((value, user))
+                    break
+                if not self._per_piece(user, value, dim):
+                    return False
+                chain[user] = owners[index]
+                value = user
+        cats = {cat for _value, cat in ends}
+        if len(cats) != 1:
+            return False
+        cat = next(iter(cats))
+        ndim = _val(node.args[0]).dim()
+        if list(cat.args[0]) != [value for value, _cat in ends] or (cat.args[1] if len(cat.args) > 1 else 0) % ndim != dim:
+            return False
+        self.owned_splits[node] = [end - start for start, end in ranges]
+        self.owned.update(chain)
+        self.owned_cats[cat] = (dim, self.origin.get(node.args[0], frozenset()))
+        return True
+
+    def _per_piece(self, node, value, dim: int) -> bool:
+        """``node`` computes each element of ``value`` along ``dim`` on its own: a cast, an elementwise op whose
+        other operands are broadcast along ``dim``, a norm over other dims."""
+        target = node.target
+        ndim = _val(value).dim()
+        if target in rules.UNARY and target is not aten.dropout.default:
+            return node.args[0] is value
+        if target is aten.type_as.default:
+            return node.args[0] is value
+        if target in rules.NORMS:
+            return node.args[0] is value and dim < ndim - len(node.args[1])
+        if target in rules.BINARY:
+            for arg in node.args:
+                if arg is value or not isinstance(arg, fx.Node):
+                    continue
+                val = _val(arg)
+                if not isinstance(val, torch.Tensor):
+                    continue
+                at = dim - (_val(node).dim() - val.dim())
+                if at >= 0 and not _equal(val.shape[at], 1):
+                    return False
+            return True
+        return False
+
+    def _index(self, node, first, dim, in_val, out_val) -> bool:
+        """``x[..., idx]``: advanced indexing of other dims keeps the sharded dim (it may move)."""
+        indices = list(node.args[1])
+        if dim < len(indices) and indices[dim] is not None:
+            return False
+        if any(isinstance(i, fx.Node) and i in self.shard for i in indices):
+            return False
+        used = [k for k, i in enumerate(indices) if i is not None]
+        e = dim if not used or min(used) > dim else dim + out_val.dim() - in_val.dim()
+        if not (0 <= e < out_val.dim()) or not _equal(_sizes(out_val)[e], _sizes(in_val)[dim]):
+            return False
+        self._carry(node, first, e)
+        return True
+
+    def _cat(self, node) -> bool:
+        parts = [p for p in node.args[0] if not (_val(p).dim() == 1 and _equal(_val(p).shape[0], 0))]  # cat skips
+        #        a 1-D empty tensor (a cache that starts empty: XLM's keys)
+        if not parts:
+            return False
+        ndim = _val(parts[0]).dim()
+        at = (node.args[1] if len(node.args) > 1 else 0) % ndim
+        dims = {self.shard.get(p) for p in parts if p in self.shard}
+        if len(dims) != 1:
+            return False
+        dim = next(iter(dims))
+        origin = self._origin_of(parts)
+        whole = [p for p in parts if p not in self.shard]
+        if whole:  # along another dim, a whole part as wide as the sharded dim (GPT-OSS's attention sinks beside
+            #        the scores of each head) is read at this rank's piece; its gradient pieces are gathered back
+            segments = {self.segs.get(p) for p in parts if p in self.shard}
+            groups = self.groups_of(next(iter(segments))) if len(segments) == 1 else 0
+            if at == dim or not groups or self._kind_of(parts) != "tp" or any(
+                    _val(p).dim() != ndim or not _equal(_val(p).shape[dim], _val(parts[0] if parts[0] in self.shard else
+                                                         next(q for q in parts if q in self.shard)).shape[dim])
+                    for p in whole):
+                return False
+            self._read_whole(node, [(p, dim) for p in whole], groups)
+        if at == dim:  # pieces of each part side by side: the parts are the segments
+            segments = []
+            for part in parts:
+                segments.extend(self.segs.get(part) or [_sizes(_val(part))[dim]])
+            if not _ints(segments):
+                return False
+            if self._kind_of(parts) == "seq":
+                return False
+            self._place(node, dim, tuple(int(s) for s in segments), origin)
+            return True
+        if len({self.segs.get(p) for p in parts}) != 1:
+            return False
+        self._place(node, dim, self.segs.get(parts[0]), origin, self._kind_of(parts))
+        return True
+
+    def _size_arg_ok(self, sizes, e: int, out_size) -> bool:
+        """A view/expand's size list can be rewritten to the local size at dim ``e``: -1 there, or the global
+        size as a literal int."""
+        if not isinstance(sizes, (list, tuple)) or e >= len(sizes):
+            return False
+        at = sizes[e]
+        return at == -1 or (isinstance(at, int) and _ints([out_size]) and at == int(out_size))

@@ -1,0 +1,520 @@
+"""The tensor-parallel plan's fixed point (``tensor_parallel``'s step two): the stage graphs walked until what the walks
+learn (a parameter's one placement over all its uses, fused projections' segments, whole parts, pieces, buffers kept
+whole) stops changing, and the trials that keep the cheaper of two valid plans (``plan_cost``)."""
+from __future__ import annotations
+
+import fnmatch
+
+import torch
+
+from tracepp.split import plan_cost, rules
+from tracepp.split.partition import _gradient_flags
+from tracepp.split.rules import at as _at, equal as _equal, ints as _ints, sizes as _sizes, val as _val
+
+from tracepp.split.tp_contract import _in_dim
+from tracepp.split.tp_walk import _Walk
+aten = torch.ops.aten
+TP = torch.ops.tracepp
+
+
+def _regions(walk: _Walk) -> list:
+    """Connected groups of sharded values; each with its column-wise linears and whether one ends row-wise."""
+    parent: dict = {}
+
+    def find(n):
+        while parent.get(n, n) is not n:
+            n = parent[n]
+        return n
+
+    tp_sharded = [node for node in walk.shard if walk.kind.get(node) != "seq"]  # sequence shards join nothing
+    gathered = set(walk.gathers)  # a value made whole before an op (a value attention gathers) joins nothing there
+    for node in tp_sharded + list(walk.sums):  # a sum over pieces joins what it reads (a contraction: both sides)
+        for arg in node.all_input_nodes:
+            if arg in walk.shard and walk.kind.get(arg) != "seq" and (node, arg) not in gathered:
+                parent[find(node)] = find(arg)
+    groups: dict = {}
+    for node in tp_sharded:
+        groups.setdefault(find(node), set()).add(node)
+    for node, role in walk.roles.items():
+        if role == "rowwise":
+            groups.setdefault(find(walk.forms[node][0]), set()).add(node)
+    for node in walk.sums:
+        groups.setdefault(find(node), set()).add(node)
+    return list(groups.values())
+
+
+def _narrow_columns(walk: _Walk) -> dict:
+    """{weight FQN: why} of column-wise linears whose sharded output never reaches a row-wise linear or a sum
+    over the pieces and is needed whole before the stage's end: the gather would cost what the shard saves. A
+    column-wise linear whose output is gathered only to leave the stage (the head's logits) is kept."""
+    out = {}
+    for region in _regions(walk):
+        if any(walk.roles.get(n) == "rowwise" for n in region):
+            continue
+        inside = [consumer for consumer, arg in walk.gathers if arg in region and consumer.op != "output"
+                  and arg not in walk.gathered_out]
+        if not inside:
+            continue
+        why = f"its output is needed whole by {inside[0].target}{_at(inside[0])}"
+        for node in region:
+            if walk.roles.get(node) == "colwise":
+                out[walk._param(walk.forms[node][1])] = why
+    return out
+
+
+def fqn_map(stage, graph) -> dict:
+    """Placeholder node name -> FQN of the stage's parameters (the state placeholders come first, in order)."""
+    nodes = [n for n in stage.graph.nodes if n.op == "placeholder"]
+    return {node.name: graph.state[name].fqn for node, name in zip(nodes, stage.state)
+            if graph.state[name].kind == "parameter"}
+
+
+def grad_flags(stage, graph) -> dict:
+    """Which values of a stage graph carry a gradient: downstream of its parameters or of a received value that
+    does (placeholders: state, root inputs, received values, in that order)."""
+    nodes = [n for n in stage.graph.nodes if n.op == "placeholder"]
+    first = len(stage.state) + len(stage.root_inputs)
+    received = {nodes[first + i].name for i, (_producer, name) in enumerate(stage.received)
+                if graph.values[name].meta.requires_grad}
+    return _gradient_flags(stage.graph, set(fqn_map(stage, graph)) | received)
+
+
+def _forced_by_overrides(aliases: dict, overrides) -> dict:
+    """{fqn: why} of the parameters the model file's ``tp_plan`` replicates; a value it does not know is refused."""
+    notes = {}
+    for pattern, how in (overrides or {}).items():
+        if how not in ("colwise", "rowwise", "replicate"):
+            raise ValueError(f"tp_plan[{pattern!r}] = {how!r}: use 'colwise', 'rowwise' or 'replicate'")
+        for fqn, names in aliases.items():
+            if how == "replicate" and any(fnmatch.fnmatchcase(name, pattern) for name in names):
+                notes[fqn] = f"tp_plan {pattern!r}"
+    return notes
+
+
+def _piece_of(walk: _Walk, node, dim):
+    """(placeholder, dim) of the one parameter that ``node`` is made from by ops of one input that keep its sizes apart from
+    dims of 1 (casts, ``exp``, ``neg``, ``unsqueeze``: Mamba's ``-exp(A_log.float())[None, :, None, :]``, a bias
+    ``[:, None]``), transposes and views that split it into heads, with ``dim`` of ``node`` traced back to the
+    parameter's dim; else None."""
+    while True:
+        if node.op == "placeholder":
+            return (node, dim) if node.name in walk.fqn_of else None
+        if node.op != "call_function" or len(node.all_input_nodes) != 1:
+            return None
+        source = node.all_input_nodes[0]
+        out_val, in_val = _val(node), _val(source)
+        if not (isinstance(out_val, torch.Tensor) and isinstance(in_val, torch.Tensor)):
+            return None
+        if node.target is aten.transpose.int:  # Inkling 2's static_weight.T.view(heads, -1, k)
+            a, b = (d % in_val.dim() for d in node.args[1:3])
+            node, dim = source, (b if dim == a else a if dim == b else dim)
+            continue
+        if node.target in (aten.t.default, aten.numpy_T.default) and in_val.dim() == 2:
+            node, dim = source, 1 - dim
+            continue
+        if node.target is aten.permute.default:
+            node, dim = source, node.args[1][dim] % in_val.dim()
+            continue
+        if node.target in rules.VIEWS:  # the input dim whose pieces the view makes this dim's
+            found = [d for d in range(in_val.dim())
+                     if rules.view_placement(_sizes(in_val), _sizes(out_val), d, None, walk.tp) == (dim, None)]
+            if len(found) != 1:
+                return None
+            node, dim = source, found[0]
+            continue
+        outs = [i for i, size in enumerate(out_val.shape) if not _equal(size, 1)]
+        ins = [i for i, size in enumerate(in_val.shape) if not _equal(size, 1)]
+        if (len(outs) != len(ins) or dim not in outs
+                or not all(_equal(out_val.shape[a], in_val.shape[b]) for a, b in zip(outs, ins))):
+            return None
+        node, dim = source, ins[outs.index(dim)]
+
+
+def _learn_pieces(walks: list, pieces: dict, notes: dict) -> bool:
+    """Parameters that a pass reads only at this rank's piece, through values made from them alone (Mamba's
+    ``A_log``, ``D``, its convolution's weight, ``dt_proj``'s bias added on its own): sharded where they are made
+    (``pieces``: fqn -> dim), so each rank holds its piece and computes on it; the next pass walks them sharded.
+    One that is read whole elsewhere becomes "used sharded in one place and whole in another" and is replicated."""
+    learned = False
+    for walk in walks:
+        for consumer, arg in walk.gathers:  # a piece made whole again (its reader's input was whole after all)
+            found = _piece_of(walk, arg, walk.shard[arg]) if arg in walk.shard else None
+            fqn = walk.fqn_of[found[0].name] if found is not None else None
+            if fqn in pieces and fqn not in notes:
+                notes[fqn] = f"read whole by {consumer.target}{_at(consumer)}, where the value it makes meets whole ones"
+                learned = True
+        for _consumer, arg, dim, groups in walk.scatters:
+            if groups != 1 or not isinstance(dim, int) or not walk._param_only(arg):
+                continue
+            found = _piece_of(walk, arg, dim)
+            if found is None:
+                continue
+            placeholder, at = found
+            fqn, size = walk.fqn_of[placeholder.name], _val(placeholder).shape[at]
+            if fqn not in notes and fqn not in pieces and _ints([size]) and int(size) % walk.tp == 0:
+                pieces[fqn] = at
+                learned = True
+    return learned
+
+
+def _learn_segments(walks: list, tp: int, fused: dict, narrow: dict) -> bool:
+    """Fold the cut points the walks' consumers need into ``fused`` (weight fqn -> segments); a part ``tp``
+    does not divide replicates the projection (into ``narrow``). True when a segment list changed."""
+    learned = False
+    for walk in walks:
+        for fqn, cuts in walk.wants.items():
+            points = sorted(cuts)
+            segments = tuple(b - a for a, b in zip(points, points[1:]))
+            bad = [s for s in segments if s % tp]
+            if bad:
+                narrow.setdefault(fqn, f"a fused projection with a part of {bad[0]} features, which --tp {tp} "
+                                       f"does not divide")
+            elif fused.get(fqn) != segments:
+                fused[fqn] = segments
+                learned = True
+    return learned
+
+
+def _learn_whole_parts(walks: list, fused: dict, mixed: dict, notes: dict, narrow: dict) -> bool:
+    """Fold the fused projections' parts found needed whole into ``mixed`` (a projection all of whose parts would
+    be whole is replicated instead, into ``narrow``). True when a projection gained a whole part."""
+    learned = False
+    for walk in walks:
+        for fqn, parts in walk.whole_parts.items():
+            if fqn in notes or fqn not in fused:
+                continue
+            have = set(mixed.get(fqn, ())) | parts
+            if len(have) >= len(fused[fqn]):
+                narrow.setdefault(fqn, "a fused projection none of whose parts has whole heads on each rank")
+            elif have != set(mixed.get(fqn, ())):
+                mixed[fqn] = have
+                learned = True
+    return learned
+
+
+def _low_rank(walk: _Walk) -> list:
+    """The low-rank pairs sharded as such: per region whose column-wise linears narrow (fewer output features
+    than input) and whose row-wise linear widens again, ({weight FQN: why} of its column-wise linears, the
+    row-wise linears' FQNs). DeepSeek's
+    MLA is one (``q_a_proj`` 7168 -> 1536, a norm, ``q_b_proj`` 1536 -> 128 heads): sharded as a pair, the wide
+    output comes back whole and the attention that reads it per head runs whole; kept whole instead, the widening
+    linear becomes column-wise on the heads it makes, as Megatron-Core shards MLA. A narrow MLP (a shared expert
+    of 2048 under a hidden size of 7168) has the same shapes and is better sharded as a pair: :func:`settle`
+    measures which."""
+    def features(node):
+        _x, weight, _b, out_dim = walk.forms[node]
+        shape = _val(weight).shape
+        return int(shape[_in_dim(_val(weight), out_dim)]), int(shape[out_dim])  # (in, out)
+
+    out = []
+    for region in _regions(walk):
+        cols = [n for n in region if walk.roles.get(n) == "colwise"]
+        rows = [n for n in region if walk.roles.get(n) == "rowwise"]
+        if not cols or not rows:
+            continue
+        if (all(features(n)[1] < features(n)[0] for n in cols) and all(features(n)[1] >= features(n)[0] for n in rows)
+                and any(features(n)[1] > features(n)[0] for n in rows)):  # no reader narrows again, one widens
+            up = walk._param(walk.forms[rows[0]][1])
+            ups = {walk._param(walk.forms[n][1]) for n in rows}
+            found = {}
+            for node in sorted(cols, key=lambda n: n.name):
+                inp, outp = features(node)
+                found[walk._param(walk.forms[node][1])] = (
+                    f"a low-rank down-projection ({inp} -> {outp} features) before {up} widens again: column-wise, "
+                    f"its {outp} output features all-gathered, so that {up} shards the heads it makes")
+            out.append((found, ups))
+    return out
+
+
+def settle(graphs: list, tp: int, notes: dict, fused: dict = None, sequence=None, mixed: dict = None,
+           gathered: dict = None, begins: dict = None) -> tuple:
+    """:func:`_settle`, then, where it sharded low-rank pairs (:func:`_low_rank`), the same with the
+    down-projections of one kind of pair gathered (the same module in every layer: ``*.self_attn.q_a_proj``):
+    column-wise, with their narrow output (the latent) all-gathered, so that the norm after them and the
+    up-projection read it whole; kind by kind. A change is kept where every up-projection of the kind then shards
+    the heads it makes (column-wise to the end of its region): the attention that reads them runs on shards, and
+    the all-reduce of the wide output is gone. (Megatron-Core keeps MLA's down-projections whole on every rank;
+    gathered, each rank holds 1/tp of them and computes 1/tp of their product, for one all-gather of the latent.)
+    A narrow MLP (a shared expert under a larger hidden size) has the same shapes, but its up-projection's output
+    is needed whole by the residual add: it stays a row-wise pair. ``notes``, ``fused``, ``mixed`` and
+    ``gathered`` (fqn -> why) end as the kept plan's."""
+    from tracepp.split import blocks
+
+    with blocks.remembered():  # every trial settles the same graphs: folded and compared once
+        return _settle_trials(graphs, tp, notes, fused, sequence, mixed, gathered, begins)
+
+
+def _settle_trials(graphs: list, tp: int, notes: dict, fused: dict, sequence, mixed: dict, gathered: dict,
+                   begins: dict) -> tuple:
+    fused = {} if fused is None else fused
+    mixed = {} if mixed is None else mixed
+    start = _copied((notes, fused, mixed))
+    best = _settle(graphs, tp, notes, fused, sequence, mixed, begins=begins)
+    kept, tried = {}, set()
+    while True:  # a kept kind can turn other layers' pairs into low-rank ones (DeepSeek-V3.2): found, tried again
+        kinds: dict = {}  # the pair's modules with layer numbers starred -> ({down fqn: why}, {up fqns})
+        for walk in best[0]:
+            for downs, ups in _low_rank(walk):
+                key = tuple(plan_cost.kind_of(fqn) for fqn in downs)
+                entry = kinds.setdefault(key, ({}, set()))
+                entry[0].update({f: w for f, w in downs.items() if f not in notes and f not in tried})
+                entry[1].update(ups)
+        pending = [(downs, ups) for downs, ups in kinds.values() if downs]
+        if not pending:
+            break
+        if len(pending) > 1:  # every kind at once first (MLA's q and kv pairs: each alone leaves the attention whole)
+            pending.insert(0, ({f: w for downs, _ups in pending for f, w in downs.items()},
+                               {f for _downs, ups in pending for f in ups}))
+        for downs, ups in pending:
+            if set(downs) <= set(kept):
+                continue
+            tried.update(downs)
+            trial = _copied(start)
+            marked = dict(kept, **downs)  # folded blocks' copies join it (a left-out block gathered as its b3)
+            found = _settle(graphs, tp, *trial[:2], sequence, trial[2], marked, begins=begins)
+            roles, ending = _linear_roles(found[0]), {}  # and whether an up-projection's region ends reduced
+            for walk in found[0]:
+                for region in _regions(walk):
+                    reduced = any(walk.roles.get(n) == "rowwise" or n in walk.sums for n in region)
+                    for n in region:
+                        if walk.roles.get(n) == "colwise":
+                            ending[walk._param(walk.forms[n][1])] = reduced
+            # kept where each up-projection shards what it makes to a row-wise linear (the heads, to the output
+            # projection) or a sum over its pieces (DeepSeek-V3.2's indexer: the heads' scores weighted and
+            # summed), not only to be gathered again (a narrow MLP's down-projection before a residual add)
+            # and where the plan then meets no more ops that need a sharded value whole (a norm's modulation MLP,
+            # 64 -> 16 -> 64, has the shapes of a pair, but gathered it shards the residual stream it scales, up to
+            # the router and the experts that need it whole: AXK2)
+            if (all(roles.get(fqn) == "colwise" and ending.get(fqn) and fqn not in trial[0] for fqn in ups)
+                    and _refusals(found) <= _refusals(best)):
+                best, kept = found, marked
+                for mine, theirs in zip((notes, fused, mixed), trial):
+                    mine.clear()
+                    mine.update(theirs)
+    best = _whole_where_cheaper(graphs, tp, (notes, fused, mixed), sequence, begins, start, kept, best)
+    if gathered is not None:  # those the kept plan made column-wise (an input sharded by then: row-wise)
+        roles = _linear_roles(best[0])
+        gathered.update({fqn: why for fqn, why in kept.items() if roles.get(fqn) == "colwise"})
+    return best
+
+
+def _copied(learned: tuple) -> tuple:
+    """A copy of what a settle learns and updates in place (notes, fused segments, mixed parts), for a trial."""
+    notes, fused, mixed = learned
+    return dict(notes), dict(fused), {k: set(v) for k, v in mixed.items()}
+
+
+_KIND_TRIALS = 8  # kinds of elementwise-sharded parameters tried whole one by one, at most
+
+
+def _whole_where_cheaper(graphs: list, tp: int, learned: tuple, sequence, begins: dict, start: tuple, kept: dict,
+                         best: tuple) -> tuple:
+    """The settled plan ``best``, or a cheaper one (``split.plan_cost``: bytes moved plus FLOPs left replicated)
+    with parameters it shards outside any linear kept whole. A norm's weight is sharded wherever the value it
+    scales is; a walk that meets the residual stream whole beside it can shard the stream instead, and then every
+    linear that reads it goes row-wise: an all-reduce of each wide MLP input where Megatron all-reduces one
+    ``[b, s, h]`` (litgpt's RMSNorm, ``x * weight.float()``). Every such kind (the module with layer numbers
+    starred) whole at once first, then kind by kind (``_KIND_TRIALS`` at most); a trial is kept where it costs
+    less. ``learned`` (notes, fused, mixed) end as the kept plan's; each kept parameter's note says what it saved."""
+    kinds = plan_cost.elementwise_kinds(best[0], _param_roles(best[0]))
+    if not kinds:
+        return best
+    price = plan_cost.cost(best[0])
+    trials = [list(kinds)] + ([[kind] for kind in kinds][:_KIND_TRIALS] if len(kinds) > 1 else [])
+    chosen: dict = {}
+    for trial_kinds in trials:
+        if all(kind in chosen for kind in trial_kinds):
+            continue
+        wanted = dict(chosen, **{kind: kinds[kind] for kind in trial_kinds})
+        forced = {fqn: "" for fqns in wanted.values() for fqn in fqns}
+        trial = _copied(start)
+        trial[0].update(forced)
+        found = _settle(graphs, tp, *trial[:2], sequence, trial[2], dict(kept), begins=begins)
+        found_price = plan_cost.cost(found[0])
+        if found_price >= price:
+            continue
+        why = (f"kept whole: sharded with the value it scales, the plan cost {price:,.0f} bytes per microbatch "
+               f"(collectives, and FLOPs left replicated as bytes: split/plan_cost.py); whole, {found_price:,.0f}")
+        trial[0].update({fqn: why for fqn in forced})
+        best, price, chosen = found, found_price, wanted
+        for mine, theirs in zip(learned, trial):
+            mine.clear()
+            mine.update(theirs)
+        if len(wanted) == len(kinds):
+            break
+    return best
+
+
+def _param_roles(walks: list) -> dict:
+    """{FQN: "colwise" | "rowwise" | "vocab"} of the weights (and column-wise biases) of the linears and embeddings
+    the walks placed."""
+    roles: dict = {}
+    for walk in walks:
+        for node, role in walk.roles.items():
+            weight = node.args[0] if role == "vocab" else walk.forms[node][1]
+            roles[walk._param(weight)] = role
+            bias = walk.forms[node][2] if role == "colwise" else None
+            if bias is not None:
+                roles.setdefault(walk._param(bias), "colwise")
+    return roles
+
+
+def _linear_roles(walks: list) -> dict:
+    """{weight FQN: "colwise" | "rowwise"} of the linears the walks placed."""
+    return {walk._param(walk.forms[n][1]): r for walk in walks for n, r in walk.roles.items() if n in walk.forms}
+
+
+def _refusals(settled: tuple) -> int:
+    """How many ops of a settled plan's final walks (:func:`_settle`'s answer) need a sharded value whole."""
+    return sum(len(walk.reasons) for walk in settled[0])
+
+
+def _settle(graphs: list, tp: int, notes: dict, fused: dict = None, sequence=None, mixed: dict = None,
+            gathered: dict = None, begins: dict = None) -> tuple:
+    """:func:`_settle_on` over the graphs with their runs of repeated blocks folded (``split.blocks``: each
+    distinct block walked once; ``begins``: segment index -> the module it begins at), the walks mapped back onto
+    every block; unfolded where a graph has no run, or where a run's middle is not decided as its second block."""
+    from tracepp.split import blocks
+
+    foldings = [blocks.fold(g, fqn_of, begins) if begins else None for g, fqn_of, *_rest in graphs]
+    if not any(foldings):
+        return _settle_on(graphs, tp, notes, fused, sequence, mixed, gathered)
+    start = (dict(notes), dict(fused or {}), {k: set(v) for k, v in (mixed or {}).items()},
+             dict(gathered or {}) if gathered is not None else None)
+    folded_graphs = []
+    for (g, fqn_of, needs_grad, *rest), folding in zip(graphs, foldings):
+        if folding is None:
+            folded_graphs.append((g, fqn_of, needs_grad, *rest))
+            continue
+        into = {original: new for new, original in folding.back.items()}
+        flags = {into[node]: flag for node, flag in needs_grad.items() if node in into}
+        folded_graphs.append((folding.graph, fqn_of, flags, *rest))
+    walks, uses, reasons = _settle_on(folded_graphs, tp, notes, fused, sequence, mixed, gathered)
+    if not all(folding is None or blocks.steady(folding, walk.shard, walk.kind, walk.segs, walk.roles)
+               for walk, folding in zip(walks, foldings)):  # not a steady state: walk every block
+        for mine, old in zip((notes, fused, mixed, gathered), start):
+            if mine is not None:
+                mine.clear()
+                mine.update(old)
+        return _settle_on(graphs, tp, notes, fused, sequence, mixed, gathered)
+    out_walks, out_reasons = [], []
+    for walk, seen, folding, (g, fqn_of, needs_grad, *_rest) in zip(walks, reasons, foldings, graphs):
+        if folding is None:
+            out_walks.append(walk)
+            out_reasons.append(seen)
+            continue
+        out_walks.append(blocks.expand_object(walk, folding, {"graph": g, "fqn_of": fqn_of,
+                                                                "needs_grad": needs_grad}))
+        out_reasons.append(dict.fromkeys(blocks.expand_texts(list(seen), folding)))
+        for learned in (notes, fused, mixed, gathered):
+            if learned is not None:
+                learned.update(blocks.expand_keys(learned, folding))
+    uses = {}
+    for walk in out_walks:
+        for fqn, dims in walk.uses.items():
+            uses.setdefault(fqn, set()).update(dims)
+    return out_walks, uses, out_reasons
+
+
+def _settle_on(graphs: list, tp: int, notes: dict, fused: dict = None, sequence=None, mixed: dict = None,
+               gathered: dict = None) -> tuple:
+    """Walk ``graphs`` ([(fx graph, placeholder -> FQN, node -> needs a gradient[, boundary])], stages in order;
+    ``boundary``: {"outputs": value names in output order, "received": {placeholder: value name}, "last": bool})
+    until every parameter has one placement: learn the segments of fused projections from the cuts of their
+    outputs, replicate the parameters whose uses disagree and the column-wise linears whose output is gathered
+    before the stage's end, and walk again. With ``sequence`` (the traced sequence length: sequence
+    parallelism) a stage's sequence-sharded outputs arrive as sequence shards on the stages that read them.
+    Returns (walks, {fqn: set of dims}, per graph the reasons met); ``notes`` (fqn -> why replicated; the forced
+    set), ``fused`` (fqn -> segments) and ``mixed`` (fqn -> the parts of a fused projection computed whole: key/value
+    parts with fewer heads than tp, learned where a part is needed whole) are updated."""
+    fused = {} if fused is None else fused
+    mixed = {} if mixed is None else mixed
+    reasons = [{} for _ in graphs]  # per graph, every reason met in a pass that decided something, in order
+    buffers = [{} for _ in graphs]  # per graph, values written in place where a shard cannot be: kept whole
+    pieces: dict = {}  # fqn -> dim: parameters whose values are read at their piece, sharded where they are made
+    from tracepp.split import blocks
+
+    # a stage graph of the same structure as the one before it (a pipeline's middle) is walked once: its walk is
+    # the one before, mapped, where it receives the same and learned the same of its parameters
+    signatures = [blocks.graph_signature(g) if blocks.ENABLED else index for index, (g, *_r) in enumerate(graphs)]
+    while True:
+        walks, sent = [], {}
+        for index, (g, fqn_of, needs_grad, *rest) in enumerate(graphs):
+            boundary = rest[0] if rest else {}
+            received = {ph: sent[name] for ph, name in boundary.get("received", {}).items() if name in sent}
+            walk = None
+            if index and signatures[index] == signatures[index - 1]:
+                walk = _walk_like(walks[-1], graphs[index - 1], (g, fqn_of, needs_grad, *rest), received,
+                                  (notes, fused, mixed, gathered, pieces), buffers[index - 1], buffers[index])
+            if walk is None:
+                walk = _Walk(g, fqn_of, tp, set(notes), needs_grad, fused, sequence, received,
+                             boundary.get("last", True), mixed, buffers[index], gathered, pieces)
+            outputs = list(g.output_node().args[0]) if boundary else []
+            for node, name in zip(outputs, boundary.get("outputs", [])):
+                if node in walk.sends:
+                    sent[name] = walk.sends[node]
+            walks.append(walk)
+        if any(not set(walk.buffers_wanted) <= set(kept) for walk, kept in zip(walks, buffers)):
+            for walk, kept in zip(walks, buffers):
+                kept.update(walk.buffers_wanted)
+            continue  # a value written in place must be whole from where it is made: walk again
+        if _learn_pieces(walks, pieces, notes):
+            continue  # a parameter read at its piece: sharded where it is made, and walk again
+        narrow: dict = {}
+        if _learn_segments(walks, tp, fused, narrow) and not narrow:
+            continue  # the cuts were walked without their segments: walk again before deciding anything
+        if _learn_whole_parts(walks, fused, mixed, notes, narrow):
+            continue  # a key/value part needed whole: compute it whole, shard the rest, and walk again
+        uses: dict = {}
+        segments: dict = {}
+        for walk, seen in zip(walks, reasons):
+            seen.update(dict.fromkeys(walk.reasons))
+            narrow.update(_narrow_columns(walk))
+            for fqn, why in walk.unfusable.items():
+                narrow.setdefault(fqn, f"a fused projection: {why}")
+            for fqn, dims in walk.uses.items():
+                uses.setdefault(fqn, set()).update(dims)
+            for fqn, parts in walk.param_segments.items():
+                segments.setdefault(fqn, set()).add(parts)
+        for fqn, dims in uses.items():
+            if len(dims) > 1:
+                narrow.setdefault(fqn, "used sharded in one place and whole in another")
+            elif len(segments.get(fqn, ())) > 1:
+                narrow.setdefault(fqn, "its uses cut it into different parts")
+        new = {fqn: why for fqn, why in narrow.items() if fqn not in notes}
+        if not new:
+            return walks, uses, reasons
+        notes.update(new)
+
+
+def _walk_like(walk: _Walk, before: tuple, here: tuple, received: dict, learned: tuple, buffers_before: dict,
+               buffers_here: dict):
+    """The walk of the graph ``here`` as the walk of ``before`` (a graph of the same structure) mapped onto it, or
+    None where a walk could differ: it receives otherwise, is the last stage where the other is not, or the
+    facts learned of its parameters (replicated, fused segments, whole parts, pieces, low-rank pairs) or of its
+    values written in place are not the other's."""
+    from tracepp.split import blocks
+
+    g0, fqn0, _flags0, *rest0 = before
+    g1, fqn1, flags1, *rest1 = here
+    boundary0, boundary1 = (rest0[0] if rest0 else {}), (rest1[0] if rest1 else {})
+    if boundary0.get("last", True) != boundary1.get("last", True):
+        return None
+    nodes, strings = blocks.graph_maps(g0, g1, fqn0, fqn1)
+    if {strings.get(k, k): v for k, v in walk.received.items()} != received:
+        return None
+    if {strings.get(k, k): v for k, v in buffers_before.items()} != buffers_here:
+        return None
+    mine, theirs = set(fqn0.values()), set(fqn1.values())
+    for facts in learned:
+        if facts is None:
+            continue
+        seen = ({strings.get(k, k): blocks.rename_words(v, strings) for k, v in facts.items() if k in mine}
+                if isinstance(facts, dict) else None)
+        own = {k: v for k, v in facts.items() if k in theirs} if isinstance(facts, dict) else None
+        if seen != own:
+            return None
+    if any(flags1.get(nodes[node]) != flag for node, flag in walk.needs_grad.items() if node in nodes):
+        return None
+    return blocks.map_object(walk, nodes, strings, {"graph": g1, "fqn_of": fqn1, "needs_grad": flags1,
+                                                    "received": received})

@@ -1,0 +1,536 @@
+"""The tensor-parallel walk (``tensor_parallel``'s step one): one pass over one stage graph, in order, placing each
+value whole or sharded on one dim under a set of replicated parameters and what earlier passes learned (fused
+projections' segments, whole parts, pieces). The op rules it asks are ``split.rules``; this class decides what a
+placement means for tp: the collectives, the parameters' shards, the refusals with their reasons. Linears,
+embeddings and attention are in ``tp_contract``, cuts, joins and buffers in ``tp_cuts``; the fixed point over the
+passes is ``tp_settle``, the rewrite ``tp_rewrite``."""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+import tracepp.runtime.tensor_parallel  # noqa: F401  (registers torch.ops.tracepp.tp_*)
+from tracepp.split import rules, torch_rules
+from tracepp.split.rules import at as _at, equal as _equal, prod as _prod, sizes as _sizes, val as _val
+
+from tracepp.split.tp_contract import _ContractionRules, _swapped
+from tracepp.split.tp_cuts import _CutRules
+aten = torch.ops.aten
+TP = torch.ops.tracepp
+
+_MIXED_CARRIES = {aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.transpose.int, aten.permute.default,
+                  aten._to_copy.default, aten.to.dtype, aten.clone.default, aten.contiguous.default,
+                  aten.alias.default}  # metadata checks: dropped by codegen
+WORK = {"visits": 0}  # nodes the walks have visited (tests count the work of a plan, not its time)
+
+
+class _Walk(_CutRules, _ContractionRules):
+    """One pass over one stage graph under a set of replicated FQNs and the segments learned for fused
+    projections: each value's placement and the edits."""
+
+    def __init__(self, graph: fx.Graph, fqn_of: dict, tp: int, forced: set, needs_grad: dict,
+                 fused: dict = None, sequence=None, received: dict = None, last: bool = False, mixed: dict = None,
+                 whole_buffers: dict = None, gathered: dict = None, pieces: dict = None):
+        self.graph, self.fqn_of, self.tp, self.forced = graph, fqn_of, tp, forced
+        self.pieces = pieces or {}  # fqn -> dim: a parameter sharded where it is made (learned: _learn_pieces)
+        self.gathered = gathered or {}  # FQNs of low-rank down-projections sharded with their output gathered
+        self.gathered_out: dict = {}  # such a linear's output -> its shard dim: gathered once, for every user
+        self.whole_buffers = whole_buffers or {}  # names of values written in place where a shard cannot be: kept whole
+        self.buffers_wanted: dict = {}  # such a value found in this pass -> why
+        self.mixed_parts = mixed or {}  # fused weight fqn -> indices of its parts computed whole (learned)
+        self.mixed: dict = {}  # a fused output with whole parts (and what carries it) -> those parts' indices
+        self.mixed_linears: dict = {}  # such a linear -> (input, weight, bias, out_dim, segments, whole parts)
+        self.part: dict = {}  # a value cut from one part of a fused projection -> (weight fqn, part index)
+        self.item_parts: dict = {}  # a cut of a fused projection -> per output its (fqn, part index) or None
+        self.whole_parts: dict = {}  # fqn -> parts found needed whole in this pass (kv heads fewer than tp)
+        self.needs_grad = needs_grad  # node -> carries a gradient (split.partition._gradient_flags)
+        self.fused = fused or {}  # weight fqn -> segments of its output features (learned in an earlier pass)
+        self.shard: dict = {}  # node -> sharded dim (absent: replicated)
+        self.segs: dict = {}  # sharded node -> segments of that dim (absent: one)
+        self.items: dict = {}  # a split's node -> per output (dim, segments) or None
+        self.origin: dict = {}  # sharded node -> frozenset of the column-wise weight FQNs it comes from
+        self.out_features: dict = {}  # column-wise weight fqn -> its output features
+        self.roles: dict = {}  # linear/embedding node -> "colwise" | "rowwise" | "vocab"
+        self.forms: dict = {}  # linear node -> (input, weight node, bias node, weight's output-feature dim)
+        self.aliases: dict = {}  # transpose of a 2-D parameter -> its placeholder
+        self.uses: dict = {}  # fqn -> set of dims (None: used replicated)
+        self.param_segments: dict = {}  # fqn -> segments of its sharded dim
+        self.gathers: list = []  # (consumer node, input node)
+        self.copies: list = []  # (consumer node, replicated input node)
+        self.sums: dict = {}  # mean/sum over the sharded dim -> count of the reduced elements (mean) or None
+        self.cuts: dict = {}  # split/slice on the sharded dim -> the local pieces' arguments
+        self.wants: dict = {}  # weight fqn -> set of cut points its output's consumers need (fused projections)
+        self.unfusable: dict = {}  # weight fqn -> why its segmented output cannot be cut locally
+        self.reasons: list = []
+        # sequence parallelism: the traced sequence length (None: off), the received values that arrive as
+        # sequence shards (placeholder name -> (dim, segments)), and what it adds
+        self.sequence, self.received = sequence, received or {}
+        self.kind: dict = {}  # sharded node -> "seq" for a sequence shard (absent: a tensor-parallel shard)
+        self.reduce_scatters: dict = {}  # row-wise linear / vocabulary lookup -> (dim, groups) of its output
+        self.sp_gathers: list = []  # (column-wise linear, its sequence-sharded input)
+        self.scatters: list = []  # (consumer, whole input, dim of the input, groups): cut to this rank's piece
+        self.head_groups: list = []  # (attention, whole key/value, head dim, head count): the group this rank needs
+        self.owned_splits: dict = {}  # split of the sharded dim into pieces within ranks -> the pieces' sizes
+        self.owned: dict = {}  # a piece (and what it goes through) -> the rank that computes it
+        self.owned_cats: dict = {}  # the cat joining the pieces -> (dim, origin): sharded again
+        self.conv_groups: dict = {}  # depthwise convolution over sharded channels -> its local groups
+        self._made_of_params: dict = {}  # node -> computed from parameters alone (memo of _param_only)
+        self.sends: dict = {}  # sequence-sharded value leaving the stage -> (dim, segments)
+        self._claimed: set = set()  # (node, input) pairs a rule placed (no "whole" use recorded)
+        self.last = last  # the last stage: its outputs go to the loss, whole
+        for node in graph.nodes:
+            self._visit(node)
+
+    def reduced_in_backward(self) -> set:
+        """The whole values whose gradient tp_copy sums over the group: those that carry one."""
+        return {arg for _consumer, arg in self.copies if self.needs_grad.get(arg)}
+
+    # -- helpers
+    def _param(self, node):
+        if not isinstance(node, fx.Node):
+            return None
+        if node in self.aliases:
+            node = self.aliases[node]
+        return self.fqn_of.get(node.name) if node.op == "placeholder" else None
+
+    def _use(self, node, dim, segments=None) -> None:
+        fqn = self._param(node)
+        if fqn is None:
+            return
+        if node in self.aliases and dim is not None:  # a transposed weight: its last two dims swap
+            dim = _swapped(dim, _val(node).dim())
+        self.uses.setdefault(fqn, set()).add(dim)
+        if dim is not None and segments:
+            self.param_segments[fqn] = tuple(int(s) for s in segments)
+
+    def _claim(self, node, arg, dim=None, segments=None) -> None:
+        self._claimed.add((node, arg))
+        self._use(arg, dim, segments)
+
+    def _place(self, node, dim, segments=None, origin=frozenset(), kind=None) -> None:
+        parts = {self.part[a] for a in node.all_input_nodes if a in self.part}
+        if len(parts) == 1 and node not in self.part:
+            self.part[node] = next(iter(parts))
+        self.shard[node] = dim
+        if segments:
+            self.segs[node] = tuple(segments)
+        if origin:
+            self.origin[node] = frozenset(origin)
+        if kind == "seq":
+            self.kind[node] = "seq"
+
+    def _kind_of(self, args) -> str:
+        """The placement kind shared by the sharded ``args`` ("seq" or "tp"), or None where they differ."""
+        kinds = {self.kind.get(a, "tp") for a in args if isinstance(a, fx.Node) and a in self.shard}
+        return next(iter(kinds)) if len(kinds) == 1 else None
+
+    @staticmethod
+    def groups_of(segments) -> int:
+        """The equal segments of a sequence shard ([batch * seq] of tokens): their count, else 0 (unequal)."""
+        if not segments:
+            return 1
+        return len(segments) if len(set(segments)) == 1 else 0
+
+    def _origin_of(self, args) -> frozenset:
+        out = frozenset()
+        for arg in args:
+            out |= self.origin.get(arg, frozenset())
+        return out
+
+    def _carry(self, node, source, dim=None) -> None:
+        """``node`` sharded as ``source`` is (on ``dim`` where the op moved it)."""
+        self._place(node, self.shard[source] if dim is None else dim, self.segs.get(source),
+                    self.origin.get(source, frozenset()), self.kind.get(source))
+        if source in self.mixed:
+            self.mixed[node] = self.mixed[source]
+
+    def _whole_part(self, value) -> None:
+        """``value``, cut from one part of a fused projection, is needed whole (a key/value part with fewer heads
+        than --tp): the next pass computes that part whole and shards the others."""
+        if value in self.part:
+            fqn, index = self.part[value]
+            self.whole_parts.setdefault(fqn, set()).add(index)
+
+    def _gather(self, consumer, arg) -> None:
+        self.gathers.append((consumer, arg))
+        if arg in self.segs and self.kind.get(arg) != "seq":  # pieces of each part joined in the wrong order
+            for fqn in self.origin.get(arg, ()):
+                self.unfusable.setdefault(fqn, f"its parts are needed whole by {consumer.target}{_at(consumer)}")
+
+    def _gather_all(self, node) -> None:
+        for arg in node.all_input_nodes:
+            if arg in self.shard:
+                self._gather(node, arg)
+
+    def _use_whole(self, node) -> None:
+        for arg in node.all_input_nodes:
+            if arg not in self.shard and (node, arg) not in self._claimed:
+                self._use(arg, None)
+
+    def _refuse(self, node, why: str) -> bool:
+        self.reasons.append(f"{node.name} ({node.target}){_at(node)}: {why}")
+        return False
+
+    # -- the rules
+    def _visit(self, node) -> None:
+        WORK["visits"] += 1
+        if node.op == "placeholder":
+            if node.name in self.received:  # a sequence shard sent by the stage before
+                dim, segments = self.received[node.name]
+                self._place(node, dim, segments, kind="seq")
+            fqn = self.fqn_of.get(node.name)
+            if fqn in self.pieces and fqn not in self.forced:  # read at its piece by what it makes: sharded
+                self._place(node, self.pieces[fqn])
+                self._use(node, self.pieces[fqn])
+            return
+        if node.op == "output":
+            for arg in node.all_input_nodes:
+                if arg in self.shard and self.kind.get(arg) == "seq" and not self.last:
+                    self.sends[arg] = (self.shard[arg], self.segs.get(arg))  # sent as it is: 1/tp of the bytes
+                elif arg in self.shard:
+                    self._gather(node, arg)
+            return
+        target = node.target
+        if target in rules.IGNORED:
+            return
+        if node in self.owned:  # a piece of an owned split: computed by the rank that holds it
+            for arg in node.all_input_nodes:
+                if arg not in self.owned and arg not in self.owned_splits and self.needs_grad.get(arg):
+                    self.copies.append((node, arg))  # only the owner's gradient is non-zero: summed over tp
+            self._use_whole(node)
+            return
+        if node in self.owned_cats:
+            dim, origin = self.owned_cats[node]
+            self._place(node, dim, None, origin)
+            return
+        if self._alias(node):
+            return
+        form = self._linear_form(node)
+        if form is not None:
+            self._linear(node, *form)
+            self._use_whole(node)
+            return
+        sharded = [a for a in node.all_input_nodes if a in self.shard]
+        if node.name in self.whole_buffers and sharded:  # written in place later where a shard cannot be
+            self._refuse(node, self.whole_buffers[node.name])
+            self._gather_all(node)
+            self._use_whole(node)
+            return
+        if target is aten.embedding.default and self._param(node.args[0]) is not None and not sharded:
+            self._embedding(node)
+            return
+        if sharded and not self._propagate(node, target, sharded):
+            said = len(self.reasons)
+            if self._by_torch(node, sharded):  # torch's own rule for the op (DTensor's propagator)
+                if said and self.reasons[-1].startswith(f"{node.name} ("):
+                    self.reasons.pop()
+            else:
+                if not (self.reasons and self.reasons[-1].startswith(f"{node.name} (")):
+                    self._refuse(node, f"needs the whole of {', '.join(a.name for a in sharded)}")
+                self._want_whole_buffer(node)
+                self._gather_all(node)
+        self._use_whole(node)
+
+    def _want_whole_buffer(self, node) -> None:
+        """An in-place op (``copy_`` into a slice, ``index_put_``) refused while what it writes is sharded: a gather
+        would take the write into a copy and lose it. The value it writes into (through its views) is asked to be
+        whole from where it is made, and the stages are walked again (:func:`_settle`)."""
+        for arg in rules.written(node):
+            if not (isinstance(arg, fx.Node) and arg in self.shard):
+                continue
+            root = rules.view_root(arg)
+            if root.op != "call_function":
+                raise ValueError(f"{node.name} ({node.target}){_at(node)} writes in place into {root.name}, an "
+                                 f"input of the stage sharded over --tp {self.tp}: tracepp cannot keep it whole; "
+                                 f"replicate the module that makes it with the model file's tp_plan")
+            self.buffers_wanted[root.name] = (f"written in place by {node.name} ({node.target}){_at(node)}, which "
+                                              f"cannot write a shard: kept whole")
+
+    def _by_torch(self, node, sharded) -> bool:
+        """An op the rules here do not place, placed by torch's own sharding rule for it (DTensor's propagator,
+        ``split/torch_rules.py``): the output sharded as it says, or a partial sum made whole by an all-reduce; a
+        whole input that carries no gradient is read at its piece. Values with segments or sequence shards are
+        not asked about (torch's placements cannot say what they are)."""
+        if self._kind_of(sharded) != "tp" or any(a in self.segs for a in sharded):
+            return False
+        contraction = node.target in rules.CONTRACTIONS  # a whole operand read at its piece: its gradient joined
+        ruling = torch_rules.ask(node, {a: self.shard[a] for a in sharded}, self.tp,
+                                 lambda arg: (contraction or not self.needs_grad.get(arg)) and self._param(arg) is None)
+        if ruling is None:
+            return False
+        for arg, dim in ruling.scatter.items():
+            self.scatters.append((node, arg, dim, 1))
+            self._claimed.add((node, arg))
+        for arg in node.all_input_nodes:  # a whole input beside pieces: its gradient is summed over tp
+            if arg not in self.shard and arg not in ruling.scatter and self.needs_grad.get(arg):
+                self.copies.append((node, arg))
+        origin = self._origin_of(sharded)
+        if ruling.partial:
+            self.sums[node] = None
+            return True
+        if isinstance(ruling.out, list):
+            self.items[node] = [(d, None) if d is not None else None for d in ruling.out]
+            self._place(node, next(d for d in ruling.out if d is not None), None, origin)
+        else:
+            self._place(node, ruling.out, None, origin)
+        return True
+
+    def _alias(self, node) -> bool:
+        """A transpose of a 2-D parameter's dims or of a 3-D one's last two (``W.T`` in ``x @ W.T``, experts'
+        ``bmm(x, W.transpose(1, 2))``: Inkling's shared experts): read through to the parameter."""
+        if node.target not in rules.TRANSPOSES or not node.args or node.args[0] in self.aliases:
+            return False
+        source = node.args[0]
+        if not (isinstance(source, fx.Node) and source.op == "placeholder" and source.name in self.fqn_of
+                and _val(source).dim() in (2, 3)):
+            return False
+        ndim = _val(source).dim()
+        if node.target is aten.transpose.int and sorted(d % ndim for d in node.args[1:3]) != [ndim - 2, ndim - 1]:
+            return False
+        if node.target is aten.permute.default and [d % ndim for d in node.args[1]] != list(range(ndim - 2)) + [
+                ndim - 1, ndim - 2]:
+            return False
+        if node.target in (aten.t.default, aten.numpy_T.default) and ndim != 2:
+            return False
+        self.aliases[node] = source
+        return True
+
+    def _propagate(self, node, target, sharded) -> bool:
+        out_val = _val(node)
+        if any(a in self.mixed for a in sharded) and not (
+                target in _MIXED_CARRIES or target in rules.SPLITS or target in rules.SLICES or target is operator.getitem):
+            for arg in sharded:
+                for fqn in self.origin.get(arg, ()) if arg in self.mixed else ():
+                    self.unfusable.setdefault(fqn, f"its parts, some whole, are read together by {target}{_at(node)}")
+            return self._refuse(node, "reads a fused projection's output with parts of both kinds")
+        if target is operator.getitem:
+            entry = (self.items.get(node.args[0]) or [])
+            if node.args[0] in self.items:
+                if node.args[1] >= len(entry):
+                    return False
+                if entry[node.args[1]] is None:  # an output whole on every rank (torch's rule, a whole part)
+                    self._claimed.add((node, node.args[0]))
+                    return True
+                dim, segments = entry[node.args[1]]
+                parts = self.item_parts.get(node.args[0])
+                if parts and parts[node.args[1]] is not None:
+                    self.part[node] = parts[node.args[1]]
+                self._place(node, dim, segments, self.origin.get(node.args[0], frozenset()),
+                            self.kind.get(node.args[0]))
+                return True
+            self._carry(node, node.args[0])
+            return True
+        first = node.args[0]
+        if target in rules.FRESH:
+            return self._fresh_buffer(node, first)
+        if target is aten.copy_.default:
+            return self._fill(node)
+        if target in rules.CATS:
+            return self._cat(node)
+        if target is aten.type_as.default:  # the second operand gives only its dtype
+            if first in self.shard:
+                self._carry(node, first)
+            self._claimed.add((node, node.args[1]))
+            return True
+        if self._kind_of(sharded) is None:
+            return self._refuse(node, "mixes sequence shards with tensor-parallel shards")
+        if target in rules.NORMS:
+            return self._norm(node, target, sharded)
+        if target in rules.UNARY:
+            if first not in self.shard or len(sharded) != 1:
+                return False
+            if target is aten.dropout.default and node.args[1] and (len(node.args) < 3 or node.args[2]):
+                return self._refuse(node, "dropout draws a different mask on each rank: keep it whole or set p=0")
+            self._carry(node, first)
+            return True
+        if target in rules.BINARY:
+            return self._elementwise(node, out_val)
+        if target in rules.MATMULS:
+            return self._batched_matmul(node)
+        if target is aten.baddbmm.default:
+            return self._baddbmm(node)
+        if target is aten.einsum.default:
+            return self._einsum(node)
+        if target in rules.SDPA:
+            return self._attention(node)
+        if getattr(target, "name", lambda: "")() in rules.CP_COLLECTIVES:  # --cp's collectives along the sequence: a shard of
+            dim = node.args[1] % _val(first).dim() if len(node.args) > 1 else None  # another dim passes through
+            if first not in self.shard or len(sharded) != 1 or dim == self.shard[first]:
+                return False
+            self._carry(node, first)
+            return True
+        if target in rules.CONVS:
+            return self._depthwise_conv(node)
+        if target is aten.gather.default:
+            return self._gather_along(node)
+        if first not in self.shard or len(sharded) != 1:
+            return False
+        dim = self.shard[first]
+        in_val = _val(first)
+        ndim = in_val.dim()
+        if target is aten.unfold.default:  # windows along another dim, appended as a last dim (a short conv's lags)
+            if node.args[1] % ndim == dim:
+                return False
+            self._carry(node, first)
+            return True
+        if target is aten.flip.default:  # reversed along other dims
+            if dim in [d % ndim for d in node.args[1]]:
+                return False
+            self._carry(node, first)
+            return True
+        if target is aten.transpose.int:
+            a, b = (d % ndim for d in node.args[1:3])
+            self._carry(node, first, b if dim == a else a if dim == b else dim)
+            return True
+        if target in rules.PADS:  # pads the last len(pad) // 2 dims: local to any dim before them
+            if dim >= ndim - len(node.args[1]) // 2:
+                return False
+            self._carry(node, first)
+            return True
+        if target in rules.TRIANGLES:  # masks each matrix of the last two dims: local to any dim before them (torch's
+            if dim >= ndim - 2:   # own rule replicates)
+                return False
+            self._carry(node, first)
+            return True
+        if target is aten.permute.default:
+            order = [d % ndim for d in node.args[1]]
+            self._carry(node, first, order.index(dim))
+            return True
+        if target is aten.unsqueeze.default:
+            at = node.args[1] % (ndim + 1)
+            self._carry(node, first, dim + 1 if at <= dim else dim)
+            return True
+        if target in (aten.squeeze.dim, aten.squeeze.dims):
+            ats = node.args[1] if isinstance(node.args[1], (list, tuple)) else [node.args[1]]
+            ats = [a % ndim for a in ats if _equal(in_val.shape[a % ndim], 1)]
+            if dim in ats:
+                return False
+            self._carry(node, first, dim - sum(1 for a in ats if a < dim))
+            return True
+        if target in rules.VIEWS or target in rules.FLATTENS:
+            placed = rules.view_placement(_sizes(in_val), _sizes(out_val), dim, self.segs.get(first), self.tp)
+            if placed is not None and self.kind.get(first) == "seq" and not self.groups_of(placed[1]):
+                placed = None
+            if placed is None or (target in rules.VIEWS and not self._size_arg_ok(node.args[1], placed[0],
+                                                                              _sizes(out_val)[placed[0]])):
+                self._whole_part(first)
+                return self._refuse(node, f"reshapes a dim of {in_val.shape[dim]} sharded over --tp {self.tp} "
+                                          f"into {list(out_val.shape)}, whose pieces would not be whole heads "
+                                          f"(fewer heads than --tp, e.g. key/value heads of grouped-query "
+                                          f"attention)")
+            self._place(node, placed[0], placed[1], self.origin.get(first, frozenset()), self.kind.get(first))
+            return True
+        if target in rules.EXPANDS:
+            e = dim + out_val.dim() - ndim
+            if not self._size_arg_ok(node.args[1], e, _sizes(out_val)[e]):
+                return False
+            self._carry(node, first, e)
+            return True
+        if target in rules.SLICES or target in rules.SPLITS:
+            return self._cut(node, target, first, dim, in_val)
+        if target is aten.index.Tensor:
+            return self._index(node, first, dim, in_val, out_val)
+        if target in rules.REDUCTIONS_BY_DIM:
+            dims = node.args[1] if len(node.args) > 1 else None
+            if not dims:
+                return False
+            dims = [d % ndim for d in dims]
+            keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+            if dim in dims:
+                return self._partial_sum(node, target, in_val, dims)
+            self._carry(node, first, dim if keep else dim - sum(1 for d in dims if d < dim))
+            return True
+        if target is aten.repeat_interleave.self_int:
+            if (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")) is None:
+                return False  # flattened
+            self._carry(node, first)  # repeating heads in place keeps each rank's block contiguous
+            return True
+        if target in rules.SOFTMAX:
+            if node.args[1] % ndim == dim:
+                return False
+            self._carry(node, first)
+            return True
+        return False
+
+    def _norm(self, node, target, sharded) -> bool:
+        """layer_norm / rms_norm over the trailing dims: a shard of another dim (a sequence shard, heads) is
+        normalised as it is; its weight and bias are read whole (their gradients summed over tp)."""
+        x = node.args[0]
+        if sharded != [x] or x in self.segs and self.kind.get(x) != "seq":
+            return False
+        ndim = _val(x).dim()
+        if self.shard[x] >= ndim - len(node.args[1]):
+            return self._refuse(node, "normalises over the sharded dim")
+        for arg in node.args[2:4]:
+            if isinstance(arg, fx.Node) and self.needs_grad.get(arg):
+                self.copies.append((node, arg))
+        if target is aten.native_layer_norm.default:
+            self.items[node] = [(self.shard[x], self.segs.get(x))] * 3
+        self._carry(node, x)
+        return True
+
+    def _partial_sum(self, node, target, in_val, dims) -> bool:
+        """A mean or sum over the sharded dim (an RMSNorm over the whole sharded width): the local sum, summed
+        over the group (``tp_all_reduce``); a mean divides by the whole count. Its result is whole."""
+        kind = rules.partial_kind(node)
+        if kind not in rules.SUMMED or node.kwargs.get("dtype") is not None or len(node.args) > 3:
+            return self._refuse(node, f"a {target} over the sharded dim leaves each rank a partial {kind}: only a sum "
+                                      f"or a mean is combined from the pieces (an all-reduce sum)")
+        count = _prod([_sizes(in_val)[d] for d in dims])
+        self.sums[node] = count if target is aten.mean.dim else None
+        return True
+
+    def _elementwise(self, node, out_val) -> bool:
+        n = out_val.dim()
+        out_dim = segments = None
+        first = True
+        for arg in node.args:
+            if isinstance(arg, fx.Node) and arg in self.shard:
+                e = self.shard[arg] + n - _val(arg).dim()
+                if (out_dim is not None and out_dim != e) or (not first and self.segs.get(arg) != segments):
+                    return False
+                out_dim, segments, first = e, self.segs.get(arg), False
+        broadcast, wide, cut = [], [], []
+        for arg in node.args:
+            if not isinstance(arg, fx.Node) or arg in self.shard:
+                continue
+            val = _val(arg)
+            if not isinstance(val, torch.Tensor):
+                continue
+            at = out_dim - (n - val.dim())
+            if at >= 0 and not _equal(val.shape[at], 1):
+                if not _equal(val.shape[at], out_val.shape[out_dim]):
+                    return False
+                seq = self._kind_of(node.all_input_nodes) == "seq"
+                if self._param(arg) is not None and not seq:
+                    wide.append((arg, at))  # a weight as wide as the sharded dim: sharded with it
+                    continue
+                if (seq or not self.needs_grad.get(arg)) and self.groups_of(segments):
+                    cut.append((arg, at))  # a whole value beside pieces (a position table, a mask): its piece
+                    continue
+                if not seq and self._param_only(arg):
+                    cut.append((arg, at))  # made from weights alone (-exp(A_log), a bias per head): its piece
+                    continue
+                if not seq and self.groups_of(segments) and (out_dim < n - 1 or self._feeds_linear(node)):
+                    # one that carries a gradient, beside pieces of heads (CPM-Ant's learned position bias added
+                    # to the scores of each head) or gating a product on its way to a linear (Gemma's per-layer
+                    # inputs): its piece, the gradient pieces gathered back. Not the residual stream beside a
+                    # sharded output's features: that output is better made whole (a row-wise pair)
+                    cut.append((arg, at))
+                    continue
+                return self._refuse(node, f"{arg.name} is whole and as wide as the sharded dim of "
+                                          f"{', '.join(a.name for a in node.all_input_nodes if a in self.shard)}")
+            broadcast.append(arg)
+        for arg, at in wide:
+            self._claim(node, arg, at, segments)
+        for arg, at in cut:
+            self.scatters.append((node, arg, at, self.groups_of(segments) or tuple(segments)))
+            self._claimed.add((node, arg))
+        for arg in broadcast:  # each rank sees its share of the sharded dim: the gradient is summed over tp
+            if self.needs_grad.get(arg):
+                self.copies.append((node, arg))
+        self._place(node, out_dim, segments, self._origin_of(node.all_input_nodes),
+                    self._kind_of(node.all_input_nodes))
+        return True
