@@ -498,7 +498,7 @@ def _op(node) -> str:
 
 
 def _where(node) -> str:
-    from tracepp.split.tensor_parallel import where
+    from tracepp.split.rules import where
     return where(node)
 
 

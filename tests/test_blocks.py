@@ -11,7 +11,7 @@ from util import model_path
 
 from tracepp.driver import _plan, check_model
 from tracepp.runtime.mesh import Layout
-from tracepp.split import blocks, context_parallel, tensor_parallel
+from tracepp.split import blocks, context_parallel, tensor_parallel, tp_settle
 
 ZOO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zoo")
 
@@ -93,8 +93,8 @@ def test_the_trials_of_a_settle_fold_and_compare_each_graph_once(monkeypatch):
         original = getattr(blocks, name)
         monkeypatch.setattr(blocks, name, lambda *args, _o=original, _n=name: calls.append((_n, id(args[0])))
                             or _o(*args))
-    settle_once = tensor_parallel._settle
-    monkeypatch.setattr(tensor_parallel, "_settle", lambda *a, **k: trials.append(1) or settle_once(*a, **k))
+    settle_once = tp_settle._settle
+    monkeypatch.setattr(tp_settle, "_settle", lambda *a, **k: trials.append(1) or settle_once(*a, **k))
     settle = tensor_parallel.settle
 
     def counted(*args, **kwargs):

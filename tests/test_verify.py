@@ -14,7 +14,7 @@ import torch
 
 from tracepp.driver import check_model
 from tracepp.runtime.mesh import Layout
-from tracepp.split import tensor_parallel, torch_rules, verify
+from tracepp.split import tensor_parallel, torch_rules, tp_rewrite, verify
 from util import REPO, model_path
 
 pytestmark = pytest.mark.timeout(600)
@@ -85,7 +85,7 @@ def test_a_partial_norm_read_as_a_sum_is_refused_under_strict(monkeypatch):
 
 def _gather_off_by_one(monkeypatch):
     """A rewrite that gathers the logits along the dim before their sharded one."""
-    original = tensor_parallel._rewrite
+    original = tp_rewrite._rewrite
 
     def rewrite(g, walk, tp, params):
         original(g, walk, tp, params)
@@ -93,7 +93,7 @@ def _gather_off_by_one(monkeypatch):
             if node.target is torch.ops.tracepp.tp_all_gather.default and node.args[1] > 0:
                 node.args = (node.args[0], node.args[1] - 1) + tuple(node.args[2:])
 
-    monkeypatch.setattr(tensor_parallel, "_rewrite", rewrite)
+    monkeypatch.setattr(tp_rewrite, "_rewrite", rewrite)
 
 
 def test_a_shard_dim_off_by_one_is_caught_and_repaired(monkeypatch):
@@ -141,7 +141,7 @@ def test_the_simulated_ops_cut_as_the_runtime_does():
 def _whole_view_over_a_shard(monkeypatch):
     """A rewrite that leaves the view merging the heads before a row-wise linear at its whole size (PaLM's einsum
     attention once met this: a view of the whole width over each rank's heads)."""
-    original = tensor_parallel._rewrite
+    original = tp_rewrite._rewrite
 
     def rewrite(g, walk, tp, params):
         original(g, walk, tp, params)
@@ -154,7 +154,7 @@ def _whole_view_over_a_shard(monkeypatch):
                 x.args = (x.args[0], sizes)
                 return
 
-    monkeypatch.setattr(tensor_parallel, "_rewrite", rewrite)
+    monkeypatch.setattr(tp_rewrite, "_rewrite", rewrite)
 
 
 def test_an_op_that_fails_on_the_shards_is_caught_and_repaired(monkeypatch):

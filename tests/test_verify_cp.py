@@ -15,7 +15,7 @@ import torch
 from tracepp.driver import check_model
 from tracepp.runtime import context_parallel as cp_runtime
 from tracepp.runtime.mesh import Layout
-from tracepp.split import context_parallel, tensor_parallel, verify
+from tracepp.split import context_parallel, cp_rewrite, tensor_parallel, tp_rewrite, verify
 from util import REPO, model_path
 
 pytestmark = pytest.mark.timeout(600)
@@ -60,7 +60,7 @@ def test_tp_x_cp_is_verified_per_rank_pair():
 
 
 def test_a_tp_gather_off_by_one_under_cp_is_caught_and_repaired(monkeypatch):
-    original = tensor_parallel._rewrite
+    original = tp_rewrite._rewrite
 
     def rewrite(g, walk, tp, params):
         original(g, walk, tp, params)
@@ -68,7 +68,7 @@ def test_a_tp_gather_off_by_one_under_cp_is_caught_and_repaired(monkeypatch):
             if node.target is torch.ops.tracepp.tp_all_gather.default and node.args[1] > 0:
                 node.args = (node.args[0], node.args[1] - 1) + tuple(node.args[2:])
 
-    monkeypatch.setattr(tensor_parallel, "_rewrite", rewrite)
+    monkeypatch.setattr(tp_rewrite, "_rewrite", rewrite)
     with pytest.raises(ValueError, match=r"--tp 2: .*output head_out at cp rank 0 differs .*Fix: make head.weight "
                                          r"whole"):
         _check(LLAMA, mode="strict", cp=2, tp=2)
@@ -79,7 +79,7 @@ def test_a_tp_gather_off_by_one_under_cp_is_caught_and_repaired(monkeypatch):
 def _positions_in_one_chunk(monkeypatch):
     """A rewrite that builds the rotary positions as one contiguous chunk of S/cp (0..7 on every rank) instead of
     the rank's chunks r and 2cp-1-r."""
-    original = context_parallel._rewrite
+    original = cp_rewrite._rewrite
 
     def rewrite(g, walk, cp):
         original(g, walk, cp)
@@ -88,7 +88,7 @@ def _positions_in_one_chunk(monkeypatch):
                 node.target, node.args = torch.ops.aten.arange.default, (node.args[0] // cp,)
                 break
 
-    monkeypatch.setattr(context_parallel, "_rewrite", rewrite)
+    monkeypatch.setattr(cp_rewrite, "_rewrite", rewrite)
 
 
 @pytest.mark.parametrize("mode", ["on", "strict"])
@@ -107,7 +107,7 @@ def test_verify_off_records_nothing(monkeypatch):
 
 
 def test_a_key_gather_left_out_is_refused_naming_attention(monkeypatch):
-    original = context_parallel._rewrite
+    original = cp_rewrite._rewrite
 
     def rewrite(g, walk, cp):
         original(g, walk, cp)
@@ -117,7 +117,7 @@ def test_a_key_gather_left_out_is_refused_naming_attention(monkeypatch):
                 g.erase_node(node)
                 break
 
-    monkeypatch.setattr(context_parallel, "_rewrite", rewrite)
+    monkeypatch.setattr(cp_rewrite, "_rewrite", rewrite)
     with pytest.raises(ValueError, match=r"stage 0: the value of scaled_dot_product_attention "
                                          r"\(aten.scaled_dot_product_attention.default at tp_llama.py:\d+\) fails on "
                                          r"the ranks' values"):

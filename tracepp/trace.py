@@ -321,7 +321,7 @@ def random_draws(program: torch.export.ExportedProgram) -> list:
     modeling_phimoe.py:477``, in graph order: an op torch tags ``nondeterministic_seeded`` (rand_like,
     exponential_, bernoulli, dropout, attention with dropout), unless its arguments make it draw nothing (a
     probability of 0, ``train=False``)."""
-    from tracepp.split.tensor_parallel import where
+    from tracepp.split.rules import where
 
     found = []
     for node in program.graph.nodes:
@@ -498,7 +498,7 @@ def check_custom_functions(program: torch.export.ExportedProgram, model: torch.n
     if not regions:
         return []
     from torch._guards import detect_fake_mode
-    from tracepp.split.tensor_parallel import where
+    from tracepp.split.rules import where
 
     needs_grad = _needs_grad(program, model) if model.training else set()
     kept = []

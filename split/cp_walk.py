@@ -1,0 +1,736 @@
+"""The context-parallel walk (``context_parallel``'s step one): one pass over one graph (a stage's, or the loss's),
+in order, placing each value whole or as a sequence shard (this rank's positions of ``groups`` sequences on one dim).
+The op rules it asks are ``split.rules``; this class decides what a placement means for cp: the cuts of whole values
+to this rank's positions, the key/value gathers of attention, the partial sums over the sequence, the refusals with
+their reasons. The rewrite is ``cp_rewrite``."""
+from __future__ import annotations
+
+import operator
+
+import sympy
+import torch
+import torch.fx as fx
+
+import tracepp.runtime.context_parallel  # noqa: F401  (registers torch.ops.tracepp.cp_*)
+from tracepp.split import rules
+from tracepp.split.cost import op_name
+from tracepp.split.expert_parallel import GROUPED_MM
+from tracepp.split.rules import at as _at, equal as _equal, prod as _prod_ints, sizes as _sizes_ints, val as _val
+
+aten = torch.ops.aten
+CP = torch.ops.tracepp
+class ContextParallelError(ValueError):
+    """A model ``--cp`` cannot spread: the message names the op, the model's source line and what would work."""
+
+
+WORK = {"visits": 0}  # nodes the walks have visited (tests count the work of a plan, not its time)
+
+
+def _sizes(val) -> list:
+    """A value's sizes as sympy numbers and expressions (this walk divides them)."""
+    return [sympy.sympify(s) for s in _sizes_ints(val)]
+
+
+def _prod(items):
+    return sympy.sympify(_prod_ints(items))
+
+
+def _int(expr):
+    """An int for a sympy integer (or a Python int), else None."""
+    expr = sympy.sympify(expr)
+    return int(expr) if expr.is_Integer else None
+
+
+class _Walk:
+    """One pass over one graph (a stage's, or the loss's): each value's placement and the edits."""
+
+    def __init__(self, graph: fx.Graph, seq, cp: int, needs_grad: dict, received: dict = None,
+                 expert_nodes: set = frozenset(), training: bool = True, last: bool = False, loss: bool = False,
+                 fqn_of: dict = None):
+        self.graph, self.seq, self.cp, self.needs_grad = graph, sympy.sympify(seq), cp, needs_grad
+        self.received = received or {}
+        self.expert_nodes = expert_nodes  # nodes of routed-expert blocks: token-local
+        self.training, self.last, self.loss = training, last, loss
+        self.fqn_of = fqn_of or {}
+        self.shard: dict = {}  # node -> (dim, groups) of its sequence shard (absent: whole)
+        self.items: dict = {}  # multi-output node -> per output (dim, groups) or None
+        self.cuts: list = []  # (consumer, whole input, dim, groups): cut to this rank's positions
+        self.gathers: list = []  # (consumer, sharded input): all-gathered over cp (keys and values)
+        self.causal: list = []  # sdpa nodes with is_causal: a mask from this rank's query positions
+        self.sums: dict = {}  # node -> global count (mean) or None (sum): partial sum over the sequence
+        self.losses: dict = {}  # loss node -> its reduction ("mean" | "sum")
+        self.sizes: list = []  # sym_size nodes of a shard's sequence dim: the local size, times cp (the whole)
+        self.local_factories: dict = {}  # factory node -> (dim, groups) it is made local on (expert rows, buffers)
+        self.sends: dict = {}  # sharded output -> (dim, groups)
+        self.outputs: list = []  # per output: (dim, groups) or None
+        self.refusals: list = []
+        for node in graph.nodes:
+            self._visit(node)
+
+    # -- helpers
+    def _refuse(self, node, why: str) -> bool:
+        self.refusals.append(f"{node.name} ({rules.op_name(node)}){_at(node)}: {why}")
+        return True  # handled (the plan raises before anything is rewritten)
+
+    def _place(self, node, dim, groups) -> None:
+        self.shard[node] = (int(dim), int(groups))
+
+    def _global(self, node, dim):
+        return _sizes(_val(node))[dim]
+
+    def _seq_dims(self, val) -> list:
+        """The dims of a whole value whose size is the sequence length (candidates for a cut)."""
+        if not isinstance(val, torch.Tensor):
+            return []
+        return [d for d, size in enumerate(_sizes(val)) if _equal(size, self.seq)]
+
+    def _cut(self, consumer, arg, dim, groups) -> None:
+        self.cuts.append((consumer, arg, dim, groups))
+
+    # -- the walk
+    def _visit(self, node) -> None:
+        WORK["visits"] += 1
+        if node.op == "placeholder":
+            if node.name in self.received and self.received[node.name] is not None:
+                self._place(node, *self.received[node.name])
+            return
+        if node.op == "output":
+            for arg in node.args[0] if isinstance(node.args[0], (list, tuple)) else [node.args[0]]:
+                placed = self.shard.get(arg) if isinstance(arg, fx.Node) else None
+                if placed is not None and self.last and not self.training and not self.loss:
+                    self.gathers.append((node, arg))  # forward only: the model's outputs leave whole
+                    placed = None
+                self.outputs.append(placed)
+                if placed is not None:
+                    self.sends[arg] = placed
+            return
+        if node.op != "call_function" or node.target in rules.IGNORED:
+            return
+        sharded = [a for a in node.all_input_nodes if a in self.shard]
+        if not sharded and node.target is operator.getitem and node.args[0] in self.items:
+            sharded = [node.args[0]]  # an output of a multi-output op that holds shards
+        if not sharded:
+            self._seed(node)
+            return
+        if node in self.expert_nodes and self._token_local(node, sharded):
+            return
+        if not self._rule(node, sharded):
+            self._refuse(node, self._why_not(node, sharded))
+
+    def _why_not(self, node, sharded) -> str:
+        held = ", ".join(f"{a.name} (positions on dim {self.shard[a][0]})" for a in sharded)
+        return (f"mixes the positions of the sequence in a way context parallelism cannot split ({held} are "
+                f"sequence shards): only attention may read other ranks' positions; keep this op off the "
+                f"sequence dim, or split without --cp")
+
+    def _seed(self, node) -> None:
+        """Where the shards begin: an embedding of whole token ids with the sequence dim, or a floating batched
+        input with it read by an op that carries a gradient."""
+        target = node.target
+        if target is aten.embedding.default:
+            ids = node.args[1]
+            dims = self._seq_dims(_val(ids))
+            if dims and not self.loss:  # token ids (or positions: their lookup is cut the same way)
+                self._cut(node, ids, dims[0], 1)
+                self._place(node, dims[0], 1)
+            return
+        if self.loss or not self.needs_grad.get(node):
+            return
+        for arg in node.all_input_nodes:
+            val = _val(arg)
+            if (arg.op == "placeholder" and arg.name not in self.fqn_of and isinstance(val, torch.Tensor)
+                    and val.dtype.is_floating_point and self._seq_dims(val)):
+                dim = self._seq_dims(val)[0]
+                self._cut(node, arg, dim, 1)
+                self.shard[arg] = (dim, 1)  # read as a shard from here on (the cut is inserted before its uses)
+                if not self._rule(node, [arg]):
+                    self._refuse(node, self._why_not(node, [arg]))
+                return
+
+    def _rule(self, node, sharded) -> bool:
+        target = node.target
+        if target is operator.getitem:
+            entry = self.items.get(node.args[0])
+            if entry is None:
+                if node.args[0] in self.shard:
+                    self._place(node, *self.shard[node.args[0]])
+                    return True
+                return False
+            placed = entry[node.args[1]] if node.args[1] < len(entry) else None
+            if placed is not None:
+                self._place(node, *placed)
+            return True
+        if target in (aten.sym_size.int,):
+            dim = node.args[1] % _val(node.args[0]).dim()
+            if self.shard[node.args[0]][0] == dim:
+                self.sizes.append(node)
+            return True
+        if target in rules.KEEP or target in rules.LIKE:
+            first = node.args[0]
+            if first not in self.shard:
+                return False
+            if target is aten.type_as.default or len(sharded) == 1:
+                self._place(node, *self.shard[first])
+                return True
+            return False
+        if target in rules.SDPA:
+            return self._attention(node, sharded)
+        if target in rules.PRODUCTS:
+            return self._matmul(node, sharded)
+        if target is aten.baddbmm.default:
+            return self._baddbmm(node)
+        if target in rules.LOSSES:
+            return self._loss(node, sharded)
+        if rules.is_pointwise(target):
+            return self._pointwise(node)
+        if target in rules.VIEWS or target in (aten.flatten.using_ints, aten.unflatten.int):
+            return self._view(node, sharded)
+        if target in rules.TRANSPOSES or target in rules.COMPLEX_VIEWS or target in (
+                aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.movedim.int):
+            return self._move(node, sharded)
+        if target in (aten.expand.default, aten.broadcast_to.default):
+            return self._expand(node)
+        if target is aten.expand_as.default:
+            return self._expand_as(node)
+        if target is aten.repeat_interleave.self_int:
+            dim = rules.arg(node, 2, "dim")
+            first = node.args[0]
+            if dim is None or first not in self.shard or dim % _val(first).dim() == self.shard[first][0]:
+                return False
+            self._place(node, *self.shard[first])
+            return True
+        if target is aten.repeat.default:
+            first = node.args[0]
+            repeats = list(node.args[1])
+            d, groups = self.shard[first]
+            at = d + len(repeats) - _val(first).dim()
+            if repeats[at] != 1:
+                return False
+            self._place(node, at, groups)
+            return True
+        if target in rules.SLICES or target in rules.CUTS:
+            return self._slice(node, sharded)
+        if target in (aten.cat.default, aten.stack.default):
+            return self._cat(node, sharded)
+        if target in rules.SUMS or _reduces(target):
+            return self._reduce(node, sharded)
+        if target in rules.NORMS:
+            return self._norm(node, sharded)
+        if target in rules.SOFTMAX:
+            first = node.args[0]
+            if sharded != [first] or node.args[1] % _val(first).dim() == self.shard[first][0]:
+                return False
+            self._place(node, *self.shard[first])
+            return True
+        if target in (aten.linear.default, aten.addmm.default):
+            x = node.args[0] if target is aten.linear.default else node.args[1]
+            if sharded != [x] or self.shard[x][0] == _val(x).dim() - 1:
+                return False
+            self._place(node, *self.shard[x])
+            return True
+        if target is aten.embedding.default:
+            ids = node.args[1]
+            if sharded != [ids]:
+                return False
+            self._place(node, *self.shard[ids])
+            return True
+        if target is aten.index.Tensor:
+            return self._index(node, sharded)
+        if target in rules.ALONG:
+            return self._along(node, sharded)
+        if target in (aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default, aten.new_full.default):
+            return self._new_like(node)
+        if target in rules.CONVOLUTIONS and node.args[0] in self.shard and self.shard[node.args[0]][0] >= 2:
+            return self._refuse(node, "a convolution along the sequence dim: each position reads its neighbours, "
+                                      "which other cp ranks hold (a causal convolution as in Mamba would need the "
+                                      "previous chunk's last positions); keep it off the sequence, or split without "
+                                      "--cp")
+        return False
+
+    def _new_like(self, node) -> bool:
+        """``x.new_empty(sizes)`` of a shard, as long as the shard along its dim (a buffer the model fills with
+        the shard's values: DeepSeek-V3's keys): made for this rank's positions."""
+        x, sizes = node.args[0], list(node.args[1])
+        dim, groups = self.shard[x]
+        if len(sizes) != _val(x).dim() or not _equal(_sizes(_val(node))[dim], self._global(x, dim)):
+            return False
+        self.local_factories[node] = (dim, groups)
+        self._place(node, dim, groups)
+        return True
+
+    # -- the rules
+    def _pointwise(self, node) -> bool:
+        out_val = _val(node)
+        if not isinstance(out_val, torch.Tensor):
+            return False
+        n = out_val.dim()
+        placed = None
+        for arg in node.all_input_nodes:
+            if arg in self.shard:
+                d, groups = self.shard[arg]
+                e = d + n - _val(arg).dim()
+                if placed is not None and placed != (e, groups):
+                    return False
+                placed = (e, groups)
+        e, groups = placed
+        for arg in node.all_input_nodes:
+            if arg in self.shard:
+                continue
+            val = _val(arg)
+            if not isinstance(val, torch.Tensor) or val.dim() == 0:
+                continue
+            at = e - (n - val.dim())
+            if at < 0 or _equal(val.shape[at], 1):
+                continue
+            if not _equal(_sizes(val)[at], _sizes(out_val)[e]):
+                return False
+            if arg is node.args[0] and _mutates(node.target):
+                return self._refuse(node, f"writes this rank's positions into {arg.name}, which is whole: the "
+                                          f"write would land in a copy; make the buffer from the sharded value "
+                                          f"(x.new_empty, torch.empty_like)")
+            self._cut(node, arg, at, groups)
+        self._place(node, e, groups)
+        return True
+
+    def _view_dim(self, in_val, out_val, dim, groups):
+        """The output dim (and its sequences) of a shard through a view, or None: the sequence must stay whole
+        inside one output dim (kept, merged with the batch before it or the features after it, or split back)."""
+        ins, outs = _sizes(in_val), _sizes(out_val)
+        whole = ins[dim]
+        outer = _prod(ins[:dim]) * groups
+        inner = sympy.simplify(whole / (groups * self.seq)) * _prod(ins[dim + 1:])
+        for e in range(len(outs)):
+            before, after = _prod(outs[:e]), _prod(outs[e + 1:])
+            g2 = sympy.simplify(outer / before)
+            i2 = sympy.simplify(inner / after)
+            if _int(g2) is None or _int(i2) is None or _int(g2) < 1 or _int(i2) < 1:
+                continue
+            if _equal(outs[e], g2 * self.seq * i2):
+                return e, _int(g2)
+        return None
+
+    def _view(self, node, sharded) -> bool:
+        first = node.args[0]
+        if sharded != [first]:
+            return False
+        placed = self._view_dim(_val(first), _val(node), *self.shard[first])
+        if placed is None:
+            return self._refuse(node, f"reshapes the sequence dim of {first.name} ({list(_val(first).shape)} -> "
+                                      f"{list(_val(node).shape)}) so that positions would not stay whole in one "
+                                      f"dim: context parallelism cannot cut it")
+        self._place(node, *placed)
+        return True
+
+    def _move(self, node, sharded) -> bool:
+        first = node.args[0]
+        if sharded != [first]:
+            return False
+        dim, groups = self.shard[first]
+        ndim = _val(first).dim()
+        target = node.target
+        if target is aten.transpose.int:
+            a, b = (d % ndim for d in node.args[1:3])
+            dim = b if dim == a else a if dim == b else dim
+        elif target in (aten.t.default, aten.numpy_T.default):
+            dim = ndim - 1 - dim if ndim == 2 else dim
+        elif target is aten.permute.default:
+            dim = [d % ndim for d in node.args[1]].index(dim)
+        elif target is aten.movedim.int:
+            order = list(range(ndim))
+            src, dst = node.args[1] % ndim, node.args[2] % ndim
+            order.insert(dst, order.pop(src))
+            dim = order.index(dim)
+        elif target is aten.unsqueeze.default:
+            at = node.args[1] % (ndim + 1)
+            dim = dim + 1 if at <= dim else dim
+        elif target in rules.COMPLEX_VIEWS:  # only the last dim regrouped: (re, im) pairs <-> complex numbers
+            if target is aten.view_as_complex.default and dim == ndim - 1:
+                return False
+        else:  # squeeze
+            sizes = _sizes(_val(first))
+            ats = (node.args[1] if isinstance(node.args[1], (list, tuple)) else [node.args[1]]) \
+                if len(node.args) > 1 else list(range(ndim))
+            ats = [a % ndim for a in ats if _equal(sizes[a % ndim], 1)]
+            dim = dim - sum(1 for a in ats if a < dim)
+        self._place(node, dim, groups)
+        return True
+
+    def _expand(self, node) -> bool:
+        first = node.args[0]
+        if first not in self.shard:
+            return False
+        dim, groups = self.shard[first]
+        e = dim + _val(node).dim() - _val(first).dim()
+        self._place(node, e, groups)
+        return True
+
+    def _expand_as(self, node) -> bool:
+        """``x.expand_as(other)``: the output has ``other``'s local shape, so it holds where both are sharded on the
+        same dim (aligned from the right), or ``x`` is whole with size 1 there (F.normalize's norm, ``[b, s, 1]``
+        expanded to the features, keeps each position's row)."""
+        first, other = node.args[0], node.args[1]
+        if not isinstance(other, fx.Node) or other not in self.shard:
+            return False
+        dim, groups = self.shard[other]
+        offset = _val(other).dim() - _val(first).dim()
+        if first in self.shard:
+            if self.shard[first] != (dim - offset, groups):
+                return False
+        elif dim - offset >= 0 and not _equal(_val(first).shape[dim - offset], 1):
+            return False
+        self._place(node, dim, groups)
+        return True
+
+    def _slice(self, node, sharded) -> bool:
+        first = node.args[0]
+        if sharded != [first]:
+            return False
+        dim, groups = self.shard[first]
+        val = _val(first)
+        ndim = val.dim()
+        target = node.target
+        if target in (aten.chunk.default, aten.unbind.int):
+            at = rules.arg(node, 2 if target is aten.chunk.default else 1, "dim", 0) % ndim
+        elif target is aten.select.int or target in rules.SLICES:
+            at = rules.arg(node, 1, "dim", 0) % ndim
+        else:
+            at = rules.arg(node, 2, "dim", 0) % ndim
+        if at == dim:
+            if target is aten.slice.Tensor and rules.arg(node, 2, "start") in (None, 0) and rules.arg(node, 4, "step", 1) == 1:
+                end = rules.arg(node, 3, "end")
+                if end is None or (isinstance(end, int) and _int(self._global(first, dim)) is not None
+                                   and end >= _int(self._global(first, dim))):
+                    self._place(node, dim, groups)  # the whole dim: nothing taken
+                    return True
+            return self._refuse(node, f"takes part of the sequence dim of {first.name}: positions held by other "
+                                      f"cp ranks; shift or trim sequences in the batch (batch(step), the target), "
+                                      f"not inside the model")
+        if target in rules.CUTS:
+            out = _val(node)
+            count = len(out) if isinstance(out, (list, tuple)) else 0
+            out_dim = dim - 1 if target is aten.unbind.int and at < dim else dim
+            self.items[node] = [(out_dim, groups)] * count
+            return True
+        self._place(node, dim - 1 if target is aten.select.int and at < dim else dim, groups)
+        return True
+
+    def _cat(self, node, sharded) -> bool:
+        parts = node.args[0]
+        out_val = _val(node)
+        at = rules.arg(node, 1, "dim", 0)
+        stack = node.target is aten.stack.default
+        at = at % out_val.dim() if stack else at % _val(parts[0]).dim()
+        placed = {self.shard[p] for p in parts if p in self.shard}
+        if len(placed) != 1:
+            return False
+        dim, groups = next(iter(placed))
+        if not stack and dim == at:
+            return self._refuse(node, "joins values along the sequence dim (a prefix or another sequence): "
+                                      "positions would move between cp ranks")
+        for part in parts:
+            if part not in self.shard:
+                if not _equal(_sizes(_val(part))[dim], self._global(next(p for p in parts if p in self.shard),
+                                                                      dim)):
+                    return False
+                self._cut(node, part, dim, groups)
+        self._place(node, dim + 1 if stack and at <= dim else dim, groups)
+        return True
+
+    def _reduce(self, node, sharded) -> bool:
+        first = node.args[0]
+        if sharded != [first]:
+            return False
+        dim, groups = self.shard[first]
+        val = _val(first)
+        ndim = val.dim()
+        target = node.target
+        if target in (aten.sum.default, aten.mean.default):
+            dims, keep = list(range(ndim)), False
+        else:
+            dims = rules.arg(node, 1, "dim")
+            dims = list(range(ndim)) if dims is None or dims == [] else \
+                [d % ndim for d in (dims if isinstance(dims, (list, tuple)) else [dims])]
+            keep = bool(rules.arg(node, 2, "keepdim", False))
+        if dim not in dims:
+            self._place(node, dim if keep else dim - sum(1 for d in dims if d < dim), groups)
+            return True
+        if target not in rules.SUMS:
+            return self._refuse(node, f"a {rules.op_name(node)} over the sequence dim: only a sum or a mean can be "
+                                      f"combined from the cp ranks' parts")
+        count = _prod([_sizes(val)[d] for d in dims])
+        self.sums[node] = count if target in (aten.mean.dim, aten.mean.default) else None
+        return True
+
+    def _norm(self, node, sharded) -> bool:
+        x = node.args[0]
+        if sharded != [x]:
+            return False
+        dim, groups = self.shard[x]
+        if dim >= _val(x).dim() - len(node.args[1]):
+            return self._refuse(node, "normalises over the sequence dim")
+        if node.target is aten.native_layer_norm.default:
+            self.items[node] = [(dim, groups)] * 3
+        self._place(node, dim, groups)
+        return True
+
+    def _along(self, node, sharded) -> bool:
+        """An op along one dim (top-k, sort, cumulative sums, gather): fine along another dim than the shard's."""
+        first = node.args[0]
+        if first not in self.shard:
+            return False
+        dim, groups = self.shard[first]
+        ndim = _val(first).dim()
+        target = node.target
+        at = rules.arg(node, 2 if target is aten.topk.default else 1, "dim", -1)
+        at = at % ndim
+        if at == dim:
+            what = {aten.cumsum.default: "a cumulative sum", aten.cumprod.default: "a cumulative product",
+                    aten.gather.default: "a gather of positions"}.get(target, f"a {rules.op_name(node)}")
+            return self._refuse(node, f"{what} along the sequence dim reads positions other cp ranks hold")
+        if target not in (aten.topk.default, aten.sort.default, aten.sort.stable, aten.argsort.default,
+                          aten.argsort.stable) and len(node.args) > 2 and isinstance(node.args[2], fx.Node):
+            index = node.args[2]  # gather / scatter: the index (and a source) sharded as the input
+            for other in node.args[2:4]:
+                if isinstance(other, fx.Node) and _val(other).dim() and self.shard.get(other) != (dim, groups):
+                    return False
+        if isinstance(_val(node), (list, tuple)):
+            self.items[node] = [(dim, groups)] * len(_val(node))
+        else:
+            self._place(node, dim, groups)
+        return True
+
+    def _index(self, node, sharded) -> bool:
+        """``x[idx, ...]``: a whole table read at sharded positions (``cos[position_ids]``), or a shard indexed
+        on its other dims."""
+        x, indices = node.args[0], list(node.args[1])
+        out_val, in_val = _val(node), _val(x)
+        used = [k for k, i in enumerate(indices) if i is not None]
+        if x in self.shard:
+            dim, groups = self.shard[x]
+            if dim in used or any(isinstance(i, fx.Node) and i in self.shard for i in indices):
+                return self._refuse(node, "a gather of positions of the sequence (indexing the sequence dim): "
+                                          "positions held by other cp ranks")
+            e = dim if min(used) > dim else dim + out_val.dim() - in_val.dim()
+            if not (0 <= e < out_val.dim()) or not _equal(_sizes(out_val)[e], _sizes(in_val)[dim]):
+                return False
+            self._place(node, e, groups)
+            return True
+        # a whole table, sharded index tensors: the output's advanced-index dims are their broadcast
+        adjacent = used == list(range(used[0], used[-1] + 1))
+        start = used[0] if adjacent else 0
+        width = max(_val(i).dim() for i in indices if i is not None)
+        placed = None
+        for i in indices:
+            if isinstance(i, fx.Node) and i in self.shard:
+                d, groups = self.shard[i]
+                e = start + d + width - _val(i).dim()
+                if placed is not None and placed != (e, groups):
+                    return False
+                placed = (e, groups)
+        e, groups = placed
+        for i in indices:
+            if isinstance(i, fx.Node) and i not in self.shard:
+                at = e - start - (width - _val(i).dim())
+                if at >= 0 and not _equal(_val(i).shape[at], 1):
+                    self._cut(node, i, at, groups)
+        self._place(node, e, groups)
+        return True
+
+    def _matmul(self, node, sharded, a=None, b=None) -> bool:
+        """``a @ b``: a shard on a batch dim or on ``a``'s rows is carried; attention's scores (``a``'s rows and
+        ``b``'s columns both positions) and ``probs @ v`` (``b``'s rows positions, ``a``'s columns whole) gather
+        ``b`` over cp; both operands sharded on the contracted dim give a partial sum. ``a``, ``b``: the operands
+        where they are not the node's first two arguments."""
+        if a is None:
+            a, b = node.args[:2]
+        out_val = _val(node)
+        n = out_val.dim()
+        va, vb = _val(a), _val(b)
+        if vb.dim() == 1 or va.dim() == 1:
+            return False
+        sa, sb = self.shard.get(a), self.shard.get(b)
+        rows_a = sa is not None and sa[0] == va.dim() - 2
+        cols_a = sa is not None and sa[0] == va.dim() - 1
+        rows_b = sb is not None and sb[0] == vb.dim() - 2
+        cols_b = sb is not None and sb[0] == vb.dim() - 1
+        batch_a = sa is not None and sa[0] < va.dim() - 2
+        batch_b = sb is not None and sb[0] < vb.dim() - 2
+        if batch_a or batch_b:
+            placed = None
+            for arg, s, val in ((a, sa, va), (b, sb, vb)):
+                if s is not None:
+                    e = s[0] + n - val.dim()
+                    if s[0] >= val.dim() - 2 or (placed is not None and placed != (e, s[1])):
+                        return False
+                    placed = (e, s[1])
+            e, groups = placed
+            for arg, s, val in ((a, sa, va), (b, sb, vb)):
+                if s is None:
+                    at = e - (n - val.dim())
+                    if at >= 0 and not _equal(val.shape[at], 1):
+                        self._cut(node, arg, at, groups)
+            self._place(node, e, groups)
+            return True
+        if cols_a and rows_b:  # a sum over positions (k.T @ v): partial sums, summed over cp
+            self.sums[node] = None
+            return True
+        if cols_a:
+            return False
+        if rows_a:
+            if cols_b or rows_b:  # q @ k.T (scores) or probs @ v: the other operand's positions gathered
+                self.gathers.append((node, b))
+            self._place(node, n - 2, sa[1])
+            return True
+        if sa is None and cols_b:  # W @ x.T: the columns stay positions
+            self._place(node, n - 1, sb[1])
+            return True
+        if sa is None and rows_b:  # a whole a read against the positions of b: a sum over positions
+            self._cut(node, a, va.dim() - 1, sb[1])
+            self.sums[node] = None
+            return True
+        return False
+
+    def _baddbmm(self, node) -> bool:
+        """``baddbmm(bias, a, b)``: ``a @ b`` placed as a matmul (BLOOM's attention scores, ``q @ k^T`` over heads
+        merged with the batch: the keys gathered), and the bias added to its result as a pointwise operand: read at
+        this rank's positions where it has a sequence dim (cut to the query rows), whole where it is per key (ALiBi's
+        ``[b * heads, 1, keys]``, against the gathered keys). A product summed over positions is refused: each
+        rank's part would add the bias."""
+        bias, a, b = node.args[:3]
+        if not self._matmul(node, [x for x in (a, b) if x in self.shard], a, b) or node not in self.shard:
+            return False
+        e, groups = self.shard[node]
+        val = _val(bias)
+        at = e - (_val(node).dim() - val.dim())
+        if bias in self.shard:
+            return self.shard[bias] == (at, groups)
+        if at >= 0 and not _equal(val.shape[at], 1):
+            if not _equal(_sizes(val)[at], self._global(node, e)):
+                return False
+            self._cut(node, bias, at, groups)
+        return True
+
+    def _attention(self, node, sharded) -> bool:
+        q, k, v = node.args[:3]
+        mask = rules.arg(node, 3, "attn_mask")
+        if q not in self.shard or self.shard[q][0] != _val(q).dim() - 2:
+            return False
+        groups = self.shard[q][1]
+        for kv in (k, v):
+            if kv in self.shard:
+                if self.shard[kv][0] != _val(kv).dim() - 2:
+                    return False
+                self.gathers.append((node, kv))
+            elif not _equal(_sizes(_val(kv))[-2], self.seq):
+                return False
+        if isinstance(mask, fx.Node):
+            mval = _val(mask)
+            if mask in self.shard:
+                if self.shard[mask][0] != mval.dim() - 2:
+                    return self._refuse(node, "the mask's key dim holds only this rank's positions")
+            elif not _equal(mval.shape[-2], 1):
+                if not _equal(_sizes(mval)[-2], self.seq):
+                    return False
+                if mask.op == "placeholder" and mask.name not in self.received:
+                    return self._refuse(node, f"the attention mask {mask.name} is an input of the model "
+                                              f"({list(mval.shape)}): a [batch, 1, seq, seq] mask given by the "
+                                              f"caller is not cut for context parallelism; pass a [batch, seq] "
+                                              f"padding mask (the model builds the 4-D mask inside forward, which "
+                                              f"is cut to this rank's query rows), or use is_causal")
+                self._cut(node, mask, mval.dim() - 2, groups)
+        if rules.arg(node, 5, "is_causal", False):
+            self.causal.append(node)
+        self._place(node, _val(node).dim() - 2, groups)
+        return True
+
+    def _loss(self, node, sharded) -> bool:
+        """A loss over sharded tokens: per-token (reduction none) carries the shard; a mean becomes a sum and a
+        count, a sum a partial sum, both summed over cp."""
+        weight_at, reduction_at = rules.LOSSES[node.target]
+        first, target = node.args[0], node.args[1]
+        if first not in self.shard:
+            return False
+        dim, groups = self.shard[first]
+        ndim = _val(first).dim()
+        classes = node.target in rules.IGNORE_INDEX
+        if classes and (dim == 1 and ndim > 1):
+            return self._refuse(node, "the class dim of the loss is the sequence dim")
+        if isinstance(target, fx.Node):
+            tval = _val(target)
+            t_dim = dim - (1 if classes and dim > 1 else 0) if classes else dim
+            if target in self.shard:
+                if self.shard[target] != (t_dim, groups):
+                    return False
+            else:
+                if not _equal(_sizes(tval)[t_dim], self._global(first, dim)):
+                    return False
+                self._cut(node, target, t_dim, groups)
+        if weight_at is not None and isinstance(rules.arg(node, weight_at, "weight"), fx.Node) and \
+                rules.arg(node, weight_at, "weight") in self.shard:
+            return False
+        reduction = rules.arg(node, reduction_at, "reduction", 1)
+        if reduction == 0:
+            self._place(node, dim - (1 if classes and dim > 1 else 0) if classes else dim, groups)
+            return True
+        self.losses[node] = "mean" if reduction == 1 else "sum"
+        return True
+
+    def _token_local(self, node, sharded) -> bool:
+        """Inside a block of routed experts every token is computed on its own: this rank sorts, counts and
+        gathers its own tokens. True where handled (the op's output placed as its tokens' shard, or whole)."""
+        target = node.target
+        out_val = _val(node)
+        if target in (aten.sort.default, aten.sort.stable, aten.argsort.default, aten.argsort.stable,
+                      aten.topk.default):
+            first = node.args[0]
+            if isinstance(out_val, (list, tuple)):
+                self.items[node] = [self.shard[first]] * len(out_val)
+            else:
+                self._place(node, *self.shard[first])
+            return True
+        if target in (aten.histc.default, aten.bincount.default):
+            return True  # this rank's counts per expert (the offsets of its own rows): whole-shaped
+        if op_name(node) in GROUPED_MM:  # this rank's rows, grouped by expert with its own offsets
+            rows = node.args[0]
+            if rows not in self.shard:
+                return False
+            self._place(node, *self.shard[rows])
+            return True
+        if target is aten.index.Tensor:
+            x, indices = node.args[0], list(node.args[1])
+            for i in indices:
+                if isinstance(i, fx.Node) and i in self.shard:
+                    self._place(node, *self.shard[i])
+                    return True
+            return False
+        if target in (aten.index_put_.default, aten.index_put.default):
+            x, indices, values = node.args[:3]
+            if x in self.shard:
+                if isinstance(values, fx.Node) and values not in self.shard:
+                    self._local_factory(values, x)
+                self._place(node, *self.shard[x])
+                return True
+            return False
+        return False
+
+    def _local_factory(self, node, like) -> None:
+        """A factory value (``arange`` of the rows) in an expert block, as long as a shard's dim: made local."""
+        if node.op == "call_function" and node.target in rules.FACTORIES:
+            self.local_factories[node] = self.shard[like]
+            self._place(node, *self.shard[like])
+
+
+def _mutates(target) -> bool:
+    """An in-place op: it writes its first argument."""
+    schema = getattr(target, "_schema", None)
+    info = schema.arguments[0].alias_info if schema is not None and schema.arguments else None
+    return bool(info is not None and info.is_write)
+
+
+def _reduces(target) -> bool:
+    """A reduction over dims (``amax``, ``var``, ``logsumexp``, ``argmax``, ...), by its schema."""
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    name = target._schema.name.split("::")[-1]
+    return name in ("amax", "amin", "argmax", "argmin", "var", "std", "logsumexp", "prod", "any", "all",
+                    "linalg_vector_norm", "norm", "var_mean", "std_mean", "count_nonzero", "nansum", "nanmean")
