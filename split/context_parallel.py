@@ -47,8 +47,8 @@ import torch
 import torch.fx as fx
 
 from tracepp.split import rules
-from tracepp.split.cp_rewrite import _GATHER_THROUGH, _rewrite, _stage_record, apply  # noqa: F401  (read here)
-from tracepp.split.cp_walk import WORK, ContextParallelError, _Walk, _int, _sizes  # noqa: F401  (read here)
+from tracepp.split.cp_rewrite import _GATHER_THROUGH, _stage_record, apply  # noqa: F401  (the driver calls apply here)
+from tracepp.split.cp_walk import WORK, ContextParallelError, _Walk, _int, _sizes  # noqa: F401  (tests count WORK)
 from tracepp.split.rules import val as _val, where
 from tracepp.split.tensor_parallel import sequence_length
 from tracepp.split.tp_settle import fqn_map, grad_flags

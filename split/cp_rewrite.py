@@ -3,8 +3,8 @@ placement a cp walk made becomes ``cp_shard`` cuts, key/value ``cp_all_gather``s
 fewest, local sizes, causal masks from this rank's positions and loss sums with their counts."""
 from __future__ import annotations
 
-import operator
 from typing import TYPE_CHECKING
+import operator
 
 import torch
 import torch.fx as fx

@@ -15,6 +15,7 @@ import tracepp.runtime.context_parallel  # noqa: F401  (registers torch.ops.trac
 from tracepp.split import rules
 from tracepp.split.cost import op_name
 from tracepp.split.expert_parallel import GROUPED_MM
+from tracepp.split.propagation import Propagation
 from tracepp.split.rules import at as _at, equal as _equal, prod as _prod_ints, sizes as _sizes_ints, val as _val
 
 aten = torch.ops.aten
@@ -24,6 +25,9 @@ class ContextParallelError(ValueError):
 
 
 WORK = {"visits": 0}  # nodes the walks have visited (tests count the work of a plan, not its time)
+_SUMMABLE = {aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.mean.default}  # rewritten: cp_rewrite
+_ACROSS = {aten.cumsum.default: "a cumulative sum", aten.cumprod.default: "a cumulative product",
+           aten.gather.default: "a gather of positions"}  # how a refusal names an op reading across positions
 
 
 def _sizes(val) -> list:
@@ -41,8 +45,10 @@ def _int(expr):
     return int(expr) if expr.is_Integer else None
 
 
-class _Walk:
+class _Walk(Propagation):
     """One pass over one graph (a stage's, or the loss's): each value's placement and the edits."""
+
+    WORK = WORK
 
     def __init__(self, graph: fx.Graph, seq, cp: int, needs_grad: dict, received: dict = None,
                  expert_nodes: set = frozenset(), training: bool = True, last: bool = False, loss: bool = False,
@@ -64,8 +70,7 @@ class _Walk:
         self.sends: dict = {}  # sharded output -> (dim, groups)
         self.outputs: list = []  # per output: (dim, groups) or None
         self.refusals: list = []
-        for node in graph.nodes:
-            self._visit(node)
+        self._walk(graph)
 
     # -- helpers
     def _refuse(self, node, why: str) -> bool:
@@ -87,9 +92,35 @@ class _Walk:
     def _cut(self, consumer, arg, dim, groups) -> None:
         self.cuts.append((consumer, arg, dim, groups))
 
+    def _dim(self, node) -> int:
+        return self.shard[node][0]
+
+    def _ranks(self) -> int:
+        return 2 * self.cp  # chunks of each sequence
+
+    def _entry(self, node, dim=None):
+        return (self.shard[node][0] if dim is None else dim, self.shard[node][1])
+
+    def _carry(self, node, source, dim=None) -> None:
+        self._place(node, *self._entry(source, dim))
+
+    def _across(self, node, what: str) -> bool:
+        name = _ACROSS.get(node.target, f"a {rules.op_name(node)}")
+        return self._refuse(node, f"{name} {what.replace('sharded dim', 'sequence dim')}: it reads positions other "
+                                  f"cp ranks hold; keep it off the sequence dim, or split without --cp")
+
+    def _partial(self, node, kind: str, dims: list) -> bool:
+        """A sum or a mean over the sequence: each rank's partial sum, all-reduced (a mean divided by the whole
+        count); any other partial kind (a max, a p-norm, a variance) is refused by name."""
+        if node.target not in _SUMMABLE:
+            return self._refuse(node, f"a {rules.op_name(node)} over the sequence dim leaves each rank a partial "
+                                      f"{kind}: only a sum or a mean is combined from the cp ranks' parts")
+        count = _prod([_sizes(_val(node.args[0]))[d] for d in dims])
+        self.sums[node] = count if kind == "mean" else None
+        return True
+
     # -- the walk
     def _visit(self, node) -> None:
-        WORK["visits"] += 1
         if node.op == "placeholder":
             if node.name in self.received and self.received[node.name] is not None:
                 self._place(node, *self.received[node.name])
@@ -185,9 +216,8 @@ class _Walk:
             return self._pointwise(node)
         if target in rules.VIEWS or target in (aten.flatten.using_ints, aten.unflatten.int):
             return self._view(node, sharded)
-        if target in rules.TRANSPOSES or target in rules.COMPLEX_VIEWS or target in (
-                aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.movedim.int):
-            return self._move(node, sharded)
+        if target in rules.MOVES:
+            return sharded == [node.args[0]] and self._move(node)
         if target in (aten.expand.default, aten.broadcast_to.default):
             return self._expand(node)
         if target is aten.expand_as.default:
@@ -212,16 +242,12 @@ class _Walk:
             return self._slice(node, sharded)
         if target in (aten.cat.default, aten.stack.default):
             return self._cat(node, sharded)
-        if target in rules.SUMS or _reduces(target):
-            return self._reduce(node, sharded)
+        if target in rules.PARTIAL:
+            return sharded == [node.args[0]] and self._reduce(node)
         if target in rules.NORMS:
             return self._norm(node, sharded)
-        if target in rules.SOFTMAX:
-            first = node.args[0]
-            if sharded != [first] or node.args[1] % _val(first).dim() == self.shard[first][0]:
-                return False
-            self._place(node, *self.shard[first])
-            return True
+        if target in rules.PADS or target in rules.TRIANGLES:
+            return sharded == [node.args[0]] and self._trailing(node)
         if target in (aten.linear.default, aten.addmm.default):
             x = node.args[0] if target is aten.linear.default else node.args[1]
             if sharded != [x] or self.shard[x][0] == _val(x).dim() - 1:
@@ -236,8 +262,8 @@ class _Walk:
             return True
         if target is aten.index.Tensor:
             return self._index(node, sharded)
-        if target in rules.ALONG:
-            return self._along(node, sharded)
+        if target in rules.ALONG or target in rules.INDEXED_ALONG:
+            return self._along(node)
         if target in (aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default, aten.new_full.default):
             return self._new_like(node)
         if target in rules.CONVOLUTIONS and node.args[0] in self.shard and self.shard[node.args[0]][0] >= 2:
@@ -277,10 +303,8 @@ class _Walk:
             if arg in self.shard:
                 continue
             val = _val(arg)
-            if not isinstance(val, torch.Tensor) or val.dim() == 0:
-                continue
-            at = e - (n - val.dim())
-            if at < 0 or _equal(val.shape[at], 1):
+            at = rules.aligned_dim(n, e, val)
+            if at is None:
                 continue
             if not _equal(_sizes(val)[at], _sizes(out_val)[e]):
                 return False
@@ -321,40 +345,6 @@ class _Walk:
         self._place(node, *placed)
         return True
 
-    def _move(self, node, sharded) -> bool:
-        first = node.args[0]
-        if sharded != [first]:
-            return False
-        dim, groups = self.shard[first]
-        ndim = _val(first).dim()
-        target = node.target
-        if target is aten.transpose.int:
-            a, b = (d % ndim for d in node.args[1:3])
-            dim = b if dim == a else a if dim == b else dim
-        elif target in (aten.t.default, aten.numpy_T.default):
-            dim = ndim - 1 - dim if ndim == 2 else dim
-        elif target is aten.permute.default:
-            dim = [d % ndim for d in node.args[1]].index(dim)
-        elif target is aten.movedim.int:
-            order = list(range(ndim))
-            src, dst = node.args[1] % ndim, node.args[2] % ndim
-            order.insert(dst, order.pop(src))
-            dim = order.index(dim)
-        elif target is aten.unsqueeze.default:
-            at = node.args[1] % (ndim + 1)
-            dim = dim + 1 if at <= dim else dim
-        elif target in rules.COMPLEX_VIEWS:  # only the last dim regrouped: (re, im) pairs <-> complex numbers
-            if target is aten.view_as_complex.default and dim == ndim - 1:
-                return False
-        else:  # squeeze
-            sizes = _sizes(_val(first))
-            ats = (node.args[1] if isinstance(node.args[1], (list, tuple)) else [node.args[1]]) \
-                if len(node.args) > 1 else list(range(ndim))
-            ats = [a % ndim for a in ats if _equal(sizes[a % ndim], 1)]
-            dim = dim - sum(1 for a in ats if a < dim)
-        self._place(node, dim, groups)
-        return True
-
     def _expand(self, node) -> bool:
         first = node.args[0]
         if first not in self.shard:
@@ -386,15 +376,8 @@ class _Walk:
         if sharded != [first]:
             return False
         dim, groups = self.shard[first]
-        val = _val(first)
-        ndim = val.dim()
         target = node.target
-        if target in (aten.chunk.default, aten.unbind.int):
-            at = rules.arg(node, 2 if target is aten.chunk.default else 1, "dim", 0) % ndim
-        elif target is aten.select.int or target in rules.SLICES:
-            at = rules.arg(node, 1, "dim", 0) % ndim
-        else:
-            at = rules.arg(node, 2, "dim", 0) % ndim
+        at = rules.cut_dim(node)
         if at == dim:
             if target is aten.slice.Tensor and rules.arg(node, 2, "start") in (None, 0) and rules.arg(node, 4, "step", 1) == 1:
                 end = rules.arg(node, 3, "end")
@@ -436,67 +419,16 @@ class _Walk:
         self._place(node, dim + 1 if stack and at <= dim else dim, groups)
         return True
 
-    def _reduce(self, node, sharded) -> bool:
-        first = node.args[0]
-        if sharded != [first]:
-            return False
-        dim, groups = self.shard[first]
-        val = _val(first)
-        ndim = val.dim()
-        target = node.target
-        if target in (aten.sum.default, aten.mean.default):
-            dims, keep = list(range(ndim)), False
-        else:
-            dims = rules.arg(node, 1, "dim")
-            dims = list(range(ndim)) if dims is None or dims == [] else \
-                [d % ndim for d in (dims if isinstance(dims, (list, tuple)) else [dims])]
-            keep = bool(rules.arg(node, 2, "keepdim", False))
-        if dim not in dims:
-            self._place(node, dim if keep else dim - sum(1 for d in dims if d < dim), groups)
-            return True
-        if target not in rules.SUMS:
-            return self._refuse(node, f"a {rules.op_name(node)} over the sequence dim: only a sum or a mean can be "
-                                      f"combined from the cp ranks' parts")
-        count = _prod([_sizes(val)[d] for d in dims])
-        self.sums[node] = count if target in (aten.mean.dim, aten.mean.default) else None
-        return True
-
     def _norm(self, node, sharded) -> bool:
         x = node.args[0]
         if sharded != [x]:
             return False
         dim, groups = self.shard[x]
-        if dim >= _val(x).dim() - len(node.args[1]):
+        if dim >= _val(x).dim() - rules.last_dims(node):
             return self._refuse(node, "normalises over the sequence dim")
         if node.target is aten.native_layer_norm.default:
             self.items[node] = [(dim, groups)] * 3
         self._place(node, dim, groups)
-        return True
-
-    def _along(self, node, sharded) -> bool:
-        """An op along one dim (top-k, sort, cumulative sums, gather): fine along another dim than the shard's."""
-        first = node.args[0]
-        if first not in self.shard:
-            return False
-        dim, groups = self.shard[first]
-        ndim = _val(first).dim()
-        target = node.target
-        at = rules.arg(node, 2 if target is aten.topk.default else 1, "dim", -1)
-        at = at % ndim
-        if at == dim:
-            what = {aten.cumsum.default: "a cumulative sum", aten.cumprod.default: "a cumulative product",
-                    aten.gather.default: "a gather of positions"}.get(target, f"a {rules.op_name(node)}")
-            return self._refuse(node, f"{what} along the sequence dim reads positions other cp ranks hold")
-        if target not in (aten.topk.default, aten.sort.default, aten.sort.stable, aten.argsort.default,
-                          aten.argsort.stable) and len(node.args) > 2 and isinstance(node.args[2], fx.Node):
-            index = node.args[2]  # gather / scatter: the index (and a source) sharded as the input
-            for other in node.args[2:4]:
-                if isinstance(other, fx.Node) and _val(other).dim() and self.shard.get(other) != (dim, groups):
-                    return False
-        if isinstance(_val(node), (list, tuple)):
-            self.items[node] = [(dim, groups)] * len(_val(node))
-        else:
-            self._place(node, dim, groups)
         return True
 
     def _index(self, node, sharded) -> bool:
@@ -566,8 +498,8 @@ class _Walk:
             e, groups = placed
             for arg, s, val in ((a, sa, va), (b, sb, vb)):
                 if s is None:
-                    at = e - (n - val.dim())
-                    if at >= 0 and not _equal(val.shape[at], 1):
+                    at = rules.aligned_dim(n, e, val)
+                    if at is not None:
                         self._cut(node, arg, at, groups)
             self._place(node, e, groups)
             return True
@@ -726,11 +658,3 @@ def _mutates(target) -> bool:
     info = schema.arguments[0].alias_info if schema is not None and schema.arguments else None
     return bool(info is not None and info.is_write)
 
-
-def _reduces(target) -> bool:
-    """A reduction over dims (``amax``, ``var``, ``logsumexp``, ``argmax``, ...), by its schema."""
-    if not isinstance(target, torch._ops.OpOverload):
-        return False
-    name = target._schema.name.split("::")[-1]
-    return name in ("amax", "amin", "argmax", "argmin", "var", "std", "logsumexp", "prod", "any", "all",
-                    "linalg_vector_norm", "norm", "var_mean", "std_mean", "count_nonzero", "nansum", "nanmean")

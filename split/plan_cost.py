@@ -29,6 +29,7 @@ import re
 
 import torch
 
+from tracepp.split import rules
 from tracepp.split.cost import node_flops, tensor_bytes
 
 FLOPS_PER_BYTE = 2000  # an H100's bf16 dense FLOP/s over its NVLink all-reduce bus bandwidth, rounded down
@@ -38,34 +39,46 @@ def _bytes(node) -> int:
     return tensor_bytes(node.meta.get("val"))
 
 
-def _moves(walk):
-    """(the node a collective belongs to, bytes it moves per microbatch forward and backward, ring-weighted) for
-    every collective ``walk``'s plan adds."""
-    for node, role in walk.roles.items():
-        if role in ("rowwise", "vocab"):  # all-reduced, or reduce-scattered (and gathered back in backward)
-            yield node, 2 * _bytes(node)
-    for node in walk.sums:
-        yield node, 2 * _bytes(node)
-    for consumer, arg in {arg: (consumer, arg) for consumer, arg in walk.gathers}.values():
-        yield (consumer if consumer.op != "output" else arg), _bytes(arg)
-    for consumer, arg in {arg: (consumer, arg) for consumer, arg in walk.sp_gathers}.values():
-        yield consumer, 2 * _bytes(arg)  # all-gathered forward, reduce-scattered backward
+def _last_consumer(pairs) -> list:
+    """``(consumer, value)`` pairs once per value, in the order the walk met the values, each with its last
+    consumer."""
+    return list({arg: (consumer, arg) for consumer, arg in pairs}.values())
+
+
+def collectives(walk) -> list:
+    """Every collective ``walk``'s plan adds to its stage, once: ``(what, the value it moves, the node it belongs to,
+    bytes it moves per microbatch forward and backward, ring-weighted)``. The manifest lists them
+    (``tensor_parallel``), :func:`cost` prices them and :func:`layer_bytes` sums them per decoder layer."""
+    out = [("reduce_scatter" if node in walk.reduce_scatters else "all_reduce", node, node, 2 * _bytes(node))
+           for node, role in walk.roles.items() if role in ("rowwise", "vocab")]  # gathered back in backward
+    out += [("all_gather (sequence)", arg, consumer, 2 * _bytes(arg))  # reduce-scattered backward
+            for consumer, arg in _last_consumer(walk.sp_gathers)]
+    out += [("all_reduce", node, node, 2 * _bytes(node)) for node in walk.sums]
+    out += [("all_gather", arg, consumer if consumer.op != "output" else arg, _bytes(arg))
+            for consumer, arg in _last_consumer(walk.gathers)]
     reduced = walk.reduced_in_backward()
-    for consumer, arg in {arg: (consumer, arg) for consumer, arg in walk.copies if arg in reduced}.values():
-        yield consumer, 2 * _bytes(arg)
-    for consumer, arg in {arg: (consumer, arg) for consumer, arg, _dim, _groups in walk.scatters
-                          if walk.needs_grad.get(arg)}.values():
-        yield consumer, _bytes(arg)  # the gradient pieces all-gathered
+    out += [("all_reduce (backward)", arg, consumer, 2 * _bytes(arg))
+            for consumer, arg in _last_consumer((c, a) for c, a in walk.copies if a in reduced)]
+    out += [("all_gather (backward)", arg, consumer, _bytes(arg))  # the gradient pieces of a value read at its piece
+            for consumer, arg in _last_consumer((c, a) for c, a, _dim, _groups in walk.scatters
+                                                if walk.needs_grad.get(a))]
     for node, (x, weight, bias, out_dim, segments, whole) in walk.mixed_linears.items():
         # a fused projection with whole parts: its sharded parts read x through tp_copy and this rank's rows of
         # their slices of the weight and bias through tp_scatter (their gradient rows gathered back)
         if walk.needs_grad.get(x):
-            yield node, 2 * _bytes(x)
+            out.append(("all_reduce (backward)", x, node, 2 * _bytes(x)))
         sharded = sum(int(size) for k, size in enumerate(segments) if k not in whole)
         for param in (weight, bias):
             val = param.meta.get("val") if param is not None else None
             if val is not None and walk.needs_grad.get(param):
-                yield node, _bytes(param) * sharded // int(val.shape[out_dim if param is weight else 0])
+                out.append(("all_gather (backward)", param, node,
+                            _bytes(param) * sharded // int(val.shape[out_dim if param is weight else 0])))
+    return out
+
+
+def _moves(walk):
+    """(the node a collective belongs to, bytes it moves per microbatch forward and backward) of ``walk``'s plan."""
+    return [(belongs, moved) for _what, _value, belongs, moved in collectives(walk)]
 
 
 def moved_bytes(walk) -> int:
@@ -107,10 +120,6 @@ def elementwise_kinds(walks: list, roles: dict) -> dict:
 
 
 _LAYER = re.compile(r"^(.*\.\d+)$")
-_ATTENTION = {"aten.scaled_dot_product_attention.default", "aten._softmax.default", "aten.softmax.int"}
-_READS_HEADS = {"aten.scaled_dot_product_attention.default", "aten.matmul.default", "aten.bmm.default",
-                "aten.baddbmm.default", "aten.einsum.default"}  # attention's products over the heads
-
 
 def _layer_of(node):
     """The repeated block a node belongs to: the outermost numbered module on its module stack
@@ -126,14 +135,12 @@ def _layer_of(node):
 def _products_operands(node) -> list:
     """The operands an attention product multiplies (a key or value read at a rank's heads is one; a bias added to
     the scores, Bloom's ALiBi table in ``baddbmm``, is not)."""
-    target = str(node.target)
-    if target not in _READS_HEADS:
+    target = node.target
+    if target not in rules.ATTENTION_PRODUCTS:
         return []
-    if target == "aten.einsum.default":
+    if target is torch.ops.aten.einsum.default:
         return list(node.args[1])
-    if target == "aten.baddbmm.default":
-        return list(node.args[1:3])
-    if target == "aten.scaled_dot_product_attention.default":
+    if target in rules.BADDBMM or target in rules.SDPA:  # (bias, a, b) / (q, k, v): the keys and values
         return list(node.args[1:3])
     return list(node.args[:2])
 
@@ -162,7 +169,7 @@ def layer_bytes(walk) -> dict:
     for layer, nodes in layers.items():
         inside = set(nodes)
         megatron = None
-        if any(str(n.target) in _ATTENTION for n in nodes) and not inside & fewer_groups:
+        if any(n.target in rules.ATTENTION_NORMALIZERS for n in nodes) and not inside & fewer_groups:
             leaving = [n for n in nodes if isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dim() == 3
                        and n.meta["val"].dtype.is_floating_point and any(u not in inside for u in n.users)]
             if leaving:

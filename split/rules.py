@@ -10,7 +10,7 @@ goes. That question has one answer per op whatever the mesh dimension is, and it
   attention in its spellings, gathers, scatters and indexing, ops along one dim (softmax, scans, sorts), norms,
   convolutions, factories, losses, and tracepp's own collectives;
 * **dim maps** (the functions): the output dim of a shard through a move (:func:`moved_dim`), a reduction
-  (:func:`reduction`, :func:`partial_kind`), an op along a dim (:func:`along_dim`), a broadcast operand
+  (:func:`reduction`, :func:`partial_kind`), an op along a dim (:func:`along_dims`), a broadcast operand
   (:func:`aligned_dim`), a cut (:func:`cut_dim`), and a view (:func:`view_of_pieces` for pieces of a dim, the
   sequence's view is ``context_parallel``'s ``_view_dim``).
 
@@ -86,14 +86,17 @@ FACTORIES = ARANGES | FRESH | {aten.zeros.default, aten.ones.default, aten.empty
 
 # reductions: what a reduction over the sharded dim leaves on each rank, a partial result of this kind
 PARTIAL = {
-    aten.sum.dim_IntList: "sum", aten.sum.default: "sum", aten.mean.dim: "mean", aten.mean.default: "mean",
-    aten.amax.default: "max", aten.amin.default: "min", aten.max.dim: "max", aten.min.dim: "min",
-    aten.linalg_vector_norm.default: "norm", aten.prod.dim_int: "product", aten.prod.default: "product",
-    aten.logsumexp.default: "logsumexp", aten.var.correction: "variance", aten.std.correction: "variance",
-    aten.any.dim: "any", aten.all.dim: "all", aten.argmax.default: "arg", aten.argmin.default: "arg",
+    aten.sum.dim_IntList: "sum", aten.sum.default: "sum", aten.nansum.default: "sum", aten.mean.dim: "mean",
+    aten.mean.default: "mean", aten.nanmean.default: "nanmean", aten.count_nonzero.dim_IntList: "sum",
+    aten.count_nonzero.default: "sum", aten.amax.default: "max", aten.amin.default: "min", aten.max.dim: "max",
+    aten.min.dim: "min", aten.max.default: "max", aten.min.default: "min", aten.linalg_vector_norm.default: "norm",
+    aten.norm.ScalarOpt_dim: "norm", aten.norm.Scalar: "norm", aten.prod.dim_int: "product",
+    aten.prod.default: "product", aten.logsumexp.default: "logsumexp", aten.var.correction: "variance",
+    aten.std.correction: "variance", aten.var_mean.correction: "variance", aten.std_mean.correction: "variance",
+    aten.any.dim: "any", aten.any.dims: "any", aten.any.default: "any", aten.all.dim: "all", aten.all.dims: "all",
+    aten.all.default: "all", aten.argmax.default: "arg", aten.argmin.default: "arg",
 }
 SUMMED = {"sum", "mean"}  # partial kinds combined by an all-reduce sum (a mean divided by the whole count)
-SUMS = {target for target, kind in PARTIAL.items() if kind in SUMMED}
 REDUCTIONS_BY_DIM = {aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.amin.default}  # (x, dims, keepdim)
 NORMS = {aten.layer_norm.default: 1, aten.rms_norm.default: 1, aten.native_layer_norm.default: 1}  # shape arg
 SOFTMAX = {aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default,
@@ -110,12 +113,13 @@ ATTENTION_PRODUCTS = SDPA | MATMULS | BADDBMM | {aten.einsum.default}  # attenti
 ATTENTION_NORMALIZERS = SDPA | {aten._softmax.default, aten.softmax.int}
 
 # along one dim, gathers, scatters, convolutions
-ALONG = {  # ops along one dim (``dim`` is their second argument, top-k's third)
-    aten.topk.default, aten.sort.default, aten.sort.stable, aten.argsort.default, aten.argsort.stable,
-    aten.cumsum.default, aten.cumprod.default, aten.gather.default, aten.max.dim, aten.min.dim, aten.scatter.value,
-    aten.scatter.src, aten.scatter_.value, aten.scatter_.src, aten.scatter_add.default, aten.scatter_add_.default,
-    aten.scatter_reduce.two, aten.scatter_reduce_.two, aten.cummax.default, aten.cummin.default,
-    aten.logcumsumexp.default,
+SCANS = {aten.cumsum.default, aten.cumprod.default, aten.cummax.default, aten.cummin.default,
+         aten.logcumsumexp.default}
+SORTS = {aten.topk.default, aten.sort.default, aten.sort.stable, aten.argsort.default, aten.argsort.stable}
+ALONG = SCANS | SORTS | SOFTMAX | {aten.flip.default, aten.unfold.default}  # work along one dim (:func:`along_dims`)
+INDEXED_ALONG = {  # along one dim at an index tensor's positions (``(x, dim, index[, src])``)
+    aten.gather.default, aten.scatter.value, aten.scatter.src, aten.scatter_.value, aten.scatter_.src,
+    aten.scatter_add.default, aten.scatter_add_.default, aten.scatter_reduce.two, aten.scatter_reduce_.two,
 }
 TRIANGLES = {aten.tril.default, aten.triu.default}  # (x, diagonal): over the last two dims
 PADS = {aten.pad.default, aten.constant_pad_nd.default}  # (x, pad, ...): pad lists the last dims' (before, after)
@@ -229,9 +233,10 @@ def arg(node, index: int, name: str, default=None):
 
 # ---- dim maps: where a shard of ``dim`` goes through an op (None: the op reads across that dim)
 
-def moved_dim(node, dim: int):
+def moved_dim(node, dim: int, ranks: int = 1):
     """The output dim of ``node.args[0]``'s dim ``dim`` through a move (:data:`MOVES`), or None where the op regroups
-    that dim (a complex view of the last dim's pairs, a squeeze of it)."""
+    that dim (a complex view of the last dim's pairs, a squeeze of it). ``ranks``: how many pieces the dim is cut
+    into; a ``squeeze()`` of every size-1 dim would also drop a piece of size 1 (a dim of 2 over 2 ranks)."""
     target, first = node.target, node.args[0]
     ndim = val(first).dim()
     if target is aten.transpose.int:
@@ -258,27 +263,20 @@ def moved_dim(node, dim: int):
         ats = (node.args[1] if isinstance(node.args[1], (list, tuple)) else [node.args[1]]) \
             if len(node.args) > 1 else list(range(ndim))
         ats = [a % ndim for a in ats if equal(shape[a % ndim], 1)]
-        if dim in ats:
+        if dim in ats or (target is aten.squeeze.default and equal(shape[dim], ranks)):
             return None
         return dim - sum(1 for a in ats if a < dim)
     raise KeyError(f"{target} is not a move")
 
 
 def reduction(node) -> tuple:
-    """``(dims, keepdim)`` of a reduction (:data:`PARTIAL`): the input's dims it reduces (all where it names none)."""
-    target = node.target
+    """``(dims, keepdim)`` of a reduction (:data:`PARTIAL`): the input's dims it reduces (all where it names none),
+    read by the op's schema (``dim`` and ``keepdim`` wherever the overload puts them)."""
+    names = [spec.name for spec in node.target._schema.arguments]
     ndim = val(node.args[0]).dim()
-    if target in (aten.sum.default, aten.mean.default, aten.prod.default, aten.argmax.default,
-                  aten.argmin.default) and arg(node, 1, "dim") is None:
-        return list(range(ndim)), bool(arg(node, 2, "keepdim", False)) if target in (
-            aten.argmax.default, aten.argmin.default) else False
-    if target is aten.linalg_vector_norm.default:
-        dims, keep = arg(node, 2, "dim"), arg(node, 3, "keepdim", False)
-    elif target is aten.var.correction or target is aten.std.correction:
-        dims, keep = arg(node, 1, "dim"), arg(node, 3, "keepdim", False)
-    else:
-        dims, keep = arg(node, 1, "dim"), arg(node, 2, "keepdim", False)
-    if dims is None or dims == []:
+    dims = arg(node, names.index("dim"), "dim") if "dim" in names else None
+    keep = arg(node, names.index("keepdim"), "keepdim", False) if "keepdim" in names else False
+    if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
         dims = list(range(ndim))
     elif not isinstance(dims, (list, tuple)):
         dims = [dims]
@@ -296,24 +294,25 @@ def reduced_dim(node, dim: int):
 
 def partial_kind(node) -> str:
     """What a reduction over a sharded dim leaves on each rank: "sum"/"mean" (an all-reduce sum combines them),
-    "max", "min", "norm" (a p-norm: combined as the p-norm of the ranks' norms), "product", ..."""
+    "max", "min", "norm" (a p-norm: the ranks' norms combine as a p-norm, not a sum), "product", "variance", ..."""
     kind = PARTIAL[node.target]
     if kind == "norm":
-        order = arg(node, 1, "ord", 2)
-        return f"norm{order:g}" if isinstance(order, (int, float)) else "norm"
+        names = [spec.name for spec in node.target._schema.arguments]
+        order = arg(node, names.index("ord" if "ord" in names else "p"), "ord" if "ord" in names else "p", 2)
+        return f"{order:g}-norm" if isinstance(order, (int, float)) else "norm"
     return kind
 
 
-def along_dim(node) -> int:
-    """The dim an op along one dim works along (softmax, a scan, a sort, top-k, a gather/scatter, flip's first, an
-    unfold's windows), as a non-negative index of its input."""
+def along_dims(node) -> list:
+    """The dims an op along one dim works along (softmax's, a scan's, a sort's, top-k's, a gather's or scatter's,
+    flip's (several), an unfold's windows), as non-negative indices of its input."""
     target = node.target
     ndim = val(node.args[0]).dim()
-    if target is aten.topk.default:
-        return arg(node, 2, "dim", -1) % ndim
     if target is aten.flip.default:
-        return [d % ndim for d in node.args[1]][0]
-    return arg(node, 1, "dim", -1) % ndim
+        return [d % ndim for d in node.args[1]]
+    if target is aten.topk.default:
+        return [arg(node, 2, "dim", -1) % ndim]
+    return [arg(node, 1, "dim", -1) % ndim]
 
 
 def last_dims(node) -> int:

@@ -51,11 +51,9 @@ import torch.fx as fx
 from tracepp.split import plan_cost
 from tracepp.split.cost import held_bytes
 from tracepp.split.rules import sizes as _sizes, val as _val
-from tracepp.split.rules import equal as _equal, prod as _prod, view_placement, where  # noqa: F401  (read here)
-from tracepp.split.tp_rewrite import _floor_text, _local_val, _rewrite, apply  # noqa: F401
-from tracepp.split.tp_settle import (_forced_by_overrides, _param_roles, _settle, fqn_map,  # noqa: F401
-                                     grad_flags, settle)
-from tracepp.split.tp_walk import WORK, _Walk  # noqa: F401  (read here)
+from tracepp.split.tp_rewrite import apply  # noqa: F401  (step three: the driver calls tensor_parallel.apply)
+from tracepp.split.tp_settle import _forced_by_overrides, _param_roles, fqn_map, grad_flags, settle  # noqa: F401
+from tracepp.split.tp_walk import WORK, _Walk  # noqa: F401  (tests count the walks' work here)
 
 aten = torch.ops.aten
 
@@ -198,15 +196,9 @@ def _entry(op: str, node) -> dict:
 
 
 def _collectives(walk: _Walk) -> list:
-    """The communication the rewrite adds to one stage's forward, one line each (backward mirrors it)."""
-    out = [_entry("reduce_scatter" if node in walk.reduce_scatters else "all_reduce", node)
-           for node, role in walk.roles.items() if role in ("rowwise", "vocab")]
-    out += [_entry("all_gather (sequence)", arg) for arg in dict.fromkeys(arg for _c, arg in walk.sp_gathers)]
-    out += [_entry("all_reduce", node) for node in walk.sums]
-    out += [_entry("all_gather", arg) for arg in dict.fromkeys(arg for _consumer, arg in walk.gathers)]
-    reduced = walk.reduced_in_backward()  # in the order the walk met them (a set's order is the nodes' ids')
-    out += [_entry("all_reduce (backward)", arg) for arg in dict.fromkeys(a for _c, a in walk.copies) if arg in reduced]
-    return out
+    """The communication the rewrite adds to one stage, one line each (``plan_cost.collectives``: forward, and
+    what backward adds beyond the mirror of forward)."""
+    return [_entry(what, value) for what, value, _belongs, _moved in plan_cost.collectives(walk)]
 
 
 TUNED_SIZES = (2, 4, 8)

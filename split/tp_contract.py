@@ -4,6 +4,7 @@ baddbmm, einsum), gathers and depthwise convolutions: a mixin of ``tp_walk._Walk
 from __future__ import annotations
 
 
+
 import torch
 import torch.fx as fx
 

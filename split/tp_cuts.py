@@ -98,15 +98,7 @@ class _CutRules:
         """split / chunk / unbind / slice / narrow / select: along another dim the sharding is kept; along the
         sharded dim each output must be whole parts of the value's segments (a fused projection's q, k, v): a cut
         elsewhere asks the projection for segments (learned, then walked again)."""
-        ndim = in_val.dim()
-        args = node.args
-        if target in rules.SLICES:
-            at = (args[1] if len(args) > 1 else node.kwargs.get("dim", 0)) % ndim
-        elif target is aten.chunk.default or target is aten.unbind.int:
-            at = (args[2] if len(args) > 2 else (args[1] if target is aten.unbind.int and len(args) > 1 else
-                                                 node.kwargs.get("dim", 0))) % ndim
-        else:
-            at = (args[2] if len(args) > 2 else node.kwargs.get("dim", 0)) % ndim
+        at = rules.cut_dim(node)
         segments = self.segs.get(first)
         origin = self.origin.get(first, frozenset())
         kind = self.kind.get(first)

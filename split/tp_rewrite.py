@@ -2,9 +2,8 @@
 made becomes local sizes, ``tp_*`` / ``sp_*`` collectives and parameter shards."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import sys
+from typing import TYPE_CHECKING
 
 import sympy
 import torch
@@ -12,12 +11,12 @@ import torch.fx as fx
 
 from tracepp.split import rules
 from tracepp.split.rules import ints as _ints, val as _val
-
+from tracepp.split.tp_contract import _swapped
+from tracepp.split.tp_walk import _Walk
 
 if TYPE_CHECKING:
     from tracepp.split.tensor_parallel import TPPlan
-from tracepp.split.tp_contract import _swapped
-from tracepp.split.tp_walk import _Walk
+
 aten = torch.ops.aten
 TP = torch.ops.tracepp
 

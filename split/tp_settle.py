@@ -10,9 +10,9 @@ import torch
 from tracepp.split import plan_cost, rules
 from tracepp.split.partition import _gradient_flags
 from tracepp.split.rules import at as _at, equal as _equal, ints as _ints, sizes as _sizes, val as _val
-
 from tracepp.split.tp_contract import _in_dim
 from tracepp.split.tp_walk import _Walk
+
 aten = torch.ops.aten
 TP = torch.ops.tracepp
 

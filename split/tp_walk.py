@@ -13,10 +13,11 @@ import torch.fx as fx
 
 import tracepp.runtime.tensor_parallel  # noqa: F401  (registers torch.ops.tracepp.tp_*)
 from tracepp.split import rules, torch_rules
+from tracepp.split.propagation import Propagation
 from tracepp.split.rules import at as _at, equal as _equal, prod as _prod, sizes as _sizes, val as _val
-
 from tracepp.split.tp_contract import _ContractionRules, _swapped
 from tracepp.split.tp_cuts import _CutRules
+
 aten = torch.ops.aten
 TP = torch.ops.tracepp
 
@@ -26,9 +27,11 @@ _MIXED_CARRIES = {aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, a
 WORK = {"visits": 0}  # nodes the walks have visited (tests count the work of a plan, not its time)
 
 
-class _Walk(_CutRules, _ContractionRules):
+class _Walk(Propagation, _CutRules, _ContractionRules):
     """One pass over one stage graph under a set of replicated FQNs and the segments learned for fused
     projections: each value's placement and the edits."""
+
+    WORK = WORK
 
     def __init__(self, graph: fx.Graph, fqn_of: dict, tp: int, forced: set, needs_grad: dict,
                  fused: dict = None, sequence=None, received: dict = None, last: bool = False, mixed: dict = None,
@@ -80,8 +83,7 @@ class _Walk(_CutRules, _ContractionRules):
         self.sends: dict = {}  # sequence-sharded value leaving the stage -> (dim, segments)
         self._claimed: set = set()  # (node, input) pairs a rule placed (no "whole" use recorded)
         self.last = last  # the last stage: its outputs go to the loss, whole
-        for node in graph.nodes:
-            self._visit(node)
+        self._walk(graph)
 
     def reduced_in_backward(self) -> set:
         """The whole values whose gradient tp_copy sums over the group: those that carry one."""
@@ -146,6 +148,26 @@ class _Walk(_CutRules, _ContractionRules):
         if source in self.mixed:
             self.mixed[node] = self.mixed[source]
 
+    def _dim(self, node) -> int:
+        return self.shard[node]
+
+    def _ranks(self) -> int:
+        return self.tp
+
+    def _entry(self, node, dim=None):
+        return (self.shard[node] if dim is None else dim, self.segs.get(node))
+
+    def _across(self, node, what: str) -> bool:
+        return False  # torch's rule is asked, else the input is gathered (``_visit``)
+
+    def _partial(self, node, kind: str, dims: list) -> bool:
+        """A sum or mean over named dims, the sharded one among them, is combined from the partial sums
+        (:meth:`_partial_sum`); any other partial kind goes to torch's rule (a p-norm's ``_NormPartial`` is
+        reduced as what it is, ``torch_rules``), else the input is gathered."""
+        if node.target not in rules.REDUCTIONS_BY_DIM or not rules.arg(node, 1, "dim"):
+            return False
+        return self._partial_sum(node, node.target, _val(node.args[0]), dims)
+
     def _whole_part(self, value) -> None:
         """``value``, cut from one part of a fused projection, is needed whole (a key/value part with fewer heads
         than --tp): the next pass computes that part whole and shards the others."""
@@ -175,7 +197,6 @@ class _Walk(_CutRules, _ContractionRules):
 
     # -- the rules
     def _visit(self, node) -> None:
-        WORK["visits"] += 1
         if node.op == "placeholder":
             if node.name in self.received:  # a sequence shard sent by the stage before
                 dim, segments = self.received[node.name]
@@ -370,45 +391,14 @@ class _Walk(_CutRules, _ContractionRules):
         dim = self.shard[first]
         in_val = _val(first)
         ndim = in_val.dim()
-        if target is aten.unfold.default:  # windows along another dim, appended as a last dim (a short conv's lags)
-            if node.args[1] % ndim == dim:
-                return False
-            self._carry(node, first)
-            return True
-        if target is aten.flip.default:  # reversed along other dims
-            if dim in [d % ndim for d in node.args[1]]:
-                return False
-            self._carry(node, first)
-            return True
-        if target is aten.transpose.int:
-            a, b = (d % ndim for d in node.args[1:3])
-            self._carry(node, first, b if dim == a else a if dim == b else dim)
-            return True
-        if target in rules.PADS:  # pads the last len(pad) // 2 dims: local to any dim before them
-            if dim >= ndim - len(node.args[1]) // 2:
-                return False
-            self._carry(node, first)
-            return True
-        if target in rules.TRIANGLES:  # masks each matrix of the last two dims: local to any dim before them (torch's
-            if dim >= ndim - 2:   # own rule replicates)
-                return False
-            self._carry(node, first)
-            return True
-        if target is aten.permute.default:
-            order = [d % ndim for d in node.args[1]]
-            self._carry(node, first, order.index(dim))
-            return True
-        if target is aten.unsqueeze.default:
-            at = node.args[1] % (ndim + 1)
-            self._carry(node, first, dim + 1 if at <= dim else dim)
-            return True
-        if target in (aten.squeeze.dim, aten.squeeze.dims):
-            ats = node.args[1] if isinstance(node.args[1], (list, tuple)) else [node.args[1]]
-            ats = [a % ndim for a in ats if _equal(in_val.shape[a % ndim], 1)]
-            if dim in ats:
-                return False
-            self._carry(node, first, dim - sum(1 for a in ats if a < dim))
-            return True
+        if target in rules.MOVES:
+            return self._move(node)
+        if target in rules.ALONG:
+            return self._along(node)
+        if target in rules.PADS or target in rules.TRIANGLES:  # masks and pads of trailing dims (torch's own rule
+            return self._trailing(node)                         # for a triangle replicates)
+        if target in rules.PARTIAL:
+            return self._reduce(node)
         if target in rules.VIEWS or target in rules.FLATTENS:
             placed = rules.view_placement(_sizes(in_val), _sizes(out_val), dim, self.segs.get(first), self.tp)
             if placed is not None and self.kind.get(first) == "seq" and not self.groups_of(placed[1]):
@@ -432,25 +422,10 @@ class _Walk(_CutRules, _ContractionRules):
             return self._cut(node, target, first, dim, in_val)
         if target is aten.index.Tensor:
             return self._index(node, first, dim, in_val, out_val)
-        if target in rules.REDUCTIONS_BY_DIM:
-            dims = node.args[1] if len(node.args) > 1 else None
-            if not dims:
-                return False
-            dims = [d % ndim for d in dims]
-            keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
-            if dim in dims:
-                return self._partial_sum(node, target, in_val, dims)
-            self._carry(node, first, dim if keep else dim - sum(1 for d in dims if d < dim))
-            return True
         if target is aten.repeat_interleave.self_int:
             if (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")) is None:
                 return False  # flattened
             self._carry(node, first)  # repeating heads in place keeps each rank's block contiguous
-            return True
-        if target in rules.SOFTMAX:
-            if node.args[1] % ndim == dim:
-                return False
-            self._carry(node, first)
             return True
         return False
 
@@ -461,7 +436,7 @@ class _Walk(_CutRules, _ContractionRules):
         if sharded != [x] or x in self.segs and self.kind.get(x) != "seq":
             return False
         ndim = _val(x).dim()
-        if self.shard[x] >= ndim - len(node.args[1]):
+        if self.shard[x] >= ndim - rules.last_dims(node):
             return self._refuse(node, "normalises over the sharded dim")
         for arg in node.args[2:4]:
             if isinstance(arg, fx.Node) and self.needs_grad.get(arg):
@@ -499,8 +474,8 @@ class _Walk(_CutRules, _ContractionRules):
             val = _val(arg)
             if not isinstance(val, torch.Tensor):
                 continue
-            at = out_dim - (n - val.dim())
-            if at >= 0 and not _equal(val.shape[at], 1):
+            at = rules.aligned_dim(n, out_dim, val)
+            if at is not None:
                 if not _equal(val.shape[at], out_val.shape[out_dim]):
                     return False
                 seq = self._kind_of(node.all_input_nodes) == "seq"

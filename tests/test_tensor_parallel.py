@@ -238,7 +238,7 @@ def test_a_fused_projection_shards_each_part_and_its_rows_come_back_in_the_model
 def test_views_follow_the_sharded_dim_at_every_batch_size():
     import sympy
 
-    from tracepp.split.tensor_parallel import view_placement
+    from tracepp.split.rules import view_placement
 
     def place(before, after, dim, segments=None):
         return view_placement([sympy.Integer(s) for s in before], [sympy.Integer(s) for s in after], dim,

@@ -249,7 +249,8 @@ def tensor_parallel_table(manifest: dict) -> str:
         comm.append([index, text])
         for reason in stage["replicated"][:3]:
             comm.append(["", f"replicated: {reason}"])
-    lines += ["", "collectives per microbatch forward (their mirror runs in backward):",
+    lines += ["", "collectives per microbatch forward (their mirror runs in backward; those marked (backward) run "
+                  "only there):",
               tabulate(comm, headers=["stage", "collectives over the tp group"], tablefmt="simple")]
     return "\n".join(lines)
 

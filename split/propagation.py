@@ -1,0 +1,119 @@
+"""One propagation for every parallel plan: a stage graph walked once in order, each value's placement on one mesh
+dimension decided by the op that makes it, from the placements of its inputs.
+
+The tensor-parallel walk (``tp_walk._Walk``: heads, features and, under sequence parallelism, tokens) and the
+context-parallel walk (``cp_walk._Walk``: positions) are subclasses. They share the node loop and every rule whose
+answer does not depend on what the sharded dim means: an op that moves dims (:meth:`_move`), one that works along
+one dim (:meth:`_along`: softmax, scans, sorts, flips, windows), one that reads trailing dims (:meth:`_trailing`:
+pads, triangles, norms) and a reduction (:meth:`_reduce`), each asking ``split.rules`` where the shard goes. What
+differs per mesh dimension is what a planner does where a rule says "this op reads across the sharded dim"
+(:meth:`_across`: tensor parallelism gathers the value, context parallelism refuses naming the op) and with a
+reduction's partial result (:meth:`_partial`: tp and cp both combine a sum or a mean with an all-reduce). Those, the
+seeds (which values begin sharded) and the rules for contractions, attention, views, cuts and elementwise operands
+(whose whole operands are cut, copied or gathered by each planner's costs) stay in the planners.
+
+A subclass provides ``shard`` (node -> its placement), :meth:`_dim` (the sharded dim of a placed value),
+:meth:`_carry` (place a node as another value is placed, on a given dim), ``items`` (a multi-output node's
+placements), :meth:`_across` and :meth:`_partial`.
+"""
+from __future__ import annotations
+
+import torch.fx as fx
+
+from tracepp.split import rules
+
+
+class Propagation:
+    """The node loop and the rules shared by every mesh dimension's walk."""
+
+    WORK = {"visits": 0}  # nodes visited (tests count a plan's work, not its time); each planner has its own
+    shard: dict
+    items: dict
+
+    def _walk(self, graph: fx.Graph) -> None:
+        for node in graph.nodes:
+            self.WORK["visits"] += 1
+            self._visit(node)
+
+    # -- what a planner provides
+    def _visit(self, node) -> None:
+        raise NotImplementedError
+
+    def _dim(self, node) -> int:
+        """The sharded dim of a placed value."""
+        raise NotImplementedError
+
+    def _ranks(self) -> int:
+        """How many pieces a sharded dim is cut into."""
+        raise NotImplementedError
+
+    def _entry(self, node, dim=None):
+        """A placed value's placement as a multi-output op's ``items`` hold it (moved to ``dim`` where given)."""
+        raise NotImplementedError
+
+    def _carry(self, node, source, dim=None) -> None:
+        """``node`` placed as ``source`` is (on ``dim`` where the op moved it)."""
+        raise NotImplementedError
+
+    def _across(self, node, what: str) -> bool:
+        """``node`` reads across the sharded dim of its input (``what`` says how): False where the planner makes
+        the input whole, True where it refused (the refusal recorded)."""
+        raise NotImplementedError
+
+    def _partial(self, node, kind: str, dims: list) -> bool:
+        """A reduction over the sharded dim leaves each rank a partial ``kind`` (``rules.partial_kind``)."""
+        raise NotImplementedError
+
+    # -- the rules every dimension shares (the sharded input is ``node.args[0]``)
+    def _place_out(self, node, source, dim) -> None:
+        """``node``'s output (or each of its outputs: values and indices) placed as ``source`` on ``dim``."""
+        out = rules.val(node)
+        if isinstance(out, (list, tuple)):
+            self.items[node] = [self._entry(source, dim)] * len(out)
+        else:
+            self._carry(node, source, dim)
+
+    def _move(self, node) -> bool:
+        """transpose, permute, movedim, unsqueeze, squeeze, complex views: the shard follows its dim."""
+        first = node.args[0]
+        dim = rules.moved_dim(node, self._dim(first), self._ranks())
+        if dim is None:
+            return self._across(node, "regrouping the sharded dim")
+        self._carry(node, first, dim)
+        return True
+
+    def _along(self, node) -> bool:
+        """An op along one dim (softmax, a scan, a sort, top-k, flip, unfold, a gather or scatter at an index):
+        carried where that dim is not the sharded one; an index (and a scattered source) must be placed as the
+        input is."""
+        first = node.args[0]
+        if first not in self.shard:
+            return False
+        dim = self._dim(first)
+        if dim in rules.along_dims(node):
+            return self._across(node, "along the sharded dim")
+        if node.target in rules.INDEXED_ALONG:
+            for other in node.args[2:4]:
+                if isinstance(other, fx.Node) and rules.val(other).dim() and (
+                        other not in self.shard or self._entry(other) != self._entry(first)):
+                    return False
+        self._place_out(node, first, dim)
+        return True
+
+    def _trailing(self, node) -> bool:
+        """An op over the trailing dims (a pad's, a triangle's matrix): carried where the shard is before them."""
+        first = node.args[0]
+        if self._dim(first) >= rules.val(first).dim() - rules.last_dims(node):
+            return self._across(node, "over the sharded dim (one of its trailing dims)")
+        self._carry(node, first)
+        return True
+
+    def _reduce(self, node) -> bool:
+        """A reduction: over other dims the shard is carried (moved where the reduced dims are dropped); over the
+        sharded dim each rank holds a partial result of the reduction's kind (:meth:`_partial`)."""
+        first = node.args[0]
+        dim = rules.reduced_dim(node, self._dim(first))
+        if dim is None:
+            return self._partial(node, rules.partial_kind(node), rules.reduction(node)[0])
+        self._place_out(node, first, dim)
+        return True

@@ -1,0 +1,204 @@
+"""split/rules.py's dim maps checked against torch running the op: for every dim ``d`` of the input, where the rule
+says a shard of ``d`` comes out on dim ``e``, each of two ranks running the op on its half of ``d`` holds exactly its
+half of the whole op's output on ``e``; where it says the op reduces over ``d``, the ranks' partial results combine
+into the whole one by the partial kind the rule names (a sum, a max, a p-norm...). No code shared with the rules:
+only the op's own kernel."""
+import pytest
+import torch
+import torch.fx as fx
+
+from tracepp.split import rules
+
+aten = torch.ops.aten
+SHAPE = (2, 4, 6, 8)
+F64 = torch.float64  # the ranks' halves and the whole agree to rounding in float64
+
+
+def _node(target, x, *args, **kwargs):
+    """A one-op fx graph's op node, with the traced values as export records them (``meta["val"]``)."""
+    g = fx.Graph()
+    inputs = [g.placeholder(f"x{i}") for i in range(len(x))]
+    for node, value in zip(inputs, x):
+        node.meta["val"] = value
+    node = g.call_function(target, (*inputs, *args), kwargs)
+    node.meta["val"] = target(*x, *args, **kwargs)
+    return node
+
+
+def _halves(t, dim):
+    return torch.chunk(t, 2, dim)
+
+
+def _holds(target, x, dim, out_dim, args, kwargs, out_index=None):
+    """Each rank's op on its half of ``dim`` is its half of the whole output on ``out_dim``."""
+    whole = target(x, *args, **kwargs)
+    if out_index is not None:
+        whole = whole[out_index]
+    for r, half in enumerate(_halves(x, dim)):
+        try:
+            local = target(half, *args, **kwargs)
+        except RuntimeError:  # the op cannot even run on a half (a norm's shape)
+            return False
+        if out_index is not None:
+            local = local[out_index]
+        piece = _halves(whole, out_dim)[r]
+        if local.shape != piece.shape or not torch.allclose(local, piece, rtol=1e-12, atol=0):
+            return False
+    return True
+
+
+MOVES = [
+    (aten.transpose.int, (1, 3), {}),
+    (aten.transpose.int, (-1, 0), {}),
+    (aten.permute.default, ([2, 0, 3, 1],), {}),
+    (aten.movedim.int, (0, 2), {}),
+    (aten.unsqueeze.default, (2,), {}),
+    (aten.unsqueeze.default, (-1,), {}),
+]
+
+
+@pytest.mark.parametrize("target,args,kwargs", MOVES, ids=lambda v: str(v))
+def test_a_moved_dim_is_where_torch_puts_it(target, args, kwargs):
+    x = torch.randn(SHAPE, dtype=F64)
+    node = _node(target, [x], *args, **kwargs)
+    for dim in range(x.dim()):
+        out_dim = rules.moved_dim(node, dim)
+        assert out_dim is not None and _holds(target, x, dim, out_dim, args, kwargs), (target, dim, out_dim)
+
+
+def test_squeezes_and_complex_views():
+    x = torch.randn(2, 1, 6, 4, dtype=F64)
+    for target, args in [(aten.squeeze.dim, (1,)), (aten.squeeze.dims, ([1, -1],)), (aten.squeeze.default, ())]:
+        node = _node(target, [x], *args)
+        for dim in (0, 2, 3):
+            out_dim = rules.moved_dim(node, dim, ranks=2)
+            if target is aten.squeeze.default and dim == 0:  # 2 over 2 ranks: each piece of size 1, squeezed too
+                assert out_dim is None and rules.moved_dim(node, dim) == 0
+                continue
+            assert _holds(target, x, dim, out_dim, args, {}), (target, dim)
+    pairs = torch.randn(2, 4, 6, 2, dtype=F64)
+    node = _node(aten.view_as_complex.default, [pairs])
+    for dim in range(3):
+        assert _holds(aten.view_as_complex.default, pairs, dim, rules.moved_dim(node, dim), (), {})
+    assert rules.moved_dim(node, 3) is None  # the (re, im) pairs themselves: regrouped
+    numbers = torch.view_as_complex(pairs)
+    node = _node(aten.view_as_real.default, [numbers])
+    for dim in range(3):
+        assert _holds(aten.view_as_real.default, numbers, dim, rules.moved_dim(node, dim), (), {})
+
+
+ALONG = [
+    (aten._softmax.default, (2, False), {}, None),
+    (aten.cumsum.default, (1,), {}, None),
+    (aten.sort.default, (-1,), {}, 0),
+    (aten.topk.default, (2, 3), {}, 1),
+    (aten.flip.default, ([0, 3],), {}, None),
+    (aten.unfold.default, (3, 3, 1), {}, None),  # windows of 3 crossing the halves' boundary
+]
+
+
+@pytest.mark.parametrize("target,args,kwargs,out_index", ALONG, ids=lambda v: str(v))
+def test_an_op_along_one_dim_carries_every_other_dim(target, args, kwargs, out_index):
+    x = torch.randn(SHAPE, dtype=F64)
+    node = _node(target, [x], *args, **kwargs)
+    along = rules.along_dims(node)
+    for dim in range(x.dim()):
+        if dim in along:
+            assert not _holds(target, x, dim, dim, args, kwargs, out_index), (target, dim)  # it does read across
+        else:
+            assert _holds(target, x, dim, dim, args, kwargs, out_index), (target, dim)
+
+
+def test_a_gather_along_another_dim_with_its_index_halved_alike():
+    x = torch.randn(SHAPE, dtype=F64)
+    index = torch.randint(0, 8, SHAPE)
+    g = fx.Graph()
+    source, at = g.placeholder("x"), g.placeholder("index")
+    source.meta["val"], at.meta["val"] = x, index
+    node = g.call_function(aten.gather.default, (source, 3, at))
+    assert rules.along_dims(node) == [3]
+    whole = torch.gather(x, 3, index)
+    for dim in range(3):
+        for r, (xh, ih) in enumerate(zip(_halves(x, dim), _halves(index, dim))):
+            assert torch.equal(torch.gather(xh, 3, ih), _halves(whole, dim)[r])
+
+
+def test_trailing_dims_of_pads_triangles_and_norms():
+    x = torch.randn(SHAPE, dtype=F64)
+    for target, args, reads in [(aten.constant_pad_nd.default, ([1, 1, 2, 0],), 2), (aten.tril.default, (0,), 2),
+                                (aten.layer_norm.default, ([6, 8],), 2), (aten.rms_norm.default, ([8],), 1)]:
+        node = _node(target, [x], *args)
+        assert rules.last_dims(node) == reads, target
+        for dim in range(x.dim() - reads):
+            assert _holds(target, x, dim, dim, args, {}), (target, dim)
+        assert not _holds(target, x, x.dim() - 1, x.dim() - 1, args, {}), target
+
+
+def _combined(kind, parts, node):
+    """The whole result from the ranks' partial results of ``kind``."""
+    if kind in ("sum",):
+        return parts[0] + parts[1]
+    if kind == "max":
+        return torch.maximum(*parts)
+    if kind == "min":
+        return torch.minimum(*parts)
+    if kind.endswith("-norm"):
+        p = float(kind[:-len("-norm")])
+        return (parts[0] ** p + parts[1] ** p) ** (1 / p)
+    if kind == "product":
+        return parts[0] * parts[1]
+    if kind == "logsumexp":
+        return torch.logaddexp(*parts)
+    raise AssertionError(f"no combination for {kind}: it must be refused, not reduced")
+
+
+REDUCTIONS = [
+    (aten.sum.dim_IntList, ([1, 3],), {}, "sum"),
+    (aten.sum.dim_IntList, ([2], True), {}, "sum"),
+    (aten.mean.dim, ([-1], True), {}, "mean"),
+    (aten.amax.default, ([1],), {}, "max"),
+    (aten.amin.default, ([0, 2], True), {}, "min"),
+    (aten.linalg_vector_norm.default, (2, [3], True), {}, "2-norm"),
+    (aten.linalg_vector_norm.default, (3.0, [1]), {}, "3-norm"),
+    (aten.logsumexp.default, ([2],), {}, "logsumexp"),
+    (aten.prod.dim_int, (1,), {}, "product"),
+    (aten.var.correction, ([3],), {"keepdim": True}, "variance"),
+    (aten.max.dim, (2,), {}, "max"),
+]
+
+
+@pytest.mark.parametrize("target,args,kwargs,kind", REDUCTIONS, ids=lambda v: str(v))
+def test_a_reduction_carries_other_dims_and_leaves_a_partial_of_its_kind(target, args, kwargs, kind):
+    x = torch.rand(SHAPE, dtype=F64) + 0.5
+    node = _node(target, [x], *args, **kwargs)
+    assert rules.partial_kind(node) == kind
+    dims, keep = rules.reduction(node)
+    out_index = 0 if isinstance(node.meta["val"], tuple) else None
+    for dim in range(x.dim()):
+        out_dim = rules.reduced_dim(node, dim)
+        if dim not in dims:
+            assert out_dim is not None and _holds(target, x, dim, out_dim, args, kwargs, out_index), (dim, out_dim)
+            continue
+        assert out_dim is None
+        whole = target(x, *args, **kwargs)
+        parts = [target(h, *args, **kwargs) for h in _halves(x, dim)]
+        if out_index is not None:
+            whole, parts = whole[0], [p[0] for p in parts]
+        if kind in ("mean", "variance"):  # a mean: the halves' sums over the whole count (rewritten to a sum)
+            if kind == "mean":
+                assert torch.allclose((parts[0] + parts[1]) / 2, whole)
+            continue  # a variance does not combine from the halves' variances: refused by the planners
+        assert torch.allclose(_combined(kind, parts, node), whole, rtol=1e-5), (dim, kind)
+
+
+def test_aligned_and_cut_dims():
+    out = torch.randn(2, 4, 6, 8, dtype=F64)
+    assert rules.aligned_dim(4, 3, torch.randn(8, dtype=F64)) == 0
+    assert rules.aligned_dim(4, 1, torch.randn(4, 1, 1, dtype=F64)) == 0
+    assert rules.aligned_dim(4, 2, torch.randn(4, 1, 1, dtype=F64)) is None  # size 1: broadcast along it
+    assert rules.aligned_dim(4, 0, torch.randn(6, 8, dtype=F64)) is None  # absent: broadcast
+    assert rules.aligned_dim(4, 2, torch.tensor(1.0)) is None
+    for target, args, dim in [(aten.split.Tensor, (2, 1), 1), (aten.chunk.default, (2, -1), 3),
+                              (aten.unbind.int, (2,), 2), (aten.slice.Tensor, (-2, 0, 3), 2),
+                              (aten.select.int, (0, 1), 0), (aten.narrow.default, (3, 2, 4), 3)]:
+        assert rules.cut_dim(_node(target, [out], *args)) == dim, target
