@@ -62,6 +62,13 @@ def short_module_name(path: str) -> str:
     return "_".join(parts[max(numbered - 1, 0):])
 
 
+def starred(path: str) -> str:
+    """``model.layers.3.attn.q_proj.weight`` -> ``model.layers.*.attn.q_proj.weight`` (every numbered part, a
+    trailing one too: ``model.layers.3`` -> ``model.layers.*``): one name for a repeated block's members, the unit
+    inspect groups rows by and a plan choice is tried and kept by."""
+    return re.sub(r"(?<![^.])\d+(?![^.])", "*", path)
+
+
 def frames(trace: Optional[str]) -> list:
     """``(file, line, function, code)`` per frame of a node's stack trace, outermost first."""
     lines = (trace or "").rstrip().splitlines()

@@ -31,6 +31,7 @@ import torch
 
 from tracepp.split import rules
 from tracepp.split.cost import node_flops, tensor_bytes
+from tracepp.split.naming import starred
 
 FLOPS_PER_BYTE = 2000  # an H100's bf16 dense FLOP/s over its NVLink all-reduce bus bandwidth, rounded down
 
@@ -100,12 +101,6 @@ def cost(walks: list) -> float:
     return moved + repeated / FLOPS_PER_BYTE
 
 
-def kind_of(fqn: str) -> str:
-    """The module a parameter is one of, with its layer numbers starred (``transformer.h.*.norm_2.weight``): the
-    unit a plan choice is tried and kept by, the same in every repeated block."""
-    return re.sub(r"\.\d+\.", ".*.", fqn)
-
-
 def elementwise_kinds(walks: list, roles: dict) -> dict:
     """{kind: [FQNs]} of the parameters the walks shard outside a linear or an embedding (a norm's weight, a
     per-feature scale: sharded because the value they scale is), grouped by module with layer numbers starred
@@ -115,7 +110,7 @@ def elementwise_kinds(walks: list, roles: dict) -> dict:
         for fqn, dims in walk.uses.items():
             if fqn in roles or None in dims or fqn in walk.forced:
                 continue
-            kinds.setdefault(kind_of(fqn), set()).add(fqn)
+            kinds.setdefault(starred(fqn), set()).add(fqn)
     return {kind: sorted(fqns) for kind, fqns in sorted(kinds.items())}
 
 

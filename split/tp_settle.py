@@ -8,6 +8,7 @@ import fnmatch
 import torch
 
 from tracepp.split import plan_cost, rules
+from tracepp.split.naming import starred
 from tracepp.split.partition import _gradient_flags
 from tracepp.split.rules import at as _at, equal as _equal, ints as _ints, sizes as _sizes, val as _val
 from tracepp.split.tp_contract import _in_dim
@@ -255,7 +256,7 @@ def _settle_trials(graphs: list, tp: int, notes: dict, fused: dict, sequence, mi
         kinds: dict = {}  # the pair's modules with layer numbers starred -> ({down fqn: why}, {up fqns})
         for walk in best[0]:
             for downs, ups in _low_rank(walk):
-                key = tuple(plan_cost.kind_of(fqn) for fqn in downs)
+                key = tuple(starred(fqn) for fqn in downs)
                 entry = kinds.setdefault(key, ({}, set()))
                 entry[0].update({f: w for f, w in downs.items() if f not in notes and f not in tried})
                 entry[1].update(ups)

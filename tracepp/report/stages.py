@@ -6,6 +6,7 @@ from __future__ import annotations
 from tabulate import tabulate
 
 from tracepp.runtime.shapes import activation_key, activation_sent
+from tracepp.split.naming import starred
 
 
 def _shape(item: dict) -> str:
@@ -183,13 +184,6 @@ def boundary_table(manifest: dict) -> str:
     return tabulate(rows, headers=["value", "shape", "made on stage", "read on stages", "how"], tablefmt="simple")
 
 
-def _pattern(fqn: str) -> str:
-    """``layers.3.attn.q_proj.weight`` -> ``layers.*.attn.q_proj.weight``: one row per repeated parameter."""
-    import re
-
-    return re.sub(r"(^|\.)\d+(?=\.)", r"\1*", fqn)
-
-
 def verified_lines(record, what: str = "every stage's ranks") -> list:
     """The plan's verification (``split.verify``, ``split.verify_cp``): verified, repaired (what was made whole, at
     which op and line, and the share it cost), or not verified and why. ``what``: who ran."""
@@ -223,7 +217,7 @@ def tensor_parallel_table(manifest: dict) -> str:
         placement = "Replicate()" if dim is None else f"Shard({dim})"
         if entry.get("segments"):  # a fused projection: each rank holds its part of every segment
             placement += f" of each of {len(entry['segments'])} parts"
-        key = (_pattern(fqn), entry["role"], placement, str(shape), entry.get("why", ""))
+        key = (starred(fqn), entry["role"], placement, str(shape), entry.get("why", ""))
         rows[key] = rows.get(key, 0) + 1
     sharded = sum(1 for e in tp["params"].values() if e["dim"] is not None)
     lines = [f"tensor parallel (tp={size}): {sharded} of {len(tp['params'])} parameters sharded (the stage table's "
@@ -266,7 +260,7 @@ def _bytes_beside_megatron(stages: list) -> list:
             return []  # a split older than these figures
         layers: dict = {}
         for layer, (moved, megatron) in stage.get("layers", {}).items():
-            key = (_pattern(layer + ".x")[:-2], moved, megatron)
+            key = (starred(layer), moved, megatron)
             layers[key] = layers.get(key, 0) + 1
         rows.append([index, "(whole stage)", _bytes(stage["bytes"]), "", ""])
         for (pattern, moved, megatron), count in layers.items():
@@ -304,7 +298,7 @@ def expert_parallel_table(manifest: dict) -> str:
     if size > 1 and placements:
         grouped: dict = {}
         for fqn, entry in placements.items():
-            key = (_pattern(fqn), entry["dp"] or "-", "-" if entry["ep"] is None else f"Shard({entry['ep']})",
+            key = (starred(fqn), entry["dp"] or "-", "-" if entry["ep"] is None else f"Shard({entry['ep']})",
                    "-" if entry["tp"] is None else f"Shard({entry['tp']})", str(entry["per_rank"]))
             grouped[key] = grouped.get(key, 0) + 1
         lines += ["", "every parameter over the mesh (shape one rank holds):",
