@@ -213,7 +213,7 @@ class _Walk(Propagation):
         if target in rules.LOSSES:
             return self._loss(node, sharded)
         if rules.is_pointwise(target):
-            return self._pointwise(node)
+            return self._elementwise(node)
         if target in rules.VIEWS or target in (aten.flatten.using_ints, aten.unflatten.int):
             return self._view(node, sharded)
         if target in rules.MOVES:
@@ -285,36 +285,21 @@ class _Walk(Propagation):
         return True
 
     # -- the rules
-    def _pointwise(self, node) -> bool:
-        out_val = _val(node)
-        if not isinstance(out_val, torch.Tensor):
-            return False
-        n = out_val.dim()
-        placed = None
-        for arg in node.all_input_nodes:
-            if arg in self.shard:
-                d, groups = self.shard[arg]
-                e = d + n - _val(arg).dim()
-                if placed is not None and placed != (e, groups):
-                    return False
-                placed = (e, groups)
-        e, groups = placed
-        for arg in node.all_input_nodes:
-            if arg in self.shard:
-                continue
-            val = _val(arg)
-            at = rules.aligned_dim(n, e, val)
+    def _beside(self, node, entry, whole: list) -> bool:
+        """Whole operands beside sequence shards: one with the sequence (a rotary table, a mask's rows) is cut to
+        this rank's positions; one broadcast along it is read as it is. A write into a whole value is refused."""
+        for arg, at in whole:
             if at is None:
                 continue
-            if not _equal(_sizes(val)[at], _sizes(out_val)[e]):
-                return False
             if arg is node.args[0] and _mutates(node.target):
                 return self._refuse(node, f"writes this rank's positions into {arg.name}, which is whole: the "
                                           f"write would land in a copy; make the buffer from the sharded value "
                                           f"(x.new_empty, torch.empty_like)")
-            self._cut(node, arg, at, groups)
-        self._place(node, e, groups)
+            self._cut(node, arg, at, entry[1])
         return True
+
+    def _place_entry(self, node, entry, sources: list) -> None:
+        self._place(node, *entry)
 
     def _view_dim(self, in_val, out_val, dim, groups):
         """The output dim (and its sequences) of a shard through a view, or None: the sequence must stay whole

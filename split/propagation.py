@@ -18,6 +18,7 @@ placements), :meth:`_across` and :meth:`_partial`.
 """
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
 
 from tracepp.split import rules
@@ -64,6 +65,20 @@ class Propagation:
         """A reduction over the sharded dim leaves each rank a partial ``kind`` (``rules.partial_kind``)."""
         raise NotImplementedError
 
+    def _operands(self, node) -> list:
+        """The tensor operands of an elementwise op."""
+        return node.all_input_nodes
+
+    def _beside(self, node, entry, whole: list) -> bool:
+        """An elementwise op's whole operands beside its shards, ``(operand, its dim lined up with the shard)`` (None:
+        broadcast along it): what each becomes (cut to the rank's piece, read as it is, sharded with the value,
+        refused). False or a refusal where one cannot be placed."""
+        raise NotImplementedError
+
+    def _place_entry(self, node, entry, sources: list) -> None:
+        """``node`` placed at ``entry`` (``_entry``'s form), made from the sharded ``sources``."""
+        raise NotImplementedError
+
     # -- the rules every dimension shares (the sharded input is ``node.args[0]``)
     def _place_out(self, node, source, dim) -> None:
         """``node``'s output (or each of its outputs: values and indices) placed as ``source`` on ``dim``."""
@@ -72,6 +87,39 @@ class Propagation:
             self.items[node] = [self._entry(source, dim)] * len(out)
         else:
             self._carry(node, source, dim)
+
+    def _elementwise(self, node) -> bool:
+        """An elementwise op broadcasting its operands: the sharded ones must line up on one output dim, placed
+        alike (the same segments, the same sequences); every whole operand is lined up with that dim
+        (``rules.aligned_dim``) and must be as wide there as the output or broadcast along it, and the planner
+        says what it becomes (:meth:`_beside`)."""
+        out_val = rules.val(node)
+        if not isinstance(out_val, torch.Tensor):
+            return False
+        n = out_val.dim()
+        entry, sources = None, []
+        for arg in self._operands(node):
+            if arg in self.shard:
+                here = self._entry(arg, self._dim(arg) + n - rules.val(arg).dim())
+                if entry is not None and here != entry:
+                    return False
+                entry = here
+                sources.append(arg)
+        if entry is None:
+            return False
+        whole = []
+        for arg in self._operands(node):
+            val = rules.val(arg)
+            if arg in self.shard or not isinstance(val, torch.Tensor):
+                continue
+            at = rules.aligned_dim(n, entry[0], val)
+            if at is not None and not rules.equal(val.shape[at], out_val.shape[entry[0]]):
+                return False
+            whole.append((arg, at))
+        if not self._beside(node, entry, whole):
+            return False
+        self._place_entry(node, entry, sources)
+        return True
 
     def _move(self, node) -> bool:
         """transpose, permute, movedim, unsqueeze, squeeze, complex views: the shard follows its dim."""

@@ -14,7 +14,7 @@ import torch.fx as fx
 import tracepp.runtime.tensor_parallel  # noqa: F401  (registers torch.ops.tracepp.tp_*)
 from tracepp.split import rules, torch_rules
 from tracepp.split.propagation import Propagation
-from tracepp.split.rules import at as _at, equal as _equal, prod as _prod, sizes as _sizes, val as _val
+from tracepp.split.rules import at as _at, prod as _prod, sizes as _sizes, val as _val
 from tracepp.split.tp_contract import _ContractionRules, _swapped
 from tracepp.split.tp_cuts import _CutRules
 
@@ -367,7 +367,7 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
             self._carry(node, first)
             return True
         if target in rules.BINARY:
-            return self._elementwise(node, out_val)
+            return self._elementwise(node)
         if target in rules.MATMULS:
             return self._batched_matmul(node)
         if target is aten.baddbmm.default:
@@ -457,47 +457,35 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
         self.sums[node] = count if target is aten.mean.dim else None
         return True
 
-    def _elementwise(self, node, out_val) -> bool:
-        n = out_val.dim()
-        out_dim = segments = None
-        first = True
-        for arg in node.args:
-            if isinstance(arg, fx.Node) and arg in self.shard:
-                e = self.shard[arg] + n - _val(arg).dim()
-                if (out_dim is not None and out_dim != e) or (not first and self.segs.get(arg) != segments):
-                    return False
-                out_dim, segments, first = e, self.segs.get(arg), False
+    def _operands(self, node) -> list:
+        return [arg for arg in node.args if isinstance(arg, fx.Node)]
+
+    def _beside(self, node, entry, whole: list) -> bool:
+        """Whole operands beside tp shards: a weight as wide as the sharded dim is sharded with it; a value without
+        a gradient (a position table, a mask), or made from weights alone, or beside pieces of heads, is read at
+        its piece; a broadcast one is read as it is, its gradient summed over tp (``tp_copy``)."""
+        out_dim, segments = entry
+        n = _val(node).dim()
+        seq = self._kind_of(node.all_input_nodes) == "seq"
         broadcast, wide, cut = [], [], []
-        for arg in node.args:
-            if not isinstance(arg, fx.Node) or arg in self.shard:
-                continue
-            val = _val(arg)
-            if not isinstance(val, torch.Tensor):
-                continue
-            at = rules.aligned_dim(n, out_dim, val)
-            if at is not None:
-                if not _equal(val.shape[at], out_val.shape[out_dim]):
-                    return False
-                seq = self._kind_of(node.all_input_nodes) == "seq"
-                if self._param(arg) is not None and not seq:
-                    wide.append((arg, at))  # a weight as wide as the sharded dim: sharded with it
-                    continue
-                if (seq or not self.needs_grad.get(arg)) and self.groups_of(segments):
-                    cut.append((arg, at))  # a whole value beside pieces (a position table, a mask): its piece
-                    continue
-                if not seq and self._param_only(arg):
-                    cut.append((arg, at))  # made from weights alone (-exp(A_log), a bias per head): its piece
-                    continue
-                if not seq and self.groups_of(segments) and (out_dim < n - 1 or self._feeds_linear(node)):
-                    # one that carries a gradient, beside pieces of heads (CPM-Ant's learned position bias added
-                    # to the scores of each head) or gating a product on its way to a linear (Gemma's per-layer
-                    # inputs): its piece, the gradient pieces gathered back. Not the residual stream beside a
-                    # sharded output's features: that output is better made whole (a row-wise pair)
-                    cut.append((arg, at))
-                    continue
+        for arg, at in whole:
+            if at is None:
+                broadcast.append(arg)
+            elif self._param(arg) is not None and not seq:
+                wide.append((arg, at))  # a weight as wide as the sharded dim: sharded with it
+            elif (seq or not self.needs_grad.get(arg)) and self.groups_of(segments):
+                cut.append((arg, at))  # a whole value beside pieces (a position table, a mask): its piece
+            elif not seq and self._param_only(arg):
+                cut.append((arg, at))  # made from weights alone (-exp(A_log), a bias per head): its piece
+            elif not seq and self.groups_of(segments) and (out_dim < n - 1 or self._feeds_linear(node)):
+                # one that carries a gradient, beside pieces of heads (CPM-Ant's learned position bias added to the
+                # scores of each head) or gating a product on its way to a linear (Gemma's per-layer inputs): its
+                # piece, the gradient pieces gathered back. Not the residual stream beside a sharded output's
+                # features: that output is better made whole (a row-wise pair)
+                cut.append((arg, at))
+            else:
                 return self._refuse(node, f"{arg.name} is whole and as wide as the sharded dim of "
                                           f"{', '.join(a.name for a in node.all_input_nodes if a in self.shard)}")
-            broadcast.append(arg)
         for arg, at in wide:
             self._claim(node, arg, at, segments)
         for arg, at in cut:
@@ -506,6 +494,8 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
         for arg in broadcast:  # each rank sees its share of the sharded dim: the gradient is summed over tp
             if self.needs_grad.get(arg):
                 self.copies.append((node, arg))
-        self._place(node, out_dim, segments, self._origin_of(node.all_input_nodes),
-                    self._kind_of(node.all_input_nodes))
         return True
+
+    def _place_entry(self, node, entry, sources: list) -> None:
+        self._place(node, entry[0], entry[1], self._origin_of(node.all_input_nodes),
+                    self._kind_of(node.all_input_nodes))
