@@ -214,7 +214,7 @@ class _Walk(Propagation):
             return self._loss(node, sharded)
         if rules.is_pointwise(target):
             return self._elementwise(node)
-        if target in rules.VIEWS or target in (aten.flatten.using_ints, aten.unflatten.int):
+        if target in rules.VIEWS or target in rules.FLATTENS or target in rules.UNFLATTENS:
             return self._view(node, sharded)
         if target in rules.MOVES:
             return sharded == [node.args[0]] and self._move(node)
@@ -240,7 +240,7 @@ class _Walk(Propagation):
             return True
         if target in rules.SLICES or target in rules.CUTS:
             return self._slice(node, sharded)
-        if target in (aten.cat.default, aten.stack.default):
+        if target in rules.CATS or target in rules.STACKS:
             return self._cat(node, sharded)
         if target in rules.PARTIAL:
             return sharded == [node.args[0]] and self._reduce(node)
@@ -386,7 +386,7 @@ class _Walk(Propagation):
         parts = node.args[0]
         out_val = _val(node)
         at = rules.arg(node, 1, "dim", 0)
-        stack = node.target is aten.stack.default
+        stack = node.target in rules.STACKS
         at = at % out_val.dim() if stack else at % _val(parts[0]).dim()
         placed = {self.shard[p] for p in parts if p in self.shard}
         if len(placed) != 1:

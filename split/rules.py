@@ -134,8 +134,8 @@ LOSSES = {aten.cross_entropy_loss.default: (2, 3), aten.nll_loss.default: (2, 3)
 IGNORE_INDEX = {aten.cross_entropy_loss.default: 4, aten.nll_loss.default: 4, aten.nll_loss_nd.default: 4,
                 aten.nll_loss2d.default: 4}
 
-# tracepp's collectives (runtime/tensor_parallel.py, runtime/context_parallel.py)
-TP_COLLECTIVES = ("tp_copy", "tp_all_reduce", "tp_all_gather", "tp_scatter", "sp_all_gather", "sp_reduce_scatter")
+# context parallelism's ops along the sequence (runtime/context_parallel.py): tensor parallelism walks the graphs cp
+# rewrote, and a tp shard of another dim passes through them
 CP_COLLECTIVES = ("tracepp::cp_shard", "tracepp::cp_all_gather", "tracepp::cp_reduce_scatter",
                   "tracepp::cp_all_reduce")
 
@@ -143,11 +143,6 @@ CP_COLLECTIVES = ("tracepp::cp_shard", "tracepp::cp_all_gather", "tracepp::cp_re
 def is_pointwise(target) -> bool:
     """Elementwise: torch tags it pointwise, or it is one of the ops torch leaves untagged."""
     return target in _UNTAGGED_POINTWISE or torch.Tag.pointwise in getattr(target, "tags", ())
-
-
-def name_of(target) -> str:
-    """``aten.scaled_dot_product_attention.default``: the spelling ``plan_cost`` and the manifest key ops by."""
-    return str(target)
 
 
 # ---- where in the model's source
