@@ -42,22 +42,27 @@ import torch
 import torch.fx as fx
 
 import tracepp.runtime.expert_parallel  # noqa: F401  (registers torch.ops.tracepp.ep_*)
+from tracepp.split import rules
 from tracepp.split.cost import as_int, held_bytes, op_name, tensor_bytes
 from tracepp.split.naming import frames
 from tracepp.split.partition import listed_module, node_modules
 
 aten = torch.ops.aten
 GROUPED_MM = ("aten::_grouped_mm", "aten::grouped_mm", "transformers::grouped_mm_fallback", "tracepp::grouped_mm")
-_ROW_WISE = {  # ops a chain of expert matmuls may run between them: each row on its own (beside every op torch
-    #            tags pointwise: Nemotron-H's squared ReLU)
-    "aten::chunk", "aten::split", "aten::silu", "aten::gelu", "aten::relu", "aten::sigmoid", "aten::tanh",
-    "aten::mul", "aten::add", "aten::sub", "aten::div", "aten::neg", "aten::_to_copy", "aten::to", "aten::clamp",
-    "aten::clone", "aten::contiguous", "aten::_assert_tensor_metadata", "aten::alias", "aten::pow",
-    "aten::minimum", "aten::maximum", "aten::exp", "aten::erf", "aten::softplus", "_operator.getitem", "getitem",
-    "aten::add_", "aten::mul_", "aten::sub_", "aten::div_", "aten::clamp_", "aten::clamp_min", "aten::clamp_max",
-    "aten::type_as",
-    "aten::slice",  # of the features (GPT-OSS's interleaved gate and up: [..., ::2]), never of the rows
-}
+
+
+def _per_row(node) -> bool:
+    """``node`` computes each row on its own, so it may run between a block's expert matmuls on the rows' rank: an
+    elementwise op (torch's pointwise tag or ``split.rules``' families: Nemotron-H's squared ReLU), a cast, a
+    multi-output op's item, or a cut of another dim than the rows' (GPT-OSS's interleaved gate and up:
+    ``[..., ::2]``)."""
+    target = node.target
+    if (target is operator.getitem or target in rules.IGNORED or target in rules.KEEP or target in rules.UNARY
+            or target in rules.BINARY or rules.is_pointwise(target)):
+        return True
+    return (target in rules.SLICES or target in rules.CUTS) and rules.cut_dim(node) != 0
+
+
 _TORCH_DIR = os.path.dirname(torch.__file__)
 
 
@@ -107,7 +112,7 @@ def _val(node):
 # what a grouped matmul's expert weight operand may pass through from its parameter: the same weight, its expert
 # dim kept apart from the others (torchtitan: ``w.bfloat16().transpose(-2, -1)``, its weights stored [experts,
 # out, in] like one nn.Linear per expert)
-_WEIGHT_CASTS = ("aten::to", "aten::_to_copy", "aten::type_as", "aten::clone", "aten::contiguous", "aten::alias")
+_WEIGHT_CASTS = rules.CASTS | {aten.type_as.default}
 _ROW_CASTS = _WEIGHT_CASTS  # and what the rows may pass through into each grouped matmul (``x.bfloat16()``)
 
 
@@ -124,20 +129,11 @@ class ExpertWeight:
 def _expert_dim_before(node, dim: int):
     """The dim of ``node``'s input that is ``node``'s output dim ``dim``, when ``node`` is a cast or a view that
     moves whole dims (a transpose, a permute), else None."""
-    if op_name(node) in _WEIGHT_CASTS:
+    if node.target in _WEIGHT_CASTS:
         return dim
-    val = _val(node)
-    rank = val.dim() if isinstance(val, torch.Tensor) else None
-    if rank is None:
+    if node.target not in rules.TRANSPOSES or not isinstance(_val(node.args[0]), torch.Tensor):
         return None
-    if node.target is aten.transpose.int:
-        a, b = (int(d) % rank for d in node.args[1:3])
-        return b if dim == a else a if dim == b else dim
-    if node.target is aten.permute.default:
-        return int(node.args[1][dim]) % rank
-    if node.target in (aten.t.default, aten.numpy_T.default):
-        return rank - 1 - dim
-    return None
+    return next((d for d in range(_val(node.args[0]).dim()) if rules.moved_dim(node, d) == dim), None)
 
 
 def _weight(node, fqn_of: dict):
@@ -165,7 +161,7 @@ def _rows_of(matmuls: list):
         chain, node = [], matmul.args[0]
         while isinstance(node, fx.Node):
             chain.append(node)
-            if op_name(node) not in _ROW_CASTS or not isinstance(node.args[0], fx.Node):
+            if node.target not in _ROW_CASTS or not isinstance(node.args[0], fx.Node):
                 break
             node = node.args[0]
         chains.append(chain)
@@ -241,11 +237,10 @@ def _check_chain(block: MoEBlock) -> str:
         if op_name(node) == "aten::masked_fill" and _sentinel(node.args[1], block.num_experts):
             block.sentinel_fills.append(node)  # rows past the last offset: never dispatched, so a no-op there
             continue
-        pointwise = torch.Tag.pointwise in getattr(node.target, "tags", ())  # torch's own word: each element alone
-        if op_name(node) not in _ROW_WISE and str(node.target) not in _ROW_WISE and not pointwise:
+        if (node.target in rules.SLICES or node.target in rules.CUTS) and rules.cut_dim(node) == 0:
+            return f"{node.name} ({op_name(node)}) cuts the rows between the expert matmuls"
+        if not _per_row(node):
             return f"{node.name} ({op_name(node)}) runs between the expert matmuls and is not a per-row op"
-        if op_name(node) == "aten::slice" and (node.args[1] if len(node.args) > 1 else 0) % _val(node).dim() == 0:
-            return f"{node.name} (aten::slice) cuts the rows between the expert matmuls"
         outside = [u for u in node.users if u not in between and u is not last and not _checks_dtype_only(u)]
         if outside:
             return (f"{node.name} ({op_name(node)}){_at(node)} runs on the rows between the expert matmuls and is "

@@ -36,7 +36,7 @@ aten = torch.ops.aten
 
 IGNORED = {aten._assert_tensor_metadata.default}
 CASTS = {  # one tensor in, the same values (or a copy) out
-    aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default, aten.clone.default,
+    aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten.to.other, aten._to_copy.default, aten.clone.default,
     aten.contiguous.default, aten.alias.default, aten.detach.default, aten.lift_fresh_copy.default,
 }
 DROPOUTS = {aten.dropout.default, aten.bernoulli.p, aten.feature_dropout.default}
@@ -237,8 +237,10 @@ def moved_dim(node, dim: int, ranks: int = 1):
     if target is aten.transpose.int:
         a, b = (d % ndim for d in node.args[1:3])
         return b if dim == a else a if dim == b else dim
-    if target in (aten.t.default, aten.numpy_T.default):
+    if target is aten.t.default:  # swaps a matrix's two dims (a vector's one stays)
         return ndim - 1 - dim if ndim == 2 else dim
+    if target is aten.numpy_T.default:  # reverses every dim
+        return ndim - 1 - dim
     if target is aten.permute.default:
         return [d % ndim for d in node.args[1]].index(dim)
     if target is aten.movedim.int:

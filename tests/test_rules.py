@@ -54,6 +54,7 @@ MOVES = [
     (aten.movedim.int, (0, 2), {}),
     (aten.unsqueeze.default, (2,), {}),
     (aten.unsqueeze.default, (-1,), {}),
+    (aten.numpy_T.default, (), {}),
 ]
 
 
