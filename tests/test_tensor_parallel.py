@@ -605,3 +605,24 @@ def test_per_head_weights_of_a_batched_matmul_shard_with_their_heads(monkeypatch
     for gate in ("input_gate_weight", "recurrent_gate_weight"):
         assert params[prefix + "rg_lru." + gate]["dim"] == 0, params[prefix + "rg_lru." + gate]
     assert not any("baddbmm" in reason for stage in manifest["tp"]["stages"] for reason in stage["replicated"])
+
+
+@pytest.mark.parametrize("microbatches", [4, 2])  # microbatch sizes 1 and 2
+def test_keys_tiled_to_the_query_heads_shard_the_query_heads_that_read_them(microbatches):
+    # x-transformers' grouped-query attention: key/value heads tiled by einops' repeat('b kvh n d -> b (r kvh) n d'),
+    # so query head i reads key/value head i % 2. Each rank holds one key/value head and the query heads that read
+    # it ({r, r + 2}: to_q's output features in two segments, a piece of each), through the interleaved rotary's
+    # stack; the key/value projections were whole (0.906 of each stage), every query head reading every key
+    path = model_path("tp_tiled_kv_einsum")
+    manifest = check_model(path, num_microbatches=microbatches, layout=Layout(pp=2, tp=2))
+    params = manifest["tp"]["params"]
+    for layer in range(2):
+        attn = f"transformer.h.{layer}.attn."
+        assert params[attn + "to_q.weight"] == {"dim": 0, "role": "colwise", "segments": [32, 32]}
+        assert params[attn + "to_k.weight"] == params[attn + "to_v.weight"] == {"dim": 0, "role": "colwise"}
+        assert params[attn + "to_out.weight"] == {"dim": 1, "role": "rowwise", "segments": [32, 32]}
+    assert all(stage["share"]["params"] >= 0.99 for stage in manifest["tp"]["stages"]), manifest["tp"]["stages"]
+    assert manifest["tp"]["verified"]["status"] == "verified", manifest["tp"]["verified"]
+    # Megatron's bytes: an all-reduce of [b, s, h] after the attention and one after the MLP, forward and backward
+    layers = [figures for stage in manifest["tp"]["stages"] for figures in stage["layers"].values()]
+    assert layers and all(megatron is not None and moved <= megatron for moved, megatron in layers), layers
