@@ -626,3 +626,20 @@ def test_keys_tiled_to_the_query_heads_shard_the_query_heads_that_read_them(micr
     # Megatron's bytes: an all-reduce of [b, s, h] after the attention and one after the MLP, forward and backward
     layers = [figures for stage in manifest["tp"]["stages"] for figures in stage["layers"].values()]
     assert layers and all(megatron is not None and moved <= megatron for moved, megatron in layers), layers
+
+
+def test_mla_down_projection_whose_latent_a_norm_needs_whole_is_gathered():
+    # torchtitan's MLA: kv_norm is nn.RMSNorm (F.rms_norm, one op), which needs the latent whole, so the walk's first
+    # plan kept wkv_a whole and never saw a low-rank pair (transformers' DeepSeek-V3 writes its norm as a mean of
+    # squares: partial sums, a row-wise kv_b_proj, a pair). A whole narrowing linear whose latent reaches a
+    # column-wise widening one is tried gathered as the pairs are: wkv_a column-wise, its latent all-gathered
+    manifest, params = _params(model_path("tp_mla_rms_norm"))
+    for layer in range(2):
+        attn = f"layers.{layer}.attention."
+        assert params[attn + "wkv_a.weight"]["role"] == "colwise" and "low-rank" in params[attn + "wkv_a.weight"]["why"]
+        assert params[attn + "wkv_b.weight"] == params[attn + "wq.weight"] == {"dim": 0, "role": "colwise"}
+        assert params[attn + "wo.weight"] == {"dim": 1, "role": "rowwise"}
+    assert all(stage["share"]["params"] >= 0.99 for stage in manifest["tp"]["stages"]), manifest["tp"]["stages"]
+    assert manifest["tp"]["verified"]["status"] == "verified", manifest["tp"]["verified"]
+    gathers = [c for stage in manifest["tp"]["stages"] for c in stage["collectives"] if c["op"] == "all_gather"]
+    assert [c["shape"][1:] for c in gathers if c["shape"][-1] == "40"] == [["8", "40"]] * 2  # a latent a layer
