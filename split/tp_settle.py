@@ -228,6 +228,8 @@ def _low_rank(walk: _Walk) -> list:
 
 
 _THROUGH_WHOLE = 12  # ops from a whole down-projection to the up-projection that reads its latent, at most
+_WHOLE_PATH = (rules.SPLITS | rules.SLICES | set(rules.NORMS) | rules.UNARY | rules.BINARY | rules.VIEWS
+               | rules.REDUCTIONS_BY_DIM)  # what may come between them (cuts, norms, casts, elementwise ops, views)
 
 
 def _whole_low_rank(walk: _Walk, forced: dict) -> list:
@@ -242,9 +244,9 @@ def _whole_low_rank(walk: _Walk, forced: dict) -> list:
         form = walk._linear_form(node) if node.op == "call_function" else None
         if form is None or node in walk.roles or node in walk.shard or _val(form[1]).dim() != 2:
             continue
-        x, weight, _b, out_dim = form
+        _x, weight, _b, out_dim = form
         fqn, shape = walk._param(weight), _val(weight).shape
-        if fqn is None or fqn in forced or x is weight or not _ints(list(shape)) or int(shape[out_dim]) % walk.tp:
+        if fqn is None or fqn in forced or not _ints(list(shape)) or int(shape[out_dim]) % walk.tp:
             continue
         inp, outp = int(shape[1 - out_dim]), int(shape[out_dim])
         if outp >= inp:
@@ -262,9 +264,7 @@ def _whole_low_rank(walk: _Walk, forced: dict) -> list:
                         upshape = _val(up[1]).shape
                         if int(upshape[up[3]]) > int(upshape[_in_dim(_val(up[1]), up[3])]):
                             ups.add(walk._param(up[1]))
-                    elif user not in walk.shard and (user.target is operator.getitem or user.target in rules.SPLITS or user.target in rules.SLICES
-                          or user.target in rules.NORMS or user.target in rules.UNARY or user.target in rules.BINARY
-                          or user.target in rules.VIEWS or user.target in rules.REDUCTIONS_BY_DIM):
+                    elif user not in walk.shard and (user.target in _WHOLE_PATH or user.target is operator.getitem):
                         after.append(user)
             frontier = after
         if ups:
