@@ -349,6 +349,9 @@ class _ContractionRules:
         if any(spec.count(label) > 1 for spec in specs):
             return False  # a diagonal
         apart = [arg for spec, arg in sharded if spec[self.shard[arg]] != label or self.segs.get(arg) != segs]
+        for arg in apart:
+            if specs[operands.index(arg)][self.shard[arg]] == label:
+                self._tiled_heads(anchor, arg)
         e, size = output.index(label), _val(node).shape[output.index(label)]
         reads, claims = [], []
         for spec, arg in zip(specs, operands):
@@ -371,6 +374,26 @@ class _ContractionRules:
         self._read_whole(node, reads, self.groups_of(segs))
         self._place(node, e, segs, self._origin_of([a for a in operands if a in self.shard and a not in apart]))
         return True
+
+    def _tiled_heads(self, a, b) -> None:
+        """``a`` and ``b`` sharded on the same heads, one of them in equal segments, the other in none: keys and
+        values tiled to the query heads by einops' ``repeat(t, 'b h n d -> b (r h) n d')`` (x-transformers: query
+        head i reads key/value head i % h), their ``h`` heads sharded, so each of the ``r`` copies is a segment.
+        The projections of the one without segments are asked for the other's (in their output features: each
+        head's features are one ``rest`` wide), learned and walked again: rank r then holds the query heads that
+        read its key/value heads (heads {i : i % h in its block}), and the attention runs on them."""
+        if bool(self.segs.get(a)) == bool(self.segs.get(b)):
+            return
+        plain, tiled = (a, b) if self.segs.get(b) else (b, a)
+        segments, heads = self.segs[tiled], _val(plain).shape[self.shard[plain]]
+        origin = self.origin.get(plain, frozenset())
+        if (not origin or not self.groups_of(segments) or not _ints([heads] + list(segments))
+                or sum(int(s) for s in segments) != int(heads)
+                or any(not self.out_features.get(f) or self.out_features[f] % int(heads) for f in origin)):
+            return
+        for fqn in origin:
+            rest = self.out_features[fqn] // int(heads)
+            self.wants.setdefault(fqn, set()).update(p * rest for p in rules.boundaries(segments))
 
     def _unplace(self, node) -> bool:
         """Undo a placement made before a later check failed (the edits recorded for ``node`` dropped)."""

@@ -4,6 +4,7 @@ whole) stops changing, and the trials that keep the cheaper of two valid plans (
 from __future__ import annotations
 
 import fnmatch
+import operator
 
 import torch
 
@@ -227,6 +228,54 @@ def _low_rank(walk: _Walk) -> list:
     return out
 
 
+_THROUGH_WHOLE = 12  # ops from a whole down-projection to the up-projection that reads its latent, at most
+_WHOLE_PATH = (rules.SPLITS | rules.SLICES | set(rules.NORMS) | rules.UNARY | rules.BINARY | rules.VIEWS
+               | rules.REDUCTIONS_BY_DIM)  # what may come between them (cuts, norms, casts, elementwise ops, views)
+
+
+def _whole_low_rank(walk: _Walk, forced: dict) -> list:
+    """Low-rank pairs whose down-projection the plan keeps whole because its output is needed whole (by a norm
+    over the latent that has no rule for partial sums: torchtitan's MLA, ``kv_norm`` an ``F.rms_norm`` of
+    ``wkv_a(x)``'s latent), in :func:`_low_rank`'s form: a linear of a 2-D weight that narrows, replicated by
+    the plan (not by the model file's ``tp_plan``: ``forced``), whose output reaches, through whole values
+    (cuts, casts, norms, elementwise ops and views), the input of a column-wise linear that widens. Gathered, it
+    is column-wise with its latent all-gathered right after it, as :func:`settle` tries for the others."""
+    out = []
+    for node in walk.graph.nodes:
+        form = walk._linear_form(node) if node.op == "call_function" else None
+        if form is None or node in walk.roles or node in walk.shard or _val(form[1]).dim() != 2:
+            continue
+        _x, weight, _b, out_dim = form
+        fqn, shape = walk._param(weight), _val(weight).shape
+        if fqn is None or fqn in forced or not _ints(list(shape)) or int(shape[out_dim]) % walk.tp:
+            continue
+        inp, outp = int(shape[1 - out_dim]), int(shape[out_dim])
+        if outp >= inp:
+            continue
+        ups, frontier, seen = set(), [node], {node}
+        for _depth in range(_THROUGH_WHOLE):
+            after = []
+            for value in frontier:
+                for user in value.users:
+                    if user in seen:
+                        continue
+                    seen.add(user)
+                    up = walk._linear_form(user) if walk.roles.get(user) == "colwise" else None
+                    if up is not None and up[0] is value:
+                        upshape = _val(up[1]).shape
+                        if int(upshape[up[3]]) > int(upshape[_in_dim(_val(up[1]), up[3])]):
+                            ups.add(walk._param(up[1]))
+                    elif user not in walk.shard and (user.target in _WHOLE_PATH or user.target is operator.getitem):
+                        after.append(user)
+            frontier = after
+        if ups:
+            up = sorted(ups)[0]
+            out.append(({fqn: f"a low-rank down-projection ({inp} -> {outp} features) before {up} widens again: "
+                               f"column-wise, its {outp} output features all-gathered, so that {up} shards the heads "
+                               f"it makes"}, ups))
+    return out
+
+
 def settle(graphs: list, tp: int, notes: dict, fused: dict = None, sequence=None, mixed: dict = None,
            gathered: dict = None, begins: dict = None) -> tuple:
     """:func:`_settle`, then, where it sharded low-rank pairs (:func:`_low_rank`), the same with the
@@ -254,11 +303,11 @@ def _settle_trials(graphs: list, tp: int, notes: dict, fused: dict, sequence, mi
     kept, tried = {}, set()
     while True:  # a kept kind can turn other layers' pairs into low-rank ones (DeepSeek-V3.2): found, tried again
         kinds: dict = {}  # the pair's modules with layer numbers starred -> ({down fqn: why}, {up fqns})
-        for walk in best[0]:
-            for downs, ups in _low_rank(walk):
+        for walk in best[0]:  # sharded as pairs, or whole where the latent is needed whole (torchtitan's MLA)
+            for downs, ups in _low_rank(walk) + _whole_low_rank(walk, start[0]):
                 key = tuple(starred(fqn) for fqn in downs)
                 entry = kinds.setdefault(key, ({}, set()))
-                entry[0].update({f: w for f, w in downs.items() if f not in notes and f not in tried})
+                entry[0].update({f: w for f, w in downs.items() if f not in start[0] and f not in tried})
                 entry[1].update(ups)
         pending = [(downs, ups) for downs, ups in kinds.values() if downs]
         if not pending:

@@ -272,17 +272,20 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
     def _by_torch(self, node, sharded) -> bool:
         """An op the rules here do not place, placed by torch's own sharding rule for it (DTensor's propagator,
         ``split/torch_rules.py``): the output sharded as it says, or a partial sum made whole by an all-reduce; a
-        whole input that carries no gradient is read at its piece. Values with segments or sequence shards are
-        not asked about (torch's placements cannot say what they are)."""
-        if self._kind_of(sharded) != "tp" or any(a in self.segs for a in sharded):
+        whole input that carries no gradient is read at its piece. Sequence shards are not asked about; values in
+        equal segments (query heads tiled to their key/value heads) only where every sharded input has the same
+        ones and the op keeps the sharded dim's size, so each index is its own (a stack of head-local slices)."""
+        segs = {self.segs.get(a) for a in sharded}
+        segs = next(iter(segs)) if len(segs) == 1 else ()
+        if self._kind_of(sharded) != "tp" or segs == () or not self.groups_of(segs):
             return False
         contraction = node.target in rules.CONTRACTIONS  # a whole operand read at its piece: its gradient joined
         ruling = torch_rules.ask(node, {a: self.shard[a] for a in sharded}, self.tp,
                                  lambda arg: (contraction or not self.needs_grad.get(arg)) and self._param(arg) is None)
-        if ruling is None:
+        if ruling is None or (segs and not self._keeps_segments(node, sharded, ruling)):
             return False
         for arg, dim in ruling.scatter.items():
-            self.scatters.append((node, arg, dim, 1))
+            self.scatters.append((node, arg, dim, self.groups_of(segs)))
             self._claimed.add((node, arg))
         for arg in node.all_input_nodes:  # a whole input beside pieces: its gradient is summed over tp
             if arg not in self.shard and arg not in ruling.scatter and self.needs_grad.get(arg):
@@ -292,11 +295,20 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
             self.sums[node] = None
             return True
         if isinstance(ruling.out, list):
-            self.items[node] = [(d, None) if d is not None else None for d in ruling.out]
-            self._place(node, next(d for d in ruling.out if d is not None), None, origin)
+            self.items[node] = [(d, segs) if d is not None else None for d in ruling.out]
+            self._place(node, next(d for d in ruling.out if d is not None), segs, origin)
         else:
-            self._place(node, ruling.out, None, origin)
+            self._place(node, ruling.out, segs, origin)
         return True
+
+    def _keeps_segments(self, node, sharded, ruling) -> bool:
+        """Torch's ruling for inputs in segments keeps them: no partial result, and every sharded output as wide
+        on its dim as the inputs on theirs."""
+        size = _val(sharded[0]).shape[self.shard[sharded[0]]]
+        outs = ruling.out if isinstance(ruling.out, list) else [ruling.out]
+        vals = _val(node) if isinstance(ruling.out, list) else [_val(node)]
+        return not ruling.partial and all(_equal(_val(a).shape[self.shard[a]], size) for a in sharded) and all(
+            d is None or (isinstance(v, torch.Tensor) and _equal(v.shape[d], size)) for d, v in zip(outs, vals))
 
     def _alias(self, node) -> bool:
         """A transpose of a 2-D parameter's dims or of a 3-D one's last two (``W.T`` in ``x @ W.T``, experts'

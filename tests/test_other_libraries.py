@@ -17,6 +17,10 @@
 * attention spelled as ``baddbmm`` with an ALiBi bias (BLOOM's spelling, and the paper's per query and key): ``--cp 2``
   places it and trains equal to eager (it was refused, "baddbmm ... mixes the positions of the sequence": the walk
   had no rule for ``baddbmm``);
+* x-transformers' keys tiled to the query heads by einops' ``repeat`` (``tests/models/tp_tiled_kv_einsum.py``) and
+  torchtitan's MLA latent normalised by ``F.rms_norm`` (``tests/models/tp_mla_rms_norm.py``): ``--tp 2`` shards every
+  projection and trains equal to eager (the key/value projections and ``wkv_a`` were whole: 0.66 and 0.91 of each
+  layer in the study);
 * rotary positions as torchtitan applies them (``view_as_complex``, a complex ``freqs_cis`` buffer): ``--cp 2``
   trains equal to eager (it was refused: "view_as_complex ... mixes the positions of the sequence");
 * learned positions from ``torch.arange(0, t, dtype=torch.long)`` (nanoGPT's, minGPT's): ``--cp 2`` trains equal to
@@ -145,6 +149,17 @@ def test_fused_qkv_llama_tp2_trains_equal_to_eager(tmp_path):
     out = str(tmp_path / "out")
     split_model(FUSED, out, schedule="looped-bfs", num_microbatches=4, layout=Layout(pp=1, tp=2))
     _train_against_eager(FUSED, out, 2, tmp_path)
+
+
+@pytest.mark.parametrize("name", ["tp_tiled_kv_einsum", "tp_mla_rms_norm"])
+def test_tiled_keys_and_a_gathered_norm_latent_tp2_train_equal_to_eager(name, tmp_path):
+    # x-transformers' keys tiled to the query heads (the query projection in segments, rank r holding the query
+    # heads that read its key/value heads) and torchtitan's MLA latent under F.rms_norm (wkv_a column-wise, its
+    # latent all-gathered): both plans shard every projection (tests/test_tensor_parallel.py), and train as eager
+    path = model_path(name)
+    out = str(tmp_path / "out")
+    split_model(path, out, schedule="looped-bfs", num_microbatches=4, layout=Layout(pp=1, tp=2))
+    _train_against_eager(path, out, 2, tmp_path)
 
 
 def test_alibi_baddbmm_attention_cp2_trains_equal_to_eager(tmp_path):

@@ -605,3 +605,41 @@ def test_per_head_weights_of_a_batched_matmul_shard_with_their_heads(monkeypatch
     for gate in ("input_gate_weight", "recurrent_gate_weight"):
         assert params[prefix + "rg_lru." + gate]["dim"] == 0, params[prefix + "rg_lru." + gate]
     assert not any("baddbmm" in reason for stage in manifest["tp"]["stages"] for reason in stage["replicated"])
+
+
+@pytest.mark.parametrize("microbatches", [4, 2])  # microbatch sizes 1 and 2
+def test_keys_tiled_to_the_query_heads_shard_the_query_heads_that_read_them(microbatches):
+    # x-transformers' grouped-query attention: key/value heads tiled by einops' repeat('b kvh n d -> b (r kvh) n d'),
+    # so query head i reads key/value head i % 2. Each rank holds one key/value head and the query heads that read
+    # it ({r, r + 2}: to_q's output features in two segments, a piece of each), through the interleaved rotary's
+    # stack; the key/value projections were whole (0.906 of each stage), every query head reading every key
+    path = model_path("tp_tiled_kv_einsum")
+    manifest = check_model(path, num_microbatches=microbatches, layout=Layout(pp=2, tp=2))
+    params = manifest["tp"]["params"]
+    for layer in range(2):
+        attn = f"transformer.h.{layer}.attn."
+        assert params[attn + "to_q.weight"] == {"dim": 0, "role": "colwise", "segments": [32, 32]}
+        assert params[attn + "to_k.weight"] == params[attn + "to_v.weight"] == {"dim": 0, "role": "colwise"}
+        assert params[attn + "to_out.weight"] == {"dim": 1, "role": "rowwise", "segments": [32, 32]}
+    assert all(stage["share"]["params"] >= 0.99 for stage in manifest["tp"]["stages"]), manifest["tp"]["stages"]
+    assert manifest["tp"]["verified"]["status"] == "verified", manifest["tp"]["verified"]
+    # Megatron's bytes: an all-reduce of [b, s, h] after the attention and one after the MLP, forward and backward
+    layers = [figures for stage in manifest["tp"]["stages"] for figures in stage["layers"].values()]
+    assert layers and all(megatron is not None and moved <= megatron for moved, megatron in layers), layers
+
+
+def test_mla_down_projection_whose_latent_a_norm_needs_whole_is_gathered():
+    # torchtitan's MLA: kv_norm is nn.RMSNorm (F.rms_norm, one op), which needs the latent whole, so the walk's first
+    # plan kept wkv_a whole and never saw a low-rank pair (transformers' DeepSeek-V3 writes its norm as a mean of
+    # squares: partial sums, a row-wise kv_b_proj, a pair). A whole narrowing linear whose latent reaches a
+    # column-wise widening one is tried gathered as the pairs are: wkv_a column-wise, its latent all-gathered
+    manifest, params = _params(model_path("tp_mla_rms_norm"))
+    for layer in range(2):
+        attn = f"layers.{layer}.attention."
+        assert params[attn + "wkv_a.weight"]["role"] == "colwise" and "low-rank" in params[attn + "wkv_a.weight"]["why"]
+        assert params[attn + "wkv_b.weight"] == params[attn + "wq.weight"] == {"dim": 0, "role": "colwise"}
+        assert params[attn + "wo.weight"] == {"dim": 1, "role": "rowwise"}
+    assert all(stage["share"]["params"] >= 0.99 for stage in manifest["tp"]["stages"]), manifest["tp"]["stages"]
+    assert manifest["tp"]["verified"]["status"] == "verified", manifest["tp"]["verified"]
+    gathers = [c for stage in manifest["tp"]["stages"] for c in stage["collectives"] if c["op"] == "all_gather"]
+    assert [c["shape"][1:] for c in gathers if c["shape"][-1] == "40"] == [["8", "40"]] * 2  # a latent a layer

@@ -143,6 +143,45 @@ class SeparateAttention(nn.Module):
         return self.to_out(out.transpose(1, 2).reshape(B, T, HEADS * HEAD_DIM))
 
 
+def rotate_half_interleaved(x):
+    """x-transformers' ``rotate_half``: the head dim read as pairs (``'... (d r) -> ... d r'``), each pair turned by
+    ``stack((-x2, x1), dim=-1)`` and flattened back."""
+    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(dim=-1)
+    return torch.stack((-x2, x1), dim=-1).flatten(-2)
+
+
+def apply_rotary_interleaved(t, freqs):
+    """x-transformers' ``apply_rotary_pos_emb``: partial rotary (the first ``freqs.shape[-1]`` features of each head),
+    the rest joined back with ``cat``."""
+    rot = freqs.shape[-1]
+    t, rest = t[..., :rot], t[..., rot:]
+    return torch.cat((t * freqs.cos() + rotate_half_interleaved(t) * freqs.sin(), rest), dim=-1)
+
+
+class TiledAttention(SeparateAttention):
+    """x-transformers' Attention and Attend as export records them: the key/value heads tiled to the query heads by
+    einops' ``repeat(t, 'b kvh n d -> b (r kvh) n d')``, which is ``unsqueeze(1)``, ``expand`` over ``r`` and a
+    ``reshape`` merging ``(r kvh)`` (query head i reads key/value head i % kvh), interleaved partial rotary on the
+    heads (``rotate_half``'s ``stack``), the scores and the output as ``einsum``."""
+
+    def forward(self, x, cos, sin):
+        B, T, _ = x.shape
+        q = self.to_q(x).view(B, T, HEADS, HEAD_DIM).transpose(1, 2)
+        k = self.to_k(x).view(B, T, self.kv_heads, HEAD_DIM).transpose(1, 2)
+        v = self.to_v(x).view(B, T, self.kv_heads, HEAD_DIM).transpose(1, 2)
+        t = torch.arange(T, dtype=torch.float32)
+        inv_freq = 1.0 / (10000 ** (torch.arange(0, HEAD_DIM // 2, 2).float() / (HEAD_DIM // 2)))
+        freqs = torch.stack((torch.outer(t, inv_freq),) * 2, dim=-1).flatten(-2)  # [T, HEAD_DIM // 2]
+        q, k = apply_rotary_interleaved(q, freqs), apply_rotary_interleaved(k, freqs)
+        r = HEADS // self.kv_heads
+        k, v = (t.unsqueeze(1).expand(-1, r, -1, -1, -1).reshape(B, HEADS, T, HEAD_DIM) for t in (k, v))
+        sim = torch.einsum("b h i d, b h j d -> b h i j", q, k) * HEAD_DIM ** -0.5
+        causal = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)
+        attn = sim.masked_fill(causal, -torch.finfo(sim.dtype).max).softmax(dim=-1)
+        out = torch.einsum("b h i j, b h j d -> b h i d", attn, v)
+        return self.to_out(out.transpose(1, 2).reshape(B, T, HEADS * HEAD_DIM))
+
+
 class SwiGLU(nn.Module):
     """lit-gpt's LLaMAMLP."""
 
