@@ -14,7 +14,7 @@ import torch.fx as fx
 import tracepp.runtime.tensor_parallel  # noqa: F401  (registers torch.ops.tracepp.tp_*)
 from tracepp.split import rules, torch_rules
 from tracepp.split.propagation import Propagation
-from tracepp.split.rules import at as _at, prod as _prod, sizes as _sizes, val as _val
+from tracepp.split.rules import at as _at, equal as _equal, prod as _prod, sizes as _sizes, val as _val
 from tracepp.split.tp_contract import _ContractionRules, _swapped
 from tracepp.split.tp_cuts import _CutRules
 
