@@ -19,9 +19,10 @@ before the rewrite, forward and backward. The interpreter, the inputs and the co
   took, with the runtime's ``_STATE`` set to the rank), and the ``dist.all_to_all_single`` they call is answered
   across the group (each rank's rows cut by its send splits, every rank's receive splits checked against what its
   peers send: a mismatch a real job would hang or fail on is a mismatch here). Each is an autograd function over
-  the group whose backward is the runtime's own: the op's registered backward run per rank (dispatch's: a combine
-  of the gradient, combine's: a dispatch of it), its all-to-all answered the same way. ``tracepp.grouped_mm`` runs
-  the runtime's loop (torch's kernel takes no float64), ``tracepp.ep_expert_ids`` the runtime's op.
+  the group whose backward is the runtime's own: the op's registered backward run per rank on the graph its
+  forward left (dispatch's: a combine of the gradient, combine's: a dispatch of it), its all-to-all answered the
+  same way. ``tracepp.grouped_mm`` runs the runtime's loop (torch's kernel takes no float64),
+  ``tracepp.ep_expert_ids`` the runtime's op.
 * **Parameters.** Each rank holds what the runtime loads: its experts of each expert weight and bias, cut by the
   runtime's ``expert_parallel.piece_for`` (after ``tensor_parallel.shard`` with --tp, as ``runtime/pipeline.py``
   chains them); every other parameter whole (its tp piece).
@@ -80,8 +81,8 @@ class Grid:
     def __init__(self, layout):
         self.tp, self.ep, self.cp = layout.tp, layout.ep, layout.cp
         if self.cp > 1 and self.cp % self.ep:
-            raise NotVerified(f"--ep {self.ep} takes its group from {self.ep // self.cp if self.ep > self.cp else 1} "
-                              f"replicas' --cp {self.cp} ranks: a group across replicas is not simulated here")
+            raise NotVerified(f"--ep {self.ep} groups span the --cp {self.cp} ranks of several replicas (ep does not "
+                              f"divide cp): a group across replicas is not simulated here")
         self.outer = self.ep if self.cp == 1 else self.cp
         self.count = self.tp * self.outer
         self.groups = [[(first + e) * self.tp + t for e in range(self.ep)]
@@ -170,20 +171,10 @@ def _spmd(fns: list) -> list:
         known.append(_all_to_all(pending))
 
 
-def _runtime_backward(op, inputs: list, rest: list, grads: list, index: int = 0) -> list:
-    """Per rank, the gradient of ``op``'s first input as its registered backward computes it (the op run again on
-    the rank's values, then backward, its all-to-alls answered across the group)."""
-    def one(k):
-        x = inputs[k].detach().requires_grad_()
-        with torch.enable_grad():
-            out = op(x, *rest[k])
-            out = out[index] if isinstance(out, (tuple, list)) else out
-            return torch.autograd.grad(out, x, grads[k])[0]
-    return _spmd([functools.partial(one, k) for k in range(len(inputs))])
-
-
 def _simulations(grid: Grid) -> dict:
-    """``verify.run``'s ``extra``: the expert-parallel ops over ``grid``'s ep groups."""
+    """``verify.run``'s ``extra``: the expert-parallel ops over ``grid``'s ep groups. Dispatch and combine run the
+    runtime's op per rank (with autograd, on a leaf of the rank's rows); their backward is the op's registered
+    backward on that graph, its all-to-alls answered across the group as the forward's were."""
     def per_rank(node, at):
         return [fx.node.map_aggregate(node.args, at(i)) for i in range(grid.count)]
 
@@ -193,12 +184,22 @@ def _simulations(grid: Grid) -> dict:
             rows, rest, made = [args[i][0] for i in group], [tuple(args[i][1:]) for i in group], {}
 
             def forward(xs, rest=rest, made=made):
-                results = _spmd([functools.partial(op, x, *r) for x, r in zip(xs, rest)])
-                made["results"] = results
-                return [r[0] if first_only else r for r in results]
+                leaves = [x.detach().requires_grad_(x.requires_grad) for x in xs]
 
-            def backward(gs, rows=rows, rest=rest):
-                return _runtime_backward(op, rows, rest, gs)
+                def one(k):
+                    with torch.enable_grad():
+                        return op(leaves[k], *rest[k])
+
+                made["leaves"], made["results"] = leaves, _spmd([functools.partial(one, k) for k in range(len(xs))])
+                return [(r[0] if first_only else r).detach() for r in made["results"]]
+
+            def backward(gs, made=made):
+                def one(k):  # again on each pass of _spmd: the graph kept
+                    out = made["results"][k][0] if first_only else made["results"][k]
+                    if not out.requires_grad:
+                        return torch.zeros_like(made["leaves"][k])
+                    return torch.autograd.grad(out, made["leaves"][k], gs[k], retain_graph=True)[0]
+                return _spmd([functools.partial(one, k) for k in range(len(gs))])
 
             moved = _across(rows, forward, backward)
             for k, i in enumerate(group):
