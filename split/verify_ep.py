@@ -358,7 +358,7 @@ def _backward_difference(label, rewritten, env, ref_env, places, grid):
                 what = f"the gradient of {source.name} on ep rank {grid.ep_rank(i)} ({node.name}'s backward)"
             else:
                 want = ref_env[source.name][i].grad
-                what = f"the gradient of {source.name} ({node.name}'s backward)"
+                what = f"the gradient of {source.name} on ep rank {grid.ep_rank(i)} ({node.name}'s backward)"
             if have is None or want is None:
                 break
             found = _differs(have, want)
@@ -475,8 +475,8 @@ def _stage(graph, stage, original, blocks, grid, ep_plan, tp_params, fqn_of, tra
             for value in env.get(name, []):
                 if isinstance(value, torch.Tensor) and value.requires_grad:
                     value.retain_grad()
-        pairs = [(results[i][index], seed) for i in range(grid.count) for index, seed in enumerate(seeds[i])
-                 if seed is not None and isinstance(results[i][index], torch.Tensor) and results[i][index].requires_grad]
+        pairs = [(out, seed) for i in range(grid.count) for out, seed in zip(results[i], seeds[i])
+                 if seed is not None and isinstance(out, torch.Tensor) and out.requires_grad]
         if pairs:
             torch.autograd.backward([o for o, _g in pairs], [g for _o, g in pairs])
         mismatch = _gradients(stage, placeholders, ranked, leaves, inputs, fqn_of, ep_plan, grid)
