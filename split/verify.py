@@ -287,10 +287,12 @@ def _grouped_mm(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
 _FLOAT64_OPS = {torch.ops.aten._grouped_mm.default: _grouped_mm}  # ops whose kernels take no float64
 
 
-def run(g: fx.Graph, inputs: list, size: int, cp: int = 1) -> dict:
+def run(g: fx.Graph, inputs: list, size: int, cp: int = 1, extra: dict = None) -> dict:
     """Interpret ``g`` with every value a list of ``size x cp`` per-rank values (tp rank t of cp rank c at
-    ``c * size + t``: each collective over its own group); ``inputs``: per placeholder such a list. Returns {node
-    name: list}. An op that raises carries its node and the values so far (``verify_node``, ``verify_env``)."""
+    ``c * size + t``: each collective over its own group); ``inputs``: per placeholder such a list. ``extra``: tracepp
+    op name -> ``simulate(node, at) -> list`` for ops simulated elsewhere (``at(r)``: a node's rank-r value; the
+    expert-parallel ops, ``split/verify_ep.py``). Returns {node name: list}. An op that raises carries its node and
+    the values so far (``verify_node``, ``verify_env``)."""
     env: dict = {}
     placeholders = iter(inputs)
     count = size * cp
@@ -313,7 +315,7 @@ def run(g: fx.Graph, inputs: list, size: int, cp: int = 1) -> dict:
 
     for node in g.nodes:
         try:
-            _step(node, env, at, over, placeholders, size, cp, tp_groups, cp_groups)
+            _step(node, env, at, over, placeholders, size, cp, tp_groups, cp_groups, extra or {})
         except Exception as error:
             if not hasattr(error, "verify_node"):
                 error.verify_node, error.verify_env = node, env
@@ -321,7 +323,7 @@ def run(g: fx.Graph, inputs: list, size: int, cp: int = 1) -> dict:
     return env
 
 
-def _step(node, env, at, over, placeholders, size, cp, tp_groups, cp_groups) -> None:
+def _step(node, env, at, over, placeholders, size, cp, tp_groups, cp_groups, extra) -> None:
     count = size * cp
     if node.op == "placeholder":
         env[node.name] = next(placeholders)
@@ -330,6 +332,9 @@ def _step(node, env, at, over, placeholders, size, cp, tp_groups, cp_groups) -> 
     elif node.op == "call_function":
         target = node.target
         name = getattr(target, "namespace", None) == "tracepp" and target.name().split("::")[-1].split(".")[0]
+        if name in extra:
+            env[node.name] = extra[name](node, at)
+            return
         if name in _COLLECTIVES:
             env[node.name] = over(tp_groups, lambda group: _collective(
                 target, [env[node.args[0].name][r] for r in group], list(node.args[1:]), size))
@@ -355,6 +360,9 @@ def _step(node, env, at, over, placeholders, size, cp, tp_groups, cp_groups) -> 
         for r in range(count):
             args = fx.node.map_aggregate(node.args, at(r))
             kwargs = fx.node.map_aggregate(node.kwargs, at(r))
+            if not name:  # not tracepp's: reads no runtime's rank
+                outs.append(target(*args, **kwargs))
+                continue
             with _Ranks(size, r % size, cp, r // size):
                 outs.append(target(*args, **kwargs))
         env[node.name] = outs
@@ -401,15 +409,16 @@ def _state_tensor(traced, ref):
     return None if tensor is None or getattr(tensor, "is_meta", True) else tensor
 
 
-def _root_value(traced, ref, val):
-    """The example batch's leaf, cut to the traced microbatch (its first samples)."""
+def _root_value(traced, ref, val, start: int = 0):
+    """The example batch's leaf, cut to the traced microbatch (its first samples; from sample ``start`` on: another
+    replica's microbatch)."""
     leaves = traced.example_leaves
     if ref.leaf_index >= len(leaves) or not isinstance(leaves[ref.leaf_index], torch.Tensor):
         return None
     tensor = leaves[ref.leaf_index]
     shape = _concrete(val)
-    if ref.batched and tensor.dim() and tensor.shape[0] >= shape[0]:
-        tensor = tensor[:shape[0]]
+    if ref.batched and tensor.dim() and tensor.shape[0] >= start + shape[0]:
+        tensor = tensor[start:start + shape[0]]
     return tensor if list(tensor.shape) == shape and not tensor.is_meta else None
 
 
@@ -606,29 +615,35 @@ class Inputs:
             self.wanted.append(wants)
 
 
-def reference(original, inputs: list, wanted: list, names: list, values: dict, generator, seeds=None, cp: int = 1):
+def reference(original, inputs: list, wanted: list, names: list, values: dict, generator, seeds=None, cp: int = 1,
+              size: int = 1, retain=()):
     """The unsharded run of ``original`` on ``inputs`` (the whole values; a gradient kept where ``wanted``) and its
     backward from random output gradients (``seeds(outputs)``: given ones). Sets ``values`` of the outputs
     ``names``; returns (leaves, env, outputs, output gradients). With ``cp`` > 1 ``original`` is a cp-rewritten
     graph run for every cp rank (an input: a list of the cp ranks' values, or one value for all), and each of
-    leaves, outputs, gradients and ``values`` is a list over the cp ranks."""
-    per = [t if isinstance(t, list) else [t] * cp for t in inputs]
+    leaves, outputs, gradients and ``values`` is a list over the cp ranks (with ``size`` > 1: over ``size`` x
+    ``cp`` ranks, as :func:`run`'s grid). ``retain``: names of values whose gradients are kept (``.grad``)."""
+    count = size * cp
+    per = [t if isinstance(t, list) else [t] * count for t in inputs]
     leaves = [[x.clone().requires_grad_(w) if isinstance(x, torch.Tensor) else x for x in xs]
               for xs, w in zip(per, wanted)]
-    env = run(original, leaves, 1, cp)
+    env = run(original, leaves, size, cp)
     outputs = [list(out) for out in env[original.output_node().name]]
     for index, name in enumerate(names):
         got = [out[index].detach() if isinstance(out[index], torch.Tensor) else out[index] for out in outputs]
-        values[name] = got if cp > 1 else got[0]
+        values[name] = got if count > 1 else got[0]
     if seeds is not None:
         seeds = [seeds(out) for out in outputs]
     else:
         seeds = [[torch.randn(o.shape, generator=generator, dtype=o.dtype)
                   if isinstance(o, torch.Tensor) and o.requires_grad else None for o in out] for out in outputs]
     pairs = [(o, g) for out, gs in zip(outputs, seeds) for o, g in zip(out, gs) if g is not None and o.requires_grad]
+    for value in (v for name in retain for v in env.get(name, ())):
+        if isinstance(value, torch.Tensor) and value.requires_grad:
+            value.retain_grad()
     if pairs:
         torch.autograd.backward([o for o, _g in pairs], [g for _o, g in pairs])
-    if cp == 1:
+    if count == 1:
         return [xs[0] for xs in leaves], env, outputs[0], seeds[0]
     return leaves, env, outputs, seeds
 

@@ -335,13 +335,13 @@ def _add_split_options(parser) -> None:
                              "parallel region, reduce-scatter out of each row-parallel one), as Megatron-Core does: "
                              "each tp rank keeps and sends 1/tp of them")
     parser.add_argument("--verify", default="on", choices=["on", "strict", "off"],
-                        help="with --tp or --cp: run each stage's rewritten program (with --cp the loss's too) for "
-                             "every tp and cp rank in this process against the unsharded stage on a microbatch, "
-                             "forward and backward (float64), before anything is written; on (default): a tp value "
-                             "that differs is made whole (the parameters feeding it replicated) and the plan made "
-                             "again, a cp plan that differs is refused (cp has no repair); strict: refuse instead, "
-                             "naming the op and line; off: skip (see docs/tensor-parallel.md, "
-                             "docs/context-parallel.md)")
+                        help="with --tp, --cp or --ep: run each stage's rewritten program (with --cp the loss's too) "
+                             "for every tp and cp rank, and every rank of one ep group (each its own microbatch), in "
+                             "this process against the unsharded stage, forward and backward (float64), before "
+                             "anything is written; on (default): a tp value that differs is made whole (the "
+                             "parameters feeding it replicated) and the plan made again, a cp or ep plan that "
+                             "differs is refused (no repair); strict: refuse instead, naming the op and line; off: "
+                             "skip (see docs/tensor-parallel.md, docs/context-parallel.md, docs/expert-parallel.md)")
     parser.add_argument("--cp", type=int, default=1,
                         help="context-parallel ranks per stage: spread each sample's sequence over C processes "
                              "(2C chunks, rank r holding chunks r and 2C-1-r), keys and values all-gathered for "

@@ -22,6 +22,7 @@ from tracepp.runtime.run_options import RunOptions
 from tracepp.split import context_parallel, expert_parallel, tensor_parallel
 from tracepp.split import verify as tp_verify
 from tracepp.split import verify_cp as cp_verify
+from tracepp.split import verify_ep as ep_verify
 from tracepp.split.cost import per_rank_estimate
 from tracepp.split.partition import split
 from tracepp.trace import trace
@@ -32,7 +33,8 @@ def _plan(model_path: str, layout: Layout, num_stages: Optional[int], schedule: 
           split_points: Optional[list], dynamic_shapes, run: RunOptions = RunOptions(), all_modes: bool = False,
           verify: str = "on"):
     """Steps 1-3, shared by ``split`` and ``check``: (model file, traced program, stage graphs, plan). ``verify``:
-    on (a tp plan that does not compute what the model does is repaired), strict (refused), off (not run)."""
+    on (a tp plan that does not compute what the model does is repaired; a cp or ep plan refused), strict
+    (refused), off (not run)."""
     if verify not in tp_verify.MODES:
         raise ValueError(f"--verify {verify!r}: use one of {', '.join(tp_verify.MODES)}")
     layout.check()
@@ -71,12 +73,22 @@ def _plan(model_path: str, layout: Layout, num_stages: Optional[int], schedule: 
             graph.tensor_parallel["verified"] = record
     with phases.step("ep plan"):
         ep_plan, blocks = expert_parallel.plan(graph, layout.ep, layout.dp, tensor_parallel.fqn_map)  # 2c. experts
+        check_ep = verify != "off" and layout.ep > 1 and bool(ep_plan.blocks)
+        if check_ep:
+            with phases.step("verify snapshot"):  # the stage graphs before the rewrite (verification's reference)
+                saved = ep_verify.snapshot(graph)
         if ep_plan.blocks:
             expert_parallel.apply(graph, ep_plan, blocks)
             graph.expert_parallel = ep_plan.to_json()
         if layout.world_size > layout.pp:  # what each rank holds of its stages: tp pieces, experts, FSDP shards
             for stage in graph.stages:
                 stage.estimate = per_rank_estimate(stage, graph, layout.data_parallel(), model_file.training)
+    if check_ep:                                                                      # 2c'. the plan verified
+        with phases.step("ep verify"):
+            record, notes = ep_verify.check(graph, saved, ep_plan, blocks, traced, layout,
+                                            (graph.tensor_parallel or {}).get("params"), verify, model_file.training)
+            traced.notes.extend(notes)
+        graph.expert_parallel["verified"] = record
     with phases.step("schedule"):
         the_plan = build_plan(schedule, layout.pp, graph.num_stages, num_microbatches,    # 3. schedule
                               topology_of(graph), model_file.training).to_json()

@@ -185,8 +185,9 @@ def boundary_table(manifest: dict) -> str:
 
 
 def verified_lines(record, what: str = "every stage's ranks") -> list:
-    """The plan's verification (``split.verify``, ``split.verify_cp``): verified, repaired (what was made whole, at
-    which op and line, and the share it cost), or not verified and why. ``what``: who ran."""
+    """The plan's verification (``split.verify``, ``split.verify_cp``, ``split.verify_ep``): verified, repaired
+    (what was made whole, at which op and line, and the share it cost), or not verified and why. ``what``: who
+    ran."""
     if not record:
         return ["verification: off (--verify off, or a split older than it)"]
     text = {"verified": f"verified: {what} computed what the unsharded stage does (float64, forward and backward)",
@@ -294,6 +295,11 @@ def expert_parallel_table(manifest: dict) -> str:
                                             "expert are counted for the metrics)")
     lines = [title, tabulate(rows, headers=["block", "stage", "experts per rank", "pairs/mb", "all-to-all",
                                             "not sharded because"], tablefmt="simple")]
+    if size > 1:  # split.verify_ep: the rewritten stages run for one ep group's ranks
+        record = ep.get("verified")
+        lines += verified_lines(record, f"every stage's {record.get('ranks') or 'ep ranks'}" if record else "")
+        if record and record.get("scope"):
+            lines.append(f"  verified: {record['scope']}")
     placements = manifest.get("placements") or {}
     if size > 1 and placements:
         grouped: dict = {}
