@@ -668,7 +668,10 @@ def _verify_stage(graph, stage, original, walk, size, traced, values, sent, gene
     # the ranks' run
     rewritten = [n for n in walk.graph.nodes if n.op == "placeholder"]
     ranked = []
-    for node, tensors, wants in zip(rewritten, leaves, inputs.wanted):
+    # cut from the inputs as they were before the reference run: its leaves hold what it wrote into them in place
+    # (a buffer counted up: ``calls.add_(1)``, torchtitan's ``tokens_per_expert.add_``)
+    untouched = [t if isinstance(t, list) else [t] * cp for t in inputs.tensors]
+    for node, tensors, wants in zip(rewritten, untouched, inputs.wanted):
         if not isinstance(tensors[0], torch.Tensor):
             ranked.append([tensors[0]] * size * cp)
             continue

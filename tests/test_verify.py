@@ -176,3 +176,12 @@ def test_a_collective_output_modified_in_place_is_simulated(monkeypatch):
     manifest = check_model(os.path.join(REPO, "tests", "zoo", "tp_hf.py"), schedule="looped-bfs", num_microbatches=4,
                            layout=Layout(pp=1, tp=2, sequence_parallel=True))
     assert manifest["tp"]["verified"]["status"] == "verified", manifest["tp"]["verified"]
+
+
+def test_a_buffer_the_forward_writes_in_place_is_given_to_the_ranks_as_it_was_before_the_reference_run():
+    """The ranks' inputs are cut from the values before the unsharded run, not from that run's leaves after its
+    in-place writes (``calls.add_(1)``): a correct plan verifies instead of being 'repaired'."""
+    manifest = _check(model_path("tp_counted_scale"), tp=2)
+    record = manifest["tp"]["verified"]
+    assert record["status"] == "verified", record
+    assert manifest["tp"]["params"]["layers.0.up.weight"]["role"] == "colwise"
