@@ -269,8 +269,12 @@ _LOCAL = {"tp_owned_split", "cp_shard", "cp_positions"}  # read the rank from _S
 
 
 def _float64(item):
+    """A dtype argument read at double precision: every floating dtype as float64, every complex one as
+    complex128 (a rotary table of complex numbers: DeepSeek-V2, torchtitan)."""
     if isinstance(item, torch.dtype) and item.is_floating_point:
         return torch.float64
+    if isinstance(item, torch.dtype) and item.is_complex:
+        return torch.complex128
     return item
 
 
@@ -389,8 +393,8 @@ def _concrete(val) -> list:
 
 def _random_like(val, generator) -> torch.Tensor:
     shape = _concrete(val)
-    if val.dtype.is_floating_point:
-        return torch.randn(shape, generator=generator, dtype=torch.float64)
+    if val.dtype.is_floating_point or val.dtype.is_complex:
+        return torch.randn(shape, generator=generator, dtype=_float64(val.dtype))
     if val.dtype == torch.bool:
         return torch.ones(shape, dtype=torch.bool)
     return torch.zeros(shape, dtype=val.dtype)
@@ -423,7 +427,7 @@ def _root_value(traced, ref, val, start: int = 0):
 
 
 def _cast(t):
-    return t.detach().to(torch.float64) if t.is_floating_point() else t.detach()
+    return t.detach().to(_float64(t.dtype)) if t.is_floating_point() or t.is_complex() else t.detach()
 
 
 # ---- comparison
@@ -434,6 +438,8 @@ def _differs(have, want):
         return None
     if have.shape != want.shape:
         return (float("inf"), 0.0)
+    if want.is_complex() and have.is_complex():  # compared as their (real, imaginary) pairs
+        have, want = torch.view_as_real(have.detach().resolve_conj()), torch.view_as_real(want.detach().resolve_conj())
     if not want.is_floating_point():
         return None if torch.equal(have, want) else (float("inf"), 0.0)
     have, want = have.detach().double(), want.detach().double()

@@ -55,6 +55,14 @@ def test_hugging_face_moe_families_verify(name):
     _verified(_check(os.path.join(ZOO, name + ".py"), dp=2, ep=2))
 
 
+def test_a_complex_rotary_table_is_verified_in_complex128(monkeypatch):
+    """DeepSeek-V2's rotary table is complex (``torch.polar``, a ``complex64`` dtype asserted in the graph): the
+    interpreter reads complex dtypes at double precision as it reads floating ones, and compares complex values as
+    their (real, imaginary) pairs. It was 'not verified: Tensor dtype mismatch'."""
+    monkeypatch.setenv("HF_FAMILY", "deepseek_v2")
+    _verified(_check(os.path.join(ZOO, "hf_family.py"), dp=2, ep=2))
+
+
 @pytest.mark.parametrize("name", ["torchtitan_moe", "moe_sentinel"])
 def test_the_other_moe_spellings_verify(name):
     _verified(_check(model_path(name), dp=2, ep=2))
