@@ -132,10 +132,8 @@ class _CutRules:
             if (any(unit != 1 for unit in units.values()) and target in rules.SPLITS and not segments
                     and self._owned_split(node, dim, size, ranges)):  # heads normalised one by one (StableLM)
                 return True
-            for fqn, unit in units.items():  # a dim of heads a view made of the features: unit features a head
-                if unit:
-                    self._want_heads(node, fqn, wanted, unit)
-            if not origin or not all(units.values()):
+            asked = [bool(unit) and self._want_heads(node, fqn, wanted, unit) for fqn, unit in units.items()]
+            if not origin or not all(asked):  # (a dim of heads a view made of the features: unit features a head)
                 if target in rules.SPLITS and not segments and self._owned_split(node, dim, size, ranges):
                     return True
                 return self._refuse(node, f"cuts {size} sharded features at {cuts[1:-1]}, inside the pieces")
@@ -177,18 +175,21 @@ class _CutRules:
                 self.part[node] = parts[0]
         return True
 
-    def _want_heads(self, node, fqn, points, unit: int, width: int = None) -> None:
+    def _want_heads(self, node, fqn, points, unit: int, width: int = None) -> bool:
         """Ask the projection ``fqn`` for segments cut at ``points`` of a dim whose every index holds ``unit`` of
         its features (a head ``width`` features wide, where ``unit`` > 1: ``unit`` by default, less for keys
         repeated to the query heads); a part of fewer heads than --tp (a segment of one key/value head at --tp 2:
         each rank would hold a piece inside a head) makes it whole instead."""
         points = sorted(points)
         width = width or unit
+        if unit > 1 and not set(rules.boundaries(self.fused.get(fqn) or [])) <= {p * unit for p in points}:
+            return False  # not a refinement of the segments it has (a dim of pairs, not of heads)
         if unit > 1 and any((b - a) * unit % (width * self.tp) for a, b in zip(points, points[1:])):
             self.unfusable.setdefault(fqn, f"{node.target}{_at(node)} cuts its heads into parts of fewer heads "
                                            f"than --tp {self.tp}")
-            return
+            return True
         self.wants.setdefault(fqn, set()).update(p * unit for p in points)
+        return True
 
     def _want_parts(self, node, target, origin, segments, in_val, dim: int) -> bool:
         """A cut of a dim a view made by splitting a projection's features into ``[parts, rest]`` (Moshi's gated
