@@ -341,7 +341,6 @@ def _settle_trials(graphs: list, tp: int, notes: dict, fused: dict, sequence, mi
                 for mine, theirs in zip((notes, fused, mixed), trial):
                     mine.clear()
                     mine.update(theirs)
-    best = _pairs_whole_where_cheaper(graphs, tp, (notes, fused, mixed), sequence, begins, start, kept, best)
     best = _whole_where_cheaper(graphs, tp, (notes, fused, mixed), sequence, begins, start, kept, best)
     if gathered is not None:  # those the kept plan made column-wise (an input sharded by then: row-wise)
         roles = _linear_roles(best[0])
@@ -353,44 +352,6 @@ def _copied(learned: tuple) -> tuple:
     """A copy of what a settle learns and updates in place (notes, fused segments, mixed parts), for a trial."""
     notes, fused, mixed = learned
     return dict(notes), dict(fused), {k: set(v) for k, v in mixed.items()}
-
-
-def _pairs_whole_where_cheaper(graphs: list, tp: int, learned: tuple, sequence, begins: dict, start: tuple,
-                               kept: dict, best: tuple) -> tuple:
-    """The settled plan ``best``, or a cheaper one (``split.plan_cost``) with its low-rank pairs that end row-wise
-    (:func:`_low_rank`: a narrowing column-wise linear, a widening row-wise one) kept whole. Such a pair costs an
-    all-reduce of the wide output forward and one of its input's gradient backward, where whole it costs the
-    FLOPs of two narrow linears on every rank: Gemma 4's per-layer input gate (hidden -> 256 -> hidden, a third
-    all-reduce of each layer's ``[b, s, h]`` beside Megatron's two). Only pairs at most a quarter as wide inside
-    as outside are tried: the plan is priced at the traced size, where any narrow MLP's FLOPs are cheap, and a
-    shared expert (2048 under a hidden size of 7168) is cheaper as a pair at its real size. ``learned`` ends as
-    the kept plan's."""
-    roles, widths = _linear_roles(best[0]), {}
-    for walk in best[0]:
-        for node in walk.roles:
-            if node in walk.forms:
-                weight, out_dim = walk.forms[node][1], walk.forms[node][3]
-                shape = _val(weight).shape
-                widths[walk._param(weight)] = (shape[_in_dim(_val(weight), out_dim)], shape[out_dim])
-    pairs = {fqn: "" for walk in best[0] for downs, ups in _low_rank(walk)
-             if all(roles.get(up) == "rowwise" for up in ups)
-             and all(_ints(widths.get(f, (0, 1))) and 4 * int(widths[f][1]) <= int(widths[f][0]) for f in downs)
-             for fqn in [*downs, *ups]}
-    if not pairs:
-        return best
-    trial = _copied(start)
-    trial[0].update(pairs)
-    found = _settle(graphs, tp, *trial[:2], sequence, trial[2], dict(kept), begins=begins)
-    price, found_price = plan_cost.cost(best[0]), plan_cost.cost(found[0])
-    if found_price >= price or _refusals(found) > _refusals(best):
-        return best
-    why = (f"kept whole with its low-rank partner: sharded as a pair ending row-wise, the plan cost {price:,.0f} "
-           f"bytes per microbatch (split/plan_cost.py); whole, {found_price:,.0f}")
-    trial[0].update({fqn: why for fqn in pairs})
-    for mine, theirs in zip(learned, trial):
-        mine.clear()
-        mine.update(theirs)
-    return found
 
 
 _KIND_TRIALS = 8  # kinds of elementwise-sharded parameters tried whole one by one, at most

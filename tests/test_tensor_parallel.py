@@ -665,21 +665,3 @@ def test_differential_attention_shards_a_piece_of_each_half_of_the_heads():
     # Megatron's bytes, and the all-reduce of the scalar lambda's gradient (2 x 4 bytes, ring-weighted)
     layers = [figures for stage in manifest["tp"]["stages"] for figures in stage["layers"].values()]
     assert layers and all(megatron is not None and moved <= megatron + 8 for moved, megatron in layers), layers
-
-
-def test_a_low_rank_pair_ending_in_the_residual_stream_is_kept_whole_where_cheaper(monkeypatch):
-    # Gemma 4's per-layer input gate: per_layer_input_gate (hidden -> 16) column-wise, per_layer_projection
-    # (16 -> hidden) row-wise, a third all-reduce of each layer's [b, s, h] forward and backward (1.54x Megatron's
-    # bytes). Whole, the pair costs the FLOPs of two narrow linears on every rank: plan_cost keeps the cheaper
-    monkeypatch.setenv("HF_FAMILY", "gemma4_text")
-    manifest = check_model(os.path.join(ZOO, "hf_family.py"), num_microbatches=2, layout=Layout(pp=2, tp=2))
-    params = manifest["tp"]["params"]
-    for layer in range(2):
-        for name in ("per_layer_input_gate", "per_layer_projection"):
-            entry = params[f"model.layers.{layer}.{name}.weight"]
-            assert entry["role"] == "replicate" and "low-rank partner" in entry["why"], entry
-        assert params[f"model.layers.{layer}.mlp.down_proj.weight"]["role"] == "rowwise"
-    assert manifest["tp"]["verified"]["status"] == "verified", manifest["tp"]["verified"]
-    layers = [figures for stage in manifest["tp"]["stages"] for figures in stage["layers"].values()]
-    assert layers and all(megatron is not None and moved <= 1.01 * megatron for moved, megatron in layers), layers
-
