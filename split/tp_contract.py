@@ -375,6 +375,46 @@ class _ContractionRules:
         self._place(node, e, segs, self._origin_of([a for a in operands if a in self.shard and a not in apart]))
         return True
 
+    def _segmented_heads(self, node, qkv) -> bool:
+        """Attention on queries, keys and values sharded on as many heads, in segments (DiffLlama's values: each
+        half of the key/value heads a segment, tiled by ``repeat``; its output cut into halves of the heads): each
+        head attends on its own, so where all three hold the same segments the output holds them too. Where they
+        differ, each projection is asked for every cut point (in its features: a head ``rest`` wide), learned
+        and walked again; until then the attention runs whole."""
+        heads = {_val(t).shape[-3] for t in qkv}
+        whole = [t for t in qkv[1:] if t not in self.shard]
+        sharded = [t for t in qkv if t not in whole]
+        if (len(heads) != 1 or not _ints(list(heads)) or node.kwargs.get("enable_gqa")
+                or not self._broadcast_mask(node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask"))
+                or any(self.shard.get(t) != _val(t).dim() - 3 or t in self.kind for t in sharded)):
+            return False
+        heads = int(next(iter(heads)))
+        segs = {self.segs.get(t) for t in sharded}
+        if len(segs) == 1 and (not whole or self.groups_of(self.segs.get(qkv[0]))):
+            # a whole key or value (a projection kept whole: a segment of one key/value head, --tp 2) is read at
+            # this rank's piece of each segment, the heads its queries read
+            self._read_whole(node, [(t, _val(t).dim() - 3) for t in whole], self.groups_of(self.segs.get(qkv[0])))
+            self._place(node, self.shard[qkv[0]], self.segs.get(qkv[0]), self._origin_of(sharded))
+            return True
+        points = set()
+        for t in sharded:
+            points |= set(rules.boundaries(self.segs.get(t) or [heads]))
+        origins = [self.origin.get(t, frozenset()) for t in sharded]
+        if all(o and all(self.out_features.get(f) and self.out_features[f] % heads == 0 for f in o) for o in origins):
+            for fqn in frozenset().union(*origins):
+                width = [_val(t).shape[-1] for t, o in zip(sharded, origins) if fqn in o]
+                self._want_heads(node, fqn, points, self.out_features[fqn] // heads,
+                                 int(width[0]) if _ints(width[:1]) else None)
+        return False
+
+    def _broadcast_mask(self, mask) -> bool:
+        """None, or a whole attention mask without a gradient and with one head or none (read as it is)."""
+        if not isinstance(mask, fx.Node):
+            return mask is None
+        val = _val(mask)
+        return (mask not in self.shard and not self.needs_grad.get(mask)
+                and (val.dim() < 3 or _equal(val.shape[val.dim() - 3], 1)))
+
     def _tiled_heads(self, a, b) -> None:
         """``a`` and ``b`` sharded on the same heads, one of them in equal segments, the other in none: keys and
         values tiled to the query heads by einops' ``repeat(t, 'b h n d -> b (r h) n d')`` (x-transformers: query
@@ -412,8 +452,10 @@ class _ContractionRules:
         --tp heads (``tp_scatter``), its group when --tp is a multiple of its head count and ``enable_gqa`` pairs
         groups of query heads with it (``tp_head_group``), as it is when it has one head (``tp_copy``)."""
         q, k, v = node.args[:3]
-        if q not in self.shard or self.shard[q] != _val(q).dim() - 3 or q in self.segs or q in self.kind:
+        if q not in self.shard or self.shard[q] != _val(q).dim() - 3 or q in self.kind:
             return False
+        if q in self.segs or any(self.segs.get(t) for t in (k, v) if t in self.shard):
+            return self._segmented_heads(node, (q, k, v))
         gqa = node.kwargs.get("enable_gqa", False)
         reads, groups, regathered = [], [], []
         heads = int(_val(q).shape[-3]) if _ints([_val(q).shape[-3]]) else None

@@ -9,7 +9,7 @@ import torch
 import torch.fx as fx
 
 from tracepp.split import rules
-from tracepp.split.rules import equal as _equal, ints as _ints, prod as _prod, sizes as _sizes, val as _val
+from tracepp.split.rules import at as _at, equal as _equal, ints as _ints, prod as _prod, sizes as _sizes, val as _val
 
 aten = torch.ops.aten
 TP = torch.ops.tracepp
@@ -128,10 +128,12 @@ class _CutRules:
         cuts = sorted({p for r in ranges for p in r})
         if not set(cuts) <= set(have):
             wanted = set(cuts) | set(have)
-            for fqn in origin:
-                if self.out_features.get(fqn) == size:
-                    self.wants.setdefault(fqn, set()).update(wanted)
-            if not origin or any(self.out_features.get(f) != size for f in origin):
+            units = {fqn: _unit(self.out_features.get(fqn), size) for fqn in origin}
+            if (any(unit != 1 for unit in units.values()) and target in rules.SPLITS and not segments
+                    and self._owned_split(node, dim, size, ranges)):  # heads normalised one by one (StableLM)
+                return True
+            asked = [bool(unit) and self._want_heads(node, fqn, wanted, unit) for fqn, unit in units.items()]
+            if not origin or not all(asked):  # (a dim of heads a view made of the features: unit features a head)
                 if target in rules.SPLITS and not segments and self._owned_split(node, dim, size, ranges):
                     return True
                 return self._refuse(node, f"cuts {size} sharded features at {cuts[1:-1]}, inside the pieces")
@@ -171,6 +173,22 @@ class _CutRules:
             self._place(node, dim, pieces[0][1], origin)
             if parts[0] is not None:
                 self.part[node] = parts[0]
+        return True
+
+    def _want_heads(self, node, fqn, points, unit: int, width: int = None) -> bool:
+        """Ask the projection ``fqn`` for segments cut at ``points`` of a dim whose every index holds ``unit`` of
+        its features (a head ``width`` features wide, where ``unit`` > 1: ``unit`` by default, less for keys
+        repeated to the query heads); a part of fewer heads than --tp (a segment of one key/value head at --tp 2:
+        each rank would hold a piece inside a head) makes it whole instead."""
+        points = sorted(points)
+        width = width or unit
+        if unit > 1 and not set(rules.boundaries(self.fused.get(fqn) or [])) <= {p * unit for p in points}:
+            return False  # not a refinement of the segments it has (a dim of pairs, not of heads)
+        if unit > 1 and any((b - a) * unit % (width * self.tp) for a, b in zip(points, points[1:])):
+            self.unfusable.setdefault(fqn, f"{node.target}{_at(node)} cuts its heads into parts of fewer heads "
+                                           f"than --tp {self.tp}")
+            return True
+        self.wants.setdefault(fqn, set()).update(p * unit for p in points)
         return True
 
     def _want_parts(self, node, target, origin, segments, in_val, dim: int) -> bool:
@@ -363,3 +381,9 @@ class _CutRules:
             return False
         at = sizes[e]
         return at == -1 or (isinstance(at, int) and _ints([out_size]) and at == int(out_size))
+
+
+def _unit(features, size: int):
+    """How many of a projection's ``features`` one index of a sharded dim of ``size`` holds (1: the features
+    themselves; a head's width: a dim of heads a view made of them), or None where ``size`` does not divide them."""
+    return int(features) // size if features and int(features) % size == 0 else None

@@ -14,7 +14,7 @@ import torch.fx as fx
 import tracepp.runtime.tensor_parallel  # noqa: F401  (registers torch.ops.tracepp.tp_*)
 from tracepp.split import rules, torch_rules
 from tracepp.split.propagation import Propagation
-from tracepp.split.rules import at as _at, equal as _equal, prod as _prod, sizes as _sizes, val as _val
+from tracepp.split.rules import at as _at, equal as _equal, ints as _ints, prod as _prod, sizes as _sizes, val as _val
 from tracepp.split.tp_contract import _ContractionRules, _swapped
 from tracepp.split.tp_cuts import _CutRules
 
@@ -434,6 +434,14 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
             return self._cut(node, target, first, dim, in_val)
         if target is aten.index.Tensor:
             return self._index(node, first, dim, in_val, out_val)
+        if target is aten.repeat.default and self.kind.get(first) != "seq":  # tiled: each copy a segment, holding
+            e = dim + out_val.dim() - ndim                                       # this rank's piece of each
+            times = int(node.args[1][e]) if _ints([node.args[1][e]]) else 0
+            if times < 1:
+                return False
+            segments = tuple(self.segs.get(first) or (in_val.shape[dim],)) * times
+            self._place(node, e, segments if times > 1 else self.segs.get(first), self.origin.get(first, frozenset()))
+            return True
         if target is aten.repeat_interleave.self_int:
             if (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")) is None:
                 return False  # flattened

@@ -643,3 +643,25 @@ def test_mla_down_projection_whose_latent_a_norm_needs_whole_is_gathered():
     assert manifest["tp"]["verified"]["status"] == "verified", manifest["tp"]["verified"]
     gathers = [c for stage in manifest["tp"]["stages"] for c in stage["collectives"] if c["op"] == "all_gather"]
     assert [c["shape"][1:] for c in gathers if c["shape"][-1] == "40"] == [["8", "40"]] * 2  # a latent a layer
+
+
+def test_differential_attention_shards_a_piece_of_each_half_of_the_heads():
+    # DiffLlama (8 query heads over 4 key/value heads): its values chunked into two halves of the key/value heads,
+    # each tiled back by repeat(1, 2, 1, 1), and its output chunked into two halves of the query heads, combined
+    # head by head. The chunks ask the projections for segments through the view of heads (a head's features a
+    # unit), repeat tiles a segment per copy, and the attention asks q/k/v for each other's segments: each rank
+    # holds a piece of each half (q heads {0, 1, 4, 5} on rank 0), the plan is Megatron's (the attention was whole,
+    # the residual stream sharded after o_proj: 2.0x)
+    manifest = check_model(model_path("tp_diffllama"), num_microbatches=2, layout=Layout(pp=2, tp=2))
+    params = manifest["tp"]["params"]
+    for layer in range(2):
+        attn = f"model.layers.{layer}.self_attn."
+        assert params[attn + "q_proj.weight"] == {"dim": 0, "role": "colwise", "segments": [32, 32]}
+        for name in ("k_proj", "v_proj"):
+            assert params[attn + name + ".weight"] == {"dim": 0, "role": "colwise", "segments": [16, 16]}
+        assert params[attn + "o_proj.weight"]["role"] == "rowwise"
+    assert all(stage["share"]["params"] >= 0.99 for stage in manifest["tp"]["stages"]), manifest["tp"]["stages"]
+    assert manifest["tp"]["verified"]["status"] == "verified", manifest["tp"]["verified"]
+    # Megatron's bytes, and the all-reduce of the scalar lambda's gradient (2 x 4 bytes, ring-weighted)
+    layers = [figures for stage in manifest["tp"]["stages"] for figures in stage["layers"].values()]
+    assert layers and all(megatron is not None and moved <= megatron + 8 for moved, megatron in layers), layers
