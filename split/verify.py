@@ -801,6 +801,32 @@ def _share_from(tp_plan, graph) -> float:
     return sharded / total if total else 0.0
 
 
+def single_threaded(run):
+    """``run()`` on one torch thread, the count restored after: the verification's ops are tiny (two threads spin
+    15x longer on a loaded machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return run()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def refused_or_recorded(flag: str, size: int, result: dict, started: float, why_wrong: str) -> tuple:
+    """A plan verified without repair (cp, ep): a mismatch refuses the split naming the op (``why_wrong``: what
+    the fault would be); else (the record for the manifest, notes for the user)."""
+    if result["status"] == "mismatch":
+        raise ValueError(f"--{flag} {size}: the plan does not compute what the model does: "
+                         f"{result['mismatch'].text()}. Fix: split without --{flag} (or report it: {why_wrong}); "
+                         f"--verify off writes the plan unchecked")
+    record = {"status": result["status"], "why": result.get("why", ""),
+              "seconds": round(time.perf_counter() - started, 3),
+              "ran": [r["what"] + (f" ({r['why']})" if r.get("why") else "") for r in result["stages"]]}
+    notes = [f"--{flag} {size}: the plan was not verified: {record['why']}"] if record["status"] == "not verified" \
+        else []
+    return record, notes
+
+
 def verify_and_repair(graph, saved: tuple, tp_plan, walks, traced, replan, mode: str = "on",
                       training: bool = True, cp: int = 1) -> tuple:
     """Verify the applied plan; on a mismatch (``mode`` "on") make the parameters feeding the first differing
@@ -809,13 +835,8 @@ def verify_and_repair(graph, saved: tuple, tp_plan, walks, traced, replan, mode:
     notes for the user)."""
     started = time.perf_counter()
     repairs, notes, extra = [], [], {}
-    threads = torch.get_num_threads()
     for _round in range(ROUNDS):
-        torch.set_num_threads(1)  # tiny ops: one thread (two spin 15x longer on a loaded machine)
-        try:
-            result = verify(graph, saved, tp_plan, walks, traced, training, cp)
-        finally:
-            torch.set_num_threads(threads)
+        result = single_threaded(lambda: verify(graph, saved, tp_plan, walks, traced, training, cp))
         if result["status"] != "mismatch":
             break
         mismatch = result["mismatch"]

@@ -310,23 +310,10 @@ def check(graph, saved: tuple, cp_plan, walks, loss, loss_walk, traced, target, 
     """Verify the applied cp plan; a mismatch refuses the split (there is no repair: ``on`` and ``strict`` alike).
     Returns (the record for the manifest, notes for the user)."""
     started = time.perf_counter()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny ops: one thread
-    try:
-        result = verify(graph, saved, cp_plan, walks, loss, loss_walk, traced, target, training)
-    finally:
-        torch.set_num_threads(threads)
-    if result["status"] == "mismatch":
-        raise ValueError(f"--cp {cp_plan.size}: the plan does not compute what the model does: "
-                         f"{result['mismatch'].text()}. Fix: split without --cp (or report it: the cp rule for that "
-                         f"op is wrong); --verify off writes the plan unchecked")
-    record = {"status": result["status"], "why": result.get("why", ""),
-              "seconds": round(time.perf_counter() - started, 3),
-              "ran": [r["what"] + (f" ({r['why']})" if r.get("why") else "") for r in result["stages"]]}
+    result = common.single_threaded(lambda: verify(graph, saved, cp_plan, walks, loss, loss_walk, traced, target,
+                                                   training))
+    record, notes = common.refused_or_recorded("cp", cp_plan.size, result, started, "the cp rule for that op is wrong")
     if tp > 1:
         record["scope"] = ("the cp rewrite against the unsharded stages (cp ranks; tp's rewrite of it is checked "
                            "per (tp, cp) rank pair: tp.verified)")
-    notes = []
-    if record["status"] == "not verified":
-        notes.append(f"--cp {cp_plan.size}: the plan was not verified: {record['why']}")
     return record, notes

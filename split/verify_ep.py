@@ -577,24 +577,12 @@ def check(graph, saved: tuple, ep_plan, per_stage: list, traced, layout, tp_para
     """Verify the applied ep plan; a mismatch refuses the split (no repair: ``on`` and ``strict`` alike). Returns
     (the record for the manifest, notes for the user)."""
     started = time.perf_counter()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny ops: one thread
-    try:
-        result = verify(graph, saved, ep_plan, per_stage, traced, layout, tp_params, training)
-    finally:
-        torch.set_num_threads(threads)
-    if result["status"] == "mismatch":
-        raise ValueError(f"--ep {ep_plan.size}: the plan does not compute what the model does: "
-                         f"{result['mismatch'].text()}. Fix: split without --ep (or report it: the expert-parallel "
-                         f"rewrite of that block is wrong); --verify off writes the plan unchecked")
-    record = {"status": result["status"], "why": result.get("why", ""),
-              "seconds": round(time.perf_counter() - started, 3),
-              "ran": [r["what"] + (f" ({r['why']})" if r.get("why") else "") for r in result["stages"]],
-              "ranks": result.get("ranks", "")}
+    result = common.single_threaded(lambda: verify(graph, saved, ep_plan, per_stage, traced, layout, tp_params,
+                                                   training))
+    record, notes = common.refused_or_recorded("ep", ep_plan.size, result, started,
+                                               "the expert-parallel rewrite of that block is wrong")
+    record["ranks"] = result.get("ranks", "")
     if layout.tp > 1 or layout.cp > 1:
         record["scope"] = ("the ep rewrite of the stages as tp/cp rewrote them, against those stages on the same "
                            "ranks (tp.verified and cp.verified check those rewrites against the unsharded stages)")
-    notes = []
-    if record["status"] == "not verified":
-        notes.append(f"--ep {ep_plan.size}: the plan was not verified: {record['why']}")
     return record, notes
