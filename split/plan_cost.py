@@ -21,7 +21,9 @@ more bytes; a plan that leaves a matmul whole to save an all-reduce pays for it 
 
 Megatron's plan for a decoder layer (:func:`layer_bytes`) is the reference ``inspect`` prints beside each of a
 stage's layers: two all-reduces of ``[b, s, h]`` forward (the attention's and the MLP's row-wise outputs) and
-two backward (the gradients of their whole inputs): 8 ``b s h`` elements' bytes as ring collectives move them.
+two backward (the gradients of their whole inputs): 8 ``b s h`` elements' bytes as ring collectives move them;
+for an MLA layer Megatron-Core's (:func:`_latents`: its down-projections whole, their outputs' gradients all-reduced
+in place of the attention input's).
 """
 from __future__ import annotations
 
@@ -94,6 +96,32 @@ def replicated_flops(walk) -> int:
                if node not in walk.shard and walk.roles.get(node) != "rowwise")
 
 
+_BLOCK = re.compile(r"^(.*?\.\d+)\.")  # a parameter's outermost numbered module: its repeated block
+
+
+def block_of(fqn: str):
+    """A parameter's repeated block (its outermost numbered module, ``model.layers.3``), or None."""
+    found = _BLOCK.match(fqn)
+    return found.group(1) if found else None
+
+
+def param_shares(walk) -> dict:
+    """{repeated block (``model.layers.3``; None: the parameters outside any): the share of its parameters
+    (elements) ``walk``'s plan shards}, routed experts apart (expert parallelism places them)."""
+    from tracepp.split.expert_parallel import find_blocks
+
+    apart = {fqn for block in find_blocks(walk.graph, walk.fqn_of) for fqn in block.weights}
+    counts: dict = {}
+    for node in walk.graph.nodes:
+        fqn = walk.fqn_of.get(node.name) if node.op == "placeholder" else None
+        if fqn is not None and fqn not in apart:
+            total, sharded = counts.get(block_of(fqn), (0, 0))
+            count = int(node.meta["val"].numel())
+            counts[block_of(fqn)] = (
+                total + count, sharded + (count if any(dim is not None for dim in walk.uses.get(fqn, ())) else 0))
+    return {block: sharded / total for block, (total, sharded) in counts.items() if total}
+
+
 def cost(walks: list) -> float:
     """A settled plan's price in bytes per microbatch: bytes moved plus FLOPs each rank repeats, as bytes."""
     moved = sum(moved_bytes(walk) for walk in walks)
@@ -140,6 +168,51 @@ def _products_operands(node) -> list:
     return list(node.args[:2])
 
 
+_THROUGH = 12  # ops from a down-projection to the up-projection that reads its latent, and on to the attention
+
+
+def _reached(start, inside: set, found) -> object:
+    """The first node ``found`` accepts among those ``start``'s value reaches in ``_THROUGH`` ops inside a layer."""
+    frontier, seen = [start], {start}
+    for _depth in range(_THROUGH):
+        after = []
+        for value in frontier:
+            for user in value.users:
+                if user in inside and user not in seen:
+                    if found(user):
+                        return user
+                    seen.add(user)
+                    after.append(user)
+        frontier = after
+    return None
+
+
+def _latents(walk, nodes: list, inside: set) -> list:
+    """A layer's low-rank down-projections feeding its attention (MLA: DeepSeek's ``q_a_proj``, 7168 -> 1536 and
+    ``kv_a_proj_with_mqa``, 7168 -> 576): linears whose weight narrows, from whose output a linear that widens is
+    reached in the layer, and from that an attention product. Megatron-Core keeps them whole on every rank
+    (``linear_q_down_proj``, ``linear_kv_down_proj``): its backward all-reduces their outputs' gradients, where the
+    dense reference all-reduces the attention input's."""
+    from tracepp.split.tp_contract import _in_dim
+
+    def widths(node):
+        form = walk._linear_form(node) if node.op == "call_function" else None
+        shape = form[1].meta["val"].shape if form is not None and form[1].meta["val"].dim() == 2 else None
+        if shape is None or not rules.ints(list(shape)):
+            return None
+        return int(shape[_in_dim(form[1].meta["val"], form[3])]), int(shape[form[3]])
+
+    out = []
+    for node in nodes:
+        found = widths(node)
+        if found is None or found[1] >= found[0]:
+            continue
+        up = _reached(node, inside, lambda n: (widths(n) or (1, 0))[1] > (widths(n) or (1, 0))[0])
+        if up is not None and _reached(up, inside, lambda n: n.target in rules.ATTENTION_PRODUCTS) is not None:
+            out.append(node)
+    return out
+
+
 def layer_bytes(walk) -> dict:
     """{layer: (bytes ``walk``'s plan moves in it per microbatch, Megatron's bytes for it or None)} over the stage's
     repeated blocks (:func:`_layer_of`). Megatron's plan applies to a decoder layer (one with an attention): its
@@ -168,6 +241,10 @@ def layer_bytes(walk) -> dict:
             leaving = [n for n in nodes if isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dim() == 3
                        and n.meta["val"].dtype.is_floating_point and any(u not in inside for u in n.users)]
             if leaving:
+                latents = _latents(walk, nodes, inside)
                 megatron = 8 * _bytes(leaving[-1])
+                if latents:  # MLA: the attention's input gradient is whole after its down-projections' backward;
+                    #          the latents' gradients are all-reduced instead
+                    megatron += -2 * _bytes(leaving[-1]) + 2 * sum(_bytes(n) for n in latents)
         out[layer] = (moved[layer], megatron)
     return out

@@ -245,11 +245,30 @@ class _ContractionRules:
         each rank takes its piece, the gradient pieces are gathered back), or (input, None) broadcast along the
         sharded dim and read as it is (a gradient it carries is summed over tp: ``tp_copy``)."""
         for arg, at in reads:
+            if at is not None and groups == 1 and self._expanded_to_piece(node, arg, at):
+                continue
             if at is not None:
                 self.scatters.append((node, arg, at, groups))
                 self._claimed.add((node, arg))
             elif self.needs_grad.get(arg):
                 self.copies.append((node, arg))
+
+    def _expanded_to_piece(self, node, arg, at: int) -> bool:
+        """A whole operand that is an ``expand`` of a value of size 1 at ``at``, read by ``node`` alone (the rotary
+        key DeepSeek's MLA shares among the heads, ``k_pe.expand(b, heads, s, d)``): expanded to this rank's piece,
+        what it expands read through ``tp_copy`` (its gradient all-reduced: a head's worth), where cutting the piece
+        from the whole expand would gather every head's gradient back."""
+        if arg.target not in rules.EXPANDS or len(arg.users) != 1 or arg in self.shard:
+            return False
+        inner, out = _val(arg.args[0]), _val(arg)
+        at_in = at - (out.dim() - inner.dim())
+        if not (at_in < 0 or _equal(inner.shape[at_in], 1)) or not self._size_arg_ok(arg.args[1], at, out.shape[at]):
+            return False
+        self._place(arg, at)
+        if self.needs_grad.get(arg.args[0]):
+            self.copies.append((arg, arg.args[0]))
+        self._claimed.add((node, arg))
+        return True
 
     def _gather_along(self, node) -> bool:
         """``gather(x, dim, index)`` along a dim other than the sharded one (Inkling's relative-position bias per head,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import fnmatch
 import operator
+import os
 
 import torch
 
@@ -301,6 +302,7 @@ def _settle_trials(graphs: list, tp: int, notes: dict, fused: dict, sequence, mi
     start = _copied((notes, fused, mixed))
     best = _settle(graphs, tp, notes, fused, sequence, mixed, begins=begins)
     kept, tried = {}, set()
+    every: dict = {}  # every kind of pair met: starred down-projection FQNs -> ({down fqn: why}, {up fqns})
     while True:  # a kept kind can turn other layers' pairs into low-rank ones (DeepSeek-V3.2): found, tried again
         kinds: dict = {}  # the pair's modules with layer numbers starred -> ({down fqn: why}, {up fqns})
         for walk in best[0]:  # sharded as pairs, or whole where the latent is needed whole (torchtitan's MLA)
@@ -309,6 +311,9 @@ def _settle_trials(graphs: list, tp: int, notes: dict, fused: dict, sequence, mi
                 entry = kinds.setdefault(key, ({}, set()))
                 entry[0].update({f: w for f, w in downs.items() if f not in start[0] and f not in tried})
                 entry[1].update(ups)
+                known = every.setdefault(key, ({}, set()))
+                known[0].update(downs)
+                known[1].update(ups)
         pending = [(downs, ups) for downs, ups in kinds.values() if downs]
         if not pending:
             break
@@ -341,11 +346,92 @@ def _settle_trials(graphs: list, tp: int, notes: dict, fused: dict, sequence, mi
                 for mine, theirs in zip((notes, fused, mixed), trial):
                     mine.clear()
                     mine.update(theirs)
+    best, kept = _duplicated_where_cheaper(graphs, tp, (notes, fused, mixed), sequence, begins, start, kept, best,
+                                           every)
     best = _whole_where_cheaper(graphs, tp, (notes, fused, mixed), sequence, begins, start, kept, best)
     if gathered is not None:  # those the kept plan made column-wise (an input sharded by then: row-wise)
         roles = _linear_roles(best[0])
         gathered.update({fqn: why for fqn, why in kept.items() if roles.get(fqn) == "colwise"})
     return best
+
+
+SHARE_FLOOR = 0.95  # a trial that makes parameters whole keeps a block's sharded share of parameters at least this
+WHOLE_BUDGET = 0.05  # ... and adds at most this share of a block's parameters to what every rank holds whole
+
+
+def within_budget(before: list, after: list) -> bool:
+    """Whether a plan whose stages shard ``after`` of their parameters may replace one that shards ``before`` (per
+    stage, ``plan_cost.param_shares``: {repeated block: share}): parameters made whole cost memory on every rank,
+    so a cheaper plan buys its bytes with at most ``WHOLE_BUDGET`` of a block's parameters, and never takes a block
+    (a decoder layer; or the parameters outside any) that shards ``SHARE_FLOOR`` of them below it."""
+    return not _over_budget(before, after)
+
+
+def _over_budget(before: list, after: list) -> set:
+    """The blocks :func:`within_budget` refuses."""
+    return {block for stage_before, a in zip(before, after) for block, b in stage_before.items()
+            if not (a.get(block, 0.0) >= b - WHOLE_BUDGET and (b < SHARE_FLOOR or a.get(block, 0.0) >= SHARE_FLOOR))}
+
+
+def _added(before: list, after: list) -> float:
+    """The largest share of a block's parameters ``after`` holds whole where ``before`` shards them."""
+    return max((b - a.get(block, 0.0) for stage_before, a in zip(before, after) for block, b in stage_before.items()),
+               default=0.0)
+
+
+def _duplicated_where_cheaper(graphs: list, tp: int, learned: tuple, sequence, begins: dict, start: tuple,
+                              kept: dict, best: tuple, every: dict) -> tuple:
+    """(plan, gathered marks): the settled plan ``best``, or a cheaper one with the down-projections of a kind of
+    low-rank pair whole on every rank, as Megatron-Core duplicates MLA's ``linear_q_down_proj`` and
+    ``linear_kv_down_proj``: the latent is computed whole, each up-projection is column-wise on the heads it makes,
+    and backward all-reduces the latents' gradients where the gathered plan all-gathers the latents forward and
+    all-reduces the layer input's gradient backward. It costs the down-projections' FLOPs on every rank and their
+    parameters whole (:func:`within_budget`). Every kind at once first, then kind by kind; a trial is kept where
+    every up-projection of its kind is then column-wise, the plan costs less (``split.plan_cost``) and it is
+    within the budget."""
+    kinds = [(downs, ups) for downs, ups in every.values()
+             if downs and not any(fqn in start[0] for fqn in downs)]  # not made whole by the model file
+    if not kinds:
+        return best, kept
+    trials = ([({f: w for downs, _ups in kinds for f, w in downs.items()}, {f for _downs, ups in kinds for f in ups})]
+              if len(kinds) > 1 else []) + kinds
+    price = plan_cost.cost(best[0])
+    shares = [plan_cost.param_shares(walk) for walk in best[0]]
+    feeds = {fqn: max(sorted(ups), key=lambda up, fqn=fqn: len(os.path.commonprefix([up, fqn])))
+             for downs, ups in kinds for fqn in downs}  # a down-projection's up-projection (in its own layer)
+    made: set = set()
+    while trials:
+        downs, ups = trials.pop(0)
+        if set(downs) <= made:
+            continue
+        trial = _copied(start)
+        whole = {fqn: "" for fqn in set(downs) | made}
+        trial[0].update(whole)
+        marked = {fqn: why for fqn, why in kept.items() if fqn not in whole}
+        found = _settle(graphs, tp, *trial[:2], sequence, trial[2], marked, begins=begins)
+        roles = _linear_roles(found[0])
+        if not all(roles.get(fqn) == "colwise" for fqn in ups) or _refusals(found) > _refusals(best):
+            continue
+        found_price, found_shares = plan_cost.cost(found[0]), [plan_cost.param_shares(w) for w in found[0]]
+        if found_price >= price:
+            continue
+        if not within_budget(shares, found_shares):  # the layers within budget alone (the dense ones of an MoE)
+            over = _over_budget(shares, found_shares)
+            fewer = {fqn: why for fqn, why in downs.items() if plan_cost.block_of(fqn) not in over}
+            if fewer and len(fewer) < len(downs):
+                trials.insert(0, (fewer, {fqn for fqn in ups if plan_cost.block_of(fqn) not in over}))
+            continue
+        added = _added(shares, found_shares)
+        trial[0].update({fqn: (f"a low-rank down-projection kept whole on every rank (Megatron-Core's MLA plan), so "
+                               f"that {feeds.get(fqn, sorted(ups)[0])} shards the heads it makes from a whole "
+                               f"latent: the plan cost {price:,.0f} bytes per microbatch with it sharded, "
+                               f"{found_price:,.0f} whole (split/plan_cost.py), for {added:.1%} of a layer's "
+                               f"parameters held whole") for fqn in whole})
+        best, price, shares, kept, made = found, found_price, found_shares, marked, made | set(downs)
+        for mine, theirs in zip(learned, trial):
+            mine.clear()
+            mine.update(theirs)
+    return best, kept
 
 
 def _copied(learned: tuple) -> tuple:

@@ -46,7 +46,7 @@ def _metered(monkeypatch) -> list:
     return moved
 
 
-@pytest.mark.parametrize("model", ["tp_fused_qkv_llama", "tp_gemma_mqa_fused", "hf_llama", "tp_gated_mlp", "tp_normalize_rmsnorm", "tp_low_rank", "tp_head_tables", "tp_selective_scan"])
+@pytest.mark.parametrize("model", ["tp_fused_qkv_llama", "tp_gemma_mqa_fused", "hf_llama", "tp_gated_mlp", "tp_normalize_rmsnorm", "tp_low_rank", "tp_head_tables", "tp_selective_scan", "tp_mla_wide_mlp"])
 def test_plan_bytes_are_what_the_rewritten_program_moves(model, monkeypatch):
     moved = _metered(monkeypatch)
     # one rank (hf_llama's pipe_split markers make two stages of it: each verified, neither like the other)
@@ -59,6 +59,8 @@ def test_plan_bytes_are_what_the_rewritten_program_moves(model, monkeypatch):
         assert stage["bytes"] >= sum(in_layer for in_layer, _megatron in stage["layers"].values())
         for layer, (in_layer, megatron) in stage["layers"].items():
             if model in MEGATRONS:  # a Llama layer, q/k/v apart or fused: Megatron's plan, to the byte
+                assert in_layer == megatron, (layer, in_layer, megatron)
+            if model == "tp_mla_wide_mlp":  # MLA: Megatron-Core's plan (down-projections whole), to the byte
                 assert in_layer == megatron, (layer, in_layer, megatron)
             if model == "tp_gemma_mqa_fused":  # one key/value group under tp 2: Megatron-Core divides the groups
                 assert megatron is None
@@ -77,3 +79,19 @@ def test_a_litgpt_layer_moves_megatrons_bytes_and_inspect_says_so(tmp_path):
     assert norm["dim"] is None and "kept whole" in norm["why"]
     table = tensor_parallel_table(manifest)
     assert "beside Megatron's plan" in table and "transformer.h.*" in table and "1.00x" in table
+
+
+def test_a_cheaper_plan_holds_at_most_five_percent_more_of_a_layer_whole_and_keeps_a_95_percent_share():
+    # plain data: per stage, {repeated block: the share of its parameters sharded} (routed experts apart)
+    from tracepp.split.plan_cost import block_of
+    from tracepp.split.tp_settle import _over_budget, within_budget
+
+    before = [{"model.layers.0": 0.99, "model.layers.1": 0.97, None: 1.0}, {"model.layers.2": 0.60}]
+    assert within_budget(before, [{"model.layers.0": 0.96, "model.layers.1": 0.95, None: 1.0},
+                                  {"model.layers.2": 0.56}])
+    # layer 1 below the 95% floor it was above; layer 2 (under the floor before) losing more than 5%
+    after = [{"model.layers.0": 0.99, "model.layers.1": 0.949, None: 1.0}, {"model.layers.2": 0.549}]
+    assert not within_budget(before, after)
+    assert _over_budget(before, after) == {"model.layers.1", "model.layers.2"}
+    assert block_of("model.layers.12.self_attn.q_a_proj.weight") == "model.layers.12"
+    assert block_of("lm_head.weight") is None
