@@ -213,6 +213,25 @@ def _latents(walk, nodes: list, inside: set) -> list:
     return out
 
 
+def _layers(walk) -> dict:
+    """{repeated block: its nodes, in graph order} of a stage graph (:func:`_layer_of`)."""
+    layers: dict = {}
+    for node in walk.graph.nodes:
+        layer = _layer_of(node) if node.op == "call_function" else None
+        if layer is not None:
+            layers.setdefault(layer, []).append(node)
+    return layers
+
+
+def latent_weights(walk) -> set:
+    """The FQNs of the weights of every layer's low-rank down-projections feeding its attention (:func:`_latents`)."""
+    out = set()
+    for nodes in _layers(walk).values():
+        for node in _latents(walk, nodes, set(nodes)):
+            out.add(walk._param(walk._linear_form(node)[1]))
+    return out
+
+
 def layer_bytes(walk) -> dict:
     """{layer: (bytes ``walk``'s plan moves in it per microbatch, Megatron's bytes for it or None)} over the stage's
     repeated blocks (:func:`_layer_of`). Megatron's plan applies to a decoder layer (one with an attention): its
@@ -221,11 +240,7 @@ def layer_bytes(walk) -> dict:
     (the layer's ``[b, s, h]``: its last value read after it). Megatron-Core divides the key/value groups among
     the tp ranks: a layer with fewer groups than tp (computed whole here: a fused projection's whole parts, a
     head group or a key/value read at a rank's piece by the attention) has no Megatron plan to compare with."""
-    layers: dict = {}
-    for node in walk.graph.nodes:
-        layer = _layer_of(node) if node.op == "call_function" else None
-        if layer is not None:
-            layers.setdefault(layer, []).append(node)
+    layers = _layers(walk)
     moved = dict.fromkeys(layers, 0)
     for node, count in _moves(walk):
         layer = _layer_of(node)

@@ -340,8 +340,14 @@ def _settle_trials(graphs: list, tp: int, notes: dict, fused: dict, sequence, mi
             # and where the plan then meets no more ops that need a sharded value whole (a norm's modulation MLP,
             # 64 -> 16 -> 64, has the shapes of a pair, but gathered it shards the residual stream it scales, up to
             # the router and the experts that need it whole: AXK2)
+            # and where it costs less, or where the plan before it holds more of a layer whole than the budget
+            # allows against it (torchtitan's MLA: its latent needed whole, 9% of each layer whole; gathered, a
+            # latent all-gather more): a standard attention whose heads are narrower than the hidden size (Gemma's
+            # 8 x 256 under 2,304) has the shapes of a pair, and gathered it moved 3.9x Megatron's bytes
             if (all(roles.get(fqn) == "colwise" and ending.get(fqn) and fqn not in trial[0] for fqn in ups)
-                    and _refusals(found) <= _refusals(best)):
+                    and _refusals(found) <= _refusals(best)
+                    and (plan_cost.cost(found[0]) < plan_cost.cost(best[0]) or not within_budget(
+                        [plan_cost.param_shares(w) for w in found[0]], [plan_cost.param_shares(w) for w in best[0]]))):
                 best, kept = found, marked
                 for mine, theirs in zip((notes, fused, mixed), trial):
                     mine.clear()
@@ -381,36 +387,53 @@ def _added(before: list, after: list) -> float:
 
 def _duplicated_where_cheaper(graphs: list, tp: int, learned: tuple, sequence, begins: dict, start: tuple,
                               kept: dict, best: tuple, every: dict) -> tuple:
-    """(plan, gathered marks): the settled plan ``best``, or a cheaper one with the down-projections of a kind of
-    low-rank pair whole on every rank, as Megatron-Core duplicates MLA's ``linear_q_down_proj`` and
-    ``linear_kv_down_proj``: the latent is computed whole, each up-projection is column-wise on the heads it makes,
-    and backward all-reduces the latents' gradients where the gathered plan all-gathers the latents forward and
-    all-reduces the layer input's gradient backward. It costs the down-projections' FLOPs on every rank and their
-    parameters whole (:func:`within_budget`). Every kind at once first, then kind by kind; a trial is kept where
-    every up-projection of its kind is then column-wise, the plan costs less (``split.plan_cost``) and it is
-    within the budget."""
+    """(plan, gathered marks): the settled plan ``best``, or a cheaper one with low-rank pairs whole on every rank.
+    First the down-projections alone, as Megatron-Core duplicates MLA's ``linear_q_down_proj`` and
+    ``linear_kv_down_proj``: the latent is computed whole, each up-projection column-wise on the heads it makes, and
+    backward all-reduces the latents' gradients where the gathered plan all-gathers the latents forward and
+    all-reduces the layer input's gradient backward (kept only where every up-projection is then column-wise).
+    Every latent of a layer at once (one alone is neither Megatron-Core's plan nor the gathered one).
+    Then, for the other kinds, the whole pair: a narrow gate on the residual stream (Gemma 4's per-layer
+    input gate, 2,560 -> 256 -> 2,560) sharded as a column/row pair all-reduces its output forward and its input's
+    gradient backward, as much as an MLP does, for a few FLOPs. Each costs its FLOPs on every rank and its
+    parameters whole (:func:`within_budget`). Every such kind at once first, then kind by kind; a trial is kept where
+    the plan costs less (``split.plan_cost``), meets no more ops that need a sharded value whole and is within the
+    budget (else the layers within it are tried alone)."""
     kinds = [(downs, ups) for downs, ups in every.values()
              if downs and not any(fqn in start[0] for fqn in downs)]  # not made whole by the model file
     if not kinds:
         return best, kept
-    trials = ([({f: w for downs, _ups in kinds for f, w in downs.items()}, {f for _downs, ups in kinds for f in ups})]
-              if len(kinds) > 1 else []) + kinds
+    latents = set().union(*(plan_cost.latent_weights(walk) for walk in best[0]))
+    mla = [(downs, ups) for downs, ups in kinds if set(downs) <= latents]  # down-projections feeding the attention
+    pairs = [(downs, ups) for downs, ups in kinds if not set(downs) <= latents]
+
+    def together(found: list) -> list:
+        return [({f: w for downs, _ups in found for f, w in downs.items()}, {f for _downs, ups in found for f in ups})]
+
+    # Megatron-Core's plan keeps every latent of a layer whole (one of them alone is neither plan); other pairs
+    # every kind at once, then kind by kind
+    trials = ([("latent", *group) for group in together(mla)] if mla else []) + [
+        ("pair", *group) for group in (together(pairs) if len(pairs) > 1 else []) + pairs]
     price = plan_cost.cost(best[0])
     shares = [plan_cost.param_shares(walk) for walk in best[0]]
     feeds = {fqn: max(sorted(ups), key=lambda up, fqn=fqn: len(os.path.commonprefix([up, fqn])))
              for downs, ups in kinds for fqn in downs}  # a down-projection's up-projection (in its own layer)
     made: set = set()
+    whys: dict = {}
     while trials:
-        downs, ups = trials.pop(0)
-        if set(downs) <= made:
+        mode, downs, ups = trials.pop(0)
+        wanted = set(downs) | (set(ups) if mode == "pair" else set())
+        if wanted <= made or (mode == "pair" and set(downs) & made):
             continue
         trial = _copied(start)
-        whole = {fqn: "" for fqn in set(downs) | made}
-        trial[0].update(whole)
-        marked = {fqn: why for fqn, why in kept.items() if fqn not in whole}
+        trial[0].update(dict.fromkeys(wanted | made, ""))
+        trial[0].update(whys)
+        marked = {fqn: why for fqn, why in kept.items() if fqn not in wanted | made}
         found = _settle(graphs, tp, *trial[:2], sequence, trial[2], marked, begins=begins)
         roles = _linear_roles(found[0])
-        if not all(roles.get(fqn) == "colwise" for fqn in ups) or _refusals(found) > _refusals(best):
+        if mode == "latent" and not all(roles.get(fqn) == "colwise" for fqn in ups):
+            continue
+        if _refusals(found) > _refusals(best):
             continue
         found_price, found_shares = plan_cost.cost(found[0]), [plan_cost.param_shares(w) for w in found[0]]
         if found_price >= price:
@@ -419,15 +442,20 @@ def _duplicated_where_cheaper(graphs: list, tp: int, learned: tuple, sequence, b
             over = _over_budget(shares, found_shares)
             fewer = {fqn: why for fqn, why in downs.items() if plan_cost.block_of(fqn) not in over}
             if fewer and len(fewer) < len(downs):
-                trials.insert(0, (fewer, {fqn for fqn in ups if plan_cost.block_of(fqn) not in over}))
+                trials.insert(0, (mode, fewer, {fqn for fqn in ups if plan_cost.block_of(fqn) not in over}))
             continue
-        added = _added(shares, found_shares)
-        trial[0].update({fqn: (f"a low-rank down-projection kept whole on every rank (Megatron-Core's MLA plan), so "
-                               f"that {feeds.get(fqn, sorted(ups)[0])} shards the heads it makes from a whole "
-                               f"latent: the plan cost {price:,.0f} bytes per microbatch with it sharded, "
-                               f"{found_price:,.0f} whole (split/plan_cost.py), for {added:.1%} of a layer's "
-                               f"parameters held whole") for fqn in whole})
-        best, price, shares, kept, made = found, found_price, found_shares, marked, made | set(downs)
+        cost = (f"the plan cost {price:,.0f} bytes per microbatch with it sharded, {found_price:,.0f} whole "
+                f"(split/plan_cost.py), for {_added(shares, found_shares):.1%} of a layer's parameters held whole")
+        for fqn in sorted(wanted):
+            if mode == "latent":
+                whys[fqn] = (f"a low-rank down-projection kept whole on every rank (Megatron-Core's MLA plan), so "
+                             f"that {feeds.get(fqn, sorted(ups)[0])} shards the heads it makes from a whole latent: "
+                             f"{cost}")
+            else:
+                whys[fqn] = (f"a low-rank pair kept whole on every rank: as a column/row pair it all-reduced its "
+                             f"output forward and its input's gradient backward; {cost}")
+        trial[0].update(whys)
+        best, price, shares, kept, made = found, found_price, found_shares, marked, made | wanted
         for mine, theirs in zip(learned, trial):
             mine.clear()
             mine.update(theirs)

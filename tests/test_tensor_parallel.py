@@ -554,28 +554,24 @@ def test_mla_gathers_its_down_projections_and_shards_the_heads_they_make(monkeyp
 
     sys.path.insert(0, ZOO)
     monkeypatch.setenv("HF_FAMILY", "deepseek_v3")
-    # At the zoo's tiny dims (hidden 64) Megatron-Core's plan for both down-projections (kept whole) is over the
-    # budget of parameters a cheaper plan may hold whole (tp_settle.within_budget: 5% of a layer, routed experts
-    # apart); in the dense layer 0 the key/value one alone is within it (4.3%) and cheaper: whole, the query latent
-    # gathered; in the MoE layer 1 (a smaller layer once its experts are apart) both are gathered
+    # At the zoo's tiny dims (hidden 64) Megatron-Core's plan (both down-projections whole) is over the budget of
+    # parameters a cheaper plan may hold whole (tp_settle.within_budget: 5% of a layer, routed experts apart), so both
+    # latents are gathered (tests/models/tp_mla_wide_mlp.py: at real-size proportions, Megatron-Core's plan)
     manifest = check_model(os.path.join(ZOO, "hf_family.py"), num_microbatches=4, layout=Layout(pp=2, tp=2))
     params = manifest["tp"]["params"]
     for layer in (0, 1):
         prefix = f"model.layers.{layer}.self_attn."
-        for name in ("q_a_proj",) + (("kv_a_proj_with_mqa",) if layer else ()):
+        for name in ("q_a_proj", "kv_a_proj_with_mqa"):
             entry = params[prefix + name + ".weight"]
             assert entry["role"] == "colwise" and "low-rank down-projection" in entry["why"], entry
             assert "all-gathered" in entry["why"], entry
-        if not layer:
-            entry = params[prefix + "kv_a_proj_with_mqa.weight"]
-            assert entry["role"] == "replicate" and "Megatron-Core's MLA plan" in entry["why"], entry
         for name in ("q_b_proj", "kv_b_proj"):
             assert params[prefix + name + ".weight"]["role"] == "colwise"
         assert params[prefix + "o_proj.weight"]["role"] == "rowwise"
     assert params["model.layers.1.mlp.shared_experts.down_proj.weight"]["role"] == "rowwise"  # a narrow MLP: a pair
     assert not any(stage["replicated"] for stage in manifest["tp"]["stages"]), manifest["tp"]["stages"]
     gathered = [c["shape"][-1] for c in manifest["tp"]["stages"][0]["collectives"] if c["op"] == "all_gather"]
-    assert gathered == ["32"], gathered  # stage 0 (layer 0): the q latent
+    assert gathered == ["32", "24"], gathered  # stage 0 (layer 0): the q and kv latents, one all-gather each
 
 
 def test_mla_down_projections_whole_where_they_are_a_small_share_megatrons_plan():
@@ -660,6 +656,24 @@ def test_keys_tiled_to_the_query_heads_shard_the_query_heads_that_read_them(micr
     # Megatron's bytes: an all-reduce of [b, s, h] after the attention and one after the MLP, forward and backward
     layers = [figures for stage in manifest["tp"]["stages"] for figures in stage["layers"].values()]
     assert layers and all(megatron is not None and moved <= megatron for moved, megatron in layers), layers
+
+
+def test_a_narrow_gate_on_the_residual_stream_is_kept_whole_where_it_is_a_small_share():
+    # issue 57 (Gemma 4's per-layer input gate, 64 -> 4 -> 64 on the residual stream): sharded as a column/row pair it
+    # all-reduced its output forward and its input's gradient backward, as much as an MLP (1.5x Megatron's bytes a
+    # layer); whole on every rank (0.4% of a layer's parameters) the layer moves Megatron's bytes. Chosen by price
+    manifest = check_model(model_path("tp_per_layer_gate"), num_microbatches=2, layout=Layout(pp=2, tp=2))
+    params = manifest["tp"]["params"]
+    for layer in range(2):
+        for name in ("per_layer_input_gate", "per_layer_projection"):
+            entry = params[f"layers.{layer}.{name}.weight"]
+            assert entry["role"] == "replicate" and "a low-rank pair kept whole" in entry["why"], entry
+        assert params[f"layers.{layer}.o_proj.weight"] == {"dim": 1, "role": "rowwise"}
+    stages = manifest["tp"]["stages"]
+    layers = [figures for stage in stages for figures in stage["layers"].values()]
+    assert layers and all(moved == megatron for moved, megatron in layers), layers
+    assert all(stage["share"]["params"] >= 0.99 for stage in stages), stages
+    assert manifest["tp"]["verified"]["status"] == "verified", manifest["tp"]["verified"]
 
 
 def test_mla_down_projection_whose_latent_a_norm_needs_whole_is_gathered():
