@@ -422,8 +422,10 @@ def _duplicated_where_cheaper(graphs: list, tp: int, learned: tuple, sequence, b
     whys: dict = {}
     while trials:
         mode, downs, ups = trials.pop(0)
+        downs = {fqn: why for fqn, why in downs.items() if fqn not in made}  # those not made whole by a kept trial
+        ups = {fqn for fqn in ups if fqn not in made}
         wanted = set(downs) | (set(ups) if mode == "pair" else set())
-        if wanted <= made or (mode == "pair" and set(downs) & made):
+        if not downs:
             continue
         trial = _copied(start)
         trial[0].update(dict.fromkeys(wanted | made, ""))
