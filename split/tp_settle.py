@@ -394,7 +394,7 @@ def _duplicated_where_cheaper(graphs: list, tp: int, learned: tuple, sequence, b
     all-reduces the layer input's gradient backward (kept only where every up-projection is then column-wise).
     Every latent of a layer at once (one alone is neither Megatron-Core's plan nor the gathered one).
     Then, for the other kinds, the whole pair: a narrow gate on the residual stream (Gemma 4's per-layer
-    input gate, 2,560 -> 256 -> 2,560) sharded as a column/row pair all-reduces its output forward and its input's
+    input gate, 2,304 -> 256 -> 2,304) sharded as a column/row pair all-reduces its output forward and its input's
     gradient backward, as much as an MLP does, for a few FLOPs. Each costs its FLOPs on every rank and its
     parameters whole (:func:`within_budget`). Every such kind at once first, then kind by kind; a trial is kept where
     the plan costs less (``split.plan_cost``), meets no more ops that need a sharded value whole and is within the
