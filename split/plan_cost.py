@@ -28,6 +28,7 @@ in place of the attention input's).
 from __future__ import annotations
 
 import re
+import weakref
 
 import torch
 
@@ -89,9 +90,21 @@ def moved_bytes(walk) -> int:
     return sum(moved for _node, moved in _moves(walk))
 
 
+_FLOPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # graph -> (its node count, node_flops)
+
+
+def _graph_flops(graph) -> dict:
+    """``split.cost.node_flops`` of a stage graph, counted once per graph (every trial prices the same graphs)."""
+    count = len(graph.nodes)
+    found = _FLOPS.get(graph)
+    if found is None or found[0] != count:
+        found = _FLOPS[graph] = (count, node_flops(graph))
+    return found[1]
+
+
 def replicated_flops(walk) -> int:
     """Forward FLOPs per microbatch of the ops ``walk``'s plan leaves whole on every rank."""
-    flops = node_flops(walk.graph)
+    flops = _graph_flops(walk.graph)
     return sum(flops.get(node.name, 0) for node in walk.graph.nodes
                if node not in walk.shard and walk.roles.get(node) != "rowwise")
 
