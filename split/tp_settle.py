@@ -301,6 +301,7 @@ def _settle_trials(graphs: list, tp: int, notes: dict, fused: dict, sequence, mi
     mixed = {} if mixed is None else mixed
     start = _copied((notes, fused, mixed))
     best = _settle(graphs, tp, notes, fused, sequence, mixed, begins=begins)
+    price = None  # the kept plan's, priced once when a trial first needs it (each trial prices only itself)
     kept, tried = {}, set()
     every: dict = {}  # every kind of pair met: starred down-projection FQNs -> ({down fqn: why}, {up fqns})
     while True:  # a kept kind can turn other layers' pairs into low-rank ones (DeepSeek-V3.2): found, tried again
@@ -344,11 +345,14 @@ def _settle_trials(graphs: list, tp: int, notes: dict, fused: dict, sequence, mi
             # allows against it (torchtitan's MLA: its latent needed whole, 9% of each layer whole; gathered, a
             # latent all-gather more): a standard attention whose heads are narrower than the hidden size (Gemma's
             # 8 x 256 under 2,304) has the shapes of a pair, and gathered it moved 3.9x Megatron's bytes
-            if (all(roles.get(fqn) == "colwise" and ending.get(fqn) and fqn not in trial[0] for fqn in ups)
-                    and _refusals(found) <= _refusals(best)
-                    and (plan_cost.cost(found[0]) < plan_cost.cost(best[0]) or not within_budget(
-                        [plan_cost.param_shares(w) for w in found[0]], [plan_cost.param_shares(w) for w in best[0]]))):
-                best, kept = found, marked
+            if not (all(roles.get(fqn) == "colwise" and ending.get(fqn) and fqn not in trial[0] for fqn in ups)
+                    and _refusals(found) <= _refusals(best)):
+                continue
+            price = plan_cost.cost(best[0]) if price is None else price
+            found_price = plan_cost.cost(found[0])
+            if found_price < price or not within_budget([plan_cost.param_shares(w) for w in found[0]],
+                                                        [plan_cost.param_shares(w) for w in best[0]]):
+                best, kept, price = found, marked, found_price
                 for mine, theirs in zip((notes, fused, mixed), trial):
                     mine.clear()
                     mine.update(theirs)
