@@ -42,25 +42,13 @@ import torch
 import torch.fx as fx
 
 import tracepp.runtime.expert_parallel  # noqa: F401  (registers torch.ops.tracepp.ep_*)
-from tracepp.split import rules
+from tracepp.split import ep_walk, rules
 from tracepp.split.cost import as_int, held_bytes, op_name, tensor_bytes
 from tracepp.split.naming import frames
 from tracepp.split.partition import listed_module, node_modules
 
 aten = torch.ops.aten
 GROUPED_MM = ("aten::_grouped_mm", "aten::grouped_mm", "transformers::grouped_mm_fallback", "tracepp::grouped_mm")
-
-
-def _per_row(node) -> bool:
-    """``node`` computes each row on its own, so it may run between a block's expert matmuls on the rows' rank: an
-    elementwise op (torch's pointwise tag or ``split.rules``' families: Nemotron-H's squared ReLU), a cast, a
-    multi-output op's item, or a cut of another dim than the rows' (GPT-OSS's interleaved gate and up:
-    ``[..., ::2]``)."""
-    target = node.target
-    if (target is operator.getitem or target in rules.IGNORED or target in rules.KEEP or target in rules.UNARY
-            or target in rules.BINARY or rules.is_pointwise(target)):
-        return True
-    return (target in rules.SLICES or target in rules.CUTS) and rules.cut_dim(node) != 0
 
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
@@ -87,6 +75,7 @@ class MoEBlock:
     gathers: list = field(default_factory=list)  # index(bias, [sorted expert ids]) nodes read inside the chain
     expert_dims: dict = field(default_factory=dict)  # expert weight fqn -> its expert dim (the matmuls' dim 0)
     weight_paths: list = field(default_factory=list)  # (node, expert dim): casts and views of the weights
+    placed: set = field(default_factory=set)  # the rows and every value the walk placed on them (``ep_walk``)
 
     @property
     def out(self) -> fx.Node:
@@ -155,7 +144,7 @@ def _rows_of(matmuls: list):
     """The rows the block's grouped matmuls read: the first matmul's input, or where several matmuls read the
     rows apart (torchtitan's gate and up: ``_grouped_mm(x.bfloat16(), w1...)``, ``_grouped_mm(x.bfloat16(),
     w3...)``) the node they all cast from; None when they read different rows."""
-    entries = [m for m in matmuls if not any(a in matmuls for a in _ancestors(m))]
+    entries = [m for m in matmuls if not any(a in matmuls for a in ep_walk.ancestors(m))]
     chains = []
     for matmul in entries:
         chain, node = [], matmul.args[0]
@@ -226,39 +215,12 @@ def find_blocks(graph: fx.Graph, fqn_of: dict) -> list:
 
 
 def _check_chain(block: MoEBlock) -> str:
-    """Why the rows between the block's rows and its last grouped matmul cannot move to the experts' rank, or ''."""
-    last = block.out
-    after_rows, before_last = _descendants(block.rows), _ancestors(last)
-    between = [n for n in after_rows & before_last if n is not last]
-    rows = _val(block.rows).shape[0] if isinstance(_val(block.rows), torch.Tensor) else None
-    for node in sorted(between, key=_position):
-        if node in block.matmuls:
-            continue
-        if op_name(node) == "aten::masked_fill" and _sentinel(node.args[1], block.num_experts):
-            block.sentinel_fills.append(node)  # rows past the last offset: never dispatched, so a no-op there
-            continue
-        if (node.target in rules.SLICES or node.target in rules.CUTS) and rules.cut_dim(node) == 0:
-            return f"{node.name} ({op_name(node)}) cuts the rows between the expert matmuls"
-        if not _per_row(node):
-            return f"{node.name} ({op_name(node)}) runs between the expert matmuls and is not a per-row op"
-        outside = [u for u in node.users if u not in between and u is not last and not _checks_dtype_only(u)]
-        if outside:
-            return (f"{node.name} ({op_name(node)}){_at(node)} runs on the rows between the expert matmuls and is "
-                    f"also read by {outside[0].name} ({op_name(outside[0])}){_at(outside[0])} outside them")
-        for arg in node.all_input_nodes:
-            val = _val(arg)
-            if arg in between or arg is block.rows or not isinstance(val, torch.Tensor) or val.dim() == 0:
-                continue
-            if rows is not None and val.dim() >= 2 and val.shape[0] == rows:
-                bias = _expert_bias(arg, block)
-                if bias is not None:  # a per-expert parameter gathered for each sorted row: moves with the rows
-                    block.biases[bias[0]] = bias[1]
-                    if arg not in block.gathers:
-                        block.gathers.append(arg)
-                    continue
-                return (f"{node.name} ({op_name(node)}) reads {arg.name}, one row per (token, expert) pair made "
-                        f"outside the expert matmuls, which is not a per-expert parameter gathered by the sorted "
-                        f"expert ids")
+    """Why the block cannot move to the experts' ranks, or '': its rows placed through it by the propagation
+    (``ep_walk._Walk``), then its expert weights and biases read by the block alone."""
+    walk = ep_walk._Walk(block)
+    block.placed = set(walk.shard) | set(walk.items)
+    if walk.refused:
+        return walk.refused
     path = {node for node, _dim in block.weight_paths}
     for fqn, placeholder in block.weights.items():
         stack = [placeholder]
@@ -267,86 +229,16 @@ def _check_chain(block: MoEBlock) -> str:
             for user in node.users:
                 if user in path:
                     stack.append(user)
-                elif not ((user in block.matmuls and user.args[1] is node) or _checks_dtype_only(user)):
+                elif not ((user in block.matmuls and user.args[1] is node) or ep_walk.checks_dtype_only(user)):
                     return f"the expert weight {fqn} is also read by {user.name} ({op_name(user)}){_at(user)}"
     for fqn, placeholder in block.biases.items():
         for user in placeholder.users:
             if user not in block.gathers:
                 return f"the expert bias {fqn} is also read by {user.name} ({op_name(user)}) outside the expert matmuls"
         for gather in block.gathers:
-            if gather.args[0] is placeholder and any(u not in between for u in gather.users):
+            if gather.args[0] is placeholder and any(u not in block.placed for u in gather.users):
                 return f"{gather.name} (the rows of {fqn}) is also read outside the expert matmuls"
     return ""
-
-
-def _checks_dtype_only(node) -> bool:
-    """``aten._assert_tensor_metadata`` of a dtype, device or layout (what ``x.to(dtype)`` leaves in the graph),
-    true of this rank's experts as of all of them; not one of a size or strides."""
-    if node.target is not aten._assert_tensor_metadata.default:
-        return False
-    sizes = list(node.args[1:3]) + [node.kwargs.get("size"), node.kwargs.get("stride")]
-    return all(size is None for size in sizes)
-
-
-def _expert_bias(node, block: MoEBlock):
-    """(fqn, placeholder) when ``node`` is ``param[expert_ids]``: a parameter of one row per expert gathered by the
-    expert id of each sorted row (the sort's values, whose order the rows follow), else None."""
-    if node.target is not aten.index.Tensor or len(node.args[1]) != 1:
-        return None
-    param, (ids,) = node.args[0], node.args[1]
-    fqn_of = block.fqn_of or {}
-    if not (isinstance(param, fx.Node) and param.op == "placeholder" and param.name in fqn_of
-            and int(_val(param).shape[0]) == block.num_experts):
-        return None
-    while isinstance(ids, fx.Node) and op_name(ids) in ("aten::_to_copy", "aten::to", "aten::clamp", "aten::clamp_"):
-        ids = ids.args[0]
-    if not (isinstance(ids, fx.Node) and ids.target is operator.getitem and ids.args[1] == 0
-            and op_name(ids.args[0]) == "aten::sort"):
-        return None
-    order = [u for u in ids.args[0].users if u.target is operator.getitem and u.args[1] == 1]
-    if not order or not any(o in _ancestors(block.rows) for o in order):
-        return None  # the rows do not follow this sort
-    return fqn_of[param.name], param
-
-
-def _sentinel(mask, num_experts: int) -> bool:
-    """A mask of the rows routed to no expert (``expert_ids >= num_experts``, as transformers marks the
-    sentinels of its own expert parallelism), through views and unsqueezes."""
-    while isinstance(mask, fx.Node) and op_name(mask) in ("aten::unsqueeze", "aten::view", "aten::reshape",
-                                                          "aten::expand", "aten::_to_copy", "aten::to"):
-        mask = mask.args[0]
-    if not isinstance(mask, fx.Node) or len(mask.args) < 2 or not isinstance(mask.args[1], (int, float)):
-        return False
-    bound = mask.args[1]
-    return ((op_name(mask) == "aten::ge" and bound == num_experts)
-            or (op_name(mask) == "aten::gt" and bound == num_experts - 1))
-
-
-def _position(node) -> int:
-    for index, other in enumerate(node.graph.nodes):
-        if other is node:
-            return index
-    return -1
-
-
-def _descendants(node) -> set:
-    seen, stack = set(), [node]
-    while stack:
-        for user in stack.pop().users:
-            if user not in seen:
-                seen.add(user)
-                stack.append(user)
-    return seen
-
-
-def _ancestors(node) -> set:
-    seen, stack = set(), [node]
-    while stack:
-        for arg in stack.pop().all_input_nodes:
-            if arg not in seen:
-                seen.add(arg)
-                stack.append(arg)
-    return seen
 
 
 def _divisors(n: int) -> list:
@@ -486,7 +378,7 @@ def _meta(like) -> dict:
 def _exchange(g: fx.Graph, block: MoEBlock, ep: int) -> None:
     first, last = block.matmuls[0], block.out
     rows_val, offsets_val = _val(block.rows), _val(block.offsets)
-    between = _descendants(block.rows) & (_ancestors(last) | {last})
+    between = block.placed - {block.rows}  # placed by the walk: from the rows' first use to the last matmul
     local = block.num_experts // ep
     with g.inserting_before(first):
         dispatched = g.call_function(torch.ops.tracepp.ep_dispatch.default,
@@ -503,7 +395,7 @@ def _exchange(g: fx.Graph, block: MoEBlock, ep: int) -> None:
             user.replace_input_with(block.rows, local_rows)
     position = {node: index for index, node in enumerate(g.nodes)}
     early = {n for n in between if position[n] < position[dispatched]}  # the rows' casts made before the first
-    early |= {u for n in early for u in n.users if _checks_dtype_only(u)}  # matmul (x.bfloat16()): after dispatch
+    early |= {u for n in early for u in n.users if ep_walk.checks_dtype_only(u)}  # matmul (x.bfloat16()): after dispatch
     anchor = plan_node
     for node in sorted(early, key=position.get):
         anchor.append(node)

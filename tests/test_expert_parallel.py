@@ -222,7 +222,14 @@ class _Experts(torch.nn.Module):
         gate = torch._grouped_mm(rows.bfloat16(), w1.bfloat16().permute(2, 0, 1).contiguous(), offs=offsets)
         cast = rows.bfloat16()
         up = torch._grouped_mm(cast, self.w3.bfloat16().transpose(-2, -1), offs=offsets)
-        out = torch._grouped_mm(F.silu(gate) * up, self.w2.permute(1, 2, 0).bfloat16(), offs=offsets).float()
+        hidden = F.silu(gate) * up
+        if self.how == "row norm":  # per row: a reduction over the features carries the rows
+            hidden = hidden * torch.rsqrt(hidden.float().pow(2).mean(-1, keepdim=True) + 1e-6).bfloat16()
+        if self.how in ("rows summed", "rows flipped", "rows viewed"):
+            hidden = hidden.float()
+            hidden = {"rows summed": hidden - hidden.mean(0, keepdim=True), "rows flipped": hidden.flip(0),
+                      "rows viewed": hidden.view(6, 2, 32).reshape(12, 32)}[self.how].bfloat16()
+        out = torch._grouped_mm(hidden, self.w2.permute(1, 2, 0).bfloat16(), offs=offsets).float()
         if self.how == "weight read":
             out = out + self.w3.sum()
         if self.how == "rows read":
@@ -255,5 +262,26 @@ def test_expert_weights_through_casts_transposes_and_permutes_shard_on_their_exp
     ("rows read", r"to_\d+ \(aten::to\) at test_expert_parallel\.py:\d+ runs on the rows between the expert matmuls "
                   r"and is also read by to_\d+ \(aten::to\) at test_expert_parallel\.py:\d+ outside them")])
 def test_what_expert_parallelism_cannot_move_is_named_with_its_line(how, message):
+    (block,) = _blocks(how)
+    assert re.search(message, block.refused), block.refused
+
+
+def test_the_rows_are_placed_through_the_block_by_the_shared_rules():
+    # every value from the rows to the last grouped matmul is placed on the rows' dim (ep_walk); a per-row norm
+    # between the matmuls (a mean over the features) carries them
+    (block,) = _blocks("row norm")
+    assert not block.refused
+    assert block.out in block.placed and block.rows in block.placed
+    assert any(n.target is torch.ops.aten.mean.dim for n in block.placed)
+
+
+@pytest.mark.parametrize("how,message", [
+    ("rows summed", r"mean(_\d+)? \(aten::mean\) at test_expert_parallel\.py:\d+ reduces over the rows between the "
+                    r"expert matmuls \(a partial mean on each ep rank\)"),
+    ("rows flipped", r"flip \(aten::flip\) at test_expert_parallel\.py:\d+ reads across the rows between the expert "
+                     r"matmuls \(along the rows\)"),
+    ("rows viewed", r"view \(aten::view\) at test_expert_parallel\.py:\d+ runs between the expert matmuls and is "
+                    r"not a per-row op")])
+def test_an_op_across_the_rows_between_the_expert_matmuls_is_refused_by_name(how, message):
     (block,) = _blocks(how)
     assert re.search(message, block.refused), block.refused

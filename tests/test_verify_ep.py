@@ -73,6 +73,15 @@ def test_experts_stored_on_any_dim_verify(monkeypatch):
     _verified(_check(model_path("moe_expert_dims"), pp=1, dp=2, ep=2), stages=("stage 0",))
 
 
+def test_a_per_row_norm_between_the_expert_matmuls_is_placed_and_verified(monkeypatch):
+    # the rows are placed through the block by the shared rules (ep_walk): a mean over the features carries them;
+    # the list of per-row ops before refused it ("mean_dim ... is not a per-row op")
+    monkeypatch.syspath_prepend(os.path.dirname(TITAN))
+    manifest = _check(model_path("moe_row_norm"), dp=2, ep=2)
+    assert manifest["ep"]["blocks"] and not any(b.get("refused") for b in manifest["ep"]["blocks"])
+    _verified(manifest)
+
+
 def test_four_ep_ranks_verify():
     # 4 replicas of one sample each, 1 expert of Mixtral's 4 per rank
     record = _verified(_check(os.path.join(ZOO, "mixtral.py"), microbatches=1, dp=4, ep=4))
