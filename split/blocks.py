@@ -303,7 +303,21 @@ def _mentions(value, anchors: dict, found: set) -> None:
             _mentions(item, anchors, found)
 
 
+_LEAVES = (int, float, bool, type(None))  # values with nothing in them to map
+
+
 def _remap(value, nodes: dict, strings: dict):
+    kind = type(value)  # the exact types first: a walk holds about a million of them at DeepSeek-V3's size
+    if kind is fx.Node:
+        return nodes.get(value, value)
+    if kind in _LEAVES:
+        return value
+    if kind is str:
+        return strings.get(value, value)
+    if kind is tuple:
+        return tuple([_remap(v, nodes, strings) for v in value])
+    if kind is dict:
+        return {_remap(k, nodes, strings): _remap(v, nodes, strings) for k, v in value.items()}
     if isinstance(value, fx.Node):
         return nodes.get(value, value)
     if isinstance(value, str):

@@ -144,7 +144,11 @@ def _rows_of(matmuls: list):
     """The rows the block's grouped matmuls read: the first matmul's input, or where several matmuls read the
     rows apart (torchtitan's gate and up: ``_grouped_mm(x.bfloat16(), w1...)``, ``_grouped_mm(x.bfloat16(),
     w3...)``) the node they all cast from; None when they read different rows."""
-    entries = [m for m in matmuls if not any(a in matmuls for a in ep_walk.ancestors(m))]
+    members, reached = set(matmuls), set()  # what a matmul of the block computes from (matmuls in graph order)
+    for node in _span(matmuls[0], matmuls[-1]):
+        if any(a in members or a in reached for a in node.all_input_nodes):
+            reached.add(node)
+    entries = [m for m in matmuls if m not in reached]
     chains = []
     for matmul in entries:
         chain, node = [], matmul.args[0]
@@ -156,6 +160,16 @@ def _rows_of(matmuls: list):
         chains.append(chain)
     common = [n for n in chains[0] if all(n in chain for chain in chains[1:])]
     return common[0] if common else None
+
+
+def _span(first, last):
+    """The nodes of a graph from ``first`` to ``last``, in order."""
+    node = first
+    while True:
+        yield node
+        if node is last:
+            return
+        node = node.next
 
 
 def _at(node) -> str:

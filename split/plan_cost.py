@@ -118,12 +118,25 @@ def block_of(fqn: str):
     return found.group(1) if found else None
 
 
+_EXPERTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # graph -> (its node count, expert weights)
+
+
+def _expert_weights(graph, fqn_of: dict) -> set:
+    """The routed experts' weights of a stage graph (``expert_parallel.find_blocks``), found once per graph (every
+    trial shares the same graphs)."""
+    from tracepp.split.expert_parallel import find_blocks
+
+    count = len(graph.nodes)
+    found = _EXPERTS.get(graph)
+    if found is None or found[0] != count:
+        found = _EXPERTS[graph] = (count, {fqn for block in find_blocks(graph, fqn_of) for fqn in block.weights})
+    return found[1]
+
+
 def param_shares(walk) -> dict:
     """{repeated block (``model.layers.3``; None: the parameters outside any): the share of its parameters
     (elements) ``walk``'s plan shards}, routed experts apart (expert parallelism places them)."""
-    from tracepp.split.expert_parallel import find_blocks
-
-    apart = {fqn for block in find_blocks(walk.graph, walk.fqn_of) for fqn in block.weights}
+    apart = _expert_weights(walk.graph, walk.fqn_of)
     counts: dict = {}
     for node in walk.graph.nodes:
         fqn = walk.fqn_of.get(node.name) if node.op == "placeholder" else None
@@ -206,14 +219,11 @@ def _latents(walk, nodes: list, inside: set) -> list:
     reached in the layer, and from that an attention product. Megatron-Core keeps them whole on every rank
     (``linear_q_down_proj``, ``linear_kv_down_proj``): its backward all-reduces their outputs' gradients, where the
     dense reference all-reduces the attention input's."""
-    from tracepp.split.tp_contract import _in_dim
+    from tracepp.split.tp_contract import linear_widths
 
     def widths(node):
         form = walk._linear_form(node) if node.op == "call_function" else None
-        shape = form[1].meta["val"].shape if form is not None and form[1].meta["val"].dim() == 2 else None
-        if shape is None or not rules.ints(list(shape)):
-            return None
-        return int(shape[_in_dim(form[1].meta["val"], form[3])]), int(shape[form[3]])
+        return linear_widths(form) if form is not None and form[1].meta["val"].dim() == 2 else None
 
     out = []
     for node in nodes:

@@ -26,6 +26,14 @@ def _in_dim(weight_val, out_dim: int) -> int:
     return 1 if weight_val.dim() == 3 else 1 - out_dim
 
 
+def linear_widths(form):
+    """(input features, output features) of a linear in ``_linear_form``'s form ``(x, weight, bias, out dim)``, or
+    None where a width is symbolic."""
+    weight = _val(form[1])
+    inp, outp = weight.shape[_in_dim(weight, form[3])], weight.shape[form[3]]
+    return (int(inp), int(outp)) if _ints([inp, outp]) else None
+
+
 class _ContractionRules:
     """Linears, embeddings, products and attention (methods of ``tp_walk._Walk``)."""
 

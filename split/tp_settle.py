@@ -13,7 +13,7 @@ from tracepp.split import plan_cost, rules
 from tracepp.split.naming import starred
 from tracepp.split.partition import _gradient_flags
 from tracepp.split.rules import at as _at, equal as _equal, ints as _ints, sizes as _sizes, val as _val
-from tracepp.split.tp_contract import _in_dim
+from tracepp.split.tp_contract import linear_widths
 from tracepp.split.tp_walk import _Walk
 
 aten = torch.ops.aten
@@ -205,9 +205,7 @@ def _low_rank(walk: _Walk) -> list:
     of 2048 under a hidden size of 7168) has the same shapes and is better sharded as a pair: :func:`settle`
     measures which."""
     def features(node):
-        _x, weight, _b, out_dim = walk.forms[node]
-        shape = _val(weight).shape
-        return int(shape[_in_dim(_val(weight), out_dim)]), int(shape[out_dim])  # (in, out)
+        return linear_widths(walk.forms[node]) or (0, 0)  # (in, out); symbolic: neither narrows nor widens
 
     out = []
     for region in _regions(walk):
@@ -246,13 +244,10 @@ def _whole_low_rank(walk: _Walk, forced: dict) -> list:
         form = walk._linear_form(node) if node.op == "call_function" else None
         if form is None or node in walk.roles or node in walk.shard or _val(form[1]).dim() != 2:
             continue
-        _x, weight, _b, out_dim = form
-        fqn, shape = walk._param(weight), _val(weight).shape
-        if fqn is None or fqn in forced or not _ints(list(shape)) or int(shape[out_dim]) % walk.tp:
+        fqn, widths = walk._param(form[1]), linear_widths(form)
+        if fqn is None or fqn in forced or widths is None or widths[1] % walk.tp or widths[1] >= widths[0]:
             continue
-        inp, outp = int(shape[1 - out_dim]), int(shape[out_dim])
-        if outp >= inp:
-            continue
+        inp, outp = widths
         ups, frontier, seen = set(), [node], {node}
         for _depth in range(_THROUGH_WHOLE):
             after = []
@@ -263,8 +258,7 @@ def _whole_low_rank(walk: _Walk, forced: dict) -> list:
                     seen.add(user)
                     up = walk._linear_form(user) if walk.roles.get(user) == "colwise" else None
                     if up is not None and up[0] is value:
-                        upshape = _val(up[1]).shape
-                        if int(upshape[up[3]]) > int(upshape[_in_dim(_val(up[1]), up[3])]):
+                        if (linear_widths(up) or (1, 0))[1] > (linear_widths(up) or (1, 0))[0]:
                             ups.add(walk._param(up[1]))
                     elif user not in walk.shard and (user.target in _WHOLE_PATH or user.target is operator.getitem):
                         after.append(user)
