@@ -54,7 +54,9 @@ def collectives(walk) -> list:
     bytes it moves per microbatch forward and backward, ring-weighted)``. The manifest lists them
     (``tensor_parallel``), :func:`cost` prices them and :func:`layer_bytes` sums them per decoder layer."""
     out = [("reduce_scatter" if node in walk.reduce_scatters else "all_reduce", node, node, 2 * _bytes(node))
-           for node, role in walk.roles.items() if role in ("rowwise", "vocab")]  # gathered back in backward
+           for node, role in walk.roles.items()  # gathered back in backward
+           if role in ("rowwise", "vocab") and node not in walk.deferred]
+    out += [("all_reduce", node, node, 2 * _bytes(node)) for node in walk.late_sums]  # partial sums carried to it
     out += [("all_gather (sequence)", arg, consumer, 2 * _bytes(arg))  # reduce-scattered backward
             for consumer, arg in _last_consumer(walk.sp_gathers)]
     out += [("all_reduce", node, node, 2 * _bytes(node)) for node in walk.sums]
@@ -197,20 +199,26 @@ def _products_operands(node) -> list:
 _THROUGH = 12  # ops from a down-projection to the up-projection that reads its latent, and on to the attention
 
 
-def _reached(start, inside: set, found) -> object:
-    """The first node ``found`` accepts among those ``start``'s value reaches in ``_THROUGH`` ops inside a layer."""
+def reached(start, depth: int, passes):
+    """(value, user) for every node ``start``'s value reaches in at most ``depth`` ops, breadth first, each once,
+    going on from a user only where ``passes(user)``."""
     frontier, seen = [start], {start}
-    for _depth in range(_THROUGH):
+    for _depth in range(depth):
         after = []
         for value in frontier:
             for user in value.users:
-                if user in inside and user not in seen:
-                    if found(user):
-                        return user
+                if user not in seen:
                     seen.add(user)
-                    after.append(user)
+                    yield value, user
+                    if passes(user):
+                        after.append(user)
         frontier = after
-    return None
+
+
+def _reached(start, inside: set, found) -> object:
+    """The first node ``found`` accepts among those ``start``'s value reaches in ``_THROUGH`` ops inside a layer."""
+    return next((user for _value, user in reached(start, _THROUGH, inside.__contains__)
+                 if user in inside and found(user)), None)
 
 
 def _latents(walk, nodes: list, inside: set) -> list:

@@ -1,8 +1,9 @@
 """One propagation for every parallel plan: a stage graph walked once in order, each value's placement on one mesh
 dimension decided by the op that makes it, from the placements of its inputs.
 
-The tensor-parallel walk (``tp_walk._Walk``: heads, features and, under sequence parallelism, tokens) and the
-context-parallel walk (``cp_walk._Walk``: positions) are subclasses. They share the node loop and every rule whose
+The tensor-parallel walk (``tp_walk._Walk``: heads, features and, under sequence parallelism, tokens), the
+context-parallel walk (``cp_walk._Walk``: positions) and expert parallelism's (``ep_walk._Walk``: the (token,
+expert) rows of a block of routed experts, from its first grouped matmul to its last) are subclasses. They share the node loop and every rule whose
 answer does not depend on what the sharded dim means: an op that moves dims (:meth:`_move`), one that works along
 one dim (:meth:`_along`: softmax, scans, sorts, flips, windows), one that reads trailing dims (:meth:`_trailing`:
 pads, triangles, norms) and a reduction (:meth:`_reduce`), each asking ``split.rules`` where the shard goes. What

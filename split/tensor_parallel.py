@@ -293,8 +293,8 @@ def _figures(nodes: list, entry: dict, flops: dict, tensor_bytes, crossing=None)
         return [len(found), sum(tensor_bytes(_val(n)) for n in found)]
 
     scattered = [n for n in nodes if n in walk.reduce_scatters]
-    reduce_fwd = [n for n in nodes if (walk.roles.get(n) in ("rowwise", "vocab") and n not in walk.reduce_scatters)
-                  or n in walk.sums]
+    reduce_fwd = [n for n in nodes if (walk.roles.get(n) in ("rowwise", "vocab") and n not in walk.reduce_scatters
+                                       and n not in walk.deferred) or n in walk.sums or n in walk.late_sums]
     copied = {arg for consumer, arg in walk.copies if consumer in inside} & walk.reduced_in_backward()
     gathered = {arg for consumer, arg in walk.gathers if consumer in inside or (consumer.op == "output"
                                                                                 and arg in inside)}

@@ -239,6 +239,8 @@ def _rewrite(g: fx.Graph, walk: _Walk, tp: int, params: dict) -> None:
             if node.target is aten.addmm.default:  # the bias is added once, after the sum
                 node.target = aten.mm.default
             node.args = (weight, x) if node.args[0] is weight else (x, weight)
+            if node in walk.deferred:  # its partial sums carried on, all-reduced at walk.late_sums (tp_partial)
+                continue
             reduced = _after(g, node, *_reduction(node, scatter), local=(scatter, tp))
             if bias is not None:
                 if scatter is not None and walk.needs_grad.get(bias):  # each rank adds it to its own tokens
@@ -252,6 +254,8 @@ def _rewrite(g: fx.Graph, walk: _Walk, tp: int, params: dict) -> None:
             node.kwargs = {}
             if scatter is not None:
                 _after(g, node, *_reduction(node, scatter), local=(scatter, tp))
+    for node in walk.late_sums:  # row-wise partial sums carried to here (tp_partial): summed once
+        _after(g, node, TP.tp_all_reduce.default, [node])
     for node, count in walk.sums.items():  # a sum (or mean) over the sharded dim: from the partial sums
         if count is not None:
             node.target = aten.sum.dim_IntList

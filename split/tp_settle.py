@@ -248,21 +248,12 @@ def _whole_low_rank(walk: _Walk, forced: dict) -> list:
         if fqn is None or fqn in forced or widths is None or widths[1] % walk.tp or widths[1] >= widths[0]:
             continue
         inp, outp = widths
-        ups, frontier, seen = set(), [node], {node}
-        for _depth in range(_THROUGH_WHOLE):
-            after = []
-            for value in frontier:
-                for user in value.users:
-                    if user in seen:
-                        continue
-                    seen.add(user)
-                    up = walk._linear_form(user) if walk.roles.get(user) == "colwise" else None
-                    if up is not None and up[0] is value:
-                        if (linear_widths(up) or (1, 0))[1] > (linear_widths(up) or (1, 0))[0]:
-                            ups.add(walk._param(up[1]))
-                    elif user not in walk.shard and (user.target in _WHOLE_PATH or user.target is operator.getitem):
-                        after.append(user)
-            frontier = after
+        ups = set()
+        for value, user in plan_cost.reached(node, _THROUGH_WHOLE, lambda user: user not in walk.shard and (
+                user.target in _WHOLE_PATH or user.target is operator.getitem) and walk.roles.get(user) != "colwise"):
+            up = walk._linear_form(user) if walk.roles.get(user) == "colwise" else None
+            if up is not None and up[0] is value and (linear_widths(up) or (1, 0))[1] > (linear_widths(up) or (1, 0))[0]:
+                ups.add(walk._param(up[1]))
         if ups:
             up = sorted(ups)[0]
             out.append(({fqn: f"a low-rank down-projection ({inp} -> {outp} features) before {up} widens again: "

@@ -12,7 +12,7 @@ import torch
 import torch.fx as fx
 
 import tracepp.runtime.tensor_parallel  # noqa: F401  (registers torch.ops.tracepp.tp_*)
-from tracepp.split import rules, torch_rules
+from tracepp.split import rules, torch_rules, tp_partial
 from tracepp.split.propagation import Propagation
 from tracepp.split.rules import at as _at, equal as _equal, ints as _ints, prod as _prod, sizes as _sizes, val as _val
 from tracepp.split.tp_contract import _ContractionRules, _swapped
@@ -84,6 +84,7 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
         self._claimed: set = set()  # (node, input) pairs a rule placed (no "whole" use recorded)
         self.last = last  # the last stage: its outputs go to the loss, whole
         self._walk(graph)
+        tp_partial.defer(self)  # deferred, late_sums, partial: where row-wise partial sums are all-reduced
 
     def reduced_in_backward(self) -> set:
         """The whole values whose gradient tp_copy sums over the group: those that carry one."""

@@ -37,7 +37,6 @@ is the cp-rewritten stages run for every cp rank; ``split/verify_cp.py`` verifie
 from __future__ import annotations
 
 import copy
-import re
 import time
 from dataclasses import dataclass, field
 
@@ -46,6 +45,7 @@ import torch.fx as fx
 
 from tracepp.runtime import context_parallel as cp_runtime
 from tracepp.runtime import tensor_parallel as tp_runtime
+from tracepp.split.naming import starred
 
 RTOL = 1e-6  # of the largest magnitude of the reference value: float64 sums in another order agree to ~1e-15
 LIMIT = 50_000_000  # elements (parameters, buffers and inputs) of a stage run here; above it: not verified
@@ -456,7 +456,8 @@ def _differs(have, want):
 def _whole(walk, node, values, size):
     """The whole value of a rewritten ``node`` from its ranks' ``values``, or None where its placement is not
     known here (a partial sum before its all-reduce, a fused value with whole parts, a list of pieces)."""
-    if node in walk.roles or node in walk.sums or node in walk.mixed or node in walk.owned_splits:
+    if (node in walk.roles or node in walk.sums or node in walk.mixed or node in walk.owned_splits
+            or node in walk.partial):
         return None
     if node in walk.shard:
         if not all(isinstance(v, torch.Tensor) for v in values):
@@ -500,7 +501,7 @@ def _partial_input(node, walk, original_names: set):
     queue = list(node.all_input_nodes)
     while queue:
         item = queue.pop(0)
-        if item in walk.sums:
+        if item in walk.sums or item in walk.late_sums:
             return item
         if item.name not in original_names:  # inserted by the rewrite: look through it
             queue.extend(item.all_input_nodes)
@@ -841,7 +842,7 @@ def verify_and_repair(graph, saved: tuple, tp_plan, walks, traced, replan, mode:
             break
         mismatch = result["mismatch"]
         # a repeated block's parameter: its copies in every block (the same plan in each) made whole at once
-        fix = list(dict.fromkeys(re.sub(r"(^|\.)\d+(?=\.)", r"\1*", fqn) for fqn in mismatch.fqns))
+        fix = list(dict.fromkeys(starred(fqn) for fqn in mismatch.fqns))
         fix = [pattern for pattern in fix if pattern not in extra]
         if mode == "strict" or not fix:
             entries = ", ".join(f"{fqn!r}: 'replicate'" for fqn in fix[:2])

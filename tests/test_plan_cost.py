@@ -95,3 +95,28 @@ def test_a_cheaper_plan_holds_at_most_five_percent_more_of_a_layer_whole_and_kee
     assert _over_budget(before, after) == {"model.layers.1", "model.layers.2"}
     assert block_of("model.layers.12.self_attn.q_a_proj.weight") == "model.layers.12"
     assert block_of("lm_head.weight") is None
+
+
+def test_partial_sums_of_experts_computed_on_every_token_are_all_reduced_once(monkeypatch):
+    # Llama 4's MoE as transformers writes it: every expert on every token (a bmm over [experts, tokens, hidden],
+    # row-wise on the experts' features), summed over the experts and added to the shared expert (row-wise too).
+    # The partial sums are carried through the view, the sum and the add (split/tp_partial.py) and all-reduced
+    # once, a [b, s, h] per layer as Megatron's MLP moves; summed where each was made it was three all-reduces,
+    # one of them [experts, tokens, hidden] (3.0x Megatron's bytes per layer, 2.0x now: the inputs' gradients)
+    import os
+
+    from util import REPO
+
+    moved = _metered(monkeypatch)
+    monkeypatch.setenv("HF_FAMILY", "llama4_text")
+    manifest = check_model(os.path.join(REPO, "tests", "zoo", "hf_family.py"), num_microbatches=2,
+                           layout=Layout(pp=1, tp=2))
+    assert manifest["tp"]["verified"]["status"] == "verified"
+    (stage,) = manifest["tp"]["stages"]
+    assert stage["bytes"] == sum(moved) * 4
+    forward = [c for c in stage["collectives"] if c["op"] == "all_reduce"]
+    layers = len(stage["layers"])
+    assert layers >= 2 and len(forward) == 1 + 2 * layers, forward  # the embedding, then o_proj and the MoE
+    assert {tuple(c["shape"]) for c in forward} == {("2", "8", "64")}, forward  # [b, s, h] of a microbatch
+    for in_layer, megatron in stage["layers"].values():
+        assert in_layer == 2 * megatron  # the experts' and the shared expert's inputs' gradients, apart

@@ -8,7 +8,11 @@ microbatch (``split.plan_cost``: forward and backward, as ring collectives move 
 (an all-reduce of its ``[b, s, h]`` after the attention and after the MLP, forward and backward), where that plan
 applies (a layer with an attention and at least as many key/value groups as tp). The worst layer's ratio is kept::
 
-    nice -n 10 python -m benchmarks.studies.megatron_bytes [--models llama,nanogpt] [--timeout 300]
+    nice -n 10 python -m benchmarks.studies.megatron_bytes [--models llama,nanogpt] [--timeout 300] [--in-process]
+
+``--in-process`` plans every model in this one process (about 1 s a model where a process of its own costs 15 s:
+the imports and the model file's load are paid once; a per-model alarm stands for the time limit, and a crash of
+the interpreter stops the run where the file written so far ends).
 
 writes ``benchmarks/results/<time>_megatron_bytes.json`` and prints a table (families over 1.0x, and how many
 layers have no Megatron plan to compare with, by reason).
@@ -33,8 +37,9 @@ from tracepp.runtime.mesh import Layout
 manifest = check_model({path!r}, num_microbatches=2, layout=Layout(pp=2, tp=2), verify="off")
 layers = {{}}
 for index, stage in enumerate(manifest["tp"]["stages"]):
-    for layer, figures in stage.get("layers", {{}}).items():
-        layers[layer] = figures
+    for layer, (moved, megatron) in stage.get("layers", {{}}).items():  # a layer on two stages: summed
+        before = layers.get(layer, (0, None))
+        layers[layer] = (before[0] + moved, megatron if megatron is not None else before[1])
 print("RESULT " + json.dumps({{"layers": layers, "share": [s["share"]["params"] for s in manifest["tp"]["stages"]]}}))
 """
 
@@ -46,6 +51,54 @@ def models() -> list:
     out = [(name, families.PATH, {"HF_FAMILY": name}) for name in families.families()]
     out += [(name, other_families.path_of(name), {}) for name in other_families.models()]
     return out
+
+
+def _record(name: str, found: dict, started: float) -> dict:
+    ratios = [moved / megatron for moved, megatron in found["layers"].values() if megatron]
+    return {"model": name, "seconds": round(time.time() - started, 1), "layers": found["layers"],
+            "share": found["share"], "worst": max(ratios) if ratios else None,
+            "compared": len(ratios), "not_compared": len(found["layers"]) - len(ratios)}
+
+
+def measure_here(name: str, path: str, env: dict, timeout: float) -> dict:
+    """:func:`measure` in this process (``--in-process``): the same check, the model file loaded with ``env`` set."""
+    import signal
+
+    from tracepp.driver import check_model
+    from tracepp.runtime.mesh import Layout
+
+    def expired(*_args):
+        raise TimeoutError(f"over {timeout:.0f} s")
+
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    for folder in (os.path.dirname(path), os.path.join(REPO, "tests")):
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
+    started = time.time()
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(int(timeout))
+    try:
+        manifest = check_model(path, num_microbatches=2, layout=Layout(pp=2, tp=2), verify="off")
+    except BaseException as error:  # noqa: BLE001 (a model that fails is recorded, the run goes on)
+        if isinstance(error, KeyboardInterrupt):
+            raise
+        return {"model": name, "error": f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}"}
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    layers: dict = {}
+    for stage in manifest["tp"]["stages"]:
+        for layer, (moved, megatron) in stage.get("layers", {}).items():  # a layer on two stages: summed
+            before = layers.get(layer, (0, None))
+            layers[layer] = (before[0] + moved, megatron if megatron is not None else before[1])
+    return _record(name, {"layers": layers, "share": [s["share"]["params"] for s in manifest["tp"]["stages"]]},
+                   started)
 
 
 def measure(name: str, path: str, env: dict, timeout: float) -> dict:
@@ -60,17 +113,14 @@ def measure(name: str, path: str, env: dict, timeout: float) -> dict:
     if line is None:
         tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
         return {"model": name, "error": tail[:300]}
-    found = json.loads(line[len("RESULT "):])
-    ratios = [moved / megatron for moved, megatron in found["layers"].values() if megatron]
-    return {"model": name, "seconds": round(time.time() - started, 1), "layers": found["layers"],
-            "share": found["share"], "worst": max(ratios) if ratios else None,
-            "compared": len(ratios), "not_compared": len(found["layers"]) - len(ratios)}
+    return _record(name, json.loads(line[len("RESULT "):]), started)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default=None, help="comma-separated names (default: every family)")
     parser.add_argument("--timeout", type=float, default=300.0)
+    parser.add_argument("--in-process", action="store_true", help="every model in this process (module docstring)")
     args = parser.parse_args(argv)
     chosen = models()
     if args.models:
@@ -80,7 +130,7 @@ def main(argv=None) -> int:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = os.path.join(REPO, "benchmarks", "results", f"{stamp}_megatron_bytes.json")
     for name, path, env in chosen:
-        record = measure(name, path, env, args.timeout)
+        record = (measure_here if args.in_process else measure)(name, path, env, args.timeout)
         records.append(record)
         worst = record.get("worst")
         print(f"{name}: " + (record["error"] if "error" in record else
@@ -88,7 +138,7 @@ def main(argv=None) -> int:
                              f"no layer with a Megatron plan ({record['not_compared']} layers)"), flush=True)
         with open(out, "w") as handle:  # after every model: a stopped run keeps what it measured
             json.dump({"what": "tp 2 bytes per microbatch per decoder layer beside Megatron's plan",
-                       "models": len(chosen), "records": records}, handle, indent=1)
+                       "models": len(chosen), "in_process": args.in_process, "records": records}, handle, indent=1)
     compared = [r for r in records if r.get("worst") is not None]
     over = sorted((r for r in compared if r["worst"] > 1.0 + 1e-9), key=lambda r: -r["worst"])
     print(f"\n{len(compared)} models with a layer Megatron's plan applies to; {len(compared) - len(over)} at or under "

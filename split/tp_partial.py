@@ -1,0 +1,107 @@
+"""Where a row-wise linear's partial sums are summed: not always right after it. DTensor's ``Partial(sum)``
+placement, carried through the ops that are linear in it.
+
+A row-wise linear leaves each tp rank a partial sum of its output, all-reduced after it (Megatron's ``g``: the
+all-reduce forward, identity backward). Where what reads the partial sums is linear in them, the all-reduce can
+wait: a view, a transpose, a cast, a sum over a dim, a product with a value that is whole and carries no
+gradient, the sum of two partial values. Llama 4's MoE computes every expert on every token (a ``bmm`` of
+``[experts, tokens, hidden]``, row-wise on the experts' features), sums over the experts and adds the shared
+expert (row-wise too): summed where each is made, three all-reduces, one of them ``experts`` times the layer's
+``[b, s, h]``; summed where they meet, one all-reduce of ``[b, s, h]``, as Megatron's plan moves.
+
+:func:`defer` is a pass over a settled walk: it places nothing, it moves all-reduces. A value made of partial
+sums (a row-wise output without a bias, or an op above whose every reading of them is of partial values) stays
+partial where every op that reads it takes partial sums, and is all-reduced where it is made otherwise. Each run
+of such values is kept only where the bytes it all-reduces are fewer than the row-wise outputs' own; under
+sequence parallelism (a reduce-scatter, not an all-reduce) nothing moves. The rewrite skips the deferred
+linears' all-reduces and puts one after each value in ``late_sums``; ``verify`` compares nothing held partial.
+"""
+from __future__ import annotations
+
+import torch
+
+from tracepp.split import rules
+from tracepp.split.cost import tensor_bytes
+
+aten = torch.ops.aten
+_SUMS = {aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.mean.default}  # linear in their input
+_ADDS = {aten.add.Tensor, aten.sub.Tensor, aten.add_.Tensor, aten.sub_.Tensor}  # partial + partial
+_SCALES = {aten.mul.Tensor, aten.div.Tensor, aten.mul.Scalar, aten.div.Scalar, aten.neg.default}  # by a whole value
+
+
+def _carries(node, partial: set, walk) -> bool:
+    """``node`` computes partial sums from partial sums: every tensor it reads that is partial it reads linearly,
+    and the rest are whole values that carry no gradient (or plain numbers) it only scales by."""
+    if node.op != "call_function" or node in walk.shard or node in walk.roles or node in walk.sums:
+        return False
+    target = node.target
+    tensors = [a for a in node.all_input_nodes if isinstance(rules.val(a), torch.Tensor)]
+    mine = [a for a in tensors if a in partial]
+    if not mine or any(a in walk.shard for a in tensors):
+        return False
+    if target in rules.KEEP or target in rules.VIEWS or target in rules.FLATTENS or target in rules.UNFLATTENS \
+            or target in rules.MOVES or target in rules.EXPANDS or target in _SUMS:
+        return tensors == [node.args[0]] and target not in rules.DROPOUTS
+    if target in _ADDS:
+        return len(tensors) == 2 and len(mine) == 2 and node.kwargs.get("alpha", 1) == 1
+    if target in _SCALES:
+        first = node.args[0]
+        others = [a for a in tensors if a is not first]
+        return first in partial and len(mine) == 1 and not any(walk.needs_grad.get(a) for a in others)
+    return False
+
+
+def defer(walk) -> None:
+    """Set ``walk.deferred`` (row-wise linears whose all-reduce is not right after them), ``walk.late_sums``
+    (values all-reduced right after them instead) and ``walk.partial`` (every value the rewritten program holds as
+    partial sums: the deferred linears, the values between, the late sums before their all-reduce)."""
+    walk.deferred, walk.late_sums, walk.partial = set(), {}, set()
+    starts = {n for n, role in walk.roles.items() if role == "rowwise" and n not in walk.reduce_scatters
+              and walk.forms[n][2] is None and isinstance(rules.val(n), torch.Tensor)}
+    if not starts:
+        return
+    partial = set(starts)
+    order = {node: index for index, node in enumerate(walk.graph.nodes)}
+    first = min(order[n] for n in starts)
+    for node in walk.graph.nodes:  # what partial sums reach: forward, in graph order
+        if order[node] > first and _carries(node, partial, walk):
+            partial.add(node)
+    while True:  # kept partial only where every reader takes partial sums (the rest are summed where made)
+        carried = {n for n in partial if n.users and all(u in partial for u in n.users)}
+        dropped = {n for n in partial if n not in starts and not all(a in carried for a in n.all_input_nodes
+                                                                     if a in partial or a in starts)}
+        if not dropped:
+            break
+        partial -= dropped
+    carried = {n for n in partial if n.users and all(u in partial for u in n.users)}
+    for run in _runs(partial):  # each connected run kept where it all-reduces fewer bytes
+        summed = [n for n in run if n not in carried]
+        if not any(s in carried for s in run if s in starts):
+            continue
+        if sum(tensor_bytes(rules.val(n)) for n in summed) >= sum(tensor_bytes(rules.val(s)) for s in run
+                                                                  if s in starts):
+            continue
+        walk.deferred.update(s for s in run if s in starts and s in carried)
+        walk.late_sums.update((n, None) for n in summed if n not in starts)  # a start summed where made: as before
+        walk.partial.update(run)
+
+
+def _runs(partial: set) -> list:
+    """The connected runs of partial values (joined where one reads another)."""
+    parent = {n: n for n in partial}
+
+    def find(n):
+        while parent[n] is not n:
+            parent[n] = parent[parent[n]]
+            n = parent[n]
+        return n
+
+    for node in partial:
+        for arg in node.all_input_nodes:
+            if arg in partial:
+                parent[find(arg)] = find(node)
+    runs: dict = {}
+    for node in partial:
+        runs.setdefault(find(node), []).append(node)
+    return list(runs.values())
+
