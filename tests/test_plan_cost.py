@@ -46,7 +46,7 @@ def _metered(monkeypatch) -> list:
     return moved
 
 
-@pytest.mark.parametrize("model", ["tp_fused_qkv_llama", "tp_gemma_mqa_fused", "hf_llama", "tp_gated_mlp", "tp_normalize_rmsnorm", "tp_low_rank", "tp_head_tables", "tp_selective_scan", "tp_mla_wide_mlp"])
+@pytest.mark.parametrize("model", ["tp_fused_qkv_llama", "tp_gemma_mqa_fused", "hf_llama", "tp_gated_mlp", "tp_normalize_rmsnorm", "tp_low_rank", "tp_head_tables", "tp_selective_scan", "tp_mla_wide_mlp", "tp_partial_sums"])
 def test_plan_bytes_are_what_the_rewritten_program_moves(model, monkeypatch):
     moved = _metered(monkeypatch)
     # one rank (hf_llama's pipe_split markers make two stages of it: each verified, neither like the other)
@@ -120,3 +120,14 @@ def test_partial_sums_of_experts_computed_on_every_token_are_all_reduced_once(mo
     assert {tuple(c["shape"]) for c in forward} == {("2", "8", "64")}, forward  # [b, s, h] of a microbatch
     for in_layer, megatron in stage["layers"].values():
         assert in_layer == 2 * megatron  # the experts' and the shared expert's inputs' gradients, apart
+
+
+def test_partial_sums_are_carried_only_through_what_is_linear_in_them():
+    # layer 0 sums two bias-free row-wise branches and halves the sum: one all-reduce after it; layer 1 scales one
+    # branch by a learned gain first (its gradient would be a partial sum): each branch all-reduced where it is made
+    manifest = check_model(model_path("tp_partial_sums"), num_microbatches=2, layout=Layout(pp=1, tp=2))
+    assert manifest["tp"]["verified"]["status"] == "verified"
+    (stage,) = manifest["tp"]["stages"]
+    one = 2 * 2 * 8 * 16 * 4  # an all-reduce of a microbatch's [b, s, h] in float32, ring-weighted
+    assert stage["layers"]["layers.0"][0] == 2 * one  # the sum's all-reduce, and the input's gradient's
+    assert stage["layers"]["layers.1"][0] == 3 * one  # each branch's, and the input's gradient's

@@ -1,0 +1,64 @@
+"""Two MLP branches summed before the residual add (a parallel-branch block, as Llama 4's MoE adds its shared expert
+to its experts): their row-wise outputs are partial sums on each tp rank, and summing them (and halving the sum) is
+linear in them, so one all-reduce after the sum serves both (``split/tp_partial.py``). The second layer scales one
+branch by a learned gain first: the gain's gradient would be a partial sum, so that branch is all-reduced where it
+is made and the other beside it too (two all-reduces)."""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+VOCAB, D, HIDDEN, LAYERS, BATCH, SEQ = 32, 16, 32, 2, 4, 8
+
+
+class Branches(nn.Module):
+    def __init__(self, gained: bool):
+        super().__init__()
+        self.up1, self.down1 = nn.Linear(D, HIDDEN, bias=False), nn.Linear(HIDDEN, D, bias=False)
+        self.up2, self.down2 = nn.Linear(D, HIDDEN, bias=False), nn.Linear(HIDDEN, D, bias=False)
+        self.gain = nn.Parameter(torch.full((D,), 0.5)) if gained else None
+
+    def forward(self, x):
+        one = self.down1(F.gelu(self.up1(x)))
+        if self.gain is not None:
+            one = self.gain * one
+        return x + 0.5 * (one + self.down2(F.silu(self.up2(x))))
+
+
+class BranchesLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, D)
+        self.layers = nn.ModuleList([Branches(gained=i == 1) for i in range(LAYERS)])
+        self.head = nn.Linear(D, VOCAB)
+
+    def forward(self, idx):
+        x = self.embed(idx)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def model():
+    torch.manual_seed(0)
+    return BranchesLM()
+
+
+def batch(step):
+    g = torch.Generator().manual_seed(400 + step)
+    return (torch.randint(0, VOCAB, (BATCH, SEQ), generator=g),), {}, torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+
+
+def example_inputs():
+    return batch(0)[0]
+
+
+def example_target():
+    return batch(0)[2]
+
+
+def loss_fn(logits, target):
+    return F.cross_entropy(logits.reshape(-1, VOCAB), target.reshape(-1))
+
+
+def optimizer(params):
+    return torch.optim.SGD(params, lr=0.5)
