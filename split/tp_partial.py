@@ -68,8 +68,8 @@ def defer(walk) -> None:
             partial.add(node)
     while True:  # kept partial only where every reader takes partial sums (the rest are summed where made)
         carried = {n for n in partial if n.users and all(u in partial for u in n.users)}
-        dropped = {n for n in partial if n not in starts and not all(a in carried for a in n.all_input_nodes
-                                                                     if a in partial or a in starts)}
+        dropped = {n for n in partial if n not in starts and not (  # still made of carried partial sums alone
+            _carries(n, partial, walk) and all(a in carried for a in n.all_input_nodes if a in partial))}
         if not dropped:
             break
         partial -= dropped
