@@ -2,25 +2,33 @@
 to its experts): their row-wise outputs are partial sums on each tp rank, and summing them (and halving the sum) is
 linear in them, so one all-reduce after the sum serves both (``split/tp_partial.py``). The second layer scales one
 branch by a learned gain first: the gain's gradient would be a partial sum, so that branch is all-reduced where it
-is made and the other beside it too (two all-reduces)."""
+is made and the other beside it too (two all-reduces). The third sums three branches, one of them through a view and
+also read by a ``tanh``: that branch is summed where it is made, so the view of it is whole, so neither sum is made
+of partial sums alone and every branch is summed where it is made (three all-reduces, no wrong sum)."""
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-VOCAB, D, HIDDEN, LAYERS, BATCH, SEQ = 32, 16, 32, 2, 4, 8
+VOCAB, D, HIDDEN, LAYERS, BATCH, SEQ = 32, 16, 32, 3, 4, 8
 
 
 class Branches(nn.Module):
-    def __init__(self, gained: bool):
+    def __init__(self, how: str):
         super().__init__()
+        self.how = how
         self.up1, self.down1 = nn.Linear(D, HIDDEN, bias=False), nn.Linear(HIDDEN, D, bias=False)
         self.up2, self.down2 = nn.Linear(D, HIDDEN, bias=False), nn.Linear(HIDDEN, D, bias=False)
-        self.gain = nn.Parameter(torch.full((D,), 0.5)) if gained else None
+        self.gain = nn.Parameter(torch.full((D,), 0.5)) if how == "gained" else None
+        if how == "read whole":
+            self.up3, self.down3 = nn.Linear(D, HIDDEN, bias=False), nn.Linear(HIDDEN, D, bias=False)
 
     def forward(self, x):
         one = self.down1(F.gelu(self.up1(x)))
         if self.gain is not None:
             one = self.gain * one
+        if self.how == "read whole":
+            three = self.down3(F.relu(self.up3(x)))
+            return x + (one.view(one.shape) + self.down2(F.silu(self.up2(x))) + three) + torch.tanh(one)
         return x + 0.5 * (one + self.down2(F.silu(self.up2(x))))
 
 
@@ -28,7 +36,7 @@ class BranchesLM(nn.Module):
     def __init__(self):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, D)
-        self.layers = nn.ModuleList([Branches(gained=i == 1) for i in range(LAYERS)])
+        self.layers = nn.ModuleList([Branches(how) for how in ("summed", "gained", "read whole")])
         self.head = nn.Linear(D, VOCAB)
 
     def forward(self, idx):
