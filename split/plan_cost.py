@@ -57,6 +57,9 @@ def collectives(walk) -> list:
            for node, role in walk.roles.items()  # gathered back in backward
            if role in ("rowwise", "vocab") and node not in walk.deferred]
     out += [("all_reduce", node, node, 2 * _bytes(node)) for node in walk.late_sums]  # partial sums carried to it
+    out += [("all_reduce (backward)", walk.forms[node][2], node, 2 * _bytes(walk.forms[node][2]))  # 1/tp of a
+            for node in walk.deferred if walk.forms[node][2] is not None  # deferred linear's bias on each rank
+            and walk.needs_grad.get(walk.forms[node][2])]
     out += [("all_gather (sequence)", arg, consumer, 2 * _bytes(arg))  # reduce-scattered backward
             for consumer, arg in _last_consumer(walk.sp_gathers)]
     out += [("all_reduce", node, node, 2 * _bytes(node)) for node in walk.sums]

@@ -10,10 +10,12 @@ expert (row-wise too): summed where each is made, three all-reduces, one of them
 ``[b, s, h]``; summed where they meet, one all-reduce of ``[b, s, h]``, as Megatron's plan moves.
 
 :func:`defer` is a pass over a settled walk: it places nothing, it moves all-reduces. A value made of partial
-sums (a row-wise output without a bias, or an op above whose every reading of them is of partial values) stays
+sums (a row-wise output, or an op above whose every reading of them is of partial values) stays
 partial where every op that reads it takes partial sums, and is all-reduced where it is made otherwise. Each run
 of such values is kept only where the bytes it all-reduces are fewer than the row-wise outputs' own; under
-sequence parallelism (a reduce-scatter, not an all-reduce) nothing moves. The rewrite skips the deferred
+sequence parallelism (a reduce-scatter, not an all-reduce) nothing moves. A deferred linear's bias is added
+as 1/tp of it on every rank (through ``tp_copy`` where it takes a gradient: each rank's is 1/tp of the whole),
+so the partial sums add up to it once. The rewrite skips the deferred
 linears' all-reduces and puts one after each value in ``late_sums``; ``verify`` compares nothing held partial.
 """
 from __future__ import annotations
@@ -29,6 +31,15 @@ _ADDS = {aten.add.Tensor, aten.sub.Tensor, aten.add_.Tensor, aten.sub_.Tensor}  
 _SCALES = {aten.mul.Tensor, aten.div.Tensor, aten.mul.Scalar, aten.div.Scalar, aten.neg.default}  # by a whole value
 
 
+def _identity(node) -> bool:
+    """A dropout that drops nothing (``p`` 0, or not training: GPT-NeoX's, GPT-J's and Phi's ``dropout(x, 0.0)``).
+    One that drops would draw a different mask on each rank: not linear in the sum."""
+    if node.target not in (aten.dropout.default, aten.feature_dropout.default):
+        return False
+    p, train = rules.arg(node, 1, "p", 0.5), rules.arg(node, 2, "train", True)
+    return p == 0 or not train
+
+
 def _carries(node, partial: set, walk) -> bool:
     """``node`` computes partial sums from partial sums: every tensor it reads that is partial it reads linearly,
     and the rest are whole values that carry no gradient (or plain numbers) it only scales by."""
@@ -41,7 +52,7 @@ def _carries(node, partial: set, walk) -> bool:
         return False
     if target in rules.KEEP or target in rules.VIEWS or target in rules.FLATTENS or target in rules.UNFLATTENS \
             or target in rules.MOVES or target in rules.EXPANDS or target in _SUMS:
-        return tensors == [node.args[0]] and target not in rules.DROPOUTS
+        return tensors == [node.args[0]] and (target not in rules.DROPOUTS or _identity(node))
     if target in _ADDS:
         return len(tensors) == 2 and len(mine) == 2 and node.kwargs.get("alpha", 1) == 1
     if target in _SCALES:
@@ -57,7 +68,7 @@ def defer(walk) -> None:
     partial sums: the deferred linears, the values between, the late sums before their all-reduce)."""
     walk.deferred, walk.late_sums, walk.partial = set(), {}, set()
     starts = {n for n, role in walk.roles.items() if role == "rowwise" and n not in walk.reduce_scatters
-              and walk.forms[n][2] is None and isinstance(rules.val(n), torch.Tensor)}
+              and isinstance(rules.val(n), torch.Tensor)}
     if not starts:
         return
     partial = set(starts)
@@ -78,8 +89,10 @@ def defer(walk) -> None:
         summed = [n for n in run if n not in carried]
         if not any(s in carried for s in run if s in starts):
             continue
-        if sum(tensor_bytes(rules.val(n)) for n in summed) >= sum(tensor_bytes(rules.val(s)) for s in run
-                                                                  if s in starts):
+        biases = [walk.forms[s][2] for s in run if s in starts and s in carried and walk.forms[s][2] is not None]
+        added = sum(tensor_bytes(rules.val(b)) for b in biases if walk.needs_grad.get(b))  # their gradients summed
+        if sum(tensor_bytes(rules.val(n)) for n in summed) + added >= sum(tensor_bytes(rules.val(s)) for s in run
+                                                                          if s in starts):
             continue
         walk.deferred.update(s for s in run if s in starts and s in carried)
         walk.late_sums.update((n, None) for n in summed if n not in starts)  # a start summed where made: as before

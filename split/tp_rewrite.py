@@ -240,6 +240,12 @@ def _rewrite(g: fx.Graph, walk: _Walk, tp: int, params: dict) -> None:
                 node.target = aten.mm.default
             node.args = (weight, x) if node.args[0] is weight else (x, weight)
             if node in walk.deferred:  # its partial sums carried on, all-reduced at walk.late_sums (tp_partial)
+                if bias is not None:  # 1/tp of the bias on every rank: the partial sums add up to it once
+                    share = bias
+                    if walk.needs_grad.get(bias):  # each rank's gradient is 1/tp of it: summed over tp
+                        share = _insert(g, node, TP.tp_copy.default, [bias], _val(bias), node)
+                    share = _insert(g, node, aten.div.Tensor, [share, tp], _val(bias), node)
+                    _after(g, node, aten.add.Tensor, [node, share], node)
                 continue
             reduced = _after(g, node, *_reduction(node, scatter), local=(scatter, tp))
             if bias is not None:

@@ -123,7 +123,7 @@ def test_partial_sums_of_experts_computed_on_every_token_are_all_reduced_once(mo
 
 
 def test_partial_sums_are_carried_only_through_what_is_linear_in_them():
-    # layer 0 sums two bias-free row-wise branches and halves the sum: one all-reduce after it; layer 1 scales one
+    # layer 0 sums two row-wise branches (with biases) and halves the sum: one all-reduce after it; layer 1 scales one
     # branch by a learned gain first (its gradient would be a partial sum): each branch all-reduced where it is made;
     # layer 2 sums three branches, one also read by a tanh: summed where made, so the sums beside it are not of
     # partial sums alone (kept partial, the sum would all-reduce a whole value with the partial ones: wrong)
@@ -131,7 +131,8 @@ def test_partial_sums_are_carried_only_through_what_is_linear_in_them():
     assert manifest["tp"]["verified"]["status"] == "verified"
     (stage,) = manifest["tp"]["stages"]
     one = 2 * 2 * 8 * 16 * 4  # an all-reduce of a microbatch's [b, s, h] in float32, ring-weighted
-    assert stage["layers"]["layers.0"][0] == 2 * one  # the sum's all-reduce, and the input's gradient's
+    biases = 2 * 2 * 16 * 4  # each down-projection's bias gradient all-reduced (1/tp of it on each rank)
+    assert stage["layers"]["layers.0"][0] == 2 * one + biases  # the sum's all-reduce, the input's gradient's
     assert stage["layers"]["layers.1"][0] == 3 * one  # each branch's, and the input's gradient's
     assert stage["layers"]["layers.2"][0] == 4 * one  # a branch also read whole: all three summed where made
     assert not manifest["tp"]["verified"].get("repaired"), manifest["tp"]["verified"]

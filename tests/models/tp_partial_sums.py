@@ -1,6 +1,7 @@
 """Two MLP branches summed before the residual add (a parallel-branch block, as Llama 4's MoE adds its shared expert
 to its experts): their row-wise outputs are partial sums on each tp rank, and summing them (and halving the sum) is
-linear in them, so one all-reduce after the sum serves both (``split/tp_partial.py``). The second layer scales one
+linear in them, so one all-reduce after the sum serves both (``split/tp_partial.py``); their biases are added as
+1/tp on every rank, their gradients summed. The second layer scales one
 branch by a learned gain first: the gain's gradient would be a partial sum, so that branch is all-reduced where it
 is made and the other beside it too (two all-reduces). The third sums three branches, one of them through a view and
 also read by a ``tanh``: that branch is summed where it is made, so the view of it is whole, so neither sum is made
@@ -16,8 +17,9 @@ class Branches(nn.Module):
     def __init__(self, how: str):
         super().__init__()
         self.how = how
-        self.up1, self.down1 = nn.Linear(D, HIDDEN, bias=False), nn.Linear(HIDDEN, D, bias=False)
-        self.up2, self.down2 = nn.Linear(D, HIDDEN, bias=False), nn.Linear(HIDDEN, D, bias=False)
+        biased = how == "summed"  # GPT-J's, GPT-NeoX's parallel blocks: row-wise outputs with biases
+        self.up1, self.down1 = nn.Linear(D, HIDDEN, bias=False), nn.Linear(HIDDEN, D, bias=biased)
+        self.up2, self.down2 = nn.Linear(D, HIDDEN, bias=False), nn.Linear(HIDDEN, D, bias=biased)
         self.gain = nn.Parameter(torch.full((D,), 0.5)) if how == "gained" else None
         if how == "read whole":
             self.up3, self.down3 = nn.Linear(D, HIDDEN, bias=False), nn.Linear(HIDDEN, D, bias=False)
