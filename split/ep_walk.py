@@ -41,6 +41,16 @@ def ancestors(node) -> set:
     return seen
 
 
+def span(first, last):
+    """The nodes of a graph from ``first`` to ``last``, in order."""
+    node = first
+    while True:
+        yield node
+        if node is last:
+            return
+        node = node.next
+
+
 def checks_dtype_only(node) -> bool:
     """``aten._assert_tensor_metadata`` of a dtype, device or layout (what ``x.to(dtype)`` leaves in the graph),
     true of this rank's experts as of all of them; not one of a size or strides."""
@@ -100,14 +110,10 @@ class _Walk(Propagation):
         self.refused = ""
         last = block.out
         self.inside = ancestors(last) | {last}  # what the block's output is computed from
-        started = False
-        for node in last.graph.nodes:
-            started = started or node is block.rows
-            if started and node in self.inside and node is not block.rows and not self.refused:
+        for node in span(block.rows.next, last):
+            if node in self.inside and not self.refused:
                 self.WORK["visits"] += 1
                 self._visit(node)
-            if node is last:
-                break
         if not self.refused:
             self._read_outside()
 

@@ -35,7 +35,6 @@ in one grouped matmul.
 from __future__ import annotations
 
 import operator
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -44,14 +43,10 @@ import torch.fx as fx
 import tracepp.runtime.expert_parallel  # noqa: F401  (registers torch.ops.tracepp.ep_*)
 from tracepp.split import ep_walk, rules
 from tracepp.split.cost import as_int, held_bytes, op_name, tensor_bytes
-from tracepp.split.naming import frames
 from tracepp.split.partition import listed_module, node_modules
 
 aten = torch.ops.aten
 GROUPED_MM = ("aten::_grouped_mm", "aten::grouped_mm", "transformers::grouped_mm_fallback", "tracepp::grouped_mm")
-
-
-_TORCH_DIR = os.path.dirname(torch.__file__)
 
 
 class ExpertParallelError(ValueError):
@@ -145,7 +140,7 @@ def _rows_of(matmuls: list):
     rows apart (torchtitan's gate and up: ``_grouped_mm(x.bfloat16(), w1...)``, ``_grouped_mm(x.bfloat16(),
     w3...)``) the node they all cast from; None when they read different rows."""
     members, reached = set(matmuls), set()  # what a matmul of the block computes from (matmuls in graph order)
-    for node in _span(matmuls[0], matmuls[-1]):
+    for node in ep_walk.span(matmuls[0], matmuls[-1]):
         if any(a in members or a in reached for a in node.all_input_nodes):
             reached.add(node)
     entries = [m for m in matmuls if m not in reached]
@@ -160,25 +155,6 @@ def _rows_of(matmuls: list):
         chains.append(chain)
     common = [n for n in chains[0] if all(n in chain for chain in chains[1:])]
     return common[0] if common else None
-
-
-def _span(first, last):
-    """The nodes of a graph from ``first`` to ``last``, in order."""
-    node = first
-    while True:
-        yield node
-        if node is last:
-            return
-        node = node.next
-
-
-def _at(node) -> str:
-    """`` at model.py:42``: the innermost frame of the node's stack trace outside torch (the model's own line, or
-    its library's), or ''."""
-    found = frames(node.meta.get("stack_trace")) if isinstance(node, fx.Node) else []
-    outside = [f for f in found if _TORCH_DIR not in f[0] and f"{os.sep}torch{os.sep}" not in f[0]]
-    frame = (outside or found or [None])[-1]
-    return f" at {os.path.basename(frame[0])}:{frame[1]}" if frame else ""
 
 
 def _module(node) -> str:
@@ -201,7 +177,7 @@ def find_blocks(graph: fx.Graph, fqn_of: dict) -> list:
             found = _weight(matmul.args[1], fqn_of)
             if found is None:
                 refused = (f"{matmul.name} ({op_name(matmul)}) multiplies by {matmul.args[1]}"
-                           f"{_at(matmul)}, which is not an expert weight parameter (3-D, its expert dim "
+                           f"{rules.at(matmul)}, which is not an expert weight parameter (3-D, its expert dim "
                            f"the grouped matmul's dim 0) nor one through casts, transposes or permutes")
                 continue
             weights[found.fqn] = found.placeholder
@@ -218,7 +194,7 @@ def find_blocks(graph: fx.Graph, fqn_of: dict) -> list:
             block.refused = f"the expert weight {twice[0]} is multiplied with its experts on two different dims"
         if rows is None and not block.refused:
             block.refused = (f"the grouped matmuls sharing {offsets.name} read different rows: "
-                             f"{', '.join(f'{m.name} reads {m.args[0]}{_at(m)}' for m in matmuls)}")
+                             f"{', '.join(f'{m.name} reads {m.args[0]}{rules.at(m)}' for m in matmuls)}")
         if not offsets:
             block.refused = f"{matmuls[0].name} ({op_name(matmuls[0])}) has no offsets: not a routed-expert matmul"
         elif len(counts) > 1:
@@ -244,7 +220,7 @@ def _check_chain(block: MoEBlock) -> str:
                 if user in path:
                     stack.append(user)
                 elif not ((user in block.matmuls and user.args[1] is node) or ep_walk.checks_dtype_only(user)):
-                    return f"the expert weight {fqn} is also read by {user.name} ({op_name(user)}){_at(user)}"
+                    return f"the expert weight {fqn} is also read by {user.name} ({op_name(user)}){rules.at(user)}"
     for fqn, placeholder in block.biases.items():
         for user in placeholder.users:
             if user not in block.gathers:

@@ -96,15 +96,22 @@ def moved_bytes(walk) -> int:
 
 
 _FLOPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # graph -> (its node count, node_flops)
+_EXPERTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # graph -> (its node count, expert weights)
+
+
+def _once_per_graph(cache, graph, make):
+    """``make()`` for a stage graph, made once while the graph keeps its nodes (every trial prices the same
+    graphs; a rewrite changes the node count)."""
+    count = len(graph.nodes)
+    found = cache.get(graph)
+    if found is None or found[0] != count:
+        found = cache[graph] = (count, make())
+    return found[1]
 
 
 def _graph_flops(graph) -> dict:
-    """``split.cost.node_flops`` of a stage graph, counted once per graph (every trial prices the same graphs)."""
-    count = len(graph.nodes)
-    found = _FLOPS.get(graph)
-    if found is None or found[0] != count:
-        found = _FLOPS[graph] = (count, node_flops(graph))
-    return found[1]
+    """``split.cost.node_flops`` of a stage graph, counted once per graph."""
+    return _once_per_graph(_FLOPS, graph, lambda: node_flops(graph))
 
 
 def replicated_flops(walk) -> int:
@@ -123,19 +130,12 @@ def block_of(fqn: str):
     return found.group(1) if found else None
 
 
-_EXPERTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # graph -> (its node count, expert weights)
-
-
 def _expert_weights(graph, fqn_of: dict) -> set:
-    """The routed experts' weights of a stage graph (``expert_parallel.find_blocks``), found once per graph (every
-    trial shares the same graphs)."""
+    """The routed experts' weights of a stage graph (``expert_parallel.find_blocks``), found once per graph."""
     from tracepp.split.expert_parallel import find_blocks
 
-    count = len(graph.nodes)
-    found = _EXPERTS.get(graph)
-    if found is None or found[0] != count:
-        found = _EXPERTS[graph] = (count, {fqn for block in find_blocks(graph, fqn_of) for fqn in block.weights})
-    return found[1]
+    return _once_per_graph(_EXPERTS, graph,
+                           lambda: {fqn for block in find_blocks(graph, fqn_of) for fqn in block.weights})
 
 
 def param_shares(walk) -> dict:
@@ -230,18 +230,23 @@ def _latents(walk, nodes: list, inside: set) -> list:
     reached in the layer, and from that an attention product. Megatron-Core keeps them whole on every rank
     (``linear_q_down_proj``, ``linear_kv_down_proj``): its backward all-reduces their outputs' gradients, where the
     dense reference all-reduces the attention input's."""
-    from tracepp.split.tp_contract import linear_widths
+    from tracepp.split.tp_contract import linear_widths, widens
 
-    def widths(node):
+    def linear(node):  # a linear of a 2-D weight, in ``_linear_form``'s form, or None
         form = walk._linear_form(node) if node.op == "call_function" else None
-        return linear_widths(form) if form is not None and form[1].meta["val"].dim() == 2 else None
+        return form if form is not None and form[1].meta["val"].dim() == 2 else None
+
+    def widening(node) -> bool:
+        form = linear(node)
+        return form is not None and widens(form)
 
     out = []
     for node in nodes:
-        found = widths(node)
+        form = linear(node)
+        found = linear_widths(form) if form is not None else None
         if found is None or found[1] >= found[0]:
             continue
-        up = _reached(node, inside, lambda n: (widths(n) or (1, 0))[1] > (widths(n) or (1, 0))[0])
+        up = _reached(node, inside, widening)
         if up is not None and _reached(up, inside, lambda n: n.target in rules.ATTENTION_PRODUCTS) is not None:
             out.append(node)
     return out

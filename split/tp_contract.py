@@ -34,6 +34,12 @@ def linear_widths(form):
     return (int(inp), int(outp)) if _ints([inp, outp]) else None
 
 
+def widens(form) -> bool:
+    """A linear whose output features are more than its input features (both static)."""
+    widths = linear_widths(form)
+    return widths is not None and widths[1] > widths[0]
+
+
 class _ContractionRules:
     """Linears, embeddings, products and attention (methods of ``tp_walk._Walk``)."""
 

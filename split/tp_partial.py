@@ -84,7 +84,6 @@ def defer(walk) -> None:
         if not dropped:
             break
         partial -= dropped
-    carried = {n for n in partial if n.users and all(u in partial for u in n.users)}
     for run in _runs(partial):  # each connected run kept where it all-reduces fewer bytes
         summed = [n for n in run if n not in carried]
         if not any(s in carried for s in run if s in starts):

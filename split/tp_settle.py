@@ -13,7 +13,7 @@ from tracepp.split import plan_cost, rules
 from tracepp.split.naming import starred
 from tracepp.split.partition import _gradient_flags
 from tracepp.split.rules import at as _at, equal as _equal, ints as _ints, sizes as _sizes, val as _val
-from tracepp.split.tp_contract import linear_widths
+from tracepp.split.tp_contract import linear_widths, widens
 from tracepp.split.tp_walk import _Walk
 
 aten = torch.ops.aten
@@ -252,7 +252,7 @@ def _whole_low_rank(walk: _Walk, forced: dict) -> list:
         for value, user in plan_cost.reached(node, _THROUGH_WHOLE, lambda user: user not in walk.shard and (
                 user.target in _WHOLE_PATH or user.target is operator.getitem) and walk.roles.get(user) != "colwise"):
             up = walk._linear_form(user) if walk.roles.get(user) == "colwise" else None
-            if up is not None and up[0] is value and (linear_widths(up) or (1, 0))[1] > (linear_widths(up) or (1, 0))[0]:
+            if up is not None and up[0] is value and widens(up):
                 ups.add(walk._param(up[1]))
         if ups:
             up = sorted(ups)[0]

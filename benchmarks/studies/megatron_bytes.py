@@ -35,12 +35,7 @@ sys.path[:0] = [{zoo!r}, {tests!r}]
 from tracepp.driver import check_model
 from tracepp.runtime.mesh import Layout
 manifest = check_model({path!r}, num_microbatches=2, layout=Layout(pp=2, tp=2), verify="off")
-layers = {{}}
-for index, stage in enumerate(manifest["tp"]["stages"]):
-    for layer, (moved, megatron) in stage.get("layers", {{}}).items():  # a layer on two stages: summed
-        before = layers.get(layer, (0, None))
-        layers[layer] = (before[0] + moved, megatron if megatron is not None else before[1])
-print("RESULT " + json.dumps({{"layers": layers, "share": [s["share"]["params"] for s in manifest["tp"]["stages"]]}}))
+print("RESULT " + json.dumps(manifest["tp"]["stages"]))
 """
 
 
@@ -53,11 +48,18 @@ def models() -> list:
     return out
 
 
-def _record(name: str, found: dict, started: float) -> dict:
-    ratios = [moved / megatron for moved, megatron in found["layers"].values() if megatron]
-    return {"model": name, "seconds": round(time.time() - started, 1), "layers": found["layers"],
-            "share": found["share"], "worst": max(ratios) if ratios else None,
-            "compared": len(ratios), "not_compared": len(found["layers"]) - len(ratios)}
+def _record(name: str, stages: list, started: float) -> dict:
+    """A model's record from its manifest's tp stages: each layer's bytes beside Megatron's, a layer on two stages
+    (or applied on both) summed."""
+    layers: dict = {}
+    for stage in stages:
+        for layer, (moved, megatron) in stage.get("layers", {}).items():
+            before = layers.get(layer, (0, None))
+            layers[layer] = (before[0] + moved, megatron if megatron is not None else before[1])
+    ratios = [moved / megatron for moved, megatron in layers.values() if megatron]
+    return {"model": name, "seconds": round(time.time() - started, 1), "layers": layers,
+            "share": [stage["share"]["params"] for stage in stages], "worst": max(ratios) if ratios else None,
+            "compared": len(ratios), "not_compared": len(layers) - len(ratios)}
 
 
 def measure_here(name: str, path: str, env: dict, timeout: float) -> dict:
@@ -92,13 +94,7 @@ def measure_here(name: str, path: str, env: dict, timeout: float) -> dict:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-    layers: dict = {}
-    for stage in manifest["tp"]["stages"]:
-        for layer, (moved, megatron) in stage.get("layers", {}).items():  # a layer on two stages: summed
-            before = layers.get(layer, (0, None))
-            layers[layer] = (before[0] + moved, megatron if megatron is not None else before[1])
-    return _record(name, {"layers": layers, "share": [s["share"]["params"] for s in manifest["tp"]["stages"]]},
-                   started)
+    return _record(name, manifest["tp"]["stages"], started)
 
 
 def measure(name: str, path: str, env: dict, timeout: float) -> dict:
