@@ -38,7 +38,9 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from tracepp.split import verify as common
-from tracepp.split.verify import Mismatch, NotVerified, _cp_join, _cp_piece, _differs, _op, _where
+from tracepp.split import local_ranks
+from tracepp.split.local_ranks import NotVerified, _cp_join, _cp_piece
+from tracepp.split.verify import Mismatch, _differs, _op, _where
 
 aten = torch.ops.aten
 CP = torch.ops.tracepp
@@ -160,7 +162,7 @@ def _run_ranks(label, original, rewritten, walk, cp, inputs: list, wanted: list,
                   [tensor for _ in range(cp)])
         ranked.append([p.detach().clone().requires_grad_(wants) for p in pieces])
     try:
-        env = common.run(rewritten, ranked, 1, cp)
+        env = local_ranks.run(rewritten, ranked, 1, cp)
     except NotVerified:
         raise
     except Exception as error:
@@ -193,7 +195,7 @@ def _run_ranks(label, original, rewritten, walk, cp, inputs: list, wanted: list,
             if not wants:
                 continue
             got = [p.grad if p.grad is not None else torch.zeros_like(p) for p in pieces]
-            got = _cp_join(got, placed[0], placed[1]) if placed else common._sum(got)
+            got = _cp_join(got, placed[0], placed[1]) if placed else local_ranks._sum(got)
             want = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
             found = _differs(got / cp, want)
             if found:

@@ -66,7 +66,9 @@ import torch.fx as fx
 from tracepp.runtime import expert_parallel as ep_runtime
 from tracepp.runtime import tensor_parallel as tp_runtime
 from tracepp.split import verify as common
-from tracepp.split.verify import Mismatch, NotVerified, _across, _differs, _op, _where
+from tracepp.split import local_ranks
+from tracepp.split.local_ranks import NotVerified, _across
+from tracepp.split.verify import Mismatch, _differs, _op, _where
 
 EP = torch.ops.tracepp
 
@@ -217,7 +219,7 @@ def _simulations(grid: Grid) -> dict:
     return {"ep_dispatch": lambda node, at: exchange(node, at, EP.ep_dispatch.default, True),
             "ep_combine": lambda node, at: exchange(node, at, EP.ep_combine.default, False),
             "ep_expert_ids": locally(EP.ep_expert_ids.default),
-            "grouped_mm": locally(common._grouped_mm)}
+            "grouped_mm": locally(local_ranks._grouped_mm)}
 
 
 class _RuntimeState:
@@ -283,7 +285,7 @@ def _expected(node, places: _Places, grid: Grid, ref_env: dict, i: int):
         rows, offsets, experts = node.args[0], node.args[1], node.args[2]
         local = experts // grid.ep
         want_rows = _regrouped(ref_env[rows.name], ref_env[offsets.name], group, e, local)
-        counts = common._sum([torch.diff(torch.tensor([0] + _ends(ref_env[offsets.name][s]))) for s in group])
+        counts = local_ranks._sum([torch.diff(torch.tensor([0] + _ends(ref_env[offsets.name][s]))) for s in group])
         return (f"the rows {node.name} gives ep rank {e} (its experts' rows from every ep rank, by expert)",
                 (want_rows, torch.cumsum(counts[e * local:(e + 1) * local], 0)))
     if node.target is EP.ep_combine.default:
@@ -443,7 +445,7 @@ def _stage(graph, stage, original, blocks, grid, ep_plan, tp_params, fqn_of, tra
             cut = [ep_runtime.piece_for(manifest, grid.ep, grid.ep_rank(i))(fqn, x) for i, x in enumerate(cut)]
         ranked.append([x.detach().clone().requires_grad_(wants) for x in cut])
     try:
-        env = common.run(stage.graph, ranked, grid.tp, grid.outer, extra=_simulations(grid))
+        env = local_ranks.run(stage.graph, ranked, grid.tp, grid.outer, extra=_simulations(grid))
     except NotVerified:
         raise
     except Exception as error:  # the unsharded program ran: the rewrite is wrong at this op
@@ -513,14 +515,14 @@ def _gradients(stage, placeholders, ranked, leaves, inputs, fqn_of, ep_plan, gri
             continue
         for t in range(grid.tp):
             mine = [i for i in range(grid.count) if i % grid.tp == t]
-            want = common._sum([_grad(refs[i]) for i in mine]) / grid.outer
+            want = local_ranks._sum([_grad(refs[i]) for i in mine]) / grid.outer
             if fqn in ep_plan.params:
                 dim = ep_plan.params[fqn]["dim"]
-                per_expert_rank = [common._sum([_grad(pieces[i]) for i in mine if grid.ep_rank(i) == e])
+                per_expert_rank = [local_ranks._sum([_grad(pieces[i]) for i in mine if grid.ep_rank(i) == e])
                                    for e in range(grid.ep)]
                 have = torch.cat(per_expert_rank, dim=dim) / grid.outer
             else:
-                have = common._sum([_grad(pieces[i]) for i in mine]) / grid.outer
+                have = local_ranks._sum([_grad(pieces[i]) for i in mine]) / grid.outer
             found = _differs(have, want)
             if found:
                 what = f"the gradient of {fqn or node.name}" + (f" at tp rank {t}" if grid.tp > 1 else "")

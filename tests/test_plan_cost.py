@@ -8,7 +8,7 @@ import torch
 
 from tracepp.driver import check_model
 from tracepp.runtime.mesh import Layout
-from tracepp.split import verify
+from tracepp.split import local_ranks
 from util import model_path
 
 TP = torch.ops.tracepp
@@ -30,7 +30,7 @@ MEGATRONS = ("hf_llama", "tp_fused_qkv_llama")
 def _metered(monkeypatch) -> list:
     """Elements moved, one entry per collective run forward or backward, counted on rank 0 (whole tensors)."""
     moved = []
-    real = verify._collective
+    real = local_ranks._collective
 
     def counting(target, values, args, size):
         outs = real(target, values, args, size)
@@ -42,7 +42,7 @@ def _metered(monkeypatch) -> list:
             outs[0].register_hook(lambda _g: moved.append(bwd_in * whole_in + bwd_out * whole_out))
         return outs
 
-    monkeypatch.setattr(verify, "_collective", counting)
+    monkeypatch.setattr(local_ranks, "_collective", counting)
     return moved
 
 

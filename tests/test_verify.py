@@ -15,6 +15,7 @@ import torch
 from tracepp.driver import check_model
 from tracepp.runtime.mesh import Layout
 from tracepp.split import tensor_parallel, torch_rules, tp_rewrite, verify
+from tracepp.split import local_ranks
 from util import REPO, model_path
 
 pytestmark = pytest.mark.timeout(600)
@@ -124,17 +125,17 @@ def test_the_simulated_ops_cut_as_the_runtime_does():
     for groups in (1, 2, 3):
         pieces = []
         for rank in range(2):
-            with verify._Ranks(2, rank):
+            with local_ranks._Ranks(2, rank):
                 pieces.append(runtime._local_piece(x, 1, groups))
-            assert torch.equal(verify._piece(x, 1, groups, 2, rank), pieces[-1])
-        assert torch.equal(verify._join(pieces, 1, groups), x)
+            assert torch.equal(local_ranks._piece(x, 1, groups, 2, rank), pieces[-1])
+        assert torch.equal(local_ranks._join(pieces, 1, groups), x)
     for rank in range(4):
-        with verify._Ranks(4, rank):
+        with local_ranks._Ranks(4, rank):
             want_group = runtime._head_group(x, 1, 2)
             want_parts = runtime._parts_piece(x, 1, [4, 8])
-        got = verify._collective(torch.ops.tracepp.tp_head_group.default, [x] * 4, [1, 2], 4)[rank]
+        got = local_ranks._collective(torch.ops.tracepp.tp_head_group.default, [x] * 4, [1, 2], 4)[rank]
         assert torch.equal(got, want_group)
-        got = verify._collective(torch.ops.tracepp.tp_parts.default, [x] * 4, [1, [4, 8]], 4)[rank]
+        got = local_ranks._collective(torch.ops.tracepp.tp_parts.default, [x] * 4, [1, [4, 8]], 4)[rank]
         assert torch.equal(got, want_parts)
 
 

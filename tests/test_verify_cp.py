@@ -16,6 +16,7 @@ from tracepp.driver import check_model
 from tracepp.runtime import context_parallel as cp_runtime
 from tracepp.runtime.mesh import Layout
 from tracepp.split import context_parallel, cp_rewrite, tensor_parallel, tp_rewrite, verify
+from tracepp.split import local_ranks
 from util import REPO, model_path
 
 pytestmark = pytest.mark.timeout(600)
@@ -146,13 +147,13 @@ def test_the_simulated_cp_ops_are_the_runtimes():
     simulated collective's backward the adjoint of its forward over the group (what the runtime's autograd is)."""
     x = torch.randn(2, 3 * 8, 4, dtype=torch.float64)
     for cp, groups in ((2, 1), (2, 3), (4, 1)):
-        pieces = [verify._cp_piece(x, 1, groups, cp, r) for r in range(cp)]
-        assert torch.equal(verify._cp_join(pieces, 1, groups), x)
+        pieces = [local_ranks._cp_piece(x, 1, groups, cp, r) for r in range(cp)]
+        assert torch.equal(local_ranks._cp_join(pieces, 1, groups), x)
         if groups == 1:
             for r in range(cp):
                 want = x[:, cp_runtime.positions(24, cp, r)]
                 assert torch.equal(pieces[r], want)
-                with verify._Ranks(1, 0, cp, r):
+                with local_ranks._Ranks(1, 0, cp, r):
                     assert torch.equal(torch.ops.tracepp.cp_positions.default(24), cp_runtime.positions(24, cp, r))
     cp = 2
     ops = ((torch.ops.tracepp.cp_all_gather.default, [1, 1, 2, 2]), (torch.ops.tracepp.cp_reduce_scatter.default, [1]),
@@ -160,11 +161,11 @@ def test_the_simulated_cp_ops_are_the_runtimes():
     for target, args in ops:
         shape = [2, 8, 3] if target is not torch.ops.tracepp.cp_reduce_scatter.default else [2, 16, 3]
         xs = [torch.randn(shape, dtype=torch.float64, requires_grad=True) for _ in range(cp)]
-        outs = verify._cp_collective(target, xs, args, cp)
+        outs = local_ranks._cp_collective(target, xs, args, cp)
         seeds = [torch.randn_like(o) for o in outs]
         torch.autograd.backward(outs, seeds)
         forward = sum((o * s).sum() for o, s in zip(outs, seeds))
         adjoint = sum((x * x.grad).sum() for x in xs)
         assert torch.allclose(forward, adjoint), target
-    gathered = verify._cp_collective(ops[0][0], [verify._cp_piece(x, 1, 1, 2, r) for r in range(2)], [1, 1, 2, 2], 2)
+    gathered = local_ranks._cp_collective(ops[0][0], [local_ranks._cp_piece(x, 1, 1, 2, r) for r in range(2)], [1, 1, 2, 2], 2)
     assert torch.equal(gathered[1], x.repeat_interleave(2, dim=2))
