@@ -210,6 +210,8 @@ class _Walk(Propagation):
             return self._matmul(node, sharded)
         if target is aten.baddbmm.default:
             return self._baddbmm(node)
+        if target is aten.einsum.default:
+            return self._einsum(node)
         if target in rules.LOSSES:
             return self._loss(node, sharded)
         if rules.is_pointwise(target):
@@ -335,8 +337,7 @@ class _Walk(Propagation):
         if first not in self.shard:
             return False
         dim, groups = self.shard[first]
-        e = dim + _val(node).dim() - _val(first).dim()
-        self._place(node, e, groups)
+        self._place(node, rules.expanded_dim(node, dim), groups)
         return True
 
     def _expand_as(self, node) -> bool:
@@ -373,26 +374,25 @@ class _Walk(Propagation):
             return self._refuse(node, f"takes part of the sequence dim of {first.name}: positions held by other "
                                       f"cp ranks; shift or trim sequences in the batch (batch(step), the target), "
                                       f"not inside the model")
+        out_dim = rules.kept_dim(node, dim)
         if target in rules.CUTS:
             out = _val(node)
-            count = len(out) if isinstance(out, (list, tuple)) else 0
-            out_dim = dim - 1 if target is aten.unbind.int and at < dim else dim
-            self.items[node] = [(out_dim, groups)] * count
+            self.items[node] = [(out_dim, groups)] * (len(out) if isinstance(out, (list, tuple)) else 0)
             return True
-        self._place(node, dim - 1 if target is aten.select.int and at < dim else dim, groups)
+        self._place(node, out_dim, groups)
         return True
 
     def _cat(self, node, sharded) -> bool:
-        parts = node.args[0]
-        out_val = _val(node)
-        at = rules.arg(node, 1, "dim", 0)
-        stack = node.target in rules.STACKS
-        at = at % out_val.dim() if stack else at % _val(parts[0]).dim()
+        parts = [p for p in node.args[0] if not rules.skipped_by_cat(p)]
         placed = {self.shard[p] for p in parts if p in self.shard}
         if len(placed) != 1:
             return False
         dim, groups = next(iter(placed))
-        if not stack and dim == at:
+        if len(parts) == 1 and node.target in rules.CATS:  # one part beside empty ones (a cache that starts empty)
+            self._place(node, dim, groups)
+            return True
+        out_dim = rules.joined_dim(node, dim)
+        if out_dim is None:
             return self._refuse(node, "joins values along the sequence dim (a prefix or another sequence): "
                                       "positions would move between cp ranks")
         for part in parts:
@@ -401,7 +401,7 @@ class _Walk(Propagation):
                                                                       dim)):
                     return False
                 self._cut(node, part, dim, groups)
-        self._place(node, dim + 1 if stack and at <= dim else dim, groups)
+        self._place(node, out_dim, groups)
         return True
 
     def _norm(self, node, sharded) -> bool:
@@ -424,10 +424,10 @@ class _Walk(Propagation):
         used = [k for k, i in enumerate(indices) if i is not None]
         if x in self.shard:
             dim, groups = self.shard[x]
-            if dim in used or any(isinstance(i, fx.Node) and i in self.shard for i in indices):
+            e = rules.indexed_dim(node, dim)
+            if e is None or any(isinstance(i, fx.Node) and i in self.shard for i in indices):
                 return self._refuse(node, "a gather of positions of the sequence (indexing the sequence dim): "
                                           "positions held by other cp ranks")
-            e = dim if min(used) > dim else dim + out_val.dim() - in_val.dim()
             if not (0 <= e < out_val.dim()) or not _equal(_sizes(out_val)[e], _sizes(in_val)[dim]):
                 return False
             self._place(node, e, groups)
@@ -506,6 +506,48 @@ class _Walk(Propagation):
             self.sums[node] = None
             return True
         return False
+
+    def _einsum(self, node) -> bool:
+        """``einsum(equation, operands)``, each sharded operand holding positions on one label: the first whose
+        label the output keeps sets the output's placement (the queries of ``b h i d, b h j d -> b h i j``, the
+        scores' rows of ``b h i j, b h j d -> b h i d``: x-transformers', PaLM's and einops' attention); one sharded
+        on another label (the keys, the values) is gathered over cp; a whole operand with the label is cut to this
+        rank's positions (a mask or a bias per query). Where every sharded operand's label is summed over, a label
+        they share (``b n d, b n e -> b d e``), each rank holds a partial sum, summed over cp."""
+        equation, operands = node.args[0], list(node.args[1])
+        if not isinstance(equation, str) or "..." in equation or "->" not in equation:
+            return False
+        inputs, output = equation.replace(" ", "").split("->")
+        specs = inputs.split(",")
+        if len(specs) != len(operands) or any(len(spec) != _val(arg).dim() for spec, arg in zip(specs, operands)):
+            return False
+        label_of = {arg: spec[self.shard[arg][0]] for spec, arg in zip(specs, operands) if arg in self.shard}
+        anchor = next((arg for arg in operands if arg in label_of and label_of[arg] in output), None)
+        summed = anchor is None
+        if summed:
+            anchor = next(arg for arg in operands if arg in label_of)
+            if len({label_of[a] for a in label_of}) != 1:
+                return False
+        label, (dim, groups) = label_of[anchor], self.shard[anchor]
+        if any(spec.count(label) > 1 for spec in specs) or output.count(label) > 1:
+            return False  # a diagonal of positions
+        for spec, arg in zip(specs, operands):
+            if arg in label_of:
+                if label_of[arg] != label:
+                    self.gathers.append((node, arg))  # the keys of the scores, the values: every position
+                elif self.shard[arg][1] != groups:
+                    return False
+                continue
+            at = spec.find(label)
+            if at >= 0 and not _equal(_val(arg).shape[at], 1):
+                if not _equal(_sizes(_val(arg))[at], self._global(anchor, dim)):
+                    return False
+                self._cut(node, arg, at, groups)
+        if summed:
+            self.sums[node] = None
+        else:
+            self._place(node, output.index(label), groups)
+        return True
 
     def _baddbmm(self, node) -> bool:
         """``baddbmm(bias, a, b)``: ``a @ b`` placed as a matmul (BLOOM's attention scores, ``q @ k^T`` over heads

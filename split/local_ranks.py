@@ -262,6 +262,9 @@ def _step(node, env, at, over, placeholders, size, cp, tp_groups, cp_groups, ext
         env[node.name] = [fx.node.map_aggregate(node.args[0], at(r)) for r in range(count)]
     elif node.op == "call_function":
         target = node.target
+        if target is torch.ops.aten._assert_tensor_metadata.default:  # computes nothing; its device is the
+            env[node.name] = [None] * count                             # trace's (meta for the loss), dropped as
+            return                                                      # the rank scripts drop it (stage_code)
         name = getattr(target, "namespace", None) == "tracepp" and target.name().split("::")[-1].split(".")[0]
         if name in extra:
             env[node.name] = extra[name](node, at)

@@ -347,6 +347,70 @@ def cut_dim(node) -> int:
     return arg(node, 2, "dim", 0) % ndim
 
 
+def kept_dim(node, dim: int):
+    """Through a cut (:func:`cut_dim`) along another dim: ``dim``'s place in the output (in each output of a split,
+    chunk or unbind), or None where the op cuts ``dim`` itself. A select or unbind drops the dim it cuts."""
+    at_ = cut_dim(node)
+    if at_ == dim:
+        return None
+    return dim - 1 if node.target in (aten.select.int, aten.unbind.int) and at_ < dim else dim
+
+
+def joined_dim(node, dim: int):
+    """Through a cat or stack (:data:`CATS`, :data:`STACKS`) of parts sharded on ``dim``: the output's dim, or None
+    where a cat joins along ``dim`` (each rank's pieces would be side by side, not the whole's)."""
+    out = val(node)
+    at_ = arg(node, 1, "dim", 0)
+    if node.target in STACKS:
+        at_ %= out.dim()
+        return dim + 1 if at_ <= dim else dim
+    at_ %= out.dim()
+    return None if at_ == dim else dim
+
+
+def skipped_by_cat(part) -> bool:
+    """A 1-D empty tensor, which ``torch.cat`` skips whatever the other parts' shapes (a cache that starts empty:
+    XLM's keys)."""
+    v = val(part)
+    return isinstance(v, torch.Tensor) and v.dim() == 1 and equal(v.shape[0], 0)
+
+
+def expanded_dim(node, dim: int) -> int:
+    """Through an expand, ``broadcast_to`` or ``expand_as``: new dims come in front, so ``dim`` moves right by
+    their count (the planner checks the expanded size there)."""
+    return dim + val(node).dim() - val(node.args[0]).dim()
+
+
+def indexed_dim(node, dim: int):
+    """Through ``x[indices]`` (``aten.index.Tensor``) of an ``x`` sharded on ``dim``: where ``dim`` comes out, or
+    None where an index reads it. Advanced indices (a bool mask reads as many dims as it has, making one) make
+    their broadcast dims in place where they are adjacent, in front of every other dim where they are not."""
+    indices = list(node.args[1])
+    read, made = [], []  # input dims read by an index; dims each index makes
+    p = 0
+    for index in indices:
+        if index is None:
+            p += 1
+            continue
+        v = val(index)
+        k = v.dim() if v.dtype == torch.bool else 1
+        read.append(list(range(p, p + k)))
+        made.append(1 if v.dtype == torch.bool else v.dim())
+        p += k
+    used = [d for dims in read for d in dims]
+    if dim in used:
+        return None
+    if not used:
+        return dim
+    width = max(made)
+    kept_before = sum(1 for d in range(dim) if d not in used)
+    starts = [dims[0] for dims in read]
+    adjacent = all(read[i + 1][0] == read[i][-1] + 1 for i in range(len(read) - 1))
+    if not adjacent:
+        return width + kept_before
+    return dim if dim < starts[0] else kept_before + width
+
+
 # ---- in-place writes
 
 def written(node) -> list:

@@ -105,13 +105,11 @@ class _CutRules:
         if at != dim and first in self.mixed:
             return self._refuse(node, "cuts a fused projection's output with whole parts along another dim")
         if at != dim:
+            out_dim = rules.kept_dim(node, dim)
             if target in rules.SPLITS:
                 count = len(_val(node)) if isinstance(_val(node), (list, tuple)) else 0
-                out_dim = dim - 1 if target is aten.unbind.int and at < dim else dim
                 self.items[node] = [(out_dim, segments)] * count
-                self._place(node, out_dim, segments, origin, kind)
-                return True
-            self._place(node, dim - 1 if target is aten.select.int and at < dim else dim, segments, origin, kind)
+            self._place(node, out_dim, segments, origin, kind)
             return True
         if kind == "seq":
             return self._refuse(node, "cuts the sequence dim of a sequence shard")
@@ -325,20 +323,16 @@ class _CutRules:
     def _index(self, node, first, dim, in_val, out_val) -> bool:
         """``x[..., idx]``: advanced indexing of other dims keeps the sharded dim (it may move)."""
         indices = list(node.args[1])
-        if dim < len(indices) and indices[dim] is not None:
+        e = rules.indexed_dim(node, dim)
+        if e is None or any(isinstance(i, fx.Node) and i in self.shard for i in indices):
             return False
-        if any(isinstance(i, fx.Node) and i in self.shard for i in indices):
-            return False
-        used = [k for k, i in enumerate(indices) if i is not None]
-        e = dim if not used or min(used) > dim else dim + out_val.dim() - in_val.dim()
         if not (0 <= e < out_val.dim()) or not _equal(_sizes(out_val)[e], _sizes(in_val)[dim]):
             return False
         self._carry(node, first, e)
         return True
 
     def _cat(self, node) -> bool:
-        parts = [p for p in node.args[0] if not (_val(p).dim() == 1 and _equal(_val(p).shape[0], 0))]  # cat skips
-        #        a 1-D empty tensor (a cache that starts empty: XLM's keys)
+        parts = [p for p in node.args[0] if not rules.skipped_by_cat(p)]
         if not parts:
             return False
         ndim = _val(parts[0]).dim()

@@ -426,7 +426,7 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
             self._place(node, placed[0], placed[1], self.origin.get(first, frozenset()), self.kind.get(first))
             return True
         if target in rules.EXPANDS:
-            e = dim + out_val.dim() - ndim
+            e = rules.expanded_dim(node, dim)
             if not self._size_arg_ok(node.args[1], e, _sizes(out_val)[e]):
                 return False
             self._carry(node, first, e)

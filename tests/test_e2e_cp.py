@@ -11,6 +11,7 @@ Three runs of 4 processes cover the matrix by combining dimensions (the wider on
   unevenly over the cp ranks.
 """
 import os
+import re
 
 import pytest
 import torch
@@ -110,3 +111,19 @@ def test_mixtral_cp2_with_experts_over_the_cp_ranks_and_uneven_padding(tmp_path,
     counts = _eager_expert_counts(path, 0)
     assert first["moe_tokens_per_expert_max"] == max(max(block) for block in counts)
     assert first["moe_tokens_per_expert_mean"] == max(sum(block) / len(block) for block in counts)
+
+
+def test_attention_spelled_as_einsum_trains_at_cp2(tmp_path):
+    """x-transformers' and PaLM's einsum attention (``tests/models/cp_einsum_attention.py``) at pp 2 x cp 2: the keys
+    and values gathered, the causal mask cut to each rank's query rows, the loss's ``.float()``; 3 steps equal
+    to eager (refused before: "einsum ... mixes the positions of the sequence")."""
+    path, out = model_path("cp_einsum_attention"), str(tmp_path / "out")
+    manifest = split_model(path, out, num_microbatches=2, layout=Layout(pp=2, cp=2))
+    assert manifest["cp"]["verified"]["status"] == "verified"
+    script = open(os.path.join(out, "rank0.py")).read()  # stage 0: the keys gathered before the scores' einsum
+    assert re.search(r"aten\.einsum\.default\('b h i d, b h j d -> b h i j', \[\w+, cp_all_gather_default\]\)", script)
+    final = str(tmp_path / "final.pt")
+    _run(out, 4, "--steps", "3", "--save", final)
+    saved = torch.load(final)
+    assert_trained(saved, path)
+    assert_state_close(saved, eager_train(path, 3, lr=0.1))

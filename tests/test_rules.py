@@ -203,3 +203,102 @@ def test_aligned_and_cut_dims():
                               (aten.unbind.int, (2,), 2), (aten.slice.Tensor, (-2, 0, 3), 2),
                               (aten.select.int, (0, 1), 0), (aten.narrow.default, (3, 2, 4), 3)]:
         assert rules.cut_dim(_node(target, [out], *args)) == dim, target
+
+
+def _holds_with(op, x, dim, out_dim):
+    """``op`` (a function of the input alone) on each rank's half of ``dim`` is that rank's half of the whole
+    output (of each output, for a tuple) on ``out_dim``."""
+    def pieces(out):
+        return list(out) if isinstance(out, (list, tuple)) else [out]
+    whole = pieces(op(x))
+    for r, half in enumerate(_halves(x, dim)):
+        for local, w in zip(pieces(op(half)), whole):
+            piece = _halves(w, out_dim)[r]
+            if local.shape != piece.shape or not torch.equal(local, piece):
+                return False
+    return True
+
+
+CUTS = [(aten.split.Tensor, (2, 1)), (aten.chunk.default, (2, -1)), (aten.unbind.int, (2,)),
+        (aten.slice.Tensor, (-2, 1, 5)), (aten.select.int, (0, 1)), (aten.narrow.default, (3, 2, 4)),
+        (aten.select.int, (3, -1))]
+
+
+@pytest.mark.parametrize("target,args", CUTS, ids=lambda v: str(v))
+def test_a_cut_along_another_dim_keeps_the_shard_where_torch_puts_it(target, args):
+    x = torch.randn(SHAPE, dtype=F64)
+    node = _node(target, [x], *args)
+    for dim in range(x.dim()):
+        out_dim = rules.kept_dim(node, dim)
+        if dim == rules.cut_dim(node):
+            assert out_dim is None
+            continue
+        assert _holds_with(lambda t: target(t, *args), x, dim, out_dim), (target, dim, out_dim)
+
+
+def test_a_join_and_an_expand_place_the_shard_where_torch_puts_it():
+    x, y = torch.randn(SHAPE, dtype=F64), torch.randn(SHAPE, dtype=F64)
+    for target, at in [(aten.cat.default, 1), (aten.cat.default, -1), (aten.stack.default, 0),
+                       (aten.stack.default, 2), (aten.stack.default, -1)]:
+        g = fx.Graph()
+        a, b = g.placeholder("a"), g.placeholder("b")
+        a.meta["val"], b.meta["val"] = x, y
+        node = g.call_function(target, ([a, b], at))
+        node.meta["val"] = target([x, y], at)
+        for dim in range(x.dim()):
+            out_dim = rules.joined_dim(node, dim)
+            if target is aten.cat.default and dim == at % x.dim():
+                assert out_dim is None
+                continue
+            whole = target([x, y], at)
+            for r in range(2):
+                local = target([_halves(x, dim)[r], _halves(y, dim)[r]], at)
+                assert torch.equal(local, _halves(whole, out_dim)[r]), (target, at, dim)
+    small = torch.randn(4, 1, 8, dtype=F64)
+    for sizes, local in [([2, 4, 6, 8], lambda t: t.expand(2, t.shape[0], 6, t.shape[2])),  # the size arg made local
+                         ([3, -1, 5, -1], lambda t: t.expand(3, -1, 5, -1))]:
+        node = _node(aten.expand.default, [small], sizes)
+        for dim in (0, 2):
+            assert _holds_with(local, small, dim, rules.expanded_dim(node, dim)), (sizes, dim)
+
+
+INDEXED = [  # (indices as (dim, index) pairs, None elsewhere)
+    [(1, torch.tensor([3, 0, 2]))],
+    [(0, torch.tensor([1, 0])), (1, torch.tensor([0, 3]))],
+    [(2, torch.tensor([[0, 5], [1, 1]]))],
+    [(0, torch.tensor([1])), (2, torch.tensor([4]))],  # not adjacent: the index dims go in front
+    [(1, torch.tensor([2, 1])), (3, torch.tensor([[7, 0]]))],
+    [(1, torch.tensor([True, False, True, True]))],
+    [(1, torch.rand(4, 6) > 0.5)],  # a mask over two dims makes one
+]
+
+
+@pytest.mark.parametrize("pairs", INDEXED, ids=lambda v: str([d for d, _ in v]))
+def test_an_index_of_other_dims_places_the_shard_where_torch_puts_it(pairs):
+    x = torch.randn(SHAPE, dtype=F64)
+    last = max(d for d, _ in pairs)
+    indices = [None] * (last + 1)
+    for d, index in pairs:
+        indices[d] = index
+    g = fx.Graph()
+    source = g.placeholder("x")
+    source.meta["val"] = x
+    nodes = []
+    for k, index in enumerate(indices):
+        if index is None:
+            nodes.append(None)
+            continue
+        i = g.placeholder(f"i{k}")
+        i.meta["val"] = index
+        nodes.append(i)
+    node = g.call_function(aten.index.Tensor, (source, nodes))
+    node.meta["val"] = aten.index.Tensor(x, indices)
+    read = set()
+    for d, index in pairs:
+        read |= set(range(d, d + (index.dim() if index.dtype == torch.bool else 1)))
+    for dim in range(x.dim()):
+        out_dim = rules.indexed_dim(node, dim)
+        if dim in read:
+            assert out_dim is None
+            continue
+        assert _holds_with(lambda t: aten.index.Tensor(t, indices), x, dim, out_dim), (pairs, dim, out_dim)

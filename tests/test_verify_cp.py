@@ -40,7 +40,7 @@ def test_a_correct_cp_plan_verifies_and_inspect_prints_it():
     assert "verified" not in (manifest.get("tp") or {})
 
 
-@pytest.mark.parametrize("name", ["cp_complex_rope", "cp_alibi_baddbmm"])
+@pytest.mark.parametrize("name", ["cp_complex_rope", "cp_alibi_baddbmm", "cp_empty_cache", "cp_einsum_attention"])
 def test_cp_models_verify(name):
     record = _check(model_path(name), cp=2)["cp"]["verified"]
     assert record["status"] == "verified", record
