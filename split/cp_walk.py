@@ -198,6 +198,8 @@ class _Walk(Propagation):
             return True
         if target in rules.KEEP or target in rules.LIKE:
             first = node.args[0]
+            if target is aten.type_as.default and first not in self.shard:
+                return True  # a whole value cast to a shard's dtype (OLMo-core's weight.type_as(x)): whole
             if first not in self.shard:
                 return False
             if target is aten.type_as.default or len(sharded) == 1:

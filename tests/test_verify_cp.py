@@ -40,7 +40,8 @@ def test_a_correct_cp_plan_verifies_and_inspect_prints_it():
     assert "verified" not in (manifest.get("tp") or {})
 
 
-@pytest.mark.parametrize("name", ["cp_complex_rope", "cp_alibi_baddbmm", "cp_empty_cache", "cp_einsum_attention"])
+@pytest.mark.parametrize("name", ["cp_complex_rope", "cp_alibi_baddbmm", "cp_empty_cache", "cp_einsum_attention",
+                                  "olmo_core_autocast"])
 def test_cp_models_verify(name):
     record = _check(model_path(name), cp=2)["cp"]["verified"]
     assert record["status"] == "verified", record
