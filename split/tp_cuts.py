@@ -126,6 +126,8 @@ class _CutRules:
         cuts = sorted({p for r in ranges for p in r})
         if not set(cuts) <= set(have):
             wanted = set(cuts) | set(have)
+            if first in self.part and self._want_in_part(first, wanted):
+                return False
             units = {fqn: _unit(self.out_features.get(fqn), size) for fqn in origin}
             if (any(unit != 1 for unit in units.values()) and target in rules.SPLITS and not segments
                     and self._owned_split(node, dim, size, ranges)):  # heads normalised one by one (StableLM)
@@ -148,15 +150,22 @@ class _CutRules:
         if whole:  # a fused output whose whole parts every rank holds in full: local ranges of mixed sizes
             local = [int(p) if k in whole else int(p) // self.tp for k, p in enumerate(segments)]
             bounds = rules.boundaries(local)
-            if any(part is None for part in parts):
+            spans = [[k for k in range(len(segments)) if have[k] >= start and have[k + 1] <= end]
+                     for start, end in ranges]
+            if any(len(ks) > 1 and any(k in whole for k in ks) for ks in spans):
                 return self._refuse(node, "cuts a fused projection with whole parts inside its parts")
-            self.cuts[node] = [(bounds[k], bounds[k + 1]) for _fqn, k in parts]
-            pieces = [None if k in whole else (dim, None) for _fqn, k in parts]
+            self.cuts[node] = [(bounds[ks[0]], bounds[ks[-1] + 1]) for ks in spans]
+            # a range of several sharded segments (PaLM's fused projection: the MLP's two halves after q, k, v)
+            # holds this rank's piece of each, side by side
+            pieces = [None if ks[0] in whole else (dim, tuple(int(segments[k]) for k in ks) if len(ks) > 1 else None)
+                      for ks in spans]
+            parts = [(fqn, ks[0]) if len(ks) == 1 else None for ks in spans]
             if target not in rules.SPLITS:
                 if pieces[0] is None:
                     return self._refuse(node, "takes a whole part of a fused projection by a slice")
-                self._place(node, dim, None, origin)
-                self.part[node] = parts[0]
+                self._place(node, dim, pieces[0][1], origin)
+                if parts[0] is not None:
+                    self.part[node] = parts[0]
                 return True
             self.items[node] = pieces
             self.item_parts[node] = parts
@@ -171,6 +180,18 @@ class _CutRules:
             self._place(node, dim, pieces[0][1], origin)
             if parts[0] is not None:
                 self.part[node] = parts[0]
+        return True
+
+    def _want_in_part(self, value, points) -> bool:
+        """``value`` is one part of a fused projection's features (a range of its segments, as a split took it),
+        cut at ``points`` of its own (PaLM's MLP half of ``fused_attn_ff_proj``, chunked into its two halves): the
+        projection is asked for those points at the part's offset (learned, then walked again)."""
+        fqn, index = self.part[value]
+        fused = self.fused.get(fqn)
+        if not fused or index >= len(fused) or int(max(points)) != int(fused[index]):
+            return False
+        have = rules.boundaries(fused)
+        self.wants.setdefault(fqn, set()).update(have + [have[index] + int(p) for p in points])
         return True
 
     def _want_heads(self, node, fqn, points, unit: int, width: int = None) -> bool:

@@ -200,7 +200,13 @@ def _rewrite(g: fx.Graph, walk: _Walk, tp: int, params: dict) -> None:
             groups = walk.groups_of(walk.segs.get(arg)) if walk.kind.get(arg) else 1
             gathered[key] = _insert(g, anchor, TP.tp_all_gather.default, [arg, dim] + ([groups] * (groups > 1)),
                                     _val(arg), arg)
-        consumer.replace_input_with(arg, gathered[key])
+        copied = next((c for c in consumer.all_input_nodes if c.target is TP.tp_copy.default and c.args[0] is arg),
+                      None)
+        if copied is not None:  # also read beside pieces (its gradient summed over tp): the copy of the whole value
+            mine = _insert(g, consumer, TP.tp_copy.default, [gathered[key]], _val(arg), consumer)
+            consumer.replace_input_with(copied, mine)
+        else:
+            consumer.replace_input_with(arg, gathered[key])
         made_whole[(consumer, arg)] = gathered[key]
     entering: dict = {}
     at = _reading(g, walk.sp_gathers)
@@ -301,6 +307,10 @@ def _rewrite(g: fx.Graph, walk: _Walk, tp: int, params: dict) -> None:
             if sizes[dim] != -1:
                 sizes[dim] = sizes[dim] // tp
             node.args = (node.args[0], sizes) + tuple(node.args[2:])
+        if node.target is aten.repeat_interleave.self_int and node.kwargs.get("output_size") is not None:
+            at = rules.arg(node, 2, "dim")  # heads repeated on the sharded dim: this rank's count of them
+            if at is not None and at % _val(node).dim() == dim:
+                node.update_kwarg("output_size", node.kwargs["output_size"] // tp)
         val = _val(node)
         if node in walk.mixed and isinstance(val, torch.Tensor):  # whole parts in full, the others' pieces
             shape = list(val.shape)

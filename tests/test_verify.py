@@ -43,6 +43,29 @@ def test_a_transformers_llama_verifies(monkeypatch):
     assert manifest["tp"]["verified"]["status"] == "verified", manifest["tp"]["verified"]
 
 
+def test_a_fused_attention_and_mlp_projection_shards_both_and_verifies_unrepaired():
+    """PaLM's parallel block (tests/models/tp_fused_attn_ff.py): the MLP half of the fused projection learned as
+    two segments, the one value head gathered and copied where the heads' pieces read it."""
+    manifest = _check(model_path("tp_fused_attn_ff"), tp=2, pp=1)
+    record = manifest["tp"]["verified"]
+    assert record["status"] == "verified" and "repairs" not in record, record
+    roles = {fqn: p["role"] for fqn, p in manifest["tp"]["params"].items()}
+    assert roles["1.fn.fused_attn_ff_proj.weight"] == "colwise" and roles["1.fn.ff_out.1.weight"] == "rowwise"
+    assert manifest["tp"]["params"]["1.fn.fused_attn_ff_proj.weight"]["segments"] == [64, 16, 16, 256, 256]
+    assert min(s["share"]["params"] for s in manifest["tp"]["stages"]) > 0.95
+
+
+def test_a_mamba2_mixer_of_several_groups_shards_them_and_verifies_unrepaired(monkeypatch):
+    """Nemotron-H's Mamba-2 mixer (several groups): the groups' B and C cut out of ``in_proj`` as segments of its
+    own, repeated to the heads by ``repeat_interleave(..., output_size=heads)``, whose output size the rewrite
+    makes this rank's (it stayed the whole count: the verification repaired the plan down to 45%)."""
+    monkeypatch.setenv("HF_FAMILY", "nemotron_h")
+    manifest = _check(os.path.join(REPO, "tests", "zoo", "hf_family.py"), tp=2, pp=1)
+    record = manifest["tp"]["verified"]
+    assert record["status"] == "verified" and "repairs" not in record, record
+    assert manifest["tp"]["params"]["model.layers.0.mixer.in_proj.weight"]["role"] == "colwise"
+
+
 def test_verify_off_records_nothing():
     manifest = _check(LLAMA, mode="off", tp=2)
     assert "verified" not in manifest["tp"]
