@@ -185,7 +185,7 @@ def _rewrite(g: fx.Graph, walk: _Walk, cp: int) -> None:
 _GATHER_THROUGH = {  # ops between a shard and its key/value gather that only repeat or regroup heads
     aten.repeat_interleave.self_int, aten.expand.default, aten.unsqueeze.default, aten.view.default,
     aten.reshape.default, aten._unsafe_view.default, aten.clone.default, aten.contiguous.default, aten.alias.default,
-    aten.transpose.int, aten.permute.default,
+    aten.transpose.int, aten.permute.default, aten.repeat.default,  # repeat: tiled heads (its positions repeated once)
 }
 _CUT_UNARY = {aten.alias.default, aten.clone.default, aten.contiguous.default, aten.detach.default,
               aten.lift_fresh_copy.default}

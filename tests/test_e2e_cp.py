@@ -120,8 +120,12 @@ def test_attention_spelled_as_einsum_trains_at_cp2(tmp_path):
     path, out = model_path("cp_einsum_attention"), str(tmp_path / "out")
     manifest = split_model(path, out, num_microbatches=2, layout=Layout(pp=2, cp=2))
     assert manifest["cp"]["verified"]["status"] == "verified"
-    script = open(os.path.join(out, "rank0.py")).read()  # stage 0: the keys gathered before the scores' einsum
-    assert re.search(r"aten\.einsum\.default\('b h i d, b h j d -> b h i j', \[\w+, cp_all_gather_default\]\)", script)
+    # stage 0 (x-transformers' layer): the 2 key/value heads gathered, tiled to the 4 query heads after the exchange
+    # (``k.repeat(1, 2, 1, 1)``: the bytes moved are the key/value heads')
+    assert [g["shape"] for g in manifest["cp"]["stages"][0]["gathered"]] == [["2", "16", "32"], ["2", "2", "16", "16"]]
+    script = open(os.path.join(out, "rank0.py")).read()
+    assert re.search(r"repeat\w*: \"[^\"]*\" = torch\.ops\.aten\.repeat\.default\(cp_all_gather_default_1, "
+                     r"\[1, 2, 1, 1\]\)", script)
     final = str(tmp_path / "final.pt")
     _run(out, 4, "--steps", "3", "--save", final)
     saved = torch.load(final)
