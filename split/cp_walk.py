@@ -150,6 +150,11 @@ class _Walk(Propagation):
 
     def _why_not(self, node, sharded) -> str:
         held = ", ".join(f"{a.name} (positions on dim {self.shard[a][0]})" for a in sharded)
+        namespace = getattr(node.target, "namespace", "aten")
+        if namespace not in ("aten", "prims", "tracepp"):  # a custom op: what it computes is its own code's
+            return (f"{namespace}::{rules.op_name(node)} is a custom op (torch.library) that reads sequence shards "
+                    f"({held}): context parallelism has no rule for what it computes across positions; write it "
+                    f"with torch ops (or give it a composite implementation), or split without --cp")
         return (f"mixes the positions of the sequence in a way context parallelism cannot split ({held} are "
                 f"sequence shards): only attention may read other ranks' positions; keep this op off the "
                 f"sequence dim, or split without --cp")

@@ -97,6 +97,8 @@ def test_the_plan_reads_the_graph():
     ("cumsum", r"cumsum \(cumsum\) at cp_refusals.py:\d+: a cumulative sum along the sequence dim"),
     ("conv", r"\(conv1d\) at cp_refusals.py:\d+: a convolution along the sequence dim"),
     ("gather", r"\(index.Tensor\) at cp_refusals.py:\d+: a gather of positions of the sequence"),
+    ("custom", r"\(running_mean\) at cp_refusals.py:\d+: tracepp_test::running_mean is a custom op "
+               r"\(torch.library\) that reads sequence shards"),
     ("mask", r"the attention mask mask is an input of the model \(\[4, 1, 8, 8\]\).*pass a \[batch, seq\] padding "
              r"mask.*or use is_causal"),
 ])

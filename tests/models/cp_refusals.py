@@ -7,6 +7,8 @@
 * ``gather``: the hidden states read at positions given by an index (a gather of positions);
 * ``mask``: attention with a ``[batch, 1, seq, seq]`` additive mask passed in by the caller (an input of the
   model, which the split cannot cut: the model should build it inside ``forward`` or use ``is_causal``);
+* ``custom``: a running mean along the sequence written as a custom op (``torch.library``, as torchtitan writes its
+  MoE's scatter-add): its code is its own, so context parallelism names it as a custom op;
 * ``none``: plain causal attention (context parallelism splits it).
 """
 import os
@@ -17,6 +19,24 @@ import torch.nn.functional as F
 
 VOCAB, D, BATCH, SEQ = 32, 16, 4, 8
 MODE = os.environ.get("CP_REFUSE", "none")
+
+
+@torch.library.custom_op("tracepp_test::running_mean", mutates_args=())
+def running_mean(x: torch.Tensor) -> torch.Tensor:
+    return x.cumsum(dim=1) / torch.arange(1, x.shape[1] + 1, device=x.device, dtype=x.dtype).unsqueeze(-1)
+
+
+@running_mean.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def _running_mean_backward(ctx, grad):  # d(mean of x[:t]) / d x[s] = 1/t for every t >= s
+    counts = torch.arange(1, grad.shape[1] + 1, device=grad.device, dtype=grad.dtype).unsqueeze(-1)
+    return (grad / counts).flip(1).cumsum(1).flip(1)
+
+
+running_mean.register_autograd(_running_mean_backward)
 
 
 class Model(nn.Module):
@@ -33,6 +53,8 @@ class Model(nn.Module):
             x = x.cumsum(dim=1) / (torch.arange(x.shape[1], device=x.device) + 1.0).unsqueeze(-1)
         elif MODE == "conv":
             x = self.conv(x.transpose(1, 2))[..., :x.shape[1]].transpose(1, 2)
+        elif MODE == "custom":
+            x = running_mean(x)
         elif MODE == "gather":
             x = x[:, torch.arange(x.shape[1] - 1, -1, -1, device=x.device)]
         q, k, v = self.qkv(x).unsqueeze(1).chunk(3, dim=-1)
