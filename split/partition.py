@@ -26,7 +26,7 @@ from torch.export.graph_signature import InputKind
 
 from tracepp.runtime.markers import PIPE_SPLIT_OP
 from tracepp.runtime.shapes import activation_key
-from tracepp.split import cost, naming
+from tracepp.split import cost, naming, rules
 from tracepp.split.pipeline_graph import (BoundaryValue, PipelineGraph, RootInput, Stage, StateRef,
                                           TensorMeta)
 
@@ -383,15 +383,22 @@ def _program_inputs(traced, node_by_name: dict) -> _ProgramInputs:
 
 
 def _gradient_flags(graph: fx.Graph, trainable: set) -> dict:
-    """Which values need a gradient: floating point and downstream of a trainable parameter."""
+    """Which values need a gradient, as autograd decides: downstream of a trainable parameter through an operand
+    whose gradient the op takes, and floating (or complex). ``type_as`` takes only its first operand's (the second
+    gives a dtype: OLMo-core's ``pos_sin.type_as(q)`` is not made to carry one); a tensor made like another
+    (``zeros_like``, ``x.new_empty``) and an integer or bool result (a comparison, an index) carry none."""
     needs_grad: dict = {}
     for node in graph.nodes:
         if node.op == "placeholder":
             needs_grad[node] = node.name in trainable
-        elif node.target is torch.ops.aten.detach.default:  # e.g. the outputs of an inlined no_grad block
-            needs_grad[node] = False
+        elif node.target is torch.ops.aten.detach.default or node.target in rules.LIKE or node.target in rules.FRESH:
+            needs_grad[node] = False  # detach: e.g. the outputs of an inlined no_grad block
+        elif node.target is torch.ops.aten.type_as.default:
+            needs_grad[node] = needs_grad.get(node.args[0], False)
         elif node.op != "output":
-            needs_grad[node] = any(needs_grad.get(arg, False) for arg in node.all_input_nodes)
+            val = node.meta.get("val")
+            exact = isinstance(val, torch.Tensor) and not (val.dtype.is_floating_point or val.dtype.is_complex)
+            needs_grad[node] = not exact and any(needs_grad.get(arg, False) for arg in node.all_input_nodes)
     return needs_grad
 
 

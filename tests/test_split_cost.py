@@ -141,3 +141,36 @@ def test_repeated_blocks_are_the_children_of_integer_named_containers():
 def test_segment_starts_are_where_the_key_changes():
     keys = ["embed", "encoder.layer.0", "encoder.layer.0", "encoder.layer.1", "head", "head"]
     assert segment_starts(keys) == [1, 3, 4]
+
+
+def test_gradient_flags_follow_autograd():
+    """Which traced values carry a gradient (what crosses a stage boundary with one, what tp and cp price a
+    gradient for), against eager autograd on the same expressions: ``type_as`` takes only its first operand's
+    gradient, a tensor made like another and an integer or bool result take none."""
+    import torch.nn as nn
+
+    from tracepp.split import partition
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(4))
+            self.register_buffer("table", torch.randn(4))
+
+        def forward(self, x):
+            h = x * self.w
+            return h + self.table.type_as(h) + torch.zeros_like(h) + h.new_ones(4), h > 0, h.argmax(-1)
+
+    net, x = Net(), torch.randn(2, 4)
+    program = torch.export.export(net, (x,))
+    trainable = {spec.arg.name for spec in program.graph_signature.input_specs if spec.target == "w"}
+    flags = partition._gradient_flags(program.graph, trainable)
+    got = {node.target: flags[node] for node in program.graph.nodes if node.op == "call_function"}
+    aten = torch.ops.aten
+    h = x * net.w
+    expected = {aten.mul.Tensor: h.requires_grad, aten.type_as.default: net.table.type_as(h).requires_grad,
+                aten.zeros_like.default: torch.zeros_like(h).requires_grad,
+                aten.new_ones.default: h.new_ones(4).requires_grad, aten.gt.Scalar: (h > 0).requires_grad,
+                aten.argmax.default: h.argmax(-1).requires_grad}
+    assert {t: got[t] for t in expected} == expected
+    assert expected[aten.mul.Tensor] and not any(v for t, v in expected.items() if t is not aten.mul.Tensor)
