@@ -30,12 +30,15 @@ WORK = {"visits": 0}
 _MOVES_ROWS = "moves the rows off dim 0"
 
 
-def ancestors(node) -> set:
-    """Every node ``node`` is computed from."""
+def ancestors(node, since=None) -> set:
+    """Every node ``node`` is computed from; with ``since``, only those from ``since`` on in graph order (a block's
+    nodes from its rows: a path between two nodes runs through nodes between them, so the search stops at
+    ``since`` instead of walking the whole graph before it, once per block)."""
+    bound = getattr(since, "_sort_key", None)
     seen, stack = set(), [node]
     while stack:
         for arg in stack.pop().all_input_nodes:
-            if arg not in seen:
+            if arg not in seen and (bound is None or arg._sort_key >= bound):
                 seen.add(arg)
                 stack.append(arg)
     return seen
@@ -90,7 +93,7 @@ def expert_bias(node, block):
             and op_name(ids.args[0]) == "aten::sort"):
         return None
     order = [u for u in ids.args[0].users if u.target is operator.getitem and u.args[1] == 1]
-    if not order or not any(o in ancestors(block.rows) for o in order):
+    if not order or not any(o in ancestors(block.rows, since=o) for o in order):
         return None  # the rows do not follow this sort
     return fqn_of[param.name], param
 
@@ -109,7 +112,7 @@ class _Walk(Propagation):
         self.items: dict = {}
         self.refused = ""
         last = block.out
-        self.inside = ancestors(last) | {last}  # what the block's output is computed from
+        self.inside = ancestors(last, since=block.rows) | {last}  # what the block's output is computed from
         for node in span(block.rows.next, last):
             if node in self.inside and not self.refused:
                 self.WORK["visits"] += 1
