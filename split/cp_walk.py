@@ -238,14 +238,21 @@ class _Walk(Propagation):
                 return False
             self._place(node, *self.shard[first])
             return True
-        if target is aten.repeat.default:
-            first = node.args[0]
+        if target is aten.repeat.default:  # along the sequence dim, k copies of its sequences side by side
+            first = node.args[0]                # (Llama 4's tokens repeated once per expert): k times the groups
             repeats = list(node.args[1])
             d, groups = self.shard[first]
             at = d + len(repeats) - _val(first).dim()
-            if repeats[at] != 1:
+            if not isinstance(repeats[at], int) or repeats[at] < 1:
                 return False
-            self._place(node, at, groups)
+            self._place(node, at, groups * repeats[at])
+            return True
+        if target in (aten.view_as.default, aten.reshape_as.default):  # the shape of another shard, placed alike
+            first, other = node.args[:2]
+            placed = self._view_dim(_val(first), _val(node), *self.shard[first]) if first in self.shard else None
+            if placed is None or self.shard.get(other) != placed:
+                return False
+            self._place(node, *placed)
             return True
         if target in rules.SLICES or target in rules.CUTS:
             return self._slice(node, sharded)

@@ -47,6 +47,19 @@ def test_cp_models_verify(name):
     assert record["status"] == "verified", record
 
 
+@pytest.mark.parametrize("family,rule", [
+    ("llama4_text", "repeat along the sequence: the tokens once per expert"),
+    ("roformer", "reshape_as of a shard placed alike"),
+    ("beam", "view_as of a shard placed alike"),
+    ("phimoe", "concat, cat's other name"),
+])
+def test_transformers_families_refused_before_verify_at_cp2(monkeypatch, family, rule):
+    """Each was refused ("mixes the positions of the sequence") at the op the rule now places."""
+    monkeypatch.setenv("HF_FAMILY", family)
+    record = _check(os.path.join(REPO, "tests", "zoo", "hf_family.py"), cp=2)["cp"]["verified"]
+    assert record["status"] == "verified", (rule, record)
+
+
 def test_a_transformers_llama_with_padded_targets_verifies_at_cp4(monkeypatch):
     monkeypatch.setenv("CP_HF_FAMILY", "llama")  # ignore_index padding spread unevenly over the ranks
     record = _check(os.path.join(REPO, "tests", "zoo", "cp_hf.py"), cp=4)["cp"]["verified"]
