@@ -528,13 +528,10 @@ class _Walk(Propagation):
         on another label (the keys, the values) is gathered over cp; a whole operand with the label is cut to this
         rank's positions (a mask or a bias per query). Where every sharded operand's label is summed over, a label
         they share (``b n d, b n e -> b d e``), each rank holds a partial sum, summed over cp."""
-        equation, operands = node.args[0], list(node.args[1])
-        if not isinstance(equation, str) or "..." in equation or "->" not in equation:
+        labels, operands = rules.einsum_labels(node), list(node.args[1])
+        if labels is None:
             return False
-        inputs, output = equation.replace(" ", "").split("->")
-        specs = inputs.split(",")
-        if len(specs) != len(operands) or any(len(spec) != _val(arg).dim() for spec, arg in zip(specs, operands)):
-            return False
+        specs, output = labels
         label_of = {arg: spec[self.shard[arg][0]] for spec, arg in zip(specs, operands) if arg in self.shard}
         anchor = next((arg for arg in operands if arg in label_of and label_of[arg] in output), None)
         summed = anchor is None

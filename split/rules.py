@@ -347,6 +347,20 @@ def cut_dim(node) -> int:
     return arg(node, 2, "dim", 0) % ndim
 
 
+def einsum_labels(node):
+    """``(specs, output)`` of an ``einsum`` node (``"b h i d, b h j d -> b h i j"``: one label string per operand,
+    one for the output), or None where the equation has an ellipsis, no explicit output, or a spec that does not
+    name each of its operand's dims."""
+    equation, operands = node.args[0], list(node.args[1])
+    if not isinstance(equation, str) or "..." in equation or "->" not in equation:
+        return None
+    inputs, output = equation.replace(" ", "").split("->")
+    specs = inputs.split(",")
+    if len(specs) != len(operands) or any(len(spec) != val(arg).dim() for spec, arg in zip(specs, operands)):
+        return None
+    return specs, output
+
+
 def kept_dim(node, dim: int):
     """Through a cut (:func:`cut_dim`) along another dim: ``dim``'s place in the output (in each output of a split,
     chunk or unbind), or None where the op cuts ``dim`` itself. A select or unbind drops the dim it cuts."""
@@ -359,12 +373,9 @@ def kept_dim(node, dim: int):
 def joined_dim(node, dim: int):
     """Through a cat or stack (:data:`CATS`, :data:`STACKS`) of parts sharded on ``dim``: the output's dim, or None
     where a cat joins along ``dim`` (each rank's pieces would be side by side, not the whole's)."""
-    out = val(node)
-    at_ = arg(node, 1, "dim", 0)
+    at_ = arg(node, 1, "dim", 0) % val(node).dim()
     if node.target in STACKS:
-        at_ %= out.dim()
         return dim + 1 if at_ <= dim else dim
-    at_ %= out.dim()
     return None if at_ == dim else dim
 
 
@@ -404,11 +415,10 @@ def indexed_dim(node, dim: int):
         return dim
     width = max(made)
     kept_before = sum(1 for d in range(dim) if d not in used)
-    starts = [dims[0] for dims in read]
     adjacent = all(read[i + 1][0] == read[i][-1] + 1 for i in range(len(read) - 1))
     if not adjacent:
         return width + kept_before
-    return dim if dim < starts[0] else kept_before + width
+    return dim if dim < read[0][0] else kept_before + width
 
 
 # ---- in-place writes

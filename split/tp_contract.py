@@ -363,16 +363,11 @@ class _ContractionRules:
         that the output keeps (a batch label, not one summed over), with the same segments: the output is sharded
         on it. A whole operand with that label (a key repeated to the query heads) is read at this rank's piece, a
         weight with it is sharded with it, one without it is read as it is."""
-        equation, operands = node.args[0], list(node.args[1])
-        if not isinstance(equation, str) or "..." in equation or "->" not in equation:
+        labels, operands = rules.einsum_labels(node), list(node.args[1])
+        if labels is None or self._kind_of(operands) != "tp":
             return False
-        inputs, output = equation.replace(" ", "").split("->")
-        specs = inputs.split(",")
-        if len(specs) != len(operands) or self._kind_of(operands) != "tp":
-            return False
+        specs, output = labels
         sharded = [(spec, arg) for spec, arg in zip(specs, operands) if arg in self.shard]
-        if any(len(spec) != _val(arg).dim() for spec, arg in sharded):
-            return False
         # the first operand sharded on a label the output keeps sets the placement (the queries, the scores); one
         # sharded otherwise (keys tiled to the query heads: their heads in segments) is gathered and read whole
         anchor = next((arg for spec, arg in sharded if output.count(spec[self.shard[arg]]) == 1), None)
