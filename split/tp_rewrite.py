@@ -181,14 +181,6 @@ def _rewrite(g: fx.Graph, walk: _Walk, tp: int, params: dict) -> None:
         whole[node] = _insert(g, node.next, TP.tp_all_gather.default, [node, dim], _val(node), node)
         for user in users:
             user.replace_input_with(node, whole[node])
-    copies: dict = {}
-    walk_copies = [(consumer, whole.get(arg, arg)) for consumer, arg in walk.copies]
-    at = _reading(g, walk_copies)
-    for consumer, arg in walk_copies:
-        key, anchor = at(consumer, arg)
-        if key not in copies:
-            copies[key] = _insert(g, anchor, TP.tp_copy.default, [arg], _val(arg), consumer)
-        consumer.replace_input_with(arg, copies[key])
     gathered: dict = {}
     made_whole: dict = {}  # (consumer, sharded input) -> the gathered value it reads (a scatter below reads that)
     walk_gathers = [(consumer, arg) for consumer, arg in walk.gathers if arg not in whole]
@@ -200,14 +192,16 @@ def _rewrite(g: fx.Graph, walk: _Walk, tp: int, params: dict) -> None:
             groups = walk.groups_of(walk.segs.get(arg)) if walk.kind.get(arg) else 1
             gathered[key] = _insert(g, anchor, TP.tp_all_gather.default, [arg, dim] + ([groups] * (groups > 1)),
                                     _val(arg), arg)
-        copied = next((c for c in consumer.all_input_nodes if c.target is TP.tp_copy.default and c.args[0] is arg),
-                      None)
-        if copied is not None:  # also read beside pieces (its gradient summed over tp): the copy of the whole value
-            mine = _insert(g, consumer, TP.tp_copy.default, [gathered[key]], _val(arg), consumer)
-            consumer.replace_input_with(copied, mine)
-        else:
-            consumer.replace_input_with(arg, gathered[key])
+        consumer.replace_input_with(arg, gathered[key])
         made_whole[(consumer, arg)] = gathered[key]
+    copies: dict = {}  # after the gathers: a value both gathered and read beside pieces is copied whole
+    walk_copies = [(consumer, made_whole.get((consumer, arg), whole.get(arg, arg))) for consumer, arg in walk.copies]
+    at = _reading(g, walk_copies)
+    for consumer, arg in walk_copies:
+        key, anchor = at(consumer, arg)
+        if key not in copies:
+            copies[key] = _insert(g, anchor, TP.tp_copy.default, [arg], _val(arg), consumer)
+        consumer.replace_input_with(arg, copies[key])
     entering: dict = {}
     at = _reading(g, walk.sp_gathers)
     for consumer, arg in walk.sp_gathers:  # sequence shards into a column-parallel region
