@@ -311,6 +311,9 @@ class Pipeline:
         self._eval_executor = None
         self.splitter = MicrobatchSplitter(manifest, load_spec(manifest, "in_spec"))
         self._shared = self._shared_groups() if self.world_size > 1 else []
+        partial = tensor_parallel.partial_grads(manifest) if self.tp_mesh is not None and self.training else set()
+        partial_params = [p for name, p in self.named_parameters() if name in partial]
+        self._step_sums = tensor_parallel.StepSums(partial_params, self.tp_mesh.get_group()) if partial_params else None
         self._hooks: list = []
         self.steps_run = 0
         self.last_batch_size = None
@@ -539,9 +542,14 @@ class Pipeline:
         batches = self.splitter.split(self.steps_run, args, kwargs or {}, target, self.device)
         executor.loss_scale = self.loss_scale
         self.last_batch_size = batches.batch_size * self.layout.dp
+        sums = self._step_sums if self.training and executor is self.executor else None
+        if sums is not None:
+            sums.begin()
         result = executor.run_step(batches.leaves, batches.targets, batches.scales, batches.symbols)
         if self.mesh is not None and self.training and self._split_backward and executor is self.executor:
             self._reduce_split_backward()
+        if sums is not None:  # replicated parameters read by sharded ops: each rank's part summed over tp, once
+            sums.end()
         if not self.is_last_rank:
             return None
         if self.mesh is not None and isinstance(result, torch.Tensor):  # the global batch's loss: replicas' mean

@@ -496,6 +496,48 @@ def placement_of(manifest: dict, fqn: str):
     return None if entry is None else entry.get("dim")
 
 
+def partial_grads(manifest: dict) -> set:
+    """FQNs of the replicated parameters whose gradient each tp rank holds a part of until the step ends (the split
+    dropped their ``tp_copy``: ``split/tp_grads.py``): :class:`StepSums` sums them."""
+    params = (manifest.get("tp") or {}).get("params", {})
+    return {fqn for fqn, entry in params.items() if entry.get("grad") == "partial"}
+
+
+class StepSums:
+    """The gradients of :func:`partial_grads`' parameters summed over the tp group when a step ends, in one
+    all-reduce of them all (Megatron-Core sums its sequence-parallel norms' and q/k layernorms' so). A step that adds
+    to gradients already summed (accumulation over several ``step`` calls) sums only what it added: the gradients
+    at its start are kept aside (:meth:`begin`) and only the difference is reduced (:meth:`end`)."""
+
+    def __init__(self, params: list, group):
+        self.params, self.group, self._before = params, group, None
+
+    def _grads(self) -> list:
+        from .mesh import local
+
+        return [local(p.grad) if p.grad is not None else None for p in self.params]
+
+    def begin(self) -> None:
+        grads = self._grads()
+        self._before = [g.detach().clone() if g is not None else None for g in grads] \
+            if any(g is not None for g in grads) else None
+
+    def end(self) -> None:
+        grads = self._grads()
+        present = [(k, g) for k, g in enumerate(grads) if g is not None]
+        if not present:
+            return
+        before = self._before or [None] * len(grads)
+        flat = torch.cat([(g - before[k] if before[k] is not None else g).reshape(-1).float() for k, g in present])
+        dist.all_reduce(flat, group=self.group)
+        offset = 0
+        for k, grad in present:
+            summed = flat[offset:offset + grad.numel()].view_as(grad).to(grad.dtype)
+            grad.copy_(summed + before[k] if before[k] is not None else summed)
+            offset += grad.numel()
+        self._before = None
+
+
 def segments_of(manifest: dict, fqn: str):
     """The segments of a fused projection's sharded dim (e.g. [q rows, k rows, v rows]), or None."""
     entry = (manifest.get("tp") or {}).get("params", {}).get(fqn) or {}

@@ -8,7 +8,8 @@ microbatch as two figures:
   (per rank, up to the common factor ``(tp - 1) / tp``): an all-reduce twice its tensor's bytes, an all-gather
   or a reduce-scatter once. A row-wise linear's output is all-reduced forward (reduce-scattered under sequence
   parallelism, all-gathered back in backward); a sum over a sharded dim is all-reduced; a value gathered whole is
-  all-gathered; the gradient of a whole value read by sharded ops (``tp_copy``) is all-reduced backward; a whole
+  all-gathered; the gradient of a whole value read by sharded ops (``tp_copy``) is all-reduced backward (but
+  for parameters' gradients summed once per step, ``tp_grads``: listed at 0 bytes per microbatch); a whole
   value read at this rank's piece (``tp_scatter``) has its gradient pieces all-gathered.
 * **FLOPs left replicated**: the forward FLOPs of the ops every rank computes whole (``split.cost``'s counts);
   each rank repeats ``(tp - 1) / tp`` of them.
@@ -32,7 +33,7 @@ import weakref
 
 import torch
 
-from tracepp.split import rules
+from tracepp.split import rules, tp_grads
 from tracepp.split.cost import node_flops, tensor_bytes
 from tracepp.split.naming import starred
 
@@ -57,17 +58,20 @@ def collectives(walk) -> list:
            for node, role in walk.roles.items()  # gathered back in backward
            if role in ("rowwise", "vocab") and node not in walk.deferred]
     out += [("all_reduce", node, node, 2 * _bytes(node)) for node in walk.late_sums]  # partial sums carried to it
+    late = tp_grads.partial_values(walk)  # gradients summed once per step, not per microbatch (tp_grads)
     out += [("all_reduce (backward)", walk.forms[node][2], node, 2 * _bytes(walk.forms[node][2]))  # 1/tp of a
             for node in walk.deferred if walk.forms[node][2] is not None  # deferred linear's bias on each rank
-            and walk.needs_grad.get(walk.forms[node][2])]
+            and walk.needs_grad.get(walk.forms[node][2]) and walk.forms[node][2] not in late]
     out += [("all_gather (sequence)", arg, consumer, 2 * _bytes(arg))  # reduce-scattered backward
             for consumer, arg in _last_consumer(walk.sp_gathers)]
     out += [("all_reduce", node, node, 2 * _bytes(node)) for node in walk.sums]
     out += [("all_gather", arg, consumer if consumer.op != "output" else arg, _bytes(arg))
             for consumer, arg in _last_consumer(walk.gathers)]
-    reduced = walk.reduced_in_backward()
+    reduced = walk.reduced_in_backward() - late
     out += [("all_reduce (backward)", arg, consumer, 2 * _bytes(arg))
             for consumer, arg in _last_consumer((c, a) for c, a in walk.copies if a in reduced)]
+    out += [("all_reduce (gradient, once per step)", node, node, 0) for node in walk.graph.nodes  # none per microbatch
+            if node.op == "placeholder" and walk.fqn_of.get(node.name) in getattr(walk, "partial_params", ())]
     out += [("all_gather (backward)", arg, consumer, _bytes(arg))  # the gradient pieces of a value read at its piece
             for consumer, arg in _last_consumer((c, a) for c, a, _dim, _groups in walk.scatters
                                                 if walk.needs_grad.get(a))]
@@ -154,7 +158,9 @@ def param_shares(walk) -> dict:
 
 
 def cost(walks: list) -> float:
-    """A settled plan's price in bytes per microbatch: bytes moved plus FLOPs each rank repeats, as bytes."""
+    """A settled plan's price in bytes per microbatch: bytes moved plus FLOPs each rank repeats, as bytes. The
+    gradients summed once per step (``tp_grads``) are marked first: they cost nothing per microbatch."""
+    tp_grads.mark(walks)
     moved = sum(moved_bytes(walk) for walk in walks)
     repeated = sum(replicated_flops(walk) * (walk.tp - 1) / walk.tp for walk in walks)
     return moved + repeated / FLOPS_PER_BYTE

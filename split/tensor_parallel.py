@@ -48,7 +48,7 @@ import sympy
 import torch
 import torch.fx as fx
 
-from tracepp.split import plan_cost
+from tracepp.split import plan_cost, tp_grads
 from tracepp.split.cost import held_bytes
 from tracepp.split.rules import sizes as _sizes, val as _val
 from tracepp.split.tp_rewrite import apply  # noqa: F401  (step three: the driver calls tensor_parallel.apply)
@@ -114,6 +114,7 @@ def plan(graph, tp: int, overrides=None, sequence_parallel: bool = False) -> tup
     walks, uses, reasons = settle([(stage.graph, fqn_map(stage, graph), grad_flags(stage, graph),
                                     _boundary(stage, graph)) for stage in graph.stages], tp, notes,
                                   sequence=sequence, mixed=mixed, gathered=gathered, begins=segment_begins(graph))
+    partial = tp_grads.mark(walks)  # gradients summed once per step: their copies dropped
     result = TPPlan(size=tp)
     if sequence_parallel:
         aliases = graph.symbol_aliases or {}
@@ -134,6 +135,8 @@ def plan(graph, tp: int, overrides=None, sequence_parallel: bool = False) -> tup
         entry = {"dim": dim, "role": roles.get(fqn, "elementwise") if dim is not None else "replicate"}
         if dim is not None and segments.get(fqn):
             entry["segments"] = list(segments[fqn])
+        if fqn in partial:  # each rank's gradient is its part: summed over tp when the step ends
+            entry["grad"] = "partial"
         if fqn in notes:
             entry["why"] = notes[fqn]
         elif fqn in gathered:
@@ -143,6 +146,8 @@ def plan(graph, tp: int, overrides=None, sequence_parallel: bool = False) -> tup
             entry["why"] = (f"a fused projection whose parts {parts} (key/value heads fewer than --tp) are computed "
                             f"whole; the other parts on this rank's heads, from its rows of this weight")
         result.params[fqn] = entry
+    for fqn in partial - set(result.params):  # read only whole, beside shards: listed for its gradient's sum
+        result.params[fqn] = {"dim": None, "role": "replicate", "grad": "partial"}
     for pattern, how in (overrides or {}).items():
         if how == "replicate":
             continue
@@ -229,12 +234,14 @@ def whole_graph_walks(graph: fx.Graph, fqn_of: dict, needs_grad: dict, sizes=TUN
     out = {}
     for tp in sizes:
         walks, uses, _reasons = settle([(graph, fqn_of, needs_grad)], tp, {}, begins=begins)
+        tp_grads.mark(walks)
         dims = {fqn: next(iter(d)) for fqn, d in uses.items()}
         out[tp] = {"walk": walks[0], "dims": dims, "attributed": set(), "needs_grad": needs_grad}
         if sequence is None or (sympy.sympify(sequence).is_Integer and int(sequence) % tp):
             continue
         try:
             walks, uses, _reasons = settle([(graph, fqn_of, needs_grad)], tp, {}, sequence=sequence, begins=begins)
+            tp_grads.mark(walks)
         except Exception:  # an op the sequence-parallel walk does not expect: tp without it is still priced
             continue
         out[tp]["sequence_parallel"] = {"walk": walks[0], "dims": {fqn: next(iter(d)) for fqn, d in uses.items()},
@@ -295,7 +302,8 @@ def _figures(nodes: list, entry: dict, flops: dict, tensor_bytes, crossing=None)
     scattered = [n for n in nodes if n in walk.reduce_scatters]
     reduce_fwd = [n for n in nodes if (walk.roles.get(n) in ("rowwise", "vocab") and n not in walk.reduce_scatters
                                        and n not in walk.deferred) or n in walk.sums or n in walk.late_sums]
-    copied = {arg for consumer, arg in walk.copies if consumer in inside} & walk.reduced_in_backward()
+    copied = {arg for consumer, arg in walk.copies if consumer in inside} & (
+        walk.reduced_in_backward() - tp_grads.partial_values(walk))  # less those summed once per step
     gathered = {arg for consumer, arg in walk.gathers if consumer in inside or (consumer.op == "output"
                                                                                 and arg in inside)}
     figures = {

@@ -9,7 +9,7 @@ import sympy
 import torch
 import torch.fx as fx
 
-from tracepp.split import rules
+from tracepp.split import rules, tp_grads
 from tracepp.split.rules import ints as _ints, val as _val
 from tracepp.split.tp_contract import _swapped
 from tracepp.split.tp_walk import _Walk
@@ -196,6 +196,8 @@ def _rewrite(g: fx.Graph, walk: _Walk, tp: int, params: dict) -> None:
         made_whole[(consumer, arg)] = gathered[key]
     copies: dict = {}  # after the gathers: a value both gathered and read beside pieces is copied whole
     walk_copies = [(consumer, made_whole.get((consumer, arg), whole.get(arg, arg))) for consumer, arg in walk.copies]
+    late = tp_grads.partial_values(walk)  # parameters' gradients summed once per step: read without a copy
+    walk_copies = [(consumer, arg) for consumer, arg in walk_copies if arg not in late]
     at = _reading(g, walk_copies)
     for consumer, arg in walk_copies:
         key, anchor = at(consumer, arg)
@@ -242,14 +244,14 @@ def _rewrite(g: fx.Graph, walk: _Walk, tp: int, params: dict) -> None:
             if node in walk.deferred:  # its partial sums carried on, all-reduced at walk.late_sums (tp_partial)
                 if bias is not None:  # 1/tp of the bias on every rank: the partial sums add up to it once
                     share = bias
-                    if walk.needs_grad.get(bias):  # each rank's gradient is 1/tp of it: summed over tp
+                    if walk.needs_grad.get(bias) and bias not in late:  # each rank's gradient is 1/tp of it
                         share = _insert(g, node, TP.tp_copy.default, [bias], _val(bias), node)
                     share = _insert(g, node, aten.div.Tensor, [share, tp], _val(bias), node)
                     _after(g, node, aten.add.Tensor, [node, share], node)
                 continue
             reduced = _after(g, node, *_reduction(node, scatter), local=(scatter, tp))
             if bias is not None:
-                if scatter is not None and walk.needs_grad.get(bias):  # each rank adds it to its own tokens
+                if scatter is not None and walk.needs_grad.get(bias) and bias not in late:  # added to its tokens
                     bias = _insert(g, reduced, TP.tp_copy.default, [bias], _val(bias), node)
                 _after(g, reduced, aten.add.Tensor, [reduced, bias], node)
         elif role == "vocab":

@@ -17,7 +17,8 @@ rank, in this one process, against the stage graph as it was before the rewrite,
   leaves of its own (its parameter pieces, its copy of each input), so autograd gives each rank's gradients as the
   job would compute them.
 * **What is compared.** The stage's outputs, the gradients of its received inputs and of its parameters (a sharded
-  parameter's pieces joined in the model's layout, ``original_layout``; a replicated one on every rank), against the
+  parameter's pieces joined in the model's layout, ``original_layout``; a replicated one on every rank; one whose
+  gradient is summed once per step, ``"grad": "partial"``, as the sum of the ranks' parts), against the
   unsharded graph on the same inputs and output gradients: equal within ``RTOL`` of the largest magnitude of the
   value (float64: the sharded sums differ from the whole ones by rounding only).
 * **On a mismatch.** The first value that differs, in graph order, of those the rewrite kept and whose placement
@@ -467,6 +468,8 @@ def _verify_stage(graph, stage, original, walk, size, traced, values, sent, gene
                 if entry.get("dim") is not None:
                     got = [tp_runtime.original_layout(torch.cat(got, dim=entry["dim"]), entry["dim"], size,
                                                       entry.get("segments"))]
+                elif entry.get("grad") == "partial":  # each rank's part, summed when the step ends (tp_grads)
+                    got = [sum(got[1:], got[0])]
                 elif name in sent:
                     got = [_join(got, sent[name], _sent_groups(walk, node))]
                 found = next((f for f in map(lambda item: _differs(item, want), got) if f), None)

@@ -233,6 +233,21 @@ def test_a_whole_gate_scaling_sharded_features_gets_its_gradient_summed(tmp_path
     _trains_equal_to_eager(path, out, 4, tmp_path)
 
 
+def test_gradients_summed_once_per_step_train_equal_to_eager(tmp_path):
+    # q/k norm weights over heads split among the ranks, and under --sequence-parallel every norm weight, a
+    # learned temperature and a reduce-scattered bias: each rank's part of their gradients accumulates over the
+    # microbatches and is summed over tp when the step ends (split/tp_grads.py), before clipping reads the norm
+    path = model_path("tp_step_summed")
+    for sequence_parallel in (False, True):
+        out = str(tmp_path / f"out_{sequence_parallel}")
+        manifest = split_model(path, out, schedule="1f1b", num_microbatches=4,
+                               layout=Layout(pp=2, tp=2, sequence_parallel=sequence_parallel))
+        assert any(entry.get("grad") == "partial" for entry in manifest["tp"]["params"].values())
+        ckpt = str(tmp_path / "ckpt.pt")
+        _run(out, 4, "--steps", "3", "--clip-grad-norm", "0.05", "--save", ckpt)
+        assert_state_close(torch.load(ckpt), _eager_adamw(path, 3, 0.05)[0])
+
+
 def test_a_buffer_written_in_place_where_a_shard_cannot_be_is_whole_from_where_it_is_made(tmp_path):
     # zeros_like of sharded heads, then a whole value (a sum over the heads) written into a slice of it: the write
     # used to be refused with a gather of the buffer's slice, so it went into a copy and the buffer stayed zero

@@ -218,6 +218,8 @@ def tensor_parallel_table(manifest: dict) -> str:
         placement = "Replicate()" if dim is None else f"Shard({dim})"
         if entry.get("segments"):  # a fused projection: each rank holds its part of every segment
             placement += f" of each of {len(entry['segments'])} parts"
+        if entry.get("grad") == "partial":  # split/tp_grads.py: each rank's part, summed when the step ends
+            placement += ", gradient summed once per step"
         key = (starred(fqn), entry["role"], placement, str(shape), entry.get("why", ""))
         rows[key] = rows.get(key, 0) + 1
     sharded = sum(1 for e in tp["params"].values() if e["dim"] is not None)
@@ -245,7 +247,7 @@ def tensor_parallel_table(manifest: dict) -> str:
         for reason in stage["replicated"][:3]:
             comm.append(["", f"replicated: {reason}"])
     lines += ["", "collectives per microbatch forward (their mirror runs in backward; those marked (backward) run "
-                  "only there):",
+                  "only there, those marked (gradient, once per step) when the step ends):",
               tabulate(comm, headers=["stage", "collectives over the tp group"], tablefmt="simple")]
     return "\n".join(lines)
 
