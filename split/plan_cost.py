@@ -58,18 +58,22 @@ def collectives(walk) -> list:
            for node, role in walk.roles.items()  # gathered back in backward
            if role in ("rowwise", "vocab") and node not in walk.deferred]
     out += [("all_reduce", node, node, 2 * _bytes(node)) for node in walk.late_sums]  # partial sums carried to it
-    late = tp_grads.partial_values(walk)  # gradients summed once per step, not per microbatch (tp_grads)
+    late = tp_grads.holding(walk)  # values holding partial gradients: no copy (parameters: summed once per step)
     out += [("all_reduce (backward)", walk.forms[node][2], node, 2 * _bytes(walk.forms[node][2]))  # 1/tp of a
-            for node in walk.deferred if walk.forms[node][2] is not None  # deferred linear's bias on each rank
-            and walk.needs_grad.get(walk.forms[node][2]) and walk.forms[node][2] not in late]
+            for node in set(walk.deferred) | set(walk.reduce_scatters)  # deferred linear's bias on each rank, or
+            if walk.roles.get(node) == "rowwise" and walk.forms[node][2] is not None  # one added to each rank's
+            and walk.needs_grad.get(walk.forms[node][2]) and walk.forms[node][2] not in late]  # tokens (sp)
     out += [("all_gather (sequence)", arg, consumer, 2 * _bytes(arg))  # reduce-scattered backward
             for consumer, arg in _last_consumer(walk.sp_gathers)]
     out += [("all_reduce", node, node, 2 * _bytes(node)) for node in walk.sums]
     out += [("all_gather", arg, consumer if consumer.op != "output" else arg, _bytes(arg))
             for consumer, arg in _last_consumer(walk.gathers)]
-    reduced = walk.reduced_in_backward() - late
+    reduced = walk.reduced_in_backward() - tp_grads.partial_values(walk)  # the copies tp_grads did not move
     out += [("all_reduce (backward)", arg, consumer, 2 * _bytes(arg))
             for consumer, arg in _last_consumer((c, a) for c, a in walk.copies if a in reduced)]
+    order = _order(walk.graph)
+    out += [("all_reduce (backward)", value, max(readers, key=order.get), 2 * _bytes(value))  # where tp_grads
+            for value, readers in tp_grads.backward_sums(walk).items() if readers]  # sums a gradient's parts
     out += [("all_reduce (gradient, once per step)", node, node, 0) for node in walk.graph.nodes  # none per microbatch
             if node.op == "placeholder" and walk.fqn_of.get(node.name) in getattr(walk, "partial_params", ())]
     out += [("all_gather (backward)", arg, consumer, _bytes(arg))  # the gradient pieces of a value read at its piece
@@ -89,6 +93,11 @@ def collectives(walk) -> list:
     return out
 
 
+def _order(graph) -> dict:
+    """{node: its index} of a graph, made once while the graph keeps its nodes."""
+    return _once_per_graph(_ORDER, graph, lambda: {node: index for index, node in enumerate(graph.nodes)})
+
+
 def _moves(walk):
     """(the node a collective belongs to, bytes it moves per microbatch forward and backward) of ``walk``'s plan."""
     return [(belongs, moved) for _what, _value, belongs, moved in collectives(walk)]
@@ -101,6 +110,7 @@ def moved_bytes(walk) -> int:
 
 _FLOPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # graph -> (its node count, node_flops)
 _EXPERTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # graph -> (its node count, expert weights)
+_ORDER: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # graph -> (its node count, node -> index)
 
 
 def _once_per_graph(cache, graph, make):

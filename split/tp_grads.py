@@ -1,23 +1,36 @@
-"""Gradients of replicated parameters that sharded ops read: summed over tp once per step, not once per microbatch.
+"""Where the gradients of whole values read by sharded ops are summed over tp: placed by cost, as the forward's
+partial sums are (``tp_partial``), and for parameters not before the step ends.
 
-A whole value read beside shards (a per-head q/k norm's weight over heads split among the ranks, a norm's weight
-under sequence parallelism, a deferred row-wise linear's bias) goes through ``tp_copy``: each rank's gradient is
-its part of the whole one, and ``tp_copy``'s backward all-reduces it at every microbatch. Where that value is
-made of parameters alone and every gradient those parameters take reaches them through such copies, the sum is
-linear and can wait: each rank accumulates its part over the step's microbatches and the parts are summed once,
-when the step ends, in one all-reduce of every such gradient together (``runtime.pipeline``; Megatron-Core's
-``finalize_model_grads`` does the same for its sequence-parallel norms and q/k layernorms). The copies are
-dropped from the stage graph, the parameters marked ``"grad": "partial"`` in the plan.
+A whole value read beside shards (a column-wise linear's input, a per-head norm's weight, a mask) takes on each
+tp rank a part of its gradient: ``tp_copy``'s backward all-reduces it there. The sum can wait. Autograd is linear
+in the gradient it is given, and an op every rank computes whole from whole values computes the same backward on
+each rank, so each rank's part passes through it as a part of its inputs' gradients (DTensor's ``Partial(sum)``,
+carried backward). Carried up, the parts are summed at one value where they meet (Llama 4's MoE: its experts read
+every token ``experts`` times, a ``repeat`` of the layer's input scaled by the router's scores, beside the shared
+expert reading the input itself: one all-reduce of ``[tokens, h]`` where there were ``[experts, tokens, h]`` and
+``[tokens, h]``), or reach a parameter, whose parts accumulate over the step's microbatches and are summed once
+when the step ends (``runtime.tensor_parallel.StepSums``, all such gradients in one all-reduce; Megatron-Core's
+``finalize_model_grads`` does so for its q/k layernorms and sequence-parallel norms).
 
-:func:`mark` decides it over all the stages' walks at once. The values made of parameters alone that carry a
-gradient are joined where one reads another; such a group is summed at the step's end only where every edge by
-which a gradient leaves it is a read through ``tp_copy``: a read by a sharded op, the deferred or
-sequence-parallel row-wise linear's bias. One replicated read (an op every rank computes whole, a stage output)
-keeps the per-microbatch copies, and so does a parameter any other stage reads otherwise (a parameter's gradient
-is summed at one time: partial everywhere or nowhere)."""
+:func:`mark` chooses, per stage, which values carry partial gradients, by a minimum cut over the values a copy's
+part can reach: a value may hold a part only where every gradient it takes is a part (every reader holds one or
+reads it through a copy) and it is computed whole from whole values by ops the plan leaves alone; each value that
+takes parts and gives a whole gradient to its inputs costs its bytes (its ``tp_copy``); a parameter holding parts
+costs nothing per microbatch. Ties go to fewer values carried (the copies where the walk put them). A parameter's
+gradient is summed at one time: partial in every stage that reads it, or in none. The copies the walk asked for
+at the values this places are dropped; each value it sums gets one ``tp_copy``, read by every reader that gives
+it a part (``tp_rewrite``)."""
 from __future__ import annotations
 
+import networkx as nx
+import torch
 import torch.fx as fx
+
+from tracepp.split import rules
+from tracepp.split.cost import tensor_bytes
+from tracepp.split.rules import val as _val
+
+_SCALE = 1 << 20  # a byte of a collective outweighs every tie-break together (one unit per value carried)
 
 
 def _copied_reads(walk) -> set:
@@ -34,64 +47,119 @@ def _copied_reads(walk) -> set:
     return pairs
 
 
-def _groups(walk) -> list:
-    """[(parameter FQNs, copied values, summed at the step's end?)] of one walk: its groups of values made of
-    parameters alone that carry a gradient (``walk._param_only``), joined where one reads another."""
-    made = [n for n in walk.graph.nodes if n.op != "output" and walk.needs_grad.get(n) and walk._param_only(n)]
-    inside = set(made)
-    parent = {n: n for n in made}
+def _bias_reads(walk) -> set:
+    """The (row-wise linear, bias) pairs of :func:`_copied_reads`: the rewrite copies those biases itself."""
+    return {(node, walk.forms[node][2]) for node, role in walk.roles.items() if role == "rowwise"} & \
+        _copied_reads(walk)
 
-    def find(n):
-        while parent[n] is not n:
-            parent[n] = parent[parent[n]]
-            n = parent[n]
-        return n
 
+def _whole(walk, node) -> bool:
+    """A tensor every rank computes whole and that carries a gradient (not a tuple of them: ``topk``'s items are
+    read from it, each a value of its own)."""
+    return isinstance(node, fx.Node) and node.op != "output" and node not in walk.shard and bool(
+        walk.needs_grad.get(node)) and isinstance(_val(node), torch.Tensor)
+
+
+def _made_by_the_plan(walk, node) -> bool:
+    """A whole value the plan computes otherwise than as the model does (a collective's result, partial sums,
+    a piece its owner alone computes) or a value read in from outside the stage: its gradient must be whole."""
+    if node.op == "placeholder":
+        return node.name not in walk.fqn_of
+    return (node in walk.roles or node in walk.sums or node in walk.late_sums or node in walk.partial
+            or node in walk.mixed_linears or node in walk.owned or node in walk.owned_splits
+            or any(walk.needs_grad.get(a) and not _whole(walk, a) for a in node.all_input_nodes))
+
+
+def _solve(walk, pinned: set) -> tuple:
+    """(the values holding partial gradients, {value summed: its readers that give it a part}) of one walk;
+    ``pinned``: FQNs of parameters that must be summed per microbatch (another stage reads them otherwise)."""
     copied = _copied_reads(walk)
-    leaving: dict = {}  # group root -> (copied values, a replicated read found)
-    for node in made:
+    readers_copied: dict = {}
+    for consumer, value in copied:
+        if _whole(walk, value):
+            readers_copied.setdefault(value, []).append(consumer)
+    reach, stack = set(), list(readers_copied)  # the values a copy's part can reach, going up
+    while stack:
+        node = stack.pop()
+        if node in reach:
+            continue
+        reach.add(node)
+        stack += [a for a in node.all_input_nodes if _whole(walk, a) and a not in reach]
+    order = {node: index for index, node in enumerate(walk.graph.nodes)}
+    may: dict = {}  # value -> may hold a part (every gradient it takes is one)
+    for node in sorted(reach, key=order.get, reverse=True):
+        fixed = _made_by_the_plan(walk, node) or walk.fqn_of.get(node.name) in pinned
+        ok = not fixed
         for user in node.users:
-            if user in inside:
-                parent[find(user)] = find(node)
-    for node in made:
-        root = find(node)
-        values, replicated = leaving.get(root, (set(), False))
-        for user in node.users:
-            if user in inside:
+            if not ok:
+                break
+            if (user, node) in copied or user.target in rules.IGNORED:  # a metadata check takes no gradient
                 continue
+            if user.op == "output" or walk.needs_grad.get(user) or user in walk.shard:
+                ok = may.get(user, False)
+        may[node] = ok
+    flow = nx.DiGraph()
+    for node in reach:
+        here = node if may[node] else "whole"
+        sums = ("sum", node)  # on the source side: a reader gives this value a part
+        for user in node.users:
             if (user, node) in copied:
-                values.add(node)
-            elif user.op == "output" or walk.needs_grad.get(user) or user in walk.shard:
-                replicated = True  # a gradient reaches this group other than through a copy
-        leaving[root] = (values, replicated)
-    out = []
-    for root, (values, replicated) in leaving.items():
-        fqns = {walk.fqn_of[n.name] for n in made if find(n) is root and n.op == "placeholder"}
-        if fqns:
-            out.append((fqns, values, bool(values) and not replicated))
-    return out
+                flow.add_edge("part", sums)
+            elif may.get(user, False):
+                flow.add_edge(user, sums)
+                if here != "whole":
+                    flow.add_edge(node, user)  # a value holding a part: so does each reader
+        if flow.has_node(sums):  # cut where the value gives whole gradients to its inputs: its all-reduce
+            flow.add_edge(sums, here, capacity=tensor_bytes(_val(node)) * _SCALE + 1)
+        if here != "whole":
+            flow.add_edge(node, "whole", capacity=1)  # the tie-break: fewer values carried
+    if not flow.has_node("part") or not flow.has_node("whole"):
+        return set(), {}
+    _cut, (parts, _rest) = nx.minimum_cut(flow, "part", "whole")
+    holding = {node for node in reach if may[node] and node in parts}
+    summed = {}
+    for node in reach:
+        if node in holding or ("sum", node) not in parts:
+            continue
+        summed[node] = [user for user in node.users if (user, node) in copied or user in holding]
+    return holding, summed
 
 
 def mark(walks: list) -> set:
-    """Sets each walk's ``partial_grads`` (the values it reads through ``tp_copy`` whose copy is dropped) and
-    ``partial_params`` (their parameters' FQNs); returns every such FQN. A parameter is partial only where every
-    group holding it, in every walk, is summed at the step's end."""
-    found = [(walk, _groups(walk)) for walk in walks]
-    partial = {fqn for _walk, groups in found for fqns, _values, ok in groups if ok for fqn in fqns}
-    changed = True
-    while changed:  # a group is summed late only where all its parameters are, in every walk
-        changed = False
-        for _walk, groups in found:
-            for fqns, _values, ok in groups:
-                if fqns & partial and (not ok or not fqns <= partial):
-                    partial -= fqns
-                    changed = True
-    for walk, groups in found:
-        walk.partial_grads = {v for fqns, values, ok in groups if ok and fqns <= partial for v in values}
-        walk.partial_params = {fqn for fqns, _values, ok in groups if ok and fqns <= partial for fqn in fqns}
+    """Sets each walk's ``backward_sums`` ({value: its readers that read it through one ``tp_copy``}),
+    ``partial_grads`` (the values whose gradient this places: the walk's own copies of them are dropped) and
+    ``partial_params`` (FQNs of parameters holding parts until the step ends); returns every such FQN."""
+    pinned: set = set()
+    while True:
+        found = [(walk, *_solve(walk, pinned)) for walk in walks]
+        partial = {walk.fqn_of[n.name] for walk, holding, _summed in found for n in holding
+                   if n.op == "placeholder"}
+        whole = {walk.fqn_of[n.name] for walk, holding, _summed in found for n in walk.graph.nodes
+                 if n.op == "placeholder" and n.name in walk.fqn_of and _whole(walk, n) and n not in holding}
+        mixed = partial & whole  # partial in one stage (or read), whole in another
+        if not mixed:
+            break
+        pinned |= mixed
+    for walk, holding, summed in found:
+        bias = _bias_reads(walk)
+        walk.backward_sums = {node: [u for u in users if (u, node) not in bias] for node, users in summed.items()}
+        walk.partial_grads = holding | set(summed)
+        walk.partial_holding = holding
+        walk.partial_params = {walk.fqn_of[n.name] for n in holding if n.op == "placeholder"}
     return partial
 
 
 def partial_values(walk) -> set:
-    """The values ``walk`` reads through a copy that is dropped (:func:`mark`; none before it ran)."""
+    """The whole values whose gradient's sum :func:`mark` placed (none before it ran): the walk's own copies of
+    them are not inserted."""
     return getattr(walk, "partial_grads", set())
+
+
+def holding(walk) -> set:
+    """The values holding partial gradients (:func:`mark`): a row-wise linear's bias among them takes no copy."""
+    return getattr(walk, "partial_holding", set())
+
+
+def backward_sums(walk) -> dict:
+    """{value: the readers that read it through one ``tp_copy``} of :func:`mark` (empty before it ran)."""
+    return getattr(walk, "backward_sums", {})

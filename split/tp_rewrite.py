@@ -175,6 +175,14 @@ def _reading(g: fx.Graph, pairs: list):
 
 
 def _rewrite(g: fx.Graph, walk: _Walk, tp: int, params: dict) -> None:
+    order = {node: index for index, node in enumerate(g.nodes)}
+    for value, readers in tp_grads.backward_sums(walk).items():  # the gradient's parts summed at this value
+        if readers:
+            first = min(readers, key=order.get)
+            copy = _insert(g, first, TP.tp_copy.default, [value], _val(value), first)
+            for reader in readers:
+                reader.replace_input_with(value, copy)
+    late = tp_grads.holding(walk)  # values holding partial gradients: a bias among them is read without a copy
     whole: dict = {}
     for node, dim in walk.gathered_out.items():  # a gathered down-projection: every reader reads it whole
         users = list(node.users)
@@ -196,8 +204,8 @@ def _rewrite(g: fx.Graph, walk: _Walk, tp: int, params: dict) -> None:
         made_whole[(consumer, arg)] = gathered[key]
     copies: dict = {}  # after the gathers: a value both gathered and read beside pieces is copied whole
     walk_copies = [(consumer, made_whole.get((consumer, arg), whole.get(arg, arg))) for consumer, arg in walk.copies]
-    late = tp_grads.partial_values(walk)  # parameters' gradients summed once per step: read without a copy
-    walk_copies = [(consumer, arg) for consumer, arg in walk_copies if arg not in late]
+    placed = tp_grads.partial_values(walk)  # whole values whose gradients' sums tp_grads placed: copied above
+    walk_copies = [(consumer, arg) for consumer, arg in walk_copies if arg not in placed]
     at = _reading(g, walk_copies)
     for consumer, arg in walk_copies:
         key, anchor = at(consumer, arg)

@@ -102,7 +102,10 @@ def test_partial_sums_of_experts_computed_on_every_token_are_all_reduced_once(mo
     # row-wise on the experts' features), summed over the experts and added to the shared expert (row-wise too).
     # The partial sums are carried through the view, the sum and the add (split/tp_partial.py) and all-reduced
     # once, a [b, s, h] per layer as Megatron's MLP moves; summed where each was made it was three all-reduces,
-    # one of them [experts, tokens, hidden] (3.0x Megatron's bytes per layer, 2.0x now: the inputs' gradients)
+    # one of them [experts, tokens, hidden] (3.0x Megatron's bytes per layer). Backward, the experts' input (every
+    # token once per expert, scaled by the router's scores) and the shared expert's input were all-reduced apart
+    # (2.0x): their gradients' parts are now carried through the repeat and summed once at [tokens, h], the scores'
+    # parts at the router's top-k values [tokens, 1] (split/tp_grads.py)
     import os
 
     from util import REPO
@@ -118,8 +121,9 @@ def test_partial_sums_of_experts_computed_on_every_token_are_all_reduced_once(mo
     layers = len(stage["layers"])
     assert layers >= 2 and len(forward) == 1 + 2 * layers, forward  # the embedding, then o_proj and the MoE
     assert {tuple(c["shape"]) for c in forward} == {("2", "8", "64")}, forward  # [b, s, h] of a microbatch
+    tokens = 2 * 8
     for in_layer, megatron in stage["layers"].values():
-        assert in_layer == 2 * megatron  # the experts' and the shared expert's inputs' gradients, apart
+        assert in_layer == megatron + 2 * 4 * tokens  # Megatron's, and the scores' [tokens, 1] all-reduced
 
 
 def test_partial_sums_are_carried_only_through_what_is_linear_in_them():
@@ -131,8 +135,11 @@ def test_partial_sums_are_carried_only_through_what_is_linear_in_them():
     assert manifest["tp"]["verified"]["status"] == "verified"
     (stage,) = manifest["tp"]["stages"]
     one = 2 * 2 * 8 * 16 * 4  # an all-reduce of a microbatch's [b, s, h] in float32, ring-weighted
-    biases = 2 * 2 * 16 * 4  # each down-projection's bias gradient all-reduced (1/tp of it on each rank)
-    assert stage["layers"]["layers.0"][0] == 2 * one + biases  # the sum's all-reduce, the input's gradient's
+    # the sum's all-reduce, the input's gradient's; each down-projection's bias (1/tp of it on each rank) takes a
+    # part of its gradient, summed when the step ends (split/tp_grads.py), not per microbatch
+    assert stage["layers"]["layers.0"][0] == 2 * one
+    assert {fqn for fqn, e in manifest["tp"]["params"].items() if e.get("grad") == "partial"} == {
+        "layers.0.down1.bias", "layers.0.down2.bias"}
     assert stage["layers"]["layers.1"][0] == 3 * one  # each branch's, and the input's gradient's
     assert stage["layers"]["layers.2"][0] == 4 * one  # a branch also read whole: all three summed where made
     assert not manifest["tp"]["verified"].get("repaired"), manifest["tp"]["verified"]

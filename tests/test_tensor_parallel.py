@@ -595,7 +595,8 @@ def test_mla_down_projections_whole_where_they_are_a_small_share_megatrons_plan(
     latents = [c["shape"] for c in stages[0]["collectives"] if c["op"] == "all_reduce (backward)"]
     # the two latents, the shared rotary key (expanded to this rank's heads: one head's gradient, not every head's
     # gathered back), the MLP input
-    assert latents == [["2", "8", "16"], ["2", "8", "16"], ["2", "1", "8", "8"], ["2", "8", "64"]], latents
+    assert sorted(latents) == sorted([["2", "8", "16"], ["2", "8", "16"], ["2", "1", "8", "8"], ["2", "8", "64"]]), \
+        latents
     layers = [figures for stage in stages for figures in stage["layers"].values()]
     assert layers and all(megatron is not None and moved <= megatron for moved, megatron in layers), layers
     assert manifest["tp"]["verified"]["status"] == "verified", manifest["tp"]["verified"]

@@ -39,12 +39,20 @@ def test_qk_norm_weights_are_summed_once_per_step_and_a_weight_a_whole_op_reads_
     manifest = _check()
     record = manifest["tp"]["verified"]
     assert record["status"] == "verified" and "repairs" not in record, record
-    norms = {f"layers.{k}.attn.{n}_norm.weight" for k in range(2) for n in "qk"}
-    assert _partial(manifest) == norms
+    partial = _partial(manifest)
+    assert {"layers.0.attn.q_norm.weight", "layers.0.attn.k_norm.weight"} <= partial
     assert _ops(manifest, "layers.0.attn.q_norm.weight") == ["all_reduce (gradient, once per step)"]
-    # the temperature scales the whole residual too: its gradient there is every rank's, so it keeps its copy
-    assert manifest["tp"]["params"]["layers.0.attn.temperature"] == {"dim": None, "role": "replicate"}
+    # stage 0: the temperature scales the whole residual stream too, whose gradient comes whole from stage 1 (and
+    # is the same on every rank): it keeps its copy, summed per microbatch
+    assert "layers.0.attn.temperature" not in partial and "layers.0.norm1.weight" not in partial
     assert _ops(manifest, "layers.0.attn.temperature") == ["all_reduce (backward)"]
+    # the last stage: every gradient of its residual stream comes from the head's column-wise input (parts), so
+    # the parts are carried up to where the stream enters (one all-reduce) and the two row-wise outputs it adds
+    # (their all-reduce's backward needs whole gradients); every whole parameter of the layer holds parts
+    assert {"layers.1.attn.temperature", "layers.1.norm1.weight", "layers.1.norm2.weight", "norm.weight"} <= partial
+    last = manifest["tp"]["stages"][1]["collectives"]
+    assert sorted(c["after"] for c in last if c["op"] == "all_reduce (backward)") == [
+        "layers_0_out_from_stage0", "linear_11", "linear_9"], last
 
 
 def test_under_sequence_parallelism_every_norm_weight_and_a_scattered_bias_are_summed_once_per_step():
@@ -69,14 +77,18 @@ def test_a_transformers_qwen3_layer_moves_megatrons_bytes(monkeypatch):
 
 
 def test_a_parameter_marked_partial_that_a_whole_op_also_reads_is_caught(monkeypatch):
-    """An injected fault: every group of parameter-made values with a copy is marked, the temperature too (its
-    gradient from the whole residual is the same on every rank, so summing the ranks' counts it twice)."""
-    def wrong(walk):
-        return [(fqns, values, bool(values)) for fqns, values, _ok in original(walk)]
+    """An injected fault: stage 0's temperature marked as holding parts, its copy dropped, though the whole residual
+    stream it scales gives it a gradient that is the same on every rank (summing the ranks' counts that twice)."""
+    def wrong(walk, pinned):
+        holding, summed = original(walk, pinned)
+        for node in [n for n in summed if n.op == "placeholder" and n.name.endswith("temperature")]:
+            summed.pop(node)
+            holding.add(node)
+        return holding, summed
 
-    original = tp_grads._groups
-    monkeypatch.setattr(tp_grads, "_groups", wrong)
-    with pytest.raises(ValueError, match=r"gradient of layers\.\d\.attn\.temperature"):
+    original = tp_grads._solve
+    monkeypatch.setattr(tp_grads, "_solve", wrong)
+    with pytest.raises(ValueError, match=r"gradient of layers\.0\.attn\.temperature"):
         _check(mode="strict")
 
 
