@@ -98,24 +98,25 @@ def _solve(walk, pinned: set) -> tuple:
             if user.op == "output" or walk.needs_grad.get(user) or user in walk.shard:
                 ok = may.get(user, False)
         may[node] = ok
-    flow = nx.DiGraph()
+    edges: list = []  # (from, to, capacity or None: unbounded), "part" the source and "whole" the sink
     for node in reach:
         here = node if may[node] else "whole"
         sums = ("sum", node)  # on the source side: a reader gives this value a part
+        read = False
         for user in node.users:
             if (user, node) in copied:
-                flow.add_edge("part", sums)
+                edges.append(("part", sums, None))
+                read = True
             elif may.get(user, False):
-                flow.add_edge(user, sums)
+                edges.append((user, sums, None))
+                read = True
                 if here != "whole":
-                    flow.add_edge(node, user)  # a value holding a part: so does each reader
-        if flow.has_node(sums):  # cut where the value gives whole gradients to its inputs: its all-reduce
-            flow.add_edge(sums, here, capacity=tensor_bytes(_val(node)) * _SCALE + 1)
+                    edges.append((node, user, None))  # a value holding a part: so does each reader
+        if read:  # cut where the value gives whole gradients to its inputs: its all-reduce
+            edges.append((sums, here, tensor_bytes(_val(node)) * _SCALE + 1))
         if here != "whole":
-            flow.add_edge(node, "whole", capacity=1)  # the tie-break: fewer values carried
-    if not flow.has_node("part") or not flow.has_node("whole"):
-        return set(), {}
-    _cut, (parts, _rest) = nx.minimum_cut(flow, "part", "whole")
+            edges.append((node, "whole", 1))  # the tie-break: fewer values carried
+    parts = _cut(edges, order)
     holding = {node for node in reach if may[node] and node in parts}
     summed = {}
     for node in reach:
@@ -123,6 +124,58 @@ def _solve(walk, pinned: set) -> tuple:
             continue
         summed[node] = [user for user in node.users if (user, node) in copied or user in holding]
     return holding, summed
+
+
+_CUTS: dict = {}  # a group's shape (its edges and capacities, in graph order) -> its source side, by position
+
+
+def _cut(edges: list, order: dict) -> set:
+    """The source side of a minimum cut of ``edges`` ("part" to "whole"), solved per group of values joined apart
+    from the two ends: a group of sums alone (no value that may hold a part) is summed where it is, without a
+    flow (most groups: a linear's input nothing above could carry); a group shaped as one solved before (the same
+    op in every repeated layer) takes that answer."""
+    parent: dict = {}
+
+    def find(n):
+        parent.setdefault(n, n)
+        while parent[n] is not n:
+            parent[n] = parent[parent[n]]
+            n = parent[n]
+        return n
+
+    ends = ("part", "whole")
+    for a, b, _capacity in edges:
+        if a not in ends and b not in ends:
+            parent[find(a)] = find(b)
+        for n in (a, b):
+            if n not in ends:
+                find(n)
+    groups: dict = {}
+    for a, b, capacity in edges:
+        inner = a if a not in ends else b
+        groups.setdefault(find(inner), []).append((a, b, capacity))
+    parts = {"part"}
+    for group in groups.values():
+        members = sorted({n for a, b, _c in group for n in (a, b) if n not in ends},
+                         key=lambda n: 2 * order[n[1]] + 1 if isinstance(n, tuple) else 2 * order[n])
+        if all(isinstance(n, tuple) for n in members):  # sums only: each reached from "part" is on its side
+            parts |= {b for a, b, _c in group if a == "part"}
+            continue
+        at = {n: k for k, n in enumerate(members)}
+        at.update({"part": -1, "whole": -2})
+        shape = tuple(sorted((at[a], at[b], -1 if c is None else c) for a, b, c in group))
+        side = _CUTS.get(shape)
+        if side is None:
+            flow = nx.DiGraph()
+            for a, b, capacity in group:
+                flow.add_edge(a, b, **({} if capacity is None else {"capacity": capacity}))
+            flow.add_nodes_from(ends)
+            _value, (found, _rest) = nx.minimum_cut(flow, "part", "whole")
+            side = _CUTS[shape] = frozenset(at[n] for n in found if n not in ends)
+            if len(_CUTS) > 100_000:
+                _CUTS.clear()
+        parts |= {members[k] for k in side}
+    return parts
 
 
 def mark(walks: list) -> set:
