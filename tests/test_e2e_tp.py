@@ -227,9 +227,13 @@ def test_a_whole_gate_scaling_sharded_features_gets_its_gradient_summed(tmp_path
     # (export records requires_grad on parameters only): the plan must follow the parameters through the graph
     path, out = model_path("tp_gated_mlp"), str(tmp_path / "out")
     manifest = split_model(path, out, schedule="1f1b", num_microbatches=2, layout=Layout(pp=2, tp=2))
-    ops = [c["op"] for stage in manifest["tp"]["stages"] for c in stage["collectives"]]
-    # per layer: the up projection's input and the gate; and the (vocabulary-sharded) head's input
-    assert ops.count("all_reduce (backward)") == 2 * 2 + 1
+    collectives = [c for stage in manifest["tp"]["stages"] for c in stage["collectives"]]
+    # the gate's parts are carried back through the sigmoid and the gate's linear (every rank computes them whole)
+    # to the layer's input, where they are summed with the up projection's (split/tp_grads.py): one all-reduce per
+    # stage's layer input, one at the head's input; the gate's weight and bias summed once per step
+    assert [c["op"] for c in collectives].count("all_reduce (backward)") == 3
+    assert sorted(c["after"] for c in collectives if c["op"] == "all_reduce (gradient, once per step)") == sorted(
+        f"p_layers_{k}_gate_{p}" for k in range(2) for p in ("weight", "bias"))
     _trains_equal_to_eager(path, out, 4, tmp_path)
 
 
