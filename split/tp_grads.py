@@ -98,6 +98,7 @@ def _solve(walk, pinned: set) -> tuple:
             if user.op == "output" or walk.needs_grad.get(user) or user in walk.shard:
                 ok = may.get(user, False)
         may[node] = ok
+    reach = sorted(reach, key=order.get)  # graph order: the same answer, and the same listing, every run
     edges: list = []  # (from, to, capacity or None: unbounded), "part" the source and "whole" the sink
     for node in reach:
         here = node if may[node] else "whole"
