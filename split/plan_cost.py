@@ -68,14 +68,11 @@ def collectives(walk) -> list:
     out += [("all_reduce", node, node, 2 * _bytes(node)) for node in walk.sums]
     out += [("all_gather", arg, consumer if consumer.op != "output" else arg, _bytes(arg))
             for consumer, arg in _last_consumer(walk.gathers)]
-    reduced = walk.reduced_in_backward() - tp_grads.partial_values(walk)  # the copies tp_grads did not move
-    out += [("all_reduce (backward)", arg, consumer, 2 * _bytes(arg))
-            for consumer, arg in _last_consumer((c, a) for c, a in walk.copies if a in reduced)]
-    order = _order(walk.graph)
-    out += [("all_reduce (backward)", value, max(readers, key=order.get), 2 * _bytes(value))  # where tp_grads
-            for value, readers in tp_grads.backward_sums(walk).items() if readers]  # sums a gradient's parts
+    out += [("all_reduce (backward)", arg, consumer, 2 * _bytes(arg))  # the walk's copies, or where tp_grads
+            for consumer, arg in _last_consumer(tp_grads.backward_reads(walk))]  # sums a gradient's parts
+    held = tp_grads.holding(walk)
     out += [("all_reduce (gradient, once per step)", node, node, 0) for node in walk.graph.nodes  # none per microbatch
-            if node.op == "placeholder" and walk.fqn_of.get(node.name) in getattr(walk, "partial_params", ())]
+            if node.op == "placeholder" and node in held]
     out += [("all_gather (backward)", arg, consumer, _bytes(arg))  # the gradient pieces of a value read at its piece
             for consumer, arg in _last_consumer((c, a) for c, a, _dim, _groups in walk.scatters
                                                 if walk.needs_grad.get(a))]
@@ -93,11 +90,6 @@ def collectives(walk) -> list:
     return out
 
 
-def _order(graph) -> dict:
-    """{node: its index} of a graph, made once while the graph keeps its nodes."""
-    return _once_per_graph(_ORDER, graph, lambda: {node: index for index, node in enumerate(graph.nodes)})
-
-
 def _moves(walk):
     """(the node a collective belongs to, bytes it moves per microbatch forward and backward) of ``walk``'s plan."""
     return [(belongs, moved) for _what, _value, belongs, moved in collectives(walk)]
@@ -110,7 +102,6 @@ def moved_bytes(walk) -> int:
 
 _FLOPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # graph -> (its node count, node_flops)
 _EXPERTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # graph -> (its node count, expert weights)
-_ORDER: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # graph -> (its node count, node -> index)
 
 
 def _once_per_graph(cache, graph, make):

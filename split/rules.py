@@ -219,6 +219,25 @@ def ints(items) -> bool:
     return all(isinstance(i, int) or sympy.sympify(i).is_Integer for i in items)
 
 
+def components(items, links) -> list:
+    """The groups of ``items`` joined by ``links`` (pairs of items), each in the order ``items`` gives them, the
+    groups in the order of their first item."""
+    parent = {item: item for item in items}
+
+    def find(item):
+        while parent[item] is not item:
+            parent[item] = parent[parent[item]]
+            item = parent[item]
+        return item
+
+    for a, b in links:
+        parent[find(a)] = find(b)
+    groups: dict = {}
+    for item in parent:
+        groups.setdefault(find(item), []).append(item)
+    return list(groups.values())
+
+
 def arg(node, index: int, name: str, default=None):
     """Argument ``index`` of the node's call, or its keyword ``name``, or ``default``."""
     if len(node.args) > index:

@@ -302,10 +302,7 @@ def _figures(nodes: list, entry: dict, flops: dict, tensor_bytes, crossing=None)
     scattered = [n for n in nodes if n in walk.reduce_scatters]
     reduce_fwd = [n for n in nodes if (walk.roles.get(n) in ("rowwise", "vocab") and n not in walk.reduce_scatters
                                        and n not in walk.deferred) or n in walk.sums or n in walk.late_sums]
-    copied = {arg for consumer, arg in walk.copies if consumer in inside} & (
-        walk.reduced_in_backward() - tp_grads.partial_values(walk))  # less those tp_grads moved:
-    copied |= {value for value, readers in tp_grads.backward_sums(walk).items()  # summed where it placed them
-               if any(reader in inside for reader in readers)}
+    copied = {value for reader, value in tp_grads.backward_reads(walk) if reader in inside}
     gathered = {arg for consumer, arg in walk.gathers if consumer in inside or (consumer.op == "output"
                                                                                 and arg in inside)}
     figures = {

@@ -33,24 +33,21 @@ from tracepp.split.rules import val as _val
 _SCALE = 1 << 20  # a byte of a collective outweighs every tie-break together (one unit per value carried)
 
 
-def _copied_reads(walk) -> set:
-    """(consumer, value) pairs the rewrite reads through ``tp_copy``: the walk's copies and the biases of its
-    deferred (``tp_partial``) and reduce-scattered row-wise linears, where they carry a gradient."""
-    pairs = set(walk.copies)
+def _bias_reads(walk) -> set:
+    """(row-wise linear, bias) pairs the rewrite reads through a ``tp_copy`` of its own: the biases of the deferred
+    (``tp_partial``) and reduce-scattered row-wise linears, where they carry a gradient."""
+    pairs = set()
     for node, role in walk.roles.items():
-        if role != "rowwise":
-            continue
-        bias = walk.forms[node][2]
+        bias = walk.forms[node][2] if role == "rowwise" else None
         if isinstance(bias, fx.Node) and walk.needs_grad.get(bias) and (
                 node in walk.deferred or node in walk.reduce_scatters):
             pairs.add((node, bias))
     return pairs
 
 
-def _bias_reads(walk) -> set:
-    """The (row-wise linear, bias) pairs of :func:`_copied_reads`: the rewrite copies those biases itself."""
-    return {(node, walk.forms[node][2]) for node, role in walk.roles.items() if role == "rowwise"} & \
-        _copied_reads(walk)
+def _copied_reads(walk) -> set:
+    """(consumer, value) pairs the rewrite reads through ``tp_copy``: the walk's copies and :func:`_bias_reads`."""
+    return set(walk.copies) | _bias_reads(walk)
 
 
 def _whole(walk, node) -> bool:
@@ -123,7 +120,8 @@ def _solve(walk, pinned: set) -> tuple:
     for node in reach:
         if node in holding or ("sum", node) not in parts:
             continue
-        summed[node] = [user for user in node.users if (user, node) in copied or user in holding]
+        summed[node] = sorted((user for user in node.users if (user, node) in copied or user in holding),
+                              key=order.get)
     return holding, summed
 
 
@@ -135,30 +133,16 @@ def _cut(edges: list, order: dict) -> set:
     from the two ends: a group of sums alone (no value that may hold a part) is summed where it is, without a
     flow (most groups: a linear's input nothing above could carry); a group shaped as one solved before (the same
     op in every repeated layer) takes that answer."""
-    parent: dict = {}
-
-    def find(n):
-        parent.setdefault(n, n)
-        while parent[n] is not n:
-            parent[n] = parent[parent[n]]
-            n = parent[n]
-        return n
-
     ends = ("part", "whole")
-    for a, b, _capacity in edges:
-        if a not in ends and b not in ends:
-            parent[find(a)] = find(b)
-        for n in (a, b):
-            if n not in ends:
-                find(n)
-    groups: dict = {}
+    inner = dict.fromkeys(n for a, b, _capacity in edges for n in (a, b) if n not in ends)
+    groups = rules.components(inner, ((a, b) for a, b, _capacity in edges if a not in ends and b not in ends))
+    group_of = {n: k for k, group in enumerate(groups) for n in group}
+    group_edges: list = [[] for _group in groups]
     for a, b, capacity in edges:
-        inner = a if a not in ends else b
-        groups.setdefault(find(inner), []).append((a, b, capacity))
+        group_edges[group_of[a if a not in ends else b]].append((a, b, capacity))
     parts = {"part"}
-    for group in groups.values():
-        members = sorted({n for a, b, _c in group for n in (a, b) if n not in ends},
-                         key=lambda n: 2 * order[n[1]] + 1 if isinstance(n, tuple) else 2 * order[n])
+    for members, group in zip(groups, group_edges):
+        members = sorted(members, key=lambda n: 2 * order[n[1]] + 1 if isinstance(n, tuple) else 2 * order[n])
         if all(isinstance(n, tuple) for n in members):  # sums only: each reached from "part" is on its side
             parts |= {b for a, b, _c in group if a == "part"}
             continue
@@ -180,9 +164,9 @@ def _cut(edges: list, order: dict) -> set:
 
 
 def mark(walks: list) -> set:
-    """Sets each walk's ``backward_sums`` ({value: its readers that read it through one ``tp_copy``}),
-    ``partial_grads`` (the values whose gradient this places: the walk's own copies of them are dropped) and
-    ``partial_params`` (FQNs of parameters holding parts until the step ends); returns every such FQN."""
+    """Sets each walk's ``backward_sums`` ({value: its readers that read it through one ``tp_copy``}) and
+    ``partial_holding`` (the values holding parts: parameters among them are summed when the step ends); returns
+    the FQNs of those parameters."""
     pinned: set = set()
     while True:
         found = [(walk, *_solve(walk, pinned)) for walk in walks]
@@ -197,23 +181,32 @@ def mark(walks: list) -> set:
     for walk, holding, summed in found:
         bias = _bias_reads(walk)
         walk.backward_sums = {node: [u for u in users if (u, node) not in bias] for node, users in summed.items()}
-        walk.partial_grads = holding | set(summed)
         walk.partial_holding = holding
-        walk.partial_params = {walk.fqn_of[n.name] for n in holding if n.op == "placeholder"}
     return partial
 
 
-def partial_values(walk) -> set:
-    """The whole values whose gradient's sum :func:`mark` placed (none before it ran): the walk's own copies of
-    them are not inserted."""
-    return getattr(walk, "partial_grads", set())
-
-
 def holding(walk) -> set:
-    """The values holding partial gradients (:func:`mark`): a row-wise linear's bias among them takes no copy."""
+    """The values holding partial gradients (:func:`mark`; none before it ran): a parameter among them is summed
+    when the step ends, a row-wise linear's bias among them takes no copy."""
     return getattr(walk, "partial_holding", set())
 
 
 def backward_sums(walk) -> dict:
-    """{value: the readers that read it through one ``tp_copy``} of :func:`mark` (empty before it ran)."""
+    """{value: the readers, in graph order, that read it through one ``tp_copy``} of :func:`mark` (empty before
+    it ran; a bias whose only reader is its row-wise linear, which copies it itself, has none)."""
     return getattr(walk, "backward_sums", {})
+
+
+def partial_values(walk) -> set:
+    """The whole values whose gradient's sum :func:`mark` placed: the walk's own copies of them are not inserted."""
+    return holding(walk) | set(backward_sums(walk))
+
+
+def backward_reads(walk) -> list:
+    """(reader, value) of every ``tp_copy`` whose backward all-reduces a gradient in each microbatch: the walk's
+    copies of values that carry one and that :func:`mark` did not place, then each value it sums with its readers.
+    The cost (``plan_cost``) and the tuner's figures (``tensor_parallel``) count these."""
+    placed = partial_values(walk)
+    pairs = [(consumer, value) for consumer, value in walk.copies
+             if walk.needs_grad.get(value) and value not in placed]
+    return pairs + [(reader, value) for value, readers in backward_sums(walk).items() for reader in readers]

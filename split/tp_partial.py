@@ -84,7 +84,7 @@ def defer(walk) -> None:
         if not dropped:
             break
         partial -= dropped
-    for run in _runs(partial):  # each connected run kept where it all-reduces fewer bytes
+    for run in _runs(sorted(partial, key=order.get)):  # each connected run kept where it all-reduces fewer bytes
         summed = [n for n in run if n not in carried]
         if not any(s in carried for s in run if s in starts):
             continue
@@ -98,22 +98,8 @@ def defer(walk) -> None:
         walk.partial.update(run)
 
 
-def _runs(partial: set) -> list:
-    """The connected runs of partial values (joined where one reads another)."""
-    parent = {n: n for n in partial}
-
-    def find(n):
-        while parent[n] is not n:
-            parent[n] = parent[parent[n]]
-            n = parent[n]
-        return n
-
-    for node in partial:
-        for arg in node.all_input_nodes:
-            if arg in partial:
-                parent[find(arg)] = find(node)
-    runs: dict = {}
-    for node in partial:
-        runs.setdefault(find(node), []).append(node)
-    return list(runs.values())
-
+def _runs(partial: list) -> list:
+    """The connected runs of partial values (joined where one reads another), in the order ``partial`` gives."""
+    inside = set(partial)
+    return rules.components(partial, ((arg, node) for node in partial for arg in node.all_input_nodes
+                                      if arg in inside))

@@ -175,11 +175,9 @@ def _reading(g: fx.Graph, pairs: list):
 
 
 def _rewrite(g: fx.Graph, walk: _Walk, tp: int, params: dict) -> None:
-    order = {node: index for index, node in enumerate(g.nodes)}
     for value, readers in tp_grads.backward_sums(walk).items():  # the gradient's parts summed at this value
         if readers:
-            first = min(readers, key=order.get)
-            copy = _insert(g, first, TP.tp_copy.default, [value], _val(value), first)
+            copy = _insert(g, readers[0], TP.tp_copy.default, [value], _val(value), readers[0])
             for reader in readers:
                 reader.replace_input_with(value, copy)
     late = tp_grads.holding(walk)  # values holding partial gradients: a bias among them is read without a copy

@@ -86,10 +86,6 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
         self._walk(graph)
         tp_partial.defer(self)  # deferred, late_sums, partial: where row-wise partial sums are all-reduced
 
-    def reduced_in_backward(self) -> set:
-        """The whole values whose gradient tp_copy sums over the group: those that carry one."""
-        return {arg for _consumer, arg in self.copies if self.needs_grad.get(arg)}
-
     # -- helpers
     def _param(self, node):
         if not isinstance(node, fx.Node):
