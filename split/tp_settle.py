@@ -208,9 +208,11 @@ def _low_rank(walk: _Walk) -> list:
         return linear_widths(walk.forms[node]) or (0, 0)  # (in, out); symbolic: neither narrows nor widens
 
     out = []
+    order = {node: index for index, node in enumerate(walk.graph.nodes)}
     for region in _regions(walk):
         cols = [n for n in region if walk.roles.get(n) == "colwise"]
-        rows = [n for n in region if walk.roles.get(n) == "rowwise"]
+        rows = sorted((n for n in region if walk.roles.get(n) == "rowwise"), key=order.get)  # the note names the
+        #                                                                       first (a region is a set)
         if not cols or not rows:
             continue
         if (all(features(n)[1] < features(n)[0] for n in cols) and all(features(n)[1] >= features(n)[0] for n in rows)
