@@ -364,7 +364,8 @@ def _program_inputs(traced, node_by_name: dict) -> _ProgramInputs:
             tensor = fqn_to_tensor.get(fqn)
             names = aliases.get(id(tensor), [fqn]) if tensor is not None else [fqn]
             state[node.name] = StateRef(node.name, fqn, sorted(names), _STATE_KINDS[spec.kind],
-                                        persistent=spec.persistent is not False)
+                                        persistent=spec.persistent is not False,
+                                        trainable=getattr(tensor, "requires_grad", True))
         elif spec.kind == InputKind.USER_INPUT:
             root_inputs[node.name] = RootInput(node.name, user_index, leaf_paths[user_index],
                                                traced.batched_leaves[user_index], None)
@@ -687,8 +688,7 @@ def split(traced, split_points: Optional[list] = None, num_stages: Optional[int]
     _check_no_buffer_mutation(program.graph_signature)
     node_by_name = {n.name: n for n in graph.nodes}
     inputs = _program_inputs(traced, node_by_name)
-    trainable = {name for name, ref in inputs.state.items() if ref.kind == "parameter"
-                 and getattr(inputs.fqn_to_tensor.get(ref.fqn), "requires_grad", True)}
+    trainable = {name for name, ref in inputs.state.items() if ref.kind == "parameter" and ref.trainable}
     needs_grad = _gradient_flags(graph, trainable)
     counted = cost.count_flops(graph)
     flops = counted.by_node

@@ -45,6 +45,7 @@ class StateRef:
     kind: str  # "parameter" | "buffer" | "constant"
     persistent: bool = True
     stages: list = field(default_factory=list)  # every stage that reads it (shared when more than one)
+    trainable: bool = True  # a parameter the optimizer updates (False: frozen, ``requires_grad=False``)
 
 
 @dataclass

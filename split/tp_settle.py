@@ -73,13 +73,15 @@ def fqn_map(stage, graph) -> dict:
 
 
 def grad_flags(stage, graph) -> dict:
-    """Which values of a stage graph carry a gradient: downstream of its parameters or of a received value that
-    does (placeholders: state, root inputs, received values, in that order)."""
+    """Which values of a stage graph carry a gradient: downstream of its trainable parameters (a frozen one,
+    ``requires_grad=False``, takes none: RoFormer's sinusoidal position table) or of a received value that does
+    (placeholders: state, root inputs, received values, in that order)."""
     nodes = [n for n in stage.graph.nodes if n.op == "placeholder"]
     first = len(stage.state) + len(stage.root_inputs)
     received = {nodes[first + i].name for i, (_producer, name) in enumerate(stage.received)
                 if graph.values[name].meta.requires_grad}
-    return _gradient_flags(stage.graph, set(fqn_map(stage, graph)) | received)
+    frozen = {node.name for node, name in zip(nodes, stage.state) if not graph.state[name].trainable}
+    return _gradient_flags(stage.graph, (set(fqn_map(stage, graph)) - frozen) | received)
 
 
 def _forced_by_overrides(aliases: dict, overrides) -> dict:

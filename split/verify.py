@@ -322,7 +322,7 @@ class Inputs:
                 ref = graph.state[state[node.name]]
                 tensor = _state_tensor(traced, ref)
                 tensor = _cast(tensor) if tensor is not None else _random_like(val, generator)
-                wants = ref.kind == "parameter" and tensor.is_floating_point() and training
+                wants = ref.kind == "parameter" and ref.trainable and tensor.is_floating_point() and training
             elif node.name in roots:
                 tensor = _root_value(traced, graph.root_inputs[roots[node.name]], val)
                 tensor = _cast(tensor) if tensor is not None else _random_like(val, generator)

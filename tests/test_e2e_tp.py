@@ -17,7 +17,7 @@ from test_e2e_dp import _eager_adamw
 from tracepp.driver import split_model
 from tracepp.runtime.mesh import Layout
 from tracepp.modelfile import load_model_file
-from util import assert_state_close, assert_trained, eager_train, model_path, torchrun
+from util import assert_state_close, assert_trained, eager_train, initial_state, model_path, torchrun
 
 pytestmark = pytest.mark.timeout(600)
 ZOO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zoo")
@@ -250,6 +250,20 @@ def test_gradients_summed_once_per_step_train_equal_to_eager(tmp_path):
         ckpt = str(tmp_path / "ckpt.pt")
         _run(out, 4, "--steps", "3", "--clip-grad-norm", "0.05", "--save", ckpt)
         assert_state_close(torch.load(ckpt), _eager_adamw(path, 3, 0.05)[0])
+
+
+def test_a_frozen_table_read_by_the_heads_stays_frozen_and_trains_equal_to_eager(tmp_path):
+    # RoFormer's sinusoidal table, an nn.Embedding made with _freeze=True: read whole beside the ranks' heads, it
+    # takes no gradient and sums none; the trained parameters equal eager's, the table unchanged
+    path = model_path("tp_frozen_table")
+    out = str(tmp_path / "out")
+    split_model(path, out, schedule="1f1b", num_microbatches=4, layout=Layout(pp=2, tp=2))
+    ckpt = str(tmp_path / "ckpt.pt")
+    _run(out, 4, "--steps", "3", "--save", ckpt)
+    saved = torch.load(ckpt)
+    assert_trained(saved, path)
+    assert_state_close(saved, eager_train(path, 3))
+    assert torch.equal(saved["positions.weight"], initial_state(path)["positions.weight"])
 
 
 def test_a_buffer_written_in_place_where_a_shard_cannot_be_is_whole_from_where_it_is_made(tmp_path):

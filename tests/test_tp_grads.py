@@ -116,3 +116,16 @@ def test_step_sums_reduce_only_what_each_step_added(monkeypatch):
     sums.begin()
     sums.end()
     assert params[0].grad is None
+
+
+def test_a_frozen_table_read_by_the_heads_takes_no_gradient_sum():
+    """RoFormer's sinusoidal position table is a frozen ``nn.Embedding``: read whole beside the heads split over the
+    ranks, its values carry no gradient, so no copy sums one (the plan summed two per layer, one each for the
+    queries' and the keys' read of it, when every parameter was taken as trainable)."""
+    manifest = _check(model_path("tp_frozen_table"))
+    assert manifest["tp"]["verified"]["status"] == "verified", manifest["tp"]["verified"]
+    backward = [c["after"] for stage in manifest["tp"]["stages"] for c in stage["collectives"]
+                if c["op"].startswith("all_reduce (backward")]
+    # the input gradients of each layer's attention and MLP and of the head, as Megatron's plan sums them
+    assert backward == ["layer_norm", "layer_norm_1", "layer_norm_2", "layer_norm_3", "norm_out"], backward
+    assert "positions.weight" not in _partial(manifest)
