@@ -249,6 +249,10 @@ class _ContractionRules:
                 found = node.name in self.fqn_of
             elif node.target is aten.type_as.default:  # the second operand gives only its dtype (OLMo-core's
                 found = self._param_only(node.args[0])  # norm: ``weight.type_as(x)``)
+            elif node.target is aten.embedding.default:  # a table picked at indices the model computes, which
+                index = node.args[1]  # every rank holds whole (positions, buckets; not the batch's token ids)
+                found = (self._param_only(node.args[0]) and isinstance(index, fx.Node) and index not in self.shard
+                         and index.op != "placeholder" and not _val(index).dtype.is_floating_point)
             elif node.op == "call_function" and node.all_input_nodes:
                 found = all(self._param_only(arg) for arg in node.all_input_nodes)
         self._made_of_params[node] = found

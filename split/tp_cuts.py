@@ -235,6 +235,28 @@ class _CutRules:
             self.wants.setdefault(fqn, set()).update(wanted)
         return True
 
+    def _want_view_parts(self, value, in_val, out_val, dim: int) -> bool:
+        """A view that splits a fused projection's features into ``[parts, rest...]`` with fewer parts than --tp
+        divides (timm's and many decoders' ``qkv(x).view(b, s, 3, heads, d)``): the projection is asked to keep
+        each part as a segment (learned, then walked again: each rank then holds its heads of every part)."""
+        origin = self.origin.get(value, frozenset())
+        size, before = in_val.shape[dim], _prod(list(in_val.shape[:dim]))
+        if self.segs.get(value) or not origin or not _ints([size, before]):
+            return False
+        sizes = list(out_val.shape)
+        for e in range(len(sizes)):
+            if not _ints(sizes[:e + 1]) or int(_prod(sizes[:e])) != int(before):
+                continue
+            parts, size = int(sizes[e]), int(size)
+            if parts < 2 or parts % self.tp == 0 or size % parts or (size // parts) % self.tp:
+                return False
+            if any(self.out_features.get(fqn) != size for fqn in origin):
+                return False
+            for fqn in origin:
+                self.wants.setdefault(fqn, set()).update(k * (size // parts) for k in range(parts + 1))
+            return True
+        return False
+
     @staticmethod
     def _ranges(node, target, size: int):
         """The [start, end) ranges of the sharded dim each output of a cut takes (global), or None."""

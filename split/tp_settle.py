@@ -104,7 +104,16 @@ def _piece_of(walk: _Walk, node, dim):
     while True:
         if node.op == "placeholder":
             return (node, dim) if node.name in walk.fqn_of else None
-        if node.op != "call_function" or len(node.all_input_nodes) != 1:
+        if node.op != "call_function":
+            return None
+        if node.target is aten.embedding.default and _val(node) is not None:  # a table's columns, picked at
+            table, index = node.args[:2]  # indices the model computes (CPM-Ant's relative position bias per head,
+            # at buckets of distances), never at the batch's token ids: a vocabulary stays vocabulary-parallel
+            if dim != _val(node).dim() - 1 or len(node.all_input_nodes) != 2 or index.op == "placeholder":
+                return None
+            node, dim = table, 1
+            continue
+        if len(node.all_input_nodes) != 1:
             return None
         source = node.all_input_nodes[0]
         out_val, in_val = _val(node), _val(source)

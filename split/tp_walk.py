@@ -414,6 +414,8 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
                 placed = None
             if placed is None or (target in rules.VIEWS and not self._size_arg_ok(node.args[1], placed[0],
                                                                               _sizes(out_val)[placed[0]])):
+                if placed is None and self._want_view_parts(first, in_val, out_val, dim):
+                    return False  # asked for the parts as segments (learned, then walked again)
                 self._whole_part(first)
                 return self._refuse(node, f"reshapes a dim of {in_val.shape[dim]} sharded over --tp {self.tp} "
                                           f"into {list(out_val.shape)}, whose pieces would not be whole heads "

@@ -266,6 +266,16 @@ def test_a_frozen_table_read_by_the_heads_stays_frozen_and_trains_equal_to_eager
     assert torch.equal(saved["positions.weight"], initial_state(path)["positions.weight"])
 
 
+def test_a_qkv_viewed_into_parts_and_a_bias_table_by_heads_train_equal_to_eager(tmp_path):
+    # the fused projection held as three segments of heads (a view into [3, heads, d]) and the relative position
+    # bias table held by its columns, each rank its heads'
+    path = model_path("tp_bias_table")
+    out = str(tmp_path / "out")
+    manifest = split_model(path, out, schedule="gpipe", num_microbatches=2, layout=Layout(pp=1, tp=2))
+    assert manifest["tp"]["params"]["relative_attention_bias.weight"]["dim"] == 1
+    _trains_equal_to_eager(path, out, 2, tmp_path)
+
+
 def test_a_buffer_written_in_place_where_a_shard_cannot_be_is_whole_from_where_it_is_made(tmp_path):
     # zeros_like of sharded heads, then a whole value (a sum over the heads) written into a slice of it: the write
     # used to be refused with a gather of the buffer's slice, so it went into a copy and the buffer stayed zero

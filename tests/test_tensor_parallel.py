@@ -70,6 +70,25 @@ def test_fused_qkv_shards_each_part_by_heads():
     assert manifest["tp"]["stages"][0]["share"]["params"] > 0.9
 
 
+def test_fused_qkv_viewed_into_its_parts_and_a_per_head_bias_table_shard_by_heads():
+    # qkv(x).view(b, s, 3, heads, d).permute(2, 0, 3, 1, 4), as timm and many decoders write it: 3 parts are not
+    # divided by --tp 2, so the projection is asked for them as segments and each rank holds its heads of each
+    # part (it was replicated: "pieces would not be whole heads"). A relative position bias table [buckets, heads]
+    # (T5's, CPM-Ant's), picked at the buckets the model computes and added to each head's scores, is held by its
+    # columns: no collective for it (it was vocabulary-parallel: an all-reduce of [heads, q, k] forward)
+    manifest = check_model(model_path("tp_bias_table"), schedule="gpipe", num_microbatches=2,
+                           layout=Layout(pp=1, tp=2), verify="on")
+    tp = manifest["tp"]
+    assert tp["verified"]["status"] == "verified", tp["verified"]
+    d = 32
+    assert tp["params"]["layers.0.attn.qkv.weight"] == {"dim": 0, "role": "colwise", "segments": [d, d, d]}
+    assert tp["params"]["layers.0.attn.o.weight"]["role"] == "rowwise"
+    assert tp["params"]["relative_attention_bias.weight"]["dim"] == 1
+    afters = [c["after"] for c in tp["stages"][0]["collectives"]]
+    assert not [a for a in afters if "bias" in a], afters
+    assert tp["stages"][0]["share"]["params"] > 0.95 and not tp["stages"][0]["replicated"]
+
+
 def test_dims_tp_does_not_divide_stay_whole():
     manifest, params = _params(model_path("tp_llama"), tp=3)  # vocabulary 64, 4 heads, MLP 64: none divide by 3
     assert all(entry["dim"] is None for entry in params.values())
