@@ -278,12 +278,25 @@ def latent_weights(walk) -> set:
     return out
 
 
+def _applications(nodes: list, layer: str) -> int:
+    """How many times the stage calls the module ``layer`` (export's module stack keys a repeated call of one
+    module ``...@1``, ``...@2``: HRM applies each of its layers several times a step)."""
+    from tracepp.split.partition import module_path
+
+    calls = set()
+    for node in nodes:
+        for key, (path, _type) in (node.meta.get("nn_module_stack") or {}).items():
+            if module_path(path) == layer:
+                calls.add(key.rpartition("@")[2] if "@" in key else "")
+    return max(1, len(calls))
+
+
 def layer_bytes(walk) -> dict:
     """{layer: (bytes ``walk``'s plan moves in it per microbatch, Megatron's bytes for it or None)} over the stage's
     repeated blocks (:func:`_layer_of`). Megatron's plan applies to a decoder layer (one with an attention): its
     attention and MLP each column-wise in, row-wise out, an all-reduce of the layer's ``[b, s, h]`` after each
     forward and one of each region's input gradient backward: 8 ``b s h`` elements as ring collectives move them
-    (the layer's ``[b, s, h]``: its last value read after it). Megatron-Core divides the key/value groups among
+    (the layer's ``[b, s, h]``: its last value read after it), for each time the stage calls the layer. Megatron-Core divides the key/value groups among
     the tp ranks: a layer with fewer groups than tp (computed whole here: a fused projection's whole parts, a
     head group or a key/value read at a rank's piece by the attention) has no Megatron plan to compare with."""
     layers = _layers(walk)
@@ -303,9 +316,10 @@ def layer_bytes(walk) -> dict:
                        and n.meta["val"].dtype.is_floating_point and any(u not in inside for u in n.users)]
             if leaving:
                 latents = _latents(walk, nodes, inside)
-                megatron = 8 * _bytes(leaving[-1])
+                megatron = 8 * _bytes(leaving[-1]) * _applications(nodes, layer)
                 if latents:  # MLA: the attention's input gradient is whole after its down-projections' backward;
                     #          the latents' gradients are all-reduced instead
-                    megatron += -2 * _bytes(leaving[-1]) + 2 * sum(_bytes(n) for n in latents)
+                    megatron += (-2 * _bytes(leaving[-1]) * _applications(nodes, layer)
+                                 + 2 * sum(_bytes(n) for n in latents))
         out[layer] = (moved[layer], megatron)
     return out

@@ -50,12 +50,13 @@ def models() -> list:
 
 def _record(name: str, stages: list, started: float) -> dict:
     """A model's record from its manifest's tp stages: each layer's bytes beside Megatron's, a layer on two stages
-    (or applied on both) summed."""
+    (or applied on both: Megatron's figure counts each stage's calls of it) summed."""
     layers: dict = {}
     for stage in stages:
         for layer, (moved, megatron) in stage.get("layers", {}).items():
             before = layers.get(layer, (0, None))
-            layers[layer] = (before[0] + moved, megatron if megatron is not None else before[1])
+            summed = before[1] if megatron is None else megatron + (before[1] or 0)
+            layers[layer] = (before[0] + moved, summed)
     ratios = [moved / megatron for moved, megatron in layers.values() if megatron]
     return {"model": name, "seconds": round(time.time() - started, 1), "layers": layers,
             "share": [stage["share"]["params"] for stage in stages], "worst": max(ratios) if ratios else None,

@@ -41,7 +41,11 @@ def measure(name: str, timeout: float) -> dict:
             return {"model": name, "error": (done.stderr.strip().splitlines() or ["no output"])[-1][:300]}
         with open(os.path.join(out, "manifest.json")) as handle:
             tp = json.load(handle)["tp"]
-    layers = {layer: figures for stage in tp["stages"] for layer, figures in stage["layers"].items()}
+    layers: dict = {}  # a layer on two stages (or called on both) summed, as megatron_bytes sums it
+    for stage in tp["stages"]:
+        for layer, (moved, megatron) in stage["layers"].items():
+            before = layers.get(layer, (0, None))
+            layers[layer] = (before[0] + moved, before[1] if megatron is None else megatron + (before[1] or 0))
     ratios = [moved / megatron for moved, megatron in layers.values() if megatron]
     return {"model": name, "seconds": round(time.time() - started, 1), "layers": layers,
             "share": [stage["share"]["params"] for stage in tp["stages"]],
