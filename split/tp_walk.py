@@ -490,8 +490,11 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
         for arg, at in whole:
             if at is None:
                 broadcast.append(arg)
-            elif self._param(arg) is not None and not seq:
+            elif self._param(arg) is not None and not seq and self._param(arg) not in self.forced:
                 wide.append((arg, at))  # a weight as wide as the sharded dim: sharded with it
+            elif self._param(arg) is not None and not seq:
+                cut.append((arg, at))  # one the plan keeps whole (a tp_plan override, a trial): read at its piece
+                self._use(arg, None)
             elif (seq or not self.needs_grad.get(arg)) and self.groups_of(segments):
                 cut.append((arg, at))  # a whole value beside pieces (a position table, a mask): its piece
             elif not seq and self._param_only(arg):

@@ -112,6 +112,58 @@ def test_model_file_tp_plan_replicates_what_it_names(tmp_path):
     assert params["layers.0.attn.o_proj.weight"]["role"] == "rowwise"
 
 
+_SCALED_MLP = """
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(16, 64)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 64))  # per channel of the up-projection's output
+        self.down = nn.Linear(64, 16)
+
+    def forward(self, x):
+        return x + self.down(F.gelu(self.up(x)) * self.scale)
+
+
+def model():
+    torch.manual_seed(0)
+    return nn.Sequential(MLP(), MLP())
+
+
+def example_inputs():
+    return (torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(0)),)
+
+
+def example_target():
+    return torch.zeros(2, 8, 16)
+
+
+def loss_fn(out, target):
+    return F.mse_loss(out, target)
+"""
+
+
+def test_model_file_tp_plan_keeps_whole_a_weight_beside_a_sharded_value(tmp_path):
+    # a per-channel scale of a column-wise output is sharded with it; the model file's "replicate" for it is kept
+    # (the walk sharded it anyway, with the override's note beside dim 0, as it did a norm weight a cost trial
+    # kept whole: Zamba's mamba_decoder.input_layernorm)
+    path = tmp_path / "scaled_mlp.py"
+    path.write_text(_SCALED_MLP)
+    params = check_model(str(path), schedule="gpipe", num_microbatches=2, layout=Layout(pp=1, tp=2),
+                         verify="on")["tp"]["params"]
+    assert params["0.scale"]["dim"] == 0 and params["0.up.weight"]["role"] == "colwise"
+    path.write_text(_SCALED_MLP + '\ntp_plan = {"*.scale": "replicate"}\n')
+    manifest = check_model(str(path), schedule="gpipe", num_microbatches=2, layout=Layout(pp=1, tp=2), verify="on")
+    params = manifest["tp"]["params"]
+    assert manifest["tp"]["verified"]["status"] == "verified", manifest["tp"]["verified"]
+    assert params["0.scale"] == {"dim": None, "role": "replicate", "why": "tp_plan '*.scale'"}, params["0.scale"]
+    assert params["0.up.weight"]["role"] == "colwise" and params["0.down.weight"]["role"] == "rowwise"
+
+
 def test_model_file_tp_plan_that_contradicts_the_graph_names_the_parameter(tmp_path):
     with pytest.raises(ValueError, match=r"layers\.0\.attn\.o_proj\.weight can only be rowwise"):
         _params(_with_plan(tmp_path, '{"layers.0.attn.o_proj.weight": "colwise"}'))
