@@ -12,6 +12,10 @@ and rewrites the graph with these ops, so the rank script reads as Megatron's re
   slice of the gradient backward, where a sharded value meets an op that needs all of it (the head's logits);
 * ``torch.ops.tracepp.tp_scatter(x, dim, groups)``: this rank's slice forward, the slices joined backward: a
   whole value read beside pieces of the same dim (a position table added to a sequence shard);
+* ``torch.ops.tracepp.tp_piece(x, dim, groups)``: ``tp_scatter`` whose backward puts this rank's gradient piece in
+  its place, zeros elsewhere, with no communication: a part of the whole value's gradient, summed over tp by a
+  ``tp_copy`` further back (where ``split/tp_grads.py`` placed it: ProphetNet's relative position bias, read at each
+  rank's heads, has its parts carried back to the layer input, which is summed anyway);
 * ``torch.ops.tracepp.tp_head_group(x, dim, parts)``: of ``dim`` cut into ``parts`` equal groups (key/value
   heads fewer than the ranks, ``parts`` dividing ``tp``), the one this rank's query heads need: rank r takes group
   ``r * parts // tp``; backward puts the gradient in its place, zeros elsewhere, and sums it over the group (the
@@ -90,6 +94,19 @@ def _local_piece(tensor: torch.Tensor, dim: int, groups: int = 1) -> torch.Tenso
     shape[dim] //= size
     out = tensor.new_empty(shape)  # an op's output never aliases its input (autograd, in-place users)
     out.view(piece.shape).copy_(piece)
+    return out
+
+
+def _placed(piece: torch.Tensor, dim: int, groups: int = 1) -> torch.Tensor:
+    """This rank's piece of ``dim`` put where it lies in the whole, zeros elsewhere (``_local_piece`` undone on one
+    rank: the ranks' results sum to the joined pieces). No communication."""
+    size = _STATE["size"]
+    if size == 1:
+        return piece.clone()
+    shape = list(piece.shape)
+    shape[dim] *= size
+    out = piece.new_zeros(shape)
+    _pieces(out, dim, groups).chunk(size, dim=dim + 1)[_STATE["rank"]].copy_(_pieces(piece, dim, groups, whole=False))
     return out
 
 
@@ -287,12 +304,13 @@ def _register():
     lib.define("tp_all_reduce(Tensor x) -> Tensor")
     lib.define("tp_all_gather(Tensor x, int dim, int groups=1) -> Tensor")
     lib.define("tp_scatter(Tensor x, int dim, int groups=1) -> Tensor")
+    lib.define("tp_piece(Tensor x, int dim, int groups=1) -> Tensor")
     lib.define("sp_all_gather(Tensor x, int dim, int groups=1) -> Tensor")
     lib.define("sp_reduce_scatter(Tensor x, int dim, int groups=1) -> Tensor")
     lib.define("tp_vocab_embedding(Tensor weight, Tensor indices, int padding_idx, bool reduce=True) -> Tensor")
 
     for name, forward in (("tp_copy", lambda x: x.clone()), ("tp_all_reduce", _all_reduce),
-                          ("tp_all_gather", _gather), ("tp_scatter", _local_piece),
+                          ("tp_all_gather", _gather), ("tp_scatter", _local_piece), ("tp_piece", _local_piece),
                           ("sp_all_gather", _sequence_gather),
                           ("sp_reduce_scatter", _reduce_scatter)):
         lib.impl(name, forward, "CPU")
@@ -307,7 +325,7 @@ def _register():
 
     torch.library.register_fake(f"{_NAMESPACE}::tp_copy", lambda x: torch.empty_like(x), lib=lib)
     torch.library.register_fake(f"{_NAMESPACE}::tp_all_reduce", lambda x: torch.empty_like(x), lib=lib)
-    for name, factor in (("tp_all_gather", 1), ("tp_scatter", -1), ("sp_reduce_scatter", -1)):
+    for name, factor in (("tp_all_gather", 1), ("tp_scatter", -1), ("tp_piece", -1), ("sp_reduce_scatter", -1)):
         torch.library.register_fake(f"{_NAMESPACE}::{name}", resized(factor), lib=lib)
 
     def sequence_gather_fake(x, dim, groups=1):  # remembered as the real one is (memory planning on fake tensors)
@@ -335,6 +353,9 @@ def _register():
     def scatter_backward(ctx, grad):
         return torch.ops.tracepp.tp_all_gather.default(grad, ctx.dim, ctx.groups), None, None
 
+    def piece_backward(ctx, grad):  # a part of the whole gradient, summed by a tp_copy where tp_grads placed it
+        return _placed(grad, ctx.dim, ctx.groups), None, None
+
     def sp_gather_backward(ctx, grad):  # column-parallel consumers: each rank's gradient is a part of the sum
         return torch.ops.tracepp.sp_reduce_scatter.default(grad, ctx.dim, ctx.groups), None, None
 
@@ -344,6 +365,7 @@ def _register():
     torch.library.register_autograd(f"{_NAMESPACE}::tp_copy", copy_backward, lib=lib)
     torch.library.register_autograd(f"{_NAMESPACE}::tp_all_reduce", reduce_backward, lib=lib)
     for name, backward in (("tp_all_gather", gather_backward), ("tp_scatter", scatter_backward),
+                           ("tp_piece", piece_backward),
                            ("sp_all_gather", sp_gather_backward), ("sp_reduce_scatter", sp_scatter_backward)):
         torch.library.register_autograd(f"{_NAMESPACE}::{name}", backward, setup_context=keep_dims, lib=lib)
 

@@ -101,6 +101,15 @@ def _collective(target, values, args, size):
                            lambda gs: [_piece(_sum(gs), dim, groups, size, r) for r in ranks])
         return _across(values, lambda xs: [_piece(_sum(xs), dim, groups, size, r) for r in ranks],
                        lambda gs: [_join(gs, dim, groups)] * size)
+    if target is TP.tp_piece.default:  # backward: each rank's gradient piece in its place, zeros elsewhere
+        groups = args[1] if len(args) > 1 else 1
+
+        def placed(g, r):
+            parts = [g if k == r else torch.zeros_like(g) for k in ranks]
+            return _join(parts, dim, groups)
+
+        return _across(values, lambda xs: [_piece(x, dim, groups, size, r) for r, x in zip(ranks, xs)],
+                       lambda gs: [placed(g, r) for r, g in zip(ranks, gs)])
     if target is TP.tp_head_group.default:
         parts = args[1]
 
@@ -119,8 +128,8 @@ def _collective(target, values, args, size):
     raise NotVerified(f"{target} has no simulation here")
 
 
-_COLLECTIVES = {"tp_copy", "tp_all_reduce", "tp_all_gather", "tp_scatter", "sp_all_gather", "sp_reduce_scatter",
-                "tp_head_group", "tp_parts"}
+_COLLECTIVES = {"tp_copy", "tp_all_reduce", "tp_all_gather", "tp_scatter", "tp_piece", "sp_all_gather",
+                "sp_reduce_scatter", "tp_head_group", "tp_parts"}
 
 
 class _Ranks:

@@ -73,9 +73,11 @@ def collectives(walk) -> list:
     held = tp_grads.holding(walk)
     out += [("all_reduce (gradient, once per step)", node, node, 0) for node in walk.graph.nodes  # none per microbatch
             if node.op == "placeholder" and node in held]
+    parts = tp_grads.partial_values(walk)  # a value read at its piece whose gradient's parts tp_grads sums: none
     out += [("all_gather (backward)", arg, consumer, _bytes(arg))  # the gradient pieces of a value read at its piece
-            for consumer, arg in _last_consumer((c, a) for c, a, _dim, _groups in walk.scatters
-                                                if walk.needs_grad.get(a))]
+            for consumer, arg in _last_consumer((c, a) for c, a, _dim, groups in walk.scatters
+                                                if walk.needs_grad.get(a) and not (isinstance(groups, int)
+                                                                                  and a in parts))]
     for node, (x, weight, bias, out_dim, segments, whole) in walk.mixed_linears.items():
         # a fused projection with whole parts: its sharded parts read x through tp_copy and this rank's rows of
         # their slices of the weight and bias through tp_scatter (their gradient rows gathered back)

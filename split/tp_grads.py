@@ -50,11 +50,23 @@ def _copied_reads(walk) -> set:
     return set(walk.copies) | _bias_reads(walk)
 
 
+def _piece_reads(walk) -> set:
+    """(consumer, value) pairs of a whole value read at this rank's piece of a dim (``tp_scatter``), where the
+    value carries a gradient: each rank's gradient is its piece, zeros elsewhere, a part of the whole one. Summed
+    right there, the pieces are all-gathered (half an all-reduce's bytes); carried back, the read is ``tp_piece``
+    and a ``tp_copy`` sums the parts where they meet. Unequal segments (``tp_parts``) are not."""
+    return {(consumer, arg) for consumer, arg, _dim, groups in walk.scatters
+            if isinstance(groups, int) and _whole(walk, arg)}
+
+
 def _whole(walk, node) -> bool:
-    """A tensor every rank computes whole and that carries a gradient (not a tuple of them: ``topk``'s items are
-    read from it, each a value of its own)."""
-    return isinstance(node, fx.Node) and node.op != "output" and node not in walk.shard and bool(
-        walk.needs_grad.get(node)) and isinstance(_val(node), torch.Tensor)
+    """A tensor every rank computes whole and that carries a gradient, or the tuple of a split's pieces of one
+    (ProphetNet's ``hidden_states.chunk(1 + ngram, dim=1)``: the parts of its items' gradients pass to the tensor
+    it cut); not another op's tuple (``topk``'s items are values of their own)."""
+    if not (isinstance(node, fx.Node) and node.op != "output" and node not in walk.shard
+            and walk.needs_grad.get(node)):
+        return False
+    return isinstance(_val(node), torch.Tensor) or (node.target in rules.CUTS and isinstance(_val(node), (tuple, list)))
 
 
 def _made_by_the_plan(walk, node) -> bool:
@@ -70,7 +82,8 @@ def _made_by_the_plan(walk, node) -> bool:
 def _solve(walk, pinned: set) -> tuple:
     """(the values holding partial gradients, {value summed: its readers that give it a part}) of one walk;
     ``pinned``: FQNs of parameters that must be summed per microbatch (another stage reads them otherwise)."""
-    copied = _copied_reads(walk)
+    pieces = _piece_reads(walk)
+    copied = _copied_reads(walk) | pieces  # the reads that give a value a part of its gradient
     readers_copied: dict = {}
     for consumer, value in copied:
         if _whole(walk, value):
@@ -110,8 +123,13 @@ def _solve(walk, pinned: set) -> tuple:
                 read = True
                 if here != "whole":
                     edges.append((node, user, None))  # a value holding a part: so does each reader
-        if read:  # cut where the value gives whole gradients to its inputs: its all-reduce
-            edges.append((sums, here, tensor_bytes(_val(node)) * _SCALE + 1))
+        if read and not isinstance(_val(node), torch.Tensor):  # a split's pieces: summed in its items, or carried
+            edges.append((sums, here, None))                    # through it whole (no tp_copy of a tuple)
+        elif read:  # cut where the value gives whole gradients to its inputs: its all-reduce (an all-gather, half
+            #        the bytes, where only reads at a piece can give it parts)
+            gathered = all((user, node) in pieces for user in node.users
+                           if (user, node) in copied or may.get(user, False))
+            edges.append((sums, here, tensor_bytes(_val(node)) * (1 if gathered else 2) * _SCALE + 1))
         if here != "whole":
             edges.append((node, "whole", 1))  # the tie-break: fewer values carried
     parts = _cut(edges, order)
@@ -120,8 +138,10 @@ def _solve(walk, pinned: set) -> tuple:
     for node in reach:
         if node in holding or ("sum", node) not in parts:
             continue
-        summed[node] = sorted((user for user in node.users if (user, node) in copied or user in holding),
-                              key=order.get)
+        readers = sorted((user for user in node.users if (user, node) in copied or user in holding), key=order.get)
+        if all((user, node) in pieces for user in readers):
+            continue  # only reads at a piece: their pieces all-gathered (tp_scatter), no sum placed
+        summed[node] = readers
     return holding, summed
 
 
@@ -198,8 +218,17 @@ def backward_sums(walk) -> dict:
 
 
 def partial_values(walk) -> set:
-    """The whole values whose gradient's sum :func:`mark` placed: the walk's own copies of them are not inserted."""
+    """The whole values whose gradient's sum :func:`mark` placed: the walk's own copies of them are not inserted,
+    and a read of one at a piece is ``tp_piece`` (its gradient a part), not ``tp_scatter``."""
     return holding(walk) | set(backward_sums(walk))
+
+
+def piece_reads(walk) -> list:
+    """(consumer, value) of the reads at a piece whose gradient is a part (``tp_piece``): of the values
+    :func:`partial_values` lists."""
+    placed = partial_values(walk)
+    return [(consumer, arg) for consumer, arg, _dim, groups in walk.scatters
+            if isinstance(groups, int) and arg in placed]
 
 
 def backward_reads(walk) -> list:

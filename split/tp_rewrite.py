@@ -175,11 +175,14 @@ def _reading(g: fx.Graph, pairs: list):
 
 
 def _rewrite(g: fx.Graph, walk: _Walk, tp: int, params: dict) -> None:
+    summed: dict = {}  # (reader, value) -> the tp_copy it reads instead
     for value, readers in tp_grads.backward_sums(walk).items():  # the gradient's parts summed at this value
         if readers:
             copy = _insert(g, readers[0], TP.tp_copy.default, [value], _val(value), readers[0])
             for reader in readers:
                 reader.replace_input_with(value, copy)
+                summed[(reader, value)] = copy
+    partial_pieces = set(tp_grads.piece_reads(walk))  # read at a piece, the gradient a part: no gather
     late = tp_grads.holding(walk)  # values holding partial gradients: a bias among them is read without a copy
     whole: dict = {}
     for node, dim in walk.gathered_out.items():  # a gathered down-projection: every reader reads it whole
@@ -220,17 +223,18 @@ def _rewrite(g: fx.Graph, walk: _Walk, tp: int, params: dict) -> None:
                                     _val(arg), arg)
         consumer.replace_input_with(arg, entering[key])
     pieces: dict = {}
-    walk_scatters = [(consumer, made_whole.get((consumer, arg), whole.get(arg, arg)), dim, groups)
+    walk_scatters = [(consumer, summed.get((consumer, arg), made_whole.get((consumer, arg), whole.get(arg, arg))),
+                      dim, groups, (consumer, arg) in partial_pieces)
                      for consumer, arg, dim, groups in walk.scatters]
-    at = _reading(g, [(consumer, arg) for consumer, arg, _dim, _groups in walk_scatters])
-    for consumer, arg, dim, groups in walk_scatters:  # a whole value read beside pieces: this rank's piece
+    at = _reading(g, [(consumer, arg) for consumer, arg, _dim, _groups, _part in walk_scatters])
+    for consumer, arg, dim, groups, part in walk_scatters:  # a whole value read beside pieces: this rank's piece
         key, anchor = at(consumer, arg)
         if (key, dim) not in pieces:
             if isinstance(groups, tuple):  # unequal segments: this rank's piece of each
                 pieces[(key, dim)] = _insert(g, anchor, TP.tp_parts.default, [arg, dim, list(groups)],
                                              _local_val(_val(arg), dim, tp), consumer)
-            else:
-                pieces[(key, dim)] = _insert(g, anchor, TP.tp_scatter.default,
+            else:  # its gradient pieces gathered, or (tp_piece) a part of the gradient summed where tp_grads put it
+                pieces[(key, dim)] = _insert(g, anchor, TP.tp_piece.default if part else TP.tp_scatter.default,
                                              [arg, dim] + ([groups] * (groups > 1)), _local_val(_val(arg), dim, tp),
                                              consumer)
         consumer.replace_input_with(arg, pieces[(key, dim)])

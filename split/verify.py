@@ -10,7 +10,7 @@ rank, in this one process, against the stage graph as it was before the rewrite,
   the same precision and only the order of the sums differs.
 * **How the ranks run.** The rewritten graph is one program for every tp rank (SPMD). It is interpreted once with
   each value a list of ``T`` per-rank values: an ordinary op runs on each rank's operands; tracepp's collectives
-  (``runtime/tensor_parallel.py``: ``tp_copy``, ``tp_all_reduce``, ``tp_all_gather``, ``tp_scatter``,
+  (``runtime/tensor_parallel.py``: ``tp_copy``, ``tp_all_reduce``, ``tp_all_gather``, ``tp_scatter``, ``tp_piece``,
   ``sp_all_gather``, ``sp_reduce_scatter``, ``tp_vocab_embedding``, ``tp_head_group``, ``tp_parts``; and the local
   ``tp_owned_split``) are computed across the list by an autograd function whose backward is the runtime's: a
   ``tp_copy`` sums its ranks' gradients, a ``tp_all_reduce`` passes each rank's through, and so on. Each rank has

@@ -276,6 +276,19 @@ def test_a_qkv_viewed_into_parts_and_a_bias_table_by_heads_train_equal_to_eager(
     _trains_equal_to_eager(path, out, 2, tmp_path)
 
 
+def test_a_bias_from_the_states_read_at_each_ranks_heads_trains_equal_to_eager(tmp_path):
+    # ProphetNet's relative position bias: read at each rank's heads with tp_piece, its gradient parts carried to
+    # the layer input's tp_copy and its linear's weight summed once per step, at pp 2 x tp 2 with AdamW and clipping
+    path = model_path("tp_bias_from_states")
+    out = str(tmp_path / "out")
+    manifest = split_model(path, out, schedule="1f1b", num_microbatches=4, layout=Layout(pp=2, tp=2))
+    assert any("tp_piece" in open(os.path.join(out, name)).read() for name in os.listdir(out) if name.endswith(".py"))
+    assert manifest["tp"]["params"]["layers.0.attn.rel.weight"].get("grad") == "partial"
+    ckpt = str(tmp_path / "ckpt.pt")
+    _run(out, 4, "--steps", "3", "--clip-grad-norm", "0.05", "--save", ckpt)
+    assert_state_close(torch.load(ckpt), _eager_adamw(path, 3, 0.05)[0])
+
+
 def test_a_buffer_written_in_place_where_a_shard_cannot_be_is_whole_from_where_it_is_made(tmp_path):
     # zeros_like of sharded heads, then a whole value (a sum over the heads) written into a slice of it: the write
     # used to be refused with a gather of the buffer's slice, so it went into a copy and the buffer stayed zero

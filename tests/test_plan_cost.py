@@ -18,6 +18,7 @@ _RING = {
     TP.tp_all_reduce.default: ((0, 2), (0, 0)),
     TP.tp_all_gather.default: ((0, 1), (0, 0)),  # backward takes this rank's piece
     TP.tp_scatter.default: ((0, 0), (1, 0)),  # forward takes this rank's piece; the gradient pieces gathered
+    TP.tp_piece.default: ((0, 0), (0, 0)),  # forward takes this rank's piece; backward pads its gradient piece
     TP.sp_all_gather.default: ((0, 1), (0, 1)),  # backward reduce-scatters the whole gradient
     TP.sp_reduce_scatter.default: ((1, 0), (1, 0)),
     TP.tp_head_group.default: ((0, 0), (2, 0)),  # each rank's group; the whole gradient summed

@@ -160,7 +160,9 @@ def test_model_file_tp_plan_keeps_whole_a_weight_beside_a_sharded_value(tmp_path
     manifest = check_model(str(path), schedule="gpipe", num_microbatches=2, layout=Layout(pp=1, tp=2), verify="on")
     params = manifest["tp"]["params"]
     assert manifest["tp"]["verified"]["status"] == "verified", manifest["tp"]["verified"]
-    assert params["0.scale"] == {"dim": None, "role": "replicate", "why": "tp_plan '*.scale'"}, params["0.scale"]
+    # read at each rank's channels (tp_piece), its gradient parts summed once per step
+    assert params["0.scale"] == {"dim": None, "role": "replicate", "grad": "partial", "why": "tp_plan '*.scale'"}, \
+        params["0.scale"]
     assert params["0.up.weight"]["role"] == "colwise" and params["0.down.weight"]["role"] == "rowwise"
 
 
