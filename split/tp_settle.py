@@ -357,6 +357,7 @@ def _settle_trials(graphs: list, tp: int, notes: dict, fused: dict, sequence, mi
     best, kept = _duplicated_where_cheaper(graphs, tp, (notes, fused, mixed), sequence, begins, start, kept, best,
                                            every)
     best = _whole_where_cheaper(graphs, tp, (notes, fused, mixed), sequence, begins, start, kept, best)
+    best = _spread_whole_where_cheaper(graphs, tp, (notes, fused, mixed), sequence, begins, start, kept, best)
     if gathered is not None:  # those the kept plan made column-wise (an input sharded by then: row-wise)
         roles = _linear_roles(best[0])
         gathered.update({fqn: why for fqn, why in kept.items() if roles.get(fqn) == "colwise"})
@@ -464,6 +465,59 @@ def _duplicated_where_cheaper(graphs: list, tp: int, learned: tuple, sequence, b
             mine.clear()
             mine.update(theirs)
     return best, kept
+
+
+def _spreading(walks: list) -> dict:
+    """{FQN: why} of the column-wise linears whose sharded output reaches more than one row-wise linear: not one
+    column/row pair but a value several regions read sharded (RemBERT's ``embedding_hidden_mapping_in``, 256 ->
+    1,152, read by the first layer's q, k and v projections: each all-reduces its output where Megatron's plan
+    all-reduces once)."""
+    readers: dict = {}
+    for walk in walks:
+        for node, role in walk.roles.items():
+            if role != "rowwise" or node not in walk.forms:
+                continue
+            for fqn in walk.origin.get(walk.forms[node][0], ()):
+                readers.setdefault(fqn, set()).add(walk._param(walk.forms[node][1]))
+    return {fqn: f"its sharded output is read by {len(found)} row-wise linears ({', '.join(sorted(found)[:3])}"
+                 f"{', ...' if len(found) > 3 else ''})"
+            for fqn, found in readers.items() if len(found) > 1 and fqn is not None}
+
+
+def _spread_whole_where_cheaper(graphs: list, tp: int, learned: tuple, sequence, begins: dict, start: tuple,
+                                kept: dict, best: tuple) -> tuple:
+    """The settled plan ``best``, or a cheaper one with column-wise linears :func:`_spreading` finds computed whole
+    on every rank (their readers then column-wise on a whole input, as Megatron's plan has each region begin).
+    Every one at once first, then one by one; a trial is kept where the plan costs less (``split.plan_cost``: the
+    FLOPs made replicated are priced), meets no more ops that need a sharded value whole and is within the budget
+    of parameters held whole (:func:`within_budget`)."""
+    spreading = {fqn: why for fqn, why in _spreading(best[0]).items() if fqn not in start[0]}
+    if not spreading:
+        return best
+    price = plan_cost.cost(best[0])
+    shares = [plan_cost.param_shares(walk) for walk in best[0]]
+    trials = [dict(spreading)] + ([{fqn: why} for fqn, why in spreading.items()] if len(spreading) > 1 else [])
+    made: dict = {}
+    for wanted in trials:
+        if set(wanted) <= set(made):
+            continue
+        trial = _copied(start)
+        trial[0].update(dict(made, **dict.fromkeys(wanted, "")))
+        found = _settle(graphs, tp, *trial[:2], sequence, trial[2], dict(kept), begins=begins)
+        if _refusals(found) > _refusals(best):
+            continue
+        found_price, found_shares = plan_cost.cost(found[0]), [plan_cost.param_shares(w) for w in found[0]]
+        if found_price >= price or not within_budget(shares, found_shares):
+            continue
+        cost = (f"the plan cost {price:,.0f} bytes per microbatch with it column-wise, {found_price:,.0f} whole "
+                f"(split/plan_cost.py), for {_added(shares, found_shares):.1%} of a layer's parameters held whole")
+        made.update({fqn: f"computed whole on every rank: {why}; {cost}" for fqn, why in wanted.items()})
+        trial[0].update(made)
+        best, price, shares = found, found_price, found_shares
+        for mine, theirs in zip(learned, trial):
+            mine.clear()
+            mine.update(theirs)
+    return best
 
 
 def _copied(learned: tuple) -> tuple:
