@@ -89,6 +89,21 @@ def test_fused_qkv_viewed_into_its_parts_and_a_per_head_bias_table_shard_by_head
     assert tp["stages"][0]["share"]["params"] > 0.95 and not tp["stages"][0]["replicated"]
 
 
+def test_a_factorized_embeddings_mapping_read_by_several_row_wise_linears_is_computed_whole():
+    # ALBERT's and RemBERT's embedding_hidden_mapping_in (16 -> 64): column-wise, the first layer's q, k and v read
+    # its sharded output row-wise (three all-reduces, 1.62x Megatron's bytes at RemBERT's default size); the cost
+    # trial computes it whole on every rank (2.6% of a layer's parameters) and the layer is Megatron's plan
+    manifest = check_model(model_path("tp_factorized_embedding"), schedule="gpipe", num_microbatches=2,
+                           layout=Layout(pp=1, tp=2), verify="on")
+    tp = manifest["tp"]
+    assert tp["verified"]["status"] == "verified", tp["verified"]
+    mapping = tp["params"]["embedding_hidden_mapping_in.weight"]
+    assert mapping["dim"] is None and mapping["why"].startswith("computed whole on every rank: its sharded output "
+                                                                "is read by 3 row-wise linears"), mapping
+    assert [tp["params"][f"layers.0.{p}_proj.weight"]["role"] for p in "qkvo"] == ["colwise"] * 3 + ["rowwise"]
+    assert all(moved == megatron for moved, megatron in tp["stages"][0]["layers"].values()), tp["stages"][0]
+
+
 def test_dims_tp_does_not_divide_stay_whole():
     manifest, params = _params(model_path("tp_llama"), tp=3)  # vocabulary 64, 4 heads, MLP 64: none divide by 3
     assert all(entry["dim"] is None for entry in params.values())
