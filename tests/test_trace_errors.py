@@ -292,3 +292,57 @@ def test_custom_function_autograd_differentiates_is_split_with_a_note(tmp_path, 
     code, text = run_cli(capsys, "check", str(path), "--ranks", "2")
     assert code == 0, text
     assert "GeLUFunction.apply at custom_gelu.py:28: torch.autograd.Function(s) with a backward of their own" in text
+
+
+_CPU_MASK_MODEL = '''
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(64, 64) for _ in range(4)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        # a tensor made on the CPU whatever the weights' device (CPM-Ant's mask): on meta weights this mixes devices
+        return x.masked_fill(torch.zeros(x.shape[-1], dtype=torch.bool), 0.0)
+
+
+def model():
+    return Net()
+
+
+def example_inputs():
+    return (torch.randn(4, 64),)
+
+
+def example_target():
+    return torch.zeros(4, 64)
+
+
+def loss_fn(out, target):
+    return F.mse_loss(out, target)
+'''
+
+
+def test_a_model_that_does_not_trace_on_meta_and_would_not_fit_for_real_is_refused_with_the_sizes(
+        tmp_path, capsys, monkeypatch):
+    # the retry with real weights would build the whole model in host memory: where it does not fit (CPM-Ant at its
+    # default 9.5B, fp32: 35.5 GiB on a 24 GiB machine) the split was killed without a word; it now says why
+    from tracepp import trace as trace_module
+
+    path = tmp_path / "cpu_mask.py"
+    path.write_text(_CPU_MASK_MODEL)
+    monkeypatch.setattr(trace_module, "REAL_TRACE_LIMIT_BYTES", 0)  # planned on meta, as a large model is
+    out = str(tmp_path / "out")
+    assert run_cli(capsys, "split", str(path), "--out", out, "--ranks", "2")[0] == 0  # fits: traced for real
+    monkeypatch.setattr(trace_module, "_available_bytes", lambda: 10_000)  # 10 kB free: 66 kB of weights do not fit
+    code, text = run_cli(capsys, "split", str(path), "--out", out, "--ranks", "2")
+    assert code != 0
+    assert "does not trace with meta weights" in text, text
+    assert "would need 0.1 MiB of its 16.6K parameters and buffers" in text and "where 0.0 MiB are free" in text, text
+    assert "cpu_mask.py" in text, text  # the line that mixes the devices

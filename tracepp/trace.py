@@ -71,6 +71,31 @@ def _state_bytes(model: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
+REAL_FIT = 0.8  # a retry with real weights only where they take at most this share of the free host memory
+
+
+def _available_bytes():
+    """Free host memory (Linux's MemAvailable), or None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _size(count: int) -> str:
+    return f"{count / 2**30:.1f} GiB" if count >= 2**30 else f"{count / 2**20:.1f} MiB"
+
+
+def _count(model: torch.nn.Module) -> str:
+    tensors = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
+    count = sum(t.numel() for t in tensors.values())
+    return f"{count / 1e9:.1f}B" if count >= 1e9 else f"{count / 1e6:.1f}M" if count >= 1e6 else f"{count / 1e3:.1f}K"
+
+
 def build_model(model_file: ModelFile, on_meta) -> tuple:
     """``(model, notes)``: ``model()`` without storage when ``on_meta`` and it builds there, else for real.
 
@@ -226,6 +251,7 @@ def trace(model_file: ModelFile, num_microbatches: int, dynamic_shapes: Any = No
     are, so every dtype the program records (a norm's ``.to(input_dtype)``, the boundaries) is the one training
     computes in."""
     model, notes = build_model(model_file, on_meta)
+    built_bytes = _state_bytes(model)  # as model() builds it, before a cast to the compute dtype
     master_dtypes = cast_parameters(model, param_dtype) if param_dtype is not None else {}
     args, kwargs = model_file.example_inputs(), model_file.example_kwargs()
     leaves, spec = pytree.tree_flatten((args, kwargs))
@@ -263,7 +289,16 @@ def trace(model_file: ModelFile, num_microbatches: int, dynamic_shapes: Any = No
     except Exception as error:
         if not _is_on_meta(model):
             raise TraceError(_explain(error, model, model_file.path, param_dtype)) from error
-        # forward may read a parameter's or buffer's value; try once with real weights before giving up
+        # forward may read a parameter's or buffer's value; try once with real weights before giving up, where
+        # they fit in this machine's memory (a model planned on meta because it does not would be killed)
+        needed, available = built_bytes, _available_bytes()
+        if available is not None and needed > available * REAL_FIT:
+            raise TraceError(
+                _explain(error, model, model_file.path, param_dtype)
+                + f"\n  the model does not trace with meta weights, and tracing it with real weights would need "
+                  f"{_size(needed)} of its {_count(model)} parameters and buffers in host memory, where "
+                  f"{_size(available)} are free: make forward() run on meta tensors (the error above: a "
+                  f"tensor made on the CPU, a value read with .item()), or plan a smaller config") from error
         model = model_file.model()
         if param_dtype is not None:
             cast_parameters(model, param_dtype)
