@@ -38,7 +38,9 @@ def measure(name: str, timeout: float) -> dict:
         except subprocess.TimeoutExpired:
             return {"model": name, "error": f"over {timeout:.0f} s"}
         if done.returncode:
-            return {"model": name, "error": (done.stderr.strip().splitlines() or ["no output"])[-1][:300]}
+            lines = done.stderr.strip().splitlines()
+            said = [line for line in lines if line.startswith("tracepp")]  # the CLI's own message, not a warning
+            return {"model": name, "error": (said or lines or [f"exit {done.returncode}, no output"])[-1][:300]}
         with open(os.path.join(out, "manifest.json")) as handle:
             tp = json.load(handle)["tp"]
     layers: dict = {}  # a layer on two stages (or called on both) summed, as megatron_bytes sums it
