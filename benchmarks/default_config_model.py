@@ -16,7 +16,10 @@ VOCAB = CONFIG.vocab_size
 
 def model():
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(CONFIG)
+    built = AutoModelForCausalLM.from_config(CONFIG)
+    if hasattr(built, "set_default_language"):  # X-MOD's adapters are per language: its first one
+        built.set_default_language(CONFIG.languages[0])
+    return built
 
 
 def _data(step):
