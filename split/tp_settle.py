@@ -488,15 +488,19 @@ def _spread_whole_where_cheaper(graphs: list, tp: int, learned: tuple, sequence,
                                 kept: dict, best: tuple) -> tuple:
     """The settled plan ``best``, or a cheaper one with column-wise linears :func:`_spreading` finds computed whole
     on every rank (their readers then column-wise on a whole input, as Megatron's plan has each region begin).
-    Every one at once first, then one by one; a trial is kept where the plan costs less (``split.plan_cost``: the
-    FLOPs made replicated are priced), meets no more ops that need a sharded value whole and is within the budget
-    of parameters held whole (:func:`within_budget`)."""
+    Every one at once first, then kind by kind (the module with layer numbers starred, ``_KIND_TRIALS`` at most); a
+    trial is kept where the plan costs less (``split.plan_cost``: the FLOPs made replicated are priced), meets no
+    more ops that need a sharded value whole and is within the budget of parameters held whole
+    (:func:`within_budget`)."""
     spreading = {fqn: why for fqn, why in _spreading(best[0]).items() if fqn not in start[0]}
     if not spreading:
         return best
     price = plan_cost.cost(best[0])
     shares = [plan_cost.param_shares(walk) for walk in best[0]]
-    trials = [dict(spreading)] + ([{fqn: why} for fqn, why in spreading.items()] if len(spreading) > 1 else [])
+    kinds: dict = {}  # the module with layer numbers starred -> its linears: one trial per kind, not per layer
+    for fqn, why in spreading.items():
+        kinds.setdefault(starred(fqn), {})[fqn] = why
+    trials = [dict(spreading)] + (list(kinds.values())[:_KIND_TRIALS] if len(kinds) > 1 else [])
     made: dict = {}
     for wanted in trials:
         if set(wanted) <= set(made):
