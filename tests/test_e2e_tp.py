@@ -128,10 +128,11 @@ def test_fewer_kv_heads_than_tp_shard_the_queries_and_train_equal_to_eager(tmp_p
              for name in ("q_proj", "k_proj", "v_proj", "o_proj")}
     assert roles == {"q_proj": "colwise", "k_proj": "replicate", "v_proj": "replicate", "o_proj": "rowwise"}
     # transformers' sdpa path either hands the key/value heads to attention whole (enable_gqa: tp_head_group reads
-    # the group) or repeats them first (repeat_kv: tp_scatter reads this rank's repeated head); never all heads
+    # the group) or repeats them first (repeat_kv: tp_piece reads this rank's repeated head, its gradient a part
+    # carried back to the layer input's sum, split/tp_grads.py); never all heads
     script = open(os.path.join(out, "rank0.py")).read()
     attention = [line for line in script.splitlines() if "aten.scaled_dot_product_attention.default(" in line]
-    assert attention and all("tp_head_group" in line or "tp_scatter" in line for line in attention), attention
+    assert attention and all("tp_head_group" in line or "tp_piece" in line for line in attention), attention
     assert re.search(r'scaled_dot_product_attention: "f32\[2, 1, ', script)  # one query head per rank
     _trains_equal_to_eager(path, out, 4, tmp_path, env={"HF_FAMILY": "llama"})
 
