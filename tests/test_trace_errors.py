@@ -346,3 +346,21 @@ def test_a_model_that_does_not_trace_on_meta_and_would_not_fit_for_real_is_refus
     assert "does not trace with meta weights" in text, text
     assert "would need 0.1 MiB of its 16.6K parameters and buffers" in text and "where 0.0 MiB are free" in text, text
     assert "cpu_mask.py" in text, text  # the line that mixes the devices
+
+
+def test_a_model_on_meta_weights_that_makes_a_tensor_on_its_inputs_device_is_traced_with_inputs_on_meta(
+        tmp_path, monkeypatch):
+    # CPM-Ant makes its attention mask on the token ids' device (the CPU) and meets its scores on meta: traced again
+    # with the inputs on meta too, it plans at its default 9.5B without real weights (it needed 35.5 GiB before)
+    from tracepp import trace as trace_module
+    from tracepp.driver import check_model
+    from tracepp.runtime.mesh import Layout
+
+    path = tmp_path / "input_device_mask.py"
+    path.write_text(_CPU_MASK_MODEL.replace("torch.zeros(x.shape[-1], dtype=torch.bool)",
+                                            "torch.zeros(x.shape[-1], dtype=torch.bool, device=x.device)"))
+    monkeypatch.setattr(trace_module, "REAL_TRACE_LIMIT_BYTES", 0)  # planned on meta, as a large model is
+    monkeypatch.setattr(trace_module, "_available_bytes", lambda: 10_000)  # and no memory for real weights
+    manifest = check_model(str(path), schedule="gpipe", num_microbatches=2, layout=Layout(pp=2, tp=2), verify="on")
+    assert any("traced with its inputs on meta too" in note for note in manifest["notes"]), manifest["notes"]
+    assert manifest["tp"]["verified"]["status"] == "verified", manifest["tp"]["verified"]

@@ -143,6 +143,30 @@ def _is_on_meta(model: torch.nn.Module) -> bool:
     return any(tensor.is_meta for tensor in list(model.parameters()) + list(model.buffers()))
 
 
+def _device_clash(error: BaseException) -> bool:
+    """``error`` (or one it was raised from) is a fake tensor's "meta and cpu" device mismatch: the model made a
+    tensor on the inputs' device (a mask from the token ids) and met the weights on meta."""
+    while error is not None:
+        if type(error).__name__ == "FakeTensorDeviceMismatchError" or (
+                "two devices" in str(error) and "meta" in str(error)):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def _export_inputs_on_meta(model, args, kwargs, dynamic_shapes, error):
+    """The export of a model on meta weights again with its inputs on meta too, where the first one failed on a
+    device clash (CPM-Ant's attention mask, made from the token ids on the CPU, meets its scores on meta); None where
+    that is not the failure or the second export fails as well (forward reads an input's values)."""
+    if not _device_clash(error):
+        return None
+    on_meta = pytree.tree_map(lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x, (args, kwargs))
+    try:
+        return _export(model, on_meta[0], on_meta[1], dynamic_shapes)
+    except Exception:
+        return None
+
+
 def _export(model, args, kwargs, dynamic_shapes):
     """``torch.export.export``, its graph modules' Python code generated only when first run (export recompiles its
     graph several times on the way, and the split never runs the whole program: 13% of a 671B model's trace), and
@@ -286,9 +310,15 @@ def trace(model_file: ModelFile, num_microbatches: int, dynamic_shapes: Any = No
         mb_args, mb_kwargs = tuple(mb_args), dict(mb_kwargs)
     try:
         program = _export(model, mb_args, mb_kwargs, export_shapes)
-    except Exception as error:
+    except Exception as first_error:
         if not _is_on_meta(model):
-            raise TraceError(_explain(error, model, model_file.path, param_dtype)) from error
+            raise TraceError(_explain(first_error, model, model_file.path, param_dtype)) from first_error
+        error = first_error
+        program = _export_inputs_on_meta(model, mb_args, mb_kwargs, export_shapes, error)
+        if program is not None:
+            notes.append(f"the model does not trace with meta weights and inputs on the CPU ({type(error).__name__}: "
+                         f"a tensor made on the inputs' device met the weights); traced with its inputs on meta too")
+    if program is None:
         # forward may read a parameter's or buffer's value; try once with real weights before giving up, where
         # they fit in this machine's memory (a model planned on meta because it does not would be killed)
         needed, available = built_bytes, _available_bytes()
