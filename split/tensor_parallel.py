@@ -66,9 +66,12 @@ class TPPlan:
     params: dict = field(default_factory=dict)  # fqn -> {"dim", "role", "segments"?, "why"?}
     stages: list = field(default_factory=list)  # per stage: {"collectives", "replicated", "share"}
     sequence_parallel: dict = None  # with --sequence-parallel: the sequence length and the values sent sharded
+    sent: dict = field(default_factory=dict)  # value name -> the dim it crosses a stage boundary sharded on
 
     def to_json(self) -> dict:
         out = {"size": self.size, "params": self.params, "stages": self.stages}
+        if self.sent:
+            out["sent"] = self.sent
         if self.sequence_parallel is not None:
             out["sequence_parallel"] = self.sequence_parallel
         return out
@@ -162,9 +165,10 @@ def plan(graph, tp: int, overrides=None, sequence_parallel: bool = False) -> tup
                               "share": _share(walk, result.params, node_flops(stage.graph)),
                               "bytes": plan_cost.moved_bytes(walk),
                               "layers": {layer: list(figures) for layer, figures in layers.items()}})
-        if sequence_parallel:
-            for node, name in zip(stage.graph.output_node().args[0], stage.outputs):
-                if node in walk.sends:
+        for node, name in zip(stage.graph.output_node().args[0], stage.outputs):
+            if node in walk.sends:
+                result.sent[name] = walk.sends[node][0]
+                if sequence_parallel and walk.sends[node][2] == "seq":
                     result.sequence_parallel["sent"][name] = walk.sends[node][0]
     return result, walks
 

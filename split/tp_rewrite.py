@@ -45,10 +45,10 @@ def _fake_like(val, shape: list):
 
 def apply(graph, tp_plan: TPPlan, walks: list) -> None:
     """Rewrite every stage graph in place to compute on this rank's shards (the same code on every tp rank);
-    a value sent as a sequence shard crosses its boundary with its local shape (1/tp of the sequence)."""
+    a value sent as a shard (of the sequence, or of heads) crosses its boundary with its local shape (1/tp of it)."""
     for stage, walk in zip(graph.stages, walks):
         _rewrite(stage.graph, walk, tp_plan.size, tp_plan.params)
-    for name, dim in ((tp_plan.sequence_parallel or {}).get("sent") or {}).items():
+    for name, dim in tp_plan.sent.items():
         shape = list(graph.values[name].meta.shape)
         size = shape[dim]
         shape[dim] = size // tp_plan.size if isinstance(size, int) else _floor_text(size, tp_plan.size)

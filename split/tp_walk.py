@@ -192,12 +192,22 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
         self.reasons.append(f"{node.name} ({node.target}){_at(node)}: {why}")
         return False
 
+    def _sent_as_heads(self, value) -> bool:
+        """A value sharded on a dim before its last (heads: CPM-Ant's position bias ``[b, heads, q, k]``, sent to
+        every later layer) in equal pieces, and not in pieces of a fused projection's parts: sent to the next stage as
+        it is, which reads it at its heads (or gathers it where it needs it whole) where this stage would gather it
+        for the boundary. The residual stream (sharded on its features, the last dim) is gathered as before."""
+        val = _val(value)
+        segments = self.segs.get(value)
+        return (isinstance(val, torch.Tensor) and self.shard[value] < val.dim() - 1 and value not in self.part
+                and bool(self.groups_of(segments)))
+
     # -- the rules
     def _visit(self, node) -> None:
         if node.op == "placeholder":
-            if node.name in self.received:  # a sequence shard sent by the stage before
-                dim, segments = self.received[node.name]
-                self._place(node, dim, segments, kind="seq")
+            if node.name in self.received:  # a shard sent by the stage before: of the sequence, or of heads
+                dim, segments, kind = self.received[node.name]
+                self._place(node, dim, segments, kind=kind)
             fqn = self.fqn_of.get(node.name)
             if fqn in self.pieces and fqn not in self.forced:  # read at its piece by what it makes: sharded
                 self._place(node, self.pieces[fqn])
@@ -206,7 +216,9 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
         if node.op == "output":
             for arg in node.all_input_nodes:
                 if arg in self.shard and self.kind.get(arg) == "seq" and not self.last:
-                    self.sends[arg] = (self.shard[arg], self.segs.get(arg))  # sent as it is: 1/tp of the bytes
+                    self.sends[arg] = (self.shard[arg], self.segs.get(arg), "seq")  # sent as it is: 1/tp of the bytes
+                elif arg in self.shard and not self.last and self._sent_as_heads(arg):
+                    self.sends[arg] = (self.shard[arg], self.segs.get(arg), None)  # the next stage reads its heads
                 elif arg in self.shard:
                     self._gather(node, arg)
             return

@@ -273,7 +273,7 @@ def verify(graph, saved: tuple, tp_plan, walks, traced, training: bool = True, c
     size = tp_plan.size
     originals, _shapes = saved
     generator = torch.Generator().manual_seed(0)
-    sent = (tp_plan.sequence_parallel or {}).get("sent") or {}
+    sent = tp_plan.sent
     values: dict = {}  # boundary value name -> its whole value (from the unsharded run)
     done, seen = [], {}
     if getattr(traced, "random_ops", None):

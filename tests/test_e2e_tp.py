@@ -271,10 +271,12 @@ def test_a_qkv_viewed_into_parts_and_a_bias_table_by_heads_train_equal_to_eager(
     # the fused projection held as three segments of heads (a view into [3, heads, d]) and the relative position
     # bias table held by its columns, each rank its heads'
     path = model_path("tp_bias_table")
-    out = str(tmp_path / "out")
-    manifest = split_model(path, out, schedule="gpipe", num_microbatches=2, layout=Layout(pp=1, tp=2))
-    assert manifest["tp"]["params"]["relative_attention_bias.weight"]["dim"] == 1
-    _trains_equal_to_eager(path, out, 2, tmp_path)
+    for pp in (1, 2):  # at pp 2 the bias crosses the stage boundary as each rank's heads
+        out = str(tmp_path / f"out{pp}")
+        manifest = split_model(path, out, schedule="gpipe", num_microbatches=2, layout=Layout(pp=pp, tp=2))
+        assert manifest["tp"]["params"]["relative_attention_bias.weight"]["dim"] == 1
+        assert bool(manifest["tp"].get("sent")) == (pp == 2)
+        _trains_equal_to_eager(path, out, 2 * pp, tmp_path)
 
 
 def test_a_bias_from_the_states_read_at_each_ranks_heads_trains_equal_to_eager(tmp_path):

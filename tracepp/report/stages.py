@@ -175,7 +175,9 @@ def memory_table(manifest: dict) -> str:
 
 def boundary_table(manifest: dict) -> str:
     """Which values cross stage boundaries (sent every microbatch) and which the reading stages recompute."""
-    rows = [[name, _shape(value), value["producer"], ",".join(map(str, value["consumers"])), "sent"]
+    shards = (manifest.get("tp") or {}).get("sent") or {}  # sent as each tp rank's shard (its local shape here)
+    rows = [[name, _shape(value), value["producer"], ",".join(map(str, value["consumers"])),
+             f"sent (each tp rank its shard of dim {shards[name]})" if name in shards else "sent"]
             for name, value in manifest["values"].items()]
     rows += [[name, _shape(where), where["producer"], ",".join(map(str, where["stages"])), "recomputed"]
              for name, where in (manifest.get("recomputed") or {}).items()]
