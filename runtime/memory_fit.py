@@ -151,7 +151,7 @@ def _host_problem(pipe, peaks: list, bound: str):
     their shared-memory rings in its RAM; a problem naming the figures when the RAM available is less."""
     from .mesh import coordinates
 
-    available = _available_ram()
+    available = available_ram()
     if available is None:
         return None
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -188,7 +188,8 @@ def _agree(pipe, problem, mode: str = "on") -> None:
         raise error
 
 
-def _available_ram():
+def available_ram():
+    """Free host memory (Linux's MemAvailable) in bytes, or None where it cannot be read."""
     try:
         with open("/proc/meminfo") as handle:
             for line in handle:

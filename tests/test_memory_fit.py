@@ -65,7 +65,7 @@ def test_cuda_keeps_the_reserve_free_and_stops_naming_the_figures(monkeypatch):
 
 
 def test_cpu_refuses_a_host_whose_ranks_cannot_hold_their_peaks_unless_warn(monkeypatch, capsys):
-    monkeypatch.setattr(memory_fit, "_available_ram", lambda: 100 * MB)
+    monkeypatch.setattr(memory_fit, "available_ram", lambda: 100 * MB)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_RANK", "0")
     manifest = _manifest([70 * MB, 40 * MB])
@@ -80,12 +80,12 @@ def test_cpu_refuses_a_host_whose_ranks_cannot_hold_their_peaks_unless_warn(monk
     memory_fit.check(pipe, mode="warn")
     assert "warning: the 2 ranks on this host need 126.00 MB" in capsys.readouterr().err
     memory_fit.check(pipe, mode="off")
-    monkeypatch.setattr(memory_fit, "_available_ram", lambda: 200 * MB)
+    monkeypatch.setattr(memory_fit, "available_ram", lambda: 200 * MB)
     memory_fit.check(pipe)  # fits
 
 
 def test_a_bound_is_said_to_be_one(monkeypatch):
-    monkeypatch.setattr(memory_fit, "_available_ram", lambda: 10 * MB)
+    monkeypatch.setattr(memory_fit, "available_ram", lambda: 10 * MB)
     pipe = _pipe(_manifest([70 * MB], bound=(0,)))
     with pytest.raises(PipelineError, match=r"need 70.00 MB at their peaks \(a bound: a stage's memory could not be "
                                             r"counted\)"):
@@ -93,7 +93,7 @@ def test_a_bound_is_said_to_be_one(monkeypatch):
 
 
 def test_options_that_differ_skip_the_check_and_are_named_once(monkeypatch, capsys):
-    monkeypatch.setattr(memory_fit, "_available_ram", lambda: 10 * MB)
+    monkeypatch.setattr(memory_fit, "available_ram", lambda: 10 * MB)
     pipe = _pipe(_manifest([70 * MB]))
     # named already (by the Pipeline): silent; the optimizer run.py builds, named here
     memory_fit.check(pipe, differs=["precision fp32 (planned bf16)"])

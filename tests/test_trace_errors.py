@@ -334,13 +334,14 @@ def test_a_model_that_does_not_trace_on_meta_and_would_not_fit_for_real_is_refus
     # the retry with real weights would build the whole model in host memory: where it does not fit (CPM-Ant at its
     # default 9.5B, fp32: 35.5 GiB on a 24 GiB machine) the split was killed without a word; it now says why
     from tracepp import trace as trace_module
+    from tracepp.runtime import memory_fit
 
     path = tmp_path / "cpu_mask.py"
     path.write_text(_CPU_MASK_MODEL)
     monkeypatch.setattr(trace_module, "REAL_TRACE_LIMIT_BYTES", 0)  # planned on meta, as a large model is
     out = str(tmp_path / "out")
     assert run_cli(capsys, "split", str(path), "--out", out, "--ranks", "2")[0] == 0  # fits: traced for real
-    monkeypatch.setattr(trace_module, "_available_bytes", lambda: 10_000)  # 10 kB free: 66 kB of weights do not fit
+    monkeypatch.setattr(memory_fit, "available_ram", lambda: 10_000)  # 10 kB free: 66 kB of weights do not fit
     code, text = run_cli(capsys, "split", str(path), "--out", out, "--ranks", "2")
     assert code != 0
     assert "does not trace with meta weights" in text, text
@@ -354,13 +355,14 @@ def test_a_model_on_meta_weights_that_makes_a_tensor_on_its_inputs_device_is_tra
     # with the inputs on meta too, it plans at its default 9.5B without real weights (it needed 35.5 GiB before)
     from tracepp import trace as trace_module
     from tracepp.driver import check_model
+    from tracepp.runtime import memory_fit
     from tracepp.runtime.mesh import Layout
 
     path = tmp_path / "input_device_mask.py"
     path.write_text(_CPU_MASK_MODEL.replace("torch.zeros(x.shape[-1], dtype=torch.bool)",
                                             "torch.zeros(x.shape[-1], dtype=torch.bool, device=x.device)"))
     monkeypatch.setattr(trace_module, "REAL_TRACE_LIMIT_BYTES", 0)  # planned on meta, as a large model is
-    monkeypatch.setattr(trace_module, "_available_bytes", lambda: 10_000)  # and no memory for real weights
+    monkeypatch.setattr(memory_fit, "available_ram", lambda: 10_000)  # and no memory for real weights
     manifest = check_model(str(path), schedule="gpipe", num_microbatches=2, layout=Layout(pp=2, tp=2), verify="on")
     assert any("traced with its inputs on meta too" in note for note in manifest["notes"]), manifest["notes"]
     assert manifest["tp"]["verified"]["status"] == "verified", manifest["tp"]["verified"]

@@ -66,24 +66,16 @@ def first_microbatch(leaves: list, batched: list, batch_size: int, num_microbatc
 REAL_TRACE_LIMIT_BYTES = 1 << 30  # on_meta="auto": models up to this size are traced with real weights
 
 
+def _state_tensors(model: torch.nn.Module) -> list:
+    """The model's parameters and buffers, each tensor once (tied weights are one)."""
+    return list({id(t): t for t in list(model.parameters()) + list(model.buffers())}.values())
+
+
 def _state_bytes(model: torch.nn.Module) -> int:
-    tensors = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
-    return sum(t.numel() * t.element_size() for t in tensors.values())
+    return sum(t.numel() * t.element_size() for t in _state_tensors(model))
 
 
 REAL_FIT = 0.8  # a retry with real weights only where they take at most this share of the free host memory
-
-
-def _available_bytes():
-    """Free host memory (Linux's MemAvailable), or None where it cannot be read."""
-    try:
-        with open("/proc/meminfo") as handle:
-            for line in handle:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
 
 
 def _size(count: int) -> str:
@@ -91,8 +83,7 @@ def _size(count: int) -> str:
 
 
 def _count(model: torch.nn.Module) -> str:
-    tensors = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
-    count = sum(t.numel() for t in tensors.values())
+    count = sum(t.numel() for t in _state_tensors(model))
     return f"{count / 1e9:.1f}B" if count >= 1e9 else f"{count / 1e6:.1f}M" if count >= 1e6 else f"{count / 1e3:.1f}K"
 
 
@@ -321,7 +312,9 @@ def trace(model_file: ModelFile, num_microbatches: int, dynamic_shapes: Any = No
     if program is None:
         # forward may read a parameter's or buffer's value; try once with real weights before giving up, where
         # they fit in this machine's memory (a model planned on meta because it does not would be killed)
-        needed, available = built_bytes, _available_bytes()
+        from tracepp.runtime import memory_fit
+
+        needed, available = built_bytes, memory_fit.available_ram()
         if available is not None and needed > available * REAL_FIT:
             raise TraceError(
                 _explain(error, model, model_file.path, param_dtype)
