@@ -73,11 +73,10 @@ def collectives(walk) -> list:
     held = tp_grads.holding(walk)
     out += [("all_reduce (gradient, once per step)", node, node, 0) for node in walk.graph.nodes  # none per microbatch
             if node.op == "placeholder" and node in held]
-    parts = tp_grads.partial_values(walk)  # a value read at its piece whose gradient's parts tp_grads sums: none
+    parts = tp_grads.piece_reads(walk)  # read at its piece, the gradient a part tp_grads sums: no gather
     out += [("all_gather (backward)", arg, consumer, _bytes(arg))  # the gradient pieces of a value read at its piece
-            for consumer, arg in _last_consumer((c, a) for c, a, _dim, groups in walk.scatters
-                                                if walk.needs_grad.get(a) and not (isinstance(groups, int)
-                                                                                  and a in parts))]
+            for consumer, arg in _last_consumer((c, a) for c, a, _dim, _groups in walk.scatters
+                                                if walk.needs_grad.get(a) and (c, a) not in parts)]
     for node, (x, weight, bias, out_dim, segments, whole) in walk.mixed_linears.items():
         # a fused projection with whole parts: its sharded parts read x through tp_copy and this rank's rows of
         # their slices of the weight and bias through tp_scatter (their gradient rows gathered back)
@@ -318,10 +317,10 @@ def layer_bytes(walk) -> dict:
                        and n.meta["val"].dtype.is_floating_point and any(u not in inside for u in n.users)]
             if leaving:
                 latents = _latents(walk, nodes, inside)
-                megatron = 8 * _bytes(leaving[-1]) * _applications(nodes, layer)
+                calls = _applications(nodes, layer)
+                megatron = 8 * _bytes(leaving[-1]) * calls
                 if latents:  # MLA: the attention's input gradient is whole after its down-projections' backward;
                     #          the latents' gradients are all-reduced instead
-                    megatron += (-2 * _bytes(leaving[-1]) * _applications(nodes, layer)
-                                 + 2 * sum(_bytes(n) for n in latents))
+                    megatron += -2 * _bytes(leaving[-1]) * calls + 2 * sum(_bytes(n) for n in latents)
         out[layer] = (moved[layer], megatron)
     return out

@@ -249,14 +249,18 @@ class _ContractionRules:
                 found = node.name in self.fqn_of
             elif node.target is aten.type_as.default:  # the second operand gives only its dtype (OLMo-core's
                 found = self._param_only(node.args[0])  # norm: ``weight.type_as(x)``)
-            elif node.target is aten.embedding.default:  # a table picked at indices the model computes, which
-                index = node.args[1]  # every rank holds whole (positions, buckets; not the batch's token ids)
-                found = (self._param_only(node.args[0]) and isinstance(index, fx.Node) and index not in self.shard
-                         and index.op != "placeholder" and not _val(index).dtype.is_floating_point)
+            elif node.target is aten.embedding.default:  # a table picked at indices the model computes
+                found = self._param_only(node.args[0]) and self._computed_index(node.args[1])
             elif node.op == "call_function" and node.all_input_nodes:
                 found = all(self._param_only(arg) for arg in node.all_input_nodes)
         self._made_of_params[node] = found
         return found
+
+    def _computed_index(self, index) -> bool:
+        """Indices an embedding picks a table's rows at that the model computes and every rank holds whole
+        (positions, buckets of distances), not the batch's token ids (a placeholder: a vocabulary lookup)."""
+        return (isinstance(index, fx.Node) and index.op != "placeholder" and index not in self.shard
+                and not _val(index).dtype.is_floating_point)
 
     def _read_whole(self, node, reads, groups=1) -> None:
         """Whole operands of an op on pieces: (input, dim) read at this rank's piece of ``dim`` (``tp_scatter``:

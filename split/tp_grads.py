@@ -223,12 +223,11 @@ def partial_values(walk) -> set:
     return holding(walk) | set(backward_sums(walk))
 
 
-def piece_reads(walk) -> list:
-    """(consumer, value) of the reads at a piece whose gradient is a part (``tp_piece``): of the values
-    :func:`partial_values` lists."""
+def piece_reads(walk) -> set:
+    """(consumer, value) of the reads at a piece whose gradient is a part (``tp_piece``): :func:`_piece_reads` of
+    the values :func:`partial_values` lists (the others' pieces are all-gathered, ``tp_scatter``)."""
     placed = partial_values(walk)
-    return [(consumer, arg) for consumer, arg, _dim, groups in walk.scatters
-            if isinstance(groups, int) and arg in placed]
+    return {(consumer, arg) for consumer, arg in _piece_reads(walk) if arg in placed}
 
 
 def backward_reads(walk) -> list:

@@ -182,7 +182,7 @@ def _rewrite(g: fx.Graph, walk: _Walk, tp: int, params: dict) -> None:
             for reader in readers:
                 reader.replace_input_with(value, copy)
                 summed[(reader, value)] = copy
-    partial_pieces = set(tp_grads.piece_reads(walk))  # read at a piece, the gradient a part: no gather
+    partial_pieces = tp_grads.piece_reads(walk)  # read at a piece, the gradient a part: no gather
     late = tp_grads.holding(walk)  # values holding partial gradients: a bias among them is read without a copy
     whole: dict = {}
     for node, dim in walk.gathered_out.items():  # a gathered down-projection: every reader reads it whole

@@ -107,11 +107,11 @@ def _piece_of(walk: _Walk, node, dim):
         if node.op != "call_function":
             return None
         if node.target is aten.embedding.default and _val(node) is not None:  # a table's columns, picked at
-            table, index = node.args[:2]  # indices the model computes (CPM-Ant's relative position bias per head,
-            # at buckets of distances), never at the batch's token ids: a vocabulary stays vocabulary-parallel
-            if dim != _val(node).dim() - 1 or len(node.all_input_nodes) != 2 or index.op == "placeholder":
+            # indices the model computes (CPM-Ant's relative position bias per head, at buckets of distances), never
+            # at the batch's token ids: a vocabulary stays vocabulary-parallel
+            if dim != _val(node).dim() - 1 or len(node.all_input_nodes) != 2 or not walk._computed_index(node.args[1]):
                 return None
-            node, dim = table, 1
+            node, dim = node.args[0], 1
             continue
         if len(node.all_input_nodes) != 1:
             return None
