@@ -324,11 +324,19 @@ class _ContractionRules:
         groups = node.args[6] if len(node.args) > 6 else node.kwargs.get("groups", 1)
         held = [a for a in (weight, bias) if isinstance(a, fx.Node) and a in self.shard]  # sharded where made
         if (x not in self.shard or self.shard[x] != 1 or self.kind.get(x) == "seq" or not isinstance(groups, int)
-                or any(self.shard[a] != 0 or a in self.segs or self.kind.get(a) == "seq" for a in held)
-                or (held and x in self.segs)):
+                or any(self.shard[a] != 0 or self.kind.get(a) == "seq" for a in held)):
+            return False
+        if any(self.segs.get(a) != self.segs.get(x) for a in held):  # held in pieces of other segments (learned
+            for a in held:                                           # before the channels were a projection's parts)
+                fqn = self._held_param(a)
+                if fqn is not None and fqn in self.pieces:
+                    dim = self.pieces[fqn][0] if isinstance(self.pieces[fqn], tuple) else self.pieces[fqn]
+                    self.repieces[fqn] = (dim, tuple(self.segs[x])) if self.segs.get(x) else dim
             return False
         channels, wval = _val(x).shape[1], _val(weight)
         parts = self.groups_of(self.segs.get(x))
+        if not parts and held:  # held in the same pieces: nothing of theirs is read
+            parts = tuple(self.segs[x])
         if not parts and self._param_only(weight) and (not isinstance(bias, fx.Node) or self._param_only(bias)):
             parts = tuple(self.segs[x])  # q, k and v channels of a fused projection: each read at its piece
         per = int(channels) // groups if _ints([channels]) and groups and int(channels) % groups == 0 else 0
@@ -341,6 +349,13 @@ class _ContractionRules:
         self.conv_groups[node] = groups // self.tp
         self._place(node, 1, self.segs.get(x), self.origin.get(x, frozenset()))
         return True
+
+    def _held_param(self, node):
+        """The FQN of the parameter a value is made from by ops of one input (a convolution's weight squeezed and
+        unsqueezed), or None."""
+        while node.op == "call_function" and len(node.all_input_nodes) == 1:
+            node = node.all_input_nodes[0]
+        return self._param(node)
 
     def _baddbmm(self, node) -> bool:
         """``baddbmm(input, b1, b2)`` (Bloom's ALiBi scores): a batched matmul over heads plus ``input``, which is

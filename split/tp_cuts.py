@@ -143,6 +143,9 @@ class _CutRules:
             inner = [b - a for a, b in zip(have, have[1:]) if a >= start and b <= end]
             pieces.append((dim, tuple(inner) if len(inner) > 1 else None))
         fqn = next(iter(origin)) if len(origin) == 1 and segments else None
+        if fqn is not None and tuple(int(s) for s in segments) != tuple(self.fused.get(fqn) or ()):
+            fqn = None  # a cut of a range of the projection's parts (Mamba-2's x, B and C after their convolution):
+            #             its pieces are not the projection's parts by index, and a part needed whole is gathered
         index_of = {start: k for k, start in enumerate(have[:-1])}
         parts = [(fqn, index_of[start]) if fqn is not None and end - start == int(segments[index_of[start]])
                  else None for start, end in ranges]

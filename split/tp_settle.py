@@ -154,21 +154,41 @@ def _learn_pieces(walks: list, pieces: dict, notes: dict) -> bool:
         for consumer, arg in walk.gathers:  # a piece made whole again (its reader's input was whole after all)
             found = _piece_of(walk, arg, walk.shard[arg]) if arg in walk.shard else None
             fqn = walk.fqn_of[found[0].name] if found is not None else None
-            if fqn in pieces and fqn not in notes:
+            if fqn in pieces and fqn not in notes and fqn not in walk.repieces:
                 notes[fqn] = f"read whole by {consumer.target}{_at(consumer)}, where the value it makes meets whole ones"
                 learned = True
         for _consumer, arg, dim, groups in walk.scatters:
-            if groups != 1 or not isinstance(dim, int) or not walk._param_only(arg):
+            if not isinstance(dim, int) or not walk._param_only(arg):
                 continue
             found = _piece_of(walk, arg, dim)
             if found is None:
                 continue
             placeholder, at = found
             fqn, size = walk.fqn_of[placeholder.name], _val(placeholder).shape[at]
-            if fqn not in notes and fqn not in pieces and _ints([size]) and int(size) % walk.tp == 0:
-                pieces[fqn] = at
+            segments = _piece_segments(groups, size, _val(arg).shape[dim], walk.tp)
+            if fqn not in notes and fqn not in pieces and segments is not False:
+                pieces[fqn] = at if segments is None else (at, segments)
+                learned = True
+        for fqn, placed in walk.repieces.items():  # held in pieces of other segments than the value it meets
+            if fqn not in notes and pieces.get(fqn) != placed:
+                pieces[fqn] = placed
                 learned = True
     return learned
+
+
+def _piece_segments(groups, size, read_size, tp: int):
+    """The segments of a parameter held as a piece, read at ``groups`` (1: one piece; a count of equal segments
+    or their sizes: a depthwise convolution's weight over a fused projection's x, B and C, each read at its piece):
+    None for one piece, a tuple of sizes, or False where a piece cannot be held (a size ``tp`` does not divide, or a
+    parameter whose dim is not the one read)."""
+    if not _ints([size]) or int(size) % tp:
+        return False
+    if groups == 1:
+        return None
+    if not _ints([read_size]) or int(read_size) != int(size):
+        return False
+    segments = tuple(int(s) for s in groups) if isinstance(groups, tuple) else (int(size) // groups,) * groups
+    return False if any(s % tp for s in segments) else segments
 
 
 def _learn_segments(walks: list, tp: int, fused: dict, narrow: dict) -> bool:
@@ -657,7 +677,8 @@ def _settle_on(graphs: list, tp: int, notes: dict, fused: dict = None, sequence=
     mixed = {} if mixed is None else mixed
     reasons = [{} for _ in graphs]  # per graph, every reason met in a pass that decided something, in order
     buffers = [{} for _ in graphs]  # per graph, values written in place where a shard cannot be: kept whole
-    pieces: dict = {}  # fqn -> dim: parameters whose values are read at their piece, sharded where they are made
+    pieces: dict = {}  # fqn -> dim or (dim, segments): parameters whose values are read at their piece, sharded
+    #                    where they are made
     from tracepp.split import blocks
 
     # a stage graph of the same structure as the one before it (a pipeline's middle) is walked once: its walk is

@@ -37,7 +37,10 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
                  fused: dict = None, sequence=None, received: dict = None, last: bool = False, mixed: dict = None,
                  whole_buffers: dict = None, gathered: dict = None, pieces: dict = None):
         self.graph, self.fqn_of, self.tp, self.forced = graph, fqn_of, tp, forced
-        self.pieces = pieces or {}  # fqn -> dim: a parameter sharded where it is made (learned: _learn_pieces)
+        self.pieces = pieces or {}  # fqn -> dim, or (dim, segments): a parameter sharded where it is made (learned:
+        #                             _learn_pieces)
+        self.heads_of_one: set = set()  # views making a head of one of a sharded dim: gathered (_unit_dim_view)
+        self.repieces: dict = {}  # fqn -> (dim, segments): a held parameter met in pieces of other segments
         self.gathered = gathered or {}  # FQNs of low-rank down-projections sharded with their output gathered
         self.gathered_out: dict = {}  # such a linear's output -> its shard dim: gathered once, for every user
         self.whole_buffers = whole_buffers or {}  # names of values written in place where a shard cannot be: kept whole
@@ -210,8 +213,9 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
                 self._place(node, dim, segments, kind=kind)
             fqn = self.fqn_of.get(node.name)
             if fqn in self.pieces and fqn not in self.forced:  # read at its piece by what it makes: sharded
-                self._place(node, self.pieces[fqn])
-                self._use(node, self.pieces[fqn])
+                dim, segments = self.pieces[fqn] if isinstance(self.pieces[fqn], tuple) else (self.pieces[fqn], None)
+                self._place(node, dim, segments)
+                self._use(node, dim, segments)
             return
         if node.op == "output":
             for arg in node.all_input_nodes:
@@ -286,7 +290,7 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
         ones and the op keeps the sharded dim's size, so each index is its own (a stack of head-local slices)."""
         segs = {self.segs.get(a) for a in sharded}
         segs = next(iter(segs)) if len(segs) == 1 else ()
-        if self._kind_of(sharded) != "tp" or segs == () or not self.groups_of(segs):
+        if self._kind_of(sharded) != "tp" or segs == () or not self.groups_of(segs) or node in self.heads_of_one:
             return False
         contraction = node.target in rules.CONTRACTIONS  # a whole operand read at its piece: its gradient joined
         ruling = torch_rules.ask(node, {a: self.shard[a] for a in sharded}, self.tp,
@@ -424,11 +428,21 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
             placed = rules.view_placement(_sizes(in_val), _sizes(out_val), dim, self.segs.get(first), self.tp)
             if placed is not None and self.kind.get(first) == "seq" and not self.groups_of(placed[1]):
                 placed = None
+            if placed is None and self._unit_dim_view(node, in_val, out_val, dim):
+                if self._one_group_view(node):
+                    placed = (dim + 1, self.segs.get(first))
+                else:  # a head of one (a multi-query key, Mamba-2's B and C shared by every head): needed whole,
+                    self.heads_of_one.add(node)  # not cut inside the head as torch's rule for the view would
             if placed is None or (target in rules.VIEWS and not self._size_arg_ok(node.args[1], placed[0],
                                                                               _sizes(out_val)[placed[0]])):
                 if placed is None and self._want_view_parts(first, in_val, out_val, dim):
                     return False  # asked for the parts as segments (learned, then walked again)
                 self._whole_part(first)
+                if node in self.heads_of_one:
+                    return self._refuse(node, f"makes one head of {in_val.shape[dim]} features sharded over --tp "
+                                              f"{self.tp} ({list(out_val.shape)}): fewer heads than --tp (a "
+                                              f"multi-query or grouped-query key/value head, or one group's state "
+                                              f"shared by every head: Mamba-2's B and C), gathered whole")
                 return self._refuse(node, f"reshapes a dim of {in_val.shape[dim]} sharded over --tp {self.tp} "
                                           f"into {list(out_val.shape)}, whose pieces would not be whole heads "
                                           f"(fewer heads than --tp, e.g. key/value heads of grouped-query "
@@ -459,6 +473,46 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
             self._carry(node, first)  # repeating heads in place keeps each rank's block contiguous
             return True
         return False
+
+    def _unit_dim_view(self, node, in_val, out_val, dim: int) -> bool:
+        """A view that puts a dim of 1 before the sharded last dim (``[b, s, d] -> [b, s, 1, d]``)."""
+        ins, outs = _sizes(in_val), _sizes(out_val)
+        return (self.kind.get(node.args[0]) != "seq" and len(outs) == len(ins) + 1 and dim == len(ins) - 1
+                and _equal(outs[dim], 1) and all(_equal(a, b) for a, b in zip(ins[:dim], outs[:dim]))
+                and _equal(ins[dim], outs[dim + 1]))
+
+    def _one_group_view(self, node) -> bool:
+        """A :meth:`_unit_dim_view` whose every use is elementwise or reduced over its last dim, until a view
+        takes the dim of 1 away again: a norm over one group of every head's features (the gated RMSNorm after a
+        Mamba-2 scan with ``n_groups`` 1: ``view(b, s, 1, d)``, its statistics, ``view(b, s, d)``). The dim of 1 is
+        one group, not a head: the shard stays on the features, and the norm's statistics are partial sums. A dim
+        of 1 that goes on to be repeated, expanded, transposed or attended over (a multi-query key's one head, with
+        its norm over the head's features: Qwen3's ``k_norm``; Mamba-2's B and C, shared by every head) is a head,
+        whose features a rank cannot hold in part: that view is refused, its input gathered."""
+        last = _val(node).dim() - 1
+        whole = list(_sizes(_val(node.args[0])))
+        stack, seen, merged = list(node.users), set(), False
+        while stack:
+            user = stack.pop()
+            if user in seen or user.target in rules.IGNORED:
+                continue
+            seen.add(user)
+            val = _val(user)
+            if user.target in rules.VIEWS and isinstance(val, torch.Tensor) and _val(user.args[0]).dim() == last + 1:
+                if len(_sizes(val)) != len(whole) or not all(_equal(a, b) for a, b in zip(_sizes(val), whole)):
+                    return False
+                merged = True  # the group's dim taken away again
+                continue
+            if isinstance(val, torch.Tensor) and val.dim() != last + 1:
+                return False
+            if user.target in rules.REDUCTIONS_BY_DIM:
+                dims = rules.arg(user, 1, "dim")
+                if not isinstance(dims, (list, tuple)) or [d % (last + 1) for d in dims] != [last]:
+                    return False
+            elif user.target not in rules.BINARY and user.target not in rules.UNARY:
+                return False
+            stack += list(user.users)
+        return merged
 
     def _norm(self, node, target, sharded) -> bool:
         """layer_norm / rms_norm over the trailing dims: a shard of another dim (a sequence shard, heads) is
@@ -507,15 +561,18 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
             elif self._param(arg) is not None and not seq:
                 cut.append((arg, at))  # one the plan keeps whole (a tp_plan override, a trial): read at its piece
                 self._use(arg, None)
-            elif (seq or not self.needs_grad.get(arg)) and self.groups_of(segments):
-                cut.append((arg, at))  # a whole value beside pieces (a position table, a mask): its piece
+            elif (seq or not self.needs_grad.get(arg)) and (self.groups_of(segments) or not seq):
+                cut.append((arg, at))  # a whole value beside pieces (a position table, a mask; Falcon-H1's muP
+                #                        multipliers over a fused projection's parts): its piece of each part
             elif not seq and self._param_only(arg):
                 cut.append((arg, at))  # made from weights alone (-exp(A_log), a bias per head): its piece
-            elif not seq and self.groups_of(segments) and (out_dim < n - 1 or self._feeds_linear(node)):
+            elif not seq and self.groups_of(segments) and (out_dim < n - 1 or self._feeds_linear(node)
+                                                           or (n > 3 and arg.target in rules.CONTRACTIONS)):
                 # one that carries a gradient, beside pieces of heads (CPM-Ant's learned position bias added to the
-                # scores of each head) or gating a product on its way to a linear (Gemma's per-layer inputs): its
-                # piece, the gradient pieces gathered back. Not the residual stream beside a sharded output's
-                # features: that output is better made whole (a row-wise pair)
+                # scores of each head; Mamba-2's scores of every head, an einsum [b, chunk, l, s, heads]) or gating a
+                # product on its way to a linear (Gemma's per-layer inputs): its piece, the gradient pieces gathered
+                # back. Not the residual stream beside a sharded output's features: that output is better made
+                # whole (a row-wise pair)
                 cut.append((arg, at))
             else:
                 return self._refuse(node, f"{arg.name} is whole and as wide as the sharded dim of "

@@ -355,6 +355,20 @@ def test_parameters_read_only_at_a_ranks_channels_are_held_as_pieces(tmp_path):
     _trains_equal_to_eager(path, out, 2, tmp_path)
 
 
+def test_a_mamba2_mixer_of_one_group_shards_its_heads_and_trains_equal_to_eager(tmp_path):
+    # Mamba-2 with one group (Mamba2, Bamba, Falcon-H1, Granite-4 hybrid, Zamba2): in_proj's gate, x, B, C and dt
+    # as segments, the depthwise convolution over x, B and C held in the same pieces, B and C gathered (every head
+    # reads the one group), the gated norm over one group of every head's features on partial sums. The mixer
+    # used to stay whole on every rank (Mamba2 at tp 2: 0.00 of its layers sharded)
+    path, out = model_path("tp_mamba2_one_group"), str(tmp_path / "out")
+    manifest = split_model(path, out, num_microbatches=2, layout=Layout(pp=1, tp=2))
+    params = manifest["tp"]["params"]
+    assert params["blocks.0.mixer.in_proj.weight"]["segments"] == [64, 64, 8, 8, 4]
+    assert params["blocks.0.mixer.out_proj.weight"]["role"] == "rowwise"
+    assert params["blocks.0.mixer.conv1d.weight"]["segments"] == [64, 8, 8]
+    _trains_equal_to_eager(path, out, 2, tmp_path)
+
+
 def test_a_sparse_attention_indexer_keeps_the_attention_sharded_by_heads(tmp_path):
     # DeepSeek-V3.2's indexer: the low-rank query latent is read by the attention's up-projection and by the
     # indexer's, which does not widen; the heads' scores are summed over the heads with whole weights that carry a

@@ -590,7 +590,10 @@ def test_torch_rules_answer_each_question_once(monkeypatch):
     ("gemma4_text", 0.99, ["per_layer_input_gate.weight", "per_layer_projection.weight"], None),
     ("falcon_mamba", 0.99, ["mixer.in_proj.weight", "mixer.dt_proj.weight", "mixer.out_proj.weight", "mixer.A_log",
                             "mixer.D", "mixer.conv1d.weight"], None),
-    ("llama4_text", 0.99, ["feed_forward.experts.gate_up_proj", "feed_forward.experts.down_proj"], None)])
+    ("llama4_text", 0.99, ["feed_forward.experts.gate_up_proj", "feed_forward.experts.down_proj"], None),
+    ("mamba2", 0.99, ["mixer.in_proj.weight", "mixer.conv1d.weight", "mixer.norm.weight", "mixer.out_proj.weight"],
+     None),
+    ("falcon_h1", 0.99, ["mamba.in_proj.weight", "mamba.conv1d.weight", "mamba.out_proj.weight"], None)])
 def test_families_written_their_own_way_shard_their_attention(monkeypatch, family, share, sharded, why):
     # issue 47: heads read by baddbmm over [batch * heads] with a whole ALiBi table (Bloom), rotary interleaved by
     # a stack of head-local slices (Cohere), per-head LayerNorms of a ModuleList over heads split one by one
@@ -598,7 +601,9 @@ def test_families_written_their_own_way_shard_their_attention(monkeypatch, famil
     # from the values and carrying a gradient (Doge), a per-layer input gating a projection (Gemma 4), Mamba's mixer:
     # a depthwise causal conv over sharded channels and dt_proj.weight @ dt, A_log, D and the conv's weight held
     # as pieces (Falcon-Mamba), experts computed on
-    # every token by bmm with 3-D weights [experts, in, out] (Llama 4): each expert column- then row-wise
+    # every token by bmm with 3-D weights [experts, in, out] (Llama 4): each expert column- then row-wise; Mamba-2's
+    # mixer with one group, its B and C gathered for every head, its norm over one group of every head's features
+    # (Mamba2; Falcon-H1's muP multipliers over in_proj's parts read at each part's piece)
     import sys
 
     sys.path.insert(0, REPO)
