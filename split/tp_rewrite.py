@@ -313,10 +313,13 @@ def _rewrite(g: fx.Graph, walk: _Walk, tp: int, params: dict) -> None:
             if sizes[dim] != -1:
                 sizes[dim] = sizes[dim] // tp
             node.args = (node.args[0], sizes) + tuple(node.args[2:])
-        if node.target is aten.repeat_interleave.self_int and node.kwargs.get("output_size") is not None:
+        if node.target is aten.repeat_interleave.self_int:
             at = rules.arg(node, 2, "dim")  # heads repeated on the sharded dim: this rank's count of them
             if at is not None and at % _val(node).dim() == dim:
-                node.update_kwarg("output_size", node.kwargs["output_size"] // tp)
+                if node.kwargs.get("output_size") is not None:
+                    node.update_kwarg("output_size", node.kwargs["output_size"] // tp)
+                if node.args[0] not in walk.shard:  # a dim of 1 repeated to this rank's heads (made on the piece)
+                    node.update_arg(1, node.args[1] // tp)
         val = _val(node)
         if node in walk.mixed and isinstance(val, torch.Tensor):  # whole parts in full, the others' pieces
             shape = list(val.shape)

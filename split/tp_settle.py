@@ -176,6 +176,92 @@ def _learn_pieces(walks: list, pieces: dict, notes: dict) -> bool:
     return learned
 
 
+def _learn_local_sources(walks: list, sources: list) -> bool:
+    """Values every rank computes whole only for each to read its piece of them (a ``tp_scatter`` of a whole value
+    that is not made from parameters alone): where the ops that make them keep each index of the read dim apart
+    and start from an expand or ``repeat_interleave`` of a dim of 1 (Mamba-2's chunked scan: B and C of one group
+    repeated to every head, their scores ``einsum("bclhn,bcshn->bclsh")`` of every head computed whole and read at
+    this rank's heads), those starts are made on the piece and the rest runs on it (``sources``: per graph, node
+    name -> dim). Every value on the way must be read at that piece alone."""
+    learned = False
+    for walk, found in zip(walks, sources):
+        for _consumer, arg, dim, groups in walk.scatters:
+            if groups != 1 or not isinstance(dim, int) or walk._param_only(arg):
+                continue
+            starts = _local_tree(walk, arg, dim)
+            if starts and any(found.get(node.name) != at for node, at in starts.items()):
+                found.update({node.name: at for node, at in starts.items()})
+                learned = True
+    return learned
+
+
+def _local_tree(walk: _Walk, value, dim: int):
+    """{expand or repeat of a dim of 1: the dim it makes} from which ``value``, read at this rank's piece of ``dim``,
+    can be computed on the piece; None where some op on the way mixes the dim's indices or some value on the way is
+    read otherwise than at that piece."""
+    at: dict = {}
+    starts: dict = {}
+    todo = [(value, dim)]
+    while todo:
+        node, d = todo.pop()
+        if node in at:
+            if at[node] != d:
+                return None
+            continue
+        val = _val(node)
+        if (not isinstance(node, torch.fx.Node) or node.op != "call_function" or node in walk.shard
+                or not isinstance(val, torch.Tensor) or not _ints([val.shape[d]]) or int(val.shape[d]) % walk.tp):
+            return None
+        at[node] = d
+        target, first = node.target, node.args[0]
+        first_val = _val(first) if isinstance(first, torch.fx.Node) else None
+        if target in rules.EXPANDS or target is aten.repeat_interleave.self_int:
+            inner = d - (val.dim() - first_val.dim()) if isinstance(first_val, torch.Tensor) else -1
+            if target is aten.repeat_interleave.self_int and rules.arg(node, 2, "dim") is None:
+                return None
+            if inner >= 0 and not _equal(first_val.shape[inner], 1):
+                return None  # the expanded or repeated dim is not one of 1
+            starts[node] = d
+        elif target in rules.UNARY:
+            todo.append((first, d))
+        elif target in rules.PADS:
+            pad, k = list(node.args[1]), 2 * (val.dim() - 1 - d)  # (before, after) of the last dim first
+            if k < len(pad) and (pad[k] != 0 or pad[k + 1] != 0):
+                return None  # padded along the dim
+            todo.append((first, d))
+        elif target in rules.VIEWS:
+            inner = [e for e in range(first_val.dim()) if rules.view_placement(
+                _sizes(first_val), _sizes(val), e, None, walk.tp) == (d, None)]
+            if len(inner) != 1:
+                return None
+            todo.append((first, inner[0]))
+        elif target in rules.TRANSPOSES:
+            todo.append((first, [e for e in range(first_val.dim()) if rules.moved_dim(node, e) == d][0]))
+        elif target is aten.einsum.default:
+            labels = rules.einsum_labels(node)
+            if labels is None:
+                return None
+            specs, output = labels
+            for spec, operand in zip(specs, node.args[1]):
+                if output[d] in spec:
+                    todo.append((operand, spec.index(output[d])))
+        elif target in rules.BINARY:
+            for operand in node.all_input_nodes:
+                operand_val = _val(operand)
+                e = d - (val.dim() - operand_val.dim())
+                if e >= 0 and not _equal(operand_val.shape[e], 1):
+                    todo.append((operand, e))
+        else:
+            return None
+    for node, d in at.items():  # nothing on the way is read whole
+        for user in node.users:
+            if user in at or user.target in rules.IGNORED:
+                continue
+            if not any(c is user and a is node and e == d for c, a, e, _g in walk.scatters):
+                return None
+    return starts
+
+
 def _piece_segments(groups, size, read_size, tp: int):
     """The segments of a parameter held as a piece, read at ``groups`` (1: one piece; a count of equal segments
     or their sizes: a depthwise convolution's weight over a fused projection's x, B and C, each read at its piece):
@@ -677,6 +763,7 @@ def _settle_on(graphs: list, tp: int, notes: dict, fused: dict = None, sequence=
     mixed = {} if mixed is None else mixed
     reasons = [{} for _ in graphs]  # per graph, every reason met in a pass that decided something, in order
     buffers = [{} for _ in graphs]  # per graph, values written in place where a shard cannot be: kept whole
+    sources = [{} for _ in graphs]  # per graph, expands and repeats made on this rank's piece (_learn_local_sources)
     pieces: dict = {}  # fqn -> dim or (dim, segments): parameters whose values are read at their piece, sharded
     #                    where they are made
     from tracepp.split import blocks
@@ -692,10 +779,11 @@ def _settle_on(graphs: list, tp: int, notes: dict, fused: dict = None, sequence=
             walk = None
             if index and signatures[index] == signatures[index - 1]:
                 walk = _walk_like(walks[-1], graphs[index - 1], (g, fqn_of, needs_grad, *rest), received,
-                                  (notes, fused, mixed, gathered, pieces), buffers[index - 1], buffers[index])
+                                  (notes, fused, mixed, gathered, pieces), buffers[index - 1], buffers[index],
+                                  sources[index - 1], sources[index])
             if walk is None:
                 walk = _Walk(g, fqn_of, tp, set(notes), needs_grad, fused, sequence, received,
-                             boundary.get("last", True), mixed, buffers[index], gathered, pieces)
+                             boundary.get("last", True), mixed, buffers[index], gathered, pieces, sources[index])
             outputs = list(g.output_node().args[0]) if boundary else []
             for node, name in zip(outputs, boundary.get("outputs", [])):
                 if node in walk.sends:
@@ -707,6 +795,8 @@ def _settle_on(graphs: list, tp: int, notes: dict, fused: dict = None, sequence=
             continue  # a value written in place must be whole from where it is made: walk again
         if _learn_pieces(walks, pieces, notes):
             continue  # a parameter read at its piece: sharded where it is made, and walk again
+        if _learn_local_sources(walks, sources):
+            continue  # a whole value computed only to be read at a piece: computed on the piece, and walk again
         narrow: dict = {}
         if _learn_segments(walks, tp, fused, narrow) and not narrow:
             continue  # the cuts were walked without their segments: walk again before deciding anything
@@ -735,7 +825,7 @@ def _settle_on(graphs: list, tp: int, notes: dict, fused: dict = None, sequence=
 
 
 def _walk_like(walk: _Walk, before: tuple, here: tuple, received: dict, learned: tuple, buffers_before: dict,
-               buffers_here: dict):
+               buffers_here: dict, sources_before: dict = None, sources_here: dict = None):
     """The walk of the graph ``here`` as the walk of ``before`` (a graph of the same structure) mapped onto it, or
     None where a walk could differ: it receives otherwise, is the last stage where the other is not, or the
     facts learned of its parameters (replicated, fused segments, whole parts, pieces, low-rank pairs) or of its
@@ -751,6 +841,8 @@ def _walk_like(walk: _Walk, before: tuple, here: tuple, received: dict, learned:
     if {strings.get(k, k): v for k, v in walk.received.items()} != received:
         return None
     if {strings.get(k, k): v for k, v in buffers_before.items()} != buffers_here:
+        return None
+    if {strings.get(k, k): v for k, v in (sources_before or {}).items()} != (sources_here or {}):
         return None
     mine, theirs = set(fqn0.values()), set(fqn1.values())
     for facts in learned:

@@ -35,8 +35,10 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
 
     def __init__(self, graph: fx.Graph, fqn_of: dict, tp: int, forced: set, needs_grad: dict,
                  fused: dict = None, sequence=None, received: dict = None, last: bool = False, mixed: dict = None,
-                 whole_buffers: dict = None, gathered: dict = None, pieces: dict = None):
+                 whole_buffers: dict = None, gathered: dict = None, pieces: dict = None, local_sources: dict = None):
         self.graph, self.fqn_of, self.tp, self.forced = graph, fqn_of, tp, forced
+        self.local_sources = local_sources or {}  # name -> dim: an expand or repeat of a dim of 1 whose value is
+        #                                           read only at this rank's piece: made on the piece (learned)
         self.pieces = pieces or {}  # fqn -> dim, or (dim, segments): a parameter sharded where it is made (learned:
         #                             _learn_pieces)
         self.heads_of_one: set = set()  # views making a head of one of a sharded dim: gathered (_unit_dim_view)
@@ -247,6 +249,9 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
             self._use_whole(node)
             return
         sharded = [a for a in node.all_input_nodes if a in self.shard]
+        if node.name in self.local_sources and not sharded:
+            self._made_on_piece(node, self.local_sources[node.name])
+            return
         if node.name in self.whole_buffers and sharded:  # written in place later where a shard cannot be
             self._refuse(node, self.whole_buffers[node.name])
             self._gather_all(node)
@@ -473,6 +478,18 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
             self._carry(node, first)  # repeating heads in place keeps each rank's block contiguous
             return True
         return False
+
+    def _made_on_piece(self, node, dim: int) -> None:
+        """An expand or ``repeat_interleave`` of a whole value's dim of 1 (Mamba-2's B and C of one group repeated to
+        every head) whose value is read only at this rank's piece of ``dim``, through ops that keep each index of it
+        apart (pads, views, einsums over other labels: the chunked scan's scores of each head): made on the piece
+        (the rewrite makes its count this rank's), so what reads it runs on this rank's heads. The input is read as
+        it is; each rank's heads give its gradient a part (``tp_copy``)."""
+        source = node.args[0]
+        self._place(node, dim)
+        self._claimed.add((node, source))
+        if self.needs_grad.get(source):
+            self.copies.append((node, source))
 
     def _unit_dim_view(self, node, in_val, out_val, dim: int) -> bool:
         """A view that puts a dim of 1 before the sharded last dim (``[b, s, d] -> [b, s, 1, d]``)."""

@@ -43,6 +43,36 @@ def test_llama_plan_is_megatrons():
     assert manifest["plan"]["mesh"]["tp"] == 2 and manifest["launch_command"].startswith("torchrun --nproc-per-node 4")
 
 
+def test_a_mamba2_mixer_of_one_group_shards_its_heads_and_makes_its_scores_on_them(tmp_path):
+    # Mamba-2 with one group (Mamba2, Bamba, Falcon-H1, Granite-4 hybrid, Zamba2; the mixer used to stay whole on
+    # every rank): in_proj's gate, x, B, C and dt as segments (a cut of a range of its parts asks for the points
+    # inside it), the depthwise convolution over x, B and C held in their pieces, B and C gathered (one group's
+    # state, read by every head: a head of one), the gated norm over one group of every head's features on partial
+    # sums, Falcon-H1's muP multipliers read at each part's piece, and the scores of each head made on this rank's
+    # heads: B and C repeated to its heads only (they were repeated to every head, and every head's scores
+    # computed on every rank)
+    from tracepp.driver import split_model
+
+    out = str(tmp_path / "out")
+    manifest = split_model(model_path("tp_mamba2_one_group"), out, num_microbatches=2, layout=Layout(pp=1, tp=2))
+    params = manifest["tp"]["params"]
+    for block in (0, 1):
+        prefix = f"blocks.{block}.mixer."
+        assert params[prefix + "in_proj.weight"] == {"dim": 0, "role": "colwise", "segments": [64, 64, 8, 8, 4]}
+        assert params[prefix + "conv1d.weight"]["segments"] == params[prefix + "conv1d.bias"]["segments"] == [64, 8, 8]
+        assert params[prefix + "out_proj.weight"]["role"] == "rowwise"
+        for name in ("A_log", "D", "dt_bias", "norm.weight"):
+            assert params[prefix + name]["dim"] == 0, name
+    stage = manifest["tp"]["stages"][0]
+    assert manifest["tp"]["verified"]["status"] == "verified", manifest["tp"]["verified"]
+    assert stage["share"] == {"params": 0.9942, "flops": 1.0}, stage["share"]
+    assert sum("makes one head of 8 features" in why for why in stage["replicated"]) == 4  # B and C, two layers
+    script = open(os.path.join(out, "rank0.py")).read()  # each rank repeats B and C to its 2 heads of 4
+    repeats = [line for line in script.splitlines() if "repeat_interleave.self_int(" in line]
+    assert len(repeats) == 4 and all(line.endswith("2, 2, output_size = 2)") or "output_size = 2)" in line
+                                     for line in repeats), repeats
+
+
 def test_fewer_kv_heads_than_tp_shard_the_query_heads_and_replicate_the_kv_heads():
     # the zoo's Qwen3 has 2 query heads and 1 key/value head: tp 2 cannot give each rank a kv head of its own, so
     # (as Megatron-Core does) each rank computes its query head and the kv head whole; attention and o_proj shard

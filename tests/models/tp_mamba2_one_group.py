@@ -135,3 +135,7 @@ def example_target():
 
 def loss_fn(logits, target):
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1))
+
+
+def optimizer(params):
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
