@@ -298,8 +298,9 @@ def layer_bytes(walk) -> dict:
     attention and MLP each column-wise in, row-wise out, an all-reduce of the layer's ``[b, s, h]`` after each
     forward and one of each region's input gradient backward: 8 ``b s h`` elements as ring collectives move them
     (the layer's ``[b, s, h]``: its last value read after it), for each time the stage calls the layer. Megatron-Core divides the key/value groups among
-    the tp ranks: a layer with fewer groups than tp (computed whole here: a fused projection's whole parts, a
-    head group or a key/value read at a rank's piece by the attention) has no Megatron plan to compare with."""
+    the tp ranks, and a Mamba-2 mixer's groups (it asserts ``ngroups % tp_size == 0``): a layer with fewer groups
+    than tp (computed whole here: a fused projection's whole parts, a head group, a key/value read at a rank's piece
+    by the attention, or a head of one gathered: B and C of one group) has no Megatron plan to compare with."""
     layers = _layers(walk)
     moved = dict.fromkeys(layers, 0)
     for node, count in _moves(walk):
@@ -307,7 +308,8 @@ def layer_bytes(walk) -> dict:
         if layer in moved:
             moved[layer] += count
     fewer_groups = set(walk.mixed_linears) | {consumer for consumer, *_rest in walk.head_groups} | {
-        consumer for consumer, arg, *_rest in walk.scatters if arg in _products_operands(consumer)}
+        consumer for consumer, arg, *_rest in walk.scatters if arg in _products_operands(consumer)} | set(
+        getattr(walk, "heads_of_one", ()))  # a head of one gathered: a multi-query key, Mamba-2's B and C
     out = {}
     for layer, nodes in layers.items():
         inside = set(nodes)

@@ -27,6 +27,9 @@ _MIXED_CARRIES = {aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, a
 WORK = {"visits": 0}  # nodes the walks have visited (tests count the work of a plan, not its time)
 
 
+_SUMS = {aten.add.Tensor, aten.sub.Tensor}  # a residual add: the stream beside a sharded output (read on) stays whole
+
+
 class _Walk(Propagation, _CutRules, _ContractionRules):
     """One pass over one stage graph under a set of replicated FQNs and the segments learned for fused
     projections: each value's placement and the edits."""
@@ -583,13 +586,16 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
                 #                        multipliers over a fused projection's parts): its piece of each part
             elif not seq and self._param_only(arg):
                 cut.append((arg, at))  # made from weights alone (-exp(A_log), a bias per head): its piece
-            elif not seq and self.groups_of(segments) and (out_dim < n - 1 or self._feeds_linear(node)
-                                                           or (n > 3 and arg.target in rules.CONTRACTIONS)):
+            elif not seq and self.groups_of(segments) and (
+                    out_dim < n - 1 or (self._feeds_linear(node) and not (node.target in _SUMS and len(arg.users) > 1))
+                    or (n > 3 and arg.target in rules.CONTRACTIONS)):
                 # one that carries a gradient, beside pieces of heads (CPM-Ant's learned position bias added to the
                 # scores of each head; Mamba-2's scores of every head, an einsum [b, chunk, l, s, heads]) or gating a
                 # product on its way to a linear (Gemma's per-layer inputs): its piece, the gradient pieces gathered
-                # back. Not the residual stream beside a sharded output's features: that output is better made
-                # whole (a row-wise pair)
+                # back. Not the residual stream beside a sharded output's features (added to it and read on, even
+                # where a norm written out in elementwise ops leads the sum to a linear: Zamba2's shared block's
+                # output projected column-wise and added to the stream, which its residual add reads again): that
+                # output is better made whole (a row-wise pair)
                 cut.append((arg, at))
             else:
                 return self._refuse(node, f"{arg.name} is whole and as wide as the sharded dim of "

@@ -73,6 +73,21 @@ def test_a_mamba2_mixer_of_one_group_shards_its_heads_and_makes_its_scores_on_th
                                      for line in repeats), repeats
 
 
+def test_a_projection_added_into_the_stream_keeps_the_stream_whole():
+    # Zamba2's hybrid layer: a block's output projected by a square linear (column-wise: its input is whole) and
+    # added to the stream, which a norm written out in elementwise ops leads to the next mixer's linear, and which
+    # the residual add reads again. The stream used to be read at each rank's piece there (as a gated product on
+    # its way to a linear is): sharded from that layer on, the mixer's input projection row-wise (Zamba2 at its
+    # default size: every later Mamba layer all-reduced its 10,376-wide in_proj output, 2.3x each stage's bytes)
+    manifest, params = _params(model_path("tp_projected_into_stream"))
+    for block in (0, 1):
+        assert params[f"blocks.{block}.linear.weight"]["why"].startswith("its output is needed whole by aten.add")
+        assert params[f"blocks.{block}.mixer.up.weight"]["role"] == "colwise"
+        assert params[f"blocks.{block}.mixer.down.weight"]["role"] == "rowwise"
+        assert params[f"blocks.{block}.norm.weight"]["dim"] is None
+    assert [s["bytes"] for s in manifest["tp"]["stages"]] == [10240, 12288]  # 22,528 at pp 1; 40,704 before
+
+
 def test_fewer_kv_heads_than_tp_shard_the_query_heads_and_replicate_the_kv_heads():
     # the zoo's Qwen3 has 2 query heads and 1 key/value head: tp 2 cannot give each rank a kv head of its own, so
     # (as Megatron-Core does) each rank computes its query head and the kv head whole; attention and o_proj shard
