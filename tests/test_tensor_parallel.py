@@ -73,6 +73,21 @@ def test_a_mamba2_mixer_of_one_group_shards_its_heads_and_makes_its_scores_on_th
                                      for line in repeats), repeats
 
 
+def test_a_layer_whose_mamba2_mixer_has_fewer_groups_than_tp_has_no_megatron_figure(monkeypatch):
+    # Falcon-H1's layer: attention beside a Mamba-2 mixer of one group, whose B and C every rank gathers.
+    # Megatron-Core's MambaMixer asserts ngroups % tp_size == 0: its plan does not apply (the layer was compared with
+    # Megatron's two regions, 1.09x at Falcon-H1's default size), as in a layer with fewer key/value groups than tp
+    pytest.importorskip("transformers")
+    monkeypatch.setenv("HF_FAMILY", "falcon_h1")
+    manifest = check_model(os.path.join(ZOO, "hf_family.py"), num_microbatches=2, layout=Layout(pp=2, tp=2))
+    layers = {name: figures for stage in manifest["tp"]["stages"] for name, figures in stage["layers"].items()}
+    assert layers and all(megatron is None and moved > 0 for moved, megatron in layers.values()), layers
+    assert any("Mamba-2's B and C" in why for why in manifest["tp"]["stages"][0]["replicated"])
+    monkeypatch.setenv("HF_FAMILY", "llama")  # beside it, a layer Megatron's plan applies to is compared
+    manifest = check_model(os.path.join(ZOO, "hf_family.py"), num_microbatches=2, layout=Layout(pp=2, tp=2))
+    assert all(megatron is not None for stage in manifest["tp"]["stages"] for _moved, megatron in stage["layers"].values())
+
+
 def test_a_projection_added_into_the_stream_keeps_the_stream_whole():
     # Zamba2's hybrid layer: a block's output projected by a square linear (column-wise: its input is whole) and
     # added to the stream, which a norm written out in elementwise ops leads to the next mixer's linear, and which
