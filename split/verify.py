@@ -243,7 +243,7 @@ def _feeding(walk, node, limit: int = 200) -> list:
     (``walk.origin``), else the sharded parameters upstream of it, nearest first."""
     found: dict = {}
     for item in [node] + list(node.all_input_nodes):
-        for fqn in walk.origin.get(item, ()):
+        for fqn in sorted(walk.origin.get(item, ())):  # a set: in name order, the same in every process
             found[fqn] = True
     if found:
         return list(found)
@@ -256,7 +256,7 @@ def _feeding(walk, node, limit: int = 200) -> list:
         fqn = walk.fqn_of.get(item.name) if item.op == "placeholder" else None
         if fqn is not None and item in walk.shard:
             found[fqn] = True
-        for fqn in walk.origin.get(item, ()):
+        for fqn in sorted(walk.origin.get(item, ())):
             found[fqn] = True
         if found:
             return list(found)

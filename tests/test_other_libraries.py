@@ -52,7 +52,7 @@ from util import REPO, assert_state_close, assert_trained, eager_train, model_pa
 pytestmark = pytest.mark.timeout(600)
 
 NORMALIZE_TP = model_path("tp_normalize_rmsnorm")
-NORMALIZE_WHOLE_ATTENTION = model_path("tp_normalize_whole_attention")  # the norm on a sharded stream
+NORMALIZE_FFN = model_path("tp_normalize_ffn")  # the norm over the MLP's sharded hidden features
 NORMALIZE_CP = model_path("cp_normalize_rmsnorm")
 GEMMA = model_path("tp_gemma_mqa_fused")
 FUSED = model_path("tp_fused_qkv_llama")
@@ -71,8 +71,9 @@ def _train_against_eager(path: str, out: str, nproc: int, tmp_path) -> None:
 
 def test_normalize_rmsnorm_tp2_trains_equal_to_eager(tmp_path):
     out = str(tmp_path / "out")
-    split_model(NORMALIZE_WHOLE_ATTENTION, out, schedule="looped-bfs", num_microbatches=4, layout=Layout(pp=1, tp=2))
-    _train_against_eager(NORMALIZE_WHOLE_ATTENTION, out, 2, tmp_path)
+    manifest = split_model(NORMALIZE_FFN, out, schedule="looped-bfs", num_microbatches=4, layout=Layout(pp=1, tp=2))
+    assert manifest["tp"]["params"]["transformer.h.0.mlp.ffn_norm.g"]["dim"] == 0  # the norm runs on the shards
+    _train_against_eager(NORMALIZE_FFN, out, 2, tmp_path)
 
 
 def test_normalize_rmsnorm_cp2_trains_equal_to_eager(tmp_path):

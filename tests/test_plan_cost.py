@@ -69,7 +69,9 @@ def test_plan_bytes_are_what_the_rewritten_program_moves(model, monkeypatch):
 
 def test_a_litgpt_layer_moves_megatrons_bytes_and_inspect_says_so(tmp_path):
     # litgpt's fused qkv and its RMSNorm reading the weight through weight.float(): the plan that shards the norm
-    # weight keeps the residual stream sharded on its features (2.5x Megatron's bytes); the cost keeps it whole
+    # weight keeps the residual stream sharded on its features (2.5x Megatron's bytes). A cost trial kept the weight
+    # whole; the stream, read on by the residual add, now stays whole from the walk (tests/test_tensor_parallel.py's
+    # projection added into the stream), and the weight with it
     from tracepp.report.stages import tensor_parallel_table
 
     manifest = check_model(model_path("tp_fused_qkv_llama"), num_microbatches=4, layout=Layout(pp=2, tp=2))
@@ -77,9 +79,24 @@ def test_a_litgpt_layer_moves_megatrons_bytes_and_inspect_says_so(tmp_path):
         for layer, (moved, megatron) in stage["layers"].items():
             assert megatron == 8 * 16 * 64 * 4 and moved == megatron, (layer, moved, megatron)
     norm = manifest["tp"]["params"]["transformer.h.1.norm_2.weight"]
-    assert norm["dim"] is None and "kept whole" in norm["why"]
+    assert norm["dim"] is None
     table = tensor_parallel_table(manifest)
     assert "beside Megatron's plan" in table and "transformer.h.*" in table and "1.00x" in table
+
+
+def test_the_cost_trial_keeps_a_norm_weight_whole_where_sharding_it_shards_the_stream(monkeypatch):
+    # the trial behind the walk's own rule: with the residual add read at each rank's piece again (the walk before
+    # the stream read on was kept whole), litgpt's norm weight sharded with the stream moves 2.5x Megatron's bytes;
+    # the trial keeps the weight whole and the stream with it, and its note says what each plan cost
+    from tracepp.split import tp_walk
+
+    monkeypatch.setattr(tp_walk, "_SUMS", set())
+    manifest = check_model(model_path("tp_fused_qkv_llama"), num_microbatches=4, layout=Layout(pp=2, tp=2))
+    norm = manifest["tp"]["params"]["transformer.h.1.norm_2.weight"]
+    assert norm["dim"] is None and "kept whole" in norm["why"] and "the plan cost" in norm["why"], norm
+    for stage in manifest["tp"]["stages"]:
+        for layer, (moved, megatron) in stage["layers"].items():
+            assert moved == megatron, (layer, moved, megatron)
 
 
 def test_a_cheaper_plan_holds_at_most_five_percent_more_of_a_layer_whole_and_keeps_a_95_percent_share():

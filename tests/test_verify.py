@@ -21,7 +21,7 @@ from util import REPO, model_path
 pytestmark = pytest.mark.timeout(600)
 
 LLAMA = model_path("tp_llama")
-NORMALIZE = model_path("tp_normalize_whole_attention")  # the norm over the sharded residual stream
+NORMALIZE = model_path("tp_normalize_ffn")  # F.normalize over the MLP's sharded hidden features
 
 
 def _check(path, mode="on", pp=2, **layout):
@@ -85,17 +85,17 @@ def _partial_norm_read_as_a_sum(monkeypatch):
 
 def test_a_partial_norm_read_as_a_sum_is_caught_and_repaired(monkeypatch):
     _partial_norm_read_as_a_sum(monkeypatch)
-    wrong = _check(NORMALIZE, mode="off", pp=1, tp=2)  # the injected rule does shard the residual stream
-    assert wrong["tp"]["params"]["transformer.h.0.attn.to_out.weight"]["dim"] == 0
+    wrong = _check(NORMALIZE, mode="off", pp=1, tp=2)  # the injected rule keeps the MLP's hidden features sharded
+    assert wrong["tp"]["params"]["transformer.h.0.mlp.fc_1.weight"]["dim"] == 0
     manifest = _check(NORMALIZE, pp=1, tp=2)
     record = manifest["tp"]["verified"]
     assert record["status"] == "repaired", record
     repair, = record["repairs"]
     assert "linalg_vector_norm" in repair["op"] and repair["at"] == "lib_style.py:32", repair
-    assert repair["made_whole"] == ["transformer.h.*.attn.to_out.weight"]
+    assert repair["made_whole"] == ["transformer.h.*.mlp.fc_1.weight", "transformer.h.*.mlp.fc_2.weight"]
     assert repair["share_after"] < repair["share_before"]
-    assert manifest["tp"]["params"]["transformer.h.0.attn.to_out.weight"]["dim"] is None
-    assert any("made transformer.h.*.attn.to_out.weight whole" in note for note in manifest["notes"])
+    assert manifest["tp"]["params"]["transformer.h.0.mlp.fc_1.weight"]["dim"] is None
+    assert any("made transformer.h.*.mlp.fc_1.weight" in note for note in manifest["notes"])
     from tracepp.report.stages import tensor_parallel_table
     assert "made whole for aten.linalg_vector_norm.default at lib_style.py:32" in tensor_parallel_table(manifest)
 
@@ -103,7 +103,7 @@ def test_a_partial_norm_read_as_a_sum_is_caught_and_repaired(monkeypatch):
 def test_a_partial_norm_read_as_a_sum_is_refused_under_strict(monkeypatch):
     _partial_norm_read_as_a_sum(monkeypatch)
     with pytest.raises(ValueError, match=r"linalg_vector_norm.default at lib_style.py:32.*Fix: make "
-                                         r"transformer.h.\*.attn.to_out.weight whole"):
+                                         r"transformer.h.\*.mlp.fc_1.weight"):
         _check(NORMALIZE, mode="strict", pp=1, tp=2)
 
 

@@ -4,8 +4,8 @@ query heads, 2 key/value heads tiled to the query heads) and its default ``einsu
 SwiGLU MLP; 2 layers, hidden 64, 16 tokens.
 
 Its einsum attention runs on each rank's heads (the tiled keys and values read whole at each rank's piece), so the
-residual stream stays whole; ``tp_normalize_whole_attention`` keeps the attention whole as tracepp once did, which
-puts the norm on a sharded value. ``--tp 2`` must train equal to eager.
+residual stream stays whole; ``tp_normalize_ffn`` puts the same norm inside the MLP, on its sharded hidden
+features. ``--tp 2`` must train equal to eager.
 """
 import functools
 
