@@ -73,21 +73,29 @@ def collectives(walk) -> list:
     held = tp_grads.holding(walk)
     out += [("all_reduce (gradient, once per step)", node, node, 0) for node in walk.graph.nodes  # none per microbatch
             if node.op == "placeholder" and node in held]
-    parts = tp_grads.piece_reads(walk)  # read at its piece, the gradient a part tp_grads sums: no gather
-    out += [("all_gather (backward)", arg, consumer, _bytes(arg))  # the gradient pieces of a value read at its piece
-            for consumer, arg in _last_consumer((c, a) for c, a, _dim, _groups in walk.scatters
-                                                if walk.needs_grad.get(a) and (c, a) not in parts)]
-    for node, (x, weight, bias, out_dim, segments, whole) in walk.mixed_linears.items():
-        # a fused projection with whole parts: its sharded parts read x through tp_copy and this rank's rows of
-        # their slices of the weight and bias through tp_scatter (their gradient rows gathered back)
+    out += [("all_gather (backward)", value, consumer, moved) for consumer, value, moved in backward_gathers(walk)]
+    for node, (x, _weight, _bias, _out_dim, _segments, _whole) in walk.mixed_linears.items():
+        # a fused projection with whole parts: its sharded parts read x through tp_copy
         if walk.needs_grad.get(x):
             out.append(("all_reduce (backward)", x, node, 2 * _bytes(x)))
+    return out
+
+
+def backward_gathers(walk) -> list:
+    """(reader, value, bytes gathered) of every all-gather ``walk``'s plan runs backward: the gradient pieces of a
+    whole value read at a rank's piece (``tp_scatter``; not one whose gradient is a part tp_grads sums,
+    ``tp_piece``), and the gradient rows of a fused projection's sharded parts where its weight is whole
+    (``tp_scatter`` of their slices). :func:`collectives` prices them and the tuner's figures count them."""
+    parts = tp_grads.piece_reads(walk)  # read at its piece, the gradient a part tp_grads sums: no gather
+    out = [(consumer, arg, _bytes(arg))  # the gradient pieces of a value read at its piece
+           for consumer, arg in _last_consumer((c, a) for c, a, _dim, _groups in walk.scatters
+                                               if walk.needs_grad.get(a) and (c, a) not in parts)]
+    for node, (_x, weight, bias, out_dim, segments, whole) in walk.mixed_linears.items():
         sharded = sum(int(size) for k, size in enumerate(segments) if k not in whole)
         for param in (weight, bias):
             val = param.meta.get("val") if param is not None else None
             if val is not None and walk.needs_grad.get(param):
-                out.append(("all_gather (backward)", param, node,
-                            _bytes(param) * sharded // int(val.shape[out_dim if param is weight else 0])))
+                out.append((node, param, _bytes(param) * sharded // int(val.shape[out_dim if param is weight else 0])))
     return out
 
 

@@ -257,8 +257,9 @@ def segment_figures(nodes: list, walks: dict, flops: dict, tensor_bytes, crossin
     """Per tp size, for one segment's nodes (the tuner prices a segment at tp with these): the forward FLOPs
     computed on shards, the parameters sharded (counted at the segment of their first use), the collectives per
     microbatch: forward all-reduces (row-wise outputs, vocabulary lookups, sums over the pieces), backward
-    all-reduces (gradients of the replicated inputs of sharded ops) and all-gathers, each as [count, bytes of
-    the whole tensors]; and ``sharded_activation_bytes``: the activations (floating values that carry a
+    all-reduces (gradients of the replicated inputs of sharded ops), all-gathers, and backward all-gathers (the
+    gradient pieces of whole values read at a rank's piece: ``plan_cost.backward_gathers``), each as [count, bytes
+    of the whole tensors]; and ``sharded_activation_bytes``: the activations (floating values that carry a
     gradient, as ``split.cost`` counts them) computed on shards, each rank holding 1/tp of them.
 
     Where the whole graph was also walked with sequence parallelism, ``["sequence_parallel"]`` holds the same
@@ -309,9 +310,11 @@ def _figures(nodes: list, entry: dict, flops: dict, tensor_bytes, crossing=None)
     copied = {value for reader, value in tp_grads.backward_reads(walk) if reader in inside}
     gathered = {arg for consumer, arg in walk.gathers if consumer in inside or (consumer.op == "output"
                                                                                 and arg in inside)}
+    gathered_back = [moved for reader, _value, moved in plan_cost.backward_gathers(walk) if reader in inside]
     figures = {
         "sharded_flops": int(sharded_flops), "sharded_params": int(params), "sharded_param_bytes": int(bytes_),
         "all_reduce": total(reduce_fwd), "all_reduce_backward": total(copied), "all_gather": total(gathered),
+        "all_gather_backward": [len(gathered_back), int(sum(gathered_back))],
         "sharded_activation_bytes": sum(tensor_bytes(_val(n)) for n in nodes
                                         if n in walk.shard and walk.kind.get(n) != "seq" and activation(n))}
     if crossing is None:

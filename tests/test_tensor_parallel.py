@@ -551,6 +551,25 @@ def test_segment_figures_count_the_activations_tp_and_sequence_parallelism_shard
     assert head["sequence_parallel"]["all_gather_sequence"] == [1, width]
 
 
+@pytest.mark.parametrize("model", ["tp_split_value", "tp_normalize_ffn"])
+def test_segment_figures_count_the_gathers_a_plan_runs_backward(model):
+    # a whole value read at each rank's piece has its gradient pieces all-gathered backward (ZAYA's split value
+    # heads, a norm's weight beside the MLP's sharded features): the plan lists them and prices them
+    # (split.plan_cost), and the tuner's figures counted none of them
+    import math
+
+    manifest = check_model(model_path(model), num_microbatches=2, layout=Layout(pp=1, tp=2), verify="off")
+    listed = [c for stage in manifest["tp"]["stages"] for c in stage["collectives"] if c["op"] == "all_gather (backward)"]
+    itemsize = {"torch.float32": 4, "float32": 4}
+    expected = [len(listed), sum(math.prod(int(d) for d in c["shape"]) * itemsize[c["dtype"]] for c in listed)]
+    assert expected[0] > 0
+    counted = [0, 0]
+    for seg in segments_with_figures(model_path(model), tp_sizes=(2,), num_microbatches=2, layout=Layout(pp=1)):
+        count, size = seg["tp"]["2"]["all_gather_backward"]
+        counted = [counted[0] + count, counted[1] + size]
+    assert counted == expected, (counted, expected, listed)
+
+
 def test_a_sequence_tp_does_not_divide_records_no_sequence_parallel_figures(tmp_path):
     # sequence 8: tp 2, 4 and 8 divide it; a sequence of 6 only tp 2 (the tuner prices no sequence parallelism
     # at 4 or 8)

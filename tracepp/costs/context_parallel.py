@@ -88,8 +88,8 @@ def cp_view(manifest: dict, cp: int, tp: int = 1) -> dict:
                             "cut_sequence_grad_bytes"):
                     if key in figures:
                         figures[key] = figures[key] / cp
-                for key in ("all_reduce", "all_reduce_backward", "all_gather", "reduce_scatter",
-                            "all_gather_sequence"):
+                for key in ("all_reduce", "all_reduce_backward", "all_gather", "all_gather_backward",
+                            "reduce_scatter", "all_gather_sequence"):
                     if key in figures:
                         figures[key] = [figures[key][0], figures[key][1] / cp]
         view["segments"].append(new)

@@ -229,7 +229,7 @@ def _messages(manifest: dict, split: tuple, microbatch_size: float, precision: s
 
 
 _NO_TP = {"sharded_flops": 0, "sharded_params": 0, "sharded_param_bytes": 0, "all_reduce": [0, 0],
-          "all_reduce_backward": [0, 0], "all_gather": [0, 0]}
+          "all_reduce_backward": [0, 0], "all_gather": [0, 0], "all_gather_backward": [0, 0]}
 
 
 def _tp_figures(seg: dict, tp: int, sequence_parallel: bool = False) -> dict:
@@ -463,7 +463,7 @@ def expert_sizes(manifest: dict, ep_sizes: Optional[list]) -> list:
 _FORWARD = (("all_reduce", "all_reduce"), ("all_gather", "all_gather"), ("reduce_scatter", "reduce_scatter"),
             ("all_gather", "all_gather_sequence"))
 _BACKWARD = (("all_reduce", "all_reduce_backward"), ("all_gather", "reduce_scatter"),
-             ("reduce_scatter", "all_gather_sequence"))
+             ("reduce_scatter", "all_gather_sequence"), ("all_gather", "all_gather_backward"))
 
 
 def tp_costs(manifest: dict, split: tuple, costs: dict, microbatch_size: float, tp: int, link: tuple,
