@@ -316,7 +316,9 @@ def layer_bytes(walk) -> dict:
         if layer in moved:
             moved[layer] += count
     fewer_groups = set(walk.mixed_linears) | {consumer for consumer, *_rest in walk.head_groups} | {
-        consumer for consumer, arg, *_rest in walk.scatters if arg in _products_operands(consumer)}
+        consumer for consumer, arg, *_rest in walk.scatters if arg in _products_operands(consumer)} | set(
+        walk.heads_of_one)  # a head of one gathered: a multi-query key, Mamba-2's B and C of one group (MLA's rotary
+    #                         key is computed whole, from its whole latent)
     out = {}
     for layer, nodes in layers.items():
         inside = set(nodes)
@@ -324,8 +326,6 @@ def layer_bytes(walk) -> dict:
         if any(n.target in rules.ATTENTION_NORMALIZERS for n in nodes) and not inside & fewer_groups:
             leaving = [n for n in nodes if isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dim() == 3
                        and n.meta["val"].dtype.is_floating_point and any(u not in inside for u in n.users)]
-            if inside & walk.heads_of_one:  # a head of one gathered: a multi-query key, Mamba-2's B and C of one
-                leaving = []                 # group (MLA's rotary key is computed whole, from its whole latent)
             if leaving:
                 latents = _latents(walk, nodes, inside)
                 calls = _applications(nodes, layer)

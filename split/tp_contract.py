@@ -286,11 +286,17 @@ class _ContractionRules:
         at_in = at - (out.dim() - inner.dim())
         if not (at_in < 0 or _equal(inner.shape[at_in], 1)) or not self._size_arg_ok(arg.args[1], at, out.shape[at]):
             return False
-        self._place(arg, at)
-        if self.needs_grad.get(arg.args[0]):
-            self.copies.append((arg, arg.args[0]))
+        self._place_on_piece(arg, at)
         self._claimed.add((node, arg))
         return True
+
+    def _place_on_piece(self, node, at: int) -> None:
+        """An expand (or a repeat) of a whole value's dim of 1 made on this rank's piece of ``at`` (the rewrite makes
+        its size this rank's): what it expands is read as it is, each rank's piece giving its gradient a part
+        (``tp_copy``)."""
+        self._place(node, at)
+        if self.needs_grad.get(node.args[0]):
+            self.copies.append((node, node.args[0]))
 
     def _gather_along(self, node) -> bool:
         """``gather(x, dim, index)`` along a dim other than the sharded one (Inkling's relative-position bias per head,
@@ -328,10 +334,7 @@ class _ContractionRules:
             return False
         if any(self.segs.get(a) != self.segs.get(x) for a in held):  # held in pieces of other segments (learned
             for a in held:                                           # before the channels were a projection's parts)
-                fqn = self._held_param(a)
-                if fqn is not None and fqn in self.pieces:
-                    dim = self.pieces[fqn][0] if isinstance(self.pieces[fqn], tuple) else self.pieces[fqn]
-                    self.repieces[fqn] = (dim, tuple(self.segs[x])) if self.segs.get(x) else dim
+                self.repieces[a] = tuple(self.segs[x]) if self.segs.get(x) else None
             return False
         channels, wval = _val(x).shape[1], _val(weight)
         parts = self.groups_of(self.segs.get(x))
@@ -349,13 +352,6 @@ class _ContractionRules:
         self.conv_groups[node] = groups // self.tp
         self._place(node, 1, self.segs.get(x), self.origin.get(x, frozenset()))
         return True
-
-    def _held_param(self, node):
-        """The FQN of the parameter a value is made from by ops of one input (a convolution's weight squeezed and
-        unsqueezed), or None."""
-        while node.op == "call_function" and len(node.all_input_nodes) == 1:
-            node = node.all_input_nodes[0]
-        return self._param(node)
 
     def _baddbmm(self, node) -> bool:
         """``baddbmm(input, b1, b2)`` (Bloom's ALiBi scores): a batched matmul over heads plus ``input``, which is

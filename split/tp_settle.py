@@ -119,22 +119,11 @@ def _piece_of(walk: _Walk, node, dim):
         out_val, in_val = _val(node), _val(source)
         if not (isinstance(out_val, torch.Tensor) and isinstance(in_val, torch.Tensor)):
             return None
-        if node.target is aten.transpose.int:  # Inkling 2's static_weight.T.view(heads, -1, k)
-            a, b = (d % in_val.dim() for d in node.args[1:3])
-            node, dim = source, (b if dim == a else a if dim == b else dim)
-            continue
-        if node.target in (aten.t.default, aten.numpy_T.default) and in_val.dim() == 2:
-            node, dim = source, 1 - dim
-            continue
-        if node.target is aten.permute.default:
-            node, dim = source, node.args[1][dim] % in_val.dim()
-            continue
-        if node.target in rules.VIEWS:  # the input dim whose pieces the view makes this dim's
-            found = [d for d in range(in_val.dim())
-                     if rules.view_placement(_sizes(in_val), _sizes(out_val), d, None, walk.tp) == (dim, None)]
-            if len(found) != 1:
+        if node.target in rules.TRANSPOSES or node.target in rules.VIEWS:  # Inkling 2's static_weight.T.view(heads,
+            before = _dim_before(walk, node, dim)                             # -1, k)
+            if before is None:
                 return None
-            node, dim = source, found[0]
+            node, dim = source, before
             continue
         outs = [i for i, size in enumerate(out_val.shape) if not _equal(size, 1)]
         ins = [i for i, size in enumerate(in_val.shape) if not _equal(size, 1)]
@@ -144,6 +133,20 @@ def _piece_of(walk: _Walk, node, dim):
         node, dim = source, ins[outs.index(dim)]
 
 
+def _dim_before(walk: _Walk, node, dim: int):
+    """The dim of ``node``'s input whose indices are its output's ``dim``: moved by a transpose or permute, or
+    split or merged by a view that keeps each piece of it whole; None where no one dim is."""
+    in_val, out_val = _val(node.args[0]), _val(node)
+    if node.target in rules.TRANSPOSES:
+        found = [e for e in range(in_val.dim()) if rules.moved_dim(node, e) == dim]
+    elif node.target in rules.VIEWS:  # the input dim whose pieces the view makes this dim's
+        found = [e for e in range(in_val.dim())
+                 if rules.view_placement(_sizes(in_val), _sizes(out_val), e, None, walk.tp) == (dim, None)]
+    else:
+        return None
+    return found[0] if len(found) == 1 else None
+
+
 def _learn_pieces(walks: list, pieces: dict, notes: dict) -> bool:
     """Parameters that a pass reads only at this rank's piece, through values made from them alone (Mamba's
     ``A_log``, ``D``, its convolution's weight, ``dt_proj``'s bias added on its own): sharded where they are made
@@ -151,10 +154,15 @@ def _learn_pieces(walks: list, pieces: dict, notes: dict) -> bool:
     One that is read whole elsewhere becomes "used sharded in one place and whole in another" and is replicated."""
     learned = False
     for walk in walks:
+        repieced = {}  # held in pieces of other segments than the channels it meets: held again in theirs
+        for arg, segments in walk.repieces.items():
+            found = _piece_of(walk, arg, walk.shard[arg])
+            if found is not None:
+                repieced[walk.fqn_of[found[0].name]] = found[1] if segments is None else (found[1], segments)
         for consumer, arg in walk.gathers:  # a piece made whole again (its reader's input was whole after all)
             found = _piece_of(walk, arg, walk.shard[arg]) if arg in walk.shard else None
             fqn = walk.fqn_of[found[0].name] if found is not None else None
-            if fqn in pieces and fqn not in notes and fqn not in walk.repieces:
+            if fqn in pieces and fqn not in notes and fqn not in repieced:
                 notes[fqn] = f"read whole by {consumer.target}{_at(consumer)}, where the value it makes meets whole ones"
                 learned = True
         for _consumer, arg, dim, groups in walk.scatters:
@@ -169,7 +177,7 @@ def _learn_pieces(walks: list, pieces: dict, notes: dict) -> bool:
             if fqn not in notes and fqn not in pieces and segments is not False:
                 pieces[fqn] = at if segments is None else (at, segments)
                 learned = True
-        for fqn, placed in walk.repieces.items():  # held in pieces of other segments than the value it meets
+        for fqn, placed in repieced.items():
             if fqn not in notes and pieces.get(fqn) != placed:
                 pieces[fqn] = placed
                 learned = True
@@ -185,20 +193,21 @@ def _learn_local_sources(walks: list, sources: list) -> bool:
     name -> dim). Every value on the way must be read at that piece alone."""
     learned = False
     for walk, found in zip(walks, sources):
+        reads = {(consumer, arg, dim) for consumer, arg, dim, _groups in walk.scatters}
         for _consumer, arg, dim, groups in walk.scatters:
             if groups != 1 or not isinstance(dim, int) or walk._param_only(arg):
                 continue
-            starts = _local_tree(walk, arg, dim)
+            starts = _local_tree(walk, arg, dim, reads)
             if starts and any(found.get(node.name) != at for node, at in starts.items()):
                 found.update({node.name: at for node, at in starts.items()})
                 learned = True
     return learned
 
 
-def _local_tree(walk: _Walk, value, dim: int):
+def _local_tree(walk: _Walk, value, dim: int, reads: set):
     """{expand or repeat of a dim of 1: the dim it makes} from which ``value``, read at this rank's piece of ``dim``,
     can be computed on the piece; None where some op on the way mixes the dim's indices or some value on the way is
-    read otherwise than at that piece."""
+    read otherwise than at that piece (``reads``: (reader, value, dim) of the walk's reads at a piece)."""
     at: dict = {}
     starts: dict = {}
     todo = [(value, dim)]
@@ -217,7 +226,10 @@ def _local_tree(walk: _Walk, value, dim: int):
         first_val = _val(first) if isinstance(first, torch.fx.Node) else None
         if target in rules.EXPANDS or target is aten.repeat_interleave.self_int:
             inner = d - (val.dim() - first_val.dim()) if isinstance(first_val, torch.Tensor) else -1
-            if target is aten.repeat_interleave.self_int and rules.arg(node, 2, "dim") is None:
+            if target is aten.repeat_interleave.self_int and (rules.arg(node, 2, "dim") is None
+                                                               or not isinstance(node.args[1], int)):
+                return None  # flattened, or a count the rewrite cannot make this rank's
+            if target in rules.EXPANDS and not walk._size_arg_ok(node.args[1], d, val.shape[d]):
                 return None
             if inner >= 0 and not _equal(first_val.shape[inner], 1):
                 return None  # the expanded or repeated dim is not one of 1
@@ -229,14 +241,11 @@ def _local_tree(walk: _Walk, value, dim: int):
             if k < len(pad) and (pad[k] != 0 or pad[k + 1] != 0):
                 return None  # padded along the dim
             todo.append((first, d))
-        elif target in rules.VIEWS:
-            inner = [e for e in range(first_val.dim()) if rules.view_placement(
-                _sizes(first_val), _sizes(val), e, None, walk.tp) == (d, None)]
-            if len(inner) != 1:
+        elif target in rules.VIEWS or target in rules.TRANSPOSES:
+            before = _dim_before(walk, node, d)
+            if before is None:
                 return None
-            todo.append((first, inner[0]))
-        elif target in rules.TRANSPOSES:
-            todo.append((first, [e for e in range(first_val.dim()) if rules.moved_dim(node, e) == d][0]))
+            todo.append((first, before))
         elif target is aten.einsum.default:
             labels = rules.einsum_labels(node)
             if labels is None:
@@ -257,7 +266,7 @@ def _local_tree(walk: _Walk, value, dim: int):
         for user in node.users:
             if user in at or user.target in rules.IGNORED:
                 continue
-            if not any(c is user and a is node and e == d for c, a, e, _g in walk.scatters):
+            if (user, node, d) not in reads:
                 return None
     return starts
 

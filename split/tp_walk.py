@@ -45,7 +45,7 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
         self.pieces = pieces or {}  # fqn -> dim, or (dim, segments): a parameter sharded where it is made (learned:
         #                             _learn_pieces)
         self.heads_of_one: set = set()  # views making a head of one of a sharded dim: gathered (_unit_dim_view)
-        self.repieces: dict = {}  # fqn -> (dim, segments): a held parameter met in pieces of other segments
+        self.repieces: dict = {}  # a held parameter's value met in pieces of other segments -> those (or None)
         self.gathered = gathered or {}  # FQNs of low-rank down-projections sharded with their output gathered
         self.gathered_out: dict = {}  # such a linear's output -> its shard dim: gathered once, for every user
         self.whole_buffers = whole_buffers or {}  # names of values written in place where a shard cannot be: kept whole
@@ -488,11 +488,8 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
         apart (pads, views, einsums over other labels: the chunked scan's scores of each head): made on the piece
         (the rewrite makes its count this rank's), so what reads it runs on this rank's heads. The input is read as
         it is; each rank's heads give its gradient a part (``tp_copy``)."""
-        source = node.args[0]
-        self._place(node, dim)
-        self._claimed.add((node, source))
-        if self.needs_grad.get(source):
-            self.copies.append((node, source))
+        self._place_on_piece(node, dim)
+        self._claimed.add((node, node.args[0]))
 
     def _unit_dim_view(self, node, in_val, out_val, dim: int) -> bool:
         """A view that puts a dim of 1 before the sharded last dim (``[b, s, d] -> [b, s, 1, d]``)."""

@@ -558,10 +558,12 @@ def test_segment_figures_count_the_gathers_a_plan_runs_backward(model):
     # (split.plan_cost), and the tuner's figures counted none of them
     import math
 
+    import torch
+
     manifest = check_model(model_path(model), num_microbatches=2, layout=Layout(pp=1, tp=2), verify="off")
     listed = [c for stage in manifest["tp"]["stages"] for c in stage["collectives"] if c["op"] == "all_gather (backward)"]
-    itemsize = {"torch.float32": 4, "float32": 4}
-    expected = [len(listed), sum(math.prod(int(d) for d in c["shape"]) * itemsize[c["dtype"]] for c in listed)]
+    expected = [len(listed), sum(math.prod(int(d) for d in c["shape"]) * getattr(torch, c["dtype"]).itemsize
+                                 for c in listed)]
     assert expected[0] > 0
     counted = [0, 0]
     for seg in segments_with_figures(model_path(model), tp_sizes=(2,), num_microbatches=2, layout=Layout(pp=1)):
