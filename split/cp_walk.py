@@ -183,113 +183,101 @@ class _Walk(Propagation):
                     self._refuse(node, self._why_not(node, [arg]))
                 return
 
-    def _rule(self, node, sharded) -> bool:
-        target = node.target
-        if target is operator.getitem:
-            entry = self.items.get(node.args[0])
-            if entry is None:
-                if node.args[0] in self.shard:
-                    self._place(node, *self.shard[node.args[0]])
-                    return True
-                return False
-            placed = entry[node.args[1]] if node.args[1] < len(entry) else None
-            if placed is not None:
-                self._place(node, *placed)
-            return True
-        if target in (aten.sym_size.int,):
-            dim = node.args[1] % _val(node.args[0]).dim()
-            if self.shard[node.args[0]][0] == dim:
-                self.sizes.append(node)
-            return True
-        if target in rules.KEEP or target in rules.LIKE:
-            first = node.args[0]
-            if target is aten.type_as.default and first not in self.shard:
-                return True  # a whole value cast to a shard's dtype (OLMo-core's weight.type_as(x)): whole
-            if first not in self.shard:
-                return False
-            if target is aten.type_as.default or len(sharded) == 1:
-                self._place(node, *self.shard[first])
+    # -- each family's rule (``Propagation._rule`` finds them by ``rules.family``)
+    def _on_item(self, node, sharded) -> bool:
+        entry = self.items.get(node.args[0])
+        if entry is None:
+            if node.args[0] in self.shard:
+                self._place(node, *self.shard[node.args[0]])
                 return True
             return False
-        if target in rules.SDPA:
-            return self._attention(node, sharded)
-        if target in rules.PRODUCTS:
-            return self._matmul(node, sharded)
-        if target is aten.baddbmm.default:
-            return self._baddbmm(node)
-        if target is aten.einsum.default:
-            return self._einsum(node)
-        if target in rules.LOSSES:
-            return self._loss(node, sharded)
-        if rules.is_pointwise(target):
-            return self._elementwise(node)
-        if target in rules.VIEWS or target in rules.FLATTENS or target in rules.UNFLATTENS:
-            return self._view(node, sharded)
-        if target in rules.MOVES:
-            return sharded == [node.args[0]] and self._move(node)
-        if target in (aten.expand.default, aten.broadcast_to.default):
-            return self._expand(node)
-        if target is aten.expand_as.default:
-            return self._expand_as(node)
-        if target is aten.repeat_interleave.self_int:
-            dim = rules.arg(node, 2, "dim")
-            first = node.args[0]
-            if dim is None or first not in self.shard or dim % _val(first).dim() == self.shard[first][0]:
-                return False
-            self._place(node, *self.shard[first])
-            return True
-        if target is aten.repeat.default:  # along the sequence dim, k copies of its sequences side by side
-            first = node.args[0]                # (Llama 4's tokens repeated once per expert): k times the groups
-            repeats = list(node.args[1])
-            d, groups = self.shard[first]
-            at = d + len(repeats) - _val(first).dim()
-            if not isinstance(repeats[at], int) or repeats[at] < 1:
-                return False
-            self._place(node, at, groups * repeats[at])
-            return True
-        if target in (aten.view_as.default, aten.reshape_as.default):  # the shape of another shard, placed alike
-            first, other = node.args[:2]
-            placed = self._view_dim(_val(first), _val(node), *self.shard[first]) if first in self.shard else None
-            if placed is None or self.shard.get(other) != placed:
-                return False
+        placed = entry[node.args[1]] if node.args[1] < len(entry) else None
+        if placed is not None:
             self._place(node, *placed)
-            return True
-        if target in rules.SLICES or target in rules.CUTS:
-            return self._slice(node, sharded)
-        if target in rules.CATS or target in rules.STACKS:
-            return self._cat(node, sharded)
-        if target in rules.PARTIAL:
-            return sharded == [node.args[0]] and self._reduce(node)
-        if target in rules.NORMS:
-            return self._norm(node, sharded)
-        if target in rules.PADS or target in rules.TRIANGLES:
-            return sharded == [node.args[0]] and self._trailing(node)
-        if target in (aten.linear.default, aten.addmm.default):
-            x = node.args[0] if target is aten.linear.default else node.args[1]
-            if sharded != [x] or self.shard[x][0] == _val(x).dim() - 1:
-                return False
-            self._place(node, *self.shard[x])
-            return True
-        if target is aten.embedding.default:
-            ids = node.args[1]
-            if sharded != [ids]:
-                return False
-            self._place(node, *self.shard[ids])
-            return True
-        if target is aten.index.Tensor:
-            return self._index(node, sharded)
-        if target in rules.ALONG or target in rules.INDEXED_ALONG:
-            return self._along(node)
-        if target in (aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default, aten.new_full.default):
-            return self._new_like(node)
-        if target in rules.CONVOLUTIONS and node.args[0] in self.shard and self.shard[node.args[0]][0] >= 2:
+        return True
+
+    def _on_size(self, node, sharded) -> bool:
+        dim = node.args[1] % _val(node.args[0]).dim()
+        if self.shard[node.args[0]][0] == dim:
+            self.sizes.append(node)
+        return True
+
+    def _on_cast(self, node, sharded) -> bool:
+        first = node.args[0]
+        if first not in self.shard or len(sharded) != 1:
+            return False
+        self._place(node, *self.shard[first])
+        return True
+
+    _on_like = _on_cast
+
+    def _on_dtype_of(self, node, sharded) -> bool:
+        first = node.args[0]
+        if first in self.shard:
+            self._place(node, *self.shard[first])
+        return True  # a whole value cast to a shard's dtype (OLMo-core's weight.type_as(x)): whole
+
+    def _on_product(self, node, sharded) -> bool:
+        return self._matmul(node, sharded)
+
+    def _on_write(self, node, sharded) -> bool:
+        return self._elementwise(node)
+
+    def _on_repeat_interleave(self, node, sharded) -> bool:
+        dim = rules.arg(node, 2, "dim")
+        first = node.args[0]
+        if dim is None or first not in self.shard or dim % _val(first).dim() == self.shard[first][0]:
+            return False
+        self._place(node, *self.shard[first])
+        return True
+
+    def _on_repeat(self, node, sharded) -> bool:
+        """Along the sequence dim, k copies of its sequences side by side (Llama 4's tokens repeated once per
+        expert): k times the groups."""
+        first = node.args[0]
+        repeats = list(node.args[1])
+        d, groups = self.shard[first]
+        at = d + len(repeats) - _val(first).dim()
+        if not isinstance(repeats[at], int) or repeats[at] < 1:
+            return False
+        self._place(node, at, groups * repeats[at])
+        return True
+
+    def _on_view_as(self, node, sharded) -> bool:
+        """The shape of another shard, placed alike."""
+        first, other = node.args[:2]
+        placed = self._view_dim(_val(first), _val(node), *self.shard[first]) if first in self.shard else None
+        if placed is None or self.shard.get(other) != placed:
+            return False
+        self._place(node, *placed)
+        return True
+
+    def _on_linear(self, node, sharded) -> bool:
+        x = node.args[0] if node.target is aten.linear.default else node.args[1]
+        if sharded != [x] or self.shard[x][0] == _val(x).dim() - 1:
+            return False
+        self._place(node, *self.shard[x])
+        return True
+
+    def _on_lookup(self, node, sharded) -> bool:
+        ids = node.args[1]
+        if sharded != [ids]:
+            return False
+        self._place(node, *self.shard[ids])
+        return True
+
+    def _on_indexed_along(self, node, sharded) -> bool:
+        return self._along(node)
+
+    def _on_convolution(self, node, sharded) -> bool:
+        if node.args[0] in self.shard and self.shard[node.args[0]][0] >= 2:
             return self._refuse(node, "a convolution along the sequence dim: each position reads its neighbours, "
                                       "which other cp ranks hold (a causal convolution as in Mamba would need the "
                                       "previous chunk's last positions); keep it off the sequence, or split without "
                                       "--cp")
         return False
 
-    def _new_like(self, node) -> bool:
+    def _on_fresh(self, node, sharded=None) -> bool:
         """``x.new_empty(sizes)`` of a shard, as long as the shard along its dim (a buffer the model fills with
         the shard's values: DeepSeek-V3's keys): made for this rank's positions."""
         x, sizes = node.args[0], list(node.args[1])
@@ -318,23 +306,12 @@ class _Walk(Propagation):
         self._place(node, *entry)
 
     def _view_dim(self, in_val, out_val, dim, groups):
-        """The output dim (and its sequences) of a shard through a view, or None: the sequence must stay whole
-        inside one output dim (kept, merged with the batch before it or the features after it, or split back)."""
-        ins, outs = _sizes(in_val), _sizes(out_val)
-        whole = ins[dim]
-        outer = _prod(ins[:dim]) * groups
-        inner = sympy.simplify(whole / (groups * self.seq)) * _prod(ins[dim + 1:])
-        for e in range(len(outs)):
-            before, after = _prod(outs[:e]), _prod(outs[e + 1:])
-            g2 = sympy.simplify(outer / before)
-            i2 = sympy.simplify(inner / after)
-            if _int(g2) is None or _int(i2) is None or _int(g2) < 1 or _int(i2) < 1:
-                continue
-            if _equal(outs[e], g2 * self.seq * i2):
-                return e, _int(g2)
-        return None
+        """The output dim (and its sequences) of a shard through a view, or None: ``rules.view_blocks`` with the
+        rank's positions of each sequence kept in one output dim (kept, merged with the batch before it or the
+        features after it, or split back)."""
+        return rules.view_blocks(_sizes(in_val), _sizes(out_val), dim, groups, self.cp, whole=self.seq / self.cp)
 
-    def _view(self, node, sharded) -> bool:
+    def _on_view(self, node, sharded) -> bool:
         first = node.args[0]
         if sharded != [first]:
             return False
@@ -346,7 +323,7 @@ class _Walk(Propagation):
         self._place(node, *placed)
         return True
 
-    def _expand(self, node) -> bool:
+    def _on_expand(self, node, sharded=None) -> bool:
         first = node.args[0]
         if first not in self.shard:
             return False
@@ -354,7 +331,7 @@ class _Walk(Propagation):
         self._place(node, rules.expanded_dim(node, dim), groups)
         return True
 
-    def _expand_as(self, node) -> bool:
+    def _on_expand_as(self, node, sharded=None) -> bool:
         """``x.expand_as(other)``: the output has ``other``'s local shape, so it holds where both are sharded on the
         same dim (aligned from the right), or ``x`` is whole with size 1 there (F.normalize's norm, ``[b, s, 1]``
         expanded to the features, keeps each position's row)."""
@@ -371,7 +348,7 @@ class _Walk(Propagation):
         self._place(node, dim, groups)
         return True
 
-    def _slice(self, node, sharded) -> bool:
+    def _on_cut(self, node, sharded) -> bool:
         first = node.args[0]
         if sharded != [first]:
             return False
@@ -396,7 +373,7 @@ class _Walk(Propagation):
         self._place(node, out_dim, groups)
         return True
 
-    def _cat(self, node, sharded) -> bool:
+    def _on_join(self, node, sharded) -> bool:
         parts = [p for p in node.args[0] if not rules.skipped_by_cat(p)]
         placed = {self.shard[p] for p in parts if p in self.shard}
         if len(placed) != 1:
@@ -418,7 +395,7 @@ class _Walk(Propagation):
         self._place(node, out_dim, groups)
         return True
 
-    def _norm(self, node, sharded) -> bool:
+    def _on_norm(self, node, sharded) -> bool:
         x = node.args[0]
         if sharded != [x]:
             return False
@@ -430,7 +407,7 @@ class _Walk(Propagation):
         self._place(node, dim, groups)
         return True
 
-    def _index(self, node, sharded) -> bool:
+    def _on_index(self, node, sharded) -> bool:
         """``x[idx, ...]``: a whole table read at sharded positions (``cos[position_ids]``), or a shard indexed
         on its other dims."""
         x, indices = node.args[0], list(node.args[1])
@@ -521,7 +498,7 @@ class _Walk(Propagation):
             return True
         return False
 
-    def _einsum(self, node) -> bool:
+    def _on_einsum(self, node, sharded=None) -> bool:
         """``einsum(equation, operands)``, each sharded operand holding positions on one label: the first whose
         label the output keeps sets the output's placement (the queries of ``b h i d, b h j d -> b h i j``, the
         scores' rows of ``b h i j, b h j d -> b h i d``: x-transformers', PaLM's and einops' attention); one sharded
@@ -560,7 +537,7 @@ class _Walk(Propagation):
             self._place(node, output.index(label), groups)
         return True
 
-    def _baddbmm(self, node) -> bool:
+    def _on_biased_product(self, node, sharded=None) -> bool:
         """``baddbmm(bias, a, b)``: ``a @ b`` placed as a matmul (BLOOM's attention scores, ``q @ k^T`` over heads
         merged with the batch: the keys gathered), and the bias added to its result as a pointwise operand: read at
         this rank's positions where it has a sequence dim (cut to the query rows), whole where it is per key (ALiBi's
@@ -580,7 +557,7 @@ class _Walk(Propagation):
             self._cut(node, bias, at, groups)
         return True
 
-    def _attention(self, node, sharded) -> bool:
+    def _on_attention(self, node, sharded) -> bool:
         q, k, v = node.args[:3]
         mask = rules.arg(node, 3, "attn_mask")
         if q not in self.shard or self.shard[q][0] != _val(q).dim() - 2:
@@ -613,7 +590,7 @@ class _Walk(Propagation):
         self._place(node, _val(node).dim() - 2, groups)
         return True
 
-    def _loss(self, node, sharded) -> bool:
+    def _on_loss(self, node, sharded) -> bool:
         """A loss over sharded tokens: per-token (reduction none) carries the shard; a mean becomes a sum and a
         count, a sum a partial sum, both summed over cp."""
         weight_at, reduction_at = rules.LOSSES[node.target]

@@ -186,38 +186,34 @@ class _Walk(Propagation):
             else:
                 self._carry(node, node.args[0], 0)
             return
-        if not self._rule(node):
+        if not self._rule(node, sharded):
             self._refuse(node, "runs between the expert matmuls and is not a per-row op")
         elif node in self.shard and self.shard[node] != 0:
             self._refuse(node, _MOVES_ROWS)
         elif node in self.items and any(e is not None and e[0] != 0 for e in self.items[node]):
             self._refuse(node, _MOVES_ROWS)
 
-    def _rule(self, node) -> bool:
-        """The shared rules' answer for ``node`` reading the rows (False: no rule places it)."""
-        target = node.target
+    # -- each family's rule (``Propagation._rule``; the rows stay on dim 0: elementwise ops, moves, reductions and
+    # ops along a dim are the shared rules)
+    def _on_cut(self, node, sharded) -> bool:
         first = node.args[0]
-        if target in rules.SLICES or target in rules.CUTS:
-            if first not in self.shard:
-                return False
-            if rules.cut_dim(node) == self._dim(first):
-                return self._refuse(node, "cuts the rows between the expert matmuls")
-            self._place_out(node, first, self._dim(first))  # a cut after dim 0 leaves the rows on dim 0
-            return True
-        if target in rules.KEEP and first in self.shard:
-            self._carry(node, first)
-            return True
-        if target in rules.UNARY or target in rules.BINARY or rules.is_pointwise(target):
-            return self._elementwise(node)
         if first not in self.shard:
             return False
-        if target in rules.MOVES:
-            return self._move(node)
-        if target in rules.PARTIAL:
-            return self._reduce(node)
-        if target in rules.ALONG:
-            return self._along(node)
-        return False
+        if rules.cut_dim(node) == self._dim(first):
+            return self._refuse(node, "cuts the rows between the expert matmuls")
+        self._place_out(node, first, self._dim(first))  # a cut after dim 0 leaves the rows on dim 0
+        return True
+
+    def _on_cast(self, node, sharded) -> bool:
+        if node.args[0] not in self.shard:
+            return rules.is_pointwise(node.target) and self._elementwise(node)
+        self._carry(node, node.args[0])
+        return True
+
+    _on_dtype_of = _on_cast
+
+    def _on_write(self, node, sharded) -> bool:
+        return self._elementwise(node)
 
     def _read_outside(self) -> None:
         """A value placed inside the block (not the rows, not the block's output) read outside it: refused."""

@@ -13,6 +13,11 @@ reduction's partial result (:meth:`_partial`: tp and cp both combine a sum or a 
 seeds (which values begin sharded) and the rules for contractions, attention, views, cuts and elementwise operands
 (whose whole operands are cut, copied or gathered by each planner's costs) stay in the planners.
 
+Every op is placed by the rule of its family (``rules.family``: elementwise, view, move, reduction, contraction,
+attention, cut, join, index, along, convolution, collective, ...), found by name: :meth:`_rule` calls the planner's
+``_on_<family>``; the families whose rule is shared are defined here, and a planner that has no method for a family
+has no rule for it (tensor parallelism then asks torch's DTensor rule, context parallelism refuses).
+
 A subclass provides ``shard`` (node -> its placement), :meth:`_dim` (the sharded dim of a placed value),
 :meth:`_carry` (place a node as another value is placed, on a given dim), ``items`` (a multi-output node's
 placements), :meth:`_across` and :meth:`_partial`.
@@ -79,6 +84,29 @@ class Propagation:
     def _place_entry(self, node, entry, sources: list) -> None:
         """``node`` placed at ``entry`` (``_entry``'s form), made from the sharded ``sources``."""
         raise NotImplementedError
+
+    # -- the rule of an op, found by what it computes
+    def _rule(self, node, sharded: list) -> bool:
+        """Place ``node`` (reading the placed ``sharded``) by its family's rule: the planner's ``_on_<family>``
+        (``rules.family``: one key per op, registered once), False where the planner has none (its fallback, or a
+        refusal). The families whose answer does not depend on what the sharded dim means are defined here."""
+        handler = getattr(self, "_on_" + rules.family(node.target), None)
+        return handler is not None and handler(node, sharded)
+
+    def _on_elementwise(self, node, sharded) -> bool:
+        return self._elementwise(node)
+
+    def _on_move(self, node, sharded) -> bool:
+        return sharded == [node.args[0]] and self._move(node)
+
+    def _on_along(self, node, sharded) -> bool:
+        return self._along(node)
+
+    def _on_trailing(self, node, sharded) -> bool:
+        return sharded == [node.args[0]] and self._trailing(node)
+
+    def _on_reduction(self, node, sharded) -> bool:
+        return sharded == [node.args[0]] and self._reduce(node)
 
     # -- the rules every dimension shares (the sharded input is ``node.args[0]``)
     def _place_out(self, node, source, dim) -> None:

@@ -5,14 +5,15 @@ tracepp places tensor parallelism (heads and features), sequence parallelism and
 expert parallelism (rows) by walking a stage graph in order and asking, at every op, where a sharded input's dim
 goes. That question has one answer per op whatever the mesh dimension is, and it is answered here:
 
-* **families** (the sets below): what an op computes. Elementwise (casts, unary, binary, torch's pointwise tag),
-  views and moves, reductions with the kind of partial result they leave over a sharded dim, contractions,
-  attention in its spellings, gathers, scatters and indexing, ops along one dim (softmax, scans, sorts), norms,
-  convolutions, factories, losses, and tracepp's own collectives;
+* **families** (the sets below, and :data:`FAMILIES` / :func:`family`, the one key each op's rule is found by):
+  what an op computes. Elementwise (casts, unary, binary, torch's pointwise tag), views and moves, reductions with
+  the kind of partial result they leave over a sharded dim, contractions, attention in its spellings, gathers,
+  scatters and indexing, ops along one dim (softmax, scans, sorts), norms, convolutions, factories, losses, and
+  tracepp's own collectives. Every walk places an op by its family's method (``Propagation._rule``);
 * **dim maps** (the functions): the output dim of a shard through a move (:func:`moved_dim`), a reduction
   (:func:`reduction`, :func:`partial_kind`), an op along a dim (:func:`along_dims`), a broadcast operand
-  (:func:`aligned_dim`), a cut (:func:`cut_dim`), and a view (:func:`view_of_pieces` for pieces of a dim, the
-  sequence's view is ``context_parallel``'s ``_view_dim``).
+  (:func:`aligned_dim`), a cut (:func:`cut_dim`), and a view (:func:`view_blocks`: heads, a fused projection's
+  equal parts and a sequence's positions alike; :func:`view_placement` in tensor parallelism's segments).
 
 The planners (``tensor_parallel``, ``context_parallel``, ``expert_parallel``) do not restate these: they choose the
 seeds (which values start sharded), what a whole operand beside a shard becomes (cut to the rank's piece, read
@@ -22,6 +23,7 @@ whole with its gradient summed, or gathered) and what a rule's "no" costs; ``pla
 from __future__ import annotations
 
 import functools
+import operator
 import os
 
 import sympy
@@ -143,6 +145,55 @@ CP_COLLECTIVES = ("tracepp::cp_shard", "tracepp::cp_all_gather", "tracepp::cp_re
 def is_pointwise(target) -> bool:
     """Elementwise: torch tags it pointwise, or it is one of the ops torch leaves untagged."""
     return target in _UNTAGGED_POINTWISE or torch.Tag.pointwise in getattr(target, "tags", ())
+
+
+# ---- what an op computes: the one key every walk's rule is found by (``Propagation._rule``)
+
+FAMILIES = (  # (family, its ops): the first family that lists an op is its own
+    ("item", {operator.getitem}),  # one output of a multi-output op
+    ("size", {aten.sym_size.int}),
+    ("fresh", FRESH),  # a new tensor of given sizes made from another (its dtype and device)
+    ("write", {aten.copy_.default}),  # a value written into another in place
+    ("join", CATS | STACKS),
+    ("dtype_of", {aten.type_as.default}),  # the second operand gives only its dtype
+    ("norm", set(NORMS)),
+    ("cast", CASTS | DROPOUTS),
+    ("like", LIKE),
+    ("attention", SDPA),
+    ("product", PRODUCTS),
+    ("biased_product", BADDBMM),
+    ("einsum", {aten.einsum.default}),
+    ("loss", set(LOSSES)),
+    ("convolution", CONVOLUTIONS),
+    ("indexed_along", INDEXED_ALONG),
+    ("elementwise", UNARY | BINARY),  # and every op torch tags pointwise (:func:`family`)
+    ("view", VIEWS | FLATTENS | UNFLATTENS),
+    ("view_as", {aten.view_as.default, aten.reshape_as.default}),
+    ("move", MOVES),
+    ("expand", EXPANDS),
+    ("expand_as", {aten.expand_as.default}),
+    ("cut", SLICES | CUTS),
+    ("index", {aten.index.Tensor}),
+    ("repeat", {aten.repeat.default}),
+    ("repeat_interleave", {aten.repeat_interleave.self_int}),
+    ("reduction", set(PARTIAL)),
+    ("along", ALONG),
+    ("trailing", PADS | TRIANGLES),
+    ("linear", {aten.linear.default, aten.addmm.default}),
+    ("lookup", {aten.embedding.default}),
+)
+_FAMILY = {op: name for name, ops in reversed(FAMILIES) for op in ops}  # earlier families overwrite later ones
+
+
+def family(target) -> str:
+    """What ``target`` computes, as ``FAMILIES`` names it; ``collective`` for tracepp's cp collectives, ``elementwise``
+    for an op torch tags pointwise, ``other`` for the rest (torch's own rule, or a refusal)."""
+    found = _FAMILY.get(target)
+    if found is not None:
+        return found
+    if getattr(target, "name", lambda: "")() in CP_COLLECTIVES:
+        return "collective"
+    return "elementwise" if is_pointwise(target) else "other"
 
 
 # ---- where in the model's source
@@ -481,39 +532,75 @@ def boundaries(segments) -> list:
     return out
 
 
-def view_placement(in_sizes: list, out_sizes: list, dim: int, segments, tp: int):
-    """(output dim, its segments or None) of a value sharded on ``dim`` (with ``segments``) through a view from
-    ``in_sizes`` to ``out_sizes``, or None where the pieces would not stay whole. Handles the dim kept, split
-    into heads (it must be the outer part), merged with the dims after it (it is the outer part) or with size-1
-    dims around it (a batch of one), a merged dim of one segment per outer index split back, and a dim split into
-    heads whose head count merges with the dims before it (``[batch, seq, heads * d] -> [batch * seq * heads, d]``:
-    the sharded dim is read as ``[heads, d]`` sharded on the heads)."""
-    found = _view_placement(in_sizes, out_sizes, dim, segments, tp)
-    size, before = in_sizes[dim], prod(in_sizes[:dim])
-    if found is not None or segments or not ints([size, before]) or int(before) == 0:
-        return found
-    for e in range(1, len(out_sizes) + 1):
-        bound = prod(out_sizes[:e])
-        if not ints([bound]) or int(bound) % int(before):
-            continue
-        heads = int(bound) // int(before)
-        if 1 < heads < int(size) and int(size) % heads == 0 and heads % tp == 0:
-            finer = list(in_sizes[:dim]) + [sympy.Integer(heads), sympy.Integer(int(size) // heads)] \
-                + list(in_sizes[dim + 1:])
-            found = _view_placement(finer, out_sizes, dim, None, tp)
-            if found is not None:
-                return found
+def _positive_int(expr) -> bool:
+    expr = sympy.simplify(expr)
+    return bool(expr.is_Integer) and int(expr) >= 1
+
+
+def view_blocks(in_sizes: list, out_sizes: list, dim: int, groups, ranks: int, whole=1):
+    """The view rule of every sharded dim: (output dim, its groups) of a dim holding ``groups`` equal blocks side by
+    side (a fused projection's equal parts, the sequences of a batch merged into one dim), each cut into ``ranks``
+    contiguous pieces of which a rank holds one per block, through a view from ``in_sizes`` to ``out_sizes``; None
+    where a rank's pieces would not be the pieces of equal blocks of one output dim.
+
+    The input is read as ``[outer, ranks, rest]`` (``outer``: the dims before times the blocks; ``rest``: a piece's
+    elements times the dims after): output dim ``e`` holds the shard where the dims before it divide ``outer`` and the
+    dims after it divide ``rest`` (sizes symbolic or not), the quotients its blocks and each rank's elements in them.
+    ``whole``: a size that must stay in one dim with the rank's index (context parallelism: the rank's positions of
+    a sequence, so the dim stays positions; tensor parallelism: 1, heads may split into heads and features). A piece
+    kept whole (a rest that is a multiple of the piece: a symbolic sequence merged with the dims after it) always
+    qualifies. Where it exists, ``e`` is the only such dim."""
+    if ints(list(in_sizes) + list(out_sizes) + [groups, whole]):  # the common case, in Python's ints
+        size, whole = int(in_sizes[dim]), int(whole)
+        if size % (groups * ranks):
+            return None
+        outer, piece = int(prod(in_sizes[:dim])) * groups, size // (groups * ranks)
+        rest = piece * int(prod(in_sizes[dim + 1:]))
+        for e in range(len(out_sizes)):
+            before, after = int(prod(out_sizes[:e])), int(prod(out_sizes[e + 1:]))
+            if before and after and not outer % before and not rest % after:
+                mine = rest // after
+                if outer // before >= 1 and mine >= 1 and (not mine % whole or not mine % piece):
+                    return e, outer // before
+        return None
+    size = sympy.sympify(in_sizes[dim])
+    outer = sympy.sympify(prod(in_sizes[:dim])) * groups
+    piece = size / (groups * ranks)
+    rest = piece * prod(in_sizes[dim + 1:])
+    for e in range(len(out_sizes)):
+        blocks = sympy.simplify(outer / sympy.sympify(prod(out_sizes[:e])))
+        mine = sympy.simplify(rest / sympy.sympify(prod(out_sizes[e + 1:])))
+        if _positive_int(blocks) and (_positive_int(mine / whole) or _positive_int(mine / piece)):
+            return e, int(blocks)
     return None
 
 
-def _view_placement(in_sizes: list, out_sizes: list, dim: int, segments, tp: int):
-    if segments and len(segments) > 1 and ints(segments) and len({int(p) for p in segments}) == 1:
-        # k equal segments (a sharded dim merged with the dims before it: [batch, seq, heads] -> [rows]) are a
-        # [k, piece] view sharded on the piece: place the view from that ([rows] -> [batch, seq, heads] back)
-        finer = list(in_sizes[:dim]) + [len(segments), int(segments[0])] + list(in_sizes[dim + 1:])
-        found = _view_placement(finer, out_sizes, dim + 1, None, tp)
-        if found is not None:
-            return found
+def view_placement(in_sizes: list, out_sizes: list, dim: int, segments, tp: int):
+    """Tensor parallelism's view of a dim sharded with ``segments`` (None: one): (output dim, its segments or None),
+    or None where the pieces would not stay whole. No segments or equal ones are :func:`view_blocks`' (the dim kept,
+    split into heads with the sharded dim the outer part, merged with the dims after it or before it, a merged dim of
+    one segment per outer index split back, heads merged with the dims before them: ``[batch, seq, heads * d] ->
+    [batch * seq * heads, d]``); unequal ones (a fused projection's parts) are placed part by part."""
+    if segments and len(segments) > 1 and len({sympy.sympify(p) for p in segments}) > 1:
+        return _parts_view(in_sizes, out_sizes, dim, segments, tp)
+    groups = len(segments) if segments else 1
+    found = view_blocks(in_sizes, out_sizes, dim, groups, tp)
+    if found is None:
+        return None
+    e, blocks = found
+    if e and equal(out_sizes[e - 1], 1) and _inner_units(out_sizes[:e]) > _inner_units(in_sizes[:dim]):
+        return None  # a dim of 1 put before the shard is a head count of one: the shard would cut inside the head
+    if blocks == groups and equal(out_sizes[e], in_sizes[dim]):
+        return e, segments  # kept
+    if blocks == 1:
+        return e, None
+    block = sympy.simplify(sympy.sympify(out_sizes[e]) / blocks)
+    return (e, (int(block),) * blocks) if block.is_Integer else None
+
+
+def _parts_view(in_sizes: list, out_sizes: list, dim: int, segments, tp: int):
+    """A dim of unequal parts through a view: kept, split (each part split alike, the sharded dim the outer part),
+    or merged with the dims after it or before it (each part widened alike)."""
     size = in_sizes[dim]
     before = prod(in_sizes[:dim])
     starts = [e for e in range(len(out_sizes)) if equal(prod(out_sizes[:e]), before)]
@@ -523,7 +610,7 @@ def _view_placement(in_sizes: list, out_sizes: list, dim: int, segments, tp: int
     same = [e for e in starts if _inner_units(out_sizes[:e]) == units]
     starts = ([e for e in same if not equal(out_sizes[e], 1)] or same
               or [e for e in starts if not equal(out_sizes[e], 1)])
-    parts = list(segments) if segments else [size]
+    parts = list(segments)
     if not starts:
         return _merged_with_outer(in_sizes, out_sizes, dim, parts)
     for e in starts[:1]:
@@ -535,18 +622,15 @@ def _view_placement(in_sizes: list, out_sizes: list, dim: int, segments, tp: int
         size_i, out_i = int(size), int(out)
         if out_i < size_i and size_i % out_i == 0:  # split: the sharded dim is the outer part
             inner = size_i // out_i
-            if (segments and len(parts) == out_i and all(int(p) == inner for p in parts) and e + 1 < len(out_sizes)
-                    and equal(out_sizes[e + 1], inner)):  # [b*s] of per-sample segments -> [b, s]
-                return e + 1, None
             if any(int(p) % inner for p in parts):
                 return None
             new = [int(p) // inner for p in parts]
             if any(p % tp for p in new):
                 return None
-            return e, (tuple(new) if len(new) > 1 else None)
+            return e, tuple(new)
         if out_i > size_i and out_i % size_i == 0:  # merge: the sharded dim is the outer part
             inner = out_i // size_i
-            return e, (tuple(int(p) * inner for p in parts) if len(parts) > 1 else None)
+            return e, tuple(int(p) * inner for p in parts)
         return None
     return None
 

@@ -351,136 +351,170 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
         self.aliases[node] = source
         return True
 
+    _ANY_KIND = {"item", "fresh", "write", "dtype_of"}  # families that place sequence and tp shards alike (and cat)
+
     def _propagate(self, node, target, sharded) -> bool:
-        out_val = _val(node)
         if any(a in self.mixed for a in sharded) and not (
                 target in _MIXED_CARRIES or target in rules.SPLITS or target in rules.SLICES or target is operator.getitem):
             for arg in sharded:
                 for fqn in self.origin.get(arg, ()) if arg in self.mixed else ():
                     self.unfusable.setdefault(fqn, f"its parts, some whole, are read together by {target}{_at(node)}")
             return self._refuse(node, "reads a fused projection's output with parts of both kinds")
-        if target is operator.getitem:
-            entry = (self.items.get(node.args[0]) or [])
-            if node.args[0] in self.items:
-                if node.args[1] >= len(entry):
-                    return False
-                if entry[node.args[1]] is None:  # an output whole on every rank (torch's rule, a whole part)
-                    self._claimed.add((node, node.args[0]))
-                    return True
-                dim, segments = entry[node.args[1]]
-                parts = self.item_parts.get(node.args[0])
-                if parts and parts[node.args[1]] is not None:
-                    self.part[node] = parts[node.args[1]]
-                self._place(node, dim, segments, self.origin.get(node.args[0], frozenset()),
-                            self.kind.get(node.args[0]))
-                return True
-            self._carry(node, node.args[0])
-            return True
-        first = node.args[0]
-        if target in rules.FRESH:
-            return self._fresh_buffer(node, first)
-        if target is aten.copy_.default:
-            return self._fill(node)
-        if target in rules.CATS:
-            return self._cat(node)
-        if target is aten.type_as.default:  # the second operand gives only its dtype
-            if first in self.shard:
-                self._carry(node, first)
-            self._claimed.add((node, node.args[1]))
-            return True
-        if self._kind_of(sharded) is None:
+        if (rules.family(target) not in self._ANY_KIND and target not in rules.CATS
+                and self._kind_of(sharded) is None):
             return self._refuse(node, "mixes sequence shards with tensor-parallel shards")
-        if target in rules.NORMS:
-            return self._norm(node, target, sharded)
-        if target in rules.UNARY:
-            if first not in self.shard or len(sharded) != 1:
+        return self._rule(node, sharded)
+
+    # -- each family's rule (``Propagation._rule`` finds them by ``rules.family``; moves, ops along a dim, pads and
+    # triangles and reductions are the shared rules; a family not here is torch's rule, ``_by_torch``)
+    def _on_item(self, node, sharded) -> bool:
+        entry = (self.items.get(node.args[0]) or [])
+        if node.args[0] in self.items:
+            if node.args[1] >= len(entry):
                 return False
-            if target is aten.dropout.default and node.args[1] and (len(node.args) < 3 or node.args[2]):
-                return self._refuse(node, "dropout draws a different mask on each rank: keep it whole or set p=0")
-            self._carry(node, first)
+            if entry[node.args[1]] is None:  # an output whole on every rank (torch's rule, a whole part)
+                self._claimed.add((node, node.args[0]))
+                return True
+            dim, segments = entry[node.args[1]]
+            parts = self.item_parts.get(node.args[0])
+            if parts and parts[node.args[1]] is not None:
+                self.part[node] = parts[node.args[1]]
+            self._place(node, dim, segments, self.origin.get(node.args[0], frozenset()), self.kind.get(node.args[0]))
             return True
-        if target in rules.BINARY:
+        self._carry(node, node.args[0])
+        return True
+
+    def _on_fresh(self, node, sharded) -> bool:
+        return self._fresh_buffer(node, node.args[0])
+
+    def _on_write(self, node, sharded) -> bool:
+        return self._fill(node)
+
+    def _on_join(self, node, sharded) -> bool:
+        return node.target in rules.CATS and self._cat(node)
+
+    def _on_dtype_of(self, node, sharded) -> bool:
+        if node.args[0] in self.shard:
+            self._carry(node, node.args[0])
+        self._claimed.add((node, node.args[1]))
+        return True
+
+    def _on_norm(self, node, sharded) -> bool:
+        return self._norm(node, node.target, sharded)
+
+    def _on_elementwise(self, node, sharded) -> bool:
+        if node.target in rules.BINARY:
             return self._elementwise(node)
-        if target in rules.MATMULS:
-            return self._batched_matmul(node)
-        if target is aten.baddbmm.default:
-            return self._baddbmm(node)
-        if target is aten.einsum.default:
-            return self._einsum(node)
-        if target in rules.SDPA:
-            return self._attention(node)
-        if getattr(target, "name", lambda: "")() in rules.CP_COLLECTIVES:  # --cp's collectives along the sequence: a shard of
-            dim = node.args[1] % _val(first).dim() if len(node.args) > 1 else None  # another dim passes through
-            if first not in self.shard or len(sharded) != 1 or dim == self.shard[first]:
-                return False
-            self._carry(node, first)
-            return True
-        if target in rules.CONVS:
-            return self._depthwise_conv(node)
-        if target is aten.gather.default:
-            return self._gather_along(node)
+        if node.target not in rules.UNARY or node.args[0] not in self.shard or len(sharded) != 1:
+            return False
+        if node.target is aten.dropout.default and node.args[1] and (len(node.args) < 3 or node.args[2]):
+            return self._refuse(node, "dropout draws a different mask on each rank: keep it whole or set p=0")
+        self._carry(node, node.args[0])
+        return True
+
+    _on_cast = _on_elementwise
+
+    def _on_product(self, node, sharded) -> bool:
+        return node.target in rules.MATMULS and self._batched_matmul(node)
+
+    def _on_biased_product(self, node, sharded) -> bool:
+        return self._baddbmm(node)
+
+    def _on_einsum(self, node, sharded) -> bool:
+        return self._einsum(node)
+
+    def _on_attention(self, node, sharded) -> bool:
+        return self._attention(node)
+
+    def _on_collective(self, node, sharded) -> bool:
+        """--cp's collectives along the sequence: a shard of another dim passes through."""
+        first = node.args[0]
+        dim = node.args[1] % _val(first).dim() if len(node.args) > 1 else None
+        if first not in self.shard or len(sharded) != 1 or dim == self.shard[first]:
+            return False
+        self._carry(node, first)
+        return True
+
+    def _on_convolution(self, node, sharded) -> bool:
+        return node.target in rules.CONVS and self._depthwise_conv(node)
+
+    def _on_indexed_along(self, node, sharded) -> bool:
+        return node.target is aten.gather.default and self._gather_along(node)
+
+    def _on_view(self, node, sharded) -> bool:
+        first = node.args[0]
+        if node.target in rules.UNFLATTENS or first not in self.shard or len(sharded) != 1:
+            return False
+        dim, in_val, out_val = self.shard[first], _val(first), _val(node)
+        placed = rules.view_placement(_sizes(in_val), _sizes(out_val), dim, self.segs.get(first), self.tp)
+        if placed is not None and self.kind.get(first) == "seq" and not self.groups_of(placed[1]):
+            placed = None
+        if placed is None and self._unit_dim_view(node, in_val, out_val, dim):
+            if self._one_group_view(node):
+                placed = (dim + 1, self.segs.get(first))
+            else:  # a head of one (a multi-query key, Mamba-2's B and C shared by every head): needed whole,
+                self.heads_of_one.add(node)  # not cut inside the head as torch's rule for the view would
+        if placed is None or (node.target in rules.VIEWS and not self._size_arg_ok(node.args[1], placed[0],
+                                                                                _sizes(out_val)[placed[0]])):
+            if placed is None and self._want_view_parts(first, in_val, out_val, dim):
+                return False  # asked for the parts as segments (learned, then walked again)
+            self._whole_part(first)
+            if node in self.heads_of_one:
+                return self._refuse(node, f"makes one head of {in_val.shape[dim]} features sharded over --tp "
+                                          f"{self.tp} ({list(out_val.shape)}): fewer heads than --tp (a "
+                                          f"multi-query or grouped-query key/value head, or one group's state "
+                                          f"shared by every head: Mamba-2's B and C), gathered whole")
+            return self._refuse(node, f"reshapes a dim of {in_val.shape[dim]} sharded over --tp {self.tp} "
+                                      f"into {list(out_val.shape)}, whose pieces would not be whole heads "
+                                      f"(fewer heads than --tp, e.g. key/value heads of grouped-query "
+                                      f"attention)")
+        self._place(node, placed[0], placed[1], self.origin.get(first, frozenset()), self.kind.get(first))
+        return True
+
+    def _on_expand(self, node, sharded) -> bool:
+        first = node.args[0]
         if first not in self.shard or len(sharded) != 1:
             return False
-        dim = self.shard[first]
-        in_val = _val(first)
-        ndim = in_val.dim()
-        if target in rules.MOVES:
-            return self._move(node)
-        if target in rules.ALONG:
-            return self._along(node)
-        if target in rules.PADS or target in rules.TRIANGLES:  # masks and pads of trailing dims (torch's own rule
-            return self._trailing(node)                         # for a triangle replicates)
-        if target in rules.PARTIAL:
-            return self._reduce(node)
-        if target in rules.VIEWS or target in rules.FLATTENS:
-            placed = rules.view_placement(_sizes(in_val), _sizes(out_val), dim, self.segs.get(first), self.tp)
-            if placed is not None and self.kind.get(first) == "seq" and not self.groups_of(placed[1]):
-                placed = None
-            if placed is None and self._unit_dim_view(node, in_val, out_val, dim):
-                if self._one_group_view(node):
-                    placed = (dim + 1, self.segs.get(first))
-                else:  # a head of one (a multi-query key, Mamba-2's B and C shared by every head): needed whole,
-                    self.heads_of_one.add(node)  # not cut inside the head as torch's rule for the view would
-            if placed is None or (target in rules.VIEWS and not self._size_arg_ok(node.args[1], placed[0],
-                                                                              _sizes(out_val)[placed[0]])):
-                if placed is None and self._want_view_parts(first, in_val, out_val, dim):
-                    return False  # asked for the parts as segments (learned, then walked again)
-                self._whole_part(first)
-                if node in self.heads_of_one:
-                    return self._refuse(node, f"makes one head of {in_val.shape[dim]} features sharded over --tp "
-                                              f"{self.tp} ({list(out_val.shape)}): fewer heads than --tp (a "
-                                              f"multi-query or grouped-query key/value head, or one group's state "
-                                              f"shared by every head: Mamba-2's B and C), gathered whole")
-                return self._refuse(node, f"reshapes a dim of {in_val.shape[dim]} sharded over --tp {self.tp} "
-                                          f"into {list(out_val.shape)}, whose pieces would not be whole heads "
-                                          f"(fewer heads than --tp, e.g. key/value heads of grouped-query "
-                                          f"attention)")
-            self._place(node, placed[0], placed[1], self.origin.get(first, frozenset()), self.kind.get(first))
-            return True
-        if target in rules.EXPANDS:
-            e = rules.expanded_dim(node, dim)
-            if not self._size_arg_ok(node.args[1], e, _sizes(out_val)[e]):
-                return False
-            self._carry(node, first, e)
-            return True
-        if target in rules.SLICES or target in rules.SPLITS:
-            return self._cut(node, target, first, dim, in_val)
-        if target is aten.index.Tensor:
-            return self._index(node, first, dim, in_val, out_val)
-        if target is aten.repeat.default and self.kind.get(first) != "seq":  # tiled: each copy a segment, holding
-            e = dim + out_val.dim() - ndim                                       # this rank's piece of each
-            times = int(node.args[1][e]) if _ints([node.args[1][e]]) else 0
-            if times < 1:
-                return False
-            segments = tuple(self.segs.get(first) or (in_val.shape[dim],)) * times
-            self._place(node, e, segments if times > 1 else self.segs.get(first), self.origin.get(first, frozenset()))
-            return True
-        if target is aten.repeat_interleave.self_int:
-            if (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")) is None:
-                return False  # flattened
-            self._carry(node, first)  # repeating heads in place keeps each rank's block contiguous
-            return True
-        return False
+        e = rules.expanded_dim(node, self.shard[first])
+        if not self._size_arg_ok(node.args[1], e, _sizes(_val(node))[e]):
+            return False
+        self._carry(node, first, e)
+        return True
+
+    def _on_cut(self, node, sharded) -> bool:
+        first = node.args[0]
+        if node.target in rules.TENSOR_SPLITS or first not in self.shard or len(sharded) != 1:
+            return False
+        return self._cut(node, node.target, first, self.shard[first], _val(first))
+
+    def _on_index(self, node, sharded) -> bool:
+        first = node.args[0]
+        if first not in self.shard or len(sharded) != 1:
+            return False
+        return self._index(node, first, self.shard[first], _val(first), _val(node))
+
+    def _on_repeat(self, node, sharded) -> bool:
+        """Tiled: each copy a segment, holding this rank's piece of each."""
+        first = node.args[0]
+        if first not in self.shard or len(sharded) != 1 or self.kind.get(first) == "seq":
+            return False
+        dim, in_val, out_val = self.shard[first], _val(first), _val(node)
+        e = dim + out_val.dim() - in_val.dim()
+        times = int(node.args[1][e]) if _ints([node.args[1][e]]) else 0
+        if times < 1:
+            return False
+        segments = tuple(self.segs.get(first) or (in_val.shape[dim],)) * times
+        self._place(node, e, segments if times > 1 else self.segs.get(first), self.origin.get(first, frozenset()))
+        return True
+
+    def _on_repeat_interleave(self, node, sharded) -> bool:
+        first = node.args[0]
+        if first not in self.shard or len(sharded) != 1:
+            return False
+        if (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")) is None:
+            return False  # flattened
+        self._carry(node, first)  # repeating heads in place keeps each rank's block contiguous
+        return True
 
     def _made_on_piece(self, node, dim: int) -> None:
         """An expand or ``repeat_interleave`` of a whole value's dim of 1 (Mamba-2's B and C of one group repeated to

@@ -3,6 +3,8 @@ says a shard of ``d`` comes out on dim ``e``, each of two ranks running the op o
 half of the whole op's output on ``e``; where it says the op reduces over ``d``, the ranks' partial results combine
 into the whole one by the partial kind the rule names (a sum, a max, a p-norm...). No code shared with the rules:
 only the op's own kernel."""
+import math
+
 import pytest
 import torch
 import torch.fx as fx
@@ -297,3 +299,44 @@ def test_an_index_of_other_dims_places_the_shard_where_torch_puts_it(pairs):
             assert out_dim is None
             continue
         assert _holds_with(lambda t: aten.index.Tensor(t, indices), x, dim, out_dim), (pairs, dim, out_dim)
+
+
+def _factorizations(total: int, parts: int) -> list:
+    """Every ordered way of writing ``total`` as a product of ``parts`` sizes (ones included)."""
+    if parts == 1:
+        return [[total]]
+    return [[f] + rest for f in range(1, total + 1) if total % f == 0
+            for rest in _factorizations(total // f, parts - 1)]
+
+
+def _rank_elements(t, dim: int, groups: int, rank: int):
+    """What ``rank`` of two holds of ``t`` sharded on ``dim`` in ``groups`` equal blocks, each cut into 2 pieces: its
+    piece of every block, flattened in ``t``'s order."""
+    shape = list(t.shape)
+    blocks = t.reshape(shape[:dim] + [groups, 2, shape[dim] // (groups * 2)] + shape[dim + 1:])
+    return blocks.select(dim + 1, rank).flatten()
+
+
+@pytest.mark.parametrize("in_sizes,dim,groups", [
+    ([2, 8, 12], 2, 1), ([2, 8, 12], 1, 1), ([2, 8, 12], 2, 2), ([2, 8, 12], 1, 2), ([1, 8, 4, 2], 1, 1),
+    ([4, 6], 0, 2), ([2, 2, 8], 2, 1)])
+def test_a_view_keeps_each_ranks_pieces_where_the_view_rule_says(in_sizes, dim, groups):
+    """``rules.view_blocks`` against torch's view, for every view of the input into 1 to 4 dims: where it names an
+    output dim and its blocks, each of two ranks' pieces of the input are, element for element, its pieces of that
+    dim of the output; where it names none, no output dim holds them so (``whole=1``: heads may split). With
+    ``whole`` a rank's piece (context parallelism's positions), the dim it names is the same and keeps each piece
+    in it with the dims after it."""
+    x = torch.arange(math.prod(in_sizes)).reshape(in_sizes)
+    piece = in_sizes[dim] // (groups * 2)
+    for n in range(1, 5):
+        for out_sizes in _factorizations(x.numel(), n):
+            y = x.reshape(out_sizes)
+            holds = [(e, b) for e in range(n) for b in range(1, out_sizes[e] + 1) if out_sizes[e] % (2 * b) == 0
+                     and all(torch.equal(_rank_elements(x, dim, groups, r), _rank_elements(y, e, b, r))
+                             for r in range(2))]
+            found = rules.view_blocks(in_sizes, out_sizes, dim, groups, 2)
+            assert (found in holds) if found is not None else not holds, (in_sizes, out_sizes, found, holds)
+            kept = rules.view_blocks(in_sizes, out_sizes, dim, groups, 2, whole=piece)
+            if kept is not None:
+                e, b = kept
+                assert kept == found and out_sizes[e] // (2 * b) * math.prod(out_sizes[e + 1:]) % piece == 0
