@@ -23,8 +23,9 @@ more bytes; a plan that leaves a matmul whole to save an all-reduce pays for it 
 Megatron's plan for a decoder layer (:func:`layer_bytes`) is the reference ``inspect`` prints beside each of a
 stage's layers: two all-reduces of ``[b, s, h]`` forward (the attention's and the MLP's row-wise outputs) and
 two backward (the gradients of their whole inputs): 8 ``b s h`` elements' bytes as ring collectives move them;
-for an MLA layer Megatron-Core's (:func:`_latents`: its down-projections whole, their outputs' gradients all-reduced
-in place of the attention input's).
+for an MLA layer Megatron-Core's (:func:`_latents`: its down-projections whole, their outputs' gradients all-reduced,
+in place of the attention input's where only they read it); with low-rank adapters, PEFT's tensor-parallel LoRA
+(:func:`_adapters`: one all-reduce of each adapter's latent).
 """
 from __future__ import annotations
 
@@ -268,6 +269,80 @@ def _latents(walk, nodes: list, inside: set) -> list:
     return out
 
 
+def _source(node):
+    """``node`` before the ops that pass it on unchanged (casts, dropout)."""
+    while node.op == "call_function" and node.target in rules.KEEP and node.args:
+        node = node.args[0]
+    return node
+
+
+def _linear_readers(walk, value, inside: set) -> list:
+    """The linears of a 2-D weight in the layer reading ``value`` (through casts and dropout), as ``(node, its
+    _linear_form)``."""
+    out, todo, seen = [], [value], set()
+    while todo:
+        node = todo.pop()
+        for user in node.users:
+            if user in seen or user not in inside:
+                continue
+            seen.add(user)
+            if user.op == "call_function" and user.target in rules.KEEP:
+                todo.append(user)
+                continue
+            form = walk._linear_form(user) if user.op == "call_function" else None
+            if form is not None and form[1].meta["val"].dim() == 2 and _source(form[0]) is _source(value):
+                out.append((user, form))
+    return out
+
+
+def _narrows(form) -> bool:
+    from tracepp.split.tp_contract import linear_widths
+
+    widths = linear_widths(form)
+    return widths is not None and widths[1] < widths[0]
+
+
+def _adapters(walk, nodes: list, inside: set, latents: list) -> list:
+    """A layer's low-rank adapters (LoRA: ``base(x) + B(A(x)) * scale``, PEFT's, torchtune's, litgpt's): narrowing
+    linears (A, not an MLA latent) read by a widening one (B, through casts, dropout and scalings) whose output is
+    added to that of another linear reading the same input (the base). PEFT's tensor-parallel LoRA for Megatron
+    (``LoraParallelLinear``) keeps A whole beside a column-parallel base with B column-wise (backward all-reduces the
+    latent's gradient), and A row-wise beside a row-parallel one with B whole (forward all-reduces the latent): one
+    all-reduce of the latent either way."""
+    out = []
+    for node in nodes:
+        form = walk._linear_form(node) if node.op == "call_function" and node not in latents else None
+        if form is None or form[1].meta["val"].dim() != 2 or not _narrows(form):
+            continue
+        ups = [user for user, up in _linear_readers(walk, node, inside) if not _narrows(up)]
+        bases = [user for user, base in _linear_readers(walk, form[0], inside) if user is not node]
+        if any(_summed_with(up, base) for up in ups for base in bases):
+            out.append(node)
+    return out
+
+
+def _passed_on(node, steps: int = 3) -> set:
+    """``node`` and what it becomes through at most ``steps`` casts or scalings by a number."""
+    out, value = {node}, node
+    for _ in range(steps):
+        users = [u for u in value.users if u.op == "call_function" and (u.target in rules.KEEP or (
+            u.target in (torch.ops.aten.mul.Tensor, torch.ops.aten.mul.Scalar, torch.ops.aten.div.Tensor)
+            and len(u.all_input_nodes) == 1))]
+        if len(users) != 1:
+            break
+        value = users[0]
+        out.add(value)
+    return out
+
+
+def _summed_with(up, base) -> bool:
+    """``up``'s output (scaled, cast) is added to ``base``'s."""
+    mine, theirs = _passed_on(up), _passed_on(base)
+    return any(user.target in (torch.ops.aten.add.Tensor, torch.ops.aten.add_.Tensor)
+               and set(user.all_input_nodes) & mine and set(user.all_input_nodes) & theirs
+               for value in mine for user in value.users)
+
+
 def _layers(walk) -> dict:
     """{repeated block: its nodes, in graph order} of a stage graph (:func:`_layer_of`)."""
     layers: dict = {}
@@ -279,10 +354,15 @@ def _layers(walk) -> dict:
 
 
 def latent_weights(walk) -> set:
-    """The FQNs of the weights of every layer's low-rank down-projections feeding its attention (:func:`_latents`)."""
+    """The FQNs of the weights of every layer's low-rank down-projections feeding its attention (:func:`_latents`),
+    and of its adapters reading a whole input (:func:`_adapters` beside a column-wise base: PEFT's LoRA keeps A whole
+    there): the down-projections the cost trials try whole, their up-projections column-wise."""
     out = set()
     for nodes in _layers(walk).values():
-        for node in _latents(walk, nodes, set(nodes)):
+        inside = set(nodes)
+        latents = _latents(walk, nodes, inside)
+        for node in latents + [n for n in _adapters(walk, nodes, inside, latents)
+                               if walk._linear_form(n)[0] not in walk.shard]:
             out.add(walk._param(walk._linear_form(node)[1]))
     return out
 
@@ -330,8 +410,14 @@ def layer_bytes(walk) -> dict:
                 latents = _latents(walk, nodes, inside)
                 calls = _applications(nodes, layer)
                 megatron = 8 * _bytes(leaving[-1]) * calls
-                if latents:  # MLA: the attention's input gradient is whole after its down-projections' backward;
-                    #          the latents' gradients are all-reduced instead
-                    megatron += -2 * _bytes(leaving[-1]) * calls + 2 * sum(_bytes(n) for n in latents)
+                # MLA: the latents' gradients are all-reduced, in place of the attention input's where no linear
+                # Megatron shards column-wise reads that input: one that does not narrow (DeepSeek-V2-Lite's q_proj
+                # beside its key/value latent; a LoRA adapter's base), where the narrow ones (a query latent, DSA's
+                # indexer projections) are whole
+                megatron += 2 * sum(_bytes(n) for n in latents)
+                if latents and not any(user not in latents and not _narrows(form) for n in latents
+                                       for user, form in _linear_readers(walk, walk._linear_form(n)[0], inside)):
+                    megatron -= 2 * _bytes(leaving[-1]) * calls
+                megatron += 2 * sum(_bytes(n) for n in _adapters(walk, nodes, inside, latents))
         out[layer] = (moved[layer], megatron)
     return out

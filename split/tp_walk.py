@@ -301,8 +301,10 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
         if self._kind_of(sharded) != "tp" or segs == () or not self.groups_of(segs) or node in self.heads_of_one:
             return False
         contraction = node.target in rules.CONTRACTIONS  # a whole operand read at its piece: its gradient joined
+        on_features = all(self.shard[a] == _val(a).dim() - 1 for a in sharded)
         ruling = torch_rules.ask(node, {a: self.shard[a] for a in sharded}, self.tp,
-                                 lambda arg: (contraction or not self.needs_grad.get(arg)) and self._param(arg) is None)
+                                 lambda arg: (contraction or not self.needs_grad.get(arg)) and self._param(arg) is None
+                                 and not (on_features and self._stream_read_on(node, arg)))  # (no gradient: a frozen one)
         if ruling is None or (segs and not self._keeps_segments(node, sharded, ruling)):
             return False
         for arg, dim in ruling.scatter.items():
@@ -612,13 +614,16 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
             elif self._param(arg) is not None and not seq:
                 cut.append((arg, at))  # one the plan keeps whole (a tp_plan override, a trial): read at its piece
                 self._use(arg, None)
+            elif not seq and out_dim == n - 1 and not self.needs_grad.get(arg) and self._stream_read_on(node, arg):
+                return self._refuse(node, f"{arg.name} is whole and as wide as the sharded dim of "
+                                          f"{', '.join(a.name for a in node.all_input_nodes if a in self.shard)}")
             elif (seq or not self.needs_grad.get(arg)) and (self.groups_of(segments) or not seq):
                 cut.append((arg, at))  # a whole value beside pieces (a position table, a mask; Falcon-H1's muP
                 #                        multipliers over a fused projection's parts): its piece of each part
             elif not seq and self._param_only(arg):
                 cut.append((arg, at))  # made from weights alone (-exp(A_log), a bias per head): its piece
             elif not seq and self.groups_of(segments) and (
-                    out_dim < n - 1 or (self._feeds_linear(node) and not (node.target in _SUMS and len(arg.users) > 1))
+                    out_dim < n - 1 or (self._feeds_linear(node) and not self._stream_read_on(node, arg))
                     or (n > 3 and arg.target in rules.CONTRACTIONS)):
                 # one that carries a gradient, beside pieces of heads (CPM-Ant's learned position bias added to the
                 # scores of each head; Mamba-2's scores of every head, an einsum [b, chunk, l, s, heads]) or gating a
@@ -640,6 +645,14 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
             if self.needs_grad.get(arg):
                 self.copies.append((node, arg))
         return True
+
+    @staticmethod
+    def _stream_read_on(node, arg) -> bool:
+        """``node`` adds a sharded output to ``arg``, whole and read again elsewhere: the residual stream, kept whole
+        (the output made whole: a row-wise pair) beside an output sharded on its features, whether or not it carries
+        a gradient (before a fine-tune's adapters every layer is frozen: the stream entering them has none, and a
+        whole value without one is otherwise read at its piece, as a position table is)."""
+        return node.target in _SUMS and len(arg.users) > 1
 
     def _place_entry(self, node, entry, sources: list) -> None:
         self._place(node, entry[0], entry[1], self._origin_of(node.all_input_nodes),

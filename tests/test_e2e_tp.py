@@ -369,6 +369,26 @@ def test_a_mamba2_mixer_of_one_group_shards_its_heads_and_trains_equal_to_eager(
     assert_state_close(saved, expected)
 
 
+def test_a_lora_fine_tune_trains_its_adapters_equal_to_eager_and_leaves_the_base_as_it_was(tmp_path):
+    # torchtune-style LoRA on every projection, the base, embedding, norms and head frozen (the plan and its bytes:
+    # tests/test_plan_cost.py): pp 2 x tp 2, the model file's AdamW, clipping
+    path, out = model_path("tp_lora_llama"), str(tmp_path / "out")
+    manifest = split_model(path, out, num_microbatches=2, layout=Layout(pp=2, tp=2))
+    assert manifest["tp"]["params"]["layers.0.q_proj.lora_a.weight"]["role"] == "replicate"
+    clip = 0.25  # the adapters' gradient norm is about 0.47
+    expected, norms, _losses = _eager_adamw(path, 3, clip)
+    assert min(norms) > clip, "the norm must exceed the limit or clipping is not exercised"
+    ckpt = str(tmp_path / "ckpt.pt")
+    _run(out, 4, "--steps", "3", "--clip-grad-norm", str(clip), "--save", ckpt)
+    saved = torch.load(ckpt)
+    assert_trained(saved, path)
+    assert_state_close(saved, expected)
+    initial = initial_state(path)
+    for fqn, value in initial.items():
+        if "lora" not in fqn:
+            assert torch.equal(saved[fqn], value), f"{fqn} is frozen and changed"
+
+
 def test_a_sparse_attention_indexer_keeps_the_attention_sharded_by_heads(tmp_path):
     # DeepSeek-V3.2's indexer: the low-rank query latent is read by the attention's up-projection and by the
     # indexer's, which does not widen; the heads' scores are summed over the heads with whole weights that carry a

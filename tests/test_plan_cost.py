@@ -47,7 +47,7 @@ def _metered(monkeypatch) -> list:
     return moved
 
 
-@pytest.mark.parametrize("model", ["tp_fused_qkv_llama", "tp_gemma_mqa_fused", "hf_llama", "tp_gated_mlp", "tp_normalize_rmsnorm", "tp_low_rank", "tp_head_tables", "tp_selective_scan", "tp_mla_wide_mlp", "tp_partial_sums"])
+@pytest.mark.parametrize("model", ["tp_fused_qkv_llama", "tp_gemma_mqa_fused", "hf_llama", "tp_gated_mlp", "tp_normalize_rmsnorm", "tp_low_rank", "tp_head_tables", "tp_selective_scan", "tp_mla_wide_mlp", "tp_partial_sums", "tp_lora_llama"])
 def test_plan_bytes_are_what_the_rewritten_program_moves(model, monkeypatch):
     moved = _metered(monkeypatch)
     # one rank (hf_llama's pipe_split markers make two stages of it: each verified, neither like the other)
@@ -172,3 +172,55 @@ def test_a_block_applied_twice_is_compared_with_megatrons_plan_applied_twice():
     layers = manifest["tp"]["stages"][0]["layers"]
     once = 8 * 2 * 8 * 32 * 4  # 8 [b, s, h] fp32 elements per call, microbatch 2 x 8 tokens x 32 features
     assert layers == {"layers.0": [2 * once, 2 * once], "layers.1": [once, once]}, layers
+
+
+def _model_module(name: str):
+    """A model file of tests/models imported on its own, for its dims (read independently of the split)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, model_path(name))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_megatrons_mla_figure_all_reduces_the_input_gradient_beside_a_full_rank_query(monkeypatch):
+    # DeepSeek-V2-Lite's and Kimi Linear's MLA: the queries at full rank (q_proj column-wise in Megatron-Core), the
+    # key/value latent alone whole. Megatron-Core all-reduces the attention input's gradient (for q_proj) and the
+    # latent's (for kv_b_proj); the figure subtracted the first as if only latents read the input: 0.77x of the
+    # truth, and a plan of Megatron's bytes read as 1.19x
+    for q_lora in ("1", "0"):
+        monkeypatch.setenv("MLA_Q_LORA", q_lora)
+        manifest = check_model(model_path("tp_mla_wide_mlp"), num_microbatches=2, layout=Layout(pp=1, tp=2))
+        dims = _model_module("tp_mla_wide_mlp")
+        b, s, kv_latent = dims.BATCH // 2, dims.SEQ, dims.KV_RANK + dims.ROPE
+        bsh = b * s * dims.D * 4
+        megatron = 8 * bsh + 2 * b * s * kv_latent * 4 + (
+            2 * b * s * dims.Q_RANK * 4 - 2 * bsh if q_lora == "1" else 0)
+        for layer, (moved, figure) in manifest["tp"]["stages"][0]["layers"].items():
+            assert figure == megatron, (q_lora, layer, figure, megatron)
+            assert moved <= figure, (q_lora, layer, moved, figure)
+
+
+def test_a_lora_fine_tune_keeps_the_stream_whole_beside_peft_tensor_parallel_lora(tmp_path):
+    # torchtune-style LoRALinear on every projection, the base frozen. PEFT's LoraParallelLinear is the reference:
+    # Megatron's 8 b s h plus one all-reduce of each adapter's [b, s, rank]. The first stage's stream (the frozen
+    # embedding's output, no gradient) was read at pieces like a position table beside lora_b's column-wise output:
+    # the residual stream sharded on its features through the layer, the MLP's frozen gate and up row-wise, 2.19x
+    # that figure. The adapters beside column-wise bases are the latents the cost trials try whole (lora_a whole,
+    # lora_b column-wise, as PEFT's: its gradient summed once per step, not its latent's per microbatch)
+    dims = _model_module("tp_lora_llama")
+    manifest = check_model(model_path("tp_lora_llama"), num_microbatches=2, layout=Layout(pp=2, tp=2))
+    assert manifest["tp"]["verified"]["status"] == "verified"
+    b, s = dims.BATCH // 2, dims.SEQ
+    figure = 8 * b * s * dims.D * 4 + len(dims.ADAPTED) * 2 * b * s * dims.RANK * 4
+    for stage in manifest["tp"]["stages"]:
+        for layer, (moved, megatron) in stage["layers"].items():
+            assert megatron == figure and moved <= megatron, (layer, moved, megatron)
+    params = manifest["tp"]["params"]
+    for fqn, placed in params.items():
+        kind = fqn.split(".")[-3] if "lora" in fqn else None
+        if kind in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
+            assert placed["role"] == ("replicate" if ".lora_a." in fqn else "colwise"), (fqn, placed["role"])
+        if kind in ("o_proj", "down_proj"):
+            assert placed["role"] == ("rowwise" if ".lora_a." in fqn else "replicate"), (fqn, placed["role"])

@@ -2,12 +2,17 @@
 low-rank down-projections (``q_a_proj`` 64 -> 16, ``kv_a_proj_with_mqa`` 64 -> 16 + 8) hold about 2% of its
 parameters. The query and key/value latents are normalised (a mean of squares), widened into 4 heads by
 ``q_b_proj`` / ``kv_b_proj``, and the rotary part of the keys (``k_pe``, one head) is shared by every head.
+``MLA_Q_LORA=0``: the queries projected at full rank (``q_proj`` 64 -> 4 heads, DeepSeek-V2-Lite's and Kimi Linear's
+MLA), the key/value latent alone low-rank.
 """
+import os
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 VOCAB, D, HEADS, NOPE, ROPE, V, Q_RANK, KV_RANK, FF, BATCH, SEQ = 64, 64, 4, 16, 8, 16, 16, 16, 640, 4, 8
+Q_LORA = os.environ.get("MLA_Q_LORA", "1") != "0"
 
 
 class RMSNorm(nn.Module):
@@ -27,9 +32,12 @@ def rotate(x, cos, sin):
 class Attention(nn.Module):
     def __init__(self):
         super().__init__()
-        self.q_a_proj = nn.Linear(D, Q_RANK, bias=False)
-        self.q_a_layernorm = RMSNorm(Q_RANK)
-        self.q_b_proj = nn.Linear(Q_RANK, HEADS * (NOPE + ROPE), bias=False)
+        if Q_LORA:
+            self.q_a_proj = nn.Linear(D, Q_RANK, bias=False)
+            self.q_a_layernorm = RMSNorm(Q_RANK)
+            self.q_b_proj = nn.Linear(Q_RANK, HEADS * (NOPE + ROPE), bias=False)
+        else:
+            self.q_proj = nn.Linear(D, HEADS * (NOPE + ROPE), bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(D, KV_RANK + ROPE, bias=False)
         self.kv_a_layernorm = RMSNorm(KV_RANK)
         self.kv_b_proj = nn.Linear(KV_RANK, HEADS * (NOPE + V), bias=False)
@@ -37,7 +45,8 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin):
         b, s, _ = x.shape
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).view(b, s, HEADS, NOPE + ROPE).transpose(1, 2)
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if Q_LORA else self.q_proj(x)
+        q = q.view(b, s, HEADS, NOPE + ROPE).transpose(1, 2)
         q_nope, q_pe = torch.split(q, [NOPE, ROPE], dim=-1)
         compressed, k_pe = torch.split(self.kv_a_proj_with_mqa(x), [KV_RANK, ROPE], dim=-1)
         kv = self.kv_b_proj(self.kv_a_layernorm(compressed)).view(b, s, HEADS, NOPE + V).transpose(1, 2)
