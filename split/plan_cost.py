@@ -53,7 +53,8 @@ def _last_consumer(pairs) -> list:
 
 def collectives(walk) -> list:
     """Every collective ``walk``'s plan adds to its stage, once: ``(what, the value it moves, the node it belongs to,
-    bytes it moves per microbatch forward and backward, ring-weighted)``. The manifest lists them
+    bytes it moves per microbatch forward and backward, ring-weighted, the shape it moves where it is not the
+    value's or None)``. The manifest lists them
     (``tensor_parallel``), :func:`cost` prices them and :func:`layer_bytes` sums them per decoder layer."""
     out = [("reduce_scatter" if node in walk.reduce_scatters else "all_reduce", node, node, 2 * _bytes(node))
            for node, role in walk.roles.items()  # gathered back in backward
@@ -74,21 +75,22 @@ def collectives(walk) -> list:
     held = tp_grads.holding(walk)
     out += [("all_reduce (gradient, once per step)", node, node, 0) for node in walk.graph.nodes  # none per microbatch
             if node.op == "placeholder" and node in held]
-    out += [("all_gather (backward)", value, consumer, moved) for consumer, value, moved in backward_gathers(walk)]
+    out += [("all_gather (backward)", value, consumer, moved, shape)
+            for consumer, value, moved, shape in backward_gathers(walk)]
     for node, (x, _weight, _bias, _out_dim, _segments, _whole) in walk.mixed_linears.items():
         # a fused projection with whole parts: its sharded parts read x through tp_copy
         if walk.needs_grad.get(x):
             out.append(("all_reduce (backward)", x, node, 2 * _bytes(x)))
-    return out
+    return [entry if len(entry) == 5 else (*entry, None) for entry in out]
 
 
 def backward_gathers(walk) -> list:
-    """(reader, value, bytes gathered) of every all-gather ``walk``'s plan runs backward: the gradient pieces of a
+    """(reader, value, bytes gathered, the shape gathered where it is not the value's or None) of every all-gather ``walk``'s plan runs backward: the gradient pieces of a
     whole value read at a rank's piece (``tp_scatter``; not one whose gradient is a part tp_grads sums,
     ``tp_piece``), and the gradient rows of a fused projection's sharded parts where its weight is whole
     (``tp_scatter`` of their slices). :func:`collectives` prices them and the tuner's figures count them."""
     parts = tp_grads.piece_reads(walk)  # read at its piece, the gradient a part tp_grads sums: no gather
-    out = [(consumer, arg, _bytes(arg))  # the gradient pieces of a value read at its piece
+    out = [(consumer, arg, _bytes(arg), None)  # the gradient pieces of a value read at its piece
            for consumer, arg in _last_consumer((c, a) for c, a, _dim, _groups in walk.scatters
                                                if walk.needs_grad.get(a) and (c, a) not in parts)]
     for node, (_x, weight, bias, out_dim, segments, whole) in walk.mixed_linears.items():
@@ -96,13 +98,15 @@ def backward_gathers(walk) -> list:
         for param in (weight, bias):
             val = param.meta.get("val") if param is not None else None
             if val is not None and walk.needs_grad.get(param):
-                out.append((node, param, _bytes(param) * sharded // int(val.shape[out_dim if param is weight else 0])))
+                dim = out_dim if param is weight else 0
+                shape = [int(s) if k != dim else sharded for k, s in enumerate(val.shape)]
+                out.append((node, param, _bytes(param) * sharded // int(val.shape[dim]), shape))
     return out
 
 
 def _moves(walk):
     """(the node a collective belongs to, bytes it moves per microbatch forward and backward) of ``walk``'s plan."""
-    return [(belongs, moved) for _what, _value, belongs, moved in collectives(walk)]
+    return [(belongs, moved) for _what, _value, belongs, moved, _shape in collectives(walk)]
 
 
 def moved_bytes(walk) -> int:

@@ -198,16 +198,18 @@ def _share(walk: _Walk, params: dict, flops: dict) -> dict:
     return {"params": round(sharded / total, 4) if total else 0.0, "flops": round(done / work, 4) if work else 0.0}
 
 
-def _entry(op: str, node) -> dict:
+def _entry(op: str, node, shape=None) -> dict:
+    """One collective as the manifest lists it: the op, the value it follows, the shape it moves (the value's, or
+    ``shape``: a fused projection's sharded rows of its weight's gradient) and the dtype."""
     val = _val(node)
-    return {"op": op, "after": node.name, "shape": [str(s) for s in val.shape],
+    return {"op": op, "after": node.name, "shape": [str(s) for s in (val.shape if shape is None else shape)],
             "dtype": str(val.dtype).replace("torch.", "")}
 
 
 def _collectives(walk: _Walk) -> list:
     """The communication the rewrite adds to one stage, one line each (``plan_cost.collectives``: forward, and
     what backward adds beyond the mirror of forward)."""
-    return [_entry(what, value) for what, value, _belongs, _moved in plan_cost.collectives(walk)]
+    return [_entry(what, value, shape) for what, value, _belongs, _moved, shape in plan_cost.collectives(walk)]
 
 
 TUNED_SIZES = (2, 4, 8)
@@ -310,7 +312,7 @@ def _figures(nodes: list, entry: dict, flops: dict, tensor_bytes, crossing=None)
     copied = {value for reader, value in tp_grads.backward_reads(walk) if reader in inside}
     gathered = {arg for consumer, arg in walk.gathers if consumer in inside or (consumer.op == "output"
                                                                                 and arg in inside)}
-    gathered_back = [moved for reader, _value, moved in plan_cost.backward_gathers(walk) if reader in inside]
+    gathered_back = [moved for reader, _value, moved, _shape in plan_cost.backward_gathers(walk) if reader in inside]
     figures = {
         "sharded_flops": int(sharded_flops), "sharded_params": int(params), "sharded_param_bytes": int(bytes_),
         "all_reduce": total(reduce_fwd), "all_reduce_backward": total(copied), "all_gather": total(gathered),

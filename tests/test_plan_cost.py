@@ -3,6 +3,9 @@ collectives its rewritten program runs: each stage run for every tp rank by the 
 (``split.verify``), with a meter on each collective counting what the runtime's op sends forward and, when its
 gradient is taken, backward (ring-weighted: an all-reduce twice its tensor, an all-gather or a reduce-scatter
 once). The meter shares nothing with the plan's bookkeeping: it sees only the ops that ran."""
+import os
+import sys
+
 import pytest
 import torch
 
@@ -224,3 +227,18 @@ def test_a_lora_fine_tune_keeps_the_stream_whole_beside_peft_tensor_parallel_lor
             assert placed["role"] == ("replicate" if ".lora_a." in fqn else "colwise"), (fqn, placed["role"])
         if kind in ("o_proj", "down_proj"):
             assert placed["role"] == ("rowwise" if ".lora_a." in fqn else "replicate"), (fqn, placed["role"])
+
+
+def test_a_fused_projections_gradient_rows_are_listed_at_the_shape_they_move():
+    # Gemma's fused qkv with one key/value head under tp 2: the query part is sharded, the key and value parts whole,
+    # the weight held whole with its query rows' gradient gathered back. The manifest listed that gather at the whole
+    # weight's shape, [96, 64], though it prices (and the tuner counts) the query rows alone
+    sys.path.insert(0, os.path.dirname(model_path("lib_style")))
+    import lib_style
+
+    manifest = check_model(model_path("tp_gemma_mqa_fused"), num_microbatches=2, layout=Layout(pp=1, tp=2))
+    gathers = [c for stage in manifest["tp"]["stages"] for c in stage["collectives"]
+               if c["op"] == "all_gather (backward)" and c["after"].endswith("attn_attn_weight")]
+    assert len(gathers) == 2  # one a layer
+    for gather in gathers:
+        assert gather["shape"] == [str(lib_style.HEADS * lib_style.HEAD_DIM), str(lib_style.D)], gather
