@@ -92,7 +92,7 @@ PARTIAL = {
     aten.mean.default: "mean", aten.nanmean.default: "nanmean", aten.count_nonzero.dim_IntList: "sum",
     aten.count_nonzero.default: "sum", aten.amax.default: "max", aten.amin.default: "min", aten.max.dim: "max",
     aten.min.dim: "min", aten.max.default: "max", aten.min.default: "min", aten.linalg_vector_norm.default: "norm",
-    aten.norm.ScalarOpt_dim: "norm", aten.norm.Scalar: "norm", aten.prod.dim_int: "product",
+    aten.norm.ScalarOpt_dim: "norm", aten.norm.Scalar: "norm", aten.linalg_norm.default: "norm", aten.prod.dim_int: "product",
     aten.prod.default: "product", aten.logsumexp.default: "logsumexp", aten.var.correction: "variance",
     aten.std.correction: "variance", aten.var_mean.correction: "variance", aten.std_mean.correction: "variance",
     aten.any.dim: "any", aten.any.dims: "any", aten.any.default: "any", aten.all.dim: "all", aten.all.dims: "all",
@@ -366,6 +366,11 @@ def partial_kind(node) -> str:
     if kind == "norm":
         names = [spec.name for spec in node.target._schema.arguments]
         order = arg(node, names.index("ord" if "ord" in names else "p"), "ord" if "ord" in names else "p", 2)
+        if node.target is aten.linalg_norm.default:  # a vector norm over one dim, Frobenius over two (ord None);
+            if order is None:                          # a matrix norm of an order is not one of the elements
+                return "2-norm"
+            if len(reduction(node)[0]) != 1:
+                return "matrix norm"
         return f"{order:g}-norm" if isinstance(order, (int, float)) else "norm"
     return kind
 

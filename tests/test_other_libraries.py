@@ -188,10 +188,11 @@ def test_einsum_attention_shards_by_heads():
 
 
 @pytest.mark.parametrize("name", ["cp_learned_positions", "cp_complex_rope", "cp_alibi_baddbmm", "cp_normalize_rmsnorm",
-                                  "cp_sequential"])
+                                  "cp_linalg_norm", "cp_sequential"])
 def test_cp2_places_each_spelling(name):
     # the plan step of the end-to-end cp tests above (the slower tier): nanoGPT's arange(0, t) positions (a crash),
-    # torchtitan's complex rotary, BLOOM's and the ALiBi paper's baddbmm scores, x-transformers' F.normalize (refused);
+    # torchtitan's complex rotary, BLOOM's and the ALiBi paper's baddbmm scores, x-transformers' F.normalize (refused),
+    # the same norm written with torch.linalg.norm (refused: aten.linalg_norm was in no family);
     # and a model built as nn.Sequential (PaLM), whose input a stage graph names input_1 (refused: "no batched input")
     manifest = check_model(model_path(name), num_microbatches=2, schedule="gpipe", layout=Layout(pp=1, cp=2))
     assert manifest["cp"]["size"] == 2

@@ -171,6 +171,9 @@ REDUCTIONS = [
     (aten.amin.default, ([0, 2], True), {}, "min"),
     (aten.linalg_vector_norm.default, (2, [3], True), {}, "2-norm"),
     (aten.linalg_vector_norm.default, (3.0, [1]), {}, "3-norm"),
+    (aten.linalg_norm.default, (None, [1]), {}, "2-norm"),  # torch.linalg.norm(w, dim=1): DoRA's weight norm
+    (aten.linalg_norm.default, (None, [1, 3], True), {}, "2-norm"),  # Frobenius over two dims
+    (aten.linalg_norm.default, (3, [2]), {}, "3-norm"),
     (aten.logsumexp.default, ([2],), {}, "logsumexp"),
     (aten.prod.dim_int, (1,), {}, "product"),
     (aten.var.correction, ([3],), {"keepdim": True}, "variance"),
@@ -200,6 +203,16 @@ def test_a_reduction_carries_other_dims_and_leaves_a_partial_of_its_kind(target,
                 assert torch.allclose((parts[0] + parts[1]) / 2, whole)
             continue  # a variance does not combine from the halves' variances: refused by the planners
         assert torch.allclose(_combined(kind, parts, node), whole, rtol=1e-5), (dim, kind)
+
+
+def test_a_matrix_norm_is_not_a_norm_of_its_elements():
+    # torch.linalg.norm of an order over two dims is a matrix norm (ord 2: the largest singular value): the halves'
+    # norms do not combine into it as a p-norm would, so the rule names it apart and no planner combines it
+    x = torch.rand(SHAPE, dtype=F64) + 0.5
+    node = _node(aten.linalg_norm.default, [x], 2, [1, 2])
+    assert rules.partial_kind(node) == "matrix norm"
+    parts = [aten.linalg_norm.default(h, 2, [1, 2]) for h in _halves(x, 1)]
+    assert not torch.allclose(_combined("2-norm", parts, node), aten.linalg_norm.default(x, 2, [1, 2]))
 
 
 def test_aligned_and_cut_dims():

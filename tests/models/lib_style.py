@@ -32,6 +32,14 @@ class NormalizeRMSNorm(nn.Module):
         return F.normalize(x, dim=-1) * self.scale * self.g
 
 
+class LinalgNormRMSNorm(NormalizeRMSNorm):
+    """The same norm as users write it with ``torch.linalg.norm`` (exported as ``aten.linalg_norm``, not the
+    ``linalg_vector_norm`` of ``F.normalize``)."""
+
+    def forward(self, x):
+        return x / torch.linalg.norm(x, dim=-1, keepdim=True).clamp_min(1e-12) * self.scale * self.g
+
+
 class RMSNorm(nn.Module):
     """lit-gpt's RMSNorm (``add_unit_offset`` as Gemma's): computed in fp32, the weight cast to fp32 too, the result
     cast back to the input's dtype."""
