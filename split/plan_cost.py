@@ -299,13 +299,6 @@ def _linear_readers(walk, value, inside: set) -> list:
     return out
 
 
-def _narrows(form) -> bool:
-    from tracepp.split.tp_contract import linear_widths
-
-    widths = linear_widths(form)
-    return widths is not None and widths[1] < widths[0]
-
-
 def _adapters(walk, nodes: list, inside: set, latents: list) -> list:
     """A layer's low-rank adapters (LoRA: ``base(x) + B(A(x)) * scale``, PEFT's, torchtune's, litgpt's): narrowing
     linears (A, not an MLA latent) read by a widening one (B, through casts, dropout and scalings) whose output is
@@ -313,12 +306,14 @@ def _adapters(walk, nodes: list, inside: set, latents: list) -> list:
     (``LoraParallelLinear``) keeps A whole beside a column-parallel base with B column-wise (backward all-reduces the
     latent's gradient), and A row-wise beside a row-parallel one with B whole (forward all-reduces the latent): one
     all-reduce of the latent either way."""
+    from tracepp.split.tp_contract import narrows
+
     out = []
     for node in nodes:
         form = walk._linear_form(node) if node.op == "call_function" and node not in latents else None
-        if form is None or form[1].meta["val"].dim() != 2 or not _narrows(form):
+        if form is None or form[1].meta["val"].dim() != 2 or not narrows(form):
             continue
-        ups = [user for user, up in _linear_readers(walk, node, inside) if not _narrows(up)]
+        ups = [user for user, up in _linear_readers(walk, node, inside) if not narrows(up)]
         bases = [user for user, base in _linear_readers(walk, form[0], inside) if user is not node]
         if any(_summed_with(up, base) for up in ups for base in bases):
             out.append(node)
@@ -393,6 +388,8 @@ def layer_bytes(walk) -> dict:
     the tp ranks, and a Mamba-2 mixer's groups (it asserts ``ngroups % tp_size == 0``): a layer with fewer groups
     than tp (computed whole here: a fused projection's whole parts, a head group, a key/value read at a rank's piece
     by the attention, or a head of one gathered: B and C of one group) has no Megatron plan to compare with."""
+    from tracepp.split.tp_contract import narrows
+
     layers = _layers(walk)
     moved = dict.fromkeys(layers, 0)
     for node, count in _moves(walk):
@@ -419,7 +416,7 @@ def layer_bytes(walk) -> dict:
                 # beside its key/value latent; a LoRA adapter's base), where the narrow ones (a query latent, DSA's
                 # indexer projections) are whole
                 megatron += 2 * sum(_bytes(n) for n in latents)
-                if latents and not any(user not in latents and not _narrows(form) for n in latents
+                if latents and not any(user not in latents and not narrows(form) for n in latents
                                        for user, form in _linear_readers(walk, walk._linear_form(n)[0], inside)):
                     megatron -= 2 * _bytes(leaving[-1]) * calls
                 megatron += 2 * sum(_bytes(n) for n in _adapters(walk, nodes, inside, latents))

@@ -40,6 +40,12 @@ def widens(form) -> bool:
     return widths is not None and widths[1] > widths[0]
 
 
+def narrows(form) -> bool:
+    """A linear whose output features are fewer than its input features (both static)."""
+    widths = linear_widths(form)
+    return widths is not None and widths[1] < widths[0]
+
+
 class _ContractionRules:
     """Linears, embeddings, products and attention (methods of ``tp_walk._Walk``)."""
 

@@ -40,6 +40,19 @@ def _trains_equal_to_eager(path: str, out: str, nproc: int, tmp_path, env=None) 
     assert_state_close(saved, eager_train(path, 3))
 
 
+def _clipped_adamw_equal_to_eager(path: str, out: str, nproc: int, tmp_path, clip: float) -> dict:
+    """3 steps of the model file's AdamW with the gradient norm clipped at ``clip`` (which the eager run's norms must
+    exceed) on ``nproc`` ranks: the parameters moved, and equal to the eager run's; the saved state."""
+    expected, norms, _losses = _eager_adamw(path, 3, clip)
+    assert min(norms) > clip, "the norm must exceed the limit or clipping is not exercised"
+    ckpt = str(tmp_path / "ckpt.pt")
+    _run(out, nproc, "--steps", "3", "--clip-grad-norm", str(clip), "--save", ckpt)
+    saved = torch.load(ckpt)
+    assert_trained(saved, path)
+    assert_state_close(saved, expected)
+    return saved
+
+
 def test_llama_pp2_tp2_adamw_clip_resume_and_reshard(tmp_path):
     path = model_path("tp_llama")
     tp2, tp1 = str(tmp_path / "tp2"), str(tmp_path / "tp1")
@@ -360,13 +373,7 @@ def test_a_mamba2_mixer_of_one_group_shards_its_heads_and_trains_equal_to_eager(
     path, out = model_path("tp_mamba2_one_group"), str(tmp_path / "out")
     manifest = split_model(path, out, num_microbatches=2, layout=Layout(pp=2, tp=2))
     assert manifest["tp"]["params"]["blocks.0.mixer.in_proj.weight"]["segments"] == [64, 64, 8, 8, 4]
-    expected, norms, _losses = _eager_adamw(path, 3, CLIP)  # the model file's AdamW
-    assert min(norms) > CLIP, "the norm must exceed the limit or clipping is not exercised"
-    ckpt = str(tmp_path / "ckpt.pt")
-    _run(out, 4, "--steps", "3", "--clip-grad-norm", str(CLIP), "--save", ckpt)
-    saved = torch.load(ckpt)
-    assert_trained(saved, path)
-    assert_state_close(saved, expected)
+    _clipped_adamw_equal_to_eager(path, out, 4, tmp_path, CLIP)
 
 
 def test_a_lora_fine_tune_trains_its_adapters_equal_to_eager_and_leaves_the_base_as_it_was(tmp_path):
@@ -375,14 +382,7 @@ def test_a_lora_fine_tune_trains_its_adapters_equal_to_eager_and_leaves_the_base
     path, out = model_path("tp_lora_llama"), str(tmp_path / "out")
     manifest = split_model(path, out, num_microbatches=2, layout=Layout(pp=2, tp=2))
     assert manifest["tp"]["params"]["layers.0.q_proj.lora_a.weight"]["role"] == "replicate"
-    clip = 0.25  # the adapters' gradient norm is about 0.47
-    expected, norms, _losses = _eager_adamw(path, 3, clip)
-    assert min(norms) > clip, "the norm must exceed the limit or clipping is not exercised"
-    ckpt = str(tmp_path / "ckpt.pt")
-    _run(out, 4, "--steps", "3", "--clip-grad-norm", str(clip), "--save", ckpt)
-    saved = torch.load(ckpt)
-    assert_trained(saved, path)
-    assert_state_close(saved, expected)
+    saved = _clipped_adamw_equal_to_eager(path, out, 4, tmp_path, 0.25)  # the adapters' gradient norm: about 0.47
     initial = initial_state(path)
     for fqn, value in initial.items():
         if "lora" not in fqn:

@@ -5,26 +5,12 @@ an op that mixes positions. It is a norm over the features: each position's row 
 import functools
 
 import torch
-from lib_style import D, Decoder, LinalgNormRMSNorm, SeparateAttention, SwiGLU, loss_fn, sgd, token_batch  # noqa: F401
-
-KV_HEADS = 2
+from cp_normalize_rmsnorm import (KV_HEADS, batch, example_inputs, example_target, loss_fn,  # noqa: F401
+                                  optimizer)
+from lib_style import D, Decoder, LinalgNormRMSNorm, SeparateAttention, SwiGLU
 
 
 def model():
     torch.manual_seed(0)
     return Decoder(2, functools.partial(LinalgNormRMSNorm, D),
                    functools.partial(SeparateAttention, KV_HEADS, flash=True), SwiGLU)
-
-
-batch = token_batch
-
-
-def example_inputs():
-    return batch(0)[0]
-
-
-def example_target():
-    return batch(0)[2]
-
-
-optimizer = sgd
