@@ -593,8 +593,11 @@ def view_placement(in_sizes: list, out_sizes: list, dim: int, segments, tp: int)
     if found is None:
         return None
     e, blocks = found
-    if e and equal(out_sizes[e - 1], 1) and _inner_units(out_sizes[:e]) > _inner_units(in_sizes[:dim]):
+    if (e and equal(out_sizes[e - 1], 1) and _inner_units(out_sizes[:e]) > _inner_units(in_sizes[:dim])
+            and not _widened(in_sizes[dim], out_sizes[e])):
         return None  # a dim of 1 put before the shard is a head count of one: the shard would cut inside the head
+        #              (not where the shard is merged with the dims after it: fairseq's time-major
+        #              [seq, batch * heads, d] -> [seq, batch, heads * d] at a batch of one keeps whole heads)
     if blocks == groups and equal(out_sizes[e], in_sizes[dim]):
         return e, segments  # kept
     if blocks == 1:
@@ -638,6 +641,12 @@ def _parts_view(in_sizes: list, out_sizes: list, dim: int, segments, tp: int):
             return e, tuple(int(p) * inner for p in parts)
         return None
     return None
+
+
+def _widened(size, out) -> bool:
+    """``out`` is a multiple of ``size`` larger than it (a dim merged with the dims after it)."""
+    ratio = sympy.sympify(out) / sympy.sympify(size)
+    return bool(ratio.is_Integer and ratio > 1)
 
 
 def _inner_units(sizes: list) -> int:

@@ -427,6 +427,12 @@ def test_views_follow_the_sharded_dim_at_every_batch_size():
     assert place([2, 8, 64], [64, 16], 2) == (0, (4,) * 16)
     assert place([2, 8, 64], [16, 64], 2) == (1, None)
     assert place([2, 8, 24], [48, 8], 2) is None  # 3 heads of 8 in each token: 2 ranks would cut one in two
+    # fairseq's and torchscale's time-major merge back, [seq, batch * heads, d] -> [seq, batch, heads * d]: at a
+    # batch of one the dim of 1 before the shard is the batch, not a head of one (it was read as one, and kept
+    # torchscale's attention whole at a microbatch of one); the shard merged with the features keeps whole heads
+    assert place([8, 4, 16], [8, 1, 64], 1) == (2, None)
+    assert place([8, 8, 16], [8, 2, 64], 1, (4, 4)) == (2, None)
+    assert place([2, 8, 16], [2, 8, 1, 8, 2], 2) is None  # one head's features split in pairs: still a head of one
 
 
 # ---- sequence parallelism
