@@ -41,6 +41,7 @@ The result, :class:`TPPlan`, is plain data for the manifest; :func:`apply` rewri
 """
 from __future__ import annotations
 
+import copy
 import fnmatch
 from dataclasses import dataclass, field
 
@@ -48,12 +49,14 @@ import sympy
 import torch
 import torch.fx as fx
 
-from tracepp.split import plan_cost, tp_grads
+from tracepp.split import decompose, plan_cost, tp_grads
 from tracepp.split.cost import held_bytes
+from tracepp.split.partition import _gradient_flags
 from tracepp.split.rules import sizes as _sizes, val as _val
 from tracepp.split.tp_rewrite import apply  # noqa: F401  (step three: the driver calls tensor_parallel.apply)
-from tracepp.split.tp_settle import _forced_by_overrides, _param_roles, fqn_map, grad_flags, settle  # noqa: F401
-from tracepp.split.tp_walk import WORK, _Walk  # noqa: F401  (tests count the walks' work here)
+from tracepp.split.tp_settle import (_forced_by_overrides, _over_budget, _param_roles, fqn_map,  # noqa: F401
+                                     grad_flags, settle, within_budget)
+from tracepp.split.tp_walk import NORM_OVER_SHARD, WORK, _Walk  # noqa: F401  (tests count the walks' work here)
 
 aten = torch.ops.aten
 
@@ -104,7 +107,6 @@ def plan(graph, tp: int, overrides=None, sequence_parallel: bool = False) -> tup
     from tracepp.split.cost import node_flops
 
     aliases = {ref.fqn: ref.aliases for ref in graph.state.values()}
-    notes = _forced_by_overrides(aliases, overrides)
     sequence = sequence_length(graph) if sequence_parallel else None
     cp = (getattr(graph, "context_parallel", None) or {}).get("size", 1)
     if sequence is not None and cp > 1:  # context parallel holds 1/cp of the sequence: sp splits that further
@@ -112,11 +114,35 @@ def plan(graph, tp: int, overrides=None, sequence_parallel: bool = False) -> tup
         sequence = sympy.Integer(int(sequence) // cp) if sympy.sympify(sequence).is_Integer else FloorDiv(sequence, cp)
     if sequence_parallel:
         _check_sequence(sequence, tp)
-    mixed: dict = {}
-    gathered: dict = {}
-    walks, uses, reasons = settle([(stage.graph, fqn_map(stage, graph), grad_flags(stage, graph),
-                                    _boundary(stage, graph)) for stage in graph.stages], tp, notes,
-                                  sequence=sequence, mixed=mixed, gathered=gathered, begins=segment_begins(graph))
+
+    def settled() -> tuple:
+        notes, mixed, gathered = _forced_by_overrides(aliases, overrides), {}, {}
+        found = settle([(stage.graph, fqn_map(stage, graph), grad_flags(stage, graph), _boundary(stage, graph))
+                        for stage in graph.stages], tp, notes, sequence=sequence, mixed=mixed, gathered=gathered,
+                       begins=segment_begins(graph))
+        return (*found, notes, mixed, gathered)
+
+    walks, uses, reasons, notes, mixed, gathered = settled()
+    norms = [_norms_over_shards(seen) for seen in reasons]
+    if any(norms):  # a norm over a sharded dim, its input gathered: planned again with the norm written out, every
+        #             stage's at once, else stage by stage (BERT-like: the embeddings' norm on the first stage, the
+        #             head's on the last, whose vocabulary projection would then be row-wise, against its tied table)
+        trials = [norms] + ([[names if i == j else set() for i, names in enumerate(norms)] for j in range(len(norms))
+                             if norms[j]] if sum(map(bool, norms)) > 1 else [])
+        for trial in trials:
+            kept = [stage.graph for stage in graph.stages]
+            for stage, names in zip(graph.stages, trial):
+                if names:
+                    stage.graph = copy.deepcopy(stage.graph)
+                    decompose.norms(stage.graph, names)
+            found = settled()
+            if _written_out_kept(found[0], walks):
+                walks, uses, reasons, notes, mixed, gathered = found
+                if trial is norms:
+                    break
+            else:
+                for stage, g in zip(graph.stages, kept):
+                    stage.graph = g
     partial = tp_grads.mark(walks)  # gradients summed once per step: their copies dropped
     result = TPPlan(size=tp)
     if sequence_parallel:
@@ -171,6 +197,25 @@ def plan(graph, tp: int, overrides=None, sequence_parallel: bool = False) -> tup
                 if sequence_parallel and walk.sends[node][2] == "seq":
                     result.sequence_parallel["sent"][name] = walk.sends[node][0]
     return result, walks
+
+
+def _norms_over_shards(seen: dict) -> set:
+    """Names of the ``layer_norm`` / ``rms_norm`` nodes a pass found normalising over a sharded dim (heads or
+    features; their input gathered), from a stage's reasons (``"name (target) at file:line: why"``)."""
+    return {reason.split(" ", 1)[0] for reason in seen if reason.endswith(NORM_OVER_SHARD)}
+
+
+def _written_out_kept(written: list, gathered: list) -> bool:
+    """The plan with norms over sharded dims written out (``split.decompose``: means over the shards) replaces the
+    one that gathers their inputs where it holds no more of a block whole than the cost trials' budget allows
+    (``tp_settle.within_budget``) and either costs less (``plan_cost.cost``) or the gathered plan holds more of a
+    repeated block (a decoder layer) whole than that budget: torchscale's sub-LayerNorms kept every layer whole, a
+    plan of no bytes that no cost at tiny sizes would leave."""
+    shares = [[plan_cost.param_shares(walk) for walk in found] for found in (gathered, written)]
+    if not within_budget(*shares):
+        return False
+    return (plan_cost.cost(written) < plan_cost.cost(gathered)
+            or any(block is not None for block in _over_budget(*reversed(shares))))
 
 
 def _check_sequence(sequence, tp: int) -> None:
@@ -239,19 +284,35 @@ def whole_graph_walks(graph: fx.Graph, fqn_of: dict, needs_grad: dict, sizes=TUN
     fails there leaves that tp without it."""
     out = {}
     for tp in sizes:
-        walks, uses, _reasons = settle([(graph, fqn_of, needs_grad)], tp, {}, begins=begins)
+        walks, uses, reasons = settle([(graph, fqn_of, needs_grad)], tp, {}, begins=begins)
+        names, flags, made = _norms_over_shards(reasons[0]), needs_grad, None
+        if names:  # as plan() does: the norms written out on a copy, kept where cheaper (their figures by name)
+            written = copy.deepcopy(graph)
+            made = decompose.norms(written, names)
+            trainable = {n.name for n, flag in needs_grad.items() if n.op == "placeholder" and flag}
+            flags = _gradient_flags(written, trainable)
+            found = settle([(written, fqn_of, flags)], tp, {}, begins=begins)
+            if _written_out_kept(found[0], walks):
+                walks, uses, reasons = found
+            else:
+                flags, made = needs_grad, None
         tp_grads.mark(walks)
         dims = {fqn: next(iter(d)) for fqn, d in uses.items()}
-        out[tp] = {"walk": walks[0], "dims": dims, "attributed": set(), "needs_grad": needs_grad}
+        out[tp] = {"walk": walks[0], "dims": dims, "attributed": set(), "needs_grad": flags}
+        if made is not None:  # a segment's nodes, named in the traced graph, read on the written-out copy
+            out[tp]["nodes"] = _by_name(walks[0].graph, made)
         if sequence is None or (sympy.sympify(sequence).is_Integer and int(sequence) % tp):
             continue
+        walked = walks[0].graph
         try:
-            walks, uses, _reasons = settle([(graph, fqn_of, needs_grad)], tp, {}, sequence=sequence, begins=begins)
+            walks, uses, _reasons = settle([(walked, fqn_of, flags)], tp, {}, sequence=sequence, begins=begins)
             tp_grads.mark(walks)
         except Exception:  # an op the sequence-parallel walk does not expect: tp without it is still priced
             continue
         out[tp]["sequence_parallel"] = {"walk": walks[0], "dims": {fqn: next(iter(d)) for fqn, d in uses.items()},
-                                        "attributed": set(), "needs_grad": needs_grad}
+                                        "attributed": set(), "needs_grad": flags}
+        if made is not None:
+            out[tp]["sequence_parallel"]["nodes"] = out[tp]["nodes"]
     return out
 
 
@@ -282,9 +343,18 @@ def segment_figures(nodes: list, walks: dict, flops: dict, tensor_bytes, crossin
     return out
 
 
+def _by_name(written: fx.Graph, made: dict) -> dict:
+    """{name in the traced graph: its nodes in ``written``} (a norm written out: the nodes made for it)."""
+    out = {node.name: [node] for node in written.nodes}
+    out.update(made)
+    return out
+
+
 def _figures(nodes: list, entry: dict, flops: dict, tensor_bytes, crossing=None) -> dict:
     """``segment_figures`` of one walk (``crossing`` given: the sequence-parallel walk, with its extra figures)."""
     walk, dims, attributed, needs_grad = entry["walk"], entry["dims"], entry["attributed"], entry["needs_grad"]
+    if "nodes" in entry:
+        nodes = [mine for node in nodes for mine in entry["nodes"].get(node.name, ())]
     inside = set(nodes)
     sharded_flops = sum(flops.get(n.name, 0) for n in nodes  # column-wise outputs are in walk.shard
                         if n in walk.shard or walk.roles.get(n) == "rowwise")

@@ -20,6 +20,7 @@ from tracepp.split.tp_cuts import _CutRules
 
 aten = torch.ops.aten
 TP = torch.ops.tracepp
+NORM_OVER_SHARD = "normalises over the sharded dim"  # a norm's refusal: tensor_parallel.plan writes it out and prices that
 
 _MIXED_CARRIES = {aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.transpose.int, aten.permute.default,
                   aten._to_copy.default, aten.to.dtype, aten.clone.default, aten.contiguous.default,
@@ -575,7 +576,7 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
             return False
         ndim = _val(x).dim()
         if self.shard[x] >= ndim - rules.last_dims(node):
-            return self._refuse(node, "normalises over the sharded dim")
+            return self._refuse(node, NORM_OVER_SHARD)
         for arg in node.args[2:4]:
             if isinstance(arg, fx.Node) and self.needs_grad.get(arg):
                 self.copies.append((node, arg))

@@ -56,6 +56,7 @@ NORMALIZE_FFN = model_path("tp_normalize_ffn")  # the norm over the MLP's sharde
 NORMALIZE_CP = model_path("cp_normalize_rmsnorm")
 GEMMA = model_path("tp_gemma_mqa_fused")
 FUSED = model_path("tp_fused_qkv_llama")
+SUBLN = model_path("tp_subln_fairseq")
 B, S, H = 1, 16, 64  # a microbatch of one sequence of 16 tokens (batch 4 in 4 microbatches), hidden 64
 MEGATRON_LAYER_BYTES = 2 * B * S * H * 4  # 2 all-reduces of [b, s, h] fp32 per layer forward
 
@@ -119,14 +120,14 @@ def test_gemma_mqa_fused_qkv_geglu_shards_as_megatron():
     assert params["transformer.h.0.mlp.proj.weight"]["role"] == "rowwise"
 
 
-def _layer_bytes(path: str) -> dict:
+def _layer_bytes(path: str, layers: str = "transformer.h.") -> dict:
     """{decoder layer: bytes its --tp 2 plan moves per microbatch forward (all-reduces and all-gathers)}."""
     sys.path.insert(0, REPO)
     from tracepp.tuner_figures import segments_with_figures
 
     out = {}
     for segment in segments_with_figures(path, tp_sizes=(2,)):
-        if (segment["begins"] or "").startswith("transformer.h."):
+        if (segment["begins"] or "").startswith(layers):
             figures = segment["tp"]["2"]
             out[segment["begins"]] = figures["all_reduce"][1] + figures["all_gather"][1]
     return out
@@ -304,3 +305,44 @@ def test_torchtitan_moe_plans_its_experts_at_ep2_verifies_tp2_and_cp2_is_refused
     assert tp["layers.0.moe.routed_experts.inner_experts.w1_EFD"] == {"dim": None, "role": "replicate"}
     with pytest.raises(Exception, match=r"scatter_add \(scatter_add\) at torchtitan_moe\.py:\d+"):
         check_model(TITAN_MOE, num_microbatches=2, layout=Layout(pp=2, cp=2))
+
+
+def test_sub_layernorms_over_shards_run_on_them():
+    # torchscale's decoder (Magneto's sub-LayerNorm, its default) at --tp 2 sharded 0.0 of each layer: the LayerNorms
+    # over the attention's heads and the FFN's hidden gathered their inputs, so out_proj and fc2 read whole inputs,
+    # went column-wise and met the residual stream; and at a microbatch of one (this one: 4 sequences in 4) the
+    # time-major reshape [s, b * heads, d] -> [s, 1, heads * d] read as a head of one kept attention whole. Written out
+    # as means over the shards (split/decompose.py), each norm adds an all-reduce of [b, s, 1] for its mean and one
+    # for its variance to Megatron's 2 of [b, s, h]
+    manifest = check_model(SUBLN, num_microbatches=4, layout=Layout(pp=2, tp=2))
+    params = manifest["tp"]["params"]
+    for norm, reader in (("self_attn.inner_attn_ln", "self_attn.out_proj"), ("ffn.ffn_layernorm", "ffn.fc2")):
+        assert params[f"layers.0.{norm}.weight"]["dim"] == 0 and params[f"layers.0.{norm}.bias"]["dim"] == 0
+        assert params[f"layers.0.{reader}.weight"]["role"] == "rowwise"
+    assert params["layers.0.self_attn.q_proj.weight"]["role"] == "colwise"
+    assert manifest["tp"]["verified"]["status"] == "verified", manifest["tp"]["verified"]
+    assert all(stage["share"]["params"] >= 0.98 for stage in manifest["tp"]["stages"])
+    statistics = 2 * 2 * B * S * 1 * 4  # mean and variance of two norms, fp32
+    assert _layer_bytes(SUBLN, "layers.") == {"layers.0": MEGATRON_LAYER_BYTES + statistics,
+                                              "layers.1": MEGATRON_LAYER_BYTES + statistics}
+
+
+def test_a_norm_over_shards_stays_gathered_where_written_out_costs_more(monkeypatch):
+    # written out is not always better: BERT's head transform (dense, GELU, LayerNorm) before a vocabulary projection
+    # tied to the embedding. Written out, the projection would read the norm's shards as rows, against its
+    # vocabulary-parallel table (the tie replicates both): the gathered plan, priced lower, stays (and with SUBLN=0
+    # the layers are Megatron's plan)
+    monkeypatch.setenv("SUBLN", "0")
+    monkeypatch.setenv("HEAD", "bert")
+    manifest = check_model(SUBLN, num_microbatches=4, layout=Layout(pp=2, tp=2))
+    params = manifest["tp"]["params"]
+    assert params["output_projection.weight"]["dim"] == 0  # the tied table and head, vocabulary-parallel
+    assert params["transform.0.weight"]["role"] == "replicate" and params["transform.2.weight"]["dim"] is None
+    assert any("normalises over the sharded dim" in why for why in manifest["tp"]["stages"][1]["replicated"])
+    assert _layer_bytes(SUBLN, "layers.") == {"layers.0": MEGATRON_LAYER_BYTES, "layers.1": MEGATRON_LAYER_BYTES}
+
+
+def test_sub_layernorms_tp2_train_equal_to_eager(tmp_path):
+    out = str(tmp_path / "out")
+    split_model(SUBLN, out, schedule="looped-bfs", num_microbatches=4, layout=Layout(pp=1, tp=2))
+    _train_against_eager(SUBLN, out, 2, tmp_path)

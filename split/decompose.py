@@ -1,0 +1,85 @@
+"""One op of a stage graph spelled as the ops it computes, where a planner can place those ops and not the whole.
+
+A ``layer_norm`` or ``rms_norm`` over a dim that tensor parallelism shards (torchscale's Magneto sub-LayerNorm over
+the attention's heads before ``out_proj`` and over the FFN's hidden before ``fc2``; a LayerNorm over a column-wise
+projection's features) is one op no rank can compute on its piece: the plan gathers its input. Written out, it is a
+mean over the dim (a partial sum each rank adds up: one all-reduce of ``[b, s, 1]``), elementwise ops, a second
+mean, and the weight and bias each rank holds its piece of. ``tensor_parallel.plan`` prices both plans and keeps the
+cheaper (a LayerNorm whose output a linear then reads as rows would all-reduce that linear's whole output instead).
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from tracepp.split.rules import val as _val
+
+aten = torch.ops.aten
+NORMS = (aten.layer_norm.default, aten.rms_norm.default)
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def normalized_dims(node) -> list:
+    """The trailing dims a ``layer_norm`` / ``rms_norm`` normalises over (negative)."""
+    return list(range(-len(node.args[1]), 0))
+
+
+def norms(g: fx.Graph, names: set) -> dict:
+    """The norms of ``g`` named in ``names`` written out (:func:`norm`): {name: the nodes made for it}."""
+    return {node.name: norm(g, node) for node in list(g.nodes) if node.name in names and node.target in NORMS}
+
+
+def norm(g: fx.Graph, node) -> list:
+    """Replace ``node`` (``aten.layer_norm`` or ``aten.rms_norm``) by the ops it computes, as torch's reference
+    decomposition does (in float32 for a half input, cast back): ``(x - mean) * rsqrt(var + eps) * weight + bias``,
+    or ``x * rsqrt(mean(x^2) + eps) * weight``. Returns the nodes made, the last standing for its output."""
+    x = node.args[0]
+    layer = node.target is aten.layer_norm.default
+    weight = _arg(node, 2, "weight")
+    bias = _arg(node, 3, "bias") if layer else None
+    eps = _arg(node, 4 if layer else 3, "eps")
+    dtype = _val(x).dtype
+    if eps is None:  # layer_norm's default, or rms_norm's: the machine epsilon of the dtype it computes in
+        eps = 1e-5 if layer else torch.finfo(torch.float32 if dtype in _HALF else dtype).eps
+    dims = normalized_dims(node)
+
+    made_all = []
+
+    def op(target, *args, **kwargs):
+        made = g.call_function(target, args, kwargs)
+        made_all.append(made)
+        made.meta.update({k: v for k, v in node.meta.items() if k in ("stack_trace", "nn_module_stack",
+                                                                      "source_fn_stack")})
+        made.meta["val"] = _fake(target, args, kwargs)
+        return made
+
+    with g.inserting_before(node):
+        h = op(aten.to.dtype, x, torch.float32) if dtype in _HALF else x
+        if layer:
+            mean = op(aten.mean.dim, h, dims, True)
+            h = op(aten.sub.Tensor, h, mean)
+        var = op(aten.mean.dim, op(aten.mul.Tensor, h, h), dims, True)
+        out = op(aten.mul.Tensor, h, op(aten.rsqrt.default, op(aten.add.Tensor, var, eps)))
+        if weight is not None:
+            out = op(aten.mul.Tensor, out, weight)
+        if bias is not None:
+            out = op(aten.add.Tensor, out, bias)
+        if _val(out).dtype != _val(node).dtype:
+            out = op(aten.to.dtype, out, _val(node).dtype)
+    node.replace_all_uses_with(out)
+    g.erase_node(node)
+    return made_all
+
+
+def _arg(node, index: int, name: str):
+    return node.args[index] if len(node.args) > index else node.kwargs.get(name)
+
+
+def _fake(target, args, kwargs):
+    """The output's fake tensor, computed in the inputs' fake mode."""
+    values = [_val(a) if isinstance(a, fx.Node) else a for a in args]
+    mode = next((v.fake_mode for v in values if hasattr(v, "fake_mode")), None)
+    if mode is None:
+        return target(*values, **kwargs)
+    with mode:
+        return target(*values, **kwargs)

@@ -1,0 +1,44 @@
+"""split/decompose.py: a norm written out computes what the norm computes (tier 1: plain graphs, no planner)."""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tracepp.split import decompose
+
+
+class _Norm(nn.Module):
+    def __init__(self, kind: str, shape, affine: bool):
+        super().__init__()
+        self.kind, self.shape = kind, shape
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(shape)) if affine else None
+        self.bias = nn.Parameter(0.1 * torch.randn(shape)) if affine and kind == "layer" else None
+
+    def forward(self, x):
+        if self.kind == "layer":
+            return F.layer_norm(x, self.shape, self.weight, self.bias, eps=1e-6) * 2
+        return F.rms_norm(x, self.shape, self.weight) * 2  # eps None: the dtype's machine epsilon
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+@pytest.mark.parametrize("affine", [True, False])
+@pytest.mark.parametrize("shape", [(16,), (4, 16)])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_a_norm_written_out_computes_the_norm(kind, affine, shape, dtype):
+    torch.manual_seed(0)
+    module = _Norm(kind, shape, affine).to(dtype)
+    x = (3 + 2 * torch.randn(2, 5, *shape)).to(dtype)
+    gm = torch.export.export(module, (x,)).module()
+    norms = [n for n in gm.graph.nodes if n.target in decompose.NORMS]
+    assert len(norms) == 1
+    expected = gm(x)
+    made = decompose.norms(gm.graph, {norms[0].name})[norms[0].name]
+    gm.recompile()
+    assert not [n for n in gm.graph.nodes if n.target in decompose.NORMS]
+    assert all(isinstance(node.meta.get("val"), torch.Tensor) for node in made)  # each made with its fake value
+    assert made[-1].meta["val"].shape == x.shape
+    assert made[-1].meta["val"].dtype == dtype
+    got = gm(x)
+    tolerance = {torch.float64: 1e-12, torch.float32: 2e-6, torch.bfloat16: 0.0}[dtype]  # bf16: computed in fp32
+    assert got.dtype == dtype
+    assert (got.double() - expected.double()).abs().max().item() <= tolerance
