@@ -53,3 +53,32 @@ def version(distribution: str) -> str:
         return importlib.metadata.version(distribution)
     except importlib.metadata.PackageNotFoundError:
         return "vendored"
+
+
+def provide_timm_drop_path() -> None:
+    """torchscale imports timm for ``drop_path`` alone (``torchscale/component/droppath.py``), used only when
+    ``drop_path_rate > 0``; timm 0.6.13 (torchscale's pin) imports torchvision, whose wheels here are CUDA builds that
+    do not import on CPU torch. Where timm does not import, its ``drop_path`` (as written in timm 0.6.13) is provided
+    under its module's name, before torchscale is imported."""
+    import sys
+    import types
+
+    try:
+        import timm.models.layers  # noqa: F401
+        return
+    except ImportError:
+        pass
+
+    def drop_path(x, drop_prob: float = 0., training: bool = False, scale_by_keep: bool = True):
+        if drop_prob == 0. or not training:
+            return x
+        keep_prob = 1 - drop_prob
+        shape = (x.shape[0],) + (1,) * (x.ndim - 1)
+        random_tensor = x.new_empty(shape).bernoulli_(keep_prob)
+        if keep_prob > 0.0 and scale_by_keep:
+            random_tensor.div_(keep_prob)
+        return x * random_tensor
+
+    for name in ("timm", "timm.models", "timm.models.layers"):
+        sys.modules.setdefault(name, types.ModuleType(name))
+    sys.modules["timm.models.layers"].drop_path = drop_path
