@@ -163,8 +163,8 @@ class _Walk(Propagation):
         """Where the shards begin: an embedding of whole token ids with the sequence dim, or a floating batched
         input with it read by an op that carries a gradient."""
         target = node.target
-        if target is aten.embedding.default:
-            ids = node.args[1]
+        ids = node.args[1] if target is aten.embedding.default else self._table_rows(node)
+        if ids is not None:
             dims = self._seq_dims(_val(ids))
             if dims and not self.loss:  # token ids (or positions: their lookup is cut the same way)
                 self._cut(node, ids, dims[0], 1)
@@ -182,6 +182,16 @@ class _Walk(Propagation):
                 if not self._rule(node, [arg]):
                     self._refuse(node, self._why_not(node, [arg]))
                 return
+
+    def _table_rows(self, node):
+        """The token ids (a stage input) a parameter is indexed by, ``W_E[tokens, :]`` (``rules.indexed_rows``: an
+        embedding spelled as indexing); else None. A table picked at indices the model computes (an expert's bias at
+        its tokens' experts) is not an embedding of the sequence."""
+        found = rules.indexed_rows(node)
+        if found is None or not (found[0].op == "placeholder" and found[0].name in self.fqn_of
+                                 and found[1].op == "placeholder"):
+            return None
+        return found[1]
 
     # -- each family's rule (``Propagation._rule`` finds them by ``rules.family``)
     def _on_item(self, node, sharded) -> bool:

@@ -643,6 +643,21 @@ def _parts_view(in_sizes: list, out_sizes: list, dim: int, segments, tp: int):
     return None
 
 
+def indexed_rows(node):
+    """(table, ids) of a 2-D value indexed by one integer tensor on its rows, ``W_E[tokens, :]`` (``aten.index``:
+    TransformerLens's ``Embed``), an embedding spelled as indexing; else None."""
+    if node.target is not torch.ops.aten.index.Tensor or len(node.args) != 2 or len(node.args[1]) != 1:
+        return None
+    table, (ids,) = node.args
+    if not (isinstance(table, torch.fx.Node) and isinstance(ids, torch.fx.Node)):
+        return None
+    rows, index = val(table), val(ids)
+    if not (isinstance(rows, torch.Tensor) and rows.dim() == 2 and isinstance(index, torch.Tensor)
+            and not index.dtype.is_floating_point and index.dtype is not torch.bool):
+        return None
+    return table, ids
+
+
 def _widened(size, out) -> bool:
     """``out`` is a multiple of ``size`` larger than it (a dim merged with the dims after it)."""
     ratio = sympy.sympify(out) / sympy.sympify(size)

@@ -15,6 +15,43 @@ aten = torch.ops.aten
 TP = torch.ops.tracepp
 
 
+_REARRANGES = {aten.clone.default, aten.contiguous.default, aten.alias.default}  # copies: each element where it was
+
+
+def _chain(node):
+    """The parameter placeholder ``node`` is rearranged from (TransformerLens's ``einops.rearrange(W_Q, "h m d ->
+    (h d) m")``, ``W.T.contiguous()``, ``b.reshape(-1)``): through transposes, permutes, views and copies that keep
+    every element, one input each; else None."""
+    steps = 0
+    while isinstance(node, fx.Node) and node.op == "call_function" and node.args and isinstance(node.args[0], fx.Node):
+        if not (node.target in rules.TRANSPOSES or node.target in rules.VIEWS or node.target in _REARRANGES) or (
+                len(node.all_input_nodes) != 1):
+            return None
+        node, steps = node.args[0], steps + 1
+    return node if steps and isinstance(node, fx.Node) and node.op == "placeholder" else None
+
+
+def _rearranged(node, dim: int, tp: int):
+    """[(node, dim), ..., (placeholder, its dim)]: ``dim`` of a rearranged parameter traced back step by step to
+    the parameter's dim whose pieces it holds (a view merging that dim with the ones after it keeps them whole);
+    None where no one dim does."""
+    way = [(node, dim)]
+    while node.op != "placeholder":
+        source = node.args[0]
+        if node.target in rules.TRANSPOSES:
+            found = [e for e in range(_val(source).dim()) if rules.moved_dim(node, e) == dim]
+        elif node.target in rules.VIEWS:
+            found = [e for e in range(_val(source).dim()) if rules.view_placement(
+                _sizes(_val(source)), _sizes(_val(node)), e, None, tp) == (dim, None)]
+        else:
+            found = [dim]
+        if len(found) != 1:
+            return None
+        node, dim = source, found[0]
+        way.append((node, dim))
+    return way
+
+
 def _swapped(dim: int, ndim: int) -> int:
     """``dim`` of a tensor after its last two dims are swapped."""
     return dim if dim < ndim - 2 else 2 * ndim - 3 - dim
@@ -50,14 +87,25 @@ class _ContractionRules:
     """Linears, embeddings, products and attention (methods of ``tp_walk._Walk``)."""
 
     def _weight(self, node) -> bool:
+        self._read_through(node)
         return self._param(node) is not None and _val(node).dim() == 2
+
+    def _read_through(self, node) -> None:
+        """A linear's weight or bias rearranged from a parameter on every call (:func:`_chain`) is read as that
+        parameter: its dims traced back to the parameter's where it is claimed (``_use``)."""
+        if self._param(node) is None and isinstance(node, fx.Node) and node.op == "call_function":
+            found = _chain(node)
+            if found is not None and found.name in self.fqn_of:
+                self.chains[node] = found
 
     def _linear_form(self, node):
         """(input, weight node, bias node or None, the weight node's output-feature dim) of a linear of a 2-D
         parameter in any spelling export keeps, else None."""
         target, args = node.target, node.args
         if target is aten.linear.default and self._weight(args[1]):
-            return args[0], args[1], (args[2] if len(args) > 2 else None), 0
+            bias = args[2] if len(args) > 2 else None
+            self._read_through(bias)
+            return args[0], args[1], bias, 0
         if (target is aten.addmm.default and self._weight(args[2]) and not node.kwargs
                 and _val(args[1]).dim() == 2 and _val(args[0]).dim() == 1):
             return args[1], args[2], args[0], 1

@@ -266,6 +266,8 @@ def _rewrite(g: fx.Graph, walk: _Walk, tp: int, params: dict) -> None:
                 _after(g, reduced, aten.add.Tensor, [reduced, bias], node)
         elif role == "vocab":
             weight, indices = node.args[0], node.args[1]
+            if node.target is aten.index.Tensor:  # W_E[tokens, :]: its one index
+                indices = indices[0]
             padding = node.args[2] if len(node.args) > 2 else node.kwargs.get("padding_idx", -1)
             node.target = TP.tp_vocab_embedding.default
             node.args = (weight, indices, padding) + ((False,) if scatter is not None else ())

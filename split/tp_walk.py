@@ -15,7 +15,7 @@ import tracepp.runtime.tensor_parallel  # noqa: F401  (registers torch.ops.trace
 from tracepp.split import rules, torch_rules, tp_partial
 from tracepp.split.propagation import Propagation
 from tracepp.split.rules import at as _at, equal as _equal, ints as _ints, prod as _prod, sizes as _sizes, val as _val
-from tracepp.split.tp_contract import _ContractionRules, _swapped
+from tracepp.split.tp_contract import _ContractionRules, _rearranged, _swapped
 from tracepp.split.tp_cuts import _CutRules
 
 aten = torch.ops.aten
@@ -67,6 +67,7 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
         self.roles: dict = {}  # linear/embedding node -> "colwise" | "rowwise" | "vocab"
         self.forms: dict = {}  # linear node -> (input, weight node, bias node, weight's output-feature dim)
         self.aliases: dict = {}  # transpose of a 2-D parameter -> its placeholder
+        self.chains: dict = {}  # a linear's weight or bias rearranged from one parameter (_chain) -> its placeholder
         self.uses: dict = {}  # fqn -> set of dims (None: used replicated)
         self.param_segments: dict = {}  # fqn -> segments of its sharded dim
         self.gathers: list = []  # (consumer node, input node)
@@ -92,15 +93,40 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
         self.sends: dict = {}  # sequence-sharded value leaving the stage -> (dim, segments)
         self._claimed: set = set()  # (node, input) pairs a rule placed (no "whole" use recorded)
         self.last = last  # the last stage: its outputs go to the loss, whole
+        self.chain_steps = self._rearranged_weights(graph)
         self._walk(graph)
         tp_partial.defer(self)  # deferred, late_sums, partial: where row-wise partial sums are all-reduced
 
     # -- helpers
+    def _rearranged_weights(self, graph) -> set:
+        """The linears' weights and biases rearranged from a parameter on every call (``tp_contract._chain``), found
+        before the walk: each and the steps between it and its parameter (each read by the next alone, the last by
+        linears alone), which the walk leaves to the linears' claims rather than reading the parameter whole there."""
+        for node in graph.nodes:
+            if node.op == "call_function" and node.target is aten.linear.default:
+                for arg in node.args[1:3]:
+                    self._read_through(arg)
+        steps: set = set()
+        for end in list(self.chains):
+            mine, step = [], end.args[0]
+            while step.op != "placeholder":
+                mine.append(step)
+                step = step.args[0]
+            linears_only = all(user.target is aten.linear.default and end in user.args[1:3] and end is not user.args[0]
+                               for user in end.users)
+            if linears_only and all(len(step.users) == 1 for step in mine):
+                steps.update(mine + [end])
+            else:  # a step read elsewhere too: read as the walk finds it
+                del self.chains[end]
+        return steps
+
     def _param(self, node):
         if not isinstance(node, fx.Node):
             return None
         if node in self.aliases:
             node = self.aliases[node]
+        elif node in self.chains:
+            node = self.chains[node]
         return self.fqn_of.get(node.name) if node.op == "placeholder" else None
 
     def _use(self, node, dim, segments=None) -> None:
@@ -109,6 +135,14 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
             return
         if node in self.aliases and dim is not None:  # a transposed weight: its last two dims swap
             dim = _swapped(dim, _val(node).dim())
+        elif node in self.chains and dim is not None:  # a rearranged weight: its dim traced back, the way placed
+            way = None if segments else _rearranged(node, dim, self.tp)
+            if way is None:
+                dim = None
+            else:
+                for step, at in way[:-1]:
+                    self.shard[step] = at
+                dim = way[-1][1]
         self.uses.setdefault(fqn, set()).add(dim)
         if dim is not None and segments:
             self.param_segments[fqn] = tuple(int(s) for s in segments)
@@ -245,6 +279,8 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
             dim, origin = self.owned_cats[node]
             self._place(node, dim, None, origin)
             return
+        if node in self.chain_steps:  # a rearranged weight or a step of one: placed where its linear claims it
+            return
         if self._alias(node):
             return
         form = self._linear_form(node)
@@ -263,6 +299,10 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
             return
         if target is aten.embedding.default and self._param(node.args[0]) is not None and not sharded:
             self._embedding(node)
+            return
+        found = rules.indexed_rows(node) if not sharded else None
+        if found is not None and self._param(found[0]) is not None and found[1].op == "placeholder":
+            self._embedding(node)  # W_E[tokens, :]: an embedding spelled as indexing, vocabulary-parallel as one
             return
         if sharded and not self._propagate(node, target, sharded):
             said = len(self.reasons)

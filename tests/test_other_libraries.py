@@ -57,6 +57,7 @@ NORMALIZE_CP = model_path("cp_normalize_rmsnorm")
 GEMMA = model_path("tp_gemma_mqa_fused")
 FUSED = model_path("tp_fused_qkv_llama")
 SUBLN = model_path("tp_subln_fairseq")
+HOOKED = model_path("tl_hooked_style")
 B, S, H = 1, 16, 64  # a microbatch of one sequence of 16 tokens (batch 4 in 4 microbatches), hidden 64
 MEGATRON_LAYER_BYTES = 2 * B * S * H * 4  # 2 all-reduces of [b, s, h] fp32 per layer forward
 
@@ -189,12 +190,14 @@ def test_einsum_attention_shards_by_heads():
 
 
 @pytest.mark.parametrize("name", ["cp_learned_positions", "cp_complex_rope", "cp_alibi_baddbmm", "cp_normalize_rmsnorm",
-                                  "cp_linalg_norm", "cp_sequential"])
+                                  "cp_linalg_norm", "cp_sequential", "tl_hooked_style"])
 def test_cp2_places_each_spelling(name):
     # the plan step of the end-to-end cp tests above (the slower tier): nanoGPT's arange(0, t) positions (a crash),
     # torchtitan's complex rotary, BLOOM's and the ALiBi paper's baddbmm scores, x-transformers' F.normalize (refused),
     # the same norm written with torch.linalg.norm (refused: aten.linalg_norm was in no family);
-    # and a model built as nn.Sequential (PaLM), whose input a stage graph names input_1 (refused: "no batched input")
+    # a model built as nn.Sequential (PaLM), whose input a stage graph names input_1 (refused: "no batched input");
+    # TransformerLens's embedding, the table indexed by the tokens, W_E[tokens, :] (refused: "no value of the first
+    # stage holds a sequence shard", the walk began only at aten.embedding)
     manifest = check_model(model_path(name), num_microbatches=2, schedule="gpipe", layout=Layout(pp=1, cp=2))
     assert manifest["cp"]["size"] == 2
     assert manifest["cp"]["verified"]["status"] == "verified", manifest["cp"]["verified"]  # split/verify_cp.py
@@ -346,3 +349,33 @@ def test_sub_layernorms_tp2_train_equal_to_eager(tmp_path):
     out = str(tmp_path / "out")
     split_model(SUBLN, out, schedule="looped-bfs", num_microbatches=4, layout=Layout(pp=1, tp=2))
     _train_against_eager(SUBLN, out, 2, tmp_path)
+
+
+def test_weights_rearranged_on_every_call_shard_as_their_parameters():
+    # TransformerLens's HookedTransformer (tests/models/tl_hooked_style.py) sharded 0.0 of each layer: its q, k, v
+    # weights are [heads, d_model, d_head], rearranged to [(heads d_head), d_model] (permute, reshape) at every call
+    # for F.linear, W_O likewise, the MLP and the unembedding read W.T.contiguous(), the biases b.reshape(-1), and
+    # the walk took only a parameter or its transpose for a linear's weight. Now a weight or bias rearranged from
+    # one parameter is read through to it (split/tp_contract.py: _chain): each dim traced back to the parameter's,
+    # the rearranging ops computed on the piece. Its embedding W_E[tokens, :] is vocabulary-parallel as an
+    # embedding. The layers are Megatron's: the same plan, bytes and share as the same model with nn.Linear-shaped
+    # weights (TL_LAYOUT=linear)
+    manifest = check_model(HOOKED, num_microbatches=4, layout=Layout(pp=2, tp=2))
+    params = manifest["tp"]["params"]
+    for name in ("W_Q", "W_K", "W_V", "b_Q"):
+        assert params[f"blocks.0.attn.{name}"]["role"] == "colwise" and params[f"blocks.0.attn.{name}"]["dim"] == 0
+    assert params["blocks.0.attn.W_O"]["role"] == "rowwise" and params["blocks.0.attn.W_O"]["dim"] == 0
+    assert params["blocks.0.mlp.W_in"]["role"] == "colwise" and params["blocks.0.mlp.W_in"]["dim"] == 1
+    assert params["blocks.0.mlp.W_out"]["role"] == "rowwise" and params["blocks.0.mlp.W_out"]["dim"] == 0
+    assert params["W_E"]["role"] == "vocab" and params["W_U"]["dim"] == 1
+    assert all("why" not in entry for fqn, entry in params.items() if fqn.startswith("blocks.0.attn.W_"))
+    assert manifest["tp"]["verified"]["status"] == "verified", manifest["tp"]["verified"]
+    assert _layer_bytes(HOOKED, "blocks.") == {"blocks.0": MEGATRON_LAYER_BYTES, "blocks.1": MEGATRON_LAYER_BYTES}
+
+
+@pytest.mark.parametrize("layout", ["tp", "cp"])
+def test_weights_rearranged_on_every_call_train_equal_to_eager(layout, tmp_path):
+    out = str(tmp_path / "out")
+    split_model(HOOKED, out, schedule="looped-bfs", num_microbatches=4,
+                layout=Layout(pp=1, tp=2) if layout == "tp" else Layout(pp=1, cp=2))
+    _train_against_eager(HOOKED, out, 2, tmp_path)
