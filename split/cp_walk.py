@@ -417,6 +417,17 @@ class _Walk(Propagation):
         self._place(node, dim, groups)
         return True
 
+    def _on_group_norm(self, node, sharded) -> bool:
+        """``group_norm`` of positions merged into its samples (dim 0, xLSTM's ``[B * S, heads * d]``): each
+        position normalised as it is; over a dim it normalises, refused."""
+        x = node.args[0]
+        if sharded != [x]:
+            return False
+        if self.shard[x][0] != 0:
+            return self._refuse(node, "normalises over the sequence dim")
+        self._place(node, *self.shard[x])
+        return True
+
     def _on_index(self, node, sharded) -> bool:
         """``x[idx, ...]``: a whole table read at sharded positions (``cos[position_ids]``), or a shard indexed
         on its other dims."""

@@ -52,6 +52,7 @@ UNARY = CASTS | {  # elementwise, one tensor in
     aten.gelu_.default, aten.relu_.default, aten.tanh_.default, aten.sigmoid_.default, aten.log.default,
     aten.reciprocal.default, aten.softplus.default, aten.leaky_relu.default, aten.clamp.default,
     aten.hardtanh.default, aten.sin.default, aten.cos.default, aten.mish.default, aten.elu.default,
+    aten.log_sigmoid.default,  # F.logsigmoid (xLSTM's gates): torch does not tag it pointwise
 }
 BINARY = {  # elementwise, broadcasting operands
     aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.maximum.default,
@@ -157,6 +158,7 @@ FAMILIES = (  # (family, its ops): the first family that lists an op is its own
     ("join", CATS | STACKS),
     ("dtype_of", {aten.type_as.default}),  # the second operand gives only its dtype
     ("norm", set(NORMS)),
+    ("group_norm", {aten.group_norm.default}),  # over each sample's groups of channels (dim 1) and the dims after
     ("cast", CASTS | DROPOUTS),
     ("like", LIKE),
     ("attention", SDPA),
@@ -424,14 +426,26 @@ def cut_dim(node) -> int:
 
 def einsum_labels(node):
     """``(specs, output)`` of an ``einsum`` node (``"b h i d, b h j d -> b h i j"``: one label string per operand,
-    one for the output), or None where the equation has an ellipsis, no explicit output, or a spec that does not
-    name each of its operand's dims."""
+    one for the output), or None where the equation has no explicit output or a spec that does not name each of
+    its operand's dims. An ellipsis is named out (xLSTM's headwise projection ``"...hd,hod->...ho"``): each
+    operand's dims under it get labels of their own, lined up from the right as broadcasting lines them up."""
     equation, operands = node.args[0], list(node.args[1])
-    if not isinstance(equation, str) or "..." in equation or "->" not in equation:
+    if not isinstance(equation, str) or "->" not in equation:
         return None
     inputs, output = equation.replace(" ", "").split("->")
     specs = inputs.split(",")
-    if len(specs) != len(operands) or any(len(spec) != val(arg).dim() for spec, arg in zip(specs, operands)):
+    if len(specs) != len(operands):
+        return None
+    if "..." in equation:
+        spare = [c for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZ" if c not in equation]
+        counts = [val(arg).dim() - (len(spec) - 3) if "..." in spec else 0 for spec, arg in zip(specs, operands)]
+        width = max(counts)
+        if min(counts) < 0 or width > len(spare):
+            return None
+        named = spare[:width]
+        specs = [spec.replace("...", "".join(named[width - k:])) for spec, k in zip(specs, counts)]
+        output = output.replace("...", "".join(named))
+    if any(len(spec) != val(arg).dim() for spec, arg in zip(specs, operands)):
         return None
     return specs, output
 

@@ -285,6 +285,8 @@ def _rewrite(g: fx.Graph, walk: _Walk, tp: int, params: dict) -> None:
     joined_from = {}  # the cat that now stands for a fused projection's linear -> that linear (its placement)
     for node, form in walk.mixed_linears.items():  # a fused projection with whole parts: one linear per run of parts
         joined_from[_rewrite_mixed_linear(g, node, form, tp)] = node
+    for node, groups in walk.group_norms.items():  # a group norm of this rank's groups
+        node.update_arg(1, groups)
     for node, groups in walk.conv_groups.items():  # a depthwise convolution on this rank's channels
         args = list(node.args) + [None, [1], [0], [1], 1][len(node.args) - 2:] if len(node.args) < 7 else list(node.args)
         args[6] = groups

@@ -89,6 +89,7 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
         self.owned: dict = {}  # a piece (and what it goes through) -> the rank that computes it
         self.owned_cats: dict = {}  # the cat joining the pieces -> (dim, origin): sharded again
         self.conv_groups: dict = {}  # depthwise convolution over sharded channels -> its local groups
+        self.group_norms: dict = {}  # group_norm over channels sharded in whole groups -> its local groups
         self._made_of_params: dict = {}  # node -> computed from parameters alone (memo of _param_only)
         self.sends: dict = {}  # sequence-sharded value leaving the stage -> (dim, segments)
         self._claimed: set = set()  # (node, input) pairs a rule placed (no "whole" use recorded)
@@ -444,6 +445,34 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
 
     def _on_norm(self, node, sharded) -> bool:
         return self._norm(node, node.target, sharded)
+
+    def _on_group_norm(self, node, sharded) -> bool:
+        """``group_norm(x [N, C, ...], groups, weight, bias)``: a shard of the samples (dim 0) is normalised as it
+        is, its weight and bias read whole; a shard of the channels in whole groups (``groups`` a multiple of tp:
+        xLSTM's ``MultiHeadLayerNorm``, one group a head) is this rank's groups, normalised with its piece of the
+        weight and bias (the rewrite passes ``groups / tp``). Any other shard reads across a group."""
+        x, groups = node.args[0], rules.arg(node, 1, "num_groups")
+        affine = [arg for arg in node.args[2:4] if isinstance(arg, fx.Node)]
+        pieces = [arg for arg in affine if arg in self.shard]  # made from weights held as pieces (learned)
+        if x not in sharded or set(sharded) - {x} - set(pieces) or x in self.segs and self.kind.get(x) != "seq":
+            return False
+        if self.shard[x] == 0 and not pieces:
+            self.copies.extend((node, arg) for arg in affine if self.needs_grad.get(arg))
+        elif (self.shard[x] == 1 and self.kind.get(x) != "seq" and isinstance(groups, int) and groups % self.tp == 0
+              and all(self.shard[arg] == 0 and arg not in self.segs for arg in pieces)):
+            for arg in affine:
+                if arg in self.shard:
+                    continue
+                if self._param(arg) is not None:
+                    self._claim(node, arg, 0)
+                else:  # made from weights (xLSTM's 1 + weight): read at this rank's piece, held as one when learned
+                    self.scatters.append((node, arg, 0, 1))
+                    self._claimed.add((node, arg))
+            self.group_norms[node] = groups // self.tp
+        else:
+            return False
+        self._carry(node, x)
+        return True
 
     def _on_elementwise(self, node, sharded) -> bool:
         if node.target in rules.BINARY:

@@ -379,3 +379,30 @@ def test_weights_rearranged_on_every_call_train_equal_to_eager(layout, tmp_path)
     split_model(HOOKED, out, schedule="looped-bfs", num_microbatches=4,
                 layout=Layout(pp=1, tp=2) if layout == "tp" else Layout(pp=1, cp=2))
     _train_against_eager(HOOKED, out, 2, tmp_path)
+
+
+HEADWISE = model_path("tp_headwise_groupnorm")
+
+
+def test_headwise_projections_and_a_group_norm_per_head_shard_by_heads():
+    # xLSTM's mLSTM layer sharded 0.84 of itself at --tp 2: its block-diagonal projections, einsum("...hd,hod->...ho"),
+    # had no labels (an ellipsis) and gathered their input, and F.group_norm (one group a head) had no rule. Now
+    # each headwise weight is held by its heads and the group norm runs on this rank's groups with its piece of the
+    # weight proxy (1 + weight). One all-reduce of [b, s, h] per layer forward (proj_down), as before the fix none
+    manifest = check_model(HEADWISE, num_microbatches=4, layout=Layout(pp=2, tp=2))
+    params = manifest["tp"]["params"]
+    for name in ("q_proj", "k_proj", "v_proj"):
+        assert params[f"blocks.0.{name}.weight"]["dim"] == 0
+    assert params["blocks.0.outnorm.weight"]["dim"] == 0
+    assert params["blocks.0.proj_up.weight"]["role"] == "colwise"
+    assert params["blocks.0.proj_down.weight"]["role"] == "rowwise"
+    assert manifest["tp"]["verified"]["status"] == "verified", manifest["tp"]["verified"]
+    assert all(stage["share"]["params"] >= 0.99 for stage in manifest["tp"]["stages"])
+    assert _layer_bytes(HEADWISE, "blocks.") == {"blocks.0": MEGATRON_LAYER_BYTES // 2,
+                                                 "blocks.1": MEGATRON_LAYER_BYTES // 2}
+
+
+def test_headwise_projections_and_a_group_norm_per_head_tp2_train_equal_to_eager(tmp_path):
+    out = str(tmp_path / "out")
+    split_model(HEADWISE, out, schedule="looped-bfs", num_microbatches=4, layout=Layout(pp=1, tp=2))
+    _train_against_eager(HEADWISE, out, 2, tmp_path)

@@ -353,3 +353,32 @@ def test_a_view_keeps_each_ranks_pieces_where_the_view_rule_says(in_sizes, dim, 
             if kept is not None:
                 e, b = kept
                 assert kept == found and out_sizes[e] // (2 * b) * math.prod(out_sizes[e + 1:]) % piece == 0
+
+
+@pytest.mark.parametrize("equation, shapes", [
+    ("...hd,hod->...ho", [(2, 3, 4, 5), (4, 6, 5)]),  # xLSTM's headwise projection: [b, s, heads, d] per head
+    ("...ij,...jk->...ik", [(2, 3, 4, 5), (3, 5, 6)]),  # batch dims lined up from the right, broadcast
+    ("b...d,bd->b...", [(2, 3, 4, 5), (2, 5)]),
+])
+def test_an_einsum_ellipsis_is_named_out_as_broadcasting_lines_it_up(equation, shapes):
+    # einsum_labels named no ellipsis (xLSTM's "...hd,hod->...ho" was whole under tp and refused under cp): its dims
+    # now get labels of their own; the labelled equation computes what torch computes for the ellipsis one
+    g = fx.Graph()
+    values = [torch.randn(*shape, dtype=F64) for shape in shapes]
+    nodes = [g.placeholder(f"x{i}") for i in range(len(values))]
+    for node, value in zip(nodes, values):
+        node.meta["val"] = value
+    node = g.call_function(aten.einsum.default, (equation, nodes))
+    specs, output = rules.einsum_labels(node)
+    assert "." not in "".join(specs) + output
+    assert [len(spec) for spec in specs] == [v.dim() for v in values]
+    assert torch.equal(torch.einsum(f"{','.join(specs)}->{output}", *values), torch.einsum(equation, *values))
+
+
+def test_log_sigmoid_is_elementwise_on_every_dim():
+    # F.logsigmoid (xLSTM's input and forget gates) is one op torch does not tag pointwise: cp refused it as one that
+    # "mixes the positions of the sequence"
+    assert rules.family(aten.log_sigmoid.default) == "elementwise"
+    x = torch.randn(SHAPE, dtype=F64)
+    for d in range(x.dim()):
+        _holds_with(aten.log_sigmoid.default, x, d, d)
