@@ -25,8 +25,9 @@ import os
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from lib_style import loss_fn, sgd, token_batch  # noqa: F401  (the model file's loss_fn)
 
-VOCAB, D, HEADS, FFN, LAYERS, BATCH, SEQ = 128, 64, 4, 128, 2, 4, 16
+VOCAB, D, HEADS, FFN, LAYERS = 128, 64, 4, 128, 2  # a batch of 4 x 16 tokens (lib_style.token_batch)
 SUBLN = os.environ.get("SUBLN", "1") == "1"
 HEAD = os.environ.get("HEAD", "linear")
 
@@ -117,10 +118,7 @@ def model():
     return m
 
 
-def batch(step):
-    g = torch.Generator().manual_seed(700 + step)
-    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
-    return (tokens[:, :-1],), {}, tokens[:, 1:]
+batch = token_batch
 
 
 def example_inputs():
@@ -131,9 +129,4 @@ def example_target():
     return batch(0)[2]
 
 
-def loss_fn(logits, target):
-    return F.cross_entropy(logits.reshape(-1, VOCAB), target.reshape(-1))
-
-
-def optimizer(params):
-    return torch.optim.SGD(params, lr=0.1)
+optimizer = sgd
