@@ -20,7 +20,7 @@ from tracepp.split.tp_cuts import _CutRules
 
 aten = torch.ops.aten
 TP = torch.ops.tracepp
-NORM_OVER_SHARD = "normalises over the sharded dim"  # a norm's refusal: tensor_parallel.plan writes it out and prices that
+NORM_OVER_SHARD = "normalises over the sharded dim"  # a norm's refusal: tensor_parallel.plan writes it out, prices that
 
 _MIXED_CARRIES = {aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.transpose.int, aten.permute.default,
                   aten._to_copy.default, aten.to.dtype, aten.clone.default, aten.contiguous.default,
