@@ -184,14 +184,9 @@ class _Walk(Propagation):
                 return
 
     def _table_rows(self, node):
-        """The token ids (a stage input) a parameter is indexed by, ``W_E[tokens, :]`` (``rules.indexed_rows``: an
-        embedding spelled as indexing); else None. A table picked at indices the model computes (an expert's bias at
-        its tokens' experts) is not an embedding of the sequence."""
+        """The token ids a parameter is indexed by, ``W_E[tokens, :]`` (``rules.indexed_rows``); else None."""
         found = rules.indexed_rows(node)
-        if found is None or not (found[0].op == "placeholder" and found[0].name in self.fqn_of
-                                 and found[1].op == "placeholder"):
-            return None
-        return found[1]
+        return found[1] if found is not None and found[0].name in self.fqn_of else None
 
     # -- each family's rule (``Propagation._rule`` finds them by ``rules.family``)
     def _on_item(self, node, sharded) -> bool:

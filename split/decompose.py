@@ -12,16 +12,13 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from tracepp.split import rules
+from tracepp.split.cost import _fake_mode_of
 from tracepp.split.rules import val as _val
 
 aten = torch.ops.aten
 NORMS = (aten.layer_norm.default, aten.rms_norm.default)
 _HALF = (torch.float16, torch.bfloat16)
-
-
-def normalized_dims(node) -> list:
-    """The trailing dims a ``layer_norm`` / ``rms_norm`` normalises over (negative)."""
-    return list(range(-len(node.args[1]), 0))
 
 
 def norms(g: fx.Graph, names: set) -> dict:
@@ -35,13 +32,13 @@ def norm(g: fx.Graph, node) -> list:
     or ``x * rsqrt(mean(x^2) + eps) * weight``. Returns the nodes made, the last standing for its output."""
     x = node.args[0]
     layer = node.target is aten.layer_norm.default
-    weight = _arg(node, 2, "weight")
-    bias = _arg(node, 3, "bias") if layer else None
-    eps = _arg(node, 4 if layer else 3, "eps")
+    weight = rules.arg(node, 2, "weight")
+    bias = rules.arg(node, 3, "bias") if layer else None
+    eps = rules.arg(node, 4 if layer else 3, "eps")
     dtype = _val(x).dtype
     if eps is None:  # layer_norm's default, or rms_norm's: the machine epsilon of the dtype it computes in
         eps = 1e-5 if layer else torch.finfo(torch.float32 if dtype in _HALF else dtype).eps
-    dims = normalized_dims(node)
+    dims = list(range(-rules.last_dims(node), 0))
 
     made_all = []
 
@@ -71,14 +68,10 @@ def norm(g: fx.Graph, node) -> list:
     return made_all
 
 
-def _arg(node, index: int, name: str):
-    return node.args[index] if len(node.args) > index else node.kwargs.get(name)
-
-
 def _fake(target, args, kwargs):
     """The output's fake tensor, computed in the inputs' fake mode."""
     values = [_val(a) if isinstance(a, fx.Node) else a for a in args]
-    mode = next((v.fake_mode for v in values if hasattr(v, "fake_mode")), None)
+    mode = _fake_mode_of(values)
     if mode is None:
         return target(*values, **kwargs)
     with mode:

@@ -658,12 +658,13 @@ def _parts_view(in_sizes: list, out_sizes: list, dim: int, segments, tp: int):
 
 
 def indexed_rows(node):
-    """(table, ids) of a 2-D value indexed by one integer tensor on its rows, ``W_E[tokens, :]`` (``aten.index``:
-    TransformerLens's ``Embed``), an embedding spelled as indexing; else None."""
+    """(table, ids) of a 2-D value indexed on its rows by a stage input of integer ids, ``W_E[tokens, :]``
+    (``aten.index``: TransformerLens's ``Embed``), an embedding spelled as indexing; else None. A table picked at
+    indices the model computes (an expert's bias at its tokens' experts) is not an embedding."""
     if node.target is not torch.ops.aten.index.Tensor or len(node.args) != 2 or len(node.args[1]) != 1:
         return None
     table, (ids,) = node.args
-    if not (isinstance(table, torch.fx.Node) and isinstance(ids, torch.fx.Node)):
+    if not (isinstance(table, torch.fx.Node) and isinstance(ids, torch.fx.Node) and ids.op == "placeholder"):
         return None
     rows, index = val(table), val(ids)
     if not (isinstance(rows, torch.Tensor) and rows.dim() == 2 and isinstance(index, torch.Tensor)

@@ -31,23 +31,30 @@ def _chain(node):
     return node if steps and isinstance(node, fx.Node) and node.op == "placeholder" else None
 
 
+def dim_before(node, dim: int, tp: int):
+    """The dim of ``node``'s input whose indices are its output's ``dim``: moved by a transpose or permute, or
+    split or merged by a view that keeps each piece of it whole; None where no one dim is."""
+    in_val, out_val = _val(node.args[0]), _val(node)
+    if node.target in rules.TRANSPOSES:
+        found = [e for e in range(in_val.dim()) if rules.moved_dim(node, e) == dim]
+    elif node.target in rules.VIEWS:  # the input dim whose pieces the view makes this dim's
+        found = [e for e in range(in_val.dim())
+                 if rules.view_placement(_sizes(in_val), _sizes(out_val), e, None, tp) == (dim, None)]
+    else:
+        return None
+    return found[0] if len(found) == 1 else None
+
+
 def _rearranged(node, dim: int, tp: int):
     """[(node, dim), ..., (placeholder, its dim)]: ``dim`` of a rearranged parameter traced back step by step to
-    the parameter's dim whose pieces it holds (a view merging that dim with the ones after it keeps them whole);
-    None where no one dim does."""
+    the parameter's dim whose pieces it holds (:func:`dim_before`; a copy keeps its dims); None where no one dim
+    does."""
     way = [(node, dim)]
     while node.op != "placeholder":
-        source = node.args[0]
-        if node.target in rules.TRANSPOSES:
-            found = [e for e in range(_val(source).dim()) if rules.moved_dim(node, e) == dim]
-        elif node.target in rules.VIEWS:
-            found = [e for e in range(_val(source).dim()) if rules.view_placement(
-                _sizes(_val(source)), _sizes(_val(node)), e, None, tp) == (dim, None)]
-        else:
-            found = [dim]
-        if len(found) != 1:
+        dim = dim if node.target in _REARRANGES else dim_before(node, dim, tp)
+        if dim is None:
             return None
-        node, dim = source, found[0]
+        node = node.args[0]
         way.append((node, dim))
     return way
 

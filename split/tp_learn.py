@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 
 from tracepp.split import rules
-from tracepp.split.rules import at as _at, equal as _equal, ints as _ints, sizes as _sizes, val as _val
+from tracepp.split.rules import at as _at, equal as _equal, ints as _ints, val as _val
+from tracepp.split.tp_contract import dim_before
 from tracepp.split.tp_walk import _Walk
 
 aten = torch.ops.aten
@@ -37,7 +38,7 @@ def _piece_of(walk: _Walk, node, dim):
         if not (isinstance(out_val, torch.Tensor) and isinstance(in_val, torch.Tensor)):
             return None
         if node.target in rules.TRANSPOSES or node.target in rules.VIEWS:  # Inkling 2's static_weight.T.view(heads,
-            before = _dim_before(walk, node, dim)                             # -1, k)
+            before = dim_before(node, dim, walk.tp)                            # -1, k)
             if before is None:
                 return None
             node, dim = source, before
@@ -48,20 +49,6 @@ def _piece_of(walk: _Walk, node, dim):
                 or not all(_equal(out_val.shape[a], in_val.shape[b]) for a, b in zip(outs, ins))):
             return None
         node, dim = source, ins[outs.index(dim)]
-
-
-def _dim_before(walk: _Walk, node, dim: int):
-    """The dim of ``node``'s input whose indices are its output's ``dim``: moved by a transpose or permute, or
-    split or merged by a view that keeps each piece of it whole; None where no one dim is."""
-    in_val, out_val = _val(node.args[0]), _val(node)
-    if node.target in rules.TRANSPOSES:
-        found = [e for e in range(in_val.dim()) if rules.moved_dim(node, e) == dim]
-    elif node.target in rules.VIEWS:  # the input dim whose pieces the view makes this dim's
-        found = [e for e in range(in_val.dim())
-                 if rules.view_placement(_sizes(in_val), _sizes(out_val), e, None, walk.tp) == (dim, None)]
-    else:
-        return None
-    return found[0] if len(found) == 1 else None
 
 
 def _learn_pieces(walks: list, pieces: dict, notes: dict) -> bool:
@@ -159,7 +146,7 @@ def _local_tree(walk: _Walk, value, dim: int, reads: set):
                 return None  # padded along the dim
             todo.append((first, d))
         elif target in rules.VIEWS or target in rules.TRANSPOSES:
-            before = _dim_before(walk, node, d)
+            before = dim_before(node, d, walk.tp)
             if before is None:
                 return None
             todo.append((first, before))

@@ -302,7 +302,7 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
             self._embedding(node)
             return
         found = rules.indexed_rows(node) if not sharded else None
-        if found is not None and self._param(found[0]) is not None and found[1].op == "placeholder":
+        if found is not None and self._param(found[0]) is not None:
             self._embedding(node)  # W_E[tokens, :]: an embedding spelled as indexing, vocabulary-parallel as one
             return
         if sharded and not self._propagate(node, target, sharded):
