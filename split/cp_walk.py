@@ -336,23 +336,6 @@ class _Walk(Propagation):
         self._place(node, rules.expanded_dim(node, dim), groups)
         return True
 
-    def _on_expand_as(self, node, sharded=None) -> bool:
-        """``x.expand_as(other)``: the output has ``other``'s local shape, so it holds where both are sharded on the
-        same dim (aligned from the right), or ``x`` is whole with size 1 there (F.normalize's norm, ``[b, s, 1]``
-        expanded to the features, keeps each position's row)."""
-        first, other = node.args[0], node.args[1]
-        if not isinstance(other, fx.Node) or other not in self.shard:
-            return False
-        dim, groups = self.shard[other]
-        offset = _val(other).dim() - _val(first).dim()
-        if first in self.shard:
-            if self.shard[first] != (dim - offset, groups):
-                return False
-        elif dim - offset >= 0 and not _equal(_val(first).shape[dim - offset], 1):
-            return False
-        self._place(node, dim, groups)
-        return True
-
     def _on_cut(self, node, sharded) -> bool:
         first = node.args[0]
         if sharded != [first]:

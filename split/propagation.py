@@ -108,6 +108,28 @@ class Propagation:
     def _on_reduction(self, node, sharded) -> bool:
         return sharded == [node.args[0]] and self._reduce(node)
 
+    def _on_expand_as(self, node, sharded) -> bool:
+        """``x.expand_as(other)``: ``x`` broadcast to ``other``'s shape, an elementwise op whose second operand
+        gives only its shape. Placed as ``other`` where ``x`` is placed alike (lined up from the right), or whole and
+        broadcast along the sharded dim (F.normalize's norm, ``[b, s, 1]`` expanded to the features: each position's
+        row, each rank's features); what a whole ``x`` becomes, the planner says (:meth:`_beside`)."""
+        first, other = node.args[0], node.args[1]
+        if not isinstance(other, fx.Node) or other not in self.shard:
+            return False
+        n, entry = rules.val(node).dim(), self._entry(other)
+        whole = []
+        if first in self.shard:
+            if self._entry(first, self._dim(first) + n - rules.val(first).dim()) != entry:
+                return False
+        elif rules.aligned_dim(n, entry[0], rules.val(first)) is not None:
+            return False  # as wide as the sharded dim: its local shape is not the piece's
+        else:
+            whole.append((first, None))
+        if not self._beside(node, entry, whole):
+            return False
+        self._place_entry(node, entry, [a for a in (first, other) if a in self.shard])
+        return True
+
     # -- the rules every dimension shares (the sharded input is ``node.args[0]``)
     def _place_out(self, node, source, dim) -> None:
         """``node``'s output (or each of its outputs: values and indices) placed as ``source`` on ``dim``."""

@@ -12,7 +12,7 @@ import torch
 import torch.fx as fx
 
 import tracepp.runtime.tensor_parallel  # noqa: F401  (registers torch.ops.tracepp.tp_*)
-from tracepp.split import rules, torch_rules, tp_partial
+from tracepp.split import decompose, rules, torch_rules, tp_partial
 from tracepp.split.propagation import Propagation
 from tracepp.split.rules import at as _at, equal as _equal, ints as _ints, prod as _prod, sizes as _sizes, val as _val
 from tracepp.split.tp_contract import _ContractionRules, _rearranged, _swapped
@@ -204,7 +204,10 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
     def _partial(self, node, kind: str, dims: list) -> bool:
         """A sum or mean over named dims, the sharded one among them, is combined from the partial sums
         (:meth:`_partial_sum`); any other partial kind goes to torch's rule (a p-norm's ``_NormPartial`` is
-        reduced as what it is, ``torch_rules``), else the input is gathered."""
+        reduced as what it is, ``torch_rules``), else the input is gathered. A vector p-norm is a norm over the
+        sharded dim: ``tensor_parallel.plan`` tries it written out (a partial sum of ``|x|^p``)."""
+        if node.target is aten.linalg_vector_norm.default and decompose.order(node) is not None:
+            return self._refuse(node, NORM_OVER_SHARD)
         if node.target not in rules.REDUCTIONS_BY_DIM or not rules.arg(node, 1, "dim"):
             return False
         return self._partial_sum(node, node.target, _val(node.args[0]), dims)

@@ -42,3 +42,53 @@ def test_a_norm_written_out_computes_the_norm(kind, affine, shape, dtype):
     tolerance = {torch.float64: 1e-12, torch.float32: 2e-6, torch.bfloat16: 0.0}[dtype]  # bf16: computed in fp32
     assert got.dtype == dtype
     assert (got.double() - expected.double()).abs().max().item() <= tolerance
+
+
+class _VectorNorm(nn.Module):
+    def __init__(self, p, dim, keepdim: bool, dtype=None):
+        super().__init__()
+        self.p, self.dim, self.keepdim, self.dtype = p, dim, keepdim, dtype
+
+    def forward(self, x):
+        return torch.linalg.vector_norm(x, self.p, self.dim, self.keepdim, dtype=self.dtype) * 2
+
+
+@pytest.mark.parametrize("p", [2, 1, 3, 2.5])
+@pytest.mark.parametrize("dim, keepdim", [(-1, True), ((1, 2), False), (None, False)])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_a_vector_norm_written_out_computes_the_norm_and_its_gradient(p, dim, keepdim, dtype):
+    """F.normalize's norm: sum(|x|^p)^(1/p), a sum each rank takes of its piece; a row of zeros (padding) gets the
+    gradient 0 as torch's does, not 0 / 0."""
+    torch.manual_seed(0)
+    module = _VectorNorm(p, dim, keepdim)
+    x = torch.randn(2, 5, 16).to(dtype)
+    x[0, 1] = 0  # a row of zeros
+    gm = torch.export.export(module, (x,)).module()
+    norm, = [n for n in gm.graph.nodes if n.target in decompose.NORMS]
+    leaf = x.clone().requires_grad_()
+    expected = gm(leaf)
+    expected.sum().backward()
+    expected_grad = leaf.grad
+    made = decompose.norms(gm.graph, {norm.name})[norm.name]
+    gm.recompile()
+    assert not [n for n in gm.graph.nodes if n.target in decompose.NORMS]
+    assert made[-1].meta["val"].shape == expected.shape and made[-1].meta["val"].dtype == dtype
+    leaf = x.clone().requires_grad_()
+    got = gm(leaf)
+    got.sum().backward()
+    assert got.dtype == dtype and leaf.grad.dtype == dtype
+    tolerance = {torch.float64: 1e-12, torch.float32: 2e-6, torch.bfloat16: 1e-2}[dtype]
+    scale = expected.double().abs().max().item()
+    assert (got.double() - expected.double()).abs().max().item() <= tolerance * scale
+    assert torch.isfinite(leaf.grad).all()
+    assert (leaf.grad.double() - expected_grad.double()).abs().max().item() <= tolerance * 10
+    if dim == -1:
+        assert (leaf.grad[0, 1] == 0).all()  # the row of zeros: 0, as torch's
+
+
+def test_a_vector_norm_of_an_infinite_order_is_not_written_out():
+    gm = torch.export.export(_VectorNorm(float("inf"), -1, True), (torch.randn(2, 4),)).module()
+    norm, = [n for n in gm.graph.nodes if n.target in decompose.NORMS]
+    assert decompose.order(norm) is None
+    with pytest.raises(ValueError, match="order inf is not a sum"):
+        decompose.norm(gm.graph, norm)

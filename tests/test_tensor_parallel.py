@@ -557,7 +557,7 @@ def test_segment_figures_count_the_activations_tp_and_sequence_parallelism_shard
     assert head["sequence_parallel"]["all_gather_sequence"] == [1, width]
 
 
-@pytest.mark.parametrize("model", ["tp_split_value", "tp_normalize_ffn"])
+@pytest.mark.parametrize("model", ["tp_split_value", "tp_gemma_mqa_fused"])
 def test_segment_figures_count_the_gathers_a_plan_runs_backward(model):
     # a whole value read at each rank's piece has its gradient pieces all-gathered backward (ZAYA's split value
     # heads, a norm's weight beside the MLP's sharded features): the plan lists them and prices them
