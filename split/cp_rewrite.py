@@ -201,6 +201,11 @@ class _Hoist:
         self.g, self.walk, self.cp = g, walk, cp
         self.memo: dict = {}
         self.like = None
+        # values written in place (through their views): a cut is not moved above them, where a value made for this
+        # rank's positions would miss the writes (litgpt's sliding-window mask: torch.full((T, T), -inf), then
+        # mask[i, start:i + 1] = 0 row by row; its rows are taken where the attention reads it)
+        self.written = {rules.view_root(arg) for node in g.nodes if node.op == "call_function"
+                        for arg in rules.written(node) if isinstance(arg, fx.Node)}
 
     def run(self) -> None:
         for node in list(self.g.nodes):
@@ -344,7 +349,7 @@ class _Hoist:
         return node
 
     def _push(self, x, dim: int, groups: int):
-        if x.op != "call_function" or not isinstance(_val(x), torch.Tensor):
+        if x.op != "call_function" or not isinstance(_val(x), torch.Tensor) or rules.view_root(x) in self.written:
             return None
         target = x.target
         val = _val(x)
@@ -381,15 +386,8 @@ class _Hoist:
                 return None
             source = self._cut_of(x.args[0], dim - 1 if at < dim else dim, groups)
             return self._new(x, target, [source, x.args[1]], dim=dim)
-        if target in (aten.transpose.int, aten.permute.default, aten.t.default):
-            ndim = val.dim()
-            if target is aten.permute.default:
-                source_dim = [d % ndim for d in x.args[1]][dim]
-            elif target is aten.transpose.int:
-                a, b = (d % ndim for d in x.args[1:3])
-                source_dim = b if dim == a else a if dim == b else dim
-            else:
-                source_dim = ndim - 1 - dim if ndim == 2 else dim
+        if target in rules.TRANSPOSES:
+            source_dim = next(d for d in range(val.dim()) if rules.moved_dim(x, d) == dim)
             source = self._cut_of(x.args[0], source_dim, groups)
             return self._new(x, target, [source] + list(x.args[1:]), dim=dim)
         if target in rules.VIEWS or target is aten.expand.default:

@@ -72,7 +72,8 @@ VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 FLATTENS = {aten.flatten.using_ints}  # a view with no size list to rewrite
 UNFLATTENS = {aten.unflatten.int}
 EXPANDS = {aten.expand.default, aten.broadcast_to.default}
-TRANSPOSES = {aten.t.default, aten.numpy_T.default, aten.transpose.int, aten.permute.default}
+TRANSPOSES = {aten.t.default, aten.numpy_T.default, aten.transpose.int, aten.permute.default, aten.mT.default,
+              aten.mH.default, aten.adjoint.default}  # mT, mH, adjoint: the last two dims swapped (litgpt's k.mT)
 COMPLEX_VIEWS = {aten.view_as_complex.default, aten.view_as_real.default}  # the last dim's pairs <-> complex numbers
 MOVES = TRANSPOSES | COMPLEX_VIEWS | {  # the same elements, dims moved, added or dropped (:func:`moved_dim`)
     aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.movedim.int}
@@ -313,6 +314,8 @@ def moved_dim(node, dim: int, ranks: int = 1):
         return ndim - 1 - dim if ndim == 2 else dim
     if target is aten.numpy_T.default:  # reverses every dim
         return ndim - 1 - dim
+    if target in (aten.mT.default, aten.mH.default, aten.adjoint.default):  # the last two dims swapped
+        return {ndim - 2: ndim - 1, ndim - 1: ndim - 2}.get(dim, dim)
     if target is aten.permute.default:
         return [d % ndim for d in node.args[1]].index(dim)
     if target is aten.movedim.int:

@@ -65,6 +65,9 @@ MOVES = [
     (aten.unsqueeze.default, (2,), {}),
     (aten.unsqueeze.default, (-1,), {}),
     (aten.numpy_T.default, (), {}),
+    (aten.mT.default, (), {}),  # litgpt's q @ k.mT: refused under cp as "mixes the positions" before it had a rule
+    (aten.mH.default, (), {}),
+    (aten.adjoint.default, (), {}),
 ]
 
 
