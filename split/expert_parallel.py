@@ -231,6 +231,38 @@ def _check_chain(block: MoEBlock) -> str:
     return ""
 
 
+_PICKS = {aten.nonzero.default, aten.argwhere.default, aten.where.default}  # the indices of a mask's true entries
+
+
+def _looped_experts(graph: fx.Graph):
+    """Experts computed one by one in a stage graph, or None: linears of at least two numbered modules of one list
+    (``model.layers.0.mlp.experts.0`` ...) that read rows an index picked at a mask's true entries (Mistral's
+    reference MoE, litgpt's ``LLaMAMoE``, transformers' Mixtral before grouped matmuls: ``torch.where(mask)``,
+    ``x[token_idx]``, ``y[token_idx] += ...``). Returned as ``'model.layers.0.mlp.experts.* (4 of them, the first at model.py:42)'``."""
+    import re
+
+    from tracepp.split.plan_cost import reached
+
+    picks = [n for n in graph.nodes if n.op == "call_function" and n.target in _PICKS and len(n.args) == 1]
+    indices = {user for pick in picks for _value, user in reached(pick, 3, lambda u: u.target is operator.getitem
+                                                                   or u.target in rules.VIEWS)} | set(picks)
+    gathers = [n for n in graph.nodes if n.op == "call_function" and n.target is aten.index.Tensor
+               and any(a in indices for a in n.all_input_nodes if a is not n.args[0])]
+    lists: dict = {}
+    for gather in gathers:
+        for _value, user in reached(gather, 4, lambda u: u.target in rules.KEEP or u.target in rules.VIEWS):
+            if user.target is not aten.linear.default or not node_modules(user):
+                continue
+            found = re.match(r"^(.*)\.(\d+)(?:\.[^\d][^.]*)*$", node_modules(user)[-1])
+            if found:
+                lists.setdefault(found.group(1), {}).setdefault(found.group(2), user)
+    for parent, members in lists.items():
+        if len(members) > 1:
+            first = next(iter(members.values()))
+            return f"{parent}.* ({len(members)} of them, the first{rules.at(first)})"
+    return None
+
+
 def _divisors(n: int) -> list:
     return [k for k in range(1, n + 1) if n % k == 0]
 
@@ -243,10 +275,14 @@ def plan(graph, ep: int, dp: int, fqn_map) -> tuple:
     result = EPPlan(size=ep)
     blocks = [(index, block) for index, found in enumerate(per_stage) for block in found]
     if ep > 1 and not blocks:
+        looped = next(filter(None, (_looped_experts(stage.graph) for stage in graph.stages)), None)
         raise ExpertParallelError(
             f"--ep {ep}: this model has no routed experts (grouped matmuls over an expert dim with per-expert "
-            f"offsets: torch._grouped_mm, torch.nn.functional.grouped_mm or transformers' grouped_mm_fallback); "
-            f"split without --ep (--dp {dp} alone replicates or shards it)")
+            f"offsets: torch._grouped_mm, torch.nn.functional.grouped_mm or transformers' grouped_mm_fallback)"
+            + (f"; its experts {looped} are called one by one, each on the rows an index picks, which expert "
+               f"parallelism does not move: write them as grouped matmuls over one weight of all experts "
+               f"(transformers' grouped_mm experts, torchtitan's GroupedExperts) to shard them over --ep"
+               if looped else "") + f"; split without --ep (--dp {dp} alone replicates or shards it)")
     for index, block in blocks:
         if ep > 1 and block.refused:
             raise ExpertParallelError(f"--ep {ep}: the routed experts of {block.name} (stage {index}) cannot be "

@@ -21,6 +21,7 @@ linears' all-reduces and puts one after each value in ``late_sums``; ``verify`` 
 from __future__ import annotations
 
 import torch
+import torch.fx as fx
 
 from tracepp.split import rules
 from tracepp.split.cost import tensor_bytes
@@ -29,6 +30,25 @@ aten = torch.ops.aten
 _SUMS = {aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.mean.default}  # linear in their input
 _ADDS = {aten.add.Tensor, aten.sub.Tensor, aten.add_.Tensor, aten.sub_.Tensor}  # partial + partial
 _SCALES = {aten.mul.Tensor, aten.div.Tensor, aten.mul.Scalar, aten.div.Scalar, aten.neg.default}  # by a whole value
+_ZEROS = {aten.zeros_like.default, aten.new_zeros.default, aten.zeros.default}  # partial sums of nothing: 0 each
+_PUTS = {aten.index_put_.default, aten.index_put.default}  # rows written at indices: linear in both
+
+
+def _zeros(node, walk) -> bool:
+    """A value of zeros made fresh (``y = torch.zeros_like(x)``, rows of experts' outputs added into it): held as
+    partial sums, each rank's 0."""
+    return node.op == "call_function" and node.target in _ZEROS and node not in walk.shard and not walk.needs_grad.get(
+        node)
+
+
+def _whole_indices(node, partial: set, walk) -> bool:
+    indices = [a for a in (node.args[1] if len(node.args) > 1 else []) if isinstance(a, fx.Node)]
+    return not any(a in partial or a in walk.shard or rules.val(a).dtype.is_floating_point for a in indices)
+
+
+def _scaled_by(node, partial: set) -> list:
+    """The whole tensors a scale multiplies its partial operand by (a product's other factor, either side)."""
+    return [a for a in node.all_input_nodes if isinstance(rules.val(a), torch.Tensor) and a not in partial]
 
 
 def _identity(node) -> bool:
@@ -55,10 +75,15 @@ def _carries(node, partial: set, walk) -> bool:
         return tensors == [node.args[0]] and (target not in rules.DROPOUTS or _identity(node))
     if target in _ADDS:
         return len(tensors) == 2 and len(mine) == 2 and node.kwargs.get("alpha", 1) == 1
-    if target in _SCALES:
+    if target in _SCALES:  # partial times a whole value: where that carries a gradient (a router's weight of each
+        #                    expert's rows), its gradient is a part on each rank, summed by a tp_copy (:func:`defer`)
         first = node.args[0]
-        others = [a for a in tensors if a is not first]
-        return first in partial and len(mine) == 1 and not any(walk.needs_grad.get(a) for a in others)
+        return len(mine) == 1 and (first in partial or target in (aten.mul.Tensor, aten.mul.Scalar))
+    if target is aten.index.Tensor:  # rows picked at whole indices
+        return mine == [node.args[0]] and _whole_indices(node, partial, walk)
+    if target in _PUTS:  # rows of partial sums written into partial sums (litgpt's y[token_idx] += expert(...))
+        values = node.args[2] if len(node.args) > 2 else None
+        return node.args[0] in partial and values in partial and _whole_indices(node, partial, walk)
     return False
 
 
@@ -71,7 +96,8 @@ def defer(walk) -> None:
               and isinstance(rules.val(n), torch.Tensor)}
     if not starts:
         return
-    partial = set(starts)
+    zeros = {n for n in walk.graph.nodes if _zeros(n, walk)}
+    partial = starts | zeros
     order = {node: index for index, node in enumerate(walk.graph.nodes)}
     first = min(order[n] for n in starts)
     for node in walk.graph.nodes:  # what partial sums reach: forward, in graph order
@@ -79,8 +105,8 @@ def defer(walk) -> None:
             partial.add(node)
     while True:  # kept partial only where every reader takes partial sums (the rest are summed where made)
         carried = {n for n in partial if n.users and all(u in partial for u in n.users)}
-        dropped = {n for n in partial if n not in starts and not (  # still made of carried partial sums alone
-            _carries(n, partial, walk) and all(a in carried for a in n.all_input_nodes if a in partial))}
+        dropped = {n for n in partial if n not in starts and (n in zeros and n not in carried or n not in zeros and not (
+            _carries(n, partial, walk) and all(a in carried for a in n.all_input_nodes if a in partial)))}
         if not dropped:
             break
         partial -= dropped
@@ -89,10 +115,13 @@ def defer(walk) -> None:
         if not any(s in carried for s in run if s in starts):
             continue
         biases = [walk.forms[s][2] for s in run if s in starts and s in carried and walk.forms[s][2] is not None]
+        scales = [(n, a) for n in run if n.target in _SCALES for a in _scaled_by(n, partial) if walk.needs_grad.get(a)]
         added = sum(tensor_bytes(rules.val(b)) for b in biases if walk.needs_grad.get(b))  # their gradients summed
+        added += sum(2 * tensor_bytes(rules.val(a)) for _n, a in scales)  # (and the scales', all-reduced backward)
         if sum(tensor_bytes(rules.val(n)) for n in summed) + added >= sum(tensor_bytes(rules.val(s)) for s in run
                                                                           if s in starts):
             continue
+        walk.copies.extend(pair for pair in scales if pair not in walk.copies)
         walk.deferred.update(s for s in run if s in starts and s in carried)
         walk.late_sums.update((n, None) for n in summed if n not in starts)  # a start summed where made: as before
         walk.partial.update(run)

@@ -83,6 +83,10 @@ def test_grouped_mm_runs_the_kernel_eager_transformers_runs_and_equals_the_loop(
 def test_errors_name_the_values_that_would_work():
     with pytest.raises(ValueError, match=r"--ep 2: this model has no routed experts .*split without --ep"):
         check_model(model_path("tied_lm_dp"), num_microbatches=2, layout=Layout(pp=2, dp=2, ep=2))
+    # experts called one by one (litgpt's LLaMAMoE): named, with the first one's line, and how to make them a block
+    with pytest.raises(ValueError, match=r"its experts transformer\.h\.0\.mlp\.experts\.\* \(4 of them, the first at "
+                                         r"lib_style\.py:\d+\) are called one by one.*grouped matmuls"):
+        check_model(model_path("tp_expert_loop"), num_microbatches=2, layout=Layout(pp=2, dp=2, ep=2))
     with pytest.raises(ValueError, match=r"--ep 4 takes each stage's expert-parallel ranks from its --dp 2 "
                                          r"data-parallel ranks, so it must divide --dp: use --ep in \[1, 2\]"):
         _manifest("mixtral", dp=2, ep=4)

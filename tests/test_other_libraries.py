@@ -140,6 +140,32 @@ def test_fused_qkv_llama_tp2_moves_no_more_than_megatron():
     assert all(moved <= MEGATRON_LAYER_BYTES for moved in per_layer.values()), (per_layer, MEGATRON_LAYER_BYTES)
 
 
+def test_normalize_over_the_sharded_hidden_is_written_out_at_megatrons_bytes_plus_its_sum():
+    # NormFormer's norm inside the MLP, F.normalize over the hidden features fc_1/fc_2 shard: torch's answer for the
+    # p-norm is _NormPartial, not a sum, so the first plan gathers the hidden (twice Megatron's bytes: an all-gather of
+    # [b, s, ffn] beside the two all-reduces). Written out (split.decompose: sum(x^2) a partial sum, its root), it is
+    # Megatron's two all-reduces of [b, s, h] and one of the norm's [b, s, 1] per layer
+    per_layer = _layer_bytes(NORMALIZE_FFN)
+    assert per_layer == {f"transformer.h.{i}": MEGATRON_LAYER_BYTES + B * S * 1 * 4 for i in range(2)}, per_layer
+
+
+def test_experts_called_in_a_loop_sum_their_partial_sums_once():
+    # litgpt's LLaMAMoE (Mistral's reference MoE): each expert on the rows torch.where picks, added back by index_put_.
+    # Each expert's row-wise output was all-reduced apart (top-k times the tokens, and priced at each expert's upper
+    # bound of rows: 4.5x Megatron's bytes here); carried through the loop as partial sums, one all-reduce of the
+    # layer's [b, s, h] after the MLP as after the attention
+    per_layer = _layer_bytes(model_path("tp_expert_loop"))
+    assert per_layer == {"transformer.h.0": MEGATRON_LAYER_BYTES, "transformer.h.1": MEGATRON_LAYER_BYTES}, per_layer
+
+
+def test_experts_called_in_a_loop_tp2_train_equal_to_eager(tmp_path):
+    path = model_path("tp_expert_loop")
+    out = str(tmp_path / "out")
+    manifest = split_model(path, out, schedule="looped-bfs", num_microbatches=4, layout=Layout(pp=1, tp=2))
+    assert manifest["tp"]["params"]["transformer.h.0.mlp.experts.0.proj.weight"]["role"] == "rowwise"
+    _train_against_eager(path, out, 2, tmp_path)
+
+
 def test_fused_qkv_per_group_layout_moves_megatrons_bytes(monkeypatch):
     # the layout Megatron-Core and torchtitan fuse (each key/value group's query heads, its key, its value) already
     # plans as Megatron's: the projection column-wise by groups, proj and the MLP's proj row-wise
@@ -172,6 +198,17 @@ def test_alibi_baddbmm_attention_cp2_trains_equal_to_eager(tmp_path):
     _train_against_eager(path, out, 2, tmp_path)
 
 
+def test_a_sliding_window_mask_written_row_by_row_cp2_trains_equal_to_eager(tmp_path, monkeypatch):
+    # litgpt's Mistral and Gemma 2 at --cp 2: the window's mask, torch.full((T, T), -inf) opened row by row in place,
+    # was cut where the factory made it while the writes went into the whole one (every score masked: the
+    # verification refused the plan); Gemma 2's softcapped q @ k.mT was refused ("mT mixes the positions")
+    monkeypatch.setenv("SOFTCAP", "50")
+    path = model_path("cp_window_mask_rows")
+    out = str(tmp_path / "out")
+    split_model(path, out, schedule="looped-bfs", num_microbatches=2, layout=Layout(pp=1, cp=2))
+    _train_against_eager(path, out, 2, tmp_path)
+
+
 def test_einsum_attention_shards_by_heads():
     # x-transformers' attention: einsum("b h i d, b h j d -> b h i j") and back, keys and values tiled to the
     # query heads with repeat (k.repeat(1, r, 1, 1)). The repeat tiles a segment per copy, so the query projection
@@ -190,14 +227,18 @@ def test_einsum_attention_shards_by_heads():
 
 
 @pytest.mark.parametrize("name", ["cp_learned_positions", "cp_complex_rope", "cp_alibi_baddbmm", "cp_normalize_rmsnorm",
-                                  "cp_linalg_norm", "cp_sequential", "tl_hooked_style"])
-def test_cp2_places_each_spelling(name):
+                                  "cp_linalg_norm", "cp_sequential", "tl_hooked_style", "cp_window_mask_rows",
+                                  "cp_window_mask_rows:50"])
+def test_cp2_places_each_spelling(name, monkeypatch):
     # the plan step of the end-to-end cp tests above (the slower tier): nanoGPT's arange(0, t) positions (a crash),
     # torchtitan's complex rotary, BLOOM's and the ALiBi paper's baddbmm scores, x-transformers' F.normalize (refused),
     # the same norm written with torch.linalg.norm (refused: aten.linalg_norm was in no family);
     # a model built as nn.Sequential (PaLM), whose input a stage graph names input_1 (refused: "no batched input");
     # TransformerLens's embedding, the table indexed by the tokens, W_E[tokens, :] (refused: "no value of the first
-    # stage holds a sequence shard", the walk began only at aten.embedding)
+    # stage holds a sequence shard", the walk began only at aten.embedding); litgpt's sliding-window mask written row
+    # by row into a factory (a wrong plan the verification refused), with Gemma 2's q @ k.mT (refused: mT had no rule)
+    name, _, softcap = name.partition(":")
+    monkeypatch.setenv("SOFTCAP", softcap or "0")
     manifest = check_model(model_path(name), num_microbatches=2, schedule="gpipe", layout=Layout(pp=1, cp=2))
     assert manifest["cp"]["size"] == 2
     assert manifest["cp"]["verified"]["status"] == "verified", manifest["cp"]["verified"]  # split/verify_cp.py
