@@ -116,6 +116,7 @@ def moved_bytes(walk) -> int:
 
 _FLOPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # graph -> (its node count, node_flops)
 _EXPERTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # graph -> (its node count, expert weights)
+_BLOCKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # graph -> (its node count, {node: its block})
 
 
 def _once_per_graph(cache, graph, make):
@@ -196,15 +197,140 @@ def elementwise_kinds(walks: list, roles: dict) -> dict:
 
 _LAYER = re.compile(r"^(.*\.\d+)$")
 
-def _layer_of(node):
-    """The repeated block a node belongs to: the outermost numbered module on its module stack
-    (``model.layers.3`` for a node of ``model.layers.3.mlp.experts.5``), or None."""
-    from tracepp.split.partition import node_modules
 
-    for path in node_modules(node):
-        if _LAYER.match(path):
-            return path
-    return None
+def _numbered(path: str) -> list:
+    """The prefixes of a module path that end in an index, outermost first (``model.layers.3`` and
+    ``model.layers.3.mlp.experts.5`` of ``model.layers.3.mlp.experts.5.up``): the repeated blocks it may be in."""
+    parts = path.split(".")
+    return [prefix for prefix in (".".join(parts[:i]) for i in range(2, len(parts) + 1)) if _LAYER.match(prefix)
+            and parts[len(prefix.split(".")) - 1].isdigit()]
+
+
+def _blocks(graph) -> dict:
+    """{node: the repeated block (decoder layer) it belongs to} of a stage graph. A block is the outermost numbered
+    module on a node's module path (``model.layers.3`` for a node of ``model.layers.3.mlp.experts.5``), named by its
+    path even where the model never calls it (hourglass's ``for attn, ff in self.layers``: ``layers.0`` holds
+    ``layers.0.0``, the attention, and ``layers.0.1``, the MLP). Where that module holds more than one attention per
+    call and numbered modules of one type inside it each hold one (MEGABYTE's ``transformers.0``, a Transformer of
+    ``transformers.0.layers.*``, lists never called), those are the blocks; a T5 block's self-attention,
+    cross-attention and MLP (``block.0.layer.0`` to ``.2``, each its own type) or experts (no attention) are not."""
+    from tracepp.split.partition import module_path
+
+    paths, types, calls = {}, {}, {}
+    for node in graph.nodes:
+        stack = [(module_path(path), kind, key)
+                 for key, (path, kind) in (node.meta.get("nn_module_stack") or {}).items()]
+        for path, kind, key in stack:
+            types.setdefault(path, kind)
+            calls.setdefault(path, set()).add(key.rpartition("@")[2] if "@" in key else "")
+        if stack:  # every numbered prefix of every module on the stack, outermost first (a module called inside a
+            #        block that another module owns is in the block)
+            paths[node] = tuple(dict.fromkeys(prefix for path, _kind, _key in stack for prefix in _numbered(path)))
+    attentions: dict = {}
+    for node, prefixes in paths.items():
+        if node.op == "call_function" and node.target in rules.ATTENTION_NORMALIZERS:
+            for prefix in prefixes:
+                attentions[prefix] = attentions.get(prefix, 0) + 1
+
+    def per_call(prefix) -> float:
+        return attentions.get(prefix, 0) / max(1, len(calls.get(prefix, ())))
+
+    numbered = {prefix for prefixes in paths.values() for prefix in prefixes}
+
+    def repeated(prefix) -> bool:  # numbered modules of its type beside it (of no type: containers never called)
+        parent, kind = prefix.rpartition(".")[0], types.get(prefix)
+        return any(other != prefix and other.rpartition(".")[0] == parent and types.get(other) == kind
+                   for other in numbered)
+
+    out, chosen = {}, {}
+    for node, prefixes in paths.items():
+        if prefixes not in chosen:
+            block = prefixes[0] if prefixes else None
+            for deeper in prefixes[1:]:
+                if per_call(block) <= 1 or not attentions.get(deeper) or not repeated(deeper):
+                    break
+                block = deeper
+            chosen[prefixes] = block
+        if chosen[prefixes] is not None:
+            out[node] = chosen[prefixes]
+    return _alternating(_parallel_lists(out, attentions), attentions)
+
+
+_MIXERS = rules.ALONG | rules.CONVOLUTIONS | rules.PADS | rules.SDPA | rules.ATTENTION_NORMALIZERS  # across positions
+
+
+def _alternating(blocks: dict, attentions: dict) -> dict:
+    """``blocks`` with a list's MLP blocks joined to the attention block before each (x-transformers'
+    ``attn_layers.layers``: ``layers.0`` an attention, ``layers.1`` a feed-forward, in turn): a block of linears
+    whose ops all work position by position (no attention, convolution, pad, scan or softmax: not a Mamba or
+    recurrent mixer, not a router) right after a block holding an attention of the same list joins it."""
+    nodes: dict = {}
+    for node, block in blocks.items():
+        nodes.setdefault(block, []).append(node)
+    joined = {}
+    for block, members in nodes.items():
+        parent, _, index = block.rpartition(".")
+        before = f"{parent}.{int(index) - 1}" if index.isdigit() and int(index) > 0 else None
+        if before in nodes and attentions.get(before) and not attentions.get(block) and any(
+                n.target is torch.ops.aten.linear.default for n in members) and not any(
+                n.op == "call_function" and n.target in _MIXERS for n in members):
+            joined[block] = before
+    return {node: joined.get(block, block) for node, block in blocks.items()} if joined else blocks
+
+
+def _parallel_lists(blocks: dict, attentions: dict) -> dict:
+    """``blocks`` with each layer held by parallel lists made one (XLM: ``transformer.attentions.i``,
+    ``transformer.layer_norm1.i``, ``transformer.ffns.i``, ``transformer.layer_norm2.i``, one module list per part
+    of a layer): the i-th block of a list without attention joins the i-th attention block of the list beside it
+    (the same parent), named as the attention's, where both lists hold the same indices in the graph and it holds a
+    linear (not a list of embeddings or rotary tables that happens to be numbered alike)."""
+    parts: dict = {}  # (parent, index) -> {list: block}
+    for block in set(blocks.values()):
+        parent, _, index = block.rpartition(".")
+        parent, _, name = parent.rpartition(".")
+        parts.setdefault((parent, index), {})[name] = block
+    indices: dict = {}
+    for (parent, index), lists in parts.items():
+        for name in lists:
+            indices.setdefault((parent, name), set()).add(index)
+    linear = {block for node, block in blocks.items() if node.op == "call_function"
+              and node.target in (torch.ops.aten.linear.default, torch.ops.aten.addmm.default)}
+    joined = {}
+    for (parent, index), lists in parts.items():
+        main = [name for name, block in lists.items() if attentions.get(block)]
+        if len(main) != 1:
+            continue
+        for name, block in lists.items():
+            if name != main[0] and not attentions.get(block) and block in linear and (
+                    indices[(parent, name)] == indices[(parent, main[0])]):
+                joined[block] = lists[main[0]]
+    if not joined:
+        return blocks
+    reads: dict = {}  # block -> the blocks its nodes read, directly or through ops outside every block (a residual
+    for node, block in blocks.items():  # add, a dropout)
+        todo, seen = list(node.all_input_nodes), set()
+        while todo:
+            source = todo.pop()
+            if source in seen or len(seen) > 16:
+                continue
+            seen.add(source)
+            if source not in blocks:
+                todo.extend(source.all_input_nodes)
+            elif blocks[source] != block:
+                reads.setdefault(block, set()).add(blocks[source])
+    for (parent, index), lists in parts.items():  # then that index's parts reading the layer (its norms), not
+        main = next((lists[name] for name in lists if attentions.get(lists[name])), None)  # tables numbered alike
+        layer = {main} | {block for block in lists.values() if joined.get(block) == main}
+        if main is not None and len(layer) > 1:
+            joined.update({block: main for block in lists.values()
+                           if block not in layer and not attentions.get(block) and reads.get(block, set()) & layer})
+    return {node: joined.get(block, block) for node, block in blocks.items()}
+
+
+def _layer_of(node):
+    """The repeated block a node belongs to (:func:`_blocks` of its graph), or None."""
+    graph = node.graph
+    return _once_per_graph(_BLOCKS, graph, lambda: _blocks(graph)).get(node)
 
 
 def _products_operands(node) -> list:

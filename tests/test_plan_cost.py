@@ -242,3 +242,150 @@ def test_a_fused_projections_gradient_rows_are_listed_at_the_shape_they_move():
     assert len(gathers) == 2  # one a layer
     for gather in gathers:
         assert gather["shape"] == [str(lib_style.HEADS * lib_style.HEAD_DIM), str(lib_style.D)], gather
+
+
+class _Attention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.out = torch.nn.Linear(8, 24), torch.nn.Linear(8, 8)
+
+    def forward(self, x, context=None):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        if context is not None:
+            k = k + context
+        return self.out(torch.softmax(q @ k.transpose(-1, -2), dim=-1) @ v)
+
+
+class _Mlp(torch.nn.Sequential):
+    def __init__(self):
+        super().__init__(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
+
+
+class _Pairs(torch.nn.Module):
+    """hourglass's and MEGABYTE's ``Transformer``: ``for attn, ff in self.layers`` over a list of lists never called."""
+    def __init__(self, depth: int):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.ModuleList([_Attention(), _Mlp()]) for _ in range(depth))
+
+    def forward(self, x):
+        for attn, ff in self.layers:
+            x = x + attn(x)
+            x = x + ff(x)
+        return x
+
+
+class _Multiscale(torch.nn.Module):
+    """MEGABYTE: a list of Transformers, each a list of (attention, MLP) pairs."""
+    def __init__(self):
+        super().__init__()
+        self.transformers = torch.nn.ModuleList([_Pairs(2), _Pairs(2)])
+
+    def forward(self, x):
+        for transformer in self.transformers:
+            x = transformer(x)
+        return x
+
+
+class _SelfAttentionLayer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = _Attention()
+
+    def forward(self, x, context=None):
+        return x + self.attn(x, context)
+
+
+class _CrossAttentionLayer(_SelfAttentionLayer):
+    pass
+
+
+class _T5Block(torch.nn.Module):
+    """T5's decoder block: ``layer.0`` self-attention, ``layer.1`` cross-attention, ``layer.2`` the MLP."""
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.ModuleList([_SelfAttentionLayer(), _CrossAttentionLayer(), _Mlp()])
+
+    def forward(self, x):
+        x = self.layer[1](self.layer[0](x), x)
+        return x + self.layer[2](x)
+
+
+class _T5Stack(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = torch.nn.ModuleList([_T5Block(), _T5Block()])
+
+    def forward(self, x):
+        for block in self.block:
+            x = block(x)
+        return x
+
+
+class _ParallelLists(torch.nn.Module):
+    """XLM's layers: one module list per part (``attentions.i``, ``layer_norm1.i``, ``ffns.i``, ``layer_norm2.i``);
+    ``tables`` a list of embeddings numbered alike (musicgen's codebooks), not part of a layer."""
+    def __init__(self):
+        super().__init__()
+        self.attentions = torch.nn.ModuleList([_Attention(), _Attention()])
+        self.layer_norm1 = torch.nn.ModuleList([torch.nn.LayerNorm(8), torch.nn.LayerNorm(8)])
+        self.ffns = torch.nn.ModuleList([_Mlp(), _Mlp()])
+        self.layer_norm2 = torch.nn.ModuleList([torch.nn.LayerNorm(8), torch.nn.LayerNorm(8)])
+        self.tables = torch.nn.ModuleList([torch.nn.Embedding(4, 8), torch.nn.Embedding(4, 8)])
+
+    def forward(self, x):
+        x = x + self.tables[0](torch.zeros(x.shape[:2], dtype=torch.long)) + self.tables[1](
+            torch.ones(x.shape[:2], dtype=torch.long))
+        for i in range(2):
+            x = self.layer_norm1[i](x + self.attentions[i](x))
+            x = self.layer_norm2[i](x + self.ffns[i](x))
+        return x
+
+
+class _Conv(torch.nn.Module):
+    """A mixer along the sequence (Mamba's causal convolution), not an MLP."""
+    def __init__(self):
+        super().__init__()
+        self.conv, self.out = torch.nn.Conv1d(8, 8, 3, padding=2), torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.out(self.conv(x.transpose(1, 2))[..., :x.shape[1]].transpose(1, 2))
+
+
+class _Alternating(torch.nn.Module):
+    """x-transformers' ``attn_layers.layers``: (norm, block) pairs never called, an attention and a feed-forward in
+    turn; then a convolution mixer after an attention, a layer of its own (a hybrid's Mamba layer)."""
+    def __init__(self):
+        super().__init__()
+        kinds = [_Attention, _Mlp, _Attention, _Mlp, _Attention, _Conv]
+        self.layers = torch.nn.ModuleList(torch.nn.ModuleList([torch.nn.LayerNorm(8), kind()]) for kind in kinds)
+
+    def forward(self, x):
+        for norm, block in self.layers:
+            x = x + block(norm(x))
+        return x
+
+
+@pytest.mark.parametrize("module, blocks", [
+    (_Alternating(), {"layers.0", "layers.2", "layers.4", "layers.5"}),  # was: layers.1 and .3 layers of their own
+    (_ParallelLists(), {"attentions.0", "attentions.1", "tables.0", "tables.1"}),  # was: ffns.i a layer apart
+    (_Pairs(2), {"layers.0", "layers.1"}),  # the pair list, never called, is the layer (was: its attention alone)
+    (_Multiscale(), {f"transformers.{i}.layers.{j}" for i in range(2) for j in range(2)}),  # was: each Transformer
+    (_T5Stack(), {"block.0", "block.1"}),  # two attentions a block, each in a layer of its own type: the block
+])
+def test_a_decoder_layer_is_the_block_holding_one_attention_and_its_mlp(module, blocks):
+    """``inspect``'s Megatron figure is per decoder layer: the bytes of a block with two layers were set against one
+    layer's (MEGABYTE: 2.00x printed, 1.00x true), and an attention and its MLP listed as two layers (hourglass:
+    0.50x and n/a)."""
+    from tracepp.split import plan_cost
+
+    graph = torch.export.export(module, (torch.randn(2, 4, 8),)).graph
+    found = plan_cost._blocks(graph)
+    assert {block for block in found.values() if not any(other.startswith(block + ".") for other in blocks)} == blocks
+    linears = {n.meta["nn_module_stack"][list(n.meta["nn_module_stack"])[-1]][0]: found.get(n)
+               for n in graph.nodes if n.target is torch.ops.aten.linear.default}
+    for path, block in linears.items():  # every linear in its block: the attention's and the MLP's alike
+        assert block in blocks and (path.startswith(block + ".") or block.startswith("attentions.")
+                                    or isinstance(module, _Alternating)), (path, block)
+    if isinstance(module, _ParallelLists):
+        assert {found[n] for n in graph.nodes if n.target is torch.ops.aten.layer_norm.default} == {"attentions.0",
+                                                                                                   "attentions.1"}
