@@ -122,27 +122,14 @@ def plan(graph, tp: int, overrides=None, sequence_parallel: bool = False) -> tup
                        begins=segment_begins(graph))
         return (*found, notes, mixed, gathered)
 
-    walks, uses, reasons, notes, mixed, gathered = settled()
-    norms = [_norms_over_shards(seen) for seen in reasons]
-    if any(norms):  # a norm over a sharded dim, its input gathered: planned again with the norm written out, every
-        #             stage's at once, else stage by stage (BERT-like: the embeddings' norm on the first stage, the
-        #             head's on the last, whose vocabulary projection would then be row-wise, against its tied table)
-        trials = [norms] + ([[names if i == j else set() for i, names in enumerate(norms)] for j in range(len(norms))
-                             if norms[j]] if sum(map(bool, norms)) > 1 else [])
-        for trial in trials:
-            kept = [stage.graph for stage in graph.stages]
-            for stage, names in zip(graph.stages, trial):
-                if names:
-                    stage.graph = copy.deepcopy(stage.graph)
-                    decompose.norms(stage.graph, names)
-            found = settled()
-            if _written_out_kept(found[0], walks):
-                walks, uses, reasons, notes, mixed, gathered = found
-                if trial is norms:
-                    break
-            else:
-                for stage, g in zip(graph.stages, kept):
-                    stage.graph = g
+    def settled_on(graphs: list) -> tuple:
+        for stage, g in zip(graph.stages, graphs):
+            stage.graph = g
+        return settled()
+
+    found, graphs, _made = written_out([stage.graph for stage in graph.stages], settled(), settled_on)
+    settled_on(graphs)
+    walks, uses, reasons, notes, mixed, gathered = found
     partial = tp_grads.mark(walks)  # gradients summed once per step: their copies dropped
     result = TPPlan(size=tp)
     if sequence_parallel:
@@ -203,6 +190,34 @@ def _norms_over_shards(seen: dict) -> set:
     """Names of the ``layer_norm`` / ``rms_norm`` nodes a pass found normalising over a sharded dim (heads or
     features; their input gathered), from a stage's reasons (``"name (target) at file:line: why"``)."""
     return {reason.split(" ", 1)[0] for reason in seen if reason.endswith(NORM_OVER_SHARD)}
+
+
+def written_out(graphs: list, found: tuple, settle_on) -> tuple:
+    """``found`` (``settle``'s answer over ``graphs``: the walks first, each graph's reasons third) planned again
+    with the norms it gathers for normalising over a sharded dim written out (``split.decompose``), on copies of the
+    graphs: every graph's at once, else one graph's at a time where several have some (BERT-like: the embeddings'
+    norm on the first stage, the head's on the last, whose vocabulary projection would then be row-wise, against its
+    tied table); each kept where :func:`_written_out_kept`. ``settle_on(graphs)`` settles a list of graphs. Returns
+    (the answer kept, its graphs, {graph index: the nodes made in it})."""
+    norms = [_norms_over_shards(seen) for seen in found[2]]
+    if not any(norms):
+        return found, graphs, {}
+    trials = [norms] + ([[names if i == j else set() for i, names in enumerate(norms)] for j in range(len(norms))
+                         if norms[j]] if sum(map(bool, norms)) > 1 else [])
+    made_all: dict = {}
+    for trial in trials:
+        copies, made = list(graphs), {}
+        for i, names in enumerate(trial):
+            if names:
+                copies[i] = copy.deepcopy(graphs[i])
+                made[i] = decompose.norms(copies[i], names)
+        answer = settle_on(copies)
+        if _written_out_kept(answer[0], found[0]):
+            found, graphs = answer, copies
+            made_all.update(made)
+            if trial is norms:
+                break
+    return found, graphs, made_all
 
 
 def _written_out_kept(written: list, gathered: list) -> bool:
@@ -282,20 +297,18 @@ def whole_graph_walks(graph: fx.Graph, fqn_of: dict, needs_grad: dict, sizes=TUN
     (stage outputs are not gathered here). With ``sequence`` (the traced sequence length) each tp that divides
     it also gets the walk ``--sequence-parallel`` would make (``entry["sequence_parallel"]``); a walk that
     fails there leaves that tp without it."""
+    trainable = {n.name for n, flag in needs_grad.items() if n.op == "placeholder" and flag}
+
+    def flags_of(g: fx.Graph) -> dict:
+        return needs_grad if g is graph else _gradient_flags(g, trainable)
+
     out = {}
     for tp in sizes:
-        walks, uses, reasons = settle([(graph, fqn_of, needs_grad)], tp, {}, begins=begins)
-        names, flags, made = _norms_over_shards(reasons[0]), needs_grad, None
-        if names:  # as plan() does: the norms written out on a copy, kept where cheaper (their figures by name)
-            written = copy.deepcopy(graph)
-            made = decompose.norms(written, names)
-            trainable = {n.name for n, flag in needs_grad.items() if n.op == "placeholder" and flag}
-            flags = _gradient_flags(written, trainable)
-            found = settle([(written, fqn_of, flags)], tp, {}, begins=begins)
-            if _written_out_kept(found[0], walks):
-                walks, uses, reasons = found
-            else:
-                flags, made = needs_grad, None
+        found, (walked,), made = written_out([graph], settle([(graph, fqn_of, needs_grad)], tp, {}, begins=begins),
+                                             lambda gs: settle([(gs[0], fqn_of, flags_of(gs[0]))], tp, {},
+                                                               begins=begins))  # as plan() does
+        walks, uses, _reasons = found
+        flags, made = flags_of(walked), made.get(0)
         tp_grads.mark(walks)
         dims = {fqn: next(iter(d)) for fqn, d in uses.items()}
         out[tp] = {"walk": walks[0], "dims": dims, "attributed": set(), "needs_grad": flags}
