@@ -479,7 +479,12 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
 
     def _on_elementwise(self, node, sharded) -> bool:
         if node.target in rules.BINARY:
-            return self._elementwise(node)
+            if self._elementwise(node):
+                return True
+            if len(sharded) == 2 and len({self.shard[a] + _val(node).dim() - _val(a).dim() for a in sharded}) == 1:
+                self._tiled_heads(*sharded)  # heads in segments beside heads in none (x-transformers' gated values
+                #                              under grouped-query attention): the plain one's projection asked for them
+            return False
         if node.target not in rules.UNARY or node.args[0] not in self.shard or len(sharded) != 1:
             return False
         if node.target is aten.dropout.default and node.args[1] and (len(node.args) < 3 or node.args[2]):

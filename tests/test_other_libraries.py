@@ -166,6 +166,28 @@ def test_experts_called_in_a_loop_tp2_train_equal_to_eager(tmp_path):
     _train_against_eager(path, out, 2, tmp_path)
 
 
+def test_gated_values_under_grouped_query_attention_hold_the_query_heads_segments():
+    # x-transformers' attn_gate_values with kv heads tiled by repeat: the gate's projection held heads {0, 1} where the
+    # attention's output holds {0, 2} (the query projection in two segments), their product was gathered and the
+    # attention kept whole (0.66 of each stage sharded); the gate's projection is now asked for the same segments
+    manifest = check_model(model_path("tp_gated_values_gqa"), num_microbatches=4, layout=Layout(pp=2, tp=2))
+    params = manifest["tp"]["params"]
+    assert params["transformer.h.0.attn.to_v_gate.weight"]["segments"] == [32, 32]
+    assert params["transformer.h.0.attn.to_q.weight"]["segments"] == [32, 32]
+    assert params["transformer.h.0.attn.to_out.weight"]["role"] == "rowwise"
+    assert all(stage["share"]["params"] >= 0.99 for stage in manifest["tp"]["stages"])
+    assert manifest["tp"]["verified"]["status"] == "verified", manifest["tp"]["verified"]
+    assert _layer_bytes(model_path("tp_gated_values_gqa")) == {f"transformer.h.{i}": MEGATRON_LAYER_BYTES
+                                                                 for i in range(2)}
+
+
+def test_gated_values_under_grouped_query_attention_tp2_train_equal_to_eager(tmp_path):
+    path = model_path("tp_gated_values_gqa")
+    out = str(tmp_path / "out")
+    split_model(path, out, schedule="looped-bfs", num_microbatches=4, layout=Layout(pp=1, tp=2))
+    _train_against_eager(path, out, 2, tmp_path)
+
+
 def test_fused_qkv_per_group_layout_moves_megatrons_bytes(monkeypatch):
     # the layout Megatron-Core and torchtitan fuse (each key/value group's query heads, its key, its value) already
     # plans as Megatron's: the projection column-wise by groups, proj and the MLP's proj row-wise
