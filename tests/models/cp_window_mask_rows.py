@@ -8,6 +8,7 @@ Hidden 64, 4 heads, 2 key/value heads, 16 tokens, a window of 4.
 
 ``--cp 2`` must cut the finished mask to this rank's query rows: the cut had been moved up to the factory, made for
 this rank's rows, while the loop's writes went into the whole one (every score masked; caught by the verification).
+Its loss casts the logits to fp32 as litgpt's does (export checks the traced device there).
 """
 import functools
 import math
@@ -16,7 +17,7 @@ import os
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from lib_style import D, HEAD_DIM, HEADS, RMSNorm, SwiGLU, Decoder, apply_rope, loss_fn, sgd, token_batch  # noqa: F401
+from lib_style import D, HEAD_DIM, HEADS, RMSNorm, SwiGLU, Decoder, apply_rope, sgd, token_batch  # noqa: F401
 
 KV_HEADS, WINDOW = 2, 4
 SOFTCAP = float(os.environ.get("SOFTCAP", "0"))
@@ -57,6 +58,10 @@ class WindowAttention(nn.Module):
 def model():
     torch.manual_seed(0)
     return Decoder(2, functools.partial(RMSNorm, D), WindowAttention, SwiGLU)
+
+
+def loss_fn(logits, target):  # as litgpt's trainers take it: the logits cast to fp32
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1))
 
 
 batch = token_batch
