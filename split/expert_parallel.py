@@ -238,7 +238,8 @@ def _looped_experts(graph: fx.Graph):
     """Experts computed one by one in a stage graph, or None: linears of at least two numbered modules of one list
     (``model.layers.0.mlp.experts.0`` ...) that read rows an index picked at a mask's true entries (Mistral's
     reference MoE, litgpt's ``LLaMAMoE``, transformers' Mixtral before grouped matmuls: ``torch.where(mask)``,
-    ``x[token_idx]``, ``y[token_idx] += ...``). Returned as ``'model.layers.0.mlp.experts.* (4 of them, the first at model.py:42)'``."""
+    ``x[token_idx]``, ``y[token_idx] += ...``). Returned as
+    ``'model.layers.0.mlp.experts.* (4 of them, the first at model.py:42)'``."""
     import re
 
     from tracepp.split.plan_cost import reached
