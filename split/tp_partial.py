@@ -3,11 +3,14 @@ placement, carried through the ops that are linear in it.
 
 A row-wise linear leaves each tp rank a partial sum of its output, all-reduced after it (Megatron's ``g``: the
 all-reduce forward, identity backward). Where what reads the partial sums is linear in them, the all-reduce can
-wait: a view, a transpose, a cast, a sum over a dim, a product with a value that is whole and carries no
-gradient, the sum of two partial values. Llama 4's MoE computes every expert on every token (a ``bmm`` of
-``[experts, tokens, hidden]``, row-wise on the experts' features), sums over the experts and adds the shared
-expert (row-wise too): summed where each is made, three all-reduces, one of them ``experts`` times the layer's
-``[b, s, h]``; summed where they meet, one all-reduce of ``[b, s, h]``, as Megatron's plan moves.
+wait: a view, a transpose, a cast, a sum over a dim, a product with a whole value (one that carries a gradient
+then takes a part of it on each rank, summed by a ``tp_copy``), the sum of two partial values, rows picked at whole
+indices and written into partial sums (a fresh value of zeros is one: each rank's 0). Llama 4's MoE computes every
+expert on every token (a ``bmm`` of ``[experts, tokens, hidden]``, row-wise on the experts' features), sums over the
+experts and adds the shared expert (row-wise too): summed where each is made, three all-reduces, one of them
+``experts`` times the layer's ``[b, s, h]``; summed where they meet, one all-reduce of ``[b, s, h]``, as Megatron's
+plan moves. Experts called one by one (litgpt's ``LLaMAMoE``: ``y[token_idx] += probs * expert(x[token_idx])``)
+likewise: ``top_k`` times the tokens' rows, or one ``[b, s, h]``.
 
 :func:`defer` is a pass over a settled walk: it places nothing, it moves all-reduces. A value made of partial
 sums (a row-wise output, or an op above whose every reading of them is of partial values) stays
