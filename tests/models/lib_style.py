@@ -135,6 +135,11 @@ class SeparateAttention(nn.Module):
 
     def forward(self, x, cos, sin):
         B, T, _ = x.shape
+        return self.to_out(self.heads(x, cos, sin).transpose(1, 2).reshape(B, T, HEADS * HEAD_DIM))
+
+    def heads(self, x, cos, sin):
+        """Each head's output, ``[b, heads, n, d]``."""
+        B, T, _ = x.shape
         q = self.to_q(x).view(B, T, HEADS, HEAD_DIM).transpose(1, 2)
         k = self.to_k(x).view(B, T, self.kv_heads, HEAD_DIM).transpose(1, 2)
         v = self.to_v(x).view(B, T, self.kv_heads, HEAD_DIM).transpose(1, 2)
@@ -142,13 +147,11 @@ class SeparateAttention(nn.Module):
         r = HEADS // self.kv_heads
         k, v = k.repeat(1, r, 1, 1), v.repeat(1, r, 1, 1)  # 'b kvh n d -> b (r kvh) n d'
         if self.flash:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            return self.to_out(out.transpose(1, 2).reshape(B, T, HEADS * HEAD_DIM))
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
         sim = torch.einsum("b h i d, b h j d -> b h i j", q, k) * HEAD_DIM ** -0.5
         causal = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)
         attn = sim.masked_fill(causal, -torch.finfo(sim.dtype).max).softmax(dim=-1)
-        out = torch.einsum("b h i j, b h j d -> b h i d", attn, v)
-        return self.to_out(out.transpose(1, 2).reshape(B, T, HEADS * HEAD_DIM))
+        return torch.einsum("b h i j, b h j d -> b h i d", attn, v)
 
 
 def rotate_half_interleaved(x):

@@ -12,7 +12,7 @@ import functools
 
 import torch
 import torch.nn as nn
-from lib_style import D, HEAD_DIM, HEADS, Decoder, RMSNorm, SeparateAttention, SwiGLU, apply_rope, loss_fn, sgd, token_batch  # noqa: F401,E501
+from lib_style import D, HEAD_DIM, HEADS, Decoder, RMSNorm, SeparateAttention, SwiGLU, loss_fn, sgd, token_batch  # noqa: F401
 
 KV_HEADS = 2
 
@@ -24,18 +24,8 @@ class GatedValuesAttention(SeparateAttention):
 
     def forward(self, x, cos, sin):
         B, T, _ = x.shape
-        q = self.to_q(x).view(B, T, HEADS, HEAD_DIM).transpose(1, 2)
-        k = self.to_k(x).view(B, T, self.kv_heads, HEAD_DIM).transpose(1, 2)
-        v = self.to_v(x).view(B, T, self.kv_heads, HEAD_DIM).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        r = HEADS // self.kv_heads
-        k, v = k.repeat(1, r, 1, 1), v.repeat(1, r, 1, 1)  # 'b kvh n d -> b (r kvh) n d'
-        sim = torch.einsum("b h i d, b h j d -> b h i j", q, k) * HEAD_DIM ** -0.5
-        causal = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)
-        attn = sim.masked_fill(causal, -torch.finfo(sim.dtype).max).softmax(dim=-1)
-        out = torch.einsum("b h i j, b h j d -> b h i d", attn, v)
         gates = self.to_v_gate(x).view(B, T, HEADS, HEAD_DIM).transpose(1, 2)  # 'b n (h d) -> b h n d'
-        out = out * gates.sigmoid()
+        out = self.heads(x, cos, sin) * gates.sigmoid()
         return self.to_out(out.transpose(1, 2).reshape(B, T, HEADS * HEAD_DIM))
 
 
