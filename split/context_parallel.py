@@ -79,17 +79,15 @@ class CPPlan:
 
 def _expert_nodes(stage_graph: fx.Graph, fqn_of: dict) -> set:
     """The nodes of each routed-expert layer: from its token rows to the sum over the top-k experts, every node
-    of the module that owns the experts' router (dropless: each token computed on its own)."""
-    from tracepp.split.expert_parallel import find_blocks
+    of the module that owns the experts' router (dropless: each token computed on its own). Experts as grouped
+    matmuls, or called one by one on the rows ``torch.where`` picks (litgpt's ``LLaMAMoE``)."""
+    from tracepp.split.expert_parallel import find_blocks, looped_experts
     from tracepp.split.partition import node_modules
 
-    blocks = find_blocks(stage_graph, fqn_of)
-    if not blocks:
+    names = [block.name for block in find_blocks(stage_graph, fqn_of)] + list(looped_experts(stage_graph))
+    if not names:
         return set()
-    owners = set()
-    for block in blocks:
-        owner = block.name.rsplit(".", 1)[0] if "." in block.name else block.name
-        owners.add(owner)
+    owners = {name.rsplit(".", 1)[0] if "." in name else name for name in names}
     found = set()
     for node in stage_graph.nodes:
         paths = [p for p in node_modules(node) if p]

@@ -636,6 +636,15 @@ class _Walk(Propagation):
             return True
         if target in (aten.histc.default, aten.bincount.default):
             return True  # this rank's counts per expert (the offsets of its own rows): whole-shaped
+        if target in (aten.where.default, aten.nonzero.default, aten.argwhere.default) and len(node.args) == 1:
+            first = node.args[0]  # the true entries of a mask over this rank's tokens: its rows' indices
+            if self.shard.get(first, (None,))[0] != 0:
+                return False
+            if isinstance(out_val, (list, tuple)):
+                self.items[node] = [self.shard[first]] * len(out_val)
+            else:
+                self._place(node, *self.shard[first])
+            return True
         if op_name(node) in GROUPED_MM:  # this rank's rows, grouped by expert with its own offsets
             rows = node.args[0]
             if rows not in self.shard:

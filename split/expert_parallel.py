@@ -234,12 +234,11 @@ def _check_chain(block: MoEBlock) -> str:
 _PICKS = {aten.nonzero.default, aten.argwhere.default, aten.where.default}  # the indices of a mask's true entries
 
 
-def _looped_experts(graph: fx.Graph):
-    """Experts computed one by one in a stage graph, or None: linears of at least two numbered modules of one list
-    (``model.layers.0.mlp.experts.0`` ...) that read rows an index picked at a mask's true entries (Mistral's
-    reference MoE, litgpt's ``LLaMAMoE``, transformers' Mixtral before grouped matmuls: ``torch.where(mask)``,
-    ``x[token_idx]``, ``y[token_idx] += ...``). Returned as
-    ``'model.layers.0.mlp.experts.* (4 of them, the first at model.py:42)'``."""
+def looped_experts(graph: fx.Graph) -> dict:
+    """Experts computed one by one in a stage graph: {the list's module (``model.layers.0.mlp.experts``): its
+    members' first linear each, by index}, for lists of at least two numbered modules whose linears read rows an
+    index picked at a mask's true entries (Mistral's reference MoE, litgpt's ``LLaMAMoE``, transformers' Mixtral
+    before grouped matmuls: ``torch.where(mask)``, ``x[token_idx]``, ``y[token_idx] += ...``)."""
     import re
 
     from tracepp.split.plan_cost import reached
@@ -257,10 +256,14 @@ def _looped_experts(graph: fx.Graph):
             found = re.match(r"^(.*)\.(\d+)(?:\.[^\d][^.]*)*$", node_modules(user)[-1])
             if found:
                 lists.setdefault(found.group(1), {}).setdefault(found.group(2), user)
-    for parent, members in lists.items():
-        if len(members) > 1:
-            first = next(iter(members.values()))
-            return f"{parent}.* ({len(members)} of them, the first{rules.at(first)})"
+    return {parent: members for parent, members in lists.items() if len(members) > 1}
+
+
+def _looped_experts(graph: fx.Graph):
+    """:func:`looped_experts`' first list as a message names it (``'model.layers.0.mlp.experts.* (4 of them, the
+    first at model.py:42)'``), or None."""
+    for parent, members in looped_experts(graph).items():
+        return f"{parent}.* ({len(members)} of them, the first{rules.at(next(iter(members.values())))})"
     return None
 
 

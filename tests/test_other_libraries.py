@@ -158,6 +158,15 @@ def test_experts_called_in_a_loop_sum_their_partial_sums_once():
     assert per_layer == {"transformer.h.0": MEGATRON_LAYER_BYTES, "transformer.h.1": MEGATRON_LAYER_BYTES}, per_layer
 
 
+def test_experts_called_in_a_loop_cp2_train_equal_to_eager(tmp_path):
+    # each rank runs the loop on its own tokens: torch.where's indices are its rows', index and index_put_ read and
+    # write them (cp_walk._token_local, as for grouped matmuls)
+    path = model_path("tp_expert_loop")
+    out = str(tmp_path / "out")
+    split_model(path, out, schedule="looped-bfs", num_microbatches=2, layout=Layout(pp=1, cp=2))
+    _train_against_eager(path, out, 2, tmp_path)
+
+
 def test_experts_called_in_a_loop_tp2_train_equal_to_eager(tmp_path):
     path = model_path("tp_expert_loop")
     out = str(tmp_path / "out")
@@ -250,7 +259,7 @@ def test_einsum_attention_shards_by_heads():
 
 @pytest.mark.parametrize("name", ["cp_learned_positions", "cp_complex_rope", "cp_alibi_baddbmm", "cp_normalize_rmsnorm",
                                   "cp_linalg_norm", "cp_sequential", "tl_hooked_style", "cp_window_mask_rows",
-                                  "cp_window_mask_rows:50"])
+                                  "cp_window_mask_rows:50", "tp_expert_loop"])
 def test_cp2_places_each_spelling(name, monkeypatch):
     # the plan step of the end-to-end cp tests above (the slower tier): nanoGPT's arange(0, t) positions (a crash),
     # torchtitan's complex rotary, BLOOM's and the ALiBi paper's baddbmm scores, x-transformers' F.normalize (refused),
@@ -258,7 +267,8 @@ def test_cp2_places_each_spelling(name, monkeypatch):
     # a model built as nn.Sequential (PaLM), whose input a stage graph names input_1 (refused: "no batched input");
     # TransformerLens's embedding, the table indexed by the tokens, W_E[tokens, :] (refused: "no value of the first
     # stage holds a sequence shard", the walk began only at aten.embedding); litgpt's sliding-window mask written row
-    # by row into a factory (a wrong plan the verification refused), with Gemma 2's q @ k.mT (refused: mT had no rule)
+    # by row into a factory (a wrong plan the verification refused), with Gemma 2's q @ k.mT (refused: mT had no rule);
+    # experts called one by one on the rows torch.where picks (refused: "where mixes the positions of the sequence")
     name, _, softcap = name.partition(":")
     monkeypatch.setenv("SOFTCAP", softcap or "0")
     manifest = check_model(model_path(name), num_microbatches=2, schedule="gpipe", layout=Layout(pp=1, cp=2))

@@ -7,7 +7,8 @@ expert(x[token_idx])`` (``index``, ``index_put_``). Hidden 64, 4 heads, 2 key/va
 ``--tp 2`` shards every expert column-wise then row-wise. Each expert's partial sums are carried through the loop
 (a sum of zeros, rows picked and written at whole indices, scaled by the router's weights, whose gradient each rank
 then holds a part of) and all-reduced once, as ``[tokens, h]``: Megatron's plan. Summed where each expert made them,
-the experts' rows were all-reduced apart: ``top_k`` times the tokens.
+the experts' rows were all-reduced apart: ``top_k`` times the tokens. ``--cp 2`` runs the loop on each rank's
+tokens (refused before: "where mixes the positions of the sequence").
 """
 import functools
 
