@@ -234,13 +234,14 @@ def _runnable_graph(graph: fx.Graph, on_meta: bool = False) -> fx.GraphModule:
     """A copy of the stage graph as the rank script runs it: autocast off where the model turned it off, export's
     metadata asserts dropped (what ``codegen.stage_code`` does before printing). ``on_meta``: the devices its ops
     name (the CPU the program was traced for) made ``meta``, where the count runs on meta tensors."""
-    from tracepp.codegen.stage_code import _RunDeviceType, _autocast_off_regions, _drop_metadata_asserts
+    from tracepp.codegen.stage_code import _RunDeviceType, _autocast_off_regions
+    from tracepp.split.rules import drop_metadata_asserts
 
     copy = fx.Graph()
     output = copy.graph_copy(graph, {}, return_output_node=True)
     copy.output(output[0] if isinstance(output, tuple) else output)
     _autocast_off_regions(copy)
-    _drop_metadata_asserts(copy)
+    drop_metadata_asserts(copy)
     for node in copy.nodes:  # the rank script's autocast device, ``RUN_DEVICE.type``: the fake tensors' device here
         if node.op == "call_function" and node.args and isinstance(node.args[0], _RunDeviceType):
             node.update_arg(0, "cpu")

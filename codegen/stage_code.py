@@ -35,6 +35,7 @@ import torch
 import torch.fx as fx
 
 from tracepp.split import naming
+from tracepp.split.rules import drop_metadata_asserts
 from tracepp.split.partition import STATE_FQN, module_path
 from tracepp.split.pipeline_graph import Stage
 
@@ -114,16 +115,6 @@ def _take_place(node: fx.Node, of: fx.Node) -> None:
             node.meta[key] = of.meta[key]
 
 
-def _drop_metadata_asserts(graph: fx.Graph) -> None:
-    """Export records each ``x.to(dtype)`` with an ``_assert_tensor_metadata`` check of the traced dtype and
-    device. A stage runs on another device, and under ``--precision bf16`` its autocast regions produce bf16
-    where the trace saw fp32, so those checks would fail on correct values; they compute nothing, so they go."""
-    for node in list(graph.nodes):
-        if node.op == "call_function" and node.target is torch.ops.aten._assert_tensor_metadata.default \
-                and not node.users:
-            graph.erase_node(node)
-
-
 def _is_trace_device(value) -> bool:
     return isinstance(value, torch.device) and value.type == "cpu"
 
@@ -191,7 +182,7 @@ def prepare(stage: Stage, model_path: str = "") -> fx.Graph:
         if node.meta.get("stack_trace"):
             env[node].meta["stack_trace"] = _readable_trace(node.meta["stack_trace"], model_dir)
     _follow_run_device(graph)
-    _drop_metadata_asserts(graph)
+    drop_metadata_asserts(graph)
     _autocast_off_regions(graph)
     return graph
 

@@ -212,11 +212,9 @@ def loss_callable(loss: LossGraph):
     fake tensors: ``codegen.memory``)."""
     import torch.utils._pytree as pytree
 
-    from tracepp.codegen.stage_code import _drop_metadata_asserts
-
     graph = fx.Graph()  # export's checks of the traced device and dtype dropped, as the rank script drops them (a
     graph.output(graph.graph_copy(loss.graph, {}))  # count on meta tensors failed them: "Expected: meta, Got: cpu")
-    _drop_metadata_asserts(graph)
+    rules.drop_metadata_asserts(graph)
     module = fx.GraphModule(torch.nn.Module(), graph)
 
     def loss_fn(output, target):

@@ -515,6 +515,17 @@ def indexed_dim(node, dim: int):
 
 # ---- in-place writes
 
+def drop_metadata_asserts(graph: fx.Graph) -> None:
+    """Export records each ``x.to(dtype)`` with an ``_assert_tensor_metadata`` check of the traced dtype and
+    device. A stage runs on another device, and under ``--precision bf16`` its autocast regions produce bf16
+    where the trace saw fp32, so those checks would fail on correct values; they compute nothing, so they go (the
+    rank script's stages, the memory count's, the cp-rewritten loss graph)."""
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is torch.ops.aten._assert_tensor_metadata.default \
+                and not node.users:
+            graph.erase_node(node)
+
+
 def written(node) -> list:
     """The arguments ``node`` writes into, positional or keyword (an in-place op or an ``out=`` variant: its schema
     marks them written)."""
