@@ -149,7 +149,7 @@ def test_partial_sums_of_experts_computed_on_every_token_are_all_reduced_once(mo
 
 def test_partial_sums_are_carried_only_through_what_is_linear_in_them():
     # layer 0 sums two row-wise branches (with biases) and halves the sum: one all-reduce after it; layer 1 scales one
-    # branch by a learned gain first (its gradient would be a partial sum): each branch all-reduced where it is made;
+    # branch by a learned gain first: carried too, the gain's gradient a part on each rank summed when the step ends;
     # layer 2 sums three branches, one also read by a tanh: summed where made, so the sums beside it are not of
     # partial sums alone (kept partial, the sum would all-reduce a whole value with the partial ones: wrong)
     manifest = check_model(model_path("tp_partial_sums"), num_microbatches=2, layout=Layout(pp=1, tp=2))
@@ -160,10 +160,23 @@ def test_partial_sums_are_carried_only_through_what_is_linear_in_them():
     # part of its gradient, summed when the step ends (split/tp_grads.py), not per microbatch
     assert stage["layers"]["layers.0"][0] == 2 * one
     assert {fqn for fqn, e in manifest["tp"]["params"].items() if e.get("grad") == "partial"} == {
-        "layers.0.down1.bias", "layers.0.down2.bias"}
-    assert stage["layers"]["layers.1"][0] == 3 * one  # each branch's, and the input's gradient's
+        "layers.0.down1.bias", "layers.0.down2.bias", "layers.1.gain"}
+    assert stage["layers"]["layers.1"][0] == 2 * one  # the sum's, and the input's gradient's (3 before the gain's
+    #                                                 gradient part was summed at the step's end)
     assert stage["layers"]["layers.2"][0] == 4 * one  # a branch also read whole: all three summed where made
     assert not manifest["tp"]["verified"].get("repaired"), manifest["tp"]["verified"]
+
+
+def test_partial_sums_carried_through_a_learned_gain_train_equal_to_eager(tmp_path):
+    from tracepp.driver import split_model
+    from util import assert_state_close, eager_train, torchrun
+
+    path, out = model_path("tp_partial_sums"), str(tmp_path / "out")
+    split_model(path, out, schedule="looped-bfs", num_microbatches=2, layout=Layout(pp=1, tp=2))
+    ckpt = str(tmp_path / "trained.pt")
+    result = torchrun(out, 2, "--steps", "3", "--save", ckpt, "--quiet")
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert_state_close(torch.load(ckpt), eager_train(path, 3))
 
 
 def test_a_block_applied_twice_is_compared_with_megatrons_plan_applied_twice():

@@ -2,8 +2,9 @@
 to its experts): their row-wise outputs are partial sums on each tp rank, and summing them (and halving the sum) is
 linear in them, so one all-reduce after the sum serves both (``split/tp_partial.py``); their biases are added as
 1/tp on every rank, their gradients summed. The second layer scales one
-branch by a learned gain first: the gain's gradient would be a partial sum, so that branch is all-reduced where it
-is made and the other beside it too (two all-reduces). The third sums three branches, one of them through a view and
+branch by a learned gain first: the product is linear in the partial sums too, and the gain's gradient is then a
+part on each rank, summed when the step ends (``split/tp_grads.py``): one all-reduce (two before the gain's part was
+summed: each branch all-reduced where it is made). The third sums three branches, one of them through a view and
 also read by a ``tanh``: that branch is summed where it is made, so the view of it is whole, so neither sum is made
 of partial sums alone and every branch is summed where it is made (three all-reduces, no wrong sum)."""
 import torch
