@@ -453,6 +453,14 @@ class _Walk(Propagation):
         out_val = _val(node)
         n = out_val.dim()
         va, vb = _val(a), _val(b)
+        if vb.dim() == 1 and va.dim() > 1 and b not in self.shard and a in self.shard:
+            # x @ w with a vector w (hyper-connections' normed @ dynamic_beta_fn): each position's features dotted
+            # with w, the shard carried where it is not on the features
+            dim, groups = self.shard[a]
+            if dim == va.dim() - 1:
+                return False
+            self._place(node, dim, groups)
+            return True
         if vb.dim() == 1 or va.dim() == 1:
             return False
         sa, sb = self.shard.get(a), self.shard.get(b)

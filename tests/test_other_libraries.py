@@ -259,7 +259,7 @@ def test_einsum_attention_shards_by_heads():
 
 @pytest.mark.parametrize("name", ["cp_learned_positions", "cp_complex_rope", "cp_alibi_baddbmm", "cp_normalize_rmsnorm",
                                   "cp_linalg_norm", "cp_sequential", "tl_hooked_style", "cp_window_mask_rows",
-                                  "cp_window_mask_rows:50", "tp_expert_loop"])
+                                  "cp_window_mask_rows:50", "tp_expert_loop", "cp_vector_gate"])
 def test_cp2_places_each_spelling(name, monkeypatch):
     # the plan step of the end-to-end cp tests above (the slower tier): nanoGPT's arange(0, t) positions (a crash),
     # torchtitan's complex rotary, BLOOM's and the ALiBi paper's baddbmm scores, x-transformers' F.normalize (refused),
@@ -268,7 +268,8 @@ def test_cp2_places_each_spelling(name, monkeypatch):
     # TransformerLens's embedding, the table indexed by the tokens, W_E[tokens, :] (refused: "no value of the first
     # stage holds a sequence shard", the walk began only at aten.embedding); litgpt's sliding-window mask written row
     # by row into a factory (a wrong plan the verification refused), with Gemma 2's q @ k.mT (refused: mT had no rule);
-    # experts called one by one on the rows torch.where picks (refused: "where mixes the positions of the sequence")
+    # experts called one by one on the rows torch.where picks (refused: "where mixes the positions of the sequence");
+    # a gate per position made by a matmul with a vector weight, hyper-connections' (refused: no rule for a 1-D operand)
     name, _, softcap = name.partition(":")
     monkeypatch.setenv("SOFTCAP", softcap or "0")
     manifest = check_model(model_path(name), num_microbatches=2, schedule="gpipe", layout=Layout(pp=1, cp=2))
