@@ -1,5 +1,5 @@
 """Attention-like heads written into a buffer in place, for tensor parallelism: ``torch.zeros_like`` of the
-column-parallel heads, then the first position of every head overwritten by a value summed over all heads (whole
+column-parallel heads, then the first position of every head overwritten by a running sum over the heads (whole
 on every rank: it mixes the heads), the way the reference scans of linear-attention families (Kimi Linear) fill
 their outputs. The write cannot go into a shard, and a gather would take it into a copy and lose it: the buffer
 must be whole from where it is made.
@@ -21,7 +21,8 @@ class Mixer(nn.Module):
         b, s, _ = x.shape
         h = self.q(x).view(b, s, HEADS, D // HEADS).transpose(1, 2)  # [b, heads, s, d]: heads sharded
         out = torch.zeros_like(h)
-        every = h.sum(1, keepdim=True).expand_as(h)  # every head's sum: whole
+        every = h.cumsum(1)  # each head's running sum over the heads up to it: whole (a scan across the heads; a sum
+        #                      over them expanded back, h.sum(1, keepdim=True).expand_as(h), is each rank's heads)
         out[:, :, 0] = torch.tanh(every[:, :, 0])  # copy_ into a select of the buffer
         out = out + h
         return x + self.o(out.transpose(1, 2).reshape(b, s, D))
