@@ -107,10 +107,13 @@ def layer_shares(manifest: dict, model) -> dict:
     """{layer index: share of its parameters (elements) the tp plan shards}, routed experts and routers apart."""
     sizes = {name: p.numel() for name, p in model.named_parameters()}
     shapes = {name: list(p.shape) for name, p in model.named_parameters()}
+    first = {id(p): name for name, p in model.named_parameters()}  # a module registered twice (performer-pytorch's
+    canonical = {name: first[id(p)] for name, p in model.named_parameters(remove_duplicate=False)}  # proj_updater)
     apart = _expert_fqns(manifest, sizes, shapes)
     layers: dict = {}
     listed = _layer_list(model)
     for fqn, entry in manifest["tp"]["params"].items():
+        fqn = canonical.get(fqn, fqn)  # the manifest names a parameter as export does: any of its names
         layer = _layer_of(fqn, listed)
         if layer is None or fqn not in sizes or fqn in apart:
             continue
