@@ -14,7 +14,7 @@ import torch.fx as fx
 import tracepp.runtime.context_parallel  # noqa: F401  (registers torch.ops.tracepp.cp_*)
 from tracepp.split import rules
 from tracepp.split.cost import op_name
-from tracepp.split.expert_parallel import GROUPED_MM
+from tracepp.split.expert_parallel import GROUPED_MM, PICKS
 from tracepp.split.propagation import Propagation
 from tracepp.split.rules import at as _at, equal as _equal, prod as _prod_ints, sizes as _sizes_ints, val as _val
 
@@ -634,9 +634,10 @@ class _Walk(Propagation):
         gathers its own tokens. True where handled (the op's output placed as its tokens' shard, or whole)."""
         target = node.target
         out_val = _val(node)
-        if target in (aten.sort.default, aten.sort.stable, aten.argsort.default, aten.argsort.stable,
-                      aten.topk.default):
-            first = node.args[0]
+        first = node.args[0] if node.args else None
+        picks = target in PICKS and len(node.args) == 1 and first in self.shard and self._dim(first) == 0
+        if picks or target in (aten.sort.default, aten.sort.stable, aten.argsort.default, aten.argsort.stable,
+                               aten.topk.default):  # picks: a mask's true entries over this rank's tokens (their rows)
             if isinstance(out_val, (list, tuple)):
                 self.items[node] = [self.shard[first]] * len(out_val)
             else:
@@ -644,15 +645,6 @@ class _Walk(Propagation):
             return True
         if target in (aten.histc.default, aten.bincount.default):
             return True  # this rank's counts per expert (the offsets of its own rows): whole-shaped
-        if target in (aten.where.default, aten.nonzero.default, aten.argwhere.default) and len(node.args) == 1:
-            first = node.args[0]  # the true entries of a mask over this rank's tokens: its rows' indices
-            if self.shard.get(first, (None,))[0] != 0:
-                return False
-            if isinstance(out_val, (list, tuple)):
-                self.items[node] = [self.shard[first]] * len(out_val)
-            else:
-                self._place(node, *self.shard[first])
-            return True
         if op_name(node) in GROUPED_MM:  # this rank's rows, grouped by expert with its own offsets
             rows = node.args[0]
             if rows not in self.shard:

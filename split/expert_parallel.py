@@ -231,7 +231,7 @@ def _check_chain(block: MoEBlock) -> str:
     return ""
 
 
-_PICKS = {aten.nonzero.default, aten.argwhere.default, aten.where.default}  # the indices of a mask's true entries
+PICKS = {aten.nonzero.default, aten.argwhere.default, aten.where.default}  # a mask's true entries' indices
 
 
 def looped_experts(graph: fx.Graph) -> dict:
@@ -239,11 +239,9 @@ def looped_experts(graph: fx.Graph) -> dict:
     members' first linear each, by index}, for lists of at least two numbered modules whose linears read rows an
     index picked at a mask's true entries (Mistral's reference MoE, litgpt's ``LLaMAMoE``, transformers' Mixtral
     before grouped matmuls: ``torch.where(mask)``, ``x[token_idx]``, ``y[token_idx] += ...``)."""
-    import re
+    from tracepp.split.plan_cost import _numbered, reached
 
-    from tracepp.split.plan_cost import reached
-
-    picks = [n for n in graph.nodes if n.op == "call_function" and n.target in _PICKS and len(n.args) == 1]
+    picks = [n for n in graph.nodes if n.op == "call_function" and n.target in PICKS and len(n.args) == 1]
     indices = {user for pick in picks for _value, user in reached(pick, 3, lambda u: u.target is operator.getitem
                                                                    or u.target in rules.VIEWS)} | set(picks)
     gathers = [n for n in graph.nodes if n.op == "call_function" and n.target is aten.index.Tensor
@@ -251,11 +249,11 @@ def looped_experts(graph: fx.Graph) -> dict:
     lists: dict = {}
     for gather in gathers:
         for _value, user in reached(gather, 4, lambda u: u.target in rules.KEEP or u.target in rules.VIEWS):
-            if user.target is not aten.linear.default or not node_modules(user):
-                continue
-            found = re.match(r"^(.*)\.(\d+)(?:\.[^\d][^.]*)*$", node_modules(user)[-1])
-            if found:
-                lists.setdefault(found.group(1), {}).setdefault(found.group(2), user)
+            numbered = _numbered(node_modules(user)[-1]) if user.target is aten.linear.default and node_modules(
+                user) else []
+            if numbered:  # the innermost numbered module holding the linear: a member of its list
+                parent, _, index = numbered[-1].rpartition(".")
+                lists.setdefault(parent, {}).setdefault(index, user)
     return {parent: members for parent, members in lists.items() if len(members) > 1}
 
 

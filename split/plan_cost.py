@@ -202,8 +202,7 @@ def _numbered(path: str) -> list:
     """The prefixes of a module path that end in an index, outermost first (``model.layers.3`` and
     ``model.layers.3.mlp.experts.5`` of ``model.layers.3.mlp.experts.5.up``): the repeated blocks it may be in."""
     parts = path.split(".")
-    return [prefix for prefix in (".".join(parts[:i]) for i in range(2, len(parts) + 1)) if _LAYER.match(prefix)
-            and parts[len(prefix.split(".")) - 1].isdigit()]
+    return [".".join(parts[:i]) for i in range(2, len(parts) + 1) if parts[i - 1].isdigit()]
 
 
 def _blocks(graph) -> dict:
@@ -222,7 +221,7 @@ def _blocks(graph) -> dict:
                  for key, (path, kind) in (node.meta.get("nn_module_stack") or {}).items()]
         for path, kind, key in stack:
             types.setdefault(path, kind)
-            calls.setdefault(path, set()).add(key.rpartition("@")[2] if "@" in key else "")
+            calls.setdefault(path, set()).add(_call(key))
         if stack:  # every numbered prefix of every module on the stack, outermost first (a module called inside a
             #        block that another module owns is in the block)
             paths[node] = tuple(dict.fromkeys(prefix for path, _kind, _key in stack for prefix in _numbered(path)))
@@ -492,16 +491,18 @@ def latent_weights(walk) -> set:
     return out
 
 
+def _call(key: str) -> str:
+    """Which call of its module a module-stack key is (export keys a repeated call of one module ``...@1``,
+    ``...@2``: HRM applies each of its layers several times a step)."""
+    return key.rpartition("@")[2] if "@" in key else ""
+
+
 def _applications(nodes: list, layer: str) -> int:
-    """How many times the stage calls the module ``layer`` (export's module stack keys a repeated call of one
-    module ``...@1``, ``...@2``: HRM applies each of its layers several times a step)."""
+    """How many times the stage calls the module ``layer`` (:func:`_call`)."""
     from tracepp.split.partition import module_path
 
-    calls = set()
-    for node in nodes:
-        for key, (path, _type) in (node.meta.get("nn_module_stack") or {}).items():
-            if module_path(path) == layer:
-                calls.add(key.rpartition("@")[2] if "@" in key else "")
+    calls = {_call(key) for node in nodes for key, (path, _type) in (node.meta.get("nn_module_stack") or {}).items()
+             if module_path(path) == layer}
     return max(1, len(calls))
 
 
