@@ -255,14 +255,17 @@ def _blocks(graph) -> dict:
     return _alternating(_parallel_lists(out, attentions), attentions)
 
 
-_MIXERS = rules.ALONG | rules.CONVOLUTIONS | rules.PADS | rules.SDPA | rules.ATTENTION_NORMALIZERS  # across positions
+_MIXERS = rules.ALONG | rules.CONVOLUTIONS | rules.SDPA | rules.ATTENTION_NORMALIZERS  # mix positions or route
 
 
 def _alternating(blocks: dict, attentions: dict) -> dict:
     """``blocks`` with a list's MLP blocks joined to the attention block before each (x-transformers'
     ``attn_layers.layers``: ``layers.0`` an attention, ``layers.1`` a feed-forward, in turn): a block of linears
-    whose ops all work position by position (no attention, convolution, pad, scan or softmax: not a Mamba or
-    recurrent mixer, not a router) right after a block holding an attention of the same list joins it."""
+    with no attention, convolution, scan or softmax (not a Mamba or recurrent mixer, not a router) right after a
+    block holding an attention of the same list joins it. A pad does not keep it apart: a feed-forward with token
+    shift (x-transformers' ``shift_tokens``: half its input's channels padded one position on) is one column-wise,
+    row-wise region of Megatron's plan like any MLP (its figure had set the attention's bytes against a whole
+    layer's: 0.50x)."""
     nodes: dict = {}
     for node, block in blocks.items():
         nodes.setdefault(block, []).append(node)

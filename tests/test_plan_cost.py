@@ -364,12 +364,22 @@ class _Conv(torch.nn.Module):
         return self.out(self.conv(x.transpose(1, 2))[..., :x.shape[1]].transpose(1, 2))
 
 
+class _ShiftedMlp(_Mlp):
+    """x-transformers' ``shift_tokens=1``: half the input's channels moved one position on (a pad and a cut), then
+    the MLP: one region of Megatron's plan, not a mixer."""
+    def forward(self, x):
+        shifted, rest = x.chunk(2, dim=-1)
+        shifted = torch.nn.functional.pad(shifted, (0, 0, 1, -1))
+        return super().forward(torch.cat((shifted, rest), dim=-1))
+
+
 class _Alternating(torch.nn.Module):
     """x-transformers' ``attn_layers.layers``: (norm, block) pairs never called, an attention and a feed-forward in
-    turn; then a convolution mixer after an attention, a layer of its own (a hybrid's Mamba layer)."""
+    turn (the second with token shift); then a convolution mixer after an attention, a layer of its own (a hybrid's
+    Mamba layer)."""
     def __init__(self):
         super().__init__()
-        kinds = [_Attention, _Mlp, _Attention, _Mlp, _Attention, _Conv]
+        kinds = [_Attention, _Mlp, _Attention, _ShiftedMlp, _Attention, _Conv]
         self.layers = torch.nn.ModuleList(torch.nn.ModuleList([torch.nn.LayerNorm(8), kind()]) for kind in kinds)
 
     def forward(self, x):
@@ -380,6 +390,7 @@ class _Alternating(torch.nn.Module):
 
 @pytest.mark.parametrize("module, blocks", [
     (_Alternating(), {"layers.0", "layers.2", "layers.4", "layers.5"}),  # was: layers.1 and .3 layers of their own
+    #                                                                      (.3, with token shift, until its pad joined)
     (_ParallelLists(), {"attentions.0", "attentions.1", "tables.0", "tables.1"}),  # was: ffns.i a layer apart
     (_Pairs(2), {"layers.0", "layers.1"}),  # the pair list, never called, is the layer (was: its attention alone)
     (_Multiscale(), {f"transformers.{i}.layers.{j}" for i in range(2) for j in range(2)}),  # was: each Transformer
