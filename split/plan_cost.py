@@ -378,16 +378,20 @@ def _latents(walk, nodes: list, inside: set) -> list:
     ``kv_a_proj_with_mqa``, 7168 -> 576): linears whose weight narrows, from whose output a linear that widens is
     reached in the layer, and from that an attention product. Megatron-Core keeps them whole on every rank
     (``linear_q_down_proj``, ``linear_kv_down_proj``): its backward all-reduces their outputs' gradients, where the
-    dense reference all-reduces the attention input's."""
+    dense reference all-reduces the attention input's. The widening linear reads the latent (normed, or a cut of it:
+    no wider than it); a narrow product used as weights (hyper-connections' ``normed @ dynamic_alpha_fn``, 5 mixing
+    coefficients of 4 residual streams, the branch's projections reading the mixed stream) is not a latent."""
     from tracepp.split.tp_contract import linear_widths, widens
 
     def linear(node):  # a linear of a 2-D weight, in ``_linear_form``'s form, or None
         form = walk._linear_form(node) if node.op == "call_function" else None
         return form if form is not None and form[1].meta["val"].dim() == 2 else None
 
-    def widening(node) -> bool:
-        form = linear(node)
-        return form is not None and widens(form)
+    def widening(width):
+        def found(node) -> bool:
+            form = linear(node)
+            return form is not None and widens(form) and linear_widths(form)[0] <= width
+        return found
 
     out = []
     for node in nodes:
@@ -395,7 +399,7 @@ def _latents(walk, nodes: list, inside: set) -> list:
         found = linear_widths(form) if form is not None else None
         if found is None or found[1] >= found[0]:
             continue
-        up = _reached(node, inside, widening)
+        up = _reached(node, inside, widening(found[1]))
         if up is not None and _reached(up, inside, lambda n: n.target in rules.ATTENTION_PRODUCTS) is not None:
             out.append(node)
     return out
@@ -509,6 +513,17 @@ def _applications(nodes: list, layer: str) -> int:
     return max(1, len(calls))
 
 
+def _branch_bytes(walk, nodes: list, leaving) -> int:
+    """The bytes of the ``[b, s, h]`` Megatron's plan all-reduces in a layer: the layer's last value, or where that
+    is wider than every output of the layer's linears of its width ``h`` (hyper-connections' residual streams,
+    ``[4 b, s, h]``, each branch reading a mix of them and adding its ``[b, s, h]`` back), the largest such output:
+    the row-wise linears' outputs and the column-wise linears' inputs Megatron's plan sums are the branch's."""
+    width = leaving.meta["val"].shape[-1]
+    outputs = [_bytes(node) for node in nodes if node.op == "call_function" and walk._linear_form(node) is not None
+               and isinstance(node.meta.get("val"), torch.Tensor) and node.meta["val"].shape[-1] == width]
+    return min(_bytes(leaving), max(outputs)) if outputs else _bytes(leaving)
+
+
 def layer_bytes(walk) -> dict:
     """{layer: (bytes ``walk``'s plan moves in it per microbatch, Megatron's bytes for it or None)} over the stage's
     repeated blocks (:func:`_layer_of`). Megatron's plan applies to a decoder layer (one with an attention): its
@@ -540,7 +555,7 @@ def layer_bytes(walk) -> dict:
             if leaving:
                 latents = _latents(walk, nodes, inside)
                 calls = _applications(nodes, layer)
-                megatron = 8 * _bytes(leaving[-1]) * calls
+                megatron = 8 * _branch_bytes(walk, nodes, leaving[-1]) * calls
                 # MLA: the latents' gradients are all-reduced, in place of the attention input's where no linear
                 # Megatron shards column-wise reads that input: one that does not narrow (DeepSeek-V2-Lite's q_proj
                 # beside its key/value latent; a LoRA adapter's base), where the narrow ones (a query latent, DSA's

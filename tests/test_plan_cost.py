@@ -28,7 +28,7 @@ _RING = {
     TP.tp_parts.default: ((0, 0), (1, 0)),
 }
 
-MEGATRONS = ("hf_llama", "tp_fused_qkv_llama")
+MEGATRONS = ("hf_llama", "tp_fused_qkv_llama", "tp_hyper_connections")
 
 
 def _metered(monkeypatch) -> list:
@@ -50,7 +50,7 @@ def _metered(monkeypatch) -> list:
     return moved
 
 
-@pytest.mark.parametrize("model", ["tp_fused_qkv_llama", "tp_gemma_mqa_fused", "hf_llama", "tp_gated_mlp", "tp_normalize_rmsnorm", "tp_low_rank", "tp_head_tables", "tp_selective_scan", "tp_mla_wide_mlp", "tp_partial_sums", "tp_lora_llama"])
+@pytest.mark.parametrize("model", ["tp_fused_qkv_llama", "tp_gemma_mqa_fused", "hf_llama", "tp_gated_mlp", "tp_normalize_rmsnorm", "tp_low_rank", "tp_head_tables", "tp_selective_scan", "tp_mla_wide_mlp", "tp_partial_sums", "tp_lora_llama", "tp_hyper_connections"])
 def test_plan_bytes_are_what_the_rewritten_program_moves(model, monkeypatch):
     moved = _metered(monkeypatch)
     # one rank (hf_llama's pipe_split markers make two stages of it: each verified, neither like the other)
@@ -62,7 +62,8 @@ def test_plan_bytes_are_what_the_rewritten_program_moves(model, monkeypatch):
     for stage in stages:
         assert stage["bytes"] >= sum(in_layer for in_layer, _megatron in stage["layers"].values())
         for layer, (in_layer, megatron) in stage["layers"].items():
-            if model in MEGATRONS:  # a Llama layer, q/k/v apart or fused: Megatron's plan, to the byte
+            if model in MEGATRONS:  # a Llama layer, q/k/v apart or fused, or between residual streams (Megatron's
+                #                     figure the branch's [b, s, h], not the 4 streams'): Megatron's plan, to the byte
                 assert in_layer == megatron, (layer, in_layer, megatron)
             if model == "tp_mla_wide_mlp":  # MLA: Megatron-Core's plan (down-projections whole), to the byte
                 assert in_layer == megatron, (layer, in_layer, megatron)
