@@ -366,3 +366,70 @@ def test_a_model_on_meta_weights_that_makes_a_tensor_on_its_inputs_device_is_tra
     manifest = check_model(str(path), schedule="gpipe", num_microbatches=2, layout=Layout(pp=2, tp=2), verify="on")
     assert any("traced with its inputs on meta too" in note for note in manifest["notes"]), manifest["notes"]
     assert manifest["tp"]["verified"]["status"] == "verified", manifest["tp"]["verified"]
+
+
+GRAD_MODE_FORWARD = """
+import torch
+import torch.nn as nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    @DECORATOR
+    def forward(self, x):
+        return self.b(self.a(x).relu())
+
+
+class Frozen(Net):  # a frozen part under no_grad before a trained one: trains as eager does
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(8, 8)
+        for p in (*self.a.parameters(), *self.b.parameters()):
+            p.requires_grad_(False)
+
+    def forward(self, x):
+        return self.head(super().forward(x))
+
+
+def model():
+    torch.manual_seed(0)
+    return MODEL()
+
+
+def example_inputs():
+    return (torch.randn(4, 8),)
+
+
+def example_target():
+    return torch.randn(4, 8)
+
+
+def loss_fn(output, target):
+    return torch.nn.functional.mse_loss(output, target)
+"""
+
+
+@pytest.mark.parametrize("decorator, refused", [("torch.inference_mode()", "runs under torch.inference_mode()"),
+                                                ("torch.no_grad()", "no gradient of the loss reaches any of the "
+                                                                    "model's 4 trainable parameters")])
+def test_a_forward_that_turns_gradients_off_is_refused_by_name(tmp_path, capsys, decorator, refused):
+    # Meta's reference Llama (llama-models) decorates Transformer.forward with @torch.inference_mode(): eager cannot
+    # train it, torch.export drops the mode, and the split trained it anyway; under no_grad the split was written
+    # and its ranks failed in backward
+    path = tmp_path / "grad_mode.py"
+    path.write_text(GRAD_MODE_FORWARD.replace("DECORATOR", decorator).replace("MODEL", "Net"))
+    code, text = run_cli(capsys, "split", str(path), "-o", str(tmp_path / "out"), "--ranks", "2")
+    assert code == 2, text
+    assert refused in text and "Net.forward" in text and "grad_mode.py:11" in text, text  # the decorator's line
+    assert "drop loss_fn" in text and "Traceback" not in text, text
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_a_frozen_part_under_no_grad_splits(tmp_path, capsys):
+    path = tmp_path / "frozen.py"
+    path.write_text(GRAD_MODE_FORWARD.replace("DECORATOR", "torch.no_grad()").replace("MODEL", "Frozen"))
+    code, text = run_cli(capsys, "split", str(path), "-o", str(tmp_path / "out"), "--ranks", "2")
+    assert code == 0, text

@@ -23,6 +23,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from tracepp.split.pipeline_graph import AUTOCAST_OFF, MASTER_DTYPE
+from tracepp import grad_modes
 from tracepp.dynamic import DynamicFlags, export_dynamic_shapes, names_from_model_spec
 from tracepp.modelfile import ModelFile, ModelFileError
 
@@ -333,6 +334,9 @@ def trace(model_file: ModelFile, num_microbatches: int, dynamic_shapes: Any = No
                      f"{str(error).splitlines()[0] if str(error) else ''}); traced with real weights instead")
     inline_grad_mode_regions(program, model_file.path)
     if model_file.training:
+        cannot = grad_modes.untrainable(program, model, model_file.path)
+        if cannot:
+            raise TraceError(cannot)
         notes.extend(check_custom_functions(program, model, model_file.path))
     if master_dtypes:
         _mark_masters(program, master_dtypes)
@@ -527,25 +531,6 @@ def _custom_function_regions(graph: torch.fx.Graph) -> list:
     return [(function, caller, nodes) for _key, function, caller, nodes in regions]
 
 
-def _needs_grad(program: torch.export.ExportedProgram, model: torch.nn.Module) -> set:
-    """The nodes of the program whose value carries a gradient in training: floating values computed from a
-    trainable parameter (not through a detach)."""
-    trainable = {fqn for fqn, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
-    targets = {spec.arg.name: spec.target for spec in program.graph_signature.input_specs
-               if spec.kind == torch.export.graph_signature.InputKind.PARAMETER}
-    found = set()
-    for node in program.graph.nodes:
-        value = node.meta.get("val")
-        floating = isinstance(value, torch.Tensor) and value.is_floating_point()
-        if node.op == "placeholder":
-            if targets.get(node.name) in trainable and floating:
-                found.add(node)
-        elif node.op == "call_function" and node.target is not torch.ops.aten.detach.default:
-            if any(arg in found for arg in node.all_input_nodes) and (floating or node.target is operator.getitem):
-                found.add(node)
-    return found
-
-
 def check_custom_functions(program: torch.export.ExportedProgram, model: torch.nn.Module, model_path: str) -> list:
     """``torch.autograd.Function``s with a backward of their own: torch.export keeps the forward only, so split,
     the gradient through one is autograd's derivative of its forward. Each call is run forward and backward on the
@@ -558,7 +543,7 @@ def check_custom_functions(program: torch.export.ExportedProgram, model: torch.n
     from torch._guards import detect_fake_mode
     from tracepp.split.rules import where
 
-    needs_grad = _needs_grad(program, model) if model.training else set()
+    needs_grad = grad_modes.needs_grad(program, model) if model.training else set()
     kept = []
     for function, caller, nodes in regions:
         called = f"{function.__name__}.apply" + (f" at {os.path.basename(caller[0])}:{caller[1]}" if caller else "")

@@ -1,0 +1,109 @@
+"""Whether training reaches the model's parameters, checked on the traced program before it is split.
+
+A forward run under ``torch.inference_mode()`` (Meta's reference Llama: ``@torch.inference_mode()`` on
+``Transformer.forward``) cannot be trained eagerly (its outputs are inference tensors), and torch.export drops the
+mode without a trace in the program: split, it would train what the model file's own loop cannot. A forward run
+whole under ``torch.no_grad()`` is kept by export (its region's outputs detached) and gives no parameter a gradient:
+training would change nothing. With a ``loss_fn`` (a training pipeline) both are refused, naming the module, its
+decorator and line, and the fix. A submodule under ``no_grad`` (a frozen encoder, a rotary table) is a model's own
+choice and trains as eager does.
+"""
+from __future__ import annotations
+
+import inspect
+import os
+from typing import Optional
+
+import torch
+
+
+def needs_grad(program: torch.export.ExportedProgram, model: torch.nn.Module) -> set:
+    """The nodes of the program whose value carries a gradient in training: floating values computed from a
+    trainable parameter (not through a detach)."""
+    import operator
+
+    trainable = {fqn for fqn, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
+    targets = {spec.arg.name: spec.target for spec in program.graph_signature.input_specs
+               if spec.kind == torch.export.graph_signature.InputKind.PARAMETER}
+    found = set()
+    for node in program.graph.nodes:
+        value = node.meta.get("val")
+        floating = isinstance(value, torch.Tensor) and value.is_floating_point()
+        if node.op == "placeholder":
+            if targets.get(node.name) in trainable and floating:
+                found.add(node)
+        elif node.op == "call_function" and node.target is not torch.ops.aten.detach.default:
+            if any(arg in found for arg in node.all_input_nodes) and (floating or node.target is operator.getitem):
+                found.add(node)
+    return found
+
+
+def _turned_off(function) -> Optional[str]:
+    """The decorator turning gradients off that a function runs under (``@torch.inference_mode()``,
+    ``@torch.no_grad()``, ``@torch.set_grad_enabled(False)``: torch's ``context_decorator`` keeps the context manager
+    in the wrapper's closure), or None."""
+    if not hasattr(function, "__wrapped__"):
+        return None
+    for cell in getattr(function, "__closure__", None) or ():
+        try:
+            held = getattr(cell.cell_contents, "__self__", cell.cell_contents)
+        except ValueError:  # an empty cell
+            continue
+        if isinstance(held, torch.inference_mode) and getattr(held, "mode", True):
+            return "torch.inference_mode()"
+        if isinstance(held, torch.no_grad):
+            return "torch.no_grad()"
+        if isinstance(held, torch.set_grad_enabled) and getattr(held, "mode", True) is False:
+            return "torch.set_grad_enabled(False)"
+    return None
+
+
+def _where(function) -> str:
+    inner = inspect.unwrap(function)
+    try:
+        return f"{os.path.basename(inspect.getsourcefile(inner))}:{inspect.getsourcelines(inner)[1]}"
+    except (OSError, TypeError):
+        return getattr(inner, "__qualname__", "forward")
+
+
+def decorated_forwards(model: torch.nn.Module) -> list:
+    """``(module path, class name, decorator, where)`` for each module whose ``forward`` runs under a decorator
+    turning gradients off, outermost first, each function once."""
+    out, seen = [], set()
+    for path, module in model.named_modules():
+        function = module.__dict__.get("forward") or type(module).forward
+        function = getattr(function, "__func__", function)
+        name = _turned_off(function)
+        if name is not None and id(function) not in seen:
+            seen.add(id(function))
+            out.append((path, type(module).__name__, name, _where(function)))
+    return out
+
+
+def untrainable(program: torch.export.ExportedProgram, model: torch.nn.Module, model_path: str) -> Optional[str]:
+    """Why the traced program cannot train as the model file trains (a forward under inference mode; no gradient
+    reaching any parameter), or None."""
+    where = model_path or "the model file"
+    forwards = decorated_forwards(model)
+    inference = [f for f in forwards if f[2] == "torch.inference_mode()"]
+    if inference:
+        path, cls, name, line = inference[0]
+        return (f"{cls}.forward ({'the model' if not path else path}, {line}) runs under {name}: its outputs are "
+                f"inference tensors, which eager training cannot differentiate (\"element 0 of tensors does not "
+                f"require grad\"), and torch.export drops the mode, so split, the pipeline would train what the model "
+                f"file's own loop cannot. In {where}, build the model with a forward that runs with gradients (remove "
+                f"the decorator, or bind its undecorated function in model(): model.forward = types.MethodType("
+                f"{cls}.forward.__wrapped__, model)), or drop loss_fn for a forward-only pipeline")
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if not trainable:
+        return None
+    reached = needs_grad(program, model)
+    outputs = [arg for arg in program.graph.output_node().all_input_nodes]
+    if any(arg in reached for arg in outputs):
+        return None
+    cause = next((f"{cls}.forward ({'the model' if not path else path}, {line}) runs under {name}"
+                  for path, cls, name, line in forwards), "no output of forward() is computed from a trainable "
+                                                          "parameter (every path through a detach or a no_grad region)")
+    return (f"no gradient of the loss reaches any of the model's {len(trainable)} trainable parameters: {cause}, so "
+            f"training would change nothing (eager: \"element 0 of tensors does not require grad\"). In {where}, run "
+            f"forward() with gradients enabled, or drop loss_fn for a forward-only pipeline")
