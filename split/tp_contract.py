@@ -124,7 +124,30 @@ class _ContractionRules:
         if (target in (aten.bmm.default, aten.matmul.default) and len(args) == 2 and self._param(args[1]) is not None
                 and _val(args[1]).dim() == 3 and _val(args[0]).dim() == 3):
             return args[0], args[1], None, 2  # x @ W of a 3-D W [experts, in, out]: every expert on its rows
+        if target is aten.einsum.default:
+            return self._einsum_linear(node)
         return None
+
+    def _einsum_linear(self, node):
+        """An ``einsum`` of an activation and a parameter that is a linear (recurrentgemma's ``Einsum``: ``"...td,
+        cdD->c...tD"``, Griffin's MLP gate and up projections in one ``[2, d, D]`` weight): ``x``'s last label the
+        only one it shares with the weight, summed over; the output's last label the weight's last, ``x`` has not; the
+        weight ``[in, out]``, or ``[parts, in, out]`` with its parts kept in the output. In ``_linear_form``'s form,
+        else None (attention's products, per-head weights ``"...hd,hod->...ho"``: ``_einsum``)."""
+        labels, operands = rules.einsum_labels(node), list(node.args[1])
+        if labels is None or len(operands) != 2:
+            return None
+        (xs, ws), out = labels
+        x, weight = operands
+        if self._param(weight) is None or self._param(x) is not None:
+            return None
+        wval = _val(weight)
+        shared = set(xs) & set(ws)
+        if (wval.dim() not in (2, 3) or shared != {xs[-1]} or ws[-2] != xs[-1] or xs[-1] in out or not out
+                or out[-1] != ws[-1] or any(label not in out for label in ws[:-2]) or len(set(xs + ws)) != len(
+                    xs) + len(ws) - 1 or any(label not in out for label in xs[:-1])):
+            return None
+        return x, weight, None, wval.dim() - 1
 
     def _linear(self, node, x, weight, bias, out_dim: int) -> None:
         fqn = self._param(weight)

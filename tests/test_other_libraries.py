@@ -197,6 +197,29 @@ def test_gated_values_under_grouped_query_attention_tp2_train_equal_to_eager(tmp
     _train_against_eager(path, out, 2, tmp_path)
 
 
+def test_linears_written_as_einsum_shard_as_megatron():
+    # recurrentgemma's Griffin: its MLP's gate and up projections are one einsum("...td,cdD->c...tD") of a [2, d, D]
+    # parameter; no einsum of a whole value and a parameter started a column-wise projection, so the MLP stayed whole
+    # on every rank (0.37 of each layer sharded). An einsum that is a linear is now one, either way round
+    manifest = check_model(model_path("tp_einsum_linear"), num_microbatches=4, layout=Layout(pp=2, tp=2))
+    params = manifest["tp"]["params"]
+    assert params["transformer.h.0.mlp.w"] == {"dim": 2, "role": "colwise"}
+    assert params["transformer.h.0.mlp.b"]["dim"] == 3
+    assert params["transformer.h.0.mlp.ffw_down.weight"]["role"] == "rowwise"
+    assert params["transformer.h.1.attn.w_out"] == {"dim": 0, "role": "rowwise"}  # einsum("b t d, d e -> b t e")
+    assert manifest["tp"]["verified"]["status"] == "verified", manifest["tp"]["verified"]
+    assert all(stage["share"]["params"] >= 0.99 for stage in manifest["tp"]["stages"])
+    assert _layer_bytes(model_path("tp_einsum_linear")) == {f"transformer.h.{i}": MEGATRON_LAYER_BYTES
+                                                              for i in range(2)}
+
+
+def test_linears_written_as_einsum_tp2_train_equal_to_eager(tmp_path):
+    path = model_path("tp_einsum_linear")
+    out = str(tmp_path / "out")
+    split_model(path, out, schedule="looped-bfs", num_microbatches=4, layout=Layout(pp=1, tp=2))
+    _train_against_eager(path, out, 2, tmp_path)
+
+
 def test_fused_qkv_per_group_layout_moves_megatrons_bytes(monkeypatch):
     # the layout Megatron-Core and torchtitan fuse (each key/value group's query heads, its key, its value) already
     # plans as Megatron's: the projection column-wise by groups, proj and the MLP's proj row-wise
