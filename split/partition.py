@@ -26,7 +26,7 @@ from torch.export.graph_signature import InputKind
 
 from tracepp.runtime.markers import PIPE_SPLIT_OP
 from tracepp.runtime.shapes import activation_key
-from tracepp.split import cost, naming, rules
+from tracepp.split import buffer_writes, cost, naming, rules
 from tracepp.split.pipeline_graph import (BoundaryValue, PipelineGraph, RootInput, Stage, StateRef,
                                           TensorMeta)
 
@@ -431,16 +431,17 @@ def _stage_boundaries(traced, compute: list, split_points: Optional[list], num_s
     return compute, boundaries
 
 
-def _computable_from_roots(compute: list, state: dict, needs_grad: dict) -> set:
+def _computable_from_roots(compute: list, state: dict, needs_grad: dict, written=frozenset()) -> set:
     """Nodes whose value follows from root inputs, buffers and constants alone, deterministically and without
-    a gradient (rotary tables, masks, position ids): a stage can make them itself instead of receiving them."""
+    a gradient (rotary tables, masks, position ids): a stage can make them itself instead of receiving them. A
+    buffer written in place (``written``: ``buffer_writes``) is no such root: only its writer's stage holds it."""
     computable = set()
     for node in compute:
         if node.op != "call_function" or needs_grad.get(node):
             continue
         if torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()):
             continue
-        if all(arg in computable or (arg.op == "placeholder" and
+        if all(arg in computable or (arg.op == "placeholder" and arg not in written and
                                      (arg.name not in state or state[arg.name].kind != "parameter"))
                for arg in node.all_input_nodes):
             computable.add(node)
@@ -688,6 +689,9 @@ def split(traced, split_points: Optional[list] = None, num_stages: Optional[int]
     _check_no_buffer_mutation(program.graph_signature)
     node_by_name = {n.name: n for n in graph.nodes}
     inputs = _program_inputs(traced, node_by_name)
+    written = buffer_writes.written_buffers(graph, inputs.state)
+    pins = buffer_writes.read_after_writes(graph, written)  # later stages receive what a stage wrote into a buffer
+    node_by_name.update({n.name: n for n in pins})
     trainable = {name for name, ref in inputs.state.items() if ref.kind == "parameter" and ref.trainable}
     needs_grad = _gradient_flags(graph, trainable)
     counted = cost.count_flops(graph)
@@ -702,10 +706,12 @@ def split(traced, split_points: Optional[list] = None, num_stages: Optional[int]
 
     compute = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
     compute, boundaries = _stage_boundaries(traced, compute, split_points, num_stages, default_stages, balance)
+    boundaries = buffer_writes.pin(compute, boundaries, pins)
     edges = [0] + boundaries + [len(compute)]
     count = len(edges) - 1
     stage_of = {node: index for index in range(count) for node in compute[edges[index]:edges[index + 1]]}
-    computable = _computable_from_roots(compute, inputs.state, needs_grad)
+    buffer_writes.check_reads(written, stage_of)
+    computable = _computable_from_roots(compute, inputs.state, needs_grad, set(written))
     stage_nodes, recomputed = _place_recomputation(compute, edges, computable, flops)
     try:
         segments = segment_table(compute, traced.model, flops, needs_grad, parameters, computable, stage_of)

@@ -1,7 +1,8 @@
 """Tier 3: models torch.distributed.pipelining cannot train, split by tracepp and trained under torchrun (gloo).
 
 Tied embedding/LM head across 2 ranks, a skip connection from stage 0 to stage 2, a bool mask and integer
-position ids read on every stage with a None/scalar kwarg and a tuple/dict output, and Hugging Face Llama
+position ids read on every stage with a None/scalar kwarg and a tuple/dict output, a rotary cache written into a
+buffer on stage 0 and read on stage 1 (rotary-embedding-torch's, nGPT's), and Hugging Face Llama
 (tied) and GPT-2 built from tiny configs. After 3 SGD steps the saved checkpoint equals eager training of
 the unsplit model within 2e-5, holds every alias FQN of a tied weight, and loads strictly.
 """
@@ -18,7 +19,8 @@ from util import assert_state_close, assert_trained, eager_train, model_path, ru
 STEPS = 3
 # model file -> (ranks, microbatches, needs transformers)
 MODELS = {"tied_lm": (2, 4, False), "skip3": (3, 4, False), "mask_kwargs": (2, 4, False),
-          "hf_llama": (2, 2, True), "hf_gpt2": (2, 2, True)}
+          "hf_llama": (2, 2, True), "hf_gpt2": (2, 2, True),
+          "buffer_cache": (2, 4, False)}  # a cache written into a buffer on stage 0 and read on stage 1
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])

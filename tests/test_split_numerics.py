@@ -12,7 +12,7 @@ from util import model_path, run_stages_sequentially, trace_and_split
 
 # model file -> number of stages its split_points / pipe_split() markers make
 MODELS = {"residual_mlp_lm": 2, "marker_mlp": 2, "tied_lm": 2, "skip3": 3, "mask_kwargs": 2,
-          "hf_llama": 2, "hf_gpt2": 2, "no_grad_region": 2}
+          "hf_llama": 2, "hf_gpt2": 2, "no_grad_region": 2, "buffer_cache": 2}
 HF_MODELS = {"hf_llama", "hf_gpt2"}
 
 
@@ -62,6 +62,25 @@ def _assert_matches_eager(model_file, traced, graph):
     assert set(got) == trainable, f"gradients missing for {sorted(trainable - set(got))}"
     for fqn, grad in got.items():
         torch.testing.assert_close(grad, params[fqn].grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{fqn}: {m}")
+
+
+def test_a_buffer_written_on_one_stage_is_sent_to_the_stages_reading_it_after():
+    # rotary-embedding-torch's frequency cache (nGPT at pp 2): stage 1 read its own copy of the buffer, never
+    # written (its frequencies all zeros); it now receives the buffer as stage 0 left it and holds no copy
+    _model_file, _traced, graph = trace_and_split(model_path("buffer_cache"))
+    cache = next(ref for ref in graph.state.values() if ref.fqn == "rotary.cached_freqs")
+    assert cache.stages == [0]
+    assert any(value.producer == 0 and value.consumers == [1] and list(value.meta.shape) == [32, 16]
+               for value in graph.values.values())
+
+
+def test_a_buffer_read_on_a_stage_before_another_writes_it_is_refused_by_name(monkeypatch):
+    from tracepp.split.partition import SplitError
+
+    monkeypatch.setenv("READ_BEFORE", "1")
+    with pytest.raises(SplitError, match=r"'b_rotary_cached_freqs' is written in place at buffer_cache.py:\d+ "
+                                         r"\(stage 1\) and read at buffer_cache.py:\d+ \(stage 0\) before that write"):
+        trace_and_split(model_path("buffer_cache"))
 
 
 def test_tied_weight_is_shared_across_stages():

@@ -1,0 +1,111 @@
+"""Buffers a forward writes in place, across pipeline stages.
+
+torch.export keeps an in-place write to a buffer in the graph (rotary-embedding-torch's frequency cache:
+``self.cached_freqs[:seq_len] = freqs.detach()``, an ``aten.copy_`` into a slice of a non-persistent buffer) and
+reads the buffer's placeholder again afterwards. Each stage holds its own copy of the buffers it reads, so a
+stage reading the buffer after another stage wrote it read its own, never written (nGPT at pp 2: layer 1's rotary
+frequencies all zeros, every parameter off, no warning). Here the reads after the last write read an alias made
+right after it, in the writing stage, and are sent to later stages as any value is; the buffer is no root a stage
+may make again (``partition._computable_from_roots``). A stage that reads the buffer before another stage writes
+it would read, on the next step, a value only the writer's rank holds: refused by name.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from tracepp.split.rules import where
+
+aten = torch.ops.aten
+
+
+def _schema(node):
+    target = node.target if node.op == "call_function" else None
+    return getattr(target, "_schema", None) if isinstance(target, torch._ops.OpOverload) else None
+
+
+def _writes_first(node) -> bool:
+    schema = _schema(node)
+    return bool(schema and schema.arguments and schema.arguments[0].alias_info is not None
+                and schema.arguments[0].alias_info.is_write)
+
+
+def _views_first(node) -> bool:
+    schema = _schema(node)
+    return bool(schema and schema.returns and schema.returns[0].alias_info is not None
+                and not schema.returns[0].alias_info.is_write and schema.arguments
+                and schema.arguments[0].alias_info is not None)
+
+
+def _base(node):
+    """The placeholder a value views (through view ops on their first operand), or None."""
+    while isinstance(node, fx.Node) and node.op == "call_function" and (_views_first(node) or _writes_first(node)):
+        node = node.args[0]
+    return node if isinstance(node, fx.Node) and node.op == "placeholder" else None
+
+
+def written_buffers(graph: fx.Graph, state: dict) -> dict:
+    """{buffer or constant placeholder: the ops writing it in place (into it or a view of it), in graph order}."""
+    out: dict = {}
+    for node in graph.nodes:
+        if _writes_first(node):
+            base = _base(node.args[0])
+            if base is not None and base.name in state and state[base.name].kind != "parameter":
+                out.setdefault(base, []).append(node)
+    return out
+
+
+def read_after_writes(graph: fx.Graph, written: dict) -> dict:
+    """Make the reads of each written buffer after its last write read an alias of it made right after that write;
+    {alias: the write} (the alias must stay in the write's stage: ``pin``)."""
+    order = {node: index for index, node in enumerate(graph.nodes)}
+    pins = {}
+    for buffer, writes in written.items():
+        last = writes[-1]
+        later = [user for user in buffer.users if order[user] > order[last]]
+        if not later:
+            continue
+        with graph.inserting_after(last):
+            alias = graph.call_function(aten.alias.default, (buffer,))
+        alias.meta.update({key: value for key, value in last.meta.items() if key != "val"})
+        alias.meta["val"] = buffer.meta.get("val")
+        for user in later:
+            user.replace_input_with(buffer, alias)
+        pins[alias] = last
+    return pins
+
+
+def pin(compute: list, boundaries: list, pins: dict) -> list:
+    """``boundaries`` (where stages 1.. begin in ``compute``) moved so that each alias is in its write's stage."""
+    position = {node: index for index, node in enumerate(compute)}
+    out = list(boundaries)
+    for alias in pins:
+        at = position.get(alias)
+        if at is not None and at in out:
+            out[out.index(at)] = at + 1
+    return sorted(set(out))
+
+
+def check_reads(written: dict, stage_of: dict) -> None:
+    """Refuse a buffer written on two stages, or read by a stage other than the one writing it (before the write:
+    on the next step that read takes the value the writer's rank wrote)."""
+    from tracepp.split.partition import SplitError
+
+    fix = ("Make the value in forward() without keeping it in the buffer (a cache: compute it each call), or split so "
+           "that its reads and writes are on one stage (pipe_split() markers, or --split-points)")
+    for buffer, writes in written.items():
+        writers = sorted({stage_of[w] for w in writes if w in stage_of})
+        if len(writers) > 1:
+            first = next(w for w in writes if stage_of.get(w) == writers[0])
+            second = next(w for w in writes if stage_of.get(w) == writers[1])
+            raise SplitError(f"the buffer '{buffer.name}' is written in place at {where(first)} (stage {writers[0]}) "
+                             f"and at {where(second)} (stage {writers[1]}): each stage holds its own copy of a "
+                             f"buffer, and neither would hold both writes. {fix}")
+        for user in buffer.users:
+            stage = stage_of.get(user)
+            if writers and stage is not None and stage != writers[0]:
+                raise SplitError(
+                    f"the buffer '{buffer.name}' is written in place at {where(writes[-1])} (stage {writers[0]}) and "
+                    f"read at {where(user)} (stage {stage}) before that write: each stage holds its own copy of a "
+                    f"buffer, and on the next step that read would take the value the write left on another rank. "
+                    f"{fix}")
