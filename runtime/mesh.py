@@ -337,6 +337,29 @@ def wrap_stage(stage, mesh, layout: Layout, ignored=None, sub=None, mp_policy=No
     return stage
 
 
+def scalars(stages) -> list:
+    """The 0-dim parameters of ``stages`` (x-transformers' ``DynamicTanh.pre_tanh_scale``, hyper-connections'
+    ``dynamic_alpha_scale = nn.Parameter(torch.ones(()))``): FSDP2 and its replicate refuse them ("fully_shard
+    doesn't support scalar parameters"), so :func:`wrap_stage` leaves them out and :func:`reduce_scalar_grads`
+    averages their gradients as FSDP/DDP would."""
+    return [p for stage in stages for p in stage.parameters() if local(p).dim() == 0]
+
+
+def reduce_scalar_grads(params: list, mesh, layout: Layout, sub=None) -> None:
+    """Average the gradients of :func:`scalars`' parameters over the ranks FSDP/DDP reduce over (``sub``, or the dp
+    mesh): one all-reduce per mesh dim of one flat tensor of them all."""
+    grads = [local(p.grad) for p in params if p.grad is not None]
+    if not grads:
+        return
+    sub = dp_mesh(mesh, layout) if sub is None else sub
+    flat = torch.stack([g.reshape(()).float() for g in grads])
+    for dim in range(sub.ndim):
+        dist.all_reduce(flat, group=sub.get_group(dim))
+    flat.div_(sub.size())
+    for k, grad in enumerate(grads):
+        grad.copy_(flat[k].to(grad.dtype))
+
+
 def reduce_after_split_backward(stage) -> None:
     """After a step of a schedule that splits the backward (I, then W): reduce the gradients every W has
     accumulated, as FSDP's own post-backward would have after a whole backward (the way torch's pipelining

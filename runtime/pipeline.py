@@ -279,12 +279,15 @@ class Pipeline:
         policy = precision_policy.mp_policy(self.precision, self.mixed_precision)
         if self.float8 is not None and self.mesh is not None and self.layout.dp_mode != "ddp":
             self.float8.gathered_weights(self.stages, manifest)  # FSDP all-gathers them in float8 (tensorwise)
+        experts = {id(p) for p in self.expert_params}
+        self.scalar_params = [] if self.mesh is None else [  # left out of FSDP/DDP, their gradients averaged apart
+            p for p in dp_mesh.scalars(self.stages.values()) if id(p) not in experts]
         if self.mesh is not None:
             for stage in self.stages.values():
-                dp_mesh.wrap_stage(stage, self.mesh, self.layout, ignored=self.expert_params, sub=self.grad_mesh,
-                                   mp_policy=policy)
-        if policy is not None:  # what no FSDP/DDP engine casts: every parameter without dp, routed experts with it
-            experts = {id(p) for p in self.expert_params}
+                dp_mesh.wrap_stage(stage, self.mesh, self.layout, ignored=self.expert_params + self.scalar_params,
+                                   sub=self.grad_mesh, mp_policy=policy)
+        if policy is not None:  # what no FSDP/DDP engine casts: every parameter without dp, routed experts and
+            experts |= {id(p) for p in self.scalar_params}  # 0-dim parameters with it
             for stage in self.stages.values():
                 own = [p for p in stage.parameters() if self.mesh is None or id(p) in experts]
                 cast = precision_policy.CastWeights(own, self.compute_dtype)
@@ -479,12 +482,14 @@ class Pipeline:
         tp = self.layout.tp if self.tp_mesh is not None else 1
         dp = dp_mesh.replication_factor(self.layout) if self.mesh is not None else 1
         experts = {id(p) for p in self.expert_params} if self.ep_mesh is not None else set()
+        scalars = {id(p) for p in getattr(self, "scalar_params", ())}  # whole on every dp x cp rank
         groups: dict = {}
         for name, param in self.named_parameters():
             if owner.get(name, self.pp_rank) == self.pp_rank:
                 whole = tp > 1 and tensor_parallel.placement_of(self.manifest, name) is None
                 holders = self.layout.dp * self.layout.cp // self.layout.ep
-                copies = (tp if whole else 1) * (holders if id(param) in experts else dp)
+                copies = (tp if whole else 1) * (holders if id(param) in experts else
+                                                 self.layout.dp * self.layout.cp if id(param) in scalars else dp)
                 groups.setdefault(copies, []).append(param)
         return list(groups.items())
 
@@ -591,6 +596,8 @@ class Pipeline:
         if self.ep_mesh is not None and self.training:
             expert_parallel.reduce_expert_grads(self.expert_params, self.expert_replicas,
                                                 self.layout.dp * self.layout.cp)
+        if self.scalar_params and self.training:
+            dp_mesh.reduce_scalar_grads(self.scalar_params, self.mesh, self.layout, self.grad_mesh)
         for group, params in self._shared:
             grads = []
             for param in params:

@@ -160,3 +160,25 @@ def test_zero_bubble_schedules_reduce_after_the_last_weight_backward(tmp_path, n
         run_ok(out, 4, "--steps", "3", "--save", ckpt)
         expected = eager_train(path, 3)
     assert_state_close(torch.load(ckpt), expected)
+
+
+@pytest.mark.parametrize("layout", [Layout(pp=2, dp=2), Layout(pp=1, dp=2, dp_mode="ddp"), Layout(pp=1, cp=2)],
+                         ids=["fsdp", "ddp", "cp"])
+def test_scalar_parameters_train_equal_to_eager_and_resume(tmp_path, layout):
+    # x-transformers' DynamicTanh (a 0-dim pre_tanh_scale): FSDP2 refused it at start-up ("fully_shard doesn't
+    # support scalar parameters"), under --dp and under --cp alike; now outside FSDP/DDP, averaged apart, clipped
+    # with the rest and saved and resumed as they are
+    path = model_path("scalar_params")
+    out = str(tmp_path / "out")
+    split_model(path, out, schedule="1f1b", num_microbatches=2, layout=layout)
+    checkpoints, ckpt, clip = str(tmp_path / "ck"), str(tmp_path / "ckpt.pt"), "0.5"
+    ranks = layout.world_size
+    run_ok(out, ranks, "--steps", "2", "--checkpoint-dir", checkpoints, "--clip-grad-norm", clip)
+    run_ok(out, ranks, "--steps", str(STEPS), "--resume", checkpoints, "--save", ckpt, "--clip-grad-norm", clip)
+    expected, norms, _losses = _eager_adamw(path, STEPS, float(clip))
+    assert min(norms) > float(clip), "the norm must exceed the clip or clipping is not exercised"
+    saved = torch.load(ckpt)
+    assert_trained(saved, path)
+    assert_state_close(saved, expected)
+    scale = "transformer.h.0.norm_1.pre_tanh_scale"
+    assert saved[scale].dim() == 0 and abs(float(saved[scale]) - 0.8) > 1e-4  # trained, as a scalar
