@@ -274,7 +274,20 @@ class _Walk(Propagation):
     def _on_indexed_along(self, node, sharded) -> bool:
         return self._along(node)
 
+    def _on_cell(self, node, sharded) -> bool:
+        """A recurrent cell over rows (``gru_cell(input, hx, ...)``): each row's state its own, so rows sharded
+        alike (the positions folded into them) stay so."""
+        x, hx = node.args[0], node.args[1]
+        if sharded != [x, hx] or self.shard[x] != self.shard[hx] or self.shard[x][0] != 0:
+            return False
+        self._place(node, *self.shard[x])
+        return True
+
     def _on_convolution(self, node, sharded) -> bool:
+        x = node.args[0]
+        if sharded == [x] and self.shard[x][0] >= 2 and rules.pointwise_convolution(node):
+            self._place(node, *self.shard[x])  # a 1 x 1 kernel: channels mixed at each position on its own
+            return True
         if node.args[0] in self.shard and self.shard[node.args[0]][0] >= 2:
             return self._refuse(node, "a convolution along the sequence dim: each position reads its neighbours, "
                                       "which other cp ranks hold (a causal convolution as in Mamba would need the "

@@ -66,6 +66,7 @@ _UNTAGGED_POINTWISE = {  # elementwise ops torch does not tag pointwise
     aten.__or__.Tensor, aten.__or__.Scalar, aten.__xor__.Tensor, aten.__xor__.Scalar, aten.masked_fill_.Scalar,
     aten.masked_fill_.Tensor, aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar, aten.fill_.Scalar,
     aten.fill_.Tensor, aten.copy_.default, aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.where.self,
+    aten.polar.default,  # torch.polar(abs, angle): a complex number per element (gateloop's gates)
 }
 
 VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
@@ -120,7 +121,10 @@ ATTENTION_NORMALIZERS = SDPA | {aten._softmax.default, aten.softmax.int}
 SCANS = {aten.cumsum.default, aten.cumprod.default, aten.cummax.default, aten.cummin.default,
          aten.logcumsumexp.default}
 SORTS = {aten.topk.default, aten.sort.default, aten.sort.stable, aten.argsort.default, aten.argsort.stable}
-ALONG = SCANS | SORTS | SOFTMAX | {aten.flip.default, aten.unfold.default}  # work along one dim (:func:`along_dims`)
+ALONG = SCANS | SORTS | SOFTMAX | {aten.flip.default, aten.unfold.default,  # work along one dim (:func:`along_dims`)
+                                   aten.glu.default}  # nn.GLU: the dim's halves, one gating the other
+CELLS = {aten.gru_cell.default, aten.rnn_tanh_cell.default, aten.rnn_relu_cell.default}  # (input, hx, weights...):
+#       row by row over dim 0 (x-transformers' gate_residual: a GRUCell over the (b n) rows)
 INDEXED_ALONG = {  # along one dim at an index tensor's positions (``(x, dim, index[, src])``)
     aten.gather.default, aten.scatter.value, aten.scatter.src, aten.scatter_.value, aten.scatter_.src,
     aten.scatter_add.default, aten.scatter_add_.default, aten.scatter_reduce.two, aten.scatter_reduce_.two,
@@ -183,6 +187,7 @@ FAMILIES = (  # (family, its ops): the first family that lists an op is its own
     ("along", ALONG),
     ("trailing", PADS | TRIANGLES),
     ("linear", {aten.linear.default, aten.addmm.default}),
+    ("cell", CELLS),
     ("lookup", {aten.embedding.default}),
 )
 _FAMILY = {op: name for name, ops in reversed(FAMILIES) for op in ops}  # earlier families overwrite later ones
@@ -390,6 +395,21 @@ def along_dims(node) -> list:
     if target is aten.topk.default:
         return [arg(node, 2, "dim", -1) % ndim]
     return [arg(node, 1, "dim", -1) % ndim]
+
+
+def pointwise_convolution(node) -> bool:
+    """A convolution whose kernel covers one position (1 x 1, stride 1, no padding, not transposed: x-transformers'
+    talking heads, ``Conv2d(heads, heads, 1)`` over the scores): each output position reads its own input position."""
+    weight = val(node.args[1])
+    if node.target is aten.convolution.default:
+        stride, padding, transposed = node.args[3], node.args[4], node.args[6]
+    else:
+        stride, padding, transposed = arg(node, 3, "stride", 1), arg(node, 4, "padding", 0), False
+    ones = lambda v: all(int(x) == 1 for x in (v if isinstance(v, (list, tuple)) else [v]))  # noqa: E731
+    zeros = padding in ("valid", "same") or all(int(x) == 0 for x in (padding if isinstance(padding, (list, tuple))
+                                                                        else [padding]))
+    kernel = list(weight.shape[2:])
+    return not transposed and ints(kernel) and all(int(k) == 1 for k in kernel) and ones(stride) and zeros
 
 
 def last_dims(node) -> int:

@@ -49,7 +49,7 @@ import sympy
 import torch
 import torch.fx as fx
 
-from tracepp.split import decompose, plan_cost, tp_grads
+from tracepp.split import decompose, plan_cost, rules, tp_grads
 from tracepp.split.cost import held_bytes
 from tracepp.split.partition import _gradient_flags
 from tracepp.split.rules import sizes as _sizes, val as _val
@@ -161,6 +161,8 @@ def plan(graph, tp: int, overrides=None, sequence_parallel: bool = False) -> tup
             parts = sorted(mixed.get(fqn) or mixed_biases[fqn])
             entry["why"] = (f"a fused projection whose parts {parts} (key/value heads fewer than --tp) are computed "
                             f"whole; the other parts on this rank's heads, from its rows of this weight")
+        elif dim is None:
+            entry["why"] = _read_whole_by(walks, fqn)
         result.params[fqn] = entry
     for fqn in partial - set(result.params):  # read only whole, beside shards: listed for its gradient's sum
         result.params[fqn] = {"dim": None, "role": "replicate", "grad": "partial"}
@@ -242,6 +244,44 @@ def _check_sequence(sequence, tp: int) -> None:
         works = [t for t in range(2, int(sequence) + 1) if int(sequence) % t == 0][:8]
         raise ValueError(f"--sequence-parallel with --tp {tp}: the traced sequence length {sequence} does not split "
                          f"into {tp} equal shards; use a sequence length that {tp} divides, or --tp in {works}")
+
+
+def _read_whole_by(walks: list, fqn: str) -> str:
+    """Why a parameter no rule placed is whole, where no walk said: the op that reads it (through views, casts and
+    the trace's metadata checks), on every rank alike: a norm's or a scale's weight beside whole values (the
+    residual stream, as Megatron keeps them), a row-wise linear's bias (added once, after the sum), a routed expert
+    (--ep shards those), or an op no rule starts a shard at (``aten.gru_cell``; a weight rewritten on every call by
+    a parametrization, nGPT's ``F.normalize(weight)`` before its linear)."""
+    from tracepp.split.expert_parallel import GROUPED_MM
+
+    passing = rules.MOVES | rules.VIEWS | rules.KEEP
+    for walk in walks:
+        for node in walk.graph.nodes:
+            if node.op != "placeholder" or walk.fqn_of.get(node.name) != fqn:
+                continue
+            todo, user = list(node.users), None
+            while todo:
+                user = todo.pop(0)
+                if user.target is torch.ops.aten._assert_tensor_metadata.default:
+                    user = None
+                elif user.target in passing and len(todo) < 8:
+                    todo.extend(user.users)
+                    user = None
+                else:
+                    break
+            if user is None:
+                continue
+            op = (user.target.name() if hasattr(user.target, "name") else str(user.target)).replace("::", ".")
+            if op.replace(".", "::", 1) in GROUPED_MM:
+                return f"a routed expert ({op}{rules.at(user)}): tensor parallelism keeps routed experts whole; --ep shards them"
+            if walk.roles.get(user) == "rowwise":
+                return f"the bias of a row-wise linear ({op}{rules.at(user)}): added once, to the summed output"
+            if rules.family(user.target) in ("norm", "elementwise"):
+                return (f"read beside whole values only ({op}{rules.at(user)}): every rank computes it whole, as "
+                        f"Megatron keeps its norms' and scales' weights")
+            return (f"read whole by {op}{rules.at(user)}, whose inputs are whole: no rule starts a shard there, so "
+                    f"every rank computes it whole")
+    return "no op of the stages reads it sharded"
 
 
 def _share(walk: _Walk, params: dict, flops: dict) -> dict:

@@ -245,6 +245,23 @@ def test_tiled_keys_and_a_gathered_norm_latent_tp2_train_equal_to_eager(name, tm
     _train_against_eager(path, out, 2, tmp_path)
 
 
+def test_row_ops_cp2_train_equal_to_eager(tmp_path):
+    path = model_path("cp_row_ops")
+    out = str(tmp_path / "out")
+    split_model(path, out, schedule="looped-bfs", num_microbatches=2, layout=Layout(pp=1, cp=2))
+    _train_against_eager(path, out, 2, tmp_path)
+
+
+def test_an_op_no_rule_shards_says_why_its_weight_is_whole():
+    # a GRUCell (x-transformers' gate_residual) has no tensor-parallel rule: its weights were listed whole with an
+    # empty reason; each whole parameter now names what reads it
+    params = check_model(model_path("cp_row_ops"), num_microbatches=2, layout=Layout(pp=1, tp=2))["tp"]["params"]
+    gru = params["transformer.h.0.gate_1.gru.weight_ih"]
+    assert gru["dim"] is None and "aten.gru_cell at cp_row_ops.py:" in gru["why"], gru
+    assert "Megatron keeps its norms'" in params["transformer.h.0.norm_1.weight"]["why"]
+    assert all(entry.get("why") for entry in params.values() if entry["dim"] is None)
+
+
 def test_alibi_baddbmm_attention_cp2_trains_equal_to_eager(tmp_path):
     path = model_path("cp_alibi_baddbmm")
     out = str(tmp_path / "out")
@@ -282,7 +299,7 @@ def test_einsum_attention_shards_by_heads():
 
 @pytest.mark.parametrize("name", ["cp_learned_positions", "cp_complex_rope", "cp_alibi_baddbmm", "cp_normalize_rmsnorm",
                                   "cp_linalg_norm", "cp_sequential", "tl_hooked_style", "cp_window_mask_rows",
-                                  "cp_window_mask_rows:50", "tp_expert_loop", "cp_vector_gate"])
+                                  "cp_window_mask_rows:50", "tp_expert_loop", "cp_vector_gate", "cp_row_ops"])
 def test_cp2_places_each_spelling(name, monkeypatch):
     # the plan step of the end-to-end cp tests above (the slower tier): nanoGPT's arange(0, t) positions (a crash),
     # torchtitan's complex rotary, BLOOM's and the ALiBi paper's baddbmm scores, x-transformers' F.normalize (refused),
@@ -292,7 +309,9 @@ def test_cp2_places_each_spelling(name, monkeypatch):
     # stage holds a sequence shard", the walk began only at aten.embedding); litgpt's sliding-window mask written row
     # by row into a factory (a wrong plan the verification refused), with Gemma 2's q @ k.mT (refused: mT had no rule);
     # experts called one by one on the rows torch.where picks (refused: "where mixes the positions of the sequence");
-    # a gate per position made by a matmul with a vector weight, hyper-connections' (refused: no rule for a 1-D operand)
+    # a gate per position made by a matmul with a vector weight, hyper-connections' (refused: no rule for a 1-D operand);
+    # x-transformers' talking heads (a 1 x 1 Conv2d over the scores: refused as "a convolution along the sequence"),
+    # nn.GLU over the features and a GRUCell over the (b n) rows (refused: "mixes the positions")
     name, _, softcap = name.partition(":")
     monkeypatch.setenv("SOFTCAP", softcap or "0")
     manifest = check_model(model_path(name), num_microbatches=2, schedule="gpipe", layout=Layout(pp=1, cp=2))
@@ -402,7 +421,8 @@ def test_torchtitan_moe_plans_its_experts_at_ep2_verifies_tp2_and_cp2_is_refused
     assert manifest["tp"]["verified"]["status"] == "verified", manifest["tp"]["verified"]
     tp = manifest["tp"]["params"]
     assert tp["layers.0.moe.shared_experts.w1.weight"]["role"] == "colwise"
-    assert tp["layers.0.moe.routed_experts.inner_experts.w1_EFD"] == {"dim": None, "role": "replicate"}
+    experts = tp["layers.0.moe.routed_experts.inner_experts.w1_EFD"]
+    assert experts["dim"] is None and experts["role"] == "replicate" and "--ep shards them" in experts["why"], experts
     with pytest.raises(Exception, match=r"scatter_add \(scatter_add\) at torchtitan_moe\.py:\d+"):
         check_model(TITAN_MOE, num_microbatches=2, layout=Layout(pp=2, cp=2))
 
