@@ -184,9 +184,12 @@ class _Walk(Propagation):
                 return
 
     def _table_rows(self, node):
-        """The token ids a parameter is indexed by, ``W_E[tokens, :]`` (``rules.indexed_rows``); else None."""
+        """The token ids a whole table is indexed by, ``W_E[tokens, :]`` (``rules.indexed_rows``): a parameter, or
+        one made from it on every call (nGPT's ``F.normalize(weight)[ids]`` through its parametrization); else
+        None."""
         found = rules.indexed_rows(node)
-        return found[1] if found is not None and found[0].name in self.fqn_of else None
+        return found[1] if found is not None and found[0] not in self.shard and (
+            found[0].name in self.fqn_of or self.needs_grad.get(found[0])) else None
 
     # -- each family's rule (``Propagation._rule`` finds them by ``rules.family``)
     def _on_item(self, node, sharded) -> bool:

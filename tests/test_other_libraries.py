@@ -245,8 +245,9 @@ def test_tiled_keys_and_a_gathered_norm_latent_tp2_train_equal_to_eager(name, tm
     _train_against_eager(path, out, 2, tmp_path)
 
 
-def test_row_ops_cp2_train_equal_to_eager(tmp_path):
-    path = model_path("cp_row_ops")
+@pytest.mark.parametrize("name", ["cp_row_ops", "cp_normalized_table"])
+def test_row_ops_and_a_normalized_table_cp2_train_equal_to_eager(name, tmp_path):
+    path = model_path(name)
     out = str(tmp_path / "out")
     split_model(path, out, schedule="looped-bfs", num_microbatches=2, layout=Layout(pp=1, cp=2))
     _train_against_eager(path, out, 2, tmp_path)
@@ -299,7 +300,8 @@ def test_einsum_attention_shards_by_heads():
 
 @pytest.mark.parametrize("name", ["cp_learned_positions", "cp_complex_rope", "cp_alibi_baddbmm", "cp_normalize_rmsnorm",
                                   "cp_linalg_norm", "cp_sequential", "tl_hooked_style", "cp_window_mask_rows",
-                                  "cp_window_mask_rows:50", "tp_expert_loop", "cp_vector_gate", "cp_row_ops"])
+                                  "cp_window_mask_rows:50", "tp_expert_loop", "cp_vector_gate", "cp_row_ops",
+                                  "cp_normalized_table"])
 def test_cp2_places_each_spelling(name, monkeypatch):
     # the plan step of the end-to-end cp tests above (the slower tier): nanoGPT's arange(0, t) positions (a crash),
     # torchtitan's complex rotary, BLOOM's and the ALiBi paper's baddbmm scores, x-transformers' F.normalize (refused),
@@ -311,7 +313,8 @@ def test_cp2_places_each_spelling(name, monkeypatch):
     # experts called one by one on the rows torch.where picks (refused: "where mixes the positions of the sequence");
     # a gate per position made by a matmul with a vector weight, hyper-connections' (refused: no rule for a 1-D operand);
     # x-transformers' talking heads (a 1 x 1 Conv2d over the scores: refused as "a convolution along the sequence"),
-    # nn.GLU over the features and a GRUCell over the (b n) rows (refused: "mixes the positions")
+    # nn.GLU over the features and a GRUCell over the (b n) rows (refused: "mixes the positions"); nGPT's embedding,
+    # a table normalised by a parametrization indexed by the tokens (refused: "no value ... holds a sequence shard")
     name, _, softcap = name.partition(":")
     monkeypatch.setenv("SOFTCAP", softcap or "0")
     manifest = check_model(model_path(name), num_microbatches=2, schedule="gpipe", layout=Layout(pp=1, cp=2))
