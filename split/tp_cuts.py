@@ -409,9 +409,10 @@ class _CutRules:
                 return False
             self._place(node, dim, tuple(int(s) for s in segments), origin)
             return True
-        if len({self.segs.get(p) for p in parts}) != 1:
+        sharded = [p for p in parts if p in self.shard]  # a whole part is read at this rank's piece of each segment
+        if len({self.segs.get(p) for p in sharded}) != 1:  # (x-transformers' sink beside scores of tiled heads)
             return False
-        self._place(node, dim, self.segs.get(parts[0]), origin, self._kind_of(parts))
+        self._place(node, dim, self.segs.get(sharded[0]), origin, self._kind_of(parts))
         return True
 
     def _size_arg_ok(self, sizes, e: int, out_size) -> bool:

@@ -190,6 +190,25 @@ def test_gated_values_under_grouped_query_attention_hold_the_query_heads_segment
                                                                  for i in range(2)}
 
 
+def test_a_learned_sink_and_sparse_top_k_over_tiled_heads_shard_as_megatron():
+    # x-transformers' attn_head_learned_sink and attn_sparse_topk with kv heads tiled by repeat: the sink's cat with
+    # the scores in segments, and top-k's values read by a getitem, kept q and k whole (0.62 of each layer sharded)
+    manifest = check_model(model_path("tp_sink_topk"), num_microbatches=4, layout=Layout(pp=2, tp=2))
+    params = manifest["tp"]["params"]
+    assert params["transformer.h.0.attn.to_q.weight"]["segments"] == [32, 32]
+    assert params["transformer.h.0.attn.to_k.weight"]["role"] == "colwise"
+    assert all(stage["share"]["params"] >= 0.99 for stage in manifest["tp"]["stages"])
+    assert manifest["tp"]["verified"]["status"] == "verified", manifest["tp"]["verified"]
+    assert _layer_bytes(model_path("tp_sink_topk")) == {f"transformer.h.{i}": MEGATRON_LAYER_BYTES for i in range(2)}
+
+
+def test_a_learned_sink_and_sparse_top_k_tp2_train_equal_to_eager(tmp_path):
+    path = model_path("tp_sink_topk")
+    out = str(tmp_path / "out")
+    split_model(path, out, schedule="looped-bfs", num_microbatches=4, layout=Layout(pp=1, tp=2))
+    _train_against_eager(path, out, 2, tmp_path)
+
+
 def test_gated_values_under_grouped_query_attention_tp2_train_equal_to_eager(tmp_path):
     path = model_path("tp_gated_values_gqa")
     out = str(tmp_path / "out")
