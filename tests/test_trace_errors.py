@@ -433,3 +433,62 @@ def test_a_frozen_part_under_no_grad_splits(tmp_path, capsys):
     path.write_text(GRAD_MODE_FORWARD.replace("DECORATOR", "torch.no_grad()").replace("MODEL", "Frozen"))
     code, text = run_cli(capsys, "split", str(path), "-o", str(tmp_path / "out"), "--ranks", "2")
     assert code == 0, text
+
+
+CHECKPOINTED = """
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.a(x)
+        if REENTRANT:
+            h = checkpoint(self.b, h, use_reentrant=True)
+        else:
+            with torch.no_grad():  # computed without gradients: a and b take none, in eager as split
+                h = h + self.b(h)
+        return self.c(h.relu())
+
+
+def model():
+    torch.manual_seed(0)
+    return Net()
+
+
+def example_inputs():
+    return (torch.randn(4, 8),)
+
+
+def example_target():
+    return torch.randn(4, 8)
+
+
+def loss_fn(output, target):
+    return torch.nn.functional.mse_loss(output, target)
+"""
+
+
+def test_a_reentrant_checkpoint_is_refused_by_name(tmp_path, capsys):
+    # gateloop-transformer's default checkpointing (torch.utils.checkpoint, use_reentrant=True): torch.export traces
+    # everything from it on with gradients off; the split was written and its ranks failed in backward
+    path = tmp_path / "checkpointed.py"
+    path.write_text(CHECKPOINTED.replace("REENTRANT", "True"))
+    code, text = run_cli(capsys, "split", str(path), "-o", str(tmp_path / "out"), "--ranks", "2")
+    assert code == 2, text
+    assert "no gradient of the loss reaches" in text and "checkpointed.py:" in text, text
+    assert "use_reentrant=False" in text, text
+
+
+def test_parameters_read_only_without_gradients_are_named_in_a_note(tmp_path, capsys):
+    path = tmp_path / "checkpointed.py"
+    path.write_text(CHECKPOINTED.replace("REENTRANT", "False"))
+    code, text = run_cli(capsys, "check", str(path), "--ranks", "2")
+    assert code == 0, text
+    assert "4 trainable parameter(s) take no gradient in the traced program (a.weight, a.bias, b.weight and 1 more)" \
+        in text, text

@@ -101,9 +101,49 @@ def untrainable(program: torch.export.ExportedProgram, model: torch.nn.Module, m
     outputs = [arg for arg in program.graph.output_node().all_input_nodes]
     if any(arg in reached for arg in outputs):
         return None
+    from tracepp.split.rules import where as line_of
+
+    cut = next((node for node in program.graph.nodes if node.op == "call_function"
+                and node.target is torch.ops.aten.detach.default and node.args and node.args[0] in reached), None)
     cause = next((f"{cls}.forward ({'the model' if not path else path}, {line}) runs under {name}"
-                  for path, cls, name, line in forwards), "no output of forward() is computed from a trainable "
-                                                          "parameter (every path through a detach or a no_grad region)")
-    return (f"no gradient of the loss reaches any of the model's {len(trainable)} trainable parameters: {cause}, so "
-            f"training would change nothing (eager: \"element 0 of tensors does not require grad\"). In {where}, run "
-            f"forward() with gradients enabled, or drop loss_fn for a forward-only pipeline")
+                  for path, cls, name, line in forwards), None)
+    if cause is None and cut is not None and line_of(cut):
+        cause = (f"every path from them to the output passes a region the trace runs without gradients, at "
+                 f"{line_of(cut)}: torch.no_grad(), .detach(), or torch.utils.checkpoint with use_reentrant=True, "
+                 f"which torch.export traces with gradients off (pass use_reentrant=False where it is called, or "
+                 f"turn the library's checkpointing off)")
+    cause = cause or "no output of forward() is computed from a trainable parameter"
+    return (f"no gradient of the loss reaches any of the model's {len(trainable)} trainable parameters: {cause}; "
+            f"split, training would change nothing. In {where}, run forward() with gradients reaching the "
+            f"parameters, or drop loss_fn for a forward-only pipeline")
+
+
+def unreached_note(program: torch.export.ExportedProgram, model: torch.nn.Module) -> Optional[str]:
+    """A note naming the trainable parameters the traced program reads but gives no gradient (every path from them to
+    the output through a region without gradients: a frozen teacher under no_grad, as meant; or a checkpoint torch
+    .export traced with gradients off, use_reentrant=True, which eager would train), or None."""
+    from tracepp.split.rules import where as line_of
+
+    reached = needs_grad(program, model)
+    outputs = set(program.graph.output_node().all_input_nodes)
+    trainable = {fqn for fqn, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
+    targets = {spec.arg.name: spec.target for spec in program.graph_signature.input_specs
+               if spec.kind == torch.export.graph_signature.InputKind.PARAMETER}
+    arrives: set = set()  # the nodes from which a gradient path reaches an output
+    for node in reversed(list(program.graph.nodes)):
+        if node in outputs or any(user in arrives for user in node.users if user.op != "output"
+                                  and user.target is not torch.ops.aten.detach.default):
+            if node in reached:
+                arrives.add(node)
+    cut = [node for node in program.graph.nodes if node.op == "placeholder" and targets.get(node.name) in trainable
+           and node.users and node not in arrives]
+    if not cut:
+        return None
+    stop = next((node for node in program.graph.nodes if node.op == "call_function"
+                 and node.target is torch.ops.aten.detach.default and node.args and node.args[0] in reached), None)
+    names = ", ".join(targets[node.name] for node in cut[:3]) + (f" and {len(cut) - 3} more" if len(cut) > 3 else "")
+    return (f"{len(cut)} trainable parameter(s) take no gradient in the traced program ({names}): every path from "
+            f"them to the output passes a region without gradients" + (f" (at {line_of(stop)})" if stop is not None
+                                                                       and line_of(stop) else "")
+            + "; where eager trains them (torch.utils.checkpoint with use_reentrant=True, which torch.export traces "
+              "with gradients off), pass use_reentrant=False")

@@ -337,6 +337,9 @@ def trace(model_file: ModelFile, num_microbatches: int, dynamic_shapes: Any = No
         cannot = grad_modes.untrainable(program, model, model_file.path)
         if cannot:
             raise TraceError(cannot)
+        unreached = grad_modes.unreached_note(program, model)
+        if unreached:
+            notes.append(unreached)
         notes.extend(check_custom_functions(program, model, model_file.path))
     if master_dtypes:
         _mark_masters(program, master_dtypes)
