@@ -524,6 +524,33 @@ def _branch_bytes(walk, nodes: list, leaving) -> int:
     return min(_bytes(leaving), max(outputs)) if outputs else _bytes(leaving)
 
 
+def _one_head_broadcast(walk) -> set:
+    """Attention with fewer key/value groups than --tp: products reading a whole key or value of one head beside
+    queries sharded by heads (recurrentgemma's multi-query attention, ``einsum("b t n h, b s n h -> b n t s")`` with
+    ``n`` 1 for the key: broadcast to every head, its projection computed whole), or an sdpa of fewer key/value heads
+    than queries and than --tp (Falcon-7B's multi-query attention, whole on every rank or not)."""
+    out = set()
+    for node in walk.graph.nodes:
+        if node.op != "call_function" or node.target not in rules.ATTENTION_PRODUCTS:
+            continue
+        if node.target in rules.SDPA:  # [b, heads, s, d]: fewer key/value heads than the queries' and than --tp
+            q, k = (a.meta.get("val") for a in node.args[:2])
+            if (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and q.dim() == k.dim() >= 3
+                    and rules.ints([q.shape[-3], k.shape[-3]]) and int(k.shape[-3]) < min(int(q.shape[-3]), walk.tp)):
+                out.add(node)
+            continue
+        operands = [a for a in _products_operands(node) if isinstance(a, torch.fx.Node)]
+        sharded = [a for a in operands if a in walk.shard]
+        for a in sharded:
+            dim = walk.shard[a]
+            for b in operands:
+                val, ref = b.meta.get("val"), a.meta.get("val")
+                if (b not in walk.shard and isinstance(val, torch.Tensor) and isinstance(ref, torch.Tensor)
+                        and val.dim() == ref.dim() and val.shape[dim] == 1 and ref.shape[dim] != 1):
+                    out.add(node)
+    return out
+
+
 def layer_bytes(walk) -> dict:
     """{layer: (bytes ``walk``'s plan moves in it per microbatch, Megatron's bytes for it or None)} over the stage's
     repeated blocks (:func:`_layer_of`). Megatron's plan applies to a decoder layer (one with an attention): its
@@ -543,8 +570,8 @@ def layer_bytes(walk) -> dict:
             moved[layer] += count
     fewer_groups = set(walk.mixed_linears) | {consumer for consumer, *_rest in walk.head_groups} | {
         consumer for consumer, arg, *_rest in walk.scatters if arg in _products_operands(consumer)} | set(
-        walk.heads_of_one)  # a head of one gathered: a multi-query key, Mamba-2's B and C of one group (MLA's rotary
-    #                         key is computed whole, from its whole latent)
+        walk.heads_of_one) | _one_head_broadcast(walk)  # a head of one gathered: a multi-query key, Mamba-2's B and
+    #                         C of one group (MLA's rotary key is computed whole, from its whole latent)
     out = {}
     for layer, nodes in layers.items():
         inside = set(nodes)

@@ -606,8 +606,8 @@ class _ContractionRules:
             count = int(_val(t).shape[-3])
             if count == heads or (gqa and count % self.tp == 0 and heads % count == 0):
                 reads.append((t, _val(t).dim() - 3))
-            elif gqa and count == 1:
-                reads.append((t, None))
+            elif count == 1:  # one key/value head, broadcast to every query head (enable_gqa, or sdpa's
+                reads.append((t, None))  # broadcasting of a dim of 1: Falcon-7B's multi-query attention)
             elif gqa and self.tp % count == 0 and heads % count == 0:
                 groups.append((t, count))
             else:

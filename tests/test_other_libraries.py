@@ -209,6 +209,13 @@ def test_a_learned_sink_and_sparse_top_k_tp2_train_equal_to_eager(tmp_path):
     _train_against_eager(path, out, 2, tmp_path)
 
 
+def test_multi_query_attention_broadcast_by_sdpa_tp2_trains_equal_to_eager(tmp_path):
+    path = model_path("tp_mqa_broadcast")
+    out = str(tmp_path / "out")
+    split_model(path, out, schedule="looped-bfs", num_microbatches=4, layout=Layout(pp=1, tp=2))
+    _train_against_eager(path, out, 2, tmp_path)
+
+
 def test_gated_values_under_grouped_query_attention_tp2_train_equal_to_eager(tmp_path):
     path = model_path("tp_gated_values_gqa")
     out = str(tmp_path / "out")

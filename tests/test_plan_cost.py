@@ -71,6 +71,20 @@ def test_plan_bytes_are_what_the_rewritten_program_moves(model, monkeypatch):
                 assert megatron is None
 
 
+@pytest.mark.parametrize("einsum", ["0", "1"])
+def test_multi_query_attention_has_no_megatron_figure_and_shards_its_queries(einsum, monkeypatch):
+    # Falcon-7B's sdpa of 4 query heads and 1 key/value head, broadcast (no enable_gqa): the attention was refused
+    # ("1 heads for 4 query heads") and run whole (0.76 of each layer sharded), and its layer set against a Megatron
+    # plan that does not exist (Megatron-Core refuses fewer key/value groups than tp): 0.50x printed for Falcon
+    monkeypatch.setenv("MQA_EINSUM", einsum)
+    manifest = check_model(model_path("tp_mqa_broadcast"), num_microbatches=2, layout=Layout(pp=1, tp=2))
+    assert manifest["tp"]["verified"]["status"] == "verified", manifest["tp"]["verified"]
+    for stage in manifest["tp"]["stages"]:
+        assert stage["share"]["params"] >= 0.94, stage["share"]
+        assert stage["layers"] and all(megatron is None for _moved, megatron in stage["layers"].values())
+    assert manifest["tp"]["params"]["transformer.h.0.attn.to_q.weight"]["role"] == "colwise"
+
+
 def test_a_litgpt_layer_moves_megatrons_bytes_and_inspect_says_so(tmp_path):
     # litgpt's fused qkv and its RMSNorm reading the weight through weight.float(): the plan that shards the norm
     # weight keeps the residual stream sharded on its features (2.5x Megatron's bytes). A cost trial kept the weight

@@ -1,0 +1,61 @@
+"""Multi-query attention with its one key/value head broadcast to the query heads, as Falcon-7B (transformers'
+``FalconAttention``: ``scaled_dot_product_attention`` of ``[b, heads, s, d]`` queries and ``[b, 1, s, d]`` keys) and
+recurrentgemma's Griffin (``einsum("b t n h, b s n h -> b n t s")`` with ``n`` 1 for the key; ``MQA_EINSUM=1``) write
+it; lit-gpt's decoder otherwise, hidden 64, 4 heads, 16 tokens, 2 layers.
+
+Megatron-Core divides the key/value groups among the tp ranks and refuses fewer groups than tp: ``inspect`` prints
+no Megatron figure for these layers (it compared Falcon's with a plan that does not exist: 0.50x).
+"""
+import functools
+import os
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from lib_style import (D, HEADS, HEAD_DIM, Decoder, RMSNorm, SwiGLU, apply_rope, loss_fn, sgd,  # noqa: F401
+                       token_batch)
+
+EINSUM = os.environ.get("MQA_EINSUM") == "1"
+
+
+class MultiQueryAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.to_q = nn.Linear(D, HEADS * HEAD_DIM, bias=False)
+        self.to_k = nn.Linear(D, HEAD_DIM, bias=False)
+        self.to_v = nn.Linear(D, HEAD_DIM, bias=False)
+        self.to_out = nn.Linear(HEADS * HEAD_DIM, D, bias=False)
+
+    def forward(self, x, cos, sin):
+        B, T, _ = x.shape
+        q = self.to_q(x).view(B, T, HEADS, HEAD_DIM).transpose(1, 2)
+        k = self.to_k(x).view(B, T, 1, HEAD_DIM).transpose(1, 2)
+        v = self.to_v(x).view(B, T, 1, HEAD_DIM).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if EINSUM:
+            sim = torch.einsum("b n t h, b m s h -> b n t s", q, k.expand(B, 1, T, HEAD_DIM)) * HEAD_DIM ** -0.5
+            causal = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)
+            attn = sim.masked_fill(causal, -torch.finfo(sim.dtype).max).softmax(dim=-1)
+            out = torch.einsum("b n t s, b m s h -> b n t h", attn, v)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.to_out(out.transpose(1, 2).reshape(B, T, HEADS * HEAD_DIM))
+
+
+def model():
+    torch.manual_seed(0)
+    return Decoder(2, functools.partial(RMSNorm, D), MultiQueryAttention, SwiGLU)
+
+
+batch = token_batch
+
+
+def example_inputs():
+    return batch(0)[0]
+
+
+def example_target():
+    return batch(0)[2]
+
+
+optimizer = sgd
