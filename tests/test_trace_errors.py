@@ -492,3 +492,45 @@ def test_parameters_read_only_without_gradients_are_named_in_a_note(tmp_path, ca
     assert code == 0, text
     assert "4 trainable parameter(s) take no gradient in the traced program (a.weight, a.bias, b.weight and 1 more)" \
         in text, text
+
+
+def test_no_note_where_gradients_pass_a_chunk(tmp_path, capsys):
+    # chunk's and split's outputs are a list: the gradient path stopped there, and litgpt's LoRA, whose qkv product is
+    # split by sizes, was told its lora_A and lora_B take no gradient
+    path = tmp_path / "chunked.py"
+    path.write_text(CHUNKED)
+    code, text = run_cli(capsys, "check", str(path), "--ranks", "2")
+    assert code == 0 and "take no gradient" not in text, text
+
+
+CHUNKED = """
+import torch
+import torch.nn as nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(8, 8)
+
+    def forward(self, x):
+        u, v = self.a(x).chunk(2, dim=-1)
+        return self.b(u * torch.sigmoid(v))
+
+
+def model():
+    torch.manual_seed(0)
+    return Net()
+
+
+def example_inputs():
+    return (torch.randn(4, 8),)
+
+
+def example_target():
+    return torch.randn(4, 8)
+
+
+def loss_fn(output, target):
+    return torch.nn.functional.mse_loss(output, target)
+"""

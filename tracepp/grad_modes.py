@@ -28,7 +28,8 @@ def needs_grad(program: torch.export.ExportedProgram, model: torch.nn.Module) ->
     found = set()
     for node in program.graph.nodes:
         value = node.meta.get("val")
-        floating = isinstance(value, torch.Tensor) and value.is_floating_point()
+        values = value if isinstance(value, (list, tuple)) else [value]  # chunk's and split's outputs: a list
+        floating = any(isinstance(v, torch.Tensor) and v.is_floating_point() for v in values)
         if node.op == "placeholder":
             if targets.get(node.name) in trainable and floating:
                 found.add(node)
