@@ -592,7 +592,12 @@ class _Walk(Propagation):
                     return False
                 self.gathers.append((node, kv))
             elif not _equal(_sizes(_val(kv))[-2], self.seq):
-                return False
+                if rules.arg(node, 5, "is_causal", False):
+                    return False
+                # keys of no position (litgpt's LLaMA-Adapter prompt, learned tokens every query attends to):
+                # whole on every rank, each rank's queries reading all of them; their gradient's parts summed
+                # with every parameter's over dp x cp
+
         if isinstance(mask, fx.Node):
             mval = _val(mask)
             if mask in self.shard:
