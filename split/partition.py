@@ -57,7 +57,19 @@ def module_path(raw: str) -> str:
     raw = re.sub(r"^L\['self'\]", "", raw)
     raw = re.sub(r"\.?_modules\['([^']+)'\]", r".\1", raw)
     raw = re.sub(r"\[['\"]?(\w+)['\"]?\]", r".\1", raw)
-    return raw.strip(".")
+    return _SLICED.sub(_unslice, raw).strip(".")
+
+
+# a module list sliced where a module is shared (torch's module-stack tracer then names paths as they are reached:
+# PEFT's VeRA, whose every layer holds one buffer dict, under Llama's ``self.layers[:num_hidden_layers]``)
+_SLICED = re.compile(r"\.slice\((\w+), (\w+), (\w+)\)\.(\d+)")
+
+
+def _unslice(match) -> str:
+    start, _stop, step, index = match.groups()
+    first = 0 if start == "None" else int(start)
+    stride = 1 if step == "None" else int(step)
+    return f".{first + stride * int(index)}"
 
 
 def node_modules(node: fx.Node) -> list:

@@ -161,6 +161,9 @@ def test_autocast_regions_nested_and_enabled_are_flat_and_match_eager(name, laye
     ("L['self']._modules['model']._modules['layers']['1']", "model.layers.1"),
     ("L['self'].transformer._modules['h'][0].attn", "transformer.h.0.attn"),
     ("L['self']", ""),
+    # a sliced module list where a module is shared (PEFT's VeRA under Llama's self.layers[:n]): pp found one segment
+    ("base_model.model.model.layers.slice(None, 2, None).0.self_attn", "base_model.model.model.layers.0.self_attn"),
+    ("model.layers.slice(1, None, 2).1", "model.layers.3"),
 ])
 def test_module_path_normalises_export_spellings(raw, fqn):
     from tracepp.split.partition import module_path
