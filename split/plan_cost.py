@@ -524,6 +524,13 @@ def _branch_bytes(walk, nodes: list, leaving) -> int:
     return min(_bytes(leaving), max(outputs)) if outputs else _bytes(leaving)
 
 
+def _batched(node) -> bool:
+    """An attention product's operands are batched (``[b, heads, s, d]``): not ``x @ (A * E).T``, a product with a
+    2-D weight (PEFT's AdaLoRA), whose weight read at a rank's rows is no key/value head."""
+    return all(isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)
+               and a.meta["val"].dim() >= 3 for a in _products_operands(node))
+
+
 def _one_head_broadcast(walk) -> set:
     """Attention with fewer key/value groups than --tp: products reading a whole key or value of one head beside
     queries sharded by heads (recurrentgemma's multi-query attention, ``einsum("b t n h, b s n h -> b n t s")`` with
@@ -569,7 +576,8 @@ def layer_bytes(walk) -> dict:
         if layer in moved:
             moved[layer] += count
     fewer_groups = set(walk.mixed_linears) | {consumer for consumer, *_rest in walk.head_groups} | {
-        consumer for consumer, arg, *_rest in walk.scatters if arg in _products_operands(consumer)} | set(
+        consumer for consumer, arg, *_rest in walk.scatters if arg in _products_operands(consumer)
+        and _batched(consumer)} | set(
         walk.heads_of_one) | _one_head_broadcast(walk)  # a head of one gathered: a multi-query key, Mamba-2's B and
     #                         C of one group (MLA's rotary key is computed whole, from its whole latent)
     out = {}

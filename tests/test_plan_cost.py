@@ -85,6 +85,16 @@ def test_multi_query_attention_has_no_megatron_figure_and_shards_its_queries(ein
     assert manifest["tp"]["params"]["transformer.h.0.attn.to_q.weight"]["role"] == "colwise"
 
 
+def test_a_low_rank_product_with_a_2d_weight_is_no_key_and_keeps_the_megatron_figure(monkeypatch):
+    # PEFT's AdaLoRA, x @ (lora_A * lora_E).T: its product read lora_A * lora_E at a rank's rows, which the figure took
+    # for a key/value head read at a rank's heads (fewer groups than tp): no Megatron figure for an ordinary layer
+    monkeypatch.setenv("ADALORA", "1")
+    manifest = check_model(model_path("tp_lora_llama"), num_microbatches=2, layout=Layout(pp=1, tp=2))
+    assert manifest["tp"]["verified"]["status"] == "verified", manifest["tp"]["verified"]
+    layers = [figures for stage in manifest["tp"]["stages"] for figures in stage["layers"].values()]
+    assert layers and all(megatron is not None for _moved, megatron in layers), layers
+
+
 def test_a_litgpt_layer_moves_megatrons_bytes_and_inspect_says_so(tmp_path):
     # litgpt's fused qkv and its RMSNorm reading the weight through weight.float(): the plan that shards the norm
     # weight keeps the residual stream sharded on its features (2.5x Megatron's bytes). A cost trial kept the weight

@@ -7,9 +7,13 @@ Under ``--tp 2`` PEFT's tensor-parallel LoRA (``LoraParallelLinear`` for Megatro
 column-wise base ``lora_a`` whole and ``lora_b`` column-wise, beside a row-wise one ``lora_a`` row-wise and ``lora_b``
 whole: Megatron's two all-reduces of ``[b, s, h]`` each way plus one all-reduce of each adapter's ``[b, s, rank]``.
 """
+import os
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+ADALORA = os.environ.get("ADALORA") == "1"  # PEFT's AdaLoRA: x @ (lora_A * lora_E).T @ lora_B.T, an SVD triplet
 
 VOCAB, D, HEADS, KV_HEADS, FF, RANK, ALPHA, LAYERS, BATCH, SEQ = 128, 256, 8, 4, 688, 4, 8, 2, 4, 8
 HEAD_DIM = D // HEADS
@@ -24,8 +28,13 @@ class LoRALinear(nn.Module):
         self.lora_b = nn.Linear(RANK, out_dim, bias=False)
         nn.init.normal_(self.lora_b.weight, std=0.02)  # (zeros in a fresh fine-tune: nonzero so every weight trains)
         self.scaling = ALPHA / RANK
+        if ADALORA:
+            self.lora_E = nn.Parameter(0.1 * torch.randn(RANK, 1))
 
     def forward(self, x):
+        if ADALORA:  # adalora/layer.py: result += (x @ (lora_A * lora_E).T @ lora_B.T) * scaling
+            return F.linear(x, self.weight) + (x @ (self.lora_a.weight * self.lora_E).T
+                                               @ self.lora_b.weight.T) * self.scaling
         return F.linear(x, self.weight) + self.lora_b(self.lora_a(x)) * self.scaling
 
 
