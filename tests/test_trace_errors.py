@@ -534,3 +534,54 @@ def example_target():
 def loss_fn(output, target):
     return torch.nn.functional.mse_loss(output, target)
 """
+
+
+UNSEEDED = """
+import random
+
+import torch
+import torch.nn as nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.pick = nn.Parameter(torch.zeros(4))
+        with torch.no_grad():  # hyper-connections: each block's initial residual stream, random.randrange
+            self.pick[random.randrange(4)] = 1.0
+
+    def forward(self, x):
+        return self.a(x) * self.pick.sum()
+
+
+def model():
+    torch.manual_seed(0)
+    SEEDING
+    return Net()
+
+
+def example_inputs():
+    return (torch.randn(4, 8),)
+
+
+def example_target():
+    return torch.randn(4, 8)
+
+
+def loss_fn(output, target):
+    return torch.nn.functional.mse_loss(output, target)
+"""
+
+
+@pytest.mark.parametrize("seeding, refused", [("pass", True), ("random.seed(0)", False)])
+def test_a_model_that_draws_from_an_unseeded_python_random_is_refused(tmp_path, capsys, seeding, refused):
+    # recurrent-memory-transformer's hyper-connections: every rank's model() built other weights, and the split
+    # trained to parameters 1.0 away from eager with no warning
+    path = tmp_path / "unseeded.py"
+    path.write_text(UNSEEDED.replace("SEEDING", seeding))
+    code, text = run_cli(capsys, "check", str(path), "--ranks", "2")
+    if refused:
+        assert code == 2 and "draws from Python's random without seeding it" in text and "random.seed(0)" in text, text
+    else:
+        assert code == 0, text

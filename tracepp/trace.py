@@ -23,7 +23,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from tracepp.split.pipeline_graph import AUTOCAST_OFF, MASTER_DTYPE
-from tracepp import grad_modes
+from tracepp import grad_modes, model_rng
 from tracepp.dynamic import DynamicFlags, export_dynamic_shapes, names_from_model_spec
 from tracepp.modelfile import ModelFile, ModelFileError
 
@@ -96,14 +96,22 @@ def build_model(model_file: ModelFile, on_meta) -> tuple:
     (Hugging Face Mixtral counts experts with ``histc`` on float32 on CPU, int32 elsewhere) is then traced as
     the CPU ranks run it. Larger models stay on meta: their trace follows the accelerator's branch."""
     if not on_meta:
-        return model_file.model(), []
+        built, unseeded = model_rng.built_alike(model_file.model, model_file.path)
+        if unseeded:
+            raise TraceError(unseeded)
+        return built, []
     try:
-        with torch.device("meta"):
-            built = model_file.model()
+        def on_meta_device():
+            with torch.device("meta"):
+                return model_file.model()
+
+        built, unseeded = model_rng.built_alike(on_meta_device, model_file.path)
+        if unseeded:
+            raise TraceError(unseeded)
         if on_meta == "auto" and _state_bytes(built) <= REAL_TRACE_LIMIT_BYTES:
             return model_file.model(), []
         return built, []
-    except ModelFileError:
+    except (ModelFileError, TraceError):
         raise
     except Exception as error:  # e.g. an init that reads a value (.item(), a data-dependent branch)
         note = (f"model() cannot be built on the meta device ({type(error).__name__}: {str(error).splitlines()[0]}); "
