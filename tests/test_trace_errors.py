@@ -368,6 +368,21 @@ def test_a_model_on_meta_weights_that_makes_a_tensor_on_its_inputs_device_is_tra
     assert manifest["tp"]["verified"]["status"] == "verified", manifest["tp"]["verified"]
 
 
+_CONTRACT = """
+
+def example_inputs():
+    return (torch.randn(4, 8),)
+
+
+def example_target():
+    return torch.randn(4, 8)
+
+
+def loss_fn(output, target):
+    return torch.nn.functional.mse_loss(output, target)
+"""  # the model files' shared contract: 4 samples of 8 features
+
+
 GRAD_MODE_FORWARD = """
 import torch
 import torch.nn as nn
@@ -398,18 +413,7 @@ def model():
     torch.manual_seed(0)
     return MODEL()
 
-
-def example_inputs():
-    return (torch.randn(4, 8),)
-
-
-def example_target():
-    return torch.randn(4, 8)
-
-
-def loss_fn(output, target):
-    return torch.nn.functional.mse_loss(output, target)
-"""
+""" + _CONTRACT
 
 
 @pytest.mark.parametrize("decorator, refused", [("torch.inference_mode()", "runs under torch.inference_mode()"),
@@ -460,18 +464,7 @@ def model():
     torch.manual_seed(0)
     return Net()
 
-
-def example_inputs():
-    return (torch.randn(4, 8),)
-
-
-def example_target():
-    return torch.randn(4, 8)
-
-
-def loss_fn(output, target):
-    return torch.nn.functional.mse_loss(output, target)
-"""
+""" + _CONTRACT
 
 
 def test_a_reentrant_checkpoint_is_refused_by_name(tmp_path, capsys):
@@ -522,18 +515,7 @@ def model():
     torch.manual_seed(0)
     return Net()
 
-
-def example_inputs():
-    return (torch.randn(4, 8),)
-
-
-def example_target():
-    return torch.randn(4, 8)
-
-
-def loss_fn(output, target):
-    return torch.nn.functional.mse_loss(output, target)
-"""
+""" + _CONTRACT
 
 
 UNSEEDED = """
@@ -560,18 +542,7 @@ def model():
     SEEDING
     return Net()
 
-
-def example_inputs():
-    return (torch.randn(4, 8),)
-
-
-def example_target():
-    return torch.randn(4, 8)
-
-
-def loss_fn(output, target):
-    return torch.nn.functional.mse_loss(output, target)
-"""
+""" + _CONTRACT
 
 
 @pytest.mark.parametrize("seeding, refused", [("pass", True), ("random.seed(0)", False)])

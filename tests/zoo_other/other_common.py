@@ -47,6 +47,15 @@ def examples_of(batch):
     return (lambda: batch(0)[0]), (lambda: batch(0)[1]), (lambda: batch(0)[2])
 
 
+def hf_llama():
+    """A tiny Hugging Face ``LlamaForCausalLM`` at these dims (``use_cache=False``): the base the PEFT files adapt."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN,
+                                        num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                                        num_key_value_heads=KV_HEADS, max_position_embeddings=64, use_cache=False))
+
+
 def version(distribution: str) -> str:
     """The installed version of a pip distribution, or "vendored" where the code lives in this folder."""
     try:

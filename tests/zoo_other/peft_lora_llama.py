@@ -6,8 +6,7 @@ base linear) and each projection's ``lora_A`` / ``lora_B`` pair trained, PEFT's 
 dim 64, 4 query heads of 16, 2 key/value heads, 2 layers, an MLP of 128, vocabulary 128, ``use_cache=False``.
 """
 import torch
-from other_common import (FFN, HEADS, HIDDEN, KV_HEADS, LAYERS, VOCAB, causal_lm_loss, examples_of, ids_batch, sgd,
-                          version)
+from other_common import HEADS, KV_HEADS, causal_lm_loss, examples_of, hf_llama, ids_batch, sgd, version
 
 LIBRARY, VERSION = "peft", version("peft")
 SOURCE = "peft/tuners/lora/{model,layer}.py"
@@ -17,14 +16,10 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 def model():
     from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
-                         num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=64,
-                         use_cache=False)
     lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, init_lora_weights="gaussian", target_modules=TARGETS)
-    return get_peft_model(LlamaForCausalLM(config), lora)
+    return get_peft_model(hf_llama(), lora)
 
 
 batch = ids_batch
