@@ -109,3 +109,21 @@ def check_reads(written: dict, stage_of: dict) -> None:
                     f"read at {where(user)} (stage {stage}) before that write: each stage holds its own copy of a "
                     f"buffer, and on the next step that read would take the value the write left on another rank. "
                     f"{fix}")
+
+
+def check_gradients(written: dict, needs_grad: dict) -> None:
+    """Refuse a write of a value that carries a gradient into a buffer or constant (Meta's reference Llama writes
+    each call's keys into ``self.cache_k``, a tensor that outlives the call): the next microbatch's backward would reach
+    this one's graph through it ("Trying to backward through the graph a second time", as eager's second step)."""
+    from tracepp.split.partition import SplitError
+
+    for buffer, writes in written.items():
+        for write in writes:
+            source = next((a for a in write.all_input_nodes if a is not write.args[0] and needs_grad.get(a)), None)
+            if source is not None:
+                raise SplitError(
+                    f"{write.name} at {where(write)} writes a value that carries a gradient ({source.name}) into "
+                    f"'{buffer.name}', a buffer or tensor that outlives the call: the next microbatch's backward would "
+                    f"run through this one's graph (eager fails likewise at its second step: \"Trying to backward "
+                    f"through the graph a second time\"). Write source.detach() into it, or keep the value out of the "
+                    f"module's state (a key/value cache is for inference: pass the keys on instead)")

@@ -706,6 +706,8 @@ def split(traced, split_points: Optional[list] = None, num_stages: Optional[int]
     node_by_name.update({n.name: n for n in pins})
     trainable = {name for name, ref in inputs.state.items() if ref.kind == "parameter" and ref.trainable}
     needs_grad = _gradient_flags(graph, trainable)
+    if training:
+        buffer_writes.check_gradients(written, needs_grad)
     counted = cost.count_flops(graph)
     flops = counted.by_node
     parameters = {name for name, ref in inputs.state.items() if ref.kind == "parameter"}

@@ -8,6 +8,8 @@ with no warning.
 
 ``READ_BEFORE=1``: layer 0 reads the buffer before any layer writes it and layer 1 makes the frequencies, so the
 write is on stage 1 and the read, on the next step, would need stage 1's value on stage 0: refused by name.
+``KEEP_ACTIVATIONS=1``: layer 0's output, which carries a gradient, is written into the buffer (a key/value cache
+kept in training): the next microbatch's backward would run through this one's graph; refused by name.
 """
 import os
 
@@ -19,6 +21,7 @@ from tracepp import pipe_split
 
 D, SEQ, BATCH, MAX_SEQ = 16, 8, 4, 32
 READ_BEFORE = os.environ.get("READ_BEFORE") == "1"
+KEEP_ACTIVATIONS = os.environ.get("KEEP_ACTIVATIONS") == "1"  # a cache of activations that carry a gradient
 
 
 def rotate_half(x):
@@ -68,6 +71,8 @@ class CachedRotaryNet(nn.Module):
             h = self.layers[0](h, self.rotary.cached_freqs[:seq] + 0.5)
         else:
             h = self.layers[0](h, self.rotary(seq))
+        if KEEP_ACTIVATIONS:  # Meta's reference Llama: self.cache_k[:bsz, ...] = xk, with xk's graph
+            self.rotary.cached_freqs[:seq] = h[0]
         pipe_split()
         h = self.layers[1](h, self.rotary(seq))
         return self.out(h)
