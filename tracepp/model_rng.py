@@ -5,9 +5,10 @@ group's ranks cut their shards from the tensors each of them built. ``torch.manu
 draws repeat; a draw from Python's ``random`` or numpy's global generator that ``model()`` does not seed differs from
 process to process (hyper-connections picks each block's initial residual stream with ``random.randrange``:
 recurrent-memory-transformer's ranks built different weights, and the split trained to parameters 1.0 away from
-eager, with no warning). Checked where tracepp builds the model anyway: the build's draws from both generators are
-watched, and where it made any, ``model()`` is called again from other generator states; different draws are refused
-by name.
+eager, with no warning). Where tracepp builds the model anyway, the build's draws from both generators are watched;
+where it made any, the model is built again from two other generator states and the two compared, tensor by tensor
+(a draw that picks no weight, beartype's sampling of a container to check, is no difference). A model too large to
+build for real is built on meta only: its draws are named in a note.
 """
 from __future__ import annotations
 
@@ -15,56 +16,82 @@ import random
 from typing import Callable
 
 
-def _states():
+def _numpy():
     try:
         import numpy
     except ImportError:  # the runtime needs only torch; without numpy there is no numpy generator to watch
-        numpy = None
-    return random.getstate(), (numpy.random.get_state() if numpy is not None else None), numpy
+        return None
+    return numpy
 
 
-def _np_same(a, b) -> bool:
-    if a is None or b is None:
-        return a is b
-    return a[0] == b[0] and bool((a[1] == b[1]).all()) and tuple(a[2:]) == tuple(b[2:])
+def _seed(value: int) -> None:
+    random.seed(value)
+    numpy = _numpy()
+    if numpy is not None:
+        numpy.random.seed(value)
 
 
-def built_alike(build: Callable, path: str) -> tuple:
-    """``(what build() returns, None)``, or ``(it, why)`` where ``model()`` draws from Python's ``random`` or numpy's
-    global generator without seeding it: called from two generator states, its draws differ. The callers' generator
-    states are restored."""
-    saved_py, saved_np, numpy = _states()
+def _state():
+    numpy = _numpy()
+    return random.getstate(), (numpy.random.get_state() if numpy is not None else None)
+
+
+def _same_state(a, b) -> bool:
+    (py_a, np_a), (py_b, np_b) = a, b
+    if py_a != py_b:
+        return False
+    if np_a is None or np_b is None:
+        return np_a is np_b
+    return np_a[0] == np_b[0] and bool((np_a[1] == np_b[1]).all()) and tuple(np_a[2:]) == tuple(np_b[2:])
+
+
+def draws(build: Callable) -> tuple:
+    """``(what build() returns, whether it drew from Python's random or numpy's global generator)``; the callers'
+    generator states are restored."""
+    saved = _state()
     try:
-        random.seed(1234)
-        if numpy is not None:
-            numpy.random.seed(1234)
-        start_py, start_np, _ = _states()
+        _seed(1234)
+        start = _state()
         result = build()
-        first_py, first_np, _ = _states()
-        drew_py = first_py != start_py
-        drew_np = numpy is not None and not _np_same(first_np, start_np)
-        if not (drew_py or drew_np):
-            return result, None
-        random.seed(4321)
-        if numpy is not None:
-            numpy.random.seed(4321)
-        build()
-        second_py, second_np, _ = _states()
-        random.seed(1234)
-        if numpy is not None:
-            numpy.random.seed(1234)
-        same_py = second_py == first_py  # seeded inside model(): the same draws from either start
-        same_np = numpy is None or _np_same(second_np, first_np)
-        which = [name for name, drew, same in (("Python's random", drew_py, same_py),
-                                                ("numpy's global generator", drew_np, same_np)) if drew and not same]
-        if not which:
-            return result, None
-        return result, (f"model() in {path} draws from {' and '.join(which)} without seeding it (a library picking "
-                        f"a value at random while it builds: hyper-connections' random.randrange): every rank calls "
-                        f"model() for its own weights, and each would build different ones. Seed it in model(), "
-                        f"beside torch.manual_seed: random.seed(0)" + (", numpy.random.seed(0)"
-                                                                        if "numpy's global generator" in which else ""))
+        return result, not _same_state(_state(), start)
     finally:
-        random.setstate(saved_py)
-        if numpy is not None and saved_np is not None:
-            numpy.random.set_state(saved_np)
+        _restore(saved)
+
+
+def _restore(saved) -> None:
+    random.setstate(saved[0])
+    numpy = _numpy()
+    if numpy is not None and saved[1] is not None:
+        numpy.random.set_state(saved[1])
+
+
+def differs(build: Callable, path: str):
+    """Why ``model()`` (``build``, for real) builds other tensors from other generator states, or None."""
+    import torch
+
+    saved = _state()
+    try:
+        models = []
+        for seed in (1234, 4321):
+            _seed(seed)
+            built = build()
+            models.append({k: v for k, v in built.state_dict().items() if isinstance(v, torch.Tensor)})
+    finally:
+        _restore(saved)
+    first, second = models
+    changed = sorted(k for k in first if k not in second or first[k].shape != second[k].shape
+                     or not torch.equal(first[k], second[k]))
+    if not changed and set(first) == set(second):
+        return None
+    shown = ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
+    return (f"model() in {path} builds other weights ({shown}) from other states of Python's random or numpy's "
+            f"global generator, which it draws from without seeding (a library picking a value at random while it "
+            f"builds: hyper-connections' random.randrange): every rank calls model() for its own weights, and each "
+            f"would build different ones. Seed them in model(), beside torch.manual_seed: random.seed(0) (and "
+            f"numpy.random.seed(0))")
+
+
+def note(path: str) -> str:
+    return (f"model() in {path} draws from Python's random or numpy's global generator, which it does not seed; the "
+            f"model is too large to build twice here and compare: if those draws pick weights, every rank would build "
+            f"different ones (seed them in model(): random.seed(0))")

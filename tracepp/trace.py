@@ -96,21 +96,23 @@ def build_model(model_file: ModelFile, on_meta) -> tuple:
     (Hugging Face Mixtral counts experts with ``histc`` on float32 on CPU, int32 elsewhere) is then traced as
     the CPU ranks run it. Larger models stay on meta: their trace follows the accelerator's branch."""
     if not on_meta:
-        built, unseeded = model_rng.built_alike(model_file.model, model_file.path)
-        if unseeded:
-            raise TraceError(unseeded)
+        built, drew = model_rng.draws(model_file.model)
+        why = model_rng.differs(model_file.model, model_file.path) if drew else None
+        if why:
+            raise TraceError(why)
         return built, []
     try:
         def on_meta_device():
             with torch.device("meta"):
                 return model_file.model()
 
-        built, unseeded = model_rng.built_alike(on_meta_device, model_file.path)
-        if unseeded:
-            raise TraceError(unseeded)
+        built, drew = model_rng.draws(on_meta_device)
         if on_meta == "auto" and _state_bytes(built) <= REAL_TRACE_LIMIT_BYTES:
+            why = model_rng.differs(model_file.model, model_file.path) if drew else None
+            if why:
+                raise TraceError(why)
             return model_file.model(), []
-        return built, []
+        return built, [model_rng.note(model_file.path)] if drew else []
     except (ModelFileError, TraceError):
         raise
     except Exception as error:  # e.g. an init that reads a value (.item(), a data-dependent branch)
