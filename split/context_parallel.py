@@ -138,8 +138,8 @@ def plan(graph, cp: int, loss=None, training: bool = True) -> tuple:
     result.outputs = [list(p) if p is not None else None for p in last.outputs]
     if loss is not None:
         loss_seq = loss.sequence(result.outputs)
-        received = {name: (tuple(result.outputs[i]) if i is not None and result.outputs[i] else None)
-                    for name, i in loss.inputs.items()}
+        received = {name: (tuple(result.outputs[i]) if i is not None and i < len(result.outputs)
+                           and result.outputs[i] else None) for name, i in loss.inputs.items()}
         loss_walk = _Walk(loss.graph, loss_seq, cp, {}, received, training=True, loss=True)
         ends = loss_walk.outputs
         if any(p is not None for p in ends):
@@ -200,10 +200,18 @@ class LossGraph:
     def sequence(self, outputs: list):
         """The loss graph's own sequence length: that of the first sharded output leaf."""
         for name, index in self.inputs.items():
-            if index is not None and outputs[index]:
+            if index is not None and index < len(outputs) and outputs[index]:
                 dim, groups = outputs[index]
                 node = next(n for n in self.graph.nodes if n.op == "placeholder" and n.name == name)
-                return sympy.sympify(_sizes(_val(node))[dim] / groups)
+                sizes = _sizes(_val(node))
+                if dim >= len(sizes):
+                    raise ContextParallelError(
+                        f"--cp cannot place the loss's inputs: loss_fn reads output leaf {index} as {name} of "
+                        f"{len(sizes)} dims, which the last stage sends sharded on dim {dim}: the output's leaves do "
+                        f"not line up with loss_fn's (a cache object in the output, PEFT's prefix tuning's "
+                        f"DynamicCache); return only the tensors the loss reads (use_cache=False), or split without "
+                        f"--cp")
+                return sympy.sympify(sizes[dim] / groups)
         return None
 
 
