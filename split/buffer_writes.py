@@ -14,32 +14,25 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from tracepp.split import rules
 from tracepp.split.rules import where
 
 aten = torch.ops.aten
 
 
-def _schema(node):
-    target = node.target if node.op == "call_function" else None
-    return getattr(target, "_schema", None) if isinstance(target, torch._ops.OpOverload) else None
-
-
-def _writes_first(node) -> bool:
-    schema = _schema(node)
-    return bool(schema and schema.arguments and schema.arguments[0].alias_info is not None
-                and schema.arguments[0].alias_info.is_write)
-
-
 def _views_first(node) -> bool:
-    schema = _schema(node)
+    """Its output is a view of its first operand (its schema says so: slices, views, transposes, diagonals)."""
+    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
     return bool(schema and schema.returns and schema.returns[0].alias_info is not None
                 and not schema.returns[0].alias_info.is_write and schema.arguments
                 and schema.arguments[0].alias_info is not None)
 
 
 def _base(node):
-    """The placeholder a value views (through view ops on their first operand), or None."""
-    while isinstance(node, fx.Node) and node.op == "call_function" and (_views_first(node) or _writes_first(node)):
+    """The placeholder a value views (through views of their first operand, and in-place ops, which return it), or
+    None."""
+    while isinstance(node, fx.Node) and node.op == "call_function" and node.args and (
+            _views_first(node) or node.args[0] in rules.written(node)):
         node = node.args[0]
     return node if isinstance(node, fx.Node) and node.op == "placeholder" else None
 
@@ -48,9 +41,10 @@ def written_buffers(graph: fx.Graph, state: dict) -> dict:
     """{buffer or constant placeholder: the ops writing it in place (into it or a view of it), in graph order}."""
     out: dict = {}
     for node in graph.nodes:
-        if _writes_first(node):
-            base = _base(node.args[0])
-            if base is not None and base.name in state and state[base.name].kind != "parameter":
+        for target in rules.written(node) if node.op == "call_function" else ():
+            base = _base(target)
+            if base is not None and base.name in state and state[base.name].kind != "parameter" and (
+                    node not in out.get(base, ())):
                 out.setdefault(base, []).append(node)
     return out
 
@@ -119,7 +113,8 @@ def check_gradients(written: dict, needs_grad: dict) -> None:
 
     for buffer, writes in written.items():
         for write in writes:
-            source = next((a for a in write.all_input_nodes if a is not write.args[0] and needs_grad.get(a)), None)
+            targets = rules.written(write)
+            source = next((a for a in write.all_input_nodes if a not in targets and needs_grad.get(a)), None)
             if source is not None:
                 raise SplitError(
                     f"{write.name} at {where(write)} writes a value that carries a gradient ({source.name}) into "

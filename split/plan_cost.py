@@ -195,9 +195,6 @@ def elementwise_kinds(walks: list, roles: dict) -> dict:
     return {kind: sorted(fqns) for kind, fqns in sorted(kinds.items())}
 
 
-_LAYER = re.compile(r"^(.*\.\d+)$")
-
-
 def _numbered(path: str) -> list:
     """The prefixes of a module path that end in an index, outermost first (``model.layers.3`` and
     ``model.layers.3.mlp.experts.5`` of ``model.layers.3.mlp.experts.5.up``): the repeated blocks it may be in."""
