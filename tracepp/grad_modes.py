@@ -17,21 +17,26 @@ from typing import Optional
 import torch
 
 
+def _trainable_placeholders(program: torch.export.ExportedProgram, model: torch.nn.Module) -> dict:
+    """{placeholder name: FQN} of the program's trainable parameters."""
+    trainable = {fqn for fqn, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
+    return {spec.arg.name: spec.target for spec in program.graph_signature.input_specs
+            if spec.kind == torch.export.graph_signature.InputKind.PARAMETER and spec.target in trainable}
+
+
 def needs_grad(program: torch.export.ExportedProgram, model: torch.nn.Module) -> set:
     """The nodes of the program whose value carries a gradient in training: floating values computed from a
     trainable parameter (not through a detach)."""
     import operator
 
-    trainable = {fqn for fqn, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
-    targets = {spec.arg.name: spec.target for spec in program.graph_signature.input_specs
-               if spec.kind == torch.export.graph_signature.InputKind.PARAMETER}
+    targets = _trainable_placeholders(program, model)
     found = set()
     for node in program.graph.nodes:
         value = node.meta.get("val")
         values = value if isinstance(value, (list, tuple)) else [value]  # chunk's and split's outputs: a list
         floating = any(isinstance(v, torch.Tensor) and v.is_floating_point() for v in values)
         if node.op == "placeholder":
-            if targets.get(node.name) in trainable and floating:
+            if node.name in targets and floating:
                 found.add(node)
         elif node.op == "call_function" and node.target is not torch.ops.aten.detach.default:
             if any(arg in found for arg in node.all_input_nodes) and (floating or node.target is operator.getitem):
@@ -81,9 +86,17 @@ def decorated_forwards(model: torch.nn.Module) -> list:
     return out
 
 
-def untrainable(program: torch.export.ExportedProgram, model: torch.nn.Module, model_path: str) -> Optional[str]:
+def _first_cut(program: torch.export.ExportedProgram, reached: set):
+    """The first place a gradient path stops: a detach (a region traced without gradients ends in one) of a value
+    that carries a gradient, or None."""
+    return next((node for node in program.graph.nodes if node.op == "call_function"
+                 and node.target is torch.ops.aten.detach.default and node.args and node.args[0] in reached), None)
+
+
+def untrainable(program: torch.export.ExportedProgram, model: torch.nn.Module, model_path: str,
+                reached: set) -> Optional[str]:
     """Why the traced program cannot train as the model file trains (a forward under inference mode; no gradient
-    reaching any parameter), or None."""
+    reaching any parameter), or None. ``reached``: :func:`needs_grad`'s nodes."""
     where = model_path or "the model file"
     forwards = decorated_forwards(model)
     inference = [f for f in forwards if f[2] == "torch.inference_mode()"]
@@ -98,14 +111,11 @@ def untrainable(program: torch.export.ExportedProgram, model: torch.nn.Module, m
     trainable = [p for p in model.parameters() if p.requires_grad]
     if not trainable:
         return None
-    reached = needs_grad(program, model)
-    outputs = [arg for arg in program.graph.output_node().all_input_nodes]
-    if any(arg in reached for arg in outputs):
+    if any(arg in reached for arg in program.graph.output_node().all_input_nodes):
         return None
     from tracepp.split.rules import where as line_of
 
-    cut = next((node for node in program.graph.nodes if node.op == "call_function"
-                and node.target is torch.ops.aten.detach.default and node.args and node.args[0] in reached), None)
+    cut = _first_cut(program, reached)
     cause = next((f"{cls}.forward ({'the model' if not path else path}, {line}) runs under {name}"
                   for path, cls, name, line in forwards), None)
     if cause is None and cut is not None and line_of(cut):
@@ -119,29 +129,26 @@ def untrainable(program: torch.export.ExportedProgram, model: torch.nn.Module, m
             f"parameters, or drop loss_fn for a forward-only pipeline")
 
 
-def unreached_note(program: torch.export.ExportedProgram, model: torch.nn.Module) -> Optional[str]:
+def unreached_note(program: torch.export.ExportedProgram, model: torch.nn.Module, reached: set) -> Optional[str]:
     """A note naming the trainable parameters the traced program reads but gives no gradient (every path from them to
     the output through a region without gradients: a frozen teacher under no_grad, as meant; or a checkpoint torch
-    .export traced with gradients off, use_reentrant=True, which eager would train), or None."""
+    .export traced with gradients off, use_reentrant=True, which eager would train), or None. ``reached``:
+    :func:`needs_grad`'s nodes."""
     from tracepp.split.rules import where as line_of
 
-    reached = needs_grad(program, model)
     outputs = set(program.graph.output_node().all_input_nodes)
-    trainable = {fqn for fqn, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
-    targets = {spec.arg.name: spec.target for spec in program.graph_signature.input_specs
-               if spec.kind == torch.export.graph_signature.InputKind.PARAMETER}
+    targets = _trainable_placeholders(program, model)
     arrives: set = set()  # the nodes from which a gradient path reaches an output
     for node in reversed(list(program.graph.nodes)):
         if node in outputs or any(user in arrives for user in node.users if user.op != "output"
                                   and user.target is not torch.ops.aten.detach.default):
             if node in reached:
                 arrives.add(node)
-    cut = [node for node in program.graph.nodes if node.op == "placeholder" and targets.get(node.name) in trainable
+    cut = [node for node in program.graph.nodes if node.op == "placeholder" and node.name in targets
            and node.users and node not in arrives]
     if not cut:
         return None
-    stop = next((node for node in program.graph.nodes if node.op == "call_function"
-                 and node.target is torch.ops.aten.detach.default and node.args and node.args[0] in reached), None)
+    stop = _first_cut(program, reached)
     names = ", ".join(targets[node.name] for node in cut[:3]) + (f" and {len(cut) - 3} more" if len(cut) > 3 else "")
     return (f"{len(cut)} trainable parameter(s) take no gradient in the traced program ({names}): every path from "
             f"them to the output passes a region without gradients" + (f" (at {line_of(stop)})" if stop is not None

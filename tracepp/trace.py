@@ -95,11 +95,14 @@ def build_model(model_file: ModelFile, on_meta) -> tuple:
     (``REAL_TRACE_LIMIT_BYTES``), builds the model again for real: code that branches on the device type
     (Hugging Face Mixtral counts experts with ``histc`` on float32 on CPU, int32 elsewhere) is then traced as
     the CPU ranks run it. Larger models stay on meta: their trace follows the accelerator's branch."""
-    if not on_meta:
-        built, drew = model_rng.draws(model_file.model)
+    def built_alike(drew: bool) -> None:  # model() builds the same weights from any generator state it draws from
         why = model_rng.differs(model_file.model, model_file.path) if drew else None
         if why:
             raise TraceError(why)
+
+    if not on_meta:
+        built, drew = model_rng.draws(model_file.model)
+        built_alike(drew)
         return built, []
     try:
         def on_meta_device():
@@ -108,9 +111,7 @@ def build_model(model_file: ModelFile, on_meta) -> tuple:
 
         built, drew = model_rng.draws(on_meta_device)
         if on_meta == "auto" and _state_bytes(built) <= REAL_TRACE_LIMIT_BYTES:
-            why = model_rng.differs(model_file.model, model_file.path) if drew else None
-            if why:
-                raise TraceError(why)
+            built_alike(drew)
             return model_file.model(), []
         return built, [model_rng.note(model_file.path)] if drew else []
     except (ModelFileError, TraceError):
@@ -344,13 +345,14 @@ def trace(model_file: ModelFile, num_microbatches: int, dynamic_shapes: Any = No
                      f"{str(error).splitlines()[0] if str(error) else ''}); traced with real weights instead")
     inline_grad_mode_regions(program, model_file.path)
     if model_file.training:
-        cannot = grad_modes.untrainable(program, model, model_file.path)
+        reached = grad_modes.needs_grad(program, model)  # the values a gradient reaches, walked once for the three
+        cannot = grad_modes.untrainable(program, model, model_file.path, reached)
         if cannot:
             raise TraceError(cannot)
-        unreached = grad_modes.unreached_note(program, model)
+        unreached = grad_modes.unreached_note(program, model, reached)
         if unreached:
             notes.append(unreached)
-        notes.extend(check_custom_functions(program, model, model_file.path))
+        notes.extend(check_custom_functions(program, model, model_file.path, reached))
     if master_dtypes:
         _mark_masters(program, master_dtypes)
     random_ops = random_draws(program)
@@ -544,7 +546,8 @@ def _custom_function_regions(graph: torch.fx.Graph) -> list:
     return [(function, caller, nodes) for _key, function, caller, nodes in regions]
 
 
-def check_custom_functions(program: torch.export.ExportedProgram, model: torch.nn.Module, model_path: str) -> list:
+def check_custom_functions(program: torch.export.ExportedProgram, model: torch.nn.Module, model_path: str,
+                           reached: set) -> list:
     """``torch.autograd.Function``s with a backward of their own: torch.export keeps the forward only, so split,
     the gradient through one is autograd's derivative of its forward. Each call is run forward and backward on the
     traced (fake) values: where autograd cannot differentiate the forward (mambapy's parallel scan updates in place
@@ -556,7 +559,7 @@ def check_custom_functions(program: torch.export.ExportedProgram, model: torch.n
     from torch._guards import detect_fake_mode
     from tracepp.split.rules import where
 
-    needs_grad = grad_modes.needs_grad(program, model) if model.training else set()
+    needs_grad = reached if model.training else set()  # grad_modes.needs_grad's nodes
     kept = []
     for function, caller, nodes in regions:
         called = f"{function.__name__}.apply" + (f" at {os.path.basename(caller[0])}:{caller[1]}" if caller else "")
