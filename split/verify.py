@@ -431,7 +431,7 @@ def _verify_stage(graph, stage, original, walk, size, traced, values, sent, gene
     for c in range(cp):
         for index, (name, want) in enumerate(zip(stage.outputs, outputs[c])):
             have = [result_outputs[c * size + r][index] for r in range(size)]
-            if name in sent:
+            if _sends(walk, index):
                 have = [_join(have, sent[name], _sent_groups_out(walk, index))]
             for item in have:
                 found = _differs(item, want)
@@ -454,7 +454,7 @@ def _verify_stage(graph, stage, original, walk, size, traced, values, sent, gene
                 for r in range(size):
                     o = result_outputs[c * size + r][index]
                     grads.append((o, _piece(g, sent[name], _sent_groups_out(walk, index), size, r)
-                                  if name in sent else g))
+                                  if _sends(walk, index) else g))
         torch.autograd.backward([o for o, _g in grads], [g for _o, g in grads])
         for node, tensors, pieces, wants in zip(rewritten, leaves, ranked, inputs.wanted):
             if not wants:
@@ -493,6 +493,13 @@ def _verify_stage(graph, stage, original, walk, size, traced, values, sent, gene
 def _sent_groups(walk, node) -> int:
     segments = (walk.received.get(node.name) or (None, None))[1]
     return walk.groups_of(segments) or 1
+
+
+def _sends(walk, index) -> bool:
+    """The stage's output ``index`` leaves it as a shard (``walk.sends``). Not known by its name: a value received
+    sharded and passed on to the model's outputs (PEFT's prefix cache of layer 0, output by the last stage) is
+    gathered there, though the name is sent sharded by the stage before."""
+    return list(walk.graph.output_node().args[0])[index] in walk.sends
 
 
 def _sent_groups_out(walk, index) -> int:
