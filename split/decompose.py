@@ -9,8 +9,14 @@ its input. Written out, it is a mean over the dim (a partial sum each rank adds 
 rows would all-reduce that linear's whole output instead). A p-norm (``F.normalize``'s: x-transformers' RMSNorm as
 NormFormer's norm inside the MLP) is a partial sum of ``|x|^p`` and its root: torch's ``_NormPartial``, as ops every
 planner places.
+
+A recurrent cell (``gru_cell``, ``rnn_tanh_cell``, ``rnn_relu_cell``: x-transformers' ``GRUCell`` gate in place of
+the residual add) is two linears and the gates' elementwise ops (:func:`cell`): written out, tensor parallelism
+places its weights as any fused projection's (each rank its hidden units of the reset, update and new gates).
 """
 from __future__ import annotations
+
+import operator
 
 import torch
 import torch.fx as fx
@@ -96,6 +102,48 @@ def _vector_norm(g: fx.Graph, node) -> list:
             out = op(aten.where.ScalarSelf, zero, 0.0, root)
         if _val(out).dtype != _val(node).dtype:
             out = op(aten.to.dtype, out, _val(node).dtype)
+    node.replace_all_uses_with(out)
+    g.erase_node(node)
+    return made_all
+
+
+CELLS = (aten.gru_cell.default, aten.rnn_tanh_cell.default, aten.rnn_relu_cell.default)
+
+
+def cells(g: fx.Graph) -> list:
+    """Every recurrent cell of ``g`` over rows (a 2-D input) written out (:func:`cell`): the nodes made."""
+    made = []
+    for node in list(g.nodes):
+        if node.op == "call_function" and node.target in CELLS and _val(node.args[0]).dim() == 2:
+            made += cell(g, node)
+    return made
+
+
+def cell(g: fx.Graph, node) -> list:
+    """Replace the cell ``node`` (``input, hx, w_ih, w_hh, b_ih, b_hh``) by what ATen's CPU cell computes:
+    ``gi = linear(x, w_ih, b_ih)``, ``gh = linear(h, w_hh, b_hh)``; a GRU's gates the three chunks of each,
+    ``r = sigmoid(gi_r + gh_r)``, ``z = sigmoid(gi_z + gh_z)``, ``n = tanh(gi_n + r * gh_n)``, the new state
+    ``(h - n) * z + n``; an RNN cell's ``tanh`` or ``relu`` of ``gi + gh``. Returns the nodes made."""
+    x, h, w_ih, w_hh = node.args[:4]
+    b_ih = rules.arg(node, 4, "b_ih")
+    b_hh = rules.arg(node, 5, "b_hh")
+    made_all, op = _maker(g, node)
+    with g.inserting_before(node):
+        gi = op(aten.linear.default, x, w_ih, b_ih)
+        gh = op(aten.linear.default, h, w_hh, b_hh)
+        if node.target is aten.gru_cell.default:
+            ci, ch = op(aten.chunk.default, gi, 3, 1), op(aten.chunk.default, gh, 3, 1)
+            i_r, i_z, i_n = (op(operator.getitem, ci, k) for k in range(3))
+            h_r, h_z, h_n = (op(operator.getitem, ch, k) for k in range(3))
+            reset = op(aten.sigmoid.default, op(aten.add.Tensor, h_r, i_r))
+            update = op(aten.sigmoid.default, op(aten.add.Tensor, h_z, i_z))
+            new = op(aten.tanh.default, op(aten.add.Tensor, i_n, op(aten.mul.Tensor, h_n, reset)))
+            out = op(aten.add.Tensor, op(aten.mul.Tensor, op(aten.sub.Tensor, h, new), update), new)
+        else:
+            act = aten.tanh.default if node.target is aten.rnn_tanh_cell.default else aten.relu.default
+            out = op(act, op(aten.add.Tensor, gi, gh))
+    for made in made_all:  # plan_cost: Megatron has no plan for a layer gated by a cell
+        made.meta["written_out"] = rules.op_name(node)
     node.replace_all_uses_with(out)
     g.erase_node(node)
     return made_all

@@ -528,6 +528,9 @@ def _batched(node) -> bool:
                and a.meta["val"].dim() >= 3 for a in _products_operands(node))
 
 
+_CELLS = ("gru_cell", "rnn_tanh_cell", "rnn_relu_cell")  # decompose.CELLS as rules.op_name names them
+
+
 def _one_head_broadcast(walk) -> set:
     """Attention with fewer key/value groups than --tp: products reading a whole key or value of one head beside
     queries sharded by heads (recurrentgemma's multi-query attention, ``einsum("b t n h, b s n h -> b n t s")`` with
@@ -563,7 +566,8 @@ def layer_bytes(walk) -> dict:
     (the layer's ``[b, s, h]``: its last value read after it), for each time the stage calls the layer. Megatron-Core divides the key/value groups among
     the tp ranks, and a Mamba-2 mixer's groups (it asserts ``ngroups % tp_size == 0``): a layer with fewer groups
     than tp (computed whole here: a fused projection's whole parts, a head group, a key/value read at a rank's piece
-    by the attention, or a head of one gathered: B and C of one group) has no Megatron plan to compare with."""
+    by the attention, or a head of one gathered: B and C of one group) has no Megatron plan to compare with; nor has
+    a layer whose residual adds are recurrent cells (x-transformers' GRU gate, written out by ``decompose.cell``)."""
     from tracepp.split.tp_contract import narrows
 
     layers = _layers(walk)
@@ -577,6 +581,7 @@ def layer_bytes(walk) -> dict:
         and _batched(consumer)} | set(
         walk.heads_of_one) | _one_head_broadcast(walk)  # a head of one gathered: a multi-query key, Mamba-2's B and
     #                         C of one group (MLA's rotary key is computed whole, from its whole latent)
+    fewer_groups |= {n for n in walk.graph.nodes if n.meta.get("written_out") in _CELLS}
     out = {}
     for layer, nodes in layers.items():
         inside = set(nodes)

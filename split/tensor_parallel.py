@@ -114,6 +114,9 @@ def plan(graph, tp: int, overrides=None, sequence_parallel: bool = False) -> tup
         sequence = sympy.Integer(int(sequence) // cp) if sympy.sympify(sequence).is_Integer else FloorDiv(sequence, cp)
     if sequence_parallel:
         _check_sequence(sequence, tp)
+    for stage in graph.stages:  # a recurrent cell's linears and gates placed as any others
+        if decompose.cells(stage.graph):
+            stage.graph.lint()
 
     def settled() -> tuple:
         notes, mixed, gathered = _forced_by_overrides(aliases, overrides), {}, {}

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 
 
+import operator
+
 import torch
 import torch.fx as fx
 
@@ -18,25 +20,83 @@ TP = torch.ops.tracepp
 _REARRANGES = {aten.clone.default, aten.contiguous.default, aten.alias.default}  # copies: each element where it was
 
 
+_CUTS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default}  # a weight's parts, one dim kept
+_DERIVED_STEPS = 32  # the most steps a derived weight is looked for through (nGPT's normalised weight: 5)
+
+
 def _chain(node):
-    """The parameter placeholder ``node`` is rearranged from (TransformerLens's ``einops.rearrange(W_Q, "h m d ->
-    (h d) m")``, ``W.T.contiguous()``, ``b.reshape(-1)``): through transposes, permutes, views and copies that keep
-    every element, one input each; else None."""
-    steps = 0
-    while isinstance(node, fx.Node) and node.op == "call_function" and node.args and isinstance(node.args[0], fx.Node):
-        if not (node.target in rules.TRANSPOSES or node.target in rules.VIEWS or node.target in _REARRANGES) or (
-                len(node.all_input_nodes) != 1):
+    """The parameter placeholder ``node`` is computed from on every call, alone, by ops that keep each index of some
+    dim of it apart (:func:`_rearranged`): rearranged (TransformerLens's ``einops.rearrange(W_Q, "h m d -> (h d)
+    m")``, ``W.T.contiguous()``, ``b.reshape(-1)``: transposes, permutes, views and copies) or normalised over
+    another dim (nGPT's weights, ``F.normalize(W, dim=-1)`` by a parametrization: a norm over a dim, kept, its
+    clamp, expanded back and divided into the weight); else None."""
+    if not (isinstance(node, fx.Node) and node.op == "call_function"):
+        return None
+    found, todo, seen = set(), [node], set()
+    while todo:
+        step = todo.pop()
+        if step in seen:
+            continue
+        seen.add(step)
+        if len(seen) > _DERIVED_STEPS:
+            return None  # not a weight's own few steps (an activation's history: not walked, whatever its length)
+        if step.op == "placeholder":
+            found.add(step)
+            if len(found) > 1:
+                return None
+            continue
+        if step.op != "call_function" or _derived_family(step) is None or not step.all_input_nodes:
             return None
-        node, steps = node.args[0], steps + 1
-    return node if steps and isinstance(node, fx.Node) and node.op == "placeholder" else None
+        todo.extend(step.all_input_nodes)
+    return next(iter(found)) if len(found) == 1 else None
+
+
+def _derived_family(node):
+    """The kind of step :func:`_chain` passes: "keep" (a copy, an elementwise op of one tensor), "move" (a transpose,
+    an unsqueeze or a view), "binary", "expand", "reduce" (a reduction keeping its dims: a norm's), "cut" and "item"
+    (a split of the weight into parts and one part: litgpt's ``lora_B.unsqueeze(-1).split(qkv_shapes)``); else
+    None."""
+    target = node.target
+    if target in rules.MOVES or target in rules.VIEWS:
+        return "move"
+    if target in _CUTS:
+        return "cut"
+    if target is operator.getitem and isinstance(node.args[0], fx.Node) and node.args[0].target in _CUTS:
+        return "item"
+    if target in _REARRANGES:
+        return "keep"
+    if target in (aten.expand_as.default,) or target in rules.EXPANDS:
+        return "expand"
+    if target in rules.PARTIAL and rules.reduction(node)[1]:
+        return "reduce"
+    if target in rules.CASTS:  # a cast of a weight (a router's ``weight.float()``) is left as it was: whole
+        return None
+    if rules.is_pointwise(target) or target in rules.UNARY or target in rules.BINARY:
+        return "keep" if len(node.all_input_nodes) == 1 else "binary"
+    return None
+
+
+def steps_of(end) -> list:
+    """The steps between a derived weight ``end`` (:func:`_chain`) and its parameter, ``end`` first, the
+    placeholder last."""
+    order, todo = [], [end]
+    while todo:
+        node = todo.pop()
+        if node in order:
+            continue
+        order.append(node)
+        if node.op != "placeholder":
+            todo.extend(node.all_input_nodes)
+    order.sort(key=lambda n: n.op == "placeholder")
+    return order
 
 
 def dim_before(node, dim: int, tp: int):
     """The dim of ``node``'s input whose indices are its output's ``dim``: moved by a transpose or permute, or
     split or merged by a view that keeps each piece of it whole; None where no one dim is."""
     in_val, out_val = _val(node.args[0]), _val(node)
-    if node.target in rules.TRANSPOSES:
-        found = [e for e in range(in_val.dim()) if rules.moved_dim(node, e) == dim]
+    if node.target in rules.MOVES:
+        found = [e for e in range(in_val.dim()) if rules.moved_dim(node, e, tp) == dim]
     elif node.target in rules.VIEWS:  # the input dim whose pieces the view makes this dim's
         found = [e for e in range(in_val.dim())
                  if rules.view_placement(_sizes(in_val), _sizes(out_val), e, None, tp) == (dim, None)]
@@ -46,17 +106,71 @@ def dim_before(node, dim: int, tp: int):
 
 
 def _rearranged(node, dim: int, tp: int):
-    """[(node, dim), ..., (placeholder, its dim)]: ``dim`` of a rearranged parameter traced back step by step to
-    the parameter's dim whose pieces it holds (:func:`dim_before`; a copy keeps its dims); None where no one dim
-    does."""
-    way = [(node, dim)]
-    while node.op != "placeholder":
-        dim = dim if node.target in _REARRANGES else dim_before(node, dim, tp)
-        if dim is None:
+    """[(node, dim), ..., (placeholder, its dim)]: ``dim`` of a weight derived from one parameter (:func:`_chain`)
+    traced back step by step to the parameter's dim whose pieces it holds (:func:`dim_before`; a copy or an
+    elementwise op keeps its dims, an expand or a broadcast operand its dim where it is not of size 1, a reduction
+    the dim it does not reduce over); None where no one dim does, or where one step would need two."""
+    return _traced(node, dim, tp)[0]
+
+
+def blocking_step(node, dim: int, tp: int):
+    """The step of a derived weight's way (:func:`_rearranged`) that mixes the indices of ``dim`` (a norm over it),
+    or None where the way passes."""
+    return _traced(node, dim, tp)[1]
+
+
+def _traced(node, dim: int, tp: int):
+    """(:func:`_rearranged`'s way or None, the step where it stops or None)."""
+    at, todo = {}, [(node, dim)]
+    while todo:
+        step, d = todo.pop()
+        if step in at:
+            if at[step] != d:
+                return None, step
+            continue
+        at[step] = d
+        if step.op == "placeholder":
+            continue
+        kind, out = _derived_family(step), _val(step)
+        if kind == "keep":
+            todo.append((step.all_input_nodes[0], d))
+        elif kind == "move":
+            before = dim_before(step, d, tp)
+            if before is None:
+                return None, step
+            todo.append((step.args[0], before))
+        elif kind in ("expand", "binary"):
+            operands = [step.args[0]] if kind == "expand" else step.all_input_nodes
+            for operand in operands:  # expand_as's second operand gives its shape alone
+                e = d - (out.dim() - _val(operand).dim())
+                if e < 0 or _equal(_val(operand).shape[e], 1) and not _equal(out.shape[d], 1):
+                    return None, _reduced_from(operand) or step  # broadcast along the dim: computed across it
+                todo.append((operand, e))
+        elif kind in ("cut", "item"):  # a part of the weight: the same dim, a segment of it where it is cut there
+            todo.append((step.args[0], d))
+        elif kind == "reduce":
+            before = [e for e in range(_val(step.args[0]).dim()) if rules.reduced_dim(step, e) == d]
+            if len(before) != 1:
+                return None, step
+            todo.append((step.args[0], before[0]))
+        else:
+            return None, step
+    way = sorted(at.items(), key=lambda item: item[0].op == "placeholder")
+    if way[-1][0].op == "placeholder" and sum(n.op == "placeholder" for n in at) == 1:
+        return way, None
+    return None, node
+
+
+def _reduced_from(node):
+    """The reduction a value broadcast back along a dim was computed by (a norm's ``linalg_vector_norm``, through its
+    clamp and its view), or None."""
+    while isinstance(node, fx.Node) and node.op == "call_function":
+        if _derived_family(node) == "reduce":
+            return node
+        if len(node.all_input_nodes) != 1:
             return None
-        node = node.args[0]
-        way.append((node, dim))
-    return way
+        node = node.all_input_nodes[0]
+    return None
 
 
 def _swapped(dim: int, ndim: int) -> int:
@@ -126,7 +240,20 @@ class _ContractionRules:
             return args[0], args[1], None, 2  # x @ W of a 3-D W [experts, in, out]: every expert on its rows
         if target is aten.einsum.default:
             return self._einsum_linear(node)
+        if target is aten.conv1d.default and self._channel_linear(node):
+            return args[0], args[1], None, 0  # a 1 x 1 convolution: a linear over the channels (dim 1)
         return None
+
+    def _channel_linear(self, node) -> bool:
+        """A ``conv1d`` of a kernel of 1 (stride 1, no padding, one group, no bias) of ``[b, channels, t]`` by a
+        parameter's weight ``[out, in, 1]``: each position's channels times a matrix, a linear over dim 1 (litgpt's
+        LoRA on a fused qkv: ``F.conv1d(after_A, lora_B.unsqueeze(-1).split(qkv_shapes)[i])`` per part)."""
+        weight = node.args[1]
+        if (not isinstance(weight, fx.Node) or _val(node.args[0]).dim() != 3 or rules.arg(node, 2, "bias") is not None
+                or rules.arg(node, 6, "groups", 1) != 1 or not rules.pointwise_convolution(node)):
+            return False
+        self._read_through(weight)
+        return self._param(weight) is not None and _val(weight).dim() == 3
 
     def _einsum_linear(self, node):
         """An ``einsum`` of an activation and a parameter that is a linear (recurrentgemma's ``Einsum``: ``"...td,
@@ -153,7 +280,8 @@ class _ContractionRules:
         fqn = self._param(weight)
         wval = _val(weight)
         ndim = len(_val(x).shape)
-        left = node.args[0] is weight  # W @ x: the features on x's dim -2 and the output's
+        left = node.args[0] is weight or node.target is aten.conv1d.default  # W @ x, or a 1 x 1 convolution: the
+        #                                                                      features on x's dim -2 and the output's
         features = ndim - 2 if left else ndim - 1
         entering = x in self.shard and self.kind.get(x) == "seq"  # a sequence shard entering the region
         if left and entering:
@@ -161,6 +289,10 @@ class _ContractionRules:
             return
         if x in self.shard and not entering:
             segments = self.segs.get(x)
+            if self.shard[x] == features and fqn not in self.forced and self._mixed_on_the_way(weight, _in_dim(
+                    wval, out_dim)):
+                self._gather_all(node)
+                return
             if self.shard[x] == features and fqn not in self.forced:
                 self.roles[node] = "rowwise"
                 self.forms[node] = (x, weight, bias, out_dim)
@@ -184,8 +316,9 @@ class _ContractionRules:
         segments = self.fused.get(fqn)
         if fqn in self.mixed_parts and segments and fqn not in self.forced and not entering:
             return self._mixed_linear(node, x, weight, bias, out_dim, fqn, segments)
-        if fqn in self.forced or int(out_features) % self.tp:
-            if fqn not in self.forced:
+        mixed = fqn not in self.forced and self._mixed_on_the_way(weight, out_dim)  # gives its own reason
+        if fqn in self.forced or int(out_features) % self.tp or mixed:
+            if fqn not in self.forced and not mixed:
                 self.reasons.append(f"{fqn}: {out_features} output features, which --tp {self.tp} does not divide")
             if entering:
                 self._gather(node, x)
@@ -210,6 +343,70 @@ class _ContractionRules:
             self.gathers.extend((user, node) for user in node.users)
             return
         self._place(node, dim, segments, {fqn})
+
+    def _frozen_linear(self, node) -> bool:
+        """``F.linear(x, w)`` by a whole 2-D ``w`` that is no parameter and takes no gradient (PEFT's VeRA:
+        ``vera_A[:, :in_features]`` and ``vera_B[:out_features, :]``, slices of frozen buffers every layer shares;
+        any value every rank holds whole), each rank reading its piece of ``w`` (``tp_scatter``): row-wise where
+        ``x`` is sharded on its features (the partial sums all-reduced), column-wise where ``x`` is whole, ``w``
+        does not narrow and the output meets a value sharded on its features (the adapter's output added to a
+        column-wise projection's), its output sharded."""
+        x, weight = node.args[0], node.args[1]
+        if (rules.arg(node, 2, "bias") is not None or not isinstance(weight, fx.Node) or weight in self.shard
+                or self._param(weight) is not None or self.needs_grad.get(weight, True)):
+            return False
+        wval, n = _val(weight), _val(node).dim()
+        if not isinstance(wval, torch.Tensor) or wval.dim() != 2 or not _ints(list(wval.shape)):
+            return False
+        out, inp = (int(size) for size in wval.shape)
+        if x in self.shard:
+            segments = self.segs.get(x)
+            if (self.shard[x] != n - 1 or self.kind.get(x) == "seq" or inp % self.tp
+                    or self.origin.get(x, frozenset()) & self.forced or (segments and not _ints(segments))):
+                return False
+            self.scatters.append((node, weight, 1, (self.groups_of(segments) or tuple(segments)) if segments else 1))
+            self._claimed.update({(node, weight), (node, x)})
+            self.sums[node] = None  # each rank's partial product: all-reduced
+            return True
+        segments = self._meets_shard(node)
+        if out % self.tp or out < inp or segments is None:
+            return False
+        self.scatters.append((node, weight, 0, (self.groups_of(segments) or segments) if segments else 1))
+        self._claimed.update({(node, weight), (node, x)})
+        if self.needs_grad.get(x):
+            self.copies.append((node, x))
+        self._place(node, n - 1, segments or None)
+        return True
+
+    def _meets_shard(self, node, depth: int = 4):
+        """The segments (``()`` for one) of a value sharded on its last dim that ``node``'s output meets through at
+        most ``depth`` elementwise ops (a column-wise projection's output it is added to); None where it meets none."""
+        todo = [(node, 0)]
+        while todo:
+            value, steps = todo.pop()
+            for user in value.users:
+                if user.op != "call_function" or not rules.is_pointwise(user.target) and user.target not in (
+                        rules.UNARY | rules.BINARY):
+                    continue
+                for a in user.all_input_nodes:
+                    if a is not value and a in self.shard and self.shard[a] == _val(a).dim() - 1:
+                        segments = self.segs.get(a)
+                        return tuple(int(size) for size in segments) if segments and _ints(segments) else ()
+                if steps < depth:
+                    todo.append((user, steps + 1))
+        return None
+
+    def _mixed_on_the_way(self, weight, dim: int) -> bool:
+        """A weight derived from its parameter (``chains``) by a step that mixes ``dim`` (normalised over it: nGPT's
+        ``NormLinear`` with ``norm_dim_in=False`` read column-wise): the linear cannot take that dim's pieces. The
+        step is given as the reason."""
+        if weight not in self.chains:
+            return False
+        step = blocking_step(weight, dim, self.tp)
+        if step is not None:
+            self.reasons.append(f"{self._param(weight)}: read through {rules.op_name(step)}{rules.at(step)}, which "
+                                f"mixes the weight's dim {dim}")
+        return step is not None
 
     def _mixed_linear(self, node, x, weight, bias, out_dim, fqn, segments) -> None:
         """A fused projection whose key/value parts have fewer heads than --tp (GPTBigCode's multi-query

@@ -57,13 +57,24 @@ def _narrow_columns(walk: _Walk) -> dict:
             continue
         inside = [consumer for consumer, arg in walk.gathers if arg in region and consumer.op != "output"
                   and arg not in walk.gathered_out]
-        if not inside:
+        if not inside or _gathers_narrower(walk, region, inside):
             continue
         why = f"its output is needed whole by {inside[0].target}{_at(inside[0])}"
         for node in region:
             if walk.roles.get(node) == "colwise":
                 out[walk._param(walk.forms[node][1])] = why
     return out
+
+
+def _gathers_narrower(walk: _Walk, region, inside: list) -> bool:
+    """The region's column-wise linears compute at least twice the elements its gathers make whole (a GRU gate's
+    two linears of three gates each, gathered once as the new state): the shard saves more than the gather moves."""
+    computed = [_val(node) for node in region if walk.roles.get(node) == "colwise"]
+    gathered = [_val(arg) for consumer, arg in walk.gathers if arg in region and consumer in inside]
+    sizes = [v.numel() for v in computed + gathered]
+    if not computed or not all(isinstance(n, int) for n in sizes):
+        return False
+    return sum(v.numel() for v in computed) >= 2 * sum(v.numel() for v in gathered)
 
 
 def fqn_map(stage, graph) -> dict:

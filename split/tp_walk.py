@@ -15,7 +15,7 @@ import tracepp.runtime.tensor_parallel  # noqa: F401  (registers torch.ops.trace
 from tracepp.split import decompose, rules, torch_rules, tp_partial
 from tracepp.split.propagation import Propagation
 from tracepp.split.rules import at as _at, equal as _equal, ints as _ints, prod as _prod, sizes as _sizes, val as _val
-from tracepp.split.tp_contract import _ContractionRules, _rearranged, _swapped
+from tracepp.split.tp_contract import _ContractionRules, _rearranged, _swapped, steps_of
 from tracepp.split.tp_cuts import _CutRules
 
 aten = torch.ops.aten
@@ -29,6 +29,13 @@ WORK = {"visits": 0}  # nodes the walks have visited (tests count the work of a 
 
 
 _SUMS = {aten.add.Tensor, aten.sub.Tensor}  # a residual add: the stream beside a sharded output (read on) stays whole
+
+
+def _reads_as_weight(user, end) -> bool:
+    """``user`` reads ``end`` as a linear's weight or bias, or a 1 x 1 convolution's weight, and not as its input."""
+    if user.target is aten.linear.default:
+        return end in user.args[1:3] and end is not user.args[0]
+    return user.target is aten.conv1d.default and end is user.args[1] and end is not user.args[0]
 
 
 class _Walk(Propagation, _CutRules, _ContractionRules):
@@ -101,21 +108,20 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
     # -- helpers
     def _rearranged_weights(self, graph) -> set:
         """The linears' weights and biases rearranged from a parameter on every call (``tp_contract._chain``), found
-        before the walk: each and the steps between it and its parameter (each read by the next alone, the last by
+        before the walk: each and the steps between it and its parameter (each read only by the steps after it, the last by
         linears alone), which the walk leaves to the linears' claims rather than reading the parameter whole there."""
         for node in graph.nodes:
             if node.op == "call_function" and node.target is aten.linear.default:
                 for arg in node.args[1:3]:
                     self._read_through(arg)
+            elif node.op == "call_function" and node.target is aten.conv1d.default:
+                self._channel_linear(node)
+        ways = {end: [step for step in steps_of(end)[1:] if step.op != "placeholder"] for end in self.chains}
+        every = set(ways) | {step for mine in ways.values() for step in mine}  # a split's parts: each another end's
         steps: set = set()
-        for end in list(self.chains):
-            mine, step = [], end.args[0]
-            while step.op != "placeholder":
-                mine.append(step)
-                step = step.args[0]
-            linears_only = all(user.target is aten.linear.default and end in user.args[1:3] and end is not user.args[0]
-                               for user in end.users)
-            if linears_only and all(len(step.users) == 1 for step in mine):
+        for end, mine in ways.items():
+            linears_only = all(_reads_as_weight(user, end) for user in end.users)
+            if linears_only and all(set(step.users) <= every for step in mine):
                 steps.update(mine + [end])
             else:  # a step read elsewhere too: read as the walk finds it
                 del self.chains[end]
@@ -137,16 +143,44 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
         if node in self.aliases and dim is not None:  # a transposed weight: its last two dims swap
             dim = _swapped(dim, _val(node).dim())
         elif node in self.chains and dim is not None:  # a rearranged weight: its dim traced back, the way placed
-            way = None if segments else _rearranged(node, dim, self.tp)
-            if way is None:
-                dim = None
+            way = _rearranged(node, dim, self.tp)
+            cut = self._cut_on_the_way(way, segments) if way is not None else False
+            if cut is False or ((segments or cut) and not self._sizes_kept(way, cut)):
+                dim = None  # segments of a dim a view regroups on the way, or parts not cut into pieces
             else:
                 for step, at in way[:-1]:
                     self.shard[step] = at
                 dim = way[-1][1]
+                for split, sizes in cut.items():
+                    bounds = rules.boundaries(sizes)
+                    self.cuts[split] = [(a // self.tp, b // self.tp) for a, b in zip(bounds, bounds[1:])]
+                    self.items[split] = [(self.shard[split], None)] * len(sizes)
+                    segments = sizes
         self.uses.setdefault(fqn, set()).add(dim)
         if dim is not None and segments:
             self.param_segments[fqn] = tuple(int(s) for s in segments)
+
+    def _cut_on_the_way(self, way, segments):
+        """{split: its parts' sizes} where a derived weight's way (``tp_contract._rearranged``) takes one part of its
+        parameter cut along the traced dim (litgpt's ``lora_B.unsqueeze(-1).split(qkv_shapes)``): the parameter is
+        then held in those segments, each part this rank's piece of its own. ``{}`` where no split cuts that dim;
+        False where one cannot be read so (two cuts, parts --tp does not divide, a weight already in segments)."""
+        found = {}
+        for step, at in way:
+            if step.op == "call_function" and step.target in rules.SPLITS and rules.cut_dim(step) == at:
+                sizes = [v.shape[at] for v in _val(step)]
+                if segments or found or not _ints(sizes) or any(int(size) % self.tp for size in sizes):
+                    return False
+                found[step] = tuple(int(size) for size in sizes)
+        return found
+
+    @staticmethod
+    def _sizes_kept(way, cut) -> bool:
+        """Every value on a derived weight's way is as long along its traced dim as the parameter's dim, or as one of
+        the parts it is cut into (no view regroups the dim, whose segments then would not be the parameter's)."""
+        placeholder, at = way[-1]
+        allowed = {int(_val(placeholder).shape[at])} | {size for sizes in cut.values() for size in sizes}
+        return all(not isinstance(_val(step), torch.Tensor) or int(_val(step).shape[d]) in allowed for step, d in way)
 
     def _claim(self, node, arg, dim=None, segments=None) -> None:
         self._claimed.add((node, arg))
@@ -290,6 +324,9 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
         form = self._linear_form(node)
         if form is not None:
             self._linear(node, *form)
+            self._use_whole(node)
+            return
+        if target is aten.linear.default and self._frozen_linear(node):
             self._use_whole(node)
             return
         sharded = [a for a in node.all_input_nodes if a in self.shard]
@@ -694,7 +731,8 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
             elif self._param(arg) is not None and not seq:
                 cut.append((arg, at))  # one the plan keeps whole (a tp_plan override, a trial): read at its piece
                 self._use(arg, None)
-            elif not seq and out_dim == n - 1 and not self.needs_grad.get(arg) and self._stream_read_on(node, arg):
+            elif not seq and out_dim == n - 1 and not self.needs_grad.get(arg) and self._stream_read_on(node, arg) \
+                    and not self._cell_state(arg):
                 return self._refuse(node, f"{arg.name} is whole and as wide as the sharded dim of "
                                           f"{', '.join(a.name for a in node.all_input_nodes if a in self.shard)}")
             elif (seq or not self.needs_grad.get(arg)) and (self.groups_of(segments) or not seq):
@@ -704,6 +742,7 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
                 cut.append((arg, at))  # made from weights alone (-exp(A_log), a bias per head): its piece
             elif not seq and self.groups_of(segments) and (
                     out_dim < n - 1 or (self._feeds_linear(node) and not self._stream_read_on(node, arg))
+                    or self._cell_state(arg)
                     or (n > 3 and arg.target in rules.CONTRACTIONS)):
                 # one that carries a gradient, beside pieces of heads (CPM-Ant's learned position bias added to the
                 # scores of each head; Mamba-2's scores of every head, an einsum [b, chunk, l, s, heads]) or gating a
@@ -725,6 +764,30 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
             if self.needs_grad.get(arg):
                 self.copies.append((node, arg))
         return True
+
+    def _unlike(self, node, operands) -> None:
+        """A column-wise projection's output in one piece beside a value in segments of the same dim (litgpt's LoRA:
+        the fused qkv's output plus its adapter's, joined from its q, k and v parts by ``cat``): the projection is
+        asked for those segments (its rows laid out by part), and the next pass adds them alike."""
+        placed = [(a, self.shard[a], self.segs.get(a)) for a in operands]
+        segmented = {segs for _a, _d, segs in placed if segs}
+        if len(segmented) != 1 or len({d - _val(a).dim() for a, d, _s in placed}) != 1:
+            return
+        segments = next(iter(segmented))
+        for arg, _dim, segs in placed:
+            origin = self.origin.get(arg, frozenset())
+            if segs or len(origin) != 1 or self.kind.get(arg) == "seq":
+                continue
+            fqn = next(iter(origin))
+            if self.out_features.get(fqn) == sum(int(s) for s in segments):
+                self.wants.setdefault(fqn, set()).update(rules.boundaries(segments))
+
+    @staticmethod
+    def _cell_state(arg) -> bool:
+        """``arg`` is a recurrent cell's state, read whole by the linear of its gates and at its piece by the update
+        (a GRU's ``(h - n) * z + n`` written out, ``decompose.cell``): no row-wise pair can make the gates whole, so
+        the state is read at this rank's hidden units and the new state gathered once, where it is read whole."""
+        return any(user.target is aten.linear.default and user.args[0] is arg for user in arg.users)
 
     @staticmethod
     def _stream_read_on(node, arg) -> bool:

@@ -1,4 +1,6 @@
 """split/decompose.py: a norm written out computes what the norm computes (tier 1: plain graphs, no planner)."""
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -92,3 +94,39 @@ def test_a_vector_norm_of_an_infinite_order_is_not_written_out():
     assert decompose.order(norm) is None
     with pytest.raises(ValueError, match="order inf is not a sum"):
         decompose.norm(gm.graph, norm)
+
+
+class _Cell(nn.Module):
+    def __init__(self, kind: str, bias: bool):
+        super().__init__()
+        self.cell = nn.GRUCell(8, 12, bias=bias) if kind == "gru" else nn.RNNCell(8, 12, bias=bias, nonlinearity=kind)
+
+    def forward(self, x, h):
+        return self.cell(x, h) * 2
+
+
+@pytest.mark.parametrize("kind", ["gru", "tanh", "relu"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_a_recurrent_cell_written_out_computes_the_cell_and_its_gradients(kind, bias):
+    """x-transformers' GRU gate: ``aten.gru_cell`` (and the RNN cells) as its two linears and the gates, the value and
+    every gradient as ATen's cell computes them."""
+    torch.manual_seed(0)
+    module = _Cell(kind, bias).double()
+    x, h = torch.randn(6, 8, dtype=torch.float64), torch.randn(6, 12, dtype=torch.float64)
+    gm = torch.export.export(module, (x, h)).module()
+    assert len([n for n in gm.graph.nodes if n.target in decompose.CELLS]) == 1
+    reference = copy.deepcopy(gm)
+    made = decompose.cells(gm.graph)
+    gm.recompile()
+    assert made and not [n for n in gm.graph.nodes if n.target in decompose.CELLS]
+    assert all(node.meta.get("written_out") for node in made)  # plan_cost: no Megatron figure for such a layer
+    assert made[-1].meta["val"].shape == (6, 12)
+    results = []
+    for program in (reference, gm):
+        xs, hs = x.clone().requires_grad_(), h.clone().requires_grad_()
+        out = program(xs, hs)
+        out.pow(2).sum().backward()
+        results.append([out, xs.grad, hs.grad] + [p.grad for p in program.parameters()])
+        program.zero_grad()
+    for want, got in zip(*results):
+        assert torch.allclose(got, want, rtol=1e-12, atol=1e-12)

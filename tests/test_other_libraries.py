@@ -280,11 +280,13 @@ def test_row_ops_and_a_normalized_table_cp2_train_equal_to_eager(name, tmp_path)
 
 
 def test_an_op_no_rule_shards_says_why_its_weight_is_whole():
-    # a GRUCell (x-transformers' gate_residual) has no tensor-parallel rule: its weights were listed whole with an
-    # empty reason; each whole parameter now names what reads it
+    # x-transformers' talking heads (a Conv2d over the heads) has no tensor-parallel rule; a GRUCell had none either
+    # and its weights were listed whole with an empty reason: each whole parameter names what reads it (the GRU cell,
+    # written out, is now sharded: test_a_gru_gated_residual_shards_its_cells_by_hidden_units)
     params = check_model(model_path("cp_row_ops"), num_microbatches=2, layout=Layout(pp=1, tp=2))["tp"]["params"]
-    gru = params["transformer.h.0.gate_1.gru.weight_ih"]
-    assert gru["dim"] is None and "aten.gru_cell at cp_row_ops.py:" in gru["why"], gru
+    talking = params["transformer.h.0.attn.pre_softmax_talking_heads.weight"]
+    assert talking["dim"] is None and "aten.conv2d at cp_row_ops.py:" in talking["why"], talking
+    assert params["transformer.h.0.gate_1.gru.weight_ih"]["role"] == "colwise"
     assert "Megatron keeps its norms'" in params["transformer.h.0.norm_1.weight"]["why"]
     assert all(entry.get("why") for entry in params.values() if entry["dim"] is None)
 
@@ -553,3 +555,120 @@ def test_headwise_projections_and_a_group_norm_per_head_tp2_train_equal_to_eager
     out = str(tmp_path / "out")
     split_model(HEADWISE, out, schedule="looped-bfs", num_microbatches=4, layout=Layout(pp=1, tp=2))
     _train_against_eager(HEADWISE, out, 2, tmp_path)
+
+
+def test_weights_normalized_by_a_parametrization_shard_as_megatron(monkeypatch):
+    # nGPT's NormLinear: every weight read through F.normalize by a parametrization. The norm of each row (column-wise
+    # linears) or each column (row-wise ones) is on the rank that holds it: Megatron's plan, where before every such
+    # weight was read whole by linalg_vector_norm and the plan shared none of nGPT's layers
+    manifest = check_model(model_path("tp_normalized_weights"), num_microbatches=4, layout=Layout(pp=2, tp=2))
+    params = manifest["tp"]["params"]
+    prefix = "transformer.h.0.attn.{}.parametrizations.weight.original"
+    assert params[prefix.format("to_q")]["role"] == "colwise"
+    assert params[prefix.format("to_k")] == {"dim": 0, "role": "colwise"}
+    assert params[prefix.format("to_out")]["role"] == "rowwise"
+    assert params["transformer.h.1.mlp.proj.parametrizations.weight.original"] == {"dim": 1, "role": "rowwise"}
+    assert manifest["tp"]["verified"]["status"] == "verified", manifest["tp"]["verified"]
+    assert all(stage["share"]["params"] >= 0.99 for stage in manifest["tp"]["stages"])
+    assert _layer_bytes(model_path("tp_normalized_weights")) == {f"transformer.h.{i}": MEGATRON_LAYER_BYTES
+                                                                   for i in range(2)}
+    # normalised across the dim a column-wise shard would cut: held whole, the norm named, the plan right as made
+    monkeypatch.setenv("NORM_ACROSS", "1")
+    manifest = check_model(model_path("tp_normalized_weights"), num_microbatches=4, layout=Layout(pp=2, tp=2))
+    assert manifest["tp"]["params"][prefix.format("to_q")]["role"] == "replicate"
+    assert manifest["tp"]["verified"]["status"] == "verified", manifest["tp"]["verified"]  # no repair needed
+    replicated = " ".join(manifest["tp"]["stages"][0]["replicated"])
+    assert "read through linalg_vector_norm at tp_normalized_weights.py" in replicated, replicated
+
+
+def test_weights_normalized_by_a_parametrization_tp2_train_equal_to_eager(tmp_path):
+    path = model_path("tp_normalized_weights")
+    out = str(tmp_path / "out")
+    split_model(path, out, schedule="looped-bfs", num_microbatches=4, layout=Layout(pp=1, tp=2))
+    _train_against_eager(path, out, 2, tmp_path)
+
+
+def test_a_gru_gated_residual_shards_its_cells_by_hidden_units():
+    # x-transformers' gate_residual: nn.GRUCell in place of each residual add. aten.gru_cell had no rule and its
+    # weights (more than half of each layer) were whole on every rank; written out, each gate's rows are sharded by
+    # hidden units and the new state gathered once. Megatron has no plan for such a layer: no figure beside it
+    path = model_path("tp_gru_gate")
+    manifest = check_model(path, num_microbatches=4, layout=Layout(pp=2, tp=2))
+    params = manifest["tp"]["params"]
+    for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"):
+        entry = params[f"transformer.h.0.gate_1.gru.{name}"]
+        assert (entry["dim"], entry["role"], entry["segments"]) == (0, "colwise", [64, 64, 64]), entry
+    assert manifest["tp"]["verified"]["status"] == "verified", manifest["tp"]["verified"]
+    assert all(stage["share"]["params"] >= 0.99 for stage in manifest["tp"]["stages"])
+    layers = {layer: figures for stage in manifest["tp"]["stages"] for layer, figures in stage["layers"].items()}
+    assert layers and all(megatron is None for _moved, megatron in layers.values()), layers
+
+
+def test_a_gru_gated_residual_tp2_trains_equal_to_eager(tmp_path):
+    path = model_path("tp_gru_gate")
+    out = str(tmp_path / "out")
+    split_model(path, out, schedule="looped-bfs", num_microbatches=4, layout=Layout(pp=1, tp=2))
+    _train_against_eager(path, out, 2, tmp_path)
+
+
+def test_keys_returned_beside_the_logits_are_verified_at_pp2_tp2():
+    # PEFT's prefix tuning returns every layer's keys and values: layer 0's, made on stage 0 by heads, cross to stage 1
+    # as the shard and are gathered into the model's output there. The verification read that output as sent sharded
+    # (by the value's name) and joined the ranks' whole copies again: the right plan was refused
+    manifest = check_model(model_path("tp_cache_output"), num_microbatches=4, layout=Layout(pp=2, tp=2))
+    assert manifest["tp"]["verified"]["status"] == "verified", manifest["tp"]["verified"]
+    assert manifest["tp"]["sent"], manifest["tp"].get("sent")  # layer 0's keys cross sharded by heads
+
+
+def test_keys_returned_beside_the_logits_train_equal_to_eager_at_pp2_tp2(tmp_path):
+    path = model_path("tp_cache_output")
+    out = str(tmp_path / "out")
+    split_model(path, out, num_microbatches=4, layout=Layout(pp=2, tp=2))
+    _train_against_eager(path, out, 4, tmp_path)
+
+
+def test_lora_on_a_fused_qkv_through_one_by_one_convolutions_shards_as_megatron():
+    # litgpt's LoRAQKVLinear multiplies each of q, k and v's rank features by its own rows of lora_B with a conv1d of a
+    # kernel of 1 (lora_B.unsqueeze(-1).split(qkv_shapes)): the convolution had no tp rule and the attention ran whole
+    # on every rank. A 1 x 1 convolution is a linear over the channels, a part of a parameter cut by split is that
+    # parameter's segment, and the frozen projection learns the adapter's segments from the sum of the two
+    path = model_path("tp_lora_qkv_conv")
+    manifest = check_model(path, num_microbatches=4, layout=Layout(pp=2, tp=2))
+    params = manifest["tp"]["params"]
+    for name in ("linear.weight", "lora_B"):
+        entry = params[f"transformer.h.0.attn.attn.{name}"]
+        assert (entry["dim"], entry["role"], entry["segments"]) == (0, "colwise", [64, 32, 32]), entry
+    assert params["transformer.h.0.attn.proj.weight"]["role"] == "rowwise"
+    assert manifest["tp"]["verified"]["status"] == "verified", manifest["tp"]["verified"]
+    assert all(stage["share"]["params"] >= 0.99 for stage in manifest["tp"]["stages"])
+
+
+def test_lora_on_a_fused_qkv_through_one_by_one_convolutions_tp2_trains_equal_to_eager(tmp_path):
+    path = model_path("tp_lora_qkv_conv")
+    out = str(tmp_path / "out")
+    split_model(path, out, schedule="looped-bfs", num_microbatches=4, layout=Layout(pp=1, tp=2))
+    _train_against_eager(path, out, 2, tmp_path)
+
+
+def test_vera_reads_its_shared_frozen_matrices_at_each_ranks_piece():
+    # PEFT's VeRA: every layer slices one pair of frozen buffers (vera_B[:out, :], vera_A[:, :in]) and trains two
+    # scaling vectors. A linear whose weight is no parameter had no rule: the adapter's output came whole and the
+    # attention ran whole on every rank. The slices are now read at each rank's piece: vera_B's rows in the segments
+    # of the projection its output is added to (the query heads tiled to key/value groups), vera_A's columns beside a
+    # row-wise projection (partial sums of [b, s, rank], all-reduced)
+    manifest = check_model(model_path("tp_vera_adapter"), num_microbatches=4, layout=Layout(pp=2, tp=2))
+    params = manifest["tp"]["params"]
+    assert params["transformer.h.0.attn.to_q.base_layer.weight"]["role"] == "colwise"
+    assert params["transformer.h.0.attn.to_q.vera_lambda_b"]["segments"] == [32, 32]
+    assert params["transformer.h.0.attn.to_out.base_layer.weight"]["role"] == "rowwise"
+    assert params["transformer.h.1.mlp.fc_1.vera_lambda_b"] == {"dim": 0, "role": "elementwise"}
+    assert params["transformer.h.1.mlp.proj.vera_lambda_b"]["role"] == "replicate"  # beside a row-wise output
+    assert manifest["tp"]["verified"]["status"] == "verified", manifest["tp"]["verified"]
+    assert all(stage["share"]["params"] >= 0.99 for stage in manifest["tp"]["stages"])
+
+
+def test_vera_tp2_trains_equal_to_eager(tmp_path):
+    path = model_path("tp_vera_adapter")
+    out = str(tmp_path / "out")
+    split_model(path, out, schedule="looped-bfs", num_microbatches=4, layout=Layout(pp=1, tp=2))
+    _train_against_eager(path, out, 2, tmp_path)
