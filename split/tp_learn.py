@@ -8,7 +8,7 @@ import torch
 
 from tracepp.split import rules
 from tracepp.split.rules import at as _at, equal as _equal, ints as _ints, val as _val
-from tracepp.split.tp_contract import dim_before
+from tracepp.split.derived_weights import dim_before
 from tracepp.split.tp_walk import _Walk
 
 aten = torch.ops.aten

@@ -13,9 +13,10 @@ import torch.fx as fx
 
 import tracepp.runtime.tensor_parallel  # noqa: F401  (registers torch.ops.tracepp.tp_*)
 from tracepp.split import decompose, rules, torch_rules, tp_partial
+from tracepp.split.derived_weights import _rearranged, cut_segments, reads_as_weight, sizes_kept, steps_of
 from tracepp.split.propagation import Propagation
 from tracepp.split.rules import at as _at, equal as _equal, ints as _ints, prod as _prod, sizes as _sizes, val as _val
-from tracepp.split.tp_contract import _ContractionRules, _rearranged, _swapped, steps_of
+from tracepp.split.tp_contract import _ContractionRules, _swapped
 from tracepp.split.tp_cuts import _CutRules
 
 aten = torch.ops.aten
@@ -29,13 +30,6 @@ WORK = {"visits": 0}  # nodes the walks have visited (tests count the work of a 
 
 
 _SUMS = {aten.add.Tensor, aten.sub.Tensor}  # a residual add: the stream beside a sharded output (read on) stays whole
-
-
-def _reads_as_weight(user, end) -> bool:
-    """``user`` reads ``end`` as a linear's weight or bias, or a 1 x 1 convolution's weight, and not as its input."""
-    if user.target is aten.linear.default:
-        return end in user.args[1:3] and end is not user.args[0]
-    return user.target is aten.conv1d.default and end is user.args[1] and end is not user.args[0]
 
 
 class _Walk(Propagation, _CutRules, _ContractionRules):
@@ -120,7 +114,7 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
         every = set(ways) | {step for mine in ways.values() for step in mine}  # a split's parts: each another end's
         steps: set = set()
         for end, mine in ways.items():
-            linears_only = all(_reads_as_weight(user, end) for user in end.users)
+            linears_only = all(reads_as_weight(user, end) for user in end.users)
             if linears_only and all(set(step.users) <= every for step in mine):
                 steps.update(mine + [end])
             else:  # a step read elsewhere too: read as the walk finds it
@@ -144,8 +138,8 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
             dim = _swapped(dim, _val(node).dim())
         elif node in self.chains and dim is not None:  # a rearranged weight: its dim traced back, the way placed
             way = _rearranged(node, dim, self.tp)
-            cut = self._cut_on_the_way(way, segments) if way is not None else False
-            if cut is False or ((segments or cut) and not self._sizes_kept(way, cut)):
+            cut = cut_segments(way, segments, self.tp) if way is not None else False
+            if cut is False or ((segments or cut) and not sizes_kept(way, cut)):
                 dim = None  # segments of a dim a view regroups on the way, or parts not cut into pieces
             else:
                 for step, at in way[:-1]:
@@ -159,28 +153,6 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
         self.uses.setdefault(fqn, set()).add(dim)
         if dim is not None and segments:
             self.param_segments[fqn] = tuple(int(s) for s in segments)
-
-    def _cut_on_the_way(self, way, segments):
-        """{split: its parts' sizes} where a derived weight's way (``tp_contract._rearranged``) takes one part of its
-        parameter cut along the traced dim (litgpt's ``lora_B.unsqueeze(-1).split(qkv_shapes)``): the parameter is
-        then held in those segments, each part this rank's piece of its own. ``{}`` where no split cuts that dim;
-        False where one cannot be read so (two cuts, parts --tp does not divide, a weight already in segments)."""
-        found = {}
-        for step, at in way:
-            if step.op == "call_function" and step.target in rules.SPLITS and rules.cut_dim(step) == at:
-                sizes = [v.shape[at] for v in _val(step)]
-                if segments or found or not _ints(sizes) or any(int(size) % self.tp for size in sizes):
-                    return False
-                found[step] = tuple(int(size) for size in sizes)
-        return found
-
-    @staticmethod
-    def _sizes_kept(way, cut) -> bool:
-        """Every value on a derived weight's way is as long along its traced dim as the parameter's dim, or as one of
-        the parts it is cut into (no view regroups the dim, whose segments then would not be the parameter's)."""
-        placeholder, at = way[-1]
-        allowed = {int(_val(placeholder).shape[at])} | {size for sizes in cut.values() for size in sizes}
-        return all(not isinstance(_val(step), torch.Tensor) or int(_val(step).shape[d]) in allowed for step, d in way)
 
     def _claim(self, node, arg, dim=None, segments=None) -> None:
         self._claimed.add((node, arg))
