@@ -149,6 +149,8 @@ def _rewrite(g: fx.Graph, walk: _Walk, cp: int) -> None:
         args = list(node.args)
         if node.target is aten.arange.default:
             args[0] = _local_size(g, args[0], cp, node)
+        elif node.target is aten.arange.start_step:  # (0, numel, k): offsets of bags of k (cp_walk._on_bag)
+            args[1] = _local_size(g, args[1], cp, node)
         else:
             at = 1 if node.target in (aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default,
                                       aten.new_full.default) else 0

@@ -286,6 +286,39 @@ class _Walk(Propagation):
         self._place(node, *self.shard[x])
         return True
 
+    def _on_bag(self, node, sharded) -> bool:
+        """``embedding_bag`` of 2-D indices (each row one bag; product-key memory's ``values(indices,
+        per_sample_weights=attn)``): rows of indices and weights sharded alike (the positions folded into them) give
+        the rows of the bags' sums, the table read whole."""
+        weight, indices = node.args[0], node.args[1]
+        names = [spec.name for spec in node.target._schema.arguments]
+        offsets = rules.arg(node, names.index("offsets"), "offsets")
+        weights = rules.arg(node, names.index("per_sample_weights"), "per_sample_weights")
+        rows = [a for a in (indices, weights) if isinstance(a, fx.Node)]
+        if (weight in sharded or set(sharded) != set(rows) or len({self.shard[a] for a in rows}) != 1
+                or self.shard[indices][0] != 0):
+            return False
+        if offsets is not None:  # 1-D indices in bags of k (nn.EmbeddingBag's 2-D input, flattened by
+            if not self._equal_bags(offsets, indices):  # F.embedding_bag with arange(0, numel, k) offsets)
+                return False
+            self.local_factories[offsets] = self.shard[indices]  # this rank's bags: arange(0, its numel, k)
+            self._place(offsets, *self.shard[indices])
+        elif _val(indices).dim() != 2:
+            return False
+        self.items[node] = [self.shard[indices]] + [None] * (len(_val(node)) - 1)
+        return True
+
+    def _equal_bags(self, offsets, indices) -> bool:
+        """``offsets`` is ``arange(0, numel, k)`` of ``indices`` (1-D, sharded), whole and read by this bag alone:
+        every bag k indices, so that this rank's indices are whole bags of its positions."""
+        if not (isinstance(offsets, fx.Node) and offsets.target is aten.arange.start_step and offsets not in self.shard
+                and len(offsets.users) == 1 and _val(indices).dim() == 1):
+            return False
+        start, end, step = (list(offsets.args) + [None] * 3)[:3]
+        numel = self._global(indices, 0)
+        return start == 0 and isinstance(step, int) and _equal(end, numel) and rules.ints([numel]) and int(
+            numel) % (step * self.cp * self.shard[indices][1]) == 0
+
     def _on_convolution(self, node, sharded) -> bool:
         x = node.args[0]
         if sharded == [x] and self.shard[x][0] >= 2 and rules.pointwise_convolution(node):

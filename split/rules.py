@@ -125,6 +125,8 @@ ALONG = SCANS | SORTS | SOFTMAX | {aten.flip.default, aten.unfold.default,  # wo
                                    aten.glu.default}  # nn.GLU: the dim's halves, one gating the other
 CELLS = {aten.gru_cell.default, aten.rnn_tanh_cell.default, aten.rnn_relu_cell.default}  # (input, hx, weights...):
 #       row by row over dim 0 (x-transformers' gate_residual: a GRUCell over the (b n) rows)
+BAGS = {aten.embedding_bag.padding_idx, aten.embedding_bag.default, aten._embedding_bag.default}  # (weight,
+#       indices, offsets, ..., per_sample_weights, ...): with 2-D indices each row one bag (product-key memory)
 INDEXED_ALONG = {  # along one dim at an index tensor's positions (``(x, dim, index[, src])``)
     aten.gather.default, aten.scatter.value, aten.scatter.src, aten.scatter_.value, aten.scatter_.src,
     aten.scatter_add.default, aten.scatter_add_.default, aten.scatter_reduce.two, aten.scatter_reduce_.two,
@@ -188,6 +190,7 @@ FAMILIES = (  # (family, its ops): the first family that lists an op is its own
     ("trailing", PADS | TRIANGLES),
     ("linear", {aten.linear.default, aten.addmm.default}),
     ("cell", CELLS),
+    ("bag", BAGS),
     ("lookup", {aten.embedding.default}),
 )
 _FAMILY = {op: name for name, ops in reversed(FAMILIES) for op in ops}  # earlier families overwrite later ones

@@ -271,7 +271,7 @@ def test_tiled_keys_and_a_gathered_norm_latent_tp2_train_equal_to_eager(name, tm
     _train_against_eager(path, out, 2, tmp_path)
 
 
-@pytest.mark.parametrize("name", ["cp_row_ops", "cp_normalized_table", "cp_prefix_attention"])
+@pytest.mark.parametrize("name", ["cp_row_ops", "cp_normalized_table", "cp_prefix_attention", "cp_embedding_bag"])
 def test_row_ops_and_a_normalized_table_cp2_train_equal_to_eager(name, tmp_path):
     path = model_path(name)
     out = str(tmp_path / "out")
@@ -329,7 +329,7 @@ def test_einsum_attention_shards_by_heads():
 @pytest.mark.parametrize("name", ["cp_learned_positions", "cp_complex_rope", "cp_alibi_baddbmm", "cp_normalize_rmsnorm",
                                   "cp_linalg_norm", "cp_sequential", "tl_hooked_style", "cp_window_mask_rows",
                                   "cp_window_mask_rows:50", "tp_expert_loop", "cp_vector_gate", "cp_row_ops",
-                                  "cp_normalized_table", "cp_prefix_attention"])
+                                  "cp_normalized_table", "cp_prefix_attention", "cp_embedding_bag"])
 def test_cp2_places_each_spelling(name, monkeypatch):
     # the plan step of the end-to-end cp tests above (the slower tier): nanoGPT's arange(0, t) positions (a crash),
     # torchtitan's complex rotary, BLOOM's and the ALiBi paper's baddbmm scores, x-transformers' F.normalize (refused),
@@ -343,7 +343,8 @@ def test_cp2_places_each_spelling(name, monkeypatch):
     # x-transformers' talking heads (a 1 x 1 Conv2d over the scores: refused as "a convolution along the sequence"),
     # nn.GLU over the features and a GRUCell over the (b n) rows (refused: "mixes the positions"); nGPT's embedding,
     # a table normalised by a parametrization indexed by the tokens (refused: "no value ... holds a sequence shard");
-    # litgpt's LLaMA-Adapter prompt, keys of no position every query attends to (refused: "mixes the positions")
+    # litgpt's LLaMA-Adapter prompt, keys of no position every query attends to (refused: "mixes the positions");
+    # product-key memory's EmbeddingBag, one bag of picked values per position (refused: "mixes the positions")
     name, _, softcap = name.partition(":")
     monkeypatch.setenv("SOFTCAP", softcap or "0")
     manifest = check_model(model_path(name), num_microbatches=2, schedule="gpipe", layout=Layout(pp=1, cp=2))
