@@ -28,7 +28,10 @@ and rewrites the graph with these ops, so the rank script reads as Megatron's re
   backward gathers the pieces back into the whole;
 * ``torch.ops.tracepp.tp_vocab_embedding(weight, ids, padding_idx, reduce)``: an embedding whose rows (the
   vocabulary) are split over the group: each rank looks up the ids it holds, zeros the rest, and the sum
-  over the group is the full lookup (``reduce=False``: the partial lookup, for ``sp_reduce_scatter``).
+  over the group is the full lookup (``reduce=False``: the partial lookup, for ``sp_reduce_scatter``);
+* ``torch.ops.tracepp.tp_vocab_rows(indices, rows)``: indices into a table split over the group by rows, made
+  this rank's (-1 where another rank holds the row): an ``embedding_bag`` of the rank's rows, its other bags'
+  entries weighted 0, summed by ``tp_all_reduce`` (product-key memory's values).
 
 With ``--sequence-parallel`` (Megatron-Core's), the activations between the tensor-parallel regions are split
 over the sequence dim, and two more ops take the place of ``tp_copy`` and ``tp_all_reduce``:
@@ -485,8 +488,29 @@ def _register_heads():
                                     setup_context=head_group_setup, lib=lib)
 
 
+def _vocab_rows(indices: torch.Tensor, rows: int) -> torch.Tensor:
+    """The indices into this rank's rows of a table split over the group (``rows`` each), -1 where another rank
+    holds the row."""
+    local = indices - _STATE["rank"] * rows
+    return torch.where((local >= 0) & (local < rows), local, torch.full_like(local, -1))
+
+
+def _register_vocab_rows():
+    """``tp_vocab_rows`` (a library fragment of its own, as ``_register_heads``)."""
+    if hasattr(getattr(torch.ops, _NAMESPACE), "tp_vocab_rows"):
+        return
+    lib = torch.library.Library(_NAMESPACE, "FRAGMENT")
+    _register_vocab_rows.lib = lib
+    lib.define("tp_vocab_rows(Tensor indices, int rows) -> Tensor")
+    for device in ("CPU", "CUDA"):
+        lib.impl("tp_vocab_rows", _vocab_rows, device)
+    torch.library.register_fake(f"{_NAMESPACE}::tp_vocab_rows", lambda indices, rows: torch.empty_like(indices),
+                                lib=lib)
+
+
 _register()
 _register_heads()
+_register_vocab_rows()
 
 
 # ---- this rank's shards

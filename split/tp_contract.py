@@ -3,6 +3,8 @@ parts), embeddings (vocabulary-parallel), batched products and attention in its 
 baddbmm, einsum), gathers and depthwise convolutions: a mixin of ``tp_walk._Walk``."""
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
 
@@ -279,6 +281,30 @@ class _ContractionRules:
         self.roles[node] = "vocab"
         self._claim(node, weight, 0)
         self._scatter_output(node)
+
+    def _bag_lookup(self, node) -> bool:
+        """``embedding_bag`` of a parameter's table in sum mode at whole indices, only its bags' sums read
+        (product-key memory's ``values(indices, per_sample_weights=attn)``; its other outputs unread): vocabulary-parallel as an embedding,
+        each rank summing its rows' entries (the others' weighted 0, ``tp_vocab_rows``) and ``tp_all_reduce`` summing
+        the ranks'; the weights, whole, get their gradient summed over tp."""
+        weight = node.args[0]
+        names = [spec.name for spec in node.target._schema.arguments]
+        get = lambda name, default=None: rules.arg(node, names.index(name), name, default)  # noqa: E731
+        fqn, wval = self._param(weight), _val(weight)
+        users = [user for user in node.users if user.users or user.target is not operator.getitem]
+        if (fqn is None or fqn in self.forced or self.sequence is not None or get("mode", 0) != 0
+                or get("scale_grad_by_freq", False) or get("sparse", False) or get("padding_idx") not in (None, -1)
+                or wval.dim() != 2 or not _ints([wval.shape[0]]) or int(wval.shape[0]) % self.tp
+                or len(users) != 1 or users[0].target is not operator.getitem or users[0].args[1] != 0):
+            return False
+        self.bags[node] = users[0]
+        self.sums[users[0]] = None  # each rank's bags of its rows: summed over tp
+        self._claim(node, weight, 0)
+        weights = get("per_sample_weights")
+        if isinstance(weights, fx.Node) and self.needs_grad.get(weights):
+            self.copies.append((node, weights))
+        self._claimed.update((node, arg) for arg in node.all_input_nodes)
+        return True
 
     def _sequence_dim(self, val):
         """(dim, segments) of the sequence in a value (its tokens), or None: a dim of the traced sequence length

@@ -55,6 +55,32 @@ def apply(graph, tp_plan: TPPlan, walks: list) -> None:
         graph.values[name].meta.shape = shape
 
 
+def _rank_bags(g: fx.Graph, node, tp: int) -> None:
+    """``embedding_bag(weight, indices, offsets, ..., per_sample_weights)`` of this rank's rows of the table: each
+    index made this rank's (``tp_vocab_rows``; -1 where another rank holds the row, looked up at 0) and weighted 0
+    there, so that the ranks' bags sum to the whole one (``walk.sums`` all-reduces output 0)."""
+    from tracepp.split.decompose import _fake
+
+    weight, indices = node.args[0], node.args[1]
+    names = [spec.name for spec in node.target._schema.arguments]
+    at = names.index("per_sample_weights")
+    weights = rules.arg(node, at, "per_sample_weights")
+
+    def made(target, *args):
+        return _insert(g, node, target, list(args), _fake(target, args, {}), node)
+
+    local = made(TP.tp_vocab_rows.default, indices, int(_val(weight).shape[0]) // tp)
+    inside = made(aten.to.dtype, made(aten.ge.Scalar, local, 0), _val(weight).dtype)
+    share = made(aten.mul.Tensor, weights, inside) if isinstance(weights, fx.Node) else inside
+    args = list(node.args)
+    args[1] = made(aten.clamp_min.default, local, 0)
+    if at < len(args):
+        args[at] = share
+    else:
+        node.kwargs = {**node.kwargs, "per_sample_weights": share}
+    node.args = tuple(args)
+
+
 def _insert(g: fx.Graph, before, target, args, val, like) -> fx.Node:
     with g.inserting_before(before):
         node = g.call_function(target, tuple(args))
@@ -275,6 +301,8 @@ def _rewrite(g: fx.Graph, walk: _Walk, tp: int, params: dict) -> None:
             node.kwargs = {}
             if scatter is not None:
                 _after(g, node, *_reduction(node, scatter), local=(scatter, tp))
+    for node in walk.bags:  # a bag lookup of this rank's rows: the others' entries weighted 0 (summed below)
+        _rank_bags(g, node, tp)
     for node in walk.late_sums:  # row-wise partial sums carried to here (tp_partial): summed once
         _after(g, node, TP.tp_all_reduce.default, [node])
     for node, count in walk.sums.items():  # a sum (or mean) over the sharded dim: from the partial sums

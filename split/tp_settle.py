@@ -478,6 +478,8 @@ def _param_roles(walks: list) -> dict:
     the walks placed."""
     roles: dict = {}
     for walk in walks:
+        for node in walk.bags:
+            roles[walk._param(node.args[0])] = "vocab"
         for node, role in walk.roles.items():
             weight = node.args[0] if role == "vocab" else walk.forms[node][1]
             roles[walk._param(weight)] = role

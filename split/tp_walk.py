@@ -66,6 +66,7 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
         self.origin: dict = {}  # sharded node -> frozenset of the column-wise weight FQNs it comes from
         self.out_features: dict = {}  # column-wise weight fqn -> its output features
         self.roles: dict = {}  # linear/embedding node -> "colwise" | "rowwise" | "vocab"
+        self.bags: dict = {}  # embedding_bag of a table sharded by rows -> its bags' sums (output 0: in ``sums``)
         self.forms: dict = {}  # linear node -> (input, weight node, bias node, weight's output-feature dim)
         self.aliases: dict = {}  # transpose of a 2-D parameter -> its placeholder
         self.chains: dict = {}  # a linear's weight or bias rearranged from one parameter (_chain) -> its placeholder
@@ -314,6 +315,8 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
             return
         if target is aten.embedding.default and self._param(node.args[0]) is not None and not sharded:
             self._embedding(node)
+            return
+        if target in rules.BAGS and not sharded and self._bag_lookup(node):
             return
         found = rules.indexed_rows(node) if not sharded else None
         if found is not None and self._param(found[0]) is not None:

@@ -271,7 +271,7 @@ def test_tiled_keys_and_a_gathered_norm_latent_tp2_train_equal_to_eager(name, tm
     _train_against_eager(path, out, 2, tmp_path)
 
 
-@pytest.mark.parametrize("name", ["cp_row_ops", "cp_normalized_table", "cp_prefix_attention", "cp_embedding_bag"])
+@pytest.mark.parametrize("name", ["cp_row_ops", "cp_normalized_table", "cp_prefix_attention", "pkm_embedding_bag"])
 def test_row_ops_and_a_normalized_table_cp2_train_equal_to_eager(name, tmp_path):
     path = model_path(name)
     out = str(tmp_path / "out")
@@ -329,7 +329,7 @@ def test_einsum_attention_shards_by_heads():
 @pytest.mark.parametrize("name", ["cp_learned_positions", "cp_complex_rope", "cp_alibi_baddbmm", "cp_normalize_rmsnorm",
                                   "cp_linalg_norm", "cp_sequential", "tl_hooked_style", "cp_window_mask_rows",
                                   "cp_window_mask_rows:50", "tp_expert_loop", "cp_vector_gate", "cp_row_ops",
-                                  "cp_normalized_table", "cp_prefix_attention", "cp_embedding_bag"])
+                                  "cp_normalized_table", "cp_prefix_attention", "pkm_embedding_bag"])
 def test_cp2_places_each_spelling(name, monkeypatch):
     # the plan step of the end-to-end cp tests above (the slower tier): nanoGPT's arange(0, t) positions (a crash),
     # torchtitan's complex rotary, BLOOM's and the ALiBi paper's baddbmm scores, x-transformers' F.normalize (refused),
@@ -670,6 +670,23 @@ def test_vera_reads_its_shared_frozen_matrices_at_each_ranks_piece():
 
 def test_vera_tp2_trains_equal_to_eager(tmp_path):
     path = model_path("tp_vera_adapter")
+    out = str(tmp_path / "out")
+    split_model(path, out, schedule="looped-bfs", num_microbatches=4, layout=Layout(pp=1, tp=2))
+    _train_against_eager(path, out, 2, tmp_path)
+
+
+def test_product_key_memory_values_are_vocabulary_parallel():
+    # product-key memory's nn.EmbeddingBag(slots, dim, mode="sum") of the picked slots, weighted by their scores: the
+    # table (most of such a layer) had no tp rule and was whole on every rank. Its rows are now split as a vocabulary:
+    # each rank sums the slots it holds (tp_vocab_rows: the others looked up at 0 and weighted 0), one all-reduce
+    manifest = check_model(model_path("pkm_embedding_bag"), num_microbatches=4, layout=Layout(pp=2, tp=2))
+    assert manifest["tp"]["params"]["transformer.h.0.mlp.values.weight"] == {"dim": 0, "role": "vocab"}
+    assert manifest["tp"]["verified"]["status"] == "verified", manifest["tp"]["verified"]
+    assert all(stage["share"]["params"] >= 0.99 for stage in manifest["tp"]["stages"])
+
+
+def test_product_key_memory_values_tp2_train_equal_to_eager(tmp_path):
+    path = model_path("pkm_embedding_bag")
     out = str(tmp_path / "out")
     split_model(path, out, schedule="looped-bfs", num_microbatches=4, layout=Layout(pp=1, tp=2))
     _train_against_eager(path, out, 2, tmp_path)

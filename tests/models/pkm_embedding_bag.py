@@ -6,7 +6,9 @@ the picked values summed by an ``nn.EmbeddingBag(num_keys ** 2, dim, mode="sum")
 
 ``F.embedding_bag`` flattens the 2-D indices and bags them by ``arange(0, numel, k)`` offsets. Under ``--cp 2`` each
 rank's positions are whole bags: the offsets are made for this rank's indices and the bags summed on its rows. It
-was refused ("embedding_bag ... mixes the positions of the sequence").
+was refused ("embedding_bag ... mixes the positions of the sequence"). Under ``--tp 2`` the values table is
+vocabulary-parallel: each rank sums the picked slots it holds (the others weighted 0) and an all-reduce adds the
+ranks' sums. It was whole on every rank (0.58 of each stage; product-key memory's decoder: 0.61 of each layer).
 """
 import functools
 
