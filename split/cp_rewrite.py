@@ -10,7 +10,7 @@ import torch
 import torch.fx as fx
 
 from tracepp.split import rules
-from tracepp.split.cp_walk import ContextParallelError, _Walk, _int, _mutates, _sizes
+from tracepp.split.cp_walk import ContextParallelError, _Walk, _int, _sizes
 from tracepp.split.rules import equal as _equal, val as _val, where
 from tracepp.split.tp_rewrite import _floor_text, _local_val
 
@@ -369,7 +369,7 @@ class _Hoist:
             args[at] = sizes
             return self._new(x, target, args, dim=dim)
         if rules.is_pointwise(target) or target in rules.KEEP or target in rules.LIKE or target in _CUT_UNARY:
-            if _mutates(target):
+            if rules.writes(x):  # an in-place op (or an out= variant): not remade on the rank's positions
                 return None
             n = val.dim()
             args = []

@@ -349,7 +349,7 @@ class _Walk(Propagation):
         for arg, at in whole:
             if at is None:
                 continue
-            if arg is node.args[0] and _mutates(node.target):
+            if arg in rules.written(node):
                 return self._refuse(node, f"writes this rank's positions into {arg.name}, which is whole: the "
                                           f"write would land in a copy; make the buffer from the sharded value "
                                           f"(x.new_empty, torch.empty_like)")
@@ -727,11 +727,3 @@ class _Walk(Propagation):
         if node.op == "call_function" and node.target in rules.FACTORIES:
             self.local_factories[node] = self.shard[like]
             self._place(node, *self.shard[like])
-
-
-def _mutates(target) -> bool:
-    """An in-place op: it writes its first argument."""
-    schema = getattr(target, "_schema", None)
-    info = schema.arguments[0].alias_info if schema is not None and schema.arguments else None
-    return bool(info is not None and info.is_write)
-
