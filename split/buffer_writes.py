@@ -20,19 +20,11 @@ from tracepp.split.rules import where
 aten = torch.ops.aten
 
 
-def _views_first(node) -> bool:
-    """Its output is a view of its first operand (its schema says so: slices, views, transposes, diagonals)."""
-    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
-    return bool(schema and schema.returns and schema.returns[0].alias_info is not None
-                and not schema.returns[0].alias_info.is_write and schema.arguments
-                and schema.arguments[0].alias_info is not None)
-
-
 def _base(node):
     """The placeholder a value views (through views of their first operand, and in-place ops, which return it), or
     None."""
     while isinstance(node, fx.Node) and node.op == "call_function" and node.args and (
-            _views_first(node) or node.args[0] in rules.written(node)):
+            rules.is_view(node) or node.args[0] in rules.written(node)):
         node = node.args[0]
     return node if isinstance(node, fx.Node) and node.op == "placeholder" else None
 

@@ -561,12 +561,31 @@ def written(node) -> list:
             and (i < len(node.args) or spec.name in node.kwargs)]
 
 
+_MAY_COPY = {aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten.to.other, aten.contiguous.default}  # a view
+#           only where they change nothing (their schema marks the output as maybe aliased): not taken for views
+
+
+def is_view(node) -> bool:
+    """``node``'s output is a view of its first operand: its schema says so (views, reshapes, slices, transposes,
+    expands, squeezes, diagonals, ``alias``, ``detach``: ``Tensor(a) self -> Tensor(a)``), or it is ``_unsafe_view``,
+    which export makes of a reshape and whose schema does not mark; not a cast or ``contiguous``, views only where they
+    change nothing."""
+    if node.op != "call_function" or not node.args or not isinstance(node.args[0], fx.Node):
+        return False
+    if node.target in VIEWS:
+        return True
+    if node.target in _MAY_COPY:
+        return False
+    schema = getattr(node.target, "_schema", None)
+    return bool(schema and schema.returns and schema.returns[0].alias_info is not None
+                and not schema.returns[0].alias_info.is_write and schema.arguments
+                and schema.arguments[0].alias_info is not None)
+
+
 def view_root(node):
-    """The value ``node`` is a view of (through reshapes, slices, transposes, expands): what an in-place write
-    into ``node`` changes."""
-    while node.op == "call_function" and node.args and isinstance(node.args[0], fx.Node) and (
-            node.target in VIEWS or node.target in SLICES or node.target in TRANSPOSES or node.target in EXPANDS
-            or node.target in (aten.unsqueeze.default, aten.squeeze.dim, aten.as_strided.default, aten.alias.default)):
+    """The value ``node`` is a view of (:func:`is_view`, step by step): what an in-place write into ``node``
+    changes."""
+    while is_view(node):
         node = node.args[0]
     return node
 
