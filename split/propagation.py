@@ -130,10 +130,6 @@ class Propagation:
         self._place_entry(node, entry, [a for a in (first, other) if a in self.shard])
         return True
 
-    def _unlike(self, node, operands) -> None:
-        """Operands of an elementwise op placed unlike each other (the planner may learn to place them alike in a
-        later pass); the op's rule then refuses it."""
-
     # -- the rules every dimension shares (the sharded input is ``node.args[0]``)
     def _place_out(self, node, source, dim) -> None:
         """``node``'s output (or each of its outputs: values and indices) placed as ``source`` on ``dim``."""
@@ -157,7 +153,6 @@ class Propagation:
             if arg in self.shard:
                 here = self._entry(arg, self._dim(arg) + n - rules.val(arg).dim())
                 if entry is not None and here != entry:
-                    self._unlike(node, [*sources, arg])
                     return False
                 entry = here
                 sources.append(arg)

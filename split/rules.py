@@ -68,6 +68,15 @@ _UNTAGGED_POINTWISE = {  # elementwise ops torch does not tag pointwise
     aten.fill_.Tensor, aten.copy_.default, aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.where.self,
     aten.polar.default,  # torch.polar(abs, angle): a complex number per element (gateloop's gates)
 }
+_ALIASES = (  # numpy-style and torch.special names of pointwise ops, which torch does not tag (einx's
+    #           ``einx.multiply`` calls ``torch.multiply``: x-transformers' per-head value gates)
+    "multiply", "divide", "subtract", "greater", "greater_equal", "less", "less_equal", "not_equal", "negative",
+    "absolute", "arccos", "arcsin", "arctan", "arctan2", "arccosh", "arcsinh", "arctanh", "fix", "special_expit",
+    "special_exp2", "special_expm1", "special_log1p", "special_round", "special_sinc", "special_ndtr", "special_erf",
+    "special_erfc", "special_erfinv", "special_i0", "special_logit", "special_xlogy")
+_UNTAGGED_POINTWISE |= {getattr(getattr(aten, name), overload) for name in _ALIASES if hasattr(aten, name)
+                        for overload in getattr(aten, name).overloads()
+                        if "out" not in overload and not overload.endswith("_")}
 
 VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 FLATTENS = {aten.flatten.using_ints}  # a view with no size list to rewrite
@@ -133,6 +142,8 @@ INDEXED_ALONG = {  # along one dim at an index tensor's positions (``(x, dim, in
 }
 TRIANGLES = {aten.tril.default, aten.triu.default}  # (x, diagonal): over the last two dims
 PADS = {aten.pad.default, aten.constant_pad_nd.default}  # (x, pad, ...): pad lists the last dims' (before, after)
+WINDOWS = {aten.im2col.default}  # nn.Unfold of [N, C, H, W]: each sample's windows (native sparse attention's
+#                                  compression of (b h) rows): over the last three dims
 CONVS = {aten.conv1d.default, aten.conv2d.default}  # (input, weight, bias, stride, padding, dilation, groups)
 CONVOLUTIONS = CONVS | {aten.conv3d.default, aten.convolution.default, aten.conv1d.padding, aten.conv2d.padding,
                         aten.conv_transpose1d.default}
@@ -187,7 +198,7 @@ FAMILIES = (  # (family, its ops): the first family that lists an op is its own
     ("repeat_interleave", {aten.repeat_interleave.self_int}),
     ("reduction", set(PARTIAL)),
     ("along", ALONG),
-    ("trailing", PADS | TRIANGLES),
+    ("trailing", PADS | TRIANGLES | WINDOWS),
     ("linear", {aten.linear.default, aten.addmm.default}),
     ("cell", CELLS),
     ("bag", BAGS),
@@ -416,13 +427,16 @@ def pointwise_convolution(node) -> bool:
 
 
 def last_dims(node) -> int:
-    """How many trailing dims an op reads across: a triangle's matrix (2), a pad's padded dims, a norm's shape."""
+    """How many trailing dims an op reads across: a triangle's matrix (2), a pad's padded dims, a norm's shape, an
+    im2col's channels and windowed dims (3)."""
     if node.target in TRIANGLES:
         return 2
     if node.target in PADS:
         return len(node.args[1]) // 2
     if node.target in NORMS:
         return len(node.args[1])
+    if node.target in WINDOWS:  # channels and the two dims windowed; a sample's are its own
+        return 3
     raise KeyError(f"{node.target} reads no trailing dims")
 
 

@@ -169,7 +169,12 @@ def plan(graph, tp: int, overrides=None, sequence_parallel: bool = False) -> tup
             entry["why"] = _read_whole_by(walks, fqn)
         result.params[fqn] = entry
     for fqn in partial - set(result.params):  # read only whole, beside shards: listed for its gradient's sum
-        result.params[fqn] = {"dim": None, "role": "replicate", "grad": "partial"}
+        walk, user = _first_reader(walks, fqn)
+        where = f" ({rules.op_name(user)}{rules.at(user)})" if user is not None else ""
+        result.params[fqn] = {"dim": None, "role": "replicate", "grad": "partial",
+                              "why": f"read whole beside sharded values{where}: each rank computes its own rows (or "
+                                     f"pieces) with all of it, its gradient a part on each rank, summed over tp once "
+                                     f"per step"}
     for pattern, how in (overrides or {}).items():
         if how == "replicate":
             continue
@@ -258,6 +263,24 @@ def _read_whole_by(walks: list, fqn: str) -> str:
     a parametrization, nGPT's ``F.normalize(weight)`` before its linear)."""
     from tracepp.split.expert_parallel import GROUPED_MM
 
+    walk, user = _first_reader(walks, fqn)
+    if user is None:
+        return "no op of the stages reads it sharded"
+    op = (user.target.name() if hasattr(user.target, "name") else str(user.target)).replace("::", ".")
+    if op.replace(".", "::", 1) in GROUPED_MM:
+        return f"a routed expert ({op}{rules.at(user)}): tensor parallelism keeps routed experts whole; --ep shards them"
+    if walk.roles.get(user) == "rowwise":
+        return f"the bias of a row-wise linear ({op}{rules.at(user)}): added once, to the summed output"
+    if rules.family(user.target) in ("norm", "elementwise"):
+        return (f"read beside whole values only ({op}{rules.at(user)}): every rank computes it whole, as "
+                f"Megatron keeps its norms' and scales' weights")
+    return (f"read whole by {op}{rules.at(user)}, whose inputs are whole: no rule starts a shard there, so "
+            f"every rank computes it whole")
+
+
+def _first_reader(walks: list, fqn: str) -> tuple:
+    """(walk, the first op that reads the parameter ``fqn`` through views, casts and the trace's metadata checks),
+    or (None, None)."""
     passing = rules.MOVES | rules.VIEWS | rules.KEEP
     for walk in walks:
         for node in walk.graph.nodes:
@@ -273,19 +296,9 @@ def _read_whole_by(walks: list, fqn: str) -> str:
                     user = None
                 else:
                     break
-            if user is None:
-                continue
-            op = (user.target.name() if hasattr(user.target, "name") else str(user.target)).replace("::", ".")
-            if op.replace(".", "::", 1) in GROUPED_MM:
-                return f"a routed expert ({op}{rules.at(user)}): tensor parallelism keeps routed experts whole; --ep shards them"
-            if walk.roles.get(user) == "rowwise":
-                return f"the bias of a row-wise linear ({op}{rules.at(user)}): added once, to the summed output"
-            if rules.family(user.target) in ("norm", "elementwise"):
-                return (f"read beside whole values only ({op}{rules.at(user)}): every rank computes it whole, as "
-                        f"Megatron keeps its norms' and scales' weights")
-            return (f"read whole by {op}{rules.at(user)}, whose inputs are whole: no rule starts a shard there, so "
-                    f"every rank computes it whole")
-    return "no op of the stages reads it sharded"
+            if user is not None:
+                return walk, user
+    return None, None
 
 
 def _share(walk: _Walk, params: dict, flops: dict) -> dict:

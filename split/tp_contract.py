@@ -613,7 +613,9 @@ class _ContractionRules:
     def _tiled_heads(self, a, b) -> None:
         """``a`` and ``b`` sharded on the same heads, one of them in equal segments, the other in none: keys and
         values tiled to the query heads by einops' ``repeat(t, 'b h n d -> b (r h) n d')`` (x-transformers: query
-        head i reads key/value head i % h), their ``h`` heads sharded, so each of the ``r`` copies is a segment.
+        head i reads key/value head i % h), their ``h`` heads sharded, so each of the ``r`` copies is a segment; or
+        a fused projection's output beside its adapter's, joined from its q, k and v parts by ``cat`` in unequal
+        segments (litgpt's LoRA on ``qkv``).
         The projections of the one without segments are asked for the other's (in their output features: each
         head's features are one ``rest`` wide), learned and walked again: rank r then holds the query heads that
         read its key/value heads (heads {i : i % h in its block}), and the attention runs on them."""
@@ -622,7 +624,7 @@ class _ContractionRules:
         plain, tiled = (a, b) if self.segs.get(b) else (b, a)
         segments, heads = self.segs[tiled], _val(plain).shape[self.shard[plain]]
         origin = self.origin.get(plain, frozenset())
-        if (not origin or not self.groups_of(segments) or not _ints([heads] + list(segments))
+        if (not origin or not _ints([heads] + list(segments))
                 or sum(int(s) for s in segments) != int(heads)
                 or any(not self.out_features.get(f) or self.out_features[f] % int(heads) for f in origin)):
             return

@@ -492,7 +492,7 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
         return True
 
     def _on_elementwise(self, node, sharded) -> bool:
-        if node.target in rules.BINARY:
+        if node.target in rules.BINARY or (len(node.all_input_nodes) > 1 and rules.is_pointwise(node.target)):
             if self._elementwise(node):
                 return True
             if len(sharded) == 2 and len({self.shard[a] + _val(node).dim() - _val(a).dim() for a in sharded}) == 1:
@@ -739,23 +739,6 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
             if self.needs_grad.get(arg):
                 self.copies.append((node, arg))
         return True
-
-    def _unlike(self, node, operands) -> None:
-        """A column-wise projection's output in one piece beside a value in segments of the same dim (litgpt's LoRA:
-        the fused qkv's output plus its adapter's, joined from its q, k and v parts by ``cat``): the projection is
-        asked for those segments (its rows laid out by part), and the next pass adds them alike."""
-        placed = [(a, self.shard[a], self.segs.get(a)) for a in operands]
-        segmented = {segs for _a, _d, segs in placed if segs}
-        if len(segmented) != 1 or len({d - _val(a).dim() for a, d, _s in placed}) != 1:
-            return
-        segments = next(iter(segmented))
-        for arg, _dim, segs in placed:
-            origin = self.origin.get(arg, frozenset())
-            if segs or len(origin) != 1 or self.kind.get(arg) == "seq":
-                continue
-            fqn = next(iter(origin))
-            if self.out_features.get(fqn) == sum(int(s) for s in segments):
-                self.wants.setdefault(fqn, set()).update(rules.boundaries(segments))
 
     @staticmethod
     def _cell_state(arg) -> bool:

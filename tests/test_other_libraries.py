@@ -329,7 +329,8 @@ def test_einsum_attention_shards_by_heads():
 @pytest.mark.parametrize("name", ["cp_learned_positions", "cp_complex_rope", "cp_alibi_baddbmm", "cp_normalize_rmsnorm",
                                   "cp_linalg_norm", "cp_sequential", "tl_hooked_style", "cp_window_mask_rows",
                                   "cp_window_mask_rows:50", "tp_expert_loop", "cp_vector_gate", "cp_row_ops",
-                                  "cp_normalized_table", "cp_prefix_attention", "pkm_embedding_bag"])
+                                  "cp_normalized_table", "cp_prefix_attention", "pkm_embedding_bag",
+                                  "tp_head_gate_multiply"])
 def test_cp2_places_each_spelling(name, monkeypatch):
     # the plan step of the end-to-end cp tests above (the slower tier): nanoGPT's arange(0, t) positions (a crash),
     # torchtitan's complex rotary, BLOOM's and the ALiBi paper's baddbmm scores, x-transformers' F.normalize (refused),
@@ -344,7 +345,8 @@ def test_cp2_places_each_spelling(name, monkeypatch):
     # nn.GLU over the features and a GRUCell over the (b n) rows (refused: "mixes the positions"); nGPT's embedding,
     # a table normalised by a parametrization indexed by the tokens (refused: "no value ... holds a sequence shard");
     # litgpt's LLaMA-Adapter prompt, keys of no position every query attends to (refused: "mixes the positions");
-    # product-key memory's EmbeddingBag, one bag of picked values per position (refused: "mixes the positions")
+    # product-key memory's EmbeddingBag, one bag of picked values per position (refused: "mixes the positions");
+    # x-transformers' head gates through einx, torch.multiply (aten.multiply, untagged: refused, "mixes the positions")
     name, _, softcap = name.partition(":")
     monkeypatch.setenv("SOFTCAP", softcap or "0")
     manifest = check_model(model_path(name), num_microbatches=2, schedule="gpipe", layout=Layout(pp=1, cp=2))
@@ -687,6 +689,25 @@ def test_product_key_memory_values_are_vocabulary_parallel():
 
 def test_product_key_memory_values_tp2_train_equal_to_eager(tmp_path):
     path = model_path("pkm_embedding_bag")
+    out = str(tmp_path / "out")
+    split_model(path, out, schedule="looped-bfs", num_microbatches=4, layout=Layout(pp=1, tp=2))
+    _train_against_eager(path, out, 2, tmp_path)
+
+
+def test_head_gates_multiplied_by_torch_multiply_shard_with_their_heads():
+    # x-transformers' attn_gate_value_heads: einx.multiply calls torch.multiply, aten.multiply.Tensor, which torch does
+    # not tag pointwise: it had no rule, and the attention was whole on every rank. Numpy-style names of pointwise ops
+    # are elementwise now; the gate's projection takes the query heads' segments
+    manifest = check_model(model_path("tp_head_gate_multiply"), num_microbatches=4, layout=Layout(pp=2, tp=2))
+    params = manifest["tp"]["params"]
+    assert params["transformer.h.0.attn.to_v_head_gate.weight"]["segments"] == [2, 2]
+    assert params["transformer.h.1.attn.to_q.weight"]["role"] == "colwise"
+    assert manifest["tp"]["verified"]["status"] == "verified", manifest["tp"]["verified"]
+    assert all(stage["share"]["params"] >= 0.99 for stage in manifest["tp"]["stages"])
+
+
+def test_head_gates_multiplied_by_torch_multiply_tp2_train_equal_to_eager(tmp_path):
+    path = model_path("tp_head_gate_multiply")
     out = str(tmp_path / "out")
     split_model(path, out, schedule="looped-bfs", num_microbatches=4, layout=Layout(pp=1, tp=2))
     _train_against_eager(path, out, 2, tmp_path)

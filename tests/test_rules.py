@@ -146,6 +146,12 @@ def test_trailing_dims_of_pads_triangles_and_norms():
         for dim in range(x.dim() - reads):
             assert _holds(target, x, dim, dim, args, {}), (target, dim)
         assert not _holds(target, x, x.dim() - 1, x.dim() - 1, args, {}), target
+    # nn.Unfold (im2col) of [N, C, H, W]: each sample's windows its own (dim 0 kept), its channels and windows mixed
+    args = ([2, 3], [1, 1], [0, 1], [1, 2])  # kernel, dilation, padding, stride
+    node = _node(aten.im2col.default, [x], *args)
+    assert rules.last_dims(node) == 3 and rules.family(aten.im2col.default) == "trailing"
+    assert _holds(aten.im2col.default, x, 0, 0, args, {})
+    assert not _holds(aten.im2col.default, x, 3, 2, args, {})
 
 
 def _combined(kind, parts, node):
@@ -385,3 +391,16 @@ def test_log_sigmoid_is_elementwise_on_every_dim():
     x = torch.randn(SHAPE, dtype=F64)
     for d in range(x.dim()):
         _holds_with(aten.log_sigmoid.default, x, d, d)
+
+
+def test_numpy_style_names_of_pointwise_ops_are_elementwise():
+    # torch.multiply, torch.divide, torch.subtract ... (einx's einx.multiply calls torch.multiply) are CompositeImplicit
+    # aliases torch does not tag pointwise: each is the elementwise family, and a shard of any dim passes through it
+    x, y = torch.randn(SHAPE, dtype=F64), torch.randn(SHAPE, dtype=F64)
+    for target in (aten.multiply.Tensor, aten.divide.Tensor, aten.subtract.Tensor, aten.arctan2.default):
+        assert rules.family(target) == "elementwise", target
+        whole = target(x, y)
+        for dim in range(x.dim()):
+            for r, (xh, yh) in enumerate(zip(_halves(x, dim), _halves(y, dim))):
+                assert torch.equal(target(xh, yh), _halves(whole, dim)[r]), (target, dim)
+    assert rules.family(aten.negative.default) == "elementwise"
