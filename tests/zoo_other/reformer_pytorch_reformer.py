@@ -14,7 +14,8 @@ buckets of 2 at 8 tokens, so the LSH path runs. The hash draws its random rotati
 forward (``LSHAttention.hash_vectors``), one draw for the whole batch: the model is stochastic, as with dropout.
 """
 import torch
-from other_common import HEAD_DIM, HEADS, HIDDEN, LAYERS, SEQ, VOCAB, causal_lm_loss, examples_of, ids_batch, sgd, version
+from other_common import (HEAD_DIM, HEADS, HIDDEN, LAYERS, SEQ, VOCAB, causal_lm_loss, examples_of, ids_batch, sgd,
+                          version)
 from reformer_pytorch import ReformerLM
 
 LIBRARY, VERSION = "reformer-pytorch", version("reformer-pytorch")

@@ -16,7 +16,8 @@ then k-means iterations), each training forward stores new means, and a backward
 (``kmeans_ema_decay=0.999``).
 """
 import torch
-from other_common import HEAD_DIM, HEADS, HIDDEN, LAYERS, SEQ, VOCAB, causal_lm_loss, examples_of, ids_batch, sgd, version
+from other_common import (HEAD_DIM, HEADS, HIDDEN, LAYERS, SEQ, VOCAB, causal_lm_loss, examples_of, ids_batch, sgd,
+                          version)
 from routing_transformer import RoutingTransformerLM
 
 LIBRARY, VERSION = "routing-transformer", version("routing-transformer")

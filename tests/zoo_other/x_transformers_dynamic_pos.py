@@ -1,13 +1,13 @@
 """x-transformers' decoder with a dynamic position bias and a Primer-style feed-forward (lucidrains,
 ``x_transformers.TransformerWrapper`` + ``Decoder``, pip ``x-transformers``), its own classes unchanged: a dynamic
-position bias (``dynamic_pos_bias``, ``DynamicPositionBias``: each relative position -7..7 as
-``sign * log(|p| + 1)`` (``dynamic_pos_bias_log_distance``) fed through a small MLP, Linear(1, 16) -> LayerNorm
-(``dynamic_pos_bias_norm``) -> SiLU -> Linear(16, 16) -> LayerNorm -> SiLU -> Linear(16, heads), indexed by i - j
-into one bias per head added to the [heads, i, j] scores, shared by every layer), a squared-ReLU feed-forward (``ff_relu_squared``, Primer) with a
-LayerNorm after the activation (``ff_post_act_ln``), LIMe layer integration (``integrate_layers``: each layer's
-input a learned, input-dependent mix of every earlier layer's output, queries, keys and values each reading their own
-mix, ``DynamicLIMe``), pre-norm RMSNorm, grouped-query attention (4 query heads, 2 key/value heads), no absolute or
-rotary positions, the attention written out (``attn_flash=False``); dim 64, 2 layers, vocabulary 128.
+position bias (``dynamic_pos_bias``, ``DynamicPositionBias``: each relative position -7..7 as ``sign * log(|p| + 1)``
+(``dynamic_pos_bias_log_distance``) fed through a small MLP, Linear(1, 16) -> LayerNorm (``dynamic_pos_bias_norm``) ->
+SiLU -> Linear(16, 16) -> LayerNorm -> SiLU -> Linear(16, heads), indexed by i - j into one bias per head added to the
+[heads, i, j] scores, shared by every layer), a squared-ReLU feed-forward (``ff_relu_squared``, Primer) with a LayerNorm
+after the activation (``ff_post_act_ln``), LIMe layer integration (``integrate_layers``: each layer's input a learned,
+input-dependent mix of every earlier layer's output, queries, keys and values each reading their own mix,
+``DynamicLIMe``), pre-norm RMSNorm, grouped-query attention (4 query heads, 2 key/value heads), no absolute or rotary
+positions, the attention written out (``attn_flash=False``); dim 64, 2 layers, vocabulary 128.
 """
 import torch
 from other_common import (HEAD_DIM, HEADS, HIDDEN, KV_HEADS, LAYERS, SEQ, VOCAB, causal_lm_loss, examples_of,
