@@ -555,7 +555,7 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
             self._whole_part(first)
             if node in self.heads_of_one:
                 return self._refuse(node, f"makes one head of {in_val.shape[dim]} features sharded over --tp "
-                                          f"{self.tp} ({list(out_val.shape)}): fewer heads than --tp (a "
+                                          f"{self.tp} ({list(out_val.shape)}): fewer heads than --tp (as a "
                                           f"multi-query or grouped-query key/value head, or one group's state "
                                           f"shared by every head: Mamba-2's B and C), gathered whole")
             return self._refuse(node, f"reshapes a dim of {in_val.shape[dim]} sharded over --tp {self.tp} "
