@@ -108,6 +108,7 @@ def _vector_norm(g: fx.Graph, node) -> list:
 
 
 CELLS = (aten.gru_cell.default, aten.rnn_tanh_cell.default, aten.rnn_relu_cell.default)
+CELL_NAMES = ("gru_cell", "rnn_tanh_cell", "rnn_relu_cell")  # as rules.op_name names them: the written-out ops' mark
 
 
 def cells(g: fx.Graph) -> list:

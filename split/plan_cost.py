@@ -34,7 +34,7 @@ import weakref
 
 import torch
 
-from tracepp.split import rules, tp_grads
+from tracepp.split import decompose, rules, tp_grads
 from tracepp.split.cost import node_flops, tensor_bytes
 from tracepp.split.naming import starred
 
@@ -528,9 +528,6 @@ def _batched(node) -> bool:
                and a.meta["val"].dim() >= 3 for a in _products_operands(node))
 
 
-_CELLS = ("gru_cell", "rnn_tanh_cell", "rnn_relu_cell")  # decompose.CELLS as rules.op_name names them
-
-
 def _one_head_broadcast(walk) -> set:
     """Attention with fewer key/value groups than --tp: products reading a whole key or value of one head beside
     queries sharded by heads (recurrentgemma's multi-query attention, ``einsum("b t n h, b s n h -> b n t s")`` with
@@ -581,7 +578,7 @@ def layer_bytes(walk) -> dict:
         and _batched(consumer)} | set(
         walk.heads_of_one) | _one_head_broadcast(walk)  # a head of one gathered: a multi-query key, Mamba-2's B and
     #                         C of one group (MLA's rotary key is computed whole, from its whole latent)
-    fewer_groups |= {n for n in walk.graph.nodes if n.meta.get("written_out") in _CELLS}
+    fewer_groups |= {n for n in walk.graph.nodes if n.meta.get("written_out") in decompose.CELL_NAMES}
     out = {}
     for layer, nodes in layers.items():
         inside = set(nodes)

@@ -707,7 +707,7 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
                 cut.append((arg, at))  # one the plan keeps whole (a tp_plan override, a trial): read at its piece
                 self._use(arg, None)
             elif not seq and out_dim == n - 1 and not self.needs_grad.get(arg) and self._stream_read_on(node, arg) \
-                    and not self._cell_state(arg):
+                    and not self._cell_update(node):
                 return self._refuse(node, f"{arg.name} is whole and as wide as the sharded dim of "
                                           f"{', '.join(a.name for a in node.all_input_nodes if a in self.shard)}")
             elif (seq or not self.needs_grad.get(arg)) and (self.groups_of(segments) or not seq):
@@ -717,7 +717,7 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
                 cut.append((arg, at))  # made from weights alone (-exp(A_log), a bias per head): its piece
             elif not seq and self.groups_of(segments) and (
                     out_dim < n - 1 or (self._feeds_linear(node) and not self._stream_read_on(node, arg))
-                    or self._cell_state(arg)
+                    or self._cell_update(node)
                     or (n > 3 and arg.target in rules.CONTRACTIONS)):
                 # one that carries a gradient, beside pieces of heads (CPM-Ant's learned position bias added to the
                 # scores of each head; Mamba-2's scores of every head, an einsum [b, chunk, l, s, heads]) or gating a
@@ -741,11 +741,11 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
         return True
 
     @staticmethod
-    def _cell_state(arg) -> bool:
-        """``arg`` is a recurrent cell's state, read whole by the linear of its gates and at its piece by the update
-        (a GRU's ``(h - n) * z + n`` written out, ``decompose.cell``): no row-wise pair can make the gates whole, so
-        the state is read at this rank's hidden units and the new state gathered once, where it is read whole."""
-        return any(user.target is aten.linear.default and user.args[0] is arg for user in arg.users)
+    def _cell_update(node) -> bool:
+        """``node`` is an op of a recurrent cell written out (``decompose.cell``: a GRU's ``(h - n) * z + n``): the
+        state beside its sharded gates is read at this rank's hidden units (no row-wise pair can make the gates
+        whole) and the new state gathered once, where it is read whole."""
+        return node.meta.get("written_out") in decompose.CELL_NAMES
 
     @staticmethod
     def _stream_read_on(node, arg) -> bool:
