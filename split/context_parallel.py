@@ -208,9 +208,8 @@ class LossGraph:
                     raise ContextParallelError(
                         f"--cp cannot place the loss's inputs: loss_fn reads output leaf {index} as {name} of "
                         f"{len(sizes)} dims, which the last stage sends sharded on dim {dim}: the output's leaves do "
-                        f"not line up with loss_fn's (a cache object in the output, PEFT's prefix tuning's "
-                        f"DynamicCache); return only the tensors the loss reads (use_cache=False), or split without "
-                        f"--cp")
+                        f"not line up with loss_fn's; return only the tensors the loss reads (use_cache=False for a "
+                        f"cache object), or split without --cp")
                 return sympy.sympify(sizes[dim] / groups)
         return None
 

@@ -184,3 +184,67 @@ def test_a_tied_weight_on_one_rank_is_refused_as_fsdp_wraps_over_cp():
     # zbv places stages 0 and 3 (the tied embedding and head) on rank 0; FSDP over dp x cp cannot hold it twice
     with pytest.raises(ValueError, match=r"--cp 2 \(FSDP/DDP over dp x cp\) with schedule 'zbv' puts stages 0 and 3"):
         check_model(model_path("tp_llama"), schedule="zbv", num_microbatches=4, layout=Layout(pp=2, cp=2))
+
+
+CACHE_OUTPUT = '''
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.utils._pytree as pytree
+
+
+class Cache:
+    """A cache object in the output, as transformers' DynamicCache exported: rebuilding it from its leaves joins
+    each to an empty tensor the rebuild makes (a constant torch.export lifts into an input)."""
+
+    def __init__(self, keys):
+        self.keys = keys
+
+
+def _flatten(cache):
+    return [cache.keys], None
+
+
+def _unflatten(leaves, _context):
+    return Cache(torch.cat([torch.tensor([], dtype=leaves[0].dtype, device=leaves[0].device), leaves[0].flatten()]))
+
+
+pytree.register_pytree_node(Cache, _flatten, _unflatten)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.k, self.head = nn.Embedding(32, 16), nn.Linear(16, 16), nn.Linear(16, 32)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        return self.head(x), Cache(self.k(x))
+
+
+def model():
+    torch.manual_seed(0)
+    return Net()
+
+
+def example_inputs():
+    return torch.randint(0, 32, (4, 8), generator=torch.Generator().manual_seed(0))
+
+
+def example_target():
+    return torch.randint(0, 32, (4, 8), generator=torch.Generator().manual_seed(1))
+
+
+def loss_fn(output, target):
+    return F.cross_entropy(output[0].reshape(-1, 32), target.reshape(-1))
+'''
+
+
+def test_a_loss_whose_output_object_rebuilds_with_constants_is_traced(tmp_path):
+    # PEFT's prefix tuning returns a DynamicCache; rebuilding it in the traced loss makes empty tensors torch.export
+    # lifts into inputs before the output's leaves, and the loss's inputs were matched to the leaves one place off
+    # ("loss_fn reads output leaf 0 as ... of 1 dims"). Unread, they are dropped, and the leaves line up
+    path = tmp_path / "cache_output.py"
+    path.write_text(CACHE_OUTPUT)
+    manifest = check_model(str(path), num_microbatches=2, layout=Layout(pp=1, cp=2))
+    assert manifest["cp"]["verified"]["status"] == "verified", manifest["cp"]["verified"]
