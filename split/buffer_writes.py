@@ -24,7 +24,7 @@ def _base(node):
     """The placeholder a value views (through views of their first operand, and in-place ops, which return it), or
     None."""
     while isinstance(node, fx.Node) and node.op == "call_function" and node.args and (
-            rules.is_view(node) or node.args[0] in rules.written(node)):
+            rules.is_view(node, copies=True) or node.args[0] in rules.written(node)):
         node = node.args[0]
     return node if isinstance(node, fx.Node) and node.op == "placeholder" else None
 

@@ -579,17 +579,18 @@ _MAY_COPY = {aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten.to.other,
 #           only where they change nothing (their schema marks the output as maybe aliased): not taken for views
 
 
-def is_view(node) -> bool:
+def is_view(node, copies: bool = False) -> bool:
     """``node``'s output is a view of its first operand: its schema says so (views, reshapes, slices, transposes,
     expands, squeezes, diagonals, ``alias``, ``detach``: ``Tensor(a) self -> Tensor(a)``), or it is ``_unsafe_view``,
-    which export makes of a reshape and whose schema does not mark; not a cast or ``contiguous``, views only where they
-    change nothing."""
+    which export makes of a reshape and whose schema does not mark. A cast or ``contiguous`` is a view only where it
+    changes nothing: taken for one with ``copies`` (what a write may reach: llama-models' ``self.cache_k =
+    self.cache_k.to(xq)`` before it writes into the cache), not otherwise."""
     if node.op != "call_function" or not node.args or not isinstance(node.args[0], fx.Node):
         return False
     if node.target in VIEWS:
         return True
     if node.target in _MAY_COPY:
-        return False
+        return copies
     schema = getattr(node.target, "_schema", None)
     return bool(schema and schema.returns and schema.returns[0].alias_info is not None
                 and not schema.returns[0].alias_info.is_write and schema.arguments

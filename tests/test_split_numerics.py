@@ -83,12 +83,14 @@ def test_a_buffer_read_on_a_stage_before_another_writes_it_is_refused_by_name(mo
         trace_and_split(model_path("buffer_cache"))
 
 
-def test_a_buffer_written_with_a_value_that_carries_a_gradient_is_refused_by_name(monkeypatch):
+@pytest.mark.parametrize("how", ["1", "cast"])
+def test_a_buffer_written_with_a_value_that_carries_a_gradient_is_refused_by_name(monkeypatch, how):
     # Meta's reference Llama keeps each call's keys in self.cache_k in training: the split was written, and its
-    # second microbatch failed ("Trying to backward through the graph a second time", as eager's second step)
+    # second microbatch failed ("Trying to backward through the graph a second time", as eager's second step). It
+    # writes through self.cache_k.to(xq), a cast that changes nothing ("cast"): the write reaches the buffer all the same
     from tracepp.split.partition import SplitError
 
-    monkeypatch.setenv("KEEP_ACTIVATIONS", "1")
+    monkeypatch.setenv("KEEP_ACTIVATIONS", how)
     with pytest.raises(SplitError, match=r"writes a value that carries a gradient .* into 'b_rotary_cached_freqs'"):
         trace_and_split(model_path("buffer_cache"))
 

@@ -21,7 +21,9 @@ from tracepp import pipe_split
 
 D, SEQ, BATCH, MAX_SEQ = 16, 8, 4, 32
 READ_BEFORE = os.environ.get("READ_BEFORE") == "1"
-KEEP_ACTIVATIONS = os.environ.get("KEEP_ACTIVATIONS") == "1"  # a cache of activations that carry a gradient
+KEEP_ACTIVATIONS = os.environ.get("KEEP_ACTIVATIONS") in ("1", "cast")  # a cache of activations that carry a gradient
+CAST = os.environ.get("KEEP_ACTIVATIONS") == "cast"  # written through a cast that changes nothing (llama-models'
+#                                                       self.cache_k = self.cache_k.to(xq))
 
 
 def rotate_half(x):
@@ -72,7 +74,8 @@ class CachedRotaryNet(nn.Module):
         else:
             h = self.layers[0](h, self.rotary(seq))
         if KEEP_ACTIVATIONS:  # Meta's reference Llama: self.cache_k[:bsz, ...] = xk, with xk's graph
-            self.rotary.cached_freqs[:seq] = h[0]
+            cache = self.rotary.cached_freqs.to(h) if CAST else self.rotary.cached_freqs
+            cache[:seq] = h[0]
         pipe_split()
         h = self.layers[1](h, self.rotary(seq))
         return self.out(h)
