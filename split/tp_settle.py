@@ -9,7 +9,7 @@ import os
 
 import torch
 
-from tracepp.split import plan_cost, rules
+from tracepp.split import decompose, plan_cost, rules
 from tracepp.split.naming import starred
 from tracepp.split.partition import _gradient_flags
 from tracepp.split.rules import at as _at, val as _val
@@ -67,8 +67,12 @@ def _narrow_columns(walk: _Walk) -> dict:
 
 
 def _gathers_narrower(walk: _Walk, region, inside: list) -> bool:
-    """The region's column-wise linears compute at least twice the elements its gathers make whole (a GRU gate's
-    two linears of three gates each, gathered once as the new state): the shard saves more than the gather moves."""
+    """A recurrent cell written out (``decompose.cell``) whose column-wise linears compute at least twice the
+    elements its gathers make whole (a GRU gate's two linears of three gates each, gathered once as the new state):
+    the shard saves more than the gather moves. (Only there: elsewhere a region gathered before the stage's end is
+    replicated as before, its cost not weighed.)"""
+    if not any(node.meta.get("written_out") in decompose.CELL_NAMES for node in region):
+        return False
     computed = [_val(node) for node in region if walk.roles.get(node) == "colwise"]
     gathered = [_val(arg) for consumer, arg in walk.gathers if arg in region and consumer in inside]
     sizes = [v.numel() for v in computed + gathered]
