@@ -370,7 +370,8 @@ def _goals_text(summary: dict) -> str:
         head += f"; not yet run: {', '.join(summary['pending'])}"
     return "\n".join([
         head + ":", "", "| goal | met | target | models that miss it |", "| --- | --- | --- | --- |",
-        line("pp 2, tp 2, cp 2 (and ep 2 with routed experts) each exact, or refused by name with its source line",
+        line("pp 2, tp 2, cp 2 (and ep 2 with routed experts) each exact, or refused by name with its source line "
+             "(or, where the model draws random numbers in training, equal in distribution as said at split)",
              summary["exact_or_refused_by_name"], "100%"),
         line("tp 2 shards >= 0.95 of every decoder layer and is exact (2+ key/value heads)",
              summary["tp_kv2_sharded_exact"], "100%"),
