@@ -291,9 +291,7 @@ class _Walk(Propagation):
         per_sample_weights=attn)``): rows of indices and weights sharded alike (the positions folded into them) give
         the rows of the bags' sums, the table read whole."""
         weight, indices = node.args[0], node.args[1]
-        names = [spec.name for spec in node.target._schema.arguments]
-        offsets = rules.arg(node, names.index("offsets"), "offsets")
-        weights = rules.arg(node, names.index("per_sample_weights"), "per_sample_weights")
+        offsets, weights = rules.named(node, "offsets"), rules.named(node, "per_sample_weights")
         rows = [a for a in (indices, weights) if isinstance(a, fx.Node)]
         if (weight in sharded or set(sharded) != set(rows) or len({self.shard[a] for a in rows}) != 1
                 or self.shard[indices][0] != 0):

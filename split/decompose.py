@@ -111,6 +111,11 @@ CELLS = (aten.gru_cell.default, aten.rnn_tanh_cell.default, aten.rnn_relu_cell.d
 CELL_NAMES = ("gru_cell", "rnn_tanh_cell", "rnn_relu_cell")  # as rules.op_name names them: the written-out ops' mark
 
 
+def of_cell(node) -> bool:
+    """``node`` is an op of a recurrent cell written out (:func:`cell` marks them)."""
+    return node.meta.get("written_out") in CELL_NAMES
+
+
 def cells(g: fx.Graph) -> list:
     """Every recurrent cell of ``g`` over rows (a 2-D input) written out (:func:`cell`): the nodes made."""
     made = []

@@ -22,8 +22,6 @@ from tracepp.split.rules import equal as _equal, sizes as _sizes, val as _val
 aten = torch.ops.aten
 
 _REARRANGES = {aten.clone.default, aten.contiguous.default, aten.alias.default}  # copies: each element where it was
-
-
 _CUTS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default}  # a weight's parts, one dim kept
 _DERIVED_STEPS = 32  # the most steps a derived weight is looked for through (nGPT's normalised weight: 5)
 

@@ -578,7 +578,7 @@ def layer_bytes(walk) -> dict:
         and _batched(consumer)} | set(
         walk.heads_of_one) | _one_head_broadcast(walk)  # a head of one gathered: a multi-query key, Mamba-2's B and
     #                         C of one group (MLA's rotary key is computed whole, from its whole latent)
-    fewer_groups |= {n for n in walk.graph.nodes if n.meta.get("written_out") in decompose.CELL_NAMES}
+    fewer_groups |= {n for n in walk.graph.nodes if decompose.of_cell(n)}
     out = {}
     for layer, nodes in layers.items():
         inside = set(nodes)

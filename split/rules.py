@@ -318,6 +318,13 @@ def arg(node, index: int, name: str, default=None):
     return node.kwargs.get(name, default)
 
 
+def named(node, name: str, default=None):
+    """The argument the op's schema calls ``name``, where the call gives it positionally or by keyword; ``default``
+    where it gives neither or the schema has no such argument."""
+    names = [spec.name for spec in node.target._schema.arguments]
+    return arg(node, names.index(name), name, default) if name in names else default
+
+
 # ---- dim maps: where a shard of ``dim`` goes through an op (None: the op reads across that dim)
 
 def moved_dim(node, dim: int, ranks: int = 1):
@@ -363,10 +370,8 @@ def moved_dim(node, dim: int, ranks: int = 1):
 def reduction(node) -> tuple:
     """``(dims, keepdim)`` of a reduction (:data:`PARTIAL`): the input's dims it reduces (all where it names none),
     read by the op's schema (``dim`` and ``keepdim`` wherever the overload puts them)."""
-    names = [spec.name for spec in node.target._schema.arguments]
     ndim = val(node.args[0]).dim()
-    dims = arg(node, names.index("dim"), "dim") if "dim" in names else None
-    keep = arg(node, names.index("keepdim"), "keepdim", False) if "keepdim" in names else False
+    dims, keep = named(node, "dim"), named(node, "keepdim", False)
     if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
         dims = list(range(ndim))
     elif not isinstance(dims, (list, tuple)):
@@ -388,8 +393,7 @@ def partial_kind(node) -> str:
     "max", "min", "norm" (a p-norm: the ranks' norms combine as a p-norm, not a sum), "product", "variance", ..."""
     kind = PARTIAL[node.target]
     if kind == "norm":
-        names = [spec.name for spec in node.target._schema.arguments]
-        order = arg(node, names.index("ord" if "ord" in names else "p"), "ord" if "ord" in names else "p", 2)
+        order = named(node, "ord", named(node, "p", 2))
         if node.target is aten.linalg_norm.default:  # a vector norm over one dim, Frobenius over two (ord None);
             if order is None:                          # a matrix norm of an order is not one of the elements
                 return "2-norm"

@@ -31,7 +31,8 @@ Walking the graph in order:
 
 A column-wise linear whose output only ever gets gathered is kept only when it leaves the stage (the head's
 vocabulary rows) or it is a recurrent cell's, written out, that computes at least twice the elements it gathers (a
-GRU gate's two linears of three gates, gathered once as the new state); otherwise it is replicated. A parameter must take one placement everywhere it is used (a tied
+GRU gate's two linears of three gates, gathered once as the new state); otherwise it is replicated. A parameter
+must take one placement everywhere it is used (a tied
 embedding and head, on one stage or two): where its uses disagree it is replicated. So is any dim that
 ``tp`` does not divide (grouped-query attention with fewer key/value heads than ``tp`` replicates its
 attention), and whatever the model file's ``tp_plan`` (FQN pattern -> ``"replicate"``) names. Every

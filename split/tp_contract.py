@@ -3,6 +3,7 @@ parts), embeddings (vocabulary-parallel), batched products and attention in its 
 baddbmm, einsum), gathers and depthwise convolutions: a mixin of ``tp_walk._Walk``."""
 from __future__ import annotations
 
+import functools
 import operator
 
 import torch
@@ -288,10 +289,9 @@ class _ContractionRules:
         each rank summing its rows' entries (the others' weighted 0, ``tp_vocab_rows``) and ``tp_all_reduce`` summing
         the ranks'; the weights, whole, get their gradient summed over tp."""
         weight = node.args[0]
-        names = [spec.name for spec in node.target._schema.arguments]
-        get = lambda name, default=None: rules.arg(node, names.index(name), name, default)  # noqa: E731
         fqn, wval = self._param(weight), _val(weight)
         users = [user for user in node.users if user.users or user.target is not operator.getitem]
+        get = functools.partial(rules.named, node)
         if (fqn is None or fqn in self.forced or self.sequence is not None or get("mode", 0) != 0
                 or get("scale_grad_by_freq", False) or get("sparse", False) or get("padding_idx") not in (None, -1)
                 or wval.dim() != 2 or not _ints([wval.shape[0]]) or int(wval.shape[0]) % self.tp

@@ -62,9 +62,7 @@ def _rank_bags(g: fx.Graph, node, tp: int) -> None:
     from tracepp.split.decompose import _fake
 
     weight, indices = node.args[0], node.args[1]
-    names = [spec.name for spec in node.target._schema.arguments]
-    at = names.index("per_sample_weights")
-    weights = rules.arg(node, at, "per_sample_weights")
+    weights = rules.named(node, "per_sample_weights")
 
     def made(target, *args):
         return _insert(g, node, target, list(args), _fake(target, args, {}), node)
@@ -72,13 +70,12 @@ def _rank_bags(g: fx.Graph, node, tp: int) -> None:
     local = made(TP.tp_vocab_rows.default, indices, int(_val(weight).shape[0]) // tp)
     inside = made(aten.to.dtype, made(aten.ge.Scalar, local, 0), _val(weight).dtype)
     share = made(aten.mul.Tensor, weights, inside) if isinstance(weights, fx.Node) else inside
-    args = list(node.args)
-    args[1] = made(aten.clamp_min.default, local, 0)
-    if at < len(args):
-        args[at] = share
+    node.update_arg(1, made(aten.clamp_min.default, local, 0))
+    at = [spec.name for spec in node.target._schema.arguments].index("per_sample_weights")
+    if at < len(node.args):
+        node.update_arg(at, share)
     else:
-        node.kwargs = {**node.kwargs, "per_sample_weights": share}
-    node.args = tuple(args)
+        node.update_kwarg("per_sample_weights", share)
 
 
 def _insert(g: fx.Graph, before, target, args, val, like) -> fx.Node:

@@ -71,14 +71,13 @@ def _gathers_narrower(walk: _Walk, region, inside: list) -> bool:
     elements its gathers make whole (a GRU gate's two linears of three gates each, gathered once as the new state):
     the shard saves more than the gather moves. (Only there: elsewhere a region gathered before the stage's end is
     replicated as before, its cost not weighed.)"""
-    if not any(node.meta.get("written_out") in decompose.CELL_NAMES for node in region):
+    if not any(decompose.of_cell(node) for node in region):
         return False
-    computed = [_val(node) for node in region if walk.roles.get(node) == "colwise"]
-    gathered = [_val(arg) for consumer, arg in walk.gathers if arg in region and consumer in inside]
-    sizes = [v.numel() for v in computed + gathered]
-    if not computed or not all(isinstance(n, int) for n in sizes):
+    computed = [_val(node).numel() for node in region if walk.roles.get(node) == "colwise"]
+    gathered = [_val(arg).numel() for consumer, arg in walk.gathers if arg in region and consumer in inside]
+    if not computed or not all(isinstance(n, int) for n in computed + gathered):
         return False
-    return sum(v.numel() for v in computed) >= 2 * sum(v.numel() for v in gathered)
+    return sum(computed) >= 2 * sum(gathered)
 
 
 def fqn_map(stage, graph) -> dict:

@@ -745,7 +745,7 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
         """``node`` is an op of a recurrent cell written out (``decompose.cell``: a GRU's ``(h - n) * z + n``): the
         state beside its sharded gates is read at this rank's hidden units (no row-wise pair can make the gates
         whole) and the new state gathered once, where it is read whole."""
-        return node.meta.get("written_out") in decompose.CELL_NAMES
+        return decompose.of_cell(node)
 
     @staticmethod
     def _stream_read_on(node, arg) -> bool:

@@ -94,18 +94,20 @@ def trace_loss(model_file, graph) -> LossGraph:
                                    f"torch.export could not: {type(error).__name__}: {str(error)[:400]}") from error
     gm = program.graph_module
     user = set(program.graph_signature.user_inputs)
-    _drop_unread(gm.graph)
+    where = _where(model_file.module.loss_fn)
+    # what nothing reads goes (the loss's output object rebuilt in full: a DynamicCache's layers joined to empty
+    # tensors by cat and detach_, which only the cache would read)
+    gm.graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure() and n.target is not torch.ops.aten.detach_.default)
     for node in [n for n in gm.graph.nodes if n.op == "placeholder" and n.name not in user]:
         if node.users:  # a tensor the loss makes and reads (a constant export lifted into an input)
             raise ContextParallelError(f"--cp traces the model file's loss_fn to combine it over the cp ranks, and "
                                        f"it reads a constant tensor it makes ({node.name}, at "
-                                       f"{_where(model_file.module.loss_fn).splitlines()[0] or 'loss_fn'}): make "
+                                       f"{where.splitlines()[0] if where else 'loss_fn'}): make "
                                        f"it from the output's or the target's tensors, or split without --cp")
         gm.graph.erase_node(node)  # made and not read (the empty tensors of a cache object the output rebuilds)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     names = [f"output_{graph.output_leaves[p][1]}" for p in positions] + \
         (["target"] if len(t_leaves) == 1 else [f"target_{i}" for i in range(len(t_leaves))])
-    where = _where(model_file.module.loss_fn)
     for node, name in zip(placeholders, names):
         try:
             node._rename(name)
@@ -117,15 +119,6 @@ def trace_loss(model_file, graph) -> LossGraph:
             node.meta["stack_trace"] = where  # export keeps the wrapper's frame; the line the user wrote is this
     inputs_map = {node.name: (positions[i] if i < len(fakes) else None) for i, node in enumerate(placeholders)}
     return LossGraph(gm.graph, inputs_map, t_spec, len(fakes))
-
-
-def _drop_unread(graph) -> None:
-    """Ops whose values nothing reads (the loss's output object rebuilt in full: a DynamicCache's layers joined to
-    empty tensors by ``cat`` and ``detach_``, which only the cache would read), last first."""
-    for node in reversed(list(graph.nodes)):
-        if node.op == "call_function" and not node.users and (
-                not node.is_impure() or node.target is torch.ops.aten.detach_.default):
-            graph.erase_node(node)
 
 
 def _where(function) -> str:
