@@ -531,7 +531,8 @@ def _batched(node) -> bool:
 def _one_head_broadcast(walk) -> set:
     """Attention with fewer key/value groups than --tp: products reading a whole key or value of one head beside
     queries sharded by heads (recurrentgemma's multi-query attention, ``einsum("b t n h, b s n h -> b n t s")`` with
-    ``n`` 1 for the key: broadcast to every head, its projection computed whole), or an sdpa of fewer key/value heads
+    ``n`` 1 for the key: broadcast to every head, its projection computed whole; x-transformers' ``one_kv_head``,
+    ``einsum("b h i d, b j d -> b h i j")``, a key with no heads dim at all), or an sdpa of fewer key/value heads
     than queries and than --tp (Falcon-7B's multi-query attention, whole on every rank or not)."""
     out = set()
     for node in walk.graph.nodes:
@@ -543,21 +544,55 @@ def _one_head_broadcast(walk) -> set:
                     and rules.ints([q.shape[-3], k.shape[-3]]) and int(k.shape[-3]) < min(int(q.shape[-3]), walk.tp)):
                 out.add(node)
             continue
-        operands = [a for a in _products_operands(node) if isinstance(a, torch.fx.Node)]
+        full = _products_operands(node)
+        operands = [a for a in full if isinstance(a, torch.fx.Node)]
+        labels = rules.einsum_labels(node) if node.target is torch.ops.aten.einsum.default else None
         sharded = [a for a in operands if a in walk.shard]
         for a in sharded:
             dim = walk.shard[a]
             for b in operands:
                 val, ref = b.meta.get("val"), a.meta.get("val")
-                if (b not in walk.shard and isinstance(val, torch.Tensor) and isinstance(ref, torch.Tensor)
-                        and val.dim() == ref.dim() and val.shape[dim] == 1 and ref.shape[dim] != 1):
+                if b in walk.shard or not isinstance(val, torch.Tensor) or not isinstance(ref, torch.Tensor):
+                    continue
+                if val.dim() == ref.dim() and val.shape[dim] == 1 and ref.shape[dim] != 1:
                     out.add(node)
+                elif labels is not None and labels[0][full.index(a)][dim] not in labels[0][full.index(b)]:
+                    out.add(node)  # no heads at all: x-transformers' one key/value head, "b h i d, b j d -> b h i j"
     return out
+
+
+_SCORES_DEPTH = 10  # ops from an attention product to the softmax that normalizes its scores (scale, bias, mask)
+
+
+def _attends(node) -> bool:
+    """``node`` normalizes attention: an sdpa, or a softmax of scores an attention product makes (a few ops back, a
+    scale, a bias or a mask between, no linear): not LIMe's softmax over a linear's per-layer weights
+    (x-transformers' ``integrate_layers``), a router's, or any softmax of a projection's output."""
+    if node.op != "call_function" or node.target not in rules.ATTENTION_NORMALIZERS:
+        return False
+    if node.target in rules.SDPA:
+        return True
+    todo, seen = [(node.args[0], 0)], set()
+    while todo:
+        value, depth = todo.pop()
+        if not isinstance(value, torch.fx.Node) or value in seen or depth > _SCORES_DEPTH:
+            continue
+        seen.add(value)
+        if value.op != "call_function" or value.target in _PROJECTIONS:
+            continue
+        if value.target in rules.ATTENTION_PRODUCTS:
+            return True
+        todo.extend((a, depth + 1) for a in value.all_input_nodes)
+    return False
+
+
+_PROJECTIONS = {torch.ops.aten.linear.default, torch.ops.aten.addmm.default, torch.ops.aten.embedding.default}
 
 
 def layer_bytes(walk) -> dict:
     """{layer: (bytes ``walk``'s plan moves in it per microbatch, Megatron's bytes for it or None)} over the stage's
-    repeated blocks (:func:`_layer_of`). Megatron's plan applies to a decoder layer (one with an attention): its
+    repeated blocks (:func:`_layer_of`). Megatron's plan applies to a decoder layer (one with an attention,
+    :func:`_attends`): its
     attention and MLP each column-wise in, row-wise out, an all-reduce of the layer's ``[b, s, h]`` after each
     forward and one of each region's input gradient backward: 8 ``b s h`` elements as ring collectives move them
     (the layer's ``[b, s, h]``: its last value read after it), for each time the stage calls the layer. Megatron-Core divides the key/value groups among
@@ -583,7 +618,7 @@ def layer_bytes(walk) -> dict:
     for layer, nodes in layers.items():
         inside = set(nodes)
         megatron = None
-        if any(n.target in rules.ATTENTION_NORMALIZERS for n in nodes) and not inside & fewer_groups:
+        if any(_attends(n) for n in nodes) and not inside & fewer_groups:
             leaving = [n for n in nodes if isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dim() == 3
                        and n.meta["val"].dtype.is_floating_point and any(u not in inside for u in n.users)]
             if leaving:

@@ -71,11 +71,12 @@ def test_plan_bytes_are_what_the_rewritten_program_moves(model, monkeypatch):
                 assert megatron is None
 
 
-@pytest.mark.parametrize("einsum", ["0", "1"])
+@pytest.mark.parametrize("einsum", ["0", "1", "2"])
 def test_multi_query_attention_has_no_megatron_figure_and_shards_its_queries(einsum, monkeypatch):
     # Falcon-7B's sdpa of 4 query heads and 1 key/value head, broadcast (no enable_gqa): the attention was refused
     # ("1 heads for 4 query heads") and run whole (0.76 of each layer sharded), and its layer set against a Megatron
-    # plan that does not exist (Megatron-Core refuses fewer key/value groups than tp): 0.50x printed for Falcon
+    # plan that does not exist (Megatron-Core refuses fewer key/value groups than tp): 0.50x printed for Falcon;
+    # x-transformers' key of no heads dim ("b h i d, b j d -> b h i j", einsum 2) was set against one: 1.50x printed
     monkeypatch.setenv("MQA_EINSUM", einsum)
     manifest = check_model(model_path("tp_mqa_broadcast"), num_microbatches=2, layout=Layout(pp=1, tp=2))
     assert manifest["tp"]["verified"]["status"] == "verified", manifest["tp"]["verified"]
@@ -83,6 +84,28 @@ def test_multi_query_attention_has_no_megatron_figure_and_shards_its_queries(ein
         assert stage["share"]["params"] >= 0.94, stage["share"]
         assert stage["layers"] and all(megatron is None for _moved, megatron in stage["layers"].values())
     assert manifest["tp"]["params"]["transformer.h.0.attn.to_q.weight"]["role"] == "colwise"
+
+
+def test_a_softmax_is_attention_only_over_scores_an_attention_product_makes():
+    # x-transformers' LIMe (integrate_layers): a softmax over a linear's per-layer weights, in modules numbered as
+    # layers are, was taken for an attention, and each integrator set against a whole decoder layer's Megatron figure
+    from tracepp.split import plan_cost
+
+    class Scores(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.to_weights = torch.nn.Linear(8, 3)
+
+        def forward(self, q, k, hiddens):
+            attn = (torch.einsum("b h i d, b h j d -> b h i j", q, k) * 0.25).masked_fill(
+                torch.ones(4, 4, dtype=torch.bool).triu(1), -1e9).softmax(-1)
+            weights = self.to_weights(hiddens[-1]).softmax(-1)  # [b, n, layers]
+            return attn, torch.einsum("l b n d, b n l -> b n d", hiddens, weights)
+
+    q = torch.randn(2, 2, 4, 8)
+    graph = torch.export.export(Scores(), (q, q, torch.randn(3, 2, 4, 8))).graph
+    softmaxes = [n for n in graph.nodes if n.op == "call_function" and "softmax" in str(n.target)]
+    assert [plan_cost._attends(n) for n in softmaxes] == [True, False]
 
 
 def test_a_low_rank_product_with_a_2d_weight_is_no_key_and_keeps_the_megatron_figure(monkeypatch):
