@@ -173,6 +173,20 @@ def param_shares(walk) -> dict:
     return {block: sharded / total for block, (total, sharded) in counts.items() if total}
 
 
+def whole_share(walk) -> float:
+    """The share of the stage's parameters (elements) ``walk``'s plan holds whole on every rank, routed experts
+    apart."""
+    apart = _expert_weights(walk.graph, walk.fqn_of)
+    total = whole = 0
+    for node in walk.graph.nodes:
+        fqn = walk.fqn_of.get(node.name) if node.op == "placeholder" else None
+        if fqn is not None and fqn not in apart:
+            count = int(node.meta["val"].numel())
+            total += count
+            whole += 0 if any(dim is not None for dim in walk.uses.get(fqn, ())) else count
+    return whole / total if total else 0.0
+
+
 def cost(walks: list) -> float:
     """A settled plan's price in bytes per microbatch: bytes moved plus FLOPs each rank repeats, as bytes. The
     gradients summed once per step (``tp_grads``) are marked first: they cost nothing per microbatch."""

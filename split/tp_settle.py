@@ -249,7 +249,7 @@ def _settle_trials(graphs: list, tp: int, notes: dict, fused: dict, sequence, mi
             # latent all-gather more): a standard attention whose heads are narrower than the hidden size (Gemma's
             # 8 x 256 under 2,304) has the shapes of a pair, and gathered it moved 3.9x Megatron's bytes
             if not (all(roles.get(fqn) == "colwise" and ending.get(fqn) and fqn not in trial[0] for fqn in ups)
-                    and _refusals(found) <= _refusals(best)):
+                    and refusals(found) <= refusals(best)):
                 continue
             price = plan_cost.cost(best[0]) if price is None else price
             found_price = plan_cost.cost(found[0])
@@ -343,7 +343,7 @@ def _duplicated_where_cheaper(graphs: list, tp: int, learned: tuple, sequence, b
         roles = _linear_roles(found[0])
         if mode == "latent" and not all(roles.get(fqn) == "colwise" for fqn in ups):
             continue
-        if _refusals(found) > _refusals(best):
+        if refusals(found) > refusals(best):
             continue
         found_price, found_shares = plan_cost.cost(found[0]), [plan_cost.param_shares(w) for w in found[0]]
         if found_price >= price:
@@ -389,6 +389,24 @@ def _spreading(walks: list) -> dict:
             for fqn, found in readers.items() if len(found) > 1 and fqn is not None}
 
 
+def data_free(walks: list) -> dict:
+    """{FQN: why} of the column-wise linears whose input no input of the stage reaches: computed from parameters and
+    positions alone (x-transformers' dynamic position bias, an MLP over the relative distances -7..7 whose output
+    is one bias per head; DeBERTa's projections of its relative position embeddings)."""
+    found = {}
+    for walk in walks:
+        data: set = set()
+        for node in walk.graph.nodes:
+            if (node.op == "placeholder" and node.name not in walk.fqn_of) or any(
+                    a in data for a in node.all_input_nodes):
+                data.add(node)
+        for node, role in walk.roles.items():
+            fqn = walk._param(walk.forms[node][1]) if role == "colwise" and node in walk.forms else None
+            if fqn is not None and walk.forms[node][0] not in data:
+                found[fqn] = "computed from parameters and positions alone, not from any input of the stage"
+    return found
+
+
 def _spread_whole_where_cheaper(graphs: list, tp: int, learned: tuple, sequence, begins: dict, start: tuple,
                                 kept: dict, best: tuple) -> tuple:
     """The settled plan ``best``, or a cheaper one with column-wise linears :func:`_spreading` finds computed whole
@@ -413,7 +431,7 @@ def _spread_whole_where_cheaper(graphs: list, tp: int, learned: tuple, sequence,
         trial = _copied(start)
         trial[0].update(dict(made, **dict.fromkeys(wanted, "")))
         found = _settle(graphs, tp, *trial[:2], sequence, trial[2], dict(kept), begins=begins)
-        if _refusals(found) > _refusals(best):
+        if refusals(found) > refusals(best):
             continue
         found_price, found_shares = plan_cost.cost(found[0]), [plan_cost.param_shares(w) for w in found[0]]
         if found_price >= price or not within_budget(shares, found_shares):
@@ -497,7 +515,7 @@ def _linear_roles(walks: list) -> dict:
     return {walk._param(walk.forms[n][1]): r for walk in walks for n, r in walk.roles.items() if n in walk.forms}
 
 
-def _refusals(settled: tuple) -> int:
+def refusals(settled: tuple) -> int:
     """How many ops of a settled plan's final walks (:func:`_settle`'s answer) need a sharded value whole."""
     return sum(len(walk.reasons) for walk in settled[0])
 

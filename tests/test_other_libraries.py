@@ -671,12 +671,31 @@ def test_head_gates_multiplied_by_torch_multiply_shard_with_their_heads():
     assert all(stage["share"]["params"] >= 0.99 for stage in manifest["tp"]["stages"])
 
 
+def test_a_position_mlp_that_reads_no_input_is_computed_whole_where_that_costs_less(monkeypatch):
+    # x-transformers' dynamic position bias: an MLP over the relative distances, shared by every layer. Sharded as a
+    # column-wise, row-wise pair with its layer norms written out, it all-reduced [2n - 1, 16] and [2n - 1, 1]
+    # forward and backward to save a few thousand FLOPs; computed whole, its last linear's heads read at each rank's
+    from tracepp.split import tp_settle
+
+    manifest = check_model(model_path("tp_position_mlp"), num_microbatches=2, layout=Layout(pp=2, tp=2))
+    assert manifest["tp"]["verified"]["status"] == "verified", manifest["tp"]["verified"]
+    params = manifest["tp"]["params"]
+    assert "computed from parameters and positions alone" in params["rel_pos.mlp.0.0.weight"]["why"]
+    assert all(params[f"rel_pos.mlp.{k}.weight"]["role"] == "replicate" for k in ("0.0", "1.0", "2"))
+    shapes = [entry.get("shape") for stage in manifest["tp"]["stages"] for entry in stage["collectives"]]
+    assert not any(shape and shape[0] == "31" for shape in shapes), shapes  # nothing of the 2n - 1 distances moves
+    monkeypatch.setattr(tp_settle, "data_free", lambda walks: {})  # the plan before: the MLP sharded
+    before = check_model(model_path("tp_position_mlp"), num_microbatches=2, layout=Layout(pp=2, tp=2))
+    assert before["tp"]["params"]["rel_pos.mlp.0.0.weight"]["role"] == "colwise"
+    assert manifest["tp"]["stages"][0]["bytes"] < before["tp"]["stages"][0]["bytes"]
+
+
 @pytest.mark.parametrize("name", ["tp_normalized_weights", "tp_gru_gate", "tp_lora_qkv_conv", "tp_vera_adapter",
-                                  "pkm_embedding_bag", "tp_head_gate_multiply"])
+                                  "pkm_embedding_bag", "tp_head_gate_multiply", "tp_position_mlp"])
 def test_derived_weights_cells_adapters_bags_and_gates_tp2_train_equal_to_eager(name, tmp_path):
     # the plans the tests above check, each run on 2 ranks for 3 steps against eager: nGPT's normalised weights, a GRU
     # gate, litgpt's LoRA through 1 x 1 convolutions, VeRA's frozen shared matrices, product-key memory's bags, head
-    # gates through torch.multiply
+    # gates through torch.multiply, a position MLP computed whole
     path = model_path(name)
     out = str(tmp_path / "out")
     split_model(path, out, schedule="looped-bfs", num_microbatches=4, layout=Layout(pp=1, tp=2))
