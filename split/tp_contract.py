@@ -142,6 +142,8 @@ class _ContractionRules:
                 self.forms[node] = (x, weight, bias, out_dim)
                 self._claim(node, weight, _in_dim(wval, out_dim), segments)
                 self._scatter_output(node)
+                if node.name in self.local_sources and node not in self.reduce_scatters and bias is None:
+                    self._scatter_features(node, x, self.local_sources[node.name])
                 return
             if not left and self.shard[x] < features and not segments and fqn not in self.forced:
                 # rows sharded on a dim before the features (Inkling's per-head states @ a bank of profiles): each
@@ -330,6 +332,19 @@ class _ContractionRules:
         dim, segments = found
         self.reduce_scatters[node] = (dim, self.groups_of(segments))
         self._place(node, dim, segments, kind="seq")
+
+    def _scatter_features(self, node, x, dim: int) -> None:
+        """A row-wise output whose sum is read only at this rank's piece of its features (``tp_learn``: through
+        ops that keep each feature apart; x-transformers' output gate, ``sigmoid(to_output_gate(out))`` of the
+        merged heads, multiplying each rank's heads): reduce-scattered over them instead of all-reduced and then
+        read at the piece, half the bytes forward (its backward gathers the gradient, as the read did). In the
+        segments of its input where it is as wide (heads tiled for grouped-query attention: each rank's heads are a
+        piece of each tile, and so is its piece of the gate); one piece otherwise."""
+        segments = self.segs.get(x) if _equal(_val(node).shape[dim], _val(x).shape[-1]) else None
+        groups = self.groups_of(segments)
+        if groups:
+            self.reduce_scatters[node] = (dim, groups)
+            self._place(node, dim, segments)
 
     def _batched_matmul(self, node, operands=None) -> bool:
         """``q @ k.transpose(-1, -2)`` of eager attention, ``bmm`` of heads merged with the batch (Bloom's

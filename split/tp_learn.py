@@ -1,6 +1,7 @@
 """What one pass of the tensor-parallel walks learns for the next (``tp_settle``'s fixed point walks the stages again
 until none of these changes): parameters read only at a rank's piece, held as pieces (:func:`_learn_pieces`); whole
-values made on a piece where only a piece is read (:func:`_learn_local_sources`); fused projections' segments
+values made on a piece, or row-wise sums reduce-scattered to it, where only a piece is read
+(:func:`_learn_local_sources`); fused projections' segments
 (:func:`_learn_segments`) and the parts needed whole (:func:`_learn_whole_parts`)."""
 from __future__ import annotations
 
@@ -93,8 +94,10 @@ def _learn_local_sources(walks: list, sources: list) -> bool:
     that is not made from parameters alone): where the ops that make them keep each index of the read dim apart
     and start from an expand or ``repeat_interleave`` of a dim of 1 (Mamba-2's chunked scan: B and C of one group
     repeated to every head, their scores ``einsum("bclhn,bcshn->bclsh")`` of every head computed whole and read at
-    this rank's heads), those starts are made on the piece and the rest runs on it (``sources``: per graph, node
-    name -> dim). Every value on the way must be read at that piece alone."""
+    this rank's heads), or from a row-wise linear's sum read at heads (x-transformers' output gate over the merged
+    heads: its sum reduce-scattered, ``tp_contract._scatter_features``), those starts are made on the piece and the
+    rest runs on it (``sources``: per graph, node name -> dim). Every value on the way must be read at that piece
+    alone."""
     learned = False
     for walk, found in zip(walks, sources):
         reads = {(consumer, arg, dim) for consumer, arg, dim, _groups in walk.scatters}
@@ -109,8 +112,8 @@ def _learn_local_sources(walks: list, sources: list) -> bool:
 
 
 def _local_tree(walk: _Walk, value, dim: int, reads: set):
-    """{expand or repeat of a dim of 1: the dim it makes} from which ``value``, read at this rank's piece of ``dim``,
-    can be computed on the piece; None where some op on the way mixes the dim's indices or some value on the way is
+    """{expand or repeat of a dim of 1: the dim it makes; or row-wise linear: its output's features, reduce-scattered}
+    from which ``value``, read at this rank's piece of ``dim``, can be computed on the piece; None where some op on the way mixes the dim's indices or some value on the way is
     read otherwise than at that piece (``reads``: (reader, value, dim) of the walk's reads at a piece)."""
     at: dict = {}
     starts: dict = {}
@@ -128,7 +131,16 @@ def _local_tree(walk: _Walk, value, dim: int, reads: set):
         at[node] = d
         target, first = node.target, node.args[0]
         first_val = _val(first) if isinstance(first, torch.fx.Node) else None
-        if target in rules.EXPANDS or target is aten.repeat_interleave.self_int:
+        if walk.roles.get(node) == "rowwise":  # its partial sums reduce-scattered over the features it is read at,
+            #                                      where that read is at heads (a dim before the last: the gate's
+            #                                      [b, h, n, d] beside each rank's heads), not at the features of a
+            #                                      stream (LoRA's frozen base output beside a sharded adapter's: kept a
+            #                                      row-wise pair, the stream whole)
+            if (d != val.dim() - 1 or dim >= _val(value).dim() - 1 or walk.forms[node][2] is not None
+                    or node in walk.reduce_scatters or node.target is not aten.linear.default):
+                return None
+            starts[node] = d
+        elif target in rules.EXPANDS or target is aten.repeat_interleave.self_int:
             inner = d - (val.dim() - first_val.dim()) if isinstance(first_val, torch.Tensor) else -1
             if target is aten.repeat_interleave.self_int and (rules.arg(node, 2, "dim") is None
                                                                or not isinstance(node.args[1], int)):

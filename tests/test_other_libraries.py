@@ -39,6 +39,7 @@ name: ``tests/test_trace_errors.py``.)
 The wider survey, one model file per library, is ``benchmarks/studies/other_families.py`` (``docs/families.md``).
 """
 import json
+import os
 import sys
 
 import pytest
@@ -671,6 +672,27 @@ def test_head_gates_multiplied_by_torch_multiply_shard_with_their_heads():
     assert all(stage["share"]["params"] >= 0.99 for stage in manifest["tp"]["stages"])
 
 
+def test_an_output_gate_over_the_merged_heads_is_reduce_scattered_not_all_reduced_and_read_at_a_piece():
+    # x-transformers' hybrid gated attention: sigmoid(to_output_gate(out)) multiplies each rank's heads. The gate's
+    # row-wise sum was all-reduced whole and then read at each rank's piece (its gradient pieces gathered back):
+    # reduce-scattered over its features, in the segments of the heads it meets (2 key/value heads tiled to 4 query
+    # heads), it moves 8 KiB less a layer at these sizes
+    for kv in ("4", "2"):
+        os.environ["KV_HEADS"] = kv
+        try:
+            manifest = check_model(model_path("tp_output_gate"), num_microbatches=2, layout=Layout(pp=2, tp=2))
+        finally:
+            del os.environ["KV_HEADS"]
+        assert manifest["tp"]["verified"]["status"] == "verified", manifest["tp"]["verified"]
+        assert manifest["tp"]["params"]["transformer.h.0.attn.to_output_gate.weight"]["role"] == "rowwise"
+        for stage in manifest["tp"]["stages"]:
+            kinds = [entry["op"] for entry in stage["collectives"]]
+            assert "reduce_scatter" in kinds, kinds
+            assert stage["share"]["params"] >= 0.98, stage["share"]
+            for moved, megatron in stage["layers"].values():  # the gate's reduce-scatter and its gradient's gather
+                assert moved == megatron * 5 // 4, (moved, megatron)  # beside Megatron's 2 + 2 all-reduces
+
+
 def test_a_position_mlp_that_reads_no_input_is_computed_whole_where_that_costs_less(monkeypatch):
     # x-transformers' dynamic position bias: an MLP over the relative distances, shared by every layer. Sharded as a
     # column-wise, row-wise pair with its layer norms written out, it all-reduced [2n - 1, 16] and [2n - 1, 1]
@@ -691,11 +713,11 @@ def test_a_position_mlp_that_reads_no_input_is_computed_whole_where_that_costs_l
 
 
 @pytest.mark.parametrize("name", ["tp_normalized_weights", "tp_gru_gate", "tp_lora_qkv_conv", "tp_vera_adapter",
-                                  "pkm_embedding_bag", "tp_head_gate_multiply", "tp_position_mlp"])
+                                  "pkm_embedding_bag", "tp_head_gate_multiply", "tp_output_gate", "tp_position_mlp"])
 def test_derived_weights_cells_adapters_bags_and_gates_tp2_train_equal_to_eager(name, tmp_path):
     # the plans the tests above check, each run on 2 ranks for 3 steps against eager: nGPT's normalised weights, a GRU
     # gate, litgpt's LoRA through 1 x 1 convolutions, VeRA's frozen shared matrices, product-key memory's bags, head
-    # gates through torch.multiply, a position MLP computed whole
+    # gates through torch.multiply, an output gate reduce-scattered, a position MLP computed whole
     path = model_path(name)
     out = str(tmp_path / "out")
     split_model(path, out, schedule="looped-bfs", num_microbatches=4, layout=Layout(pp=1, tp=2))
