@@ -87,14 +87,17 @@ def refused_by_name(message: str) -> bool:
 def _layer_list(model) -> str:
     """The decoder layers' container: the ``ModuleList`` as the first table finds it, a ``ModuleDict`` keyed by
     layer index (torchtitan's ``Decoder.layers``), or the ``nn.Sequential`` whose children of one class are the
-    blocks (PaLM-pytorch's ``PaLM``: embedding, blocks, norm, head); of these, the one holding the most parameters."""
+    blocks (PaLM-pytorch's ``PaLM``: embedding, blocks, norm, head); of these, the one holding the most parameters
+    under its own name (a list registered twice, reformer-pytorch's ``blocks`` and ``irrev_blocks``, holds them under
+    the name that registered them first, as the split names them)."""
     import torch
 
+    named = dict(model.named_parameters())
     best = (0, "")
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.ModuleList) or (
                 isinstance(module, torch.nn.ModuleDict) and module and all(k.isdigit() for k in module.keys())):
-            best = max(best, (sum(p.numel() for p in module.parameters()), name))
+            best = max(best, (sum(p.numel() for key, p in named.items() if key.startswith(name + ".")), name))
         elif isinstance(module, torch.nn.Sequential):
             kinds: dict = {}
             for child in module.children():
