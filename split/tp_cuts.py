@@ -188,13 +188,18 @@ class _CutRules:
     def _want_in_part(self, value, points) -> bool:
         """``value`` is one part of a fused projection's features (a range of its segments, as a split took it),
         cut at ``points`` of its own (PaLM's MLP half of ``fused_attn_ff_proj``, chunked into its two halves): the
-        projection is asked for those points at the part's offset (learned, then walked again)."""
+        projection is asked for those points at the part's offset (learned, then walked again). Where the cut dim
+        is the part's heads (a view of its features as ``[heads, d]``: sinkhorn-transformer's keys, the first half
+        of ``to_kv(x).chunk(2)``, split at half their heads), each point counts a head's features."""
         fqn, index = self.part[value]
         fused = self.fused.get(fqn)
-        if not fused or index >= len(fused) or int(max(points)) != int(fused[index]):
+        if not fused or index >= len(fused):
+            return False
+        part, top = int(fused[index]), int(max(points))
+        if top != part and (top <= 0 or part % top or self.segs.get(value)):
             return False
         have = rules.boundaries(fused)
-        self.wants.setdefault(fqn, set()).update(have + [have[index] + int(p) for p in points])
+        self.wants.setdefault(fqn, set()).update(have + [have[index] + int(p) * (part // top) for p in points])
         return True
 
     def _want_heads(self, node, fqn, points, unit: int, width: int = None) -> bool:

@@ -712,12 +712,24 @@ def test_a_position_mlp_that_reads_no_input_is_computed_whole_where_that_costs_l
     assert manifest["tp"]["stages"][0]["bytes"] < before["tp"]["stages"][0]["bytes"]
 
 
+def test_a_part_of_a_fused_projection_cut_at_half_its_heads_shards_in_each_half():
+    # sinkhorn-transformer: to_kv(x).chunk(2) into k and v, each viewed into heads and cut at half of them. The cut
+    # counts heads, the part features: the projection was asked for nothing it could use and stayed whole (0.83)
+    manifest = check_model(model_path("tp_fused_kv_head_halves"), num_microbatches=2, layout=Layout(pp=2, tp=2))
+    assert manifest["tp"]["verified"]["status"] == "verified", manifest["tp"]["verified"]
+    params = manifest["tp"]["params"]
+    assert params["transformer.h.0.attn.to_kv.weight"]["segments"] == [32, 32, 32, 32]
+    assert params["transformer.h.1.attn.to_q.weight"]["segments"] == [32, 32]
+    assert all(stage["share"]["params"] >= 0.99 for stage in manifest["tp"]["stages"])
+
+
 @pytest.mark.parametrize("name", ["tp_normalized_weights", "tp_gru_gate", "tp_lora_qkv_conv", "tp_vera_adapter",
-                                  "pkm_embedding_bag", "tp_head_gate_multiply", "tp_output_gate", "tp_position_mlp"])
+                                  "pkm_embedding_bag", "tp_head_gate_multiply", "tp_output_gate", "tp_position_mlp", "tp_fused_kv_head_halves"])
 def test_derived_weights_cells_adapters_bags_and_gates_tp2_train_equal_to_eager(name, tmp_path):
     # the plans the tests above check, each run on 2 ranks for 3 steps against eager: nGPT's normalised weights, a GRU
     # gate, litgpt's LoRA through 1 x 1 convolutions, VeRA's frozen shared matrices, product-key memory's bags, head
-    # gates through torch.multiply, an output gate reduce-scattered, a position MLP computed whole
+    # gates through torch.multiply, an output gate reduce-scattered, a position MLP computed whole, a fused key/value
+    # projection cut at half its heads
     path = model_path(name)
     out = str(tmp_path / "out")
     split_model(path, out, schedule="looped-bfs", num_microbatches=4, layout=Layout(pp=1, tp=2))
