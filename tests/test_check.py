@@ -82,3 +82,18 @@ def test_random_ops_are_named_with_their_lines(tmp_path, capsys):
     note = next(line for line in printed.splitlines() if "draws random numbers" in line)
     assert "(2 op(s): aten.dropout at random_model.py:16, aten.rand_like at random_model.py:17)" in note, note
     assert "equals eager in distribution, not number for number" in note
+
+
+@pytest.mark.parametrize("mix", ["gather", "center", "none"])
+def test_a_model_whose_samples_mix_across_the_batch_is_warned_of(mix, monkeypatch, capsys):
+    # mixture-of-attention 0.0.25's router gives sample i the tokens of sample i // 2: its eager whole batch and its
+    # pipelined microbatches computed different functions, and the split said nothing (0.8 apart in the logits)
+    monkeypatch.setenv("MIX", mix)
+    assert main(["check", model_path("batch_mixing"), "--ranks", "2", "--microbatches", "2"]) == 0
+    captured = capsys.readouterr()
+    said = "the model's output for a sample depends on the other samples of its batch"
+    if mix == "none":
+        assert said not in captured.err and "0 warning(s)" in captured.out
+    else:
+        assert f"warning: {said}: run on the example batch of 4 whole and as 2 microbatches of 2" in captured.err
+        assert "1 warning(s)" in captured.out

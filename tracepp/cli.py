@@ -50,6 +50,8 @@ def _print_notes(manifest: dict) -> None:
     """What tracing noticed (stdout), and each op the FLOP count saw no formula for (one warning line each)."""
     for note in manifest.get("notes", []):
         print(f"note: {note}")
+    for warning in manifest.get("warnings", []):  # what makes a pipelined run differ from eager (a batch that mixes)
+        print(f"warning: {warning}", file=sys.stderr)
     for warning in manifest.get("flop_count", {}).get("warnings", []):
         print(f"warning: {warning}", file=sys.stderr)
     for warning in (manifest.get("memory") or {}).get("notes") or []:  # a rank's peak that is a bound, not a count
@@ -90,6 +92,7 @@ def _check(args) -> int:
     print()
     for warning in warnings:
         print(f"warning: {warning}")
+    warnings += manifest.get("warnings", [])  # printed with the notes, above
     print(f"{len(warnings)} warning(s); nothing written. `tracepp split` with the same options writes the folder.")
     return 0
 

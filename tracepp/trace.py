@@ -23,7 +23,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from tracepp.split.pipeline_graph import AUTOCAST_OFF, MASTER_DTYPE
-from tracepp import grad_modes, model_rng
+from tracepp import batch_mixing, grad_modes, model_rng
 from tracepp.dynamic import DynamicFlags, export_dynamic_shapes, names_from_model_spec
 from tracepp.modelfile import ModelFile, ModelFileError
 
@@ -49,6 +49,7 @@ class Traced:
     # --mixed-precision params: the parameters' own dtypes (fqn -> dtype) where the program was traced with them
     # cast to the compute dtype (the rank holds them so: the master weights)
     master_dtypes: dict = field(default_factory=dict)
+    warnings: list = field(default_factory=list)  # what makes a pipelined run differ from eager (printed as warnings)
 
 
 def batch_size_of(leaves: list, where: str) -> int:
@@ -358,11 +359,16 @@ def trace(model_file: ModelFile, num_microbatches: int, dynamic_shapes: Any = No
     random_ops = random_draws(program)
     if random_ops:
         notes.append(random_note(random_ops, model_file.training))
+    warnings = []
+    mixing = None if random_ops or param_dtype is not None else batch_mixing.check(
+        model, program, leaves, spec, batched, batch_size, num_microbatches)
+    if mixing:
+        warnings.append(mixing)
     if _is_on_meta(model):
         _replace_meta_device(program, _input_device(leaves))
     dim_names = {(leaf_of_arg[arg], dim): name for (arg, dim), name in arg_dim_names.items() if arg in leaf_of_arg}
     return Traced(program, model, model_file, num_microbatches, batch_size, batched, leaves, dim_names, notes,
-                  random_ops, master_dtypes)
+                  random_ops, master_dtypes, warnings)
 
 
 def _explain(error: BaseException, model, path: str, param_dtype) -> str:

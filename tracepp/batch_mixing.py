@@ -1,0 +1,70 @@
+"""Whether a model computes each sample apart from the others of its batch: the premise of pipelining it.
+
+A pipelined run splits the batch into microbatches and runs each through the stages on its own. A model whose output
+for a sample depends on the other samples of its batch (statistics over the batch dim, tokens routed with a capacity
+counted over the whole batch, a gather that indexes one sample's rows by another's, or a library's slip of the same
+effect: mixture-of-attention's router gathers sample ``i // routes``'s tokens for sample ``i``) then computes another
+function than the same model on the whole batch, and trains to other parameters, with nothing failing.
+
+:func:`check` runs the model eagerly on the example batch, whole and microbatch by microbatch, and compares the
+outputs: where they differ beyond the rounding of a different batch size, it says so, naming the output and the sample
+where they differ most. It runs only where that comparison means something and costs little: the model built with
+real weights, drawing no random numbers, writing no buffer in forward, and computing in float32 or float64."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.utils._pytree as pytree
+
+TOLERANCE = 1e-4  # of the whole batch's largest output magnitude (at least 1): float32 rounding of another batch size
+#                   stays under 1e-6 of it
+
+
+def check(model: torch.nn.Module, program, leaves: list, spec, batched: list, batch_size: int,
+          num_microbatches: int) -> Optional[str]:
+    """A warning where the model's outputs on the whole example batch and on its microbatches differ, else None.
+    ``leaves``/``spec``: the flattened (args, kwargs) of the example batch; ``batched``: which leaves have the batch
+    dim; ``program``: the traced program (a program that writes buffers is not run again)."""
+    if num_microbatches < 2 or batch_size < 2 or program.graph_signature.buffers_to_mutate:
+        return None
+    floating = [p for p in list(model.parameters()) + list(model.buffers()) if p.is_floating_point()]
+    if any(p.is_meta for p in floating) or any(p.dtype not in (torch.float32, torch.float64) for p in floating):
+        return None
+    size = -(-batch_size // num_microbatches)
+    pieces = [[leaf[start:start + size] if flag else leaf for leaf, flag in zip(leaves, batched)]
+              for start in range(0, batch_size, size)]
+    try:
+        with torch.no_grad():
+            whole = _outputs(model, leaves, spec, batch_size)
+            parts = [_outputs(model, piece, spec, min(size, batch_size - k * size)) for k, piece in enumerate(pieces)]
+    except Exception:  # noqa: BLE001 (a forward that runs only at the traced size: nothing to compare)
+        return None
+    worst = None
+    for index, value in whole.items():
+        if not all(index in part for part in parts):
+            continue
+        joined = torch.cat([part[index] for part in parts])
+        diff = (value.double() - joined.double()).abs()
+        scale = max(1.0, float(value.abs().max()))
+        if float(diff.max()) > TOLERANCE * scale and (worst is None or float(diff.max()) / scale > worst[0]):
+            sample = int(diff.reshape(diff.shape[0], -1).amax(dim=1).argmax())
+            worst = (float(diff.max()) / scale, index, sample, float(diff.max()))
+    if worst is None:
+        return None
+    _, index, sample, diff = worst
+    return (f"the model's output for a sample depends on the other samples of its batch: run on the example batch "
+            f"of {batch_size} whole and as {len(parts)} microbatches of {size}, its output leaf {index} differs by "
+            f"{diff:.2e} (sample {sample}). A pipelined run computes each microbatch apart, so it trains as eager "
+            f"training on microbatches of {size} would, not as on the whole batch: statistics over the batch dim, "
+            f"a capacity counted over the batch's tokens, or a gather across samples. Keep each sample's computation "
+            f"to itself, or train eager on microbatches of this size to compare")
+
+
+def _outputs(model: torch.nn.Module, leaves: list, spec, batch: int) -> dict:
+    """{output leaf index: tensor} of the model's floating outputs that have the batch dim."""
+    args, kwargs = pytree.tree_unflatten(leaves, spec)
+    out = model(*args, **kwargs)
+    flat = pytree.tree_leaves(out)
+    return {k: v for k, v in enumerate(flat) if isinstance(v, torch.Tensor) and v.is_floating_point()
+            and v.dim() > 0 and v.shape[0] == batch}
