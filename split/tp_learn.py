@@ -10,6 +10,7 @@ import torch
 from tracepp.split import rules
 from tracepp.split.rules import at as _at, equal as _equal, ints as _ints, val as _val
 from tracepp.split.derived_weights import dim_before
+from tracepp.split.tp_contract import widens
 from tracepp.split.tp_walk import _Walk
 
 aten = torch.ops.aten
@@ -136,8 +137,12 @@ def _local_tree(walk: _Walk, value, dim: int, reads: set):
             #                                      [b, h, n, d] beside each rank's heads), not at the features of a
             #                                      stream (LoRA's frozen base output beside a sharded adapter's: kept a
             #                                      row-wise pair, the stream whole)
+            #                                      Not a linear that widens: a low-rank pair's up-projection,
+            #                                      which the cost trials make column-wise (Kimi Linear's output
+            #                                      gate, g_b_proj after g_a_proj)
             if (d != val.dim() - 1 or dim >= _val(value).dim() - 1 or walk.forms[node][2] is not None
-                    or node in walk.reduce_scatters or node.target is not aten.linear.default):
+                    or node in walk.reduce_scatters or node.target is not aten.linear.default
+                    or widens(walk.forms[node])):
                 return None
             starts[node] = d
         elif target in rules.EXPANDS or target is aten.repeat_interleave.self_int:

@@ -693,6 +693,18 @@ def test_an_output_gate_over_the_merged_heads_is_reduce_scattered_not_all_reduce
                 assert moved == megatron * 5 // 4, (moved, megatron)  # beside Megatron's 2 + 2 all-reduces
 
 
+def test_a_low_rank_gate_is_the_cost_trials_pair_not_a_sum_to_reduce_scatter(monkeypatch):
+    # Kimi Linear's output gate, g_b_proj(g_a_proj(x)) read at each rank's heads by its gated norm: the first version
+    # of the reduce-scatter above took g_b_proj's sum for one, the pair's region then hid it from the low-rank trials
+    # (its latent gathered, g_b_proj column-wise), and stage 0 moved 49,152 bytes where it moved 44,032
+    monkeypatch.setenv("HF_FAMILY", "kimi_linear")
+    manifest = check_model(os.path.join(REPO, "tests", "zoo", "hf_family.py"), num_microbatches=2,
+                           layout=Layout(pp=2, tp=2))
+    assert manifest["tp"]["params"]["model.layers.0.self_attn.g_b_proj.weight"]["role"] == "colwise"
+    assert not any(entry["op"] == "reduce_scatter" for stage in manifest["tp"]["stages"]
+                   for entry in stage["collectives"])
+
+
 def test_a_position_mlp_that_reads_no_input_is_computed_whole_where_that_costs_less(monkeypatch):
     # x-transformers' dynamic position bias: an MLP over the relative distances, shared by every layer. Sharded as a
     # column-wise, row-wise pair with its layer norms written out, it all-reduced [2n - 1, 16] and [2n - 1, 1]
