@@ -178,6 +178,17 @@ def step_export(record: dict, name: str) -> None:
     drawn = list(dict.fromkeys(random_draws(program)))
     if drawn:
         record["random"] = drawn[:4]
+        return
+    import torch.utils._pytree as pytree
+
+    from tracepp import batch_mixing
+
+    leaves, spec = pytree.tree_flatten((tuple(args), kwargs))
+    size = args[0].shape[0]
+    batched = [isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape[0] == size for leaf in leaves]
+    mixes = batch_mixing.check(model, program, leaves, spec, batched, size, 2)  # as the split warns of it
+    if mixes:
+        record["mixes"] = mixes
 
 
 def step_cp(record: dict, name: str) -> None:
@@ -242,9 +253,10 @@ def run_one(name: str, cache: str, steps=STEPS) -> None:
 
 # ---- the table -------------------------------------------------------------------------------------------------
 
-def _result(step, random=()) -> str:
+def _result(step, random=(), mixes=None) -> str:
     """One cell: ``yes (diff)``, ``NO (diff)`` (silently wrong), ``random (diff)`` (a model drawing random numbers in
-    training, which tracepp says at split), ``refused`` (by name), ``error`` or ``-``."""
+    training, which tracepp says at split), ``mixes (diff)`` (a model whose samples mix across its batch, which
+    tracepp warns of at split), ``refused`` (by name), ``error`` or ``-``."""
     if step is None:
         return ""
     if step.get("running"):
@@ -255,6 +267,8 @@ def _result(step, random=()) -> str:
         return "refused" if step.get("refused_by_name") else "error"
     if not step.get("exact") and random:
         return f"random ({step['max_diff']:.1e})"
+    if not step.get("exact") and mixes:
+        return f"mixes ({step['max_diff']:.1e})"
     return families._diff(step) if step.get("exact") else f"**NO** ({step['max_diff']:.1e})"
 
 
@@ -278,10 +292,12 @@ def outcome(record: dict) -> dict:
     facts["exact"] = {k: bool(v.get("exact")) for k, v in parallel.items()}
     facts["refused"] = {k: bool(v.get("refused_by_name")) for k, v in parallel.items()}
     facts["random"] = (steps.get("export") or {}).get("random") or []  # drawn in training: compared in distribution
+    facts["mixes"] = (steps.get("export") or {}).get("mixes")  # samples mix across the batch: warned of at split
+    said = bool(facts["random"]) or bool(facts["mixes"])
     facts["wrong"] = {k: ("error" not in v and v.get("max_diff") is not None and not v.get("exact")
-                          and not facts["random"]) for k, v in parallel.items()}
+                          and not said) for k, v in parallel.items()}
     facts["differs"] = {k: ("error" not in v and v.get("max_diff") is not None and not v.get("exact")
-                            and bool(facts["random"])) for k, v in parallel.items()}
+                            and said) for k, v in parallel.items()}
     facts["min_share"] = tp.get("min_share")
     facts["whole"] = tp.get("whole", [])
     return facts
@@ -344,18 +360,23 @@ def _rows(records: list) -> list:
             if facts["wrong"].get(key):
                 worst = (steps.get(key) or {}).get("worst", "")
                 notes.append(f"{key} silently wrong: {steps[key]['max_diff']:.1e} from eager ({worst})")
-            if facts["differs"].get(key):
+            if facts["differs"].get(key) and facts["random"]:
                 notes.append(f"{key} {steps[key]['max_diff']:.1e} from eager: the model draws random numbers in "
                              f"training ({', '.join(facts['random'])}), said at split: equal to eager in "
                              f"distribution, not number for number")
+            elif facts["differs"].get(key):
+                notes.append(f"{key} {steps[key]['max_diff']:.1e} from eager, warned of at split: "
+                             + facts["mixes"].split(". A pipelined")[0])
         if not notes and facts["whole"] and facts["min_share"] is not None and facts["min_share"] < 0.95:
             notes.append("tp keeps whole: " + facts["whole"][0].replace("|", "\\|"))
         library = f"{build.get('library', '')} {build.get('version', '')}".strip()
         lines.append("| " + " | ".join([
             facts["model"], library, str(facts["kv_heads"] if facts["kv_heads"] is not None else ""),
-            _result(steps.get("pp"), facts["random"]), share, _result(steps.get("tp"), facts["random"]) if tp else "",
-            _result(steps.get("cp"), facts["random"]),
-            _result(steps.get("ep"), facts["random"]) if facts["moe"] else ("-" if steps.get("ep") else ""),
+            _result(steps.get("pp"), facts["random"], facts["mixes"]), share,
+            _result(steps.get("tp"), facts["random"], facts["mixes"]) if tp else "",
+            _result(steps.get("cp"), facts["random"], facts["mixes"]),
+            _result(steps.get("ep"), facts["random"], facts["mixes"]) if facts["moe"] else (
+                "-" if steps.get("ep") else ""),
             "; ".join(notes)]) + " |")
     return lines
 
@@ -374,7 +395,8 @@ def _goals_text(summary: dict) -> str:
     return "\n".join([
         head + ":", "", "| goal | met | target | models that miss it |", "| --- | --- | --- | --- |",
         line("pp 2, tp 2, cp 2 (and ep 2 with routed experts) each exact, or refused by name with its source line "
-             "(or, where the model draws random numbers in training, equal in distribution as said at split)",
+             "(or, where the model draws random numbers in training, equal in distribution as said at split; where its "
+             "samples mix across the batch, as warned of at split)",
              summary["exact_or_refused_by_name"], "100%"),
         line("tp 2 shards >= 0.95 of every decoder layer and is exact (2+ key/value heads)",
              summary["tp_kv2_sharded_exact"], "100%"),
