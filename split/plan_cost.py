@@ -29,6 +29,7 @@ in place of the attention input's where only they read it); with low-rank adapte
 """
 from __future__ import annotations
 
+import collections
 import re
 import weakref
 
@@ -570,8 +571,11 @@ def _one_head_broadcast(walk) -> set:
                     continue
                 if val.dim() == ref.dim() and val.shape[dim] == 1 and ref.shape[dim] != 1:
                     out.add(node)
-                elif labels is not None and labels[0][full.index(a)][dim] not in labels[0][full.index(b)]:
+                elif (labels is not None and dim < ref.dim() - 1
+                      and labels[0][full.index(a)][dim] not in labels[0][full.index(b)]):
                     out.add(node)  # no heads at all: x-transformers' one key/value head, "b h i d, b j d -> b h i j"
+                    #                (a dim of heads, before the features: not Mega's one head, whose value's
+                    #                features are sharded beside whole weights "b i j, b j d -> b i d")
     return out
 
 
@@ -586,9 +590,9 @@ def _attends(node) -> bool:
         return False
     if node.target in rules.SDPA:
         return True
-    todo, seen = [(node.args[0], 0)], set()
+    todo, seen = collections.deque([(node.args[0], 0)]), set()  # breadth first: each value at its nearest depth
     while todo:
-        value, depth = todo.pop()
+        value, depth = todo.popleft()
         if not isinstance(value, torch.fx.Node) or value in seen or depth > _SCORES_DEPTH:
             continue
         seen.add(value)

@@ -108,6 +108,25 @@ def test_a_softmax_is_attention_only_over_scores_an_attention_product_makes():
     softmaxes = [n for n in graph.nodes if n.op == "call_function" and "softmax" in str(n.target)]
     assert [plan_cost._attends(n) for n in softmaxes] == [True, False]
 
+    class Gated(torch.nn.Module):  # x-transformers' CoPE and selective attention: a long way from the scores back
+        def forward(self, q, k):    # to themselves beside the short one (searched depth first, the long way hid it)
+            sim = torch.einsum("b h i d, b h j d -> b h i j", q, k) * 0.25
+            gate = sim.sigmoid()
+            for _ in range(4):  # back to sim at the depth limit, the scores one op further
+                gate = gate.cumsum(-1).relu()
+            return (sim + gate).softmax(-1)
+
+    graph = torch.export.export(Gated(), (q, q)).graph
+    assert [plan_cost._attends(n) for n in graph.nodes if "softmax" in str(n.target)] == [True]
+
+
+def test_one_head_as_wide_as_the_layer_keeps_its_megatron_figure():
+    # Mega's single-headed attention: the value's features sharded beside whole attention weights ("b i j, b j d ->
+    # b i d") were read as a key/value head missing beside sharded heads, and the layer lost its figure
+    manifest = check_model(model_path("tp_single_head"), num_microbatches=2, layout=Layout(pp=1, tp=2))
+    layers = [figures for stage in manifest["tp"]["stages"] for figures in stage["layers"].values()]
+    assert layers and all(megatron is not None for _moved, megatron in layers), layers
+
 
 def test_a_low_rank_product_with_a_2d_weight_is_no_key_and_keeps_the_megatron_figure(monkeypatch):
     # PEFT's AdaLoRA, x @ (lora_A * lora_E).T: its product read lora_A * lora_E at a rank's rows, which the figure took
