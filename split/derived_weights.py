@@ -176,9 +176,13 @@ def _reduced_from(node):
 
 
 def reads_as_weight(user, end) -> bool:
-    """``user`` reads ``end`` as a linear's weight or bias, or a 1 x 1 convolution's weight, and not as its input."""
+    """``user`` reads ``end`` as a linear's weight or bias, a 1 x 1 convolution's weight or one operand of an einsum of
+    two, and not as its input."""
     if user.target is aten.linear.default:
         return end in user.args[1:3] and end is not user.args[0]
+    if user.target is aten.einsum.default:  # one of two operands (CoLT5's per-route weight): the other an activation
+        operands = list(user.args[1])
+        return len(operands) == 2 and operands.count(end) == 1
     return user.target is aten.conv1d.default and end is user.args[1] and end is not user.args[0]
 
 

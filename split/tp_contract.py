@@ -32,6 +32,8 @@ def linear_widths(form):
     """(input features, output features) of a linear in ``_linear_form``'s form ``(x, weight, bias, out dim)``, or
     None where a width is symbolic."""
     weight = _val(form[1])
+    if weight.dim() > 3:  # a weight viewed with batch labels (CoLT5's per-route weight): no plain width
+        return None
     inp, outp = weight.shape[_in_dim(weight, form[3])], weight.shape[form[3]]
     return (int(inp), int(outp)) if _ints([inp, outp]) else None
 
@@ -110,6 +112,10 @@ class _ContractionRules:
             return None
         (xs, ws), out = labels
         x, weight = operands
+        for operand in operands:
+            self._read_through(operand)
+        if self._param(x) is not None and self._param(weight) is None and x in self.chains:  # the weight first
+            return self._batched_einsum_linear(node, weight, x, ws, xs, out)
         if self._param(weight) is None or self._param(x) is not None:
             return None
         wval = _val(weight)
@@ -117,8 +123,22 @@ class _ContractionRules:
         if (wval.dim() not in (2, 3) or shared != {xs[-1]} or ws[-2] != xs[-1] or xs[-1] in out or not out
                 or out[-1] != ws[-1] or any(label not in out for label in ws[:-2]) or len(set(xs + ws)) != len(
                     xs) + len(ws) - 1 or any(label not in out for label in xs[:-1])):
-            return None
+            return self._batched_einsum_linear(node, x, weight, xs, ws, out)
         return x, weight, None, wval.dim() - 1
+
+    def _batched_einsum_linear(self, node, x, weight, xs: str, ws: str, out: str):
+        """An ``einsum`` of a whole activation and a weight derived from one parameter by a view, with batch labels
+        both keep (CoLT5's per-route key/value weight: ``rearrange(to_kv.weight, '(r h d) i -> r h d i')`` in
+        ``einsum('r h d i, b r n i -> b r h n d')``): one label summed over, the weight's other labels batch labels
+        (in ``x`` and the output) or its own output labels. Column-wise on its first own output label (the heads of
+        ``(h d)``), in ``_linear_form``'s form; else None."""
+        summed = [label for label in ws if label in xs and label not in out]
+        own = [label for label in ws if label not in xs]
+        if (x in self.shard or weight not in self.chains or len(summed) != 1 or not own
+                or any(label not in out for label in own) or len(set(ws)) != len(ws) or len(set(xs)) != len(xs)
+                or any(label in ws and label not in out and label != summed[0] for label in xs)):
+            return None
+        return x, weight, None, ws.index(own[0])
 
     def _linear(self, node, x, weight, bias, out_dim: int) -> None:
         fqn = self._param(weight)
@@ -184,6 +204,9 @@ class _ContractionRules:
             self.copies.append((node, x))
         self._claimed.add((node, x))
         dim = _val(node).dim() - (2 if left else 1)
+        if node.target is aten.einsum.default:  # where the weight's output label is in the output
+            specs, out = rules.einsum_labels(node)
+            dim = out.index(specs[list(node.args[1]).index(weight)][out_dim])
         if fqn in self.gathered and not segments:  # a low-rank down-projection: its narrow output made whole
             self.gathered_out[node] = dim
             self.gathers.extend((user, node) for user in node.users)
@@ -250,8 +273,11 @@ class _ContractionRules:
             return False
         step = blocking_step(weight, dim, self.tp)
         if step is not None:
+            how = (f"regroups the weight's dim {dim} (the view puts it inside groups of another dim: each rank would "
+                   f"hold a piece of each group, which no one dim of the parameter holds)"
+                   if step.target in rules.VIEWS else f"mixes the weight's dim {dim}")
             self.reasons.append(f"{self._param(weight)}: read through {rules.op_name(step)}{rules.at(step)}, which "
-                                f"mixes the weight's dim {dim}")
+                                f"{how}")
         return step is not None
 
     def _mixed_linear(self, node, x, weight, bias, out_dim, fqn, segments) -> None:

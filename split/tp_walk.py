@@ -111,6 +111,9 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
                     self._read_through(arg)
             elif node.op == "call_function" and node.target is aten.conv1d.default:
                 self._channel_linear(node)
+            elif node.op == "call_function" and node.target is aten.einsum.default and len(node.args[1]) == 2:
+                for arg in node.args[1]:  # a weight viewed with batch labels (tp_contract._batched_einsum_linear)
+                    self._read_through(arg)
         ways = {end: [step for step in steps_of(end)[1:] if step.op != "placeholder"] for end in self.chains}
         every = set(ways) | {step for mine in ways.values() for step in mine}  # a split's parts: each another end's
         steps: set = set()

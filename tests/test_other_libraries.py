@@ -724,6 +724,25 @@ def test_a_position_mlp_that_reads_no_input_is_computed_whole_where_that_costs_l
     assert manifest["tp"]["stages"][0]["bytes"] < before["tp"]["stages"][0]["bytes"]
 
 
+@pytest.mark.parametrize("routes", ["1", "2"])
+def test_a_weight_rearranged_per_route_into_an_einsum_is_a_column_wise_linear(routes, monkeypatch):
+    # CoLT5's heavy attention: rearrange(to_kv.weight, '(r h d) i -> r h d i') in einsum('r h d i, b r n i ->
+    # b r h n d'). No rule read an einsum's weight through a rearrange, or one with a batch label: to_kv was whole
+    # (0.85 of each layer). With one route it shards on its heads; with two, each rank's heads would be a piece of
+    # each route's rows, which the derived weight's tracing does not follow: whole, and the plan says why
+    monkeypatch.setenv("ROUTES", routes)
+    manifest = check_model(model_path("tp_route_einsum"), num_microbatches=2, layout=Layout(pp=2, tp=2))
+    assert manifest["tp"]["verified"]["status"] == "verified", manifest["tp"]["verified"]
+    placed = manifest["tp"]["params"]["transformer.h.0.attn.to_kv.weight"]
+    if routes == "1":
+        assert placed["role"] == "colwise" and placed["dim"] == 0
+        assert all(stage["share"]["params"] >= 0.99 for stage in manifest["tp"]["stages"])
+    else:
+        assert placed["role"] == "replicate"
+        assert any("regroups the weight's dim 1" in why for stage in manifest["tp"]["stages"]
+                   for why in stage["replicated"])
+
+
 def test_a_part_of_a_fused_projection_cut_at_half_its_heads_shards_in_each_half():
     # sinkhorn-transformer: to_kv(x).chunk(2) into k and v, each viewed into heads and cut at half of them. The cut
     # counts heads, the part features: the projection was asked for nothing it could use and stayed whole (0.83)
@@ -736,12 +755,13 @@ def test_a_part_of_a_fused_projection_cut_at_half_its_heads_shards_in_each_half(
 
 
 @pytest.mark.parametrize("name", ["tp_normalized_weights", "tp_gru_gate", "tp_lora_qkv_conv", "tp_vera_adapter",
-                                  "pkm_embedding_bag", "tp_head_gate_multiply", "tp_output_gate", "tp_position_mlp", "tp_fused_kv_head_halves"])
+                                  "pkm_embedding_bag", "tp_head_gate_multiply", "tp_output_gate", "tp_position_mlp", "tp_fused_kv_head_halves",
+                                  "tp_route_einsum"])
 def test_derived_weights_cells_adapters_bags_and_gates_tp2_train_equal_to_eager(name, tmp_path):
     # the plans the tests above check, each run on 2 ranks for 3 steps against eager: nGPT's normalised weights, a GRU
     # gate, litgpt's LoRA through 1 x 1 convolutions, VeRA's frozen shared matrices, product-key memory's bags, head
     # gates through torch.multiply, an output gate reduce-scattered, a position MLP computed whole, a fused key/value
-    # projection cut at half its heads
+    # projection cut at half its heads, a weight rearranged per route into an einsum
     path = model_path(name)
     out = str(tmp_path / "out")
     split_model(path, out, schedule="looped-bfs", num_microbatches=4, layout=Layout(pp=1, tp=2))
