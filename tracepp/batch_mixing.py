@@ -9,9 +9,11 @@ function than the same model on the whole batch, and trains to other parameters,
 :func:`check` runs the model eagerly on the example batch, whole and microbatch by microbatch, and compares the
 outputs: where they differ beyond the rounding of a different batch size, it says so, naming the output and the sample
 where they differ most. It runs only where that comparison means something and costs little: the model built with
-real weights, drawing no random numbers, writing no buffer in forward, and computing in float32 or float64."""
+real weights, drawing no random numbers, writing no buffer in forward, and computing in float32 or float64; on a copy
+taken before tracing (:func:`probe`)."""
 from __future__ import annotations
 
+import copy
 from typing import Optional
 
 import torch
@@ -21,25 +23,43 @@ TOLERANCE = 1e-4  # of the whole batch's largest output magnitude (at least 1): 
 #                   stays under 1e-6 of it
 
 
-def check(model: torch.nn.Module, program, leaves: list, spec, batched: list, batch_size: int,
-          num_microbatches: int) -> Optional[str]:
-    """A warning where the model's outputs on the whole example batch and on its microbatches differ, else None.
-    ``leaves``/``spec``: the flattened (args, kwargs) of the example batch; ``batched``: which leaves have the batch
-    dim; ``program``: the traced program (a program that writes buffers is not run again)."""
-    if num_microbatches < 2 or batch_size < 2 or program.graph_signature.buffers_to_mutate:
+def probe(model: torch.nn.Module, num_microbatches: int, batch_size: int) -> Optional[torch.nn.Module]:
+    """A copy of the model to run :func:`check` on, taken before it is traced (export runs forward on fake tensors,
+    and a model that caches a tensor in forward, x-transformers' ALiBi bias, keeps the fake one: run again after,
+    it computes with it), or None where the check would not run: one microbatch, weights on meta or in another
+    dtype than float32/64, or a model that cannot be copied."""
+    if num_microbatches < 2 or batch_size < 2:
         return None
     floating = [p for p in list(model.parameters()) + list(model.buffers()) if p.is_floating_point()]
     if any(p.is_meta for p in floating) or any(p.dtype not in (torch.float32, torch.float64) for p in floating):
         return None
+    try:
+        return copy.deepcopy(model)
+    except Exception:  # noqa: BLE001 (a model holding what does not copy: not checked)
+        return None
+
+
+def check(model: torch.nn.Module, program, leaves: list, spec, batched: list, batch_size: int,
+          num_microbatches: int) -> Optional[str]:
+    """A warning where the model's outputs on the whole example batch and on its microbatches differ, else None.
+    ``model``: :func:`probe`'s copy; ``leaves``/``spec``: the flattened (args, kwargs) of the example batch;
+    ``batched``: which leaves have the batch dim; ``program``: the traced program (a program that writes buffers is
+    not run again). Whatever fails on the way is no finding."""
+    if model is None or program.graph_signature.buffers_to_mutate:
+        return None
+    try:
+        return _compared(model, leaves, spec, batched, batch_size, num_microbatches)
+    except Exception:  # noqa: BLE001 (a forward that runs only at the traced size, an output of another kind)
+        return None
+
+
+def _compared(model, leaves: list, spec, batched: list, batch_size: int, num_microbatches: int) -> Optional[str]:
     size = -(-batch_size // num_microbatches)
     pieces = [[leaf[start:start + size] if flag else leaf for leaf, flag in zip(leaves, batched)]
               for start in range(0, batch_size, size)]
-    try:
-        with torch.no_grad():
-            whole = _outputs(model, leaves, spec, batch_size)
-            parts = [_outputs(model, piece, spec, min(size, batch_size - k * size)) for k, piece in enumerate(pieces)]
-    except Exception:  # noqa: BLE001 (a forward that runs only at the traced size: nothing to compare)
-        return None
+    with torch.no_grad():
+        whole = _outputs(model, leaves, spec, batch_size)
+        parts = [_outputs(model, piece, spec, min(size, batch_size - k * size)) for k, piece in enumerate(pieces)]
     worst = None
     for index, value in whole.items():
         if not all(index in part for part in parts):

@@ -312,6 +312,7 @@ def trace(model_file: ModelFile, num_microbatches: int, dynamic_shapes: Any = No
         mb_args, mb_kwargs = pytree.tree_unflatten(_cast_inputs(first_microbatch(leaves, batched, batch_size,
                                                                                 batch_size // 2), param_dtype), spec)
         mb_args, mb_kwargs = tuple(mb_args), dict(mb_kwargs)
+    probe = batch_mixing.probe(model, num_microbatches, batch_size) if param_dtype is None else None
     try:
         program = _export(model, mb_args, mb_kwargs, export_shapes)
     except Exception as first_error:
@@ -360,8 +361,8 @@ def trace(model_file: ModelFile, num_microbatches: int, dynamic_shapes: Any = No
     if random_ops:
         notes.append(random_note(random_ops, model_file.training))
     warnings = []
-    mixing = None if random_ops or param_dtype is not None else batch_mixing.check(
-        model, program, leaves, spec, batched, batch_size, num_microbatches)
+    mixing = None if random_ops else batch_mixing.check(probe, program, leaves, spec, batched, batch_size,
+                                                         num_microbatches)
     if mixing:
         warnings.append(mixing)
     if _is_on_meta(model):

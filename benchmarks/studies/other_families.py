@@ -174,6 +174,9 @@ def step_export(record: dict, name: str) -> None:
     model_file = _load(name)
     model = model_file.model()
     args, kwargs, _target = model_file.module.batch(0)
+    from tracepp import batch_mixing
+
+    probe = batch_mixing.probe(model, 2, args[0].shape[0])  # before export, as the split takes it
     program = torch.export.export(model, tuple(a[:2] for a in args), kwargs)
     drawn = list(dict.fromkeys(random_draws(program)))
     if drawn:
@@ -181,12 +184,10 @@ def step_export(record: dict, name: str) -> None:
         return
     import torch.utils._pytree as pytree
 
-    from tracepp import batch_mixing
-
     leaves, spec = pytree.tree_flatten((tuple(args), kwargs))
     size = args[0].shape[0]
     batched = [isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape[0] == size for leaf in leaves]
-    mixes = batch_mixing.check(model, program, leaves, spec, batched, size, 2)  # as the split warns of it
+    mixes = batch_mixing.check(probe, program, leaves, spec, batched, size, 2)  # as the split warns of it
     if mixes:
         record["mixes"] = mixes
 
