@@ -97,3 +97,29 @@ def test_a_model_whose_samples_mix_across_the_batch_is_warned_of(mix, monkeypatc
     else:
         assert f"warning: {said}: run on the example batch of 4 whole and as 2 microbatches of 2" in captured.err
         assert "1 warning(s)" in captured.out
+
+
+def test_a_model_that_draws_random_numbers_the_trace_does_not_see_is_no_finding():
+    # reformer-pytorch's reversible LSH draws its rotations inside an autograd.Function: its whole batch and its
+    # microbatches differ for that alone. The whole batch run twice gives two answers: no finding (the first version
+    # warned that its samples mixed); a model that does mix them is still found
+    import torch
+    import torch.utils._pytree as pytree
+
+    from tracepp import batch_mixing
+
+    class Noisy(torch.nn.Module):
+        def forward(self, x):
+            return x + 0.1 * torch.randn_like(x)
+
+    class Centred(torch.nn.Module):
+        def forward(self, x):
+            return x - x.mean(dim=0, keepdim=True)
+
+    x = torch.randn(4, 3)
+    leaves, spec = pytree.tree_flatten(((x,), {}))
+    found = []
+    for module in (Noisy(), Centred()):
+        program = torch.export.export(module, (x[:2],))
+        found.append(batch_mixing.check(batch_mixing.probe(module, 2, 4), program, leaves, spec, [True], 4, 2))
+    assert found[0] is None and "depends on the other samples of its batch" in found[1]
