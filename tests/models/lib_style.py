@@ -148,10 +148,17 @@ class SeparateAttention(nn.Module):
         k, v = k.repeat(1, r, 1, 1), v.repeat(1, r, 1, 1)  # 'b kvh n d -> b (r kvh) n d'
         if self.flash:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        sim = torch.einsum("b h i d, b h j d -> b h i j", q, k) * HEAD_DIM ** -0.5
-        causal = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)
-        attn = sim.masked_fill(causal, -torch.finfo(sim.dtype).max).softmax(dim=-1)
-        return torch.einsum("b h i j, b h j d -> b h i d", attn, v)
+        return einsum_attention(q, k, v)
+
+
+def einsum_attention(q, k, v):
+    """Causal attention over ``[b, heads, s, d]`` as x-transformers' ``Attend`` writes it by default: ``einsum`` scores,
+    a causal mask, softmax, ``einsum`` with the values."""
+    T = q.shape[2]
+    sim = torch.einsum("b h i d, b h j d -> b h i j", q, k) * q.shape[-1] ** -0.5
+    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
+    attn = sim.masked_fill(causal, -torch.finfo(sim.dtype).max).softmax(dim=-1)
+    return torch.einsum("b h i j, b h j d -> b h i d", attn, v)
 
 
 def rotate_half_interleaved(x):

@@ -11,7 +11,7 @@ import functools
 
 import torch
 import torch.nn as nn
-from lib_style import D, HEADS, HEAD_DIM, Decoder, RMSNorm, SwiGLU, loss_fn, sgd, token_batch  # noqa: F401
+from lib_style import D, HEADS, HEAD_DIM, Decoder, RMSNorm, SwiGLU, einsum_attention, loss_fn, sgd, token_batch  # noqa: F401
 
 
 def merge_heads(h, v):
@@ -37,10 +37,7 @@ class HalfRotatedAttention(nn.Module):
         q = merge_heads(HEADS, self.to_q(x))
         k, v = (merge_heads(HEADS, t) for t in self.to_kv(x).chunk(2, dim=-1))
         q, k, v = map(rotate_second_half, (q, k, v))
-        sim = torch.einsum("b h i d, b h j d -> b h i j", q, k) * HEAD_DIM ** -0.5
-        causal = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)
-        attn = sim.masked_fill(causal, -torch.finfo(sim.dtype).max).softmax(dim=-1)
-        out = torch.einsum("b h i j, b h j d -> b h i d", attn, v)
+        out = einsum_attention(q, k, v)
         return self.to_out(out.transpose(1, 2).reshape(B, T, HEADS * HEAD_DIM))
 
 

@@ -13,7 +13,7 @@ import os
 
 import torch
 import torch.nn as nn
-from lib_style import D, HEADS, HEAD_DIM, Decoder, RMSNorm, SwiGLU, loss_fn, sgd, token_batch  # noqa: F401
+from lib_style import D, HEADS, HEAD_DIM, Decoder, RMSNorm, SwiGLU, einsum_attention, loss_fn, sgd, token_batch  # noqa: F401
 
 ROUTES = int(os.environ.get("ROUTES", "1"))
 
@@ -34,10 +34,7 @@ class RoutedKVAttention(nn.Module):
         kv_weight = self.to_kv.weight.reshape(ROUTES, per_route, 2 * HEAD_DIM, D)  # '(r h d) i -> r h d i'
         kv = torch.einsum("r h d i, b r n i -> b r h n d", kv_weight, context)
         k, v = (t.reshape(B, ROUTES * per_route, T, HEAD_DIM) for t in kv.chunk(2, dim=-1))  # 'b (r h) n d'
-        sim = torch.einsum("b h i d, b h j d -> b h i j", q, k) * HEAD_DIM ** -0.5
-        causal = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)
-        attn = sim.masked_fill(causal, -torch.finfo(sim.dtype).max).softmax(dim=-1)
-        out = torch.einsum("b h i j, b h j d -> b h i d", attn, v)
+        out = einsum_attention(q, k, v)
         return self.to_out(out.transpose(1, 2).reshape(B, T, HEADS * HEAD_DIM))
 
 
