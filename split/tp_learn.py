@@ -114,8 +114,9 @@ def _learn_local_sources(walks: list, sources: list) -> bool:
 
 def _local_tree(walk: _Walk, value, dim: int, reads: set):
     """{expand or repeat of a dim of 1: the dim it makes; or row-wise linear: its output's features, reduce-scattered}
-    from which ``value``, read at this rank's piece of ``dim``, can be computed on the piece; None where some op on the way mixes the dim's indices or some value on the way is
-    read otherwise than at that piece (``reads``: (reader, value, dim) of the walk's reads at a piece)."""
+    from which ``value``, read at this rank's piece of ``dim``, can be computed on the piece; None where some op on
+    the way mixes the dim's indices or some value on the way is read otherwise than at that piece (``reads``:
+    (reader, value, dim) of the walk's reads at a piece)."""
     at: dict = {}
     starts: dict = {}
     todo = [(value, dim)]
@@ -132,14 +133,12 @@ def _local_tree(walk: _Walk, value, dim: int, reads: set):
         at[node] = d
         target, first = node.target, node.args[0]
         first_val = _val(first) if isinstance(first, torch.fx.Node) else None
-        if walk.roles.get(node) == "rowwise":  # its partial sums reduce-scattered over the features it is read at,
-            #                                      where that read is at heads (a dim before the last: the gate's
-            #                                      [b, h, n, d] beside each rank's heads), not at the features of a
-            #                                      stream (LoRA's frozen base output beside a sharded adapter's: kept a
-            #                                      row-wise pair, the stream whole)
-            #                                      Not a linear that widens: a low-rank pair's up-projection,
-            #                                      which the cost trials make column-wise (Kimi Linear's output
-            #                                      gate, g_b_proj after g_a_proj)
+        if walk.roles.get(node) == "rowwise":
+            # its partial sums reduce-scattered over the features it is read at, where that read is at heads (a dim
+            # before the last: the gate's [b, h, n, d] beside each rank's heads), not at a stream's features (LoRA's
+            # frozen base output beside a sharded adapter's: a row-wise pair, the stream whole); and not where it
+            # widens: a low-rank pair's up-projection, which the cost trials make column-wise (Kimi Linear's output
+            # gate, g_b_proj after g_a_proj)
             if (d != val.dim() - 1 or dim >= _val(value).dim() - 1 or walk.forms[node][2] is not None
                     or node in walk.reduce_scatters or node.target is not aten.linear.default
                     or widens(walk.forms[node])):
