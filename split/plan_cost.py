@@ -248,10 +248,12 @@ def _blocks(graph) -> dict:
 
     numbered = {prefix for prefixes in paths.values() for prefix in prefixes}
 
-    def repeated(prefix) -> bool:  # numbered modules of its type beside it (of no type: containers never called)
+    def repeated(prefix) -> bool:  # numbered modules of its type beside it, holding attention too (of no type:
+        #                             containers never called; not a wrapper class every entry of a list shares:
+        #                             sinkhorn's [PreNorm(attention), PreNorm(feed-forward)] pairs)
         parent, kind = prefix.rpartition(".")[0], types.get(prefix)
         return any(other != prefix and other.rpartition(".")[0] == parent and types.get(other) == kind
-                   for other in numbered)
+                   and attentions.get(other) for other in numbered)
 
     out, chosen = {}, {}
     for node, prefixes in paths.items():
