@@ -9,8 +9,8 @@ function than the same model on the whole batch, and trains to other parameters,
 :func:`check` runs the model eagerly on the example batch, whole and microbatch by microbatch, and compares the
 outputs: where they differ beyond the rounding of a different batch size, it says so, naming the output and the sample
 where they differ most. It runs only where that comparison means something and costs little: the model built with
-real weights, drawing no random numbers, writing no buffer in forward, and computing in float32 or float64; on a copy
-taken before tracing (:func:`probe`)."""
+real weights, small enough to run three more times in seconds (:data:`BUDGET`), drawing no random numbers, writing
+no buffer in forward, and computing in float32 or float64; on a copy taken before tracing (:func:`probe`)."""
 from __future__ import annotations
 
 import copy
@@ -19,16 +19,22 @@ from typing import Optional
 import torch
 import torch.utils._pytree as pytree
 
+BUDGET = 10 ** 10  # parameters x example-batch elements, at most (a few seconds of forwards on a CPU): a model traced
+#                   with real weights but large, or a large example batch, is not run again
 TOLERANCE = 1e-4  # of the whole batch's largest output magnitude (at least 1): float32 rounding of another batch size
 #                   stays under 1e-6 of it
 
 
-def probe(model: torch.nn.Module, num_microbatches: int, batch_size: int) -> Optional[torch.nn.Module]:
+def probe(model: torch.nn.Module, num_microbatches: int, batch_size: int,
+          elements: int = 0) -> Optional[torch.nn.Module]:
     """A copy of the model to run :func:`check` on, taken before it is traced (export runs forward on fake tensors,
     and a model that caches a tensor in forward, x-transformers' ALiBi bias, keeps the fake one: run again after,
     it computes with it), or None where the check would not run: one microbatch, weights on meta or in another
-    dtype than float32/64, or a model that cannot be copied."""
+    dtype than float32/64, more than :data:`BUDGET` parameters times ``elements`` (of the example batch's batched
+    inputs), or a model that cannot be copied."""
     if num_microbatches < 2 or batch_size < 2:
+        return None
+    if sum(p.numel() for p in model.parameters()) * elements > BUDGET:
         return None
     floating = [p for p in list(model.parameters()) + list(model.buffers()) if p.is_floating_point()]
     if any(p.is_meta for p in floating) or any(p.dtype not in (torch.float32, torch.float64) for p in floating):

@@ -312,7 +312,8 @@ def trace(model_file: ModelFile, num_microbatches: int, dynamic_shapes: Any = No
         mb_args, mb_kwargs = pytree.tree_unflatten(_cast_inputs(first_microbatch(leaves, batched, batch_size,
                                                                                 batch_size // 2), param_dtype), spec)
         mb_args, mb_kwargs = tuple(mb_args), dict(mb_kwargs)
-    probe = batch_mixing.probe(model, num_microbatches, batch_size) if param_dtype is None else None
+    probe = batch_mixing.probe(model, num_microbatches, batch_size, sum(
+        leaf.numel() for leaf, flag in zip(leaves, batched) if flag)) if param_dtype is None else None
     try:
         program = _export(model, mb_args, mb_kwargs, export_shapes)
     except Exception as first_error:
