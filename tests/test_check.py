@@ -123,3 +123,8 @@ def test_a_model_that_draws_random_numbers_the_trace_does_not_see_is_no_finding(
         program = torch.export.export(module, (x[:2],))
         found.append(batch_mixing.check(batch_mixing.probe(module, 2, 4), program, leaves, spec, [True], 4, 2))
     assert found[0] is None and "depends on the other samples of its batch" in found[1]
+    # where three more forwards of the example batch would take long (parameters x batch elements over the budget),
+    # the model is not run again
+    assert batch_mixing.probe(Centred(), 2, 4, elements=10 ** 12) is not None  # no parameters: nothing to run long
+    big = torch.nn.Linear(1000, 1000)
+    assert batch_mixing.probe(big, 2, 4, elements=4 * 10 ** 4) is None and batch_mixing.probe(big, 2, 4, 16) is not None
