@@ -159,9 +159,9 @@ def _expert_weights(graph, fqn_of: dict) -> set:
                            lambda: {fqn for block in find_blocks(graph, fqn_of) for fqn in block.weights})
 
 
-def param_shares(walk) -> dict:
-    """{repeated block (``model.layers.3``; None: the parameters outside any): the share of its parameters
-    (elements) ``walk``'s plan shards}, routed experts apart (expert parallelism places them)."""
+def _counts(walk) -> dict:
+    """{repeated block (None: the parameters outside any): (its parameters' elements, those ``walk``'s plan
+    shards)}, routed experts apart (expert parallelism places them)."""
     apart = _expert_weights(walk.graph, walk.fqn_of)
     counts: dict = {}
     for node in walk.graph.nodes:
@@ -171,21 +171,21 @@ def param_shares(walk) -> dict:
             count = int(node.meta["val"].numel())
             counts[block_of(fqn)] = (
                 total + count, sharded + (count if any(dim is not None for dim in walk.uses.get(fqn, ())) else 0))
-    return {block: sharded / total for block, (total, sharded) in counts.items() if total}
+    return counts
+
+
+def param_shares(walk) -> dict:
+    """{repeated block (``model.layers.3``; None: the parameters outside any): the share of its parameters
+    (elements) ``walk``'s plan shards}, routed experts apart (expert parallelism places them)."""
+    return {block: sharded / total for block, (total, sharded) in _counts(walk).items() if total}
 
 
 def whole_share(walk) -> float:
     """The share of the stage's parameters (elements) ``walk``'s plan holds whole on every rank, routed experts
     apart."""
-    apart = _expert_weights(walk.graph, walk.fqn_of)
-    total = whole = 0
-    for node in walk.graph.nodes:
-        fqn = walk.fqn_of.get(node.name) if node.op == "placeholder" else None
-        if fqn is not None and fqn not in apart:
-            count = int(node.meta["val"].numel())
-            total += count
-            whole += 0 if any(dim is not None for dim in walk.uses.get(fqn, ())) else count
-    return whole / total if total else 0.0
+    counts = _counts(walk).values()
+    total = sum(total for total, _sharded in counts)
+    return (total - sum(sharded for _total, sharded in counts)) / total if total else 0.0
 
 
 def cost(walks: list) -> float:

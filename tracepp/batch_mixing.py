@@ -74,12 +74,10 @@ def _compared(model, leaves: list, spec, batched: list, batch_size: int, num_mic
     for index, value in whole.items():
         if not all(index in part for part in parts):
             continue
-        joined = torch.cat([part[index] for part in parts])
-        diff = (value.double() - joined.double()).abs()
-        scale = max(1.0, float(value.abs().max()))
-        if float(diff.max()) > TOLERANCE * scale and (worst is None or float(diff.max()) / scale > worst[0]):
+        gap, diff = _gap(value, torch.cat([part[index] for part in parts]))
+        if gap > TOLERANCE and (worst is None or gap > worst[0]):
             sample = int(diff.reshape(diff.shape[0], -1).amax(dim=1).argmax())
-            worst = (float(diff.max()) / scale, index, sample, float(diff.max()))
+            worst = (gap, index, sample, float(diff.max()))
     if worst is None:
         return None
     _, index, sample, diff = worst
@@ -91,11 +89,15 @@ def _compared(model, leaves: list, spec, batched: list, batch_size: int, num_mic
             f"to itself, or train eager on microbatches of this size to compare")
 
 
+def _gap(a: torch.Tensor, b: torch.Tensor) -> tuple:
+    """(the largest difference of ``b`` from ``a`` over ``a``'s magnitude, at least 1; the differences)."""
+    diff = (a.double() - b.double()).abs()
+    return float(diff.max()) / max(1.0, float(a.abs().max())), diff
+
+
 def _differs(a: torch.Tensor, b) -> bool:
     """``b`` is missing or differs from ``a`` beyond :data:`TOLERANCE` of ``a``'s magnitude."""
-    if b is None or a.shape != b.shape:
-        return True
-    return float((a.double() - b.double()).abs().max()) > TOLERANCE * max(1.0, float(a.abs().max()))
+    return b is None or a.shape != b.shape or _gap(a, b)[0] > TOLERANCE
 
 
 def _outputs(model: torch.nn.Module, leaves: list, spec, batch: int) -> dict:
