@@ -135,7 +135,8 @@ def plan(graph, tp: int, overrides=None, sequence_parallel: bool = False) -> tup
         return settled()
 
     found, graphs, _made = written_out([stage.graph for stage in graph.stages], settled(), settled_on)
-    found = _data_free_whole_where_cheaper(found, lambda wanted: whole.update(wanted) or settled_on(graphs), whole)
+    found = tp_settle.data_free_whole_where_cheaper(found, lambda wanted: whole.update(wanted) or settled_on(graphs),
+                                                    whole)
     settled_on(graphs)
     walks, uses, reasons, notes, mixed, gathered = found
     partial = tp_grads.mark(walks)  # gradients summed once per step: their copies dropped
@@ -199,34 +200,6 @@ def plan(graph, tp: int, overrides=None, sequence_parallel: bool = False) -> tup
                 if sequence_parallel and walk.sends[node][2] == "seq":
                     result.sequence_parallel["sent"][name] = walk.sends[node][0]
     return result, walks
-
-
-def _data_free_whole_where_cheaper(found: tuple, settle_with, whole: dict) -> tuple:
-    """``found`` (``settle``'s answer), or the plan with the column-wise linears computed from parameters and
-    positions alone (``tp_settle.data_free``) whole on every rank where it costs less (``plan_cost.cost``) and holds
-    at most ``tp_settle.WHOLE_BUDGET`` more of each stage's parameters whole. Such a region's FLOPs and its
-    collectives' bytes grow alike with the sequence (x-transformers' dynamic position bias: an MLP over the
-    relative distances, 16 wide, whose layer norms and second linear each all-reduced ``[2 s - 1, 16]`` forward and
-    backward to save a few thousand FLOPs), so the traced sizes price them as the real ones do. Tried after the
-    norms are written out (``written_out``), on the graphs kept: parameters outside any decoder layer are no
-    repeated block's share. ``settle_with(wanted)`` settles with ``wanted`` ({fqn: why}) whole too; ``whole`` is
-    what it settles with, emptied where the trial is not kept."""
-    candidates = tp_settle.data_free(found[0])
-    if not candidates:
-        return found
-    price = plan_cost.cost(found[0])
-    trial = settle_with(candidates)
-    trial_price = plan_cost.cost(trial[0])
-    if trial_price < price and tp_settle.refusals(trial) <= tp_settle.refusals(found) and all(
-            plan_cost.whole_share(after) - plan_cost.whole_share(before) <= tp_settle.WHOLE_BUDGET
-            for before, after in zip(found[0], trial[0])):
-        why = {fqn: f"computed whole on every rank: {reason}; the plan cost {price:,.0f} bytes per microbatch with "
-                    f"it column-wise, {trial_price:,.0f} whole (split/plan_cost.py)" for fqn, reason in candidates.items()}
-        whole.update(why)
-        trial[3].update(why)
-        return trial
-    whole.clear()
-    return found
 
 
 def _norms_over_shards(seen: dict) -> set:

@@ -407,6 +407,35 @@ def data_free(walks: list) -> dict:
     return found
 
 
+def data_free_whole_where_cheaper(found: tuple, settle_with, whole: dict) -> tuple:
+    """``found`` (``settle``'s answer), or the plan with the column-wise linears computed from parameters and
+    positions alone (:func:`data_free`) whole on every rank where it costs less (``plan_cost.cost``) and holds
+    at most :data:`WHOLE_BUDGET` more of each stage's parameters whole. Such a region's FLOPs and its
+    collectives' bytes grow alike with the sequence (x-transformers' dynamic position bias: an MLP over the
+    relative distances, 16 wide, whose layer norms and second linear each all-reduced ``[2 s - 1, 16]`` forward and
+    backward to save a few thousand FLOPs), so the traced sizes price them as the real ones do. Tried by
+    ``tensor_parallel.plan`` after the norms are written out (``tensor_parallel.written_out``), on the graphs kept:
+    parameters outside any decoder layer are no repeated block's share. ``settle_with(wanted)`` settles with
+    ``wanted`` ({fqn: why}) whole too; ``whole`` is what it settles with, emptied where the trial is not kept."""
+    candidates = data_free(found[0])
+    if not candidates:
+        return found
+    price = plan_cost.cost(found[0])
+    trial = settle_with(candidates)
+    trial_price = plan_cost.cost(trial[0])
+    if trial_price < price and refusals(trial) <= refusals(found) and all(
+            plan_cost.whole_share(after) - plan_cost.whole_share(before) <= WHOLE_BUDGET
+            for before, after in zip(found[0], trial[0])):
+        why = {fqn: f"computed whole on every rank: {reason}; the plan cost {price:,.0f} bytes per microbatch with "
+                    f"it column-wise, {trial_price:,.0f} whole (split/plan_cost.py)"
+               for fqn, reason in candidates.items()}
+        whole.update(why)
+        trial[3].update(why)
+        return trial
+    whole.clear()
+    return found
+
+
 def _spread_whole_where_cheaper(graphs: list, tp: int, learned: tuple, sequence, begins: dict, start: tuple,
                                 kept: dict, best: tuple) -> tuple:
     """The settled plan ``best``, or a cheaper one with column-wise linears :func:`_spreading` finds computed whole
