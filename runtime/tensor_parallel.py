@@ -23,6 +23,10 @@ and rewrites the graph with these ops, so the rank script reads as Megatron's re
 * ``torch.ops.tracepp.tp_owned_split(x, dim, sizes)``: a split of the sharded ``dim`` into pieces that each lie in
   one rank's block (heads one by one): this rank's pieces from its block, the others empty; backward joins the
   gradients of its pieces (StableLM's per-head norms run on each head's owner only);
+* ``torch.ops.tracepp.tp_owned_select(x, dim, index, owner)``: on rank ``owner``, ``x.select(dim, index)`` of its
+  piece of the sharded ``dim``, on the others zeros, so that ``tp_all_reduce`` after it makes the selected index
+  whole on every rank; backward puts the gradient in its place on the owner, zeros elsewhere (x-transformers'
+  selective attention: head 0's scores gate every head);
 * ``torch.ops.tracepp.tp_parts(x, dim, segments)``: ``tp_scatter`` of a whole value whose dim holds unequal
   segments (a depthwise convolution's weight over a fused q, k, v): this rank's piece of each segment, side by side;
   backward gathers the pieces back into the whole;
@@ -405,6 +409,19 @@ def _owned_split(tensor: torch.Tensor, dim: int, sizes: list) -> list:
             else tensor.new_empty(empty) for at in _owned_pieces(tensor, dim, sizes)]
 
 
+def _owned_select(tensor: torch.Tensor, dim: int, index: int, owner: int) -> torch.Tensor:
+    if owner == _STATE["rank"]:
+        return tensor.select(dim, index).clone(memory_format=torch.contiguous_format)
+    return tensor.new_zeros(tensor.shape[:dim] + tensor.shape[dim + 1:])
+
+
+def _owned_select_backward(grad: torch.Tensor, shape, dim: int, index: int, mine: bool) -> torch.Tensor:
+    out = grad.new_zeros(shape)
+    if mine:
+        out.select(dim, index).copy_(grad)
+    return out
+
+
 def _parts_piece(tensor: torch.Tensor, dim: int, segments: list) -> torch.Tensor:
     """This rank's piece of each of ``segments`` along ``dim``, side by side (a fused projection's rows)."""
     if _STATE["size"] == 1:
@@ -508,9 +525,33 @@ def _register_vocab_rows():
                                 lib=lib)
 
 
+def _register_owned_select():
+    """``tp_owned_select`` (a library fragment of its own, as ``_register_heads``)."""
+    if hasattr(getattr(torch.ops, _NAMESPACE), "tp_owned_select"):
+        return
+    lib = torch.library.Library(_NAMESPACE, "FRAGMENT")
+    _register_owned_select.lib = lib
+    lib.define("tp_owned_select(Tensor x, int dim, int index, int owner) -> Tensor")
+    for device in ("CPU", "CUDA"):
+        lib.impl("tp_owned_select", _owned_select, device)
+    torch.library.register_fake(f"{_NAMESPACE}::tp_owned_select",
+                                lambda x, dim, index, owner: x.new_empty(x.shape[:dim] + x.shape[dim + 1:]), lib=lib)
+
+    def select_setup(ctx, inputs, output):
+        ctx.shape, ctx.dim, ctx.index = tuple(inputs[0].shape), inputs[1], inputs[2]
+        ctx.mine = inputs[3] == _STATE["rank"]  # read here: backward may run under another rank's state (verify)
+
+    def select_backward(ctx, grad):  # the owner's gradient in its place; the others' zeros
+        return _owned_select_backward(grad, ctx.shape, ctx.dim, ctx.index, ctx.mine), None, None, None
+
+    torch.library.register_autograd(f"{_NAMESPACE}::tp_owned_select", select_backward, setup_context=select_setup,
+                                    lib=lib)
+
+
 _register()
 _register_heads()
 _register_vocab_rows()
+_register_owned_select()
 
 
 # ---- this rank's shards

@@ -201,7 +201,7 @@ def _cp_collective(target, values, args, cp):
 
 
 _CP_COLLECTIVES = {"cp_all_gather", "cp_reduce_scatter", "cp_all_reduce"}
-_LOCAL = {"tp_owned_split", "cp_shard", "cp_positions", "tp_vocab_rows"}  # read the rank from _STATE
+_LOCAL = {"tp_owned_split", "tp_owned_select", "cp_shard", "cp_positions", "tp_vocab_rows"}  # read the rank from _STATE
 
 
 def _float64(item):

@@ -116,6 +116,8 @@ class _CutRules:
         size = in_val.shape[dim]
         if self._want_parts(node, target, origin, segments, in_val, dim):
             return False
+        if target is aten.select.int and self._owned_select(node, first, dim, size):
+            return True
         if target in (aten.select.int, aten.unbind.int) or not _ints([size]):
             return False
         size = int(size)
@@ -298,6 +300,27 @@ class _CutRules:
                 return None
         bounds = rules.boundaries(sizes)
         return list(zip(bounds, bounds[1:]))
+
+    def _owned_select(self, node, first, dim: int, size) -> bool:
+        """``x.select(dim, i)`` of the sharded dim, read whole (x-transformers' selective attention: head 0's scores
+        gate every head's): the rank whose piece holds index ``i`` takes it, the others zeros, and ``tp_all_reduce``
+        makes it whole (``tp_owned_select``; the bytes of one index, where a gather moves the whole dim). In
+        segments (heads tiled for grouped-query attention) the index is found in its segment's pieces."""
+        index = node.args[2] if len(node.args) > 2 else node.kwargs.get("index")
+        segments = self.segs.get(first) or (size,)
+        if (first in self.mixed or not _ints(list(segments)) or not isinstance(index, int) or not _ints([size])
+                or any(int(s) % self.tp for s in segments)):
+            return False
+        index, start, local = index % int(size), 0, 0
+        for length in (int(s) for s in segments):
+            per = length // self.tp
+            if index < start + length:
+                self.owned_selects[node] = (dim, local + (index - start) % per, (index - start) // per)
+                break
+            start, local = start + length, local + per
+        self.sums[node] = None
+        self._claimed.add((node, first))
+        return True
 
     def _owned_split(self, node, dim: int, size: int, ranges) -> bool:
         """A split of the sharded dim into pieces no larger than a rank's (StableLM's per-head LayerNorms: the

@@ -302,6 +302,8 @@ def _rewrite(g: fx.Graph, walk: _Walk, tp: int, params: dict) -> None:
         _rank_bags(g, node, tp)
     for node in walk.late_sums:  # row-wise partial sums carried to here (tp_partial): summed once
         _after(g, node, TP.tp_all_reduce.default, [node])
+    for node, (dim, index, owner) in walk.owned_selects.items():  # one index of the sharded dim: its owner's, else 0
+        node.target, node.args, node.kwargs = TP.tp_owned_select.default, (node.args[0], dim, index, owner), {}
     for node, count in walk.sums.items():  # a sum (or mean) over the sharded dim: from the partial sums
         if count is not None:
             node.target = aten.sum.dim_IntList

@@ -74,7 +74,8 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
         self.param_segments: dict = {}  # fqn -> segments of its sharded dim
         self.gathers: list = []  # (consumer node, input node)
         self.copies: list = []  # (consumer node, replicated input node)
-        self.sums: dict = {}  # mean/sum over the sharded dim -> count of the reduced elements (mean) or None
+        self.sums: dict = {}  # partial sums all-reduced after them: a mean/sum over the sharded dim -> count of the
+        #                     reduced elements (mean) or None; None for a partial product and an owned select
         self.cuts: dict = {}  # split/slice on the sharded dim -> the local pieces' arguments
         self.wants: dict = {}  # weight fqn -> set of cut points its output's consumers need (fused projections)
         self.unfusable: dict = {}  # weight fqn -> why its segmented output cannot be cut locally
@@ -90,6 +91,8 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
         self.owned_splits: dict = {}  # split of the sharded dim into pieces within ranks -> the pieces' sizes
         self.owned: dict = {}  # a piece (and what it goes through) -> the rank that computes it
         self.owned_cats: dict = {}  # the cat joining the pieces -> (dim, origin): sharded again
+        self.owned_selects: dict = {}  # select of one index of the sharded dim -> (dim, index in the
+        #                                owner's piece, owner): the owner's, the others' zeros, summed
         self.conv_groups: dict = {}  # depthwise convolution over sharded channels -> its local groups
         self.group_norms: dict = {}  # group_norm over channels sharded in whole groups -> its local groups
         self._made_of_params: dict = {}  # node -> computed from parameters alone (memo of _param_only)

@@ -51,7 +51,7 @@ def _metered(monkeypatch) -> list:
 
 
 @pytest.mark.parametrize("model", ["tp_fused_qkv_llama", "tp_gemma_mqa_fused", "hf_llama", "tp_gated_mlp", "tp_normalize_rmsnorm", "tp_low_rank", "tp_head_tables", "tp_selective_scan", "tp_mla_wide_mlp", "tp_partial_sums", "tp_lora_llama", "tp_hyper_connections",
-                                   "tp_output_gate", "tp_position_mlp"])
+                                   "tp_output_gate", "tp_position_mlp", "tp_selected_head"])
 def test_plan_bytes_are_what_the_rewritten_program_moves(model, monkeypatch):
     moved = _metered(monkeypatch)
     # one rank (hf_llama's pipe_split markers make two stages of it: each verified, neither like the other)
