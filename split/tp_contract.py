@@ -165,9 +165,10 @@ class _ContractionRules:
                 if node.name in self.local_sources and node not in self.reduce_scatters and bias is None:
                     self._scatter_features(node, x, self.local_sources[node.name])
                 return
-            if not left and self.shard[x] < features and not segments and fqn not in self.forced:
-                # rows sharded on a dim before the features (Inkling's per-head states @ a bank of profiles): each
-                # row's product is its own, the weight whole on every rank, its gradient summed over tp
+            if not left and self.shard[x] < features and fqn not in self.forced:
+                # rows sharded on a dim before the features (Inkling's per-head states @ a bank of profiles; heads
+                # merged into the batch, '(b h) n d', whose shard holds each sample's heads: segments): each row's
+                # product is its own, the weight whole on every rank, its gradient summed over tp
                 for arg in (weight, bias):
                     if isinstance(arg, fx.Node) and self.needs_grad.get(arg, True):
                         self.copies.append((node, arg))

@@ -743,6 +743,38 @@ def test_a_weight_rearranged_per_route_into_an_einsum_is_a_column_wise_linear(ro
                    for why in stage["replicated"])
 
 
+@pytest.mark.parametrize("kv,head", [("2", "0"), ("4", "3")])
+def test_one_heads_scores_read_by_every_head_are_taken_by_their_owner_not_gathered(kv, head, monkeypatch):
+    # x-transformers' selective attention: relu(sim[:, 0]) gates every head's scores. The select of one head of the
+    # sharded heads had no rule: torch's gathers the whole scores, and the plan made q and k whole (0.86). Now the
+    # rank holding the head takes it, the others zeros, and one all-reduce of [b, s, s] makes it whole
+    monkeypatch.setenv("KV_HEADS", kv)
+    monkeypatch.setenv("HEAD", head)
+    manifest = check_model(model_path("tp_selected_head"), num_microbatches=2, layout=Layout(pp=2, tp=2))
+    assert manifest["tp"]["verified"]["status"] == "verified", manifest["tp"]["verified"]
+    params = manifest["tp"]["params"]
+    assert params["transformer.h.0.attn.to_q.weight"]["role"] == "colwise"
+    assert params["transformer.h.1.attn.to_k.weight"]["role"] == "colwise"
+    for stage in manifest["tp"]["stages"]:
+        assert stage["share"]["params"] >= 0.99, stage["share"]
+        shapes = [entry["shape"] for entry in stage["collectives"] if entry["op"] == "all_reduce"]
+        assert ["2", "16", "16"] in shapes, shapes  # the selected head's scores, [b, s, s]
+
+
+def test_heads_merged_into_the_batch_before_a_linear_keep_their_shard_at_every_microbatch_size():
+    # long-short-transformer: '(b h) n d', then a Linear(dim_head, r) of each head's keys. At 2 samples a microbatch
+    # the shard of dim 0 is two segments (each sample's heads); the linear took that for no rule and its fused to_kv
+    # was made whole (0.83) at microbatches of 2 samples, sharded at 1
+    for microbatches in (4, 2):  # 1 and 2 samples
+        manifest = check_model(model_path("tp_heads_in_batch"), num_microbatches=microbatches,
+                               layout=Layout(pp=2, tp=2))
+        assert manifest["tp"]["verified"]["status"] == "verified", manifest["tp"]["verified"]
+        params = manifest["tp"]["params"]
+        assert params["transformer.h.0.attn.to_kv.weight"]["role"] == "colwise"
+        assert params["transformer.h.1.attn.to_dynamic_proj.weight"]["grad"] == "partial"
+        assert all(stage["share"]["params"] >= 0.99 for stage in manifest["tp"]["stages"])
+
+
 def test_a_part_of_a_fused_projection_cut_at_half_its_heads_shards_in_each_half():
     # sinkhorn-transformer: to_kv(x).chunk(2) into k and v, each viewed into heads and cut at half of them. The cut
     # counts heads, the part features: the projection was asked for nothing it could use and stayed whole (0.83)
@@ -756,12 +788,13 @@ def test_a_part_of_a_fused_projection_cut_at_half_its_heads_shards_in_each_half(
 
 @pytest.mark.parametrize("name", ["tp_normalized_weights", "tp_gru_gate", "tp_lora_qkv_conv", "tp_vera_adapter",
                                   "pkm_embedding_bag", "tp_head_gate_multiply", "tp_output_gate", "tp_position_mlp", "tp_fused_kv_head_halves",
-                                  "tp_route_einsum"])
+                                  "tp_route_einsum", "tp_selected_head", "tp_heads_in_batch"])
 def test_derived_weights_cells_adapters_bags_and_gates_tp2_train_equal_to_eager(name, tmp_path):
     # the plans the tests above check, each run on 2 ranks for 3 steps against eager: nGPT's normalised weights, a GRU
     # gate, litgpt's LoRA through 1 x 1 convolutions, VeRA's frozen shared matrices, product-key memory's bags, head
     # gates through torch.multiply, an output gate reduce-scattered, a position MLP computed whole, a fused key/value
-    # projection cut at half its heads, a weight rearranged per route into an einsum
+    # projection cut at half its heads, a weight rearranged per route into an einsum, one head's scores taken by their
+    # owner, heads merged into the batch before a linear
     path = model_path(name)
     out = str(tmp_path / "out")
     split_model(path, out, schedule="looped-bfs", num_microbatches=4, layout=Layout(pp=1, tp=2))
