@@ -116,11 +116,15 @@ def _layer_of(fqn: str, layers: str):
 
 
 def _blocks_only(model, layers: str) -> set:
-    """The indices of a root ``Sequential``'s children that are not blocks (not of its most common class: its
-    embedding, final norm and head), so they are not counted as layers."""
-    if layers:
+    """The indices of a ``Sequential``'s children that are not blocks (not of its most common class: its embedding,
+    final norm and head), so they are not counted as layers: the model's own, or the one ``_layer_list`` found
+    (token-shift-gpt's ``net``: blocks, then its norm and head)."""
+    import torch
+
+    container = model.get_submodule(layers) if layers else model
+    if layers and not isinstance(container, torch.nn.Sequential):
         return set()
-    children = list(model.children())
+    children = list(container.children())
     classes = [type(c) for c in children]
     common = max(set(classes), key=classes.count)
     return {i for i, c in enumerate(children) if type(c) is not common}
