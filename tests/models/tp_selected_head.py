@@ -11,7 +11,6 @@ import functools
 import os
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 from lib_style import D, HEADS, HEAD_DIM, Decoder, RMSNorm, SeparateAttention, SwiGLU, apply_rope, loss_fn, sgd, token_batch  # noqa: F401
 
