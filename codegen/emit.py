@@ -152,6 +152,7 @@ def build_manifest(model_file, traced, graph, plan, launch_command: str, options
         "training": model_file.training,
         "batch_size": traced.batch_size,
         "batched_leaves": traced.batched_leaves,
+        "batch_dim": traced.batch_dim,  # the dim of the batched inputs and the target holding the samples
         "in_spec": _spec_text(graph.in_spec), "out_spec": _spec_text(graph.out_spec),
         "spec_types": _spec_types(graph.in_spec, graph.out_spec),
         "import_paths": _import_paths(model_file.path),
@@ -541,7 +542,7 @@ def _token_input(traced, graph):
     integer tensor (batch, sequence) at its traced shape, with the vocabulary of the embedding that reads it
     (None if no ``aten.embedding`` does); None when the model's batched inputs are anything else."""
     batched = [(name, ref) for name, ref in graph.root_inputs.items() if ref.batched]
-    if len(batched) != 1 or batched[0][1].meta is None:
+    if len(batched) != 1 or batched[0][1].meta is None or traced.batch_dim != 0:  # windows are [batch, seq]
         return None
     name, ref = batched[0]
     leaf = traced.example_leaves[ref.leaf_index]

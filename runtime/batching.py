@@ -38,6 +38,7 @@ class MicrobatchSplitter:
         self.in_spec = in_spec  # the traced (args, kwargs) pytree spec; None skips the structure check
         self.symbols = manifest.get("symbols", {})
         self.batched = manifest["batched_leaves"]
+        self.batch_dim = manifest.get("batch_dim", 0)  # the dim holding the samples (1: a [seq, batch] layout)
         self.batch_symbol = manifest.get("batch_symbol")
         self.checks = [(root, [compile_shape([d]) if not isinstance(d, int) and not _IDENTIFIER.match(d) else None
                                for d in root["shape"]]) for root in self.roots if root.get("shape") is not None]
@@ -82,9 +83,11 @@ class MicrobatchSplitter:
 
     def _sizes(self, step: int, leaves: list) -> tuple:
         """(batch size, samples per microbatch) of this batch."""
-        batch_size = next((leaf.shape[0] for leaf, b in zip(leaves, self.batched) if b), None)
+        dim = self.batch_dim
+        batch_size = next((leaf.shape[dim] for leaf, b in zip(leaves, self.batched)
+                           if b and isinstance(leaf, torch.Tensor) and leaf.dim() > dim), None)
         if batch_size is None:
-            raise PipelineError(f"batch for step {step}: no input has a batch dimension")
+            raise PipelineError(f"batch for step {step}: no input has a batch dimension (dim {dim})")
         count = self.num_microbatches
         if batch_size < count:
             raise PipelineError(f"batch for step {step} has {batch_size} samples, fewer than the "
@@ -117,7 +120,7 @@ class MicrobatchSplitter:
                                     f"{tuple(leaf.shape)}) but the pipeline was traced with {len(traced)} "
                                     f"(shape {tuple(traced)})")
             for dim, (expected, check) in enumerate(zip(traced, checks)):
-                per_microbatch = root["batched"] and dim == 0
+                per_microbatch = root["batched"] and dim == self.batch_dim
                 actuals = sizes if per_microbatch else [leaf.shape[dim]] * count
                 if isinstance(expected, int):
                     if not per_microbatch and actuals[0] != expected:
@@ -184,31 +187,32 @@ class MicrobatchSplitter:
                 leaf = leaves[root["leaf_index"]]
                 for index in range(count):
                     expected = check(symbols[index])[0]
-                    actual = sizes[index] if (root["batched"] and dim == 0) else leaf.shape[dim]
+                    actual = sizes[index] if (root["batched"] and dim == self.batch_dim) else leaf.shape[dim]
                     if actual != expected:
                         raise PipelineError(
                             f"batch for step {step}: input {root['path']} dim {dim} is {actual} but the traced "
                             f"model requires {root['shape'][dim]} = {expected}")
 
     def _cut(self, leaves: list, target, batch_size: int, device) -> tuple:
-        """(per microbatch input leaves, per microbatch targets) on ``device``: batched tensors split along dim 0
-        as ``tensor_split`` does, everything else repeated."""
-        count = self.num_microbatches
+        """(per microbatch input leaves, per microbatch targets) on ``device``: batched tensors split along the
+        batch dim as ``tensor_split`` does, everything else repeated."""
+        count, dim = self.num_microbatches, self.batch_dim
         chunks = []
         for leaf, batched in zip(leaves, self.batched):
             if isinstance(leaf, torch.Tensor):
                 leaf = leaf.to(device, non_blocking=True)
-                chunks.append(leaf.tensor_split(count) if batched else [leaf] * count)
+                chunks.append(leaf.tensor_split(count, dim=dim) if batched else [leaf] * count)
             else:
                 chunks.append([leaf] * count)
         mb_leaves = [[chunk[i] for chunk in chunks] for i in range(count)]
         targets = [None] * count
-        if isinstance(target, torch.Tensor) and target.dim() > 0 and target.shape[0] == batch_size:
-            targets = list(target.to(device).tensor_split(count))  # the common case, without pytree per microbatch
+        if isinstance(target, torch.Tensor) and target.dim() > dim and target.shape[dim] == batch_size:
+            targets = list(target.to(device).tensor_split(count, dim=dim))  # the common case, without pytree
         elif target is not None:
             t_leaves, t_spec = pytree.tree_flatten(target)
-            t_chunks = [leaf.to(device).tensor_split(count) if isinstance(leaf, torch.Tensor) and leaf.dim() > 0
-                        and leaf.shape[0] == batch_size else [leaf] * count for leaf in t_leaves]
+            t_chunks = [leaf.to(device).tensor_split(count, dim=dim) if isinstance(leaf, torch.Tensor)
+                        and leaf.dim() > dim and leaf.shape[dim] == batch_size else [leaf] * count
+                        for leaf in t_leaves]
             targets = [pytree.tree_unflatten([c[i] for c in t_chunks], t_spec) for i in range(count)]
         return mb_leaves, targets
 

@@ -713,18 +713,18 @@ def _stopped(pipe: Pipeline, args, step: int, reports: bool) -> None:
               f"--checkpoint-dir D --resume auto to make a stopped job resumable", flush=True)
 
 
-def join_microbatches(outputs: list):
+def join_microbatches(outputs: list, dim: int = 0):
     """Per-microbatch outputs of one step -> the full batch's output, structure kept: tensor leaves with a batch
-    dim are concatenated along dim 0; a leaf equal in every microbatch (a constant) is kept once; any other leaf
-    (a per-microbatch scalar) becomes the list of its microbatch values."""
+    dim are concatenated along it (``dim``: the model file's ``batch_dim``); a leaf equal in every microbatch (a
+    constant) is kept once; any other leaf (a per-microbatch scalar) becomes the list of its microbatch values."""
     import torch.utils._pytree as pytree
 
     flat = [pytree.tree_flatten(output) for output in outputs]
     spec = flat[0][1]
     joined = []
     for leaves in zip(*(leaves for leaves, _spec in flat)):
-        if all(isinstance(leaf, torch.Tensor) and leaf.dim() > 0 for leaf in leaves):
-            joined.append(torch.cat([leaf.detach().cpu() for leaf in leaves]))
+        if all(isinstance(leaf, torch.Tensor) and leaf.dim() > dim for leaf in leaves):
+            joined.append(torch.cat([leaf.detach().cpu() for leaf in leaves], dim=dim))
         elif all(not isinstance(leaf, torch.Tensor) and leaf == leaves[0] for leaf in leaves):
             joined.append(leaves[0])
         else:
@@ -739,7 +739,7 @@ def _replica_outputs(pipe: Pipeline, result):
         parts = [None] * pipe.layout.dp
         dist.all_gather_object(parts, result, group=pipe.replicas.get_group())
         result = [output for part in parts for output in part]
-    return join_microbatches(result) if reports_for_job(pipe) else None
+    return join_microbatches(result, pipe.splitter.batch_dim) if reports_for_job(pipe) else None
 
 
 def _checkpoint_info(pipe: Pipeline, optimizer, args=None) -> dict:

@@ -571,7 +571,9 @@ class Pipeline:
         batched = self.splitter.batched
         if len(batched) != len(leaves):  # a batch of another structure: the splitter names what differs
             return args, kwargs, target
-        size = next((leaf.shape[0] for leaf, b in zip(leaves, batched) if b and isinstance(leaf, torch.Tensor)), None)
+        dim = self.splitter.batch_dim
+        size = next((leaf.shape[dim] for leaf, b in zip(leaves, batched) if b and isinstance(leaf, torch.Tensor)
+                     and leaf.dim() > dim), None)
         if size is None or size % dp:
             works = f"a multiple of {dp}" if size is None else (
                 f"{size - size % dp} or {size - size % dp + dp}" if size >= dp else f"{dp} or a multiple of it")
@@ -581,8 +583,8 @@ class Pipeline:
         begin = self.dp_index * per
 
         def cut(leaf, is_batched=True):
-            if is_batched and isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape[0] == size:
-                return leaf[begin:begin + per]
+            if is_batched and isinstance(leaf, torch.Tensor) and leaf.dim() > dim and leaf.shape[dim] == size:
+                return leaf.narrow(dim, begin, per)
             return leaf
         leaves = [cut(leaf, b) for leaf, b in zip(leaves, batched)]
         args, kwargs = pytree.tree_unflatten(leaves, spec)

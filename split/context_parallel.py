@@ -96,6 +96,26 @@ def _expert_nodes(stage_graph: fx.Graph, fqn_of: dict) -> set:
     return found
 
 
+def first_reader(stage) -> str:
+    """``ids (placeholder) are first read by op (aten op) at model.py:42``: the first stage's token ids (its first
+    integer input of 2+ dims) and the op that first reads them, or ''."""
+    for node in stage.graph.nodes:
+        val = node.meta.get("val")
+        if (node.op == "placeholder" and isinstance(val, torch.Tensor) and val.dim() >= 2
+                and not val.dtype.is_floating_point and val.dtype != torch.bool and node.users):
+            user = next(iter(node.users))
+            line = f" at {where(user)}" if where(user) else ""
+            return f"its token ids ({node.name}) are first read by {user.name} ({rules.op_name(user)}){line}"
+    return ""
+
+
+def _first_reader(stage) -> str:
+    """Where the first stage's token ids go instead of an embedding (infini-transformer splits them into segments
+    first: ``ids.split(segment)``), for the refusal's text."""
+    found = first_reader(stage)
+    return f": {found}, not by an embedding (cut the sequence in batch(step), not inside the model)" if found else ""
+
+
 def plan(graph, cp: int, loss=None, training: bool = True) -> tuple:
     """(CPPlan, the walk per stage, the loss's walk or None) for ``--cp cp``. ``loss``: the traced loss
     (:class:`LossGraph`), walked with the last stage's output placements."""
@@ -149,7 +169,7 @@ def plan(graph, cp: int, loss=None, training: bool = True) -> tuple:
     if not any(walk.shard for walk in walks[:1]):
         refusals.append("no value of the first stage holds a sequence shard: --cp starts at an embedding of "
                         "token ids with the sequence dim (or a floating input with it, read by an op that "
-                        "carries a gradient); the model has none")
+                        "carries a gradient); the model has none" + _first_reader(graph.stages[0]))
     if refusals:
         more = f" (and {len(refusals) - 8} more)" if len(refusals) > 8 else ""
         raise ContextParallelError(f"--cp {cp} cannot spread this model's sequence over its ranks:\n  "

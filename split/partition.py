@@ -390,8 +390,9 @@ def _program_inputs(traced, node_by_name: dict) -> _ProgramInputs:
         val = node_by_name[root.placeholder].meta.get("val")
         if isinstance(val, torch.Tensor):
             root.meta = tensor_meta(val, False, names)
-    batch_symbol = next((r.meta.shape[0] for r in root_inputs.values()
-                         if r.batched and r.meta is not None and isinstance(r.meta.shape[0], str)), None)
+    dim = getattr(traced, "batch_dim", 0)
+    batch_symbol = next((r.meta.shape[dim] for r in root_inputs.values()
+                         if r.batched and r.meta is not None and isinstance(r.meta.shape[dim], str)), None)
     return _ProgramInputs(state, root_inputs, fqn_to_tensor, names, symbols, batch_symbol)
 
 

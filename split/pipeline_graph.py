@@ -85,7 +85,7 @@ class PipelineGraph:
     output_leaves: list  # per output leaf: ("value", name) | ("const", python value)
     unused_state: dict  # FQN -> tensor for parameters/buffers no stage reads (kept for --save)
     symbols: dict = field(default_factory=dict)  # root symbol name -> {"min": int, "max": int|None, "source": str}
-    batch_symbol: Optional[str] = None  # the symbol of dim 0 of batched inputs, when the batch size is dynamic
+    batch_symbol: Optional[str] = None  # the symbol of the batch dim of batched inputs, when dynamic
     symbol_aliases: dict = field(default_factory=dict)  # export's symbol name ("s95") -> ours ("s_batch")
     recomputed: dict = field(default_factory=dict)  # value name -> {"producer": stage, "stages": [stages that
     #                                                 make it again from root inputs and buffers instead of receiving it]}

@@ -46,27 +46,28 @@ def probe(model: torch.nn.Module, num_microbatches: int, batch_size: int,
 
 
 def check(model: torch.nn.Module, program, leaves: list, spec, batched: list, batch_size: int,
-          num_microbatches: int) -> Optional[str]:
+          num_microbatches: int, dim: int = 0) -> Optional[str]:
     """A warning where the model's outputs on the whole example batch and on its microbatches differ, else None.
     ``model``: :func:`probe`'s copy; ``leaves``/``spec``: the flattened (args, kwargs) of the example batch;
-    ``batched``: which leaves have the batch dim; ``program``: the traced program (a program that writes buffers is
+    ``batched``: which leaves have the batch dim (``dim``); ``program``: the traced program (a program that writes buffers is
     not run again). Whatever fails on the way is no finding."""
     if model is None or program.graph_signature.buffers_to_mutate:
         return None
     try:
-        return _compared(model, leaves, spec, batched, batch_size, num_microbatches)
+        return _compared(model, leaves, spec, batched, batch_size, num_microbatches, dim)
     except Exception:  # noqa: BLE001 (a forward that runs only at the traced size, an output of another kind)
         return None
 
 
-def _compared(model, leaves: list, spec, batched: list, batch_size: int, num_microbatches: int) -> Optional[str]:
+def _compared(model, leaves: list, spec, batched: list, batch_size: int, num_microbatches: int,
+              dim: int) -> Optional[str]:
     size = -(-batch_size // num_microbatches)
-    pieces = [[leaf[start:start + size] if flag else leaf for leaf, flag in zip(leaves, batched)]
-              for start in range(0, batch_size, size)]
+    pieces = [[leaf.narrow(dim, start, min(size, batch_size - start)) if flag else leaf
+               for leaf, flag in zip(leaves, batched)] for start in range(0, batch_size, size)]
     with torch.no_grad(), torch.random.fork_rng():
-        whole = _outputs(model, leaves, spec, batch_size)
-        again = _outputs(model, leaves, spec, batch_size)
-        parts = [_outputs(model, piece, spec, min(size, batch_size - k * size)) for k, piece in enumerate(pieces)]
+        whole = _outputs(model, leaves, spec, batch_size, dim)
+        again = _outputs(model, leaves, spec, batch_size, dim)
+        parts = [_outputs(model, piece, spec, min(size, batch_size - k * size), dim) for k, piece in enumerate(pieces)]
     if any(_differs(whole[index], again.get(index)) for index in whole):
         return None  # the whole batch twice gives two answers: random draws the trace did not see (reformer's LSH
         #              inside its reversible autograd.Function), not samples that mix
@@ -74,9 +75,9 @@ def _compared(model, leaves: list, spec, batched: list, batch_size: int, num_mic
     for index, value in whole.items():
         if not all(index in part for part in parts):
             continue
-        gap, diff = _gap(value, torch.cat([part[index] for part in parts]))
+        gap, diff = _gap(value, torch.cat([part[index] for part in parts], dim=dim))
         if gap > TOLERANCE and (worst is None or gap > worst[0]):
-            sample = int(diff.reshape(diff.shape[0], -1).amax(dim=1).argmax())
+            sample = int(diff.movedim(dim, 0).reshape(diff.shape[dim], -1).amax(dim=1).argmax())
             worst = (gap, index, sample, float(diff.max()))
     if worst is None:
         return None
@@ -100,10 +101,10 @@ def _differs(a: torch.Tensor, b) -> bool:
     return b is None or a.shape != b.shape or _gap(a, b)[0] > TOLERANCE
 
 
-def _outputs(model: torch.nn.Module, leaves: list, spec, batch: int) -> dict:
-    """{output leaf index: tensor} of the model's floating outputs that have the batch dim."""
+def _outputs(model: torch.nn.Module, leaves: list, spec, batch: int, dim: int) -> dict:
+    """{output leaf index: tensor} of the model's floating outputs that have the batch dim (``dim``)."""
     args, kwargs = pytree.tree_unflatten(leaves, spec)
     out = model(*args, **kwargs)
     flat = pytree.tree_leaves(out)
     return {k: v for k, v in enumerate(flat) if isinstance(v, torch.Tensor) and v.is_floating_point()
-            and v.dim() > 0 and v.shape[0] == batch}
+            and v.dim() > dim and v.shape[dim] == batch}

@@ -41,6 +41,7 @@ def _plan(model_path: str, layout: Layout, num_stages: Optional[int], schedule: 
     run.check()
     model_file, traced, graph = trace_and_split(model_path, layout, num_stages, schedule, num_microbatches,
                                                 split_points, dynamic_shapes, run.traced_dtype())
+    _check_batch_dim(model_file, layout, graph)
     if layout.cp > 1:                                                                 # 2a. context parallel
         with phases.step("cp plan"):
             loss = trace_loss(model_file, graph) if model_file.training else None
@@ -270,15 +271,30 @@ def check_fits(memory: dict, run: RunOptions, auto: bool = False) -> None:
                      f"rank (`tracepp inspect` after a split without the limit shows the parts)")
 
 
+def _check_batch_dim(model_file, layout: Layout, graph=None) -> None:
+    """A model file's ``batch_dim`` other than 0 (a ``[seq, batch]`` layout) with what reads the sequence as dim 1
+    of a ``[batch, seq]`` input: context parallelism's and sequence parallelism's shards of the sequence (named,
+    once traced, by the op that reads the token ids)."""
+    dim = model_file.batch_dim
+    if dim == 0:
+        return
+    for flag, on in (("--cp", layout.cp > 1), ("--sequence-parallel", layout.sequence_parallel)):
+        if on:
+            read = f" ({context_parallel.first_reader(graph.stages[0])})" if graph is not None else ""
+            raise ValueError(f"{flag} shards the sequence dim of [batch, seq] inputs, and {model_file.path} declares "
+                             f"batch_dim = {dim}{read}: its samples on dim {dim}, a sequence-first layout. Lay its "
+                             f"inputs out [batch, seq] (batch_first=True) to use {flag}, or split without it")
+
+
 def _microbatch_target(model_file, traced, layout: Layout):
     """The target of one traced microbatch (its shape and dtype are what the last stage's loss sees)."""
     import torch.utils._pytree as pytree
 
     target = model_file.example_target()
-    global_batch = traced.batch_size * layout.dp
+    global_batch, dim = traced.batch_size * layout.dp, traced.batch_dim
     size = -(-global_batch // (traced.num_microbatches * layout.dp))
-    return pytree.tree_map_only(torch.Tensor, lambda t: t[:size] if t.dim() and t.shape[0] == global_batch else t,
-                                target)
+    return pytree.tree_map_only(torch.Tensor, lambda t: t.narrow(dim, 0, size)
+                                if t.dim() > dim and t.shape[dim] == global_batch else t, target)
 
 
 def _trace_replica(model_file, num_microbatches: int, dynamic_shapes, layout: Layout, param_dtype=None):
@@ -291,7 +307,7 @@ def _trace_replica(model_file, num_microbatches: int, dynamic_shapes, layout: La
     from tracepp.trace import batch_size_of
 
     leaves, _spec = pytree.tree_flatten((tuple(model_file.example_inputs()), dict(model_file.example_kwargs())))
-    global_batch = batch_size_of(leaves, f"{model_file.path}: example_inputs()")
+    global_batch = batch_size_of(leaves, f"{model_file.path}: example_inputs()", model_file.batch_dim)
     layout.check_batch(global_batch)
     per_replica = global_batch // layout.dp
     if num_microbatches > per_replica:

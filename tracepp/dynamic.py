@@ -1,7 +1,8 @@
 """Dynamic dimensions: ``--dynamic`` flags and the model file's ``dynamic_shapes``, named for humans.
 
 ``--dynamic idx:1=seq`` marks dim 1 of the input named ``idx`` dynamic under the name ``seq`` (optionally with
-a range: ``idx:1=seq[2:64]``); ``--dynamic batch`` marks dim 0 of every batched input as one dim ``batch``.
+a range: ``idx:1=seq[2:64]``); ``--dynamic batch`` marks the batch dim (0, or the model file's
+``batch_dim``) of every batched input as one dim ``batch``.
 The names become the root symbols of the manifest (``s_seq``, ``s_batch``); every boundary shape is an
 expression over them.
 """
@@ -62,10 +63,11 @@ def _make_dims(flags: DynamicFlags) -> dict:
 
 
 def export_dynamic_shapes(flags: DynamicFlags, model: torch.nn.Module, args: tuple, kwargs: dict,
-                          batched_args: dict) -> tuple:
+                          batched_args: dict, batch_dim: int = 0) -> tuple:
     """``dynamic_shapes`` for torch.export (a dict by forward() argument name) and {(arg name, dim): name}.
 
-    ``batched_args`` maps each top-level tensor argument name to whether it is chunked into microbatches.
+    ``batched_args`` maps each top-level tensor argument name to whether it is chunked into microbatches (along
+    ``batch_dim``, the dim ``--dynamic batch`` marks).
     """
     signature = inspect.signature(model.forward)
     bound = signature.bind(*args, **kwargs)
@@ -85,8 +87,8 @@ def export_dynamic_shapes(flags: DynamicFlags, model: torch.nn.Module, args: tup
     if flags.batch:
         for input_name, is_batched in batched_args.items():
             if is_batched and input_name in tensors:
-                spec.setdefault(input_name, {}).setdefault(0, dims["batch"])
-                names.setdefault((input_name, 0), "batch")
+                spec.setdefault(input_name, {}).setdefault(batch_dim, dims["batch"])
+                names.setdefault((input_name, batch_dim), "batch")
     for name in signature.parameters:
         if name in bound.arguments and name not in spec:
             spec[name] = None

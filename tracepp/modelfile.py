@@ -1,7 +1,8 @@
 """Load a user's model file and check it follows the contract (docs/guide.md, "Writing a model file").
 
 Required: ``model()`` and ``example_inputs()``. Optional: ``example_kwargs()``, ``example_target()``,
-``loss_fn(output, target)``, ``split_points``, ``dynamic_shapes``, ``batch(step)``, ``optimizer(params)``.
+``loss_fn(output, target)``, ``split_points``, ``dynamic_shapes``, ``batch_dim``, ``batch(step)``,
+``optimizer(params)``.
 """
 from __future__ import annotations
 
@@ -66,6 +67,16 @@ class ModelFile:
     @property
     def dynamic_shapes(self) -> Any:
         return getattr(self.module, "dynamic_shapes", None)
+
+    @property
+    def batch_dim(self) -> int:
+        """The dim of every batched input, and of the target, that holds the samples: 0, or 1 for a
+        sequence-first layout (``[seq, batch]``: ``nn.Transformer``'s and ``nn.LSTM``'s default)."""
+        dim = getattr(self.module, "batch_dim", 0)
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 0:
+            raise ModelFileError(f"{self.path}: batch_dim = {dim!r}: give the dim that holds the samples in every "
+                                 f"batched input and the target, a non-negative int (0, or 1 for [seq, batch])")
+        return dim
 
 
 def load_model_file(path: str) -> ModelFile:

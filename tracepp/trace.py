@@ -23,7 +23,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from tracepp.split.pipeline_graph import AUTOCAST_OFF, MASTER_DTYPE
-from tracepp import batch_mixing, grad_modes, model_rng
+from tracepp import batch_mixing, grad_modes, model_rng, sequence_first
 from tracepp.dynamic import DynamicFlags, export_dynamic_shapes, names_from_model_spec
 from tracepp.modelfile import ModelFile, ModelFileError
 
@@ -41,7 +41,7 @@ class Traced:
     model_file: ModelFile
     num_microbatches: int
     batch_size: int  # of the full example batch
-    batched_leaves: list  # per flattened (args, kwargs) leaf: is it chunked along dim 0?
+    batched_leaves: list  # per flattened (args, kwargs) leaf: is it chunked along the batch dim?
     example_leaves: list = field(default_factory=list)  # flattened full example batch
     dim_names: dict = field(default_factory=dict)  # (leaf index, dim) -> name of a dynamic dim ("seq")
     notes: list = field(default_factory=list)  # things the user should know (printed by the CLI)
@@ -51,18 +51,28 @@ class Traced:
     master_dtypes: dict = field(default_factory=dict)
     warnings: list = field(default_factory=list)  # what makes a pipelined run differ from eager (printed as warnings)
 
+    @property
+    def batch_dim(self) -> int:
+        """The dim of the batched inputs and the target that holds the samples (the model file's ``batch_dim``)."""
+        return self.model_file.batch_dim
 
-def batch_size_of(leaves: list, where: str) -> int:
+
+def batch_size_of(leaves: list, where: str, dim: int = 0) -> int:
     for leaf in leaves:
-        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
-            return leaf.shape[0]
-    raise ModelFileError(f"{where}: no tensor input with a batch dimension (dim 0) to split into microbatches")
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > dim:
+            return leaf.shape[dim]
+    raise ModelFileError(f"{where}: no tensor input with a batch dimension (dim {dim}) to split into microbatches")
 
 
-def first_microbatch(leaves: list, batched: list, batch_size: int, num_microbatches: int) -> list:
-    """Slice microbatch 0 (the size ``torch.tensor_split`` gives it) from every batched leaf."""
+def batched_leaves(leaves: list, batch_size: int, dim: int = 0) -> list:
+    """Per leaf: a tensor whose ``dim`` holds the batch's samples (chunked into microbatches; the rest repeated)."""
+    return [isinstance(leaf, torch.Tensor) and leaf.dim() > dim and leaf.shape[dim] == batch_size for leaf in leaves]
+
+
+def first_microbatch(leaves: list, batched: list, batch_size: int, num_microbatches: int, dim: int = 0) -> list:
+    """Slice microbatch 0 (the size ``torch.tensor_split`` gives it) from every batched leaf, along ``dim``."""
     size = -(-batch_size // num_microbatches)
-    return [leaf[:size] if is_batched else leaf for leaf, is_batched in zip(leaves, batched)]
+    return [leaf.narrow(dim, 0, size) if is_batched else leaf for leaf, is_batched in zip(leaves, batched)]
 
 
 REAL_TRACE_LIMIT_BYTES = 1 << 30  # on_meta="auto": models up to this size are traced with real weights
@@ -158,7 +168,7 @@ def _device_clash(error: BaseException) -> bool:
     return False
 
 
-def _export_inputs_on_meta(model, args, kwargs, dynamic_shapes, error):
+def _export_inputs_on_meta(model, args, kwargs, dynamic_shapes, error, watch=None):
     """The export of a model on meta weights again with its inputs on meta too, where the first one failed on a
     device clash (CPM-Ant's attention mask, made from the token ids on the CPU, meets its scores on meta); None where
     that is not the failure or the second export fails as well (forward reads an input's values)."""
@@ -166,22 +176,24 @@ def _export_inputs_on_meta(model, args, kwargs, dynamic_shapes, error):
         return None
     on_meta = pytree.tree_map(lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x, (args, kwargs))
     try:
-        return _export(model, on_meta[0], on_meta[1], dynamic_shapes)
+        return _export(model, on_meta[0], on_meta[1], dynamic_shapes, watch)
     except Exception:
         return None
 
 
-def _export(model, args, kwargs, dynamic_shapes):
+def _export(model, args, kwargs, dynamic_shapes, watch: Optional[sequence_first.Watch] = None):
     """``torch.export.export``, its graph modules' Python code generated only when first run (export recompiles its
     graph several times on the way, and the split never runs the whole program: 13% of a 671B model's trace), and
-    each node's stack trace taken from the frames fx keeps only (:class:`_KeptFrames`)."""
+    each node's stack trace taken from the frames fx keeps only (:class:`_KeptFrames`); ``nn.TransformerEncoder``'s
+    causal-mask hint off (``sequence_first.causal_mask_hint_off``), sequence-first modules watched (``watch``)."""
     try:
         from torch.fx._lazy_graph_module import _use_lazy_graph_module
     except ImportError:  # a torch without lazy graph modules: export as it is
         lazy = contextlib.nullcontext()
     else:
         lazy = _use_lazy_graph_module(True)
-    with lazy, _kept_frames():
+    watched = watch.on(model) if watch is not None else contextlib.nullcontext()
+    with lazy, _kept_frames(), sequence_first.causal_mask_hint_off(), watched:
         return torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes)
 
 
@@ -283,15 +295,17 @@ def trace(model_file: ModelFile, num_microbatches: int, dynamic_shapes: Any = No
     master_dtypes = cast_parameters(model, param_dtype) if param_dtype is not None else {}
     args, kwargs = model_file.example_inputs(), model_file.example_kwargs()
     leaves, spec = pytree.tree_flatten((args, kwargs))
-    batch_size = batch_size_of(leaves, f"{model_file.path}: example_inputs()")
+    batch_dim = model_file.batch_dim
+    batch_size = batch_size_of(leaves, f"{model_file.path}: example_inputs()", batch_dim)
     if num_microbatches < 1 or num_microbatches > batch_size:
         raise ValueError(
             f"--microbatches {num_microbatches} does not fit the example batch of {batch_size} samples: "
             f"choose 1..{batch_size}"
         )
-    batched = [isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape[0] == batch_size for leaf in leaves]
+    batched = batched_leaves(leaves, batch_size, batch_dim)
     mb_args, mb_kwargs = pytree.tree_unflatten(_cast_inputs(first_microbatch(leaves, batched, batch_size,
-                                                                            num_microbatches), param_dtype), spec)
+                                                                            num_microbatches, batch_dim),
+                                                            param_dtype), spec)
     mb_args, mb_kwargs = tuple(mb_args), dict(mb_kwargs)
     if dynamic_shapes is None and model_file.dynamic_shapes is None and batch_size % num_microbatches:
         # unequal microbatches need a symbolic batch dim; declaring it is what the user would do anyway
@@ -301,26 +315,32 @@ def trace(model_file: ModelFile, num_microbatches: int, dynamic_shapes: Any = No
     leaf_of_arg = _leaf_index_of_args(model, mb_args, mb_kwargs)
     if isinstance(dynamic_shapes, DynamicFlags):
         batched_args = {name: batched[index] for name, index in leaf_of_arg.items()}
-        export_shapes, arg_dim_names = export_dynamic_shapes(dynamic_shapes, model, mb_args, mb_kwargs, batched_args)
+        export_shapes, arg_dim_names = export_dynamic_shapes(dynamic_shapes, model, mb_args, mb_kwargs, batched_args,
+                                                             batch_dim)
     else:
         export_shapes = dynamic_shapes if dynamic_shapes is not None else model_file.dynamic_shapes
         arg_dim_names = names_from_model_spec(export_shapes, model, mb_args, mb_kwargs)
-    dynamic_batch = any(dim == 0 and arg in leaf_of_arg and batched[leaf_of_arg[arg]] for arg, dim in arg_dim_names)
+    dynamic_batch = any(dim == batch_dim and arg in leaf_of_arg and batched[leaf_of_arg[arg]]
+                        for arg, dim in arg_dim_names)
     if dynamic_batch and -(-batch_size // num_microbatches) == 1 and batch_size >= 2:
         # export specialises a size-1 dim to the constant 1; the trace is symbolic in the batch anyway,
         # so trace two samples
         mb_args, mb_kwargs = pytree.tree_unflatten(_cast_inputs(first_microbatch(leaves, batched, batch_size,
-                                                                                batch_size // 2), param_dtype), spec)
+                                                                                batch_size // 2, batch_dim),
+                                                                param_dtype), spec)
         mb_args, mb_kwargs = tuple(mb_args), dict(mb_kwargs)
+    mb_leaves = pytree.tree_leaves((mb_args, mb_kwargs))
+    traced_size = next((leaf.shape[batch_dim] for leaf, flag in zip(mb_leaves, batched) if flag), None)
+    watch = sequence_first.Watch(batch_dim, traced_size, batch_size)
     probe = batch_mixing.probe(model, num_microbatches, batch_size, sum(
         leaf.numel() for leaf, flag in zip(leaves, batched) if flag)) if param_dtype is None else None
     try:
-        program = _export(model, mb_args, mb_kwargs, export_shapes)
+        program = _export(model, mb_args, mb_kwargs, export_shapes, watch)
     except Exception as first_error:
         if not _is_on_meta(model):
             raise TraceError(_explain(first_error, model, model_file.path, param_dtype)) from first_error
         error = first_error
-        program = _export_inputs_on_meta(model, mb_args, mb_kwargs, export_shapes, error)
+        program = _export_inputs_on_meta(model, mb_args, mb_kwargs, export_shapes, error, watch)
         if program is not None:
             notes.append(f"the model does not trace with meta weights and inputs on the CPU ({type(error).__name__}: "
                          f"a tensor made on the inputs' device met the weights); traced with its inputs on meta too")
@@ -341,11 +361,12 @@ def trace(model_file: ModelFile, num_microbatches: int, dynamic_shapes: Any = No
         if param_dtype is not None:
             cast_parameters(model, param_dtype)
         try:
-            program = _export(model, mb_args, mb_kwargs, export_shapes)
+            program = _export(model, mb_args, mb_kwargs, export_shapes, watch)
         except Exception as real_error:
             raise TraceError(_explain(real_error, model, model_file.path, param_dtype)) from real_error
         notes.append(f"the model does not trace with meta weights ({type(error).__name__}: "
                      f"{str(error).splitlines()[0] if str(error) else ''}); traced with real weights instead")
+    watch.check()  # a sequence-first module reached by microbatches cut along its sequence: stop, say why
     inline_grad_mode_regions(program, model_file.path)
     if model_file.training:
         reached = grad_modes.needs_grad(program, model)  # the values a gradient reaches, walked once for the three
@@ -363,9 +384,9 @@ def trace(model_file: ModelFile, num_microbatches: int, dynamic_shapes: Any = No
         notes.append(random_note(random_ops, model_file.training))
     warnings = []
     mixing = None if random_ops else batch_mixing.check(probe, program, leaves, spec, batched, batch_size,
-                                                         num_microbatches)
+                                                         num_microbatches, batch_dim)
     if mixing:
-        warnings.append(mixing)
+        warnings.append(mixing + sequence_first.hint(model, batch_dim))
     if _is_on_meta(model):
         _replace_meta_device(program, _input_device(leaves))
     dim_names = {(leaf_of_arg[arg], dim): name for (arg, dim), name in arg_dim_names.items() if arg in leaf_of_arg}

@@ -9,7 +9,9 @@ one before it passed:
 
 1. ``build``: the model (random weights, nothing downloaded);
 2. ``eager``: its own forward, loss and backward on a batch of 4 x 8 tokens (a failure is the library's);
-3. ``export``: ``torch.export.export`` of one microbatch of 2 samples (a failure is torch.export's);
+3. ``export``: ``torch.export.export`` of one microbatch of 2 samples (along the model file's ``batch_dim``), as
+   the split calls it (``nn.TransformerEncoder``'s causal-mask hint off: ``tracepp/sequence_first.py``; a failure
+   is torch.export's);
 4. ``pp``: ``tracepp split --ranks 2`` (2 microbatches), 3 SGD steps on 2 ranks (gloo) against 3 eager steps:
    exact when every parameter is within 2e-5;
 5. ``tp``: the ``--ranks 2 --tp 2`` plan at microbatch sizes 1 and 2 (the share of each decoder layer's parameters
@@ -178,20 +180,24 @@ def step_export(record: dict, name: str) -> None:
     model_file = _load(name)
     model = model_file.model()
     args, kwargs, _target = model_file.module.batch(0)
-    from tracepp import batch_mixing
+    from tracepp import batch_mixing, sequence_first
 
-    probe = batch_mixing.probe(model, 2, args[0].shape[0])  # before export, as the split takes it
-    program = torch.export.export(model, tuple(a[:2] for a in args), kwargs)
+    dim = model_file.batch_dim  # 1 for a [seq, batch] layout
+    size = args[0].shape[dim]
+    probe = batch_mixing.probe(model, 2, size)  # before export, as the split takes it
+    import torch.utils._pytree as pytree
+
+    two = pytree.tree_map_only(torch.Tensor, lambda a: a.narrow(dim, 0, 2) if a.dim() > dim and a.shape[dim] == size
+                               else a, tuple(args))
+    with sequence_first.causal_mask_hint_off():  # as the split traces: nn.TransformerEncoder's mask hint off
+        program = torch.export.export(model, two, kwargs)
     drawn = list(dict.fromkeys(random_draws(program)))
     if drawn:
         record["random"] = drawn[:4]
         return
-    import torch.utils._pytree as pytree
-
     leaves, spec = pytree.tree_flatten((tuple(args), kwargs))
-    size = args[0].shape[0]
-    batched = [isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape[0] == size for leaf in leaves]
-    mixes = batch_mixing.check(probe, program, leaves, spec, batched, size, 2)  # as the split warns of it
+    batched = [isinstance(leaf, torch.Tensor) and leaf.dim() > dim and leaf.shape[dim] == size for leaf in leaves]
+    mixes = batch_mixing.check(probe, program, leaves, spec, batched, size, 2, dim)  # as the split warns of it
     if mixes:
         record["mixes"] = mixes
 
