@@ -665,6 +665,9 @@ class _ContractionRules:
             return
         plain, tiled = (a, b) if self.segs.get(b) else (b, a)
         segments, heads = self.segs[tiled], _val(plain).shape[self.shard[plain]]
+        if plain in self.part and _ints([heads] + list(segments)) and sum(int(s) for s in segments) == int(heads):
+            self._want_in_part(plain, rules.boundaries(segments))  # the query part of a fused q, k, v (ring-attention:
+            return  # split by head counts): its heads' points at the part's offset, in its own head width
         origin = self.origin.get(plain, frozenset())
         if (not origin or not _ints([heads] + list(segments))
                 or sum(int(s) for s in segments) != int(heads)

@@ -145,7 +145,7 @@ class _CutRules:
             inner = [b - a for a, b in zip(have, have[1:]) if a >= start and b <= end]
             pieces.append((dim, tuple(inner) if len(inner) > 1 else None))
         fqn = next(iter(origin)) if len(origin) == 1 and segments else None
-        if fqn is not None and tuple(int(s) for s in segments) != tuple(self.fused.get(fqn) or ()):
+        if fqn is not None and not _same_parts(segments, self.fused.get(fqn)):
             fqn = None  # a cut of a range of the projection's parts (Mamba-2's x, B and C after their convolution):
             #             its pieces are not the projection's parts by index, and a part needed whole is gathered
         index_of = {start: k for k, start in enumerate(have[:-1])}
@@ -258,6 +258,8 @@ class _CutRules:
             if not _ints(sizes[:e + 1]) or int(_prod(sizes[:e])) != int(before):
                 continue
             parts, size = int(sizes[e]), int(size)
+            if parts == 1:  # a dim of 1 before the parts (a batch of one: nn.MultiheadAttention's [seq, 1, 3, e])
+                continue
             if parts < 2 or parts % self.tp == 0 or size % parts or (size // parts) % self.tp:
                 return False
             if any(self.out_features.get(fqn) != size for fqn in origin):
@@ -450,6 +452,15 @@ class _CutRules:
             return False
         at = sizes[e]
         return at == -1 or (isinstance(at, int) and _ints([out_size]) and at == int(out_size))
+
+
+def _same_parts(segments, fused) -> bool:
+    """``segments`` are a fused projection's parts ``fused``, in its features or in heads of one width (its output
+    viewed as heads and split by head counts: ring-attention's ``(heads, kv_heads, kv_heads)``)."""
+    if not fused or len(segments) != len(fused):
+        return False
+    mine, theirs = [int(s) for s in segments], [int(p) for p in fused]
+    return theirs[0] % mine[0] == 0 and all(p == s * (theirs[0] // mine[0]) for s, p in zip(mine, theirs))
 
 
 def _unit(features, size: int):

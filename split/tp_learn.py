@@ -208,11 +208,14 @@ def _piece_segments(groups, size, read_size, tp: int):
 
 def _learn_segments(walks: list, tp: int, fused: dict, narrow: dict) -> bool:
     """Fold the cut points the walks' consumers need into ``fused`` (weight fqn -> segments); a part ``tp``
-    does not divide replicates the projection (into ``narrow``). True when a segment list changed."""
+    does not divide replicates the projection (into ``narrow``). True when a segment list changed. A point once
+    learned is kept (the points only grow, so the passes end): walked with a projection's parts, a consumer may ask
+    only for the cuts its parts still lack (ring-attention's fused q, k, v: heads split 4, 2, 2 from a view of
+    them, then tiled; asked for 64 | 32 | 32, then for 64 | 64 over it, the segments went back and forth)."""
     learned = False
     for walk in walks:
         for fqn, cuts in walk.wants.items():
-            points = sorted(cuts)
+            points = sorted(set(cuts) | set(rules.boundaries(fused[fqn]) if fused.get(fqn) else ()))
             segments = tuple(b - a for a, b in zip(points, points[1:]))
             bad = [s for s in segments if s % tp]
             if bad:

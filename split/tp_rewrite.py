@@ -345,6 +345,12 @@ def _rewrite(g: fx.Graph, walk: _Walk, tp: int, params: dict) -> None:
             if sizes[dim] != -1:
                 sizes[dim] = sizes[dim] // tp
             node.args = (node.args[0], sizes) + tuple(node.args[2:])
+        if node.target in rules.UNFLATTENS:  # unflatten(d, sizes): the size of the sharded one among d's dims
+            sizes = list(node.args[2])
+            at = dim - node.args[1] % _val(node.args[0]).dim()
+            if sizes[at] != -1:
+                sizes[at] = sizes[at] // tp
+            node.args = (node.args[0], node.args[1], sizes)
         if node.target is aten.repeat_interleave.self_int:
             at = rules.arg(node, 2, "dim")  # heads repeated on the sharded dim: this rank's count of them
             if at is not None and at % _val(node).dim() == dim:

@@ -4,6 +4,7 @@ whole) stops changing, and the trials that keep the cheaper of two valid plans (
 from __future__ import annotations
 
 import fnmatch
+import itertools
 import operator
 import os
 
@@ -16,6 +17,8 @@ from tracepp.split.rules import at as _at, val as _val
 from tracepp.split.tp_contract import linear_widths, widens
 from tracepp.split.tp_learn import _learn_local_sources, _learn_pieces, _learn_segments, _learn_whole_parts
 from tracepp.split.tp_walk import _Walk
+
+MAX_PASSES = 64  # walks of the stages until the plan settles (a handful in practice; reaching it is a bug)
 
 aten = torch.ops.aten
 TP = torch.ops.tracepp
@@ -618,8 +621,13 @@ def _settle_on(graphs: list, tp: int, notes: dict, fused: dict = None, sequence=
 
     # a stage graph of the same structure as the one before it (a pipeline's middle) is walked once: its walk is
     # the one before, mapped, where it receives the same and learned the same of its parameters
+    last = ""
     signatures = [blocks.graph_signature(g) if blocks.ENABLED else index for index, (g, *_r) in enumerate(graphs)]
-    while True:
+    for passes in itertools.count(1):
+        if passes > MAX_PASSES:  # what each pass learns only grows, so this is a bug: stop and say so, not hang
+            raise ValueError(f"--tp {tp}: the tensor-parallel plan did not settle in {MAX_PASSES} passes over the "
+                             f"stage graphs (what the passes learned kept changing: {last}). Split without --tp, "
+                             f"or report it with the model file")
         walks, sent = [], {}
         for index, (g, fqn_of, needs_grad, *rest) in enumerate(graphs):
             boundary = rest[0] if rest else {}
@@ -640,15 +648,20 @@ def _settle_on(graphs: list, tp: int, notes: dict, fused: dict = None, sequence=
         if any(not set(walk.buffers_wanted) <= set(kept) for walk, kept in zip(walks, buffers)):
             for walk, kept in zip(walks, buffers):
                 kept.update(walk.buffers_wanted)
+            last = "values written in place, kept whole"
             continue  # a value written in place must be whole from where it is made: walk again
         if _learn_pieces(walks, pieces, notes):
+            last = f"parameters held as pieces {sorted(pieces)[:4]}"
             continue  # a parameter read at its piece: sharded where it is made, and walk again
         if _learn_local_sources(walks, sources):
+            last = "values made on a rank's piece"
             continue  # a whole value computed only to be read at a piece: computed on the piece, and walk again
         narrow: dict = {}
         if _learn_segments(walks, tp, fused, narrow) and not narrow:
+            last = f"fused projections' segments {dict(list(fused.items())[:4])}"
             continue  # the cuts were walked without their segments: walk again before deciding anything
         if _learn_whole_parts(walks, fused, mixed, notes, narrow):
+            last = f"fused projections' whole parts {dict(list(mixed.items())[:4])}"
             continue  # a key/value part needed whole: compute it whole, shard the rest, and walk again
         uses: dict = {}
         segments: dict = {}
@@ -670,6 +683,7 @@ def _settle_on(graphs: list, tp: int, notes: dict, fused: dict = None, sequence=
         if not new:
             return walks, uses, reasons
         notes.update(new)
+        last = f"parameters made whole {sorted(new)[:4]}"
 
 
 def _walk_like(walk: _Walk, before: tuple, here: tuple, received: dict, learned: tuple, buffers_before: dict,

@@ -543,10 +543,14 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
 
     def _on_view(self, node, sharded) -> bool:
         first = node.args[0]
-        if node.target in rules.UNFLATTENS or first not in self.shard or len(sharded) != 1:
+        if first not in self.shard or len(sharded) != 1:
             return False
         dim, in_val, out_val = self.shard[first], _val(first), _val(node)
         placed = rules.view_placement(_sizes(in_val), _sizes(out_val), dim, self.segs.get(first), self.tp)
+        if placed is not None and node.target in rules.UNFLATTENS:  # unflatten(d, sizes): the sizes of d's dims
+            at = node.args[1] % in_val.dim()
+            if not self._size_arg_ok(node.args[2], placed[0] - at, _sizes(out_val)[placed[0]]):
+                placed = None
         if placed is not None and self.kind.get(first) == "seq" and not self.groups_of(placed[1]):
             placed = None
         if placed is None and self._unit_dim_view(node, in_val, out_val, dim):

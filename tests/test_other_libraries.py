@@ -775,6 +775,52 @@ def test_heads_merged_into_the_batch_before_a_linear_keep_their_shard_at_every_m
         assert all(stage["share"]["params"] >= 0.99 for stage in manifest["tp"]["stages"])
 
 
+def test_a_fused_projection_split_by_head_counts_and_tiled_settles_sharded_in_its_heads():
+    # ring-attention-pytorch: to_qkv viewed as heads, split (4, 2, 2), k and v tiled '(g h)'. The passes learned its
+    # segments as 64 | 32 | 32, then 64 | 64 (the tiled keys asked for the whole projection's features per head, not
+    # the query part's), back and forth: the planner never returned. The split by head counts now takes the parts by
+    # index, the tiling asks the query part for its heads' points, and learned points are kept
+    for microbatches in (4, 2):
+        manifest = check_model(model_path("tp_fused_qkv_split_heads"), num_microbatches=microbatches,
+                               layout=Layout(pp=2, tp=2))
+        assert manifest["tp"]["verified"]["status"] == "verified", manifest["tp"]["verified"]
+        entry = manifest["tp"]["params"]["transformer.h.1.attn.to_qkv.weight"]
+        assert entry["role"] == "colwise" and entry["segments"] == [32, 32, 32, 32], entry
+        for stage in manifest["tp"]["stages"]:
+            assert stage["share"]["params"] >= 0.99, stage["share"]
+            for moved, megatron in stage["layers"].values():
+                assert moved == megatron, (moved, megatron)
+
+
+def test_a_plan_that_does_not_settle_stops_with_a_message_not_a_hang(monkeypatch):
+    # what the passes learn only grows, so they end; a learning step that went back and forth (the one above) would
+    # walk forever: past MAX_PASSES the split stops and says what kept changing
+    from tracepp.split import tp_settle
+
+    flips = {"n": 0}
+
+    def flipping(walks, tp, fused, narrow):
+        flips["n"] += 1
+        return True
+
+    monkeypatch.setattr(tp_settle, "_learn_segments", flipping)
+    monkeypatch.setattr(tp_settle, "MAX_PASSES", 5)
+    with pytest.raises(ValueError, match=r"--tp 2: the tensor-parallel plan did not settle in 5 passes .*"
+                                         r"fused projections' segments"):
+        check_model(model_path("tp_fused_qkv_split_heads"), num_microbatches=2, layout=Layout(pp=1, tp=2))
+    assert flips["n"] == 5
+
+
+def test_token_ids_cut_into_segments_before_any_embedding_are_refused_under_cp_by_name():
+    # infini-transformer's wrapper splits the ids into segments first: cp found no sequence shard and said only that
+    # the model has no embedding of token ids; it now names the op and line that reads them instead
+    from tracepp.split.context_parallel import ContextParallelError
+
+    with pytest.raises(ContextParallelError, match=r"its token ids \(ids\) are first read by split "
+                                                   r"\(split\.Tensor\) at cp_ids_split\.py:18"):
+        check_model(model_path("cp_ids_split"), num_microbatches=2, layout=Layout(pp=1, cp=2))
+
+
 def test_a_part_of_a_fused_projection_cut_at_half_its_heads_shards_in_each_half():
     # sinkhorn-transformer: to_kv(x).chunk(2) into k and v, each viewed into heads and cut at half of them. The cut
     # counts heads, the part features: the projection was asked for nothing it could use and stayed whole (0.83)
@@ -788,13 +834,14 @@ def test_a_part_of_a_fused_projection_cut_at_half_its_heads_shards_in_each_half(
 
 @pytest.mark.parametrize("name", ["tp_normalized_weights", "tp_gru_gate", "tp_lora_qkv_conv", "tp_vera_adapter",
                                   "pkm_embedding_bag", "tp_head_gate_multiply", "tp_output_gate", "tp_position_mlp", "tp_fused_kv_head_halves",
-                                  "tp_route_einsum", "tp_selected_head", "tp_heads_in_batch"])
+                                  "tp_route_einsum", "tp_selected_head", "tp_heads_in_batch",
+                                  "tp_fused_qkv_split_heads"])
 def test_derived_weights_cells_adapters_bags_and_gates_tp2_train_equal_to_eager(name, tmp_path):
     # the plans the tests above check, each run on 2 ranks for 3 steps against eager: nGPT's normalised weights, a GRU
     # gate, litgpt's LoRA through 1 x 1 convolutions, VeRA's frozen shared matrices, product-key memory's bags, head
     # gates through torch.multiply, an output gate reduce-scattered, a position MLP computed whole, a fused key/value
     # projection cut at half its heads, a weight rearranged per route into an einsum, one head's scores taken by their
-    # owner, heads merged into the batch before a linear
+    # owner, heads merged into the batch before a linear, a fused q, k, v split by head counts and tiled
     path = model_path(name)
     out = str(tmp_path / "out")
     split_model(path, out, schedule="looped-bfs", num_microbatches=4, layout=Layout(pp=1, tp=2))

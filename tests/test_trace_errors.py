@@ -1,4 +1,6 @@
 """Export failures on known patterns say what to change, through the CLI, without a raw traceback."""
+import re
+
 import pytest
 
 from tracepp.cli import main as cli_main
@@ -476,6 +478,7 @@ def test_a_reentrant_checkpoint_is_refused_by_name(tmp_path, capsys):
     assert code == 2, text
     assert "no gradient of the loss reaches" in text and "checkpointed.py:" in text, text
     assert "use_reentrant=False" in text, text
+    assert re.search(r"at \w+ \([\w.]+\) at checkpointed\.py:\d+", text), text  # the op too (the study's "by name")
 
 
 def test_parameters_read_only_without_gradients_are_named_in_a_note(tmp_path, capsys):

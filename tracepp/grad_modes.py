@@ -119,10 +119,14 @@ def untrainable(program: torch.export.ExportedProgram, model: torch.nn.Module, m
     cause = next((f"{cls}.forward ({'the model' if not path else path}, {line}) runs under {name}"
                   for path, cls, name, line in forwards), None)
     if cause is None and cut is not None and line_of(cut):
+        from tracepp.split.rules import op_name
+
         cause = (f"every path from them to the output passes a region the trace runs without gradients, at "
-                 f"{line_of(cut)}: torch.no_grad(), .detach(), or torch.utils.checkpoint with use_reentrant=True, "
-                 f"which torch.export traces with gradients off (pass use_reentrant=False where it is called, or "
-                 f"turn the library's checkpointing off)")
+                 f"{cut.name} ({op_name(cut)}) at {line_of(cut)}: torch.no_grad(), .detach(), "
+                 f"torch.utils.checkpoint with use_reentrant=True, or a torch.autograd.Function whose forward runs "
+                 f"under no_grad (ring-attention's blockwise attention), which torch.export traces with gradients "
+                 f"off, its own backward dropped (pass use_reentrant=False where it is called, or turn the library's "
+                 f"checkpointing or custom attention off)")
     cause = cause or "no output of forward() is computed from a trainable parameter"
     return (f"no gradient of the loss reaches any of the model's {len(trainable)} trainable parameters: {cause}; "
             f"split, training would change nothing. In {where}, run forward() with gradients reaching the "
