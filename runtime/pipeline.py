@@ -574,6 +574,9 @@ class Pipeline:
         dim = self.splitter.batch_dim
         size = next((leaf.shape[dim] for leaf, b in zip(leaves, batched) if b and isinstance(leaf, torch.Tensor)
                      and leaf.dim() > dim), None)
+        if size is None and any(batched):
+            raise PipelineError(f"batch for step {self.steps_run}: no batched input has the batch dim {dim} "
+                                f"(batch_dim); batch(step) must lay its inputs out as example_inputs() does")
         if size is None or size % dp:
             works = f"a multiple of {dp}" if size is None else (
                 f"{size - size % dp} or {size - size % dp + dp}" if size >= dp else f"{dp} or a multiple of it")

@@ -569,7 +569,8 @@ def _one_head_broadcast(walk) -> set:
             dim = walk.shard[a]
             for b in operands:
                 val, ref = b.meta.get("val"), a.meta.get("val")
-                if b in walk.shard or not isinstance(val, torch.Tensor) or not isinstance(ref, torch.Tensor):
+                if (b in walk.shard or not isinstance(val, torch.Tensor) or not isinstance(ref, torch.Tensor)
+                        or walk._param_only(b)):  # a table of weights is no key (CoPE: "b h n d, p d -> b h n p")
                     continue
                 if val.dim() == ref.dim() and val.shape[dim] == 1 and ref.shape[dim] != 1:
                     out.add(node)

@@ -121,13 +121,17 @@ def test_a_batch_the_replicas_cannot_share_is_refused():
     pipe = object.__new__(Pipeline)  # only what _replica_slice reads: no process group needed
     pipe.layout = mesh_layout({"num_ranks": 2, "mesh": {"dp": 4}})
     pipe.dp_index, pipe.steps_run = 1, 5
-    pipe.splitter = type("Splitter", (), {"batched": [True, False]})()
+    pipe.splitter = type("Splitter", (), {"batched": [True, False], "batch_dim": 0})()
     args, kwargs, target = pipe._replica_slice((torch.arange(8), 3), {}, torch.arange(8) * 10)
     assert args[0].tolist() == [2, 3] and args[1] == 3 and target.tolist() == [20, 30]
     with pytest.raises(PipelineError) as error:
         pipe._replica_slice((torch.arange(10), 3), {}, None)
     assert str(error.value) == ("batch for step 5 has 10 samples, which the 4 data-parallel replicas cannot "
                                 "share equally: use a global batch of 8 or 12")
+    pipe.splitter.batch_dim = 1  # [seq, batch]: each replica's samples along dim 1
+    ids = torch.arange(16).reshape(2, 8)
+    args, kwargs, target = pipe._replica_slice((ids, 3), {}, ids * 10)
+    assert args[0].tolist() == [[2, 3], [10, 11]] and target.tolist() == [[20, 30], [100, 110]]
 
 
 def test_dp_checkpoint_resume_matches_eager(tmp_path):

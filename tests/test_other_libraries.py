@@ -743,13 +743,14 @@ def test_a_weight_rearranged_per_route_into_an_einsum_is_a_column_wise_linear(ro
                    for why in stage["replicated"])
 
 
-@pytest.mark.parametrize("kv,head", [("2", "0"), ("4", "3")])
-def test_one_heads_scores_read_by_every_head_are_taken_by_their_owner_not_gathered(kv, head, monkeypatch):
+@pytest.mark.parametrize("kv,head,table", [("2", "0", "0"), ("4", "3", "1")])
+def test_one_heads_scores_read_by_every_head_are_taken_by_their_owner_not_gathered(kv, head, table, monkeypatch):
     # x-transformers' selective attention: relu(sim[:, 0]) gates every head's scores. The select of one head of the
     # sharded heads had no rule: torch's gathers the whole scores, and the plan made q and k whole (0.86). Now the
     # rank holding the head takes it, the others zeros, and one all-reduce of [b, s, s] makes it whole
     monkeypatch.setenv("KV_HEADS", kv)
     monkeypatch.setenv("HEAD", head)
+    monkeypatch.setenv("POS_TABLE", table)  # CoPE's learned positions read by every head: no key of one head
     manifest = check_model(model_path("tp_selected_head"), num_microbatches=2, layout=Layout(pp=2, tp=2))
     assert manifest["tp"]["verified"]["status"] == "verified", manifest["tp"]["verified"]
     params = manifest["tp"]["params"]
@@ -759,6 +760,8 @@ def test_one_heads_scores_read_by_every_head_are_taken_by_their_owner_not_gather
         assert stage["share"]["params"] >= 0.99, stage["share"]
         shapes = [entry["shape"] for entry in stage["collectives"] if entry["op"] == "all_reduce"]
         assert ["2", "16", "16"] in shapes, shapes  # the selected head's scores, [b, s, s]
+        for moved, megatron in stage["layers"].values():  # and its bytes: Megatron's 2 + 2 all-reduces, and these
+            assert moved == megatron + 2 * 2 * 16 * 16 * 4 * 2, (moved, megatron)
 
 
 def test_heads_merged_into_the_batch_before_a_linear_keep_their_shard_at_every_microbatch_size():
