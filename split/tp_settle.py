@@ -657,9 +657,14 @@ def _settle_on(graphs: list, tp: int, notes: dict, fused: dict = None, sequence=
             last = "values made on a rank's piece"
             continue  # a whole value computed only to be read at a piece: computed on the piece, and walk again
         narrow: dict = {}
-        if _learn_segments(walks, tp, fused, narrow) and not narrow:
+        if _learn_segments(walks, tp, fused, narrow):
+            # the cuts were walked without their segments: walk again before deciding anything else. A projection
+            # with a part tp does not divide is whole from now on (its points only grow: that part stays one tp
+            # does not divide); the others' segments are learned all the same (infini-transformer's odd GEGLU
+            # width of 85 once made every layer whole, its fused q, k, v included, as if never walked in parts)
+            notes.update({fqn: why for fqn, why in narrow.items() if fqn not in notes})
             last = f"fused projections' segments {dict(list(fused.items())[:4])}"
-            continue  # the cuts were walked without their segments: walk again before deciding anything
+            continue
         if _learn_whole_parts(walks, fused, mixed, notes, narrow):
             last = f"fused projections' whole parts {dict(list(mixed.items())[:4])}"
             continue  # a key/value part needed whole: compute it whole, shard the rest, and walk again

@@ -795,6 +795,24 @@ def test_a_fused_projection_split_by_head_counts_and_tiled_settles_sharded_in_it
                 assert moved == megatron, (moved, megatron)
 
 
+def test_a_fused_projection_of_odd_parts_is_whole_without_taking_the_attention_with_it():
+    # infini-transformer at ff_mult 2: its GEGLU's fused proj_in has halves of 85 features (whole under tp 2), and its
+    # fused q, k, v learns 3 parts from a view in the same pass. That pass went on deciding as if the parts were not
+    # learned: the view needed to_qkv whole, and every layer ended whole (share 0)
+    manifest = check_model(model_path("tp_odd_geglu"), num_microbatches=2, layout=Layout(pp=2, tp=2))
+    assert manifest["tp"]["verified"]["status"] == "verified", manifest["tp"]["verified"]
+    params = manifest["tp"]["params"]
+    for layer in (0, 1):
+        qkv = params[f"transformer.h.{layer}.attn.to_qkv.weight"]
+        assert qkv["role"] == "colwise" and qkv["segments"] == [64, 64, 64], qkv
+        assert params[f"transformer.h.{layer}.attn.to_out.weight"]["role"] == "rowwise"
+        whole = params[f"transformer.h.{layer}.mlp.proj_in.weight"]
+        assert whole["role"] == "replicate" and "a part of 85 features" in whole["why"], whole
+    for stage in manifest["tp"]["stages"]:
+        for moved, megatron in stage["layers"].values():  # one all-reduce after the attention, none in the MLP
+            assert moved == megatron // 2, (moved, megatron)
+
+
 def test_a_plan_that_does_not_settle_stops_with_a_message_not_a_hang(monkeypatch):
     # what the passes learn only grows, so they end; a learning step that went back and forth (the one above) would
     # walk forever: past MAX_PASSES the split stops and says what kept changing
