@@ -448,9 +448,15 @@ class _ContractionRules:
 
     def _computed_index(self, index) -> bool:
         """Indices an embedding picks a table's rows at that the model computes and every rank holds whole
-        (positions, buckets of distances), not the batch's token ids (a placeholder: a vocabulary lookup)."""
-        return (isinstance(index, fx.Node) and index.op != "placeholder" and index not in self.shard
-                and not _val(index).dtype.is_floating_point)
+        (positions, buckets of distances), not the batch's token ids (a placeholder: a vocabulary lookup), cast or
+        viewed or not (x-transformers' ``token_emb(x.to(long))``: its ids were taken for computed indices, the
+        embedding for a table every rank holds whole, and a key computed from it for no key of one head)."""
+        if not (isinstance(index, fx.Node) and index not in self.shard and not _val(index).dtype.is_floating_point):
+            return False
+        while (index.op == "call_function" and (index.target in rules.CASTS or index.target in rules.VIEWS)
+               and isinstance(index.args[0], fx.Node)):
+            index = index.args[0]
+        return index.op != "placeholder"
 
     def _read_whole(self, node, reads, groups=1) -> None:
         """Whole operands of an op on pieces: (input, dim) read at this rank's piece of ``dim`` (``tp_scatter``:

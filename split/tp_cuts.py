@@ -314,6 +314,9 @@ class _CutRules:
                 or any(int(s) % self.tp for s in segments)):
             return False
         index, start, local = index % int(size), 0, 0
+        if 2 * len(self._indices_taken(first, dim, int(size))) >= int(size):
+            return False  # the indices taken one by one (Zamba's Mamba heads, scanned each in turn) move more as
+            #               all-reduces of one index each than one gather of the whole dim: gathered, or made whole
         for length in (int(s) for s in segments):
             per = length // self.tp
             if index < start + length:
@@ -323,6 +326,20 @@ class _CutRules:
         self.sums[node] = None
         self._claimed.add((node, first))
         return True
+
+    @staticmethod
+    def _indices_taken(value, dim: int, size: int) -> set:
+        """The indices of ``value``'s dim ``dim`` that its users take one by one (``select``; an ``unbind`` of the dim
+        takes them all)."""
+        taken = set()
+        for user in value.users:
+            if user.target not in (aten.select.int, aten.unbind.int) or rules.cut_dim(user) != dim:
+                continue
+            if user.target is aten.unbind.int:
+                return set(range(size))
+            index = user.args[2] if len(user.args) > 2 else user.kwargs.get("index")
+            taken.add(index % size if isinstance(index, int) else user)
+        return taken
 
     def _owned_split(self, node, dim: int, size: int, ranges) -> bool:
         """A split of the sharded dim into pieces no larger than a rank's (StableLM's per-head LayerNorms: the

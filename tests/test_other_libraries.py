@@ -764,6 +764,17 @@ def test_one_heads_scores_read_by_every_head_are_taken_by_their_owner_not_gather
             assert moved == megatron + 2 * 2 * 16 * 16 * 4 * 2, (moved, megatron)
 
 
+def test_every_head_taken_one_by_one_is_not_all_reduced_head_by_head():
+    # Zamba's Mamba scans its heads one by one (hidden_states_B_C[head_idx] for every head). Each select was taken by
+    # its owner and all-reduced: twice a gather's bytes, every head still computed on every rank (Zamba 40 -> 128 KiB
+    # a layer, 4.0x Megatron's). Selects of half the indices or more are not owned: here 96 -> 32 KiB a layer
+    manifest = check_model(model_path("tp_heads_one_by_one"), num_microbatches=2, layout=Layout(pp=2, tp=2))
+    assert manifest["tp"]["verified"]["status"] == "verified", manifest["tp"]["verified"]
+    for stage in manifest["tp"]["stages"]:
+        for moved, megatron in stage["layers"].values():
+            assert moved <= megatron, (moved, megatron)
+
+
 def test_heads_merged_into_the_batch_before_a_linear_keep_their_shard_at_every_microbatch_size():
     # long-short-transformer: '(b h) n d', then a Linear(dim_head, r) of each head's keys. At 2 samples a microbatch
     # the shard of dim 0 is two segments (each sample's heads); the linear took that for no rule and its fused to_kv

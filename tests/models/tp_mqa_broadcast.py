@@ -6,6 +6,11 @@ x-transformers' ``attn_one_kv_head`` (``einsum("b h i d, b j d -> b h i j")``: a
 
 Megatron-Core divides the key/value groups among the tp ranks and refuses fewer groups than tp: ``inspect`` prints
 no Megatron figure for these layers (it compared Falcon's with a plan that does not exist: 0.50x).
+
+``IDS_CAST=1`` feeds int32 token ids the model casts before the embedding, as x-transformers' ``TokenEmbedding``
+does (``self.emb(x.long())``), with no rotary positions, as x-transformers' model of one key/value head: the cast
+ids were taken for indices the model computes (positions), the embedding for a table every rank holds whole, and
+the first layer's key, made from it, for no key of one head (a Megatron figure printed for that layer only).
 """
 import functools
 import os
@@ -17,6 +22,7 @@ from lib_style import (D, HEADS, HEAD_DIM, Decoder, RMSNorm, SwiGLU, apply_rope,
                        token_batch)
 
 EINSUM = os.environ.get("MQA_EINSUM", "0")
+IDS_CAST = os.environ.get("IDS_CAST") == "1"
 
 
 class MultiQueryAttention(nn.Module):
@@ -32,7 +38,8 @@ class MultiQueryAttention(nn.Module):
         q = self.to_q(x).view(B, T, HEADS, HEAD_DIM).transpose(1, 2)
         k = self.to_k(x).view(B, T, 1, HEAD_DIM).transpose(1, 2)
         v = self.to_v(x).view(B, T, 1, HEAD_DIM).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if not IDS_CAST:  # x-transformers' model of one key/value head has no rotary positions
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         causal = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)
         if EINSUM == "1":
             sim = torch.einsum("b n t h, b m s h -> b n t s", q, k.expand(B, 1, T, HEAD_DIM)) * HEAD_DIM ** -0.5
@@ -48,12 +55,19 @@ class MultiQueryAttention(nn.Module):
         return self.to_out(out.transpose(1, 2).reshape(B, T, HEADS * HEAD_DIM))
 
 
+class CastIdsDecoder(Decoder):
+    def forward(self, idx):
+        return super().forward(idx.long())
+
+
 def model():
     torch.manual_seed(0)
-    return Decoder(2, functools.partial(RMSNorm, D), MultiQueryAttention, SwiGLU)
+    return (CastIdsDecoder if IDS_CAST else Decoder)(2, functools.partial(RMSNorm, D), MultiQueryAttention, SwiGLU)
 
 
-batch = token_batch
+def batch(step):
+    (ids,), kwargs, target = token_batch(step)
+    return ((ids.int() if IDS_CAST else ids),), kwargs, target  # int32 ids, cast to int64 by the model
 
 
 def example_inputs():
