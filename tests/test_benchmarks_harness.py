@@ -292,3 +292,30 @@ def test_floor_table_pools_the_paired_steps_of_every_suite_file():
     assert cells[1] == "4 / 4" and cells[2] == "0.890 [0.880 - 0.990]"
     assert cells[3] == "0.960 [0.950 - 0.970]" and cells[4] == "100%"
     assert cells[5] == "1.100 [1.100 - 1.100]" and cells[6] == "yes"
+
+
+def test_megatron_bytes_compare_names_each_changed_plan_and_ignores_a_library_path(tmp_path):
+    # the before/after check of a planner change: a model whose layer bytes or shares moved is named with the layer,
+    # one unchanged is counted, an error differing only in where the library is installed is no change
+    from benchmarks.studies.megatron_bytes import compare
+
+    def write(name, records):
+        path = tmp_path / name
+        path.write_text(json.dumps({"records": records}))
+        return str(path)
+
+    before = write("before.json", [
+        {"model": "zamba", "layers": {"model.layers.1": [40960, 32768]}, "share": [0.43, 0.43], "worst": 1.25},
+        {"model": "llama", "layers": {"model.layers.0": [32768, 32768]}, "share": [0.99, 0.99], "worst": 1.0},
+        {"model": "blt", "error": "TraceError: at /a/venv/lib/python3.11/site-packages/transformers/x.py:9"},
+        {"model": "gone", "layers": {}, "share": [1.0, 1.0], "worst": None}])
+    after = write("after.json", [
+        {"model": "zamba", "layers": {"model.layers.1": [131072, 32768]}, "share": [0.8, 0.8], "worst": 4.0},
+        {"model": "llama", "layers": {"model.layers.0": [32768, 32768]}, "share": [0.99, 0.99], "worst": 1.0},
+        {"model": "blt", "error": "TraceError: at /b/env/lib/python3.11/site-packages/transformers/x.py:9"},
+        {"model": "new", "layers": {}, "share": [1.0, 1.0], "worst": None}])
+    lines = compare(before, [after])
+    assert lines[0] == ("zamba: shares [0.43, 0.43] -> [0.8, 0.8]; worst 1.25 -> 4.0\n"
+                        "  model.layers.1: [40960, 32768] -> [131072, 32768]")
+    assert lines[-1] == "2 of 3 models planned in both unchanged; 1 changed; 1 new, 1 not planned again"
+    assert len(lines) == 2

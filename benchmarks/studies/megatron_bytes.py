@@ -16,12 +16,20 @@ the interpreter stops the run where the file written so far ends).
 
 writes ``benchmarks/results/<time>_megatron_bytes.json`` and prints a table (families over 1.0x, and how many
 layers have no Megatron plan to compare with, by reason).
+
+``--compare BEFORE.json [AFTER.json ...]`` plans nothing: it reads earlier results (the after files merged, by
+model) and prints every model whose layers' bytes, Megatron figures or stage shares changed, the before/after check
+of a change to the planner::
+
+    python -m benchmarks.studies.megatron_bytes --compare benchmarks/results/20261130-232738_megatron_bytes.json \
+        benchmarks/results/20261201-042155_megatron_bytes.json benchmarks/results/20261201-044623_megatron_bytes.json
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -113,12 +121,45 @@ def measure(name: str, path: str, env: dict, timeout: float) -> dict:
     return _record(name, json.loads(line[len("RESULT "):]), started)
 
 
+def compare(before: str, after: list) -> list:
+    """Lines naming each model planned in both whose layers (bytes, Megatron's figure), shares, worst ratio or error
+    differ between ``before`` and ``after`` (files merged in order), and a count."""
+    def records(path):
+        with open(path) as handle:
+            return {r["model"]: r for r in json.load(handle)["records"]}
+
+    old, new = records(before), {}
+    for path in after:
+        new.update(records(path))
+    lines, same = [], 0
+    for name in sorted(set(old) & set(new)):
+        facts = [(r.get("layers"), r.get("share"), r.get("worst"), re.sub(r"\S*/site-packages/", "", r.get("error", ""))[:80])
+                 for r in (old[name], new[name])]  # an error's library path is the machine's, not the plan's
+        if facts[0] == facts[1]:
+            same += 1
+            continue
+        (layers0, share0, worst0, error0), (layers1, share1, worst1, error1) = facts
+        lines.append(f"{name}: shares {share0} -> {share1}; worst {worst0} -> {worst1}"
+                     + (f"; error {error0!r} -> {error1!r}" if error0 != error1 else "")
+                     + "".join(f"\n  {layer}: {(layers0 or {}).get(layer)} -> {(layers1 or {}).get(layer)}"
+                               for layer in sorted(set(layers0 or {}) | set(layers1 or {}))
+                               if (layers0 or {}).get(layer) != (layers1 or {}).get(layer)))
+    lines.append(f"{same} of {len(set(old) & set(new))} models planned in both unchanged; {len(lines)} changed; "
+                 f"{len(set(new) - set(old))} new, {len(set(old) - set(new))} not planned again")
+    return lines
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default=None, help="comma-separated names (default: every family)")
     parser.add_argument("--timeout", type=float, default=300.0)
     parser.add_argument("--in-process", action="store_true", help="every model in this process (module docstring)")
+    parser.add_argument("--compare", nargs="+", default=None, metavar="RESULTS",
+                        help="compare results files: the first before, the rest after (module docstring)")
     args = parser.parse_args(argv)
+    if args.compare:
+        print("\n".join(compare(args.compare[0], args.compare[1:])))
+        return 0
     chosen = models()
     if args.models:
         wanted = set(args.models.split(","))
