@@ -22,7 +22,7 @@ model) and prints every model whose layers' bytes, Megatron figures or stage sha
 of a change to the planner::
 
     python -m benchmarks.studies.megatron_bytes --compare benchmarks/results/20261130-232738_megatron_bytes.json \
-        benchmarks/results/20261201-042155_megatron_bytes.json benchmarks/results/20261201-044623_megatron_bytes.json
+        benchmarks/results/20261201-044836_megatron_bytes.json
 """
 from __future__ import annotations
 
