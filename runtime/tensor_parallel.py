@@ -512,30 +512,35 @@ def _vocab_rows(indices: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.where((local >= 0) & (local < rows), local, torch.full_like(local, -1))
 
 
-def _register_vocab_rows():
-    """``tp_vocab_rows`` (a library fragment of its own, as ``_register_heads``)."""
-    if hasattr(getattr(torch.ops, _NAMESPACE), "tp_vocab_rows"):
-        return
+def _fragment(op: str, schema: str, impl, fake):
+    """One op in a library fragment of its own (as ``_register_heads``: a runtime copy of an older tracepp may hold
+    the other ops): ``op(schema)`` run by ``impl`` on CPU and CUDA, ``fake`` its shapes. The library (kept alive by
+    the caller), or None where the op is registered already."""
+    if hasattr(getattr(torch.ops, _NAMESPACE), op):
+        return None
     lib = torch.library.Library(_NAMESPACE, "FRAGMENT")
-    _register_vocab_rows.lib = lib
-    lib.define("tp_vocab_rows(Tensor indices, int rows) -> Tensor")
+    lib.define(f"{op}{schema}")
     for device in ("CPU", "CUDA"):
-        lib.impl("tp_vocab_rows", _vocab_rows, device)
-    torch.library.register_fake(f"{_NAMESPACE}::tp_vocab_rows", lambda indices, rows: torch.empty_like(indices),
-                                lib=lib)
+        lib.impl(op, impl, device)
+    torch.library.register_fake(f"{_NAMESPACE}::{op}", fake, lib=lib)
+    return lib
+
+
+def _register_vocab_rows():
+    """``tp_vocab_rows``."""
+    lib = _fragment("tp_vocab_rows", "(Tensor indices, int rows) -> Tensor", _vocab_rows,
+                    lambda indices, rows: torch.empty_like(indices))
+    if lib is not None:  # registered already: the library that holds it is kept where it was made
+        _register_vocab_rows.lib = lib
 
 
 def _register_owned_select():
-    """``tp_owned_select`` (a library fragment of its own, as ``_register_heads``)."""
-    if hasattr(getattr(torch.ops, _NAMESPACE), "tp_owned_select"):
+    """``tp_owned_select``, and its backward."""
+    lib = _fragment("tp_owned_select", "(Tensor x, int dim, int index, int owner) -> Tensor", _owned_select,
+                    lambda x, dim, index, owner: x.new_empty(x.shape[:dim] + x.shape[dim + 1:]))
+    if lib is None:
         return
-    lib = torch.library.Library(_NAMESPACE, "FRAGMENT")
     _register_owned_select.lib = lib
-    lib.define("tp_owned_select(Tensor x, int dim, int index, int owner) -> Tensor")
-    for device in ("CPU", "CUDA"):
-        lib.impl("tp_owned_select", _owned_select, device)
-    torch.library.register_fake(f"{_NAMESPACE}::tp_owned_select",
-                                lambda x, dim, index, owner: x.new_empty(x.shape[:dim] + x.shape[dim + 1:]), lib=lib)
 
     def select_setup(ctx, inputs, output):
         ctx.shape, ctx.dim, ctx.index = tuple(inputs[0].shape), inputs[1], inputs[2]

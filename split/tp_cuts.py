@@ -308,15 +308,15 @@ class _CutRules:
         gate every head's): the rank whose piece holds index ``i`` takes it, the others zeros, and ``tp_all_reduce``
         makes it whole (``tp_owned_select``; the bytes of one index, where a gather moves the whole dim). In
         segments (heads tiled for grouped-query attention) the index is found in its segment's pieces."""
-        index = node.args[2] if len(node.args) > 2 else node.kwargs.get("index")
+        index = rules.arg(node, 2, "index")
         segments = self.segs.get(first) or (size,)
         if (first in self.mixed or not _ints(list(segments)) or not isinstance(index, int) or not _ints([size])
                 or any(int(s) % self.tp for s in segments)):
             return False
-        index, start, local = index % int(size), 0, 0
         if 2 * len(self._indices_taken(first, dim, int(size))) >= int(size):
             return False  # the indices taken one by one (Zamba's Mamba heads, scanned each in turn) move more as
             #               all-reduces of one index each than one gather of the whole dim: gathered, or made whole
+        index, start, local = index % int(size), 0, 0
         for length in (int(s) for s in segments):
             per = length // self.tp
             if index < start + length:
@@ -337,7 +337,7 @@ class _CutRules:
                 continue
             if user.target is aten.unbind.int:
                 return set(range(size))
-            index = user.args[2] if len(user.args) > 2 else user.kwargs.get("index")
+            index = rules.arg(user, 2, "index")
             taken.add(index % size if isinstance(index, int) else user)
         return taken
 

@@ -181,6 +181,7 @@ def step_export(record: dict, name: str) -> None:
     model = model_file.model()
     args, kwargs, _target = model_file.module.batch(0)
     from tracepp import batch_mixing, sequence_first
+    from tracepp.trace import batched_leaves
 
     dim = model_file.batch_dim  # 1 for a [seq, batch] layout
     size = args[0].shape[dim]
@@ -196,7 +197,7 @@ def step_export(record: dict, name: str) -> None:
         record["random"] = drawn[:4]
         return
     leaves, spec = pytree.tree_flatten((tuple(args), kwargs))
-    batched = [isinstance(leaf, torch.Tensor) and leaf.dim() > dim and leaf.shape[dim] == size for leaf in leaves]
+    batched = batched_leaves(leaves, size, dim)
     mixes = batch_mixing.check(probe, program, leaves, spec, batched, size, 2, dim)  # as the split warns of it
     if mixes:
         record["mixes"] = mixes
