@@ -139,7 +139,7 @@ def replicated_flops(walk) -> int:
     """Forward FLOPs per microbatch of the ops ``walk``'s plan leaves whole on every rank."""
     flops = _graph_flops(walk.graph)
     return sum(flops.get(node.name, 0) for node in walk.graph.nodes
-               if node not in walk.shard and walk.roles.get(node) != "rowwise")
+               if not walk.on_shards(node))
 
 
 _BLOCK = re.compile(r"^(.*?\.\d+)\.")  # a parameter's outermost numbered module: its repeated block
@@ -466,6 +466,35 @@ def _adapters(walk, nodes: list, inside: set, latents: list) -> list:
     return out
 
 
+def _mixers(walk, nodes: list, inside: set) -> list:
+    """A layer's mixers beside its attention and MLP (Zamba's hybrid layer: the shared attention block, then a Mamba
+    mixer): row-wise linears whose input is made, inside the layer and through no linear, by a scan over the
+    sequence (a convolution, a cumulative op, a loop over heads: ``split.tp_head_loop``) and by no attention.
+    Megatron-Core's Mamba mixer is a column-wise ``in_proj`` and a row-wise ``out_proj``: a region of its own, an
+    all-reduce of the layer's ``[b, s, h]`` forward and one backward."""
+    out = []
+    for node in nodes:
+        if walk.roles.get(node) != "rowwise":
+            continue
+        todo, seen, scans = [walk._linear_form(node)[0]], set(), False
+        while todo:
+            value = todo.pop()
+            if not isinstance(value, torch.fx.Node) or value in seen or value not in inside:
+                continue
+            seen.add(value)
+            if value.op != "call_function" or value.target in _PROJECTIONS or walk._linear_form(value) is not None:
+                continue
+            if value.target in rules.ATTENTION_NORMALIZERS:
+                scans = False
+                break
+            scans = scans or (value.target in rules.CONVOLUTIONS or value.target in rules.SCANS
+                              or value in walk.loop_joins)
+            todo.extend(value.all_input_nodes)
+        if scans:
+            out.append(node)
+    return out
+
+
 def _passed_on(node, steps: int = 3) -> set:
     """``node`` and what it becomes through at most ``steps`` casts or scalings by a number."""
     out, value = {node}, node
@@ -655,5 +684,6 @@ def layer_bytes(walk) -> dict:
                                        for user, form in _linear_readers(walk, walk._linear_form(n)[0], inside)):
                     megatron -= 2 * _bytes(leaving[-1]) * calls
                 megatron += 2 * sum(_bytes(n) for n in _adapters(walk, nodes, inside, latents))
+                megatron += 4 * _branch_bytes(walk, nodes, leaving[-1]) * len(_mixers(walk, nodes, inside))
         out[layer] = (moved[layer], megatron)
     return out

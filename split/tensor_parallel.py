@@ -162,7 +162,7 @@ def plan(graph, tp: int, overrides=None, sequence_parallel: bool = False) -> tup
             entry["segments"] = list(segments[fqn])
         if fqn in partial:  # each rank's gradient is its part: summed over tp when the step ends
             entry["grad"] = "partial"
-        if fqn in notes:
+        if fqn in notes and dim is None:  # (a note of a pass before the one that placed it sharded: no why)
             entry["why"] = notes[fqn]
         elif fqn in gathered:
             entry["why"] = gathered[fqn]
@@ -316,7 +316,7 @@ def _share(walk: _Walk, params: dict, flops: dict) -> dict:
             total += count
             sharded += count if params.get(fqn, {}).get("dim") is not None else 0
     work = sum(flops.values())
-    done = sum(flops.get(n.name, 0) for n in walk.graph.nodes if n in walk.shard or walk.roles.get(n) == "rowwise")
+    done = sum(flops.get(n.name, 0) for n in walk.graph.nodes if walk.on_shards(n))
     return {"params": round(sharded / total, 4) if total else 0.0, "flops": round(done / work, 4) if work else 0.0}
 
 

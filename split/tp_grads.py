@@ -76,6 +76,7 @@ def _made_by_the_plan(walk, node) -> bool:
         return node.name not in walk.fqn_of
     return (node in walk.roles or node in walk.sums or node in walk.late_sums or node in walk.partial
             or node in walk.mixed_linears or node in walk.owned or node in walk.owned_splits
+            or node in walk.loop_live
             or any(walk.needs_grad.get(a) and not _whole(walk, a) for a in node.all_input_nodes))
 
 

@@ -198,6 +198,10 @@ def _reading(g: fx.Graph, pairs: list):
 
 
 def _rewrite(g: fx.Graph, walk: _Walk, tp: int, params: dict) -> None:
+    for join, (_dim, _origin, kept) in walk.loop_joins.items():  # a loop over heads: this rank's heads joined
+        join.update_arg(0, list(join.args[0])[:kept])
+    for node in reversed([n for n in g.nodes if n in walk.loop_dead]):  # the other ranks' heads: not run here
+        g.erase_node(node)
     summed: dict = {}  # (reader, value) -> the tp_copy it reads instead
     for value, readers in tp_grads.backward_sums(walk).items():  # the gradient's parts summed at this value
         if readers:

@@ -12,7 +12,7 @@ import torch
 import torch.fx as fx
 
 import tracepp.runtime.tensor_parallel  # noqa: F401  (registers torch.ops.tracepp.tp_*)
-from tracepp.split import decompose, rules, torch_rules, tp_partial
+from tracepp.split import decompose, rules, torch_rules, tp_head_loop, tp_partial
 from tracepp.split.derived_weights import _rearranged, cut_segments, reads_as_weight, sizes_kept, steps_of
 from tracepp.split.propagation import Propagation
 from tracepp.split.rules import at as _at, equal as _equal, ints as _ints, prod as _prod, sizes as _sizes, val as _val
@@ -91,6 +91,9 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
         self.owned_splits: dict = {}  # split of the sharded dim into pieces within ranks -> the pieces' sizes
         self.owned: dict = {}  # a piece (and what it goes through) -> the rank that computes it
         self.owned_cats: dict = {}  # the cat joining the pieces -> (dim, origin): sharded again
+        self.loop_live: dict = {}  # an op of a loop over sharded heads that this rank runs -> its local head
+        self.loop_dead: set = set()  # an op of such a loop on another rank's heads: dropped
+        self.loop_joins: dict = {}  # the join of such a loop's heads -> (its dim, origin, heads kept): sharded
         self.owned_selects: dict = {}  # select of one index of the sharded dim -> (dim, index in the
         #                                owner's piece, owner): the owner's, the others' zeros, summed
         self.conv_groups: dict = {}  # depthwise convolution over sharded channels -> its local groups
@@ -100,7 +103,9 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
         self._claimed: set = set()  # (node, input) pairs a rule placed (no "whole" use recorded)
         self.last = last  # the last stage: its outputs go to the loss, whole
         self.chain_steps = self._rearranged_weights(graph)
+        self._loops = tp_head_loop.find(graph)  # loops over heads, by their first op (entered where met)
         self._walk(graph)
+        del self._loops
         tp_partial.defer(self)  # deferred, late_sums, partial: where row-wise partial sums are all-reduced
 
     # -- helpers
@@ -243,6 +248,37 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
             if arg in self.shard:
                 self._gather(node, arg)
 
+    def _enter_loop(self, loop) -> None:
+        """A loop over heads (``split.tp_head_loop``) whose heads are sharded, each in this rank's block: this rank
+        runs the first ``heads / tp`` heads' ops, on its own heads (a whole value whose heads are taken is read at
+        the rank's piece first), drops the rest, and its join of the heads kept is its piece of the joined value."""
+        if loop.heads % self.tp:
+            return
+        sharded = [value for value in loop.taken if value in self.shard]
+        if not sharded or any(self.shard[value] != loop.taken[value] or self.segs.get(value) or value in self.mixed
+                              or self.kind.get(value) == "seq" for value in sharded):
+            return
+        kept = loop.heads // self.tp
+        for head, chain in enumerate(loop.chains):
+            for node in chain:
+                if head < kept:
+                    self.loop_live[node] = head
+                else:
+                    self.loop_dead.add(node)
+        for (value, head), select in loop.selects.items():
+            if head < kept and value not in self.shard:
+                self.scatters.append((select, value, loop.taken[value], 1))
+                self._claimed.add((select, value))
+        origin = frozenset().union(*(self.origin.get(value, frozenset()) for value in sharded))
+        for join, dim in loop.joins.items():
+            self.loop_joins[join] = (dim, origin, kept)
+
+    def on_shards(self, node) -> bool:
+        """``node`` is computed on this rank's piece: a sharded value, a row-wise linear, an op of a loop over
+        sharded heads (this rank's heads, or another rank's, not run here)."""
+        return (node in self.shard or self.roles.get(node) == "rowwise" or node in self.loop_live
+                or node in self.loop_dead)
+
     def _use_whole(self, node) -> None:
         for arg in node.all_input_nodes:
             if arg not in self.shard and (node, arg) not in self._claimed:
@@ -284,6 +320,21 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
                     self._gather(node, arg)
             return
         target = node.target
+        if node in self._loops:
+            self._enter_loop(self._loops[node])
+        if node in self.loop_dead:  # another rank's head: not run here
+            return
+        if node in self.loop_live:  # this rank's head: every value it reads is whole, or its head's select
+            for arg in node.all_input_nodes:
+                if (arg not in self.loop_live and arg not in self.shard and (node, arg) not in self._claimed
+                        and self.needs_grad.get(arg)):
+                    self.copies.append((node, arg))  # read by this rank's heads alone: its gradient summed over tp
+            self._use_whole(node)
+            return
+        if node in self.loop_joins:
+            dim, origin, _kept = self.loop_joins[node]
+            self._place(node, dim, None, origin)
+            return
         if target in rules.IGNORED:
             return
         if node in self.owned:  # a piece of an owned split: computed by the rank that holds it

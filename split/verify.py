@@ -177,7 +177,7 @@ def _whole(walk, node, values, size):
     """The whole value of a rewritten ``node`` from its ranks' ``values``, or None where its placement is not
     known here (a partial sum before its all-reduce, a fused value with whole parts, a list of pieces)."""
     if (node in walk.roles or node in walk.sums or node in walk.mixed or node in walk.owned_splits
-            or node in walk.partial):
+            or node in walk.loop_live or node in walk.partial):  # (a head of a loop: this rank's own)
         return None
     if node in walk.shard:
         if not all(isinstance(v, torch.Tensor) for v in values):

@@ -368,6 +368,17 @@ def test_parameters_read_only_at_a_ranks_channels_are_held_as_pieces(tmp_path):
     _trains_equal_to_eager(path, out, 2, tmp_path)
 
 
+def test_a_mixer_scanning_its_heads_one_by_one_runs_each_ranks_heads_and_trains_equal_to_eager(tmp_path):
+    # Zamba's loop over Mamba heads (tests/models/tp_mamba_heads_loop.py): each rank scans its own 2 of 4 heads,
+    # the other 2 dropped from its program, its rows of the per-head weights held
+    path, out = model_path("tp_mamba_heads_loop"), str(tmp_path / "out")
+    manifest = split_model(path, out, num_microbatches=2, layout=Layout(pp=1, tp=2))
+    assert manifest["tp"]["params"]["blocks.0.x_proj_weight"]["dim"] == 0
+    script = open(os.path.join(out, "rank0.py")).read()
+    assert len(re.findall(r"= torch\.ops\.aten\.softplus\.default\(", script)) == 2  # 2 heads (the blocks folded)
+    _trains_equal_to_eager(path, out, 2, tmp_path)
+
+
 def test_a_mamba2_mixer_of_one_group_shards_its_heads_and_trains_equal_to_eager(tmp_path):
     # Mamba-2 with one group (the plan: tests/test_tensor_parallel.py), at pp 2 x tp 2 with AdamW and clipping
     path, out = model_path("tp_mamba2_one_group"), str(tmp_path / "out")

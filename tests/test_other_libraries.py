@@ -40,6 +40,7 @@ The wider survey, one model file per library, is ``benchmarks/studies/other_fami
 """
 import json
 import os
+import re
 import sys
 
 import pytest
@@ -764,15 +765,39 @@ def test_one_heads_scores_read_by_every_head_are_taken_by_their_owner_not_gather
             assert moved == megatron + 2 * 2 * 16 * 16 * 4 * 2, (moved, megatron)
 
 
-def test_every_head_taken_one_by_one_is_not_all_reduced_head_by_head():
+def test_every_head_taken_one_by_one_runs_on_its_own_rank(tmp_path):
     # Zamba's Mamba scans its heads one by one (hidden_states_B_C[head_idx] for every head). Each select was taken by
     # its owner and all-reduced: twice a gather's bytes, every head still computed on every rank (Zamba 40 -> 128 KiB
-    # a layer, 4.0x Megatron's). Selects of half the indices or more are not owned: here 96 -> 32 KiB a layer
-    manifest = check_model(model_path("tp_heads_one_by_one"), num_microbatches=2, layout=Layout(pp=2, tp=2))
+    # a layer, 4.0x Megatron's); then the heads were gathered and every rank ran all 4. Now each rank runs the
+    # attention of its own 2 heads (split/tp_head_loop.py): Megatron's bytes, every FLOP on shards
+    out = str(tmp_path / "out")
+    manifest = split_model(model_path("tp_heads_one_by_one"), out, num_microbatches=2, layout=Layout(pp=2, tp=2))
     assert manifest["tp"]["verified"]["status"] == "verified", manifest["tp"]["verified"]
     for stage in manifest["tp"]["stages"]:
+        assert stage["share"]["flops"] == 1.0 and not stage["replicated"], stage
         for moved, megatron in stage["layers"].values():
-            assert moved <= megatron, (moved, megatron)
+            assert moved == megatron, (moved, megatron)
+    script = open(os.path.join(out, "rank0.py")).read()
+    calls = re.findall(r"= torch\.ops\.aten\.scaled_dot_product_attention\.default\(", script)
+    assert len(calls) == 2, len(calls)  # one layer's code (the two alike are folded into one function): 2 of 4 heads
+
+
+def test_a_mamba_mixer_scanning_its_heads_one_by_one_shards_every_per_head_weight():
+    # transformers' Zamba: per-head x_proj / dt_proj weights, A_log, D and dt_proj_bias, a selective scan per head
+    # (itself a loop over time, as many steps as heads), joined by torch.cat. The heads' selects needed the whole of
+    # each value, gathered: Zamba's Mamba layers were whole (0.43 of each stage). Each rank now scans its own heads
+    # and holds their rows of every per-head weight
+    manifest = check_model(model_path("tp_mamba_heads_loop"), num_microbatches=2, layout=Layout(pp=1, tp=2))
+    assert manifest["tp"]["verified"]["status"] == "verified", manifest["tp"]["verified"]
+    params = manifest["tp"]["params"]
+    for name in ("x_proj_weight", "dt_proj_weight", "dt_proj_bias", "A_log", "D", "conv1d.weight"):
+        assert params[f"blocks.1.{name}"]["dim"] == 0 and "why" not in params[f"blocks.1.{name}"], (
+            name, params[f"blocks.1.{name}"])
+    assert params["blocks.0.in_proj.weight"]["role"] == "colwise"
+    assert params["blocks.0.out_proj.weight"]["role"] == "rowwise"
+    stage, = manifest["tp"]["stages"]
+    assert stage["share"] == {"params": 1.0, "flops": 1.0}, stage["share"]
+    assert not stage["replicated"], stage["replicated"]
 
 
 def test_heads_merged_into_the_batch_before_a_linear_keep_their_shard_at_every_microbatch_size():
