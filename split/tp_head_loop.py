@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from tracepp.split.rules import arg as _arg, val as _val
+from tracepp.split.rules import arg as _arg, equal as _equal, val as _val
 
 aten = torch.ops.aten
 _JOINS = (aten.cat.default, aten.stack.default)
@@ -143,8 +143,9 @@ def _grow(start: dict, candidates: dict, order: dict):
         out = _val(join)
         dim = _arg(join, 1, "dim")
         dim = (0 if dim is None else dim) % out.dim()
-        if join.target is aten.cat.default and len({_val(p).shape[dim] for p in pieces}) != 1:
-            return None
+        if join.target is aten.cat.default and not all(_equal(_val(p).shape[dim], _val(pieces[0]).shape[dim])
+                                                       for p in pieces):
+            return None  # (sizes compared as expressions: a dim of the batch is symbolic under --dynamic)
         join_dims[join] = dim
     if not join_dims or not _same_chains(chains, label, selects, taken):
         return None
