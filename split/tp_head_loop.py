@@ -18,6 +18,9 @@ heads were. Every rank computes 1/tp of the loop, where a plan without it gather
 """
 from __future__ import annotations
 
+import collections
+import weakref
+
 import torch
 import torch.fx as fx
 
@@ -37,8 +40,23 @@ class Loop:
             heads, taken, chains, selects, joins, first)
 
 
+_FOUND: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # graph -> (its shape when searched, loops)
+
+
 def find(graph: fx.Graph) -> dict:
-    """{the earliest op of a loop: its :class:`Loop`} for every loop over heads in ``graph``."""
+    """{the earliest op of a loop: its :class:`Loop`} for every loop over heads in ``graph`` (searched once per graph:
+    a plan walks the same graphs many times)."""
+    nodes = graph.nodes
+    shape = (len(nodes), next(iter(nodes), None), next(reversed(nodes), None))
+    known = _FOUND.get(graph)
+    if known is not None and known[0] == shape:
+        return known[1]
+    loops = _find(graph)
+    _FOUND[graph] = (shape, loops)
+    return loops
+
+
+def _find(graph: fx.Graph) -> dict:
     order = {node: index for index, node in enumerate(graph.nodes)}
     candidates = {}  # (value, dim) -> {head: select}
     values = {node.args[0] for node in graph.nodes if node.op == "call_function" and node.target is aten.select.int}
@@ -91,14 +109,14 @@ def _grow(start: dict, candidates: dict, order: dict):
     label: dict = {}  # node -> its head
     selects: dict = {}  # (value, head) -> select
     joins: set = set()
-    todo = [(node, head) for head, node in start.items()]
+    todo = collections.deque((node, head) for head, node in start.items())  # breadth first: two heads meet soon
     begins = min(order[node] for node in start.values())  # the loop's first select (``find`` starts there)
     select_of = {sel: (value, dim, head) for (value, dim), group in candidates.items()
                  if len(group) == heads and order[value] < begins  # (not a loop inside a head's ops: over time)
                  for head, sel in group.items()}
     while todo:
         while todo:
-            node, head = todo.pop()
+            node, head = todo.popleft()
             if node in label:
                 if label[node] != head:
                     return None
