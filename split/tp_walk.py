@@ -243,6 +243,27 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
             for fqn in self.origin.get(arg, ()):
                 self.unfusable.setdefault(fqn, f"its parts are needed whole by {consumer.target}{_at(consumer)}")
 
+    def _gathered_cheaper(self, node, sharded) -> bool:
+        """A product over the sharded dim whose partial sums (all-reduced) are larger than its operands: one head's
+        scores ``q @ k.transpose(-2, -1)`` where each head is a module of its own (Karpathy's ``Head`` of a
+        ``ModuleList``: the head's features sharded, ``[b, t, t]`` all-reduced for each head, twice Megatron's
+        bytes at ``t`` of 256 and heads of 64). Gathered where the operands' all-gathers and the product computed
+        whole on every rank (``plan_cost``'s FLOPs a byte) cost less than the all-reduce; a column-wise projection
+        whose output is then gathered before any row-wise linear is computed whole on the next pass."""
+        from tracepp.split.cost import tensor_bytes
+        from tracepp.split.plan_cost import FLOPS_PER_BYTE
+
+        if node.target not in rules.PRODUCTS:
+            return False
+        out = _val(node)
+        inner = _val(sharded[0]).shape[self.shard[sharded[0]]]
+        if not isinstance(inner, int) or not all(isinstance(size, int) for size in out.shape):
+            return False
+        reduced = 2 * tensor_bytes(out)  # all-reduced forward, as plan_cost prices it (nothing backward)
+        gathered = sum(tensor_bytes(_val(arg)) for arg in sharded)  # all-gathered forward, sliced backward
+        whole = 2 * out.numel() * inner * (self.tp - 1) / self.tp / FLOPS_PER_BYTE  # the product left whole
+        return gathered + whole < reduced
+
     def _gather_all(self, node) -> None:
         for arg in node.all_input_nodes:
             if arg in self.shard:
@@ -423,6 +444,8 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
                                  and not (on_features and self._stream_read_on(node, arg)))  # (no gradient: a frozen one)
         if ruling is None or (segs and not self._keeps_segments(node, sharded, ruling)):
             return False
+        if ruling.partial and self._gathered_cheaper(node, sharded):
+            return False  # its sharded operands gathered (the walk's default), the product computed whole
         for arg, dim in ruling.scatter.items():
             self.scatters.append((node, arg, dim, self.groups_of(segs)))
             self._claimed.add((node, arg))

@@ -379,6 +379,15 @@ def test_a_mixer_scanning_its_heads_one_by_one_runs_each_ranks_heads_and_trains_
     _trains_equal_to_eager(path, out, 2, tmp_path)
 
 
+def test_heads_of_their_own_modules_computed_whole_where_cheaper_train_equal_to_eager(tmp_path):
+    # Karpathy's Head modules at a context of 64: q and k whole on every rank, v and proj sharded (the plan:
+    # tests/test_tensor_parallel.py)
+    path, out = model_path("tp_karpathy_heads"), str(tmp_path / "out")
+    manifest = split_model(path, out, num_microbatches=2, layout=Layout(pp=1, tp=2))
+    assert manifest["tp"]["params"]["blocks.1.sa.heads.3.key.weight"]["role"] == "replicate"
+    _trains_equal_to_eager(path, out, 2, tmp_path)
+
+
 def test_a_mamba2_mixer_of_one_group_shards_its_heads_and_trains_equal_to_eager(tmp_path):
     # Mamba-2 with one group (the plan: tests/test_tensor_parallel.py), at pp 2 x tp 2 with AdamW and clipping
     path, out = model_path("tp_mamba2_one_group"), str(tmp_path / "out")

@@ -914,3 +914,21 @@ def test_differential_attention_shards_a_piece_of_each_half_of_the_heads():
     # Megatron's bytes, and the all-reduce of the scalar lambda's gradient (2 x 4 bytes, ring-weighted)
     layers = [figures for stage in manifest["tp"]["stages"] for figures in stage["layers"].values()]
     assert layers and all(megatron is not None and moved <= megatron + 8 for moved, megatron in layers), layers
+
+
+def test_a_heads_scores_over_sharded_features_are_computed_whole_where_their_all_reduce_moves_more(monkeypatch):
+    # Karpathy's Head modules (tests/models/tp_karpathy_heads.py): each head's q @ k.T summed over its sharded
+    # features, [b, t, t] all-reduced per head: 688 KiB a stage at a context of 64 where the heads' q and k are 8
+    # wide. Gathered, then their projections computed whole: 176 KiB. At a context of 8 the all-reduce is cheaper
+    # and kept
+    for block, scores_reduced in (("64", False), ("8", True)):
+        monkeypatch.setenv("BLOCK", block)
+        manifest = check_model(model_path("tp_karpathy_heads"), num_microbatches=2, layout=Layout(pp=2, tp=2))
+        assert manifest["tp"]["verified"]["status"] == "verified", manifest["tp"]["verified"]
+        shapes = [entry["shape"] for stage in manifest["tp"]["stages"] for entry in stage["collectives"]]
+        assert (["2", block, block] in shapes) == scores_reduced, (block, shapes)
+        if not scores_reduced:
+            params = manifest["tp"]["params"]
+            assert params["blocks.0.sa.heads.0.query.weight"]["role"] == "replicate"
+            assert params["blocks.0.sa.heads.0.value.weight"]["role"] == "colwise"
+            assert all(stage["bytes"] <= 180 * 1024 for stage in manifest["tp"]["stages"]), manifest["tp"]["stages"]
