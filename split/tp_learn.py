@@ -33,6 +33,12 @@ def _piece_of(walk: _Walk, node, dim):
                 return None
             node, dim = node.args[0], 1
             continue
+        if len(node.all_input_nodes) == 2 and rules.family(node.target) == "elementwise":
+            source = _broadcast_beside(node, dim)  # AdaLoRA's lora_A * lora_E ([r, in] by [r, 1]), a scale per row
+            if source is None:
+                return None
+            node, dim = source
+            continue
         if len(node.all_input_nodes) != 1:
             return None
         source = node.all_input_nodes[0]
@@ -51,6 +57,28 @@ def _piece_of(walk: _Walk, node, dim):
                 or not all(_equal(out_val.shape[a], in_val.shape[b]) for a, b in zip(outs, ins))):
             return None
         node, dim = source, ins[outs.index(dim)]
+
+
+def _broadcast_beside(node, dim: int):
+    """(operand, its dim) of an elementwise op of two tensors where that operand alone is as wide as the output at
+    ``dim`` and of the output's shape (the other broadcast along ``dim``: a size of 1 there, or no such dim): the
+    output's piece at ``dim`` is that operand's piece times the other, read whole; else None."""
+    out = _val(node)
+    found = []
+    for arg in node.all_input_nodes:
+        val = _val(arg)
+        if not isinstance(val, torch.Tensor) or not isinstance(out, torch.Tensor):
+            return None
+        at = dim - (out.dim() - val.dim())
+        if at >= 0 and not _equal(val.shape[at], 1):
+            found.append((arg, at))
+    if len(found) != 1:
+        return None
+    arg, at = found[0]
+    val = _val(arg)
+    if val.dim() != out.dim() or not all(_equal(a, b) for a, b in zip(val.shape, out.shape)):
+        return None
+    return arg, at
 
 
 def _learn_pieces(walks: list, pieces: dict, notes: dict) -> bool:

@@ -388,6 +388,14 @@ def test_heads_of_their_own_modules_computed_whole_where_cheaper_train_equal_to_
     _trains_equal_to_eager(path, out, 2, tmp_path)
 
 
+def test_adalora_adapters_held_as_pieces_beside_row_parallel_bases_train_equal_to_eager(tmp_path):
+    # lora_A held as the columns x is read at beside to_out and proj (the plan: tests/test_tensor_parallel.py)
+    path, out = model_path("tp_adalora"), str(tmp_path / "out")
+    manifest = split_model(path, out, num_microbatches=2, layout=Layout(pp=1, tp=2))
+    assert manifest["tp"]["params"]["transformer.h.0.mlp.proj.lora_A"]["dim"] == 1
+    _trains_equal_to_eager(path, out, 2, tmp_path)
+
+
 def test_a_mamba2_mixer_of_one_group_shards_its_heads_and_trains_equal_to_eager(tmp_path):
     # Mamba-2 with one group (the plan: tests/test_tensor_parallel.py), at pp 2 x tp 2 with AdamW and clipping
     path, out = model_path("tp_mamba2_one_group"), str(tmp_path / "out")

@@ -932,3 +932,17 @@ def test_a_heads_scores_over_sharded_features_are_computed_whole_where_their_all
             assert params["blocks.0.sa.heads.0.query.weight"]["role"] == "replicate"
             assert params["blocks.0.sa.heads.0.value.weight"]["role"] == "colwise"
             assert all(stage["bytes"] <= 180 * 1024 for stage in manifest["tp"]["stages"]), manifest["tp"]["stages"]
+
+
+def test_a_parameter_scaled_by_a_broadcast_one_is_held_as_the_pieces_it_is_read_at():
+    # PEFT's AdaLoRA: x @ (lora_A * lora_E).T beside a row-parallel base, x sharded on its features. The product is
+    # read at the rank's columns; lora_A was whole on every rank (read at its piece), and is now held as its columns,
+    # lora_E ([r, 1], broadcast along them) whole: PEFT's LoraParallelLinear plan
+    manifest = check_model(model_path("tp_adalora"), num_microbatches=2, layout=Layout(pp=2, tp=2))
+    assert manifest["tp"]["verified"]["status"] == "verified", manifest["tp"]["verified"]
+    params = manifest["tp"]["params"]
+    for name in ("attn.to_out", "mlp.proj"):
+        assert params[f"transformer.h.1.{name}.lora_A"]["dim"] == 1, params[f"transformer.h.1.{name}.lora_A"]
+        assert params[f"transformer.h.1.{name}.lora_E"]["dim"] is None
+        assert params[f"transformer.h.1.{name}.lora_B"]["dim"] is None
+    assert params["transformer.h.0.attn.to_q.lora_B"]["role"] == "colwise"
