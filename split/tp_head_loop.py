@@ -165,7 +165,7 @@ def _grow(start: dict, candidates: dict, order: dict):
                                                        for p in pieces):
             return None  # (sizes compared as expressions: a dim of the batch is symbolic under --dynamic)
         join_dims[join] = dim
-    if not join_dims or not _same_chains(chains, label, selects, taken):
+    if not join_dims or not _same_chains(chains, label, selects):
         return None
     first = min((node for chain in chains for node in chain), key=order.get)
     if any(order[value] > order[first] for value in taken):
@@ -189,7 +189,7 @@ def _selects_above(node, select_of: dict, label: dict, order: dict, begins: int)
     return found
 
 
-def _same_chains(chains: list, label: dict, selects: dict, taken: dict) -> bool:
+def _same_chains(chains: list, label: dict, selects: dict) -> bool:
     """Every chain the same ops as the first, reading the same values outside the loop, its own head of each value
     taken, and writing nothing in place."""
     position = {node: index for chain in chains for index, node in enumerate(chain)}

@@ -40,8 +40,8 @@ _PUTS = {aten.index_put_.default, aten.index_put.default}  # rows written at ind
 def _zeros(node, walk) -> bool:
     """A value of zeros made fresh (``y = torch.zeros_like(x)``, rows of experts' outputs added into it): held as
     partial sums, each rank's 0."""
-    return (node.op == "call_function" and node.target in _ZEROS and node not in walk.shard
-            and not walk.needs_grad.get(node) and node not in walk.loop_live and node not in walk.loop_dead)
+    return (node.op == "call_function" and node.target in _ZEROS and not walk.on_shards(node)
+            and not walk.needs_grad.get(node))
 
 
 def _whole_indices(node, partial: set, walk) -> bool:
@@ -66,8 +66,7 @@ def _identity(node) -> bool:
 def _carries(node, partial: set, walk) -> bool:
     """``node`` computes partial sums from partial sums: every tensor it reads that is partial it reads linearly,
     and the rest are whole values that carry no gradient (or plain numbers) it only scales by."""
-    if (node.op != "call_function" or node in walk.shard or node in walk.roles or node in walk.sums
-            or node in walk.loop_live or node in walk.loop_dead):
+    if node.op != "call_function" or walk.on_shards(node) or node in walk.roles or node in walk.sums:
         return False
     target = node.target
     tensors = [a for a in node.all_input_nodes if isinstance(rules.val(a), torch.Tensor)]

@@ -300,6 +300,15 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
         return (node in self.shard or self.roles.get(node) == "rowwise" or node in self.loop_live
                 or node in self.loop_dead)
 
+    def _own_reads(self, node, inside) -> None:
+        """``node`` computed by a rank on its own piece (an owned split's piece, a loop's own heads): a value it reads
+        that is not ``inside`` its piece's ops and carries a gradient gets only this rank's part of that gradient,
+        summed over tp (``tp_copy``); the rest it reads whole."""
+        for arg in node.all_input_nodes:
+            if not inside(arg) and self.needs_grad.get(arg):
+                self.copies.append((node, arg))
+        self._use_whole(node)
+
     def _use_whole(self, node) -> None:
         for arg in node.all_input_nodes:
             if arg not in self.shard and (node, arg) not in self._claimed:
@@ -346,11 +355,8 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
         if node in self.loop_dead:  # another rank's head: not run here
             return
         if node in self.loop_live:  # this rank's head: every value it reads is whole, or its head's select
-            for arg in node.all_input_nodes:
-                if (arg not in self.loop_live and arg not in self.shard and (node, arg) not in self._claimed
-                        and self.needs_grad.get(arg)):
-                    self.copies.append((node, arg))  # read by this rank's heads alone: its gradient summed over tp
-            self._use_whole(node)
+            self._own_reads(node, lambda arg: (arg in self.loop_live or arg in self.shard
+                                               or (node, arg) in self._claimed))
             return
         if node in self.loop_joins:
             dim, origin, _kept = self.loop_joins[node]
@@ -359,10 +365,7 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
         if target in rules.IGNORED:
             return
         if node in self.owned:  # a piece of an owned split: computed by the rank that holds it
-            for arg in node.all_input_nodes:
-                if arg not in self.owned and arg not in self.owned_splits and self.needs_grad.get(arg):
-                    self.copies.append((node, arg))  # only the owner's gradient is non-zero: summed over tp
-            self._use_whole(node)
+            self._own_reads(node, lambda arg: arg in self.owned or arg in self.owned_splits)
             return
         if node in self.owned_cats:
             dim, origin = self.owned_cats[node]
