@@ -2,7 +2,7 @@
 value whole or sharded on one dim under a set of replicated parameters and what earlier passes learned (fused
 projections' segments, whole parts, pieces). The op rules it asks are ``split.rules``; this class decides what a
 placement means for tp: the collectives, the parameters' shards, the refusals with their reasons. Linears,
-embeddings and attention are in ``tp_contract``, cuts, joins and buffers in ``tp_cuts``; the fixed point over the
+embeddings and attention are in ``tp_contract``, views, cuts, joins and buffers in ``tp_cuts``; the fixed point over the
 passes is ``tp_settle``, the rewrite ``tp_rewrite``."""
 from __future__ import annotations
 
@@ -618,40 +618,6 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
     def _on_indexed_along(self, node, sharded) -> bool:
         return node.target is aten.gather.default and self._gather_along(node)
 
-    def _on_view(self, node, sharded) -> bool:
-        first = node.args[0]
-        if first not in self.shard or len(sharded) != 1:
-            return False
-        dim, in_val, out_val = self.shard[first], _val(first), _val(node)
-        placed = rules.view_placement(_sizes(in_val), _sizes(out_val), dim, self.segs.get(first), self.tp)
-        if placed is not None and node.target in rules.UNFLATTENS:  # unflatten(d, sizes): the sizes of d's dims
-            at = node.args[1] % in_val.dim()
-            if not self._size_arg_ok(node.args[2], placed[0] - at, _sizes(out_val)[placed[0]]):
-                placed = None
-        if placed is not None and self.kind.get(first) == "seq" and not self.groups_of(placed[1]):
-            placed = None
-        if placed is None and self._unit_dim_view(node, in_val, out_val, dim):
-            if self._one_group_view(node):
-                placed = (dim + 1, self.segs.get(first))
-            else:  # a head of one (a multi-query key, Mamba-2's B and C shared by every head): needed whole,
-                self.heads_of_one.add(node)  # not cut inside the head as torch's rule for the view would
-        if placed is None or (node.target in rules.VIEWS and not self._size_arg_ok(node.args[1], placed[0],
-                                                                                _sizes(out_val)[placed[0]])):
-            if placed is None and self._want_view_parts(first, in_val, out_val, dim):
-                return False  # asked for the parts as segments (learned, then walked again)
-            self._whole_part(first)
-            if node in self.heads_of_one:
-                return self._refuse(node, f"makes one head of {in_val.shape[dim]} features sharded over --tp "
-                                          f"{self.tp} ({list(out_val.shape)}): fewer heads than --tp (as a "
-                                          f"multi-query or grouped-query key/value head, or one group's state "
-                                          f"shared by every head: Mamba-2's B and C), gathered whole")
-            return self._refuse(node, f"reshapes a dim of {in_val.shape[dim]} sharded over --tp {self.tp} "
-                                      f"into {list(out_val.shape)}, whose pieces would not be whole heads "
-                                      f"(fewer heads than --tp, e.g. key/value heads of grouped-query "
-                                      f"attention)")
-        self._place(node, placed[0], placed[1], self.origin.get(first, frozenset()), self.kind.get(first))
-        return True
-
     def _on_expand(self, node, sharded) -> bool:
         first = node.args[0]
         if first not in self.shard or len(sharded) != 1:
@@ -705,46 +671,6 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
         it is; each rank's heads give its gradient a part (``tp_copy``)."""
         self._place_on_piece(node, dim)
         self._claimed.add((node, node.args[0]))
-
-    def _unit_dim_view(self, node, in_val, out_val, dim: int) -> bool:
-        """A view that puts a dim of 1 before the sharded last dim (``[b, s, d] -> [b, s, 1, d]``)."""
-        ins, outs = _sizes(in_val), _sizes(out_val)
-        return (self.kind.get(node.args[0]) != "seq" and len(outs) == len(ins) + 1 and dim == len(ins) - 1
-                and _equal(outs[dim], 1) and all(_equal(a, b) for a, b in zip(ins[:dim], outs[:dim]))
-                and _equal(ins[dim], outs[dim + 1]))
-
-    def _one_group_view(self, node) -> bool:
-        """A :meth:`_unit_dim_view` whose every use is elementwise or reduced over its last dim, until a view
-        takes the dim of 1 away again: a norm over one group of every head's features (the gated RMSNorm after a
-        Mamba-2 scan with ``n_groups`` 1: ``view(b, s, 1, d)``, its statistics, ``view(b, s, d)``). The dim of 1 is
-        one group, not a head: the shard stays on the features, and the norm's statistics are partial sums. A dim
-        of 1 that goes on to be repeated, expanded, transposed or attended over (a multi-query key's one head, with
-        its norm over the head's features: Qwen3's ``k_norm``; Mamba-2's B and C, shared by every head) is a head,
-        whose features a rank cannot hold in part: that view is refused, its input gathered."""
-        last = _val(node).dim() - 1
-        whole = list(_sizes(_val(node.args[0])))
-        stack, seen, merged = list(node.users), set(), False
-        while stack:
-            user = stack.pop()
-            if user in seen or user.target in rules.IGNORED:
-                continue
-            seen.add(user)
-            val = _val(user)
-            if user.target in rules.VIEWS and isinstance(val, torch.Tensor) and _val(user.args[0]).dim() == last + 1:
-                if len(_sizes(val)) != len(whole) or not all(_equal(a, b) for a, b in zip(_sizes(val), whole)):
-                    return False
-                merged = True  # the group's dim taken away again
-                continue
-            if isinstance(val, torch.Tensor) and val.dim() != last + 1:
-                return False
-            if user.target in rules.REDUCTIONS_BY_DIM:
-                dims = rules.arg(user, 1, "dim")
-                if not isinstance(dims, (list, tuple)) or [d % (last + 1) for d in dims] != [last]:
-                    return False
-            elif user.target not in rules.BINARY and user.target not in rules.UNARY:
-                return False
-            stack += list(user.users)
-        return merged
 
     def _norm(self, node, target, sharded) -> bool:
         """layer_norm / rms_norm over the trailing dims: a shard of another dim (a sequence shard, heads) is
