@@ -375,13 +375,8 @@ class _Walk(Propagation):
         self._place(node, *placed)
         return True
 
-    def _on_expand(self, node, sharded=None) -> bool:
-        first = node.args[0]
-        if first not in self.shard:
-            return False
-        dim, groups = self.shard[first]
-        self._place(node, rules.expanded_dim(node, dim), groups)
-        return True
+    def _local_size(self, sizes, dim: int, size) -> bool:
+        return True  # every view's and expand's sizes along the sequence are made local (cp_rewrite)
 
     def _on_cut(self, node, sharded) -> bool:
         first = node.args[0]

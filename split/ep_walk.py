@@ -136,6 +136,9 @@ class _Walk(Propagation):
     def _place_entry(self, node, entry, sources: list) -> None:
         self.shard[node] = entry[0]
 
+    def _local_size(self, sizes, dim: int, size) -> bool:
+        return False  # sizes between the expert matmuls are not rewritten: no expand of the rows
+
     def _refuse(self, node, why: str) -> bool:
         self.refused = self.refused or f"{node.name} ({op_name(node)}){rules.at(node)} {why}"
         return True

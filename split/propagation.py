@@ -20,7 +20,8 @@ has no rule for it (tensor parallelism then asks torch's DTensor rule, context p
 
 A subclass provides ``shard`` (node -> its placement), :meth:`_dim` (the sharded dim of a placed value),
 :meth:`_carry` (place a node as another value is placed, on a given dim), ``items`` (a multi-output node's
-placements), :meth:`_across` and :meth:`_partial`.
+placements), :meth:`_across`, :meth:`_partial` and ``_local_size(sizes, dim, size)`` (a view's or expand's size list
+can be rewritten to a rank's size at ``dim``; tensor parallelism's is a mixin's, so it is not stubbed here).
 """
 from __future__ import annotations
 
@@ -107,6 +108,19 @@ class Propagation:
 
     def _on_reduction(self, node, sharded) -> bool:
         return sharded == [node.args[0]] and self._reduce(node)
+
+    def _on_expand(self, node, sharded) -> bool:
+        """``expand`` / ``broadcast_to``: new dims come in front, so the shard moves right by their count
+        (``rules.expanded_dim``); the size argument there must be one the planner's rewrite makes a rank's
+        (:meth:`_local_size`)."""
+        first = node.args[0]
+        if sharded != [first]:
+            return False
+        dim = rules.expanded_dim(node, self._dim(first))
+        if not self._local_size(node.args[1], dim, rules.sizes(rules.val(node))[dim]):
+            return False
+        self._carry(node, first, dim)
+        return True
 
     def _on_expand_as(self, node, sharded) -> bool:
         """``x.expand_as(other)``: ``x`` broadcast to ``other``'s shape, an elementwise op whose second operand

@@ -480,7 +480,7 @@ class _ContractionRules:
             return False
         inner, out = _val(arg.args[0]), _val(arg)
         at_in = at - (out.dim() - inner.dim())
-        if not (at_in < 0 or _equal(inner.shape[at_in], 1)) or not self._size_arg_ok(arg.args[1], at, out.shape[at]):
+        if not (at_in < 0 or _equal(inner.shape[at_in], 1)) or not self._local_size(arg.args[1], at, out.shape[at]):
             return False
         self._place_on_piece(arg, at)
         self._claimed.add((node, arg))

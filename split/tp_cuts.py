@@ -30,7 +30,7 @@ class _CutRules:
         dim, val, xval = self.shard[x], _val(node), _val(x)
         if (self.kind.get(x) == "seq" or x in self.mixed or val.dim() != xval.dim()
                 or not _equal(val.shape[dim], xval.shape[dim])
-                or not self._size_arg_ok(node.args[1], dim, _sizes(val)[dim])):
+                or not self._local_size(node.args[1], dim, _sizes(val)[dim])):
             return False
         fills = []
         for user in node.users:
@@ -471,7 +471,7 @@ class _CutRules:
         placed = rules.view_placement(_sizes(in_val), _sizes(out_val), dim, self.segs.get(first), self.tp)
         if placed is not None and node.target in rules.UNFLATTENS:  # unflatten(d, sizes): the sizes of d's dims
             at = node.args[1] % in_val.dim()
-            if not self._size_arg_ok(node.args[2], placed[0] - at, _sizes(out_val)[placed[0]]):
+            if not self._local_size(node.args[2], placed[0] - at, _sizes(out_val)[placed[0]]):
                 placed = None
         if placed is not None and self.kind.get(first) == "seq" and not self.groups_of(placed[1]):
             placed = None
@@ -480,7 +480,7 @@ class _CutRules:
                 placed = (dim + 1, self.segs.get(first))
             else:  # a head of one (a multi-query key, Mamba-2's B and C shared by every head): needed whole,
                 self.heads_of_one.add(node)  # not cut inside the head as torch's rule for the view would
-        if placed is None or (node.target in rules.VIEWS and not self._size_arg_ok(node.args[1], placed[0],
+        if placed is None or (node.target in rules.VIEWS and not self._local_size(node.args[1], placed[0],
                                                                                 _sizes(out_val)[placed[0]])):
             if placed is None and self._want_view_parts(first, in_val, out_val, dim):
                 return False  # asked for the parts as segments (learned, then walked again)
@@ -537,7 +537,7 @@ class _CutRules:
             stack += list(user.users)
         return merged
 
-    def _size_arg_ok(self, sizes, e: int, out_size) -> bool:
+    def _local_size(self, sizes, e: int, out_size) -> bool:
         """A view/expand's size list can be rewritten to the local size at dim ``e``: -1 there, or the global
         size as a literal int."""
         if not isinstance(sizes, (list, tuple)) or e >= len(sizes):

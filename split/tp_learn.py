@@ -177,7 +177,7 @@ def _local_tree(walk: _Walk, value, dim: int, reads: set):
             if target is aten.repeat_interleave.self_int and (rules.arg(node, 2, "dim") is None
                                                                or not isinstance(node.args[1], int)):
                 return None  # flattened, or a count the rewrite cannot make this rank's
-            if target in rules.EXPANDS and not walk._size_arg_ok(node.args[1], d, val.shape[d]):
+            if target in rules.EXPANDS and not walk._local_size(node.args[1], d, val.shape[d]):
                 return None
             if inner >= 0 and not _equal(first_val.shape[inner], 1):
                 return None  # the expanded or repeated dim is not one of 1

@@ -618,16 +618,6 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
     def _on_indexed_along(self, node, sharded) -> bool:
         return node.target is aten.gather.default and self._gather_along(node)
 
-    def _on_expand(self, node, sharded) -> bool:
-        first = node.args[0]
-        if first not in self.shard or len(sharded) != 1:
-            return False
-        e = rules.expanded_dim(node, self.shard[first])
-        if not self._size_arg_ok(node.args[1], e, _sizes(_val(node))[e]):
-            return False
-        self._carry(node, first, e)
-        return True
-
     def _on_cut(self, node, sharded) -> bool:
         first = node.args[0]
         if node.target in rules.TENSOR_SPLITS or first not in self.shard or len(sharded) != 1:
