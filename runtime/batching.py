@@ -18,6 +18,14 @@ from .shapes import compile_shape
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z_0-9]*$")
 
 
+def _pieces(tensor: torch.Tensor, count: int, dim: int) -> list:
+    """``tensor.tensor_split(count, dim)``, each piece contiguous: a batch laid out ``[seq, batch]`` (``batch_dim =
+    1``) cut along dim 1 gives strided pieces, where the whole batch a model is written for (and trained on in eager)
+    is contiguous, and its ``x.view(...)``, or its loss's ``target.view(-1)``, would fail on them (labml's models,
+    PyTorch's word_language_model). A piece already contiguous (along dim 0) is not copied."""
+    return [piece.contiguous() for piece in tensor.tensor_split(count, dim=dim)]
+
+
 @dataclass
 class Microbatches:
     leaves: list  # per microbatch: the flattened (args, kwargs) leaves, on the device
@@ -195,22 +203,22 @@ class MicrobatchSplitter:
 
     def _cut(self, leaves: list, target, batch_size: int, device) -> tuple:
         """(per microbatch input leaves, per microbatch targets) on ``device``: batched tensors split along the
-        batch dim as ``tensor_split`` does, everything else repeated."""
+        batch dim as ``tensor_split`` does, each piece contiguous (:func:`_pieces`), everything else repeated."""
         count, dim = self.num_microbatches, self.batch_dim
         chunks = []
         for leaf, batched in zip(leaves, self.batched):
             if isinstance(leaf, torch.Tensor):
                 leaf = leaf.to(device, non_blocking=True)
-                chunks.append(leaf.tensor_split(count, dim=dim) if batched else [leaf] * count)
+                chunks.append(_pieces(leaf, count, dim) if batched else [leaf] * count)
             else:
                 chunks.append([leaf] * count)
         mb_leaves = [[chunk[i] for chunk in chunks] for i in range(count)]
         targets = [None] * count
         if isinstance(target, torch.Tensor) and target.dim() > dim and target.shape[dim] == batch_size:
-            targets = list(target.to(device).tensor_split(count, dim=dim))  # the common case, without pytree
+            targets = _pieces(target.to(device), count, dim)  # the common case, without pytree
         elif target is not None:
             t_leaves, t_spec = pytree.tree_flatten(target)
-            t_chunks = [leaf.to(device).tensor_split(count, dim=dim) if isinstance(leaf, torch.Tensor)
+            t_chunks = [_pieces(leaf.to(device), count, dim) if isinstance(leaf, torch.Tensor)
                         and leaf.dim() > dim and leaf.shape[dim] == batch_size else [leaf] * count
                         for leaf in t_leaves]
             targets = [pytree.tree_unflatten([c[i] for c in t_chunks], t_spec) for i in range(count)]

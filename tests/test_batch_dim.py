@@ -51,6 +51,9 @@ def test_batch_dim_1_cuts_the_inputs_and_the_target_along_dim_1(monkeypatch, tmp
     cut = splitter.split(1, (ids,), {}, target, torch.device("cpu"))
     assert [leaves[0].shape for leaves in cut.leaves] == [(16, 2), (16, 2)]
     assert torch.equal(cut.leaves[1][0], ids[:, 2:]) and torch.equal(cut.targets[1], target[:, 2:])
+    # contiguous, as the whole batch is: labml's loss views the target (target.view(-1)), which a strided piece of
+    # a [seq, batch] tensor cut along dim 1 refuses ("view size is not compatible with input tensor's size and stride")
+    assert all(leaves[0].is_contiguous() for leaves in cut.leaves) and all(t.is_contiguous() for t in cut.targets)
     with pytest.raises(PipelineError, match=r"has 3 samples but the pipeline was traced with 4"):
         splitter.split(1, (ids[:, :3],), {}, target[:, :3], torch.device("cpu"))
 

@@ -59,6 +59,8 @@ def example_target():
 
 
 def loss_fn(logits, target):
+    if SEQ_FIRST:  # as labml's and PyTorch's word_language_model's loops write it: views of the whole batch's tensors
+        return torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), target.view(-1))
     return _batch_first_loss(logits, target)  # a mean over every position: the layout does not matter
 
 
