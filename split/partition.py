@@ -756,6 +756,7 @@ def split(traced, split_points: Optional[list] = None, num_stages: Optional[int]
                              "producer": stage_of[node], "stages": where,
                              **tensor_meta(node.meta["val"], False, inputs.symbol_names).to_json()}
                           for node, where in recomputed.items()}, segments, counted.record(), counted.warnings())
+    result.batch_dim = getattr(traced, "batch_dim", 0)
     # what tuner_figures needs of the whole traced graph, kept in memory only (never written)
     result.whole = _Whole(traced.model, graph, inputs, flops, needs_grad, parameters, compute, computable, stage_of)
     return result

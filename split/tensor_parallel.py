@@ -84,7 +84,9 @@ class TPPlan:
 
 def sequence_length(graph):
     """The traced sequence length (an int or a sympy expression): dim 1 of the first batched root input of two
-    or more dims (the token ids), or None."""
+    or more dims (the token ids), dim 0 where the model file declares ``batch_dim = 1`` (``[seq, batch]``), or
+    None."""
+    seq_dim = 1 - getattr(graph, "batch_dim", 0)
     for name, ref in graph.root_inputs.items():
         if not (ref.batched and ref.meta is not None and len(ref.meta.shape) >= 2):
             continue
@@ -92,7 +94,7 @@ def sequence_length(graph):
             placeholders = [n for n in stage.graph.nodes if n.op == "placeholder"]  # order (named anew: a root
             node = dict(zip(stage.root_inputs, placeholders[len(stage.state):])).get(name)  # `input` is `input_1`)
             if node is not None:
-                return _sizes(_val(node))[1]
+                return _sizes(_val(node))[seq_dim]
     return None
 
 

@@ -273,12 +273,12 @@ def check_fits(memory: dict, run: RunOptions, auto: bool = False) -> None:
 
 def _check_batch_dim(model_file, layout: Layout, graph=None) -> None:
     """A model file's ``batch_dim`` other than 0 (a ``[seq, batch]`` layout) with what reads the sequence as dim 1
-    of a ``[batch, seq]`` input: context parallelism's and sequence parallelism's shards of the sequence (named,
-    once traced, by the op that reads the token ids)."""
+    of a ``[batch, seq]`` input: sequence parallelism's shards of the sequence (named, once traced, by the op that
+    reads the token ids). Context parallelism reads the sequence from the other dim (``sequence_length``)."""
     dim = model_file.batch_dim
     if dim == 0:
         return
-    for flag, on in (("--cp", layout.cp > 1), ("--sequence-parallel", layout.sequence_parallel)):
+    for flag, on in (("--sequence-parallel", layout.sequence_parallel),):
         if on:
             read = f" ({context_parallel.first_reader(graph.stages[0])})" if graph is not None else ""
             raise ValueError(f"{flag} shards the sequence dim of [batch, seq] inputs, and {model_file.path} declares "

@@ -64,26 +64,27 @@ def trace_loss(model_file, graph) -> LossGraph:
         tensor, dims = example(fake)
         inputs.append(tensor)
         dynamic.append(dims or None)
-    batch = inputs[0].shape[0] if inputs and inputs[0].dim() else None
+    bd = graph.batch_dim  # the samples' dim of the outputs and the target (1: [seq, batch])
+    batch = inputs[0].shape[bd] if inputs and inputs[0].dim() > bd else None
     target = model_file.example_target()
     t_leaves, t_spec = pytree.tree_flatten(target)
     seq_sizes = {int(s.node.hint) for f in fakes for s in f.shape if isinstance(s, torch.SymInt)
                  and s.node.hint is not None}
     full_batch = None
     for leaf in t_leaves:
-        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
-            full_batch = leaf.shape[0]
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > bd:
+            full_batch = leaf.shape[bd]
             break
     for leaf in t_leaves:
         if not isinstance(leaf, torch.Tensor):
             raise ContextParallelError(f"--cp traces loss_fn with the example target, whose leaves must be "
                                        f"tensors (found {type(leaf).__name__})")
-        if leaf.dim() > 0 and leaf.shape[0] == full_batch and batch is not None:
-            leaf = leaf[:batch]
+        if leaf.dim() > bd and leaf.shape[bd] == full_batch and batch is not None:
+            leaf = leaf.narrow(bd, 0, batch).contiguous()  # one microbatch's, contiguous as the runtime cuts it
         inputs.append(leaf.to("meta"))
-        dims = {d: Dim.AUTO for d, size in enumerate(leaf.shape) if d > 0 and int(size) in seq_sizes}
-        if graph.batch_symbol is not None and leaf.dim() > 0:
-            dims[0] = Dim.AUTO
+        dims = {d: Dim.AUTO for d, size in enumerate(leaf.shape) if d != bd and int(size) in seq_sizes}
+        if graph.batch_symbol is not None and leaf.dim() > bd:
+            dims[bd] = Dim.AUTO
         dynamic.append(dims or None)
     module = _Loss(model_file.module.loss_fn, graph.out_spec, graph.output_leaves, t_spec, len(fakes))
     try:
