@@ -58,20 +58,17 @@ def test_batch_dim_1_cuts_the_inputs_and_the_target_along_dim_1(monkeypatch, tmp
         splitter.split(1, (ids[:, :3],), {}, target[:, :3], torch.device("cpu"))
 
 
-def test_batch_dim_refuses_what_shards_the_sequence_of_batch_first_inputs(monkeypatch):
-    monkeypatch.setenv("SEQ_FIRST", "1")
-    with pytest.raises(ValueError, match=r"--sequence-parallel shards the sequence dim of \[batch, seq\] inputs.*"
-                                         r"batch_dim = 1"):
-        check_model(PATH, num_microbatches=2, layout=Layout(pp=1, tp=2, sequence_parallel=True))
-
-
-def test_context_parallel_spreads_dim_0_of_sequence_first_inputs(monkeypatch):
-    # --cp read the sequence from dim 1 of the first batched input and was refused for batch_dim = 1 (every labml-nn
-    # decoder is [seq, batch]); the sequence is now the other dim, the loss traced on a microbatch cut along dim 1
+def test_context_and_sequence_parallel_spread_dim_0_of_sequence_first_inputs(monkeypatch):
+    # --cp and --sequence-parallel read the sequence from dim 1 of the first batched input and were refused for
+    # batch_dim = 1 (every labml-nn decoder is [seq, batch]); the sequence is now the other dim, the loss traced on a
+    # microbatch cut along dim 1
     monkeypatch.setenv("SEQ_FIRST", "1")
     manifest = check_model(PATH, num_microbatches=2, layout=Layout(pp=1, cp=2))
     assert manifest["cp"]["sequence"] == "16"
     assert manifest["cp"]["verified"]["status"] == "verified", manifest["cp"]["verified"]
+    manifest = check_model(PATH, num_microbatches=2, layout=Layout(pp=1, tp=2, sequence_parallel=True))
+    assert manifest["tp"]["sequence_parallel"]["sequence"] == "16"
+    assert manifest["tp"]["verified"]["status"] == "verified", manifest["tp"]["verified"]
 
 
 @pytest.mark.parametrize("seq_first", ["0", "1"])
@@ -91,7 +88,8 @@ def test_multihead_attention_shards_its_packed_projection_by_heads(seq_first, mo
                 assert moved == megatron, (moved, megatron)
 
 
-@pytest.mark.parametrize("layout", [Layout(pp=2), Layout(pp=1, dp=2), Layout(pp=1, cp=2)], ids=["pp2", "dp2", "cp2"])
+@pytest.mark.parametrize("layout", [Layout(pp=2), Layout(pp=1, dp=2), Layout(pp=1, cp=2),
+                                    Layout(pp=1, tp=2, sequence_parallel=True)], ids=["pp2", "dp2", "cp2", "tp2sp"])
 def test_sequence_first_model_trains_equal_to_eager(layout, monkeypatch, tmp_path):
     # each replica takes its samples along dim 1 too (Pipeline._replica_slice)
     monkeypatch.setenv("SEQ_FIRST", "1")

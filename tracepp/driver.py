@@ -41,7 +41,6 @@ def _plan(model_path: str, layout: Layout, num_stages: Optional[int], schedule: 
     run.check()
     model_file, traced, graph = trace_and_split(model_path, layout, num_stages, schedule, num_microbatches,
                                                 split_points, dynamic_shapes, run.traced_dtype())
-    _check_batch_dim(model_file, layout, graph)
     if layout.cp > 1:                                                                 # 2a. context parallel
         with phases.step("cp plan"):
             loss = trace_loss(model_file, graph) if model_file.training else None
@@ -269,21 +268,6 @@ def check_fits(memory: dict, run: RunOptions, auto: bool = False) -> None:
                      f"{rank} peaks at {size(entry['peak_bytes'])} ({entry.get('at')}: {parts}{bound}). {advice}; "
                      f"more pipeline ranks (--ranks), a larger --tp or --ep, or FSDP over more --dp ranks hold less per "
                      f"rank (`tracepp inspect` after a split without the limit shows the parts)")
-
-
-def _check_batch_dim(model_file, layout: Layout, graph=None) -> None:
-    """A model file's ``batch_dim`` other than 0 (a ``[seq, batch]`` layout) with what reads the sequence as dim 1
-    of a ``[batch, seq]`` input: sequence parallelism's shards of the sequence (named, once traced, by the op that
-    reads the token ids). Context parallelism reads the sequence from the other dim (``sequence_length``)."""
-    dim = model_file.batch_dim
-    if dim == 0:
-        return
-    for flag, on in (("--sequence-parallel", layout.sequence_parallel),):
-        if on:
-            read = f" ({context_parallel.first_reader(graph.stages[0])})" if graph is not None else ""
-            raise ValueError(f"{flag} shards the sequence dim of [batch, seq] inputs, and {model_file.path} declares "
-                             f"batch_dim = {dim}{read}: its samples on dim {dim}, a sequence-first layout. Lay its "
-                             f"inputs out [batch, seq] (batch_first=True) to use {flag}, or split without it")
 
 
 def _microbatch_target(model_file, traced, layout: Layout):
