@@ -425,17 +425,8 @@ class _Walk(Propagation):
         self._place(node, out_dim, groups)
         return True
 
-    def _on_norm(self, node, sharded) -> bool:
-        x = node.args[0]
-        if sharded != [x]:
-            return False
-        dim, groups = self.shard[x]
-        if dim >= _val(x).dim() - rules.last_dims(node):
-            return self._refuse(node, "normalises over the sequence dim")
-        if node.target is aten.native_layer_norm.default:
-            self.items[node] = [(dim, groups)] * 3
-        self._place(node, dim, groups)
-        return True
+    def _normalised_across(self, node) -> bool:
+        return self._refuse(node, "normalises over the sequence dim")
 
     def _on_group_norm(self, node, sharded) -> bool:
         """``group_norm`` of positions merged into its samples (dim 0, xLSTM's ``[B * S, heads * d]``): each

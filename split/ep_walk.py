@@ -207,6 +207,8 @@ class _Walk(Propagation):
         self._place_out(node, first, self._dim(first))  # a cut after dim 0 leaves the rows on dim 0
         return True
 
+    _on_norm = None  # no norm between the expert matmuls (refused by name, as before)
+
     def _on_cast(self, node, sharded) -> bool:
         if node.args[0] not in self.shard:
             return rules.is_pointwise(node.target) and self._elementwise(node)

@@ -72,6 +72,17 @@ class Propagation:
         """A reduction over the sharded dim leaves each rank a partial ``kind`` (``rules.partial_kind``)."""
         raise NotImplementedError
 
+    def _normalisable(self, x) -> bool:
+        """A norm may read ``x`` as it is placed (tp: not a fused projection's parts)."""
+        return True
+
+    def _normalised_across(self, node) -> bool:
+        """A norm over the sharded dim: made whole, written out or refused (as :meth:`_across`)."""
+        raise NotImplementedError
+
+    def _read_beside(self, node, args: list) -> None:
+        """Whole operands (a norm's weight and bias) read beside a shard as they are."""
+
     def _operands(self, node) -> list:
         """The tensor operands of an elementwise op."""
         return node.all_input_nodes
@@ -108,6 +119,22 @@ class Propagation:
 
     def _on_reduction(self, node, sharded) -> bool:
         return sharded == [node.args[0]] and self._reduce(node)
+
+    def _on_norm(self, node, sharded) -> bool:
+        """layer_norm / rms_norm over the trailing dims (``rules.last_dims``): a shard of another dim (the sequence,
+        heads) is normalised as it is, each output (``native_layer_norm``'s mean and rstd too) placed as the input;
+        its weight and bias are read whole beside it (:meth:`_read_beside`). Over the sharded dim the planner says
+        what happens (:meth:`_normalised_across`: tp gathers or writes the norm out, cp refuses)."""
+        x = node.args[0]
+        if sharded != [x] or not self._normalisable(x):
+            return False
+        if self._dim(x) >= rules.val(x).dim() - rules.last_dims(node):
+            return self._normalised_across(node)
+        self._read_beside(node, [arg for arg in node.args[2:4] if isinstance(arg, fx.Node)])
+        if node.target is torch.ops.aten.native_layer_norm.default:
+            self.items[node] = [self._entry(x)] * 3
+        self._carry(node, x)
+        return True
 
     def _on_expand(self, node, sharded) -> bool:
         """``expand`` / ``broadcast_to``: new dims come in front, so the shard moves right by their count

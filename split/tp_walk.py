@@ -543,9 +543,6 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
         self._claimed.add((node, node.args[1]))
         return True
 
-    def _on_norm(self, node, sharded) -> bool:
-        return self._norm(node, node.target, sharded)
-
     def _on_group_norm(self, node, sharded) -> bool:
         """``group_norm(x [N, C, ...], groups, weight, bias)``: a shard of the samples (dim 0) is normalised as it
         is, its weight and bias read whole; a shard of the channels in whole groups (``groups`` a multiple of tp:
@@ -662,22 +659,15 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
         self._place_on_piece(node, dim)
         self._claimed.add((node, node.args[0]))
 
-    def _norm(self, node, target, sharded) -> bool:
-        """layer_norm / rms_norm over the trailing dims: a shard of another dim (a sequence shard, heads) is
-        normalised as it is; its weight and bias are read whole (their gradients summed over tp)."""
-        x = node.args[0]
-        if sharded != [x] or x in self.segs and self.kind.get(x) != "seq":
-            return False
-        ndim = _val(x).dim()
-        if self.shard[x] >= ndim - rules.last_dims(node):
-            return self._refuse(node, NORM_OVER_SHARD)
-        for arg in node.args[2:4]:
-            if isinstance(arg, fx.Node) and self.needs_grad.get(arg):
-                self.copies.append((node, arg))
-        if target is aten.native_layer_norm.default:
-            self.items[node] = [(self.shard[x], self.segs.get(x))] * 3
-        self._carry(node, x)
-        return True
+    def _normalisable(self, x) -> bool:
+        return x not in self.segs or self.kind.get(x) == "seq"  # not a fused projection's parts
+
+    def _normalised_across(self, node) -> bool:
+        return self._refuse(node, NORM_OVER_SHARD)  # gathered, or written out where cheaper (tensor_parallel.plan)
+
+    def _read_beside(self, node, args: list) -> None:
+        """Their gradients summed over tp."""
+        self.copies.extend((node, arg) for arg in args if self.needs_grad.get(arg))
 
     def _partial_sum(self, node, target, in_val, dims) -> bool:
         """A mean or sum over the sharded dim (an RMSNorm over the whole sharded width): the local sum, summed
