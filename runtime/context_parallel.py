@@ -19,7 +19,11 @@ The ops (``torch.ops.tracepp.cp_*``), each with a fake implementation (shapes) a
   of it for backward is this rank's shard (:func:`kv_shards_kept_for_backward`), gathered again in backward;
 * ``cp_reduce_scatter(x, dim, groups)``: the sum over the cp ranks of a whole value, this rank's positions
   only (the gradient of ``cp_all_gather``); backward all-gathers;
-* ``cp_all_reduce(x)``: the sum over the cp ranks (a token sum, a token count); backward all-reduces too.
+* ``cp_all_reduce(x)``: the sum over the cp ranks (a token sum, a token count); backward all-reduces too;
+* ``cp_amax(x, dims, keepdim)``: the maximum over ``dims`` (the sequence dim among them) of every cp rank's
+  positions: each rank's own maximum, all-reduced with max. Backward sums the ranks' gradients (every rank's
+  positions read the maximum) and gives the sum to the positions that hold the maximum, shared equally among them
+  over every rank (as ``amax``'s own gradient shares it among ties).
 
 Every backward is the adjoint of its forward over the whole group, so the sum of the cp ranks' parameter
 gradients is ``cp`` times the gradient of the loss every rank computes; the data-parallel engine averages them
@@ -251,6 +255,13 @@ def _all_reduce(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _amax(x: torch.Tensor, dims, keepdim: bool = False) -> torch.Tensor:
+    out = x.amax(dims, keepdim=True)
+    if _STATE["size"] > 1:
+        dist.all_reduce(out, op=dist.ReduceOp.MAX, group=_STATE["group"])
+    return out if keepdim else out.squeeze(tuple(dims))
+
+
 def _register():
     if hasattr(getattr(torch.ops, _NAMESPACE), "cp_shard"):
         return
@@ -261,13 +272,14 @@ def _register():
     lib.define("cp_all_gather(Tensor x, int dim, int groups=1, int repeats=1, int head_dim=0) -> Tensor")
     lib.define("cp_reduce_scatter(Tensor x, int dim, int groups=1) -> Tensor")
     lib.define("cp_all_reduce(Tensor x) -> Tensor")
+    lib.define("cp_amax(Tensor x, int[] dims, bool keepdim=False) -> Tensor")
 
     # composites of differentiable ops: autograd, fake tensors and the compiler go through them as through any
     # torch code (the rank and size are read when the op runs)
     lib.impl("cp_shard", _shard, "CompositeImplicitAutograd")
     lib.impl("cp_positions", _positions, "CompositeImplicitAutograd")
     for name, forward in (("cp_all_gather", _gather), ("cp_reduce_scatter", _reduce_scatter),
-                          ("cp_all_reduce", _all_reduce)):
+                          ("cp_all_reduce", _all_reduce), ("cp_amax", _amax)):
         lib.impl(name, forward, "CPU")
         lib.impl(name, forward, "CUDA")
 
@@ -287,6 +299,8 @@ def _register():
     torch.library.register_fake(f"{_NAMESPACE}::cp_all_gather", gather_fake, lib=lib)
     torch.library.register_fake(f"{_NAMESPACE}::cp_reduce_scatter", scatter_fake, lib=lib)
     torch.library.register_fake(f"{_NAMESPACE}::cp_all_reduce", lambda x: torch.empty_like(x), lib=lib)
+    torch.library.register_fake(f"{_NAMESPACE}::cp_amax", lambda x, dims, keepdim=False: x.amax(dims, keepdim),
+                                lib=lib)
 
     def keep_dims(ctx, inputs, output):
         ctx.dim, ctx.groups = inputs[1], inputs[2] if len(inputs) > 2 else 1
@@ -310,6 +324,23 @@ def _register():
     torch.library.register_autograd(f"{_NAMESPACE}::cp_reduce_scatter", scatter_backward, setup_context=keep_dims,
                                     lib=lib)
     torch.library.register_autograd(f"{_NAMESPACE}::cp_all_reduce", reduce_backward, lib=lib)
+
+    def keep_amax(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0], output)
+        ctx.dims, ctx.keepdim = sorted(d % inputs[0].dim() for d in inputs[1]), len(inputs) > 2 and inputs[2]
+
+    def amax_backward(ctx, grad):
+        # every rank's positions read the maximum: its gradient is the sum of the ranks' (as cp_all_reduce's), given
+        # to the positions that hold the maximum, shared equally among them on every rank
+        x, out = ctx.saved_tensors
+        if not ctx.keepdim:
+            for d in ctx.dims:
+                grad, out = grad.unsqueeze(d), out.unsqueeze(d)
+        at = x == out
+        count = torch.ops.tracepp.cp_all_reduce.default(at.sum(ctx.dims, keepdim=True).to(grad.dtype))
+        return torch.ops.tracepp.cp_all_reduce.default(grad) * at / count, None, None
+
+    torch.library.register_autograd(f"{_NAMESPACE}::cp_amax", amax_backward, setup_context=keep_amax, lib=lib)
 
 
 _register()

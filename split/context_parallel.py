@@ -29,6 +29,9 @@ token dim has one sequence per sample). Walking each stage graph in order:
   by the whole count; the loss (``cross_entropy``, ``nll_loss``, ``mse_loss``..., traced from the model file's
   ``loss_fn``) with ``reduction='mean'`` becomes a sum and a count, both all-reduced, so targets with
   ``ignore_index`` spread unevenly over the ranks give eager's loss;
+* **a maximum over the sequence** (``amax``, the values of ``max.dim``: AFT's and Performer's stabilisers) is each
+  rank's maximum, all-reduced with max (``cp_amax``), its gradient shared among the positions holding it on every
+  rank; the index of a maximum, a minimum and any other partial kind are refused by name;
 * inside a block of routed experts (``split.expert_parallel.find_blocks``), whose every token is computed on its
   own (dropless routing), sorting and gathering this rank's tokens is local: sizes that count tokens become local;
 * anything else that mixes positions (a cumulative sum or a convolution along the sequence, a gather of

@@ -29,7 +29,7 @@ def _bytes(val) -> int:
 
 def _stage_record(walk: _Walk) -> dict:
     return {
-        "reduced": [{"op": rules.op_name(n), "line": where(n)} for n in walk.sums],
+        "reduced": [{"op": rules.op_name(n), "line": where(n)} for n in list(walk.sums) + list(walk.maxima)],
         "causal": len(walk.causal),
         "sharded_values": sum(1 for n in walk.shard if n.op != "placeholder"),
     }
@@ -141,6 +141,8 @@ def _rewrite(g: fx.Graph, walk: _Walk, cp: int) -> None:
         reduced = _after(g, node, CP.cp_all_reduce.default, [node])
         if count is not None:
             _after(g, reduced, aten.div.Tensor, [reduced, int(count) if count.is_Integer else count], node)
+    for node, (dims, keepdim) in walk.maxima.items():
+        _maximum(g, node, dims, keepdim)
     for node, how in walk.losses.items():
         _loss_sum(g, node, how)
     for node in walk.sizes:  # the size of a shard's sequence dim, read inside the graph: the whole length
@@ -487,6 +489,26 @@ class _Hoist:
 
 def _last_placeholder(g: fx.Graph):
     return [n for n in g.nodes if n.op == "placeholder"][-1]
+
+
+def _maximum(g: fx.Graph, node, dims: list, keepdim: bool) -> None:
+    """A maximum over the sequence (``amax``, or the values of ``max.dim``, whose index nothing reads) made the
+    maximum of every cp rank's (``cp_amax``)."""
+    x = node.args[0]
+    if node.target is aten.amax.default:
+        node.target, node.args, node.kwargs = CP.cp_amax.default, (x, dims, keepdim), {}
+        return
+    values = [user for user in node.users if user.target is operator.getitem and user.args[1] == 0]
+    if not values:
+        return
+    new = _insert(g, node, CP.cp_amax.default, [x, dims, keepdim], _val(values[0]), values[0])
+    for user in values:
+        user.replace_all_uses_with(new)
+        g.erase_node(user)
+    for user in [u for u in node.users if not u.users]:  # the index nothing reads
+        g.erase_node(user)
+    if not node.users:
+        g.erase_node(node)
 
 
 def _after(g: fx.Graph, node, target, args, like=None) -> fx.Node:

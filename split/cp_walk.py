@@ -26,6 +26,7 @@ class ContextParallelError(ValueError):
 
 WORK = {"visits": 0}  # nodes the walks have visited (tests count the work of a plan, not its time)
 _SUMMABLE = {aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.mean.default}  # rewritten: cp_rewrite
+_MAXIMA = {aten.amax.default, aten.max.dim}  # the ranks' maxima combined (cp_amax)
 _ACROSS = {aten.cumsum.default: "a cumulative sum", aten.cumprod.default: "a cumulative product",
            aten.gather.default: "a gather of positions"}  # how a refusal names an op reading across positions
 
@@ -64,6 +65,7 @@ class _Walk(Propagation):
         self.gathers: list = []  # (consumer, sharded input): all-gathered over cp (keys and values)
         self.causal: list = []  # sdpa nodes with is_causal: a mask from this rank's query positions
         self.sums: dict = {}  # node -> global count (mean) or None (sum): partial sum over the sequence
+        self.maxima: dict = {}  # amax / max.dim over the sequence -> (dims, keepdim): cp_amax of the ranks' maxima
         self.losses: dict = {}  # loss node -> its reduction ("mean" | "sum")
         self.sizes: list = []  # sym_size nodes of a shard's sequence dim: the local size, times cp (the whole)
         self.local_factories: dict = {}  # factory node -> (dim, groups) it is made local on (expert rows, buffers)
@@ -111,7 +113,15 @@ class _Walk(Propagation):
 
     def _partial(self, node, kind: str, dims: list) -> bool:
         """A sum or a mean over the sequence: each rank's partial sum, all-reduced (a mean divided by the whole
-        count); any other partial kind (a max, a p-norm, a variance) is refused by name."""
+        count); a maximum (``amax``, the values of ``max.dim``): each rank's, all-reduced with max (``cp_amax``);
+        any other partial kind (a min, a p-norm, a variance, the index of a maximum) is refused by name."""
+        if node.target in _MAXIMA:
+            if any(user.target is operator.getitem and user.args[1] == 1 and user.users for user in node.users):
+                return self._refuse(node, f"the index of a {rules.op_name(node)} over the sequence dim is a position "
+                                          f"among every cp rank's: only the maximum itself is combined from the "
+                                          f"ranks' parts (amax)")
+            self.maxima[node] = rules.reduction(node)
+            return True
         if node.target not in _SUMMABLE:
             return self._refuse(node, f"a {rules.op_name(node)} over the sequence dim leaves each rank a partial "
                                       f"{kind}: only a sum or a mean is combined from the cp ranks' parts")

@@ -185,6 +185,10 @@ def _cp_collective(target, values, args, cp):
     ranks = range(cp)
     if target is TP.cp_all_reduce.default:
         return _across(values, lambda xs: [_sum(xs)] * cp, lambda gs: [_sum(gs)] * cp)
+    if target is TP.cp_amax.default:  # the maximum over the ranks' positions joined (in any order: a maximum),
+        dims, keepdim = args[0], args[1] if len(args) > 1 else False  # through amax's own gradient
+        out = torch.cat(values, dim=dims[0]).amax(dims, keepdim)
+        return [out] * cp
     dim, groups = args[0], args[1] if len(args) > 1 else 1
     if target is TP.cp_all_gather.default:
         repeats, head = (args[2], args[3]) if len(args) > 3 else (1, 0)
@@ -200,7 +204,7 @@ def _cp_collective(target, values, args, cp):
     raise NotVerified(f"{target} has no simulation here")
 
 
-_CP_COLLECTIVES = {"cp_all_gather", "cp_reduce_scatter", "cp_all_reduce"}
+_CP_COLLECTIVES = {"cp_all_gather", "cp_reduce_scatter", "cp_all_reduce", "cp_amax"}
 _LOCAL = {"tp_owned_split", "tp_owned_select", "cp_shard", "cp_positions", "tp_vocab_rows"}  # read the rank from _STATE
 
 

@@ -273,12 +273,30 @@ def test_tiled_keys_and_a_gathered_norm_latent_tp2_train_equal_to_eager(name, tm
     _train_against_eager(path, out, 2, tmp_path)
 
 
-@pytest.mark.parametrize("name", ["cp_row_ops", "cp_normalized_table", "cp_prefix_attention", "pkm_embedding_bag"])
+@pytest.mark.parametrize("name", ["cp_row_ops", "cp_normalized_table", "cp_prefix_attention", "pkm_embedding_bag",
+                                  "cp_aft_max"])
 def test_row_ops_and_a_normalized_table_cp2_train_equal_to_eager(name, tmp_path):
     path = model_path(name)
     out = str(tmp_path / "out")
     split_model(path, out, schedule="looped-bfs", num_microbatches=2, layout=Layout(pp=1, cp=2))
     _train_against_eager(path, out, 2, tmp_path)
+
+
+def test_a_maximum_over_the_sequence_is_the_maximum_of_every_cp_ranks(monkeypatch):
+    # labml's AFT takes its keys' maximum over the sequence, key.max(dim=0)[0], before exp (Performer's amax alike):
+    # refused before ("a max.dim over the sequence dim leaves each rank a partial max"); each rank's maximum is now
+    # all-reduced with max (cp_amax), and the index of a maximum, which no rank holds alone, is refused by name
+    path = model_path("cp_aft_max")
+    graph_text = []
+    manifest = check_model(path, num_microbatches=2, layout=Layout(pp=2, cp=2))
+    assert manifest["cp"]["verified"]["status"] == "verified", manifest["cp"]["verified"]
+    for stage in manifest["cp"]["stages"]:
+        graph_text.append([r["op"] for r in stage["reduced"]])
+    assert graph_text == [["sum.dim_IntList"] * 2 + ["max.dim"], ["sum.dim_IntList"] * 2 + ["amax"]], graph_text
+    monkeypatch.setenv("AFT_INDEX", "1")
+    with pytest.raises(ValueError, match=r"max_1 \(max\.dim\) at cp_aft_max\.py:\d+: the index of a max\.dim over the "
+                                         r"sequence dim"):
+        check_model(path, num_microbatches=2, layout=Layout(pp=2, cp=2))
 
 
 def test_an_op_no_rule_shards_says_why_its_weight_is_whole():

@@ -33,7 +33,7 @@ def context_parallel_table(manifest: dict) -> str:
                      _megabytes(stage.get("kv_received_bytes_per_rank", 0)),
                      len(stage.get("cut", [])) + stage.get("positions", 0), len(stage.get("reduced", []))])
     lines.append(tabulate(rows, headers=["stage", "key/value all-gathers per microbatch (whole)", "whole bytes",
-                                         "received per rank", "made for its positions", "sums over seq"],
+                                         "received per rank", "made for its positions", "reductions over seq"],
                           tablefmt="simple"))
     record = cp.get("verified")
     ran = (record or {}).get("ran") or []
