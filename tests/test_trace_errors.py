@@ -63,6 +63,46 @@ def test_output_class_that_is_not_a_pytree_names_the_fix(tmp_path, capsys):
     assert "use_cache" not in text and "Traceback" not in text, text
 
 
+EXPERT_COUNTS = """
+import torch
+import torch.nn as nn
+
+
+class SwitchCounts(nn.Module):  # labml's Switch Transformer: each expert's tokens by nonzero, counted with len()
+    def __init__(self):
+        super().__init__()
+        self.router, self.experts = nn.Linear(8, 2), nn.ModuleList([nn.Linear(8, 8) for _ in range(2)])
+
+    def forward(self, x):
+        routes = self.router(x).argmax(-1)
+        indexes = [torch.eq(routes, i).nonzero(as_tuple=True)[0] for i in range(2)]
+        counts = x.new_tensor([len(indexes[i]) for i in range(2)])
+        out = x.new_zeros(x.shape)
+        for i in range(2):
+            out[indexes[i], :] = self.experts[i](x[indexes[i], :])
+        return out * counts.sum()
+
+
+def model():
+    return SwitchCounts()
+
+
+def example_inputs():
+    return (torch.randn(4, 8),)
+"""
+
+
+def test_a_size_made_from_values_is_not_taken_for_a_dynamic_dim(tmp_path, capsys):
+    # export's "Could not extract specialized integer from data-dependent expression u0" was answered with the advice
+    # for a declared dynamic dim ("narrow the dim's range"), which a file that declares none cannot follow
+    path = tmp_path / "expert_counts.py"
+    path.write_text(EXPERT_COUNTS)
+    code, text = run_cli(capsys, "check", str(path), "--ranks", "2")
+    assert code == 2, text
+    assert "data-dependent" in text and "len()" in text and "torch.bincount" in text, text
+    assert "narrow the dim's range" not in text and "Traceback" not in text, text
+
+
 def test_python_scalar_input_must_keep_its_traced_value(tmp_path):
     """export bakes a Python scalar kwarg (mask_kwargs' ``scale``) into the graph: a new value fails, never ignored."""
     import torch

@@ -949,14 +949,19 @@ def explain_export_failure(error: BaseException, model: torch.nn.Module, model_p
     elif unknown:
         advice = ("return tensors in a tuple, list or dict, or register the class as a pytree node "
                   "(torch.utils._pytree.register_dataclass or register_pytree_node) before tracing")
+    elif "data-dependent" in lowered or "data dependent" in lowered or "guardondatadependent" in lowered:
+        # before a declared dim's check: export's "could not extract specialized integer from data-dependent
+        # expression u0" is a size made from values (nonzero's), not a dynamic dim. Not torch.cond: it exports, but
+        # its branches are nested graphs that tracepp cannot split
+        advice = ("a Python value depends on a tensor's values (an `if` or `.item()` on a tensor, or `len()` / a "
+                  "size of what `nonzero` or a boolean mask picks, as a loop over each expert's tokens takes it): "
+                  "keep it a tensor: torch.where for a branch (compute both), a mask's `sum()` or `torch.bincount` "
+                  "for a count, routed experts dispatched by sorting the tokens by expert (as transformers' MoE "
+                  "layers do); or compute it from shapes or constants")
     elif "constraints violated" in lowered or "specialized" in lowered:
         detail = " ".join(line.strip(" -") for line in message.splitlines()[1:4] if line.strip())
         advice = (f"a declared dynamic dim does not hold for the model's code ({detail}); narrow the dim's "
                   f"range (e.g. min=2, or the max the model supports), or leave that dim static")
-    elif "data-dependent" in lowered or "data dependent" in lowered or "guardondatadependent" in lowered:
-        # not torch.cond: it exports, but its branches are nested graphs that tracepp cannot split
-        advice = ("control flow depends on a tensor's values: replace the Python `if`/`.item()` on a tensor with "
-                  "torch.where (compute both branches), or compute the condition from shapes or constants")
     elif "unsupported" in lowered or "not supported" in lowered:
         advice = "this Python construct cannot be traced: rewrite it with torch ops, or move it out of forward()"
     else:
