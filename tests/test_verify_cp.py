@@ -185,22 +185,24 @@ def test_the_simulated_cp_ops_are_the_runtimes():
     assert torch.equal(gathered[1], x.repeat_interleave(2, dim=2))
 
 
-def test_the_runtime_cp_ops_compute_what_verification_simulates(tmp_path):
-    """Verification runs each rank's program with the cp collectives simulated (``local_ranks._cp_collective``);
-    the runtime's ops (``runtime/context_parallel.py``) are code of their own, autograd included. Each is run here
-    for real on 2 gloo ranks, forward and backward, and set against the simulation on the same inputs: cp_amax's
-    first backward lacked the sum of the ranks' gradients, which verification passed and only a training run caught."""
-    import cp_ops_worker as worker
+def test_the_runtime_collectives_compute_what_verification_simulates(tmp_path):
+    """Verification runs each rank's program with the collectives simulated (``local_ranks._cp_collective``,
+    ``local_ranks._collective``); the runtime's ops (``runtime/context_parallel.py``, ``runtime/tensor_parallel.py``)
+    are code of their own, autograd included. Each is run here for real on 2 gloo ranks, forward and backward, and set
+    against the simulation on the same inputs: cp_amax's first backward lacked the sum of the ranks' gradients, which
+    verification passed and only a training run caught."""
+    import collectives_worker as worker
     from util import start_ranks
 
-    result = start_ranks([os.path.join(os.path.dirname(__file__), "cp_ops_worker.py"), str(tmp_path)], 2,
+    result = start_ranks([os.path.join(os.path.dirname(__file__), "collectives_worker.py"), str(tmp_path)], 2,
                          dict(os.environ, OMP_NUM_THREADS="1"), timeout=120)
     assert result.returncode == 0, result.stderr[-4000:]
     ran = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     for case, (name, args, shape) in enumerate(worker.CASES):
         made = [worker.inputs(case, r, shape) for r in range(2)]
         xs = [x.clone().requires_grad_(True) for x, _seed in made]
-        outs = local_ranks._cp_collective(getattr(torch.ops.tracepp, name).default, xs, args, 2)
+        simulate = local_ranks._cp_collective if name.startswith("cp_") else local_ranks._collective
+        outs = simulate(getattr(torch.ops.tracepp, name).default, xs, args, 2)
         seeds = [torch.randn(o.shape, generator=seed, dtype=o.dtype) for o, (_x, seed) in zip(outs, made)]
         torch.autograd.backward(outs, seeds)
         for r in range(2):

@@ -1,7 +1,8 @@
-"""One rank of ``test_verify_cp.test_the_runtime_cp_ops_compute_what_verification_simulates``: each cp collective of
-``runtime/context_parallel.py`` run for real over gloo on seeded inputs, forward and backward with a seeded upstream
-gradient; the outputs and the inputs' gradients saved for the test to set against ``split.local_ranks``' simulation.
-``python cp_ops_worker.py OUT``, started on 2 ranks (``util.start_ranks``)."""
+"""One rank of ``test_verify_cp.test_the_runtime_collectives_compute_what_verification_simulates``: each cp
+collective of ``runtime/context_parallel.py`` and each tp one of ``runtime/tensor_parallel.py`` run for real over
+gloo on seeded inputs, forward and backward with a seeded upstream gradient; the outputs and the inputs' gradients
+saved for the test to set against ``split.local_ranks``' simulation. ``python collectives_worker.py OUT``, started on 2
+ranks (``util.start_ranks``)."""
 import os
 import sys
 from datetime import timedelta
@@ -10,11 +11,16 @@ import torch
 import torch.distributed as dist
 
 from tracepp.runtime import context_parallel as cp_runtime
+from tracepp.runtime import tensor_parallel as tp_runtime
 
 # (op name, its arguments after the tensor, the input's shape on one rank)
 CASES = [("cp_all_gather", [1], [2, 4, 3]), ("cp_all_gather", [1, 1, 2, 2], [2, 4, 3]),
          ("cp_reduce_scatter", [1], [2, 8, 3]), ("cp_all_reduce", [], [2, 3]),
-         ("cp_amax", [[1], True], [2, 4, 3]), ("cp_amax", [[1, 2], False], [2, 4, 3])]
+         ("cp_amax", [[1], True], [2, 4, 3]), ("cp_amax", [[1, 2], False], [2, 4, 3]),
+         ("tp_copy", [], [2, 3]), ("tp_all_reduce", [], [2, 3]), ("tp_all_gather", [1], [2, 3, 4]),
+         ("tp_all_gather", [1, 2], [2, 4, 3]), ("tp_scatter", [2], [2, 3, 8]), ("tp_scatter", [1, 2], [2, 8, 3]),
+         ("tp_piece", [1], [2, 8, 3]), ("sp_all_gather", [1], [2, 3, 4]), ("sp_reduce_scatter", [1], [2, 8, 3]),
+         ("tp_head_group", [1, 2], [2, 8, 3]), ("tp_parts", [1, [4, 2, 2]], [2, 8, 3])]
 
 
 def inputs(case: int, rank: int, shape: list) -> tuple:
@@ -27,6 +33,7 @@ def main(out: str) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))  # a peer that never comes: fail, not hang
     rank, size = dist.get_rank(), dist.get_world_size()
     cp_runtime.set_group(dist.group.WORLD, size, rank)
+    tp_runtime.set_group(dist.group.WORLD, size, rank)
     saved = []
     for case, (name, args, shape) in enumerate(CASES):
         x, seed = inputs(case, rank, shape)
