@@ -6,7 +6,8 @@ context-parallel walk (``cp_walk._Walk``: positions) and expert parallelism's (`
 expert) rows of a block of routed experts, from its first grouped matmul to its last) are subclasses. They share the node loop and every rule whose
 answer does not depend on what the sharded dim means: an op that moves dims (:meth:`_move`), one that works along
 one dim (:meth:`_along`: softmax, scans, sorts, flips, windows), one that reads trailing dims (:meth:`_trailing`:
-pads, triangles, norms) and a reduction (:meth:`_reduce`), each asking ``split.rules`` where the shard goes. What
+pads, triangles), a norm over the trailing dims (:meth:`_on_norm`), an expand (:meth:`_on_expand`) and a reduction
+(:meth:`_reduce`), each asking ``split.rules`` where the shard goes. What
 differs per mesh dimension is what a planner does where a rule says "this op reads across the sharded dim"
 (:meth:`_across`: tensor parallelism gathers the value, context parallelism refuses naming the op) and with a
 reduction's partial result (:meth:`_partial`: tp and cp both combine a sum or a mean with an all-reduce). Those, the
