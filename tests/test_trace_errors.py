@@ -103,6 +103,32 @@ def test_a_size_made_from_values_is_not_taken_for_a_dynamic_dim(tmp_path, capsys
     assert "narrow the dim's range" not in text and "Traceback" not in text, text
 
 
+def test_finding_a_frames_module_does_not_import_lazy_placeholders(monkeypatch, tmp_path):
+    # SpeechBrain puts lazy placeholders in sys.modules (deprecated paths, optional integrations such as k2); finding
+    # the module of a traced frame's file (to look for autograd.Functions in it) read every module's __file__ with
+    # getattr, which imports a placeholder's target: a missing optional package stopped every split of a SpeechBrain
+    # model with "ImportError: Lazy import of LazyModule(... k2_fsa ...) failed"
+    import importlib.util
+    import sys
+    import types
+
+    from tracepp import trace
+
+    class LazyModule(types.ModuleType):  # speechbrain/utils/importutils.py, its target not installed
+        def __getattr__(self, name):
+            raise ImportError(f"Lazy import of {self.__name__} failed")
+
+    monkeypatch.setitem(sys.modules, "speechbrain_like.k2_fsa", LazyModule("speechbrain_like.k2_fsa"))
+    path = tmp_path / "layers.py"
+    path.write_text("WIDTH = 4\n")
+    spec = importlib.util.spec_from_file_location("layers_after_placeholders", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setitem(sys.modules, "layers_after_placeholders", module)  # after the placeholder, as SpeechBrain's
+    assert trace._module_of(str(path)) is module
+    assert trace._function_forwards(str(path)) == []
+
+
 def test_python_scalar_input_must_keep_its_traced_value(tmp_path):
     """export bakes a Python scalar kwarg (mask_kwargs' ``scale``) into the graph: a new value fails, never ignored."""
     import torch

@@ -484,7 +484,7 @@ def _custom_function(frame):
     match = re.search(r"(\w+)\.apply\(", code)
     if not match:
         return None
-    module = next((m for m in list(sys.modules.values()) if getattr(m, "__file__", None) == file), None)
+    module = _module_of(file)
     found = getattr(module, match.group(1), None)
     if not (isinstance(found, type) and issubclass(found, torch.autograd.Function) and "backward" in vars(found)):
         return None
@@ -518,11 +518,24 @@ def _check_custom_backward(body, operands, parameters: dict, model_path: str) ->
                 f"layers inside it with gradients on (without their torch.no_grad())")
 
 
+def _module_of(file: str):
+    """The loaded module whose file is ``file``, or None. Each module's own ``__file__`` is read from its dict: a
+    lazy placeholder in ``sys.modules`` (SpeechBrain registers one for each deprecated import path and optional
+    integration) imports its target on any attribute read, and one whose target is not installed raises."""
+    for module in list(sys.modules.values()):
+        try:
+            if vars(module).get("__file__") == file:
+                return module
+        except TypeError:  # an entry without a __dict__
+            continue
+    return None
+
+
 def _function_forwards(file: str) -> list:
     """``(class, first line, last line)`` of the ``forward`` of each ``torch.autograd.Function`` subclass with a
     backward of its own in the module loaded from ``file``. A class whose ``apply`` was replaced (the model file's
     fix for such functions: its forward run as ordinary code) is not one."""
-    module = next((m for m in list(sys.modules.values()) if getattr(m, "__file__", None) == file), None)
+    module = _module_of(file)
     found = []
     for value in list(vars(module).values()) if module is not None else ():
         if not (isinstance(value, type) and issubclass(value, torch.autograd.Function)
