@@ -197,6 +197,14 @@ def _reading(g: fx.Graph, pairs: list):
     return at
 
 
+def _cut_dim(walk, params: dict, source) -> int:
+    """The sharded dim of a value a cut reads: the walk's placement, or for a parameter cut where it is read (a
+    packed projection's weight chunked into q, k and v: ``nn.MultiheadAttention`` given three tensors) its plan's."""
+    if source in walk.shard:
+        return walk.shard[source]
+    return params[walk._param(source)]["dim"]
+
+
 def _rewrite(g: fx.Graph, walk: _Walk, tp: int, params: dict) -> None:
     for join, (_dim, _origin, kept) in walk.loop_joins.items():  # a loop over heads: this rank's heads joined
         join.update_arg(0, list(join.args[0])[:kept])
@@ -326,10 +334,10 @@ def _rewrite(g: fx.Graph, walk: _Walk, tp: int, params: dict) -> None:
     for node, sizes in walk.owned_splits.items():  # pieces within ranks: the owner computes each, the rest empty
         source = node.args[0]
         node.target, node.args, node.kwargs = TP.tp_owned_split.default, (
-            source, walk.shard[joined_from.get(source, source)], sizes), {}
+            source, _cut_dim(walk, params, joined_from.get(source, source)), sizes), {}
     for node, pieces in walk.cuts.items():  # cuts of the sharded dim: the local parts
         source = node.args[0]
-        dim = walk.shard[joined_from.get(source, source)]
+        dim = _cut_dim(walk, params, joined_from.get(source, source))
         if node.target is aten.slice.Tensor:
             (start, end), = pieces
             node.args, node.kwargs = (source, dim, start, end), {}

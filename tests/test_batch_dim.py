@@ -103,6 +103,28 @@ def test_sequence_first_model_trains_equal_to_eager(layout, monkeypatch, tmp_pat
     assert_state_close(saved, eager_train(PATH, 3))
 
 
+def test_multihead_attention_given_three_tensors_shards_its_packed_projection():
+    # SpeechBrain permutes query, key and value apart before nn.MultiheadAttention, so torch's in-projection chunks
+    # in_proj_weight into three (a cut of the parameter itself): --tp 2 crashed in the rewrite, "KeyError:
+    # p_layers_0_in_proj_weight" (the cut's dim read from the walk's placements, where a parameter has none)
+    manifest = check_model(model_path("tp_mha_distinct_qkv"), num_microbatches=2, layout=Layout(pp=1, tp=2))
+    assert manifest["tp"]["verified"]["status"] == "verified", manifest["tp"]["verified"]
+    entry = manifest["tp"]["params"]["layers.0.in_proj_weight"]
+    assert entry["role"] == "colwise" and entry["segments"] == [64, 64, 64], entry
+    assert manifest["tp"]["stages"][0]["share"]["params"] >= 0.99, manifest["tp"]["stages"][0]["share"]
+
+
+def test_multihead_attention_given_three_tensors_tp2_trains_equal_to_eager(tmp_path):
+    path, out = model_path("tp_mha_distinct_qkv"), str(tmp_path / "out")
+    split_model(path, out, schedule="looped-bfs", num_microbatches=2, layout=Layout(pp=1, tp=2))
+    ckpt = str(tmp_path / "trained.pt")
+    result = torchrun(out, 2, "--steps", "3", "--save", ckpt, "--quiet")
+    assert result.returncode == 0, f"torchrun failed:\n{result.stdout}\n{result.stderr[-6000:]}"
+    saved = torch.load(ckpt)
+    assert_trained(saved, path)
+    assert_state_close(saved, eager_train(path, 3, lr=0.1))
+
+
 @pytest.mark.parametrize("seq_first", ["0", "1"])
 def test_multihead_attention_tp2_trains_equal_to_eager(seq_first, monkeypatch, tmp_path):
     monkeypatch.setenv("SEQ_FIRST", seq_first)
