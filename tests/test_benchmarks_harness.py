@@ -319,3 +319,33 @@ def test_megatron_bytes_compare_names_each_changed_plan_and_ignores_a_library_pa
                         "  model.layers.1: [40960, 32768] -> [131072, 32768]")
     assert lines[-1] == "2 of 3 models planned in both unchanged; 1 changed; 1 new, 1 not planned again"
     assert len(lines) == 2
+
+
+def test_a_table_written_after_a_run_of_a_few_keeps_the_other_rows_from_the_newest_results(tmp_path):
+    """The families tables are written from the study's cache. A cache is lost with its machine; a table written
+    after a run of one family had kept that family's row alone and erased 195 (docs/families.md, 2026-12-01). A row
+    the cache lacks now comes from the newest results JSON that holds it with steps run, and the table says so."""
+    from benchmarks.studies.families import carried_text, table_records
+
+    results, cache = tmp_path / "results", tmp_path / "cache"
+    results.mkdir()
+    cache.mkdir()
+    old = {"families": [{"family": "a", "steps": {"pp": {"max_diff": 1.0}}},
+                        {"family": "b", "steps": {"pp": {"max_diff": 2.0}}},
+                        {"family": "c", "steps": {}}]}
+    (results / "20261130-000000_families.json").write_text(json.dumps(old))
+    newer = {"families": [{"family": "a", "steps": {}}, {"family": "b", "steps": {"pp": {"max_diff": 3.0}}}]}
+    (results / "20261201-000000_families.json").write_text(json.dumps(newer))
+    (results / "20261202-000000_families_b.json").write_text(json.dumps({"family": "b", "steps": {"tp": {}}}))
+    (results / "20261203-000000_other_families.json").write_text(json.dumps({"models": [{"model": "a",
+                                                                                           "steps": {"pp": {}}}]}))
+    (cache / "d.json").write_text(json.dumps({"family": "d", "steps": {"pp": {"max_diff": 4.0}}}))
+    records, carried = table_records(["a", "b", "c", "d"], str(cache), str(results), "families", "family")
+    assert [r["steps"] for r in records] == [{"pp": {"max_diff": 1.0}}, {"tp": {}}, {}, {"pp": {"max_diff": 4.0}}]
+    assert carried == {"a": "20261130-000000_families.json", "b": "20261202-000000_families_b.json"}
+    text = carried_text(carried, "families were")
+    assert text.startswith("2 families were not run") and "20261130-000000_families.json`: 1" in text
+    labml = {"models": {"m": {"model": "m", "steps": {"cp": {}}}}}  # a results file of a few models, by name
+    (results / "20261204-000000_other_families_m.json").write_text(json.dumps(labml))
+    records, carried = table_records(["m", "a"], str(cache), str(results), "other_families", "model")
+    assert [r["steps"] for r in records] == [{"cp": {}}, {"pp": {}}]

@@ -19,7 +19,8 @@ the one before it passed:
 
 Each family runs in its own process with a time limit; its record is kept in the cache folder after every step,
 so a run resumes where it stopped and ``--families a,b`` reruns a few (``--redo tp,ep`` forgets those steps'
-records first). The table is written from whatever the cache holds::
+records first). The table is written from the cache, and a family the cache has no record of keeps its row
+from the newest results JSON that has one (said under the table)::
 
     nice -n 5 python -m benchmarks.studies.families [--families llama,gpt_oss] [--redo tp] [--jobs 1]
     python -m benchmarks.studies.families --table      # docs/families.md and the results JSON from the cache
@@ -434,6 +435,66 @@ def _table_rows(records: list) -> list:
     return rows
 
 
+def _results_records(data, key: str) -> dict:
+    """name -> record in one results JSON: a table's (``{"families": [...]}``, ``{"models": [...]}`` or a dict of
+    them by name) or one record alone (``{"family": ..., "steps": ...}``)."""
+    if isinstance(data, dict) and key in data and "steps" in data:
+        return {data[key]: data}
+    for listed in ("families", "models"):
+        held = data.get(listed) if isinstance(data, dict) else None
+        if isinstance(held, dict):
+            return {name: record for name, record in held.items() if isinstance(record, dict)}
+        if isinstance(held, list):
+            return {record[key]: record for record in held if isinstance(record, dict) and key in record}
+    return {}
+
+
+def table_records(names: list, cache: str, results: str, kind: str, key: str) -> tuple:
+    """(records, carried) for a generated table: each name's record from the cache where it has one, else from the
+    newest results JSON in ``results`` named ``<stamp>_<kind>[_<what>].json`` that holds a record of it with steps
+    run. ``carried``: name -> the results file it came from. A table written after a run of a few names keeps every
+    other row as last measured (a cache is lost with its machine; a table of the few alone erased the rest)."""
+    pattern = re.compile(r"^\d{8}-\d{6}_" + re.escape(kind) + r"(_[A-Za-z0-9_]+)?\.json$")
+    folders = dict.fromkeys([results, os.path.join(REPO, "benchmarks", "results")])  # --out first, then the record
+    files = sorted(((f, os.path.join(folder, f)) for folder in folders if os.path.isdir(folder)
+                    for f in os.listdir(folder) if pattern.match(f)), reverse=True)
+    loaded: dict = {}
+
+    def earlier(name):
+        for file, full in files:
+            if file not in loaded:
+                try:
+                    loaded[file] = _results_records(json.load(open(full)), key)
+                except (OSError, ValueError):
+                    loaded[file] = {}
+            record = loaded[file].get(name)
+            if record and record.get("steps"):
+                return file, record
+        return None, None
+
+    records, carried = [], {}
+    for name in names:
+        path = os.path.join(cache, name + ".json")
+        record = json.load(open(path)) if os.path.exists(path) else None
+        if not (record and record.get("steps")):
+            file, found = earlier(name)
+            if found is not None:
+                record, carried[name] = found, file
+        records.append(record or {key: name, "steps": {}})
+    return records, carried
+
+
+def carried_text(carried: dict, what: str) -> str:
+    """The line under a table that says which rows were not run with it, and from which results."""
+    if not carried:
+        return ""
+    by_file: dict = {}
+    for name, file in carried.items():
+        by_file.setdefault(file, []).append(name)
+    parts = "; ".join(f"`benchmarks/results/{file}`: {len(names)}" for file, names in sorted(by_file.items()))
+    return f"{len(carried)} {what} not run in this table's run, their rows as last measured ({parts}).\n\n"
+
+
 def _goals_text(summary: dict) -> str:
     def line(what, entry, goal):
         share = f"{entry['share']:.1%}" if entry["share"] is not None else "-"
@@ -457,10 +518,7 @@ def write_table(cache: str, out: str, doc: str) -> dict:
     sys.path.insert(0, REPO)
     from benchmarks import write_result
 
-    records = []
-    for family in families():
-        path = os.path.join(cache, family + ".json")
-        records.append(json.load(open(path)) if os.path.exists(path) else {"family": family, "steps": {}})
+    records, carried = table_records(families(), cache, out, "families", "family")
     rows = [outcome(r) for r in records]
     summary = goals([r for r in rows if r["failed_step"] != "missing"])
     import torch
@@ -468,14 +526,15 @@ def write_table(cache: str, out: str, doc: str) -> dict:
 
     result = {"what": "every causal-LM family of transformers through tracepp (benchmarks/studies/families.py)",
               "date": time.strftime("%Y-%m-%d %H:%M:%S"), "torch": torch.__version__,
-              "transformers": transformers.__version__, "goals": summary, "families": records}
+              "transformers": transformers.__version__, "goals": summary, "carried": carried, "families": records}
     path = write_result(out, "families", result)
     text = open(doc).read() if os.path.exists(doc) else ""
     table = "\n".join(["| family | builds | exports | pp exact (max diff) | tp share, mb 1 / 2 | tp exact | ep exact "
                        "| first failure, or what tp keeps whole |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
                       + _table_rows(records))
     begin, end = "<!-- families table: generated -->", "<!-- end of the generated table -->"
-    block = f"{begin}\n{_goals_text(summary)}\n\n{table}\n\nResults: `{os.path.relpath(path, REPO)}`.\n{end}"
+    block = (f"{begin}\n{_goals_text(summary)}\n\n{table}\n\n{carried_text(carried, 'families were')}"
+             f"Results: `{os.path.relpath(path, REPO)}`.\n{end}")
     if begin in text:
         text = text[:text.index(begin)] + block + text[text.index(end) + len(end):]
     else:

@@ -421,22 +421,20 @@ def _goals_text(summary: dict) -> str:
 def write_table(cache: str, out: str, doc: str) -> dict:
     from benchmarks import write_result
 
-    records = []
-    for name in models():
-        path = os.path.join(cache, name + ".json")
-        records.append(json.load(open(path)) if os.path.exists(path) else {"model": name, "steps": {}})
+    records, carried = families.table_records(models(), cache, out, "other_families", "model")
     summary = goals([outcome(r) for r in records])
     import torch
 
     result = {"what": "decoder code from libraries other than transformers through tracepp "
                       "(benchmarks/studies/other_families.py)",
               "date": time.strftime("%Y-%m-%d %H:%M:%S"), "torch": torch.__version__, "goals": summary,
-              "models": records}
+              "carried": carried, "models": records}
     path = write_result(out, "other_families", result)
     table = "\n".join(["| model | library | kv heads | pp exact (max diff) | tp share, mb 1 / 2 | tp exact | cp exact "
                        "| ep exact | failures, or what tp keeps whole |",
                        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"] + _rows(records))
-    block = f"{BEGIN}\n{_goals_text(summary)}\n\n{table}\n\nResults: `{os.path.relpath(path, REPO)}`.\n{END}"
+    block = (f"{BEGIN}\n{_goals_text(summary)}\n\n{table}\n\n{families.carried_text(carried, 'models were')}"
+             f"Results: `{os.path.relpath(path, REPO)}`.\n{END}")
     text = open(doc).read() if os.path.exists(doc) else ""
     if BEGIN in text:
         text = text[:text.index(BEGIN)] + block + text[text.index(END) + len(END):]
