@@ -20,6 +20,14 @@ The ops (``torch.ops.tracepp.cp_*``), each with a fake implementation (shapes) a
 * ``cp_reduce_scatter(x, dim, groups)``: the sum over the cp ranks of a whole value, this rank's positions
   only (the gradient of ``cp_all_gather``); backward all-gathers;
 * ``cp_all_reduce(x)``: the sum over the cp ranks (a token sum, a token count); backward all-reduces too;
+* ``cp_halo(x, dim, left)``: each of this rank's two chunks with the ``left`` positions just before it in the
+  sequence put in front (zeros before position 0), ``[before_a, chunk_a, before_b, chunk_b]`` along ``dim``: what a
+  causal convolution of reach ``left`` reads (LFM2's and Mamba's ``conv1d(padding=k - 1)[..., :seqlen]``). The
+  positions come from the chunk before (the last ``min(left, chunk)`` of every chunk all-gathered: a reach past a
+  whole chunk reads several); backward is autograd's through that all-gather (its gradient reduce-scattered back to
+  the ranks the positions came from);
+* ``cp_unhalo(y, dim, left)``: the convolution of ``cp_halo``'s output without padding, the ``left`` outputs that
+  straddle the two chunks dropped: this rank's positions;
 * ``cp_amax(x, dims, keepdim)``: the maximum over ``dims`` (the sequence dim among them) of every cp rank's
   positions: each rank's own maximum, all-reduced with max. Backward sums the ranks' gradients (every rank's
   positions read the maximum) and gives the sum to the positions that hold the maximum, shared equally among them
@@ -262,6 +270,43 @@ def _amax(x: torch.Tensor, dims, keepdim: bool = False) -> torch.Tensor:
     return out if keepdim else out.squeeze(tuple(dims))
 
 
+def halo_tails(x: torch.Tensor, dim: int, left: int) -> torch.Tensor:
+    """The last ``min(left, chunk)`` positions of each of this rank's two chunks along ``dim``, side by side: what
+    ``cp_halo`` sends."""
+    xm = x.movedim(dim, -1)
+    chunk = xm.shape[-1] // 2
+    kept = min(left, chunk)
+    return torch.cat([xm[..., chunk - kept:chunk], xm[..., 2 * chunk - kept:]], dim=-1).movedim(-1, dim)
+
+
+def halo_assemble(x: torch.Tensor, joined: torch.Tensor, dim: int, left: int, cp: int, rank: int) -> torch.Tensor:
+    """``cp_halo``'s output from this rank's ``x`` and every chunk's tails ``joined`` in sequence order (each
+    ``min(left, chunk)`` long): a chunk's ``left`` positions before it are the last ``left`` of the tails of every
+    chunk before it, after ``left`` zeros. Where ``left`` <= a chunk, that is the tail of the chunk just before it;
+    past a chunk, the tails are whole chunks, so their concatenation is the sequence before it."""
+    xm, jm = x.movedim(dim, -1), joined.movedim(dim, -1)
+    chunk = xm.shape[-1] // 2
+    kept = min(left, chunk)
+    zeros = xm.new_zeros(tuple(xm.shape[:-1]) + (left,))
+    pieces = []
+    for index, which in enumerate(chunk_order(cp, rank)):
+        before = torch.cat([zeros, jm[..., :which * kept]], dim=-1)
+        pieces += [before[..., before.shape[-1] - left:], xm[..., index * chunk:(index + 1) * chunk]]
+    return torch.cat(pieces, dim=-1).movedim(-1, dim)
+
+
+def _halo(x: torch.Tensor, dim: int, left: int) -> torch.Tensor:
+    """``cp_halo``: the tails all-gathered (``cp_all_gather``: in sequence order; its backward reduce-scatters)."""
+    joined = torch.ops.tracepp.cp_all_gather.default(halo_tails(x, dim, left), dim)
+    return halo_assemble(x, joined, dim, left, _STATE["size"], _STATE["rank"])
+
+
+def _unhalo(y: torch.Tensor, dim: int, left: int) -> torch.Tensor:
+    """``cp_unhalo``: ``y`` (``2 chunk + left`` along ``dim``) without the ``left`` positions between the chunks."""
+    chunk = (y.shape[dim] - left) // 2
+    return torch.cat([y.narrow(dim, 0, chunk), y.narrow(dim, chunk + left, chunk)], dim=dim)
+
+
 def _register():
     if hasattr(getattr(torch.ops, _NAMESPACE), "cp_shard"):
         return
@@ -273,11 +318,15 @@ def _register():
     lib.define("cp_reduce_scatter(Tensor x, int dim, int groups=1) -> Tensor")
     lib.define("cp_all_reduce(Tensor x) -> Tensor")
     lib.define("cp_amax(Tensor x, int[] dims, bool keepdim=False) -> Tensor")
+    lib.define("cp_halo(Tensor x, int dim, int left) -> Tensor")
+    lib.define("cp_unhalo(Tensor y, int dim, int left) -> Tensor")
 
     # composites of differentiable ops: autograd, fake tensors and the compiler go through them as through any
     # torch code (the rank and size are read when the op runs)
     lib.impl("cp_shard", _shard, "CompositeImplicitAutograd")
     lib.impl("cp_positions", _positions, "CompositeImplicitAutograd")
+    lib.impl("cp_halo", _halo, "CompositeImplicitAutograd")  # through cp_all_gather, whose autograd is below
+    lib.impl("cp_unhalo", _unhalo, "CompositeImplicitAutograd")
     for name, forward in (("cp_all_gather", _gather), ("cp_reduce_scatter", _reduce_scatter),
                           ("cp_all_reduce", _all_reduce), ("cp_amax", _amax)):
         lib.impl(name, forward, "CPU")

@@ -12,7 +12,7 @@ import torch.fx as fx
 from tracepp.split import rules
 from tracepp.split.cp_walk import ContextParallelError, _Walk, _int, _sizes
 from tracepp.split.rules import equal as _equal, val as _val, where
-from tracepp.split.tp_rewrite import _floor_text, _local_val
+from tracepp.split.tp_rewrite import _fake_like, _floor_text, _local_val
 
 if TYPE_CHECKING:
     from tracepp.split.context_parallel import CPPlan
@@ -40,11 +40,22 @@ def _exchange(g: fx.Graph, cp: int) -> dict:
     the value they cut, after the cuts moved up to the positions) and its key/value all-gathers, each with its
     whole shape; ``kv_bytes``: the whole keys and values gathered per microbatch forward (each rank receives
     (cp - 1) / cp of them, and as many go back as dK/dV in backward's reduce-scatter)."""
-    cut, gathered, positions = [], [], 0
+    cut, gathered, halos, positions = [], [], [], 0
     for node in g.nodes:
         if node.op != "call_function":
             continue
-        if node.target is CP.cp_shard.default:
+        if node.target is CP.cp_halo.default:  # each chunk's last min(reach, chunk) positions, every rank's
+            x, dim, reach = node.args[:3]
+            shape = list(_val(x).shape)
+            kept = min(reach, shape[dim] // 2) if isinstance(shape[dim], int) else reach
+            shape[dim] = 2 * cp * kept
+            count = 1
+            for size in shape:
+                count = count * size
+            halos.append({"value": x.name, "reach": reach, "shape": [str(s) for s in shape],
+                          "bytes": int(count) * _val(x).element_size() if isinstance(count, int) else 0,
+                          "line": where(node)})
+        elif node.target is CP.cp_shard.default:
             cut.append(node.args[0].name)
         elif node.target is CP.cp_positions.default:
             positions += 1
@@ -57,7 +68,7 @@ def _exchange(g: fx.Graph, cp: int) -> dict:
             gathered.append({"value": node.args[0].name, "shape": [str(s) for s in shape],
                              "dtype": str(val.dtype).replace("torch.", ""), "bytes": _bytes(val) // repeats,
                              "repeats": repeats, "line": where(node)})
-    return {"cut": cut, "positions": positions, "gathered": gathered,
+    return {"cut": cut, "positions": positions, "gathered": gathered, "halos": halos,
             "kv_bytes": sum(item["bytes"] for item in gathered),
             "kv_received_bytes_per_rank": sum(item["bytes"] for item in gathered) * (cp - 1) // cp}
 
@@ -175,6 +186,8 @@ def _rewrite(g: fx.Graph, walk: _Walk, cp: int) -> None:
         val = _val(node)
         if isinstance(val, torch.Tensor):
             node.meta["val"] = _local_val(val, dim, cp)
+    for node, (kind, dim, reach) in walk.halos.items():
+        _halo(g, node, kind, dim, reach, walk)
     for node, entries in walk.items.items():
         val = _val(node)
         if isinstance(val, (list, tuple)):
@@ -485,6 +498,51 @@ class _Hoist:
             return self._new(x, x.target, [source, new], dim=dim)
         source = self._cut_of(source, dim - width + len(used), groups)
         return self._new(x, x.target, [source, indices], dim=dim)
+
+
+def _halo(g: fx.Graph, node, kind: str, dim: int, reach: int, walk: _Walk) -> None:
+    """A causal op along the sequence (``cp_walk._causal``, ``_causal_pad``) on each chunk with the ``reach``
+    positions before it (``cp_halo``: ``[before_a, chunk_a, before_b, chunk_b]``), unpadded, then the ``reach`` values
+    between the two chunks dropped (``cp_unhalo``). The node the walk placed keeps its name and this rank's value:
+
+    * ``conv``: ``conv1d(x, padding=reach)`` on the halo, unpadded; its cuts back to the sequence become the drop;
+    * ``shift``: the pad ``(s, -s)`` becomes the drop of ``pad(halo, (0, -s))`` (each chunk's own last ``s`` go);
+    * ``padded``: the pad ``(reach, 0)`` becomes the halo, and each unpadded ``conv1d`` reading it the drop of a copy
+      of itself."""
+    x = node.args[0]
+    local = _val(x)  # this rank's positions (the shard's sizes were made local above)
+    shape = list(local.shape)
+    shape[dim] = shape[dim] + 2 * reach
+    halo_val = _fake_like(local, shape)
+    if kind == "conv":
+        halo = _insert(g, node, CP.cp_halo.default, [x, dim, reach], halo_val, node)
+        args = list(node.args) + [None, [1], [0], [1], 1][len(node.args) - 2:]  # (input, weight, bias, stride,
+        args[0], args[4] = halo, [0]                                            #  padding, dilation, groups)
+        node.args, node.kwargs = tuple(args), {}
+        out = list(_val(node).shape)
+        out[dim] = local.shape[dim] + reach
+        node.meta["val"] = _fake_like(_val(node), out)
+        for user in list(node.users):
+            user.target, user.args, user.kwargs = CP.cp_unhalo.default, (node, dim, reach), {}
+        return
+    if kind == "shift":
+        halo = _insert(g, node, CP.cp_halo.default, [x, dim, reach], halo_val, node)
+        pad = list(node.args[1])
+        at = 2 * (local.dim() - 1 - dim)
+        pad[at], pad[at + 1] = 0, -reach
+        out = list(_val(node).shape)  # this rank's (the walk placed it)
+        out[dim] = out[dim] + reach
+        cropped = _insert(g, node, node.target, [halo, pad] + list(node.args[2:]), _fake_like(_val(node), out), node,
+                          dict(node.kwargs))
+        node.target, node.args, node.kwargs = CP.cp_unhalo.default, (cropped, dim, reach), {}
+        return
+    node.target, node.args, node.kwargs = CP.cp_halo.default, (x, dim, reach), {}  # "padded"
+    node.meta["val"] = halo_val
+    for user in [u for u in node.users if u in walk.unhalos]:
+        out = list(_val(user).shape)  # this rank's (the walk placed it)
+        out[dim] = out[dim] + reach
+        conv = _insert(g, user, user.target, list(user.args), _fake_like(_val(user), out), user, dict(user.kwargs))
+        user.target, user.args, user.kwargs = CP.cp_unhalo.default, (conv, dim, reach), {}
 
 
 def _last_placeholder(g: fx.Graph):

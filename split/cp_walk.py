@@ -66,6 +66,10 @@ class _Walk(Propagation):
         self.causal: list = []  # sdpa nodes with is_causal: a mask from this rank's query positions
         self.sums: dict = {}  # node -> global count (mean) or None (sum): partial sum over the sequence
         self.maxima: dict = {}  # amax / max.dim over the sequence -> (dims, keepdim): cp_amax of the ranks' maxima
+        self.halos: dict = {}  # node -> (kind, dim, reach): a causal conv1d ("conv": its input given each chunk's
+        # positions before it, cp_halo), a shift along the sequence ("shift": the pad (s, -s)), a pad (reach, 0) read
+        # by convolutions of that reach ("padded")
+        self.unhalos: dict = {}  # node -> (dim, reach): where the outputs between the two chunks are dropped
         self.losses: dict = {}  # loss node -> its reduction ("mean" | "sum")
         self.sizes: list = []  # sym_size nodes of a shard's sequence dim: the local size, times cp (the whole)
         self.local_factories: dict = {}  # factory node -> (dim, groups) it is made local on (expert rows, buffers)
@@ -145,8 +149,8 @@ class _Walk(Propagation):
                 if placed is not None:
                     self.sends[arg] = placed
             return
-        if node.op != "call_function" or node.target in rules.IGNORED:
-            return
+        if node.op != "call_function" or node.target in rules.IGNORED or node in self.unhalos:
+            return  # (a causal convolution's cut back to the sequence: placed with the convolution)
         sharded = [a for a in node.all_input_nodes if a in self.shard]
         if not sharded and node.target is operator.getitem and node.args[0] in self.items:
             sharded = [node.args[0]]  # an output of a multi-output op that holds shards
@@ -332,12 +336,107 @@ class _Walk(Propagation):
         if sharded == [x] and self.shard[x][0] >= 2 and rules.pointwise_convolution(node):
             self._place(node, *self.shard[x])  # a 1 x 1 kernel: channels mixed at each position on its own
             return True
+        if sharded == [x] and self._causal(node):
+            return True
         if node.args[0] in self.shard and self.shard[node.args[0]][0] >= 2:
-            return self._refuse(node, "a convolution along the sequence dim: each position reads its neighbours, "
-                                      "which other cp ranks hold (a causal convolution as in Mamba would need the "
-                                      "previous chunk's last positions); keep it off the sequence, or split without "
-                                      "--cp")
+            return self._refuse(node, "a convolution along the sequence dim that is not causal as written: each "
+                                      "position would read positions other cp ranks hold. A causal conv1d, "
+                                      "conv1d(padding=reach) cut back with [..., :seqlen] or [..., :-reach], or "
+                                      "unpadded after F.pad(x, (reach, 0)), gets the positions before each chunk "
+                                      "from the rank that holds them; write it so, keep it off the sequence, or "
+                                      "split without --cp")
         return False
+
+    def _causal(self, node) -> bool:
+        """A causal 1-d convolution along the sequence: ``conv1d`` of stride 1 over the last dim, zero-padded by its
+        reach ``dilation * (kernel - 1)`` on both sides, every use of it a cut back to the first ``seqlen`` outputs
+        (LFM2's and Mamba's ``conv(x)[..., :seqlen]``, labml's and xLSTM's ``[..., :-(kernel - 1)]``): each output
+        reads its own position and the ``reach`` before it. Its input is given each chunk's positions before it
+        (``cp_halo``), the convolution runs unpadded, and the outputs between the two chunks are dropped
+        (``cp_unhalo``)."""
+        x, weight = node.args[0], node.args[1]
+        dim, groups = self.shard[x]
+        if node.target is not aten.conv1d.default or groups != 1 or dim != _val(x).dim() - 1:
+            return False
+
+        def one(value):
+            return value[0] if isinstance(value, (list, tuple)) and len(value) == 1 else value
+
+        stride, padding, dilation = (one(rules.arg(node, i, name, default)) for i, name, default in
+                                     ((3, "stride", 1), (4, "padding", 0), (5, "dilation", 1)))
+        if stride != 1 or not isinstance(padding, int) or not isinstance(dilation, int):
+            return False
+        reach = dilation * (int(_val(weight).shape[-1]) - 1)
+        if reach <= 0 or padding != reach:
+            return False
+        length, ndim = self._global(x, dim), _val(x).dim()
+
+        def cut_back(user) -> bool:
+            if user.target is not aten.slice.Tensor or user.args[0] is not node or rules.cut_dim(user) != dim:
+                return False
+            end = rules.arg(user, 3, "end")
+            end = _val(end) if isinstance(end, fx.Node) else end
+            return (rules.arg(user, 2, "start") in (None, 0) and rules.arg(user, 4, "step", 1) == 1
+                    and end is not None and (end == -reach or _equal(end, length)))
+
+        users = list(node.users)
+        if not users or not all(cut_back(user) for user in users) or ndim != 3:
+            return False
+        self.halos[node] = ("conv", dim, reach)
+        for user in users:
+            self.unhalos[user] = (dim, reach)
+            self._place(user, dim, 1)
+        return True
+
+    def _on_trailing(self, node, sharded) -> bool:
+        if node.target in rules.PADS and sharded == [node.args[0]] and self._causal_pad(node):
+            return True
+        return super()._on_trailing(node, sharded)
+
+    def _causal_pad(self, node) -> bool:
+        """A zero pad of the sequence dim that only looks back: ``F.pad(x, (0, 0, s, -s))``, the sequence shifted by
+        ``s`` (x-transformers' and FLASH's token shift, RWKV's ``ZeroPad2d((0, 0, 1, -1))``): each chunk given the
+        ``s`` positions before it and its own last ``s`` dropped; or ``F.pad(x, (reach, 0))`` read only by
+        unpadded ``conv1d``s of that reach (a causal convolution padded by hand)."""
+        x = node.args[0]
+        dim, groups = self.shard[x]
+        ndim, pad = _val(x).dim(), list(node.args[1])
+        at = 2 * (ndim - 1 - dim)
+        if groups != 1 or len(pad) < at + 2:
+            return False
+        if node.target is aten.constant_pad_nd.default:
+            value = rules.arg(node, 2, "value", 0)
+        else:
+            value = rules.arg(node, 3, "value", None) if rules.arg(node, 2, "mode", "constant") == "constant" else 1
+        before, after = pad[at], pad[at + 1]
+        if value not in (None, 0, 0.0) or not isinstance(before, int) or not isinstance(after, int) or before <= 0:
+            return False
+        if after == -before:
+            self.halos[node] = ("shift", dim, before)
+            self._place(node, dim, 1)
+            return True
+        others = pad[:at] + pad[at + 2:]
+        users = list(node.users)
+        if after != 0 or any(not (isinstance(p, int) and p == 0) for p in others) or dim != ndim - 1 or not users:
+            return False
+
+        def convolution(user) -> bool:
+            if user.target is not aten.conv1d.default or user.args[0] is not node or any(
+                    isinstance(a, fx.Node) and a in self.shard for a in user.args[1:3]):
+                return False
+            stride, padding, dilation = (rules.arg(user, i, name, default) for i, name, default in
+                                         ((3, "stride", 1), (4, "padding", 0), (5, "dilation", 1)))
+            one = [v[0] if isinstance(v, (list, tuple)) and len(v) == 1 else v for v in (stride, padding, dilation)]
+            return (one[0] == 1 and one[1] == 0 and isinstance(one[2], int)
+                    and one[2] * (int(_val(user.args[1]).shape[-1]) - 1) == before)
+
+        if not all(convolution(user) for user in users):
+            return False
+        self.halos[node] = ("padded", dim, before)
+        for user in users:
+            self.unhalos[user] = (dim, before)
+            self._place(user, dim, 1)
+        return True
 
     def _on_fresh(self, node, sharded=None) -> bool:
         """``x.new_empty(sizes)`` of a shard, as long as the shard along its dim (a buffer the model fills with

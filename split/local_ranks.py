@@ -201,11 +201,20 @@ def _cp_collective(target, values, args, cp):
     if target is TP.cp_reduce_scatter.default:
         return _across(values, lambda xs: [_cp_piece(_sum(xs), dim, groups, cp, r) for r in ranks],
                        lambda gs: [_cp_join(gs, dim, groups)] * cp)
+    if target is TP.cp_halo.default:  # the runtime's own: each rank's tails, the all-gather simulated, assembled
+        left = args[1]
+        tails = []
+        for r in ranks:
+            with _Ranks(1, 0, cp, r):
+                tails.append(cp_runtime.halo_tails(values[r], dim, left))
+        joined = _cp_collective(TP.cp_all_gather.default, tails, [dim], cp)
+        return [cp_runtime.halo_assemble(values[r], joined[r], dim, left, cp, r) for r in ranks]
     raise NotVerified(f"{target} has no simulation here")
 
 
-_CP_COLLECTIVES = {"cp_all_gather", "cp_reduce_scatter", "cp_all_reduce", "cp_amax"}
-_LOCAL = {"tp_owned_split", "tp_owned_select", "cp_shard", "cp_positions", "tp_vocab_rows"}  # read the rank from _STATE
+_CP_COLLECTIVES = {"cp_all_gather", "cp_reduce_scatter", "cp_all_reduce", "cp_amax", "cp_halo"}
+_LOCAL = {"tp_owned_split", "tp_owned_select", "cp_shard", "cp_positions", "tp_vocab_rows",  # read the rank from
+          "cp_unhalo"}                                                                         # _STATE, or none
 
 
 def _float64(item):

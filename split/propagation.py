@@ -244,7 +244,8 @@ class Propagation:
     def _trailing(self, node) -> bool:
         """An op over the trailing dims (a pad's, a triangle's matrix): carried where the shard is before them."""
         first = node.args[0]
-        if self._dim(first) >= rules.val(first).dim() - rules.last_dims(node):
+        if self._dim(first) >= rules.val(first).dim() - rules.last_dims(node) and (
+                node.target not in rules.PADS or rules.pads_dim(node, self._dim(first))):
             return self._across(node, "over the sharded dim (one of its trailing dims)")
         self._carry(node, first)
         return True

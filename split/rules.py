@@ -431,17 +431,28 @@ def pointwise_convolution(node) -> bool:
 
 
 def last_dims(node) -> int:
-    """How many trailing dims an op reads across: a triangle's matrix (2), a pad's padded dims, a norm's shape, an
+    """How many trailing dims an op reads across: a triangle's matrix (2), a pad's padded dims (to the outermost pair
+    that is not (0, 0)), a norm's shape, an
     im2col's channels and windowed dims (3)."""
     if node.target in TRIANGLES:
         return 2
-    if node.target in PADS:
-        return len(node.args[1]) // 2
+    if node.target in PADS:  # the dims up to the outermost one padded: (1, 1, 0, 0) pads the last dim alone
+        pairs = [node.args[1][i:i + 2] for i in range(0, len(node.args[1]), 2)]
+        return max((k + 1 for k, pair in enumerate(pairs) if any(not (isinstance(p, int) and p == 0) for p in pair)),
+                   default=0)
     if node.target in NORMS:
         return len(node.args[1])
     if node.target in WINDOWS:  # channels and the two dims windowed; a sample's are its own
         return 3
     raise KeyError(f"{node.target} reads no trailing dims")
+
+
+def pads_dim(node, dim: int) -> bool:
+    """A pad's ``(before, after)`` for ``dim`` is not ``(0, 0)``: ``F.pad(x, (0, 0, 1, -1))`` pads dim -2 alone, and
+    a shard of the last dim goes through it as it is."""
+    pad, ndim = node.args[1], val(node.args[0]).dim()
+    at = 2 * (ndim - 1 - dim)
+    return at + 1 < len(pad) and any(not (isinstance(p, int) and p == 0) for p in pad[at:at + 2])
 
 
 def aligned_dim(out_ndim: int, out_dim: int, value):

@@ -282,6 +282,17 @@ def test_row_ops_and_a_normalized_table_cp2_train_equal_to_eager(name, tmp_path)
     _train_against_eager(path, out, 2, tmp_path)
 
 
+@pytest.mark.parametrize("kernel", ["3", "6"])
+def test_causal_convolutions_cp2_train_equal_to_eager(kernel, tmp_path, monkeypatch):
+    # LFM2's short convolution and Primer EZ's q/k/v convolutions, each chunk given the positions before it by the
+    # rank that holds them (cp_halo; a reach of 5 past a chunk of 4 reads two ranks' positions): refused before
+    monkeypatch.setenv("CONV_KERNEL", kernel)
+    path = model_path("cp_causal_conv")
+    out = str(tmp_path / "out")
+    split_model(path, out, schedule="looped-bfs", num_microbatches=2, layout=Layout(pp=1, cp=2))
+    _train_against_eager(path, out, 2, tmp_path)
+
+
 def test_a_maximum_over_the_sequence_is_the_maximum_of_every_cp_ranks(monkeypatch):
     # labml's AFT takes its keys' maximum over the sequence, key.max(dim=0)[0], before exp (Performer's amax alike):
     # refused before ("a max.dim over the sequence dim leaves each rank a partial max"); each rank's maximum is now

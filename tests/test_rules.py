@@ -146,6 +146,14 @@ def test_trailing_dims_of_pads_triangles_and_norms():
         for dim in range(x.dim() - reads):
             assert _holds(target, x, dim, dim, args, {}), (target, dim)
         assert not _holds(target, x, x.dim() - 1, x.dim() - 1, args, {}), target
+    # a pad reads across the dims it pads, up to the outermost pair that is not (0, 0); a (0, 0) pair keeps its dim's
+    # shards (x-transformers' token shift, F.pad(t, (0, 0, 1, -1)), of features sharded under tp)
+    for pad, reads, padded in [([1, 1, 0, 0], 1, [3]), ([0, 0, 1, -1], 2, [2]), ([0, 0, 0, 0, 2, 0], 3, [1])]:
+        node = _node(aten.constant_pad_nd.default, [x], pad)
+        assert rules.last_dims(node) == reads, pad
+        for dim in range(x.dim()):
+            assert rules.pads_dim(node, dim) == (dim in padded), (pad, dim)
+            assert _holds(aten.constant_pad_nd.default, x, dim, dim, (pad,), {}) == (dim not in padded), (pad, dim)
     # nn.Unfold (im2col) of [N, C, H, W]: each sample's windows its own (dim 0 kept), its channels and windows mixed
     args = ([2, 3], [1, 1], [0, 1], [1, 2])  # kernel, dilation, padding, stride
     node = _node(aten.im2col.default, [x], *args)

@@ -219,3 +219,43 @@ def test_the_last_stage_memory_is_counted_with_a_cast_in_the_loss():
     manifest = _check(model_path("cp_window_mask_rows"), cp=2)
     assert not [note for note in manifest["notes"] if "memory not counted" in note], manifest["notes"]
     assert not any(stage.get("bound") for stage in manifest["memory"]["stages"])
+
+
+@pytest.mark.parametrize("kernel", ["3", "6"])
+def test_a_causal_convolution_reads_the_positions_before_each_chunk(kernel, monkeypatch):
+    """LFM2's short convolution and Primer EZ's depth-wise q/k/v convolutions (``conv1d(padding=k - 1)`` cut back to
+    the sequence, ``[..., :seqlen]`` and ``[:, :, :-(k - 1)]``, or unpadded after ``F.pad(x, (k - 1, 0))``) and
+    x-transformers' token shift (``F.pad(t, (0, 0, 1, -1))``) were refused by ``--cp`` ("a convolution along the
+    sequence dim", "a pad over the sharded dim"). Each chunk is now given the positions before it by the rank that
+    holds them (``cp_halo``): a
+    reach of 2 inside a chunk of 4, and of 5, past a whole chunk, both verified at split; a centred convolution,
+    which reads the positions after each one too, is refused by name."""
+    monkeypatch.setenv("CONV_KERNEL", kernel)
+    path = model_path("cp_causal_conv")
+    manifest = _check(path, cp=2)
+    assert manifest["cp"]["verified"]["status"] == "verified", manifest["cp"]["verified"]
+    halos = [[(h["reach"], h["line"].split(":")[0]) for h in stage["halos"]] for stage in manifest["cp"]["stages"]]
+    reach = int(kernel) - 1
+    conv, shift = (reach, "cp_causal_conv.py"), (1, "cp_causal_conv.py")
+    assert halos == [[conv, shift], [conv] * 3 + [shift]], halos
+    kept = min(reach, 4)  # each chunk's last positions, every chunk's: [b, channels, 4 chunks x kept]
+    assert manifest["cp"]["stages"][0]["halos"][0]["bytes"] == 2 * 64 * 4 * kept * 4
+    monkeypatch.setenv("CONV_CENTERED", "1")
+    with pytest.raises(ValueError, match=r"conv1d \(conv1d\) at cp_causal_conv\.py:\d+: a convolution along the "
+                                         r"sequence dim that is not causal"):
+        _check(path, cp=2)
+
+
+@pytest.mark.parametrize("cp", [2, 3])
+def test_the_halo_of_each_chunk_is_the_zero_padded_sequence_before_it(cp):
+    """``cp_halo``'s output on every rank against the sequence itself, zero-padded in front: ``[before_a, chunk_a,
+    before_b, chunk_b]`` for the rank's chunks r and 2cp-1-r, for reaches inside a chunk, equal to it and past it."""
+    chunk = 3
+    x = torch.randn(2, 5, 2 * cp * chunk, dtype=torch.float64)
+    for reach in (1, chunk, chunk + 2, 2 * chunk + 1):
+        padded = torch.cat([torch.zeros(2, 5, reach, dtype=torch.float64), x], dim=-1)
+        pieces = [local_ranks._cp_piece(x, 2, 1, cp, r) for r in range(cp)]
+        got = local_ranks._cp_collective(torch.ops.tracepp.cp_halo.default, pieces, [2, reach], cp)
+        for r in range(cp):
+            want = torch.cat([padded[..., c * chunk:c * chunk + reach + chunk] for c in (r, 2 * cp - 1 - r)], -1)
+            assert torch.equal(got[r], want), (cp, reach, r)

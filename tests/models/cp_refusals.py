@@ -3,7 +3,8 @@
 ``CP_REFUSE`` picks what the layer does besides causal attention:
 
 * ``cumsum``: a running sum along the sequence (a cumulative op across the cp ranks' chunks);
-* ``conv``: a causal 1-D convolution along the sequence (each position reads its neighbours);
+* ``conv``: a centred 1-D convolution along the sequence (each position reads its neighbours on both sides; a causal
+  one is spread: ``cp_causal_conv.py``);
 * ``gather``: the hidden states read at positions given by an index (a gather of positions);
 * ``mask``: attention with a ``[batch, 1, seq, seq]`` additive mask passed in by the caller (an input of the
   model, which the split cannot cut: the model should build it inside ``forward`` or use ``is_causal``);
@@ -44,7 +45,7 @@ class Model(nn.Module):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, D)
         self.qkv = nn.Linear(D, 3 * D)
-        self.conv = nn.Conv1d(D, D, 3, padding=2)
+        self.conv = nn.Conv1d(D, D, 3, padding=1)
         self.head = nn.Linear(D, VOCAB)
 
     def forward(self, idx, mask=None):

@@ -35,6 +35,13 @@ def context_parallel_table(manifest: dict) -> str:
     lines.append(tabulate(rows, headers=["stage", "key/value all-gathers per microbatch (whole)", "whole bytes",
                                          "received per rank", "made for its positions", "reductions over seq"],
                           tablefmt="simple"))
+    for index, stage in enumerate(cp["stages"]):
+        halos = stage.get("halos") or []
+        if halos:
+            reaches = sorted({item["reach"] for item in halos})
+            lines.append(f"stage {index}: {len(halos)} causal convolution(s) along the sequence, each chunk given the "
+                         f"{'/'.join(map(str, reaches))} position(s) before it by the rank that holds them (cp_halo: "
+                         f"{_megabytes(sum(item['bytes'] for item in halos))} all-gathered per microbatch, whole)")
     record = cp.get("verified")
     ran = (record or {}).get("ran") or []
     lines += verified_lines(record, "every stage's" + (" and the loss's" if "the loss" in ran else "") + " cp ranks")
