@@ -28,6 +28,9 @@ The ops (``torch.ops.tracepp.cp_*``), each with a fake implementation (shapes) a
   the ranks the positions came from);
 * ``cp_unhalo(y, dim, left)``: the convolution of ``cp_halo``'s output without padding, the ``left`` outputs that
   straddle the two chunks dropped: this rank's positions;
+* ``cp_cumsum(x, dim)`` / ``cp_logcumsumexp(x, dim)``: the running sum (log-sum-exp) along the sequence: each chunk's
+  own, plus what every chunk before it adds up to (each chunk's total all-gathered, summed over the chunks before);
+  backward is autograd's through that all-gather;
 * ``cp_amax(x, dims, keepdim)``: the maximum over ``dims`` (the sequence dim among them) of every cp rank's
   positions: each rank's own maximum, all-reduced with max. Backward sums the ranks' gradients (every rank's
   positions read the maximum) and gives the sum to the positions that hold the maximum, shared equally among them
@@ -307,6 +310,41 @@ def _unhalo(y: torch.Tensor, dim: int, left: int) -> torch.Tensor:
     return torch.cat([y.narrow(dim, 0, chunk), y.narrow(dim, chunk + left, chunk)], dim=dim)
 
 
+def scan_chunks(x: torch.Tensor, dim: int, kind: str) -> tuple:
+    """(each of this rank's two chunks scanned on its own along ``dim``, their totals side by side along ``dim``):
+    ``kind`` "cumsum" or "logcumsumexp"."""
+    xm = x.movedim(dim, -1)
+    chunk = xm.shape[-1] // 2
+    scan = torch.cumsum if kind == "cumsum" else torch.logcumsumexp
+    parts = [scan(xm[..., :chunk], -1), scan(xm[..., chunk:], -1)]
+    return parts, torch.cat([part[..., -1:] for part in parts], dim=-1).movedim(-1, dim)
+
+
+def scan_assemble(parts: list, joined: torch.Tensor, dim: int, kind: str, cp: int, rank: int) -> torch.Tensor:
+    """The running values of this rank's chunks: each chunk's own (``parts``) combined with the totals of every
+    chunk before it (``joined``: each chunk's total, in sequence order)."""
+    totals = joined.movedim(dim, -1)
+    out = []
+    for part, which in zip(parts, chunk_order(cp, rank)):  # the same ops on every rank, chunk 0 too (plus nothing:
+        before = totals[..., :which]                       # a sum of none, a log-sum-exp of none, -inf), so that
+        if kind == "cumsum":                               # every rank's backward runs its collectives in one order
+            out.append(part + before.sum(-1, keepdim=True))
+        else:
+            out.append(torch.logaddexp(part, before.logsumexp(-1, keepdim=True)))
+    return torch.cat(out, dim=-1).movedim(-1, dim)
+
+
+def _scan(kind: str):
+    def scan(x: torch.Tensor, dim: int) -> torch.Tensor:
+        parts, totals = scan_chunks(x, dim, kind)
+        # a copy: what backward keeps of the totals (logsumexp keeps its input) is kept as it is, not gathered again
+        # when backward needs it (kv_shards_kept_for_backward would, at a moment that differs between the ranks)
+        joined = torch.ops.tracepp.cp_all_gather.default(totals, dim).clone()
+        return scan_assemble(parts, joined, dim, kind, _STATE["size"], _STATE["rank"])
+    scan.__name__ = f"_{kind}"
+    return scan
+
+
 def _register():
     if hasattr(getattr(torch.ops, _NAMESPACE), "cp_shard"):
         return
@@ -320,6 +358,8 @@ def _register():
     lib.define("cp_amax(Tensor x, int[] dims, bool keepdim=False) -> Tensor")
     lib.define("cp_halo(Tensor x, int dim, int left) -> Tensor")
     lib.define("cp_unhalo(Tensor y, int dim, int left) -> Tensor")
+    lib.define("cp_cumsum(Tensor x, int dim) -> Tensor")
+    lib.define("cp_logcumsumexp(Tensor x, int dim) -> Tensor")
 
     # composites of differentiable ops: autograd, fake tensors and the compiler go through them as through any
     # torch code (the rank and size are read when the op runs)
@@ -327,6 +367,8 @@ def _register():
     lib.impl("cp_positions", _positions, "CompositeImplicitAutograd")
     lib.impl("cp_halo", _halo, "CompositeImplicitAutograd")  # through cp_all_gather, whose autograd is below
     lib.impl("cp_unhalo", _unhalo, "CompositeImplicitAutograd")
+    lib.impl("cp_cumsum", _scan("cumsum"), "CompositeImplicitAutograd")  # through cp_all_gather, as cp_halo
+    lib.impl("cp_logcumsumexp", _scan("logcumsumexp"), "CompositeImplicitAutograd")
     for name, forward in (("cp_all_gather", _gather), ("cp_reduce_scatter", _reduce_scatter),
                           ("cp_all_reduce", _all_reduce), ("cp_amax", _amax)):
         lib.impl(name, forward, "CPU")

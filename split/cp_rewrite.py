@@ -10,7 +10,7 @@ import torch
 import torch.fx as fx
 
 from tracepp.split import rules
-from tracepp.split.cp_walk import ContextParallelError, _Walk, _int, _sizes
+from tracepp.split.cp_walk import _SCANS, ContextParallelError, _Walk, _int, _sizes
 from tracepp.split.rules import equal as _equal, val as _val, where
 from tracepp.split.tp_rewrite import _fake_like, _floor_text, _local_val
 
@@ -31,6 +31,7 @@ def _stage_record(walk: _Walk) -> dict:
     return {
         "reduced": [{"op": rules.op_name(n), "line": where(n)} for n in list(walk.sums) + list(walk.maxima)],
         "causal": len(walk.causal),
+        "scans": [{"op": rules.op_name(n), "line": where(n)} for n in walk.scans],
         "sharded_values": sum(1 for n in walk.shard if n.op != "placeholder"),
     }
 
@@ -188,6 +189,11 @@ def _rewrite(g: fx.Graph, walk: _Walk, cp: int) -> None:
             node.meta["val"] = _local_val(val, dim, cp)
     for node, (kind, dim, reach) in walk.halos.items():
         _halo(g, node, kind, dim, reach, walk)
+    for node, dim in walk.scans.items():  # each chunk's running values plus the chunks' before it
+        x, dtype = node.args[0], rules.arg(node, 2, "dtype", None)
+        if dtype is not None and dtype != _val(x).dtype:  # cumsum(x, dim, dtype=...): the cast first
+            x = _insert(g, node, aten._to_copy.default, [x], _val(x).to(dtype), node, {"dtype": dtype})
+        node.target, node.args, node.kwargs = _SCANS[node.target], (x, dim), {}
     for node, entries in walk.items.items():
         val = _val(node)
         if isinstance(val, (list, tuple)):

@@ -27,6 +27,8 @@ class ContextParallelError(ValueError):
 WORK = {"visits": 0}  # nodes the walks have visited (tests count the work of a plan, not its time)
 _SUMMABLE = {aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.mean.default}  # rewritten: cp_rewrite
 _MAXIMA = {aten.amax.default, aten.max.dim}  # the ranks' maxima combined (cp_amax)
+_SCANS = {aten.cumsum.default: CP.cp_cumsum.default,  # running values along the sequence: each chunk's own, plus
+          aten.logcumsumexp.default: CP.cp_logcumsumexp.default}  # the chunks' before it (cp_cumsum, ...)
 _ACROSS = {aten.cumsum.default: "a cumulative sum", aten.cumprod.default: "a cumulative product",
            aten.gather.default: "a gather of positions"}  # how a refusal names an op reading across positions
 
@@ -70,6 +72,7 @@ class _Walk(Propagation):
         # positions before it, cp_halo), a shift along the sequence ("shift": the pad (s, -s)), a pad (reach, 0) read
         # by convolutions of that reach ("padded")
         self.unhalos: dict = {}  # node -> (dim, reach): where the outputs between the two chunks are dropped
+        self.scans: dict = {}  # cumsum / logcumsumexp along the sequence -> its dim (cp_cumsum, cp_logcumsumexp)
         self.losses: dict = {}  # loss node -> its reduction ("mean" | "sum")
         self.sizes: list = []  # sym_size nodes of a shard's sequence dim: the local size, times cp (the whole)
         self.local_factories: dict = {}  # factory node -> (dim, groups) it is made local on (expert rows, buffers)
@@ -387,6 +390,18 @@ class _Walk(Propagation):
             self.unhalos[user] = (dim, reach)
             self._place(user, dim, 1)
         return True
+
+    def _on_along(self, node, sharded) -> bool:
+        """A running sum (``cumsum``) or log-sum-exp (``logcumsumexp``) along the sequence (minGRU's and Heinsen's
+        log-space scan, a cumulative mean, causal linear attention's prefix sums): each chunk's own, plus the totals
+        of every chunk before it (``cp_cumsum``, ``cp_logcumsumexp``); other ops along it are refused."""
+        x = node.args[0]
+        if node.target in _SCANS and sharded == [x] and self.shard[x][1] == 1 and (
+                rules.arg(node, 1, "dim") % _val(x).dim() == self.shard[x][0]):
+            self.scans[node] = self.shard[x][0]
+            self._place(node, *self.shard[x])
+            return True
+        return super()._on_along(node, sharded)
 
     def _on_trailing(self, node, sharded) -> bool:
         if node.target in rules.PADS and sharded == [node.args[0]] and self._causal_pad(node):

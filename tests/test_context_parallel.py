@@ -94,7 +94,7 @@ def test_the_plan_reads_the_graph():
 
 
 @pytest.mark.parametrize("mode,message", [
-    ("cumsum", r"cumsum \(cumsum\) at cp_refusals.py:\d+: a cumulative sum along the sequence dim"),
+    ("cumprod", r"\(cumprod\) at cp_refusals.py:\d+: a cumulative product along the sequence dim"),
     ("conv", r"\(conv1d\) at cp_refusals.py:\d+: a convolution along the sequence dim that is not causal as written"),
     ("gather", r"\(index.Tensor\) at cp_refusals.py:\d+: a gather of positions of the sequence"),
     ("custom", r"\(running_mean\) at cp_refusals.py:\d+: tracepp_test::running_mean is a custom op "

@@ -274,7 +274,7 @@ def test_tiled_keys_and_a_gathered_norm_latent_tp2_train_equal_to_eager(name, tm
 
 
 @pytest.mark.parametrize("name", ["cp_row_ops", "cp_normalized_table", "cp_prefix_attention", "pkm_embedding_bag",
-                                  "cp_aft_max"])
+                                  "cp_aft_max", "cp_prefix_scan"])
 def test_row_ops_and_a_normalized_table_cp2_train_equal_to_eager(name, tmp_path):
     path = model_path(name)
     out = str(tmp_path / "out")

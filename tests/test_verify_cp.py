@@ -259,3 +259,34 @@ def test_the_halo_of_each_chunk_is_the_zero_padded_sequence_before_it(cp):
         for r in range(cp):
             want = torch.cat([padded[..., c * chunk:c * chunk + reach + chunk] for c in (r, 2 * cp - 1 - r)], -1)
             assert torch.equal(got[r], want), (cp, reach, r)
+
+
+def test_running_sums_along_the_sequence_are_each_chunks_plus_the_chunks_before():
+    """minGRU's log-space scan (``cumsum`` and ``logcumsumexp`` along the sequence) and token-shift-gpt's cumulative
+    mean were refused by ``--cp`` ("a cumulative sum along the sequence dim"); each chunk's running values are now its
+    own plus the totals of every chunk before it (``cp_cumsum``, ``cp_logcumsumexp``), verified at split. A running
+    product is still refused by name (``tests/test_context_parallel.py``)."""
+    manifest = _check(model_path("cp_prefix_scan"), cp=2)
+    assert manifest["cp"]["verified"]["status"] == "verified", manifest["cp"]["verified"]
+    ops = [[s["op"] for s in stage["scans"]] for stage in manifest["cp"]["stages"]]
+    assert ops == [["cumsum", "logcumsumexp", "cumsum"], ["cumsum"]], ops
+
+
+@pytest.mark.parametrize("cp", [2, 3])
+def test_a_running_sum_over_the_ranks_chunks_is_the_whole_sequences(cp):
+    """``cp_cumsum`` and ``cp_logcumsumexp`` on every rank, forward and backward (verification's simulation: the
+    runtime's code, the chunks' totals all-gathered across the ranks' values), against torch's on the whole sequence:
+    each rank's chunks of the whole one, and the whole one's gradient."""
+    x = torch.randn(2, 5, 2 * cp * 3, dtype=torch.float64)
+    seed = torch.randn(x.shape, dtype=torch.float64)
+    for op, whole_op in ((torch.ops.tracepp.cp_cumsum.default, torch.cumsum),
+                         (torch.ops.tracepp.cp_logcumsumexp.default, torch.logcumsumexp)):
+        whole_x = x.clone().requires_grad_(True)
+        whole = whole_op(whole_x, 2)
+        whole.backward(seed)
+        pieces = [local_ranks._cp_piece(x, 2, 1, cp, r).requires_grad_(True) for r in range(cp)]
+        got = local_ranks._cp_collective(op, pieces, [2], cp)
+        torch.autograd.backward(got, [local_ranks._cp_piece(seed, 2, 1, cp, r) for r in range(cp)])
+        for r in range(cp):
+            assert torch.allclose(got[r], local_ranks._cp_piece(whole.detach(), 2, 1, cp, r)), (op, r)
+        assert torch.allclose(local_ranks._cp_join([p.grad for p in pieces], 2, 1), whole_x.grad), op

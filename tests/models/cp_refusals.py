@@ -2,7 +2,8 @@
 
 ``CP_REFUSE`` picks what the layer does besides causal attention:
 
-* ``cumsum``: a running sum along the sequence (a cumulative op across the cp ranks' chunks);
+* ``cumprod``: a running product along the sequence (a cumulative op across the cp ranks' chunks; running sums are
+  spread: ``cp_prefix_scan.py``);
 * ``conv``: a centred 1-D convolution along the sequence (each position reads its neighbours on both sides; a causal
   one is spread: ``cp_causal_conv.py``);
 * ``gather``: the hidden states read at positions given by an index (a gather of positions);
@@ -50,8 +51,8 @@ class Model(nn.Module):
 
     def forward(self, idx, mask=None):
         x = self.embed(idx)
-        if MODE == "cumsum":
-            x = x.cumsum(dim=1) / (torch.arange(x.shape[1], device=x.device) + 1.0).unsqueeze(-1)
+        if MODE == "cumprod":
+            x = x.sigmoid().cumprod(dim=1)
         elif MODE == "conv":
             x = self.conv(x.transpose(1, 2))[..., :x.shape[1]].transpose(1, 2)
         elif MODE == "custom":

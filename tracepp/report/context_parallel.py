@@ -42,6 +42,11 @@ def context_parallel_table(manifest: dict) -> str:
             lines.append(f"stage {index}: {len(halos)} causal convolution(s) along the sequence, each chunk given the "
                          f"{'/'.join(map(str, reaches))} position(s) before it by the rank that holds them (cp_halo: "
                          f"{_megabytes(sum(item['bytes'] for item in halos))} all-gathered per microbatch, whole)")
+        scans = stage.get("scans") or []
+        if scans:
+            lines.append(f"stage {index}: {len(scans)} running sum(s) along the sequence "
+                         f"({', '.join(sorted({s['op'] for s in scans}))}), each chunk's plus the totals of the chunks "
+                         f"before it (every chunk's total all-gathered)")
     record = cp.get("verified")
     ran = (record or {}).get("ran") or []
     lines += verified_lines(record, "every stage's" + (" and the loss's" if "the loss" in ran else "") + " cp ranks")
