@@ -199,6 +199,9 @@ def _rewrite(g: fx.Graph, walk: _Walk, cp: int) -> None:
         if isinstance(val, (list, tuple)):
             node.meta["val"] = type(val)(_local_val(v, e[0], cp) if e is not None and isinstance(v, torch.Tensor)
                                          else v for v, e in zip(val, entries))
+    for node in reversed(walk.dead):  # read by nothing: not computed on this rank's positions, not computed at all
+        if not node.users:
+            g.erase_node(node)
     _Hoist(g, walk, cp).run()
     g.lint()
 

@@ -79,10 +79,14 @@ class _Walk(Propagation):
         self.sends: dict = {}  # sharded output -> (dim, groups)
         self.outputs: list = []  # per output: (dim, groups) or None
         self.refusals: list = []
+        self.dead: list = []  # values no op reads, which cp could not place: erased (cp_rewrite)
         self._walk(graph)
 
     # -- helpers
     def _refuse(self, node, why: str) -> bool:
+        if not node.users and node.op == "call_function" and not node.is_impure() and not rules.written(node):
+            self.dead.append(node)  # computed and never read (minGRU's next hidden state, out[:, -1:], when it is
+            return True             # not returned): dropped from the rank's program, nothing to refuse
         self.refusals.append(f"{node.name} ({rules.op_name(node)}){_at(node)}: {why}")
         return True  # handled (the plan raises before anything is rewritten)
 
@@ -510,10 +514,11 @@ class _Walk(Propagation):
         target = node.target
         at = rules.cut_dim(node)
         if at == dim:
-            if target is aten.slice.Tensor and rules.arg(node, 2, "start") in (None, 0) and rules.arg(node, 4, "step", 1) == 1:
+            start, length = rules.arg(node, 2, "start"), _int(self._global(first, dim))
+            if target is aten.slice.Tensor and rules.arg(node, 4, "step", 1) == 1 and (start in (None, 0) or (
+                    isinstance(start, int) and length is not None and start <= -length)):  # minGRU's [:, -seq_len:]
                 end = rules.arg(node, 3, "end")
-                if end is None or (isinstance(end, int) and _int(self._global(first, dim)) is not None
-                                   and end >= _int(self._global(first, dim))):
+                if end is None or (isinstance(end, int) and length is not None and end >= length):
                     self._place(node, dim, groups)  # the whole dim: nothing taken
                     return True
             return self._refuse(node, f"takes part of the sequence dim of {first.name}: positions held by other "

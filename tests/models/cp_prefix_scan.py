@@ -2,7 +2,9 @@
 
 * minGRU (lucidrains' ``minGRU-pytorch``, ``minGRU.py``; Feng et al. 2024, "Were RNNs All We Needed?"): the gated
   recurrence ``h_t = (1 - z_t) h_{t-1} + z_t h~_t`` computed in parallel in log space by Heinsen's scan,
-  ``a* = cumsum(log a)``, ``log h = a* + logcumsumexp(log b - a*)``;
+  ``a* = cumsum(log a)``, ``log h = a* + logcumsumexp(log b - a*)``; then ``out[:, -seq_len:]`` (the whole sequence:
+  refused before as "takes part of the sequence dim") and ``out[:, -1:]``, the next hidden state, which nothing reads
+  in training (refused before; now dropped from the rank's program);
 * token-shift-gpt's cumulative mean (``token_shift_gpt.py:83``): each position's mean of the features of every
   position up to it, ``x.cumsum(dim=1) / arange(1, n + 1)``, in front of each feed-forward.
 
@@ -36,10 +38,14 @@ class MinGRU(nn.Module):
         self.to_out = nn.Linear(D, D, bias=False)
 
     def forward(self, x, cos=None, sin=None):
+        seq_len = x.shape[1]
         hidden, gate = self.to_hidden_and_gate(x).chunk(2, dim=-1)
         log_coeffs = -F.softplus(gate)
         log_values = -F.softplus(-gate) + log_g(hidden)
-        return self.to_out(heinsen_associative_scan_log(log_coeffs, log_values))
+        out = heinsen_associative_scan_log(log_coeffs, log_values)
+        out = out[:, -seq_len:]  # minGRU's, after an optional previous hidden state: the whole sequence here
+        next_prev_hidden = out[:, -1:]  # noqa: F841  (minGRU's return_next_prev_hidden: unread when training)
+        return self.to_out(out)
 
 
 class Mixer(nn.Module):
