@@ -395,6 +395,43 @@ class _Walk(Propagation):
             self._place(user, dim, 1)
         return True
 
+    def _on_elementwise(self, node, sharded) -> bool:
+        return super()._on_elementwise(node, sharded) or self._outer(node)
+
+    def _outer(self, node) -> bool:
+        """An elementwise op of two values holding positions on different dims of its output: an outer op over the
+        positions, as attention's scores are (x-transformers' data-dependent ALiBi, ``einx.subtract('b h i, b h j ->
+        b h i j', g, g)`` of the forget gates' running sums). The operand with positions on the later dim is
+        all-gathered (the keys'), the output holds this rank's positions on the earlier one (the queries')."""
+        out = _val(node)
+        if not isinstance(out, torch.Tensor):
+            return False
+        n, placed = out.dim(), {}
+        for arg in self._operands(node):
+            if arg in self.shard:
+                dim, groups = self.shard[arg]
+                if groups != 1:
+                    return False
+                placed.setdefault(dim + n - _val(arg).dim(), []).append(arg)
+        if len(placed) != 2:
+            return False
+        rows, columns = sorted(placed)
+        whole = []
+        for arg in self._operands(node):
+            val = _val(arg)
+            if arg in self.shard or not isinstance(val, torch.Tensor):
+                continue
+            at = rules.aligned_dim(n, rows, val)
+            if at is not None and not _equal(val.shape[at], out.shape[rows]):
+                return False
+            whole.append((arg, at))
+        for arg in placed[columns]:
+            self.gathers.append((node, arg))
+        entry = self._entry(placed[rows][0], rows)
+        self._beside(node, entry, whole)
+        self._place(node, *entry)
+        return True
+
     def _on_along(self, node, sharded) -> bool:
         """A running sum (``cumsum``) or log-sum-exp (``logcumsumexp``) along the sequence (minGRU's and Heinsen's
         log-space scan, a cumulative mean, causal linear attention's prefix sums): each chunk's own, plus the totals

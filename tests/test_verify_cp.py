@@ -262,14 +262,19 @@ def test_the_halo_of_each_chunk_is_the_zero_padded_sequence_before_it(cp):
 
 
 def test_running_sums_along_the_sequence_are_each_chunks_plus_the_chunks_before():
-    """minGRU's log-space scan (``cumsum`` and ``logcumsumexp`` along the sequence) and token-shift-gpt's cumulative
-    mean were refused by ``--cp`` ("a cumulative sum along the sequence dim"); each chunk's running values are now its
+    """minGRU's log-space scan (``cumsum`` and ``logcumsumexp`` along the sequence), x-transformers' data-dependent
+    ALiBi (a cumsum, then the difference of every query's and key's) and token-shift-gpt's cumulative mean were
+    refused by ``--cp`` ("a cumulative sum along the sequence dim"); each chunk's running values are now its
     own plus the totals of every chunk before it (``cp_cumsum``, ``cp_logcumsumexp``), verified at split. A running
     product is still refused by name (``tests/test_context_parallel.py``)."""
     manifest = _check(model_path("cp_prefix_scan"), cp=2)
     assert manifest["cp"]["verified"]["status"] == "verified", manifest["cp"]["verified"]
     ops = [[s["op"] for s in stage["scans"]] for stage in manifest["cp"]["stages"]]
-    assert ops == [["cumsum", "logcumsumexp", "cumsum"], ["cumsum"]], ops
+    assert ops == [["cumsum", "logcumsumexp", "cumsum"], ["cumsum", "cumsum"]], ops
+    # x-transformers' data-dependent ALiBi: the gates' running sums of every key gathered beside the keys and values
+    # (an outer difference of two position shards, refused before as "mixes the positions of the sequence")
+    gathered = [g["value"] for g in manifest["cp"]["stages"][1]["gathered"]]
+    assert len(gathered) == 3 and gathered[2].startswith("cumsum"), gathered
 
 
 @pytest.mark.parametrize("cp", [2, 3])

@@ -5,6 +5,8 @@
   ``a* = cumsum(log a)``, ``log h = a* + logcumsumexp(log b - a*)``; then ``out[:, -seq_len:]`` (the whole sequence:
   refused before as "takes part of the sequence dim") and ``out[:, -1:]``, the next hidden state, which nothing reads
   in training (refused before; now dropped from the rank's program);
+* x-transformers' data-dependent ALiBi: the forget gates' running sums, their differences for every (query, key)
+  pair added to the attention scores (the keys' sums all-gathered, as attention's keys are);
 * token-shift-gpt's cumulative mean (``token_shift_gpt.py:83``): each position's mean of the features of every
   position up to it, ``x.cumsum(dim=1) / arange(1, n + 1)``, in front of each feed-forward.
 
@@ -18,7 +20,7 @@ import functools
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from lib_style import D, Decoder, RMSNorm, SeparateAttention, SwiGLU, loss_fn, sgd, token_batch  # noqa: F401
+from lib_style import D, HEAD_DIM, HEADS, Decoder, RMSNorm, SeparateAttention, SwiGLU, loss_fn, sgd, token_batch  # noqa: F401,E501
 
 
 def heinsen_associative_scan_log(log_coeffs, log_values):
@@ -48,13 +50,37 @@ class MinGRU(nn.Module):
         return self.to_out(out)
 
 
+class DataDependentAlibiAttention(SeparateAttention):
+    """x-transformers' ``data_dependent_alibi`` (``x_transformers.py:733``, from Forgetting Transformer): a forget gate
+    per head and position, log-sigmoid, summed along the sequence; the bias of query i for key j is the sum of the
+    gates between them, ``einx.subtract('b h i, b h j -> b h i j', g, g)``, added to the ``einsum`` scores."""
+
+    def __init__(self):
+        super().__init__(2)
+        self.to_forget_gates = nn.Linear(D, HEADS)
+
+    def heads(self, x, cos, sin):
+        B, T, _ = x.shape
+        q = self.to_q(x).view(B, T, HEADS, HEAD_DIM).transpose(1, 2)
+        k = self.to_k(x).view(B, T, self.kv_heads, HEAD_DIM).transpose(1, 2)
+        v = self.to_v(x).view(B, T, self.kv_heads, HEAD_DIM).transpose(1, 2)
+        r = HEADS // self.kv_heads
+        k, v = k.repeat(1, r, 1, 1), v.repeat(1, r, 1, 1)
+        gates = F.logsigmoid(self.to_forget_gates(x)).transpose(1, 2).cumsum(dim=-1)  # [b, h, n]
+        bias = gates[..., :, None] - gates[..., None, :]
+        sim = torch.einsum("b h i d, b h j d -> b h i j", q, k) * HEAD_DIM ** -0.5 + bias
+        causal = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)
+        attn = sim.masked_fill(causal, -torch.finfo(sim.dtype).max).softmax(dim=-1)
+        return torch.einsum("b h i j, b h j d -> b h i d", attn, v)
+
+
 class Mixer(nn.Module):
-    """minGRU in even layers, attention in odd ones."""
+    """minGRU in even layers, attention with a data-dependent ALiBi in odd ones."""
     layers = 0
 
     def __init__(self):
         super().__init__()
-        self.mix = MinGRU() if Mixer.layers % 2 == 0 else SeparateAttention(2, flash=True)
+        self.mix = MinGRU() if Mixer.layers % 2 == 0 else DataDependentAlibiAttention()
         Mixer.layers += 1
 
     def forward(self, x, cos, sin):
