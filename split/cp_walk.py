@@ -15,6 +15,7 @@ import tracepp.runtime.context_parallel  # noqa: F401  (registers torch.ops.trac
 from tracepp.split import rules
 from tracepp.split.cost import op_name
 from tracepp.split.expert_parallel import GROUPED_MM, PICKS
+from tracepp.split.cp_causal import LookBack
 from tracepp.split.propagation import Propagation
 from tracepp.split.rules import at as _at, equal as _equal, prod as _prod_ints, sizes as _sizes_ints, val as _val
 
@@ -27,8 +28,6 @@ class ContextParallelError(ValueError):
 WORK = {"visits": 0}  # nodes the walks have visited (tests count the work of a plan, not its time)
 _SUMMABLE = {aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.mean.default}  # rewritten: cp_rewrite
 _MAXIMA = {aten.amax.default, aten.max.dim}  # the ranks' maxima combined (cp_amax)
-_SCANS = {aten.cumsum.default: CP.cp_cumsum.default,  # running values along the sequence: each chunk's own, plus
-          aten.logcumsumexp.default: CP.cp_logcumsumexp.default}  # the chunks' before it (cp_cumsum, ...)
 _ACROSS = {aten.cumsum.default: "a cumulative sum", aten.cumprod.default: "a cumulative product",
            aten.gather.default: "a gather of positions"}  # how a refusal names an op reading across positions
 
@@ -48,7 +47,7 @@ def _int(expr):
     return int(expr) if expr.is_Integer else None
 
 
-class _Walk(Propagation):
+class _Walk(LookBack, Propagation):
     """One pass over one graph (a stage's, or the loss's): each value's placement and the edits."""
 
     WORK = WORK
@@ -353,146 +352,6 @@ class _Walk(Propagation):
                                       "from the rank that holds them; write it so, keep it off the sequence, or "
                                       "split without --cp")
         return False
-
-    def _causal(self, node) -> bool:
-        """A causal 1-d convolution along the sequence: ``conv1d`` of stride 1 over the last dim, zero-padded by its
-        reach ``dilation * (kernel - 1)`` on both sides, every use of it a cut back to the first ``seqlen`` outputs
-        (LFM2's and Mamba's ``conv(x)[..., :seqlen]``, labml's and xLSTM's ``[..., :-(kernel - 1)]``): each output
-        reads its own position and the ``reach`` before it. Its input is given each chunk's positions before it
-        (``cp_halo``), the convolution runs unpadded, and the outputs between the two chunks are dropped
-        (``cp_unhalo``)."""
-        x, weight = node.args[0], node.args[1]
-        dim, groups = self.shard[x]
-        if node.target is not aten.conv1d.default or groups != 1 or dim != _val(x).dim() - 1:
-            return False
-
-        def one(value):
-            return value[0] if isinstance(value, (list, tuple)) and len(value) == 1 else value
-
-        stride, padding, dilation = (one(rules.arg(node, i, name, default)) for i, name, default in
-                                     ((3, "stride", 1), (4, "padding", 0), (5, "dilation", 1)))
-        if stride != 1 or not isinstance(padding, int) or not isinstance(dilation, int):
-            return False
-        reach = dilation * (int(_val(weight).shape[-1]) - 1)
-        if reach <= 0 or padding != reach:
-            return False
-        length, ndim = self._global(x, dim), _val(x).dim()
-
-        def cut_back(user) -> bool:
-            if user.target is not aten.slice.Tensor or user.args[0] is not node or rules.cut_dim(user) != dim:
-                return False
-            end = rules.arg(user, 3, "end")
-            end = _val(end) if isinstance(end, fx.Node) else end
-            return (rules.arg(user, 2, "start") in (None, 0) and rules.arg(user, 4, "step", 1) == 1
-                    and end is not None and (end == -reach or _equal(end, length)))
-
-        users = list(node.users)
-        if not users or not all(cut_back(user) for user in users) or ndim != 3:
-            return False
-        self.halos[node] = ("conv", dim, reach)
-        for user in users:
-            self.unhalos[user] = (dim, reach)
-            self._place(user, dim, 1)
-        return True
-
-    def _on_elementwise(self, node, sharded) -> bool:
-        return super()._on_elementwise(node, sharded) or self._outer(node)
-
-    def _outer(self, node) -> bool:
-        """An elementwise op of two values holding positions on different dims of its output: an outer op over the
-        positions, as attention's scores are (x-transformers' data-dependent ALiBi, ``einx.subtract('b h i, b h j ->
-        b h i j', g, g)`` of the forget gates' running sums). The operand with positions on the later dim is
-        all-gathered (the keys'), the output holds this rank's positions on the earlier one (the queries')."""
-        out = _val(node)
-        if not isinstance(out, torch.Tensor):
-            return False
-        n, placed = out.dim(), {}
-        for arg in self._operands(node):
-            if arg in self.shard:
-                dim, groups = self.shard[arg]
-                if groups != 1:
-                    return False
-                placed.setdefault(dim + n - _val(arg).dim(), []).append(arg)
-        if len(placed) != 2:
-            return False
-        rows, columns = sorted(placed)
-        whole = []
-        for arg in self._operands(node):
-            val = _val(arg)
-            if arg in self.shard or not isinstance(val, torch.Tensor):
-                continue
-            at = rules.aligned_dim(n, rows, val)
-            if at is not None and not _equal(val.shape[at], out.shape[rows]):
-                return False
-            whole.append((arg, at))
-        for arg in placed[columns]:
-            self.gathers.append((node, arg))
-        entry = self._entry(placed[rows][0], rows)
-        self._beside(node, entry, whole)
-        self._place(node, *entry)
-        return True
-
-    def _on_along(self, node, sharded) -> bool:
-        """A running sum (``cumsum``) or log-sum-exp (``logcumsumexp``) along the sequence (minGRU's and Heinsen's
-        log-space scan, a cumulative mean, causal linear attention's prefix sums): each chunk's own, plus the totals
-        of every chunk before it (``cp_cumsum``, ``cp_logcumsumexp``); other ops along it are refused."""
-        x = node.args[0]
-        if node.target in _SCANS and sharded == [x] and self.shard[x][1] == 1 and (
-                rules.arg(node, 1, "dim") % _val(x).dim() == self.shard[x][0]):
-            self.scans[node] = self.shard[x][0]
-            self._place(node, *self.shard[x])
-            return True
-        return super()._on_along(node, sharded)
-
-    def _on_trailing(self, node, sharded) -> bool:
-        if node.target in rules.PADS and sharded == [node.args[0]] and self._causal_pad(node):
-            return True
-        return super()._on_trailing(node, sharded)
-
-    def _causal_pad(self, node) -> bool:
-        """A zero pad of the sequence dim that only looks back: ``F.pad(x, (0, 0, s, -s))``, the sequence shifted by
-        ``s`` (x-transformers' and FLASH's token shift, RWKV's ``ZeroPad2d((0, 0, 1, -1))``): each chunk given the
-        ``s`` positions before it and its own last ``s`` dropped; or ``F.pad(x, (reach, 0))`` read only by
-        unpadded ``conv1d``s of that reach (a causal convolution padded by hand)."""
-        x = node.args[0]
-        dim, groups = self.shard[x]
-        ndim, pad = _val(x).dim(), list(node.args[1])
-        at = 2 * (ndim - 1 - dim)
-        if groups != 1 or len(pad) < at + 2:
-            return False
-        if node.target is aten.constant_pad_nd.default:
-            value = rules.arg(node, 2, "value", 0)
-        else:
-            value = rules.arg(node, 3, "value", None) if rules.arg(node, 2, "mode", "constant") == "constant" else 1
-        before, after = pad[at], pad[at + 1]
-        if value not in (None, 0, 0.0) or not isinstance(before, int) or not isinstance(after, int) or before <= 0:
-            return False
-        if after == -before:
-            self.halos[node] = ("shift", dim, before)
-            self._place(node, dim, 1)
-            return True
-        others = pad[:at] + pad[at + 2:]
-        users = list(node.users)
-        if after != 0 or any(not (isinstance(p, int) and p == 0) for p in others) or dim != ndim - 1 or not users:
-            return False
-
-        def convolution(user) -> bool:
-            if user.target is not aten.conv1d.default or user.args[0] is not node or any(
-                    isinstance(a, fx.Node) and a in self.shard for a in user.args[1:3]):
-                return False
-            stride, padding, dilation = (rules.arg(user, i, name, default) for i, name, default in
-                                         ((3, "stride", 1), (4, "padding", 0), (5, "dilation", 1)))
-            one = [v[0] if isinstance(v, (list, tuple)) and len(v) == 1 else v for v in (stride, padding, dilation)]
-            return (one[0] == 1 and one[1] == 0 and isinstance(one[2], int)
-                    and one[2] * (int(_val(user.args[1]).shape[-1]) - 1) == before)
-
-        if not all(convolution(user) for user in users):
-            return False
-        self.halos[node] = ("padded", dim, before)
-        for user in users:
-            self.unhalos[user] = (dim, before)
-            self._place(user, dim, 1)
-        return True
 
     def _on_fresh(self, node, sharded=None) -> bool:
         """``x.new_empty(sizes)`` of a shard, as long as the shard along its dim (a buffer the model fills with
