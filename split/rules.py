@@ -158,7 +158,8 @@ IGNORE_INDEX = {aten.cross_entropy_loss.default: 4, aten.nll_loss.default: 4, at
 # context parallelism's ops along the sequence (runtime/context_parallel.py): tensor parallelism walks the graphs cp
 # rewrote, and a tp shard of another dim passes through them
 CP_COLLECTIVES = ("tracepp::cp_shard", "tracepp::cp_all_gather", "tracepp::cp_reduce_scatter",
-                  "tracepp::cp_all_reduce")
+                  "tracepp::cp_all_reduce", "tracepp::cp_halo", "tracepp::cp_unhalo", "tracepp::cp_cumsum",
+                  "tracepp::cp_logcumsumexp")  # (x, dim, ...): each works along its dim alone
 
 
 def is_pointwise(target) -> bool:

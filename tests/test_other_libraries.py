@@ -293,6 +293,16 @@ def test_causal_convolutions_cp2_train_equal_to_eager(kernel, tmp_path, monkeypa
     _train_against_eager(path, out, 2, tmp_path)
 
 
+@pytest.mark.parametrize("name", ["cp_causal_conv", "cp_prefix_scan"])
+def test_look_back_ops_tp2_cp2_with_sequence_parallelism_train_equal_to_eager(name, tmp_path):
+    # cp's halos and running sums inside tp's plan (a tp shard of the channels passes through them): 4 ranks
+    path = model_path(name)
+    out = str(tmp_path / "out")
+    split_model(path, out, schedule="looped-bfs", num_microbatches=2,
+                layout=Layout(pp=1, tp=2, cp=2, sequence_parallel=True))
+    _train_against_eager(path, out, 4, tmp_path)
+
+
 def test_a_maximum_over_the_sequence_is_the_maximum_of_every_cp_ranks(monkeypatch):
     # labml's AFT takes its keys' maximum over the sequence, key.max(dim=0)[0], before exp (Performer's amax alike):
     # refused before ("a max.dim over the sequence dim leaves each rank a partial max"); each rank's maximum is now
