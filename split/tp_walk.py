@@ -601,10 +601,21 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
         return self._attention(node)
 
     def _on_collective(self, node, sharded) -> bool:
-        """--cp's collectives along the sequence: a shard of another dim passes through."""
+        """--cp's collectives along the sequence: a shard of another dim passes through (moved where ``cp_amax``
+        drops the dims it reduces)."""
         first = node.args[0]
-        dim = node.args[1] % _val(first).dim() if len(node.args) > 1 else None
-        if first not in self.shard or len(sharded) != 1 or dim == self.shard[first]:
+        if first not in self.shard or len(sharded) != 1:
+            return False
+        ndim, held = _val(first).dim(), self.shard[first]
+        if node.target.name() == "tracepp::cp_amax":  # (x, dims, keepdim)
+            dims = [d % ndim for d in node.args[1]]
+            keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+            if held in dims:
+                return False
+            self._carry(node, first, held if keep else held - sum(1 for d in dims if d < held))
+            return True
+        dim = node.args[1] % ndim if len(node.args) > 1 else None
+        if dim == held:
             return False
         self._carry(node, first)
         return True

@@ -293,13 +293,13 @@ def test_causal_convolutions_cp2_train_equal_to_eager(kernel, tmp_path, monkeypa
     _train_against_eager(path, out, 2, tmp_path)
 
 
-@pytest.mark.parametrize("name", ["cp_causal_conv", "cp_prefix_scan"])
-def test_look_back_ops_tp2_cp2_with_sequence_parallelism_train_equal_to_eager(name, tmp_path):
-    # cp's halos and running sums inside tp's plan (a tp shard of the channels passes through them): 4 ranks
+@pytest.mark.parametrize("name,sp", [("cp_causal_conv", True), ("cp_prefix_scan", True), ("cp_aft_max", False)])
+def test_look_back_ops_tp2_cp2_with_sequence_parallelism_train_equal_to_eager(name, sp, tmp_path):
+    # cp's halos, running sums and maxima inside tp's plan (a tp shard of the channels passes through them): 4 ranks
     path = model_path(name)
     out = str(tmp_path / "out")
     split_model(path, out, schedule="looped-bfs", num_microbatches=2,
-                layout=Layout(pp=1, tp=2, cp=2, sequence_parallel=True))
+                layout=Layout(pp=1, tp=2, cp=2, sequence_parallel=sp))
     _train_against_eager(path, out, 4, tmp_path)
 
 

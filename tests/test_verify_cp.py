@@ -297,13 +297,14 @@ def test_a_running_sum_over_the_ranks_chunks_is_the_whole_sequences(cp):
         assert torch.allclose(local_ranks._cp_join([p.grad for p in pieces], 2, 1), whole_x.grad), op
 
 
-@pytest.mark.parametrize("name", ["cp_causal_conv", "cp_prefix_scan"])
-def test_tp_shards_through_the_look_back_ops_of_cp(name):
-    """Under --tp 2 --cp 2 --sequence-parallel the tp walk runs on the cp-rewritten stages: cp's halos, running sums
-    and their drops work along the sequence, and a tp shard of the channels passes through them (the channels of a
-    causal convolution, the features of a running sum). Before, tp made their inputs whole (0.74 and 0.82 of the
-    stage's parameters, 0.996 at tp 2 alone); both plans are verified over every (tp, cp) rank pair."""
-    manifest = _check(model_path(name), pp=1, cp=2, tp=2, sequence_parallel=True)
+@pytest.mark.parametrize("name,sp", [("cp_causal_conv", True), ("cp_prefix_scan", True), ("cp_aft_max", False)])
+def test_tp_shards_through_the_look_back_ops_of_cp(name, sp):
+    """Under --tp 2 --cp 2 the tp walk runs on the cp-rewritten stages: cp's halos, running sums and their drops work
+    along the sequence, and the maximum over it (cp_amax) over its dims; a tp shard of the channels passes through
+    them (the channels of a causal convolution, the features of a running sum or of AFT's keys). Before, tp made
+    their inputs whole (0.74, 0.82 and 0.83 of the stage's parameters, 0.99 at tp 2 alone); each plan is verified
+    over every (tp, cp) rank pair."""
+    manifest = _check(model_path(name), pp=1, cp=2, tp=2, sequence_parallel=sp)
     assert manifest["cp"]["verified"]["status"] == "verified", manifest["cp"]["verified"]
     assert manifest["tp"]["verified"]["status"] == "verified", manifest["tp"]["verified"]
     assert manifest["tp"]["stages"][0]["share"]["params"] >= 0.99, manifest["tp"]["stages"][0]
