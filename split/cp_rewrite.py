@@ -594,16 +594,16 @@ def _causal_mask(g: fx.Graph, node, walk: _Walk, cp: int) -> None:
     """``is_causal`` of the local queries against the whole keys: query position >= key position, with this
     rank's query positions (``cp_positions``) and every key position (``arange``)."""
     q, k = node.args[0], node.args[1]
-    length = _sizes(_val(k))[-2]
-    size = int(length) if length.is_Integer else _symbol_node(g, walk.seq, node)
     device = _val(q).device
-    with g.inserting_before(node):
-        rows = g.call_function(CP.cp_positions.default, (size,), {"device": device})
+    with g.inserting_before(node):  # the keys' length read from the (gathered) keys as the rank runs: a sequence
+        size = g.call_function(aten.sym_size.int, (k, _val(k).dim() - 2))  # that changes per step (a dynamic dim)
+        rows = g.call_function(CP.cp_positions.default, (size,), {"device": device})  # had a mask of the example's
         keys = g.call_function(aten.arange.default, (size,), {"device": device})
         column = g.call_function(aten.unsqueeze.default, (rows, -1))
         mask = g.call_function(aten.ge.Tensor, (column, keys))
-    for new in (rows, keys, column, mask):
+    for new in (size, rows, keys, column, mask):
         new.meta.update({k2: v for k2, v in node.meta.items() if k2 in ("stack_trace", "nn_module_stack")})
+    size.meta["val"] = _val(k).shape[-2]
     fake = _val(q)
     local, whole = _val(q).shape[-2] // cp, _val(k).shape[-2]  # q's annotation is made local after this
     rows.meta["val"] = fake.new_empty([local], dtype=torch.int64)
@@ -620,16 +620,6 @@ def _causal_mask(g: fx.Graph, node, walk: _Walk, cp: int) -> None:
     else:
         kwargs["attn_mask"] = mask
     node.args, node.kwargs = tuple(args), kwargs
-
-
-def _symbol_node(g: fx.Graph, seq, before) -> fx.Node:
-    """The graph node holding the sequence length (a placeholder size or a sym_size), for a symbolic one."""
-    for node in g.nodes:
-        val = node.meta.get("val")
-        if isinstance(val, torch.SymInt) and _equal(val.node.expr, seq) and node.op in ("placeholder",
-                                                                                         "call_function"):
-            return node
-    raise ContextParallelError(f"no value of the graph holds the sequence length {seq}")
 
 
 def _loss_sum(g: fx.Graph, node, how: str) -> None:

@@ -282,11 +282,13 @@ def test_row_ops_and_a_normalized_table_cp2_train_equal_to_eager(name, tmp_path)
     _train_against_eager(path, out, 2, tmp_path)
 
 
-@pytest.mark.parametrize("kernel", ["3", "6"])
-def test_causal_convolutions_cp2_train_equal_to_eager(kernel, tmp_path, monkeypatch):
+@pytest.mark.parametrize("kernel,seq", [("3", "static"), ("6", "static"), ("3", "dynamic")])
+def test_causal_convolutions_cp2_train_equal_to_eager(kernel, seq, tmp_path, monkeypatch):
     # LFM2's short convolution and Primer EZ's q/k/v convolutions, each chunk given the positions before it by the
-    # rank that holds them (cp_halo; a reach of 5 past a chunk of 4 reads two ranks' positions): refused before
+    # rank that holds them (cp_halo; a reach of 5 past a chunk of 4 reads two ranks' positions; a sequence of 16, 8,
+    # then 12 tokens: chunks of 4, 2, 3): refused before
     monkeypatch.setenv("CONV_KERNEL", kernel)
+    monkeypatch.setenv("CONV_SEQ", seq)
     path = model_path("cp_causal_conv")
     out = str(tmp_path / "out")
     split_model(path, out, schedule="looped-bfs", num_microbatches=2, layout=Layout(pp=1, cp=2))

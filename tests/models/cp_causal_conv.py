@@ -14,7 +14,8 @@ Each output position reads its own and the ``kernel - 1`` (or 1) positions befor
 the positions just before each of them, which the rank before holds (``cp_halo``): refused before ("a convolution
 along the sequence dim"). ``CONV_KERNEL`` sets the kernel (3 by default; 6 reaches past a whole chunk at 16 tokens
 and ``--cp 2``: each chunk is 4 positions); ``CONV_CENTERED=1`` centres the short convolution (each position reads
-the positions after it too: refused by name). Lit-gpt's decoder around them (``lib_style.Decoder``); hidden 64, 16
+the positions after it too: refused by name); ``CONV_SEQ=dynamic`` changes the sequence length per step (16, 8, 12: a
+dynamic dim). Lit-gpt's decoder around them (``lib_style.Decoder``); hidden 64, 16
 tokens, a batch of 4.
 """
 import functools
@@ -23,7 +24,8 @@ import os
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from lib_style import D, HEAD_DIM, HEADS, Decoder, RMSNorm, SwiGLU, apply_rope, loss_fn, sgd, token_batch  # noqa: F401
+from lib_style import (BATCH, D, HEAD_DIM, HEADS, VOCAB, Decoder, RMSNorm, SwiGLU, apply_rope, loss_fn,  # noqa: F401
+                       sgd, token_batch)
 
 KERNEL = int(os.environ.get("CONV_KERNEL", "3"))
 CENTERED = os.environ.get("CONV_CENTERED") == "1"  # the short convolution centred (padding k // 2, no cut): not causal
@@ -121,7 +123,21 @@ def model():
     return Decoder(2, functools.partial(RMSNorm, D), Mixer, ShiftedSwiGLU)
 
 
-batch = token_batch
+SEQS = (16, 8, 12)  # CONV_SEQ=dynamic: the sequence length changes per step (a dynamic dim)
+DYNAMIC = os.environ.get("CONV_SEQ") == "dynamic"
+
+if DYNAMIC:
+    from torch.export import Dim
+
+    dynamic_shapes = {"idx": {1: Dim("seq", min=4, max=16)}}  # (export guards 17 away)
+
+
+def batch(step):
+    if not DYNAMIC:
+        return token_batch(step)
+    g = torch.Generator().manual_seed(300 + step)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQS[step % len(SEQS)] + 1), generator=g)
+    return (tokens[:, :-1],), {}, tokens[:, 1:]
 
 
 def example_inputs():
