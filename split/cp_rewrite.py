@@ -11,7 +11,7 @@ import torch.fx as fx
 
 from tracepp.split import rules
 from tracepp.split.cp_causal import SCANS as _SCANS
-from tracepp.split.cp_walk import ContextParallelError, _Walk, _int, _sizes
+from tracepp.split.cp_walk import _Walk, _int, _sizes
 from tracepp.split.rules import equal as _equal, val as _val, where
 from tracepp.split.tp_rewrite import _fake_like, _floor_text, _local_val
 
