@@ -113,8 +113,18 @@ class LookBack:
         return super()._on_along(node, sharded)
 
     def _on_trailing(self, node, sharded) -> bool:
-        if node.target in rules.PADS and sharded == [node.args[0]] and self._causal_pad(node):
-            return True
+        if node.target in rules.PADS and sharded == [node.args[0]]:
+            if self._causal_pad(node):
+                return True
+            x = node.args[0]
+            if rules.pads_dim(node, self.shard[x][0]):
+                at = 2 * (_val(x).dim() - 1 - self.shard[x][0])
+                before, after = node.args[1][at:at + 2]
+                return self._refuse(node, f"pads the sequence dim by ({before}, {after}) positions (before, after): "
+                                          f"the positions would move between the cp ranks' chunks (a chunked scan "
+                                          f"pads the sequence to a multiple of its chunk: Mamba-2's SSD, gated "
+                                          f"delta nets); only a look-back, F.pad(x, (0, 0, s, -s)) or F.pad(x, "
+                                          f"(reach, 0)) before a causal conv1d, is spread; split without --cp")
         return super()._on_trailing(node, sharded)
 
     def _causal_pad(self, node) -> bool:

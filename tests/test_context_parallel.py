@@ -97,6 +97,7 @@ def test_the_plan_reads_the_graph():
     ("cumprod", r"\(cumprod\) at cp_refusals.py:\d+: a cumulative product along the sequence dim"),
     ("conv", r"\(conv1d\) at cp_refusals.py:\d+: a convolution along the sequence dim that is not causal as written"),
     ("gather", r"\(index.Tensor\) at cp_refusals.py:\d+: a gather of positions of the sequence"),
+    ("chunkpad", r"\(pad\) at cp_refusals.py:\d+: pads the sequence dim by \(0, 3\) positions"),
     ("custom", r"\(running_mean\) at cp_refusals.py:\d+: tracepp_test::running_mean is a custom op "
                r"\(torch.library\) that reads sequence shards"),
     ("mask", r"the attention mask mask is an input of the model \(\[4, 1, 8, 8\]\).*pass a \[batch, seq\] padding "

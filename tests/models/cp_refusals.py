@@ -7,6 +7,7 @@
 * ``conv``: a centred 1-D convolution along the sequence (each position reads its neighbours on both sides; a causal
   one is spread: ``cp_causal_conv.py``);
 * ``gather``: the hidden states read at positions given by an index (a gather of positions);
+* ``chunkpad``: the sequence padded at its end to a multiple of a chunk, as a chunked scan pads it;
 * ``mask``: attention with a ``[batch, 1, seq, seq]`` additive mask passed in by the caller (an input of the
   model, which the split cannot cut: the model should build it inside ``forward`` or use ``is_causal``);
 * ``custom``: a running mean along the sequence written as a custom op (``torch.library``, as torchtitan writes its
@@ -59,6 +60,8 @@ class Model(nn.Module):
             x = running_mean(x)
         elif MODE == "gather":
             x = x[:, torch.arange(x.shape[1] - 1, -1, -1, device=x.device)]
+        elif MODE == "chunkpad":  # a chunked scan's padding to a multiple of its chunk (Mamba-2's pad_tensor_by_size)
+            x = F.pad(x, (0, 0, 0, 3)).cumsum(1)[:, :SEQ]
         q, k, v = self.qkv(x).unsqueeze(1).chunk(3, dim=-1)
         if MODE == "mask":
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
