@@ -29,19 +29,12 @@ class LookBack:
         reads its own position and the ``reach`` before it. Its input is given each chunk's positions before it
         (``cp_halo``), the convolution runs unpadded, and the outputs between the two chunks are dropped
         (``cp_unhalo``)."""
-        x, weight = node.args[0], node.args[1]
+        x = node.args[0]
         dim, groups = self.shard[x]
-        if node.target is not aten.conv1d.default or groups != 1 or dim != _val(x).dim() - 1:
+        reaches = rules.conv1d_reach(node)
+        if reaches is None or groups != 1 or dim != _val(x).dim() - 1:
             return False
-
-        def one(value):
-            return value[0] if isinstance(value, (list, tuple)) and len(value) == 1 else value
-
-        stride, padding, dilation = (one(rules.arg(node, i, name, default)) for i, name, default in
-                                     ((3, "stride", 1), (4, "padding", 0), (5, "dilation", 1)))
-        if stride != 1 or not isinstance(padding, int) or not isinstance(dilation, int):
-            return False
-        reach = dilation * (int(_val(weight).shape[-1]) - 1)
+        padding, reach = reaches
         if reach <= 0 or padding != reach:
             return False
         length, ndim = self._global(x, dim), _val(x).dim()
@@ -84,15 +77,9 @@ class LookBack:
         if len(placed) != 2:
             return False
         rows, columns = sorted(placed)
-        whole = []
-        for arg in self._operands(node):
-            val = _val(arg)
-            if arg in self.shard or not isinstance(val, torch.Tensor):
-                continue
-            at = rules.aligned_dim(n, rows, val)
-            if at is not None and not _equal(val.shape[at], out.shape[rows]):
-                return False
-            whole.append((arg, at))
+        whole = self._lined_up(node, rows)
+        if whole is None:
+            return False
         for arg in placed[columns]:
             self.gathers.append((node, arg))
         entry = self._entry(placed[rows][0], rows)
@@ -116,10 +103,8 @@ class LookBack:
         if node.target in rules.PADS and sharded == [node.args[0]]:
             if self._causal_pad(node):
                 return True
-            x = node.args[0]
-            if rules.pads_dim(node, self.shard[x][0]):
-                at = 2 * (_val(x).dim() - 1 - self.shard[x][0])
-                before, after = node.args[1][at:at + 2]
+            if rules.pads_dim(node, self.shard[node.args[0]][0]):
+                before, after = rules.pad_pair(node, self.shard[node.args[0]][0])
                 return self._refuse(node, f"pads the sequence dim by ({before}, {after}) positions (before, after): "
                                           f"the positions would move between the cp ranks' chunks (a chunked scan "
                                           f"pads the sequence to a multiple of its chunk: Mamba-2's SSD, gated "
@@ -135,7 +120,7 @@ class LookBack:
         x = node.args[0]
         dim, groups = self.shard[x]
         ndim, pad = _val(x).dim(), list(node.args[1])
-        at = 2 * (ndim - 1 - dim)
+        at = rules.pad_index(ndim, dim)
         if groups != 1 or len(pad) < at + 2:
             return False
         if node.target is aten.constant_pad_nd.default:
@@ -155,14 +140,8 @@ class LookBack:
             return False
 
         def convolution(user) -> bool:
-            if user.target is not aten.conv1d.default or user.args[0] is not node or any(
-                    isinstance(a, fx.Node) and a in self.shard for a in user.args[1:3]):
-                return False
-            stride, padding, dilation = (rules.arg(user, i, name, default) for i, name, default in
-                                         ((3, "stride", 1), (4, "padding", 0), (5, "dilation", 1)))
-            one = [v[0] if isinstance(v, (list, tuple)) and len(v) == 1 else v for v in (stride, padding, dilation)]
-            return (one[0] == 1 and one[1] == 0 and isinstance(one[2], int)
-                    and one[2] * (int(_val(user.args[1]).shape[-1]) - 1) == before)
+            return (user.args[0] is node and rules.conv1d_reach(user) == (0, before)
+                    and not any(isinstance(a, fx.Node) and a in self.shard for a in user.args[1:3]))
 
         if not all(convolution(user) for user in users):
             return False

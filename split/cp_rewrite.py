@@ -51,9 +51,7 @@ def _exchange(g: fx.Graph, cp: int) -> dict:
             shape = list(_val(x).shape)
             kept = min(reach, shape[dim] // 2) if isinstance(shape[dim], int) else reach
             shape[dim] = 2 * cp * kept
-            count = 1
-            for size in shape:
-                count = count * size
+            count = rules.prod(shape)
             halos.append({"value": x.name, "reach": reach, "shape": [str(s) for s in shape],
                           "bytes": int(count) * _val(x).element_size() if isinstance(count, int) else 0,
                           "line": where(node)})
@@ -538,7 +536,7 @@ def _halo(g: fx.Graph, node, kind: str, dim: int, reach: int, walk: _Walk) -> No
     if kind == "shift":
         halo = _insert(g, node, CP.cp_halo.default, [x, dim, reach], halo_val, node)
         pad = list(node.args[1])
-        at = 2 * (local.dim() - 1 - dim)
+        at = rules.pad_index(local.dim(), dim)
         pad[at], pad[at + 1] = 0, -reach
         out = list(_val(node).shape)  # this rank's (the walk placed it)
         out[dim] = out[dim] + reach

@@ -200,19 +200,26 @@ class Propagation:
                 sources.append(arg)
         if entry is None:
             return False
-        whole = []
+        whole = self._lined_up(node, entry[0])
+        if whole is None or not self._beside(node, entry, whole):
+            return False
+        self._place_entry(node, entry, sources)
+        return True
+
+    def _lined_up(self, node, dim: int):
+        """``[(operand, its dim lined up with the output's dim)]`` for each whole tensor operand of an elementwise
+        op (``rules.aligned_dim``: None where it broadcasts along it), or None where one is there but not as wide as
+        the output."""
+        out_val, whole = rules.val(node), []
         for arg in self._operands(node):
             val = rules.val(arg)
             if arg in self.shard or not isinstance(val, torch.Tensor):
                 continue
-            at = rules.aligned_dim(n, entry[0], val)
-            if at is not None and not rules.equal(val.shape[at], out_val.shape[entry[0]]):
-                return False
+            at = rules.aligned_dim(out_val.dim(), dim, val)
+            if at is not None and not rules.equal(val.shape[at], out_val.shape[dim]):
+                return None
             whole.append((arg, at))
-        if not self._beside(node, entry, whole):
-            return False
-        self._place_entry(node, entry, sources)
-        return True
+        return whole
 
     def _move(self, node) -> bool:
         """transpose, permute, movedim, unsqueeze, squeeze, complex views: the shard follows its dim."""

@@ -449,12 +449,34 @@ def last_dims(node) -> int:
     raise KeyError(f"{node.target} reads no trailing dims")
 
 
+def pad_index(ndim: int, dim: int) -> int:
+    """Where ``dim``'s ``(before, after)`` stands in a pad list (which lists the last dims first)."""
+    return 2 * (ndim - 1 - dim)
+
+
+def pad_pair(node, dim: int) -> tuple:
+    """A pad's ``(before, after)`` for ``dim`` (``(0, 0)`` where the list stops before it)."""
+    pad, at = node.args[1], pad_index(val(node.args[0]).dim(), dim)
+    return tuple(pad[at:at + 2]) if at + 1 < len(pad) else (0, 0)
+
+
 def pads_dim(node, dim: int) -> bool:
     """A pad's ``(before, after)`` for ``dim`` is not ``(0, 0)``: ``F.pad(x, (0, 0, 1, -1))`` pads dim -2 alone, and
     a shard of the last dim goes through it as it is."""
-    pad, ndim = node.args[1], val(node.args[0]).dim()
-    at = 2 * (ndim - 1 - dim)
-    return at + 1 < len(pad) and any(not (isinstance(p, int) and p == 0) for p in pad[at:at + 2])
+    return any(not (isinstance(p, int) and p == 0) for p in pad_pair(node, dim))
+
+
+def conv1d_reach(node):
+    """``(padding, reach)`` of a ``conv1d`` of stride 1 whose padding and dilation are ints: each output reads
+    ``reach = dilation * (kernel - 1)`` positions past its first; None for any other convolution."""
+    if node.target is not aten.conv1d.default:
+        return None
+    stride, padding, dilation = (
+        value[0] if isinstance(value, (list, tuple)) and len(value) == 1 else value
+        for value in (arg(node, 3, "stride", 1), arg(node, 4, "padding", 0), arg(node, 5, "dilation", 1)))
+    if stride != 1 or not isinstance(padding, int) or not isinstance(dilation, int):
+        return None
+    return padding, dilation * (int(val(node.args[1]).shape[-1]) - 1)
 
 
 def aligned_dim(out_ndim: int, out_dim: int, value):

@@ -6,7 +6,8 @@ hybrids whose mixers convolve along the sequence::
 
     nice -n 5 python -m benchmarks.studies.cp_families --families lfm2,lfm2_moe,qwen3_next
 
-Each family runs in its own process (``HF_FAMILY``); a refusal is recorded with its message (it names the op and the
+Each family runs in its own process (``HF_FAMILY``, the families study's ``run_each``), which writes its record to the
+cache folder; a refusal is recorded with its message (it names the op and the
 model's source line). Results: ``benchmarks/results/<stamp>_cp_families.json``.
 """
 from __future__ import annotations
@@ -14,12 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CACHE = os.path.join(REPO, "out_cp_families")
 
 
 def run_one(family: str) -> dict:
@@ -50,33 +51,40 @@ def run_one(family: str) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.studies.cp_families")
-    parser.add_argument("--families", required=True, help="comma-separated model types (tests/zoo/hf_family.py)")
+    parser.add_argument("--families", default="", help="comma-separated model types (tests/zoo/hf_family.py)")
+    parser.add_argument("--cache", default=CACHE, help="each family's record, written by its own process")
     parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"))
     parser.add_argument("--timeout", type=float, default=1200.0, help="seconds per family")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
+    parser.set_defaults(redo="")  # families.run_each's: every family is run again
     args = parser.parse_args(argv)
+    os.makedirs(args.cache, exist_ok=True)
     if args.one:
-        print("RECORD " + json.dumps(run_one(args.one)))
-        return 0
-    records = []
-    for family in [f for f in args.families.split(",") if f]:
-        env = dict(os.environ, HF_FAMILY=family, OMP_NUM_THREADS="1")
-        try:
-            done = subprocess.run([sys.executable, "-m", "benchmarks.studies.cp_families", "--families", family,
-                                   "--one", family], cwd=REPO, env=env, capture_output=True, text=True,
-                                  timeout=args.timeout)
-            lines = [line for line in done.stdout.splitlines() if line.startswith("RECORD ")]
-            record = json.loads(lines[-1][7:]) if lines else {
-                "family": family, "error": "no record: " + (done.stderr or "")[-1500:]}
-        except subprocess.TimeoutExpired:
-            record = {"family": family, "error": f"timed out after {args.timeout} s"}
+        record = run_one(args.one)
+        with open(os.path.join(args.cache, args.one + ".json"), "w") as handle:
+            json.dump(record, handle)
         print(json.dumps(record), flush=True)
-        records.append(record)
+        return 0
     sys.path.insert(0, REPO)
+    from benchmarks import write_result
+    from benchmarks.studies.families import run_each
+
+    names = [f for f in args.families.split(",") if f]
+    if not names:
+        parser.error("--families: name one or more model types (tests/zoo/hf_family.py), e.g. --families lfm2")
+    for name in names:  # a record left by an earlier run is not this run's
+        if os.path.exists(os.path.join(args.cache, name + ".json")):
+            os.remove(os.path.join(args.cache, name + ".json"))
+    run_each(names, args, "benchmarks.studies.cp_families",
+             env_of=lambda family: dict(os.environ, HF_FAMILY=family, OMP_NUM_THREADS="1"))
+    records = []
+    for name in names:
+        path = os.path.join(args.cache, name + ".json")
+        records.append(json.load(open(path)) if os.path.exists(path) else {
+            "family": name, "error": f"no record: its process timed out after {args.timeout} s or died (its output "
+                                     f"above says which)"})
     import torch
     import transformers
-
-    from benchmarks import write_result
 
     write_result(args.out, "cp_families", {
         "what": "transformers' families at pp 2 x cp 2 against eager (benchmarks/studies/cp_families.py)",
