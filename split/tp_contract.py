@@ -28,6 +28,11 @@ def _in_dim(weight_val, out_dim: int) -> int:
     return 1 if weight_val.dim() == 3 else 1 - out_dim
 
 
+def _conv_groups_of(node) -> int:
+    """The groups of a 1 x 1 convolution read as a linear (1 for any other linear)."""
+    return rules.arg(node, 6, "groups", 1) if node.target is aten.conv1d.default else 1
+
+
 def linear_widths(form):
     """(input features, output features) of a linear in ``_linear_form``'s form ``(x, weight, bias, out dim)``, or
     None where a width is symbolic."""
@@ -91,15 +96,40 @@ class _ContractionRules:
         return None
 
     def _channel_linear(self, node) -> bool:
-        """A ``conv1d`` of a kernel of 1 (stride 1, no padding, one group, no bias) of ``[b, channels, t]`` by a
-        parameter's weight ``[out, in, 1]``: each position's channels times a matrix, a linear over dim 1 (litgpt's
-        LoRA on a fused qkv: ``F.conv1d(after_A, lora_B.unsqueeze(-1).split(qkv_shapes)[i])`` per part)."""
+        """A ``conv1d`` of a kernel of 1 (stride 1, no padding, no bias) of ``[b, channels, t]`` by a parameter's
+        weight ``[out, in / groups, 1]``: each position's channels times a matrix, a linear over dim 1 (litgpt's
+        LoRA on a fused qkv: ``F.conv1d(after_A, lora_B.unsqueeze(-1).split(qkv_shapes)[i])`` per part), block
+        diagonal where it has groups (mixture-of-attention's experts, ``Conv1d(dim * experts, inner * experts, 1,
+        groups=experts)``): each group's output channels read its input channels only (:meth:`_conv_groups`)."""
         weight = node.args[1]
         if (not isinstance(weight, fx.Node) or _val(node.args[0]).dim() != 3 or rules.arg(node, 2, "bias") is not None
-                or rules.arg(node, 6, "groups", 1) != 1 or not rules.pointwise_convolution(node)):
+                or not isinstance(rules.arg(node, 6, "groups", 1), int) or not rules.pointwise_convolution(node)):
             return False
         self._read_through(weight)
         return self._param(weight) is not None and _val(weight).dim() == 3
+
+    @staticmethod
+    def _conv_groups(node, segments, channels):
+        """A grouped 1 x 1 convolution's channels (``channels`` of them, in ``groups`` equal blocks) held in
+        ``segments``, each rank its piece of each: the segments of one group (None: one), the same in every group, so
+        that a rank's channels are a grouped convolution's channels of the same groups; False where they are not
+        (a segment across two groups, groups cut differently, no segments)."""
+        groups = _conv_groups_of(node)
+        if groups == 1:
+            return None
+        if not segments or not _ints([channels, *segments]) or int(channels) % groups:
+            return False  # (a plain shard of grouped channels holds whole groups, not a piece of each)
+        width = int(channels) // groups
+        cuts, run, group = [], 0, []
+        for size in segments:
+            group.append(int(size))
+            run += int(size)
+            if run % width == 0:
+                cuts.append(tuple(group))
+                group = []
+        if group or len(set(cuts)) != 1:
+            return False
+        return cuts[0] if len(cuts[0]) > 1 else None
 
     def _einsum_linear(self, node):
         """An ``einsum`` of an activation and a parameter that is a linear (recurrentgemma's ``Einsum``: ``"...td,
@@ -120,6 +150,10 @@ class _ContractionRules:
             return None
         wval = _val(weight)
         shared = set(xs) & set(ws)
+        if wval.dim() == 2 and shared == {xs[-1]} and len(set(ws)) == 2:  # [in, out] or [out, in], the output's
+            feature = ws[1 - ws.index(xs[-1])]                              # feature anywhere (colt5's routing
+            if feature in out and set(xs[:-1]) <= set(out) and len(out) == len(xs):  # tokens, "b n d, r d -> b r n")
+                return x, weight, None, ws.index(feature)
         if (wval.dim() not in (2, 3) or shared != {xs[-1]} or ws[-2] != xs[-1] or xs[-1] in out or not out
                 or out[-1] != ws[-1] or any(label not in out for label in ws[:-2]) or len(set(xs + ws)) != len(
                     xs) + len(ws) - 1 or any(label not in out for label in xs[:-1])):
@@ -158,9 +192,18 @@ class _ContractionRules:
                 self._gather_all(node)
                 return
             if self.shard[x] == features and fqn not in self.forced:
+                held = segments
+                if _conv_groups_of(node) > 1:  # each group's input channels: the rank's piece of each
+                    held = self._conv_groups(node, segments, _val(x).shape[features])
+                    if held is False:
+                        self._refuse(node, f"a convolution of {_conv_groups_of(node)} groups over channels sharded "
+                                           f"{'in segments ' + str(list(segments)) if segments else 'whole groups'}"
+                                           f": a rank's channels are not its piece of every group")
+                        self._gather_all(node)
+                        return
                 self.roles[node] = "rowwise"
                 self.forms[node] = (x, weight, bias, out_dim)
-                self._claim(node, weight, _in_dim(wval, out_dim), segments)
+                self._claim(node, weight, _in_dim(wval, out_dim), held)
                 self._scatter_output(node)
                 if node.name in self.local_sources and node not in self.reduce_scatters and bias is None:
                     self._scatter_features(node, x, self.local_sources[node.name])
@@ -181,6 +224,15 @@ class _ContractionRules:
             return
         out_features = wval.shape[out_dim]
         segments = self.fused.get(fqn)
+        groups = _conv_groups_of(node)
+        if groups > 1 and _ints([out_features]) and int(out_features) % groups == 0:  # each group's output channels
+            segments = segments or (int(out_features) // groups,) * groups            # a segment at least
+            if self._conv_groups(node, segments, out_features) is False or any(int(s) % self.tp for s in segments):
+                self.reasons.append(f"{fqn}: a convolution of {groups} groups whose output channels {list(segments)} "
+                                    f"--tp {self.tp} cannot cut into a piece of each group")
+                if entering:
+                    self._gather(node, x)
+                return
         if fqn in self.mixed_parts and segments and fqn not in self.forced and not entering:
             return self._mixed_linear(node, x, weight, bias, out_dim, fqn, segments)
         mixed = fqn not in self.forced and self._mixed_on_the_way(weight, out_dim)  # gives its own reason

@@ -447,6 +447,9 @@ class _CutRules:
                     for p in whole):
                 return False
             self._read_whole(node, [(p, dim) for p in whole], groups)
+        if at == dim and len(parts) == 1:  # a cat of one part (einops' pack([t], ...)): the part as it is
+            self._place(node, dim, self.segs.get(parts[0]), origin, self._kind_of(parts))
+            return True
         if at == dim:  # pieces of each part side by side: the parts are the segments
             segments = []
             for part in parts:

@@ -77,6 +77,8 @@ def _carries(node, partial: set, walk) -> bool:
             or target in rules.MOVES or target in rules.EXPANDS or target in _SUMS:
         return tensors == [node.args[0]] and (target not in rules.DROPOUTS or _identity(node))
     if target in _ADDS:
+        if mine == tensors == [node.args[0]] and len(node.args) > 1 and not isinstance(node.args[1], fx.Node):
+            return node.args[1] == 0  # + 0: Python's sum() of the experts' outputs starts from it
         return len(tensors) == 2 and len(mine) == 2 and node.kwargs.get("alpha", 1) == 1
     if target in _SCALES:  # partial times a whole value: where that carries a gradient (a router's weight of each
         #                    expert's rows), its gradient is a part on each rank, summed by a tp_copy (:func:`defer`)

@@ -285,7 +285,9 @@ def _rewrite(g: fx.Graph, walk: _Walk, tp: int, params: dict) -> None:
             x, weight, bias, _out_dim = walk.forms[node]
             if node.target is aten.addmm.default:  # the bias is added once, after the sum
                 node.target = aten.mm.default
-            if node.target is not aten.einsum.default:  # (an einsum's operands are as they were)
+            if node.target is aten.conv1d.default:  # a 1 x 1 convolution (no bias): its groups kept
+                node.args = (x, weight, *node.args[2:])
+            elif node.target is not aten.einsum.default:  # (an einsum's operands are as they were)
                 node.args = (weight, x) if node.args[0] is weight else (x, weight)
             if node in walk.deferred:  # its partial sums carried on, all-reduced at walk.late_sums (tp_partial)
                 if bias is not None:  # 1/tp of the bias on every rank: the partial sums add up to it once

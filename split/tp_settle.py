@@ -392,6 +392,35 @@ def _spreading(walks: list) -> dict:
             for fqn, found in readers.items() if len(found) > 1 and fqn is not None}
 
 
+def _unclosed(walks: list) -> dict:
+    """{FQN: why} of the column-wise linears whose sharded output no row-wise linear reads and an op inside the stage
+    gathers (a router's scores over 2 experts sharded by expert, read by top-k: colt5-attention's routing tokens):
+    a region Megatron's plan never opens. Followed from the linear through the values it shards, to the first
+    row-wise linear or gather (a head whose output leaves the stage is not one)."""
+    found: dict = {}
+    for walk in walks:
+        gathered = {}
+        for user, value in walk.gathers:
+            gathered.setdefault(value, []).append(user)
+        for node, role in walk.roles.items():
+            fqn = walk._param(walk.forms[node][1]) if role == "colwise" and node in walk.forms else None
+            if fqn is None or fqn in found or node in walk.gathered_out:  # (a low-rank down-projection's narrow
+                continue                                                    # output: gathered by design, by cost)
+            todo, seen, closed, inside = [node], {node}, False, False
+            while todo and not closed:
+                value = todo.pop()
+                inside |= any(user.op != "output" for user in gathered.get(value, ()))
+                for user in value.users:
+                    if walk.roles.get(user) == "rowwise":
+                        closed = True
+                    elif (user in walk.shard or user in walk.items) and user not in seen:  # (top-k's items too)
+                        seen.add(user)
+                        todo.append(user)
+            if inside and not closed:
+                found[fqn] = "its sharded output is gathered inside the stage, read by no row-wise linear"
+    return found
+
+
 def data_free(walks: list) -> dict:
     """{FQN: why} of the column-wise linears whose input no input of the stage reaches: computed from parameters and
     positions alone (x-transformers' dynamic position bias, an MLP over the relative distances -7..7 whose output
@@ -441,13 +470,15 @@ def data_free_whole_where_cheaper(found: tuple, settle_with, whole: dict) -> tup
 
 def _spread_whole_where_cheaper(graphs: list, tp: int, learned: tuple, sequence, begins: dict, start: tuple,
                                 kept: dict, best: tuple) -> tuple:
-    """The settled plan ``best``, or a cheaper one with column-wise linears :func:`_spreading` finds computed whole
-    on every rank (their readers then column-wise on a whole input, as Megatron's plan has each region begin).
+    """The settled plan ``best``, or a cheaper one with column-wise linears :func:`_spreading` or :func:`_unclosed`
+    finds computed whole on every rank (their readers then column-wise on a whole input, as Megatron's plan has each
+    region begin).
     Every one at once first, then kind by kind (the module with layer numbers starred, ``_KIND_TRIALS`` at most); a
     trial is kept where the plan costs less (``split.plan_cost``: the FLOPs made replicated are priced), meets no
     more ops that need a sharded value whole and is within the budget of parameters held whole
     (:func:`within_budget`)."""
-    spreading = {fqn: why for fqn, why in _spreading(best[0]).items() if fqn not in start[0]}
+    spreading = {fqn: why for fqn, why in {**_unclosed(best[0]), **_spreading(best[0])}.items()
+                 if fqn not in start[0]}
     if not spreading:
         return best
     price = plan_cost.cost(best[0])

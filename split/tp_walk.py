@@ -535,7 +535,24 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
         return self._fill(node)
 
     def _on_join(self, node, sharded) -> bool:
+        if node.target in rules.STACKS:
+            return self._stack(node)
         return node.target in rules.CATS and self._cat(node)
+
+    def _stack(self, node) -> bool:
+        """Parts sharded alike stacked along a new dim: each rank stacks its pieces (native-sparse-attention's three
+        branches' outputs, each of this rank's heads, before their weighted sum)."""
+        parts = list(node.args[0])
+        if not parts or any(p not in self.shard for p in parts):
+            return False
+        placed = {(self.shard[p], self.segs.get(p) or (_sizes(_val(p))[self.shard[p]],), self.kind.get(p))
+                  for p in parts}  # (one segment as wide as the dim is no segments)
+        if len(placed) != 1:
+            return False
+        dim, segments, kind = next(iter(placed))
+        self._place(node, rules.joined_dim(node, dim), segments if len(segments) > 1 else None,
+                    self._origin_of(parts), kind)
+        return True
 
     def _on_dtype_of(self, node, sharded) -> bool:
         if node.args[0] in self.shard:

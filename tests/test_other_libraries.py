@@ -225,6 +225,76 @@ def test_gated_values_under_grouped_query_attention_tp2_train_equal_to_eager(tmp
     _train_against_eager(path, out, 2, tmp_path)
 
 
+def test_branches_stacked_over_the_heads_shard_as_megatron():
+    # native-sparse-attention-pytorch: the branches' outputs stacked and weighed per head. The stack had no tp rule and
+    # torch's refused parts of different segments (local-attention's pack, a cat of one part, gave one segment as
+    # wide as the dim): the stack was whole, to_qkv replicated (0.82 of each stage sharded, no Megatron comparison)
+    path = model_path("tp_branch_stack")
+    manifest = check_model(path, num_microbatches=4, layout=Layout(pp=2, tp=2))
+    params = manifest["tp"]["params"]
+    assert params["transformer.h.0.attn.to_qkv.weight"]["role"] == "colwise"
+    assert params["transformer.h.0.attn.to_strategy_combine.weight"]["role"] == "colwise"
+    assert params["transformer.h.0.attn.combine_heads.weight"]["role"] == "rowwise"
+    assert all(stage["share"]["params"] >= 0.99 and not stage["replicated"] for stage in manifest["tp"]["stages"])
+    assert manifest["tp"]["verified"]["status"] == "verified", manifest["tp"]["verified"]
+    assert _layer_bytes(path) == {f"transformer.h.{i}": MEGATRON_LAYER_BYTES for i in range(2)}
+
+
+def test_branches_stacked_over_the_heads_tp2_train_equal_to_eager(tmp_path):
+    path = model_path("tp_branch_stack")
+    out = str(tmp_path / "out")
+    split_model(path, out, schedule="looped-bfs", num_microbatches=4, layout=Layout(pp=1, tp=2))
+    _train_against_eager(path, out, 2, tmp_path)
+
+
+def test_experts_as_grouped_one_by_one_convolutions_shard_each_experts_heads():
+    # mixture-of-attention's experts, Conv1d(..., 1, groups=experts): no rule placed a grouped convolution of a whole
+    # input (every expert projection whole: 0.49 of each layer), and the rewrite of a row-wise 1 x 1 convolution
+    # dropped its groups (verification caught it). Column-wise, each rank holds its piece of every expert's output
+    # channels (a segment per expert); row-wise, of every expert's input channels
+    path = model_path("tp_grouped_conv_experts")
+    manifest = check_model(path, num_microbatches=4, layout=Layout(pp=2, tp=2))
+    params = manifest["tp"]["params"]
+    for name in ("to_q", "to_k", "to_v"):
+        assert params[f"transformer.h.0.attn.{name}.weight"] == {"dim": 0, "role": "colwise", "segments": [64, 64]}
+    assert params["transformer.h.0.attn.to_out.weight"] == {"dim": 1, "role": "rowwise"}
+    assert manifest["tp"]["verified"]["status"] == "verified", manifest["tp"]["verified"]
+    assert _layer_bytes(path) == {f"transformer.h.{i}": MEGATRON_LAYER_BYTES for i in range(2)}
+
+
+def test_experts_as_grouped_one_by_one_convolutions_tp2_train_equal_to_eager(tmp_path):
+    path = model_path("tp_grouped_conv_experts")
+    out = str(tmp_path / "out")
+    split_model(path, out, schedule="looped-bfs", num_microbatches=4, layout=Layout(pp=1, tp=2))
+    _train_against_eager(path, out, 2, tmp_path)
+
+
+def test_routing_tokens_whose_routes_are_gathered_stay_whole():
+    # colt5-attention's routing tokens, einsum("b n d, r d -> b r n"): a linear (its weight [out, in], the output's
+    # features not last), started column-wise, its routes gathered again by scatter_add with no row-wise linear
+    # between: 1.19x Megatron's bytes. The plan with them whole costs less and is kept (tp_settle._unclosed)
+    path = model_path("tp_routed_tokens")
+    manifest = check_model(path, num_microbatches=4, layout=Layout(pp=2, tp=2))
+    entry = manifest["tp"]["params"]["transformer.h.0.mlp.routing_token"]
+    assert entry["dim"] is None and "read by no row-wise linear" in entry["why"], entry
+    assert manifest["tp"]["verified"]["status"] == "verified", manifest["tp"]["verified"]
+    assert _layer_bytes(path) == {f"transformer.h.{i}": MEGATRON_LAYER_BYTES for i in range(2)}
+
+
+def test_experts_mixed_by_a_softmax_router_sum_their_partial_sums_once():
+    # sum(w_i * expert_i(x)): Python's sum starts from 0, and "+ 0" stopped the experts' partial sums, so each expert
+    # all-reduced its own (1.25x Megatron's bytes); + 0 now carries them
+    assert _layer_bytes(model_path("tp_softmax_router")) == {f"transformer.h.{i}": MEGATRON_LAYER_BYTES
+                                                              for i in range(2)}
+
+
+def test_experts_mixed_by_a_softmax_router_tp2_train_equal_to_eager(tmp_path):
+    path = model_path("tp_softmax_router")
+    out = str(tmp_path / "out")
+    split_model(path, out, schedule="looped-bfs", num_microbatches=4, layout=Layout(pp=1, tp=2))
+    _train_against_eager(path, out, 2, tmp_path)
+
+
 def test_linears_written_as_einsum_shard_as_megatron():
     # recurrentgemma's Griffin: its MLP's gate and up projections are one einsum("...td,cdD->c...tD") of a [2, d, D]
     # parameter; no einsum of a whole value and a parameter started a column-wise projection, so the MLP stayed whole
