@@ -505,8 +505,9 @@ class _ContractionRules:
         embedding for a table every rank holds whole, and a key computed from it for no key of one head)."""
         if not (isinstance(index, fx.Node) and index not in self.shard and not _val(index).dtype.is_floating_point):
             return False
-        while (index.op == "call_function" and (index.target in rules.CASTS or index.target in rules.VIEWS)
-               and isinstance(index.args[0], fx.Node)):
+        while (index.op == "call_function" and (index.target in rules.CASTS or index.target in rules.VIEWS
+                                                or index.target is torch.ops.tracepp.cp_shard.default)
+               and isinstance(index.args[0], fx.Node)):  # (cp_shard: the ids of this cp rank's positions)
             index = index.args[0]
         return index.op != "placeholder"
 

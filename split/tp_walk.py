@@ -554,6 +554,12 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
                     self._origin_of(parts), kind)
         return True
 
+    def _on_size(self, node, sharded) -> bool:
+        """``x.size(d)`` of a value sharded on another dim: the same on every rank (the causal mask cp builds from its
+        gathered keys' length, ``sym_size`` of keys sharded on their heads)."""
+        x = node.args[0]
+        return x in self.shard and node.args[1] % _val(x).dim() != self.shard[x]
+
     def _on_dtype_of(self, node, sharded) -> bool:
         if node.args[0] in self.shard:
             self._carry(node, node.args[0])
