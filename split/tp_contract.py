@@ -178,6 +178,7 @@ class _ContractionRules:
         fqn = self._param(weight)
         wval = _val(weight)
         ndim = len(_val(x).shape)
+        groups = _conv_groups_of(node)  # (a grouped 1 x 1 convolution's: block diagonal)
         left = node.args[0] is weight or node.target is aten.conv1d.default  # W @ x, or a 1 x 1 convolution: the
         #                                                                      features on x's dim -2 and the output's
         features = ndim - 2 if left else ndim - 1
@@ -193,10 +194,10 @@ class _ContractionRules:
                 return
             if self.shard[x] == features and fqn not in self.forced:
                 held = segments
-                if _conv_groups_of(node) > 1:  # each group's input channels: the rank's piece of each
+                if groups > 1:  # each group's input channels: the rank's piece of each
                     held = self._conv_groups(node, segments, _val(x).shape[features])
                     if held is False:
-                        self._refuse(node, f"a convolution of {_conv_groups_of(node)} groups over channels sharded "
+                        self._refuse(node, f"a convolution of {groups} groups over channels sharded "
                                            f"{'in segments ' + str(list(segments)) if segments else 'whole groups'}"
                                            f": a rank's channels are not its piece of every group")
                         self._gather_all(node)
@@ -224,7 +225,6 @@ class _ContractionRules:
             return
         out_features = wval.shape[out_dim]
         segments = self.fused.get(fqn)
-        groups = _conv_groups_of(node)
         if groups > 1 and _ints([out_features]) and int(out_features) % groups == 0:  # each group's output channels
             segments = segments or (int(out_features) // groups,) * groups            # a segment at least
             if self._conv_groups(node, segments, out_features) is False or any(int(s) % self.tp for s in segments):

@@ -399,9 +399,7 @@ def _unclosed(walks: list) -> dict:
     row-wise linear or gather (a head whose output leaves the stage is not one)."""
     found: dict = {}
     for walk in walks:
-        gathered = {}
-        for user, value in walk.gathers:
-            gathered.setdefault(value, []).append(user)
+        gathered = {value for user, value in walk.gathers if user.op != "output"}
         for node, role in walk.roles.items():
             fqn = walk._param(walk.forms[node][1]) if role == "colwise" and node in walk.forms else None
             if fqn is None or fqn in found or node in walk.gathered_out:  # (a low-rank down-projection's narrow
@@ -409,7 +407,7 @@ def _unclosed(walks: list) -> dict:
             todo, seen, closed, inside = [node], {node}, False, False
             while todo and not closed:
                 value = todo.pop()
-                inside |= any(user.op != "output" for user in gathered.get(value, ()))
+                inside |= value in gathered
                 for user in value.users:
                     if walk.roles.get(user) == "rowwise":
                         closed = True

@@ -73,6 +73,13 @@ def _train_against_eager(path: str, out: str, nproc: int, tmp_path) -> None:
     assert_state_close(saved, eager_train(path, 3))
 
 
+def _tp2_trains_equal_to_eager(path: str, tmp_path) -> None:
+    """``path`` split at --tp 2 (no pipeline), trained 3 steps on 2 ranks against eager."""
+    out = str(tmp_path / "out")
+    split_model(path, out, schedule="looped-bfs", num_microbatches=4, layout=Layout(pp=1, tp=2))
+    _train_against_eager(path, out, 2, tmp_path)
+
+
 def test_normalize_rmsnorm_tp2_trains_equal_to_eager(tmp_path):
     out = str(tmp_path / "out")
     manifest = split_model(NORMALIZE_FFN, out, schedule="looped-bfs", num_microbatches=4, layout=Layout(pp=1, tp=2))
@@ -111,9 +118,7 @@ def test_gemma_mqa_fused_qkv_plans_at_tp2_and_trains_equal_to_eager(tmp_path):
     # one linear per run of parts joined by a cat, and the split of q, k, v after it read its source's placement
     # from that cat
     check_model(GEMMA, num_microbatches=4, layout=Layout(pp=2, tp=2))
-    out = str(tmp_path / "out")
-    split_model(GEMMA, out, schedule="looped-bfs", num_microbatches=4, layout=Layout(pp=1, tp=2))
-    _train_against_eager(GEMMA, out, 2, tmp_path)
+    _tp2_trains_equal_to_eager(GEMMA, tmp_path)
 
 
 def test_gemma_mqa_fused_qkv_geglu_shards_as_megatron():
@@ -205,24 +210,15 @@ def test_a_learned_sink_and_sparse_top_k_over_tiled_heads_shard_as_megatron():
 
 
 def test_a_learned_sink_and_sparse_top_k_tp2_train_equal_to_eager(tmp_path):
-    path = model_path("tp_sink_topk")
-    out = str(tmp_path / "out")
-    split_model(path, out, schedule="looped-bfs", num_microbatches=4, layout=Layout(pp=1, tp=2))
-    _train_against_eager(path, out, 2, tmp_path)
+    _tp2_trains_equal_to_eager(model_path("tp_sink_topk"), tmp_path)
 
 
 def test_multi_query_attention_broadcast_by_sdpa_tp2_trains_equal_to_eager(tmp_path):
-    path = model_path("tp_mqa_broadcast")
-    out = str(tmp_path / "out")
-    split_model(path, out, schedule="looped-bfs", num_microbatches=4, layout=Layout(pp=1, tp=2))
-    _train_against_eager(path, out, 2, tmp_path)
+    _tp2_trains_equal_to_eager(model_path("tp_mqa_broadcast"), tmp_path)
 
 
 def test_gated_values_under_grouped_query_attention_tp2_train_equal_to_eager(tmp_path):
-    path = model_path("tp_gated_values_gqa")
-    out = str(tmp_path / "out")
-    split_model(path, out, schedule="looped-bfs", num_microbatches=4, layout=Layout(pp=1, tp=2))
-    _train_against_eager(path, out, 2, tmp_path)
+    _tp2_trains_equal_to_eager(model_path("tp_gated_values_gqa"), tmp_path)
 
 
 def test_branches_stacked_over_the_heads_shard_as_megatron():
@@ -241,10 +237,7 @@ def test_branches_stacked_over_the_heads_shard_as_megatron():
 
 
 def test_branches_stacked_over_the_heads_tp2_train_equal_to_eager(tmp_path):
-    path = model_path("tp_branch_stack")
-    out = str(tmp_path / "out")
-    split_model(path, out, schedule="looped-bfs", num_microbatches=4, layout=Layout(pp=1, tp=2))
-    _train_against_eager(path, out, 2, tmp_path)
+    _tp2_trains_equal_to_eager(model_path("tp_branch_stack"), tmp_path)
 
 
 def test_experts_as_grouped_one_by_one_convolutions_shard_each_experts_heads():
@@ -263,10 +256,7 @@ def test_experts_as_grouped_one_by_one_convolutions_shard_each_experts_heads():
 
 
 def test_experts_as_grouped_one_by_one_convolutions_tp2_train_equal_to_eager(tmp_path):
-    path = model_path("tp_grouped_conv_experts")
-    out = str(tmp_path / "out")
-    split_model(path, out, schedule="looped-bfs", num_microbatches=4, layout=Layout(pp=1, tp=2))
-    _train_against_eager(path, out, 2, tmp_path)
+    _tp2_trains_equal_to_eager(model_path("tp_grouped_conv_experts"), tmp_path)
 
 
 def test_routing_tokens_whose_routes_are_gathered_stay_whole():
@@ -289,10 +279,7 @@ def test_experts_mixed_by_a_softmax_router_sum_their_partial_sums_once():
 
 
 def test_experts_mixed_by_a_softmax_router_tp2_train_equal_to_eager(tmp_path):
-    path = model_path("tp_softmax_router")
-    out = str(tmp_path / "out")
-    split_model(path, out, schedule="looped-bfs", num_microbatches=4, layout=Layout(pp=1, tp=2))
-    _train_against_eager(path, out, 2, tmp_path)
+    _tp2_trains_equal_to_eager(model_path("tp_softmax_router"), tmp_path)
 
 
 def test_linears_written_as_einsum_shard_as_megatron():
@@ -312,10 +299,7 @@ def test_linears_written_as_einsum_shard_as_megatron():
 
 
 def test_linears_written_as_einsum_tp2_train_equal_to_eager(tmp_path):
-    path = model_path("tp_einsum_linear")
-    out = str(tmp_path / "out")
-    split_model(path, out, schedule="looped-bfs", num_microbatches=4, layout=Layout(pp=1, tp=2))
-    _train_against_eager(path, out, 2, tmp_path)
+    _tp2_trains_equal_to_eager(model_path("tp_einsum_linear"), tmp_path)
 
 
 def test_fused_qkv_per_group_layout_moves_megatrons_bytes(monkeypatch):
@@ -327,9 +311,7 @@ def test_fused_qkv_per_group_layout_moves_megatrons_bytes(monkeypatch):
 
 
 def test_fused_qkv_llama_tp2_trains_equal_to_eager(tmp_path):
-    out = str(tmp_path / "out")
-    split_model(FUSED, out, schedule="looped-bfs", num_microbatches=4, layout=Layout(pp=1, tp=2))
-    _train_against_eager(FUSED, out, 2, tmp_path)
+    _tp2_trains_equal_to_eager(FUSED, tmp_path)
 
 
 @pytest.mark.parametrize("name", ["tp_tiled_kv_einsum", "tp_mla_rms_norm"])
@@ -337,10 +319,7 @@ def test_tiled_keys_and_a_gathered_norm_latent_tp2_train_equal_to_eager(name, tm
     # x-transformers' keys tiled to the query heads (the query projection in segments, rank r holding the query
     # heads that read its key/value heads) and torchtitan's MLA latent under F.rms_norm (wkv_a column-wise, its
     # latent all-gathered): both plans shard every projection (tests/test_tensor_parallel.py), and train as eager
-    path = model_path(name)
-    out = str(tmp_path / "out")
-    split_model(path, out, schedule="looped-bfs", num_microbatches=4, layout=Layout(pp=1, tp=2))
-    _train_against_eager(path, out, 2, tmp_path)
+    _tp2_trains_equal_to_eager(model_path(name), tmp_path)
 
 
 @pytest.mark.parametrize("name", ["cp_row_ops", "cp_normalized_table", "cp_prefix_attention", "pkm_embedding_bag",
@@ -611,9 +590,7 @@ def test_a_norm_over_shards_stays_gathered_where_written_out_costs_more(monkeypa
 
 
 def test_sub_layernorms_tp2_train_equal_to_eager(tmp_path):
-    out = str(tmp_path / "out")
-    split_model(SUBLN, out, schedule="looped-bfs", num_microbatches=4, layout=Layout(pp=1, tp=2))
-    _train_against_eager(SUBLN, out, 2, tmp_path)
+    _tp2_trains_equal_to_eager(SUBLN, tmp_path)
 
 
 def test_weights_rearranged_on_every_call_shard_as_their_parameters():
@@ -668,9 +645,7 @@ def test_headwise_projections_and_a_group_norm_per_head_shard_by_heads():
 
 
 def test_headwise_projections_and_a_group_norm_per_head_tp2_train_equal_to_eager(tmp_path):
-    out = str(tmp_path / "out")
-    split_model(HEADWISE, out, schedule="looped-bfs", num_microbatches=4, layout=Layout(pp=1, tp=2))
-    _train_against_eager(HEADWISE, out, 2, tmp_path)
+    _tp2_trains_equal_to_eager(HEADWISE, tmp_path)
 
 
 def test_weights_normalized_by_a_parametrization_shard_as_megatron(monkeypatch):
@@ -1010,7 +985,4 @@ def test_derived_weights_cells_adapters_bags_and_gates_tp2_train_equal_to_eager(
     # gates through torch.multiply, an output gate reduce-scattered, a position MLP computed whole, a fused key/value
     # projection cut at half its heads, a weight rearranged per route into an einsum, one head's scores taken by their
     # owner, heads merged into the batch before a linear, a fused q, k, v split by head counts and tiled
-    path = model_path(name)
-    out = str(tmp_path / "out")
-    split_model(path, out, schedule="looped-bfs", num_microbatches=4, layout=Layout(pp=1, tp=2))
-    _train_against_eager(path, out, 2, tmp_path)
+    _tp2_trains_equal_to_eager(model_path(name), tmp_path)
