@@ -34,9 +34,11 @@ token dim has one sequence per sample). Walking each stage graph in order:
   rank; the index of a maximum, a minimum and any other partial kind are refused by name;
 * inside a block of routed experts (``split.expert_parallel.find_blocks``), whose every token is computed on its
   own (dropless routing), sorting and gathering this rank's tokens is local: sizes that count tokens become local;
-* anything else that mixes positions (a cumulative sum or a convolution along the sequence, a gather of
-  positions, a concatenation along the sequence, an attention mask given as an input of the model) is refused by
-  name, with the op and the model's source line.
+* anything else that mixes positions (a cumulative product or a centred convolution along the sequence, a loop
+  over positions, a gather of positions, a concatenation along the sequence, an attention mask given as an input of
+  the model) runs on the whole sequence at every cp rank: its shards all-gathered, its outputs whole and cut back
+  where they meet a shard (``cp_walk._Walk._run_whole``), named in the split's notes; ``--verify strict`` refuses
+  it by name, with the op and the model's source line.
 
 A value that crosses a stage boundary as a shard is sent as it is (1/cp of the bytes; its manifest shape is the
 local one). The result, :class:`CPPlan`, is plain data for the manifest; :func:`apply` rewrites the graphs.
@@ -119,9 +121,13 @@ def _first_reader(stage) -> str:
     return f": {found}, not by an embedding (cut the sequence in batch(step), not inside the model)" if found else ""
 
 
-def plan(graph, cp: int, loss=None, training: bool = True) -> tuple:
+def plan(graph, cp: int, loss=None, training: bool = True, whole: bool = True,
+         forced: frozenset = frozenset()) -> tuple:
     """(CPPlan, the walk per stage, the loss's walk or None) for ``--cp cp``. ``loss``: the traced loss
-    (:class:`LossGraph`), walked with the last stage's output placements."""
+    (:class:`LossGraph`), walked with the last stage's output placements. ``whole``: an op no rule places runs on
+    the whole sequence at every cp rank (``cp_walk._Walk._run_whole``, named in the plan's notes); False refuses
+    it by name (``--verify strict``). ``forced``: (op, source line) pairs run on the whole sequence wherever they
+    are (what verification found placed wrong: ``verify_cp.check``)."""
     seq = sequence_length(graph)
     _check_sequence(seq, cp)
     aliases = graph.symbol_aliases or {}
@@ -145,7 +151,7 @@ def plan(graph, cp: int, loss=None, training: bool = True) -> tuple:
         def build(g, into, flags=flags, experts=experts, received=received, last=last, fqn_of=fqn_of):
             mapped = {into(n): f for n, f in flags.items() if into(n) is not None}
             return _Walk(g, seq, cp, mapped, received, {into(n) for n in experts} - {None}, training, last,
-                         fqn_of=fqn_of)
+                         fqn_of=fqn_of, whole=whole, forced=forced)
 
         walk = blocks.walk_once(stage.graph, fqn_of, begins, build,
                                 lambda w: (w.shard, w.items, w.sums, w.local_factories),
@@ -163,7 +169,8 @@ def plan(graph, cp: int, loss=None, training: bool = True) -> tuple:
         loss_seq = loss.sequence(result.outputs)
         received = {name: (tuple(result.outputs[i]) if i is not None and i < len(result.outputs)
                            and result.outputs[i] else None) for name, i in loss.inputs.items()}
-        loss_walk = _Walk(loss.graph, loss_seq, cp, {}, received, training=True, loss=True)
+        loss_walk = _Walk(loss.graph, loss_seq, cp, {}, received, training=True, loss=True, whole=whole,
+                          forced=forced)
         ends = loss_walk.outputs
         if any(p is not None for p in ends):
             loss_walk.refusals.append("the loss function returns values that still hold only this rank's positions "
@@ -187,8 +194,35 @@ def plan(graph, cp: int, loss=None, training: bool = True) -> tuple:
                                       for n, how in loss_walk.losses.items()]
                        + [{"op": rules.op_name(n), "reduction": "sum" if c is None else "mean", "line": where(n)}
                           for n, c in loss_walk.sums.items()],
-                       "cut": sorted({a.name for _c, a, _d, _g in loss_walk.cuts})}
+                       "cut": sorted({a.name for _c, a, _d, _g in loss_walk.cuts}),
+                       "whole": [{"op": rules.op_name(n), "node": n.name, "line": where(n), "why": why}
+                                 for n, why in loss_walk.whole_ops.items()]}
     return result, walks, loss_walk
+
+
+def whole_note(cp_plan: CPPlan) -> str:
+    """The plan's note on the ops it runs on the whole sequence at every cp rank (``cp_walk._Walk._run_whole``),
+    grouped by op and source line, with the bytes gathered for them; '' where there are none."""
+    found, gathered = {}, 0
+    for index, stage in enumerate(cp_plan.stages):
+        gathered += stage.get("whole_bytes", 0)
+        for item in stage.get("whole", []):
+            found.setdefault((item["op"], item["line"], f"stage {index}"), []).append(item)
+    for item in (cp_plan.loss or {}).get("whole", []):
+        found.setdefault((item["op"], item["line"], "the loss"), []).append(item)
+    if not found:
+        return ""
+    shown = []
+    for (op, line, where_), items in list(found.items())[:6]:
+        count = f" x {len(items)}" if len(items) > 1 else ""
+        shown.append(f"{op}{count}{' at ' + line if line else ''} ({where_}: {items[0]['why']})")
+    more = f"; and {len(found) - 6} more ops" if len(found) > 6 else ""
+    total = sum(len(items) for items in found.values())
+    return (f"--cp {cp_plan.size}: {total} op(s) no context-parallel rule places run on the whole sequence at every "
+            f"cp rank: " + "; ".join(shown) + more + f". Their sequence shards are all-gathered first "
+            f"({gathered:,} bytes per microbatch, whole) and what they make is cut back to each rank's positions "
+            f"where it meets a shard: exact, but that compute and its activations are not divided by cp "
+            f"(`tracepp inspect` lists them; --verify strict refuses instead)")
 
 
 def _check_sequence(seq, cp: int) -> None:
@@ -306,6 +340,7 @@ def segment_figures(graph: fx.Graph, compute: list, segments: list, root_inputs:
         inside = set(nodes)
         held = [n for n in nodes if n in walk.shard or n in walk.items]
         gathered = dict.fromkeys(_gather_source(arg, walk) for consumer, arg in walk.gathers if consumer in inside)
+        wholes = dict.fromkeys(arg for consumer, arg in walk.whole_gathers if consumer in inside)
         sums = [n for n in nodes if n in walk.sums]
         crossing = []
         if index and nodes:
@@ -319,6 +354,7 @@ def segment_figures(graph: fx.Graph, compute: list, segments: list, root_inputs:
             "sequence_activation_bytes": int(sum(tensor_bytes(_val(n)) for n in nodes if n in walk.shard
                                                  and floating_grad(n))),
             "kv_gather": [len(gathered), int(sum(tensor_bytes(_val(n)) for n in gathered))],
+            "whole_gather": [len(wholes), int(sum(tensor_bytes(_val(n)) for n in wholes))],
             "sums": [len(sums), int(sum(tensor_bytes(_val(n)) for n in sums if isinstance(_val(n), torch.Tensor)))],
             "cut_sequence_bytes": int(sum(tensor_bytes(_val(n)) for n in sent)),
             "cut_sequence_grad_bytes": int(sum(tensor_bytes(_val(n)) for n in sent if floating_grad(n))),

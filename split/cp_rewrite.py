@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
 aten = torch.ops.aten
 CP = torch.ops.tracepp
+WHOLE = "cp_whole"  # meta of an all-gather that feeds an op run on the whole sequence (not a key/value gather)
 
 
 def _bytes(val) -> int:
@@ -34,6 +35,8 @@ def _stage_record(walk: _Walk) -> dict:
         "causal": len(walk.causal),
         "scans": [{"op": rules.op_name(n), "line": where(n)} for n in walk.scans],
         "sharded_values": sum(1 for n in walk.shard if n.op != "placeholder"),
+        "whole": [{"op": rules.op_name(n), "node": n.name, "line": where(n), "why": why}
+                  for n, why in walk.whole_ops.items()],
     }
 
 
@@ -42,7 +45,7 @@ def _exchange(g: fx.Graph, cp: int) -> dict:
     the value they cut, after the cuts moved up to the positions) and its key/value all-gathers, each with its
     whole shape; ``kv_bytes``: the whole keys and values gathered per microbatch forward (each rank receives
     (cp - 1) / cp of them, and as many go back as dK/dV in backward's reduce-scatter)."""
-    cut, gathered, halos, positions = [], [], [], 0
+    cut, gathered, halos, whole, positions = [], [], [], [], 0
     for node in g.nodes:
         if node.op != "call_function":
             continue
@@ -59,6 +62,9 @@ def _exchange(g: fx.Graph, cp: int) -> dict:
             cut.append(node.args[0].name)
         elif node.target is CP.cp_positions.default:
             positions += 1
+        elif node.target is CP.cp_all_gather.default and node.meta.get(WHOLE):
+            whole.append({"value": node.args[0].name, "shape": [str(s) for s in _val(node).shape],
+                          "bytes": _bytes(_val(node)), "line": where(node)})
         elif node.target is CP.cp_all_gather.default:
             val = _val(node)
             repeats = node.args[3] if len(node.args) > 3 else 1  # heads repeated after the exchange
@@ -70,7 +76,8 @@ def _exchange(g: fx.Graph, cp: int) -> dict:
                              "repeats": repeats, "line": where(node)})
     return {"cut": cut, "positions": positions, "gathered": gathered, "halos": halos,
             "kv_bytes": sum(item["bytes"] for item in gathered),
-            "kv_received_bytes_per_rank": sum(item["bytes"] for item in gathered) * (cp - 1) // cp}
+            "kv_received_bytes_per_rank": sum(item["bytes"] for item in gathered) * (cp - 1) // cp,
+            "whole_gathered": whole, "whole_bytes": sum(item["bytes"] for item in whole)}
 
 
 def apply(graph, cp_plan: CPPlan, walks: list, loss=None, loss_walk=None) -> None:
@@ -131,8 +138,8 @@ def _rewrite(g: fx.Graph, walk: _Walk, cp: int) -> None:
                                [arg, dim] + ([groups] * (groups > 1)), _local_val(_val(arg), dim, cp), consumer)
         consumer.replace_input_with(arg, cut[key])
         if arg.op == "placeholder" and arg in walk.shard:  # a floating input read as a shard from here on
-            for user in list(arg.users):
-                if user is not cut[key] and user.op != "output":
+            for user in list(arg.users):  # (an op run on the whole sequence reads it whole)
+                if user is not cut[key] and user.op != "output" and user not in walk.whole_ops:
                     user.replace_input_with(arg, cut[key])
     gathered: dict = {}
     for consumer, arg in walk.gathers:
@@ -142,6 +149,15 @@ def _rewrite(g: fx.Graph, walk: _Walk, cp: int) -> None:
             gathered[arg] = _insert(g, _anchor(g, arg, consumers), CP.cp_all_gather.default,
                                     [arg, dim] + ([groups] * (groups > 1)), _val(arg), arg)
         consumer.replace_input_with(arg, gathered[arg])
+    wholes: dict = {}
+    for consumer, arg in walk.whole_gathers:  # an op no rule places reads the whole sequence (cp_walk._run_whole)
+        if arg not in wholes:
+            dim, groups = walk.shard[arg]
+            consumers = [c for c, a in walk.whole_gathers if a is arg]
+            wholes[arg] = _insert(g, _anchor(g, arg, consumers), CP.cp_all_gather.default,
+                                  [arg, dim] + ([groups] * (groups > 1)), _val(arg), consumers[0])
+            wholes[arg].meta[WHOLE] = True  # told apart from attention's key/value gathers (_exchange)
+        consumer.replace_input_with(arg, wholes[arg])
     for node in walk.causal:
         _causal_mask(g, node, walk, cp)
     for node, count in walk.sums.items():
@@ -465,6 +481,9 @@ class _Hoist:
             return self._new(x, target, args, dim=dim)
         if target is aten.index.Tensor:
             return self._index(x, dim, groups)
+        if target is CP.cp_all_gather.default and tuple(x.args[1:]) in ((dim,), (dim, groups)) and (
+                len(x.args) > 2 or groups == 1):  # this rank's positions of what it gathered: the input itself
+            return x.args[0]
         return None
 
     def _arange(self, x):

@@ -54,8 +54,10 @@ class _Walk(LookBack, Propagation):
 
     def __init__(self, graph: fx.Graph, seq, cp: int, needs_grad: dict, received: dict = None,
                  expert_nodes: set = frozenset(), training: bool = True, last: bool = False, loss: bool = False,
-                 fqn_of: dict = None):
+                 fqn_of: dict = None, whole: bool = True, forced: frozenset = frozenset()):
         self.graph, self.seq, self.cp, self.needs_grad = graph, sympy.sympify(seq), cp, needs_grad
+        self.whole = whole  # an op no rule places runs on the whole sequence (False: refused, --verify strict)
+        self.forced = forced  # (op, line) pairs verification found placed wrong: run on the whole sequence too
         self.received = received or {}
         self.expert_nodes = expert_nodes  # nodes of routed-expert blocks: token-local
         self.training, self.last, self.loss = training, last, loss
@@ -79,6 +81,8 @@ class _Walk(LookBack, Propagation):
         self.outputs: list = []  # per output: (dim, groups) or None
         self.refusals: list = []
         self.dead: list = []  # values no op reads, which cp could not place: erased (cp_rewrite)
+        self.whole_ops: dict = {}  # op no rule places -> why: run on the whole sequence at every cp rank
+        self.whole_gathers: list = []  # (such an op, a sharded input): all-gathered over cp in sequence order
         self._walk(graph)
 
     # -- helpers
@@ -160,13 +164,42 @@ class _Walk(LookBack, Propagation):
         sharded = [a for a in node.all_input_nodes if a in self.shard]
         if not sharded and node.target is operator.getitem and node.args[0] in self.items:
             sharded = [node.args[0]]  # an output of a multi-output op that holds shards
-        if not sharded:
+        mark = self._mark()
+        if self.forced and (rules.op_name(node), rules.where(node)) in self.forced:
+            self._refuse(node, "its rule placed it wrong: verification found its value differed from the unsharded "
+                               "graph's")
+        elif not sharded:
             self._seed(node)
-            return
-        if node in self.expert_nodes and self._token_local(node, sharded):
-            return
-        if not self._rule(node, sharded):
+        elif node in self.expert_nodes and self._token_local(node, sharded):
+            pass
+        elif not self._rule(node, sharded):
             self._refuse(node, self._why_not(node, sharded))
+        if self.whole and len(self.refusals) > mark["refusals"] and node not in self.expert_nodes:
+            self._run_whole(node, mark)  # (inside a block of routed experts the token indices are the rank's own:
+            # gathered, they would not index the whole sequence's tokens; such an op stays refused by name)
+
+    def _mark(self) -> dict:
+        """How long every record of the walk is (each grows by appending), so a rule's partial edits can be undone."""
+        return {name: len(value) for name, value in vars(self).items() if isinstance(value, (list, dict))}
+
+    def _run_whole(self, node, mark: dict) -> None:
+        """An op no rule places (its refusal just recorded) run on the whole sequence at every cp rank instead:
+        what its rule had recorded undone, each sharded input all-gathered over cp in sequence order (the gather's
+        backward reduce-scatters, so the ranks' gradients stay the whole's), its outputs whole. A whole value
+        meeting a shard later is cut to this rank's positions there (``_beside``), as a rotary table is. Exact,
+        at the cost of the gather and of computing the op (and what follows it until the cut) cp times."""
+        why = self.refusals[mark["refusals"]].split(": ", 1)[-1]
+        for name, length in mark.items():
+            value = getattr(self, name)
+            if isinstance(value, list):
+                del value[length:]
+            else:
+                for key in list(value)[length:]:
+                    del value[key]
+        self.whole_ops[node] = why
+        for arg in dict.fromkeys(node.all_input_nodes):
+            if arg in self.shard and not (arg.op == "placeholder" and arg.name not in self.received):
+                self.whole_gathers.append((node, arg))  # (a floating input cut at its first use is read whole)
 
     def _why_not(self, node, sharded) -> str:
         held = ", ".join(f"{a.name} (positions on dim {self.shard[a][0]})" for a in sharded)

@@ -37,9 +37,11 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
+from tracepp.split import rules
 from tracepp.split import verify as common
 from tracepp.split import local_ranks
 from tracepp.split.local_ranks import NotVerified, _cp_join, _cp_piece
+from tracepp.split.rules import where
 from tracepp.split.verify import Mismatch, _differs, _op, _where
 
 aten = torch.ops.aten
@@ -307,15 +309,56 @@ def verify(graph, saved: tuple, cp_plan, walks, loss, loss_walk, traced, target,
     return {"status": "verified", "why": "", "mismatch": None, "stages": done}
 
 
+def restore(graph, saved: tuple, loss=None) -> None:
+    """The stage graphs and the loss graph as :func:`snapshot` saw them (fresh copies)."""
+    common.restore(graph, saved[0])
+    if loss is not None and saved[1] is not None:
+        loss.graph = copy.deepcopy(saved[1])
+
+
+def _forced_key(saved: tuple, mismatch):
+    """(op, source line) of the op of the unsharded stage (or loss) graph the first differing value is: what a
+    repair runs on the whole sequence; None where it is a value the rewrite made (a cut, a position table), or an
+    op with no source line to find its copies by."""
+    graphs = list(saved[0][0]) + ([saved[1]] if saved[1] is not None else [])
+    index = mismatch.stage if isinstance(mismatch.stage, int) else len(graphs) - 1
+    if not mismatch.node or not 0 <= index < len(graphs):
+        return None
+    found = next((n for n in graphs[index].nodes if n.name == mismatch.node and n.op == "call_function"), None)
+    if found is None or not where(found):
+        return None
+    return rules.op_name(found), where(found)
+
+
 def check(graph, saved: tuple, cp_plan, walks, loss, loss_walk, traced, target, mode: str = "on",
-          training: bool = True, tp: int = 1) -> tuple:
-    """Verify the applied cp plan; a mismatch refuses the split (there is no repair: ``on`` and ``strict`` alike).
-    Returns (the record for the manifest, notes for the user)."""
+          training: bool = True, tp: int = 1, replan=None) -> tuple:
+    """Verify the applied cp plan. On a mismatch (``mode`` "on", ``replan`` given) the op the first differing value
+    is runs on the whole sequence at every cp rank, wherever it stands (its op and source line: every repeated
+    block's copy), ``replan(forced)`` plans and applies again from the snapshot (returning (plan, walks, loss
+    walk)), and the plan is verified again; ``strict``, or a value the rewrite made, refuses naming the op.
+    Returns (plan, walks, loss walk, the record for the manifest, notes for the user)."""
     started = time.perf_counter()
-    result = common.single_threaded(lambda: verify(graph, saved, cp_plan, walks, loss, loss_walk, traced, target,
-                                                   training))
-    record, notes = common.refused_or_recorded("cp", cp_plan.size, result, started, "the cp rule for that op is wrong")
+    forced, repairs, notes = set(), [], []
+    for _round in range(common.ROUNDS):
+        result = common.single_threaded(lambda: verify(graph, saved, cp_plan, walks, loss, loss_walk, traced, target,
+                                                       training))
+        if result["status"] != "mismatch" or mode == "strict" or replan is None:
+            break
+        mismatch = result["mismatch"]
+        key = _forced_key(saved, mismatch)
+        if key is None or key in forced:
+            break
+        forced.add(key)
+        cp_plan, walks, loss_walk = replan(frozenset(forced))
+        repairs.append({"op": key[0], "at": key[1], "value": mismatch.what})
+        notes.append(f"--cp {cp_plan.size}: verification found {mismatch.text()}; {key[0]} at {key[1]} now runs on "
+                     f"the whole sequence at every cp rank (its sequence shards all-gathered first)")
+    record, more = common.refused_or_recorded("cp", cp_plan.size, result, started, "the cp rule for that op is wrong")
+    if repairs:
+        record["repairs"] = repairs
+        if record["status"] == "verified":
+            record["status"] = "repaired"
     if tp > 1:
         record["scope"] = ("the cp rewrite against the unsharded stages (cp ranks; tp's rewrite of it is checked "
                            "per (tp, cp) rank pair: tp.verified)")
-    return record, notes
+    return cp_plan, walks, loss_walk, record, notes + more

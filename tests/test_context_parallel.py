@@ -4,6 +4,7 @@ the RNG state in a checkpoint, and the tuner's price. Training runs are in ``tes
 import math
 import os
 import random
+import re
 
 import pytest
 import torch
@@ -103,10 +104,28 @@ def test_the_plan_reads_the_graph():
     ("mask", r"the attention mask mask is an input of the model \(\[4, 1, 8, 8\]\).*pass a \[batch, seq\] padding "
              r"mask.*or use is_causal"),
 ])
-def test_what_mixes_positions_is_refused_by_name(monkeypatch, mode, message):
+def test_what_mixes_positions_is_refused_by_name_under_strict_verification(monkeypatch, mode, message):
     monkeypatch.setenv("CP_REFUSE", mode)
     with pytest.raises(ValueError, match=message):
-        check_model(model_path("cp_refusals"), num_microbatches=1, layout=Layout(pp=1, cp=2))
+        check_model(model_path("cp_refusals"), num_microbatches=1, layout=Layout(pp=1, cp=2), verify="strict")
+
+
+@pytest.mark.parametrize("mode,op", [("cumprod", "cumprod"), ("conv", "conv1d"), ("gather", "index.Tensor"),
+                                     ("chunkpad", "pad"), ("custom", "running_mean"),
+                                     ("mask", "scaled_dot_product_attention")])
+def test_what_no_rule_places_runs_on_the_whole_sequence_verified_and_named(monkeypatch, mode, op):
+    """By default an op no cp rule places runs on the whole sequence at every cp rank (its shards all-gathered
+    first, what it makes cut back where it meets a shard): the plan is verified against the unsharded stage, and
+    the split names the op, its line and the bytes gathered for it."""
+    monkeypatch.setenv("CP_REFUSE", mode)
+    manifest = check_model(model_path("cp_refusals"), num_microbatches=1, layout=Layout(pp=1, cp=2))
+    cp = manifest["cp"]
+    assert cp["verified"]["status"] == "verified"
+    (stage,) = cp["stages"]
+    assert [w["op"] for w in stage["whole"]] == [op] and re.match(r"cp_refusals\.py:\d+", stage["whole"][0]["line"])
+    assert stage["whole_bytes"] == (3 if mode == "mask" else 1) * 4 * 8 * 16 * 4  # [4, 8, 16] fp32 (mask: q, k, v)
+    (note,) = [n for n in manifest["notes"] if "whole sequence" in n]
+    assert f"{op} at cp_refusals.py:" in note and f"{stage['whole_bytes']:,} bytes per microbatch" in note
 
 
 def test_a_sequence_that_does_not_cut_into_2cp_chunks_is_refused_at_split():

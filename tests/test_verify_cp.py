@@ -8,6 +8,7 @@ as one contiguous chunk instead of chunks r and 2cp-1-r, a key all-gather left o
 model's line, under ``--verify on`` and ``strict`` alike; ``--verify off`` records nothing.
 """
 import os
+import re
 
 import pytest
 import torch
@@ -121,22 +122,35 @@ def test_verify_off_records_nothing(monkeypatch):
     assert "verified" not in manifest["cp"]
 
 
-def test_a_key_gather_left_out_is_refused_naming_attention(monkeypatch):
+def test_a_key_gather_left_out_is_caught_and_repaired_naming_attention(monkeypatch):
+    """An injected fault (the first key/value all-gather dropped from the rewrite): verification finds attention
+    failing on the ranks' values, runs that op (every layer's copy: its op and line) on the whole sequence and
+    verifies again; ``strict`` refuses naming it."""
     original = cp_rewrite._rewrite
 
     def rewrite(g, walk, cp):
         original(g, walk, cp)
         for node in g.nodes:
-            if node.target is torch.ops.tracepp.cp_all_gather.default:
+            if node.target is torch.ops.tracepp.cp_all_gather.default and not node.meta.get(cp_rewrite.WHOLE):
                 node.replace_all_uses_with(node.args[0])
                 g.erase_node(node)
                 break
 
     monkeypatch.setattr(cp_rewrite, "_rewrite", rewrite)
+    manifest = _check(LLAMA, cp=2)
+    record = manifest["cp"]["verified"]
+    assert record["status"] == "repaired", record
+    (repair,) = record["repairs"]
+    assert repair["op"] == "scaled_dot_product_attention" and re.fullmatch(r"tp_llama\.py:\d+", repair["at"])
+    whole = [w["op"] for stage in manifest["cp"]["stages"] for w in stage["whole"]]
+    assert whole == ["scaled_dot_product_attention"] * 4, whole  # 2 layers in each of 2 stages
+    assert manifest["cp"]["stages"][0]["kv_bytes"] == 0 and manifest["cp"]["stages"][0]["whole_bytes"] > 0
+    assert any("verification found stage 0: the value of scaled_dot_product_attention" in n
+               and "now runs on the whole sequence" in n for n in manifest["notes"])
     with pytest.raises(ValueError, match=r"stage 0: the value of scaled_dot_product_attention "
                                          r"\(aten.scaled_dot_product_attention.default at tp_llama.py:\d+\) fails on "
                                          r"the ranks' values"):
-        _check(LLAMA, cp=2)
+        _check(LLAMA, "strict", cp=2)
 
 
 def test_a_stage_too_big_to_run_is_not_verified(monkeypatch):
@@ -229,7 +243,8 @@ def test_a_causal_convolution_reads_the_positions_before_each_chunk(kernel, monk
     sequence dim", "a pad over the sharded dim"). Each chunk is now given the positions before it by the rank that
     holds them (``cp_halo``): a
     reach of 2 inside a chunk of 4, and of 5, past a whole chunk, both verified at split; a centred convolution,
-    which reads the positions after each one too, is refused by name."""
+    which reads the positions after each one too, runs on the whole sequence (named), or is refused by name under
+    ``--verify strict``."""
     monkeypatch.setenv("CONV_KERNEL", kernel)
     path = model_path("cp_causal_conv")
     manifest = _check(path, cp=2)
@@ -241,9 +256,12 @@ def test_a_causal_convolution_reads_the_positions_before_each_chunk(kernel, monk
     kept = min(reach, 4)  # each chunk's last positions, every chunk's: [b, channels, 4 chunks x kept]
     assert manifest["cp"]["stages"][0]["halos"][0]["bytes"] == 2 * 64 * 4 * kept * 4
     monkeypatch.setenv("CONV_CENTERED", "1")
+    manifest = _check(path, cp=2)
+    assert manifest["cp"]["verified"]["status"] == "verified", manifest["cp"]["verified"]
+    assert "conv1d" in {w["op"] for stage in manifest["cp"]["stages"] for w in stage["whole"]}
     with pytest.raises(ValueError, match=r"conv1d \(conv1d\) at cp_causal_conv\.py:\d+: a convolution along the "
                                          r"sequence dim that is not causal"):
-        _check(path, cp=2)
+        _check(path, "strict", cp=2)
 
 
 @pytest.mark.parametrize("cp", [2, 3])

@@ -44,18 +44,31 @@ def _plan(model_path: str, layout: Layout, num_stages: Optional[int], schedule: 
     if layout.cp > 1:                                                                 # 2a. context parallel
         with phases.step("cp plan"):
             loss = trace_loss(model_file, graph) if model_file.training else None
-            cp_plan, walks, loss_walk = context_parallel.plan(graph, layout.cp, loss, model_file.training)
+            saved = None
             if verify != "off":
                 with phases.step("verify snapshot"):  # the stage graphs and the loss before the rewrite
                     saved = cp_verify.snapshot(graph, loss)
-            context_parallel.apply(graph, cp_plan, walks, loss, loss_walk)
-            graph.context_parallel, graph.loss = cp_plan.to_json(), loss
+
+            def replan(forced=frozenset()):  # (an op verification found placed wrong runs on the whole sequence)
+                if forced:
+                    cp_verify.restore(graph, saved, loss)
+                planned = context_parallel.plan(graph, layout.cp, loss, model_file.training,
+                                                whole=verify != "strict", forced=forced)
+                context_parallel.apply(graph, *planned[:2], loss, planned[2])
+                return planned
+
+            cp_plan, walks, loss_walk = replan()
         if verify != "off":                                                           # 2a'. the plan verified
             with phases.step("cp verify"):
                 target = _microbatch_target(model_file, traced, layout) if model_file.training else None
-                record, notes = cp_verify.check(graph, saved, cp_plan, walks, loss, loss_walk, traced, target,
-                                                verify, model_file.training, layout.tp)
+                cp_plan, walks, loss_walk, record, notes = cp_verify.check(
+                    graph, saved, cp_plan, walks, loss, loss_walk, traced, target, verify, model_file.training,
+                    layout.tp, replan)
                 traced.notes.extend(notes)
+        graph.context_parallel, graph.loss = cp_plan.to_json(), loss
+        if context_parallel.whole_note(cp_plan):
+            traced.notes.append(context_parallel.whole_note(cp_plan))
+        if verify != "off":
             graph.context_parallel["verified"] = record
     if layout.tp > 1:                                                                 # 2b. tensor parallel
         saved = None

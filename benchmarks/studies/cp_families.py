@@ -42,6 +42,11 @@ def run_one(family: str) -> dict:
             record["verified"] = manifest["cp"]["verified"]["status"]
             record["halos"] = sum(len(s.get("halos") or []) for s in manifest["cp"]["stages"])
             record["scans"] = sum(len(s.get("scans") or []) for s in manifest["cp"]["stages"])
+            whole = [w for s in manifest["cp"]["stages"] for w in s.get("whole") or []]  # ops no cp rule places
+            record["whole"] = len(whole)  # (run on the whole sequence at every cp rank)
+            record["whole_ops"] = sorted({f"{w['op']} at {w['line']}" for w in whole})
+            record["whole_bytes"] = sum(s.get("whole_bytes", 0) for s in manifest["cp"]["stages"])
+            record["repairs"] = manifest["cp"]["verified"].get("repairs", [])
             families._run_and_compare(out, 4, record)
     except Exception as error:  # a refusal names the op and the line; anything else is recorded as it came
         record["error"] = f"{type(error).__name__}: {str(error)[:1500]}"

@@ -9,7 +9,8 @@ At ``cp`` ranks per stage (each holding 1/cp of every sample's sequence):
 * **collectives per microbatch**: forward the all-gather of each attention's keys and values (``kv_gather``, the
   whole bytes, moved up past head repeats), backward the reduce-scatter of dK and dV, each cp - 1 ring steps of a
   1/cp piece (:func:`tracepp.costs.search.collective_s`, the calibrated all-gather and all-reduce steps); the
-  partial sums over the sequence are a few bytes and priced as all-reduces;
+  inputs of ops no cp rule places (``whole_gather``: all-gathered so they run on the whole sequence, their FLOPs
+  outside the sharded share) alike; the partial sums over the sequence are a few bytes and priced as all-reduces;
 * **boundaries**: the values that cross a cut as sequence shards send 1/cp of their bytes;
 * **memory**: the activations held on shards divided by cp; parameters are whole on every cp rank, their FSDP
   shards spread over dp x cp (:meth:`tracepp.runtime.mesh.Layout.data_parallel`), which also shares out the
@@ -121,9 +122,13 @@ def cp_costs(manifest: dict, split: tuple, costs: dict, microbatch_size: float, 
         count, size = fig.get("kv_gather", [0, 0])
         kv = size * scale * wire / tp
         sums = fig.get("sums", [0, 0])
+        wholes, whole_size = fig.get("whole_gather", [0, 0])  # the inputs of ops run on the whole sequence
+        whole = whole_size * scale * wire
         forward[stage] = forward.get(stage, 0.0) + collective_s("all_gather", count, kv, cp, link) \
+            + collective_s("all_gather", wholes, whole, cp, link) \
             + collective_s("all_reduce", sums[0], sums[1] * scale, cp, link)
         backward[stage] = backward.get(stage, 0.0) + collective_s("reduce_scatter", count, kv, cp, link) \
+            + collective_s("reduce_scatter", wholes, whole, cp, link) \
             + collective_s("all_reduce", sums[0], sums[1] * scale, cp, link)
     out = {}
     for (stage, kind), seconds in costs.items():

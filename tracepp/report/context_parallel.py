@@ -42,6 +42,18 @@ def context_parallel_table(manifest: dict) -> str:
             lines.append(f"stage {index}: {len(halos)} causal convolution(s) along the sequence, each chunk given the "
                          f"{'/'.join(map(str, reaches))} position(s) before it by the rank that holds them (cp_halo: "
                          f"{_megabytes(sum(item['bytes'] for item in halos))} all-gathered per microbatch, whole)")
+        whole = stage.get("whole") or []
+        if whole:
+            ops = {}
+            for item in whole:
+                key = f"{item['op']}{' at ' + item['line'] if item.get('line') else ''}"
+                ops[key] = ops.get(key, 0) + 1
+            listed = ", ".join(f"{key}{f' x {n}' if n > 1 else ''}" for key, n in list(ops.items())[:6])
+            more = f" and {len(ops) - 6} more" if len(ops) > 6 else ""
+            lines.append(f"stage {index}: {len(whole)} op(s) on the whole sequence at every cp rank, as no cp rule "
+                         f"places them ({listed}{more}): their shards all-gathered first "
+                         f"({_megabytes(stage.get('whole_bytes', 0))} per microbatch, whole), their compute not "
+                         f"divided by cp; why: {whole[0]['why']}")
         scans = stage.get("scans") or []
         if scans:
             lines.append(f"stage {index}: {len(scans)} running sum(s) along the sequence "
@@ -59,4 +71,7 @@ def context_parallel_table(manifest: dict) -> str:
         reduced = ", ".join(f"{r['op']} ({r['reduction']}{', ' + r['line'] if r.get('line') else ''})"
                             for r in loss["reductions"])
         lines.append(f"loss: {reduced}: a sum and a count, each all-reduced over cp (exact with uneven padding)")
+    if loss.get("whole"):
+        lines.append("loss: " + ", ".join(f"{w['op']}{' at ' + w['line'] if w.get('line') else ''}"
+                                          for w in loss["whole"]) + " on the whole sequence at every cp rank")
     return "\n".join(lines)
