@@ -6,6 +6,7 @@ their reasons. The rewrite is ``cp_rewrite``."""
 from __future__ import annotations
 
 import operator
+import re
 
 import sympy
 import torch
@@ -188,7 +189,7 @@ class _Walk(LookBack, Propagation):
         backward reduce-scatters, so the ranks' gradients stay the whole's), its outputs whole. A whole value
         meeting a shard later is cut to this rank's positions there (``_beside``), as a rotary table is. Exact,
         at the cost of the gather and of computing the op (and what follows it until the cut) cp times."""
-        why = self.refusals[mark["refusals"]].split(": ", 1)[-1]
+        why = re.split(r"; |\. (?=[A-Z])", self.refusals[mark["refusals"]].split(": ", 1)[-1])[0]  # (not the advice)
         for name, length in mark.items():
             value = getattr(self, name)
             if isinstance(value, list):

@@ -268,3 +268,22 @@ def test_a_loss_whose_output_object_rebuilds_with_constants_is_traced(tmp_path):
     path.write_text(CACHE_OUTPUT)
     manifest = check_model(str(path), num_microbatches=2, layout=Layout(pp=1, cp=2))
     assert manifest["cp"]["verified"]["status"] == "verified", manifest["cp"]["verified"]
+
+
+def test_a_scan_written_as_a_loop_over_positions_runs_on_the_whole_sequence():
+    """Mamba's slow path (``tests/models/cp_loop_scan.py``: the state passed from each position to the next in a
+    Python loop, unrolled by the trace into a ``select`` per position) was refused under ``--cp``. Each ``select``
+    now runs on the whole sequence at every cp rank: the three values it reads all-gathered once each per layer, the
+    stacked outputs cut back to the rank's positions where they meet the rank's ``u * D``; the attention layers stay
+    on each rank's positions with their key/value gathers. Verified against the unsharded stages."""
+    manifest = check_model(model_path("cp_loop_scan"), num_microbatches=2, layout=Layout(pp=2, cp=2))
+    cp = manifest["cp"]
+    assert cp["verified"]["status"] == "verified", cp["verified"]
+    for stage in cp["stages"]:
+        lines = sorted({w["line"] for w in stage["whole"]})
+        assert len(stage["whole"]) == 3 * 8 and all(w["op"] == "select.int" for w in stage["whole"]), stage["whole"]
+        assert [line.split(":")[0] for line in lines] == ["cp_loop_scan.py"] * 2
+        # per microbatch of 2: discrete_A and deltaB_u [2, 8, 16, 4] and C [2, 8, 4], fp32, gathered whole
+        assert stage["whole_bytes"] == (2 * 2 * 8 * 16 * 4 + 2 * 8 * 4) * 4
+        assert stage["kv_bytes"] > 0  # the attention layer's keys and values: still this rank's positions
+    assert cp["sent"]  # the residual stream crosses the pipeline cut as a shard

@@ -143,3 +143,16 @@ def test_attention_spelled_as_einsum_trains_at_cp2(tmp_path):
     saved = torch.load(final)
     assert_trained(saved, path)
     assert_state_close(saved, eager_train(path, 3, lr=0.1))
+
+
+def test_a_loop_scan_on_the_whole_sequence_trains_equal_to_eager_at_cp2(tmp_path):
+    """``tests/models/cp_loop_scan.py`` (attention, then Mamba's selective scan as a loop over positions) at pp 2 x
+    cp 2: the scan runs on the whole sequence at every cp rank (its inputs all-gathered, its outputs cut back), the
+    attention on each rank's positions; 3 steps equal to eager (refused before)."""
+    path, out, saved = model_path("cp_loop_scan"), str(tmp_path / "out"), str(tmp_path / "trained.pt")
+    manifest = split_model(path, out, num_microbatches=2, layout=Layout(pp=2, cp=2))
+    assert all(stage["whole"] for stage in manifest["cp"]["stages"])
+    _run(out, 4, "--steps", "3", "--save", saved)
+    state = torch.load(saved)
+    assert_trained(state, path)
+    assert_state_close(state, eager_train(path, 3))

@@ -23,8 +23,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 CACHE = os.path.join(REPO, "out_cp_families")
 
 
-def run_one(family: str) -> dict:
-    """(in the family's own process) split at pp 2 x cp 2, train 3 steps, compare with eager."""
+def run_one(family: str, train: bool = True) -> dict:
+    """(in the family's own process) split at pp 2 x cp 2 (the plan verified against the unsharded stages), train 3
+    steps and compare with eager (``train``; else the split alone: ``--check``)."""
     for folder in (os.path.join(REPO, "tests"), os.path.join(REPO, "tests", "zoo")):
         sys.path.insert(0, folder)
     sys.path.insert(0, REPO)
@@ -47,7 +48,8 @@ def run_one(family: str) -> dict:
             record["whole_ops"] = sorted({f"{w['op']} at {w['line']}" for w in whole})
             record["whole_bytes"] = sum(s.get("whole_bytes", 0) for s in manifest["cp"]["stages"])
             record["repairs"] = manifest["cp"]["verified"].get("repairs", [])
-            families._run_and_compare(out, 4, record)
+            if train:
+                families._run_and_compare(out, 4, record)
     except Exception as error:  # a refusal names the op and the line; anything else is recorded as it came
         record["error"] = f"{type(error).__name__}: {str(error)[:1500]}"
     record["seconds"] = round(time.time() - started, 1)
@@ -61,11 +63,14 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"))
     parser.add_argument("--timeout", type=float, default=1200.0, help="seconds per family")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--check", action="store_true",
+                        help="split and verify only (no training run): every family in minutes, not hours")
+    parser.add_argument("--all", action="store_true", help="every family of the first table (tests/zoo/hf_family.py)")
     parser.set_defaults(redo="")  # families.run_each's: every family is run again
     args = parser.parse_args(argv)
     os.makedirs(args.cache, exist_ok=True)
     if args.one:
-        record = run_one(args.one)
+        record = run_one(args.one, train=not args.check)
         with open(os.path.join(args.cache, args.one + ".json"), "w") as handle:
             json.dump(record, handle)
         print(json.dumps(record), flush=True)
@@ -75,13 +80,16 @@ def main(argv=None) -> int:
     from benchmarks.studies.families import run_each
 
     names = [f for f in args.families.split(",") if f]
+    if args.all:
+        from benchmarks.studies.families import families as every_family
+        names = every_family()
     if not names:
         parser.error("--families: name one or more model types (tests/zoo/hf_family.py), e.g. --families lfm2")
     for name in names:  # a record left by an earlier run is not this run's
         if os.path.exists(os.path.join(args.cache, name + ".json")):
             os.remove(os.path.join(args.cache, name + ".json"))
-    run_each(names, args, "benchmarks.studies.cp_families",
-             env_of=lambda family: dict(os.environ, HF_FAMILY=family, OMP_NUM_THREADS="1"))
+    run_each(names, args, "benchmarks.studies.cp_families", ["--check"] if args.check else [],
+             lambda family: dict(os.environ, HF_FAMILY=family, OMP_NUM_THREADS="1"))
     records = []
     for name in names:
         path = os.path.join(args.cache, name + ".json")
@@ -92,7 +100,9 @@ def main(argv=None) -> int:
     import transformers
 
     write_result(args.out, "cp_families", {
-        "what": "transformers' families at pp 2 x cp 2 against eager (benchmarks/studies/cp_families.py)",
+        "what": "transformers' families at pp 2 x cp 2 " + ("split and verified against the unsharded stages"
+                                                            if args.check else "against eager")
+                + " (benchmarks/studies/cp_families.py)",
         "date": time.strftime("%Y-%m-%d %H:%M:%S"), "torch": torch.__version__,
         "transformers": transformers.__version__, "families": records})
     return 0
