@@ -144,7 +144,9 @@ def _joined(x: torch.Tensor, dim: int, groups: int = 1, counted: str = "all_gath
     ordered += [views[2 * cp - 1 - c].narrow(dim + 1, 1, 1) for c in range(cp, 2 * cp)]
     shape = list(x.shape)
     shape[dim] = shape[dim] * cp
-    return torch.cat(ordered, dim=dim + 1).reshape(shape)
+    out = x.new_empty(shape)  # (joined into it, not a view of a temporary: a model may write into a slice of it)
+    torch.cat(ordered, dim=dim + 1, out=_grouped(out, dim, groups, 2 * cp))
+    return out
 
 
 def _repeated(x: torch.Tensor, repeats: int, head_dim: int) -> torch.Tensor:

@@ -23,7 +23,9 @@ backward. The interpreter, the inputs and the comparison are ``split/verify.py``
   source line: the values the rewrite kept (a shard joined, a whole value on every rank, a sum or loss after its
   all-reduce), and the values it made for this rank's positions (``cp_positions``, a rotary table built for them:
   the rank's chunks of the whole one). A rewritten program that does not run on the ranks' values is named at its
-  op. There is no repair: the split is refused (``--verify on`` and ``strict`` alike; ``off`` skips the check).
+  op. Under ``--verify on`` an op of the model found so is repaired: it runs on the whole sequence at every cp
+  rank, every copy of it (its op and source line), planned and verified again (:func:`check`); a value the rewrite
+  made, or any mismatch under ``strict``, refuses the split; ``off`` skips the check.
 
 Repeated stages and stages over ``verify.LIMIT`` elements are handled as the tp verification handles them.
 ``manifest["cp"]["verified"]`` records what was done.

@@ -209,7 +209,11 @@ def step_cp(record: dict, name: str) -> None:
 
     with tempfile.TemporaryDirectory() as folder:
         out = os.path.join(folder, "out")
-        split_model(path_of(name), out, num_microbatches=2, layout=Layout(pp=2, cp=2))
+        manifest = split_model(path_of(name), out, num_microbatches=2, layout=Layout(pp=2, cp=2))
+        whole = [w for stage in manifest["cp"]["stages"] for w in stage.get("whole") or []]
+        record["whole"] = len(whole)  # ops no cp rule places: run on the whole sequence at every cp rank
+        record["whole_ops"] = sorted({f"{w['op']} at {w['line']}" for w in whole})[:12]
+        record["repairs"] = manifest["cp"]["verified"].get("repairs", [])
         families._run_and_compare(out, 4, record, path_of(name))
 
 
@@ -382,6 +386,11 @@ def _rows(records: list) -> list:
                              + facts["mixes"].split(". A pipelined")[0])
         if not notes and facts["whole"] and facts["min_share"] is not None and facts["min_share"] < 0.95:
             notes.append("tp keeps whole: " + facts["whole"][0].replace("|", "\\|"))
+        cp = steps.get("cp") or {}
+        if cp.get("whole") and "error" not in cp:
+            notes.append(f"cp runs {cp['whole']} op(s) on the whole sequence at every cp rank, as no cp rule places "
+                         f"them: " + ", ".join(cp.get("whole_ops", [])[:3]).replace("|", "\\|")
+                         + (" ..." if len(cp.get("whole_ops", [])) > 3 else ""))
         library = f"{build.get('library', '')} {build.get('version', '')}".strip()
         lines.append("| " + " | ".join([
             facts["model"], library, str(facts["kv_heads"] if facts["kv_heads"] is not None else ""),

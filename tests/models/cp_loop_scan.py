@@ -1,9 +1,12 @@
 """A tiny hybrid LM whose mixer is a selective state-space scan written as a Python loop over positions, as
 transformers' Mamba writes its slow path (``modeling_mamba.py`` ``slow_forward``: ``for i in range(seq_len):
 ssm_state = discrete_A[:, :, i] * ssm_state + deltaB_u[:, :, i]``, then ``torch.stack`` of the outputs), after a
-causal attention layer. The trace unrolls the loop into one ``select`` of each position per step: no context-parallel
-rule spreads it (the state passes from each position to the next), so under ``--cp`` the scan runs on the whole
-sequence at every cp rank and the attention on each rank's positions.
+causal attention layer, and a short convolution written as recurrentgemma's Griffin writes it (``layers.py``
+``Conv1D``: a loop over shifts, each window a slice of the sequence masked in place, ``x_window *= mask``). The trace
+unrolls the scan into one ``select`` of each position per step: no context-parallel rule spreads it (the state passes
+from each position to the next), so under ``--cp`` the scan runs on the whole sequence at every cp rank, as do the
+shifted windows (slices of the sequence: written into in place, they are slices of the gathered value), and the
+attention on each rank's positions.
 """
 import torch
 import torch.nn as nn
@@ -53,11 +56,32 @@ class Mixer(nn.Module):
         return x + self.out_proj(y * F.silu(z))
 
 
+class ShiftConv(nn.Module):
+    """Griffin's temporal convolution of width 2 in training: each window the positions ``shift`` back, masked in
+    place (its document mask: all ones here) and padded back to the sequence."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(D, D)
+        self.w = nn.Parameter(torch.randn(2, D) / 2)
+        self.register_buffer("mask", torch.ones(2, 1, 1, 1))
+
+    def forward(self, x):
+        s = x.shape[1]
+        h = self.proj(x)
+        out = 0.0
+        for shift in range(2):
+            window = h[:, : s - shift]
+            window *= self.mask[shift]
+            out = out + F.pad(window, (0, 0, shift, 0)) * self.w[shift]
+        return x + out
+
+
 class Model(nn.Module):
     def __init__(self):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, D)
-        self.layers = nn.ModuleList([Attention(), Mixer(), Attention(), Mixer()])
+        self.layers = nn.ModuleList([Attention(), Mixer(), ShiftConv(), Attention(), Mixer()])
         self.head = nn.Linear(D, VOCAB)
 
     def forward(self, idx):
