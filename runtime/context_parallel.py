@@ -314,10 +314,10 @@ def _unhalo(y: torch.Tensor, dim: int, left: int) -> torch.Tensor:
 
 def scan_chunks(x: torch.Tensor, dim: int, kind: str) -> tuple:
     """(each of this rank's two chunks scanned on its own along ``dim``, their totals side by side along ``dim``):
-    ``kind`` "cumsum" or "logcumsumexp"."""
+    ``kind`` "cumsum", "cumprod" or "logcumsumexp"."""
     xm = x.movedim(dim, -1)
     chunk = xm.shape[-1] // 2
-    scan = torch.cumsum if kind == "cumsum" else torch.logcumsumexp
+    scan = {"cumsum": torch.cumsum, "cumprod": torch.cumprod, "logcumsumexp": torch.logcumsumexp}[kind]
     parts = [scan(xm[..., :chunk], -1), scan(xm[..., chunk:], -1)]
     return parts, torch.cat([part[..., -1:] for part in parts], dim=-1).movedim(-1, dim)
 
@@ -331,6 +331,8 @@ def scan_assemble(parts: list, joined: torch.Tensor, dim: int, kind: str, cp: in
         before = totals[..., :which]                       # a sum of none, a log-sum-exp of none, -inf), so that
         if kind == "cumsum":                               # every rank's backward runs its collectives in one order
             out.append(part + before.sum(-1, keepdim=True))
+        elif kind == "cumprod":                            # (a product of none: 1)
+            out.append(part * before.prod(-1, keepdim=True))
         else:
             out.append(torch.logaddexp(part, before.logsumexp(-1, keepdim=True)))
     return torch.cat(out, dim=-1).movedim(-1, dim)
@@ -362,6 +364,7 @@ def _register():
     lib.define("cp_unhalo(Tensor y, int dim, int left) -> Tensor")
     lib.define("cp_cumsum(Tensor x, int dim) -> Tensor")
     lib.define("cp_logcumsumexp(Tensor x, int dim) -> Tensor")
+    lib.define("cp_cumprod(Tensor x, int dim) -> Tensor")
 
     # composites of differentiable ops: autograd, fake tensors and the compiler go through them as through any
     # torch code (the rank and size are read when the op runs)
@@ -371,6 +374,7 @@ def _register():
     lib.impl("cp_unhalo", _unhalo, "CompositeImplicitAutograd")
     lib.impl("cp_cumsum", _scan("cumsum"), "CompositeImplicitAutograd")  # through cp_all_gather, as cp_halo
     lib.impl("cp_logcumsumexp", _scan("logcumsumexp"), "CompositeImplicitAutograd")
+    lib.impl("cp_cumprod", _scan("cumprod"), "CompositeImplicitAutograd")
     for name, forward in (("cp_all_gather", _gather), ("cp_reduce_scatter", _reduce_scatter),
                           ("cp_all_reduce", _all_reduce), ("cp_amax", _amax)):
         lib.impl(name, forward, "CPU")

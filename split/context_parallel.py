@@ -34,9 +34,8 @@ token dim has one sequence per sample). Walking each stage graph in order:
   rank; the index of a maximum, a minimum and any other partial kind are refused by name;
 * inside a block of routed experts (``split.expert_parallel.find_blocks``), whose every token is computed on its
   own (dropless routing), sorting and gathering this rank's tokens is local: sizes that count tokens become local;
-* anything else that mixes positions (a cumulative product or a centred convolution along the sequence, a loop
-  over positions, a gather of positions, a concatenation along the sequence, an attention mask given as an input of
-  the model) runs on the whole sequence at every cp rank: its shards all-gathered, its outputs whole and cut back
+* anything else that mixes positions (a centred convolution along the sequence, a loop over positions, a gather of
+  positions, a concatenation along the sequence, an attention mask given as an input of the model) runs on the whole sequence at every cp rank: its shards all-gathered, its outputs whole and cut back
   where they meet a shard (``cp_walk._Walk._run_whole``), named in the split's notes; ``--verify strict`` refuses
   it by name, with the op and the model's source line.
 
@@ -123,6 +122,19 @@ def _first_reader(stage) -> str:
 
 def plan(graph, cp: int, loss=None, training: bool = True, whole: bool = True,
          forced: frozenset = frozenset()) -> tuple:
+    """(CPPlan, the walk per stage, the loss's walk or None): :func:`_plan`, made again while an op run on the whole
+    sequence gathers a value the graph writes into in place (RWKV's and recurrentgemma's ``output[:, i] = ...`` of a
+    ``zeros_like``, position by position): that value is made whole where it is created, so the writes land in it."""
+    while True:
+        result, walks, loss_walk = _plan(graph, cp, loss, training, whole, forced)
+        more = {key for walk in walks + [loss_walk] if walk is not None for key in walk.rewalk} - forced
+        if not more:
+            return result, walks, loss_walk
+        forced = frozenset(forced | more)
+
+
+def _plan(graph, cp: int, loss=None, training: bool = True, whole: bool = True,
+          forced: frozenset = frozenset()) -> tuple:
     """(CPPlan, the walk per stage, the loss's walk or None) for ``--cp cp``. ``loss``: the traced loss
     (:class:`LossGraph`), walked with the last stage's output placements. ``whole``: an op no rule places runs on
     the whole sequence at every cp rank (``cp_walk._Walk._run_whole``, named in the plan's notes); False refuses

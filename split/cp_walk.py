@@ -59,6 +59,11 @@ class _Walk(LookBack, Propagation):
         self.graph, self.seq, self.cp, self.needs_grad = graph, sympy.sympify(seq), cp, needs_grad
         self.whole = whole  # an op no rule places runs on the whole sequence (False: refused, --verify strict)
         self.forced = forced  # (op, line) pairs verification found placed wrong: run on the whole sequence too
+        self.rewalk: set = set()  # (op, line) of values a whole op gathers that the graph writes into in place: the
+        # writes would land in the gathered copy, so the plan is made again with them whole (context_parallel.plan)
+        self.written_roots = {rules.view_root(arg) for n in graph.nodes if n.op == "call_function"
+                              for arg in rules.written(n) if isinstance(arg, fx.Node)}
+        self._order = None  # node -> its position, made when first asked (_read_after)
         self.received = received or {}
         self.expert_nodes = expert_nodes  # nodes of routed-expert blocks: token-local
         self.training, self.last, self.loss = training, last, loss
@@ -74,7 +79,7 @@ class _Walk(LookBack, Propagation):
         # positions before it, cp_halo), a shift along the sequence ("shift": the pad (s, -s)), a pad (reach, 0) read
         # by convolutions of that reach ("padded")
         self.unhalos: dict = {}  # node -> (dim, reach): where the outputs between the two chunks are dropped
-        self.scans: dict = {}  # cumsum / logcumsumexp along the sequence -> its dim (cp_cumsum, cp_logcumsumexp)
+        self.scans: dict = {}  # cumsum / cumprod / logcumsumexp along the sequence -> its dim (cp_cumsum, ...)
         self.losses: dict = {}  # loss node -> its reduction ("mean" | "sum")
         self.sizes: list = []  # sym_size nodes of a shard's sequence dim: the local size, times cp (the whole)
         self.local_factories: dict = {}  # factory node -> (dim, groups) it is made local on (expert rows, buffers)
@@ -181,7 +186,8 @@ class _Walk(LookBack, Propagation):
 
     def _mark(self) -> dict:
         """How long every record of the walk is (each grows by appending), so a rule's partial edits can be undone."""
-        return {name: len(value) for name, value in vars(self).items() if isinstance(value, (list, dict))}
+        return {name: len(value) for name, value in vars(self).items()
+                if isinstance(value, (list, dict)) and not name.startswith("_")}
 
     def _run_whole(self, node, mark: dict) -> None:
         """An op no rule places (its refusal just recorded) run on the whole sequence at every cp rank instead:
@@ -201,6 +207,30 @@ class _Walk(LookBack, Propagation):
         for arg in dict.fromkeys(node.all_input_nodes):
             if arg in self.shard and not (arg.op == "placeholder" and arg.name not in self.received):
                 self.whole_gathers.append((node, arg))  # (a floating input cut at its first use is read whole)
+                root = rules.view_root(arg)
+                if root in self.written_roots and root.op == "call_function" and self._read_after(root, node):
+                    self.rewalk.add((rules.op_name(root), rules.where(root)))  # RWKV's output[:, i] = ... of its
+                    # zeros_like(key), read whole after the loop: made whole from the start
+
+    def _read_after(self, root, node) -> bool:
+        """A value written in place is read after ``node`` (an op run on the whole sequence, reading a gathered copy
+        of it) other than through ``node``: by an op that is not a view, on it or on any view of it. Writes made
+        through ``node``'s output land in the copy, and such a read would miss them."""
+        if self._order is None:
+            self._order = {n: i for i, n in enumerate(self.graph.nodes)}
+        order = self._order
+        todo, seen = [root], set()
+        while todo:
+            value = todo.pop()
+            for user in value.users:
+                if user is node or user in seen:
+                    continue
+                seen.add(user)
+                if rules.is_view(user) and user.args[0] is value:
+                    todo.append(user)
+                elif order.get(user, -1) > order[node] and value not in rules.written(user):
+                    return True
+        return False
 
     def _why_not(self, node, sharded) -> str:
         held = ", ".join(f"{a.name} (positions on dim {self.shard[a][0]})" for a in sharded)

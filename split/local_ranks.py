@@ -209,8 +209,8 @@ def _cp_collective(target, values, args, cp):
                 tails.append(cp_runtime.halo_tails(values[r], dim, left))
         joined = _cp_collective(TP.cp_all_gather.default, tails, [dim], cp)
         return [cp_runtime.halo_assemble(values[r], joined[r], dim, left, cp, r) for r in ranks]
-    if target in (TP.cp_cumsum.default, TP.cp_logcumsumexp.default):  # the runtime's own, the all-gather simulated
-        kind = "cumsum" if target is TP.cp_cumsum.default else "logcumsumexp"
+    if target in (TP.cp_cumsum.default, TP.cp_logcumsumexp.default, TP.cp_cumprod.default):  # the runtime's own,
+        kind = target.name().split("::cp_")[1]  # the all-gather simulated
         scanned = [cp_runtime.scan_chunks(values[r], dim, kind) for r in ranks]
         joined = _cp_collective(TP.cp_all_gather.default, [totals for _parts, totals in scanned], [dim], cp)
         return [cp_runtime.scan_assemble(scanned[r][0], joined[r], dim, kind, cp, r) for r in ranks]
@@ -218,7 +218,7 @@ def _cp_collective(target, values, args, cp):
 
 
 _CP_COLLECTIVES = {"cp_all_gather", "cp_reduce_scatter", "cp_all_reduce", "cp_amax", "cp_halo", "cp_cumsum",
-                   "cp_logcumsumexp"}
+                   "cp_logcumsumexp", "cp_cumprod"}
 _LOCAL = {"tp_owned_split", "tp_owned_select", "cp_shard", "cp_positions", "tp_vocab_rows",  # read the rank from
           "cp_unhalo"}                                                                         # _STATE, or none
 

@@ -95,7 +95,6 @@ def test_the_plan_reads_the_graph():
 
 
 @pytest.mark.parametrize("mode,message", [
-    ("cumprod", r"\(cumprod\) at cp_refusals.py:\d+: a cumulative product along the sequence dim"),
     ("conv", r"\(conv1d\) at cp_refusals.py:\d+: a convolution along the sequence dim that is not causal as written"),
     ("gather", r"\(index.Tensor\) at cp_refusals.py:\d+: a gather of positions of the sequence"),
     ("chunkpad", r"\(pad\) at cp_refusals.py:\d+: pads the sequence dim by \(0, 3\) positions"),
@@ -110,7 +109,7 @@ def test_what_mixes_positions_is_refused_by_name_under_strict_verification(monke
         check_model(model_path("cp_refusals"), num_microbatches=1, layout=Layout(pp=1, cp=2), verify="strict")
 
 
-@pytest.mark.parametrize("mode,op", [("cumprod", "cumprod"), ("conv", "conv1d"), ("gather", "index.Tensor"),
+@pytest.mark.parametrize("mode,op", [("conv", "conv1d"), ("gather", "index.Tensor"),
                                      ("chunkpad", "pad"), ("custom", "running_mean"),
                                      ("mask", "scaled_dot_product_attention")])
 def test_what_no_rule_places_runs_on_the_whole_sequence_verified_and_named(monkeypatch, mode, op):
@@ -291,3 +290,27 @@ def test_a_scan_written_as_a_loop_over_positions_runs_on_the_whole_sequence():
         assert ops.count("slice.Tensor") == (1 if index == 0 else 0)
         assert stage["kv_bytes"] > 0  # the attention layer's keys and values: still this rank's positions
     assert cp["sent"]  # the residual stream crosses the pipeline cut as a shard
+
+
+def test_a_running_product_along_the_sequence_is_each_chunks_times_the_chunks_before(monkeypatch):
+    """``cumprod`` along the sequence (gateloop's gates, ``tests/models/cp_refusals.py``) was refused, then run on
+    the whole sequence; each chunk's running products are now its own times the product of every chunk's before it
+    (``cp_cumprod``: the chunks' totals all-gathered), verified at split."""
+    monkeypatch.setenv("CP_REFUSE", "cumprod")
+    manifest = check_model(model_path("cp_refusals"), num_microbatches=1, layout=Layout(pp=1, cp=2))
+    (stage,) = manifest["cp"]["stages"]
+    assert manifest["cp"]["verified"]["status"] == "verified", manifest["cp"]["verified"]
+    assert [s["op"] for s in stage["scans"]] == ["cumprod"] and not stage["whole"]
+
+
+def test_a_value_written_position_by_position_is_made_whole_where_it_is_created(monkeypatch):
+    """RWKV's and recurrentgemma's CPU scans write ``output[:, i] = ...`` into a ``zeros_like`` of a shard, position
+    by position. Run on the whole sequence, the ``select`` of position i read a gathered copy of ``output``, so the
+    writes landed in the copy and ``output`` stayed zeros: verification caught it and repaired the plan (the two
+    families read "repaired"), and under ``--verify off`` it would have trained wrong. The plan is now made again
+    with ``zeros_like`` whole from the start: verified on the first try."""
+    monkeypatch.setenv("CP_REFUSE", "written")
+    manifest = check_model(model_path("cp_refusals"), num_microbatches=1, layout=Layout(pp=1, cp=2))
+    (stage,) = manifest["cp"]["stages"]
+    assert manifest["cp"]["verified"]["status"] == "verified", manifest["cp"]["verified"]
+    assert "zeros_like" in {w["op"] for w in stage["whole"]}, stage["whole"]

@@ -283,8 +283,8 @@ def test_running_sums_along_the_sequence_are_each_chunks_plus_the_chunks_before(
     """minGRU's log-space scan (``cumsum`` and ``logcumsumexp`` along the sequence), x-transformers' data-dependent
     ALiBi (a cumsum, then the difference of every query's and key's) and token-shift-gpt's cumulative mean were
     refused by ``--cp`` ("a cumulative sum along the sequence dim"); each chunk's running values are now its
-    own plus the totals of every chunk before it (``cp_cumsum``, ``cp_logcumsumexp``), verified at split. A running
-    product is still refused by name (``tests/test_context_parallel.py``)."""
+    own plus the totals of every chunk before it (``cp_cumsum``, ``cp_logcumsumexp``), verified at split; a running
+    product likewise (``cp_cumprod``: ``tests/test_context_parallel.py``)."""
     manifest = _check(model_path("cp_prefix_scan"), cp=2)
     assert manifest["cp"]["verified"]["status"] == "verified", manifest["cp"]["verified"]
     ops = [[s["op"] for s in stage["scans"]] for stage in manifest["cp"]["stages"]]
@@ -297,13 +297,15 @@ def test_running_sums_along_the_sequence_are_each_chunks_plus_the_chunks_before(
 
 @pytest.mark.parametrize("cp", [2, 3])
 def test_a_running_sum_over_the_ranks_chunks_is_the_whole_sequences(cp):
-    """``cp_cumsum`` and ``cp_logcumsumexp`` on every rank, forward and backward (verification's simulation: the
+    """``cp_cumsum``, ``cp_logcumsumexp`` and ``cp_cumprod`` on every rank, forward and backward (verification's
+    simulation: the
     runtime's code, the chunks' totals all-gathered across the ranks' values), against torch's on the whole sequence:
     each rank's chunks of the whole one, and the whole one's gradient."""
     x = torch.randn(2, 5, 2 * cp * 3, dtype=torch.float64)
     seed = torch.randn(x.shape, dtype=torch.float64)
     for op, whole_op in ((torch.ops.tracepp.cp_cumsum.default, torch.cumsum),
-                         (torch.ops.tracepp.cp_logcumsumexp.default, torch.logcumsumexp)):
+                         (torch.ops.tracepp.cp_logcumsumexp.default, torch.logcumsumexp),
+                         (torch.ops.tracepp.cp_cumprod.default, torch.cumprod)):
         whole_x = x.clone().requires_grad_(True)
         whole = whole_op(whole_x, 2)
         whole.backward(seed)

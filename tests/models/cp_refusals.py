@@ -1,9 +1,10 @@
-"""A tiny causal LM whose one layer mixes positions in a way context parallelism must refuse, by name, at split.
+"""A tiny causal LM whose one layer mixes positions in a way no context-parallel rule spreads: by default run on the
+whole sequence at every cp rank (named at split), refused by name under ``--verify strict``.
 
 ``CP_REFUSE`` picks what the layer does besides causal attention:
 
-* ``cumprod``: a running product along the sequence (a cumulative op across the cp ranks' chunks; running sums are
-  spread: ``cp_prefix_scan.py``);
+* ``cumprod``: a running product along the sequence (spread now, as running sums are: each chunk's own times the
+  chunks' before it, ``cp_cumprod``);
 * ``conv``: a centred 1-D convolution along the sequence (each position reads its neighbours on both sides; a causal
   one is spread: ``cp_causal_conv.py``);
 * ``gather``: the hidden states read at positions given by an index (a gather of positions);
@@ -12,6 +13,9 @@
   model, which the split cannot cut: the model should build it inside ``forward`` or use ``is_causal``);
 * ``custom``: a running mean along the sequence written as a custom op (``torch.library``, as torchtitan writes its
   MoE's scatter-add): its code is its own, so context parallelism names it as a custom op;
+* ``written``: RWKV's CPU path (``modeling_rwkv.py`` ``rwkv_linear_attention_cpu``): ``output = zeros_like(x)``, then
+  ``output[:, i] = state`` position by position in a loop (a write into a value cp would hold as a shard: it is made
+  whole where it is created, so the writes land in it);
 * ``none``: plain causal attention (context parallelism splits it).
 """
 import os
@@ -60,6 +64,12 @@ class Model(nn.Module):
             x = running_mean(x)
         elif MODE == "gather":
             x = x[:, torch.arange(x.shape[1] - 1, -1, -1, device=x.device)]
+        elif MODE == "written":
+            out, state = torch.zeros_like(x), torch.zeros_like(x[:, 0])
+            for i in range(x.shape[1]):
+                state = 0.5 * state + x[:, i]
+                out[:, i] = state
+            x = out
         elif MODE == "chunkpad":  # a chunked scan's padding to a multiple of its chunk (Mamba-2's pad_tensor_by_size)
             x = F.pad(x, (0, 0, 0, 3)).cumsum(1)[:, :SEQ]
         q, k, v = self.qkv(x).unsqueeze(1).chunk(3, dim=-1)
