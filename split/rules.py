@@ -53,6 +53,7 @@ UNARY = CASTS | {  # elementwise, one tensor in
     aten.reciprocal.default, aten.softplus.default, aten.leaky_relu.default, aten.clamp.default,
     aten.hardtanh.default, aten.sin.default, aten.cos.default, aten.mish.default, aten.elu.default,
     aten.log_sigmoid.default,  # F.logsigmoid (xLSTM's gates): torch does not tag it pointwise
+    aten.real.default, aten.imag.default,  # a complex tensor's parts (views, untagged: gateloop's a_cumprod.real)
 }
 BINARY = {  # elementwise, broadcasting operands
     aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.maximum.default,

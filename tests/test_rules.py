@@ -398,7 +398,17 @@ def test_log_sigmoid_is_elementwise_on_every_dim():
     assert rules.family(aten.log_sigmoid.default) == "elementwise"
     x = torch.randn(SHAPE, dtype=F64)
     for d in range(x.dim()):
-        _holds_with(aten.log_sigmoid.default, x, d, d)
+        assert _holds_with(aten.log_sigmoid.default, x, d, d), d
+
+
+def test_the_real_and_imaginary_parts_of_a_complex_tensor_are_elementwise():
+    # gateloop's a_cumprod.real (a view torch does not tag pointwise): cp ran it on the whole sequence, as no rule
+    # placed it
+    z = torch.complex(torch.randn(SHAPE, dtype=F64), torch.randn(SHAPE, dtype=F64))
+    for target in (aten.real.default, aten.imag.default):
+        assert rules.family(target) == "elementwise", target
+        for d in range(z.dim()):
+            assert _holds_with(target, z, d, d), (target, d)
 
 
 def test_numpy_style_names_of_pointwise_ops_are_elementwise():
