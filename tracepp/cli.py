@@ -342,9 +342,12 @@ def _add_split_options(parser) -> None:
                              "for every tp and cp rank, and every rank of one ep group (each its own microbatch), in "
                              "this process against the unsharded stage, forward and backward (float64), before "
                              "anything is written; on (default): a tp value that differs is made whole (the "
-                             "parameters feeding it replicated) and the plan made again, a cp or ep plan that "
-                             "differs is refused (no repair); strict: refuse instead, naming the op and line; off: "
-                             "skip (see docs/tensor-parallel.md, docs/context-parallel.md, docs/expert-parallel.md)")
+                             "parameters feeding it replicated) and the plan made again, a cp value that differs has "
+                             "its op run on the whole sequence at every cp rank and the plan made again, an ep plan "
+                             "that differs is refused (no repair); with --cp an op no rule places runs on the whole "
+                             "sequence (named in the notes); strict: refuse instead, naming the op and line (and "
+                             "refuse what --cp would run on the whole sequence); off: skip (see "
+                             "docs/tensor-parallel.md, docs/context-parallel.md, docs/expert-parallel.md)")
     parser.add_argument("--cp", type=int, default=1,
                         help="context-parallel ranks per stage: spread each sample's sequence over C processes "
                              "(2C chunks, rank r holding chunks r and 2C-1-r), keys and values all-gathered for "
