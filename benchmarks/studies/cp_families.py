@@ -1,10 +1,12 @@
 """Context parallelism on transformers' families, a few at a time: ``--cp 2`` at ``--ranks 2`` (pp 2 x cp 2, 2
 microbatches), 3 SGD steps on 4 ranks against eager, each family built as the first table of ``docs/families.md``
-builds it (``tests/zoo/hf_family.py``: its own config class at a tiny size). The first table has no cp column (a run
-of every family is hours here); this study measures the families a change to the cp rules concerns, for example the
-hybrids whose mixers convolve along the sequence::
+builds it (``tests/zoo/hf_family.py``: its own config class at a tiny size). The first table has no cp column (a
+training run of every family is hours here); this study trains the families a change to the cp rules concerns, for
+example the hybrids whose mixers convolve along the sequence, and ``--check`` splits and verifies every family in
+well under an hour (the plan against the unsharded stages, no training run)::
 
     nice -n 5 python -m benchmarks.studies.cp_families --families lfm2,lfm2_moe,qwen3_next
+    nice -n 5 python -m benchmarks.studies.cp_families --check --all
 
 Each family runs in its own process (``HF_FAMILY``, the families study's ``run_each``), which writes its record to the
 cache folder; a refusal is recorded with its message (it names the op and the
