@@ -35,9 +35,10 @@ token dim has one sequence per sample). Walking each stage graph in order:
 * inside a block of routed experts (``split.expert_parallel.find_blocks``), whose every token is computed on its
   own (dropless routing), sorting and gathering this rank's tokens is local: sizes that count tokens become local;
 * anything else that mixes positions (a centred convolution along the sequence, a loop over positions, a gather of
-  positions, a concatenation along the sequence, an attention mask given as an input of the model) runs on the whole sequence at every cp rank: its shards all-gathered, its outputs whole and cut back
-  where they meet a shard (``cp_walk._Walk._run_whole``), named in the split's notes; ``--verify strict`` refuses
-  it by name, with the op and the model's source line.
+  positions, a concatenation along the sequence, an attention mask given as an input of the model) runs on the
+  whole sequence at every cp rank: its shards all-gathered, its outputs whole and cut back where they meet a shard
+  (``cp_walk._Walk._run_whole``), named in the split's notes; ``--verify strict`` refuses it by name, with the op
+  and the model's source line.
 
 A value that crosses a stage boundary as a shard is sent as it is (1/cp of the bytes; its manifest shape is the
 local one). The result, :class:`CPPlan`, is plain data for the manifest; :func:`apply` rewrites the graphs.
@@ -51,7 +52,8 @@ import torch
 import torch.fx as fx
 
 from tracepp.split import rules
-from tracepp.split.cp_rewrite import _GATHER_THROUGH, _stage_record, apply  # noqa: F401  (the driver calls apply here)
+from tracepp.split.cp_rewrite import (_GATHER_THROUGH, _stage_record, apply,  # noqa: F401  (the driver calls apply
+                                       whole_record)                          # here)
 from tracepp.split.cp_walk import WORK, ContextParallelError, _Walk, _int, _sizes  # noqa: F401  (tests count WORK)
 from tracepp.split.rules import val as _val, where
 from tracepp.split.tensor_parallel import sequence_length
@@ -207,8 +209,7 @@ def _plan(graph, cp: int, loss=None, training: bool = True, whole: bool = True,
                        + [{"op": rules.op_name(n), "reduction": "sum" if c is None else "mean", "line": where(n)}
                           for n, c in loss_walk.sums.items()],
                        "cut": sorted({a.name for _c, a, _d, _g in loss_walk.cuts}),
-                       "whole": [{"op": rules.op_name(n), "node": n.name, "line": where(n), "why": why}
-                                 for n, why in loss_walk.whole_ops.items()]}
+                       "whole": whole_record(loss_walk)}
     return result, walks, loss_walk
 
 

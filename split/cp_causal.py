@@ -1,8 +1,8 @@
 """Context parallelism's rules for ops that look back along the sequence (``cp_walk._Walk`` inherits them): a causal
 convolution and a token shift, each chunk given the positions before it (``cp_halo``); a running sum or product,
 each chunk's own combined with the totals of the chunks before it (``cp_cumsum``, ``cp_logcumsumexp``,
-``cp_cumprod``); an outer op of two position shards, the later one's operand gathered as attention's keys are. What each becomes in the rank's program: ``cp_rewrite``;
-the runtime ops: ``runtime/context_parallel.py``."""
+``cp_cumprod``); an outer op of two position shards, the later one's operand gathered as attention's keys are.
+What each becomes in the rank's program: ``cp_rewrite``; the runtime ops: ``runtime/context_parallel.py``."""
 from __future__ import annotations
 
 import torch
@@ -90,10 +90,9 @@ class LookBack:
 
     def _on_along(self, node, sharded) -> bool:
         """A running sum (``cumsum``), product (``cumprod``: gateloop's gates) or log-sum-exp (``logcumsumexp``) along
-        the sequence (minGRU's and Heinsen's
-        log-space scan, a cumulative mean, causal linear attention's prefix sums): each chunk's own, plus the totals
-        of every chunk before it (``cp_cumsum``, ``cp_logcumsumexp``, ``cp_cumprod``); other ops along it run on the
-        whole sequence."""
+        the sequence (minGRU's and Heinsen's log-space scan, a cumulative mean, causal linear attention's prefix
+        sums): each chunk's own, combined with the totals of every chunk before it (``cp_cumsum``,
+        ``cp_logcumsumexp``, ``cp_cumprod``); other ops along it run on the whole sequence."""
         x = node.args[0]
         if node.target in SCANS and sharded == [x] and self.shard[x][1] == 1 and (
                 rules.arg(node, 1, "dim") % _val(x).dim() == self.shard[x][0]):

@@ -35,9 +35,14 @@ def _stage_record(walk: _Walk) -> dict:
         "causal": len(walk.causal),
         "scans": [{"op": rules.op_name(n), "line": where(n)} for n in walk.scans],
         "sharded_values": sum(1 for n in walk.shard if n.op != "placeholder"),
-        "whole": [{"op": rules.op_name(n), "node": n.name, "line": where(n), "why": why}
-                  for n, why in walk.whole_ops.items()],
+        "whole": whole_record(walk),
     }
+
+
+def whole_record(walk: _Walk) -> list:
+    """The ops a walk runs on the whole sequence, each with its line and why no rule placed it."""
+    return [{"op": rules.op_name(n), "node": n.name, "line": where(n), "why": why}
+            for n, why in walk.whole_ops.items()]
 
 
 def _exchange(g: fx.Graph, cp: int) -> dict:
@@ -126,6 +131,22 @@ def _local_size(g: fx.Graph, size, cp: int, user):
     return size
 
 
+def _gather_all(g: fx.Graph, walk: _Walk, pairs: list, whole: bool) -> None:
+    """Each ``(consumer, sharded input)`` of ``pairs`` reads the input all-gathered over cp in sequence order (one
+    gather per input, before its first consumer); ``whole``: the gather feeds an op run on the whole sequence (marked
+    so, told apart from attention's key/value gathers by :func:`_exchange`, and given its consumer's line)."""
+    gathered: dict = {}
+    for consumer, arg in pairs:
+        if arg not in gathered:
+            dim, groups = walk.shard[arg]
+            consumers = [c for c, a in pairs if a is arg]
+            gathered[arg] = _insert(g, _anchor(g, arg, consumers), CP.cp_all_gather.default,
+                                    [arg, dim] + ([groups] * (groups > 1)), _val(arg), consumers[0] if whole else arg)
+            if whole:
+                gathered[arg].meta[WHOLE] = True
+        consumer.replace_input_with(arg, gathered[arg])
+
+
 def _rewrite(g: fx.Graph, walk: _Walk, cp: int) -> None:
     cut: dict = {}
     firsts: dict = {}
@@ -141,23 +162,8 @@ def _rewrite(g: fx.Graph, walk: _Walk, cp: int) -> None:
             for user in list(arg.users):  # (an op run on the whole sequence reads it whole)
                 if user is not cut[key] and user.op != "output" and user not in walk.whole_ops:
                     user.replace_input_with(arg, cut[key])
-    gathered: dict = {}
-    for consumer, arg in walk.gathers:
-        if arg not in gathered:
-            dim, groups = walk.shard[arg]
-            consumers = [c for c, a in walk.gathers if a is arg]
-            gathered[arg] = _insert(g, _anchor(g, arg, consumers), CP.cp_all_gather.default,
-                                    [arg, dim] + ([groups] * (groups > 1)), _val(arg), arg)
-        consumer.replace_input_with(arg, gathered[arg])
-    wholes: dict = {}
-    for consumer, arg in walk.whole_gathers:  # an op no rule places reads the whole sequence (cp_walk._run_whole)
-        if arg not in wholes:
-            dim, groups = walk.shard[arg]
-            consumers = [c for c, a in walk.whole_gathers if a is arg]
-            wholes[arg] = _insert(g, _anchor(g, arg, consumers), CP.cp_all_gather.default,
-                                  [arg, dim] + ([groups] * (groups > 1)), _val(arg), consumers[0])
-            wholes[arg].meta[WHOLE] = True  # told apart from attention's key/value gathers (_exchange)
-        consumer.replace_input_with(arg, wholes[arg])
+    _gather_all(g, walk, walk.gathers, whole=False)  # attention's keys and values
+    _gather_all(g, walk, walk.whole_gathers, whole=True)  # what an op no rule places reads (cp_walk._run_whole)
     for node in walk.causal:
         _causal_mask(g, node, walk, cp)
     for node, count in walk.sums.items():
@@ -245,8 +251,7 @@ class _Hoist:
         # values written in place (through their views): a cut is not moved above them, where a value made for this
         # rank's positions would miss the writes (litgpt's sliding-window mask: torch.full((T, T), -inf), then
         # mask[i, start:i + 1] = 0 row by row; its rows are taken where the attention reads it)
-        self.written = {rules.view_root(arg) for node in g.nodes if node.op == "call_function"
-                        for arg in rules.written(node) if isinstance(arg, fx.Node)}
+        self.written = rules.written_roots(g)
 
     def run(self) -> None:
         for node in list(self.g.nodes):

@@ -61,9 +61,7 @@ class _Walk(LookBack, Propagation):
         self.forced = forced  # (op, line) pairs verification found placed wrong: run on the whole sequence too
         self.rewalk: set = set()  # (op, line) of values a whole op gathers that the graph writes into in place: the
         # writes would land in the gathered copy, so the plan is made again with them whole (context_parallel.plan)
-        self.written_roots = {rules.view_root(arg) for n in graph.nodes if n.op == "call_function"
-                              for arg in rules.written(n) if isinstance(arg, fx.Node)}
-        self._order = None  # node -> its position, made when first asked (_read_after)
+        self._written = self._order = None  # the values the graph writes into; node -> position (_read_after)
         self.received = received or {}
         self.expert_nodes = expert_nodes  # nodes of routed-expert blocks: token-local
         self.training, self.last, self.loss = training, last, loss
@@ -208,16 +206,19 @@ class _Walk(LookBack, Propagation):
             if arg in self.shard and not (arg.op == "placeholder" and arg.name not in self.received):
                 self.whole_gathers.append((node, arg))  # (a floating input cut at its first use is read whole)
                 root = rules.view_root(arg)
-                if root in self.written_roots and root.op == "call_function" and self._read_after(root, node):
+                if root.op == "call_function" and self._read_after(root, node):
                     self.rewalk.add((rules.op_name(root), rules.where(root)))  # RWKV's output[:, i] = ... of its
                     # zeros_like(key), read whole after the loop: made whole from the start
 
     def _read_after(self, root, node) -> bool:
-        """A value written in place is read after ``node`` (an op run on the whole sequence, reading a gathered copy
-        of it) other than through ``node``: by an op that is not a view, on it or on any view of it. Writes made
+        """``root`` is written in place and read after ``node`` (an op run on the whole sequence, reading a gathered
+        copy of it) other than through ``node``: by an op that is not a view, on it or on any view of it. Writes made
         through ``node``'s output land in the copy, and such a read would miss them."""
-        if self._order is None:
+        if self._written is None:  # (made when an op first runs whole: most walks never ask)
+            self._written = rules.written_roots(self.graph)
             self._order = {n: i for i, n in enumerate(self.graph.nodes)}
+        if root not in self._written:
+            return False
         order = self._order
         todo, seen = [root], set()
         while todo:

@@ -160,8 +160,9 @@ IGNORE_INDEX = {aten.cross_entropy_loss.default: 4, aten.nll_loss.default: 4, at
 # rewrote, and a tp shard of another dim passes through them
 CP_COLLECTIVES = ("tracepp::cp_shard", "tracepp::cp_all_gather", "tracepp::cp_reduce_scatter",
                   "tracepp::cp_all_reduce", "tracepp::cp_halo", "tracepp::cp_unhalo", "tracepp::cp_cumsum",
-                  "tracepp::cp_logcumsumexp", "tracepp::cp_cumprod", "tracepp::cp_amax")  # (x, dim, ...): each works along its dim
-                                                                    # alone; cp_amax (x, dims, keepdim) over dims
+                  "tracepp::cp_logcumsumexp", "tracepp::cp_cumprod",
+                  "tracepp::cp_amax")  # (x, dim, ...): each works along its dim alone; cp_amax (x, dims, keepdim)
+                                       # over dims
 
 
 def is_pointwise(target) -> bool:
@@ -635,6 +636,13 @@ def is_view(node, copies: bool = False) -> bool:
     return bool(schema and schema.returns and schema.returns[0].alias_info is not None
                 and not schema.returns[0].alias_info.is_write and schema.arguments
                 and schema.arguments[0].alias_info is not None)
+
+
+def written_roots(graph: fx.Graph) -> set:
+    """The values ``graph`` writes into in place, each as the value its written view is a view of
+    (:func:`view_root`)."""
+    return {view_root(arg) for node in graph.nodes if node.op == "call_function"
+            for arg in written(node) if isinstance(arg, fx.Node)}
 
 
 def view_root(node):

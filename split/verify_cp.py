@@ -43,7 +43,6 @@ from tracepp.split import rules
 from tracepp.split import verify as common
 from tracepp.split import local_ranks
 from tracepp.split.local_ranks import NotVerified, _cp_join, _cp_piece
-from tracepp.split.rules import where
 from tracepp.split.verify import Mismatch, _differs, _op, _where
 
 aten = torch.ops.aten
@@ -327,9 +326,9 @@ def _forced_key(saved: tuple, mismatch):
     if not mismatch.node or not 0 <= index < len(graphs):
         return None
     found = next((n for n in graphs[index].nodes if n.name == mismatch.node and n.op == "call_function"), None)
-    if found is None or not where(found):
+    if found is None or not _where(found):
         return None
-    return rules.op_name(found), where(found)
+    return rules.op_name(found), _where(found)
 
 
 def check(graph, saved: tuple, cp_plan, walks, loss, loss_walk, traced, target, mode: str = "on",

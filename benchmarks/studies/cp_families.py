@@ -25,6 +25,15 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 CACHE = os.path.join(REPO, "out_cp_families")
 
 
+def whole_record(manifest: dict, limit: int = None) -> dict:
+    """What a cp split runs on the whole sequence at every cp rank, as no cp rule places it (the record's fields
+    ``whole``, ``whole_ops``: the first ``limit`` of them, ``whole_bytes``) and what verification repaired."""
+    whole = [w for stage in manifest["cp"]["stages"] for w in stage.get("whole") or []]
+    return {"whole": len(whole), "whole_ops": sorted({f"{w['op']} at {w['line']}" for w in whole})[:limit],
+            "whole_bytes": sum(s.get("whole_bytes", 0) for s in manifest["cp"]["stages"]),
+            "repairs": manifest["cp"]["verified"].get("repairs", [])}
+
+
 def run_one(family: str, train: bool = True) -> dict:
     """(in the family's own process) split at pp 2 x cp 2 (the plan verified against the unsharded stages), train 3
     steps and compare with eager (``train``; else the split alone: ``--check``)."""
@@ -45,11 +54,7 @@ def run_one(family: str, train: bool = True) -> dict:
             record["verified"] = manifest["cp"]["verified"]["status"]
             record["halos"] = sum(len(s.get("halos") or []) for s in manifest["cp"]["stages"])
             record["scans"] = sum(len(s.get("scans") or []) for s in manifest["cp"]["stages"])
-            whole = [w for s in manifest["cp"]["stages"] for w in s.get("whole") or []]  # ops no cp rule places
-            record["whole"] = len(whole)  # (run on the whole sequence at every cp rank)
-            record["whole_ops"] = sorted({f"{w['op']} at {w['line']}" for w in whole})
-            record["whole_bytes"] = sum(s.get("whole_bytes", 0) for s in manifest["cp"]["stages"])
-            record["repairs"] = manifest["cp"]["verified"].get("repairs", [])
+            record.update(whole_record(manifest))
             if train:
                 families._run_and_compare(out, 4, record)
     except Exception as error:  # a refusal names the op and the line; anything else is recorded as it came

@@ -41,6 +41,7 @@ import traceback
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
 from benchmarks.studies import families  # noqa: E402  (the first table's steps, called with a model file's path)
+from benchmarks.studies import cp_families  # noqa: E402  (what a cp split runs on the whole sequence)
 
 ZOO = os.path.join(REPO, "tests", "zoo_other")
 CACHE = os.path.join(REPO, "out_other_families")
@@ -210,10 +211,7 @@ def step_cp(record: dict, name: str) -> None:
     with tempfile.TemporaryDirectory() as folder:
         out = os.path.join(folder, "out")
         manifest = split_model(path_of(name), out, num_microbatches=2, layout=Layout(pp=2, cp=2))
-        whole = [w for stage in manifest["cp"]["stages"] for w in stage.get("whole") or []]
-        record["whole"] = len(whole)  # ops no cp rule places: run on the whole sequence at every cp rank
-        record["whole_ops"] = sorted({f"{w['op']} at {w['line']}" for w in whole})[:12]
-        record["repairs"] = manifest["cp"]["verified"].get("repairs", [])
+        record.update(cp_families.whole_record(manifest, limit=12))  # what runs on the whole sequence
         families._run_and_compare(out, 4, record, path_of(name))
 
 
