@@ -2,6 +2,7 @@
 made becomes local sizes, ``tp_*`` / ``sp_*`` collectives and parameter shards."""
 from __future__ import annotations
 
+import operator
 import sys
 from typing import TYPE_CHECKING
 
@@ -96,6 +97,33 @@ def _after(g: fx.Graph, node, target, args, like=None, local=(None, 1)) -> fx.No
     for user in users:
         user.replace_input_with(node, new)
     return new
+
+
+def _gathered(g: fx.Graph, anchor, arg, walk: _Walk) -> fx.Node:
+    """``arg``'s shards joined before ``anchor``. A value of a fused projection's parts (``walk.segs``: the parts'
+    whole widths) holds each part's piece side by side on every rank: equal parts are joined part by part by the
+    gather itself (its ``groups``); unequal ones (litgpt's fused ``qkv``, 4 query heads and 2 key/value heads, read
+    whole by its adapter's view) are gathered rank by rank and put back in the parts' order, each part's pieces
+    side by side, by a split and a cat."""
+    dim, segs = walk.shard[arg], walk.segs.get(arg)
+    groups = walk.groups_of(segs) if segs else 1
+    joined = _insert(g, anchor, TP.tp_all_gather.default, [arg, dim] + ([groups] * (groups > 1)), _val(arg), arg)
+    if groups:
+        return joined
+    whole = _val(arg)
+    shape = list(whole.shape)
+    sizes = [size // walk.tp for size in segs] * walk.tp
+    split = _insert(g, anchor, aten.split_with_sizes.default, [joined, sizes, dim], None, arg)
+    pieces = []
+    for size in sizes:
+        pieces.append(_fake_like(whole, shape[:dim] + [size] + shape[dim + 1:]))
+    split.meta["val"] = pieces
+    items = []
+    for index in range(len(sizes)):
+        item = _insert(g, anchor, operator.getitem, [split, index], pieces[index], arg)
+        items.append(item)
+    order = [rank * len(segs) + part for part in range(len(segs)) for rank in range(walk.tp)]
+    return _insert(g, anchor, aten.cat.default, [[items[k] for k in order], dim], whole, arg)
 
 
 def _rewrite_mixed_linear(g: fx.Graph, node, form, tp: int) -> None:
@@ -232,10 +260,7 @@ def _rewrite(g: fx.Graph, walk: _Walk, tp: int, params: dict) -> None:
     for consumer, arg in walk_gathers:
         key, anchor = at(consumer, arg)
         if key not in gathered:
-            dim = walk.shard[arg]
-            groups = walk.groups_of(walk.segs.get(arg)) if walk.kind.get(arg) else 1
-            gathered[key] = _insert(g, anchor, TP.tp_all_gather.default, [arg, dim] + ([groups] * (groups > 1)),
-                                    _val(arg), arg)
+            gathered[key] = _gathered(g, anchor, arg, walk)
         consumer.replace_input_with(arg, gathered[key])
         made_whole[(consumer, arg)] = gathered[key]
     copies: dict = {}  # after the gathers: a value both gathered and read beside pieces is copied whole

@@ -56,7 +56,7 @@ def _narrow_columns(walk: _Walk) -> dict:
     column-wise linear whose output is gathered only to leave the stage (the head's logits) is kept."""
     out = {}
     for region in _regions(walk):
-        if any(walk.roles.get(n) == "rowwise" for n in region):
+        if _closed(walk, region):
             continue
         inside = [consumer for consumer, arg in walk.gathers if arg in region and consumer.op != "output"
                   and arg not in walk.gathered_out]
@@ -66,6 +66,25 @@ def _narrow_columns(walk: _Walk) -> dict:
         for node in region:
             if walk.roles.get(node) == "colwise":
                 out[walk._param(walk.forms[node][1])] = why
+    return out
+
+
+def _closed(walk: _Walk, region) -> bool:
+    """Whether a region of sharded values ends in a row-wise linear: its column-wise linears' shards are summed,
+    not gathered."""
+    return any(walk.roles.get(n) == "rowwise" for n in region)
+
+
+def _closing(walks: list) -> set:
+    """FQNs of the weights of column-wise linears in a region some row-wise linear closes: sharded there to good
+    effect. A weight also read by a call whose output is needed whole (litgpt's adapter runs the layer's fused
+    ``qkv`` on its learned prompt and views the product in its own layout) keeps its shard: that call's small
+    output is gathered, where making the weight whole would replicate the attention that shards it."""
+    out = set()
+    for walk in walks:
+        for region in _regions(walk):
+            if _closed(walk, region):
+                out.update(walk._param(walk.forms[n][1]) for n in region if walk.roles.get(n) == "colwise")
     return out
 
 
@@ -708,6 +727,9 @@ def _settle_on(graphs: list, tp: int, notes: dict, fused: dict = None, sequence=
                 uses.setdefault(fqn, set()).update(dims)
             for fqn, parts in walk.param_segments.items():
                 segments.setdefault(fqn, set()).add(parts)
+        for fqn in _closing(walks):
+            if narrow.get(fqn, "").startswith("its output is needed whole"):
+                del narrow[fqn]
         for fqn, dims in uses.items():
             if len(dims) > 1:
                 narrow.setdefault(fqn, "used sharded in one place and whole in another")

@@ -239,7 +239,8 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
 
     def _gather(self, consumer, arg) -> None:
         self.gathers.append((consumer, arg))
-        if arg in self.segs and self.kind.get(arg) != "seq":  # pieces of each part joined in the wrong order
+        # a fused projection's parts are joined part by part (tp_rewrite._gathered), unless some are whole
+        if arg in self.segs and self.kind.get(arg) != "seq" and arg in self.mixed:
             for fqn in self.origin.get(arg, ()):
                 self.unfusable.setdefault(fqn, f"its parts are needed whole by {consumer.target}{_at(consumer)}")
 

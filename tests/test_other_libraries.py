@@ -991,3 +991,41 @@ def test_derived_weights_cells_adapters_bags_and_gates_tp2_train_equal_to_eager(
     # projection cut at half its heads, a weight rearranged per route into an einsum, one head's scores taken by their
     # owner, heads merged into the batch before a linear, a fused q, k, v split by head counts and tiled
     _tp2_trains_equal_to_eager(model_path(name), tmp_path)
+
+
+ADAPTER = model_path("tp_adapter_prompt")
+
+
+def test_a_fused_qkv_also_run_on_an_adapters_prompt_stays_sharded_and_gathers_the_prompts_product():
+    # litgpt's LLaMA-Adapter runs each layer's fused qkv (laid out in parts) on its learned prompt too and views that
+    # product in the grouped layout: the view needed the product whole, so the weight was made whole in every use,
+    # the attention with it (0.66 of each layer sharded at --tp 2). Now the weight stays column-wise by parts for the
+    # attention, and the prompt's product alone is gathered (4 tokens), each part's pieces put back in the parts'
+    # order (tp_rewrite._gathered: a gather of unequal parts had joined the ranks' pieces rank by rank)
+    manifest = check_model(ADAPTER, num_microbatches=4, layout=Layout(pp=2, tp=2))
+    params = manifest["tp"]["params"]
+    assert params["transformer.h.0.attn.attn.weight"]["role"] == "colwise"
+    assert params["transformer.h.0.attn.attn.weight"]["segments"] == [64, 32, 32]
+    assert params["transformer.h.0.attn.proj.weight"]["role"] == "rowwise"
+    record = manifest["tp"]["verified"]
+    assert record["status"] == "verified" and "repairs" not in record, record
+    assert all(stage["share"]["params"] >= 0.95 for stage in manifest["tp"]["stages"])
+
+
+def test_a_gather_of_unequal_parts_joins_each_parts_pieces(monkeypatch):
+    # the rewrite's gather of a fused projection's output in parts of unequal widths, run on 2 ranks' pieces by the
+    # verifier's interpreter: with the part-by-part order dropped it must be caught (the plan then repaired whole)
+    from tracepp.split import tp_rewrite
+
+    def rank_by_rank(g, anchor, arg, walk):
+        return tp_rewrite._insert(g, anchor, torch.ops.tracepp.tp_all_gather.default, [arg, walk.shard[arg]],
+                                  tp_rewrite._val(arg), arg)
+
+    monkeypatch.setattr(tp_rewrite, "_gathered", rank_by_rank)
+    manifest = check_model(ADAPTER, num_microbatches=4, layout=Layout(pp=2, tp=2))
+    record = manifest["tp"]["verified"]
+    assert record["status"] == "repaired", record
+
+
+def test_a_fused_qkv_also_run_on_an_adapters_prompt_tp2_trains_equal_to_eager(tmp_path):
+    _tp2_trains_equal_to_eager(ADAPTER, tmp_path)
