@@ -402,6 +402,7 @@ def _gradient_flags(graph: fx.Graph, trainable: set) -> dict:
     gives a dtype: OLMo-core's ``pos_sin.type_as(q)`` is not made to carry one); a tensor made like another
     (``zeros_like``, ``x.new_empty``) and an integer or bool result (a comparison, an index) carry none."""
     needs_grad: dict = {}
+    views: dict = {}  # a value -> the views of it made so far (what an in-place write into one of them changes)
     for node in graph.nodes:
         if node.op == "placeholder":
             needs_grad[node] = node.name in trainable
@@ -413,7 +414,28 @@ def _gradient_flags(graph: fx.Graph, trainable: set) -> dict:
             val = node.meta.get("val")
             exact = isinstance(val, torch.Tensor) and not (val.dtype.is_floating_point or val.dtype.is_complex)
             needs_grad[node] = not exact and any(needs_grad.get(arg, False) for arg in node.all_input_nodes)
+        if node.op != "call_function":
+            continue
+        root = _grad_root(node)
+        if root is not node:
+            views.setdefault(root, []).append(node)
+        if needs_grad[node]:  # a value that carries a gradient written into a tensor made without one (DeepSeek-V4's
+            #                   compressor: new_gate[:, 1:, :ratio] = chunk_gate[...] into a new_full): from here
+            #                   on, autograd has it and its views carry one
+            for arg in rules.written(node):
+                if isinstance(arg, fx.Node) and not needs_grad.get(_grad_root(arg), True):
+                    written_root = _grad_root(arg)
+                    for value in [written_root] + views.get(written_root, []):
+                        needs_grad[value] = True
     return needs_grad
+
+
+def _grad_root(node):
+    """The value ``node`` is a view of (``rules.view_root``), not through a ``detach``: the tensor an in-place write
+    into ``node`` gives a gradient to."""
+    while rules.is_view(node) and node.target is not torch.ops.aten.detach.default:
+        node = node.args[0]
+    return node
 
 
 def _stage_boundaries(traced, compute: list, split_points: Optional[list], num_stages: Optional[int],

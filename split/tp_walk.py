@@ -385,12 +385,8 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
             self._use_whole(node)
             return
         sharded = [a for a in node.all_input_nodes if a in self.shard]
-        if (not sharded and node.target is operator.getitem and node.args[0] in self.items
-                and node.args[0].target in rules.SORTS):
-            # an output of a sort placed by its items (top-k's values). Not a max's: DeepSeek-V4's max over scores
-            # beside a whole sink column, so placed, trained 7e-3 from eager (caught by verification; its value is
-            # repaired instead: tests/test_verify.py)
-            sharded = [node.args[0]]
+        if not sharded and node.target is operator.getitem and node.args[0] in self.items:
+            sharded = [node.args[0]]  # an output of a multi-output op placed by its items (top-k's, a max's values)
         if node.name in self.local_sources and not sharded:
             self._made_on_piece(node, self.local_sources[node.name])
             return

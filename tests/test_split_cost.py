@@ -174,3 +174,38 @@ def test_gradient_flags_follow_autograd():
                 aten.argmax.default: h.argmax(-1).requires_grad}
     assert {t: got[t] for t in expected} == expected
     assert expected[aten.mul.Tensor] and not any(v for t, v in expected.items() if t is not aten.mul.Tensor)
+
+
+def test_gradient_flags_follow_an_in_place_write_of_a_value_that_carries_one():
+    """A tensor made without a gradient (``new_full``) into whose slice a value that carries one is written carries
+    one from there on, and so do its views and what reads them after (DeepSeek-V4's compressor: ``new_gate[:, 1:,
+    :ratio] = chunk_gate[...]`` then ``new_gate.softmax(dim=2)``). Flagged without, the tp plan carried partial
+    gradients through it unsummed (7e-3 from eager with --verify off; verification refused the split). What reads
+    it before the write takes none, as autograd has it."""
+    import torch.nn as nn
+
+    from tracepp.split import partition
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(4, 4))
+
+        def forward(self, x):
+            gate = self.w.new_full((2, 3, 4), float("-inf"))
+            before = gate.exp()
+            view = gate[:, 1:]
+            view.copy_(x[:, :-1] @ self.w)
+            return gate.softmax(-1), view * 2, before
+
+    net, x = Net(), torch.randn(2, 3, 4)
+    program = torch.export.export(net, (x,))
+    trainable = {spec.arg.name for spec in program.graph_signature.input_specs if spec.target == "w"}
+    flags = partition._gradient_flags(program.graph, trainable)
+    got = {node.target: flags[node] for node in program.graph.nodes if node.op == "call_function"}
+    aten = torch.ops.aten
+    soft, doubled, before = net(x)
+    assert got[aten.softmax.int] is soft.requires_grad is True
+    assert got[aten.mul.Tensor] is doubled.requires_grad is True
+    assert got[aten.exp.default] is before.requires_grad is False
+    assert got[aten.new_full.default] is True  # the tensor written into: what reads it after takes a gradient
