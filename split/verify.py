@@ -216,6 +216,40 @@ def _first_difference(stage_index, original, rewritten_env, reference_env, walk,
     return None
 
 
+def _first_gradient_difference(stage_index, original, rewritten_env, reference_env, walk, size, cp: int = 1):
+    """The last value of the original graph, in order, whose gradient the ranks' do not reassemble to the reference's
+    (every value's gradient kept by both runs): the op reading it gave it a wrong one. A shard's gradient is joined as
+    the value is; a whole value's is each rank's, or the ranks' sum where the plan carries parts of it
+    (``tp_grads.holding``); a value whose gradient is not known here (partial sums, fused parts) is passed over."""
+    from tracepp.split import tp_grads
+
+    nodes = {node.name: node for node in walk.graph.nodes}
+    holding = tp_grads.holding(walk)
+    for node in reversed(list(original.nodes)):
+        if node.op != "call_function" or node.name not in rewritten_env or node.name not in nodes:
+            continue
+        mine = nodes[node.name]
+        for c in range(cp):
+            want = reference_env[node.name][c]
+            ranks = rewritten_env[node.name][c * size:(c + 1) * size]
+            if not isinstance(want, torch.Tensor) or want.grad is None or not all(
+                    isinstance(v, torch.Tensor) and v.grad is not None for v in ranks):
+                continue
+            grads = [v.grad for v in ranks]
+            if mine in walk.shard:
+                have = _whole(walk, mine, grads, size)
+            elif mine in holding:
+                have = sum(grads[1:], grads[0])
+            else:
+                have = _whole(walk, mine, grads, size)
+            for item in ([] if have is None else have if isinstance(have, list) else [have]):
+                found = _differs(item, want.grad)
+                if found:
+                    return Mismatch(stage_index, f"the gradient of {node.name}", mine.name, _op(mine), _where(mine),
+                                    found[0], found[1], _feeding(walk, mine))
+    return None
+
+
 def _partial_input(node, walk, original_names: set):
     """The partial reduction (``walk.sums``) ``node`` reads, through the collectives the rewrite put after it."""
     queue = list(node.all_input_nodes)
@@ -376,16 +410,20 @@ def reference(original, inputs: list, wanted: list, names: list, values: dict, g
 
 
 def _verify_stage(graph, stage, original, walk, size, traced, values, sent, generator, seen, training,
-                  plan_params, cp: int = 1) -> dict:
+                  plan_params, cp: int = 1, locate: bool = False) -> dict:
     """One stage's tp rewrite against ``original``; with ``cp`` > 1 ``original`` is the cp-rewritten stage, run for
     every cp rank, and the rewrite for every (tp, cp) pair (tp rank t of cp rank c at ``c * size + t``), each cp
-    rank's tp ranks compared with that cp rank's run."""
+    rank's tp ranks compared with that cp rank's run. A gradient that differs where every value of the forward
+    agrees is located by running the stage again on the same inputs (``locate``: every value's gradient kept) and
+    comparing the values' gradients, last first (:func:`_first_gradient_difference`)."""
     from tracepp.split import blocks
 
+    state = generator.get_state()  # to run the stage again on the same inputs, where a gradient alone differs
     inputs = Inputs(graph, stage, original, traced, values, generator, training)
     received = inputs.received
+    kept = [n.name for n in original.nodes if n.op == "call_function"] if locate else ()
     leaves, reference_env, outputs, out_grads = reference(original, inputs.tensors, inputs.wanted, stage.outputs,
-                                                          values, generator, cp=cp)
+                                                          values, generator, cp=cp, retain=kept)
     if cp == 1:  # every value a list over the cp ranks from here on
         leaves, outputs, out_grads = [[leaf] for leaf in leaves], [outputs], [out_grads]
     signature = blocks.graph_signature(original)
@@ -426,6 +464,10 @@ def _verify_stage(graph, stage, original, walk, size, traced, values, sent, gene
         return {"status": "mismatch", "mismatch": Mismatch(
             stage.index, f"the value of {node.name}", node.name, _op(node), _where(node), float("inf"), 0.0,
             _feeding(walk, node), failed=f"{type(error).__name__}: {str(error).splitlines()[0][:200]}")}
+    if locate:
+        for value in (v for vs in env.values() if isinstance(vs, list) for v in vs):
+            if isinstance(value, torch.Tensor) and value.requires_grad and not value.is_leaf:
+                value.retain_grad()
     result_outputs = env[walk.graph.output_node().name]
     mismatch = None
     for c in range(cp):
@@ -482,6 +524,12 @@ def _verify_stage(graph, stage, original, walk, size, traced, values, sent, gene
                 break
     if mismatch is not None:
         first = _first_difference(stage.index, original, env, reference_env, walk, size, cp)
+        if first is None and mismatch.what.startswith("the gradient"):  # the forward agrees: locate it backward
+            if not locate:
+                generator.set_state(state)
+                return _verify_stage(graph, stage, original, walk, size, traced, values, sent, generator, seen,
+                                     training, plan_params, cp, locate=True)
+            first = _first_gradient_difference(stage.index, original, env, reference_env, walk, size, cp)
         if first is not None:
             first.what = f"{first.what} (and so {mismatch.what})"
             mismatch = first

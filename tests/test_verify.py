@@ -222,3 +222,21 @@ def test_a_value_written_in_place_into_a_fresh_tensor_carries_its_gradient_under
     record = manifest["tp"]["verified"]
     assert record["status"] == "verified" and "repairs" not in record, record
     assert min(s["share"]["params"] for s in manifest["tp"]["stages"]) > 0.9
+
+
+def test_a_gradient_that_differs_where_the_forward_agrees_is_located_and_repaired(monkeypatch):
+    """A fault only the backward shows (the fault fixed above injected again: the in-place write gives a gradient to
+    the view it writes, not to the tensor it is a view of, so the tp plan carries partial gradients through that
+    tensor unsummed). Every value of the forward agrees; the verifier ran the stage again keeping every value's
+    gradient and named the last one that differs, with its op and line (it refused before: "the gradient of
+    ...sinks differs", nothing located), and the repair made whole what feeds it."""
+    from tracepp.split import partition
+
+    monkeypatch.setenv("HF_FAMILY", "deepseek_v4")
+    monkeypatch.setattr(partition, "_grad_root", lambda node: node)
+    manifest = _check(os.path.join(REPO, "tests", "zoo", "hf_family.py"), tp=2)
+    record = manifest["tp"]["verified"]
+    assert record["status"] == "repaired", record
+    first = record["repairs"][0]
+    assert first["value"].startswith("the gradient of mul_") and "sinks" in first["value"], first
+    assert first["at"].startswith("modeling_deepseek_v4.py:"), first
