@@ -32,6 +32,14 @@ def _chain(node):
     m")``, ``W.T.contiguous()``, ``b.reshape(-1)``: transposes, permutes, views and copies) or normalised over
     another dim (nGPT's weights, ``F.normalize(W, dim=-1)`` by a parametrization: a norm over a dim, kept, its
     clamp, expanded back and divided into the weight); else None."""
+    found = _chains(node)
+    return next(iter(found)) if found is not None and len(found) == 1 else None
+
+
+def _chains(node):
+    """The placeholders ``node`` is computed from on every call by such ops (:func:`_chain`), one or several
+    (KAN-GPT's ``spline_weight * spline_scaler.unsqueeze(-1)``: each index of the output and input dims kept apart in
+    both), as a frozenset; else None."""
     if not (isinstance(node, fx.Node) and node.op == "call_function"):
         return None
     found, todo, seen = set(), [node], set()
@@ -44,13 +52,11 @@ def _chain(node):
             return None  # not a weight's own few steps (an activation's history: not walked, whatever its length)
         if step.op == "placeholder":
             found.add(step)
-            if len(found) > 1:
-                return None
             continue
         if step.op != "call_function" or _derived_family(step) is None or not step.all_input_nodes:
             return None
         todo.extend(step.all_input_nodes)
-    return next(iter(found)) if len(found) == 1 else None
+    return frozenset(found) or None
 
 
 def _derived_family(node):
@@ -158,7 +164,7 @@ def _traced(node, dim: int, tp: int):
         else:
             return None, step
     way = sorted(at.items(), key=lambda item: item[0].op == "placeholder")
-    if way[-1][0].op == "placeholder" and sum(n.op == "placeholder" for n in at) == 1:
+    if way[-1][0].op == "placeholder":  # (with several parameters, each placeholder's dim is on the way)
         return way, None
     return None, node
 

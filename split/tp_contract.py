@@ -10,7 +10,7 @@ import torch
 import torch.fx as fx
 
 from tracepp.split import rules
-from tracepp.split.derived_weights import _chain, blocking_step
+from tracepp.split.derived_weights import _chains, _rearranged, blocking_step
 from tracepp.split.rules import equal as _equal, ints as _ints, sizes as _sizes, val as _val
 
 aten = torch.ops.aten
@@ -66,9 +66,17 @@ class _ContractionRules:
         """A linear's weight or bias rearranged from a parameter on every call (:func:`_chain`) is read as that
         parameter: its dims traced back to the parameter's where it is claimed (``_use``)."""
         if self._param(node) is None and isinstance(node, fx.Node) and node.op == "call_function":
-            found = _chain(node)
-            if found is not None and found.name in self.fqn_of:
-                self.chains[node] = found
+            found = _chains(node)
+            if found is not None and len(found) > 1 and not all(
+                    _rearranged(node, d, self.tp) is not None for d in range(_val(node).dim())):
+                found = None  # several parameters, one broadcast along a dim of the weight (AdaLoRA's lora_E
+                #               beside lora_A's input features): not one weight, read as the walk finds it
+            if found is not None and all(p.name in self.fqn_of for p in found):
+                # the largest parameter is the weight's; the others are claimed beside it (KAN-GPT's spline_scaler)
+                primary = max(found, key=lambda p: (_val(p).numel(), p.name))
+                self.chains[node] = primary
+                if len(found) > 1:
+                    self.companions[node] = sorted((p for p in found if p is not primary), key=lambda p: p.name)
 
     def _linear_form(self, node):
         """(input, weight node, bias node or None, the weight node's output-feature dim) of a linear of a 2-D

@@ -95,6 +95,8 @@ def _solve(walk, pinned: set) -> tuple:
         if node in reach:
             continue
         reach.add(node)
+        if node.op == "call_function" and (node.target in rules.LIKE or node.target in rules.FRESH):
+            continue  # a tensor made like another takes no gradient from it (written in place after: its own)
         stack += [a for a in node.all_input_nodes if _whole(walk, a) and a not in reach]
     order = {node: index for index, node in enumerate(walk.graph.nodes)}
     may: dict = {}  # value -> may hold a part (every gradient it takes is one)

@@ -39,9 +39,8 @@ _PUTS = {aten.index_put_.default, aten.index_put.default}  # rows written at ind
 
 def _zeros(node, walk) -> bool:
     """A value of zeros made fresh (``y = torch.zeros_like(x)``, rows of experts' outputs added into it): held as
-    partial sums, each rank's 0."""
-    return (node.op == "call_function" and node.target in _ZEROS and not walk.on_shards(node)
-            and not walk.needs_grad.get(node))
+    partial sums, each rank's 0. (It carries a gradient once what is written into it does: not a reason to sum.)"""
+    return node.op == "call_function" and node.target in _ZEROS and not walk.on_shards(node)
 
 
 def _whole_indices(node, partial: set, walk) -> bool:

@@ -70,6 +70,7 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
         self.forms: dict = {}  # linear node -> (input, weight node, bias node, weight's output-feature dim)
         self.aliases: dict = {}  # transpose of a 2-D parameter -> its placeholder
         self.chains: dict = {}  # a linear's weight or bias rearranged from one parameter (_chain) -> its placeholder
+        self.companions: dict = {}  # such a weight made of several parameters -> the others' placeholders
         self.uses: dict = {}  # fqn -> set of dims (None: used replicated)
         self.param_segments: dict = {}  # fqn -> segments of its sharded dim
         self.gathers: list = []  # (consumer node, input node)
@@ -131,6 +132,7 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
                 steps.update(mine + [end])
             else:  # a step read elsewhere too: read as the walk finds it
                 del self.chains[end]
+                self.companions.pop(end, None)
         return steps
 
     def _param(self, node):
@@ -150,7 +152,22 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
             dim = _swapped(dim, _val(node).dim())
         elif node in self.chains and dim is not None:  # a rearranged weight: its dim traced back, the way placed
             way = _rearranged(node, dim, self.tp)
+            others = self.companions.get(node, [])
+            if way is not None and others:  # a weight of several parameters: each traced, as long on its dim
+                found = dict(way)
+                way = [(step, at) for step, at in way if step not in others]
+                length = _val(way[-1][0]).shape[way[-1][1]]
+                if (any(self._param(p) in self.forced or p not in found for p in others)
+                        or any(not _equal(_val(p).shape[found[p]], length) for p in others)):
+                    way = None
             cut = cut_segments(way, segments, self.tp) if way is not None else False
+            if others and cut:  # parts cut on the way: not with several parameters
+                cut = False
+            if others and cut is not False and not ((segments or cut) and not sizes_kept(way, cut)):
+                for other in others:  # held as the weight's own parameter is: on its dim, in its segments
+                    self.uses.setdefault(self._param(other), set()).add(found[other])
+                    if segments:
+                        self.param_segments[self._param(other)] = tuple(int(s) for s in segments)
             if cut is False or ((segments or cut) and not sizes_kept(way, cut)):
                 dim = None  # segments of a dim a view regroups on the way, or parts not cut into pieces
             else:
@@ -162,6 +179,9 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
                     self.cuts[split] = [(a // self.tp, b // self.tp) for a, b in zip(bounds, bounds[1:])]
                     self.items[split] = [(self.shard[split], None)] * len(sizes)
                     segments = sizes
+        if dim is None:  # the weight whole: so are the parameters made into it beside its own
+            for other in self.companions.get(node, []):
+                self.uses.setdefault(self._param(other), set()).add(None)
         self.uses.setdefault(fqn, set()).add(dim)
         if dim is not None and segments:
             self.param_segments[fqn] = tuple(int(s) for s in segments)

@@ -90,3 +90,31 @@ def test_an_activation_is_not_a_derived_weight():
             return F.linear(x, self.a * self.b)  # two parameters: no one parameter to claim
 
     assert dw._chain(_weight_of(_graph(Two(), torch.randn(2, 6)))) is None
+
+
+class _TwoParameters(nn.Module):
+    """KAN-GPT's spline weight, ``spline_weight * spline_scaler.unsqueeze(-1)`` viewed ``[out, in * 8]``; and AdaLoRA's
+    ``(lora_A * lora_E).T``, ``lora_E`` ``[r, 1]`` broadcast along ``lora_A``'s input features."""
+
+    def __init__(self):
+        super().__init__()
+        self.spline_weight, self.spline_scaler = nn.Parameter(torch.randn(4, 6, 8)), nn.Parameter(torch.randn(4, 6))
+        self.lora_A, self.lora_E = nn.Parameter(torch.randn(3, 6)), nn.Parameter(torch.randn(3, 1))
+
+    def forward(self, bases, x):
+        spline = F.linear(bases, (self.spline_weight * self.spline_scaler.unsqueeze(-1)).view(4, -1))
+        return spline, x @ (self.lora_A * self.lora_E).T
+
+
+def test_a_weight_of_two_parameters_traces_each_parameters_dim():
+    g = _graph(_TwoParameters(), torch.randn(2, 48), torch.randn(2, 6))
+    weight = _weight_of(g)
+    found = dw._chains(weight)
+    assert found is not None and len(found) == 2 and dw._chain(weight) is None  # several: not one parameter's
+    names = {p.name: p for p in found}
+    for dim, wanted in ((0, {"spline_weight": 0, "spline_scaler": 0}), (1, {"spline_weight": 1, "spline_scaler": 1})):
+        way = dict(dw._rearranged(weight, dim, 2))  # each output feature, each input feature's 8 bases kept apart
+        assert {name.split("_", 1)[1]: way[p] for name, p in names.items()} == wanted
+    product = next(n for n in g.nodes if n.target is torch.ops.aten.matmul.default).args[1]  # (lora_A * lora_E).T
+    assert len(dw._chains(product)) == 2
+    assert dw._rearranged(product, 0, 2) is None  # lora_A's input features: lora_E is broadcast along them

@@ -1029,3 +1029,26 @@ def test_a_gather_of_unequal_parts_joins_each_parts_pieces(monkeypatch):
 
 def test_a_fused_qkv_also_run_on_an_adapters_prompt_tp2_trains_equal_to_eager(tmp_path):
     _tp2_trains_equal_to_eager(ADAPTER, tmp_path)
+
+
+KAN = model_path("tp_kan_mlp")
+
+
+def test_a_kan_linears_spline_weight_of_two_parameters_shards_as_megatron():
+    # KAN-GPT's KANLinear: its spline weight is spline_weight * spline_scaler.unsqueeze(-1), viewed [out, in * 8], on
+    # every call. A derived weight was read through to one parameter only: the spline linear stayed whole, the residual
+    # add beside the sharded base linear made the layer whole (KAN-GPT 0.00 of each layer; this file 0.11). Both
+    # parameters are now held on the dim the linear claims: c_fc by output features, c_proj by input features
+    manifest = check_model(KAN, num_microbatches=4, layout=Layout(pp=2, tp=2))
+    params = manifest["tp"]["params"]
+    for name, dim in (("c_fc", 0), ("c_proj", 1)):
+        for part in ("base_weight", "spline_weight", "spline_scaler"):
+            assert params[f"transformer.h.0.mlp.{name}.{part}"]["dim"] == dim, (name, part, params)
+    record = manifest["tp"]["verified"]
+    assert record["status"] == "verified" and "repairs" not in record, record
+    assert all(stage["share"]["params"] >= 0.99 for stage in manifest["tp"]["stages"])
+    assert _layer_bytes(KAN) == {"transformer.h.0": MEGATRON_LAYER_BYTES, "transformer.h.1": MEGATRON_LAYER_BYTES}
+
+
+def test_a_kan_mlp_tp2_trains_equal_to_eager(tmp_path):
+    _tp2_trains_equal_to_eager(KAN, tmp_path)
