@@ -76,8 +76,31 @@ def _made_by_the_plan(walk, node) -> bool:
         return node.name not in walk.fqn_of
     return (node in walk.roles or node in walk.sums or node in walk.late_sums or node in walk.partial
             or node in walk.mixed_linears or node in walk.owned or node in walk.owned_splits
-            or node in walk.loop_live
+            or node in walk.loop_live or (walk.needs_grad.get(node) and _written_then_read(node))
             or any(walk.needs_grad.get(a) and not _whole(walk, a) for a in node.all_input_nodes))
+
+
+def _written_then_read(node) -> bool:
+    """A tensor made fresh (or like another) that values carrying a gradient are written into in place and that is
+    read as a value (DeepSeek-V4's compressor: slices of a ``new_full`` filled, then its softmax taken): its gradient
+    flows to what was written into it, which this pass does not follow, so it must be whole. One only written into
+    and read through the write's result (Llama 4's ``full_like(...).scatter_(...)``) passes nothing on: not so."""
+    if node.op != "call_function" or not (node.target in rules.LIKE or node.target in rules.FRESH):
+        return False
+    todo, seen = [node], set()
+    while todo:
+        value = todo.pop()
+        for user in value.users:
+            if user in seen:
+                continue
+            seen.add(user)
+            if value in rules.written(user):
+                continue  # the write itself
+            if rules.is_view(user):
+                todo.append(user)  # a view of it: written through, or read
+            else:
+                return True
+    return False
 
 
 def _solve(walk, pinned: set) -> tuple:

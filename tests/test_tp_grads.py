@@ -172,3 +172,29 @@ def test_tp_piece_backward_places_each_ranks_piece_and_the_parts_sum_to_the_gath
         assert not outside.any()  # zeros outside this rank's piece
         placed.append(leaf.grad)
     assert torch.equal(placed[0] + placed[1], grad)
+
+
+def test_a_fresh_tensor_written_into_and_read_after_takes_a_whole_gradient():
+    """A tensor made fresh, filled in place by values that carry a gradient and read after (DeepSeek-V4's compressor:
+    slices of a ``new_full``, then its softmax) passes its gradient to what was written, which the pass does not
+    follow: its gradient is whole (summed before it). One only read through the write's own result (Llama 4's
+    ``full_like(logits).scatter_(1, idx, top)``) passes nothing on from itself."""
+    import torch.nn as nn
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(4, 4))
+
+        def forward(self, x):
+            gate = x.new_full((2, 3, 4), float("-inf"))
+            gate[:, 1:] = x[:, :-1] @ self.w
+            logits = x @ self.w
+            top, idx = logits.topk(2, dim=-1)
+            scores = torch.full_like(logits, float("-inf")).scatter_(-1, idx, top)
+            return gate.softmax(-1), scores.sigmoid()
+
+    graph = torch.export.export(Net(), (torch.randn(2, 3, 4),)).graph
+    made = {n.target: n for n in graph.nodes if n.op == "call_function"}
+    assert tp_grads._written_then_read(made[torch.ops.aten.new_full.default])
+    assert not tp_grads._written_then_read(made[torch.ops.aten.full_like.default])
