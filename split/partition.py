@@ -422,20 +422,17 @@ def _gradient_flags(graph: fx.Graph, trainable: set) -> dict:
         if needs_grad[node]:  # a value that carries a gradient written into a tensor made without one (DeepSeek-V4's
             #                   compressor: new_gate[:, 1:, :ratio] = chunk_gate[...] into a new_full): from here
             #                   on, autograd has it and its views carry one
-            for arg in rules.written(node):
-                if isinstance(arg, fx.Node) and not needs_grad.get(_grad_root(arg), True):
-                    written_root = _grad_root(arg)
+            for written_root in (_grad_root(arg) for arg in rules.written(node) if isinstance(arg, fx.Node)):
+                if not needs_grad.get(written_root, True):
                     for value in [written_root] + views.get(written_root, []):
                         needs_grad[value] = True
     return needs_grad
 
 
 def _grad_root(node):
-    """The value ``node`` is a view of (``rules.view_root``), not through a ``detach``: the tensor an in-place write
-    into ``node`` gives a gradient to."""
-    while rules.is_view(node) and node.target is not torch.ops.aten.detach.default:
-        node = node.args[0]
-    return node
+    """The tensor an in-place write into ``node`` gives a gradient to (``rules.view_root``, not through a
+    ``detach``)."""
+    return rules.view_root(node, through_detach=False)
 
 
 def _stage_boundaries(traced, compute: list, split_points: Optional[list], num_stages: Optional[int],

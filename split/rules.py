@@ -645,10 +645,10 @@ def written_roots(graph: fx.Graph) -> set:
             for arg in written(node) if isinstance(arg, fx.Node)}
 
 
-def view_root(node):
+def view_root(node, through_detach: bool = True):
     """The value ``node`` is a view of (:func:`is_view`, step by step): what an in-place write into ``node``
-    changes."""
-    while is_view(node):
+    changes. ``through_detach=False`` stops at a ``detach``: the tensor such a write gives a gradient to."""
+    while is_view(node) and (through_detach or node.target is not torch.ops.aten.detach.default):
         node = node.args[0]
     return node
 

@@ -80,12 +80,17 @@ def _made_by_the_plan(walk, node) -> bool:
             or any(walk.needs_grad.get(a) and not _whole(walk, a) for a in node.all_input_nodes))
 
 
+def _made_fresh(node) -> bool:
+    """A tensor made fresh or like another (``new_full``, ``zeros_like``): it takes no gradient from its inputs."""
+    return node.op == "call_function" and (node.target in rules.LIKE or node.target in rules.FRESH)
+
+
 def _written_then_read(node) -> bool:
     """A tensor made fresh (or like another) that values carrying a gradient are written into in place and that is
     read as a value (DeepSeek-V4's compressor: slices of a ``new_full`` filled, then its softmax taken): its gradient
     flows to what was written into it, which this pass does not follow, so it must be whole. One only written into
     and read through the write's result (Llama 4's ``full_like(...).scatter_(...)``) passes nothing on: not so."""
-    if node.op != "call_function" or not (node.target in rules.LIKE or node.target in rules.FRESH):
+    if not _made_fresh(node):
         return False
     todo, seen = [node], set()
     while todo:
@@ -118,7 +123,7 @@ def _solve(walk, pinned: set) -> tuple:
         if node in reach:
             continue
         reach.add(node)
-        if node.op == "call_function" and (node.target in rules.LIKE or node.target in rules.FRESH):
+        if _made_fresh(node):
             continue  # a tensor made like another takes no gradient from it (written in place after: its own)
         stack += [a for a in node.all_input_nodes if _whole(walk, a) and a not in reach]
     order = {node: index for index, node in enumerate(walk.graph.nodes)}

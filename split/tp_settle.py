@@ -50,13 +50,18 @@ def _regions(walk: _Walk) -> list:
     return list(groups.values())
 
 
-def _narrow_columns(walk: _Walk) -> dict:
+def _narrow_columns(walk: _Walk, closing: set) -> dict:
     """{weight FQN: why} of column-wise linears whose sharded output never reaches a row-wise linear or a sum
     over the pieces and is needed whole before the stage's end: the gather would cost what the shard saves. A
-    column-wise linear whose output is gathered only to leave the stage (the head's logits) is kept."""
+    column-wise linear whose output is gathered only to leave the stage (the head's logits) is kept. Adds to
+    ``closing`` the FQNs of the column-wise weights in regions a row-wise linear closes: sharded there to good
+    effect. A weight also read by a call whose output is needed whole (litgpt's adapter runs the layer's fused
+    ``qkv`` on its learned prompt and views the product in its own layout) keeps its shard (``_settle_on``): that
+    call's small output is gathered, where making the weight whole would replicate the attention that shards it."""
     out = {}
     for region in _regions(walk):
-        if _closed(walk, region):
+        if any(walk.roles.get(n) == "rowwise" for n in region):  # closed: its shards are summed, not gathered
+            closing.update(walk._param(walk.forms[n][1]) for n in region if walk.roles.get(n) == "colwise")
             continue
         inside = [consumer for consumer, arg in walk.gathers if arg in region and consumer.op != "output"
                   and arg not in walk.gathered_out]
@@ -66,25 +71,6 @@ def _narrow_columns(walk: _Walk) -> dict:
         for node in region:
             if walk.roles.get(node) == "colwise":
                 out[walk._param(walk.forms[node][1])] = why
-    return out
-
-
-def _closed(walk: _Walk, region) -> bool:
-    """Whether a region of sharded values ends in a row-wise linear: its column-wise linears' shards are summed,
-    not gathered."""
-    return any(walk.roles.get(n) == "rowwise" for n in region)
-
-
-def _closing(walks: list) -> set:
-    """FQNs of the weights of column-wise linears in a region some row-wise linear closes: sharded there to good
-    effect. A weight also read by a call whose output is needed whole (litgpt's adapter runs the layer's fused
-    ``qkv`` on its learned prompt and views the product in its own layout) keeps its shard: that call's small
-    output is gathered, where making the weight whole would replicate the attention that shards it."""
-    out = set()
-    for walk in walks:
-        for region in _regions(walk):
-            if _closed(walk, region):
-                out.update(walk._param(walk.forms[n][1]) for n in region if walk.roles.get(n) == "colwise")
     return out
 
 
@@ -718,17 +704,21 @@ def _settle_on(graphs: list, tp: int, notes: dict, fused: dict = None, sequence=
             continue  # a key/value part needed whole: compute it whole, shard the rest, and walk again
         uses: dict = {}
         segments: dict = {}
+        columns: dict = {}  # fqn -> why, of _narrow_columns
+        closing: set = set()
         for walk, seen in zip(walks, reasons):
             seen.update(dict.fromkeys(walk.reasons))
-            narrow.update(_narrow_columns(walk))
+            found = _narrow_columns(walk, closing)
+            columns.update(found)
+            narrow.update(found)
             for fqn, why in walk.unfusable.items():
                 narrow.setdefault(fqn, f"a fused projection: {why}")
             for fqn, dims in walk.uses.items():
                 uses.setdefault(fqn, set()).update(dims)
             for fqn, parts in walk.param_segments.items():
                 segments.setdefault(fqn, set()).add(parts)
-        for fqn in _closing(walks):
-            if narrow.get(fqn, "").startswith("its output is needed whole"):
+        for fqn in closing & set(columns):  # closed in another use: only this call's output gathered
+            if narrow.get(fqn) == columns[fqn]:
                 del narrow[fqn]
         for fqn, dims in uses.items():
             if len(dims) > 1:

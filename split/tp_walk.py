@@ -163,14 +163,13 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
             cut = cut_segments(way, segments, self.tp) if way is not None else False
             if others and cut:  # parts cut on the way: not with several parameters
                 cut = False
-            if others and cut is not False and not ((segments or cut) and not sizes_kept(way, cut)):
+            if cut is False or ((segments or cut) and not sizes_kept(way, cut)):
+                dim = None  # segments of a dim a view regroups on the way, or parts not cut into pieces
+            else:
                 for other in others:  # held as the weight's own parameter is: on its dim, in its segments
                     self.uses.setdefault(self._param(other), set()).add(found[other])
                     if segments:
                         self.param_segments[self._param(other)] = tuple(int(s) for s in segments)
-            if cut is False or ((segments or cut) and not sizes_kept(way, cut)):
-                dim = None  # segments of a dim a view regroups on the way, or parts not cut into pieces
-            else:
                 for step, at in way[:-1]:
                     self.shard[step] = at
                 dim = way[-1][1]

@@ -235,13 +235,8 @@ def _first_gradient_difference(stage_index, original, rewritten_env, reference_e
             if not isinstance(want, torch.Tensor) or want.grad is None or not all(
                     isinstance(v, torch.Tensor) and v.grad is not None for v in ranks):
                 continue
-            grads = [v.grad for v in ranks]
-            if mine in walk.shard:
-                have = _whole(walk, mine, grads, size)
-            elif mine in holding:
-                have = sum(grads[1:], grads[0])
-            else:
-                have = _whole(walk, mine, grads, size)
+            grads = [v.grad for v in ranks]  # (a value holding parts is whole, never a shard)
+            have = sum(grads[1:], grads[0]) if mine in holding else _whole(walk, mine, grads, size)
             for item in ([] if have is None else have if isinstance(have, list) else [have]):
                 found = _differs(item, want.grad)
                 if found:

@@ -6,7 +6,7 @@ Cox-de Boor recursion) flattened ``[n, in * 8]`` by ``spline_weight * spline_sca
 of 16, 2 layers, vocabulary 128, dropout 0; its MLP 4x the hidden size, as minGPT's.
 """
 import torch
-from other_common import HEADS, HIDDEN, LAYERS, SEQ, VOCAB, examples_of, sgd, token_batch, version
+from other_common import HEADS, HIDDEN, LAYERS, SEQ, VOCAB, examples_of, ids_targets_batch, own_loss, sgd, version
 
 LIBRARY, VERSION = "kan_gpt", version("kan_gpt")
 SOURCE = "kan_gpt/model.py (GPT, Block, CausalSelfAttention), kan_gpt/efficient_kan/model.py (KAN, KANLinear)"
@@ -26,16 +26,9 @@ def model():
     return GPT(config)
 
 
-def batch(step):
-    ids, target = token_batch(step)
-    return (ids, target), {}, target
-
-
+batch = ids_targets_batch
 example_inputs, example_kwargs, example_target = examples_of(batch)
-
-
-def loss_fn(output, target):
-    return output[1]  # the model's own loss
+loss_fn = own_loss  # the model's own loss
 
 
 optimizer = sgd

@@ -5,7 +5,7 @@ softmax), GELU written out (``NewGELU``), an untied head; 4 heads of 16, 2 layer
 """
 import torch
 from mingpt.model import GPT
-from other_common import HEADS, HIDDEN, LAYERS, SEQ, VOCAB, examples_of, sgd, token_batch
+from other_common import HEADS, HIDDEN, LAYERS, SEQ, VOCAB, examples_of, ids_targets_batch, own_loss, sgd
 
 LIBRARY, VERSION = "minGPT", "37baab7 (vendored)"
 SOURCE = "karpathy/minGPT mingpt/model.py (GPT, Block, CausalSelfAttention, NewGELU)"
@@ -22,16 +22,9 @@ def model():
     return GPT(config)
 
 
-def batch(step):
-    ids, target = token_batch(step)
-    return (ids, target), {}, target
-
-
+batch = ids_targets_batch
 example_inputs, example_kwargs, example_target = examples_of(batch)
-
-
-def loss_fn(output, target):
-    return output[1]  # the model's own loss
+loss_fn = own_loss  # the model's own loss
 
 
 optimizer = sgd

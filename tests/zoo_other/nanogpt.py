@@ -6,7 +6,7 @@ heads), 2 layers, vocabulary 128, dropout 0, biases on.
 """
 import torch
 from karpathy_nanogpt.model import GPT, GPTConfig
-from other_common import HEADS, HIDDEN, LAYERS, SEQ, VOCAB, examples_of, sgd, token_batch
+from other_common import HEADS, HIDDEN, LAYERS, SEQ, VOCAB, examples_of, ids_targets_batch, own_loss, sgd
 
 LIBRARY, VERSION = "nanoGPT", "3adf61e (vendored)"
 SOURCE = "karpathy/nanoGPT model.py (GPT, Block, CausalSelfAttention, MLP, LayerNorm)"
@@ -19,16 +19,9 @@ def model():
                          dropout=0.0, bias=True))
 
 
-def batch(step):
-    ids, target = token_batch(step)
-    return (ids, target), {}, target
-
-
+batch = ids_targets_batch
 example_inputs, example_kwargs, example_target = examples_of(batch)
-
-
-def loss_fn(output, target):
-    return output[1]  # the model's own loss (cross-entropy over every position, a mean)
+loss_fn = own_loss  # the model's own loss
 
 
 optimizer = sgd

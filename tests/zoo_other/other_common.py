@@ -28,6 +28,18 @@ def ids_batch(step: int):
     return (ids,), {}, target
 
 
+def ids_targets_batch(step: int):
+    """``batch(step)`` of a model called as ``model(ids, targets)`` that returns ``(logits, loss)`` (nanoGPT's,
+    minGPT's): its own loss is trained (:func:`own_loss`)."""
+    ids, target = token_batch(step)
+    return (ids, target), {}, target
+
+
+def own_loss(output, target):
+    """The loss a model returns beside its logits (``output[1]``: cross-entropy over every position, a mean)."""
+    return output[1]
+
+
 def causal_lm_loss(output, target):
     """Mean next-token cross-entropy of logits ``[batch, seq, vocab]`` (or a tuple/object holding them first)."""
     logits = output
