@@ -99,6 +99,16 @@ def _after(g: fx.Graph, node, target, args, like=None, local=(None, 1)) -> fx.No
     return new
 
 
+def _channels(g: fx.Graph, anchor, bias, node=None) -> fx.Node:
+    """A row-wise convolution's ``bias`` (``[channels]``) viewed along its output's channels, dim 1 (``[channels, 1,
+    ...]``), inserted before ``anchor``, to be added after the sum; any other linear's as it is."""
+    node = node or anchor
+    if node.target not in rules.CONVS:
+        return bias
+    shape = [-1] + [1] * (_val(node).dim() - 2)
+    return _insert(g, anchor, aten.view.default, [bias, shape], _val(bias).view(shape), node)
+
+
 def _gathered(g: fx.Graph, anchor, arg, walk: _Walk) -> fx.Node:
     """``arg``'s shards joined before ``anchor``. A value of a fused projection's parts (``walk.segs``: the parts'
     whole widths) holds each part's piece side by side on every rank: equal parts are joined part by part by the
@@ -310,8 +320,8 @@ def _rewrite(g: fx.Graph, walk: _Walk, tp: int, params: dict) -> None:
             x, weight, bias, _out_dim = walk.forms[node]
             if node.target is aten.addmm.default:  # the bias is added once, after the sum
                 node.target = aten.mm.default
-            if node.target is aten.conv1d.default:  # a 1 x 1 convolution (no bias): its groups kept
-                node.args = (x, weight, *node.args[2:])
+            if node.target in rules.CONVS:  # its bias added after the sum (along the channels), its groups kept
+                node.args = (x, weight, None, *node.args[3:])
             elif node.target is not aten.einsum.default:  # (an einsum's operands are as they were)
                 node.args = (weight, x) if node.args[0] is weight else (x, weight)
             if node in walk.deferred:  # its partial sums carried on, all-reduced at walk.late_sums (tp_partial)
@@ -320,13 +330,13 @@ def _rewrite(g: fx.Graph, walk: _Walk, tp: int, params: dict) -> None:
                     if walk.needs_grad.get(bias) and bias not in late:  # each rank's gradient is 1/tp of it
                         share = _insert(g, node, TP.tp_copy.default, [bias], _val(bias), node)
                     share = _insert(g, node, aten.div.Tensor, [share, tp], _val(bias), node)
-                    _after(g, node, aten.add.Tensor, [node, share], node)
+                    _after(g, node, aten.add.Tensor, [node, _channels(g, node, share)], node)
                 continue
             reduced = _after(g, node, *_reduction(node, scatter), local=(scatter, tp))
             if bias is not None:
                 if scatter is not None and walk.needs_grad.get(bias) and bias not in late:  # added to its tokens
                     bias = _insert(g, reduced, TP.tp_copy.default, [bias], _val(bias), node)
-                _after(g, reduced, aten.add.Tensor, [reduced, bias], node)
+                _after(g, reduced, aten.add.Tensor, [reduced, _channels(g, reduced, bias, node)], node)
         elif role == "vocab":
             weight, indices = node.args[0], node.args[1]
             if node.target is aten.index.Tensor:  # W_E[tokens, :]: its one index

@@ -118,7 +118,7 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
             if node.op == "call_function" and node.target is aten.linear.default:
                 for arg in node.args[1:3]:
                     self._read_through(arg)
-            elif node.op == "call_function" and node.target is aten.conv1d.default:
+            elif node.op == "call_function" and node.target in rules.CONVS:
                 self._channel_linear(node)
             elif node.op == "call_function" and node.target is aten.einsum.default and len(node.args[1]) == 2:
                 for arg in node.args[1]:  # a weight viewed with batch labels (tp_contract._batched_einsum_linear)

@@ -1,0 +1,69 @@
+"""Issue 57: talking-heads attention as x-transformers writes it (``x_transformers/attend.py``, ``Attend`` with
+``pre_talking_heads`` and ``post_talking_heads``): the ``[b, heads, i, j]`` scores mixed across heads by a 1 x 1
+``nn.Conv2d(heads, heads, 1, bias=False)`` before the softmax (its output added to the scores), the attention
+weights mixed across heads again after it; 4 query heads of 16, 2 key/value heads tiled by ``repeat``,
+``F.normalize`` RMSNorm, a SwiGLU MLP; 2 layers, hidden 64, 16 tokens.
+
+A 1 x 1 convolution over the heads is a linear over the channels of each (i, j): with the heads sharded, each rank's
+product over its heads is a partial sum of every output head (row-wise), and a whole input gives each rank its
+output heads (column-wise). Before, no rule placed a two-dimensional convolution over sharded channels, and the
+attention of every layer was whole on every rank (x-transformers' talking heads at 0.50 of each layer).
+"""
+import functools
+import os
+
+import torch
+import torch.nn as nn
+from lib_style import (D, HEAD_DIM, HEADS, Decoder, NormalizeRMSNorm, SeparateAttention, SwiGLU, loss_fn,  # noqa: F401
+                       sgd, token_batch)
+
+KV_HEADS = 2
+KERNEL = int(os.environ.get("TALKING_KERNEL", "1"))  # 3: each score mixed with its neighbours' too
+BIAS = os.environ.get("TALKING_BIAS", "0") == "1"
+GROUPS = int(os.environ.get("TALKING_GROUPS", "1"))  # 2 (kernel 3): heads {0, 1} and {2, 3} mixed apart
+
+
+class TalkingHeadsAttention(SeparateAttention):
+    def __init__(self, kv_heads):
+        super().__init__(kv_heads)
+        self.pre_softmax_talking_heads = nn.Conv2d(HEADS, HEADS, KERNEL, padding=KERNEL // 2, bias=BIAS,
+                                                   groups=GROUPS)
+        self.post_softmax_talking_heads = nn.Conv2d(HEADS, HEADS, 1, bias=BIAS)
+        with torch.no_grad():  # x-transformers initialises both to the identity (dirac); a little off it here
+            for conv in (self.pre_softmax_talking_heads, self.post_softmax_talking_heads):
+                conv.weight.mul_(0.1).add_(nn.init.dirac_(torch.empty_like(conv.weight), conv.groups))
+
+    def forward(self, x, cos, sin):
+        B, T, _ = x.shape
+        q = self.to_q(x).view(B, T, HEADS, HEAD_DIM).transpose(1, 2)
+        k = self.to_k(x).view(B, T, self.kv_heads, HEAD_DIM).transpose(1, 2)
+        v = self.to_v(x).view(B, T, self.kv_heads, HEAD_DIM).transpose(1, 2)
+        r = HEADS // self.kv_heads
+        k, v = k.repeat(1, r, 1, 1), v.repeat(1, r, 1, 1)
+        sim = torch.einsum("b h i d, b h j d -> b h i j", q, k) * HEAD_DIM ** -0.5
+        sim = sim + self.pre_softmax_talking_heads(sim)
+        causal = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)
+        attn = sim.masked_fill(causal, -torch.finfo(sim.dtype).max).softmax(dim=-1)
+        attn = self.post_softmax_talking_heads(attn)
+        out = torch.einsum("b h i j, b h j d -> b h i d", attn, v)
+        return self.to_out(out.transpose(1, 2).reshape(B, T, HEADS * HEAD_DIM))
+
+
+def model():
+    torch.manual_seed(0)
+    return Decoder(2, functools.partial(NormalizeRMSNorm, D), functools.partial(TalkingHeadsAttention, KV_HEADS),
+                   SwiGLU)
+
+
+batch = token_batch
+
+
+def example_inputs():
+    return batch(0)[0]
+
+
+def example_target():
+    return batch(0)[2]
+
+
+optimizer = sgd
