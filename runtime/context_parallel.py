@@ -31,6 +31,11 @@ The ops (``torch.ops.tracepp.cp_*``), each with a fake implementation (shapes) a
 * ``cp_cumsum(x, dim)`` / ``cp_logcumsumexp(x, dim)``: the running sum (log-sum-exp) along the sequence: each chunk's
   own, plus what every chunk before it adds up to (each chunk's total all-gathered, summed over the chunks before);
   backward is autograd's through that all-gather;
+* ``cp_linear_scan(a, b, dim)``: the states of a first-order linear recurrence along the sequence, ``h[t] = a[t] *
+  h[t - 1] + b[t]`` from ``h[-1] = 0`` (Mamba's selective scan written as a Python loop over the positions, which
+  the trace unrolls: ``split/cp_loop.py``): each chunk run from zero, with the product of its ``a``; each chunk's
+  product and last state all-gathered; the state entering a chunk folded from the chunks before it, and ``h = own +
+  (running product of a) * entering``. Backward is autograd's through that all-gather;
 * ``cp_amax(x, dims, keepdim)``: the maximum over ``dims`` (the sequence dim among them) of every cp rank's
   positions: each rank's own maximum, all-reduced with max. Backward sums the ranks' gradients (every rank's
   positions read the maximum) and gives the sum to the positions that hold the maximum, shared equally among them
@@ -338,6 +343,46 @@ def scan_assemble(parts: list, joined: torch.Tensor, dim: int, kind: str, cp: in
     return torch.cat(out, dim=-1).movedim(-1, dim)
 
 
+def linear_scan_chunks(a: torch.Tensor, b: torch.Tensor, dim: int) -> tuple:
+    """(each of this rank's two chunks of ``h[t] = a[t] * h[t - 1] + b[t]`` run from a zero state, the running
+    product of ``a`` over each, and the totals: each chunk's product of ``a`` and its last state, ``[2, 2, ...]``
+    (chunk, then product / state) along dim 0). ``a`` and ``b`` broadcast to one shape; ``dim`` holds the positions."""
+    am, bm = (t.movedim(dim, 0) for t in torch.broadcast_tensors(a, b))
+    chunk = am.shape[0] // 2
+    states, products = [], []
+    for first in (0, chunk):
+        h, p, hs, ps = torch.zeros_like(bm[0]), torch.ones_like(am[0]), [], []
+        for t in range(first, first + chunk):  # the recurrence as the model runs it, on this chunk's positions
+            h = am[t] * h + bm[t]
+            p = p * am[t]
+            hs.append(h)
+            ps.append(p)
+        states.append(torch.stack(hs))
+        products.append(torch.stack(ps))
+    totals = torch.stack([torch.stack([p[-1], h[-1]]) for p, h in zip(products, states)])
+    return states, products, totals
+
+
+def linear_scan_assemble(states: list, products: list, joined: torch.Tensor, dim: int, cp: int,
+                         rank: int) -> torch.Tensor:
+    """This rank's states of the recurrence: each chunk's own plus its running product of ``a`` times the state
+    entering it, folded from the totals of every chunk before it (``joined``: ``[2 cp, 2, ...]`` in sequence order)."""
+    out = []
+    for own, product, which in zip(states, products, chunk_order(cp, rank)):
+        entering = torch.zeros_like(own[0])
+        for k in range(which):
+            entering = joined[k, 0] * entering + joined[k, 1]
+        out.append(own + product * entering)
+    return torch.cat(out).movedim(0, dim)
+
+
+def _linear_scan(a: torch.Tensor, b: torch.Tensor, dim: int) -> torch.Tensor:
+    """``cp_linear_scan``: the chunks' totals all-gathered (``cp_all_gather``; its backward reduce-scatters)."""
+    states, products, totals = linear_scan_chunks(a, b, dim)
+    joined = torch.ops.tracepp.cp_all_gather.default(totals, 0).clone()  # (kept as it is for backward, as _scan's)
+    return linear_scan_assemble(states, products, joined, dim, _STATE["size"], _STATE["rank"])
+
+
 def _scan(kind: str):
     def scan(x: torch.Tensor, dim: int) -> torch.Tensor:
         parts, totals = scan_chunks(x, dim, kind)
@@ -365,6 +410,7 @@ def _register():
     lib.define("cp_cumsum(Tensor x, int dim) -> Tensor")
     lib.define("cp_logcumsumexp(Tensor x, int dim) -> Tensor")
     lib.define("cp_cumprod(Tensor x, int dim) -> Tensor")
+    lib.define("cp_linear_scan(Tensor a, Tensor b, int dim) -> Tensor")
 
     # composites of differentiable ops: autograd, fake tensors and the compiler go through them as through any
     # torch code (the rank and size are read when the op runs)
@@ -375,6 +421,7 @@ def _register():
     lib.impl("cp_cumsum", _scan("cumsum"), "CompositeImplicitAutograd")  # through cp_all_gather, as cp_halo
     lib.impl("cp_logcumsumexp", _scan("logcumsumexp"), "CompositeImplicitAutograd")
     lib.impl("cp_cumprod", _scan("cumprod"), "CompositeImplicitAutograd")
+    lib.impl("cp_linear_scan", _linear_scan, "CompositeImplicitAutograd")
     for name, forward in (("cp_all_gather", _gather), ("cp_reduce_scatter", _reduce_scatter),
                           ("cp_all_reduce", _all_reduce), ("cp_amax", _amax)):
         lib.impl(name, forward, "CPU")

@@ -3,13 +3,14 @@ placement a cp walk made becomes ``cp_shard`` cuts, key/value ``cp_all_gather``s
 fewest, local sizes, causal masks from this rank's positions and loss sums with their counts."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import functools
 import operator
+from typing import TYPE_CHECKING
 
 import torch
 import torch.fx as fx
 
-from tracepp.split import rules
+from tracepp.split import cp_loop, rules
 from tracepp.split.cp_causal import SCANS as _SCANS
 from tracepp.split.cp_walk import _Walk, _int, _sizes
 from tracepp.split.rules import equal as _equal, val as _val, where
@@ -33,7 +34,9 @@ def _stage_record(walk: _Walk) -> dict:
     return {
         "reduced": [{"op": rules.op_name(n), "line": where(n)} for n in list(walk.sums) + list(walk.maxima)],
         "causal": len(walk.causal),
-        "scans": [{"op": rules.op_name(n), "line": where(n)} for n in walk.scans],
+        "scans": [{"op": rules.op_name(n), "line": where(n)} for n in walk.scans] + [
+            {"op": f"a recurrence over {record[0]} positions", "line": where(stack)}
+            for stack, record in walk.position_loops.items() if record[1]],
         "sharded_values": sum(1 for n in walk.shard if n.op != "placeholder"),
         "whole": whole_record(walk),
     }
@@ -220,6 +223,9 @@ def _rewrite(g: fx.Graph, walk: _Walk, cp: int) -> None:
         if isinstance(val, (list, tuple)):
             node.meta["val"] = type(val)(_local_val(v, e[0], cp) if e is not None and isinstance(v, torch.Tensor)
                                          else v for v, e in zip(val, entries))
+    for stack, record in walk.position_loops.items():  # each rank runs its own positions' steps
+        walk.dead.extend(cp_loop.rewrite(g, stack, record, record[0] // cp, functools.partial(_insert, g),
+                                         CP.cp_linear_scan.default))
     for node in reversed(walk.dead):  # read by nothing: not computed on this rank's positions, not computed at all
         if not node.users:
             g.erase_node(node)

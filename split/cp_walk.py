@@ -13,7 +13,7 @@ import torch
 import torch.fx as fx
 
 import tracepp.runtime.context_parallel  # noqa: F401  (registers torch.ops.tracepp.cp_*)
-from tracepp.split import rules
+from tracepp.split import cp_loop, rules
 from tracepp.split.cost import op_name
 from tracepp.split.expert_parallel import GROUPED_MM, PICKS
 from tracepp.split.cp_causal import LookBack
@@ -87,7 +87,13 @@ class _Walk(LookBack, Propagation):
         self.dead: list = []  # values no op reads, which cp could not place: erased (cp_rewrite)
         self.whole_ops: dict = {}  # op no rule places -> why: run on the whole sequence at every cp rank
         self.whole_gathers: list = []  # (such an op, a sharded input): all-gathered over cp in sequence order
+        self._loops: dict = {}  # node of a loop over positions the trace unrolled -> the loop (cp_loop.find)
+        for loop in cp_loop.find(graph):
+            self._loops.update(dict.fromkeys([*loop.step_of, loop.stack], loop))
+        self._accepted: dict = {}  # loop -> whether each rank runs its own positions' steps
+        self.position_loops: dict = {}  # such a loop's stack -> its record (cp_loop.PositionLoop.record)
         self._walk(graph)
+        self._loops = self._accepted = None  # (only the records are mapped onto repeated blocks)
 
     # -- helpers
     def _refuse(self, node, why: str) -> bool:
@@ -165,6 +171,8 @@ class _Walk(LookBack, Propagation):
             return
         if node.op != "call_function" or node.target in rules.IGNORED or node in self.unhalos:
             return  # (a causal convolution's cut back to the sequence: placed with the convolution)
+        if node in self._loops and self._position_loop(node, self._loops[node]):
+            return
         sharded = [a for a in node.all_input_nodes if a in self.shard]
         if not sharded and node.target is operator.getitem and node.args[0] in self.items:
             sharded = [node.args[0]]  # an output of a multi-output op that holds shards
@@ -181,6 +189,38 @@ class _Walk(LookBack, Propagation):
         if self.whole and len(self.refusals) > mark["refusals"] and node not in self.expert_nodes:
             self._run_whole(node, mark)  # (inside a block of routed experts the token indices are the rank's own:
             # gathered, they would not index the whole sequence's tokens; such an op stays refused by name)
+
+    def _position_loop(self, node, loop) -> bool:
+        """A node of a loop over positions (``cp_loop``): each rank runs the steps of its own positions, where every
+        position a step reads is of a sequence shard of one sequence on that dim, as long as the loop, and nothing
+        else of a step is sharded (the state carried as ``h = a * h + b``: ``cp_linear_scan``). Its stack is then
+        this rank's positions in its order; the steps' values are each rank's own (placed nowhere). False where the
+        loop is not one (its ops placed one by one, or run on the whole sequence)."""
+        if loop not in self._accepted:
+            self._accepted[loop] = self._accept_loop(loop)
+            if self._accepted[loop]:
+                self.position_loops[loop.stack] = loop.record()
+        if not self._accepted[loop]:
+            return False
+        if node is loop.stack:
+            self._place(node, rules.arg(node, 1, "dim", 0) % _val(node).dim(), 1)
+        return True
+
+    def _accept_loop(self, loop) -> bool:
+        if loop.steps % (2 * self.cp) or any((rules.op_name(n), rules.where(n)) in self.forced
+                                             for n in [*loop.step_of, loop.stack]):
+            return False
+        for read, (src, dim, _t) in loop.reads.items():
+            if self.shard.get(src) != (dim, 1) or not _equal(self._global(src, dim), loop.steps):
+                return False
+        for n in loop.step_of:
+            if n in loop.reads:
+                continue
+            for a in n.all_input_nodes:  # a step reads its positions, other steps' values and values that do not
+                if a not in loop.step_of and a is not loop.start and (  # run along the sequence (a weight)
+                        a in self.shard or self._seq_dims(_val(a))):
+                    return False  # (a step reading a whole value as long as the sequence would read it by the
+        return loop.start is None or loop.start not in self.shard  # step's position, which is the rank's here)
 
     def _mark(self) -> dict:
         """How long every record of the walk is (each grows by appending), so a rule's partial edits can be undone."""

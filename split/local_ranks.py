@@ -214,11 +214,17 @@ def _cp_collective(target, values, args, cp):
         scanned = [cp_runtime.scan_chunks(values[r], dim, kind) for r in ranks]
         joined = _cp_collective(TP.cp_all_gather.default, [totals for _parts, totals in scanned], [dim], cp)
         return [cp_runtime.scan_assemble(scanned[r][0], joined[r], dim, kind, cp, r) for r in ranks]
+    if target is TP.cp_linear_scan.default:  # the runtime's own, the all-gather of the chunks' totals simulated
+        b, dim = args[0], args[1]  # (b: each rank's)
+        scanned = [cp_runtime.linear_scan_chunks(values[r], b[r], dim) for r in ranks]
+        joined = _cp_collective(TP.cp_all_gather.default, [totals for _s, _p, totals in scanned], [0], cp)
+        return [cp_runtime.linear_scan_assemble(states, products, joined[r], dim, cp, r)
+                for r, (states, products, _t) in zip(ranks, scanned)]
     raise NotVerified(f"{target} has no simulation here")
 
 
 _CP_COLLECTIVES = {"cp_all_gather", "cp_reduce_scatter", "cp_all_reduce", "cp_amax", "cp_halo", "cp_cumsum",
-                   "cp_logcumsumexp", "cp_cumprod"}
+                   "cp_logcumsumexp", "cp_cumprod", "cp_linear_scan"}
 _LOCAL = {"tp_owned_split", "tp_owned_select", "cp_shard", "cp_positions", "tp_vocab_rows",  # read the rank from
           "cp_unhalo"}                                                                         # _STATE, or none
 
@@ -303,7 +309,8 @@ def _step(node, env, at, over, placeholders, size, cp, tp_groups, cp_groups, ext
             return
         if name in _CP_COLLECTIVES:
             env[node.name] = over(cp_groups, lambda group: _cp_collective(
-                target, [env[node.args[0].name][r] for r in group], list(node.args[1:]), cp))
+                target, [env[node.args[0].name][r] for r in group],
+                [[env[a.name][r] for r in group] if isinstance(a, fx.Node) else a for a in node.args[1:]], cp))
             return
         if name == "tp_vocab_embedding":
             weight, ids, padding = node.args[:3]

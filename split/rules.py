@@ -160,7 +160,7 @@ IGNORE_INDEX = {aten.cross_entropy_loss.default: 4, aten.nll_loss.default: 4, at
 # rewrote, and a tp shard of another dim passes through them
 CP_COLLECTIVES = ("tracepp::cp_shard", "tracepp::cp_all_gather", "tracepp::cp_reduce_scatter",
                   "tracepp::cp_all_reduce", "tracepp::cp_halo", "tracepp::cp_unhalo", "tracepp::cp_cumsum",
-                  "tracepp::cp_logcumsumexp", "tracepp::cp_cumprod",
+                  "tracepp::cp_logcumsumexp", "tracepp::cp_cumprod", "tracepp::cp_linear_scan",
                   "tracepp::cp_amax")  # (x, dim, ...): each works along its dim alone; cp_amax (x, dims, keepdim)
                                        # over dims
 

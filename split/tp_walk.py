@@ -647,6 +647,8 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
         """--cp's collectives along the sequence: a shard of another dim passes through (moved where ``cp_amax``
         drops the dims it reduces)."""
         first = node.args[0]
+        if node.target.name() == "tracepp::cp_linear_scan":  # (a, b, dim): elementwise in a and b along the others
+            return all(self.shard[x] != node.args[2] for x in sharded) and self._elementwise(node)
         if first not in self.shard or len(sharded) != 1:
             return False
         ndim, held = _val(first).dim(), self.shard[first]

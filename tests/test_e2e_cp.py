@@ -147,13 +147,15 @@ def test_attention_spelled_as_einsum_trains_at_cp2(tmp_path):
 
 def test_a_loop_scan_on_the_whole_sequence_trains_equal_to_eager_at_cp2(tmp_path):
     """``tests/models/cp_loop_scan.py`` (attention, then Mamba's selective scan as a loop over positions) at pp 2 x
-    cp 2: the scan runs on the whole sequence at every cp rank (its inputs all-gathered, its outputs cut back), the
-    attention on each rank's positions; 3 steps equal to eager (refused before). Griffin's window, a slice of the
-    gathered sequence written into in place, failed in backward while the all-gather returned a view of a temporary
-    ("Output 0 of Slice is a view and is being modified inplace", recurrentgemma at cp 2)."""
+    cp 2: the scan runs each rank's own positions' steps, the state entering its chunks carried from the chunks
+    before (``cp_linear_scan``; it ran on the whole sequence at every cp rank before), Griffin's window on the whole
+    sequence, the attention on each rank's positions; 3 steps equal to eager (refused before). The window, a slice of
+    the gathered sequence written into in place, failed in backward while the all-gather returned a view of a
+    temporary ("Output 0 of Slice is a view and is being modified inplace", recurrentgemma at cp 2)."""
     path, out, saved = model_path("cp_loop_scan"), str(tmp_path / "out"), str(tmp_path / "trained.pt")
     manifest = split_model(path, out, num_microbatches=2, layout=Layout(pp=2, cp=2))
-    assert all(stage["whole"] for stage in manifest["cp"]["stages"])
+    assert [bool(stage["whole"]) for stage in manifest["cp"]["stages"]] == [True, False]
+    assert all(stage["scans"] for stage in manifest["cp"]["stages"])
     _run(out, 4, "--steps", "3", "--save", saved)
     state = torch.load(saved)
     assert_trained(state, path)

@@ -359,6 +359,18 @@ def test_row_ops_and_a_normalized_table_cp2_train_equal_to_eager(name, tmp_path)
     _train_against_eager(path, out, 2, tmp_path)
 
 
+@pytest.mark.parametrize("scan,tp", [("project", 1), ("stack", 1), ("project", 2)])
+def test_a_scan_written_as_a_loop_over_positions_cp2_trains_equal_to_eager(scan, tp, tmp_path, monkeypatch):
+    # Mamba's selective scan as a Python loop over the positions (transformers' slow path, mambapy's): each rank runs
+    # its own positions' steps, the state entering its chunks carried from the chunks before (cp_linear_scan); it ran
+    # on the whole sequence at every rank before. With --tp 2 too: 4 ranks
+    monkeypatch.setenv("SCAN", scan)
+    path = model_path("cp_sequential_scan")
+    out = str(tmp_path / "out")
+    split_model(path, out, schedule="looped-bfs", num_microbatches=2, layout=Layout(pp=1, cp=2, tp=tp))
+    _train_against_eager(path, out, 2 * tp, tmp_path)
+
+
 @pytest.mark.parametrize("kernel,seq", [("3", "static"), ("6", "static"), ("3", "dynamic")])
 def test_causal_convolutions_cp2_train_equal_to_eager(kernel, seq, tmp_path, monkeypatch):
     # LFM2's short convolution and Primer EZ's q/k/v convolutions, each chunk given the positions before it by the

@@ -317,6 +317,50 @@ def test_a_running_sum_over_the_ranks_chunks_is_the_whole_sequences(cp):
         assert torch.allclose(local_ranks._cp_join([p.grad for p in pieces], 2, 1), whole_x.grad), op
 
 
+@pytest.mark.parametrize("scan", ["project", "stack"])
+def test_a_scan_written_as_a_loop_over_positions_runs_each_ranks_steps(scan, monkeypatch):
+    """Mamba's selective scan as a Python loop over the positions (transformers' slow path: each step's output the
+    state times its C; mambapy's: the states stacked), unrolled by the trace into 8 steps of ``select(x, dim, t)``:
+    under --cp 2 every ``select`` had no rule and each rank ran the whole scan on the whole sequence. Each rank now
+    runs its own positions' steps, the state entering each of its chunks carried from the chunks before it
+    (``cp_linear_scan``); verified at split, with --tp 2 too (the channels sharded through the steps)."""
+    monkeypatch.setenv("SCAN", scan)
+    manifest = _check(model_path("cp_sequential_scan"), pp=1, cp=2)
+    assert manifest["cp"]["verified"]["status"] == "verified", manifest["cp"]["verified"]
+    stage = manifest["cp"]["stages"][0]
+    assert stage["whole"] == [] and [s["op"] for s in stage["scans"]] == ["a recurrence over 8 positions"] * 2, stage
+    manifest = _check(model_path("cp_sequential_scan"), pp=1, cp=2, tp=2)
+    assert manifest["cp"]["verified"]["status"] == "verified", manifest["cp"]["verified"]
+    assert manifest["tp"]["verified"]["status"] == "verified", manifest["tp"]["verified"]
+    assert manifest["tp"]["stages"][0]["share"]["params"] >= 0.95, manifest["tp"]["stages"][0]
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3])
+def test_a_linear_recurrence_over_the_ranks_chunks_is_the_whole_sequences(cp):
+    """``cp_linear_scan(a, b, dim)`` on every rank, forward and backward (verification's simulation: the runtime's
+    code, the chunks' totals all-gathered), against the recurrence ``h[t] = a[t] * h[t - 1] + b[t]`` run over the whole
+    sequence: each rank's chunks of its states, and their gradients (``a`` broadcast along a dim)."""
+    a = torch.rand(2, 2 * cp * 3, 1, 4, dtype=torch.float64) + 0.5
+    b = torch.randn(2, 2 * cp * 3, 5, 4, dtype=torch.float64)
+    seed = torch.randn(b.shape, dtype=torch.float64)
+    wa, wb = a.clone().requires_grad_(True), b.clone().requires_grad_(True)
+    h, states = torch.zeros(2, 5, 4, dtype=torch.float64), []
+    for t in range(a.shape[1]):
+        h = wa[:, t] * h + wb[:, t]
+        states.append(h)
+    whole = torch.stack(states, 1)
+    whole.backward(seed)
+    pa, pb = ([local_ranks._cp_piece(x, 1, 1, cp, r).requires_grad_(True) for r in range(cp)] for x in (a, b))
+    got = local_ranks._cp_collective(torch.ops.tracepp.cp_linear_scan.default, pa, [pb, 1], cp)
+    torch.autograd.backward(got, [local_ranks._cp_piece(seed, 1, 1, cp, r) for r in range(cp)])
+    for r in range(cp):
+        assert torch.allclose(got[r], local_ranks._cp_piece(whole.detach(), 1, 1, cp, r)), r
+    assert torch.allclose(local_ranks._cp_join([p.grad for p in pa], 1, 1), wa.grad)
+    assert torch.allclose(local_ranks._cp_join([p.grad for p in pb], 1, 1), wb.grad)
+    if cp == 1:  # the op itself, in one process (no group): the recurrence
+        assert torch.allclose(torch.ops.tracepp.cp_linear_scan.default(a, b, 1), whole.detach())
+
+
 @pytest.mark.parametrize("name,sp", [("cp_causal_conv", True), ("cp_prefix_scan", True), ("cp_aft_max", False)])
 def test_tp_shards_through_the_look_back_ops_of_cp(name, sp):
     """Under --tp 2 --cp 2 the tp walk runs on the cp-rewritten stages: cp's halos, running sums and their drops work

@@ -3,10 +3,10 @@ transformers' Mamba writes its slow path (``modeling_mamba.py`` ``slow_forward``
 ssm_state = discrete_A[:, :, i] * ssm_state + deltaB_u[:, :, i]``, then ``torch.stack`` of the outputs), after a
 causal attention layer, and a short convolution written as recurrentgemma's Griffin writes it (``layers.py``
 ``Conv1D``: a loop over shifts, each window a slice of the sequence masked in place, ``x_window *= mask``). The trace
-unrolls the scan into one ``select`` of each position per step: no context-parallel rule spreads it (the state passes
-from each position to the next), so under ``--cp`` the scan runs on the whole sequence at every cp rank, as do the
-shifted windows (slices of the sequence: written into in place, they are slices of the gathered value), and the
-attention on each rank's positions.
+unrolls the scan into one ``select`` of each position per step: under ``--cp`` each rank runs its own positions'
+steps, the state entering its chunks carried from the chunks before (``split/cp_loop.py``); the shifted windows
+(slices of the sequence: written into in place, they are slices of the gathered value) run on the whole sequence at
+every cp rank, and the attention on each rank's positions.
 """
 import torch
 import torch.nn as nn

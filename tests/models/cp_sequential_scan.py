@@ -1,0 +1,110 @@
+"""Issue 57: Mamba's selective scan written as a Python loop over the positions, which the trace unrolls, under
+``--cp``: a Mamba-1 mixer (a column-wise ``in_proj`` into channels and a gate, a depthwise causal ``conv1d``,
+``x_proj`` into the step size and the state's B and C, ``A = -exp(A_log)``), its scan in one of two forms:
+
+* ``SCAN=project`` (transformers' slow path, mamba-minimal): ``state = dA[:, :, t] * state + dBx[:, :, t]``, each
+  step's output the state times that position's C, ``(state @ c[:, t, :, None]).squeeze(-1)``, stacked on the last
+  dim;
+* ``SCAN=stack`` (mambapy's ``selective_scan_seq``): ``h = deltaA[:, t] * h + BX[:, t]``, the states stacked on dim 1
+  and multiplied by C after the loop.
+
+Under ``--cp 2`` each rank runs the steps of its own positions, the state entering each of its chunks carried from
+the chunks before it (``cp_linear_scan``); before, the loop's ``select``s had no rule and every rank ran the whole
+scan on the whole sequence. Under ``--tp 2`` the channels are sharded through the loop.
+"""
+import os
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+VOCAB, D, INNER, STATE, RANK, KERNEL, BATCH, SEQ = 32, 16, 32, 4, 4, 3, 4, 8
+SCAN = os.environ.get("SCAN", "project")
+
+
+class Mixer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.in_proj = nn.Linear(D, 2 * INNER, bias=False)
+        self.conv1d = nn.Conv1d(INNER, INNER, KERNEL, groups=INNER, padding=KERNEL - 1)
+        self.x_proj = nn.Linear(INNER, RANK + 2 * STATE, bias=False)
+        self.dt_proj = nn.Linear(RANK, INNER)
+        self.A_log = nn.Parameter(torch.log(torch.arange(1, STATE + 1, dtype=torch.float32)).repeat(INNER, 1))
+        self.D = nn.Parameter(torch.ones(INNER))
+        self.out_proj = nn.Linear(INNER, D, bias=False)
+
+    def forward(self, x):
+        seq = x.shape[1]
+        h, gate = self.in_proj(x).transpose(1, 2).chunk(2, dim=1)  # [batch, channels, seq]
+        h = F.silu(self.conv1d(h)[..., :seq])
+        dt, b, c = torch.split(self.x_proj(h.transpose(1, 2)), [RANK, STATE, STATE], dim=-1)
+        dt = F.softplus(self.dt_proj(dt))  # [batch, seq, channels]
+        a = -torch.exp(self.A_log.float())
+        if SCAN == "stack":
+            y = self.scan_stacked(h.transpose(1, 2), dt, a, b, c)
+        else:
+            y = self.scan_projected(h, dt.transpose(1, 2), a, b, c)
+        y = y + h * self.D[None, :, None]
+        return x + self.out_proj((y * F.silu(gate)).transpose(1, 2))
+
+    @staticmethod
+    def scan_projected(h, dt, a, b, c):
+        """transformers' MambaMixer.slow_forward: ``[batch, channels, seq]``, the state ``[batch, channels, state]``."""
+        decay = torch.exp(a[None, :, None, :] * dt[:, :, :, None])  # [batch, channels, seq, state]
+        inject = dt[:, :, :, None] * b[:, None, :, :] * h[:, :, :, None]
+        state = torch.zeros(h.shape[0], INNER, STATE)
+        ys = []
+        for t in range(h.shape[2]):
+            state = decay[:, :, t, :] * state + inject[:, :, t, :]
+            ys.append((state @ c[:, t, :, None])[:, :, 0])
+        return torch.stack(ys, dim=-1)
+
+    @staticmethod
+    def scan_stacked(x, delta, a, b, c):
+        """mambapy's selective_scan_seq: ``x`` and ``delta`` ``[batch, seq, channels]``; returns ``[batch, channels,
+        seq]``."""
+        delta_a = torch.exp(delta.unsqueeze(-1) * a)  # [batch, seq, channels, state]
+        bx = delta.unsqueeze(-1) * b.unsqueeze(2) * x.unsqueeze(-1)
+        h = torch.zeros(x.size(0), INNER, STATE)
+        hs = []
+        for t in range(x.shape[1]):
+            h = delta_a[:, t] * h + bx[:, t]
+            hs.append(h)
+        hs = torch.stack(hs, dim=1)  # [batch, seq, channels, state]
+        return (hs @ c.unsqueeze(-1)).squeeze(3).transpose(1, 2)
+
+
+class LM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, D)
+        self.blocks = nn.ModuleList([Mixer(), Mixer()])
+        self.head = nn.Linear(D, VOCAB)
+
+    def forward(self, idx):
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def model():
+    torch.manual_seed(0)
+    return LM()
+
+
+def batch(step):
+    g = torch.Generator().manual_seed(1500 + step)
+    return (torch.randint(0, VOCAB, (BATCH, SEQ), generator=g),), {}, torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+
+
+def example_inputs():
+    return batch(0)[0]
+
+
+def example_target():
+    return batch(0)[2]
+
+
+def loss_fn(logits, target):
+    return F.cross_entropy(logits.reshape(-1, VOCAB), target.reshape(-1))
