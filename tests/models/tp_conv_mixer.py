@@ -6,6 +6,7 @@ a row-parallel projection back. Every op keeps the channels of a head together: 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from tiny_lm import examples_of, lm_loss, model_of, token_batch
 
 VOCAB, D, HEADS, KERNEL, BATCH, SEQ = 32, 16, 4, 3, 4, 8
 
@@ -25,37 +26,7 @@ class ConvMixer(nn.Module):
         return x + self.out(mixed)
 
 
-class LM(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, D)
-        self.blocks = nn.ModuleList([ConvMixer(), ConvMixer()])
-        self.head = nn.Linear(D, VOCAB)
-
-    def forward(self, idx):
-        x = self.embed(idx)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
-
-
-def model():
-    torch.manual_seed(0)
-    return LM()
-
-
-def batch(step):
-    g = torch.Generator().manual_seed(1100 + step)
-    return (torch.randint(0, VOCAB, (BATCH, SEQ), generator=g),), {}, torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-
-
-def example_inputs():
-    return batch(0)[0]
-
-
-def example_target():
-    return batch(0)[2]
-
-
-def loss_fn(logits, target):
-    return F.cross_entropy(logits.reshape(-1, VOCAB), target.reshape(-1))
+model = model_of(VOCAB, D, ConvMixer)
+batch = token_batch(VOCAB, BATCH, SEQ, 1100)
+example_inputs, example_target = examples_of(batch)
+loss_fn = lm_loss(VOCAB)

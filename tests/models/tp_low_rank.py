@@ -4,9 +4,9 @@ norm between them), the queries' up-projection column-wise on its heads, row-wis
 column-wise with its latent all-gathered: every reader must read the gathered latent, the up-projection's input
 copy included (it used to wrap the rank's piece: a shape error at the first step).
 """
-import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from tiny_lm import examples_of, lm_loss, model_of, token_batch
 
 VOCAB, D, RANK, HEADS, BATCH, SEQ = 32, 32, 8, 4, 4, 8
 
@@ -25,37 +25,7 @@ class Attention(nn.Module):
         return x + self.o(out.transpose(1, 2).reshape(b, s, D))
 
 
-class LM(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, D)
-        self.blocks = nn.ModuleList([Attention(), Attention()])
-        self.head = nn.Linear(D, VOCAB)
-
-    def forward(self, idx):
-        x = self.embed(idx)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
-
-
-def model():
-    torch.manual_seed(0)
-    return LM()
-
-
-def batch(step):
-    g = torch.Generator().manual_seed(1300 + step)
-    return (torch.randint(0, VOCAB, (BATCH, SEQ), generator=g),), {}, torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-
-
-def example_inputs():
-    return batch(0)[0]
-
-
-def example_target():
-    return batch(0)[2]
-
-
-def loss_fn(logits, target):
-    return F.cross_entropy(logits.reshape(-1, VOCAB), target.reshape(-1))
+model = model_of(VOCAB, D, Attention)
+batch = token_batch(VOCAB, BATCH, SEQ, 1300)
+example_inputs, example_target = examples_of(batch)
+loss_fn = lm_loss(VOCAB)

@@ -12,6 +12,7 @@ of every per-head weight; the heads were gathered and every rank scanned all 4.
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from tiny_lm import examples_of, model_of, token_batch
 
 VOCAB, D, HEADS, HEAD_DIM, STATE, RANK, KERNEL, BATCH, SEQ = 32, 16, 4, 8, 4, 4, 3, 4, 4
 INNER = HEADS * HEAD_DIM
@@ -64,36 +65,9 @@ class HeadsMixer(nn.Module):
         return x + self.out_proj(y.transpose(1, 2))
 
 
-class LM(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, D)
-        self.blocks = nn.ModuleList([HeadsMixer(), HeadsMixer()])
-        self.head = nn.Linear(D, VOCAB)
-
-    def forward(self, idx):
-        x = self.embed(idx)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
-
-
-def model():
-    torch.manual_seed(0)
-    return LM()
-
-
-def batch(step):
-    g = torch.Generator().manual_seed(1500 + step)
-    return (torch.randint(0, VOCAB, (BATCH, SEQ), generator=g),), {}, torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-
-
-def example_inputs():
-    return batch(0)[0]
-
-
-def example_target():
-    return batch(0)[2]
+model = model_of(VOCAB, D, HeadsMixer)
+batch = token_batch(VOCAB, BATCH, SEQ, 1500)
+example_inputs, example_target = examples_of(batch)
 
 
 def loss_fn(output, target):

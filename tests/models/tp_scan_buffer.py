@@ -7,6 +7,7 @@ whole on every rank and read at this rank's piece beside the gate: that read mus
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from tiny_lm import examples_of, lm_loss, model_of, token_batch
 
 VOCAB, D, W, BATCH, SEQ = 32, 16, 16, 4, 8
 
@@ -29,40 +30,10 @@ class Recurrent(nn.Module):
         return x + self.linear_out(scanned * y)
 
 
-class LM(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, D)
-        self.blocks = nn.ModuleList([Recurrent(), Recurrent()])
-        self.head = nn.Linear(D, VOCAB)
-
-    def forward(self, idx):
-        x = self.embed(idx)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
-
-
 tp_plan = {"*linear_x*": "replicate"}  # the scan stays whole, as its recurrence needs
 
 
-def model():
-    torch.manual_seed(0)
-    return LM()
-
-
-def batch(step):
-    g = torch.Generator().manual_seed(900 + step)
-    return (torch.randint(0, VOCAB, (BATCH, SEQ), generator=g),), {}, torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-
-
-def example_inputs():
-    return batch(0)[0]
-
-
-def example_target():
-    return batch(0)[2]
-
-
-def loss_fn(logits, target):
-    return F.cross_entropy(logits.reshape(-1, VOCAB), target.reshape(-1))
+model = model_of(VOCAB, D, Recurrent)
+batch = token_batch(VOCAB, BATCH, SEQ, 900)
+example_inputs, example_target = examples_of(batch)
+loss_fn = lm_loss(VOCAB)
