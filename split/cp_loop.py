@@ -51,31 +51,50 @@ class PositionLoop:
 
 def find(graph: fx.Graph) -> list:
     """The position loops of ``graph``: each stack of ``L`` values, value ``t`` made by step ``t`` alone (ops that
-    read position ``t`` of some tensors, values no step made, and at most the state of step ``t - 1``)."""
+    read position ``t`` of tensors ``L`` long on that dim, values no step made, and at most the state of step
+    ``t - 1``). The trace emits the steps in order, so each loop is read off the stretch of the graph that ends at its
+    stack and begins a step before its first output (a loop inside another, over heads, is found as well)."""
+    nodes = list(graph.nodes)
+    position = {node: index for index, node in enumerate(nodes)}
+    loops = []
+    for stack in nodes:
+        if stack.op != "call_function" or stack.target is not aten.stack.default:
+            continue
+        outs = stack.args[0]
+        if len(outs) < 2 or not all(isinstance(out, fx.Node) and out in position for out in outs):
+            continue
+        first, second = position[outs[0]], position[outs[1]]
+        if second <= first:
+            continue
+        loop = _loop(stack, *_steps(nodes[max(0, 2 * first - second - 8):position[stack]], len(outs)))
+        if loop is not None:
+            loops.append(loop)
+    return loops
+
+
+def _steps(stretch: list, steps: int) -> tuple:
+    """(node -> its step, read -> (tensor, dim, step), node -> the earlier step it also reads) over ``stretch``: a
+    ``select(x, dim, t)`` of a tensor ``steps`` long on ``dim`` that no step made is step ``t``'s read of position
+    ``t``; an op of one step's values (and values of no step) is that step's; of two steps' in a row, the later's."""
     step_of: dict = {}
     reads: dict = {}
-    mixed: dict = {}  # node -> the earlier step it also reads (a state carried on)
-    for node in graph.nodes:
+    mixed: dict = {}
+    for node in stretch:
         if node.op != "call_function":
             continue
         if (node.target is aten.select.int and isinstance(node.args[2], int) and node.args[0] not in step_of
-                and node.args[2] >= 0):
-            src = node.args[0]
-            reads[node] = (src, node.args[1] % _val(src).dim(), node.args[2])
-            step_of[node] = node.args[2]
-            continue
-        steps = {step_of[a] for a in node.all_input_nodes if a in step_of}
-        if steps and max(steps) - min(steps) <= 1:  # (a value of several steps, a stack of them, belongs to none)
-            step_of[node] = max(steps)
-            if len(steps) > 1:
-                mixed[node] = min(steps)
-    loops = []
-    for node in graph.nodes:
-        if node.op == "call_function" and node.target is aten.stack.default:
-            loop = _loop(node, step_of, reads, mixed)
-            if loop is not None:
-                loops.append(loop)
-    return loops
+                and 0 <= node.args[2] < steps):
+            src, dim = node.args[0], node.args[1] % _val(node.args[0]).dim()
+            if rules.ints([_val(src).shape[dim]]) and int(_val(src).shape[dim]) == steps:
+                reads[node] = (src, dim, node.args[2])
+                step_of[node] = node.args[2]
+                continue
+        found = {step_of[a] for a in node.all_input_nodes if a in step_of}
+        if found and max(found) - min(found) <= 1:  # (a value of several steps, a stack of them, belongs to none)
+            step_of[node] = max(found)
+            if len(found) > 1:
+                mixed[node] = min(found)
+    return step_of, reads, mixed
 
 
 def _loop(stack, step_of: dict, reads: dict, mixed: dict):

@@ -61,11 +61,7 @@ class DataDependentAlibiAttention(SeparateAttention):
 
     def heads(self, x, cos, sin):
         B, T, _ = x.shape
-        q = self.to_q(x).view(B, T, HEADS, HEAD_DIM).transpose(1, 2)
-        k = self.to_k(x).view(B, T, self.kv_heads, HEAD_DIM).transpose(1, 2)
-        v = self.to_v(x).view(B, T, self.kv_heads, HEAD_DIM).transpose(1, 2)
-        r = HEADS // self.kv_heads
-        k, v = k.repeat(1, r, 1, 1), v.repeat(1, r, 1, 1)
+        q, k, v = self.tiled(x)
         gates = F.logsigmoid(self.to_forget_gates(x)).transpose(1, 2).cumsum(dim=-1)  # [b, h, n]
         bias = gates[..., :, None] - gates[..., None, :]
         sim = torch.einsum("b h i d, b h j d -> b h i j", q, k) * HEAD_DIM ** -0.5 + bias

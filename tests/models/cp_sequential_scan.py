@@ -15,25 +15,16 @@ scan on the whole sequence. Under ``--tp 2`` the channels are sharded through th
 import os
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+import tp_selective_scan
 from tiny_lm import examples_of, lm_loss, model_of, token_batch
+from tp_selective_scan import BATCH, D, INNER, RANK, STATE, VOCAB
 
-VOCAB, D, INNER, STATE, RANK, KERNEL, BATCH, SEQ = 32, 16, 32, 4, 4, 3, 4, 8
+SEQ = 8  # (tp_selective_scan's 6 does not cut into 2 x cp = 4 chunks)
 SCAN = os.environ.get("SCAN", "project")
 
 
-class Mixer(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.in_proj = nn.Linear(D, 2 * INNER, bias=False)
-        self.conv1d = nn.Conv1d(INNER, INNER, KERNEL, groups=INNER, padding=KERNEL - 1)
-        self.x_proj = nn.Linear(INNER, RANK + 2 * STATE, bias=False)
-        self.dt_proj = nn.Linear(RANK, INNER)
-        self.A_log = nn.Parameter(torch.log(torch.arange(1, STATE + 1, dtype=torch.float32)).repeat(INNER, 1))
-        self.D = nn.Parameter(torch.ones(INNER))
-        self.out_proj = nn.Linear(INNER, D, bias=False)
-
+class Mixer(tp_selective_scan.Mixer):  # its projections, convolution, A_log and D
     def forward(self, x):
         seq = x.shape[1]
         h, gate = self.in_proj(x).transpose(1, 2).chunk(2, dim=1)  # [batch, channels, seq]

@@ -139,16 +139,23 @@ class SeparateAttention(nn.Module):
 
     def heads(self, x, cos, sin):
         """Each head's output, ``[b, heads, n, d]``."""
+        q, k, v = self.tiled(x, lambda t: apply_rope(t, cos, sin))
+        if self.flash:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return einsum_attention(q, k, v)
+
+
+    def tiled(self, x, rotate=None):
+        """``q, k, v`` ``[b, heads, n, d]``: the key/value heads tiled to the query heads (``'b kvh n d -> b (r kvh) n
+        d'``), ``rotate`` applied to the queries and keys first."""
         B, T, _ = x.shape
         q = self.to_q(x).view(B, T, HEADS, HEAD_DIM).transpose(1, 2)
         k = self.to_k(x).view(B, T, self.kv_heads, HEAD_DIM).transpose(1, 2)
         v = self.to_v(x).view(B, T, self.kv_heads, HEAD_DIM).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if rotate is not None:
+            q, k = rotate(q), rotate(k)
         r = HEADS // self.kv_heads
-        k, v = k.repeat(1, r, 1, 1), v.repeat(1, r, 1, 1)  # 'b kvh n d -> b (r kvh) n d'
-        if self.flash:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return einsum_attention(q, k, v)
+        return q, k.repeat(1, r, 1, 1), v.repeat(1, r, 1, 1)
 
 
 def einsum_attention(q, k, v):

@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 from lib_style import (D, HEAD_DIM, HEADS, Decoder, NormalizeRMSNorm, SeparateAttention, SwiGLU, loss_fn,  # noqa: F401
                        sgd, token_batch)
+from tiny_lm import examples_of
 
 KV_HEADS = 2
 KERNEL = int(os.environ.get("TALKING_KERNEL", "1"))  # 3: each score mixed with its neighbours' too
@@ -35,11 +36,7 @@ class TalkingHeadsAttention(SeparateAttention):
 
     def forward(self, x, cos, sin):
         B, T, _ = x.shape
-        q = self.to_q(x).view(B, T, HEADS, HEAD_DIM).transpose(1, 2)
-        k = self.to_k(x).view(B, T, self.kv_heads, HEAD_DIM).transpose(1, 2)
-        v = self.to_v(x).view(B, T, self.kv_heads, HEAD_DIM).transpose(1, 2)
-        r = HEADS // self.kv_heads
-        k, v = k.repeat(1, r, 1, 1), v.repeat(1, r, 1, 1)
+        q, k, v = self.tiled(x)
         sim = torch.einsum("b h i d, b h j d -> b h i j", q, k) * HEAD_DIM ** -0.5
         sim = sim + self.pre_softmax_talking_heads(sim)
         causal = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)
@@ -56,14 +53,7 @@ def model():
 
 
 batch = token_batch
-
-
-def example_inputs():
-    return batch(0)[0]
-
-
-def example_target():
-    return batch(0)[2]
+example_inputs, example_target = examples_of(batch)
 
 
 optimizer = sgd
