@@ -207,20 +207,23 @@ class _Walk(LookBack, Propagation):
         return True
 
     def _accept_loop(self, loop) -> bool:
+        """Each rank may run its own positions' steps: the loop cuts into 2 cp chunks, verification did not find it
+        placed wrong, every read is of a sequence shard of one sequence on the read's dim, as long as the loop, and no
+        step reads anything else that runs along the sequence (a shard, or a whole value as long as it: a step would
+        read it at its position in the whole sequence, which is not the rank's local position)."""
         if loop.steps % (2 * self.cp) or any((rules.op_name(n), rules.where(n)) in self.forced
                                              for n in [*loop.step_of, loop.stack]):
             return False
-        for read, (src, dim, _t) in loop.reads.items():
+        for src, dim, _step in loop.reads.values():
             if self.shard.get(src) != (dim, 1) or not _equal(self._global(src, dim), loop.steps):
                 return False
         for n in loop.step_of:
             if n in loop.reads:
                 continue
-            for a in n.all_input_nodes:  # a step reads its positions, other steps' values and values that do not
-                if a not in loop.step_of and a is not loop.start and (  # run along the sequence (a weight)
-                        a in self.shard or self._seq_dims(_val(a))):
-                    return False  # (a step reading a whole value as long as the sequence would read it by the
-        return loop.start is None or loop.start not in self.shard  # step's position, which is the rank's here)
+            for a in n.all_input_nodes:
+                if a not in loop.step_of and a is not loop.start and (a in self.shard or self._seq_dims(_val(a))):
+                    return False
+        return loop.start is None or loop.start not in self.shard
 
     def _mark(self) -> dict:
         """How long every record of the walk is (each grows by appending), so a rule's partial edits can be undone."""

@@ -29,7 +29,7 @@ def _in_dim(weight_val, out_dim: int) -> int:
 
 
 def _conv_groups_of(node) -> int:
-    """The groups of a 1 x 1 convolution read as a linear (1 for any other linear)."""
+    """The groups of a convolution read as a linear (1 for any other linear)."""
     return rules.arg(node, 6, "groups", 1) if node.target in rules.CONVS else 1
 
 
@@ -99,31 +99,32 @@ class _ContractionRules:
             return args[0], args[1], None, 2  # x @ W of a 3-D W [experts, in, out]: every expert on its rows
         if target is aten.einsum.default:
             return self._einsum_linear(node)
-        if target in rules.CONVS and self._channel_linear(node):  # a sum over the input channels (dim 1)
+        if target is aten.conv1d.default and self._channel_linear(node):  # a sum over the input channels (dim 1)
             return args[0], args[1], rules.arg(node, 2, "bias"), 0
         return None
 
     def _channel_linear(self, node) -> bool:
-        """A ``conv1d`` or ``conv2d`` of ``[b, channels, t]`` or ``[b, channels, h, w]`` by a parameter's weight
-        ``[out, in / groups, k(, k)]``: each output channel a sum over the input channels, as a linear's over its
-        features (dim 1 here), whatever the kernel, stride, padding or dilation do along the other dims. Row-wise,
-        each rank's sum over its input channels is a partial sum of every output channel (the bias added once, after
-        the sum); column-wise, each rank computes its output channels. litgpt's LoRA on a fused qkv
-        (``F.conv1d(after_A, lora_B.unsqueeze(-1).split(qkv_shapes)[i])`` per part), x-transformers' talking heads
-        (``Conv2d(heads, heads, 1)`` over the scores ``[b, heads, i, j]``). With groups, a 1 x 1 kernel only: block
-        diagonal (mixture-of-attention's experts, ``Conv1d(dim * experts, inner * experts, 1, groups=experts)``),
-        each group's output channels read its input channels only (:meth:`_conv_groups`); a depthwise or grouped
-        convolution of a wider kernel (Mamba's causal conv1d) is ``_depthwise_conv``'s."""
+        """A ``conv1d`` of ``[b, channels, t]`` by a parameter's weight ``[out, in / groups, k]``: each output channel
+        a sum over the input channels, as a linear's over its features (dim 1 here), whatever the kernel, stride,
+        padding or dilation do along the positions. Row-wise, each rank's sum over its input channels is a partial sum
+        of every output channel (the bias added once, after the sum); column-wise, each rank computes its output
+        channels. litgpt's LoRA on a fused qkv (``F.conv1d(after_A, lora_B.unsqueeze(-1).split(qkv_shapes)[i])`` per
+        part). With groups, a 1 x 1 kernel only: block diagonal (mixture-of-attention's experts, ``Conv1d(dim *
+        experts, inner * experts, 1, groups=experts)``), each group's output channels read its input channels only
+        (:meth:`_conv_groups`); a depthwise or grouped convolution of a wider kernel (Mamba's causal conv1d) is
+        ``_depthwise_conv``'s. Not a ``conv2d``: in a decoder that is x-transformers' talking heads,
+        ``Conv2d(heads, heads, 1)`` over the scores ``[b, heads, i, j]``, whose sum over the heads, row-wise, would
+        move the scores (b h s^2 per layer, twice) where the whole attention on every rank costs 2 d_head FLOPs
+        a score (docs/families.md, thirteenth round: 53,280 against 47,159 by ``plan_cost`` at the traced size)."""
         weight, bias = node.args[1], rules.arg(node, 2, "bias")
-        rank = 3 if node.target is aten.conv1d.default else 4
         groups = rules.arg(node, 6, "groups", 1)
-        if (not isinstance(weight, fx.Node) or _val(node.args[0]).dim() != rank or not isinstance(groups, int)
-                or (groups != 1 and (bias is not None or not rules.pointwise_convolution(node)))
-                or (bias is not None and not isinstance(bias, fx.Node))):
+        if (node.target is not aten.conv1d.default or not isinstance(weight, fx.Node) or _val(node.args[0]).dim() != 3
+                or not isinstance(groups, int) or (bias is not None and not isinstance(bias, fx.Node))
+                or (groups != 1 and (bias is not None or not rules.pointwise_convolution(node)))):
             return False
         self._read_through(weight)
         self._read_through(bias)
-        return self._param(weight) is not None and _val(weight).dim() == rank
+        return self._param(weight) is not None and _val(weight).dim() == 3
 
     @staticmethod
     def _conv_groups(node, segments, channels):
@@ -196,7 +197,7 @@ class _ContractionRules:
         wval = _val(weight)
         ndim = len(_val(x).shape)
         groups = _conv_groups_of(node)  # (a grouped 1 x 1 convolution's: block diagonal)
-        conv = node.target in rules.CONVS  # a 1 x 1 convolution: the features on dim 1 of x and of the output
+        conv = node.target in rules.CONVS  # a convolution: the features on dim 1 of x and of the output
         left = node.args[0] is weight or conv  # W @ x: the features on x's dim -2 and the output's
         features = 1 if conv else ndim - 2 if left else ndim - 1
         entering = x in self.shard and self.kind.get(x) == "seq"  # a sequence shard entering the region

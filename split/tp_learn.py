@@ -131,11 +131,9 @@ def _learn_local_sources(walks: list, sources: list) -> bool:
     for walk, found in zip(walks, sources):
         reads = {(consumer, arg, dim) for consumer, arg, dim, _groups in walk.scatters}
         for _consumer, arg, dim, groups in walk.scatters:
-            if not isinstance(dim, int) or walk._param_only(arg):
+            if groups != 1 or not isinstance(dim, int) or walk._param_only(arg):
                 continue
             starts = _local_tree(walk, arg, dim, reads)
-            if groups != 1 and starts and any(walk.roles.get(node) != "rowwise" for node in starts):
-                continue  # read in segments: only a sum reduce-scattered in its input's segments is made so
             if starts and any(found.get(node.name) != at for node, at in starts.items()):
                 found.update({node.name: at for node, at in starts.items()})
                 learned = True
@@ -169,8 +167,7 @@ def _local_tree(walk: _Walk, value, dim: int, reads: set):
             # frozen base output beside a sharded adapter's: a row-wise pair, the stream whole); and not where it
             # widens: a low-rank pair's up-projection, which the cost trials make column-wise (Kimi Linear's output
             # gate, g_b_proj after g_a_proj)
-            # (a 1 x 1 convolution's features are its channels, dim 1: talking heads' mix of the heads, read at
-            # each rank's heads)
+            # (a convolution's features are its channels, dim 1)
             features = 1 if node.target in rules.CONVS else val.dim() - 1
             if (d != features or dim >= _val(value).dim() - 1 or walk.forms[node][2] is not None
                     or node in walk.reduce_scatters or node.target not in (aten.linear.default, *rules.CONVS)

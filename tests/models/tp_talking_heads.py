@@ -4,13 +4,12 @@
 weights mixed across heads again after it; 4 query heads of 16, 2 key/value heads tiled by ``repeat``,
 ``F.normalize`` RMSNorm, a SwiGLU MLP; 2 layers, hidden 64, 16 tokens.
 
-A 1 x 1 convolution over the heads is a linear over the channels of each (i, j): with the heads sharded, each rank's
-product over its heads is a partial sum of every output head (row-wise), and a whole input gives each rank its
-output heads (column-wise). Before, no rule placed a two-dimensional convolution over sharded channels, and the
-attention of every layer was whole on every rank (x-transformers' talking heads at 0.50 of each layer).
+Each talking-heads convolution is a sum over all heads: with the heads sharded, its partial sums would be the
+scores themselves, reduce-scattered twice a layer (b h s^2 each way), where computing the attention whole on every
+rank costs 2 d_head FLOPs a score. The plan keeps the queries' and keys' projections and the scores whole, the
+values' and the output projection sharded (``tests/test_other_libraries.py``).
 """
 import functools
-import os
 
 import torch
 import torch.nn as nn
@@ -19,20 +18,16 @@ from lib_style import (D, HEAD_DIM, HEADS, Decoder, NormalizeRMSNorm, SeparateAt
 from tiny_lm import examples_of
 
 KV_HEADS = 2
-KERNEL = int(os.environ.get("TALKING_KERNEL", "1"))  # 3: each score mixed with its neighbours' too
-BIAS = os.environ.get("TALKING_BIAS", "0") == "1"
-GROUPS = int(os.environ.get("TALKING_GROUPS", "1"))  # 2 (kernel 3): heads {0, 1} and {2, 3} mixed apart
 
 
 class TalkingHeadsAttention(SeparateAttention):
     def __init__(self, kv_heads):
         super().__init__(kv_heads)
-        self.pre_softmax_talking_heads = nn.Conv2d(HEADS, HEADS, KERNEL, padding=KERNEL // 2, bias=BIAS,
-                                                   groups=GROUPS)
-        self.post_softmax_talking_heads = nn.Conv2d(HEADS, HEADS, 1, bias=BIAS)
+        self.pre_softmax_talking_heads = nn.Conv2d(HEADS, HEADS, 1, bias=False)
+        self.post_softmax_talking_heads = nn.Conv2d(HEADS, HEADS, 1, bias=False)
         with torch.no_grad():  # x-transformers initialises both to the identity (dirac); a little off it here
             for conv in (self.pre_softmax_talking_heads, self.post_softmax_talking_heads):
-                conv.weight.mul_(0.1).add_(nn.init.dirac_(torch.empty_like(conv.weight), conv.groups))
+                conv.weight.mul_(0.1).add_(nn.init.dirac_(torch.empty_like(conv.weight)))
 
     def forward(self, x, cos, sin):
         B, T, _ = x.shape
