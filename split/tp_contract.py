@@ -612,6 +612,11 @@ class _ContractionRules:
             parts = tuple(self.segs[x])  # q, k and v channels of a fused projection: each read at its piece
         per = int(channels) // groups if _ints([channels]) and groups and int(channels) % groups == 0 else 0
         pieces = [int(p) // self.tp for p in (self.segs.get(x) or [channels])] if per else []
+        if groups == 1 and node.target is not aten.conv1d.default:
+            return self._refuse(node, f"a {rules.op_name(node)} over sharded channels mixes them all, and no rule "
+                                      f"sums it over tp: summed, its partial sums would be its whole output moved "
+                                      f"(talking heads' scores, b h s^2 twice a layer), where computing its input "
+                                      f"whole costs less (docs/tensor-parallel.md)")
         if not (per and int(wval.shape[0]) == int(channels) and int(wval.shape[1]) == per and groups % self.tp == 0
                 and parts and all(p % per == 0 for p in pieces)):
             return self._refuse(node, f"a convolution over sharded channels whose groups a rank's channels do not "
