@@ -1102,3 +1102,23 @@ def test_a_kan_linears_spline_weight_of_two_parameters_shards_as_megatron():
 
 def test_a_kan_mlp_tp2_trains_equal_to_eager(tmp_path):
     _tp2_trains_equal_to_eager(KAN, tmp_path)
+
+
+REVERSIBLE = model_path("reversible_layers")
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_reversible_layers_train_equal_to_eager(tp, tmp_path):
+    # reformer-pytorch's and h-transformer-1d's reversible layers (an autograd.Function running its blocks under
+    # torch.no_grad() and recomputing them in its own backward) were refused: torch.export keeps the forward only, so
+    # split they would never train. Their backward is checked against autograd's (one eager step each way) and the
+    # forward traced again with the layers recorded: pp 2 (and pp 2 x tp 2) train equal to eager, whose step runs the
+    # Function's own backward
+    out = str(tmp_path / "out")
+    manifest = split_model(REVERSIBLE, out, schedule="1f1b", num_microbatches=4, layout=Layout(pp=2, tp=tp))
+    assert any("_ReversibleFunction.apply at reversible_layers.py:" in note and "traced again" in note
+               for note in manifest["notes"]), manifest["notes"]
+    if tp == 2:
+        assert manifest["tp"]["verified"]["status"] == "verified", manifest["tp"]["verified"]
+        assert all(stage["share"]["params"] >= 0.9 for stage in manifest["tp"]["stages"]), manifest["tp"]["stages"]
+    _train_against_eager(REVERSIBLE, out, 2 * tp, tmp_path)

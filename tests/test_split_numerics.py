@@ -230,3 +230,15 @@ def test_automatic_split_cuts_between_layers_and_sends_only_the_hidden_state(dee
     inv_freq = next(ref for ref in graph.state.values() if ref.fqn == "model.rotary_emb.inv_freq")
     assert inv_freq.stages == list(range(num_stages))
     _assert_matches_eager(model_file, traced, graph)
+
+
+@pytest.mark.parametrize("name", ["reversible_layers", "reentrant_checkpoint"])
+def test_a_function_recomputing_its_layers_in_its_backward_splits_to_eagers_gradients(name):
+    # reversible layers (reformer-pytorch, h-transformer-1d, HF Reformer) and torch's reentrant checkpoint: an
+    # autograd.Function whose forward runs layers under no_grad and whose own backward recomputes them. Refused
+    # before (split, those layers would never train); traced again with the forward recorded, where one eager step
+    # with the Function's backward and one with autograd's agree. The stages compute what eager's own backward does
+    model_file, traced, graph = trace_and_split(model_path(name), num_stages=2)
+    assert graph.num_stages == 2
+    assert any("traced again with those layers recorded" in note for note in traced.notes), traced.notes
+    _assert_matches_eager(model_file, traced, graph)

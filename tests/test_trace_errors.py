@@ -112,7 +112,7 @@ def test_finding_a_frames_module_does_not_import_lazy_placeholders(monkeypatch, 
     import sys
     import types
 
-    from tracepp import trace
+    from tracepp import custom_functions
 
     class LazyModule(types.ModuleType):  # speechbrain/utils/importutils.py, its target not installed
         def __getattr__(self, name):
@@ -125,8 +125,8 @@ def test_finding_a_frames_module_does_not_import_lazy_placeholders(monkeypatch, 
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     monkeypatch.setitem(sys.modules, "layers_after_placeholders", module)  # after the placeholder, as SpeechBrain's
-    assert trace._module_of(str(path)) is module
-    assert trace._function_forwards(str(path)) == []
+    assert custom_functions._module_of(str(path)) is module
+    assert custom_functions._function_forwards(str(path)) == []
 
 
 def test_python_scalar_input_must_keep_its_traced_value(tmp_path):
@@ -240,21 +240,69 @@ def loss_fn(out, target):
 '''
 
 
-def test_custom_backward_function_is_refused_with_its_name_and_the_fix(tmp_path, capsys):
+def test_recomputing_backward_is_checked_against_autograd_and_its_forward_recorded(tmp_path, capsys):
     # Reformer's reversible layers: an autograd.Function whose forward runs without gradients and whose backward
-    # recomputes them. torch.export keeps the forward only: split, the layers would never train (the run used to
-    # fail in backward with "element 0 of tensors does not require grad")
+    # recomputes them. torch.export keeps the forward only: split, the layers would never train (the run used to fail
+    # in backward with "element 0 of tensors does not require grad"; then it was refused, asking for the model file
+    # to change). Its backward is autograd's derivative of its forward, checked by one eager step each way, so the
+    # forward is traced again with the layers recorded and the parameters train
     path = tmp_path / "custom_backward.py"
     path.write_text(CUSTOM_BACKWARD)
     code, text = run_cli(capsys, "check", str(path), "--ranks", "2")
-    assert code == 2, text
-    assert "Recomputed.apply at custom_backward.py:32 is a torch.autograd.Function with a backward of its own" in text
-    assert "the 2 parameters it uses (inner.bias, inner.weight) are read with gradients off inside it" in text, text
-    assert "run the layers inside it with gradients on" in text, text
-    # the fix it names: a forward that autograd records, which splits
-    path.write_text(CUSTOM_BACKWARD + """
+    assert code == 0, text
+    assert ("Recomputed.apply at custom_backward.py:32: torch.autograd.Function(s) with a backward of their own; "
+            "split, the gradient through them is autograd's derivative of their forward, which equals their own "
+            "backward on the example microbatch") in text, text
+    assert "traced again with those layers recorded" in text, text
+    # planned on meta weights the eager check has no values to run: refused as before, with the fix in the model file
+    from tracepp.modelfile import load_model_file
+    from tracepp.trace import TraceError, trace
 
-Recomputed.apply = staticmethod(lambda x, layer: layer(x))
+    with pytest.raises(TraceError) as refused:
+        trace(load_model_file(str(path)), 2, on_meta=True)
+    assert ("Recomputed.apply at custom_backward.py:32 is a torch.autograd.Function with a backward of its own, and "
+            "the 2 parameters it uses (inner.bias, inner.weight) are read with gradients off inside it") in str(
+        refused.value)
+
+
+STRAIGHT_THROUGH = CUSTOM_BACKWARD.replace('''class Recomputed(torch.autograd.Function):''', '''class Rounded(torch.autograd.Function):
+    """A straight-through estimator: rounds in the forward, passes the gradient through unchanged."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return torch.round(x * 4) / 4
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class Recomputed(torch.autograd.Function):''').replace("torch.tanh(Recomputed.apply(x, self.inner))",
+                                                        "torch.tanh(Rounded.apply(self.inner(x)))")
+
+
+def test_a_backward_that_is_not_the_forwards_derivative_is_refused_with_the_difference(tmp_path, capsys):
+    # a straight-through estimator: torch.export keeps its forward (a round, whose derivative is zero), so split the
+    # layer before it never trained, with only a note saying whose backward was not kept. One eager step with its own
+    # backward and one with autograd's now differ, and the split says by how much, where, and how to write it
+    path = tmp_path / "straight_through.py"
+    path.write_text(STRAIGHT_THROUGH)
+    code, text = run_cli(capsys, "check", str(path), "--ranks", "2")
+    assert code == 2, text
+    assert "Rounded.apply at straight_through.py:" in text, text
+    assert "with a backward of their own that is not autograd's derivative of their forward" in text, text
+    found = re.search(r"gives gradients ([0-9.e+-]+) apart \(relative to the largest gradient; at inner\.", text)
+    assert found and float(found.group(1)) > 0.1, text
+    assert "x + (f(x) - x).detach()" in text and "Traceback" not in text, text
+    # written as the message says, it splits
+    path.write_text(STRAIGHT_THROUGH.replace("torch.tanh(Rounded.apply(self.inner(x)))",
+                                             "torch.tanh(self.rounded(self.inner(x)))") + """
+
+def _rounded(self, x):
+    return x + (torch.round(x * 4) / 4 - x).detach()
+
+
+Net.rounded = _rounded
 """)
     code, text = run_cli(capsys, "check", str(path), "--ranks", "2")
     assert code == 0, text
@@ -535,9 +583,25 @@ def model():
 """ + _CONTRACT
 
 
-def test_a_reentrant_checkpoint_is_refused_by_name(tmp_path, capsys):
+def test_a_reentrant_checkpoint_is_traced_with_its_function_recorded(tmp_path, capsys):
     # gateloop-transformer's default checkpointing (torch.utils.checkpoint, use_reentrant=True): torch.export traces
-    # everything from it on with gradients off; the split was written and its ranks failed in backward
+    # everything from it on with gradients off; the split was written and its ranks failed in backward, then it was
+    # refused by name. torch's CheckpointFunction recomputes in its backward what autograd records of its forward: the
+    # two agree on one eager step, so the forward is traced again with the function run recorded, and it splits
+    path = tmp_path / "checkpointed.py"
+    path.write_text(CHECKPOINTED.replace("REENTRANT", "True"))
+    code, text = run_cli(capsys, "split", str(path), "-o", str(tmp_path / "out"), "--ranks", "2")
+    assert code == 0, text
+    assert "CheckpointFunction.apply at checkpointed.py:" in text and "traced again" in text, text
+    assert "no gradient of the loss reaches" not in text and "take no gradient" not in text, text
+
+
+def test_what_no_recorded_forward_reaches_is_still_refused_by_name(tmp_path, capsys, monkeypatch):
+    # where the eager check cannot record the forward (here: it is switched off by making every comparison fail to
+    # run), a reentrant checkpoint is refused by name as before, with the op, its line and the fix
+    from tracepp import custom_functions
+
+    monkeypatch.setattr(custom_functions, "compare", lambda *args: None)
     path = tmp_path / "checkpointed.py"
     path.write_text(CHECKPOINTED.replace("REENTRANT", "True"))
     code, text = run_cli(capsys, "split", str(path), "-o", str(tmp_path / "out"), "--ranks", "2")
@@ -545,6 +609,40 @@ def test_a_reentrant_checkpoint_is_refused_by_name(tmp_path, capsys):
     assert "no gradient of the loss reaches" in text and "checkpointed.py:" in text, text
     assert "use_reentrant=False" in text, text
     assert re.search(r"at \w+ \([\w.]+\) at checkpointed\.py:\d+", text), text  # the op too (the study's "by name")
+
+
+COMPLEX_PATH = """
+import torch
+import torch.nn as nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.to_a, self.out = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        a = torch.view_as_complex(self.to_a(x).view(-1, 4, 2))  # gateloop-transformer's state transition
+        a = torch.polar(a.abs().sigmoid(), a.angle())
+        return self.out(torch.view_as_real(a).reshape(-1, 8))
+
+
+def model():
+    torch.manual_seed(0)
+    return Net()
+
+""" + _CONTRACT
+
+
+def test_a_gradient_through_complex_values_reaches_its_parameters(tmp_path, capsys):
+    # gateloop-transformer's to_a (a linear viewed as complex, its magnitude and phase through torch.polar): its
+    # parameters train, in eager as split, but the split's note said they took no gradient ("every path from them to
+    # the output passes a region without gradients"): a complex value was not counted as one that carries a gradient
+    path = tmp_path / "complex_path.py"
+    path.write_text(COMPLEX_PATH)
+    code, text = run_cli(capsys, "check", str(path), "--ranks", "2")
+    assert code == 0, text
+    assert "take no gradient" not in text, text
 
 
 def test_parameters_read_only_without_gradients_are_named_in_a_note(tmp_path, capsys):

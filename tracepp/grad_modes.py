@@ -25,8 +25,8 @@ def _trainable_placeholders(program: torch.export.ExportedProgram, model: torch.
 
 
 def needs_grad(program: torch.export.ExportedProgram, model: torch.nn.Module) -> set:
-    """The nodes of the program whose value carries a gradient in training: floating values computed from a
-    trainable parameter (not through a detach)."""
+    """The nodes of the program whose value carries a gradient in training: floating or complex values computed
+    from a trainable parameter (not through a detach)."""
     import operator
 
     targets = _trainable_placeholders(program, model)
@@ -34,7 +34,7 @@ def needs_grad(program: torch.export.ExportedProgram, model: torch.nn.Module) ->
     for node in program.graph.nodes:
         value = node.meta.get("val")
         values = value if isinstance(value, (list, tuple)) else [value]  # chunk's and split's outputs: a list
-        floating = any(isinstance(v, torch.Tensor) and v.is_floating_point() for v in values)
+        floating = any(isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex()) for v in values)
         if node.op == "placeholder":
             if node.name in targets and floating:
                 found.add(node)

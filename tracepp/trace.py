@@ -23,7 +23,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from tracepp.split.pipeline_graph import AUTOCAST_OFF, MASTER_DTYPE
-from tracepp import batch_mixing, grad_modes, model_rng, sequence_first
+from tracepp import batch_mixing, custom_functions, grad_modes, model_rng, sequence_first
 from tracepp.dynamic import DynamicFlags, export_dynamic_shapes, names_from_model_spec
 from tracepp.modelfile import ModelFile, ModelFileError
 
@@ -367,6 +367,17 @@ def trace(model_file: ModelFile, num_microbatches: int, dynamic_shapes: Any = No
         notes.append(f"the model does not trace with meta weights ({type(error).__name__}: "
                      f"{str(error).splitlines()[0] if str(error) else ''}); traced with real weights instead")
     watch.check()  # a sequence-first module reached by microbatches cut along its sequence: stop, say why
+    functions = custom_functions.used(program) if model_file.training and not _is_on_meta(model) else {}
+    found = custom_functions.compare(model, functions, mb_args, mb_kwargs) if functions else None
+    if found is not None and not found.agrees:
+        raise TraceError(custom_functions.refusal(functions, found, model_file.path))
+    if found is not None:
+        retrace = custom_functions.runs_without_grad(program)
+        if retrace:  # reversible layers: trace them again with their forward recorded, so their parameters train
+            with custom_functions.recorded(functions):
+                program = _export(model, mb_args, mb_kwargs, export_shapes,
+                                  sequence_first.Watch(batch_dim, traced_size, batch_size))
+        notes.append(custom_functions.agreed(functions, found, retrace))
     inline_grad_mode_regions(program, model_file.path)
     if model_file.training:
         reached = grad_modes.needs_grad(program, model)  # the values a gradient reaches, walked once for the three
@@ -376,7 +387,8 @@ def trace(model_file: ModelFile, num_microbatches: int, dynamic_shapes: Any = No
         unreached = grad_modes.unreached_note(program, model, reached)
         if unreached:
             notes.append(unreached)
-        notes.extend(check_custom_functions(program, model, model_file.path, reached))
+        notes.extend(custom_functions.check_custom_functions(program, model, model_file.path, reached,
+                                                             functions if found is not None else ()))
     if master_dtypes:
         _mark_masters(program, master_dtypes)
     random_ops = random_draws(program)
@@ -426,11 +438,13 @@ def random_draws(program: torch.export.ExportedProgram) -> list:
     """Each op of the traced program that draws random numbers, as ``aten.exponential_ at
     modeling_phimoe.py:477``, in graph order: an op torch tags ``nondeterministic_seeded`` (rand_like,
     exponential_, bernoulli, dropout, attention with dropout), unless its arguments make it draw nothing (a
-    probability of 0, ``train=False``)."""
+    probability of 0, ``train=False``). A grad-mode region's body not yet inlined is read too (its ops after the
+    region's own: reformer-pytorch's reversible layers draw their rotations under ``torch.no_grad()``)."""
     from tracepp.split.rules import where
 
     found = []
-    for node in program.graph.nodes:
+    graphs = [m.graph for m in program.graph_module.modules() if isinstance(m, torch.fx.GraphModule)]
+    for node in (node for graph in graphs for node in graph.nodes):
         tags = getattr(node.target, "tags", ())
         if node.op != "call_function" or torch.Tag.nondeterministic_seeded not in tags:
             continue
@@ -473,197 +487,6 @@ def _leaf_index_of_args(model: torch.nn.Module, args: tuple, kwargs: dict) -> di
 
 def _hop_name(node: torch.fx.Node) -> str:
     return getattr(node.target, "_name", "") if node.op == "call_function" else ""
-
-
-def _custom_function(frame):
-    """The ``torch.autograd.Function`` subclass with a backward of its own that a stack frame's line calls
-    (``hidden_states = _ReversibleFunction.apply(``), looked up in the module of the frame's file, or None."""
-    import sys
-
-    file, _line, _function, code = frame
-    match = re.search(r"(\w+)\.apply\(", code)
-    if not match:
-        return None
-    module = _module_of(file)
-    found = getattr(module, match.group(1), None)
-    if not (isinstance(found, type) and issubclass(found, torch.autograd.Function) and "backward" in vars(found)):
-        return None
-    applied = getattr(found.apply, "__func__", None)  # not the model file's ordinary forward in its place
-    return found if applied is torch.autograd.Function.apply.__func__ else None
-
-
-def _check_custom_backward(body, operands, parameters: dict, model_path: str) -> None:
-    """A grad-disabled region that uses parameters and runs inside an ``autograd.Function`` with a backward of its
-    own (Reformer's reversible layers: the forward without gradients, the backward recomputing them): export keeps
-    the forward only, so the traced model would never train those parameters. Refused with the function's name,
-    its line and the model-file fix."""
-    from tracepp.split.naming import frames
-
-    used = sorted({parameters[o.name] for o in operands if isinstance(o, torch.fx.Node) and o.name in parameters})
-    if not used:
-        return
-    for inner in body.graph.nodes:
-        for frame in frames(inner.meta.get("stack_trace")):
-            function = _custom_function(frame)
-            if function is None:
-                continue
-            where = f"{os.path.basename(frame[0])}:{frame[1]}"
-            raise TraceError(
-                f"{function.__name__}.apply at {where} is a torch.autograd.Function with a backward of its own, and "
-                f"the {len(used)} parameters it uses ({', '.join(used[:3])}{', ...' if len(used) > 3 else ''}) are "
-                f"read with gradients off inside it: its backward computes their gradients (e.g. by recomputing the "
-                f"layers, as reversible layers do). torch.export keeps the forward only, so split they would never "
-                f"train. In {model_path or 'the model file'}, give it a forward that autograd records: call the "
-                f"function's forward as ordinary code (`{function.__name__}.apply = staticmethod(...)`) and run the "
-                f"layers inside it with gradients on (without their torch.no_grad())")
-
-
-def _module_of(file: str):
-    """The loaded module whose file is ``file``, or None. Each module's own ``__file__`` is read from its dict: a
-    lazy placeholder in ``sys.modules`` (SpeechBrain registers one for each deprecated import path and optional
-    integration) imports its target on any attribute read, and one whose target is not installed raises."""
-    for module in list(sys.modules.values()):
-        try:
-            if vars(module).get("__file__") == file:
-                return module
-        except TypeError:  # an entry without a __dict__
-            continue
-    return None
-
-
-def _function_forwards(file: str) -> list:
-    """``(class, first line, last line)`` of the ``forward`` of each ``torch.autograd.Function`` subclass with a
-    backward of its own in the module loaded from ``file``. A class whose ``apply`` was replaced (the model file's
-    fix for such functions: its forward run as ordinary code) is not one."""
-    module = _module_of(file)
-    found = []
-    for value in list(vars(module).values()) if module is not None else ():
-        if not (isinstance(value, type) and issubclass(value, torch.autograd.Function)
-                and "backward" in vars(value) and "forward" in vars(value)):
-            continue
-        if getattr(value.apply, "__func__", None) is not torch.autograd.Function.apply.__func__:
-            continue
-        code = getattr(getattr(vars(value)["forward"], "__func__", vars(value)["forward"]), "__code__", None)
-        lines = [number for _start, _end, number in code.co_lines() if number is not None] if code else []
-        if code is not None and code.co_filename == file and lines:
-            found.append((value, code.co_firstlineno, max(lines)))
-    return found
-
-
-def _custom_function_regions(graph: torch.fx.Graph) -> list:
-    """Each run of nodes export traced inside the ``forward`` of one call of a ``torch.autograd.Function`` with a
-    backward of its own: ``(function class, caller frame or None, nodes)``, in graph order."""
-    from tracepp.split.naming import frames
-
-    def inside(stack_trace):  # (function, the frames calling its forward) or None; once per distinct stack
-        trace = frames(stack_trace)
-        for index, frame in enumerate(trace):
-            if frame[2] != "forward":
-                continue
-            if frame[0] not in forwards:
-                forwards[frame[0]] = _function_forwards(frame[0])
-            function = next((cls for cls, first, last in forwards[frame[0]] if first <= frame[1] <= last), None)
-            if function is not None:
-                return function, tuple(trace[:index])
-        return None
-
-    regions, current, forwards, seen = [], None, {}, {}
-    for node in graph.nodes:
-        found = None
-        if node.op == "call_function":
-            stack_trace = node.meta.get("stack_trace") or ""
-            if stack_trace not in seen:
-                seen[stack_trace] = inside(stack_trace)
-            if seen[stack_trace] is not None:
-                function, callers = seen[stack_trace]
-                key = (function, callers, tuple(node.meta.get("nn_module_stack") or ()))
-                found = (key, function, callers[-1] if callers else None)
-        if found is None:
-            current = None
-            continue
-        if current is None or current[0] != found[0]:
-            current = [found[0], found[1], found[2], []]
-            regions.append(current)
-        current[3].append(node)
-    return [(function, caller, nodes) for _key, function, caller, nodes in regions]
-
-
-def check_custom_functions(program: torch.export.ExportedProgram, model: torch.nn.Module, model_path: str,
-                           reached: set) -> list:
-    """``torch.autograd.Function``s with a backward of their own: torch.export keeps the forward only, so split,
-    the gradient through one is autograd's derivative of its forward. Each call is run forward and backward on the
-    traced (fake) values: where autograd cannot differentiate the forward (mambapy's parallel scan updates in place
-    views of tensors it read before, as its backward allows and autograd does not), the split is refused with the
-    function, its in-place op and line, and the fix; else a note says whose backward is not kept."""
-    regions = _custom_function_regions(program.graph)
-    if not regions:
-        return []
-    from torch._guards import detect_fake_mode
-    from tracepp.split.rules import where
-
-    needs_grad = reached if model.training else set()  # grad_modes.needs_grad's nodes
-    kept = []
-    for function, caller, nodes in regions:
-        called = f"{function.__name__}.apply" + (f" at {os.path.basename(caller[0])}:{caller[1]}" if caller else "")
-        if called not in kept:
-            kept.append(called)
-        if not any(node in needs_grad for node in nodes):
-            continue
-        error = _differentiate(nodes, needs_grad, detect_fake_mode)
-        if error is None:
-            continue
-        in_place = [n for n in nodes if isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable]
-        ops = (f": its in-place ops ({in_place[0].target.name().replace('::', '.')} at {where(in_place[0])}"
-               + (f" and {len(in_place) - 1} more" if len(in_place) > 1 else "") + ") update tensors its gradient "
-               f"needs") if in_place else ""
-        raise TraceError(
-            f"{called} is a torch.autograd.Function ({function.__module__}.{function.__qualname__}) with a backward "
-            f"of its own; torch.export keeps its forward only, and autograd cannot differentiate that forward{ops} "
-            f"({error}). Split, the model would not train. In {model_path or 'the model file'}, take the model's "
-            f"path without the function (a library's reference implementation, e.g. mambapy's "
-            f"MambaConfig(pscan=False)), or give the function a forward autograd can differentiate (no tensor updated "
-            f"in place after it is read: each step's result in a new tensor)")
-    shown = ", ".join(kept[:3]) + (f" and {len(kept) - 3} more" if len(kept) > 3 else "")
-    return [f"{shown}: torch.autograd.Function(s) with a backward of their own; torch.export keeps their forward "
-            f"only, so split, the gradient through them is autograd's derivative of that forward, not their own "
-            f"backward (equal where the backward is that derivative)"]
-
-
-def _differentiate(nodes: list, needs_grad: set, detect_fake_mode):
-    """Run ``nodes`` (one call's forward) on fake inputs, those that carry a gradient in training requiring it, and
-    backward from every output that carries one: the first line of autograd's error, or None when it differentiates
-    (or when the nodes cannot be run apart: nothing to say then)."""
-    inside = set(nodes)
-    inputs = list(dict.fromkeys(a for n in nodes for a in n.all_input_nodes if a not in inside))
-    values = [a.meta.get("val") for a in inputs]
-    mode = detect_fake_mode([v for v in values if isinstance(v, torch.Tensor)])
-    if mode is None or any(not isinstance(v, (torch.Tensor, torch.SymInt, int, float, bool)) for v in values):
-        return None
-    try:
-        with mode, torch.enable_grad():
-            env, leaves = {}, []
-            for node, value in zip(inputs, values):
-                if isinstance(value, torch.Tensor):
-                    value = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
-                    if node in needs_grad:
-                        value.requires_grad_(True)
-                        leaves.append(value)
-                env[node] = value
-            for node in nodes:
-                args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
-                env[node] = node.target(*args, **kwargs)
-            outputs = [env[n] for n in nodes if any(u not in inside for u in n.users)]
-            outputs = [o for o in pytree.tree_leaves(outputs) if isinstance(o, torch.Tensor) and o.requires_grad]
-            if not (outputs and leaves):
-                return None
-    except Exception:
-        return None
-    try:
-        with mode:
-            torch.autograd.grad(outputs, leaves, [torch.ones_like(o) for o in outputs], allow_unused=True)
-    except RuntimeError as error:
-        return str(error).splitlines()[0].split(". Hint:")[0][:300]
-    return None
 
 
 def inline_grad_mode_regions(program: torch.export.ExportedProgram, model_path: str = "") -> None:
@@ -713,7 +536,7 @@ def _inline_regions(graph_module: torch.fx.GraphModule, parameters: dict, model_
         _inline_regions(body, {p.name: parameters[o.name] for p, o in zip(placeholders, operands)
                                if isinstance(o, torch.fx.Node) and o.name in parameters}, model_path)
         if not grad_enabled:
-            _check_custom_backward(body, operands, parameters, model_path)
+            custom_functions.check_custom_backward(body, operands, parameters, model_path)
         autocast_off = False
         if autocast is not None:
             device_type, dtype, enabled, cache_enabled = autocast
