@@ -5,7 +5,6 @@ gradients on. torch.export keeps the forward only: split, nothing before it trai
 checked against autograd's derivative of its forward, and the forward traced again with ``fn`` recorded
 (``tracepp/custom_functions.py``); ``--checkpoint`` recomputes it, if the memory is wanted back.
 """
-import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 from tiny_lm import examples_of, lm_loss, model_of, token_batch
