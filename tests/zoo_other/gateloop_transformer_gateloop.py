@@ -10,11 +10,12 @@ a recursion over strided slices, ``torch.cat``, ``stack`` and ``flatten``), read
 then a SiLU output gate (``to_gates``) and ``to_out``; a GELU MLP with biases, a final RMSNorm and an untied head;
 dim 64, 4 gate-loop heads of 16, 2 layers, ff_mult 2, vocabulary 128.
 
-``checkpoint_gate_looped_attn=False``: the library's default (True) runs the scan through
-``torch.utils.checkpoint.checkpoint`` without ``use_reentrant`` (gateloop_transformer.py:284-286), the reentrant
-form; torch.export (2.13) then puts the checkpointed scan and everything after it, up to the next checkpoint and to
-the logits, under ``wrap_with_set_grad_enabled(False, ...)``: the exported program's output has no ``grad_fn`` and its
-backward raises ``element 0 of tensors does not require grad``. ``GATELOOP_CHECKPOINT=1`` builds that default.
+The library's default ``checkpoint_gate_looped_attn=True``: the scan runs through ``torch.utils.checkpoint.checkpoint``
+without ``use_reentrant`` (gateloop_transformer.py:284-286), the reentrant form, torch's ``CheckpointFunction``, whose
+forward runs the scan under ``torch.no_grad()``. torch.export (2.13) then put the checkpointed scan and everything
+after it under ``wrap_with_set_grad_enabled(False, ...)``, and the split was refused by name until 2026-12-03; it is
+traced since with the function's forward recorded (``tracepp/custom_functions.py``). ``GATELOOP_CHECKPOINT=0``
+builds it without.
 """
 import os
 
@@ -26,7 +27,7 @@ LIBRARY, VERSION = "gateloop-transformer", version("gateloop-transformer")
 SOURCE = "gateloop_transformer/gateloop_transformer.py (Transformer, GateLoopedAttention, gate_loop_operator, " \
          "PreNorm, RMSNorm), gateloop_transformer/associative_scan.py (associative_scan)"
 HEADS_, KV_HEADS_ = HEADS, HEADS  # gate-loop heads; no grouped-query form
-CHECKPOINT = os.environ.get("GATELOOP_CHECKPOINT", "0") == "1"
+CHECKPOINT = os.environ.get("GATELOOP_CHECKPOINT", "1") == "1"
 
 
 def model():
