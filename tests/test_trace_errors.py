@@ -266,7 +266,7 @@ def test_recomputing_backward_is_checked_against_autograd_and_its_forward_record
 
 
 STRAIGHT_THROUGH = CUSTOM_BACKWARD.replace('''class Recomputed(torch.autograd.Function):''', '''class Rounded(torch.autograd.Function):
-    """A straight-through estimator: rounds in the forward, passes the gradient through unchanged."""
+    """Rounds in the forward; its backward passes half the gradient (a straight-through estimator, scaled)."""
 
     @staticmethod
     def forward(ctx, x):
@@ -274,32 +274,46 @@ STRAIGHT_THROUGH = CUSTOM_BACKWARD.replace('''class Recomputed(torch.autograd.Fu
 
     @staticmethod
     def backward(ctx, grad):
-        return grad
+        return SCALE * grad
 
 
 class Recomputed(torch.autograd.Function):''').replace("torch.tanh(Recomputed.apply(x, self.inner))",
                                                         "torch.tanh(Rounded.apply(self.inner(x)))")
 
 
-def test_a_backward_that_is_not_the_forwards_derivative_is_refused_with_the_difference(tmp_path, capsys):
-    # a straight-through estimator: torch.export keeps its forward (a round, whose derivative is zero), so split the
-    # layer before it never trained, with only a note saying whose backward was not kept. One eager step with its own
-    # backward and one with autograd's now differ, and the split says by how much, where, and how to write it
+def test_a_straight_through_estimator_is_traced_as_one(tmp_path, capsys):
+    # HF BitNet's WeightQuant and ActQuant: a round (derivative zero) whose backward passes the gradient through.
+    # torch.export keeps the forward: split, the layers before it never trained, with only a note. Each call's backward
+    # is found to pass its output's gradient to its input unchanged, the Function is traced as x + (f(x) - x).detach(),
+    # and one eager step each way agrees
     path = tmp_path / "straight_through.py"
-    path.write_text(STRAIGHT_THROUGH)
+    path.write_text(STRAIGHT_THROUGH.replace("SCALE * grad", "grad"))
+    code, text = run_cli(capsys, "check", str(path), "--ranks", "2")
+    assert code == 0, text
+    assert ("Rounded.apply at straight_through.py:44: straight-through estimators, their backward passing the "
+            "gradient through unchanged, traced as x + (f(x) - x).detach()), which equals their own backward") in text
+
+
+def test_a_backward_that_is_not_the_forwards_derivative_is_refused_with_the_difference(tmp_path, capsys):
+    # a straight-through estimator passing half the gradient: neither autograd's derivative of its forward (zero) nor
+    # the gradient unchanged. Split, it trained with autograd's zero, with only a note saying whose backward was not
+    # kept. One eager step with its own backward and one with autograd's now differ, and the split says by how much,
+    # where, and how to write it
+    path = tmp_path / "straight_through.py"
+    path.write_text(STRAIGHT_THROUGH.replace("SCALE * grad", "0.5 * grad"))
     code, text = run_cli(capsys, "check", str(path), "--ranks", "2")
     assert code == 2, text
     assert "Rounded.apply at straight_through.py:" in text, text
     assert "with a backward of their own that is not autograd's derivative of their forward" in text, text
     found = re.search(r"gives gradients ([0-9.e+-]+) apart \(relative to the largest gradient; at inner\.", text)
     assert found and float(found.group(1)) > 0.1, text
-    assert "x + (f(x) - x).detach()" in text and "Traceback" not in text, text
+    assert "y.detach() + s * (y - y.detach())" in text and "Traceback" not in text, text
     # written as the message says, it splits
     path.write_text(STRAIGHT_THROUGH.replace("torch.tanh(Rounded.apply(self.inner(x)))",
                                              "torch.tanh(self.rounded(self.inner(x)))") + """
 
 def _rounded(self, x):
-    return x + (torch.round(x * 4) / 4 - x).detach()
+    return (torch.round(x * 4) / 4).detach() + 0.5 * (x - x.detach())
 
 
 Net.rounded = _rounded

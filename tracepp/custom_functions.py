@@ -55,6 +55,13 @@ def _custom_function(frame):
     return found if applied is torch.autograd.Function.apply.__func__ else None
 
 
+def _call_site(callers: tuple):
+    """The frame that calls a Function: the last of ``callers`` in the model's or a library's code, not torch's own
+    (fairscale's checkpoint is called from ``nn.Sequential``'s loop, torch's from HF's decoder layer)."""
+    outside = [frame for frame in callers if not frame[0].startswith(_TORCH_DIR)]
+    return (outside or list(callers) or [None])[-1]
+
+
 def check_custom_backward(body, operands, parameters: dict, model_path: str) -> None:
     """A grad-disabled region that uses parameters and runs inside an ``autograd.Function`` with a backward of its
     own (Reformer's reversible layers: the forward without gradients, the backward recomputing them): export keeps
@@ -141,7 +148,7 @@ def _custom_function_regions(graph: torch.fx.Graph) -> list:
             if seen[stack_trace] is not None:
                 function, callers = seen[stack_trace]
                 key = (function, callers, tuple(node.meta.get("nn_module_stack") or ()))
-                found = (key, function, callers[-1] if callers else None)
+                found = (key, function, _call_site(callers))
         if found is None:
             current = None
             continue
@@ -297,23 +304,54 @@ def _model_code(frame, files: set) -> bool:
 
 
 @contextlib.contextmanager
-def recorded(functions: list):
+def _applies_replaced(functions, make):
+    """Each of ``functions`` called through ``make(function, own_apply)`` for the time of the block: the class's
+    ``apply``, and every module-level name bound to it (ring-attention's ``ring_flash_attn =
+    RingFlashAttentionFunction.apply``, which replacing the class's ``apply`` does not reach)."""
+    own = {function: vars(function).get("apply") for function in functions}
+    originals = {function: function.apply for function in functions}
+    bound = _bound_applies(functions)
+    for function in functions:
+        function.apply = staticmethod(make(function, originals[function]))
+    for module, name, function, _value in bound:
+        setattr(module, name, vars(function)["apply"].__func__)
+    try:
+        yield
+    finally:
+        for module, name, _function, value in bound:
+            setattr(module, name, value)
+        for function, apply in own.items():
+            if apply is None:
+                del function.apply
+            else:
+                function.apply = apply
+
+
+@contextlib.contextmanager
+def recorded(functions, straight=()):
     """``functions`` run as ordinary code: ``apply`` calls the forward (with a context that keeps what it is
     given), and the outermost ``torch.no_grad()`` the model's code enters inside such a forward keeps gradients on,
     so autograd (and torch.export) records the layers it runs. One inside that stays what it is: the backward of a
-    reversible layer recomputes the layer under it too (HF Reformer's bucket sort). Everything is restored on exit;
-    :func:`compare` checks that the gradient so recorded is the Function's own."""
-    def applied(function):
+    reversible layer recomputes the layer under it too (HF Reformer's bucket sort). A function of ``straight`` (a
+    straight-through estimator, :func:`straight_through`) runs as ``x + (f(x) - x).detach()``: its forward's value,
+    its input's gradient passed through. Everything is restored on exit; :func:`compare` checks that the gradient
+    so recorded is the Function's own."""
+    def make(function, _own):
         def apply(*args, **kwargs):
             _state.depth = getattr(_state, "depth", 0) + 1
             _state.calls = getattr(_state, "calls", 0) + 1
             try:
                 if "setup_context" in vars(function):  # forward(*args) with a setup_context of its own
-                    return function.forward(*args, **kwargs)
-                return function.forward(_Context(len(args)), *args, **kwargs)
+                    out = function.forward(*args, **kwargs)
+                else:
+                    out = function.forward(_Context(len(args)), *args, **kwargs)
             finally:
                 _state.depth -= 1
-        return staticmethod(apply)
+            if function in straight:
+                x = next(a for a in args if isinstance(a, torch.Tensor))
+                return x + (out - x).detach()
+            return out
+        return apply
 
     no_grad = torch.autograd.grad_mode.no_grad
     enter, leave = no_grad.__enter__, no_grad.__exit__
@@ -333,24 +371,45 @@ def recorded(functions: list):
             return None
         return leave(self, *exc)
 
-    own = {function: vars(function).get("apply") for function in functions}
-    for function in functions:
-        function.apply = applied(function)
-    bound = _bound_applies(functions)  # ring-attention's `ring_flash_attn = RingFlashAttentionFunction.apply`
-    for module, name, function, _value in bound:
-        setattr(module, name, vars(function)["apply"].__func__)
-    no_grad.__enter__, no_grad.__exit__ = keep_enter, keep_exit
+    with _applies_replaced(functions, make):
+        no_grad.__enter__, no_grad.__exit__ = keep_enter, keep_exit
+        try:
+            yield
+        finally:
+            no_grad.__enter__, no_grad.__exit__ = enter, leave
+
+
+def straight_through(model: torch.nn.Module, functions, args: tuple, kwargs: dict) -> set:
+    """The ``functions`` each of whose calls in one eager forward of a copy of ``model`` on the example microbatch
+    takes one floating tensor and gives one of its shape whose gradient, by the function's own backward, is its
+    input's unchanged: straight-through estimators (HF BitNet's ``WeightQuant`` and ``ActQuant``)."""
+    seen: dict = {}
+
+    def make(function, own):
+        def apply(*args_, **kwargs_):
+            tensors = [a for a in args_ if isinstance(a, torch.Tensor)]
+            passes = False
+            if len(tensors) == 1 and tensors[0].is_floating_point():
+                x = tensors[0]
+                leaf = x.detach().requires_grad_(True)
+                with torch.enable_grad():
+                    y = own(*[leaf if a is x else a for a in args_], **kwargs_)
+                if isinstance(y, torch.Tensor) and y.shape == x.shape and y.requires_grad:
+                    probe = torch.randn_like(y)
+                    (grad,) = torch.autograd.grad(y, leaf, probe, allow_unused=True)
+                    passes = grad is not None and torch.equal(grad.to(probe.dtype), probe)
+            seen.setdefault(function, []).append(passes)
+            return own(*args_, **kwargs_)
+        return apply
+
     try:
-        yield
-    finally:
-        no_grad.__enter__, no_grad.__exit__ = enter, leave
-        for module, name, _function, value in bound:
-            setattr(module, name, value)
-        for function, apply in own.items():
-            if apply is None:
-                del function.apply
-            else:
-                function.apply = apply
+        copied = copy.deepcopy(model)
+        with torch.random.fork_rng(devices=[]), _applies_replaced(functions, make), torch.enable_grad():
+            torch.manual_seed(20261203)
+            copied(*args, **kwargs)
+    except Exception:  # a model this cannot run: no function taken for one
+        return set()
+    return {function for function, calls in seen.items() if calls and all(calls)}
 
 
 def _bound_applies(functions) -> list:
@@ -373,11 +432,14 @@ def _bound_applies(functions) -> list:
 @dataclass
 class Comparison:
     """The gradients of one eager step with the Functions' own backwards against autograd's derivative of their
-    forwards: the largest difference relative to the largest gradient, where it is, and the dtype compared in."""
+    forwards: the largest difference relative to the largest gradient, where it is, and the dtype compared in;
+    ``dropped``: what the own backwards give a gradient and the recorded forwards none (a forward that cuts the
+    graph itself: memcnn's ``detach_()`` of its outputs)."""
     relative: float
     where: str
     dtype: torch.dtype
     tolerance: float
+    dropped: tuple = ()
 
     @property
     def agrees(self) -> bool:
@@ -399,7 +461,7 @@ def _seeded_seed():
     return seed
 
 
-def _gradients(model, functions, args, kwargs, dtype, own: bool) -> dict:
+def _gradients(model, functions, args, kwargs, dtype, own: bool, straight=()) -> dict:
     """name -> gradient after one backward of a fixed random projection of ``model``'s outputs, every floating
     input and parameter taking one, with the Functions' own backwards (``own``) or autograd's."""
     def cast(value):
@@ -417,7 +479,7 @@ def _gradients(model, functions, args, kwargs, dtype, own: bool) -> dict:
         torch.manual_seed(20261203)
         torch.seed = _seeded_seed()
         try:
-            with contextlib.nullcontext() if own else recorded(functions):
+            with contextlib.nullcontext() if own else recorded(functions, straight):
                 output = model(*run_args, **run_kwargs)
         finally:
             torch.seed = seed
@@ -437,7 +499,7 @@ def _gradients(model, functions, args, kwargs, dtype, own: bool) -> dict:
     return grads
 
 
-def compare(model: torch.nn.Module, functions: list, args: tuple, kwargs: dict) -> Optional[Comparison]:
+def compare(model: torch.nn.Module, functions, args: tuple, kwargs: dict, straight=()) -> Optional[Comparison]:
     """One eager step of a copy of ``model`` on the example microbatch with the Functions' own backwards against
     one with their forwards recorded by autograd (float64 where the model runs in it, else as it is). None where
     autograd cannot differentiate a recorded forward (the caller refuses that by name) or the model has no
@@ -455,18 +517,24 @@ def compare(model: torch.nn.Module, functions: list, args: tuple, kwargs: dict) 
             continue
         calls = getattr(_state, "calls", 0)
         try:
-            theirs = _gradients(copied, functions, args, kwargs, compute, own=False)
+            theirs = _gradients(copied, functions, args, kwargs, compute, own=False, straight=straight)
         except RuntimeError:
             return None
         if getattr(_state, "calls", 0) == calls:  # called by a name recorded() does not reach: nothing compared
             return None
         break
-    if not own or set(own) != set(theirs):  # what recorded() runs still drops a gradient: nothing to compare
+    if not own:
         return None
+    dropped = tuple(name for name in own if name not in theirs and bool(own[name].any()))
+    tolerance = _TOLERANCE.get(compute, 1e-2)
+    if dropped:
+        return Comparison(float("inf"), dropped[0], compute, tolerance, dropped)
+    both = {name: (own.get(name), theirs.get(name)) for name in {**own, **theirs}}  # none: a zero gradient
+    gaps = {name: float(((a if a is not None else 0) - (b if b is not None else 0)).abs().max())
+            for name, (a, b) in both.items()}
     scale = max(float(g.abs().max()) for g in own.values()) or 1.0
-    worst = max(own, key=lambda name: float((own[name] - theirs[name]).abs().max()))
-    relative = float((own[worst] - theirs[worst]).abs().max()) / scale
-    return Comparison(relative, worst, compute, _TOLERANCE.get(compute, 1e-2))
+    worst = max(gaps, key=gaps.get)
+    return Comparison(gaps[worst] / scale, worst, compute, tolerance)
 
 
 def named(functions: dict) -> str:
@@ -485,11 +553,28 @@ def refusal(functions: dict, found: Comparison, model_path: str) -> str:
             f"gradient scaled as `y.detach() + s * (y - y.detach())`")
 
 
-def agreed(functions: dict, found: Comparison, retraced: bool) -> str:
-    """The split's note where every Function's own backward agrees with autograd's derivative of its forward."""
+def cut_refusal(functions: dict, found: Comparison, model_path: str) -> str:
+    """The split's message where the Functions' forwards, recorded, give no gradient to what their backwards train."""
+    shown = ", ".join(found.dropped[:3]) + (f" and {len(found.dropped) - 3} more" if len(found.dropped) > 3 else "")
+    return (f"{named(functions)}: torch.autograd.Function(s) with a backward of their own, whose forward cuts the "
+            f"graph itself (a detach, an in-place detach_(), its inputs' storage freed): their own backward gives "
+            f"{len(found.dropped)} tensor(s) a gradient ({shown}) that autograd's derivative of the forward, even "
+            f"recorded with gradients on, does not reach. torch.export keeps the forward only, so split they would "
+            f"not train. In {model_path or 'the model file'}, build the model without the function: the library's "
+            f"switch that runs the layers as ordinary code (memcnn's InvertibleModuleWrapper(..., disable=True), "
+            f"reformer-pytorch's reverse_thres past the sequence length)")
+
+
+def agreed(functions: dict, found: Comparison, retraced: bool, straight=()) -> str:
+    """The split's note where every Function's own backward agrees with autograd's derivative of its forward (or,
+    for a straight-through estimator, of ``x + (f(x) - x).detach()``)."""
+    through = [called for function, called in functions.items() if function in straight]
     return (f"{named(functions)}: torch.autograd.Function(s) with a backward of their own; split, the gradient "
-            f"through them is autograd's derivative of their forward, which equals their own backward on the "
-            f"example microbatch ({found.relative:.1e} relative, {found.dtype})"
+            f"through them is autograd's derivative of their forward"
+            + (f" ({', '.join(through)}: straight-through estimators, their backward passing the gradient through "
+               f"unchanged, traced as x + (f(x) - x).detach())" if through else "")
+            + f", which equals their own backward on the example microbatch ({found.relative:.1e} relative, "
+            f"{found.dtype})"
             + ("; their forward runs layers without gradients (reversible layers, a reentrant checkpoint: "
                "recomputed in their own backward), so it was traced again with those layers recorded: their "
                "activations are kept as any layer's (--checkpoint recomputes them instead)" if retraced else ""))

@@ -369,15 +369,22 @@ def trace(model_file: ModelFile, num_microbatches: int, dynamic_shapes: Any = No
     watch.check()  # a sequence-first module reached by microbatches cut along its sequence: stop, say why
     functions = custom_functions.used(program) if model_file.training and not _is_on_meta(model) else {}
     found = custom_functions.compare(model, functions, mb_args, mb_kwargs) if functions else None
+    straight = set()
+    if found is not None and not found.dropped and not found.agrees:  # a straight-through estimator, written so?
+        straight = custom_functions.straight_through(model, functions, mb_args, mb_kwargs)
+        again = custom_functions.compare(model, functions, mb_args, mb_kwargs, straight) if straight else None
+        found, straight = (again, straight) if again is not None and again.agrees else (found, set())
+    if found is not None and found.dropped:
+        raise TraceError(custom_functions.cut_refusal(functions, found, model_file.path))
     if found is not None and not found.agrees:
         raise TraceError(custom_functions.refusal(functions, found, model_file.path))
     if found is not None:
         retrace = custom_functions.runs_without_grad(program)
-        if retrace:  # reversible layers: trace them again with their forward recorded, so their parameters train
-            with custom_functions.recorded(functions):
+        if retrace or straight:  # reversible layers, straight-through estimators: traced as they train
+            with custom_functions.recorded(functions, straight):
                 program = _export(model, mb_args, mb_kwargs, export_shapes,
                                   sequence_first.Watch(batch_dim, traced_size, batch_size))
-        notes.append(custom_functions.agreed(functions, found, retrace))
+        notes.append(custom_functions.agreed(functions, found, retrace, straight))
     inline_grad_mode_regions(program, model_file.path)
     if model_file.training:
         reached = grad_modes.needs_grad(program, model)  # the values a gradient reaches, walked once for the three
