@@ -265,6 +265,24 @@ def test_recomputing_backward_is_checked_against_autograd_and_its_forward_record
         refused.value)
 
 
+CUT_GRAPH = CUSTOM_BACKWARD.replace('''            return layer(x)''', '''            y = layer(x.detach())
+        return y.detach_()  # memcnn's InvertibleCheckpointFunction: its outputs detached in place''')
+
+
+def test_a_function_whose_forward_cuts_the_graph_is_refused_naming_what_would_not_train(tmp_path, capsys):
+    # memcnn's InvertibleCheckpointFunction detaches its inputs and, in place, its outputs: even recorded with
+    # gradients on, its forward trains nothing before it. The refusal told the user to run that forward as ordinary
+    # code (which trains nothing); it now names the tensors its own backward trains and autograd's does not reach
+    path = tmp_path / "cut_graph.py"
+    path.write_text(CUT_GRAPH)
+    code, text = run_cli(capsys, "check", str(path), "--ranks", "2")
+    assert code == 2, text
+    assert ("Recomputed.apply at cut_graph.py:33: torch.autograd.Function(s) with a backward of their own, whose "
+            "forward cuts the graph itself") in text, text
+    assert "their own backward gives 3 tensor(s) a gradient (inner.weight, inner.bias, the model's input 0)" in text, text
+    assert "build the model without the function" in text and "Traceback" not in text, text
+
+
 STRAIGHT_THROUGH = CUSTOM_BACKWARD.replace('''class Recomputed(torch.autograd.Function):''', '''class Rounded(torch.autograd.Function):
     """Rounds in the forward; its backward passes half the gradient (a straight-through estimator, scaled)."""
 

@@ -491,9 +491,9 @@ def _gradients(model, functions, args, kwargs, dtype, own: bool, straight=()) ->
         if not outputs:
             return {}
         total.backward()
-    grads = {f"input {index}": leaf.grad for index, leaf in enumerate(leaves)
-             if isinstance(leaf, torch.Tensor) and leaf.grad is not None}
-    grads.update({name: p.grad for name, p in model.named_parameters() if p.grad is not None})
+    grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+    grads.update({f"the model's input {index}": leaf.grad for index, leaf in enumerate(leaves)
+                  if isinstance(leaf, torch.Tensor) and leaf.grad is not None})
     for parameter in model.parameters():
         parameter.grad = None
     return grads
