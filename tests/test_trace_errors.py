@@ -279,7 +279,8 @@ def test_a_function_whose_forward_cuts_the_graph_is_refused_naming_what_would_no
     assert code == 2, text
     assert ("Recomputed.apply at cut_graph.py:33: torch.autograd.Function(s) with a backward of their own, whose "
             "forward cuts the graph itself") in text, text
-    assert "their own backward gives 3 tensor(s) a gradient (inner.weight, inner.bias, the model's input 0)" in text, text
+    assert ("their own backward gives 3 tensor(s) a gradient (inner.weight, inner.bias, the model's input 0)"
+            in text), text
     assert "build the model without the function" in text and "Traceback" not in text, text
 
 
@@ -431,6 +432,32 @@ def example_target():
 def loss_fn(out, target):
     return (out - target).pow(2).mean()
 '''
+
+
+def test_a_module_whose_attributes_raise_does_not_stop_the_check(tmp_path, capsys, monkeypatch):
+    # absl's FLAGS (imported by tensorboard) parses sys.argv on any attribute read before the flags are parsed: the
+    # search for module-level names bound to a Function's apply read `__self__` of every module's values, and the
+    # whole suite's run of these tests stopped with "UnrecognizedFlagError: Unknown command line flag 'q'"
+    import sys
+    import types
+
+    class UnrecognizedFlagError(Exception):
+        pass
+
+    class Flags:
+        def __call__(self, *args):
+            return None
+
+        def __getattr__(self, name):
+            raise UnrecognizedFlagError(f"Unknown command line flag {name!r}")
+
+    held = types.ModuleType("flags_like_absl")
+    held.FLAGS = Flags()
+    monkeypatch.setitem(sys.modules, "flags_like_absl", held)
+    path = tmp_path / "custom_gelu.py"
+    path.write_text(CUSTOM_GELU)
+    code, text = run_cli(capsys, "check", str(path), "--ranks", "2")
+    assert code == 0 and "which equals their own backward" in text, text
 
 
 def test_custom_function_autograd_differentiates_is_split_with_a_note(tmp_path, capsys):

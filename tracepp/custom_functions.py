@@ -20,6 +20,7 @@ import os
 import re
 import sys
 import threading
+import types
 from dataclasses import dataclass
 from typing import Optional
 
@@ -413,8 +414,9 @@ def straight_through(model: torch.nn.Module, functions, args: tuple, kwargs: dic
 
 
 def _bound_applies(functions) -> list:
-    """``(module, name, function, value)`` for each module-level name bound to one of ``functions``' ``apply`` (a module that
-    wrote ``fn = SomeFunction.apply`` calls it by that name, which replacing the class's ``apply`` does not reach)."""
+    """``(module, name, function, value)`` for each module-level name bound to one of ``functions``' ``apply`` (a
+    module that wrote ``fn = SomeFunction.apply`` calls it by that name, which replacing the class's ``apply`` does
+    not reach)."""
     base = torch.autograd.Function.apply.__func__
     found = []
     for module in list(sys.modules.values()):
@@ -423,9 +425,10 @@ def _bound_applies(functions) -> list:
         except TypeError:
             continue
         for name, value in list(names.items()):
-            owner = getattr(value, "__self__", None) if callable(value) else None
-            if isinstance(owner, type) and owner in functions and getattr(value, "__func__", None) is base:
-                found.append((module, name, owner, value))
+            if type(value) is not types.MethodType:  # no attribute read of anything else (absl's FLAGS parses argv)
+                continue
+            if value.__func__ is base and isinstance(value.__self__, type) and value.__self__ in functions:
+                found.append((module, name, value.__self__, value))
     return found
 
 
