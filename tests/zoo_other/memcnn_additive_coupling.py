@@ -4,8 +4,7 @@ and in the backward inverts the output and recomputes), Fm = causal self-attenti
 the features (32 of 64), 2 layers, 4 heads, vocabulary 128, 8 tokens."""
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
-from other_common import HEADS, HIDDEN, LAYERS, VOCAB, causal_lm_loss, examples_of, ids_batch, sgd, version
+from other_common import HEADS, HIDDEN, LAYERS, VOCAB, CausalAttention, FeedForward, causal_lm_loss, examples_of, ids_batch, sgd, version
 from memcnn import AdditiveCoupling, InvertibleModuleWrapper
 
 LIBRARY, VERSION = "memcnn", version("memcnn")
@@ -15,33 +14,11 @@ HEADS_, KV_HEADS_ = HEADS, HEADS
 HALF = HIDDEN // 2
 
 
-class Attention(nn.Module):
-    def __init__(self, dim=HALF, heads=HEADS):
-        super().__init__()
-        self.heads, self.norm = heads, nn.LayerNorm(dim)
-        self.qkv, self.out = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
-
-    def forward(self, x):
-        b, s, d = x.shape
-        q, k, v = self.qkv(self.norm(x)).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.out(y.transpose(1, 2).reshape(b, s, d))
-
-
-class FeedForward(nn.Module):
-    def __init__(self, dim=HALF):
-        super().__init__()
-        self.net = nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
-
-    def forward(self, x):
-        return self.net(x)
-
-
 class RevLM(nn.Module):
     def __init__(self):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, HIDDEN)
-        self.layers = nn.Sequential(*[InvertibleModuleWrapper(AdditiveCoupling(Attention(), FeedForward(), split_dim=-1),
+        self.layers = nn.Sequential(*[InvertibleModuleWrapper(AdditiveCoupling(CausalAttention(HALF), FeedForward(HALF), split_dim=-1),
                                                               keep_input=False, keep_input_inverse=False)
                                       for _ in range(LAYERS)])
         self.norm, self.head = nn.LayerNorm(HIDDEN), nn.Linear(HIDDEN, VOCAB)

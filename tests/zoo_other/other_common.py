@@ -103,3 +103,31 @@ def provide_timm_drop_path() -> None:
     for name in ("timm", "timm.models", "timm.models.layers"):
         sys.modules.setdefault(name, types.ModuleType(name))
     sys.modules["timm.models.layers"].drop_path = drop_path
+
+
+class CausalAttention(torch.nn.Module):
+    """Pre-norm causal self-attention over ``dim`` features in ``heads`` heads, written with torch alone: the block
+    the files whose library gives only a wrapper (a reversible sequence, a checkpoint) put inside it."""
+
+    def __init__(self, dim: int, heads: int = HEADS):
+        super().__init__()
+        self.heads, self.norm = heads, torch.nn.LayerNorm(dim)
+        self.qkv, self.out = torch.nn.Linear(dim, 3 * dim), torch.nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = self.qkv(self.norm(x)).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(b, s, d))
+
+
+class FeedForward(torch.nn.Module):
+    """Pre-norm GELU feed-forward over ``dim`` features (4x wide), beside :class:`CausalAttention`."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.LayerNorm(dim), torch.nn.Linear(dim, 4 * dim), torch.nn.GELU(),
+                                       torch.nn.Linear(4 * dim, dim))
+
+    def forward(self, x):
+        return self.net(x)
