@@ -37,8 +37,9 @@ def _error(message: str):
     return TraceError(message)
 
 
-def _where_called(caller) -> str:
-    return f" at {os.path.basename(caller[0])}:{caller[1]}" if caller else ""
+def _called(function, caller) -> str:
+    """``"_ReversibleFunction.apply at reversible.py:162"``: a Function and the frame calling it (or None)."""
+    return f"{function.__name__}.apply" + (f" at {os.path.basename(caller[0])}:{caller[1]}" if caller else "")
 
 
 def _custom_function(frame):
@@ -178,7 +179,7 @@ def check_custom_functions(program: torch.export.ExportedProgram, model: torch.n
     needs_grad = reached if model.training else set()  # grad_modes.needs_grad's nodes
     kept = []
     for function, caller, nodes in regions:
-        called = f"{function.__name__}.apply{_where_called(caller)}"
+        called = _called(function, caller)
         if called not in kept and function not in checked:
             kept.append(called)
         if not any(node in needs_grad for node in nodes):
@@ -251,7 +252,7 @@ def used(program: torch.export.ExportedProgram) -> dict:
     for module in program.graph_module.modules():
         if isinstance(module, torch.fx.GraphModule):
             for function, caller, _nodes in _custom_function_regions(module.graph):
-                found.setdefault(function, f"{function.__name__}.apply{_where_called(caller)}")
+                found.setdefault(function, _called(function, caller))
     return found
 
 
@@ -380,10 +381,10 @@ def recorded(functions, straight=()):
             no_grad.__enter__, no_grad.__exit__ = enter, leave
 
 
-def straight_through(model: torch.nn.Module, functions, args: tuple, kwargs: dict) -> set:
-    """The ``functions`` each of whose calls in one eager forward of a copy of ``model`` on the example microbatch
-    takes one floating tensor and gives one of its shape whose gradient, by the function's own backward, is its
-    input's unchanged: straight-through estimators (HF BitNet's ``WeightQuant`` and ``ActQuant``)."""
+def _straight_through(model: torch.nn.Module, functions, args: tuple, kwargs: dict) -> frozenset:
+    """The ``functions`` each of whose calls in one eager forward of ``model`` (:func:`compare`'s copy) takes one
+    floating tensor and gives one of its shape whose gradient, by the function's own backward, is its input's
+    unchanged: straight-through estimators (HF BitNet's ``WeightQuant`` and ``ActQuant``)."""
     seen: dict = {}
 
     def make(function, own):
@@ -404,13 +405,12 @@ def straight_through(model: torch.nn.Module, functions, args: tuple, kwargs: dic
         return apply
 
     try:
-        copied = copy.deepcopy(model)
         with torch.random.fork_rng(devices=[]), _applies_replaced(functions, make), torch.enable_grad():
             torch.manual_seed(20261203)
-            copied(*args, **kwargs)
+            model(*args, **kwargs)
     except Exception:  # a model this cannot run: no function taken for one
-        return set()
-    return {function for function, calls in seen.items() if calls and all(calls)}
+        return frozenset()
+    return frozenset(function for function, calls in seen.items() if calls and all(calls))
 
 
 def _bound_applies(functions) -> list:
@@ -437,12 +437,14 @@ class Comparison:
     """The gradients of one eager step with the Functions' own backwards against autograd's derivative of their
     forwards: the largest difference relative to the largest gradient, where it is, and the dtype compared in;
     ``dropped``: what the own backwards give a gradient and the recorded forwards none (a forward that cuts the
-    graph itself: memcnn's ``detach_()`` of its outputs)."""
+    graph itself: memcnn's ``detach_()`` of its outputs); ``straight``: the functions recorded as
+    ``x + (f(x) - x).detach()`` (:func:`_straight_through`)."""
     relative: float
     where: str
     dtype: torch.dtype
     tolerance: float
     dropped: tuple = ()
+    straight: frozenset = frozenset()
 
     @property
     def agrees(self) -> bool:
@@ -464,19 +466,24 @@ def _seeded_seed():
     return seed
 
 
-def _gradients(model, functions, args, kwargs, dtype, own: bool, straight=()) -> dict:
-    """name -> gradient after one backward of a fixed random projection of ``model``'s outputs, every floating
-    input and parameter taking one, with the Functions' own backwards (``own``) or autograd's."""
+def _cast(args, kwargs, dtype) -> tuple:
+    """``(leaves, args, kwargs)``: every floating input a fresh leaf in ``dtype`` taking a gradient."""
     def cast(value):
         if isinstance(value, torch.Tensor) and value.is_floating_point():
             return value.detach().to(dtype).requires_grad_(True)
         return value
 
-    for parameter in model.parameters():
-        parameter.grad = None
     leaves, spec = pytree.tree_flatten((args, kwargs))
     leaves = [cast(leaf) for leaf in leaves]
-    run_args, run_kwargs = pytree.tree_unflatten(leaves, spec)
+    return (leaves, *pytree.tree_unflatten(leaves, spec))
+
+
+def _gradients(model, functions, args, kwargs, dtype, own: bool, straight=()) -> dict:
+    """name -> gradient after one backward of a fixed random projection of ``model``'s outputs, every floating
+    input and parameter taking one, with the Functions' own backwards (``own``) or autograd's."""
+    for parameter in model.parameters():
+        parameter.grad = None
+    leaves, run_args, run_kwargs = _cast(args, kwargs, dtype)
     seed = torch.seed
     with torch.random.fork_rng(devices=[]), torch.enable_grad():
         torch.manual_seed(20261203)
@@ -488,12 +495,11 @@ def _gradients(model, functions, args, kwargs, dtype, own: bool, straight=()) ->
             torch.seed = seed
         outputs = [o for o in pytree.tree_leaves(output)
                    if isinstance(o, torch.Tensor) and o.is_floating_point() and o.requires_grad]
-        generator = torch.Generator().manual_seed(7)
-        total = sum((o * torch.randn(o.shape, generator=generator, dtype=o.dtype).to(o.device)).sum()
-                    for o in outputs)
         if not outputs:
             return {}
-        total.backward()
+        generator = torch.Generator().manual_seed(7)
+        sum((o * torch.randn(o.shape, generator=generator, dtype=o.dtype).to(o.device)).sum()
+            for o in outputs).backward()
     grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
     grads.update({f"the model's input {index}": leaf.grad for index, leaf in enumerate(leaves)
                   if isinstance(leaf, torch.Tensor) and leaf.grad is not None})
@@ -502,11 +508,12 @@ def _gradients(model, functions, args, kwargs, dtype, own: bool, straight=()) ->
     return grads
 
 
-def compare(model: torch.nn.Module, functions, args: tuple, kwargs: dict, straight=()) -> Optional[Comparison]:
+def compare(model: torch.nn.Module, functions, args: tuple, kwargs: dict) -> Optional[Comparison]:
     """One eager step of a copy of ``model`` on the example microbatch with the Functions' own backwards against
-    one with their forwards recorded by autograd (float64 where the model runs in it, else as it is). None where
-    autograd cannot differentiate a recorded forward (the caller refuses that by name) or the model has no
-    gradient to compare."""
+    one with their forwards recorded by autograd (float64 where the model runs in it, else as it is); where they
+    differ, once more with the straight-through estimators among them recorded as such (:func:`_straight_through`),
+    kept where that agrees. None where autograd cannot differentiate a recorded forward (the caller refuses that by
+    name) or the model has no gradient to compare."""
     for dtype in (torch.float64, None):
         try:
             copied = copy.deepcopy(model)
@@ -518,6 +525,11 @@ def compare(model: torch.nn.Module, functions, args: tuple, kwargs: dict, straig
             if dtype is None:
                 return None
             continue
+        break
+    if not own:
+        return None
+
+    def recorded_against_own(straight):
         calls = getattr(_state, "calls", 0)
         try:
             theirs = _gradients(copied, functions, args, kwargs, compute, own=False, straight=straight)
@@ -525,19 +537,30 @@ def compare(model: torch.nn.Module, functions, args: tuple, kwargs: dict, straig
             return None
         if getattr(_state, "calls", 0) == calls:  # called by a name recorded() does not reach: nothing compared
             return None
-        break
-    if not own:
-        return None
+        return _compared(own, theirs, compute, straight)
+
+    found = recorded_against_own(frozenset())
+    if found is None or found.dropped or found.agrees:
+        return found
+    _leaves, cast_args, cast_kwargs = _cast(args, kwargs, compute)
+    straight = _straight_through(copied, functions, cast_args, cast_kwargs)
+    again = recorded_against_own(straight) if straight else None
+    return again if again is not None and again.agrees else found
+
+
+def _compared(own: dict, theirs: dict, dtype, straight) -> Comparison:
+    """The two runs' gradients side by side (a gradient one run has and the other not counts as zeros there, but
+    one only the own backward gives, non-zero, is dropped)."""
     dropped = tuple(name for name in own if name not in theirs and bool(own[name].any()))
-    tolerance = _TOLERANCE.get(compute, 1e-2)
+    tolerance = _TOLERANCE.get(dtype, 1e-2)
     if dropped:
-        return Comparison(float("inf"), dropped[0], compute, tolerance, dropped)
+        return Comparison(float("inf"), dropped[0], dtype, tolerance, dropped, straight)
     both = {name: (own.get(name), theirs.get(name)) for name in {**own, **theirs}}  # none: a zero gradient
     gaps = {name: float(((a if a is not None else 0) - (b if b is not None else 0)).abs().max())
             for name, (a, b) in both.items()}
     scale = max(float(g.abs().max()) for g in own.values()) or 1.0
     worst = max(gaps, key=gaps.get)
-    return Comparison(gaps[worst] / scale, worst, compute, tolerance)
+    return Comparison(gaps[worst] / scale, worst, dtype, tolerance, (), straight)
 
 
 def named(functions: dict) -> str:
@@ -568,10 +591,10 @@ def cut_refusal(functions: dict, found: Comparison, model_path: str) -> str:
             f"reformer-pytorch's reverse_thres past the sequence length)")
 
 
-def agreed(functions: dict, found: Comparison, retraced: bool, straight=()) -> str:
+def agreed(functions: dict, found: Comparison, retraced: bool) -> str:
     """The split's note where every Function's own backward agrees with autograd's derivative of its forward (or,
     for a straight-through estimator, of ``x + (f(x) - x).detach()``)."""
-    through = [called for function, called in functions.items() if function in straight]
+    through = [called for function, called in functions.items() if function in found.straight]
     return (f"{named(functions)}: torch.autograd.Function(s) with a backward of their own; split, the gradient "
             f"through them is autograd's derivative of their forward"
             + (f" ({', '.join(through)}: straight-through estimators, their backward passing the gradient through "
@@ -581,3 +604,25 @@ def agreed(functions: dict, found: Comparison, retraced: bool, straight=()) -> s
             + ("; their forward runs layers without gradients (reversible layers, a reentrant checkpoint: "
                "recomputed in their own backward), so it was traced again with those layers recorded: their "
                "activations are kept as any layer's (--checkpoint recomputes them instead)" if retraced else ""))
+
+
+def settle(model: torch.nn.Module, program: torch.export.ExportedProgram, args: tuple, kwargs: dict,
+           model_path: str, export) -> tuple:
+    """``(program, functions checked, note or None)`` for a traced training model on real weights: its Functions
+    with a backward of their own compared (:func:`compare`); refused where the backward is neither the forward's
+    derivative nor a straight-through estimator's, or the forward cuts the graph; traced again by ``export()``
+    under :func:`recorded` where a forward runs layers without gradients (reversible layers, a reentrant
+    checkpoint) or a straight-through estimator is to be recorded as one."""
+    functions = used(program)
+    found = compare(model, functions, args, kwargs) if functions else None
+    if found is None:
+        return program, {}, None
+    if found.dropped:
+        raise _error(cut_refusal(functions, found, model_path))
+    if not found.agrees:
+        raise _error(refusal(functions, found, model_path))
+    retrace = runs_without_grad(program)
+    if retrace or found.straight:
+        with recorded(functions, found.straight):
+            program = export()
+    return program, functions, agreed(functions, found, retrace)

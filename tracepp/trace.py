@@ -367,24 +367,13 @@ def trace(model_file: ModelFile, num_microbatches: int, dynamic_shapes: Any = No
         notes.append(f"the model does not trace with meta weights ({type(error).__name__}: "
                      f"{str(error).splitlines()[0] if str(error) else ''}); traced with real weights instead")
     watch.check()  # a sequence-first module reached by microbatches cut along its sequence: stop, say why
-    functions = custom_functions.used(program) if model_file.training and not _is_on_meta(model) else {}
-    found = custom_functions.compare(model, functions, mb_args, mb_kwargs) if functions else None
-    straight = set()
-    if found is not None and not found.dropped and not found.agrees:  # a straight-through estimator, written so?
-        straight = custom_functions.straight_through(model, functions, mb_args, mb_kwargs)
-        again = custom_functions.compare(model, functions, mb_args, mb_kwargs, straight) if straight else None
-        found, straight = (again, straight) if again is not None and again.agrees else (found, set())
-    if found is not None and found.dropped:
-        raise TraceError(custom_functions.cut_refusal(functions, found, model_file.path))
-    if found is not None and not found.agrees:
-        raise TraceError(custom_functions.refusal(functions, found, model_file.path))
-    if found is not None:
-        retrace = custom_functions.runs_without_grad(program)
-        if retrace or straight:  # reversible layers, straight-through estimators: traced as they train
-            with custom_functions.recorded(functions, straight):
-                program = _export(model, mb_args, mb_kwargs, export_shapes,
-                                  sequence_first.Watch(batch_dim, traced_size, batch_size))
-        notes.append(custom_functions.agreed(functions, found, retrace, straight))
+    checked = {}  # the autograd Functions compared with autograd's derivative of their forward
+    if model_file.training and not _is_on_meta(model):
+        program, checked, said = custom_functions.settle(
+            model, program, mb_args, mb_kwargs, model_file.path,
+            lambda: _export(model, mb_args, mb_kwargs, export_shapes,
+                            sequence_first.Watch(batch_dim, traced_size, batch_size)))
+        notes.extend([said] if said else [])
     inline_grad_mode_regions(program, model_file.path)
     if model_file.training:
         reached = grad_modes.needs_grad(program, model)  # the values a gradient reaches, walked once for the three
@@ -394,8 +383,7 @@ def trace(model_file: ModelFile, num_microbatches: int, dynamic_shapes: Any = No
         unreached = grad_modes.unreached_note(program, model, reached)
         if unreached:
             notes.append(unreached)
-        notes.extend(custom_functions.check_custom_functions(program, model, model_file.path, reached,
-                                                             functions if found is not None else ()))
+        notes.extend(custom_functions.check_custom_functions(program, model, model_file.path, reached, checked))
     if master_dtypes:
         _mark_masters(program, master_dtypes)
     random_ops = random_draws(program)
