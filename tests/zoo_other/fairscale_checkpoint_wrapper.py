@@ -2,10 +2,10 @@
 pre-norm transformer block (causal self-attention + GELU feed-forward, width 64, 4 heads): its own
 ``CheckpointFunction`` (an autograd Function that runs the block under ``torch.no_grad`` and reruns it in the
 backward, with a dummy tensor that requires grad), 2 layers, vocabulary 128, 8 tokens."""
-import torch
 import torch.nn as nn
 from fairscale.nn import checkpoint_wrapper
-from other_common import HEADS, HIDDEN, LAYERS, VOCAB, CausalAttention, FeedForward, causal_lm_loss, examples_of, ids_batch, sgd, version
+from other_common import (HEADS, HIDDEN, LAYERS, CausalAttention, FeedForward, causal_lm_loss,
+                          examples_of, ids_batch, sgd, version, wrapped_lm)
 
 LIBRARY, VERSION = "fairscale", version("fairscale")
 SOURCE = "fairscale/nn/checkpoint/checkpoint_activations.py (checkpoint_wrapper, CheckpointFunction)"
@@ -22,21 +22,7 @@ class Block(nn.Module):
         return x + self.ff(x)
 
 
-class LM(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, HIDDEN)
-        self.layers = nn.Sequential(*[checkpoint_wrapper(Block()) for _ in range(LAYERS)])
-        self.norm, self.head = nn.LayerNorm(HIDDEN), nn.Linear(HIDDEN, VOCAB)
-
-    def forward(self, ids):
-        return self.head(self.norm(self.layers(self.embed(ids))))
-
-
-def model():
-    torch.manual_seed(0)
-    return LM()
-
+model = wrapped_lm(lambda: nn.Sequential(*[checkpoint_wrapper(Block()) for _ in range(LAYERS)]))
 
 batch = ids_batch
 example_inputs, example_kwargs, example_target = examples_of(batch)

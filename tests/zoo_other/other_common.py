@@ -131,3 +131,25 @@ class FeedForward(torch.nn.Module):
 
     def forward(self, x):
         return self.net(x)
+
+
+class WrappedLM(torch.nn.Module):
+    """An embedding, the layers ``make_layers()`` builds (a library's reversible sequence or checkpoint wrapper around
+    :class:`CausalAttention` and :class:`FeedForward`), a final LayerNorm and a head: made in that order."""
+
+    def __init__(self, make_layers):
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, HIDDEN)
+        self.layers = make_layers()
+        self.norm, self.head = torch.nn.LayerNorm(HIDDEN), torch.nn.Linear(HIDDEN, VOCAB)
+
+    def forward(self, ids):
+        return self.head(self.norm(self.layers(self.embed(ids))))
+
+
+def wrapped_lm(make_layers):
+    """``model()``: a seeded :class:`WrappedLM` around ``make_layers()``."""
+    def model():
+        torch.manual_seed(0)
+        return WrappedLM(make_layers)
+    return model
