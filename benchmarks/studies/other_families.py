@@ -110,12 +110,17 @@ def _layer_list(model) -> str:
     return best[1]
 
 
-def _layer_of(fqn: str, layers: str):
-    """``families._layer_of``, for a container at the root too (``1.fn.0.weight`` is layer 1)."""
-    if layers:
-        return _FIRST_TABLE_LAYER_OF(fqn, layers)
-    match = re.match(r"(\d+)\.", fqn)
-    return int(match.group(1)) if match else None
+def _layer_of(fqn: str, layers: str, children: list):
+    """``families._layer_of``, for a container at the root too (``1.fn.0.weight`` is layer 1), and for children not
+    named by their index (revlib's ``ReversibleSequential`` names them ``0-0``, ``0-1``, ...): the position among
+    ``children``, the container's child names in order."""
+    match = re.match((re.escape(layers) + r"\." if layers else "") + r"([^.]+)\.", fqn)
+    if not match:
+        return None
+    name = match.group(1)
+    if name in children:
+        return children.index(name)
+    return int(name) if name.isdigit() else None
 
 
 def _blocks_only(model, layers: str) -> set:
@@ -133,7 +138,7 @@ def _blocks_only(model, layers: str) -> set:
     return {i for i, c in enumerate(children) if type(c) is not common}
 
 
-_FIRST_TABLE_SHARES, _FIRST_TABLE_LAYER_OF = families.layer_shares, families._layer_of
+_FIRST_TABLE_SHARES = families.layer_shares
 
 
 def _layer_shares(manifest: dict, model) -> dict:
@@ -141,8 +146,10 @@ def _layer_shares(manifest: dict, model) -> dict:
     only, not its embedding and head)."""
     listed = _layer_list(model)
     skip = _blocks_only(model, listed)
+    children = [name for name, _ in (model.get_submodule(listed) if listed else model).named_children()]
     original = families._layer_list, families._layer_of
-    families._layer_list, families._layer_of = (lambda m: listed), _layer_of
+    families._layer_list = lambda m: listed
+    families._layer_of = lambda fqn, layers: _layer_of(fqn, layers, children)
     try:
         shares = _FIRST_TABLE_SHARES(manifest, model)
     finally:
