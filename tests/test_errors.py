@@ -1,5 +1,6 @@
 """Bad input ends in a clear message (on every rank) and a non-zero exit, fast: never a hang."""
 import os
+import re
 import subprocess
 import sys
 import time
@@ -96,8 +97,11 @@ def test_wrong_batch_shape_fails_every_rank(tmp_path):
     result = torchrun(out, 2, "--steps", "2", timeout=90)
     assert result.returncode != 0
     message = "input args[0] has shape (4, 5) but the pipeline was traced with (2, 6)"
-    for rank in range(2):
-        assert f"[tracepp rank {rank}] error: batch for step 1: {message}" in result.stderr, result.stderr[-3000:]
+    for rank in range(2):  # each rank names the cause: found in its own batch, or told by the rank that found it
+        # first (on a loaded machine one rank can get there before the other has read its batch)
+        assert re.search(rf"\[tracepp rank {rank}\] (error|stopping because rank \d failed): batch for step 1: "
+                         + re.escape(message), result.stderr), result.stderr[-3000:]
+    assert f"error: batch for step 1: {message}" in result.stderr, result.stderr[-3000:]
 
 
 @pytest.mark.timeout(120)
