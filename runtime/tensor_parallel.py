@@ -33,6 +33,9 @@ and rewrites the graph with these ops, so the rank script reads as Megatron's re
 * ``torch.ops.tracepp.tp_vocab_embedding(weight, ids, padding_idx, reduce)``: an embedding whose rows (the
   vocabulary) are split over the group: each rank looks up the ids it holds, zeros the rest, and the sum
   over the group is the full lookup (``reduce=False``: the partial lookup, for ``sp_reduce_scatter``);
+* ``torch.ops.tracepp.tp_amax(x, dims, keepdim)``: the maximum over ``dims``, the sharded dim among them (an
+  activation quantized by its largest magnitude over the features, read row-wise): each rank's maximum all-reduced
+  by MAX; backward gives the gradient to the elements that hold it, ties shared over every rank's;
 * ``torch.ops.tracepp.tp_vocab_rows(indices, rows)``: indices into a table split over the group by rows, made
   this rank's (-1 where another rank holds the row): an ``embedding_bag`` of the rank's rows, its other bags'
   entries weighted 0, summed by ``tp_all_reduce`` (product-key memory's values).
@@ -553,10 +556,51 @@ def _register_owned_select():
                                     lib=lib)
 
 
+def _amax(x: torch.Tensor, dims, keepdim: bool = False) -> torch.Tensor:
+    """The maximum over ``dims`` (the sharded dim among them) of every tp rank's piece: the local maximum, then
+    all-reduced by MAX."""
+    out = x.amax(dims, keepdim=True)
+    if _STATE["size"] > 1:
+        dist.all_reduce(out, op=dist.ReduceOp.MAX, group=_STATE["group"])
+    return out if keepdim else out.squeeze(tuple(dims))
+
+
+def amax_gradient(grad: torch.Tensor, x: torch.Tensor, out: torch.Tensor, dims, keepdim: bool, count_sum):
+    """``tp_amax``'s backward on one rank: ``grad`` (whole: a reader beside pieces sums it over tp through its
+    ``tp_copy``) given to this rank's elements that hold the maximum, shared equally among every rank's such
+    elements (``count_sum``: the all-reduce sum of each rank's count, as torch's ``amax`` shares ties)."""
+    dims = sorted(d % x.dim() for d in dims)
+    if not keepdim:
+        for d in dims:
+            grad, out = grad.unsqueeze(d), out.unsqueeze(d)
+    at = x == out
+    return grad * at / count_sum(at.sum(dims, keepdim=True).to(grad.dtype))
+
+
+def _register_amax():
+    """``tp_amax``, and its backward."""
+    lib = _fragment("tp_amax", "(Tensor x, int[] dims, bool keepdim=False) -> Tensor", _amax,
+                    lambda x, dims, keepdim=False: x.amax(dims, keepdim))
+    if lib is None:
+        return
+    _register_amax.lib = lib
+
+    def amax_setup(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0], output)
+        ctx.dims, ctx.keepdim = list(inputs[1]), len(inputs) > 2 and inputs[2]
+
+    def amax_backward(ctx, grad):
+        x, out = ctx.saved_tensors
+        return amax_gradient(grad, x, out, ctx.dims, ctx.keepdim, _all_reduce), None, None
+
+    torch.library.register_autograd(f"{_NAMESPACE}::tp_amax", amax_backward, setup_context=amax_setup, lib=lib)
+
+
 _register()
 _register_heads()
 _register_vocab_rows()
 _register_owned_select()
+_register_amax()
 
 
 # ---- this rank's shards

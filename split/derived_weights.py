@@ -75,13 +75,44 @@ def _derived_family(node):
         return "keep"
     if target in (aten.expand_as.default,) or target in rules.EXPANDS:
         return "expand"
-    if target in rules.PARTIAL and rules.reduction(node)[1]:
+    if target in rules.PARTIAL and target is not aten.max.dim and target is not aten.min.dim:
         return "reduce"
-    if target in rules.CASTS:  # a cast of a weight (a router's ``weight.float()``) is left as it was: whole
-        return None
+    if target in rules.CASTS:  # a cast of a weight a linear reads (a router's ``weight.float()``, DeepSeek-V4's
+        # hyper-connection ``fn.float()``) is left as it was: whole. One to the dtype it has, read by further steps
+        # (``detach``; BitNet's ``w.float()``, then scaled and rounded) is a copy
+        return "keep" if _same_dtype(node) and not all(reads_as_weight(user, node) for user in node.users) else None
     if rules.is_pointwise(target) or target in rules.UNARY or target in rules.BINARY:
         return "keep" if len(node.all_input_nodes) == 1 else "binary"
     return None
+
+
+def _same_dtype(node) -> bool:
+    before, after = _val(node.args[0]), _val(node)
+    return isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor) and before.dtype == after.dtype
+
+
+_WHOLE_KINDS = {"sum", "mean", "max"}  # reductions over a piece the ranks combine: an all-reduce sum, or MAX
+
+
+def whole_scale(operand, out, dim: int):
+    """``(reduction, steps, its input's dim)`` where ``operand``, broadcast along ``dim`` of ``out`` (a step of a
+    derived weight), is a reduction over that dim of a value of the weight's, through steps of one whole value
+    after it (BitNet's ternary weights: ``1 / w.abs().mean().clamp(min=1e-5)`` scales ``w``): each rank reduces its
+    piece and the ranks' results are combined (:data:`_WHOLE_KINDS`); else None."""
+    steps, node = [], operand
+    while isinstance(node, fx.Node) and node.op == "call_function" and _derived_family(node) != "reduce":
+        if _derived_family(node) not in ("keep", "move") or len(node.all_input_nodes) != 1:
+            return None
+        steps.append(node)
+        node = node.all_input_nodes[0]
+    if not (isinstance(node, fx.Node) and node.op == "call_function") or rules.PARTIAL[node.target] not in _WHOLE_KINDS:
+        return None
+    if node.kwargs.get("dtype") is not None:
+        return None
+    before = dim - (out.dim() - _val(node.args[0]).dim())
+    if before < 0 or before not in rules.reduction(node)[0]:
+        return None
+    return node, steps, before
 
 
 def steps_of(end) -> list:
@@ -117,7 +148,9 @@ def _rearranged(node, dim: int, tp: int):
     """[(node, dim), ..., (placeholder, its dim)]: ``dim`` of a weight derived from one parameter (:func:`_chain`)
     traced back step by step to the parameter's dim whose pieces it holds (:func:`dim_before`; a copy or an
     elementwise op keeps its dims, an expand or a broadcast operand its dim where it is not of size 1, a reduction
-    the dim it does not reduce over); None where no one dim does, or where one step would need two."""
+    the dim it does not reduce over); None where no one dim does, or where one step would need two. A reduction over
+    the dim whose result scales the weight (:func:`whole_scale`) and the steps after it are on the way with dim None:
+    computed whole from the ranks' pieces."""
     return _traced(node, dim, tp)[0]
 
 
@@ -152,7 +185,16 @@ def _traced(node, dim: int, tp: int):
             for operand in operands:  # expand_as's second operand gives its shape alone
                 e = d - (out.dim() - _val(operand).dim())
                 if e < 0 or _equal(_val(operand).shape[e], 1) and not _equal(out.shape[d], 1):
-                    return None, _reduced_from(operand) or step  # broadcast along the dim: computed across it
+                    found = whole_scale(operand, out, d) if kind == "binary" else None
+                    if found is None:
+                        return None, _reduced_from(operand) or step  # broadcast along the dim: computed across it
+                    reduction, whole, before = found  # a reduction of the rank's piece, combined: whole after it
+                    for value in [reduction] + whole:
+                        if at.get(value, None) is not None:
+                            return None, value
+                        at[value] = None
+                    todo.append((reduction.args[0], before))
+                    continue
                 todo.append((operand, e))
         elif kind in ("cut", "item"):  # a part of the weight: the same dim, a segment of it where it is cut there
             todo.append((step.args[0], d))
@@ -212,4 +254,5 @@ def sizes_kept(way, cut) -> bool:
     parts it is cut into (no view regroups the dim, whose segments then would not be the parameter's)."""
     placeholder, at = way[-1]
     allowed = {int(_val(placeholder).shape[at])} | {size for sizes in cut.values() for size in sizes}
-    return all(not isinstance(_val(step), torch.Tensor) or int(_val(step).shape[d]) in allowed for step, d in way)
+    return all(not isinstance(_val(step), torch.Tensor) or d is None or int(_val(step).shape[d]) in allowed
+               for step, d in way)

@@ -121,6 +121,25 @@ def _collective(target, values, args, size):
         shapes = [v.shape for v in values]
         return _across(values, lambda xs: [x.chunk(parts, dim=dim)[r * parts // size].clone() for r, x in zip(ranks, xs)],
                        lambda gs: [_sum([placed(g, r, s) for r, g, s in zip(ranks, gs, shapes)])] * size)
+    if target is TP.tp_amax.default:  # the maximum of the ranks' maxima; backward the runtime's (amax_gradient)
+        dims, keepdim = args[0], args[1] if len(args) > 1 else False
+        kept = []
+
+        def forward(xs):
+            out = torch.stack([x.amax(dims, keepdim) for x in xs]).amax(0)
+            kept.extend([xs, out])
+            return [out] * size
+
+        def backward(gs):
+            xs, out = kept
+            shaped = out
+            if not keepdim:
+                for d in sorted(d % xs[0].dim() for d in dims):
+                    shaped = shaped.unsqueeze(d)
+            total = _sum([(x == shaped).sum(dims, keepdim=True).to(gs[0].dtype) for x in xs])
+            return [tp_runtime.amax_gradient(g, x, out, dims, keepdim, lambda _count: total) for g, x in zip(gs, xs)]
+
+        return _across(values, forward, backward)
     if target is TP.tp_parts.default:
         segments = list(args[1])
         return _across(values, lambda xs: [tp_runtime.shard(x, dim, size, r, segments) for r, x in zip(ranks, xs)],
@@ -129,7 +148,7 @@ def _collective(target, values, args, size):
 
 
 _COLLECTIVES = {"tp_copy", "tp_all_reduce", "tp_all_gather", "tp_scatter", "tp_piece", "sp_all_gather",
-                "sp_reduce_scatter", "tp_head_group", "tp_parts"}
+                "sp_reduce_scatter", "tp_head_group", "tp_parts", "tp_amax"}
 
 
 class _Ranks:

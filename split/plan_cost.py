@@ -39,6 +39,7 @@ from tracepp.split import decompose, rules, tp_grads
 from tracepp.split.cost import node_flops, tensor_bytes
 from tracepp.split.naming import starred
 
+aten = torch.ops.aten
 FLOPS_PER_BYTE = 2000  # an H100's bf16 dense FLOP/s over its NVLink all-reduce bus bandwidth, rounded down
 
 
@@ -50,6 +51,11 @@ def _last_consumer(pairs) -> list:
     """``(consumer, value)`` pairs once per value, in the order the walk met the values, each with its last
     consumer."""
     return list({arg: (consumer, arg) for consumer, arg in pairs}.values())
+
+
+def values_of(node):
+    """A maximum's values: ``max(x, dim)``'s first output, or the op's own."""
+    return next((user for user in node.users if user.args[1] == 0), node) if node.target is aten.max.dim else node
 
 
 def collectives(walk) -> list:
@@ -69,6 +75,7 @@ def collectives(walk) -> list:
     out += [("all_gather (sequence)", arg, consumer, 2 * _bytes(arg))  # reduce-scattered backward
             for consumer, arg in _last_consumer(walk.sp_gathers)]
     out += [("all_reduce", node, node, 2 * _bytes(node)) for node in walk.sums]
+    out += [("all_reduce (max)", values_of(node), node, 2 * _bytes(values_of(node))) for node in walk.maxes]
     out += [("all_gather", arg, consumer if consumer.op != "output" else arg, _bytes(arg))
             for consumer, arg in _last_consumer(walk.gathers)]
     out += [("all_reduce (backward)", arg, consumer, 2 * _bytes(arg))  # the walk's copies, or where tp_grads

@@ -456,6 +456,7 @@ def _figures(nodes: list, entry: dict, flops: dict, tensor_bytes, crossing=None)
     scattered = [n for n in nodes if n in walk.reduce_scatters]
     reduce_fwd = [n for n in nodes if (walk.roles.get(n) in ("rowwise", "vocab") and n not in walk.reduce_scatters
                                        and n not in walk.deferred) or n in walk.sums or n in walk.late_sums]
+    reduce_fwd += [plan_cost.values_of(n) for n in nodes if n in walk.maxes]
     copied = {value for reader, value in tp_grads.backward_reads(walk) if reader in inside}
     gathered = {arg for consumer, arg in walk.gathers if consumer in inside or (consumer.op == "output"
                                                                                 and arg in inside)}

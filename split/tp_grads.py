@@ -108,14 +108,42 @@ def _written_then_read(node) -> bool:
     return False
 
 
+def dead(walk) -> set:
+    """Values that carry a gradient (``needs_grad``) none of which reaches the stage's outputs: every way from them
+    ends in a ``detach`` or in nothing (a straight-through estimator's ``x + (q(x) - x).detach()``: the scale of
+    ``q`` read from ``x``). A reader of such a value gives it no part of the gradient. An op that writes into a
+    tensor in place passes its gradient on where the tensor written (or the one it is a view of) is read after it
+    by a value whose gradient does, or is a buffer or an input."""
+    live: set = set()
+    for node in reversed(list(walk.graph.nodes)):
+        if node.op == "output":
+            live.update(node.all_input_nodes)
+        elif node in live or (node.op == "call_function" and _write_read_on(node, live)):
+            live.add(node)
+            if node.target is not torch.ops.aten.detach.default:
+                live.update(node.all_input_nodes)
+    return {node for node in walk.graph.nodes if walk.needs_grad.get(node) and node not in live}
+
+
+def _write_read_on(node, live: set) -> bool:
+    for arg in rules.written(node):
+        if not isinstance(arg, fx.Node):
+            continue
+        root = rules.view_root(arg)
+        if root.op == "placeholder" or any(user is not node and user in live for user in (*root.users, *arg.users)):
+            return True
+    return False
+
+
 def _solve(walk, pinned: set) -> tuple:
     """(the values holding partial gradients, {value summed: its readers that give it a part}) of one walk;
     ``pinned``: FQNs of parameters that must be summed per microbatch (another stage reads them otherwise)."""
     pieces = _piece_reads(walk)
     copied = _copied_reads(walk) | pieces  # the reads that give a value a part of its gradient
     readers_copied: dict = {}
+    dead_values = dead(walk)
     for consumer, value in copied:
-        if _whole(walk, value):
+        if _whole(walk, value) and value not in dead_values:
             readers_copied.setdefault(value, []).append(consumer)
     reach, stack = set(), list(readers_copied)  # the values a copy's part can reach, going up
     while stack:
@@ -134,8 +162,8 @@ def _solve(walk, pinned: set) -> tuple:
         for user in node.users:
             if not ok:
                 break
-            if (user, node) in copied or user.target in rules.IGNORED:  # a metadata check takes no gradient
-                continue
+            if (user, node) in copied or user.target in rules.IGNORED or user in dead_values:  # a metadata check, or a
+                continue                                                                 # reader given none back
             if user.op == "output" or walk.needs_grad.get(user) or user in walk.shard:
                 ok = may.get(user, False)
         may[node] = ok
@@ -266,6 +294,7 @@ def backward_reads(walk) -> list:
     copies of values that carry one and that :func:`mark` did not place, then each value it sums with its readers.
     The cost (``plan_cost``) and the tuner's figures (``tensor_parallel``) count these."""
     placed = partial_values(walk)
+    dead_values = dead(walk)
     pairs = [(consumer, value) for consumer, value in walk.copies
-             if walk.needs_grad.get(value) and value not in placed]
+             if walk.needs_grad.get(value) and value not in placed and value not in dead_values]
     return pairs + [(reader, value) for value, readers in backward_sums(walk).items() for reader in readers]

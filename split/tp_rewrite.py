@@ -274,7 +274,9 @@ def _rewrite(g: fx.Graph, walk: _Walk, tp: int, params: dict) -> None:
         consumer.replace_input_with(arg, gathered[key])
         made_whole[(consumer, arg)] = gathered[key]
     copies: dict = {}  # after the gathers: a value both gathered and read beside pieces is copied whole
-    walk_copies = [(consumer, made_whole.get((consumer, arg), whole.get(arg, arg))) for consumer, arg in walk.copies]
+    dead = tp_grads.dead(walk)  # values whose gradient reaches nothing: no sum to place
+    walk_copies = [(consumer, made_whole.get((consumer, arg), whole.get(arg, arg))) for consumer, arg in walk.copies
+                   if arg not in dead]
     placed = tp_grads.partial_values(walk)  # whole values whose gradients' sums tp_grads placed: copied above
     walk_copies = [(consumer, arg) for consumer, arg in walk_copies if arg not in placed]
     at = _reading(g, walk_copies)
@@ -354,11 +356,20 @@ def _rewrite(g: fx.Graph, walk: _Walk, tp: int, params: dict) -> None:
     for node, (dim, index, owner) in walk.owned_selects.items():  # one index of the sharded dim: its owner's, else 0
         node.target, node.args, node.kwargs = TP.tp_owned_select.default, (node.args[0], dim, index, owner), {}
     for node, count in walk.sums.items():  # a sum (or mean) over the sharded dim: from the partial sums
-        if count is not None:
-            node.target = aten.sum.dim_IntList
+        if count is not None:  # mean(x) -> sum(x); mean(x, dims, keepdim) -> sum(x, dims, keepdim)
+            node.target = aten.sum.default if node.target is aten.mean.default else aten.sum.dim_IntList
         reduced = _after(g, node, TP.tp_all_reduce.default, [node])
         if count is not None:
             _after(g, reduced, aten.div.Tensor, [reduced, int(count) if _ints([count]) else count], node)
+    for node in walk.maxes:  # a maximum over the sharded dim: each rank's, all-reduced by MAX
+        dims, keep = rules.reduction(node)
+        amax = (node.args[0], dims, keep)
+        if node.target is aten.max.dim:  # its values read (its indices by nothing: tp_walk._values_only)
+            for user in list(node.users):
+                if user.args[1] == 0:
+                    user.target, user.args, user.kwargs = TP.tp_amax.default, amax, {}
+        else:
+            node.target, node.args, node.kwargs = TP.tp_amax.default, amax, {}
     joined_from = {}  # the cat that now stands for a fused projection's linear -> that linear (its placement)
     for node, form in walk.mixed_linears.items():  # a fused projection with whole parts: one linear per run of parts
         joined_from[_rewrite_mixed_linear(g, node, form, tp)] = node

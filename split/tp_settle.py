@@ -35,7 +35,7 @@ def _regions(walk: _Walk) -> list:
 
     tp_sharded = [node for node in walk.shard if walk.kind.get(node) != "seq"]  # sequence shards join nothing
     gathered = set(walk.gathers)  # a value made whole before an op (a value attention gathers) joins nothing there
-    for node in tp_sharded + list(walk.sums):  # a sum over pieces joins what it reads (a contraction: both sides)
+    for node in tp_sharded + list(walk.sums) + list(walk.maxes):  # a sum (a maximum) over pieces joins what it reads
         for arg in node.all_input_nodes:
             if arg in walk.shard and walk.kind.get(arg) != "seq" and (node, arg) not in gathered:
                 parent[find(node)] = find(arg)
@@ -45,7 +45,7 @@ def _regions(walk: _Walk) -> list:
     for node, role in walk.roles.items():
         if role == "rowwise":
             groups.setdefault(find(walk.forms[node][0]), set()).add(node)
-    for node in walk.sums:
+    for node in list(walk.sums) + list(walk.maxes):
         groups.setdefault(find(node), set()).add(node)
     return list(groups.values())
 

@@ -77,6 +77,7 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
         self.copies: list = []  # (consumer node, replicated input node)
         self.sums: dict = {}  # partial sums all-reduced after them: a mean/sum over the sharded dim -> count of the
         #                     reduced elements (mean) or None; None for a partial product and an owned select
+        self.maxes: set = set()  # maxima over the sharded dim: each rank's, all-reduced by MAX (tp_amax)
         self.cuts: dict = {}  # split/slice on the sharded dim -> the local pieces' arguments
         self.wants: dict = {}  # weight fqn -> set of cut points its output's consumers need (fused projections)
         self.unfusable: dict = {}  # weight fqn -> why its segmented output cannot be cut locally
@@ -128,7 +129,7 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
         steps: set = set()
         for end, mine in ways.items():
             linears_only = all(reads_as_weight(user, end) for user in end.users)
-            if linears_only and all(set(step.users) <= every for step in mine):
+            if linears_only and all({u for u in step.users if u.target not in rules.IGNORED} <= every for step in mine):
                 steps.update(mine + [end])
             else:  # a step read elsewhere too: read as the walk finds it
                 del self.chains[end]
@@ -171,7 +172,10 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
                     if segments:
                         self.param_segments[self._param(other)] = tuple(int(s) for s in segments)
                 for step, at in way[:-1]:
-                    self.shard[step] = at
+                    if at is not None:
+                        self.shard[step] = at
+                    elif step.target in rules.PARTIAL:  # a reduction of the rank's piece scaling the weight: whole
+                        self._combine(step)               # once combined (derived_weights.whole_scale)
                 dim = way[-1][1]
                 for split, sizes in cut.items():
                     bounds = rules.boundaries(sizes)
@@ -245,9 +249,32 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
         sharded dim: ``tensor_parallel.plan`` tries it written out (a partial sum of ``|x|^p``)."""
         if node.target is aten.linalg_vector_norm.default and decompose.order(node) is not None:
             return self._refuse(node, NORM_OVER_SHARD)
+        if kind == "max" and self._values_only(node):
+            self.maxes.add(node)  # each rank's maximum, all-reduced by MAX (``tp_amax``): whole
+            return True
         if node.target not in rules.REDUCTIONS_BY_DIM or not rules.arg(node, 1, "dim"):
             return False
         return self._partial_sum(node, node.target, _val(node.args[0]), dims)
+
+    def _combine(self, node) -> None:
+        """A reduction over the sharded dim of a derived weight's piece: all-reduced (a sum; a mean divided by the
+        whole count), or by MAX."""
+        if rules.partial_kind(node) == "max":
+            self.maxes.add(node)
+            return
+        dims = rules.reduction(node)[0]
+        count = _prod([_sizes(_val(node.args[0]))[d] for d in dims])
+        self.sums[node] = count if rules.partial_kind(node) == "mean" else None
+
+    @staticmethod
+    def _values_only(node) -> bool:
+        """A maximum whose values alone are read (``amax``; ``max(x, dim)`` whose indices nothing reads: they would be
+        of this rank's piece): the ranks' maxima make the whole one. BitNet's activations quantized by their largest
+        magnitude over the features, before a row-wise linear that reads them sharded on the features."""
+        if node.target in (aten.amax.default, aten.max.default):
+            return True
+        return node.target is aten.max.dim and all(
+            user.target is operator.getitem and (user.args[1] == 0 or not user.users) for user in node.users)
 
     def _whole_part(self, value) -> None:
         """``value``, cut from one part of a fused projection, is needed whole (a key/value part with fewer heads

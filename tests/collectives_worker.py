@@ -22,7 +22,8 @@ CASES = [("cp_all_gather", [1], [2, 4, 3]), ("cp_all_gather", [1, 1, 2, 2], [2, 
          ("tp_piece", [1], [2, 8, 3]), ("sp_all_gather", [1], [2, 3, 4]), ("sp_reduce_scatter", [1], [2, 8, 3]),
          ("tp_head_group", [1, 2], [2, 8, 3]), ("tp_parts", [1, [4, 2, 2]], [2, 8, 3]),
          ("cp_halo", [2, 2], [2, 3, 8]), ("cp_halo", [1, 5], [2, 8, 3]),  # a reach inside a chunk of 4, past it
-         ("cp_cumsum", [1], [2, 8, 3]), ("cp_logcumsumexp", [2], [2, 3, 8]), ("cp_cumprod", [1], [2, 8, 3])]
+         ("cp_cumsum", [1], [2, 8, 3]), ("cp_logcumsumexp", [2], [2, 3, 8]), ("cp_cumprod", [1], [2, 8, 3]),
+         ("tp_amax", [[2], True], [2, 3, 4]), ("tp_amax", [[1, 2], False], [2, 4, 3])]
 
 
 def inputs(case: int, rank: int, shape: list) -> tuple:

@@ -118,3 +118,30 @@ def test_a_weight_of_two_parameters_traces_each_parameters_dim():
     product = next(n for n in g.nodes if n.target is torch.ops.aten.matmul.default).args[1]  # (lora_A * lora_E).T
     assert len(dw._chains(product)) == 2
     assert dw._rearranged(product, 0, 2) is None  # lora_A's input features: lora_E is broadcast along them
+
+
+class _Ternary(nn.Module):
+    """HF BitNet's ``WeightQuant`` as tracepp traces it (a straight-through estimator): the weight scaled by the mean
+    of ``|w|`` over the whole weight, rounded to -1, 0, 1, ``w + (q - w).detach()``."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, 6))
+
+    def forward(self, x):
+        w = self.weight.float()
+        scale = 1.0 / w.abs().mean().clamp_(min=1e-5)
+        return F.linear(x, w + ((w * scale).round().clamp(-1, 1) / scale - w).detach())
+
+
+def test_a_weight_scaled_by_a_reduction_of_all_of_it_is_traced_with_the_reduction_whole():
+    g = _graph(_Ternary(), torch.randn(2, 6))
+    weight = _weight_of(g)
+    placeholder = dw._chain(weight)
+    assert placeholder is not None and placeholder.op == "placeholder"
+    for dim in (0, 1):  # either dim: each rank's piece reduced, the ranks' sums combined
+        way = dw._rearranged(weight, dim, 2)
+        assert way is not None and way[-1] == (placeholder, dim)
+        whole = {node.target for node, at in way if at is None}
+        assert torch.ops.aten.mean.default in whole and torch.ops.aten.reciprocal.default in whole, way
+        assert all(at == dim for node, at in way if node.target is torch.ops.aten.abs.default)

@@ -181,6 +181,21 @@ def _whole_view_over_a_shard(monkeypatch):
     monkeypatch.setattr(tp_rewrite, "_rewrite", rewrite)
 
 
+def test_a_maximum_over_the_sharded_dim_shares_its_gradient_as_torch_does():
+    # tp_amax (the maximum of each rank's piece, all-reduced by MAX): its gradient, the same whole one on every rank
+    # (a reader beside pieces sums it through its tp_copy), goes to the elements holding the maximum, ties shared over
+    # every rank's as torch's amax shares them over the whole dim
+    x = torch.tensor([[1.0, 3.0, 3.0, 0.0], [2.0, -1.0, 5.0, 5.0], [4.0, 0.0, 1.0, 4.0]], dtype=torch.float64)
+    grad = torch.tensor([[2.0], [3.0], [5.0]], dtype=torch.float64)
+    whole = x.clone().requires_grad_(True)
+    whole.amax(1, keepdim=True).backward(grad)
+    pieces = [p.clone().requires_grad_(True) for p in x.chunk(2, dim=1)]
+    outs = local_ranks._collective(torch.ops.tracepp.tp_amax.default, pieces, [[1], True], 2)
+    assert all(torch.equal(out, x.amax(1, keepdim=True)) for out in outs)
+    torch.autograd.backward(outs, [grad, grad])
+    assert torch.equal(torch.cat([p.grad for p in pieces], dim=1), whole.grad)
+
+
 def test_an_op_that_fails_on_the_shards_is_caught_and_repaired(monkeypatch):
     # the ranks' program raising where the unsharded one runs is a wrong plan, not "not verified"
     _whole_view_over_a_shard(monkeypatch)
