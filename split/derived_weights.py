@@ -75,7 +75,12 @@ def _derived_family(node):
         return "keep"
     if target in (aten.expand_as.default,) or target in rules.EXPANDS:
         return "expand"
-    if target in rules.PARTIAL and target is not aten.max.dim and target is not aten.min.dim:
+    if target in (aten.max.dim, aten.min.dim):  # values alone read (``w.abs().max(dim=1).values``: a per-channel
+        return "reduce" if values_only(node) else None  # scale), its indices would be of a rank's piece
+    if target is operator.getitem and isinstance(node.args[0], fx.Node) and node.args[0].target in (
+            aten.max.dim, aten.min.dim):
+        return "keep" if node.args[1] == 0 else None
+    if target in rules.PARTIAL:
         return "reduce"
     if target in rules.CASTS:  # a cast of a weight a linear reads (a router's ``weight.float()``, DeepSeek-V4's
         # hyper-connection ``fn.float()``) is left as it was: whole. One to the dtype it has, read by further steps
@@ -86,12 +91,17 @@ def _derived_family(node):
     return None
 
 
+def values_only(node) -> bool:
+    """A ``max(x, dim)`` or ``min(x, dim)`` whose indices nothing reads (they would be of a rank's piece)."""
+    return all(user.target is operator.getitem and (user.args[1] == 0 or not user.users) for user in node.users)
+
+
 def _same_dtype(node) -> bool:
     before, after = _val(node.args[0]), _val(node)
     return isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor) and before.dtype == after.dtype
 
 
-_WHOLE_KINDS = {"sum", "mean", "max"}  # reductions over a piece the ranks combine: an all-reduce sum, or MAX
+_WHOLE_KINDS = {"sum", "mean", "max", "min"}  # reductions over a piece the ranks combine: an all-reduce sum, or MAX
 
 
 def whole_scale(operand, out, dim: int):

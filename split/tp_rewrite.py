@@ -99,6 +99,21 @@ def _after(g: fx.Graph, node, target, args, like=None, local=(None, 1)) -> fx.No
     return new
 
 
+def _rewrite_max(g: fx.Graph, node) -> None:
+    """A maximum over the sharded dim (``amax``, ``max()``, ``max(x, dim)`` whose values alone are read) becomes
+    ``tp_amax``; a minimum ``-tp_amax(-x)`` (its gradient, through the negations, to the elements holding it)."""
+    dims, keep = rules.reduction(node)
+    source, negated = node.args[0], rules.partial_kind(node) == "min"
+    if negated:
+        source = _insert(g, node, aten.neg.default, [source], _val(source), node)
+    value = [node] if node.target not in (aten.max.dim, aten.min.dim) else [  # its indices read by nothing
+        user for user in node.users if user.args[1] == 0]
+    for out in value:
+        out.target, out.args, out.kwargs = TP.tp_amax.default, (source, dims, keep), {}
+        if negated:
+            _after(g, out, aten.neg.default, [out])
+
+
 def _channels(g: fx.Graph, anchor, bias, node=None) -> fx.Node:
     """A row-wise convolution's ``bias`` (``[channels]``) viewed along its output's channels, dim 1 (``[channels, 1,
     ...]``), inserted before ``anchor``, to be added after the sum; any other linear's as it is."""
@@ -361,15 +376,8 @@ def _rewrite(g: fx.Graph, walk: _Walk, tp: int, params: dict) -> None:
         reduced = _after(g, node, TP.tp_all_reduce.default, [node])
         if count is not None:
             _after(g, reduced, aten.div.Tensor, [reduced, int(count) if _ints([count]) else count], node)
-    for node in walk.maxes:  # a maximum over the sharded dim: each rank's, all-reduced by MAX
-        dims, keep = rules.reduction(node)
-        amax = (node.args[0], dims, keep)
-        if node.target is aten.max.dim:  # its values read (its indices by nothing: tp_walk._values_only)
-            for user in list(node.users):
-                if user.args[1] == 0:
-                    user.target, user.args, user.kwargs = TP.tp_amax.default, amax, {}
-        else:
-            node.target, node.args, node.kwargs = TP.tp_amax.default, amax, {}
+    for node in walk.maxes:  # a maximum (minimum) over the sharded dim: each rank's, all-reduced by MAX
+        _rewrite_max(g, node)
     joined_from = {}  # the cat that now stands for a fused projection's linear -> that linear (its placement)
     for node, form in walk.mixed_linears.items():  # a fused projection with whole parts: one linear per run of parts
         joined_from[_rewrite_mixed_linear(g, node, form, tp)] = node

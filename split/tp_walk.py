@@ -13,7 +13,7 @@ import torch.fx as fx
 
 import tracepp.runtime.tensor_parallel  # noqa: F401  (registers torch.ops.tracepp.tp_*)
 from tracepp.split import decompose, rules, torch_rules, tp_head_loop, tp_partial
-from tracepp.split.derived_weights import _rearranged, cut_segments, reads_as_weight, sizes_kept, steps_of
+from tracepp.split.derived_weights import _rearranged, cut_segments, reads_as_weight, sizes_kept, steps_of, values_only
 from tracepp.split.propagation import Propagation
 from tracepp.split.rules import at as _at, equal as _equal, ints as _ints, prod as _prod, sizes as _sizes, val as _val
 from tracepp.split.tp_contract import _ContractionRules, _swapped
@@ -129,7 +129,8 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
         steps: set = set()
         for end, mine in ways.items():
             linears_only = all(reads_as_weight(user, end) for user in end.users)
-            if linears_only and all({u for u in step.users if u.target not in rules.IGNORED} <= every for step in mine):
+            if linears_only and all({u for u in step.users if u.target not in rules.IGNORED and (
+                    u.users or u.target is not operator.getitem)} <= every for step in mine):  # (unread indices)
                 steps.update(mine + [end])
             else:  # a step read elsewhere too: read as the walk finds it
                 del self.chains[end]
@@ -249,8 +250,8 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
         sharded dim: ``tensor_parallel.plan`` tries it written out (a partial sum of ``|x|^p``)."""
         if node.target is aten.linalg_vector_norm.default and decompose.order(node) is not None:
             return self._refuse(node, NORM_OVER_SHARD)
-        if kind == "max" and self._values_only(node):
-            self.maxes.add(node)  # each rank's maximum, all-reduced by MAX (``tp_amax``): whole
+        if kind in ("max", "min") and self._values_only(node):
+            self.maxes.add(node)  # each rank's maximum (minimum), all-reduced by MAX (``tp_amax``, of -x): whole
             return True
         if node.target not in rules.REDUCTIONS_BY_DIM or not rules.arg(node, 1, "dim"):
             return False
@@ -259,7 +260,7 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
     def _combine(self, node) -> None:
         """A reduction over the sharded dim of a derived weight's piece: all-reduced (a sum; a mean divided by the
         whole count), or by MAX."""
-        if rules.partial_kind(node) == "max":
+        if rules.partial_kind(node) in ("max", "min"):
             self.maxes.add(node)
             return
         dims = rules.reduction(node)[0]
@@ -268,13 +269,13 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
 
     @staticmethod
     def _values_only(node) -> bool:
-        """A maximum whose values alone are read (``amax``; ``max(x, dim)`` whose indices nothing reads: they would be
-        of this rank's piece): the ranks' maxima make the whole one. BitNet's activations quantized by their largest
-        magnitude over the features, before a row-wise linear that reads them sharded on the features."""
-        if node.target in (aten.amax.default, aten.max.default):
+        """A maximum (minimum) whose values alone are read (``amax``; ``max(x, dim)`` whose indices nothing reads:
+        they would be of this rank's piece): the ranks' maxima make the whole one. BitNet's activations quantized by
+        their largest magnitude over the features, before a row-wise linear that reads them sharded on the features;
+        an asymmetric quantizer's ``amin`` and ``amax`` of each token."""
+        if node.target in (aten.amax.default, aten.max.default, aten.amin.default, aten.min.default):
             return True
-        return node.target is aten.max.dim and all(
-            user.target is operator.getitem and (user.args[1] == 0 or not user.users) for user in node.users)
+        return node.target in (aten.max.dim, aten.min.dim) and values_only(node)
 
     def _whole_part(self, value) -> None:
         """``value``, cut from one part of a fused projection, is needed whole (a key/value part with fewer heads

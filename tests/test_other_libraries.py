@@ -1135,6 +1135,28 @@ def test_ternary_weights_and_8_bit_activations_tp2_train_equal_to_eager(tmp_path
     _tp2_trains_equal_to_eager(QUANT, tmp_path)
 
 
+ASYMMETRIC = model_path("asymmetric_quant")
+
+
+def test_per_token_minimum_and_maximum_over_sharded_features_are_all_reduced():
+    # torchao-style fake quantization: each token's amin and amax over the features, each weight's per-channel scale
+    # w.abs().max(dim=1).values. A minimum over a row-wise linear's sharded input went to torch's rule and was
+    # gathered (then min read as -tp_amax(-x) lost its final negation, which verification caught: the test of this
+    # file's first run), and a max(dim) of a weight stopped the derived weight's tracing (its unread indices were
+    # taken for a reader elsewhere): every linear whole. Now up column-wise, down row-wise, verified
+    manifest = check_model(ASYMMETRIC, num_microbatches=4, layout=Layout(pp=2, tp=2))
+    params = manifest["tp"]["params"]
+    for block in ("blocks.0", "blocks.1"):
+        assert params[f"{block}.up.weight"]["dim"] == 0 and params[f"{block}.down.weight"]["dim"] == 1, params
+    record = manifest["tp"]["verified"]
+    assert record["status"] == "verified" and "repairs" not in record, record
+    for index, stage in enumerate(manifest["tp"]["stages"]):
+        ops = [(c["op"], c["shape"]) for c in stage["collectives"]]
+        assert ops.count(("all_reduce (max)", ["1", "8", "1"])) == 2, ops  # down's input: its minimum and maximum
+        assert ops.count(("all_reduce (max)", ["16", "1"])) == 1, ops  # down's per-channel scale over its rows
+        assert sum(op == "all_gather" for op, _shape in ops) == index, ops  # the head's logits alone, last stage
+
+
 REVERSIBLE = model_path("reversible_layers")
 
 
