@@ -82,10 +82,13 @@ def _derived_family(node):
         return "keep" if node.args[1] == 0 else None
     if target in rules.PARTIAL:
         return "reduce"
-    if target in rules.CASTS:  # a cast of a weight a linear reads (a router's ``weight.float()``, DeepSeek-V4's
-        # hyper-connection ``fn.float()``) is left as it was: whole. One to the dtype it has, read by further steps
-        # (``detach``; BitNet's ``w.float()``, then scaled and rounded) is a copy
-        return "keep" if _same_dtype(node) and not all(reads_as_weight(user, node) for user in node.users) else None
+    if target in rules.CASTS:  # a parameter's cast that linears read (a router's ``weight.float()``, DeepSeek-V4's
+        # hyper-connection ``fn.float()``) is left as it was: whole. One read by further steps (``detach``; BitNet's
+        # ``w.float()``, then scaled and rounded, in fp32 or from bf16), or of a step's value (BitNet's ``.to(dtype)``
+        # back to the weight's bf16 after its rounding), is a copy
+        source = node.args[0]
+        direct = isinstance(source, fx.Node) and source.op == "placeholder"
+        return None if direct and all(reads_as_weight(user, node) for user in node.users) else "keep"
     if rules.is_pointwise(target) or target in rules.UNARY or target in rules.BINARY:
         return "keep" if len(node.all_input_nodes) == 1 else "binary"
     return None
@@ -94,11 +97,6 @@ def _derived_family(node):
 def values_only(node) -> bool:
     """A ``max(x, dim)`` or ``min(x, dim)`` whose indices nothing reads (they would be of a rank's piece)."""
     return all(user.target is operator.getitem and (user.args[1] == 0 or not user.users) for user in node.users)
-
-
-def _same_dtype(node) -> bool:
-    before, after = _val(node.args[0]), _val(node)
-    return isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor) and before.dtype == after.dtype
 
 
 _WHOLE_KINDS = {"sum", "mean", "max", "min"}  # reductions over a piece the ranks combine: an all-reduce sum, or MAX

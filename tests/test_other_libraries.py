@@ -49,6 +49,7 @@ import torch
 from tracepp.driver import check_model, split_model
 from tracepp.modelfile import load_model_file
 from tracepp.runtime.mesh import Layout
+from tracepp.runtime.run_options import RunOptions
 from util import REPO, assert_state_close, assert_trained, eager_train, model_path, torchrun
 
 pytestmark = pytest.mark.timeout(600)
@@ -1129,6 +1130,18 @@ def test_ternary_weights_and_8_bit_activations_shard_as_megatron():
         # one backward all-reduce of the block's input (Megatron's f; and of the head's input, column-wise, in the
         # last stage), not one more per reader of the quantized input's scale, whose gradient stops at the detach
         assert sum(op == "all_reduce (backward)" for op, _shape in ops) == 1 + index, ops
+
+
+def test_ternary_weights_in_bf16_are_read_through_their_casts():
+    # HF BitNet's WeightQuant casts the weight to fp32, rounds it, and casts it back (`weight.float()` ...
+    # `.to(dtype)`). In fp32 both casts are copies; traced in bf16 (--precision bf16, the parameters cast) they are
+    # real casts, which the derived weight's tracing stopped at: every linear whole. A cast of the parameter that
+    # linears read directly (a router's weight.float()) still stays as planned
+    manifest = check_model(QUANT, num_microbatches=4, layout=Layout(pp=2, tp=2), run=RunOptions(precision="bf16"))
+    params = manifest["tp"]["params"]
+    for block in ("blocks.0", "blocks.1"):
+        assert params[f"{block}.up.weight"]["dim"] == 0 and params[f"{block}.down.weight"]["dim"] == 1, params
+    assert manifest["tp"]["verified"]["status"] == "verified", manifest["tp"]["verified"]
 
 
 def test_ternary_weights_and_8_bit_activations_tp2_train_equal_to_eager(tmp_path):

@@ -18,8 +18,10 @@ VOCAB, D, BATCH, SEQ = 32, 16, 4, 8
 class WeightQuant(torch.autograd.Function):
     @staticmethod
     def forward(ctx, weight):
+        dtype = weight.dtype
+        weight = weight.float()
         scale = 1.0 / weight.abs().mean().clamp_(min=1e-5)
-        return (weight * scale).round().clamp(-1, 1) / scale
+        return ((weight * scale).round().clamp(-1, 1) / scale).to(dtype)
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -29,8 +31,10 @@ class WeightQuant(torch.autograd.Function):
 class ActQuant(torch.autograd.Function):
     @staticmethod
     def forward(ctx, activation):
+        dtype = activation.dtype
+        activation = activation.float()
         scale = 127 / activation.abs().max(dim=-1, keepdim=True).values.clamp_(min=1e-5)
-        return (activation * scale).round().clamp(-128, 127) / scale
+        return ((activation * scale).round().clamp(-128, 127) / scale).to(dtype)
 
     @staticmethod
     def backward(ctx, grad_output):
