@@ -177,6 +177,8 @@ def build_manifest(model_file, traced, graph, plan, launch_command: str, options
         "random_ops": list(traced.random_ops),  # ops that draw random numbers (eager differs by their draws)
         "notes": list(traced.notes),  # what tracing noticed (e.g. a size baked in), printed by the CLI
         "warnings": list(getattr(traced, "warnings", [])),  # what makes a pipelined run differ from eager
+        # the loss a mean over the tokens its target does not ignore: how each microbatch's are counted (its weight)
+        "token_mean": graph.token_mean,
         # what the FLOP count could not see, or assumed (split.cost.FlopCount); its warnings printed by the CLI
         "flop_count": dict(graph.flop_count, warnings=list(graph.flop_warnings)),
         # with --tp: each parameter's shard dim (None: replicated over tp) and the collectives per stage

@@ -26,11 +26,22 @@ def _pieces(tensor: torch.Tensor, count: int, dim: int) -> list:
     return [piece.contiguous() for piece in tensor.tensor_split(count, dim=dim)]
 
 
+def token_counts(token_mean: dict, leaves: list, target, pieces) -> list:
+    """The tokens a token-mean loss counts (``split.token_mean``) in each piece of a batch: its source leaf (of the
+    flattened inputs ``leaves``, or of ``target``) sliced as the loss slices it, cut by ``pieces`` (a tensor -> its
+    pieces), the elements not equal to ``ignore_index`` counted."""
+    source = leaves if token_mean["source"] == "input" else pytree.tree_flatten(target)[0]
+    value = source[token_mean["leaf"]]
+    for dim, start, end, step in token_mean["slices"]:
+        value = value[(slice(None),) * dim + (slice(start, end, step),)]
+    return [int((piece != token_mean["ignore_index"]).sum()) for piece in pieces(value)]
+
+
 @dataclass
 class Microbatches:
     leaves: list  # per microbatch: the flattened (args, kwargs) leaves, on the device
     targets: list  # per microbatch: the target pytree
-    scales: list  # per microbatch: its share of the full batch (sums to 1)
+    scales: list  # per microbatch: its share of the full batch (sums to 1; of its counted tokens: split.token_mean)
     symbols: list  # per microbatch: root symbol -> int
     batch_size: int
 
@@ -58,10 +69,13 @@ class MicrobatchSplitter:
         self.context = None  # with --cp and a dynamic sequence: (its expression, its check, cp)
         if cp and not str(cp["sequence"]).lstrip("-").isdigit():
             self.context = (cp["sequence"], compile_shape([cp["sequence"]]), cp["size"])
+        self.token_mean = manifest.get("token_mean")  # the loss: a mean over the tokens not ignored (split.token_mean)
 
-    def split(self, step: int, args: tuple, kwargs: dict, target, device) -> Microbatches:
+    def split(self, step: int, args: tuple, kwargs: dict, target, device, tokens=None) -> Microbatches:
         """Check one step's batch against the trace (structure, constants, dtypes, ranks, static and symbolic
-        dims), bind each microbatch's symbols, and cut the batch into microbatches on ``device``."""
+        dims), bind each microbatch's symbols, and cut the batch into microbatches on ``device``. ``tokens``:
+        (the global batch's counted tokens, the replicas) where the loss is a token mean and the batch is a
+        data-parallel replica's slice."""
         leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs or {})))
         self._check_structure(step, leaves, spec)
         batch_size, sizes = self._sizes(step, leaves)
@@ -71,7 +85,29 @@ class MicrobatchSplitter:
         self._check_sequence_shards(step, symbols)
         mb_leaves, targets = self._cut(leaves, target, batch_size, device)
         scales = [size / batch_size for size in sizes]
+        if self.token_mean is not None:
+            scales = self._token_scales(step, leaves, target, tokens)
         return Microbatches(mb_leaves, targets, scales, symbols, batch_size)
+
+    def token_total(self, args: tuple, kwargs: dict, target) -> int:
+        """The counted tokens of a whole batch (a data-parallel step's global batch, before its replicas' slices)."""
+        leaves = pytree.tree_flatten((tuple(args), dict(kwargs or {})))[0]
+        return sum(token_counts(self.token_mean, leaves, target, lambda value: [value]))
+
+    def _token_scales(self, step: int, leaves: list, target, tokens) -> list:
+        """Each microbatch's weight where the loss is a mean over the tokens its target does not ignore: its
+        counted tokens over the global batch's (times the replicas, whose gradients are averaged), so that the
+        weighted means make eager's mean over the whole batch however the ignored tokens fall."""
+        counts = token_counts(self.token_mean, leaves, target,
+                              lambda value: value.tensor_split(self.num_microbatches, dim=self.batch_dim))
+        total, replicas = tokens if tokens is not None else (sum(counts), 1)
+        if total == 0:
+            raise PipelineError(
+                f"batch for step {step}: every token of the loss's target is ignore_index "
+                f"({self.token_mean['ignore_index']}): the loss, a mean over the tokens not ignored "
+                f"({self.token_mean['op']}), is a mean over none (eager's would be NaN); give each batch a "
+                f"token to learn from")
+        return [replicas * count / total for count in counts]
 
     def _check_structure(self, step: int, leaves: list, spec) -> None:
         """The same args/kwargs structure as traced, and Python scalars equal to the traced ones."""

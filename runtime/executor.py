@@ -777,7 +777,9 @@ class RankExecutor:
             output = self.pytree.tree_unflatten(leaves_out, self.out_spec)
             if self.loss_fn is not None and self.targets[mb] is not None:
                 with torch.set_grad_enabled(self.training):
-                    loss = self.loss_fn(output, self.targets[mb]).float() * self.scales[mb]
+                    loss = self.loss_fn(output, self.targets[mb]).float()
+                    # a microbatch whose every token is ignored (its weight 0: split.token_mean) has a mean of 0/0
+                    loss = loss * self.scales[mb] if self.scales[mb] else loss.nan_to_num(0.0) * 0.0
                 runner.loss[mb] = loss if self.loss_scale is None else loss * self.loss_scale
                 self.step_loss = self.step_loss + loss.detach()
                 self.has_loss = True

@@ -542,9 +542,12 @@ class Pipeline:
     def _run(self, executor, args, kwargs, target):
         if not isinstance(args, tuple):
             args = tuple(args) if isinstance(args, list) else (args,)
+        tokens = None  # a token-mean loss: the global batch's counted tokens, each replica's weighed against them
         if self.layout.dp > 1:
+            if self.splitter.token_mean is not None:
+                tokens = (self.splitter.token_total(args, kwargs, target), self.layout.dp)
             args, kwargs, target = self._replica_slice(args, kwargs or {}, target)
-        batches = self.splitter.split(self.steps_run, args, kwargs or {}, target, self.device)
+        batches = self.splitter.split(self.steps_run, args, kwargs or {}, target, self.device, tokens)
         executor.loss_scale = self.loss_scale
         self.last_batch_size = batches.batch_size * self.layout.dp
         sums = self._step_sums if self.training and executor is self.executor else None

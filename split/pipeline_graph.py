@@ -99,6 +99,7 @@ class PipelineGraph:
     memory: dict = field(default_factory=dict)  # codegen.memory.plan_memory: figures per stage, peak per rank
     context_parallel: dict = field(default_factory=dict)  # split.context_parallel.CPPlan.to_json() with --cp
     loss: Any = None  # with --cp: the model file's loss_fn traced and rewritten (split.context_parallel.LossGraph)
+    token_mean: Any = None  # the loss a mean over the tokens not ignored: how to count them (split.token_mean)
     batch_dim: int = 0  # the dim of a batched input holding its samples (the model file's batch_dim; 1: [seq, batch])
     whole: Any = None  # split.partition._Whole: the whole traced graph as the split read it (split.partition.
     #                    tuner_figures walks it; in memory only, never written)

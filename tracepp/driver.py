@@ -19,7 +19,7 @@ from tracepp.modelfile import load_model_file
 from tracepp.resplit import split_options
 from tracepp.runtime.mesh import Layout
 from tracepp.runtime.run_options import RunOptions
-from tracepp.split import context_parallel, expert_parallel, tensor_parallel
+from tracepp.split import context_parallel, expert_parallel, tensor_parallel, token_mean
 from tracepp.split import verify as tp_verify
 from tracepp.split import verify_cp as cp_verify
 from tracepp.split import verify_ep as ep_verify
@@ -41,9 +41,22 @@ def _plan(model_path: str, layout: Layout, num_stages: Optional[int], schedule: 
     run.check()
     model_file, traced, graph = trace_and_split(model_path, layout, num_stages, schedule, num_microbatches,
                                                 split_points, dynamic_shapes, run.traced_dtype())
+    loss = None
+    if model_file.training and num_microbatches * layout.dp > 1:                     # 2'. a loss over some tokens
+        with phases.step("token mean"):
+            loss = _traced_loss(model_file, graph, required=layout.cp > 1)
+            graph.token_mean, warning = token_mean.find(loss, graph)
+            if warning:
+                traced.warnings.append(warning)
+            elif graph.token_mean:
+                traced.notes.append(f"the loss is a mean over the tokens its target does not ignore "
+                                    f"({graph.token_mean['op']}, ignore_index {graph.token_mean['ignore_index']}): "
+                                    f"each microbatch is weighed by its share of the batch's counted tokens, as "
+                                    f"eager's one mean over the batch weighs them")
     if layout.cp > 1:                                                                 # 2a. context parallel
         with phases.step("cp plan"):
-            loss = trace_loss(model_file, graph) if model_file.training else None
+            if loss is None and model_file.training:
+                loss = trace_loss(model_file, graph)
             saved = None
             if verify != "off":
                 with phases.step("verify snapshot"):  # the stage graphs and the loss before the rewrite
@@ -113,6 +126,17 @@ def _plan(model_path: str, layout: Layout, num_stages: Optional[int], schedule: 
         graph.memory, run = memory_plan(model_file, traced, graph, the_plan, layout, run,   # 3b. memory per rank
                                         all_modes)
     return model_file, traced, graph, the_plan, run
+
+
+def _traced_loss(model_file, graph, required: bool):
+    """The model file's ``loss_fn`` traced (``trace_loss``); where only the token count asks for it (no --cp), a
+    loss that does not trace is None (its microbatches weighed by samples, as before)."""
+    try:
+        return trace_loss(model_file, graph)
+    except Exception:  # noqa: BLE001 - the user's loss function: --cp says what broke, as it did
+        if required:
+            raise
+        return None
 
 
 def _verify_tp(graph, saved, tp_plan, walks, traced, model_file, layout: Layout, mode: str) -> tuple:

@@ -1,0 +1,148 @@
+"""A loss that is a mean over the tokens its target does not ignore (``split/token_mean.py``): found at split, each
+microbatch weighed by its counted tokens at run time, trained against eager where padding falls unevenly over the
+microbatches and the data-parallel replicas; what cannot be followed is named in a warning."""
+import textwrap
+
+import pytest
+import torch
+
+from tracepp.driver import check_model, split_model
+from tracepp.runtime.batching import MicrobatchSplitter, token_counts
+from tracepp.runtime.mesh import Layout
+from util import assert_state_close, assert_trained, eager_train, model_path, torchrun
+
+OWN = model_path("padded_own_loss")
+LOSS_FN = model_path("padded_loss_fn")
+
+
+def test_a_model_s_own_loss_over_labels_cut_from_its_input_is_found():
+    # PaLM-rlhf's loss: labels seq[:, 1:] of the model's one input, pad id 0 ignored
+    manifest = check_model(OWN, num_microbatches=2, layout=Layout(pp=2))
+    found = manifest["token_mean"]
+    assert {k: found[k] for k in ("source", "leaf", "ignore_index")} == {"source": "input", "leaf": 0,
+                                                                          "ignore_index": 0}, found
+    assert found["slices"] == [[1, 1, 9223372036854775807, 1]], found
+    assert found["op"].startswith("cross_entropy_loss at padded_own_loss.py:"), found
+    assert manifest["warnings"] == []
+
+
+def test_a_loss_fn_over_the_target_is_found_and_weighs_microbatches_by_their_tokens():
+    manifest = check_model(LOSS_FN, num_microbatches=2, layout=Layout(pp=2))
+    assert {k: manifest["token_mean"][k] for k in ("source", "leaf", "slices", "ignore_index")} == {
+        "source": "target", "leaf": 0, "slices": [], "ignore_index": -100}, manifest["token_mean"]
+    from padded_loss_fn import batch  # noqa: E402 - the model file's own batches
+
+    args, kwargs, target = batch(0)
+    splitter = MicrobatchSplitter(manifest)
+    batches = splitter.split(0, args, kwargs, target, torch.device("cpu"))
+    counted = [int((labels != -100).sum()) for labels in target.tensor_split(2)]  # 2 + 6 and 8 + 8 tokens
+    assert counted == [8, 16]
+    assert batches.scales == [8 / 24, 16 / 24]  # not the samples' [1/2, 1/2]
+    assert token_counts(manifest["token_mean"], [], target, lambda t: t.tensor_split(4)) == [2, 6, 8, 8]
+
+
+def test_no_microbatches_no_token_count():
+    assert check_model(LOSS_FN, num_microbatches=1, layout=Layout(pp=2))["token_mean"] is None
+
+
+_MODEL = '''
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class LM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(32, 16)
+        self.blocks = nn.ModuleList([nn.Linear(16, 16) for _ in range(2)])
+        self.head = nn.Linear(16, 32)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        for block in self.blocks:
+            h = h + torch.tanh(block(h))
+        return self.head(h)
+
+
+def model():
+    torch.manual_seed(0)
+    return LM()
+
+
+def example_inputs():
+    return (torch.randint(0, 32, (4, 8)),)
+
+
+def example_target():
+    return torch.randint(0, 32, (4, 8))
+
+
+def loss_fn(logits, labels):
+    {loss}
+'''
+
+
+@pytest.mark.parametrize("loss, reason", [
+    ("return F.cross_entropy(logits.reshape(-1, 32), labels.reshape(-1), weight=logits.new_ones(32) * 2)",
+     "it weighs classes"),
+    ("return F.cross_entropy(logits.reshape(-1, 32), labels.reshape(-1)) + 0.01 * logits.pow(2).mean()",
+     "the loss is not one such mean times a constant"),
+    ("return F.cross_entropy(logits.reshape(-1, 32), (labels + 1).reshape(-1) % 32)",
+     "its target is computed (remainder.Scalar at"),
+])
+def test_a_token_mean_that_cannot_be_counted_is_named_in_a_warning(loss, reason, tmp_path):
+    path = tmp_path / "lm.py"
+    path.write_text(textwrap.dedent(_MODEL).replace("{loss}", loss))
+    manifest = check_model(str(path), num_microbatches=2, layout=Layout(pp=2))
+    assert manifest["token_mean"] is None
+    warning, = manifest["warnings"]
+    assert "a mean over the tokens its target does not ignore (cross_entropy_loss at lm.py:" in warning, warning
+    assert reason in warning, warning
+
+
+def test_a_loss_times_a_constant_is_still_counted(tmp_path):
+    path = tmp_path / "lm.py"
+    path.write_text(textwrap.dedent(_MODEL).replace(
+        "{loss}", "return 0.5 * F.cross_entropy(logits.transpose(1, 2), labels.long())"))
+    manifest = check_model(str(path), num_microbatches=2, layout=Layout(pp=2))
+    assert manifest["token_mean"]["source"] == "target" and manifest["warnings"] == [], manifest
+
+
+def test_hugging_face_s_shift_of_labels_padded_with_the_ignored_index_is_followed(tmp_path):
+    # transformers' ForCausalLMLoss: labels padded by one ignored token at the end, then [..., 1:]: a Llama trained
+    # with padded labels moved 2.1e-2 from eager at pp 2, now 7.5e-9 (docs/guide.md)
+    path = tmp_path / "lm.py"
+    path.write_text(textwrap.dedent(_MODEL).replace("{loss}", """labels = F.pad(labels, (0, 1), value=-100)
+    shift = labels[..., 1:].contiguous()
+    return F.cross_entropy(logits.float().view(-1, 32), shift.view(-1).to(logits.device), ignore_index=-100)"""))
+    manifest = check_model(str(path), num_microbatches=2, layout=Layout(pp=2))
+    assert manifest["token_mean"]["slices"] == [[1, 1, 9, 1]], manifest["token_mean"]  # of the labels before the pad
+    padded = torch.tensor([[5, 6, -100, -100], [7, 8, 9, 1]])
+    assert token_counts(manifest["token_mean"], [], padded, lambda t: t.tensor_split(2)) == [1, 3]
+
+
+@pytest.mark.parametrize("path", [OWN, LOSS_FN], ids=["own_loss", "loss_fn"])
+def test_padding_spread_unevenly_trains_equal_to_eager(path, tmp_path):
+    # the first microbatch half padding, the second none: 2.0e-2 from eager before
+    out = str(tmp_path / "out")
+    split_model(path, out, schedule="1f1b", num_microbatches=2, layout=Layout(pp=2))
+    ckpt = str(tmp_path / "trained.pt")
+    result = torchrun(out, 2, "--steps", "3", "--save", ckpt, "--quiet")
+    assert result.returncode == 0, f"torchrun failed:\n{result.stdout}\n{result.stderr[-6000:]}"
+    saved = torch.load(ckpt)
+    assert_trained(saved, path)
+    assert_state_close(saved, eager_train(path, 3))
+
+
+def test_padding_spread_unevenly_over_replicas_trains_equal_to_eager(tmp_path):
+    # dp 2 x pp 2: the first replica's samples half padding, the second's none; DDP averages the replicas, each
+    # microbatch weighed by its tokens over the global batch's
+    out = str(tmp_path / "out")
+    split_model(OWN, out, schedule="1f1b", num_microbatches=1, layout=Layout(pp=2, dp=2))
+    ckpt = str(tmp_path / "trained.pt")
+    result = torchrun(out, 4, "--steps", "3", "--save", ckpt, "--quiet")
+    assert result.returncode == 0, f"torchrun failed:\n{result.stdout}\n{result.stderr[-6000:]}"
+    saved = torch.load(ckpt)
+    assert_trained(saved, OWN)
+    assert_state_close(saved, eager_train(OWN, 3))
