@@ -143,7 +143,7 @@ def _plan(graph, cp: int, loss=None, training: bool = True, whole: bool = True,
     it by name (``--verify strict``). ``forced``: (op, source line) pairs run on the whole sequence wherever they
     are (what verification found placed wrong: ``verify_cp.check``)."""
     seq = sequence_length(graph)
-    _check_sequence(seq, cp)
+    _check_sequence(seq, cp, graph)
     aliases = graph.symbol_aliases or {}
     expr = sympy.sympify(seq)
     ours = {sym: sympy.Symbol(aliases[str(sym)]) for sym in expr.free_symbols if str(sym) in aliases}
@@ -238,7 +238,7 @@ def whole_note(cp_plan: CPPlan) -> str:
             f"(`tracepp inspect` lists them; --verify strict refuses instead)")
 
 
-def _check_sequence(seq, cp: int) -> None:
+def _check_sequence(seq, cp: int, graph=None) -> None:
     if seq is None:
         raise ContextParallelError("--cp spreads each sample's sequence over its ranks, and this model has no "
                                    "batched input of two or more dims (batch, sequence) to read the sequence "
@@ -246,10 +246,34 @@ def _check_sequence(seq, cp: int) -> None:
     length = _int(seq)
     if length is not None and length % (2 * cp):
         works = [c for c in range(2, length // 2 + 1) if length % (2 * c) == 0][:8]
+        why = "odd" if length % 2 else "too short"
+        cuts = _sequence_cuts(graph)
+        shifted = (f". The model cuts that input along the sequence itself ({cuts}): its tokens and its labels, "
+                   f"one position apart, as an autoregressive wrapper shifts a sequence of L + 1 tokens; cp spreads "
+                   f"the input it is given, so give the model the L tokens to read (its labels in the target, its "
+                   f"loss in loss_fn), or split without --cp") if cuts else ""
         raise ContextParallelError(
             f"--cp {cp}: the traced sequence length {length} does not cut into 2 x cp = {2 * cp} equal chunks "
             f"(rank r holds chunks r and {2 * cp - 1}-r); use a sequence length that {2 * cp} divides, or --cp in "
-            f"{works or '[none: the sequence is too short]'}")
+            f"{works or f'[none: {length} is {why}]'}{shifted}")
+
+
+def _sequence_cuts(graph) -> str:
+    """The slices along the sequence dim of the input the sequence length is read from (``seq[:, :-1]`` and
+    ``seq[:, 1:]``), named with their lines, or ''."""
+    seq_dim = 1 - getattr(graph, "batch_dim", 0)
+    for name, ref in graph.root_inputs.items():
+        if not (ref.batched and ref.meta is not None and len(ref.meta.shape) >= 2):
+            continue
+        found = []
+        for stage in graph.stages:
+            placeholders = [n for n in stage.graph.nodes if n.op == "placeholder"]
+            node = dict(zip(stage.root_inputs, placeholders[len(stage.state):])).get(name)
+            for user in (node.users if node is not None else ()):
+                if user.target is aten.slice.Tensor and rules.arg(user, 1, "dim", 0) % len(ref.meta.shape) == seq_dim:
+                    found.append(f"slice (aten.slice.Tensor){rules.at(user)}")
+        return ", ".join(dict.fromkeys(found))
+    return ""
 
 
 

@@ -41,6 +41,18 @@ def test_a_loss_fn_over_the_target_is_found_and_weighs_microbatches_by_their_tok
     assert token_counts(manifest["token_mean"], [], target, lambda t: t.tensor_split(4)) == [2, 6, 8, 8]
 
 
+def test_cp_names_the_cut_of_an_input_of_l_plus_1_tokens():
+    # the model shifts its own input (seq[:, :-1], seq[:, 1:]): its 9 tokens cut into no cp's 2 x cp chunks; the
+    # refusal said "[none: the sequence is too short]" and named no op (PaLM-rlhf, titans, AutoregressiveWrapper)
+    from tracepp.split.context_parallel import ContextParallelError
+
+    with pytest.raises(ContextParallelError) as error:
+        check_model(OWN, num_microbatches=2, layout=Layout(pp=1, cp=2))
+    message = str(error.value)
+    assert "[none: 9 is odd]" in message and "too short" not in message, message
+    assert "slice (aten.slice.Tensor) at padded_own_loss.py:" in message, message
+
+
 def test_no_microbatches_no_token_count():
     assert check_model(LOSS_FN, num_microbatches=1, layout=Layout(pp=2))["token_mean"] is None
 
