@@ -1,0 +1,47 @@
+"""lucidrains' Titans, memory as context, without its neural memory (``titans_pytorch.MemoryAsContextTransformer``
+with ``neural_memory_layers=()``, pip ``titans-pytorch``): the rest of the MAC transformer, its own classes unchanged,
+trained as its README trains it, ``loss = transformer(seq, return_loss = True)`` on sequences one token longer than
+the context (the model splits inputs and labels itself). (With its ``NeuralMemory``, ``titans_pytorch_mac.py``,
+torch.export fails inside the memory's ``vmap(grad(functional_call))`` over ``TensorDict`` weights.) Layout: the
+sequence cut into segments of 4 with 2 learned long-term memory tokens packed after each
+(``pad_and_segment_with_inverse``, ``pack_with_inverse``), a continuous axial positional embedding (an MLP over the
+positions), manifold-constrained hyper-connections (4 residual streams folded into the batch, each branch's stream mix
+made doubly stochastic by 20 Sinkhorn-Knopp iterations, ``ManifoldConstrainedHyperConnections`` of pip ``hyper-
+connections``), and per layer a ``SegmentedAttention`` (2 persistent memory tokens, rotary positions, value residual
+from the first layer, attention within each segment and its memory tokens) and a GELU feed-forward; RMSNorm and an
+untied head; dim 64, 4 heads of 16 (no grouped-query form), 2 layers, ff_mult 3 (a GEGLU of 128: int(dim * mult * 2 /
+3)), vocabulary 128.
+"""
+import random
+
+import torch
+from other_common import HEAD_DIM, HEADS, HIDDEN, LAYERS, VOCAB, examples_of, sgd, token_batch, version
+from titans_pytorch import MemoryAsContextTransformer
+
+LIBRARY, VERSION = "titans-pytorch", version("titans-pytorch")
+SOURCE = "titans_pytorch/mac_transformer.py (MemoryAsContextTransformer, SegmentedAttention, FeedForward)"
+HEADS_, KV_HEADS_ = HEADS, HEADS  # no grouped-query form
+
+
+def model():
+    torch.manual_seed(0)
+    random.seed(0)  # hyper-connections draws each layer's initial stream (random.randrange) while it builds
+    return MemoryAsContextTransformer(num_tokens=VOCAB, dim=HIDDEN, depth=LAYERS, segment_len=4,
+                                      num_persist_mem_tokens=2, num_longterm_mem_tokens=2, dim_head=HEAD_DIM,
+                                      heads=HEADS, ff_mult=3, neural_memory_layers=())
+
+
+def batch(step):
+    ids, target = token_batch(step)
+    seq = torch.cat([ids, target[:, -1:]], dim=1)  # the 9 tokens the loader gives: the model splits them itself
+    return (seq,), {"return_loss": True}, target
+
+
+example_inputs, example_kwargs, example_target = examples_of(batch)
+
+
+def loss_fn(output, target):
+    return output  # the model's own loss (return_loss=True returns the cross-entropy alone)
+
+
+optimizer = sgd
