@@ -85,7 +85,7 @@ class MicrobatchSplitter:
         self._check_sequence_shards(step, symbols)
         mb_leaves, targets = self._cut(leaves, target, batch_size, device)
         scales = [size / batch_size for size in sizes]
-        if self.token_mean is not None:
+        if self.token_mean is not None and target is not None:  # (no target: no loss, the outputs returned)
             scales = self._token_scales(step, leaves, target, tokens)
         return Microbatches(mb_leaves, targets, scales, symbols, batch_size)
 

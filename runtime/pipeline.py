@@ -544,7 +544,7 @@ class Pipeline:
             args = tuple(args) if isinstance(args, list) else (args,)
         tokens = None  # a token-mean loss: the global batch's counted tokens, each replica's weighed against them
         if self.layout.dp > 1:
-            if self.splitter.token_mean is not None:
+            if self.splitter.token_mean is not None and target is not None:
                 tokens = (self.splitter.token_total(args, kwargs, target), self.layout.dp)
             args, kwargs, target = self._replica_slice(args, kwargs or {}, target)
         batches = self.splitter.split(self.steps_run, args, kwargs or {}, target, self.device, tokens)

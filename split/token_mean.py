@@ -44,8 +44,13 @@ _WHOLE = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, at
 
 
 def _is_mean(node) -> bool:
-    return (node.op == "call_function" and node.target in rules.IGNORE_INDEX
-            and rules.arg(node, rules.LOSSES[node.target][1], "reduction", 1) == 1)
+    """A mean over the tokens not ignored: a ``cross_entropy`` or ``nll_loss`` over class indices (over
+    probabilities, soft labels, it is a mean over every element, which samples weigh)."""
+    if not (node.op == "call_function" and node.target in rules.IGNORE_INDEX):
+        return False
+    target = rules.val(node.args[1]) if len(node.args) > 1 else None
+    floating = isinstance(target, torch.Tensor) and target.dtype.is_floating_point
+    return not floating and rules.arg(node, rules.LOSSES[node.target][1], "reduction", 1) == 1
 
 
 def _scalar_step(node):

@@ -113,6 +113,24 @@ def test_a_token_mean_that_cannot_be_counted_is_named_in_a_warning(loss, reason,
     assert reason in warning, warning
 
 
+def test_soft_labels_are_a_mean_over_samples_not_counted(tmp_path):
+    # a cross-entropy over class probabilities ignores nothing: no count, no warning
+    path = tmp_path / "lm.py"
+    path.write_text(textwrap.dedent(_MODEL).replace(
+        "{loss}", "return F.cross_entropy(logits.transpose(1, 2), F.one_hot(labels, 32).float().transpose(1, 2))"))
+    manifest = check_model(str(path), num_microbatches=2, layout=Layout(pp=2))
+    assert manifest["token_mean"] is None and manifest["warnings"] == [], manifest["warnings"]
+
+
+def test_eval_without_a_target_returns_the_outputs():
+    # no target, no loss: the microbatches keep their samples' shares (the Pipeline API's eval_step)
+    manifest = check_model(LOSS_FN, num_microbatches=2, layout=Layout(pp=2))
+    from padded_loss_fn import batch  # noqa: E402
+
+    args, kwargs, _target = batch(0)
+    assert MicrobatchSplitter(manifest).split(0, args, kwargs, None, torch.device("cpu")).scales == [0.5, 0.5]
+
+
 def test_a_loss_times_a_constant_is_still_counted(tmp_path):
     path = tmp_path / "lm.py"
     path.write_text(textwrap.dedent(_MODEL).replace(
