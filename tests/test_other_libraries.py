@@ -50,7 +50,7 @@ from tracepp.driver import check_model, split_model
 from tracepp.modelfile import load_model_file
 from tracepp.runtime.mesh import Layout
 from tracepp.runtime.run_options import RunOptions
-from util import REPO, assert_state_close, assert_trained, eager_train, model_path, torchrun
+from util import REPO, assert_state_close, assert_trained, assert_trains_like_eager, eager_train, model_path, torchrun
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -66,12 +66,7 @@ MEGATRON_LAYER_BYTES = 2 * B * S * H * 4  # 2 all-reduces of [b, s, h] fp32 per 
 
 
 def _train_against_eager(path: str, out: str, nproc: int, tmp_path) -> None:
-    ckpt = str(tmp_path / "trained.pt")
-    result = torchrun(out, nproc, "--steps", "3", "--save", ckpt, "--quiet")
-    assert result.returncode == 0, f"torchrun failed:\n{result.stdout}\n{result.stderr[-6000:]}"
-    saved = torch.load(ckpt)
-    assert_trained(saved, path)
-    assert_state_close(saved, eager_train(path, 3))
+    assert_trains_like_eager(path, out, nproc, tmp_path)
 
 
 def _tp2_trains_equal_to_eager(path: str, tmp_path) -> None:
@@ -1108,6 +1103,15 @@ def test_a_kan_mlp_tp2_trains_equal_to_eager(tmp_path):
     _tp2_trains_equal_to_eager(KAN, tmp_path)
 
 
+def _megatron_mlp(manifest) -> None:
+    """Each block's MLP column-wise up and row-wise down, as Megatron's; the plan verified without a repair."""
+    params = manifest["tp"]["params"]
+    for block in ("blocks.0", "blocks.1"):
+        assert params[f"{block}.up.weight"]["dim"] == 0 and params[f"{block}.down.weight"]["dim"] == 1, params
+    record = manifest["tp"]["verified"]
+    assert record["status"] == "verified" and "repairs" not in record, record
+
+
 QUANT = model_path("straight_through_quant")
 
 
@@ -1118,11 +1122,7 @@ def test_ternary_weights_and_8_bit_activations_shard_as_megatron():
     # features was gathered. Now each rank's mean is all-reduced (a scalar per weight) and the maximum all-reduced by
     # MAX (tp_amax): up column-wise, down row-wise, as Megatron's MLP
     manifest = check_model(QUANT, num_microbatches=4, layout=Layout(pp=2, tp=2))
-    params = manifest["tp"]["params"]
-    for block in ("blocks.0", "blocks.1"):
-        assert params[f"{block}.up.weight"]["dim"] == 0 and params[f"{block}.down.weight"]["dim"] == 1, params
-    record = manifest["tp"]["verified"]
-    assert record["status"] == "verified" and "repairs" not in record, record
+    _megatron_mlp(manifest)
     for index, stage in enumerate(manifest["tp"]["stages"]):
         ops = [(c["op"], c["shape"]) for c in stage["collectives"]]
         assert ops.count(("all_reduce (max)", ["1", "8", "1"])) == 1, ops  # down's input
@@ -1138,10 +1138,7 @@ def test_ternary_weights_in_bf16_are_read_through_their_casts():
     # real casts, which the derived weight's tracing stopped at: every linear whole. A cast of the parameter that
     # linears read directly (a router's weight.float()) still stays as planned
     manifest = check_model(QUANT, num_microbatches=4, layout=Layout(pp=2, tp=2), run=RunOptions(precision="bf16"))
-    params = manifest["tp"]["params"]
-    for block in ("blocks.0", "blocks.1"):
-        assert params[f"{block}.up.weight"]["dim"] == 0 and params[f"{block}.down.weight"]["dim"] == 1, params
-    assert manifest["tp"]["verified"]["status"] == "verified", manifest["tp"]["verified"]
+    _megatron_mlp(manifest)
 
 
 def test_ternary_weights_and_8_bit_activations_tp2_train_equal_to_eager(tmp_path):
@@ -1158,11 +1155,7 @@ def test_per_token_minimum_and_maximum_over_sharded_features_are_all_reduced():
     # file's first run), and a max(dim) of a weight stopped the derived weight's tracing (its unread indices were
     # taken for a reader elsewhere): every linear whole. Now up column-wise, down row-wise, verified
     manifest = check_model(ASYMMETRIC, num_microbatches=4, layout=Layout(pp=2, tp=2))
-    params = manifest["tp"]["params"]
-    for block in ("blocks.0", "blocks.1"):
-        assert params[f"{block}.up.weight"]["dim"] == 0 and params[f"{block}.down.weight"]["dim"] == 1, params
-    record = manifest["tp"]["verified"]
-    assert record["status"] == "verified" and "repairs" not in record, record
+    _megatron_mlp(manifest)
     for index, stage in enumerate(manifest["tp"]["stages"]):
         ops = [(c["op"], c["shape"]) for c in stage["collectives"]]
         assert ops.count(("all_reduce (max)", ["1", "8", "1"])) == 2, ops  # down's input: its minimum and maximum

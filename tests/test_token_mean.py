@@ -9,7 +9,7 @@ import torch
 from tracepp.driver import check_model, split_model
 from tracepp.runtime.batching import MicrobatchSplitter, token_counts
 from tracepp.runtime.mesh import Layout
-from util import assert_state_close, assert_trained, eager_train, model_path, torchrun
+from util import assert_trains_like_eager, model_path
 
 OWN = model_path("padded_own_loss")
 LOSS_FN = model_path("padded_loss_fn")
@@ -59,31 +59,8 @@ def test_no_microbatches_no_token_count():
 
 _MODEL = '''
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
-
-
-class LM(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Embedding(32, 16)
-        self.blocks = nn.ModuleList([nn.Linear(16, 16) for _ in range(2)])
-        self.head = nn.Linear(16, 32)
-
-    def forward(self, ids):
-        h = self.embed(ids)
-        for block in self.blocks:
-            h = h + torch.tanh(block(h))
-        return self.head(h)
-
-
-def model():
-    torch.manual_seed(0)
-    return LM()
-
-
-def example_inputs():
-    return (torch.randint(0, 32, (4, 8)),)
+from padded_loss_fn import example_inputs, model  # noqa: F401 - its LM: embedding, 2 blocks, a head of 32
 
 
 def example_target():
@@ -157,12 +134,7 @@ def test_padding_spread_unevenly_trains_equal_to_eager(path, tmp_path):
     # the first microbatch half padding, the second none: 2.0e-2 from eager before
     out = str(tmp_path / "out")
     split_model(path, out, schedule="1f1b", num_microbatches=2, layout=Layout(pp=2))
-    ckpt = str(tmp_path / "trained.pt")
-    result = torchrun(out, 2, "--steps", "3", "--save", ckpt, "--quiet")
-    assert result.returncode == 0, f"torchrun failed:\n{result.stdout}\n{result.stderr[-6000:]}"
-    saved = torch.load(ckpt)
-    assert_trained(saved, path)
-    assert_state_close(saved, eager_train(path, 3))
+    assert_trains_like_eager(path, out, 2, tmp_path)
 
 
 def test_padding_spread_unevenly_over_replicas_trains_equal_to_eager(tmp_path):
@@ -170,9 +142,4 @@ def test_padding_spread_unevenly_over_replicas_trains_equal_to_eager(tmp_path):
     # microbatch weighed by its tokens over the global batch's
     out = str(tmp_path / "out")
     split_model(OWN, out, schedule="1f1b", num_microbatches=1, layout=Layout(pp=2, dp=2))
-    ckpt = str(tmp_path / "trained.pt")
-    result = torchrun(out, 4, "--steps", "3", "--save", ckpt, "--quiet")
-    assert result.returncode == 0, f"torchrun failed:\n{result.stdout}\n{result.stderr[-6000:]}"
-    saved = torch.load(ckpt)
-    assert_trained(saved, OWN)
-    assert_state_close(saved, eager_train(OWN, 3))
+    assert_trains_like_eager(OWN, out, 4, tmp_path)

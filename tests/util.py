@@ -257,6 +257,17 @@ def assert_trained(actual: dict, path: str) -> None:
 
 # -- tier 2: the stage graphs run one after another in this process -------------------------------------------
 
+def assert_trains_like_eager(path: str, out: str, nproc: int, tmp_path, steps: int = 3) -> None:
+    """``out`` (split from ``path``) trained ``steps`` steps on ``nproc`` ranks, its saved parameters moved and equal
+    to eager training's on the same batches."""
+    ckpt = str(tmp_path / "trained.pt")
+    result = torchrun(out, nproc, "--steps", str(steps), "--save", ckpt, "--quiet")
+    assert result.returncode == 0, f"torchrun failed:\n{result.stdout}\n{result.stderr[-6000:]}"
+    saved = torch.load(ckpt)
+    assert_trained(saved, path)
+    assert_state_close(saved, eager_train(path, steps))
+
+
 def trace_and_split(path: str, split_points=None, num_stages=None):
     """(model file, traced, PipelineGraph) for a model file traced as one microbatch (the whole example batch)."""
     from tracepp.split.partition import split

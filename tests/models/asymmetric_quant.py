@@ -9,7 +9,7 @@ minimum and maximum are all-reduced (``tp_amax`` of ``x``, and of ``-x`` for the
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from tiny_lm import examples_of, lm_loss, model_of, token_batch
+from tiny_lm import examples_of, lm_loss, mlp_of, model_of, token_batch
 
 VOCAB, D, BATCH, SEQ = 32, 16, 4, 8
 
@@ -33,17 +33,7 @@ class QuantLinear(nn.Linear):
         return F.linear(fake_quant_tokens(x), fake_quant_channels(self.weight), self.bias)
 
 
-class QuantMLP(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.norm = nn.LayerNorm(D)
-        self.up, self.down = QuantLinear(D, 4 * D), QuantLinear(4 * D, D)
-
-    def forward(self, x):
-        return x + self.down(F.gelu(self.up(self.norm(x))))
-
-
-model = model_of(VOCAB, D, QuantMLP)
+model = model_of(VOCAB, D, mlp_of(D, QuantLinear))  # x + down(gelu(up(norm(x))))
 batch = token_batch(VOCAB, BATCH, SEQ, 2000)
 example_inputs, example_target = examples_of(batch)
 loss_fn = lm_loss(VOCAB)

@@ -10,7 +10,7 @@ note. tracepp finds each call's backward passing its output's gradient to its in
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from tiny_lm import examples_of, lm_loss, model_of, token_batch
+from tiny_lm import examples_of, lm_loss, mlp_of, model_of, token_batch
 
 VOCAB, D, BATCH, SEQ = 32, 16, 4, 8
 
@@ -46,17 +46,7 @@ class BitLinear(nn.Linear):
         return F.linear(ActQuant.apply(x), WeightQuant.apply(self.weight), self.bias)
 
 
-class QuantMLP(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.norm = nn.LayerNorm(D)
-        self.up, self.down = BitLinear(D, 4 * D), BitLinear(4 * D, D)
-
-    def forward(self, x):
-        return x + self.down(F.gelu(self.up(self.norm(x))))
-
-
-model = model_of(VOCAB, D, QuantMLP)
+model = model_of(VOCAB, D, mlp_of(D, BitLinear))  # x + down(gelu(up(norm(x))))
 batch = token_batch(VOCAB, BATCH, SEQ, 2000)
 example_inputs, example_target = examples_of(batch)
 loss_fn = lm_loss(VOCAB)

@@ -26,6 +26,23 @@ class LM(nn.Module):
         return self.head(x)
 
 
+class ResidualMLP(nn.Module):
+    """``x + down(gelu(up(norm(x))))``, ``d -> 4d -> d``, its two linears of the class ``linear`` (a quantized one)."""
+
+    def __init__(self, d, linear=nn.Linear):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.up, self.down = linear(d, 4 * d), linear(4 * d, d)
+
+    def forward(self, x):
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+def mlp_of(d, linear=nn.Linear):
+    """``block()``: a :class:`ResidualMLP` of width ``d`` whose linears are ``linear``."""
+    return lambda: ResidualMLP(d, linear)
+
+
 def model_of(vocab, d, block, count=2):
     """``model()``: the LM of ``count`` ``block()``s, seeded (the embedding made first, then the blocks, the head)."""
     def model():

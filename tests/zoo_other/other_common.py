@@ -35,6 +35,22 @@ def ids_targets_batch(step: int):
     return (ids, target), {}, target
 
 
+def shifted_batch(**kwargs):
+    """``batch(step)`` of a model called with each sequence's L + 1 tokens that cuts them into its inputs and labels
+    itself and returns its loss alone (``model(seq, return_loss=True)``: PaLM-rlhf's, titans'; train it with
+    :func:`returned_loss`); ``kwargs``: more keyword arguments of the call."""
+    def batch(step: int):
+        ids, target = token_batch(step)
+        seq = torch.cat([ids, target[:, -1:]], dim=1)  # the 9 tokens the loader gives: the model splits them itself
+        return (seq,), {"return_loss": True, **kwargs}, target
+    return batch
+
+
+def returned_loss(output, target):
+    """The loss of a model that returns its loss alone."""
+    return output
+
+
 def own_loss(output, target):
     """The loss a model returns beside its logits (``output[1]``: cross-entropy over every position, a mean)."""
     return output[1]

@@ -9,7 +9,7 @@ SwiGLU feed-forward from one fused projection, multi-query attention, xPos rotar
 bias, a tied head; dim 64, 4 heads of 16, 2 layers, ff_mult 2, vocabulary 128, LoRA rank 8.
 """
 import torch
-from other_common import HEAD_DIM, HEADS, HIDDEN, LAYERS, VOCAB, examples_of, sgd, token_batch, version
+from other_common import HEAD_DIM, HEADS, HIDDEN, LAYERS, VOCAB, examples_of, returned_loss, sgd, shifted_batch, version
 from palm_rlhf_pytorch import PaLM
 
 LIBRARY, VERSION = "PaLM-rlhf-pytorch", version("PaLM-rlhf-pytorch")
@@ -26,17 +26,9 @@ def model():
     return palm
 
 
-def batch(step):
-    ids, target = token_batch(step)
-    seq = torch.cat([ids, target[:, -1:]], dim=1)  # the 9 tokens the loader gives: the model splits them itself
-    return (seq,), {"return_loss": True, "finetune_scope": "actor"}, target
-
-
+batch = shifted_batch(finetune_scope="actor")  # the model cuts inputs and labels from L + 1 tokens itself
 example_inputs, example_kwargs, example_target = examples_of(batch)
-
-
-def loss_fn(output, target):
-    return output  # the model's own loss (return_loss=True returns the cross-entropy alone)
+loss_fn = returned_loss  # the model's own loss (return_loss=True returns the cross-entropy alone)
 
 
 optimizer = sgd

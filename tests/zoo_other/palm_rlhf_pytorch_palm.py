@@ -10,7 +10,7 @@ feed-forward, a head tied to the embedding; dim 64, 4 heads of 16, 2 layers, ff_
 without its requirements (``accelerate`` and the RL helpers are imported, not used here).
 """
 import torch
-from other_common import HEAD_DIM, HEADS, HIDDEN, LAYERS, VOCAB, examples_of, sgd, token_batch, version
+from other_common import HEAD_DIM, HEADS, HIDDEN, LAYERS, VOCAB, examples_of, returned_loss, sgd, shifted_batch, version
 from palm_rlhf_pytorch import PaLM
 
 LIBRARY, VERSION = "PaLM-rlhf-pytorch", version("PaLM-rlhf-pytorch")
@@ -23,17 +23,9 @@ def model():
     return PaLM(num_tokens=VOCAB, dim=HIDDEN, depth=LAYERS, dim_head=HEAD_DIM, heads=HEADS, ff_mult=2)
 
 
-def batch(step):
-    ids, target = token_batch(step)
-    seq = torch.cat([ids, target[:, -1:]], dim=1)  # the 9 tokens the loader gives: the model splits them itself
-    return (seq,), {"return_loss": True}, target
-
-
+batch = shifted_batch()  # the model cuts inputs and labels from L + 1 tokens itself
 example_inputs, example_kwargs, example_target = examples_of(batch)
-
-
-def loss_fn(output, target):
-    return output  # the model's own loss (return_loss=True returns the cross-entropy alone)
+loss_fn = returned_loss  # the model's own loss (return_loss=True returns the cross-entropy alone)
 
 
 optimizer = sgd

@@ -14,7 +14,7 @@ and an untied head; dim 64, 4 heads of 16 (no grouped-query form), 2 layers, ff_
 import random
 
 import torch
-from other_common import HEAD_DIM, HEADS, HIDDEN, LAYERS, VOCAB, examples_of, sgd, token_batch, version
+from other_common import HEAD_DIM, HEADS, HIDDEN, LAYERS, VOCAB, examples_of, returned_loss, sgd, shifted_batch, version
 from titans_pytorch import MemoryAsContextTransformer
 
 LIBRARY, VERSION = "titans-pytorch", version("titans-pytorch")
@@ -22,25 +22,22 @@ SOURCE = "titans_pytorch/{mac_transformer,neural_memory,memory_models}.py (Memor
 HEADS_, KV_HEADS_ = HEADS, HEADS  # no grouped-query form
 
 
-def model():
+def mac(**options):
+    """The MAC transformer at the table's size (``options``: more of its own, ``titans_pytorch_mac_attn``'s)."""
     torch.manual_seed(0)
     random.seed(0)  # hyper-connections draws each layer's initial stream (random.randrange) while it builds
     return MemoryAsContextTransformer(num_tokens=VOCAB, dim=HIDDEN, depth=LAYERS, segment_len=4,
                                       num_persist_mem_tokens=2, num_longterm_mem_tokens=2, dim_head=HEAD_DIM,
-                                      heads=HEADS, ff_mult=3)
+                                      heads=HEADS, ff_mult=3, **options)
 
 
-def batch(step):
-    ids, target = token_batch(step)
-    seq = torch.cat([ids, target[:, -1:]], dim=1)  # the 9 tokens the loader gives: the model splits them itself
-    return (seq,), {"return_loss": True}, target
+def model():
+    return mac()
 
 
+batch = shifted_batch()  # the model cuts inputs and labels from L + 1 tokens itself
 example_inputs, example_kwargs, example_target = examples_of(batch)
-
-
-def loss_fn(output, target):
-    return output  # the model's own loss (return_loss=True returns the cross-entropy alone)
+loss_fn = returned_loss  # the model's own loss (return_loss=True returns the cross-entropy alone)
 
 
 optimizer = sgd

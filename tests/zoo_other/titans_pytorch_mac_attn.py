@@ -12,36 +12,11 @@ from the first layer, attention within each segment and its memory tokens) and a
 untied head; dim 64, 4 heads of 16 (no grouped-query form), 2 layers, ff_mult 3 (a GEGLU of 128: int(dim * mult * 2 /
 3)), vocabulary 128.
 """
-import random
+from titans_pytorch_mac import (HEADS_, KV_HEADS_, LIBRARY, VERSION, batch, example_inputs,  # noqa: F401
+                               example_kwargs, example_target, loss_fn, mac, optimizer)
 
-import torch
-from other_common import HEAD_DIM, HEADS, HIDDEN, LAYERS, VOCAB, examples_of, sgd, token_batch, version
-from titans_pytorch import MemoryAsContextTransformer
-
-LIBRARY, VERSION = "titans-pytorch", version("titans-pytorch")
 SOURCE = "titans_pytorch/mac_transformer.py (MemoryAsContextTransformer, SegmentedAttention, FeedForward)"
-HEADS_, KV_HEADS_ = HEADS, HEADS  # no grouped-query form
 
 
 def model():
-    torch.manual_seed(0)
-    random.seed(0)  # hyper-connections draws each layer's initial stream (random.randrange) while it builds
-    return MemoryAsContextTransformer(num_tokens=VOCAB, dim=HIDDEN, depth=LAYERS, segment_len=4,
-                                      num_persist_mem_tokens=2, num_longterm_mem_tokens=2, dim_head=HEAD_DIM,
-                                      heads=HEADS, ff_mult=3, neural_memory_layers=())
-
-
-def batch(step):
-    ids, target = token_batch(step)
-    seq = torch.cat([ids, target[:, -1:]], dim=1)  # the 9 tokens the loader gives: the model splits them itself
-    return (seq,), {"return_loss": True}, target
-
-
-example_inputs, example_kwargs, example_target = examples_of(batch)
-
-
-def loss_fn(output, target):
-    return output  # the model's own loss (return_loss=True returns the cross-entropy alone)
-
-
-optimizer = sgd
+    return mac(neural_memory_layers=())
