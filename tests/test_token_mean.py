@@ -1,6 +1,7 @@
 """A loss that is a mean over the tokens its target does not ignore (``split/token_mean.py``): found at split, each
 microbatch weighed by its counted tokens at run time, trained against eager where padding falls unevenly over the
 microbatches and the data-parallel replicas; what cannot be followed is named in a warning."""
+import shutil
 import textwrap
 
 import pytest
@@ -135,6 +136,38 @@ def test_padding_spread_unevenly_trains_equal_to_eager(path, tmp_path):
     out = str(tmp_path / "out")
     split_model(path, out, schedule="1f1b", num_microbatches=2, layout=Layout(pp=2))
     assert_trains_like_eager(path, out, 2, tmp_path)
+
+
+def test_a_microbatch_of_padding_alone_adds_nothing(tmp_path):
+    # the first microbatch all ignored: its mean is 0/0 (NaN), its weight 0; eager's one mean counts the others
+    path = tmp_path / "all_padded.py"
+    path.write_text(textwrap.dedent('''
+        import torch.nn.functional as F
+        from padded_loss_fn import VOCAB, model, optimizer  # noqa: F401
+        from padded_loss_fn import batch as padded
+
+
+        def batch(step):
+            args, kwargs, labels = padded(step)
+            labels[:2] = -100  # samples 0 and 1, the first microbatch, are padding alone
+            return args, kwargs, labels
+
+
+        def example_inputs():
+            return batch(0)[0]
+
+
+        def example_target():
+            return batch(0)[2]
+
+
+        def loss_fn(logits, labels):
+            return F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
+        '''))
+    shutil.copy(LOSS_FN, tmp_path)  # beside it, as a user's own module is (the ranks import it from there)
+    out = str(tmp_path / "out")
+    assert split_model(str(path), out, schedule="1f1b", num_microbatches=2, layout=Layout(pp=2))["token_mean"]
+    assert_trains_like_eager(str(path), out, 2, tmp_path)
 
 
 def test_padding_spread_unevenly_over_replicas_trains_equal_to_eager(tmp_path):
