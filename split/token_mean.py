@@ -17,8 +17,9 @@ target. The result is plain data for the manifest's ``token_mean``::
     {"source": "input" | "target", "leaf": 3, "slices": [[1, 1, 9223372036854775807, 1]], "ignore_index": -100,
      "op": "cross_entropy_loss at model.py:516"}
 
-and the runtime (``runtime/batching.py``, ``token_counts``) counts each microbatch's tokens from it, before the step, and weighs
-each microbatch's loss by its share of the batch's counted tokens (over every replica) rather than of its samples.
+and the runtime (``runtime/batching.py``, ``token_counts``) counts each microbatch's tokens from it, before the step,
+and weighs each microbatch's loss by its share of the batch's counted tokens (over every replica) rather than of its
+samples.
 
 A mean over ignored tokens that cannot be followed so (class weights, a second loss term added to it, a target
 computed from the model's values) is named in a warning at split: the pipelined loss weighs its microbatches by
@@ -235,6 +236,6 @@ def find(loss, graph) -> tuple:
     return None, (f"the loss is a mean over the tokens its target does not ignore ({named}), and tracepp cannot count "
                   f"each microbatch's tokens: {reason}. Each microbatch's mean is weighed by its share of the "
                   f"samples, which is eager's loss only where every microbatch holds as many counted tokens per "
-                  f"sample; pad every microbatch to as many counted tokens, or write the loss as one such mean whose target "
-                  f"is an input or the target, sliced along other dims than the batch's (docs/guide.md, 'A loss "
-                  f"over some tokens')")
+                  f"sample; pad every microbatch to as many counted tokens, or write the loss as one such mean whose "
+                  f"target is an input or the target, sliced along other dims than the batch's (docs/guide.md, 'A "
+                  f"loss over some tokens')")

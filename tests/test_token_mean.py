@@ -73,6 +73,14 @@ def loss_fn(logits, labels):
 '''
 
 
+def _lm(tmp_path, loss: str) -> str:
+    """A model file beside a copy of ``padded_loss_fn.py`` (whose model it imports) with ``loss_fn`` ``loss``."""
+    shutil.copy(LOSS_FN, tmp_path)
+    path = tmp_path / "lm.py"
+    path.write_text(textwrap.dedent(_MODEL).replace("{loss}", loss))
+    return str(path)
+
+
 @pytest.mark.parametrize("loss, reason", [
     ("return F.cross_entropy(logits.reshape(-1, 32), labels.reshape(-1), weight=logits.new_ones(32) * 2)",
      "it weighs classes"),
@@ -82,21 +90,26 @@ def loss_fn(logits, labels):
      "its target is computed (remainder.Scalar at"),
 ])
 def test_a_token_mean_that_cannot_be_counted_is_named_in_a_warning(loss, reason, tmp_path):
-    path = tmp_path / "lm.py"
-    path.write_text(textwrap.dedent(_MODEL).replace("{loss}", loss))
-    manifest = check_model(str(path), num_microbatches=2, layout=Layout(pp=2))
+    manifest = check_model(_lm(tmp_path, loss), num_microbatches=2, layout=Layout(pp=2))
     assert manifest["token_mean"] is None
     warning, = manifest["warnings"]
     assert "a mean over the tokens its target does not ignore (cross_entropy_loss at lm.py:" in warning, warning
     assert reason in warning, warning
 
 
+def test_a_loss_fn_that_does_not_trace_is_said_to_be_weighed_by_samples(tmp_path):
+    # a constant made inside loss_fn stops its trace on meta tensors: nothing checked, and the split says so
+    loss = "return F.cross_entropy(logits.transpose(1, 2), labels, weight=torch.linspace(0.5, 1.5, 32))"
+    manifest = check_model(_lm(tmp_path, loss), num_microbatches=2, layout=Layout(pp=2))
+    assert manifest["token_mean"] is None and manifest["warnings"] == []
+    assert any(note.startswith("loss_fn was not traced (") and "weighed by their samples" in note
+               for note in manifest["notes"]), manifest["notes"]
+
+
 def test_soft_labels_are_a_mean_over_samples_not_counted(tmp_path):
     # a cross-entropy over class probabilities ignores nothing: no count, no warning
-    path = tmp_path / "lm.py"
-    path.write_text(textwrap.dedent(_MODEL).replace(
-        "{loss}", "return F.cross_entropy(logits.transpose(1, 2), F.one_hot(labels, 32).float().transpose(1, 2))"))
-    manifest = check_model(str(path), num_microbatches=2, layout=Layout(pp=2))
+    loss = "return F.cross_entropy(logits.transpose(1, 2), F.one_hot(labels, 32).float().transpose(1, 2))"
+    manifest = check_model(_lm(tmp_path, loss), num_microbatches=2, layout=Layout(pp=2))
     assert manifest["token_mean"] is None and manifest["warnings"] == [], manifest["warnings"]
 
 
@@ -110,21 +123,18 @@ def test_eval_without_a_target_returns_the_outputs():
 
 
 def test_a_loss_times_a_constant_is_still_counted(tmp_path):
-    path = tmp_path / "lm.py"
-    path.write_text(textwrap.dedent(_MODEL).replace(
-        "{loss}", "return 0.5 * F.cross_entropy(logits.transpose(1, 2), labels.long())"))
-    manifest = check_model(str(path), num_microbatches=2, layout=Layout(pp=2))
+    loss = "return 0.5 * F.cross_entropy(logits.transpose(1, 2), labels.long())"
+    manifest = check_model(_lm(tmp_path, loss), num_microbatches=2, layout=Layout(pp=2))
     assert manifest["token_mean"]["source"] == "target" and manifest["warnings"] == [], manifest
 
 
 def test_hugging_face_s_shift_of_labels_padded_with_the_ignored_index_is_followed(tmp_path):
     # transformers' ForCausalLMLoss: labels padded by one ignored token at the end, then [..., 1:]: a Llama trained
     # with padded labels moved 2.1e-2 from eager at pp 2, now 7.5e-9 (docs/guide.md)
-    path = tmp_path / "lm.py"
-    path.write_text(textwrap.dedent(_MODEL).replace("{loss}", """labels = F.pad(labels, (0, 1), value=-100)
+    loss = """labels = F.pad(labels, (0, 1), value=-100)
     shift = labels[..., 1:].contiguous()
-    return F.cross_entropy(logits.float().view(-1, 32), shift.view(-1).to(logits.device), ignore_index=-100)"""))
-    manifest = check_model(str(path), num_microbatches=2, layout=Layout(pp=2))
+    return F.cross_entropy(logits.float().view(-1, 32), shift.view(-1).to(logits.device), ignore_index=-100)"""
+    manifest = check_model(_lm(tmp_path, loss), num_microbatches=2, layout=Layout(pp=2))
     assert manifest["token_mean"]["slices"] == [[1, 1, 9, 1]], manifest["token_mean"]  # of the labels before the pad
     padded = torch.tensor([[5, 6, -100, -100], [7, 8, 9, 1]])
     assert token_counts(manifest["token_mean"], [], padded, lambda t: t.tensor_split(2)) == [1, 3]

@@ -44,7 +44,7 @@ def _plan(model_path: str, layout: Layout, num_stages: Optional[int], schedule: 
     loss = None
     if model_file.training and num_microbatches * layout.dp > 1:                     # 2'. a loss over some tokens
         with phases.step("token mean"):
-            loss = _traced_loss(model_file, graph, required=layout.cp > 1)
+            loss = _traced_loss(model_file, graph, traced, required=layout.cp > 1)
             graph.token_mean, warning = token_mean.find(loss, graph)
             if warning:
                 traced.warnings.append(warning)
@@ -128,14 +128,18 @@ def _plan(model_path: str, layout: Layout, num_stages: Optional[int], schedule: 
     return model_file, traced, graph, the_plan, run
 
 
-def _traced_loss(model_file, graph, required: bool):
+def _traced_loss(model_file, graph, traced, required: bool):
     """The model file's ``loss_fn`` traced (``trace_loss``); where only the token count asks for it (no --cp), a
-    loss that does not trace is None (its microbatches weighed by samples, as before)."""
+    loss that does not trace is None, its microbatches weighed by their samples, which a note says."""
     try:
         return trace_loss(model_file, graph)
-    except Exception:  # noqa: BLE001 - the user's loss function: --cp says what broke, as it did
+    except Exception as error:  # noqa: BLE001 - the user's loss function: --cp says what broke, as it did
         if required:
             raise
+        traced.notes.append(f"loss_fn was not traced ({type(error).__name__}: {str(error)[:200]}), so tracepp did not "
+                            f"check whether it is a mean over the tokens its target does not ignore: its microbatches "
+                            f"are weighed by their samples, which is eager's loss unless such a mean meets padding "
+                            f"spread unevenly over them (docs/guide.md, 'A loss over some tokens')")
         return None
 
 
