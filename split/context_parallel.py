@@ -56,7 +56,7 @@ from tracepp.split.cp_rewrite import (_GATHER_THROUGH, _stage_record, apply,  # 
                                        whole_record)                          # here)
 from tracepp.split.cp_walk import WORK, ContextParallelError, _Walk, _int, _sizes  # noqa: F401  (tests count WORK)
 from tracepp.split.rules import val as _val, where
-from tracepp.split.tensor_parallel import sequence_length
+from tracepp.split.tensor_parallel import sequence_input, sequence_length
 from tracepp.split.tp_settle import fqn_map, grad_flags
 
 aten = torch.ops.aten
@@ -238,7 +238,7 @@ def whole_note(cp_plan: CPPlan) -> str:
             f"(`tracepp inspect` lists them; --verify strict refuses instead)")
 
 
-def _check_sequence(seq, cp: int, graph=None) -> None:
+def _check_sequence(seq, cp: int, graph) -> None:
     if seq is None:
         raise ContextParallelError("--cp spreads each sample's sequence over its ranks, and this model has no "
                                    "batched input of two or more dims (batch, sequence) to read the sequence "
@@ -262,18 +262,9 @@ def _sequence_cuts(graph) -> str:
     """The slices along the sequence dim of the input the sequence length is read from (``seq[:, :-1]`` and
     ``seq[:, 1:]``), named with their lines, or ''."""
     seq_dim = 1 - getattr(graph, "batch_dim", 0)
-    for name, ref in graph.root_inputs.items():
-        if not (ref.batched and ref.meta is not None and len(ref.meta.shape) >= 2):
-            continue
-        found = []
-        for stage in graph.stages:
-            placeholders = [n for n in stage.graph.nodes if n.op == "placeholder"]
-            node = dict(zip(stage.root_inputs, placeholders[len(stage.state):])).get(name)
-            for user in (node.users if node is not None else ()):
-                if user.target is aten.slice.Tensor and rules.arg(user, 1, "dim", 0) % len(ref.meta.shape) == seq_dim:
-                    found.append(f"slice (aten.slice.Tensor){rules.at(user)}")
-        return ", ".join(dict.fromkeys(found))
-    return ""
+    found = [f"slice (aten.slice.Tensor){rules.at(user)}" for node in sequence_input(graph) for user in node.users
+             if user.target is aten.slice.Tensor and rules.arg(user, 1, "dim", 0) % _val(node).dim() == seq_dim]
+    return ", ".join(dict.fromkeys(found))
 
 
 

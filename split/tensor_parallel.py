@@ -82,20 +82,28 @@ class TPPlan:
         return out
 
 
-def sequence_length(graph):
-    """The traced sequence length (an int or a sympy expression): dim 1 of the first batched root input of two
-    or more dims (the token ids), dim 0 where the model file declares ``batch_dim = 1`` (``[seq, batch]``), or
-    None."""
-    seq_dim = 1 - getattr(graph, "batch_dim", 0)
+def sequence_input(graph) -> list:
+    """The placeholders, one per stage that reads it, of the input the sequence length is read from: the first
+    batched root input of two or more dims that a stage reads (the token ids); [] where there is none."""
     for name, ref in graph.root_inputs.items():
         if not (ref.batched and ref.meta is not None and len(ref.meta.shape) >= 2):
             continue
+        nodes = []
         for stage in graph.stages:  # a stage's placeholders: its state, then its root inputs in stage.root_inputs'
             placeholders = [n for n in stage.graph.nodes if n.op == "placeholder"]  # order (named anew: a root
             node = dict(zip(stage.root_inputs, placeholders[len(stage.state):])).get(name)  # `input` is `input_1`)
             if node is not None:
-                return _sizes(_val(node))[seq_dim]
-    return None
+                nodes.append(node)
+        if nodes:
+            return nodes
+    return []
+
+
+def sequence_length(graph):
+    """The traced sequence length (an int or a sympy expression): dim 1 of :func:`sequence_input` (the token ids),
+    dim 0 where the model file declares ``batch_dim = 1`` (``[seq, batch]``), or None."""
+    nodes = sequence_input(graph)
+    return _sizes(_val(nodes[0]))[1 - getattr(graph, "batch_dim", 0)] if nodes else None
 
 
 def _boundary(stage, graph) -> dict:

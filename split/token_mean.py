@@ -35,11 +35,7 @@ from tracepp.split import rules
 aten = torch.ops.aten
 
 _SCALES = {aten.mul.Tensor, aten.div.Tensor, aten.mul.Scalar, aten.div.Scalar, aten.neg.default}
-_COPIES = {aten.clone.default, aten.alias.default, aten.contiguous.default, aten._to_copy.default, aten.to.dtype,
-           aten.to.dtype_layout, aten.lift_fresh_copy.default, aten.detach.default}
-_SHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.permute.default,
-           aten.transpose.int, aten.t.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default,
-           aten.unsqueeze.default, aten.flatten.using_ints}
+_SHAPES = rules.VIEWS | rules.FLATTENS | rules.MOVES  # every element kept, dims regrouped or moved
 _WHOLE = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.squeeze.default,
           aten.squeeze.dim, aten.squeeze.dims, aten.sum.default, aten.mean.default}  # of a scalar: the scalar
 
@@ -65,7 +61,7 @@ def _scalar_step(node):
     if node.target in _SCALES:
         return node.args[0] if node.args[0] is tensors[0] or node.target is aten.mul.Tensor else None
     value = rules.val(tensors[0])
-    if node.target in _COPIES or (node.target in _WHOLE and isinstance(value, torch.Tensor) and value.dim() == 0):
+    if node.target in rules.CASTS or (node.target in _WHOLE and isinstance(value, torch.Tensor) and value.dim() == 0):
         return tensors[0]
     return None
 
@@ -98,7 +94,7 @@ class _Stages:
     def reaching(self, start) -> set:
         seen, todo = set(), [start]
         while todo:
-            node = self.source(todo.pop()) if isinstance(todo[-1], fx.Node) else todo.pop()
+            node = self.source(todo.pop())
             if isinstance(node, fx.Node) and node not in seen:
                 seen.add(node)
                 todo.extend(node.all_input_nodes)
@@ -178,7 +174,7 @@ def _target_source(node, loss, roots: dict, batch_dim: int, stages: _Stages):
         elif value.target in _SHAPES:
             if sliced:
                 return f"its target is sliced after a reshape ({rules.op_name(value)}{rules.at(value)})"
-        elif value.target not in _COPIES:
+        elif value.target not in rules.CASTS:
             return (f"its target is computed ({rules.op_name(value)}{rules.at(value)}), not read from an input or "
                     f"the target")
         dtype = getattr(rules.val(value), "dtype", None)

@@ -152,8 +152,7 @@ def test_a_microbatch_of_padding_alone_adds_nothing(tmp_path):
     # the first microbatch all ignored: its mean is 0/0 (NaN), its weight 0; eager's one mean counts the others
     path = tmp_path / "all_padded.py"
     path.write_text(textwrap.dedent('''
-        import torch.nn.functional as F
-        from padded_loss_fn import VOCAB, model, optimizer  # noqa: F401
+        from padded_loss_fn import loss_fn, model, optimizer  # noqa: F401
         from padded_loss_fn import batch as padded
 
 
@@ -169,10 +168,6 @@ def test_a_microbatch_of_padding_alone_adds_nothing(tmp_path):
 
         def example_target():
             return batch(0)[2]
-
-
-        def loss_fn(logits, labels):
-            return F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
         '''))
     shutil.copy(LOSS_FN, tmp_path)  # beside it, as a user's own module is (the ranks import it from there)
     out = str(tmp_path / "out")
