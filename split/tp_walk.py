@@ -577,7 +577,12 @@ class _Walk(Propagation, _CutRules, _ContractionRules):
         return True
 
     def _on_fresh(self, node, sharded) -> bool:
-        return self._fresh_buffer(node, node.args[0])
+        """A buffer of this rank's piece (``_fresh_buffer``), or else a new tensor as whole as the sizes it names:
+        ``x`` gives it only its dtype and device, so it is read at this rank's piece, not gathered (Falcon-Mamba's
+        scan makes an unused ``A.new_zeros(b, d, n)`` state beside its loop, since transformers 5.25)."""
+        if not self._fresh_buffer(node, node.args[0]):
+            self._claimed.add((node, node.args[0]))
+        return True
 
     def _on_write(self, node, sharded) -> bool:
         return self._fill(node)

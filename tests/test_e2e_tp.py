@@ -379,6 +379,15 @@ def test_a_mixer_scanning_its_heads_one_by_one_runs_each_ranks_heads_and_trains_
     _trains_equal_to_eager(path, out, 2, tmp_path)
 
 
+def test_a_scan_state_made_from_a_sharded_parameter_trains_equal_to_eager(tmp_path):
+    # A.new_zeros(b, channels, state) starts the scan (tests/models/tp_mamba_fresh_state.py): A gives it only its
+    # dtype, so A_log stays sharded and the state is read at each rank's channels
+    path, out = model_path("tp_mamba_fresh_state"), str(tmp_path / "out")
+    manifest = split_model(path, out, num_microbatches=2, layout=Layout(pp=1, tp=2))
+    assert manifest["tp"]["params"]["blocks.0.A_log"]["dim"] == 0
+    _trains_equal_to_eager(path, out, 2, tmp_path)
+
+
 def test_heads_of_their_own_modules_computed_whole_where_cheaper_train_equal_to_eager(tmp_path):
     # Karpathy's Head modules at a context of 64: q and k whole on every rank, v and proj sharded (the plan:
     # tests/test_tensor_parallel.py)

@@ -711,6 +711,19 @@ def test_families_written_their_own_way_shard_their_attention(monkeypatch, famil
 
 
 
+def test_a_new_tensor_made_from_a_shard_reads_only_its_dtype():
+    # x.new_zeros(sizes) of sharded x with other sizes than a piece of it (Mamba's scan state made from A, of
+    # another rank: transformers 5.25's Falcon-Mamba) is a whole new tensor: A was gathered for it, so A_log, read
+    # whole there, was replicated
+    manifest = check_model(model_path("tp_mamba_fresh_state"), num_microbatches=2, layout=Layout(pp=1, tp=2),
+                           verify="off")
+    params = manifest["tp"]["params"]
+    for name in ("A_log", "D", "in_proj.weight", "dt_proj.weight", "conv1d.weight"):
+        assert params[f"blocks.0.{name}"]["dim"] == 0, (name, params[f"blocks.0.{name}"])
+    # held whole, each rank's gradient of A_log was a part of it, all-reduced once per step
+    assert not any("a_log" in c["after"] for stage in manifest["tp"]["stages"] for c in stage["collectives"])
+
+
 def test_sequence_parallel_backward_gathers_a_regions_input_once(monkeypatch):
     # q, k and v (or gate and up) each save the all-gathered input of their region: backward keeps its shard and
     # gathers it again once for all of them, not once per linear (the gather stands in: 2 ranks faked)
