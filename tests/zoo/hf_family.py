@@ -30,7 +30,8 @@ _KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "multi_query_g
              "num_key_value_groups")
 _HEAD_DIMS = {"head_dim": HEAD_DIM, "attention_head_size": HEAD_DIM, "kv_channels": HEAD_DIM,
               "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": HEAD_DIM, "q_lora_rank": 32,
-              "kv_lora_rank": 16, "index_head_dim": 16, "index_n_heads": 2, "qk_head_dim": 16}
+              "kv_lora_rank": 16, "index_head_dim": 16, "index_n_heads": 2, "qk_head_dim": 16,
+              "index_num_heads": 2}
 _FFN = ("intermediate_size", "ffn_dim", "n_inner", "inner_dim", "d_ff", "ffn_hidden_size", "decoder_ffn_dim",
         "encoder_ffn_dim", "ffn_hidden_dim", "mlp_dim", "ff_dim", "dim_ff", "dff", "intermediate_size_mlp")
 _MOE_FFN = ("moe_intermediate_size", "expert_intermediate_size", "shared_expert_intermediate_size",
