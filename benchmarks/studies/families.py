@@ -204,7 +204,13 @@ def step_eager(record: dict) -> None:
     args, kwargs, target = hf_family.batch(0)
     loss = hf_family.loss_fn(model(*args, **kwargs), target)
     loss.backward()
-    record["loss"] = float(loss)
+    record["loss"] = float(loss.detach())
+    import torch
+
+    bad = [name for name, p in model.named_parameters() if p.grad is not None and not torch.isfinite(p.grad).all()]
+    if bad or not torch.isfinite(loss):  # the family's own backward: a pipelined run would stop on it (ERGO's)
+        raise RuntimeError(f"eager's own loss ({float(loss.detach())}) or gradients are not finite at the tiny config "
+                           f"({len(bad)} parameters' gradients, the first {bad[:1]}): the family's, not tracepp's")
 
 
 def step_export(record: dict) -> None:
