@@ -24,6 +24,9 @@ class Mixer(nn.Module):
         self.D = nn.Parameter(torch.ones(INNER))
         self.out_proj = nn.Linear(INNER, D, bias=False)
 
+    def initial_state(self, a, batch: int):
+        return torch.zeros(batch, INNER, STATE)
+
     def forward(self, x):
         seq = x.shape[1]
         h, gate = self.in_proj(x).transpose(1, 2).chunk(2, dim=1)  # [batch, channels, seq]
@@ -33,7 +36,7 @@ class Mixer(nn.Module):
         a = -torch.exp(self.A_log.float())
         decay = torch.exp(a[None, :, None, :] * dt[:, :, :, None])  # [batch, channels, seq, state]
         inject = dt[:, :, :, None] * b[:, None, :, :].float()
-        state = torch.zeros(x.shape[0], INNER, STATE)
+        state = self.initial_state(a, x.shape[0])
         ys = []
         for t in range(seq):
             state = decay[:, :, t] * state + inject[:, :, t] * h[:, :, t, None]
