@@ -197,6 +197,8 @@ def step_build(record: dict) -> None:
 
 
 def step_eager(record: dict) -> None:
+    import torch
+
     sys.path.insert(0, ZOO)
     import hf_family
 
@@ -205,11 +207,9 @@ def step_eager(record: dict) -> None:
     loss = hf_family.loss_fn(model(*args, **kwargs), target)
     loss.backward()
     record["loss"] = float(loss.detach())
-    import torch
-
     bad = [name for name, p in model.named_parameters() if p.grad is not None and not torch.isfinite(p.grad).all()]
     if bad or not torch.isfinite(loss):  # the family's own backward: a pipelined run would stop on it (ERGO's)
-        raise RuntimeError(f"eager's own loss ({float(loss.detach())}) or gradients are not finite at the tiny config "
+        raise RuntimeError(f"eager's own loss ({record['loss']}) or gradients are not finite at the tiny config "
                            f"({len(bad)} parameters' gradients, the first {bad[:1]}): the family's, not tracepp's")
 
 
